@@ -1,0 +1,392 @@
+//! The hardware layer: the small trait every backend implements. Backends execute; they decide nothing.
+//!
+//! # Capture lifecycle
+//!
+//! Core drives a capture in these steps, and a backend must accept exactly this order:
+//!
+//! 1. [`Device::begin_capture`] puts the runtime stream into capture mode. From here on, work
+//!    enqueued on the runtime stream (kernels, [`Device::copy`]) is recorded, not run.
+//! 2. The registered function's body enqueues its work. Pool growth may call
+//!    [`Device::alloc_segment`] during the capture; a backend must make that legal (CUDA: switch
+//!    the calling thread to relaxed capture mode around the allocation, as PyTorch's allocator does).
+//!    Anything the body does that CUDA forbids during capture (a synchronize, a read to the host,
+//!    a raw allocation, work on another stream left unjoined) fails with
+//!    [`DeviceError::Capture`] and leaves the capture invalidated.
+//! 3. On success core calls [`Device::end_capture`], which ends the capture, instantiates the
+//!    graph and uploads it, returning a [`Device::Graph`] ready to launch.
+//!    On failure core calls [`Device::abort_capture`] instead, which ends the capture whatever
+//!    its state and discards the partial graph; after it the stream is usable eagerly again.
+//! 4. [`Device::launch`] replays the graph on the runtime stream: every operation runs again at
+//!    the addresses it was recorded with. Dropping the graph destroys it; errors from that go to
+//!    the sticky error slot.
+
+use std::fmt;
+
+/// A device address. Plain integer arithmetic on it is meaningful: ranges, overlap, offsets.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct DevicePtr(pub u64);
+
+impl DevicePtr {
+    /// The address `bytes` past this one.
+    pub fn offset(self, bytes: usize) -> DevicePtr {
+        DevicePtr(self.0 + bytes as u64)
+    }
+}
+
+impl fmt::Debug for DevicePtr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:#x}", self.0)
+    }
+}
+
+impl fmt::Display for DevicePtr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:#x}", self.0)
+    }
+}
+
+/// Identifies one device instance, so that core can reject a buffer of another device.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub struct DeviceId(pub u64);
+
+impl fmt::Display for DeviceId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "device#{}", self.0)
+    }
+}
+
+/// How a capture treats potentially unsafe API calls made by other threads (CUDA's
+/// `CUstreamCaptureMode`).
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
+pub enum CaptureMode {
+    /// Unsafe calls from any thread fail while the capture is underway.
+    Global,
+    /// Unsafe calls fail only on the capturing thread (the default: a data-loading thread can keep working).
+    #[default]
+    ThreadLocal,
+    /// Nothing is checked; the caller promises to make no unsafe call.
+    Relaxed,
+}
+
+/// The device operation that failed, for errors and capture-failure reasons.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Hash)]
+pub enum DeviceOp {
+    /// Allocating a pool segment.
+    SegmentAlloc,
+    /// Returning a pool segment to the device.
+    SegmentFree,
+    /// A raw device allocation made outside graft's pool.
+    RawAlloc,
+    /// A device-to-device copy on the runtime stream.
+    Copy,
+    /// A host-to-device write.
+    Write,
+    /// A device-to-host read.
+    Read,
+    /// A kernel launch.
+    KernelLaunch,
+    /// A stream or device synchronize.
+    Synchronize,
+    /// Querying whether work has finished (a stream or event query).
+    Query,
+    /// Work enqueued on a stream other than the runtime stream.
+    OtherStream,
+    /// Recording or waiting on an event.
+    Event,
+    /// Beginning a capture.
+    BeginCapture,
+    /// Ending a capture.
+    EndCapture,
+    /// Instantiating a captured graph.
+    Instantiate,
+    /// Uploading an instantiated graph.
+    Upload,
+    /// Launching an instantiated graph.
+    GraphLaunch,
+    /// Destroying a graph.
+    GraphDestroy,
+    /// Loading or compiling a kernel module.
+    ModuleLoad,
+}
+
+impl DeviceOp {
+    /// A short lowercase name for messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            DeviceOp::SegmentAlloc => "segment allocation",
+            DeviceOp::SegmentFree => "segment free",
+            DeviceOp::RawAlloc => "raw device allocation",
+            DeviceOp::Copy => "device-to-device copy",
+            DeviceOp::Write => "host-to-device write",
+            DeviceOp::Read => "device-to-host read",
+            DeviceOp::KernelLaunch => "kernel launch",
+            DeviceOp::Synchronize => "synchronize",
+            DeviceOp::Query => "stream or event query",
+            DeviceOp::OtherStream => "work on another stream",
+            DeviceOp::Event => "event record or wait",
+            DeviceOp::BeginCapture => "begin capture",
+            DeviceOp::EndCapture => "end capture",
+            DeviceOp::Instantiate => "graph instantiate",
+            DeviceOp::Upload => "graph upload",
+            DeviceOp::GraphLaunch => "graph launch",
+            DeviceOp::GraphDestroy => "graph destroy",
+            DeviceOp::ModuleLoad => "module load",
+        }
+    }
+}
+
+impl fmt::Display for DeviceOp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Why CUDA refused an operation during a capture (the `CUDA_ERROR_STREAM_CAPTURE_*` family).
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Hash)]
+pub enum CaptureViolation {
+    /// The operation is not permitted while capturing (`_UNSUPPORTED`).
+    Unsupported,
+    /// The capture was invalidated by an earlier error (`_INVALIDATED`).
+    Invalidated,
+    /// The capture would merge two independent captures (`_MERGE`).
+    Merge,
+    /// A dependency crossed the capture boundary (`_ISOLATION`).
+    Isolation,
+    /// Work forked from the capture stream was not joined back before the end (`_UNJOINED`).
+    Unjoined,
+    /// The legacy default stream was used implicitly (`_IMPLICIT`).
+    Implicit,
+    /// An event recorded in a capture was used outside it (`CUDA_ERROR_CAPTURED_EVENT`).
+    CapturedEvent,
+    /// The capture was ended from another thread (`_WRONG_THREAD`).
+    WrongThread,
+}
+
+impl CaptureViolation {
+    /// What the user should do about it.
+    pub fn advice(self) -> &'static str {
+        match self {
+            CaptureViolation::Unsupported => {
+                "remove host synchronization, host reads and raw allocations from the function, or register it eager-only"
+            }
+            CaptureViolation::Invalidated => {
+                "an earlier operation in the body broke the capture; fix that operation first"
+            }
+            CaptureViolation::Merge | CaptureViolation::Isolation => {
+                "do not make captured work wait on events or streams from outside the capture"
+            }
+            CaptureViolation::Unjoined => {
+                "join every side stream back into the runtime stream before the body returns"
+            }
+            CaptureViolation::Implicit => {
+                "launch on graft's runtime stream, not the legacy default stream"
+            }
+            CaptureViolation::CapturedEvent => {
+                "do not query or synchronize on events recorded inside the body"
+            }
+            CaptureViolation::WrongThread => "return from the body on the thread that called graft",
+        }
+    }
+}
+
+impl fmt::Display for CaptureViolation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = match self {
+            CaptureViolation::Unsupported => "not permitted during capture",
+            CaptureViolation::Invalidated => "capture already invalidated",
+            CaptureViolation::Merge => "captures would merge",
+            CaptureViolation::Isolation => "dependency crosses the capture boundary",
+            CaptureViolation::Unjoined => "forked work not joined",
+            CaptureViolation::Implicit => "implicit use of the legacy stream",
+            CaptureViolation::CapturedEvent => "captured event used outside the capture",
+            CaptureViolation::WrongThread => "capture ended on another thread",
+        };
+        f.write_str(s)
+    }
+}
+
+/// An error reported by a backend. Every variant names the operation that failed.
+#[derive(thiserror::Error, Clone, PartialEq, Eq, Debug)]
+pub enum DeviceError {
+    /// The device has no memory for the request.
+    #[error(
+        "{op} of {bytes} bytes failed: out of device memory; free buffers you hold or lower the batch size"
+    )]
+    OutOfMemory {
+        /// The failing operation.
+        op: DeviceOp,
+        /// Bytes requested.
+        bytes: usize,
+    },
+    /// The operation is illegal while a graph is being captured.
+    #[error("{op} during graph capture failed ({violation}); {}", violation.advice())]
+    Capture {
+        /// The failing operation.
+        op: DeviceOp,
+        /// CUDA's reason.
+        violation: CaptureViolation,
+    },
+    /// A fault injected on purpose by a test backend.
+    #[error("{op} failed: fault injected by the simulator for testing")]
+    Injected {
+        /// The failing operation.
+        op: DeviceOp,
+    },
+    /// An operation touched memory that is not allocated on this device.
+    #[error(
+        "{op} touched {addr}+{len} bytes, which is not allocated device memory; a buffer was used after it was freed or out of bounds"
+    )]
+    InvalidAddress {
+        /// The failing operation.
+        op: DeviceOp,
+        /// First address touched.
+        addr: DevicePtr,
+        /// Bytes touched.
+        len: usize,
+    },
+    /// A device copy whose source and destination overlap (undefined in CUDA).
+    #[error(
+        "{op} of {len} bytes from {src} to {dst} overlaps itself, which CUDA leaves undefined; copy through a separate buffer"
+    )]
+    OverlappingCopy {
+        /// The failing operation.
+        op: DeviceOp,
+        /// Destination.
+        dst: DevicePtr,
+        /// Source.
+        src: DevicePtr,
+        /// Bytes.
+        len: usize,
+    },
+    /// A capture call made in the wrong state (ending with none begun, beginning twice).
+    #[error("{op} called while {state}; this is a bug in the caller of the device layer")]
+    CaptureState {
+        /// The failing operation.
+        op: DeviceOp,
+        /// The state the stream was in.
+        state: &'static str,
+    },
+    /// Any other driver error, with CUDA's code and name.
+    #[error(
+        "{op} failed with driver error {name} ({code}); check the device's state and driver logs"
+    )]
+    Driver {
+        /// The failing operation.
+        op: DeviceOp,
+        /// The numeric driver error code.
+        code: u32,
+        /// The driver error's name.
+        name: &'static str,
+    },
+}
+
+impl DeviceError {
+    /// The operation that failed.
+    pub fn op(&self) -> DeviceOp {
+        match self {
+            DeviceError::OutOfMemory { op, .. }
+            | DeviceError::Capture { op, .. }
+            | DeviceError::Injected { op }
+            | DeviceError::InvalidAddress { op, .. }
+            | DeviceError::OverlappingCopy { op, .. }
+            | DeviceError::CaptureState { op, .. }
+            | DeviceError::Driver { op, .. } => *op,
+        }
+    }
+}
+
+/// How many nodes of each kind a captured graph holds.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
+pub struct GraphSummary {
+    /// Kernel nodes.
+    pub kernels: usize,
+    /// Memory copy nodes.
+    pub copies: usize,
+    /// Memset nodes.
+    pub memsets: usize,
+    /// Every other node kind.
+    pub other: usize,
+}
+
+/// The hardware layer core is written against.
+///
+/// A backend owns one runtime stream on one device. All methods enqueue on that stream in call
+/// order; "synchronous" methods also wait for it. Methods take `&self`: backends use interior
+/// mutability and must be callable from the thread that drives graft while buffers are dropped
+/// on others.
+pub trait Device: Send + Sync + 'static {
+    /// An instantiated, uploaded, executable graph. Dropping it destroys it; a failure there
+    /// goes to the sticky error slot.
+    type Graph: Send + Sync + 'static;
+
+    /// This device instance's identity.
+    fn id(&self) -> DeviceId;
+
+    /// A human-readable description, e.g. "NVIDIA H100 80GB HBM3 (cuda:0)" or "host simulator".
+    fn describe(&self) -> String;
+
+    /// Allocates `bytes` of device memory for a pool segment. Must succeed during a capture
+    /// (see step 2 of the capture lifecycle). The result is aligned to at least 512 bytes.
+    fn alloc_segment(&self, bytes: usize) -> Result<DevicePtr, DeviceError>;
+
+    /// Returns a segment obtained from [`Device::alloc_segment`] with the same size. Waits for
+    /// work on the stream that may still use it. Never called during a capture.
+    fn free_segment(&self, ptr: DevicePtr, bytes: usize) -> Result<(), DeviceError>;
+
+    /// Enqueues a device-to-device copy of `bytes` on the runtime stream (captured when capturing).
+    /// Overlapping ranges are an error, never undefined.
+    fn copy(&self, dst: DevicePtr, src: DevicePtr, bytes: usize) -> Result<(), DeviceError>;
+
+    /// Copies host bytes to the device, synchronously with respect to the runtime stream.
+    /// Fails during a capture.
+    fn write(&self, dst: DevicePtr, src: &[u8]) -> Result<(), DeviceError>;
+
+    /// Copies device bytes to the host after the runtime stream's earlier work. Fails during a
+    /// capture.
+    fn read(&self, src: DevicePtr, dst: &mut [u8]) -> Result<(), DeviceError>;
+
+    /// Waits until all work on the runtime stream has finished. Fails during a capture.
+    fn synchronize(&self) -> Result<(), DeviceError>;
+
+    /// Step 1 of the capture lifecycle.
+    fn begin_capture(&self, mode: CaptureMode) -> Result<(), DeviceError>;
+
+    /// Step 3: ends the capture, instantiates and uploads the graph.
+    fn end_capture(&self) -> Result<Self::Graph, DeviceError>;
+
+    /// Step 3 on failure: ends the capture in whatever state it is and discards it.
+    fn abort_capture(&self) -> Result<(), DeviceError>;
+
+    /// Step 4: launches the graph on the runtime stream.
+    fn launch(&self, graph: &Self::Graph) -> Result<(), DeviceError>;
+
+    /// Counts the nodes of a graph by kind.
+    fn summarize(&self, graph: &Self::Graph) -> Result<GraphSummary, DeviceError>;
+
+    /// Takes the first error recorded by a `Drop` since the last call, if any.
+    fn take_sticky_error(&self) -> Option<DeviceError>;
+}
+
+/// The sticky per-device error slot: `Drop` impls, which cannot return errors, put them here,
+/// and the next fallible call on the device returns the first one. Backends embed one.
+#[derive(Debug, Default)]
+pub struct StickyError(std::sync::Mutex<Option<DeviceError>>);
+
+impl StickyError {
+    /// Records `err` unless an earlier error is still waiting to be taken.
+    pub fn record(&self, err: DeviceError) {
+        let mut slot = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        slot.get_or_insert(err);
+    }
+
+    /// Takes the waiting error, if any.
+    pub fn take(&self) -> Option<DeviceError> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take()
+    }
+}

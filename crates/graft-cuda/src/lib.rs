@@ -1,0 +1,1 @@
+//! graft-cuda: placeholder, being written.

@@ -1,0 +1,1 @@
+//! graft-sim: placeholder, being written.
