@@ -1,3 +1,6 @@
 //! graft: CUDA graph trees for Rust tensor frameworks (facade over graft-core and its backends).
+//!
+//! See the README and `docs/guide.md` for how to embed it.
 pub use graft_core::*;
+pub use graft_cuda as cuda;
 pub use graft_sim as sim;

@@ -351,7 +351,8 @@ pub trait Device: Send + Sync + 'static {
     /// Step 1 of the capture lifecycle.
     fn begin_capture(&self, mode: CaptureMode) -> Result<(), DeviceError>;
 
-    /// Step 3: ends the capture, instantiates and uploads the graph.
+    /// Step 3: ends the capture, instantiates and uploads the graph. The capture is over
+    /// whether this succeeds or fails (as with `cuStreamEndCapture`): do not abort after it.
     fn end_capture(&self) -> Result<Self::Graph, DeviceError>;
 
     /// Step 3 on failure: ends the capture in whatever state it is and discards it.
@@ -363,8 +364,12 @@ pub trait Device: Send + Sync + 'static {
     /// Counts the nodes of a graph by kind.
     fn summarize(&self, graph: &Self::Graph) -> Result<GraphSummary, DeviceError>;
 
-    /// Takes the first error recorded by a `Drop` since the last call, if any.
+    /// Takes the first error recorded by a `Drop` since the last call, if any. Called on
+    /// every graft call: keep it to an atomic load when there is none.
     fn take_sticky_error(&self) -> Option<DeviceError>;
+
+    /// Records an error that could not be returned (it happened in a `Drop`).
+    fn record_sticky_error(&self, error: DeviceError);
 }
 
 /// The sticky per-device error slot: `Drop` impls, which cannot return errors, put them here,

@@ -1,9 +1,26 @@
 //! graft-core: the backend-neutral runtime of graft (device layer, pool, buffers, the graph tree).
 #![forbid(unsafe_code)]
 
+pub mod buffer;
+pub mod config;
+pub mod ctx;
 pub mod device;
+pub mod error;
+pub mod graft;
+pub mod pool;
+pub mod reason;
+pub mod stats;
+mod tree;
 
+pub use buffer::{Buffer, BufferError, NodeId, NodeLabel};
+pub use config::{AllowEntry, Config, FunctionSpec, Mode};
+pub use ctx::{Ctx, RunKind};
 pub use device::{
-    CaptureMode, CaptureViolation, Device, DeviceError, DeviceId, DeviceOp, DevicePtr,
-    GraphSummary, StickyError,
+    CaptureMode, CaptureViolation, Device, DeviceError, DeviceId, DeviceOp, DevicePtr, GraphSummary,
+    StickyError,
 };
+pub use error::{BodyError, CallError, FunctionId, MemoryError};
+pub use graft::{Graft, Outcome, Phase};
+pub use reason::{Decision, DecisionRecord, EagerReason, RecordReason, WarmupReason};
+pub use stats::{RerecordCounts, Stats};
+pub use tree::Output;

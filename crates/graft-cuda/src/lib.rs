@@ -1,1 +1,43 @@
-//! graft-cuda: placeholder, being written.
+//! graft-cuda: graft's [`Device`](graft_core::Device) over the CUDA driver API, through cudarc.
+//!
+//! [`CudaDevice`] owns one non-blocking runtime stream on one GPU and implements core's capture
+//! lifecycle with stream capture (`cuStreamBeginCapture` / `cuStreamEndCapture`), instantiating
+//! and uploading each graph ([`CudaGraph`]) so that its first replay is as cheap as the rest.
+//! Pool segments come from `cuMemAlloc`, made legal inside a capture by switching the thread to
+//! relaxed capture mode around it, as PyTorch's caching allocator does. It also carries four
+//! elementwise f32 kernels (compiled once per device with NVRTC) and a few calls that model
+//! what a framework's code might do wrong inside a captured body ([`CudaDevice::raw_alloc`],
+//! [`CudaDevice::query`], [`CudaDevice::fill_f32_on_side_stream`]), mirroring the simulator.
+//!
+//! cudarc is built with dynamic loading, so this crate builds without a CUDA toolkit and a
+//! program using it starts on a machine without a GPU: [`CudaDevice::is_available`] then
+//! returns false and [`CudaDevice::new`] an error, neither panics.
+//!
+//! This is graft's only crate with `unsafe`: every block names the invariant it relies on.
+//! Driver errors map to core's [`DeviceError`](graft_core::DeviceError): out of memory, the
+//! stream-capture family (as `Capture` with the violation), and everything else as `Driver`
+//! with CUDA's code and name. Errors from `Drop` (destroying a graph) go to the device's sticky
+//! error slot.
+
+mod device;
+mod driver;
+mod error;
+mod graph;
+mod kernels;
+
+pub use device::CudaDevice;
+pub use graph::CudaGraph;
+pub use kernels::KernelSource;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn assert_send_sync<T: Send + Sync + 'static>() {}
+
+    #[test]
+    fn public_types_are_send_and_sync() {
+        assert_send_sync::<CudaDevice>();
+        assert_send_sync::<CudaGraph>();
+    }
+}

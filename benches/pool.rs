@@ -1,0 +1,99 @@
+//! Benchmarks of the pool's bookkeeping: alloc/free, checkpoint, rollback and restore.
+
+use std::hint::black_box;
+
+use criterion::{Criterion, criterion_group, criterion_main};
+use graft::DevicePtr;
+use graft::pool::Pool;
+
+const MIB: usize = 1 << 20;
+
+/// A segment source that hands out addresses from a counter, as a device would.
+fn grower() -> impl FnMut(usize) -> Result<DevicePtr, graft::DeviceError> {
+    let mut next: u64 = 1 << 32;
+    move |bytes| {
+        let addr = next;
+        next += bytes as u64;
+        Ok(DevicePtr(addr))
+    }
+}
+
+/// A pool holding about 100 blocks (about 67 allocated, the rest free holes).
+fn fragmented_pool() -> Pool {
+    let mut pool = Pool::new();
+    let mut grow = grower();
+    let mut ids = Vec::new();
+    for i in 0..100 {
+        let size = 512 * (1 + (i * 37) % 64);
+        ids.push(pool.alloc(size, &mut grow).expect("alloc"));
+    }
+    for b in ids.iter().step_by(3) {
+        pool.free(b.id).expect("free");
+    }
+    pool
+}
+
+fn bench_pool(c: &mut Criterion) {
+    c.bench_function("pool/alloc_free_small", |b| {
+        let mut pool = Pool::new();
+        let mut grow = grower();
+        let keep = pool.alloc(4096, &mut grow).expect("alloc");
+        b.iter(|| {
+            let blk = pool.alloc(black_box(4096), &mut grow).expect("alloc");
+            pool.free(blk.id).expect("free")
+        });
+        black_box(keep);
+    });
+
+    c.bench_function("pool/alloc_free_8_mixed", |b| {
+        const SIZES: [usize; 8] = [
+            512,
+            3000,
+            64 << 10,
+            700 << 10,
+            MIB,
+            2 * MIB,
+            5 * MIB,
+            12 * MIB,
+        ];
+        let mut pool = Pool::new();
+        let mut grow = grower();
+        let mut ids = [None; 8];
+        b.iter(|| {
+            for (slot, &size) in ids.iter_mut().zip(&SIZES) {
+                *slot = Some(pool.alloc(black_box(size), &mut grow).expect("alloc").id);
+            }
+            for id in ids.iter_mut().filter_map(Option::take) {
+                pool.free(id).expect("free");
+            }
+        });
+    });
+
+    c.bench_function("pool/checkpoint_100_blocks", |b| {
+        let pool = fragmented_pool();
+        assert!(pool.blocks().len() >= 90);
+        b.iter(|| black_box(pool.checkpoint()));
+    });
+
+    c.bench_function("pool/rollback_100_blocks", |b| {
+        let mut pool = fragmented_pool();
+        let cp = pool.checkpoint();
+        b.iter(|| pool.rollback(black_box(&cp)));
+    });
+
+    c.bench_function("pool/restore_50_live", |b| {
+        let mut pool = fragmented_pool();
+        let live: Vec<(DevicePtr, usize)> = pool
+            .blocks()
+            .into_iter()
+            .filter(|(_, allocated)| *allocated)
+            .take(50)
+            .map(|(blk, _)| (blk.addr, blk.size))
+            .collect();
+        assert_eq!(live.len(), 50);
+        b.iter(|| black_box(pool.restore(black_box(&live))));
+    });
+}
+
+criterion_group!(benches, bench_pool);
+criterion_main!(benches);

@@ -1,0 +1,110 @@
+//! Configuration: runtime-wide defaults and per-function specs.
+
+use crate::device::CaptureMode;
+
+/// What a registered function computes, which decides when generations start (DESIGN 4.7).
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
+pub enum Mode {
+    /// Inference: calling a root-level function when the path cannot continue starts a new
+    /// generation, so a plain loop needs no `mark_step_begin`.
+    #[default]
+    Inference,
+    /// A training forward: its outputs need a backward, so no generation starts implicitly
+    /// until a `Backward` function runs or `mark_step_begin` is called.
+    Forward,
+    /// A training backward: clears the pending-backward state.
+    Backward,
+}
+
+/// How one function is treated.
+#[derive(Clone, PartialEq, Eq, Debug, Default)]
+pub struct FunctionSpec {
+    /// Input positions whose buffers have stable addresses (weights, KV caches): used in
+    /// place, never copied; a changed address records a sibling node.
+    pub static_inputs: Vec<usize>,
+    /// Inference, forward or backward.
+    pub mode: Mode,
+    /// Overrides [`Config::warmups`] for this function.
+    pub warmups: Option<u32>,
+    /// Overrides [`Config::rerecord_limit`] for this function.
+    pub rerecord_limit: Option<u32>,
+    /// Never graph this function: always run it eagerly, outside the graph pool.
+    pub eager_only: bool,
+}
+
+impl FunctionSpec {
+    /// An inference function with the given static input positions.
+    pub fn inference(static_inputs: impl Into<Vec<usize>>) -> FunctionSpec {
+        FunctionSpec {
+            static_inputs: static_inputs.into(),
+            ..FunctionSpec::default()
+        }
+    }
+
+    /// Sets the mode.
+    pub fn mode(mut self, mode: Mode) -> FunctionSpec {
+        self.mode = mode;
+        self
+    }
+
+    /// Sets the warmup count.
+    pub fn warmups(mut self, warmups: u32) -> FunctionSpec {
+        self.warmups = Some(warmups);
+        self
+    }
+
+    /// Sets the re-record limit.
+    pub fn rerecord_limit(mut self, limit: u32) -> FunctionSpec {
+        self.rerecord_limit = Some(limit);
+        self
+    }
+}
+
+/// One entry of the allow-list: a function name, and optionally the exact integer keys of
+/// the signatures to graph.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub struct AllowEntry {
+    /// Function name as registered.
+    pub function: String,
+    /// Keys that must match exactly; `None` allows every signature of the function.
+    pub keys: Option<Vec<u64>>,
+}
+
+/// Runtime-wide settings. `Config::default()` gives the documented defaults.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub struct Config {
+    /// Eager warmup runs per function and signature before it is recorded (default 1; 0
+    /// records on the first call).
+    pub warmups: u32,
+    /// Unexpected re-recordings allowed per (parent node, function) before the pair runs
+    /// eagerly for good (default 128).
+    pub rerecord_limit: u32,
+    /// Distinct signatures per function before graft warns once (default 8).
+    pub signature_warn_limit: usize,
+    /// Capture mode (default thread-local).
+    pub capture_mode: CaptureMode,
+    /// Copied inputs larger than this warn once per input (default 1 MiB).
+    pub large_copy_warn_bytes: usize,
+    /// When set, only these functions and signatures are graphed; others run eagerly.
+    pub allow_list: Option<Vec<AllowEntry>>,
+    /// Verify every replay against an eager run of the body on scratch memory (slow; for
+    /// debugging).
+    pub verify_replays: bool,
+    /// How many non-replay decisions `Graft::explain` keeps (default 64).
+    pub decision_log: usize,
+}
+
+impl Default for Config {
+    fn default() -> Config {
+        Config {
+            warmups: 1,
+            rerecord_limit: 128,
+            signature_warn_limit: 8,
+            capture_mode: CaptureMode::ThreadLocal,
+            large_copy_warn_bytes: 1 << 20,
+            allow_list: None,
+            verify_replays: false,
+            decision_log: 64,
+        }
+    }
+}

@@ -1,0 +1,148 @@
+//! Errors of graft's operations, one enum per operation, with structured fields.
+
+use std::sync::Arc;
+
+use crate::buffer::BufferError;
+use crate::device::{DeviceError, DeviceId};
+use crate::pool::PoolError;
+
+/// Identifies a registered function.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, PartialOrd, Ord)]
+pub struct FunctionId(pub(crate) usize);
+
+impl std::fmt::Display for FunctionId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "f{}", self.0)
+    }
+}
+
+/// An error returned by a function's body.
+#[derive(thiserror::Error, Debug)]
+pub enum BodyError {
+    /// A device operation failed (during a recording, a capture violation here makes graft
+    /// fall back to eager execution).
+    #[error(transparent)]
+    Device(#[from] DeviceError),
+    /// The body read a buffer that is no longer valid.
+    #[error(transparent)]
+    Buffer(#[from] BufferError),
+    /// The body could not allocate from graft's pool.
+    #[error(transparent)]
+    Pool(#[from] PoolError),
+    /// The framework's own error (bad shapes, unsupported dtype, ...).
+    #[error("{0}")]
+    Framework(Box<dyn std::error::Error + Send + Sync>),
+}
+
+/// Errors of `Graft::call`.
+#[derive(thiserror::Error, Debug)]
+pub enum CallError {
+    /// The id was not returned by `register` on this runtime.
+    #[error("unknown function id {id}: register the function on this Graft before calling it")]
+    UnknownFunction {
+        /// The id passed.
+        id: FunctionId,
+    },
+    /// An input lives on another device.
+    #[error("input {position} of {function} belongs to {found}, but this runtime drives {expected}; move it to this device first")]
+    WrongDevice {
+        /// Function called.
+        function: Arc<str>,
+        /// Input position.
+        position: usize,
+        /// This runtime's device.
+        expected: DeviceId,
+        /// The input's device.
+        found: DeviceId,
+    },
+    /// An input can no longer be read.
+    #[error("input {position} of {function} is not readable: {source}")]
+    InvalidInput {
+        /// Function called.
+        function: Arc<str>,
+        /// Input position.
+        position: usize,
+        /// Why.
+        source: BufferError,
+    },
+    /// The body failed.
+    #[error("body of {function} failed: {source}")]
+    Body {
+        /// Function called.
+        function: Arc<str>,
+        /// The body's error.
+        source: BodyError,
+    },
+    /// A device operation graft itself issued failed.
+    #[error("{function}: {source}")]
+    Device {
+        /// Function called.
+        function: Arc<str>,
+        /// The device's error.
+        source: DeviceError,
+    },
+    /// The graph pool could not serve graft's own allocation (a placeholder).
+    #[error("{function}: {source}")]
+    Pool {
+        /// Function called.
+        function: Arc<str>,
+        /// The pool's error.
+        source: PoolError,
+    },
+    /// An error recorded earlier by a `Drop` (graph destruction, buffer release).
+    #[error("an earlier release failed: {source}")]
+    Sticky {
+        /// The recorded error.
+        source: DeviceError,
+    },
+    /// The runtime's lifecycle refused a transition (a bug in graft).
+    #[error("internal lifecycle error: cannot move from {from:?} to {to:?}; this is a bug in graft, please report it")]
+    State {
+        /// Phase the runtime was in.
+        from: crate::graft::Phase,
+        /// Phase it was asked to move to.
+        to: crate::graft::Phase,
+    },
+    /// Verify mode found a replay that differs from eager execution.
+    #[error("replay of {function} (node {node}) differs from eager execution at output {output}, byte {byte}; report this with Graft::dump_text output")]
+    VerifyMismatch {
+        /// Function called.
+        function: Arc<str>,
+        /// Node replayed.
+        node: crate::buffer::NodeId,
+        /// Output index.
+        output: usize,
+        /// First differing byte.
+        byte: usize,
+    },
+}
+
+/// Errors of graft's memory operations outside calls (`alloc`, `copy_out`, `read`, `write`, `reset`).
+#[derive(thiserror::Error, Debug)]
+pub enum MemoryError {
+    /// The buffer can no longer be read.
+    #[error(transparent)]
+    Buffer(#[from] BufferError),
+    /// The device failed.
+    #[error(transparent)]
+    Device(#[from] DeviceError),
+    /// The pool failed.
+    #[error(transparent)]
+    Pool(#[from] PoolError),
+    /// A host slice does not match the buffer's length.
+    #[error("host slice of {host} bytes does not match the buffer's {buffer} bytes; pass a slice of the buffer's length")]
+    LengthMismatch {
+        /// Host bytes.
+        host: usize,
+        /// Buffer bytes.
+        buffer: usize,
+    },
+    /// The buffer belongs to another device.
+    #[error("buffer belongs to {found}, but this runtime drives {expected}")]
+    WrongDevice {
+        /// This runtime's device.
+        expected: DeviceId,
+        /// The buffer's device.
+        found: DeviceId,
+    },
+}

@@ -1,0 +1,232 @@
+//! Typed reasons for every decision other than a replay. They hold plain data; text is
+//! formatted only when someone displays them, never on the call path.
+
+use std::fmt;
+
+use crate::buffer::NodeId;
+use crate::device::{CaptureViolation, DeviceError, DeviceOp, DevicePtr};
+
+/// Why a call recorded a new node instead of replaying one.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub enum RecordReason {
+    /// The function and signature finished their warmups and have no node here yet.
+    FirstRecording,
+    /// The function has nodes here, but none with this signature (input sizes or keys).
+    NewSignature,
+    /// A static input's address differs from the one every candidate recorded.
+    StaticAddressChanged {
+        /// Input position.
+        position: usize,
+        /// Address the candidate recorded.
+        recorded: DevicePtr,
+        /// Address passed now.
+        now: DevicePtr,
+    },
+    /// A managed input (an output of the current path) is at another address.
+    ManagedAddressChanged {
+        /// Input position.
+        position: usize,
+        /// Address the candidate recorded.
+        recorded: DevicePtr,
+        /// Address passed now.
+        now: DevicePtr,
+    },
+    /// An output of the path that was dead when the candidate was recorded is alive now, so
+    /// the candidate's graph may overwrite it.
+    ExpectedDeadAlive {
+        /// The node that produced the output.
+        node: NodeId,
+        /// Output index.
+        output: usize,
+    },
+    /// A copied input overlaps a placeholder the replay writes before reading that input
+    /// (memory of an earlier step that now sits where the candidate copies its inputs).
+    InputOverlapsPlaceholder {
+        /// Input position.
+        position: usize,
+    },
+}
+
+impl RecordReason {
+    /// Whether this re-recording counts toward the re-record limit (it was not caused by a
+    /// new shape, but by addresses or liveness that changed).
+    pub fn is_unexpected(&self) -> bool {
+        !matches!(self, RecordReason::FirstRecording | RecordReason::NewSignature)
+    }
+
+    /// A short stable name for statistics.
+    pub fn name(&self) -> &'static str {
+        match self {
+            RecordReason::FirstRecording => "first recording",
+            RecordReason::NewSignature => "new signature",
+            RecordReason::StaticAddressChanged { .. } => "static input address changed",
+            RecordReason::ManagedAddressChanged { .. } => "managed input address changed",
+            RecordReason::ExpectedDeadAlive { .. } => "expected-dead output alive",
+            RecordReason::InputOverlapsPlaceholder { .. } => "copied input overlaps a placeholder",
+        }
+    }
+}
+
+impl fmt::Display for RecordReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            RecordReason::FirstRecording | RecordReason::NewSignature => f.write_str(self.name()),
+            RecordReason::StaticAddressChanged {
+                position,
+                recorded,
+                now,
+            } => write!(
+                f,
+                "static input address changed: input {position} was recorded at {recorded}, now at {now}"
+            ),
+            RecordReason::ManagedAddressChanged {
+                position,
+                recorded,
+                now,
+            } => write!(
+                f,
+                "managed input address changed: input {position} was recorded at {recorded}, now at {now}"
+            ),
+            RecordReason::InputOverlapsPlaceholder { position } => write!(
+                f,
+                "copied input overlaps a placeholder: input {position} lies where the candidate copies its inputs"
+            ),
+            RecordReason::ExpectedDeadAlive { node, output } => write!(
+                f,
+                "expected-dead output alive: output {output} of node {node} was dead when the candidate was recorded and is held now"
+            ),
+        }
+    }
+}
+
+/// Why a call ran eagerly outside the graph pool.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub enum EagerReason {
+    /// The function was registered eager-only.
+    Registered,
+    /// The allow-list does not name this function and signature.
+    NotAllowListed,
+    /// Capturing the body failed: it did something CUDA forbids during capture.
+    CaptureFailed {
+        /// The operation that broke the capture.
+        op: DeviceOp,
+        /// CUDA's reason.
+        violation: CaptureViolation,
+    },
+    /// The captured graph could not be instantiated.
+    InstantiateFailed {
+        /// The device's error.
+        error: DeviceError,
+    },
+    /// This (parent, function) pair re-recorded more often than the limit allows.
+    RerecordLimit {
+        /// The limit in force.
+        limit: u32,
+        /// The reason of the re-recording that went over it.
+        last: RecordReason,
+    },
+}
+
+impl fmt::Display for EagerReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            EagerReason::Registered => f.write_str("registered eager-only"),
+            EagerReason::NotAllowListed => {
+                f.write_str("not on the allow-list; add the function or signature to Config::allow_list to graph it")
+            }
+            EagerReason::CaptureFailed { op, violation } => write!(
+                f,
+                "capture failed: {op} is not allowed during capture ({violation}); {}",
+                violation.advice()
+            ),
+            EagerReason::InstantiateFailed { error } => write!(f, "graph instantiation failed: {error}"),
+            EagerReason::RerecordLimit { limit, last } => write!(
+                f,
+                "re-record limit reached ({limit}): {last}; make the input static with a stable address, or drop outputs consistently"
+            ),
+        }
+    }
+}
+
+/// Why a call warmed up (ran eagerly, allocating from the graph pool).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum WarmupReason {
+    /// The function and signature have run fewer warmups than configured.
+    FirstCalls {
+        /// Warmups done before this one.
+        done: u32,
+        /// Warmups required.
+        needed: u32,
+    },
+    /// An earlier call of this generation warmed up, so addresses differ from any recording.
+    PathWarmingUp,
+}
+
+impl fmt::Display for WarmupReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            WarmupReason::FirstCalls { done, needed } => write!(f, "warmup {} of {needed}", done + 1),
+            WarmupReason::PathWarmingUp => {
+                f.write_str("an earlier call of this step warmed up, so the rest of the step runs eagerly")
+            }
+        }
+    }
+}
+
+/// A decision other than a plain replay.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub enum Decision {
+    /// Ran eagerly from the graph pool.
+    Warmup(WarmupReason),
+    /// Recorded a new node.
+    Record(RecordReason),
+    /// Ran eagerly outside the graph pool.
+    Eager(EagerReason),
+    /// Restored the pool bookkeeping before a warmup or recording that followed replays.
+    Restore {
+        /// Buffers kept because callers still hold them.
+        kept: usize,
+        /// Buffers invalidated because their memory could not be kept.
+        invalidated: usize,
+    },
+    /// Ended the path and started a new generation from the roots.
+    NewGeneration,
+}
+
+impl fmt::Display for Decision {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Decision::Warmup(r) => write!(f, "warmup: {r}"),
+            Decision::Record(r) => write!(f, "record: {r}"),
+            Decision::Eager(r) => write!(f, "eager: {r}"),
+            Decision::Restore { kept, invalidated } => write!(
+                f,
+                "restore pool checkpoint: kept {kept} held buffers, invalidated {invalidated}"
+            ),
+            Decision::NewGeneration => f.write_str("new generation: path ended, back to the roots"),
+        }
+    }
+}
+
+/// One entry of the decision log (see `Graft::explain`).
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub struct DecisionRecord {
+    /// Generation in which it happened.
+    pub generation: u64,
+    /// Function called.
+    pub function: String,
+    /// Node recorded, or the tip the decision was made at.
+    pub node: Option<NodeId>,
+    /// What was decided and why.
+    pub decision: Decision,
+}
+
+impl fmt::Display for DecisionRecord {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "[gen {}] {}", self.generation, self.function)?;
+        if let Some(n) = self.node {
+            write!(f, " @{n}")?;
+        }
+        write!(f, ": {}", self.decision)
+    }
+}

@@ -1,0 +1,51 @@
+//! Counters graft keeps about its decisions and its pools.
+
+use crate::pool::PoolStats;
+
+/// Re-recordings by reason.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
+pub struct RerecordCounts {
+    /// Same function, new input sizes or keys.
+    pub new_signature: u64,
+    /// A static input moved.
+    pub static_address_changed: u64,
+    /// A managed input moved.
+    pub managed_address_changed: u64,
+    /// An output the candidate expected dead was held.
+    pub expected_dead_alive: u64,
+    /// A copied input overlapped a placeholder the replay writes first.
+    pub input_overlaps_placeholder: u64,
+}
+
+/// A snapshot of graft's counters.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
+pub struct Stats {
+    /// Eager runs from the graph pool.
+    pub warmups: u64,
+    /// Graphs recorded (first recordings and re-recordings).
+    pub recordings: u64,
+    /// Graph replays.
+    pub replays: u64,
+    /// Inputs copied into placeholders by replays.
+    pub copied_inputs: u64,
+    /// Re-recordings by reason.
+    pub rerecords: RerecordCounts,
+    /// Eager runs outside the graph pool (eager-only functions and fallbacks).
+    pub eager_runs: u64,
+    /// Functions or (parent, function) pairs that fell back to eager for good.
+    pub fallbacks: u64,
+    /// Captures that failed.
+    pub capture_failures: u64,
+    /// Pool restores before a warmup or recording that followed replays.
+    pub restores: u64,
+    /// Generations started.
+    pub generations: u64,
+    /// Nodes in the tree.
+    pub nodes: usize,
+    /// Buffers invalidated because their memory was reused.
+    pub invalidations: u64,
+    /// The graph pool.
+    pub pool: PoolStats,
+    /// The eager pool (memory outside graphs).
+    pub eager_pool: PoolStats,
+}

@@ -1,0 +1,203 @@
+//! The graph tree: nodes in a slotmap arena, what each recorded, and its invariant check.
+
+use std::sync::Arc;
+
+use slotmap::{Key, SlotMap};
+
+use crate::buffer::{Buffer, Cell, NodeId};
+use crate::device::DevicePtr;
+use crate::error::FunctionId;
+use crate::reason::RecordReason;
+
+slotmap::new_key_type! {
+    /// Key of a node in the arena.
+    pub(crate) struct NodeKey;
+}
+
+impl NodeKey {
+    pub(crate) fn id(self) -> NodeId {
+        NodeId(self.data().as_ffi())
+    }
+}
+
+/// How a node uses the input at one position.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum InputSlot {
+    /// Used in place; the address must stay the recorded one.
+    Static { addr: DevicePtr },
+    /// An output of the path, used in place; the address must stay the recorded one.
+    Managed { addr: DevicePtr },
+    /// Copied into a placeholder (part of the node's footprint) before every launch.
+    Copied { placeholder: DevicePtr, len: usize },
+}
+
+/// What one output of a node hands back.
+#[derive(Debug)]
+pub(crate) enum OutputSlot {
+    /// Memory the graph writes, tracked for liveness. `cell` is the latest handed-out cell;
+    /// `spares` are earlier cells, invalidated, kept for reuse once their holders drop them.
+    Tracked {
+        cell: Arc<Cell>,
+        spares: Vec<Arc<Cell>>,
+    },
+    /// The output is the static input at this position: handed back as that input.
+    StaticInput(usize),
+    /// The output shares storage with an earlier output.
+    Alias(usize),
+    /// A zero-length output: not tracked.
+    Empty(Arc<Cell>),
+}
+
+#[derive(Debug)]
+pub(crate) struct NodeOutput<M> {
+    pub(crate) slot: OutputSlot,
+    pub(crate) meta: M,
+}
+
+/// One recorded graph and everything needed to decide whether it may replay.
+#[derive(Debug)]
+pub(crate) struct Node<G, M> {
+    pub(crate) function: FunctionId,
+    pub(crate) sig: usize,
+    pub(crate) parent: Option<NodeKey>,
+    pub(crate) children: Vec<(FunctionId, Vec<NodeKey>)>,
+    pub(crate) graph: G,
+    pub(crate) inputs: Box<[InputSlot]>,
+    /// Output slots of ancestors that were dead when this node was recorded.
+    pub(crate) expected_dead: Box<[(NodeKey, u16)]>,
+    pub(crate) outputs: Vec<NodeOutput<M>>,
+    /// Sorted, disjoint `[start, end)` ranges this node's graph writes.
+    pub(crate) footprint: Box<[(u64, u64)]>,
+    /// Output slots of any node whose memory overlaps this node's footprint.
+    pub(crate) slot_conflicts: Vec<(NodeKey, u16)>,
+    /// Warmup and eager-in-pool cells whose memory overlaps this node's footprint.
+    pub(crate) cell_conflicts: Vec<Arc<Cell>>,
+    /// Registry epoch the conflict lists were computed at.
+    pub(crate) conflicts_epoch: u64,
+    pub(crate) replays: u64,
+    pub(crate) recorded_generation: u64,
+    pub(crate) reason: RecordReason,
+    pub(crate) summary: crate::device::GraphSummary,
+}
+
+impl<G, M> Node<G, M> {
+    pub(crate) fn children_of(&self, function: FunctionId) -> &[NodeKey] {
+        self.children
+            .iter()
+            .find(|(f, _)| *f == function)
+            .map_or(&[], |(_, v)| v.as_slice())
+    }
+
+    pub(crate) fn add_child(&mut self, function: FunctionId, child: NodeKey) {
+        match self.children.iter_mut().find(|(f, _)| *f == function) {
+            Some((_, v)) => v.push(child),
+            None => self.children.push((function, vec![child])),
+        }
+    }
+
+    /// Whether `[start, end)` overlaps this node's footprint.
+    pub(crate) fn footprint_overlaps(&self, start: u64, end: u64) -> bool {
+        let i = self.footprint.partition_point(|&(_, e)| e <= start);
+        self.footprint.get(i).is_some_and(|&(s, _)| s < end)
+    }
+
+    /// Bytes of device memory this node's graph writes.
+    pub(crate) fn footprint_bytes(&self) -> u64 {
+        self.footprint.iter().map(|(s, e)| e - s).sum()
+    }
+}
+
+/// Checks the replay invariants of `node` for these inputs, cheapest first: managed input
+/// addresses, outputs expected dead, static input addresses, then copied inputs against the
+/// placeholders written before them. No allocation, no formatting: a failure returns plain data.
+#[inline]
+pub(crate) fn check<G, M>(
+    nodes: &SlotMap<NodeKey, Node<G, M>>,
+    node: &Node<G, M>,
+    addrs: &[DevicePtr],
+) -> Result<(), RecordReason> {
+    for (position, (slot, &now)) in node.inputs.iter().zip(addrs).enumerate() {
+        if let InputSlot::Managed { addr } = *slot
+            && addr != now
+        {
+            return Err(RecordReason::ManagedAddressChanged {
+                position,
+                recorded: addr,
+                now,
+            });
+        }
+    }
+    for &(key, output) in node.expected_dead.iter() {
+        if let Some(anc) = nodes.get(key)
+            && let OutputSlot::Tracked { cell, .. } = &anc.outputs[output as usize].slot
+            && cell.is_held()
+        {
+            return Err(RecordReason::ExpectedDeadAlive {
+                node: key.id(),
+                output: output as usize,
+            });
+        }
+    }
+    for (position, (slot, &now)) in node.inputs.iter().zip(addrs).enumerate() {
+        if let InputSlot::Static { addr } = *slot
+            && addr != now
+        {
+            return Err(RecordReason::StaticAddressChanged {
+                position,
+                recorded: addr,
+                now,
+            });
+        }
+    }
+    // Copies run in input order before the graph: a source may sit exactly on its own
+    // placeholder (the copy is skipped) but must not overlap any placeholder written before
+    // it is read. CUDA leaves overlapping copies undefined, so such a candidate cannot replay.
+    for (i, (slot, &src)) in node.inputs.iter().zip(addrs).enumerate() {
+        let InputSlot::Copied { len, .. } = *slot else {
+            continue;
+        };
+        if len == 0 {
+            continue;
+        }
+        let (s, e) = (src.0, src.0 + len as u64);
+        for (j, earlier) in node.inputs[..=i].iter().enumerate() {
+            if let InputSlot::Copied { placeholder: p, len: l } = *earlier
+                && p.0 < e
+                && s < p.0 + l as u64
+                && !(j == i && p == src)
+            {
+                return Err(RecordReason::InputOverlapsPlaceholder { position: i });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Merges `[start, end)` ranges into sorted, disjoint ranges.
+pub(crate) fn merge_ranges(mut ranges: Vec<(u64, u64)>) -> Box<[(u64, u64)]> {
+    ranges.sort_unstable();
+    let mut out: Vec<(u64, u64)> = Vec::with_capacity(ranges.len());
+    for (s, e) in ranges {
+        match out.last_mut() {
+            Some(last) if s <= last.1 => last.1 = last.1.max(e),
+            _ => out.push((s, e)),
+        }
+    }
+    out.into_boxed_slice()
+}
+
+/// An output handed back by a call: graft's buffer and the framework's metadata for it.
+#[derive(Debug, Clone)]
+pub struct Output<M> {
+    /// The memory.
+    pub buffer: Buffer,
+    /// Opaque framework metadata (shape, dtype, ...), stored per node and handed back on replay.
+    pub meta: M,
+}
+
+impl<M> Output<M> {
+    /// Pairs a buffer with its metadata.
+    pub fn new(buffer: Buffer, meta: M) -> Output<M> {
+        Output { buffer, meta }
+    }
+}

@@ -1,0 +1,869 @@
+//! [`CudaDevice`]: graft's [`Device`] over the CUDA driver API (cudarc's `sys` layer).
+//!
+//! One device owns one primary-context reference, one non-blocking *runtime stream* (everything
+//! graft does is enqueued there, and captured from there), one *side stream* (for tests that
+//! model work on another stream), two events to fork and join them, and the kernel module.
+//!
+//! cudarc's safe layer (`CudaSlice`, `CudaStream`) is deliberately not used: it records events
+//! per buffer to order its own streams, and those event waits cross the capture boundary and
+//! break captures with isolation errors. Pool memory is plain `CUdeviceptr`s here.
+
+use std::collections::HashMap;
+use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
+use std::fmt;
+use std::ptr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use cudarc::driver::sys;
+use graft_core::{
+    CaptureMode, Device, DeviceError, DeviceId, DeviceOp, DevicePtr, GraphSummary, StickyError,
+};
+
+use crate::driver::{device_count, driver_ready};
+use crate::error::{INIT_OP, INSPECT_OP, check, check_alloc, is_capture_error, map};
+use crate::graph::{self, CudaGraph};
+use crate::kernels::{KernelSource, Kernels, launch_1d};
+
+const F32_BYTES: usize = std::mem::size_of::<f32>();
+
+/// Alignment the [`Device`] trait promises for segments.
+const SEGMENT_ALIGN: u64 = 512;
+
+/// Tags ids of CUDA devices so they never equal a simulator's small counters.
+const ID_TAG: u64 = 0xC0DA << 48;
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+const CAPTURE_NONE: u32 = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE as u32;
+
+/// graft's CUDA backend: one runtime stream on one device. See the [crate docs](crate).
+///
+/// Cheap to clone (an `Arc` inside); clones share the streams, the kernels and the sticky error
+/// slot. The device is released when the last clone and the last [`CudaGraph`] are dropped.
+#[derive(Clone)]
+pub struct CudaDevice {
+    inner: Arc<Inner>,
+}
+
+/// The shared state of a device. Handles are null until created, so a partly built `Inner`
+/// (a failing [`CudaDevice::new`]) releases exactly what it got.
+pub(crate) struct Inner {
+    pub(crate) id: DeviceId,
+    ordinal: usize,
+    name: String,
+    cu_device: sys::CUdevice,
+    /// The device's primary context; non-null once retained (and then released in `Drop`).
+    ctx: sys::CUcontext,
+    /// The runtime stream: all work and all captures.
+    stream: sys::CUstream,
+    /// A second stream, forked from the runtime stream by `fork_event`.
+    side_stream: sys::CUstream,
+    fork_event: sys::CUevent,
+    join_event: sys::CUevent,
+    kernels: Kernels,
+    sticky: StickyError,
+    /// Set whenever `sticky` may hold an error, so the fast path checks an atomic, not a mutex.
+    sticky_pending: AtomicBool,
+    /// Segments that `cuMemAlloc` returned misaligned and were re-allocated with slack:
+    /// aligned address handed out -> base address to free. Empty in practice.
+    realigned: Mutex<HashMap<u64, u64>>,
+    /// Misaligned first attempts, freed at the next `free_segment` (never during a capture).
+    deferred_frees: Mutex<Vec<u64>>,
+}
+
+// SAFETY: the raw handles in `Inner` (context, streams, events, module, functions) are CUDA
+// driver handles, which the driver lets any thread use once the owning context is current on
+// it; every method makes the context current first (`make_current`). Streams and events are
+// internally synchronized by the driver. The remaining fields are Send + Sync (Mutex, atomics,
+// String). Handles are created in `new` and destroyed only in `Drop`, with exclusive access.
+unsafe impl Send for Inner {}
+// SAFETY: see the `Send` impl: shared use only passes the handles to driver calls, which are
+// thread-safe for contexts, streams, events and launched functions; graph handles, which are
+// not, live in `CudaGraph` behind a mutex.
+unsafe impl Sync for Inner {}
+
+impl Inner {
+    /// Makes this device's context current on the calling thread. Called unconditionally
+    /// (a thread-local store in the driver) rather than cached: a cached "already current"
+    /// would go stale when another library, or a dropped device, changes the thread's context.
+    #[inline]
+    pub(crate) fn make_current(&self, op: DeviceOp) -> Result<(), DeviceError> {
+        // SAFETY: `ctx` is the primary context retained in `CudaDevice::new` and released only
+        // in `Drop`, which cannot run while `&self` is alive.
+        check(op, unsafe { sys::cuCtxSetCurrent(self.ctx) })
+    }
+
+    /// Puts `err` in the sticky slot (unless one is already waiting).
+    pub(crate) fn record_sticky(&self, err: DeviceError) {
+        self.sticky.record(err);
+        self.sticky_pending.store(true, Ordering::Release);
+    }
+
+    /// Takes the waiting sticky error, if any: one atomic load when there is none.
+    #[inline]
+    fn take_sticky(&self) -> Option<DeviceError> {
+        if !self.sticky_pending.load(Ordering::Acquire) {
+            return None;
+        }
+        self.sticky_pending.store(false, Ordering::Release);
+        self.sticky.take()
+    }
+
+    /// Entry of every operation: makes the context current. (Sticky errors are not checked
+    /// here: core polls `take_sticky_error` on every graft call.)
+    #[inline]
+    fn enter(&self, op: DeviceOp) -> Result<(), DeviceError> {
+        self.make_current(op)
+    }
+
+    /// The runtime stream's capture status (`CU_STREAM_CAPTURE_STATUS_*` as a number).
+    fn capture_status(&self, op: DeviceOp) -> Result<u32, DeviceError> {
+        let mut status: u32 = CAPTURE_NONE;
+        // SAFETY: `stream` is the live runtime stream (created in `new`, destroyed in `Drop`);
+        // `status` is a valid, aligned out-pointer for the 4-byte repr(u32) status enum, read as
+        // a plain number so an unexpected value is not undefined behaviour.
+        check(op, unsafe {
+            sys::cuStreamIsCapturing(
+                self.stream,
+                (&raw mut status).cast::<sys::CUstreamCaptureStatus>(),
+            )
+        })?;
+        Ok(status)
+    }
+
+    /// Ends the runtime stream's capture, whatever its state, and destroys any graph it returns.
+    /// Returns the raw result of `cuStreamEndCapture`.
+    fn end_and_discard(&self) -> sys::CUresult {
+        let mut graph: sys::CUgraph = ptr::null_mut();
+        // SAFETY: `stream` is the live runtime stream, and this thread began its capture (core
+        // drives the lifecycle from one thread); `graph` is a valid out-pointer.
+        let result = unsafe { sys::cuStreamEndCapture(self.stream, &mut graph) };
+        graph::destroy_orphan(self, graph, ptr::null_mut());
+        result
+    }
+
+    /// `cuMemAlloc` with the calling thread switched to relaxed capture mode, as PyTorch's
+    /// caching allocator does: in global or thread-local mode CUDA refuses `cuMemAlloc` during
+    /// a capture, but the pool must be able to grow inside one.
+    fn alloc_relaxed(&self, op: DeviceOp, bytes: usize) -> Result<u64, DeviceError> {
+        let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+        // SAFETY: exchanges this thread's capture mode with a valid enum value; the previous mode
+        // is written back into `mode` and restored below.
+        check(op, unsafe {
+            sys::cuThreadExchangeStreamCaptureMode(&mut mode)
+        })?;
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: the context is current (callers `enter` first); `ptr` is a valid out-pointer.
+        // The memory is owned by the pool from here and freed once in `free_segment`.
+        let result = unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes) };
+        // SAFETY: restores the mode saved by the first exchange.
+        let restored = check(op, unsafe {
+            sys::cuThreadExchangeStreamCaptureMode(&mut mode)
+        });
+        check_alloc(op, result, bytes)?;
+        restored?;
+        Ok(ptr)
+    }
+
+    /// Synchronizes `stream`, mapping a failure to `op`.
+    fn sync(&self, op: DeviceOp, stream: sys::CUstream) -> Result<(), DeviceError> {
+        // SAFETY: `stream` is one of this device's live streams.
+        check(op, unsafe { sys::cuStreamSynchronize(stream) })
+    }
+
+    /// Frees the misaligned first attempts of earlier segment allocations.
+    fn drain_deferred_frees(&self, op: DeviceOp) -> Result<(), DeviceError> {
+        let pending = std::mem::take(
+            &mut *self
+                .deferred_frees
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner),
+        );
+        let mut first_err = Ok(());
+        for base in pending {
+            // SAFETY: `base` came from cuMemAlloc in `alloc_segment`, was never handed out, and
+            // was removed from the deferred list above, so it is freed exactly once.
+            let r = check(op, unsafe { sys::cuMemFree_v2(base) });
+            if first_err.is_ok() {
+                first_err = r;
+            }
+        }
+        first_err
+    }
+}
+
+impl Drop for Inner {
+    /// Releases what `new` created, in reverse order. Errors here have nowhere to go (the sticky
+    /// slot dies with the device, and every graph, which holds an `Arc` to it, is already gone),
+    /// so they are ignored: teardown continues so that the context is still released.
+    fn drop(&mut self) {
+        if self.ctx.is_null() {
+            return;
+        }
+        let _ = self.make_current(DeviceOp::GraphDestroy);
+        if !self.stream.is_null() {
+            // A capture left open (a panic inside a body) would make every later call fail.
+            if matches!(self.capture_status(DeviceOp::EndCapture), Ok(s) if s != CAPTURE_NONE) {
+                let _ = self.end_and_discard();
+            }
+            let _ = self.sync(DeviceOp::Synchronize, self.stream);
+        }
+        if !self.side_stream.is_null() {
+            let _ = self.sync(DeviceOp::Synchronize, self.side_stream);
+        }
+        let _ = self.kernels.unload();
+        let _ = self.drain_deferred_frees(DeviceOp::SegmentFree);
+        for event in [&mut self.fork_event, &mut self.join_event] {
+            let event = std::mem::replace(event, ptr::null_mut());
+            if !event.is_null() {
+                // SAFETY: created by cuEventCreate in `new`, destroyed exactly once (swapped out).
+                let _ = unsafe { sys::cuEventDestroy_v2(event) };
+            }
+        }
+        for stream in [&mut self.side_stream, &mut self.stream] {
+            let stream = std::mem::replace(stream, ptr::null_mut());
+            if !stream.is_null() {
+                // SAFETY: created by cuStreamCreate in `new`, synchronized above, destroyed
+                // exactly once (swapped out).
+                let _ = unsafe { sys::cuStreamDestroy_v2(stream) };
+            }
+        }
+        // SAFETY: the primary context of `cu_device` was retained once in `new` (ctx non-null)
+        // and is released once here. Nothing of this device uses it afterwards.
+        let _ = unsafe { sys::cuDevicePrimaryCtxRelease_v2(self.cu_device) };
+        self.ctx = ptr::null_mut();
+    }
+}
+
+impl CudaDevice {
+    /// Opens device `ordinal`: initializes the driver, retains the device's primary context and
+    /// makes it current on this thread, creates the runtime stream (non-blocking, so it never
+    /// synchronizes with the legacy default stream), a side stream and its fork/join events, and
+    /// compiles and loads the elementwise kernels.
+    ///
+    /// Fails (never panics) when there is no driver, no such device, or a driver call fails.
+    /// Initialization failures are reported with `DeviceOp::ModuleLoad`, core having no
+    /// dedicated operation for them.
+    pub fn new(ordinal: usize) -> Result<CudaDevice, DeviceError> {
+        driver_ready()?;
+        let invalid_device = || DeviceError::Driver {
+            op: INIT_OP,
+            code: sys::CUresult::CUDA_ERROR_INVALID_DEVICE as u32,
+            name: "CUDA_ERROR_INVALID_DEVICE",
+        };
+        let ordinal_c = c_int::try_from(ordinal).map_err(|_| invalid_device())?;
+        let mut cu_device: sys::CUdevice = 0;
+        // SAFETY: the driver is initialized (driver_ready); `cu_device` is a valid out-pointer.
+        check(INIT_OP, unsafe {
+            sys::cuDeviceGet(&mut cu_device, ordinal_c)
+        })?;
+
+        let mut name_buf: [c_char; 256] = [0; 256];
+        // SAFETY: `name_buf` has room for the 256 bytes passed as its length.
+        check(INIT_OP, unsafe {
+            sys::cuDeviceGetName(name_buf.as_mut_ptr(), name_buf.len() as c_int, cu_device)
+        })?;
+        name_buf[name_buf.len() - 1] = 0;
+        // SAFETY: `name_buf` is NUL-terminated (its last byte was just set to 0).
+        let name = unsafe { CStr::from_ptr(name_buf.as_ptr()) }
+            .to_string_lossy()
+            .into_owned();
+
+        let mut inner = Inner {
+            id: DeviceId(ID_TAG | NEXT_ID.fetch_add(1, Ordering::Relaxed)),
+            ordinal,
+            name,
+            cu_device,
+            ctx: ptr::null_mut(),
+            stream: ptr::null_mut(),
+            side_stream: ptr::null_mut(),
+            fork_event: ptr::null_mut(),
+            join_event: ptr::null_mut(),
+            kernels: Kernels::empty(),
+            sticky: StickyError::default(),
+            sticky_pending: AtomicBool::new(false),
+            realigned: Mutex::new(HashMap::new()),
+            deferred_frees: Mutex::new(Vec::new()),
+        };
+        // From here on, an early return drops `inner`, which releases what was created.
+        let mut ctx: sys::CUcontext = ptr::null_mut();
+        // SAFETY: `cu_device` is a valid device; `ctx` is a valid out-pointer. The reference is
+        // released once in `Inner::drop` (which runs only if `inner.ctx` is set, below).
+        check(INIT_OP, unsafe {
+            sys::cuDevicePrimaryCtxRetain(&mut ctx, cu_device)
+        })?;
+        inner.ctx = ctx;
+        inner.make_current(INIT_OP)?;
+
+        let non_blocking = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as c_uint;
+        for slot in [&mut inner.stream, &mut inner.side_stream] {
+            let mut stream: sys::CUstream = ptr::null_mut();
+            // SAFETY: the context is current; `stream` is a valid out-pointer. Destroyed once in
+            // `Inner::drop`.
+            check(INIT_OP, unsafe {
+                sys::cuStreamCreate(&mut stream, non_blocking)
+            })?;
+            *slot = stream;
+        }
+        let no_timing = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as c_uint;
+        for slot in [&mut inner.fork_event, &mut inner.join_event] {
+            let mut event: sys::CUevent = ptr::null_mut();
+            // SAFETY: the context is current; `event` is a valid out-pointer. Destroyed once in
+            // `Inner::drop`.
+            check(INIT_OP, unsafe {
+                sys::cuEventCreate(&mut event, no_timing)
+            })?;
+            *slot = event;
+        }
+        inner.kernels = Kernels::load()?;
+        Ok(CudaDevice {
+            inner: Arc::new(inner),
+        })
+    }
+
+    /// Whether a CUDA driver is installed and reports at least one device. Never panics: on a
+    /// machine without libcuda it returns false (see the `driver` module for how).
+    pub fn is_available() -> bool {
+        matches!(device_count(), Ok(n) if n > 0)
+    }
+
+    /// The number of CUDA devices, or why the driver could not be asked.
+    pub fn device_count() -> Result<usize, DeviceError> {
+        device_count()
+    }
+
+    /// The device ordinal this device was opened with.
+    pub fn ordinal(&self) -> usize {
+        self.inner.ordinal
+    }
+
+    /// The device's name as the driver reports it, e.g. "NVIDIA H100 80GB HBM3".
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// Where this device's kernels came from (NVRTC, or the PTX shipped in the crate and why).
+    pub fn kernel_source(&self) -> &KernelSource {
+        &self.inner.kernels.source
+    }
+
+    /// Whether the runtime stream is capturing (an invalidated capture counts: it must still be
+    /// ended). Legal during a capture.
+    pub fn is_capturing(&self) -> Result<bool, DeviceError> {
+        self.inner.enter(DeviceOp::Query)?;
+        Ok(self.inner.capture_status(DeviceOp::Query)? != CAPTURE_NONE)
+    }
+
+    /// A raw `cuMemAlloc`, as framework code that calls cudaMalloc directly would make.
+    /// Unlike [`Device::alloc_segment`] it is *not* switched to relaxed capture mode, so during
+    /// a capture it fails as CUDA fails it (`Capture { op: RawAlloc, .. }`).
+    pub fn raw_alloc(&self, bytes: usize) -> Result<DevicePtr, DeviceError> {
+        let op = DeviceOp::RawAlloc;
+        self.inner.enter(op)?;
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: the context is current; `ptr` is a valid out-pointer. The caller owns the
+        // memory and returns it with `raw_free`.
+        check_alloc(op, unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes) }, bytes)?;
+        Ok(DevicePtr(ptr))
+    }
+
+    /// Frees memory from [`CudaDevice::raw_alloc`] (reported as `DeviceOp::RawAlloc`: core has
+    /// no raw-free operation). Like `cuMemFree`, it fails during a capture.
+    pub fn raw_free(&self, ptr: DevicePtr) -> Result<(), DeviceError> {
+        let op = DeviceOp::RawAlloc;
+        self.inner.enter(op)?;
+        // SAFETY: the caller passes a pointer from `raw_alloc` that it has not freed; the driver
+        // validates the address and reports an error for anything it did not allocate.
+        check(op, unsafe { sys::cuMemFree_v2(ptr.0) })
+    }
+
+    /// Whether all work enqueued on the runtime stream has finished (`cuStreamQuery`). Fails
+    /// during a capture, as CUDA forbids querying a capturing stream.
+    pub fn query(&self) -> Result<bool, DeviceError> {
+        let op = DeviceOp::Query;
+        self.inner.enter(op)?;
+        // SAFETY: `stream` is the live runtime stream.
+        match unsafe { sys::cuStreamQuery(self.inner.stream) } {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            other => Err(map(op, other, 0)),
+        }
+    }
+
+    /// Reads `n` f32s from the device, synchronously (a [`Device::read`]). Same signature as
+    /// the simulator's, so test bodies run on both.
+    pub fn read_f32(&self, src: DevicePtr, n: usize) -> Result<Vec<f32>, DeviceError> {
+        let bytes = n
+            .checked_mul(F32_BYTES)
+            .ok_or(DeviceError::InvalidAddress {
+                op: DeviceOp::Read,
+                addr: src,
+                len: usize::MAX,
+            })?;
+        let mut raw = vec![0u8; bytes];
+        self.read(src, &mut raw)?;
+        Ok(raw
+            .chunks_exact(F32_BYTES)
+            .map(|c| f32::from_ne_bytes([c[0], c[1], c[2], c[3]]))
+            .collect())
+    }
+
+    /// Writes `values` to the device as f32s, synchronously (a [`Device::write`]).
+    pub fn write_f32(&self, dst: DevicePtr, values: &[f32]) -> Result<(), DeviceError> {
+        let raw: Vec<u8> = values.iter().flat_map(|v| v.to_ne_bytes()).collect();
+        self.write(dst, &raw)
+    }
+
+    /// `dst[i] = value` for `i < n`, on the runtime stream (captured when capturing).
+    pub fn fill_f32(&self, dst: DevicePtr, n: usize, value: f32) -> Result<(), DeviceError> {
+        self.fill_on(DeviceOp::KernelLaunch, self.inner.stream, dst, n, value)
+    }
+
+    /// `dst[i] = a[i] + b[i]` for `i < n`, on the runtime stream. `dst` may alias `a` or `b`.
+    pub fn add_f32(
+        &self,
+        dst: DevicePtr,
+        a: DevicePtr,
+        b: DevicePtr,
+        n: usize,
+    ) -> Result<(), DeviceError> {
+        self.binary(self.inner.kernels.add, dst, a, b, n)
+    }
+
+    /// `dst[i] = a[i] * b[i]` for `i < n`, on the runtime stream. `dst` may alias `a` or `b`.
+    pub fn mul_f32(
+        &self,
+        dst: DevicePtr,
+        a: DevicePtr,
+        b: DevicePtr,
+        n: usize,
+    ) -> Result<(), DeviceError> {
+        self.binary(self.inner.kernels.mul, dst, a, b, n)
+    }
+
+    /// `dst[i] = a * x[i] + b` for `i < n`, on the runtime stream. `dst` may alias `x`.
+    pub fn axpb_f32(
+        &self,
+        dst: DevicePtr,
+        x: DevicePtr,
+        a: f32,
+        b: f32,
+        n: usize,
+    ) -> Result<(), DeviceError> {
+        let op = DeviceOp::KernelLaunch;
+        self.inner.enter(op)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let (mut dst, mut x, mut a, mut b, mut n64) = (dst.0, x.0, a, b, n as u64);
+        let mut params: [*mut c_void; 5] = [
+            (&raw mut dst).cast(),
+            (&raw mut x).cast(),
+            (&raw mut a).cast(),
+            (&raw mut b).cast(),
+            (&raw mut n64).cast(),
+        ];
+        // SAFETY: `axpb` is graft_axpb_f32(float*, const float*, float, float, unsigned long
+        // long), matching the five parameters (u64, u64, f32, f32, u64) in order; the caller
+        // promises `dst` and `x` hold `n` f32s (a bad address is reported by the driver at the
+        // next synchronizing call, not undefined behaviour on the host); `stream` is live.
+        unsafe {
+            launch_1d(
+                op,
+                self.inner.kernels.axpb,
+                n,
+                self.inner.stream,
+                &mut params,
+            )
+        }
+    }
+
+    /// `dst[i] = value` launched on the side stream, after the runtime stream's earlier work
+    /// (an event recorded on the runtime stream, waited on by the side stream) and *not*
+    /// joined back. Eagerly, call [`CudaDevice::join_side_stream`] before relying on the result.
+    /// During a capture the fork pulls the side stream into the capture, and leaving it
+    /// unjoined makes `end_capture` fail with `Capture { violation: Unjoined, .. }`: the
+    /// CUDA counterpart of the simulator's `launch_kernel_on_side_stream`.
+    pub fn fill_f32_on_side_stream(
+        &self,
+        dst: DevicePtr,
+        n: usize,
+        value: f32,
+    ) -> Result<(), DeviceError> {
+        let inner = &self.inner;
+        inner.enter(DeviceOp::OtherStream)?;
+        // SAFETY: `fork_event` and both streams are live handles of this device's context.
+        check(DeviceOp::Event, unsafe {
+            sys::cuEventRecord(inner.fork_event, inner.stream)
+        })?;
+        // SAFETY: as above; flags 0 is CU_EVENT_WAIT_DEFAULT.
+        check(DeviceOp::Event, unsafe {
+            sys::cuStreamWaitEvent(inner.side_stream, inner.fork_event, 0)
+        })?;
+        self.fill_on(DeviceOp::OtherStream, inner.side_stream, dst, n, value)
+    }
+
+    /// Joins the side stream back: the runtime stream waits for the side stream's work so far
+    /// (an event recorded on the side stream, waited on by the runtime stream). Inside a capture
+    /// this is what makes forked work legal.
+    pub fn join_side_stream(&self) -> Result<(), DeviceError> {
+        let inner = &self.inner;
+        inner.enter(DeviceOp::Event)?;
+        // SAFETY: `join_event` and both streams are live handles of this device's context.
+        check(DeviceOp::Event, unsafe {
+            sys::cuEventRecord(inner.join_event, inner.side_stream)
+        })?;
+        // SAFETY: as above; flags 0 is CU_EVENT_WAIT_DEFAULT.
+        check(DeviceOp::Event, unsafe {
+            sys::cuStreamWaitEvent(inner.stream, inner.join_event, 0)
+        })
+    }
+
+    fn fill_on(
+        &self,
+        op: DeviceOp,
+        stream: sys::CUstream,
+        dst: DevicePtr,
+        n: usize,
+        value: f32,
+    ) -> Result<(), DeviceError> {
+        self.inner.enter(op)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let (mut dst, mut n64, mut value) = (dst.0, n as u64, value);
+        let mut params: [*mut c_void; 3] = [
+            (&raw mut dst).cast(),
+            (&raw mut n64).cast(),
+            (&raw mut value).cast(),
+        ];
+        // SAFETY: `fill` is graft_fill_f32(float*, unsigned long long, float), matching the
+        // three parameters (u64, u64, f32) in order; the caller promises `dst` holds `n` f32s
+        // (a bad address is reported by the driver, not undefined behaviour on the host);
+        // `stream` is one of this device's live streams.
+        unsafe { launch_1d(op, self.inner.kernels.fill, n, stream, &mut params) }
+    }
+
+    fn binary(
+        &self,
+        f: sys::CUfunction,
+        dst: DevicePtr,
+        a: DevicePtr,
+        b: DevicePtr,
+        n: usize,
+    ) -> Result<(), DeviceError> {
+        let op = DeviceOp::KernelLaunch;
+        self.inner.enter(op)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let (mut dst, mut a, mut b, mut n64) = (dst.0, a.0, b.0, n as u64);
+        let mut params: [*mut c_void; 4] = [
+            (&raw mut dst).cast(),
+            (&raw mut a).cast(),
+            (&raw mut b).cast(),
+            (&raw mut n64).cast(),
+        ];
+        // SAFETY: `f` is graft_add_f32 or graft_mul_f32, both (float*, const float*, const
+        // float*, unsigned long long), matching the four parameters (u64, u64, u64, u64) in
+        // order; the caller promises the arrays hold `n` f32s (a bad address is reported by the
+        // driver, not undefined behaviour on the host); the runtime stream is live.
+        unsafe { launch_1d(op, f, n, self.inner.stream, &mut params) }
+    }
+}
+
+impl fmt::Debug for CudaDevice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CudaDevice")
+            .field("id", &self.inner.id)
+            .field("ordinal", &self.inner.ordinal)
+            .field("name", &self.inner.name)
+            .field("kernels", &self.inner.kernels.source)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Every method makes the device's context current on the calling thread first. Errors from
+/// `Drop` (graph destruction) wait in the sticky slot until core takes them with
+/// `take_sticky_error` (one atomic load when there is none); no other method returns them.
+impl Device for CudaDevice {
+    type Graph = CudaGraph;
+
+    fn id(&self) -> DeviceId {
+        self.inner.id
+    }
+
+    fn describe(&self) -> String {
+        format!("{} (cuda:{})", self.inner.name, self.inner.ordinal)
+    }
+
+    /// `cuMemAlloc` under relaxed capture mode (legal during a capture).
+    ///
+    /// Why not the virtual memory management API (`cuMemCreate`/`cuMemMap`): graft's pool never
+    /// grows a segment in place, so reserving address space to extend later buys nothing yet,
+    /// and plain `cuMemAlloc` is simpler and what the pool's model (segments obtained whole,
+    /// returned whole) describes. Expandable segments over VMM are a later optimisation.
+    ///
+    /// The trait promises 512-byte alignment; CUDA only documents 256. If an address comes back
+    /// misaligned, the segment is re-allocated with 512 bytes of slack and the address rounded up
+    /// (the misaligned attempt is freed at the next `free_segment`, never during a capture).
+    fn alloc_segment(&self, bytes: usize) -> Result<DevicePtr, DeviceError> {
+        let op = DeviceOp::SegmentAlloc;
+        let inner = &self.inner;
+        inner.enter(op)?;
+        let ptr = inner.alloc_relaxed(op, bytes)?;
+        if ptr % SEGMENT_ALIGN == 0 {
+            return Ok(DevicePtr(ptr));
+        }
+        inner
+            .deferred_frees
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(ptr);
+        let padded = bytes
+            .checked_add(SEGMENT_ALIGN as usize)
+            .ok_or(DeviceError::OutOfMemory {
+                op,
+                bytes: usize::MAX,
+            })?;
+        let base = inner.alloc_relaxed(op, padded)?;
+        let aligned = base.next_multiple_of(SEGMENT_ALIGN);
+        inner
+            .realigned
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(aligned, base);
+        Ok(DevicePtr(aligned))
+    }
+
+    /// Synchronizes the runtime and side streams (work still using the segment), then
+    /// `cuMemFree`.
+    fn free_segment(&self, ptr: DevicePtr, _bytes: usize) -> Result<(), DeviceError> {
+        let op = DeviceOp::SegmentFree;
+        let inner = &self.inner;
+        inner.enter(op)?;
+        inner.sync(op, inner.stream)?;
+        inner.sync(op, inner.side_stream)?;
+        let base = inner
+            .realigned
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&ptr.0)
+            .unwrap_or(ptr.0);
+        // SAFETY: `base` is the address cuMemAlloc returned for this segment in alloc_segment
+        // (the realigned map translates a rounded-up address back); the pool frees each segment
+        // once, and the streams that could still use it were synchronized above.
+        check(op, unsafe { sys::cuMemFree_v2(base) })?;
+        inner.drain_deferred_frees(op)
+    }
+
+    /// `cuMemcpyDtoDAsync` on the runtime stream. Overlapping ranges are rejected before CUDA
+    /// sees them; a zero-byte copy does nothing.
+    fn copy(&self, dst: DevicePtr, src: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
+        let op = DeviceOp::Copy;
+        self.inner.enter(op)?;
+        if bytes == 0 {
+            return Ok(());
+        }
+        let len = bytes as u64;
+        if dst.0 < src.0.saturating_add(len) && src.0 < dst.0.saturating_add(len) {
+            return Err(DeviceError::OverlappingCopy {
+                op,
+                dst,
+                src,
+                len: bytes,
+            });
+        }
+        // SAFETY: the ranges do not overlap (checked above); the addresses are device addresses
+        // the caller owns (an invalid one is an error the driver reports, not host UB); the
+        // runtime stream is live.
+        check(op, unsafe {
+            sys::cuMemcpyDtoDAsync_v2(dst.0, src.0, bytes, self.inner.stream)
+        })
+    }
+
+    /// `cuMemcpyHtoDAsync` on the runtime stream, then `cuStreamSynchronize`. During a capture
+    /// CUDA refuses one or the other, and the error is returned as it comes.
+    fn write(&self, dst: DevicePtr, src: &[u8]) -> Result<(), DeviceError> {
+        let op = DeviceOp::Write;
+        let inner = &self.inner;
+        inner.enter(op)?;
+        if !src.is_empty() {
+            // SAFETY: `src` is a live host slice of `src.len()` bytes, borrowed until the stream
+            // synchronize below returns (so the driver's read of it has finished); `dst` is a
+            // device address the caller owns (an invalid one is a driver error).
+            check(op, unsafe {
+                sys::cuMemcpyHtoDAsync_v2(
+                    dst.0,
+                    src.as_ptr().cast::<c_void>(),
+                    src.len(),
+                    inner.stream,
+                )
+            })?;
+        }
+        inner.sync(op, inner.stream)
+    }
+
+    /// `cuMemcpyDtoHAsync` on the runtime stream (after its earlier work), then
+    /// `cuStreamSynchronize`. Fails during a capture, as CUDA does.
+    fn read(&self, src: DevicePtr, dst: &mut [u8]) -> Result<(), DeviceError> {
+        let op = DeviceOp::Read;
+        let inner = &self.inner;
+        inner.enter(op)?;
+        if !dst.is_empty() {
+            // SAFETY: `dst` is a live, exclusively borrowed host buffer of `dst.len()` bytes,
+            // borrowed until the stream synchronize below returns (so the driver's write to it
+            // has finished); `src` is a device address the caller owns.
+            check(op, unsafe {
+                sys::cuMemcpyDtoHAsync_v2(
+                    dst.as_mut_ptr().cast::<c_void>(),
+                    src.0,
+                    dst.len(),
+                    inner.stream,
+                )
+            })?;
+        }
+        inner.sync(op, inner.stream)
+    }
+
+    fn synchronize(&self) -> Result<(), DeviceError> {
+        let op = DeviceOp::Synchronize;
+        self.inner.enter(op)?;
+        self.inner.sync(op, self.inner.stream)
+    }
+
+    /// `cuStreamBeginCapture_v2` on the runtime stream with the matching `CUstreamCaptureMode`.
+    fn begin_capture(&self, mode: CaptureMode) -> Result<(), DeviceError> {
+        let op = DeviceOp::BeginCapture;
+        let inner = &self.inner;
+        inner.enter(op)?;
+        if inner.capture_status(op)? != CAPTURE_NONE {
+            return Err(DeviceError::CaptureState {
+                op,
+                state: "a capture is already underway on the runtime stream",
+            });
+        }
+        let mode = match mode {
+            CaptureMode::Global => sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL,
+            CaptureMode::ThreadLocal => {
+                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+            }
+            CaptureMode::Relaxed => sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
+        };
+        // SAFETY: the runtime stream is live and not capturing (checked above).
+        check(op, unsafe {
+            sys::cuStreamBeginCapture_v2(inner.stream, mode)
+        })
+    }
+
+    /// `cuStreamEndCapture`, `cuGraphInstantiateWithFlags` (flags 0) and `cuGraphUpload` on the
+    /// runtime stream. If the end fails (an invalidated capture, unjoined work), the partial
+    /// graph is destroyed and the error returned with `EndCapture`; the stream is left out of
+    /// capture mode either way, so core must not call `abort_capture` after a failed
+    /// `end_capture` (it would answer `CaptureState`).
+    fn end_capture(&self) -> Result<CudaGraph, DeviceError> {
+        let op = DeviceOp::EndCapture;
+        let inner = &self.inner;
+        inner.enter(op)?;
+        if inner.capture_status(op)? == CAPTURE_NONE {
+            return Err(DeviceError::CaptureState {
+                op,
+                state: "no capture is underway on the runtime stream",
+            });
+        }
+        let mut graph: sys::CUgraph = ptr::null_mut();
+        // SAFETY: the runtime stream is live and capturing (checked above), begun by this
+        // thread; `graph` is a valid out-pointer.
+        let ended = unsafe { sys::cuStreamEndCapture(inner.stream, &mut graph) };
+        if ended != sys::CUresult::CUDA_SUCCESS {
+            graph::destroy_orphan(inner, graph, ptr::null_mut());
+            // CUDA ends the capture even when it reports an error; make sure of it.
+            if matches!(inner.capture_status(op), Ok(s) if s != CAPTURE_NONE) {
+                let _ = inner.end_and_discard();
+            }
+            return Err(map(op, ended, 0));
+        }
+        let mut exec: sys::CUgraphExec = ptr::null_mut();
+        // SAFETY: `graph` is the live graph just returned by cuStreamEndCapture; `exec` is a
+        // valid out-pointer; flags 0 requests a plain instantiation.
+        let instantiated = unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) };
+        if let Err(err) = check(DeviceOp::Instantiate, instantiated) {
+            graph::destroy_orphan(inner, graph, ptr::null_mut());
+            return Err(err);
+        }
+        // SAFETY: `exec` was just instantiated in this context; the runtime stream is live.
+        let uploaded = unsafe { sys::cuGraphUpload(exec, inner.stream) };
+        if let Err(err) = check(DeviceOp::Upload, uploaded) {
+            graph::destroy_orphan(inner, graph, exec);
+            return Err(err);
+        }
+        Ok(CudaGraph::new(Arc::clone(inner), graph, exec))
+    }
+
+    /// If the runtime stream is capturing (active or invalidated), ends the capture and destroys
+    /// whatever graph comes back, ignoring the capture errors the end reports (that is what
+    /// aborting a broken capture means). Errors with `CaptureState` if no capture is underway.
+    ///
+    /// The driver API keeps no per-thread "last error" (that is the runtime API's
+    /// `cudaGetLastError`), and capture violations are not sticky context errors, so once the
+    /// capture has ended there is no error state left to clear: the stream is usable eagerly.
+    fn abort_capture(&self) -> Result<(), DeviceError> {
+        let op = DeviceOp::EndCapture;
+        let inner = &self.inner;
+        inner.enter(op)?;
+        if inner.capture_status(op)? == CAPTURE_NONE {
+            return Err(DeviceError::CaptureState {
+                op,
+                state: "no capture is underway on the runtime stream",
+            });
+        }
+        let ended = inner.end_and_discard();
+        if ended != sys::CUresult::CUDA_SUCCESS && !is_capture_error(ended) {
+            return Err(map(op, ended, 0));
+        }
+        if inner.capture_status(op)? != CAPTURE_NONE {
+            return Err(DeviceError::CaptureState {
+                op,
+                state: "the capture could not be ended",
+            });
+        }
+        Ok(())
+    }
+
+    /// `cuGraphLaunch` on the runtime stream.
+    fn launch(&self, graph: &CudaGraph) -> Result<(), DeviceError> {
+        let op = DeviceOp::GraphLaunch;
+        let inner = &self.inner;
+        inner.enter(op)?;
+        if !Arc::ptr_eq(&graph.device, inner) {
+            // The simulator reports the same code and name for this misuse.
+            return Err(DeviceError::Driver {
+                op,
+                code: sys::CUresult::CUDA_ERROR_INVALID_CONTEXT as u32,
+                name: "CUDA_ERROR_INVALID_CONTEXT",
+            });
+        }
+        let handles = graph.lock();
+        // SAFETY: `exec` is the live executable of `graph` (destroyed only when the graph is
+        // dropped, impossible while borrowed), instantiated in this device's context, and its
+        // use is serialized by the graph's lock; the runtime stream is live.
+        check(op, unsafe {
+            sys::cuGraphLaunch(handles.exec, inner.stream)
+        })
+    }
+
+    /// `cuGraphGetNodes` and `cuGraphNodeGetType` over the captured graph.
+    fn summarize(&self, graph: &CudaGraph) -> Result<GraphSummary, DeviceError> {
+        self.inner.enter(INSPECT_OP)?;
+        let handles = graph.lock();
+        graph::summarize(INSPECT_OP, handles.graph)
+    }
+
+    fn take_sticky_error(&self) -> Option<DeviceError> {
+        self.inner.take_sticky()
+    }
+
+    fn record_sticky_error(&self, error: DeviceError) {
+        self.inner.record_sticky(error);
+    }
+}

@@ -1,0 +1,164 @@
+//! [`CudaGraph`]: a captured graph and its instantiated, uploaded executable.
+
+use std::fmt;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use cudarc::driver::sys;
+use graft_core::{DeviceError, DeviceOp};
+
+use crate::device::Inner;
+use crate::error::check;
+
+/// The raw graph handles. Only touched under [`CudaGraph`]'s mutex, or through `&mut` in drop.
+pub(crate) struct GraphHandles {
+    /// The captured graph, kept for `cuGraphGetNodes` (summaries).
+    pub(crate) graph: sys::CUgraph,
+    /// Its instantiated executable.
+    pub(crate) exec: sys::CUgraphExec,
+}
+
+// SAFETY: CUDA graph handles are plain driver handles, usable from any thread while their
+// context is current (every user makes it current first). CUDA requires calls on one graph to
+// be serialized; `CudaGraph` only reaches the handles through its `Mutex` (or `&mut self` in
+// `Drop`), so moving them between threads is sound.
+unsafe impl Send for GraphHandles {}
+
+/// An instantiated, uploaded CUDA graph: the `Device::Graph` of [`crate::CudaDevice`].
+///
+/// It keeps both the `CUgraph` (for [`graft_core::Device::summarize`]) and the `CUgraphExec`
+/// (for launches), and an `Arc` to its device so that the context, stream and sticky error slot
+/// outlive it. Dropping it destroys both handles; a failure there goes to the device's sticky
+/// error slot. Dropping while a launch is in flight is fine: CUDA frees an executing graph when
+/// it completes.
+pub struct CudaGraph {
+    handles: Mutex<GraphHandles>,
+    pub(crate) device: Arc<Inner>,
+}
+
+impl CudaGraph {
+    /// Takes ownership of `graph` and `exec`, both created in `device`'s context.
+    pub(crate) fn new(device: Arc<Inner>, graph: sys::CUgraph, exec: sys::CUgraphExec) -> Self {
+        CudaGraph {
+            handles: Mutex::new(GraphHandles { graph, exec }),
+            device,
+        }
+    }
+
+    /// The handles, serialized as CUDA's graph thread-safety rules require.
+    #[inline]
+    pub(crate) fn lock(&self) -> MutexGuard<'_, GraphHandles> {
+        self.handles.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl fmt::Debug for CudaGraph {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let h = self.lock();
+        f.debug_struct("CudaGraph")
+            .field("device", &self.device.id)
+            .field("graph", &h.graph)
+            .field("exec", &h.exec)
+            .finish()
+    }
+}
+
+impl Drop for CudaGraph {
+    fn drop(&mut self) {
+        let h = self
+            .handles
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner);
+        let device = &self.device;
+        if let Err(err) = device.make_current(DeviceOp::GraphDestroy) {
+            device.record_sticky(err);
+        }
+        if !h.exec.is_null() {
+            let exec = std::mem::replace(&mut h.exec, std::ptr::null_mut());
+            // SAFETY: `exec` came from cuGraphInstantiateWithFlags in end_capture, is owned by
+            // this graph alone, and is destroyed exactly once (swapped out above). CUDA defers
+            // the release of an executable still running until it completes.
+            if let Err(err) = check(DeviceOp::GraphDestroy, unsafe {
+                sys::cuGraphExecDestroy(exec)
+            }) {
+                device.record_sticky(err);
+            }
+        }
+        if !h.graph.is_null() {
+            let graph = std::mem::replace(&mut h.graph, std::ptr::null_mut());
+            // SAFETY: `graph` came from cuStreamEndCapture in end_capture, is owned by this
+            // graph alone, and is destroyed exactly once (swapped out above); its executable,
+            // instantiated from it, no longer depends on it.
+            if let Err(err) = check(DeviceOp::GraphDestroy, unsafe {
+                sys::cuGraphDestroy(graph)
+            }) {
+                device.record_sticky(err);
+            }
+        }
+    }
+}
+
+/// Destroys a graph that never made it into a [`CudaGraph`] (a failed end, instantiate or
+/// upload). Failures go to the sticky slot: the caller is already returning another error.
+pub(crate) fn destroy_orphan(device: &Inner, graph: sys::CUgraph, exec: sys::CUgraphExec) {
+    if !exec.is_null() {
+        // SAFETY: `exec` was instantiated by the caller moments ago, was never shared, and is
+        // destroyed exactly once here.
+        if let Err(err) = check(DeviceOp::GraphDestroy, unsafe {
+            sys::cuGraphExecDestroy(exec)
+        }) {
+            device.record_sticky(err);
+        }
+    }
+    if !graph.is_null() {
+        // SAFETY: `graph` was returned by cuStreamEndCapture to the caller, was never shared,
+        // and is destroyed exactly once here.
+        if let Err(err) = check(DeviceOp::GraphDestroy, unsafe {
+            sys::cuGraphDestroy(graph)
+        }) {
+            device.record_sticky(err);
+        }
+    }
+}
+
+/// Counting helper for `summarize`, kept here with the other graph-handle code.
+pub(crate) fn summarize(
+    op: DeviceOp,
+    graph: sys::CUgraph,
+) -> Result<graft_core::GraphSummary, DeviceError> {
+    let mut count: usize = 0;
+    // SAFETY: `graph` is a live graph (the caller holds the CudaGraph's lock); a null node array
+    // asks only for the count, written into a valid out-pointer.
+    check(op, unsafe {
+        sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut count)
+    })?;
+    let mut nodes: Vec<sys::CUgraphNode> = vec![std::ptr::null_mut(); count];
+    let mut filled = count;
+    if count > 0 {
+        // SAFETY: `nodes` has room for `filled` handles, and the driver writes at most that many.
+        check(op, unsafe {
+            sys::cuGraphGetNodes(graph, nodes.as_mut_ptr(), &mut filled)
+        })?;
+    }
+    let mut summary = graft_core::GraphSummary::default();
+    for &node in &nodes[..filled.min(count)] {
+        // Read the type as a plain u32: a newer driver may report a node type that cudarc's
+        // enum (CUDA 12.8's list) lacks, and an unknown discriminant in a Rust enum is UB.
+        let mut kind: u32 = u32::MAX;
+        // SAFETY: `node` is a node of the live `graph`, just returned by cuGraphGetNodes; `kind`
+        // is a valid, 4-byte-aligned out-pointer for the 4-byte `CUgraphNodeType` (repr(u32)).
+        check(op, unsafe {
+            sys::cuGraphNodeGetType(node, (&raw mut kind).cast::<sys::CUgraphNodeType>())
+        })?;
+        match kind {
+            k if k == sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL as u32 => {
+                summary.kernels += 1
+            }
+            k if k == sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEMCPY as u32 => summary.copies += 1,
+            k if k == sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEMSET as u32 => {
+                summary.memsets += 1
+            }
+            _ => summary.other += 1,
+        }
+    }
+    Ok(summary)
+}

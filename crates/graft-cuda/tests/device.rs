@@ -1,0 +1,411 @@
+//! graft-cuda against a real GPU: the capture lifecycle, copies, kernels and the failures CUDA
+//! imposes inside a capture. Every GPU test is `#[ignore]`d (CI has no GPU); run them with
+//! `--include-ignored` on a machine with one (scripts/gpu-run.sh does).
+
+use graft_core::{CaptureMode, CaptureViolation, Device, DeviceError, DeviceOp, DevicePtr};
+use graft_cuda::{CudaDevice, KernelSource};
+
+const N: usize = 1000;
+const F32: usize = std::mem::size_of::<f32>();
+
+fn device() -> CudaDevice {
+    let dev = CudaDevice::new(0).expect("open cuda:0");
+    if let KernelSource::EmbeddedPtx { reason } = dev.kernel_source() {
+        eprintln!("note: kernels loaded from the shipped PTX: {reason}");
+    }
+    dev
+}
+
+fn assert_capture_err(result: Result<impl std::fmt::Debug, DeviceError>, op: DeviceOp) {
+    match result {
+        Err(DeviceError::Capture { op: got, .. }) if got == op => {}
+        other => panic!("expected a Capture error for {op:?}, got {other:?}"),
+    }
+}
+
+/// Four arrays of `N` f32 in one segment.
+struct Arrays {
+    base: DevicePtr,
+    x: DevicePtr,
+    y: DevicePtr,
+    t: DevicePtr,
+    out: DevicePtr,
+}
+
+const SEGMENT: usize = 4 * N * F32;
+
+fn arrays(dev: &CudaDevice) -> Arrays {
+    let base = dev.alloc_segment(SEGMENT).expect("alloc_segment");
+    assert_eq!(base.0 % 512, 0, "segments are 512-byte aligned");
+    Arrays {
+        base,
+        x: base,
+        y: base.offset(N * F32),
+        t: base.offset(2 * N * F32),
+        out: base.offset(3 * N * F32),
+    }
+}
+
+/// out = 0.5 * ((x + y) * x) + 1
+fn chain(dev: &CudaDevice, a: &Arrays) {
+    dev.add_f32(a.t, a.x, a.y, N).unwrap();
+    dev.mul_f32(a.t, a.t, a.x, N).unwrap();
+    dev.axpb_f32(a.out, a.t, 0.5, 1.0, N).unwrap();
+}
+
+fn expected(x: &[f32], y: &[f32]) -> Vec<f32> {
+    x.iter()
+        .zip(y)
+        .map(|(&x, &y)| 0.5 * ((x + y) * x) + 1.0)
+        .collect()
+}
+
+#[test]
+fn is_available_does_not_panic() {
+    let available = CudaDevice::is_available();
+    eprintln!("CudaDevice::is_available() = {available}");
+    if !available {
+        // Without a GPU, opening one is an error, not a panic.
+        assert!(CudaDevice::new(0).is_err());
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn describe_names_the_device() {
+    let dev = device();
+    let text = dev.describe();
+    eprintln!("{text}; {dev:?}");
+    assert!(text.ends_with("(cuda:0)"), "{text}");
+    assert!(CudaDevice::device_count().unwrap() >= 1);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn capture_then_launch_reproduces_eager() {
+    let dev = device();
+    let a = arrays(&dev);
+    let x: Vec<f32> = (0..N).map(|i| (i % 17) as f32).collect();
+    let y: Vec<f32> = (0..N).map(|i| (i % 5) as f32 - 2.0).collect();
+    dev.write_f32(a.x, &x).unwrap();
+    dev.write_f32(a.y, &y).unwrap();
+
+    // Eager.
+    chain(&dev, &a);
+    let eager = dev.read_f32(a.out, N).unwrap();
+    assert_eq!(eager, expected(&x, &y));
+
+    // Capture: recorded, not run.
+    dev.fill_f32(a.out, N, -7.0).unwrap();
+    dev.synchronize().unwrap();
+    dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
+    assert!(dev.is_capturing().unwrap());
+    chain(&dev, &a);
+    let graph = dev.end_capture().unwrap();
+    assert!(!dev.is_capturing().unwrap());
+    assert_eq!(
+        dev.read_f32(a.out, N).unwrap(),
+        vec![-7.0; N],
+        "capture must not run the work"
+    );
+
+    // Replay.
+    dev.launch(&graph).unwrap();
+    assert_eq!(dev.read_f32(a.out, N).unwrap(), eager);
+
+    // Replay reads its inputs at the recorded addresses: new inputs, new outputs.
+    let x2: Vec<f32> = (0..N).map(|i| (i % 3) as f32 + 0.5).collect();
+    dev.write_f32(a.x, &x2).unwrap();
+    dev.launch(&graph).unwrap();
+    dev.launch(&graph).unwrap();
+    assert_eq!(dev.read_f32(a.out, N).unwrap(), expected(&x2, &y));
+
+    drop(graph);
+    assert_eq!(dev.take_sticky_error(), None);
+    dev.free_segment(a.base, SEGMENT).unwrap();
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn capture_modes_all_work() {
+    let dev = device();
+    let a = arrays(&dev);
+    for (i, mode) in [
+        CaptureMode::Global,
+        CaptureMode::ThreadLocal,
+        CaptureMode::Relaxed,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        dev.begin_capture(mode).unwrap();
+        dev.fill_f32(a.x, N, i as f32).unwrap();
+        let graph = dev.end_capture().unwrap();
+        dev.launch(&graph).unwrap();
+        assert_eq!(dev.read_f32(a.x, N).unwrap(), vec![i as f32; N], "{mode:?}");
+    }
+    dev.free_segment(a.base, SEGMENT).unwrap();
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn synchronize_inside_capture_fails_and_abort_recovers() {
+    let dev = device();
+    let a = arrays(&dev);
+    dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
+    dev.fill_f32(a.x, N, 1.0).unwrap();
+    assert_capture_err(dev.synchronize(), DeviceOp::Synchronize);
+    dev.abort_capture().unwrap();
+    assert!(!dev.is_capturing().unwrap());
+
+    // The stream works eagerly again...
+    dev.fill_f32(a.x, N, 3.0).unwrap();
+    assert_eq!(dev.read_f32(a.x, N).unwrap(), vec![3.0; N]);
+    // ...and captures again.
+    dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
+    dev.fill_f32(a.x, N, 4.0).unwrap();
+    let graph = dev.end_capture().unwrap();
+    dev.launch(&graph).unwrap();
+    assert_eq!(dev.read_f32(a.x, N).unwrap(), vec![4.0; N]);
+    dev.free_segment(a.base, SEGMENT).unwrap();
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn host_transfers_and_query_inside_capture_fail() {
+    let dev = device();
+    let a = arrays(&dev);
+    let mut host = vec![0u8; 16];
+
+    dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
+    assert_capture_err(dev.read(a.x, &mut host), DeviceOp::Read);
+    dev.abort_capture().unwrap();
+
+    dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
+    assert_capture_err(dev.write(a.x, &host), DeviceOp::Write);
+    dev.abort_capture().unwrap();
+
+    dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
+    assert_capture_err(dev.query(), DeviceOp::Query);
+    dev.abort_capture().unwrap();
+
+    dev.synchronize().unwrap();
+    assert!(dev.query().unwrap(), "an idle stream has finished its work");
+    dev.free_segment(a.base, SEGMENT).unwrap();
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn capture_lifecycle_misuse_is_capture_state() {
+    let dev = device();
+    assert!(matches!(
+        dev.end_capture(),
+        Err(DeviceError::CaptureState {
+            op: DeviceOp::EndCapture,
+            ..
+        })
+    ));
+    assert!(matches!(
+        dev.abort_capture(),
+        Err(DeviceError::CaptureState { .. })
+    ));
+    dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
+    assert!(matches!(
+        dev.begin_capture(CaptureMode::ThreadLocal),
+        Err(DeviceError::CaptureState {
+            op: DeviceOp::BeginCapture,
+            ..
+        })
+    ));
+    // An empty capture instantiates and launches.
+    let graph = dev.end_capture().unwrap();
+    assert_eq!(dev.summarize(&graph).unwrap(), Default::default());
+    dev.launch(&graph).unwrap();
+    dev.synchronize().unwrap();
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn copies_and_read_write_round_trip() {
+    let dev = device();
+    let a = arrays(&dev);
+    let bytes: Vec<u8> = (0..N * F32).map(|i| (i * 7 % 251) as u8).collect();
+    dev.write(a.x, &bytes).unwrap();
+    dev.copy(a.y, a.x, bytes.len()).unwrap();
+    let mut back = vec![0u8; bytes.len()];
+    dev.read(a.y, &mut back).unwrap();
+    assert_eq!(back, bytes);
+
+    // Unaligned offsets and odd lengths.
+    dev.copy(a.t.offset(3), a.x.offset(1), 1001).unwrap();
+    let mut odd = vec![0u8; 1001];
+    dev.read(a.t.offset(3), &mut odd).unwrap();
+    assert_eq!(odd, bytes[1..1002]);
+
+    // Overlap is rejected before CUDA sees it; adjacency is fine; zero bytes is a no-op.
+    assert_eq!(
+        dev.copy(a.x.offset(8), a.x, 16),
+        Err(DeviceError::OverlappingCopy {
+            op: DeviceOp::Copy,
+            dst: a.x.offset(8),
+            src: a.x,
+            len: 16
+        })
+    );
+    assert!(matches!(
+        dev.copy(a.x, a.x, 4),
+        Err(DeviceError::OverlappingCopy { .. })
+    ));
+    dev.copy(a.x.offset(16), a.x, 16).unwrap();
+    dev.copy(a.x, a.y, 0).unwrap();
+
+    // Empty transfers work too.
+    dev.write(a.x, &[]).unwrap();
+    dev.read(a.x, &mut []).unwrap();
+
+    // A copy inside a capture is recorded and replayed.
+    dev.write_f32(a.x, &[5.0; N]).unwrap();
+    dev.fill_f32(a.out, N, 0.0).unwrap();
+    dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
+    dev.copy(a.out, a.x, N * F32).unwrap();
+    let graph = dev.end_capture().unwrap();
+    assert_eq!(dev.read_f32(a.out, N).unwrap(), vec![0.0; N]);
+    dev.launch(&graph).unwrap();
+    assert_eq!(dev.read_f32(a.out, N).unwrap(), vec![5.0; N]);
+    dev.free_segment(a.base, SEGMENT).unwrap();
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn summarize_counts_kernels_and_copies() {
+    let dev = device();
+    let a = arrays(&dev);
+    dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
+    chain(&dev, &a);
+    dev.copy(a.y, a.out, N * F32).unwrap();
+    let graph = dev.end_capture().unwrap();
+    let summary = dev.summarize(&graph).unwrap();
+    eprintln!("{summary:?}");
+    assert_eq!(summary.kernels, 3);
+    assert_eq!(summary.copies, 1);
+    assert_eq!(summary.memsets, 0);
+    dev.free_segment(a.base, SEGMENT).unwrap();
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn alloc_segment_during_capture_works() {
+    let dev = device();
+    for mode in [CaptureMode::Global, CaptureMode::ThreadLocal] {
+        dev.begin_capture(mode).unwrap();
+        let seg = dev
+            .alloc_segment(1 << 20)
+            .expect("alloc_segment inside a capture");
+        assert_eq!(seg.0 % 512, 0);
+        dev.fill_f32(seg, N, 9.0).unwrap();
+        let graph = dev
+            .end_capture()
+            .expect("the capture survives the allocation");
+        dev.launch(&graph).unwrap();
+        assert_eq!(dev.read_f32(seg, N).unwrap(), vec![9.0; N], "{mode:?}");
+        dev.free_segment(seg, 1 << 20).unwrap();
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn raw_alloc_during_capture_fails() {
+    let dev = device();
+    dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
+    assert_capture_err(dev.raw_alloc(4096), DeviceOp::RawAlloc);
+    dev.abort_capture().unwrap();
+
+    let ptr = dev.raw_alloc(4096).expect("raw_alloc outside a capture");
+    dev.fill_f32(ptr, 1024, 2.0).unwrap();
+    assert_eq!(dev.read_f32(ptr, 4).unwrap(), vec![2.0; 4]);
+    dev.raw_free(ptr).unwrap();
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn side_stream_left_unjoined_fails_end_capture() {
+    let dev = device();
+    let a = arrays(&dev);
+    dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
+    dev.fill_f32(a.x, N, 1.0).unwrap();
+    dev.fill_f32_on_side_stream(a.y, N, 2.0).unwrap();
+    match dev.end_capture() {
+        Err(DeviceError::Capture {
+            op: DeviceOp::EndCapture,
+            violation: CaptureViolation::Unjoined,
+        }) => {}
+        other => panic!("expected Capture {{ EndCapture, Unjoined }}, got {other:?}"),
+    }
+    assert!(
+        !dev.is_capturing().unwrap(),
+        "a failed end leaves no capture"
+    );
+
+    // Both streams work eagerly afterwards.
+    dev.fill_f32_on_side_stream(a.y, N, 6.0).unwrap();
+    dev.join_side_stream().unwrap();
+    assert_eq!(dev.read_f32(a.y, N).unwrap(), vec![6.0; N]);
+
+    // Joined, the same fork captures fine and replays both kernels.
+    dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
+    dev.fill_f32(a.x, N, 7.0).unwrap();
+    dev.fill_f32_on_side_stream(a.y, N, 8.0).unwrap();
+    dev.join_side_stream().unwrap();
+    let graph = dev.end_capture().expect("joined fork captures");
+    assert_eq!(dev.summarize(&graph).unwrap().kernels, 2);
+    dev.launch(&graph).unwrap();
+    assert_eq!(dev.read_f32(a.x, N).unwrap(), vec![7.0; N]);
+    assert_eq!(dev.read_f32(a.y, N).unwrap(), vec![8.0; N]);
+    dev.free_segment(a.base, SEGMENT).unwrap();
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn graphs_launch_from_another_thread_and_drop_cleanly() {
+    let dev = device();
+    let a = arrays(&dev);
+    dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
+    dev.fill_f32(a.x, N, 11.0).unwrap();
+    let graph = dev.end_capture().unwrap();
+    let dev2 = dev.clone();
+    std::thread::spawn(move || {
+        dev2.launch(&graph).unwrap();
+        dev2.synchronize().unwrap();
+        drop(graph);
+    })
+    .join()
+    .unwrap();
+    assert_eq!(dev.read_f32(a.x, N).unwrap(), vec![11.0; N]);
+    assert_eq!(dev.take_sticky_error(), None);
+
+    // A graph of another device instance is refused.
+    let other = device();
+    other.begin_capture(CaptureMode::ThreadLocal).unwrap();
+    let foreign = other.end_capture().unwrap();
+    assert!(matches!(
+        dev.launch(&foreign),
+        Err(DeviceError::Driver {
+            op: DeviceOp::GraphLaunch,
+            ..
+        })
+    ));
+    dev.free_segment(a.base, SEGMENT).unwrap();
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn large_fill_covers_every_element() {
+    // More elements than one launch has threads (65536 blocks x 256): the grid-stride loop.
+    let dev = device();
+    let n = (1 << 24) + 3;
+    let seg = dev.alloc_segment(n * F32).unwrap();
+    dev.fill_f32(seg, n, 0.25).unwrap();
+    let all = dev.read_f32(seg, n).unwrap();
+    assert!(all.iter().all(|&v| v == 0.25));
+    dev.free_segment(seg, n * F32).unwrap();
+}

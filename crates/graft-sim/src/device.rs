@@ -1,0 +1,608 @@
+//! `SimDevice`: one simulated device with one stream, its capture state machine, counters and fault injection.
+
+use std::cell::Cell;
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use graft_core::{
+    CaptureMode, CaptureViolation, Device, DeviceError, DeviceId, DeviceOp, DevicePtr,
+    GraphSummary, StickyError,
+};
+
+use crate::graph::{self, Op, SimGraph, Tally};
+use crate::memory::{DEFAULT_MEMORY_LIMIT, SegmentKind, SimMemory};
+
+static NEXT_DEVICE_ID: AtomicU64 = AtomicU64::new(1);
+
+thread_local! {
+    /// Set while this thread runs stream work (a kernel body), during which the device is locked.
+    static ON_STREAM: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Marks the current thread as running stream work until dropped (also on panic).
+struct StreamGuard;
+
+impl StreamGuard {
+    fn enter() -> StreamGuard {
+        ON_STREAM.with(|c| c.set(true));
+        StreamGuard
+    }
+}
+
+impl Drop for StreamGuard {
+    fn drop(&mut self) {
+        ON_STREAM.with(|c| c.set(false));
+    }
+}
+
+const NO_CAPTURE: &str = "no capture is underway";
+const CAPTURE_UNDERWAY: &str = "a capture is already underway";
+const CAPTURE_INVALIDATED: &str = "an invalidated capture is underway";
+
+/// Where the stream stands with respect to capture (`cudaStreamGetCaptureInfo`).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum CaptureStatus {
+    /// Not capturing: work runs when it is enqueued.
+    Idle,
+    /// Capturing: work is recorded.
+    Active {
+        /// The mode the capture was begun with.
+        mode: CaptureMode,
+    },
+    /// Capturing, but an earlier operation broke the capture; only ending or aborting it helps.
+    Invalidated {
+        /// The mode the capture was begun with.
+        mode: CaptureMode,
+    },
+}
+
+enum Capture {
+    Idle,
+    Recording {
+        mode: CaptureMode,
+        ops: Vec<Op>,
+        /// Work was forked onto the side stream and never joined back.
+        unjoined: bool,
+    },
+    Invalidated {
+        mode: CaptureMode,
+    },
+}
+
+/// Everything behind the device lock.
+struct State {
+    mem: SimMemory,
+    capture: Capture,
+}
+
+/// Counters readable without the lock.
+#[derive(Default)]
+pub(crate) struct Counters {
+    live_segments: AtomicUsize,
+    live_bytes: AtomicUsize,
+    live_raw_allocs: AtomicUsize,
+    pub(crate) live_graphs: AtomicUsize,
+    kernels_run: AtomicU64,
+    copies_run: AtomicU64,
+    graph_launches: AtomicU64,
+    segment_allocs: AtomicU64,
+}
+
+/// Armed fault injection points; each fires once.
+#[derive(Default)]
+pub(crate) struct Faults {
+    /// 0: off; k > 0: the k-th segment allocation from when it was armed fails.
+    segment_alloc_countdown: AtomicU64,
+    instantiate: AtomicBool,
+    launch: AtomicBool,
+    pub(crate) fail_next_graph_destroy: AtomicBool,
+}
+
+pub(crate) struct Inner {
+    pub(crate) id: DeviceId,
+    state: Mutex<State>,
+    pub(crate) sticky: StickyError,
+    pub(crate) counters: Counters,
+    pub(crate) faults: Faults,
+}
+
+/// Counters of a [`SimDevice`], for tests.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
+pub struct SimStats {
+    /// Pool segments allocated and not yet freed.
+    pub live_segments: usize,
+    /// Bytes in those segments.
+    pub live_bytes: usize,
+    /// Raw (user) allocations not yet freed.
+    pub live_raw_allocs: usize,
+    /// Graphs instantiated and not yet dropped.
+    pub live_graphs: usize,
+    /// Kernels executed, eagerly or by graph launches (recording one does not count).
+    pub kernels_run: u64,
+    /// Device-to-device copies executed, eagerly or by graph launches.
+    pub copies_run: u64,
+    /// Graph launches that ran to completion.
+    pub graph_launches: u64,
+    /// Successful pool segment allocations.
+    pub segment_allocs: u64,
+}
+
+/// A simulated CUDA device with one stream. Cloning it is cheap and shares the device.
+///
+/// See the crate documentation for the rules it enforces.
+#[derive(Clone)]
+pub struct SimDevice {
+    inner: Arc<Inner>,
+}
+
+impl fmt::Debug for SimDevice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SimDevice")
+            .field("id", &self.inner.id)
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+impl Default for SimDevice {
+    fn default() -> Self {
+        SimDevice::new()
+    }
+}
+
+fn invalidated(op: DeviceOp) -> DeviceError {
+    DeviceError::Capture {
+        op,
+        violation: CaptureViolation::Invalidated,
+    }
+}
+
+impl State {
+    /// For operations CUDA refuses during a capture: fails and invalidates the capture, or
+    /// passes when the stream is idle.
+    fn forbid_in_capture(&mut self, op: DeviceOp) -> Result<(), DeviceError> {
+        match self.capture {
+            Capture::Idle => Ok(()),
+            Capture::Recording { mode, .. } => {
+                self.capture = Capture::Invalidated { mode };
+                Err(DeviceError::Capture {
+                    op,
+                    violation: CaptureViolation::Unsupported,
+                })
+            }
+            Capture::Invalidated { .. } => Err(invalidated(op)),
+        }
+    }
+}
+
+impl SimDevice {
+    /// A fresh device with [`DEFAULT_MEMORY_LIMIT`] bytes of memory.
+    pub fn new() -> SimDevice {
+        SimDevice::with_memory_limit(DEFAULT_MEMORY_LIMIT)
+    }
+
+    /// A fresh device with `bytes` of memory: allocations that would take more fail with
+    /// `OutOfMemory`. Memory is really allocated on the host, so keep it modest.
+    pub fn with_memory_limit(bytes: usize) -> SimDevice {
+        SimDevice {
+            inner: Arc::new(Inner {
+                id: DeviceId(NEXT_DEVICE_ID.fetch_add(1, Ordering::Relaxed)),
+                state: Mutex::new(State {
+                    mem: SimMemory::new(bytes),
+                    capture: Capture::Idle,
+                }),
+                sticky: StickyError::default(),
+                counters: Counters::default(),
+                faults: Faults::default(),
+            }),
+        }
+    }
+
+    /// Locks the device. Calls made from inside a kernel body (which runs under the lock) fail
+    /// like CUDA calls made from a host callback, instead of deadlocking.
+    fn lock(&self, op: DeviceOp) -> Result<MutexGuard<'_, State>, DeviceError> {
+        if ON_STREAM.with(Cell::get) {
+            return Err(DeviceError::Driver {
+                op,
+                code: 800,
+                name: "CUDA_ERROR_NOT_PERMITTED",
+            });
+        }
+        Ok(self
+            .inner
+            .state
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner))
+    }
+
+    /// The device's counters. Never blocks.
+    pub fn stats(&self) -> SimStats {
+        let c = &self.inner.counters;
+        SimStats {
+            live_segments: c.live_segments.load(Ordering::Relaxed),
+            live_bytes: c.live_bytes.load(Ordering::Relaxed),
+            live_raw_allocs: c.live_raw_allocs.load(Ordering::Relaxed),
+            live_graphs: c.live_graphs.load(Ordering::Relaxed),
+            kernels_run: c.kernels_run.load(Ordering::Relaxed),
+            copies_run: c.copies_run.load(Ordering::Relaxed),
+            graph_launches: c.graph_launches.load(Ordering::Relaxed),
+            segment_allocs: c.segment_allocs.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Whether the stream is capturing. Legal during a capture.
+    pub fn capture_status(&self) -> Result<CaptureStatus, DeviceError> {
+        let st = self.lock(DeviceOp::Query)?;
+        Ok(match st.capture {
+            Capture::Idle => CaptureStatus::Idle,
+            Capture::Recording { mode, .. } => CaptureStatus::Active { mode },
+            Capture::Invalidated { mode } => CaptureStatus::Invalidated { mode },
+        })
+    }
+
+    /// Enqueues a kernel on the runtime stream: run now when idle (the stream runs in program
+    /// order), recorded when capturing. Bad memory accesses inside it are errors it returns.
+    ///
+    /// The body must not call back into the device (it runs with the device locked); such
+    /// calls fail with a `CUDA_ERROR_NOT_PERMITTED` driver error.
+    pub fn launch_kernel<F>(&self, name: &'static str, f: F) -> Result<(), DeviceError>
+    where
+        F: Fn(&mut SimMemory) -> Result<(), DeviceError> + Send + Sync + 'static,
+    {
+        let mut st = self.lock(DeviceOp::KernelLaunch)?;
+        match &mut st.capture {
+            Capture::Idle => {}
+            Capture::Recording { ops, .. } => {
+                ops.push(Op::Kernel {
+                    name,
+                    f: Arc::new(f),
+                });
+                return Ok(());
+            }
+            Capture::Invalidated { .. } => return Err(invalidated(DeviceOp::KernelLaunch)),
+        }
+        self.run_kernel_now(&mut st, f)
+    }
+
+    fn run_kernel_now<F>(&self, st: &mut State, f: F) -> Result<(), DeviceError>
+    where
+        F: Fn(&mut SimMemory) -> Result<(), DeviceError>,
+    {
+        let _guard = StreamGuard::enter();
+        self.inner
+            .counters
+            .kernels_run
+            .fetch_add(1, Ordering::Relaxed);
+        f(&mut st.mem)
+    }
+
+    /// Enqueues a kernel on a second stream. When idle it runs now. During a capture it forks
+    /// work off the capture that this simulator never joins back, so the capture's
+    /// [`Device::end_capture`] fails with [`CaptureViolation::Unjoined`].
+    pub fn launch_kernel_on_side_stream<F>(
+        &self,
+        name: &'static str,
+        f: F,
+    ) -> Result<(), DeviceError>
+    where
+        F: Fn(&mut SimMemory) -> Result<(), DeviceError> + Send + Sync + 'static,
+    {
+        let _ = name;
+        let mut st = self.lock(DeviceOp::OtherStream)?;
+        match &mut st.capture {
+            Capture::Idle => {}
+            Capture::Recording { unjoined, .. } => {
+                *unjoined = true;
+                return Ok(());
+            }
+            Capture::Invalidated { .. } => return Err(invalidated(DeviceOp::OtherStream)),
+        }
+        self.run_kernel_now(&mut st, f)
+    }
+
+    /// A device allocation made by user code (`cudaMalloc`), outside graft's pool. Fails during
+    /// a capture with [`CaptureViolation::Unsupported`] and invalidates it.
+    pub fn raw_alloc(&self, bytes: usize) -> Result<DevicePtr, DeviceError> {
+        let mut st = self.lock(DeviceOp::RawAlloc)?;
+        st.forbid_in_capture(DeviceOp::RawAlloc)?;
+        let ptr = st.mem.alloc(SegmentKind::Raw, DeviceOp::RawAlloc, bytes)?;
+        self.inner
+            .counters
+            .live_raw_allocs
+            .fetch_add(1, Ordering::Relaxed);
+        Ok(ptr)
+    }
+
+    /// Frees a [`SimDevice::raw_alloc`] allocation (`cudaFree`); `ptr` must be its start. Fails
+    /// during a capture like [`SimDevice::raw_alloc`] (reported as [`DeviceOp::RawAlloc`]).
+    pub fn raw_free(&self, ptr: DevicePtr) -> Result<(), DeviceError> {
+        let mut st = self.lock(DeviceOp::RawAlloc)?;
+        st.forbid_in_capture(DeviceOp::RawAlloc)?;
+        st.mem
+            .free(SegmentKind::Raw, DeviceOp::RawAlloc, ptr, None)?;
+        self.inner
+            .counters
+            .live_raw_allocs
+            .fetch_sub(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Whether all work on the stream has finished (`cudaStreamQuery`); always true here, since
+    /// work runs when enqueued. Fails during a capture and invalidates it.
+    pub fn query(&self) -> Result<bool, DeviceError> {
+        let mut st = self.lock(DeviceOp::Query)?;
+        st.forbid_in_capture(DeviceOp::Query)?;
+        Ok(true)
+    }
+
+    /// Reads `n` `f32`s from the device, synchronously (a [`Device::read`]).
+    pub fn read_f32(&self, src: DevicePtr, n: usize) -> Result<Vec<f32>, DeviceError> {
+        let mut st = self.lock(DeviceOp::Read)?;
+        st.forbid_in_capture(DeviceOp::Read)?;
+        // Check the range before allocating the result, so that a huge `n` is an error.
+        let bytes = n.checked_mul(4).ok_or(DeviceError::InvalidAddress {
+            op: DeviceOp::Read,
+            addr: src,
+            len: usize::MAX,
+        })?;
+        st.mem.range(DeviceOp::Read, src, bytes)?;
+        let mut out = vec![0.0; n];
+        st.mem.read_f32_as(DeviceOp::Read, src, &mut out)?;
+        Ok(out)
+    }
+
+    /// Writes `values` to the device as `f32`s, synchronously (a [`Device::write`]).
+    pub fn write_f32(&self, dst: DevicePtr, values: &[f32]) -> Result<(), DeviceError> {
+        let mut st = self.lock(DeviceOp::Write)?;
+        st.forbid_in_capture(DeviceOp::Write)?;
+        st.mem.write_f32_as(DeviceOp::Write, dst, values)
+    }
+
+    /// Makes the `(n+1)`-th pool segment allocation from now fail with
+    /// `Injected { op: SegmentAlloc }` (`n = 0`: the next one). Fires once; re-arming replaces
+    /// the previous setting.
+    pub fn fail_segment_alloc_after(&self, n: u64) {
+        self.inner
+            .faults
+            .segment_alloc_countdown
+            .store(n.saturating_add(1), Ordering::Relaxed);
+    }
+
+    /// Makes the next [`Device::end_capture`] that gets as far as instantiating fail with
+    /// `Injected { op: Instantiate }`; the capture is over after it and its graph discarded.
+    /// Fires once.
+    pub fn fail_next_instantiate(&self) {
+        self.inner.faults.instantiate.store(true, Ordering::Relaxed);
+    }
+
+    /// Makes the next [`Device::launch`] fail with `Injected { op: GraphLaunch }` before running
+    /// anything. Fires once.
+    pub fn fail_next_launch(&self) {
+        self.inner.faults.launch.store(true, Ordering::Relaxed);
+    }
+
+    /// Makes the next drop of a [`SimGraph`] of this device record
+    /// `Injected { op: GraphDestroy }` in the sticky error slot. Fires once.
+    pub fn fail_next_graph_destroy(&self) {
+        self.inner
+            .faults
+            .fail_next_graph_destroy
+            .store(true, Ordering::Relaxed);
+    }
+
+    /// Consumes one step of the segment allocation countdown; true when this allocation fails.
+    fn segment_alloc_fault_fires(&self) -> bool {
+        let mut fires = false;
+        let _ = self.inner.faults.segment_alloc_countdown.fetch_update(
+            Ordering::Relaxed,
+            Ordering::Relaxed,
+            |v| {
+                fires = v == 1;
+                v.checked_sub(1)
+            },
+        );
+        fires
+    }
+}
+
+impl Device for SimDevice {
+    type Graph = SimGraph;
+
+    fn id(&self) -> DeviceId {
+        self.inner.id
+    }
+
+    fn describe(&self) -> String {
+        "host simulator".to_owned()
+    }
+
+    fn alloc_segment(&self, bytes: usize) -> Result<DevicePtr, DeviceError> {
+        // Legal in every capture state: CUDA backends switch to relaxed mode around it.
+        let mut st = self.lock(DeviceOp::SegmentAlloc)?;
+        if self.segment_alloc_fault_fires() {
+            return Err(DeviceError::Injected {
+                op: DeviceOp::SegmentAlloc,
+            });
+        }
+        let ptr = st
+            .mem
+            .alloc(SegmentKind::Pool, DeviceOp::SegmentAlloc, bytes)?;
+        let c = &self.inner.counters;
+        c.segment_allocs.fetch_add(1, Ordering::Relaxed);
+        c.live_segments.fetch_add(1, Ordering::Relaxed);
+        c.live_bytes.fetch_add(bytes, Ordering::Relaxed);
+        Ok(ptr)
+    }
+
+    fn free_segment(&self, ptr: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
+        let mut st = self.lock(DeviceOp::SegmentFree)?;
+        st.forbid_in_capture(DeviceOp::SegmentFree)?;
+        st.mem
+            .free(SegmentKind::Pool, DeviceOp::SegmentFree, ptr, Some(bytes))?;
+        let c = &self.inner.counters;
+        c.live_segments.fetch_sub(1, Ordering::Relaxed);
+        c.live_bytes.fetch_sub(bytes, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn copy(&self, dst: DevicePtr, src: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
+        let mut st = self.lock(DeviceOp::Copy)?;
+        match &mut st.capture {
+            Capture::Idle => {}
+            Capture::Recording { ops, .. } => {
+                ops.push(Op::Copy {
+                    dst,
+                    src,
+                    len: bytes,
+                });
+                return Ok(());
+            }
+            Capture::Invalidated { .. } => return Err(invalidated(DeviceOp::Copy)),
+        }
+        self.inner
+            .counters
+            .copies_run
+            .fetch_add(1, Ordering::Relaxed);
+        st.mem.copy_as(DeviceOp::Copy, dst, src, bytes)
+    }
+
+    fn write(&self, dst: DevicePtr, src: &[u8]) -> Result<(), DeviceError> {
+        let mut st = self.lock(DeviceOp::Write)?;
+        st.forbid_in_capture(DeviceOp::Write)?;
+        st.mem
+            .range_mut(DeviceOp::Write, dst, src.len())?
+            .copy_from_slice(src);
+        Ok(())
+    }
+
+    fn read(&self, src: DevicePtr, dst: &mut [u8]) -> Result<(), DeviceError> {
+        let mut st = self.lock(DeviceOp::Read)?;
+        st.forbid_in_capture(DeviceOp::Read)?;
+        dst.copy_from_slice(st.mem.range(DeviceOp::Read, src, dst.len())?);
+        Ok(())
+    }
+
+    fn synchronize(&self) -> Result<(), DeviceError> {
+        let mut st = self.lock(DeviceOp::Synchronize)?;
+        st.forbid_in_capture(DeviceOp::Synchronize)
+    }
+
+    fn begin_capture(&self, mode: CaptureMode) -> Result<(), DeviceError> {
+        let mut st = self.lock(DeviceOp::BeginCapture)?;
+        let state = match st.capture {
+            Capture::Idle => {
+                st.capture = Capture::Recording {
+                    mode,
+                    ops: Vec::new(),
+                    unjoined: false,
+                };
+                return Ok(());
+            }
+            Capture::Recording { .. } => CAPTURE_UNDERWAY,
+            Capture::Invalidated { .. } => CAPTURE_INVALIDATED,
+        };
+        Err(DeviceError::CaptureState {
+            op: DeviceOp::BeginCapture,
+            state,
+        })
+    }
+
+    fn end_capture(&self) -> Result<SimGraph, DeviceError> {
+        let mut st = self.lock(DeviceOp::EndCapture)?;
+        // Like cudaStreamEndCapture, ending leaves the stream idle whether or not it succeeds.
+        let ops = match std::mem::replace(&mut st.capture, Capture::Idle) {
+            Capture::Idle => {
+                return Err(DeviceError::CaptureState {
+                    op: DeviceOp::EndCapture,
+                    state: NO_CAPTURE,
+                });
+            }
+            Capture::Invalidated { .. } => return Err(invalidated(DeviceOp::EndCapture)),
+            Capture::Recording { unjoined: true, .. } => {
+                return Err(DeviceError::Capture {
+                    op: DeviceOp::EndCapture,
+                    violation: CaptureViolation::Unjoined,
+                });
+            }
+            Capture::Recording { ops, .. } => ops,
+        };
+        drop(st);
+        if self.inner.faults.instantiate.swap(false, Ordering::Relaxed) {
+            return Err(DeviceError::Injected {
+                op: DeviceOp::Instantiate,
+            });
+        }
+        let ops: Arc<[Op]> = ops.into();
+        let summary = graph::summarize(&ops);
+        self.inner
+            .counters
+            .live_graphs
+            .fetch_add(1, Ordering::Relaxed);
+        Ok(SimGraph {
+            ops,
+            summary,
+            owner: Arc::clone(&self.inner),
+        })
+    }
+
+    fn abort_capture(&self) -> Result<(), DeviceError> {
+        let mut st = self.lock(DeviceOp::EndCapture)?;
+        match std::mem::replace(&mut st.capture, Capture::Idle) {
+            Capture::Idle => Err(DeviceError::CaptureState {
+                op: DeviceOp::EndCapture,
+                state: NO_CAPTURE,
+            }),
+            Capture::Recording { .. } | Capture::Invalidated { .. } => Ok(()),
+        }
+    }
+
+    fn launch(&self, graph: &SimGraph) -> Result<(), DeviceError> {
+        if graph.owner.id != self.inner.id {
+            return Err(DeviceError::Driver {
+                op: DeviceOp::GraphLaunch,
+                code: 201,
+                name: "CUDA_ERROR_INVALID_CONTEXT",
+            });
+        }
+        let mut guard = self.lock(DeviceOp::GraphLaunch)?;
+        if self.inner.faults.launch.swap(false, Ordering::Relaxed) {
+            return Err(DeviceError::Injected {
+                op: DeviceOp::GraphLaunch,
+            });
+        }
+        let st = &mut *guard;
+        match &mut st.capture {
+            Capture::Idle => {}
+            Capture::Recording { ops, .. } => {
+                ops.push(Op::Child(Arc::clone(&graph.ops)));
+                return Ok(());
+            }
+            Capture::Invalidated { .. } => return Err(invalidated(DeviceOp::GraphLaunch)),
+        }
+        let mut tally = Tally::default();
+        let result = {
+            let _on_stream = StreamGuard::enter();
+            graph::run_ops(&mut st.mem, &graph.ops, &mut tally)
+        };
+        let c = &self.inner.counters;
+        c.kernels_run.fetch_add(tally.kernels, Ordering::Relaxed);
+        c.copies_run.fetch_add(tally.copies, Ordering::Relaxed);
+        if result.is_ok() {
+            c.graph_launches.fetch_add(1, Ordering::Relaxed);
+        }
+        result
+    }
+
+    fn summarize(&self, graph: &SimGraph) -> Result<GraphSummary, DeviceError> {
+        Ok(graph.summary)
+    }
+
+    fn take_sticky_error(&self) -> Option<DeviceError> {
+        self.inner.sticky.take()
+    }
+
+    fn record_sticky_error(&self, error: DeviceError) {
+        self.inner.sticky.record(error);
+    }
+}

@@ -1,0 +1,142 @@
+//! Recorded work: the operations a capture records and `SimGraph`, the executable graph that replays them.
+
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use graft_core::{DeviceError, DeviceId, DeviceOp, DevicePtr, GraphSummary};
+
+use crate::device::Inner;
+use crate::memory::SimMemory;
+
+/// A kernel body: runs against device memory, reports bad accesses as errors.
+pub type KernelFn = dyn Fn(&mut SimMemory) -> Result<(), DeviceError> + Send + Sync + 'static;
+
+/// One operation recorded during a capture.
+pub(crate) enum Op {
+    /// A kernel launch.
+    Kernel {
+        name: &'static str,
+        f: Arc<KernelFn>,
+    },
+    /// A device-to-device copy.
+    Copy {
+        dst: DevicePtr,
+        src: DevicePtr,
+        len: usize,
+    },
+    /// A graph launched into the capture (a child graph node in CUDA).
+    Child(Arc<[Op]>),
+}
+
+impl fmt::Debug for Op {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Op::Kernel { name, .. } => write!(f, "kernel {name}"),
+            Op::Copy { dst, src, len } => write!(f, "copy {len} bytes {src} -> {dst}"),
+            Op::Child(ops) => f.debug_list().entries(ops.iter()).finish(),
+        }
+    }
+}
+
+/// How many operations of each kind one launch ran.
+#[derive(Default)]
+pub(crate) struct Tally {
+    pub(crate) kernels: u64,
+    pub(crate) copies: u64,
+}
+
+/// Runs `ops` in order against `mem`, stopping at the first error (earlier ops keep their effect).
+pub(crate) fn run_ops(
+    mem: &mut SimMemory,
+    ops: &[Op],
+    tally: &mut Tally,
+) -> Result<(), DeviceError> {
+    for op in ops {
+        match op {
+            Op::Kernel { f, .. } => {
+                tally.kernels += 1;
+                f(mem)?;
+            }
+            Op::Copy { dst, src, len } => {
+                tally.copies += 1;
+                mem.copy_as(DeviceOp::Copy, *dst, *src, *len)?;
+            }
+            Op::Child(ops) => run_ops(mem, ops, tally)?,
+        }
+    }
+    Ok(())
+}
+
+pub(crate) fn summarize(ops: &[Op]) -> GraphSummary {
+    let mut s = GraphSummary::default();
+    for op in ops {
+        match op {
+            Op::Kernel { .. } => s.kernels += 1,
+            Op::Copy { .. } => s.copies += 1,
+            Op::Child(_) => s.other += 1,
+        }
+    }
+    s
+}
+
+/// An instantiated graph of a [`crate::SimDevice`]: the operations recorded by one capture, replayed
+/// in order at the recorded addresses by [`graft_core::Device::launch`].
+///
+/// Dropping it destroys it (see [`crate::SimDevice::fail_next_graph_destroy`] for the error path).
+pub struct SimGraph {
+    pub(crate) ops: Arc<[Op]>,
+    pub(crate) summary: GraphSummary,
+    pub(crate) owner: Arc<Inner>,
+}
+
+impl SimGraph {
+    /// The device that recorded this graph.
+    pub fn device(&self) -> DeviceId {
+        self.owner.id
+    }
+
+    /// The names of the kernels it launches, in launch order (child graphs flattened).
+    pub fn kernel_names(&self) -> Vec<&'static str> {
+        fn walk(ops: &[Op], out: &mut Vec<&'static str>) {
+            for op in ops {
+                match op {
+                    Op::Kernel { name, .. } => out.push(name),
+                    Op::Copy { .. } => {}
+                    Op::Child(ops) => walk(ops, out),
+                }
+            }
+        }
+        let mut out = Vec::new();
+        walk(&self.ops, &mut out);
+        out
+    }
+}
+
+impl fmt::Debug for SimGraph {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SimGraph")
+            .field("device", &self.owner.id)
+            .field("ops", &self.ops)
+            .finish()
+    }
+}
+
+impl Drop for SimGraph {
+    fn drop(&mut self) {
+        self.owner
+            .counters
+            .live_graphs
+            .fetch_sub(1, Ordering::Relaxed);
+        if self
+            .owner
+            .faults
+            .fail_next_graph_destroy
+            .swap(false, Ordering::Relaxed)
+        {
+            self.owner.sticky.record(DeviceError::Injected {
+                op: DeviceOp::GraphDestroy,
+            });
+        }
+    }
+}

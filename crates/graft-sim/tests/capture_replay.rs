@@ -1,0 +1,198 @@
+//! Capture records, launch replays: same results as eager execution, at the recorded addresses.
+
+use graft_core::{CaptureMode, Device, DeviceError, DeviceOp, DevicePtr, GraphSummary};
+use graft_sim::{CaptureStatus, SimDevice};
+
+const N: usize = 64;
+const BYTES: usize = N * 4;
+
+/// The chain under test: x = 2; y = 3x + 1; z = x + y; z *= y.
+fn chain(dev: &SimDevice, x: DevicePtr, y: DevicePtr, z: DevicePtr) -> Result<(), DeviceError> {
+    dev.fill_f32(x, N, 2.0)?;
+    dev.axpb_f32(y, x, 3.0, 1.0, N)?;
+    dev.add_f32(z, x, y, N)?;
+    dev.mul_f32(z, z, y, N)
+}
+
+#[test]
+fn replay_reproduces_eager_result_at_recorded_addresses() {
+    let dev = SimDevice::new();
+    let seg = dev.alloc_segment(4 * BYTES).unwrap();
+    let (x, y, z) = (seg, seg.offset(BYTES), seg.offset(2 * BYTES));
+
+    // Eager run on other buffers.
+    let other = dev.alloc_segment(3 * BYTES).unwrap();
+    chain(&dev, other, other.offset(BYTES), other.offset(2 * BYTES)).unwrap();
+    let eager = dev.read_f32(other.offset(2 * BYTES), N).unwrap();
+    assert_eq!(eager, vec![(2.0 + 7.0) * 7.0; N]);
+
+    dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
+    assert_eq!(
+        dev.capture_status().unwrap(),
+        CaptureStatus::Active {
+            mode: CaptureMode::ThreadLocal
+        }
+    );
+    chain(&dev, x, y, z).unwrap();
+    let graph = dev.end_capture().unwrap();
+    assert_eq!(dev.capture_status().unwrap(), CaptureStatus::Idle);
+
+    // Nothing ran during the capture: z still holds poison.
+    let before = dev.read_f32(z, N).unwrap();
+    assert_eq!(before[0].to_bits(), 0xA5A5_A5A5);
+    assert_eq!(
+        dev.summarize(&graph).unwrap(),
+        GraphSummary {
+            kernels: 4,
+            ..GraphSummary::default()
+        }
+    );
+    assert_eq!(
+        graph.kernel_names(),
+        ["fill_f32", "axpb_f32", "add_f32", "mul_f32"]
+    );
+
+    let kernels_before = dev.stats().kernels_run;
+    dev.launch(&graph).unwrap();
+    assert_eq!(dev.read_f32(z, N).unwrap(), eager);
+    assert_eq!(dev.stats().kernels_run, kernels_before + 4);
+    assert_eq!(dev.stats().graph_launches, 1);
+}
+
+#[test]
+fn replay_rereads_inputs_changed_in_place() {
+    let dev = SimDevice::new();
+    let seg = dev.alloc_segment(3 * BYTES).unwrap();
+    let (input, out) = (seg, seg.offset(BYTES));
+    dev.write_f32(input, &[1.0; N]).unwrap();
+
+    dev.begin_capture(CaptureMode::Global).unwrap();
+    dev.axpb_f32(out, input, 2.0, 0.5, N).unwrap();
+    dev.add_f32(out, out, input, N).unwrap();
+    let graph = dev.end_capture().unwrap();
+
+    dev.launch(&graph).unwrap();
+    assert_eq!(dev.read_f32(out, N).unwrap(), vec![3.5; N]);
+
+    dev.write_f32(input, &[10.0; N]).unwrap();
+    dev.launch(&graph).unwrap();
+    assert_eq!(dev.read_f32(out, N).unwrap(), vec![30.5; N]);
+    assert_eq!(dev.stats().graph_launches, 2);
+}
+
+#[test]
+fn copies_are_recorded_and_replayed() {
+    let dev = SimDevice::new();
+    let a = dev.alloc_segment(BYTES).unwrap();
+    let b = dev.alloc_segment(BYTES).unwrap();
+    dev.write_f32(a, &[4.0; N]).unwrap();
+
+    dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
+    dev.copy(b, a, BYTES).unwrap();
+    dev.axpb_f32(b, b, 1.0, 1.0, N).unwrap();
+    let graph = dev.end_capture().unwrap();
+    assert_eq!(dev.stats().copies_run, 0, "recording does not run the copy");
+    assert_eq!(
+        dev.summarize(&graph).unwrap(),
+        GraphSummary {
+            kernels: 1,
+            copies: 1,
+            ..GraphSummary::default()
+        }
+    );
+
+    dev.launch(&graph).unwrap();
+    assert_eq!(dev.read_f32(b, N).unwrap(), vec![5.0; N]);
+    assert_eq!(dev.read_f32(a, N).unwrap(), vec![4.0; N]);
+    assert_eq!(dev.stats().copies_run, 1);
+}
+
+#[test]
+fn graph_launched_inside_a_capture_becomes_a_child_graph() {
+    let dev = SimDevice::new();
+    let a = dev.alloc_segment(BYTES).unwrap();
+    dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
+    dev.fill_f32(a, N, 1.0).unwrap();
+    let inner = dev.end_capture().unwrap();
+
+    dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
+    dev.launch(&inner).unwrap();
+    dev.axpb_f32(a, a, 2.0, 0.0, N).unwrap();
+    let outer = dev.end_capture().unwrap();
+    assert_eq!(dev.stats().kernels_run, 0);
+    assert_eq!(dev.summarize(&outer).unwrap().other, 1);
+
+    dev.launch(&outer).unwrap();
+    assert_eq!(dev.read_f32(a, N).unwrap(), vec![2.0; N]);
+    assert_eq!(dev.stats().kernels_run, 2);
+}
+
+#[test]
+fn alloc_segment_works_during_capture_and_the_capture_stays_valid() {
+    let dev = SimDevice::new();
+    dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
+    let seg = dev.alloc_segment(BYTES).unwrap();
+    dev.fill_f32(seg, N, 9.0).unwrap();
+    let graph = dev.end_capture().unwrap();
+    assert_eq!(dev.stats().live_segments, 1);
+    dev.launch(&graph).unwrap();
+    assert_eq!(dev.read_f32(seg, N).unwrap(), vec![9.0; N]);
+}
+
+#[test]
+fn replay_after_free_fails_with_invalid_address() {
+    let dev = SimDevice::new();
+    let seg = dev.alloc_segment(BYTES).unwrap();
+    dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
+    dev.fill_f32(seg, N, 1.0).unwrap();
+    let graph = dev.end_capture().unwrap();
+    dev.launch(&graph).unwrap();
+
+    dev.free_segment(seg, BYTES).unwrap();
+    // A new segment never lands at the freed address.
+    let fresh = dev.alloc_segment(BYTES).unwrap();
+    assert_ne!(fresh, seg);
+    assert_eq!(
+        dev.launch(&graph),
+        Err(DeviceError::InvalidAddress {
+            op: DeviceOp::KernelLaunch,
+            addr: seg,
+            len: BYTES
+        })
+    );
+    assert_eq!(dev.stats().graph_launches, 1, "failed launch not counted");
+}
+
+#[test]
+fn graphs_are_counted_and_bound_to_their_device() {
+    let dev = SimDevice::new();
+    let other = SimDevice::new();
+    assert_ne!(dev.id(), other.id());
+    assert_eq!(dev.describe(), "host simulator");
+
+    dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
+    let graph = dev.end_capture().unwrap();
+    assert_eq!(graph.device(), dev.id());
+    assert_eq!(dev.stats().live_graphs, 1);
+    assert!(matches!(
+        other.launch(&graph),
+        Err(DeviceError::Driver {
+            op: DeviceOp::GraphLaunch,
+            ..
+        })
+    ));
+    dev.launch(&graph).unwrap();
+    drop(graph);
+    assert_eq!(dev.stats().live_graphs, 0);
+    assert_eq!(dev.take_sticky_error(), None);
+}
+
+#[test]
+fn clones_share_the_device() {
+    let dev = SimDevice::new();
+    let clone = dev.clone();
+    let seg = dev.alloc_segment(BYTES).unwrap();
+    clone.fill_f32(seg, N, 3.0).unwrap();
+    assert_eq!(dev.read_f32(seg, 1).unwrap(), [3.0]);
+    assert_eq!(clone.id(), dev.id());
+}

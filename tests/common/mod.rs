@@ -1,0 +1,127 @@
+//! Shared test support: one trait over both backends' test kernels, so every scenario body
+//! runs on the simulator in CI and on a real GPU with `--ignored`.
+#![allow(dead_code, unreachable_pub)]
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use graft::cuda::CudaDevice;
+use graft::sim::SimDevice;
+use graft::{BodyError, Buffer, Config, Ctx, Device, DeviceError, DevicePtr, Graft, Output};
+
+/// The kernels the scenario bodies use; both backends provide them with these signatures.
+pub trait TestDevice: Device + Clone {
+    fn fill_f32(&self, dst: DevicePtr, n: usize, value: f32) -> Result<(), DeviceError>;
+    fn add_f32(&self, dst: DevicePtr, a: DevicePtr, b: DevicePtr, n: usize) -> Result<(), DeviceError>;
+    fn mul_f32(&self, dst: DevicePtr, a: DevicePtr, b: DevicePtr, n: usize) -> Result<(), DeviceError>;
+    fn axpb_f32(&self, dst: DevicePtr, x: DevicePtr, a: f32, b: f32, n: usize) -> Result<(), DeviceError>;
+}
+
+macro_rules! forward_kernels {
+    ($t:ty) => {
+        impl TestDevice for $t {
+            fn fill_f32(&self, dst: DevicePtr, n: usize, value: f32) -> Result<(), DeviceError> {
+                <$t>::fill_f32(self, dst, n, value)
+            }
+            fn add_f32(&self, dst: DevicePtr, a: DevicePtr, b: DevicePtr, n: usize) -> Result<(), DeviceError> {
+                <$t>::add_f32(self, dst, a, b, n)
+            }
+            fn mul_f32(&self, dst: DevicePtr, a: DevicePtr, b: DevicePtr, n: usize) -> Result<(), DeviceError> {
+                <$t>::mul_f32(self, dst, a, b, n)
+            }
+            fn axpb_f32(&self, dst: DevicePtr, x: DevicePtr, a: f32, b: f32, n: usize) -> Result<(), DeviceError> {
+                <$t>::axpb_f32(self, dst, x, a, b, n)
+            }
+        }
+    };
+}
+forward_kernels!(SimDevice);
+forward_kernels!(CudaDevice);
+
+pub fn sim() -> SimDevice {
+    SimDevice::new()
+}
+
+pub fn cuda() -> CudaDevice {
+    CudaDevice::new(0).expect("a CUDA GPU is required for the ignored tests")
+}
+
+/// Defines `mod $name { sim, cuda }` running `$body` on each backend.
+#[macro_export]
+macro_rules! device_test {
+    ($name:ident, $body:ident) => {
+        mod $name {
+            #[test]
+            fn sim() {
+                super::$body(super::common::sim());
+            }
+            #[test]
+            #[ignore = "needs a CUDA GPU"]
+            fn cuda() {
+                super::$body(super::common::cuda());
+            }
+        }
+    };
+}
+
+pub type G<D> = Graft<D, u32>;
+
+pub fn graft<D: TestDevice>(device: D, config: Config) -> G<D> {
+    Graft::new(device, config)
+}
+
+/// A buffer outside the graph pool holding `values`.
+pub fn input<D: TestDevice>(g: &mut G<D>, values: &[f32]) -> Buffer {
+    let b = g.alloc(values.len() * 4).unwrap();
+    g.write_f32(&b, values).unwrap();
+    b
+}
+
+pub fn read<D: TestDevice>(g: &G<D>, b: &Buffer) -> Vec<f32> {
+    g.read_f32(b).unwrap()
+}
+
+/// Counts how often a body ran.
+#[derive(Clone, Default)]
+pub struct Runs(Arc<AtomicUsize>);
+
+impl Runs {
+    pub fn hit(&self) {
+        self.0.fetch_add(1, Ordering::Relaxed);
+    }
+    pub fn get(&self) -> usize {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+pub type Body<'a, D> = Box<dyn FnMut(&mut Ctx<'_, D>) -> Result<Vec<Output<u32>>, BodyError> + 'a>;
+
+/// out = a * input0 + b, as a body.
+pub fn affine<D: TestDevice>(a: f32, b: f32, runs: &Runs) -> Body<'static, D> {
+    let runs = runs.clone();
+    Box::new(move |ctx: &mut Ctx<'_, D>| {
+        runs.hit();
+        let x = ctx.input(0).clone();
+        let n = x.len() / 4;
+        let out = ctx.alloc(x.len())?;
+        ctx.device().axpb_f32(out.addr()?, x.addr()?, a, b, n)?;
+        Ok(vec![Output::new(out, n as u32)])
+    })
+}
+
+/// out = input0 + input1.
+pub fn add<D: TestDevice>(runs: &Runs) -> Body<'static, D> {
+    let runs = runs.clone();
+    Box::new(move |ctx: &mut Ctx<'_, D>| {
+        runs.hit();
+        let (x, y) = (ctx.input(0).clone(), ctx.input(1).clone());
+        let out = ctx.alloc(x.len())?;
+        ctx.device().add_f32(out.addr()?, x.addr()?, y.addr()?, x.len() / 4)?;
+        Ok(vec![Output::new(out, 0)])
+    })
+}
+
+/// out = a*x + b computed on the host, for expectations (the kernels are exact for these values).
+pub fn host_affine(x: &[f32], a: f32, b: f32) -> Vec<f32> {
+    x.iter().map(|v| a.mul_add(*v, b)).collect()
+}
