@@ -42,8 +42,12 @@ pub fn sim() -> SimDevice {
     SimDevice::new()
 }
 
+/// One device per test process: creating a context and compiling kernels once.
 pub fn cuda() -> CudaDevice {
-    CudaDevice::new(0).expect("a CUDA GPU is required for the ignored tests")
+    static DEVICE: std::sync::OnceLock<CudaDevice> = std::sync::OnceLock::new();
+    DEVICE
+        .get_or_init(|| CudaDevice::new(0).expect("a CUDA GPU is required for the ignored tests"))
+        .clone()
 }
 
 /// Defines `mod $name { sim, cuda }` running `$body` on each backend.
