@@ -36,7 +36,9 @@ fn eval(function: usize, xs: &[&[f32]]) -> Vec<f32> {
     }
 }
 
-fn body<D: TestDevice>(function: usize) -> impl FnMut(&mut Ctx<'_, D>) -> Result<Vec<Output<u32>>, BodyError> {
+fn body<D: TestDevice>(
+    function: usize,
+) -> impl FnMut(&mut Ctx<'_, D>) -> Result<Vec<Output<u32>>, BodyError> {
     move |ctx: &mut Ctx<'_, D>| {
         let x = ctx.input(0).clone();
         let n = x.len() / 4;
@@ -70,7 +72,13 @@ struct Held {
 }
 
 fn run_program<D: TestDevice>(dev: D, warmups: u32, ops: &[Op]) -> Result<(), TestCaseError> {
-    let mut g = graft(dev, Config { warmups, ..Config::default() });
+    let mut g = graft(
+        dev,
+        Config {
+            warmups,
+            ..Config::default()
+        },
+    );
     let fids: Vec<FunctionId> = FUNCTIONS
         .iter()
         .map(|(name, _)| g.register(name, FunctionSpec::default()))
@@ -116,11 +124,15 @@ fn run_program<D: TestDevice>(dev: D, warmups: u32, ops: &[Op]) -> Result<(), Te
                 let result = g.call(fids[*function], &refs, &[], body::<D>(*function));
                 match (result, inputs.iter().all(|(_, e)| e.is_some())) {
                     (Ok(outs), true) => {
-                        let xs: Vec<&[f32]> = inputs.iter().map(|(_, e)| e.as_deref().unwrap()).collect();
+                        let xs: Vec<&[f32]> =
+                            inputs.iter().map(|(_, e)| e.as_deref().unwrap()).collect();
                         let expected = eval(*function, &xs);
                         let out = outs.into_iter().next().unwrap().buffer;
                         prop_assert_eq!(&read(&g, &out), &expected);
-                        held.push(Held { buffer: out, expected });
+                        held.push(Held {
+                            buffer: out,
+                            expected,
+                        });
                     }
                     (Err(CallError::InvalidInput { .. }), false) => {}
                     (result, all_valid) => {
@@ -139,8 +151,16 @@ fn run_program<D: TestDevice>(dev: D, warmups: u32, ops: &[Op]) -> Result<(), Te
             if let Ok(addr) = h.buffer.addr() {
                 let got = g.read_f32(&h.buffer);
                 prop_assert!(got.is_ok(), "read failed: {:?}", got);
-                prop_assert_eq!(got.unwrap(), h.expected.clone(), "silently wrong data at {}", addr);
-                if !held.iter().any(|o| o.buffer.same_storage(&h.buffer) && !std::ptr::eq(o, h)) {
+                prop_assert_eq!(
+                    got.unwrap(),
+                    h.expected.clone(),
+                    "silently wrong data at {}",
+                    addr
+                );
+                if !held
+                    .iter()
+                    .any(|o| o.buffer.same_storage(&h.buffer) && !std::ptr::eq(o, h))
+                {
                     ranges.push((addr.0, addr.0 + h.buffer.len() as u64));
                 }
             }
@@ -174,7 +194,10 @@ fn op() -> impl Strategy<Value = Op> {
 }
 
 fn cases() -> u32 {
-    std::env::var("GRAFT_MODEL_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(1000)
+    std::env::var("GRAFT_MODEL_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1000)
 }
 
 proptest! {

@@ -4,8 +4,8 @@ mod common;
 
 use common::*;
 use graft::{
-    BodyError, BufferError, CallError, CaptureViolation, Config, Ctx, Decision, DeviceOp, EagerReason, FunctionSpec,
-    MemoryError, Mode, Outcome, Output, RecordReason,
+    BodyError, BufferError, CallError, CaptureViolation, Config, Ctx, Decision, DeviceOp,
+    EagerReason, FunctionSpec, MemoryError, Mode, Outcome, Output, RecordReason,
 };
 
 fn ctx_alloc<D: TestDevice>(ctx: &mut Ctx<'_, D>, n: usize) -> Result<graft::Buffer, BodyError> {
@@ -21,16 +21,24 @@ fn first_warmup_then_record_then_replay<D: TestDevice>(dev: D) {
     let mut outcomes = Vec::new();
     for _ in 0..3 {
         let mut out = Vec::new();
-        outcomes.push(g.call_into(f, &[&x], &[], affine(2.0, 1.0, &runs), &mut out).unwrap());
+        outcomes.push(
+            g.call_into(f, &[&x], &[], affine(2.0, 1.0, &runs), &mut out)
+                .unwrap(),
+        );
         assert_eq!(read(&g, &out[0].buffer), vec![3.0, 5.0, 7.0, 9.0]);
         assert_eq!(out[0].meta, 4);
     }
-    assert!(matches!(outcomes[..], [Outcome::Warmup, Outcome::Recorded(a), Outcome::Replayed(b)] if a == b));
+    assert!(
+        matches!(outcomes[..], [Outcome::Warmup, Outcome::Recorded(a), Outcome::Replayed(b)] if a == b)
+    );
     assert_eq!(runs.get(), 2);
     let s = g.stats();
     assert_eq!((s.nodes, s.warmups, s.recordings, s.replays), (1, 1, 1, 1));
 }
-device_test!(scenario_01_first_warmup_then_record_then_replay, first_warmup_then_record_then_replay);
+device_test!(
+    scenario_01_first_warmup_then_record_then_replay,
+    first_warmup_then_record_then_replay
+);
 
 // 2. One function, two input sizes: two root nodes.
 fn two_sizes_two_roots<D: TestDevice>(dev: D) {
@@ -40,28 +48,48 @@ fn two_sizes_two_roots<D: TestDevice>(dev: D) {
     let large = input(&mut g, &[1.0; 8]);
     let runs = Runs::default();
     let mut seen = Vec::new();
-    for x in [&small, &small, &small, &large, &large, &large, &small, &large] {
+    for x in [
+        &small, &small, &small, &large, &large, &large, &small, &large,
+    ] {
         let out = g.call(f, &[x], &[], affine(1.0, 1.0, &runs)).unwrap();
         assert_eq!(read(&g, &out[0].buffer), vec![2.0; x.len() / 4]);
         seen.push(out[0].meta);
     }
     let s = g.stats();
     assert_eq!((s.nodes, s.warmups, s.recordings, s.replays), (2, 2, 2, 4));
-    assert!(g.node_ids().iter().all(|n| g.node_parent(*n).is_none()), "both nodes are roots");
+    assert!(
+        g.node_ids().iter().all(|n| g.node_parent(*n).is_none()),
+        "both nodes are roots"
+    );
     assert_eq!(runs.get(), 4);
 }
 device_test!(scenario_02_two_sizes_two_roots, two_sizes_two_roots);
 
 /// Runs f1, then f2 or f3, then f4, each out = a*in + b, checking values.
-fn branch_step<D: TestDevice>(g: &mut G<D>, fs: &[graft::FunctionId; 4], x: &graft::Buffer, left: bool, runs: &Runs) -> Vec<Outcome> {
+fn branch_step<D: TestDevice>(
+    g: &mut G<D>,
+    fs: &[graft::FunctionId; 4],
+    x: &graft::Buffer,
+    left: bool,
+    runs: &Runs,
+) -> Vec<Outcome> {
     let mut outcomes = Vec::new();
     let mut out = Vec::new();
-    outcomes.push(g.call_into(fs[0], &[x], &[], affine(2.0, 0.0, runs), &mut out).unwrap());
+    outcomes.push(
+        g.call_into(fs[0], &[x], &[], affine(2.0, 0.0, runs), &mut out)
+            .unwrap(),
+    );
     let y = out.pop().unwrap().buffer;
     let (mid, a) = if left { (fs[1], 3.0) } else { (fs[2], 5.0) };
-    outcomes.push(g.call_into(mid, &[&y], &[], affine(a, 0.0, runs), &mut out).unwrap());
+    outcomes.push(
+        g.call_into(mid, &[&y], &[], affine(a, 0.0, runs), &mut out)
+            .unwrap(),
+    );
     let z = out.pop().unwrap().buffer;
-    outcomes.push(g.call_into(fs[3], &[&z], &[], affine(1.0, 1.0, runs), &mut out).unwrap());
+    outcomes.push(
+        g.call_into(fs[3], &[&z], &[], affine(1.0, 1.0, runs), &mut out)
+            .unwrap(),
+    );
     let expected: Vec<f32> = read(g, x).iter().map(|v| v * 2.0 * a + 1.0).collect();
     assert_eq!(read(g, &out[0].buffer), expected);
     outcomes
@@ -85,7 +113,10 @@ fn branches_replay_only<D: TestDevice>(dev: D) {
     assert_eq!(before.nodes, 5);
     for i in 0..6 {
         let outcomes = branch_step(&mut g, &fs, &x, i % 2 == 0, &runs);
-        assert!(outcomes.iter().all(|o| matches!(o, Outcome::Replayed(_))), "{outcomes:?}");
+        assert!(
+            outcomes.iter().all(|o| matches!(o, Outcome::Replayed(_))),
+            "{outcomes:?}"
+        );
         g.mark_step_begin();
     }
     let after = g.stats();
@@ -94,7 +125,11 @@ fn branches_replay_only<D: TestDevice>(dev: D) {
     assert_eq!(after.warmups, before.warmups);
     assert_eq!(after.replays, before.replays + 18);
     // f1 is the only root; f2 and f3 hang under it; an f4 under each.
-    let roots: Vec<_> = g.node_ids().into_iter().filter(|n| g.node_parent(*n).is_none()).collect();
+    let roots: Vec<_> = g
+        .node_ids()
+        .into_iter()
+        .filter(|n| g.node_parent(*n).is_none())
+        .collect();
     assert_eq!(roots.len(), 1);
     assert_eq!(g.node_function(roots[0]), Some(fs[0]));
 }
@@ -112,14 +147,26 @@ fn divergence_restores_once<D: TestDevice>(dev: D) {
     }
     let before = g.stats();
     let outcomes = branch_step(&mut g, &fs, &x, false, &runs);
-    assert!(matches!(outcomes[..], [Outcome::Replayed(_), Outcome::Warmup, Outcome::Warmup]), "{outcomes:?}");
+    assert!(
+        matches!(
+            outcomes[..],
+            [Outcome::Replayed(_), Outcome::Warmup, Outcome::Warmup]
+        ),
+        "{outcomes:?}"
+    );
     let after = g.stats();
     assert_eq!(after.restores, before.restores + 1);
     assert_eq!(after.warmups, before.warmups + 2);
     assert_eq!(after.recordings, before.recordings);
-    assert!(g.explain().any(|d| matches!(d.decision, Decision::Restore { .. })));
+    assert!(
+        g.explain()
+            .any(|d| matches!(d.decision, Decision::Restore { .. }))
+    );
 }
-device_test!(scenario_04_divergence_restores_once, divergence_restores_once);
+device_test!(
+    scenario_04_divergence_restores_once,
+    divergence_restores_once
+);
 
 // 5. Liveness shapes the tree: an ancestor's output held versus dropped gives two recordings.
 fn liveness_shapes_tree<D: TestDevice>(dev: D) {
@@ -130,16 +177,22 @@ fn liveness_shapes_tree<D: TestDevice>(dev: D) {
     let runs = Runs::default();
     let step = |g: &mut G<D>, hold: bool| -> Vec<Outcome> {
         let mut out = Vec::new();
-        let o1 = g.call_into(f1, &[&x], &[], affine(2.0, 0.0, &runs), &mut out).unwrap();
+        let o1 = g
+            .call_into(f1, &[&x], &[], affine(2.0, 0.0, &runs), &mut out)
+            .unwrap();
         let held = out.pop().unwrap().buffer;
         if !hold {
             drop(held);
-            let o2 = g.call_into(f2, &[&x], &[], affine(3.0, 0.0, &runs), &mut out).unwrap();
+            let o2 = g
+                .call_into(f2, &[&x], &[], affine(3.0, 0.0, &runs), &mut out)
+                .unwrap();
             assert_eq!(read(g, &out[0].buffer), vec![3.0; 64]);
             g.mark_step_begin();
             return vec![o1, o2];
         }
-        let o2 = g.call_into(f2, &[&x], &[], affine(3.0, 0.0, &runs), &mut out).unwrap();
+        let o2 = g
+            .call_into(f2, &[&x], &[], affine(3.0, 0.0, &runs), &mut out)
+            .unwrap();
         assert_eq!(read(g, &out[0].buffer), vec![3.0; 64]);
         assert_eq!(read(g, &held), vec![2.0; 64], "the held output survives f2");
         g.mark_step_begin();
@@ -168,9 +221,11 @@ fn with_scratch<D: TestDevice>(scratch_floats: usize, runs: &Runs) -> Body<'stat
         let x = ctx.input(0).clone();
         let n = x.len() / 4;
         let scratch = ctx_alloc(ctx, scratch_floats)?;
-        ctx.device().fill_f32(scratch.addr()?, scratch_floats, 1.0)?;
+        ctx.device()
+            .fill_f32(scratch.addr()?, scratch_floats, 1.0)?;
         let out = ctx.alloc(x.len())?;
-        ctx.device().add_f32(out.addr()?, x.addr()?, scratch.addr()?, n)?;
+        ctx.device()
+            .add_f32(out.addr()?, x.addr()?, scratch.addr()?, n)?;
         Ok(vec![Output::new(out, 0)])
     })
 }
@@ -184,8 +239,18 @@ fn memory_is_largest_path<D: TestDevice>(dev: D) {
     let x = input(&mut g, &[1.0; 256]);
     let runs = Runs::default();
     let step = |g: &mut G<D>, f: graft::FunctionId, floats: usize| {
-        let y = g.call(f1, &[&x], &[], affine(1.0, 0.0, &runs)).unwrap().pop().unwrap().buffer;
-        let z = g.call(f, &[&y], &[], with_scratch(floats, &runs)).unwrap().pop().unwrap().buffer;
+        let y = g
+            .call(f1, &[&x], &[], affine(1.0, 0.0, &runs))
+            .unwrap()
+            .pop()
+            .unwrap()
+            .buffer;
+        let z = g
+            .call(f, &[&y], &[], with_scratch(floats, &runs))
+            .unwrap()
+            .pop()
+            .unwrap()
+            .buffer;
         assert_eq!(read(g, &z), vec![2.0; 256]);
         g.mark_step_begin();
     };
@@ -199,7 +264,10 @@ fn memory_is_largest_path<D: TestDevice>(dev: D) {
     step(&mut g, f2, 1 << 20);
     let s = g.stats();
     assert_eq!(s.nodes, 3);
-    assert_eq!(s.pool.reserved, one_path, "the second path reuses the first path's memory");
+    assert_eq!(
+        s.pool.reserved, one_path,
+        "the second path reuses the first path's memory"
+    );
     drop(runs);
     g.reset().unwrap();
     let s = g.stats();
@@ -217,10 +285,19 @@ fn stale_output_errors_after_reuse<D: TestDevice>(dev: D) {
         g.call(f, &[&x], &[], affine(2.0, 0.0, &runs)).unwrap();
         g.mark_step_begin();
     }
-    let kept = g.call(f, &[&x], &[], affine(2.0, 0.0, &runs)).unwrap().pop().unwrap().buffer;
+    let kept = g
+        .call(f, &[&x], &[], affine(2.0, 0.0, &runs))
+        .unwrap()
+        .pop()
+        .unwrap()
+        .buffer;
     let node = kept.node().expect("a replayed output names its node");
     g.mark_step_begin();
-    assert_eq!(read(&g, &kept), vec![2.0, 4.0], "stale but not reused: still readable");
+    assert_eq!(
+        read(&g, &kept),
+        vec![2.0, 4.0],
+        "stale but not reused: still readable"
+    );
     let fresh = g.call(f, &[&x], &[], affine(2.0, 0.0, &runs)).unwrap();
     assert_eq!(read(&g, &fresh[0].buffer), vec![2.0, 4.0]);
     match kept.addr() {
@@ -238,10 +315,16 @@ fn stale_output_errors_after_reuse<D: TestDevice>(dev: D) {
         other => panic!("expected the overwritten error, got {other:?}"),
     }
     let err = g.read_f32(&kept).unwrap_err();
-    assert!(matches!(err, MemoryError::Buffer(BufferError::Overwritten { .. })));
+    assert!(matches!(
+        err,
+        MemoryError::Buffer(BufferError::Overwritten { .. })
+    ));
     assert!(err.to_string().contains("copy it out"), "{err}");
 }
-device_test!(scenario_07_stale_output_errors_after_reuse, stale_output_errors_after_reuse);
+device_test!(
+    scenario_07_stale_output_errors_after_reuse,
+    stale_output_errors_after_reuse
+);
 
 // 8. Autoregressive feedback across generations: 1,000 steps, same values as eager.
 fn autoregressive_feedback<D: TestDevice>(dev: D) {
@@ -253,7 +336,8 @@ fn autoregressive_feedback<D: TestDevice>(dev: D) {
     let runs = Runs::default();
     let mut out = Vec::new();
     for _ in 0..1000 {
-        g.call_into(f, &[&x], &[], affine(0.5, 1.0, &runs), &mut out).unwrap();
+        g.call_into(f, &[&x], &[], affine(0.5, 1.0, &runs), &mut out)
+            .unwrap();
         x = out.pop().unwrap().buffer;
         let e = eager.addr().unwrap();
         dev.axpb_f32(e, e, 0.5, 1.0, 256).unwrap();
@@ -272,7 +356,8 @@ fn scale<D: TestDevice>(runs: &Runs) -> Body<'static, D> {
         runs.hit();
         let (w, x) = (ctx.input(0).clone(), ctx.input(1).clone());
         let out = ctx.alloc(x.len())?;
-        ctx.device().mul_f32(out.addr()?, w.addr()?, x.addr()?, x.len() / 4)?;
+        ctx.device()
+            .mul_f32(out.addr()?, w.addr()?, x.addr()?, x.len() / 4)?;
         Ok(vec![Output::new(out, 0)])
     })
 }
@@ -280,7 +365,13 @@ fn scale<D: TestDevice>(runs: &Runs) -> Body<'static, D> {
 // 9. A static input's address change records a sibling; with the limit at 0 it falls back.
 fn static_address_change<D: TestDevice>(dev: D) {
     for limit in [128, 0] {
-        let mut g = graft(dev.clone(), Config { rerecord_limit: limit, ..Config::default() });
+        let mut g = graft(
+            dev.clone(),
+            Config {
+                rerecord_limit: limit,
+                ..Config::default()
+            },
+        );
         let f = g.register("f", FunctionSpec::inference([0]));
         let w1 = input(&mut g, &[2.0; 4]);
         let w2 = input(&mut g, &[3.0; 4]);
@@ -290,21 +381,41 @@ fn static_address_change<D: TestDevice>(dev: D) {
             g.call(f, &[&w1, &x], &[], scale(&runs)).unwrap();
         }
         let mut out = Vec::new();
-        let outcome = g.call_into(f, &[&w2, &x], &[], scale(&runs), &mut out).unwrap();
+        let outcome = g
+            .call_into(f, &[&w2, &x], &[], scale(&runs), &mut out)
+            .unwrap();
         assert_eq!(read(&g, &out[0].buffer), vec![3.0; 4]);
         if limit > 0 {
             assert!(matches!(outcome, Outcome::Recorded(_)), "{outcome:?}");
             assert_eq!(g.stats().rerecords.static_address_changed, 1);
-            assert!(matches!(g.call_into(f, &[&w1, &x], &[], scale(&runs), &mut out).unwrap(), Outcome::Replayed(_)));
-            assert!(matches!(g.call_into(f, &[&w2, &x], &[], scale(&runs), &mut out).unwrap(), Outcome::Replayed(_)));
+            assert!(matches!(
+                g.call_into(f, &[&w1, &x], &[], scale(&runs), &mut out)
+                    .unwrap(),
+                Outcome::Replayed(_)
+            ));
+            assert!(matches!(
+                g.call_into(f, &[&w2, &x], &[], scale(&runs), &mut out)
+                    .unwrap(),
+                Outcome::Replayed(_)
+            ));
         } else {
             assert_eq!(outcome, Outcome::Eager);
             let last = g.explain().last().unwrap().clone();
-            let Decision::Eager(EagerReason::RerecordLimit { limit: 0, last: reason }) = &last.decision else {
+            let Decision::Eager(EagerReason::RerecordLimit {
+                limit: 0,
+                last: reason,
+            }) = &last.decision
+            else {
                 panic!("unexpected decision {last}");
             };
-            assert!(matches!(reason, RecordReason::StaticAddressChanged { position: 0, .. }));
-            assert!(last.to_string().contains("static input address changed"), "{last}");
+            assert!(matches!(
+                reason,
+                RecordReason::StaticAddressChanged { position: 0, .. }
+            ));
+            assert!(
+                last.to_string().contains("static input address changed"),
+                "{last}"
+            );
         }
     }
 }
@@ -336,8 +447,13 @@ fn managed_input_in_place<D: TestDevice>(dev: D) {
         let mut outs = g.call(f1, &[&x], &[], two_outputs(&runs)).unwrap();
         let y = outs.remove(pick).buffer;
         let mut out = Vec::new();
-        let o = g.call_into(f2, &[&y], &[], affine(1.0, 1.0, &runs), &mut out).unwrap();
-        assert_eq!(read(g, &out[0].buffer), vec![if pick == 0 { 3.0 } else { 4.0 }; 16]);
+        let o = g
+            .call_into(f2, &[&y], &[], affine(1.0, 1.0, &runs), &mut out)
+            .unwrap();
+        assert_eq!(
+            read(g, &out[0].buffer),
+            vec![if pick == 0 { 3.0 } else { 4.0 }; 16]
+        );
         g.mark_step_begin();
         o
     };
@@ -345,7 +461,11 @@ fn managed_input_in_place<D: TestDevice>(dev: D) {
     step(&mut g, 0);
     let copies = g.stats().copied_inputs;
     assert!(matches!(step(&mut g, 0), Outcome::Replayed(_)));
-    assert_eq!(g.stats().copied_inputs, copies, "a managed input is never copied");
+    assert_eq!(
+        g.stats().copied_inputs,
+        copies,
+        "a managed input is never copied"
+    );
     let other = step(&mut g, 1);
     assert!(matches!(other, Outcome::Recorded(_)), "{other:?}");
     assert_eq!(g.stats().rerecords.managed_address_changed, 1);
@@ -375,7 +495,11 @@ fn copied_input<D: TestDevice>(dev: D) {
         let out = g.call(f, &[&x], &[], body(&runs)).unwrap();
         assert_eq!(read(&g, &x), values, "the caller's buffer is never written");
         assert_eq!(read(&g, &out[0].buffer), vec![2.0 * i as f32; 8]);
-        assert_eq!(read(&g, &out[1].buffer), values, "the placeholder held the copy");
+        assert_eq!(
+            read(&g, &out[1].buffer),
+            values,
+            "the placeholder held the copy"
+        );
         if i >= 1 {
             // Recorded and replayed: the output is graft's copy of the placeholder. (A warmup
             // runs eagerly on the caller's buffer, so it hands that buffer back.)
@@ -407,22 +531,38 @@ fn capture_failure_falls_back<D: TestDevice>(dev: D) {
     let mut outcomes = Vec::new();
     for _ in 0..4 {
         let mut out = Vec::new();
-        outcomes.push(g.call_into(f, &[&x], &[], syncing(&runs), &mut out).unwrap());
+        outcomes.push(
+            g.call_into(f, &[&x], &[], syncing(&runs), &mut out)
+                .unwrap(),
+        );
         assert_eq!(read(&g, &out[0].buffer), vec![2.0; 4]);
         held.push(out.pop().unwrap().buffer);
     }
-    assert_eq!(outcomes, [Outcome::Warmup, Outcome::Eager, Outcome::Eager, Outcome::Eager]);
+    assert_eq!(
+        outcomes,
+        [
+            Outcome::Warmup,
+            Outcome::Eager,
+            Outcome::Eager,
+            Outcome::Eager
+        ]
+    );
     let s = g.stats();
     assert_eq!((s.capture_failures, s.recordings, s.nodes), (1, 0, 0));
     let failure = g
         .explain()
         .find_map(|d| match &d.decision {
-            Decision::Eager(EagerReason::CaptureFailed { op, violation }) => Some((*op, *violation)),
+            Decision::Eager(EagerReason::CaptureFailed { op, violation }) => {
+                Some((*op, *violation))
+            }
             _ => None,
         })
         .expect("the capture failure is logged");
     assert_eq!(failure.0, DeviceOp::Synchronize);
-    assert!(matches!(failure.1, CaptureViolation::Unsupported | CaptureViolation::Invalidated));
+    assert!(matches!(
+        failure.1,
+        CaptureViolation::Unsupported | CaptureViolation::Invalidated
+    ));
     // Pool live blocks equal the buffers callers hold: the warmup output in the graph pool,
     // three eager outputs and the input in the eager pool.
     assert_eq!(s.pool.live_blocks, 1);
@@ -430,7 +570,10 @@ fn capture_failure_falls_back<D: TestDevice>(dev: D) {
     held.remove(0);
     assert_eq!(g.stats().pool.live_blocks, 0);
 }
-device_test!(scenario_12_capture_failure_falls_back, capture_failure_falls_back);
+device_test!(
+    scenario_12_capture_failure_falls_back,
+    capture_failure_falls_back
+);
 
 // 13. Distinct signatures past the warn limit warn exactly once.
 fn signature_warning_once<D: TestDevice>(dev: D) {
@@ -440,7 +583,8 @@ fn signature_warning_once<D: TestDevice>(dev: D) {
         let runs = Runs::default();
         for n in 1..=12 {
             let x = input(&mut g, &vec![1.0; n]);
-            g.call(f, &[&x], &[n as u64], affine(1.0, 0.0, &runs)).unwrap();
+            g.call(f, &[&x], &[n as u64], affine(1.0, 0.0, &runs))
+                .unwrap();
         }
     });
     assert_eq!(warnings, 1);
@@ -463,7 +607,11 @@ fn count_warnings(needle: &'static str, f: impl FnOnce()) -> usize {
         }
     }
     impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Counter {
-        fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        fn on_event(
+            &self,
+            event: &tracing::Event<'_>,
+            _: tracing_subscriber::layer::Context<'_, S>,
+        ) {
             if *event.metadata().level() == tracing::Level::WARN {
                 let mut hit = false;
                 event.record(&mut Visit(&mut hit, self.1));
@@ -487,7 +635,12 @@ fn backward_pending_holds_generation<D: TestDevice>(dev: D) {
         let bwd = g.register("bwd", FunctionSpec::default().mode(Mode::Backward));
         let x = input(&mut g, &[1.0; 4]);
         let runs = Runs::default();
-        let y = g.call(fwd, &[&x], &[], affine(2.0, 0.0, &runs)).unwrap().pop().unwrap().buffer;
+        let y = g
+            .call(fwd, &[&x], &[], affine(2.0, 0.0, &runs))
+            .unwrap()
+            .pop()
+            .unwrap()
+            .buffer;
         let start = g.generation();
         // A second forward before the backward: same generation.
         g.call(fwd, &[&x], &[], affine(2.0, 0.0, &runs)).unwrap();
@@ -495,7 +648,11 @@ fn backward_pending_holds_generation<D: TestDevice>(dev: D) {
         assert_eq!(g.generation(), start);
         g.call(bwd, &[&y], &[], affine(1.0, 0.0, &runs)).unwrap();
         g.call(fwd, &[&x], &[], affine(2.0, 0.0, &runs)).unwrap();
-        assert_eq!(g.generation(), start + 1, "after the backward, the forward starts a generation");
+        assert_eq!(
+            g.generation(),
+            start + 1,
+            "after the backward, the forward starts a generation"
+        );
         g.call(fwd, &[&x], &[], affine(2.0, 0.0, &runs)).unwrap();
         assert_eq!(g.generation(), start + 1);
         g.mark_step_begin();
@@ -503,7 +660,10 @@ fn backward_pending_holds_generation<D: TestDevice>(dev: D) {
     });
     assert_eq!(warnings, 1);
 }
-device_test!(scenario_14_backward_pending_holds_generation, backward_pending_holds_generation);
+device_test!(
+    scenario_14_backward_pending_holds_generation,
+    backward_pending_holds_generation
+);
 
 // 15. Aliasing: a static input comes back as itself; shared outputs stay shared.
 fn aliasing<D: TestDevice>(dev: D) {
@@ -560,9 +720,16 @@ fn zero_size_outputs<D: TestDevice>(dev: D) {
         empties.push(out[1].buffer.clone());
         g.mark_step_begin();
     }
-    assert!(empties.iter().all(|b| b.addr().is_ok()), "empty outputs are never invalidated");
+    assert!(
+        empties.iter().all(|b| b.addr().is_ok()),
+        "empty outputs are never invalidated"
+    );
     let s = g.stats();
-    assert_eq!((s.nodes, s.recordings, s.replays), (1, 1, 3), "holding empty outputs changes nothing");
+    assert_eq!(
+        (s.nodes, s.recordings, s.replays),
+        (1, 1, 3),
+        "holding empty outputs changes nothing"
+    );
 }
 device_test!(scenario_16_zero_size_outputs, zero_size_outputs);
 
@@ -574,22 +741,50 @@ fn reset_invalidates<D: TestDevice>(dev: D) {
     let runs = Runs::default();
     let mut held = Vec::new();
     for _ in 0..3 {
-        held.push(g.call(f, &[&x], &[], affine(2.0, 0.0, &runs)).unwrap().pop().unwrap().buffer);
+        held.push(
+            g.call(f, &[&x], &[], affine(2.0, 0.0, &runs))
+                .unwrap()
+                .pop()
+                .unwrap()
+                .buffer,
+        );
     }
     // The recording's output was overwritten by the replay; the replay's is still valid.
-    assert!(matches!(held[1].addr(), Err(BufferError::Overwritten { .. })));
+    assert!(matches!(
+        held[1].addr(),
+        Err(BufferError::Overwritten { .. })
+    ));
     assert!(held[2].addr().is_ok());
     g.reset().unwrap();
     for b in &held[1..] {
         assert!(b.addr().is_err());
     }
-    assert!(matches!(held[2].addr(), Err(BufferError::Reset { .. })), "{:?}", held[2].addr());
-    assert!(matches!(g.read_f32(&held[2]), Err(MemoryError::Buffer(BufferError::Reset { .. }))));
-    assert!(held[0].addr().is_err(), "the warmup's output lived in the graph pool too");
-    let err = g.call(f, &[&held[2]], &[], affine(2.0, 0.0, &runs)).unwrap_err();
-    assert!(matches!(err, CallError::InvalidInput { position: 0, .. }), "{err}");
+    assert!(
+        matches!(held[2].addr(), Err(BufferError::Reset { .. })),
+        "{:?}",
+        held[2].addr()
+    );
+    assert!(matches!(
+        g.read_f32(&held[2]),
+        Err(MemoryError::Buffer(BufferError::Reset { .. }))
+    ));
+    assert!(
+        held[0].addr().is_err(),
+        "the warmup's output lived in the graph pool too"
+    );
+    let err = g
+        .call(f, &[&held[2]], &[], affine(2.0, 0.0, &runs))
+        .unwrap_err();
+    assert!(
+        matches!(err, CallError::InvalidInput { position: 0, .. }),
+        "{err}"
+    );
     assert_eq!(g.stats().pool.segments, 0);
-    assert_eq!(read(&g, &x), vec![1.0; 4], "memory from Graft::alloc survives reset");
+    assert_eq!(
+        read(&g, &x),
+        vec![1.0; 4],
+        "memory from Graft::alloc survives reset"
+    );
     drop(held);
     // The tree works again after a reset.
     for _ in 0..3 {

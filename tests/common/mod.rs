@@ -12,9 +12,28 @@ use graft::{BodyError, Buffer, Config, Ctx, Device, DeviceError, DevicePtr, Graf
 /// The kernels the scenario bodies use; both backends provide them with these signatures.
 pub trait TestDevice: Device + Clone {
     fn fill_f32(&self, dst: DevicePtr, n: usize, value: f32) -> Result<(), DeviceError>;
-    fn add_f32(&self, dst: DevicePtr, a: DevicePtr, b: DevicePtr, n: usize) -> Result<(), DeviceError>;
-    fn mul_f32(&self, dst: DevicePtr, a: DevicePtr, b: DevicePtr, n: usize) -> Result<(), DeviceError>;
-    fn axpb_f32(&self, dst: DevicePtr, x: DevicePtr, a: f32, b: f32, n: usize) -> Result<(), DeviceError>;
+    fn add_f32(
+        &self,
+        dst: DevicePtr,
+        a: DevicePtr,
+        b: DevicePtr,
+        n: usize,
+    ) -> Result<(), DeviceError>;
+    fn mul_f32(
+        &self,
+        dst: DevicePtr,
+        a: DevicePtr,
+        b: DevicePtr,
+        n: usize,
+    ) -> Result<(), DeviceError>;
+    fn axpb_f32(
+        &self,
+        dst: DevicePtr,
+        x: DevicePtr,
+        a: f32,
+        b: f32,
+        n: usize,
+    ) -> Result<(), DeviceError>;
 }
 
 macro_rules! forward_kernels {
@@ -23,13 +42,32 @@ macro_rules! forward_kernels {
             fn fill_f32(&self, dst: DevicePtr, n: usize, value: f32) -> Result<(), DeviceError> {
                 <$t>::fill_f32(self, dst, n, value)
             }
-            fn add_f32(&self, dst: DevicePtr, a: DevicePtr, b: DevicePtr, n: usize) -> Result<(), DeviceError> {
+            fn add_f32(
+                &self,
+                dst: DevicePtr,
+                a: DevicePtr,
+                b: DevicePtr,
+                n: usize,
+            ) -> Result<(), DeviceError> {
                 <$t>::add_f32(self, dst, a, b, n)
             }
-            fn mul_f32(&self, dst: DevicePtr, a: DevicePtr, b: DevicePtr, n: usize) -> Result<(), DeviceError> {
+            fn mul_f32(
+                &self,
+                dst: DevicePtr,
+                a: DevicePtr,
+                b: DevicePtr,
+                n: usize,
+            ) -> Result<(), DeviceError> {
                 <$t>::mul_f32(self, dst, a, b, n)
             }
-            fn axpb_f32(&self, dst: DevicePtr, x: DevicePtr, a: f32, b: f32, n: usize) -> Result<(), DeviceError> {
+            fn axpb_f32(
+                &self,
+                dst: DevicePtr,
+                x: DevicePtr,
+                a: f32,
+                b: f32,
+                n: usize,
+            ) -> Result<(), DeviceError> {
                 <$t>::axpb_f32(self, dst, x, a, b, n)
             }
         }
@@ -120,7 +158,8 @@ pub fn add<D: TestDevice>(runs: &Runs) -> Body<'static, D> {
         runs.hit();
         let (x, y) = (ctx.input(0).clone(), ctx.input(1).clone());
         let out = ctx.alloc(x.len())?;
-        ctx.device().add_f32(out.addr()?, x.addr()?, y.addr()?, x.len() / 4)?;
+        ctx.device()
+            .add_f32(out.addr()?, x.addr()?, y.addr()?, x.len() / 4)?;
         Ok(vec![Output::new(out, 0)])
     })
 }

@@ -200,7 +200,8 @@ impl Cell {
             .compare_exchange(VALID, OVERWRITTEN, Ordering::AcqRel, Ordering::Acquire)
             .is_ok()
         {
-            self.overwritten_by.store(by.map_or(NO_NODE, |n| n.0), Ordering::Release);
+            self.overwritten_by
+                .store(by.map_or(NO_NODE, |n| n.0), Ordering::Release);
             tracing::trace!(addr = %self.addr, function = %self.function, "buffer invalidated");
         }
     }
@@ -226,7 +227,6 @@ impl Cell {
         self.overwritten_by.store(NO_NODE, Ordering::Relaxed);
         self.generation.store(generation, Ordering::Relaxed);
     }
-
 
     /// Hands block ownership to this cell (its last handle's drop frees the block). If the
     /// last handle went away concurrently, frees the block right here, through `pool`, which

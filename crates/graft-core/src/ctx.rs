@@ -62,7 +62,14 @@ impl<'a, D: Device> Ctx<'a, D> {
     pub fn alloc(&mut self, bytes: usize) -> Result<Buffer, BodyError> {
         let device = self.device;
         if bytes == 0 {
-            let cell = Cell::new(DevicePtr(0), 0, device.id(), self.function.clone(), self.generation, None);
+            let cell = Cell::new(
+                DevicePtr(0),
+                0,
+                device.id(),
+                self.function.clone(),
+                self.generation,
+                None,
+            );
             return Ok(Buffer::from_cell(&cell));
         }
         let mut pool = self.pool.lock().unwrap_or_else(PoisonError::into_inner);

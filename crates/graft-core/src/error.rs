@@ -44,7 +44,9 @@ pub enum CallError {
         id: FunctionId,
     },
     /// An input lives on another device.
-    #[error("input {position} of {function} belongs to {found}, but this runtime drives {expected}; move it to this device first")]
+    #[error(
+        "input {position} of {function} belongs to {found}, but this runtime drives {expected}; move it to this device first"
+    )]
     WrongDevice {
         /// Function called.
         function: Arc<str>,
@@ -96,7 +98,9 @@ pub enum CallError {
         source: DeviceError,
     },
     /// The runtime's lifecycle refused a transition (a bug in graft).
-    #[error("internal lifecycle error: cannot move from {from:?} to {to:?}; this is a bug in graft, please report it")]
+    #[error(
+        "internal lifecycle error: cannot move from {from:?} to {to:?}; this is a bug in graft, please report it"
+    )]
     State {
         /// Phase the runtime was in.
         from: crate::graft::Phase,
@@ -104,7 +108,9 @@ pub enum CallError {
         to: crate::graft::Phase,
     },
     /// Verify mode found a replay that differs from eager execution.
-    #[error("replay of {function} (node {node}) differs from eager execution at output {output}, byte {byte}; report this with Graft::dump_text output")]
+    #[error(
+        "replay of {function} (node {node}) differs from eager execution at output {output}, byte {byte}; report this with Graft::dump_text output"
+    )]
     VerifyMismatch {
         /// Function called.
         function: Arc<str>,
@@ -130,7 +136,9 @@ pub enum MemoryError {
     #[error(transparent)]
     Pool(#[from] PoolError),
     /// A host slice does not match the buffer's length.
-    #[error("host slice of {host} bytes does not match the buffer's {buffer} bytes; pass a slice of the buffer's length")]
+    #[error(
+        "host slice of {host} bytes does not match the buffer's {buffer} bytes; pass a slice of the buffer's length"
+    )]
     LengthMismatch {
         /// Host bytes.
         host: usize,

@@ -70,9 +70,9 @@ pub enum Outcome {
     Eager,
 }
 
-struct Signature {
-    sizes: Box<[usize]>,
-    keys: Box<[u64]>,
+pub(crate) struct Signature {
+    pub(crate) sizes: Box<[usize]>,
+    pub(crate) keys: Box<[u64]>,
     warmups_done: u32,
     eager: Option<EagerReason>,
 }
@@ -80,16 +80,19 @@ struct Signature {
 impl Signature {
     #[inline]
     fn matches(&self, inputs: &[&Buffer], keys: &[u64]) -> bool {
-        *self.keys == *keys
+        // Element loops, not slice equality: that calls memcmp, which costs more than the
+        // handful of integers compared here.
+        self.keys.len() == keys.len()
+            && self.keys.iter().zip(keys).all(|(a, b)| a == b)
             && self.sizes.len() == inputs.len()
             && self.sizes.iter().zip(inputs).all(|(&s, b)| s == b.len())
     }
 }
 
-struct Function {
-    name: Arc<str>,
+pub(crate) struct Function {
+    pub(crate) name: Arc<str>,
     spec: FunctionSpec,
-    sigs: Vec<Signature>,
+    pub(crate) sigs: Vec<Signature>,
     /// Has been the first call of a generation.
     root_level: bool,
     warned_signatures: bool,
@@ -101,21 +104,21 @@ struct Function {
 /// `M` is the framework's per-output metadata (shape, dtype, ...): opaque to graft, stored
 /// per node at recording and handed back on replay. Keep it cheap to clone.
 pub struct Graft<D: Device, M: Clone = ()> {
-    device: D,
+    pub(crate) device: D,
     config: Config,
-    functions: Vec<Function>,
-    nodes: SlotMap<NodeKey, Node<D::Graph, M>>,
-    roots: Vec<Vec<NodeKey>>,
+    pub(crate) functions: Vec<Function>,
+    pub(crate) nodes: SlotMap<NodeKey, Node<D::Graph, M>>,
+    pub(crate) roots: Vec<Vec<NodeKey>>,
     path: Path,
-    generation: u64,
-    graph_pool: Arc<Mutex<Pool>>,
+    pub(crate) generation: u64,
+    pub(crate) graph_pool: Arc<Mutex<Pool>>,
     eager_pool: Arc<Mutex<Pool>>,
     /// After a replay the pool bookkeeping describes the last recording, not the memory in
     /// use: it must be restored before anything allocates from it.
     pool_stale: bool,
     /// Cells of graph-pool memory not owned by a node output slot (warmup outputs, held
     /// intermediates, placeholders handed to bodies). Pruned of unheld cells now and then.
-    loose: Vec<Arc<Cell>>,
+    pub(crate) loose: Vec<Arc<Cell>>,
     loose_pruned_at: usize,
     /// Cells of eager-pool memory, so `Drop` can invalidate them.
     eager_cells: Vec<Arc<Cell>>,
@@ -263,12 +266,16 @@ impl<D: Device, M: Clone> Graft<D, M> {
     /// Moves the path to `to`, refusing transitions the lifecycle does not have (leaving the
     /// state untouched).
     fn transition(&mut self, to: Path) -> Result<(), CallError> {
-        let ok = match (self.path, to) {
-            (Path::Recording { .. }, Path::Recording { .. }) => false,
-            (Path::Warmup, Path::Recording { .. } | Path::Replaying { .. }) => false,
-            (Path::Recording { .. }, Path::Warmup) => false,
-            _ => true,
-        };
+        let ok = !matches!(
+            (self.path, to),
+            (
+                Path::Recording { .. },
+                Path::Recording { .. } | Path::Warmup
+            ) | (
+                Path::Warmup,
+                Path::Recording { .. } | Path::Replaying { .. }
+            )
+        );
         if ok {
             self.path = to;
             Ok(())
@@ -289,7 +296,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
         }
         self.decisions.push_back(DecisionRecord {
             generation: self.generation,
-            function: self.functions[function.0].name.to_string(),
+            function: self.functions[function.0].name.clone(),
             node: node.map(NodeKey::id),
             decision,
         });
@@ -394,7 +401,10 @@ impl<D: Device, M: Clone> Graft<D, M> {
         if self.functions[fi].sigs[sig].eager.is_some() {
             return self.run_eager(function, inputs, body, out);
         }
-        let needed = self.functions[fi].spec.warmups.unwrap_or(self.config.warmups);
+        let needed = self.functions[fi]
+            .spec
+            .warmups
+            .unwrap_or(self.config.warmups);
         loop {
             let root_level = self.functions[fi].root_level;
             let warmed = self.functions[fi].sigs[sig].warmups_done >= needed;
@@ -409,10 +419,16 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 Path::Warmup => {
                     if may_restart {
                         self.new_generation();
-                        self.log(function, None, Decision::NewGeneration);
                         continue;
                     }
-                    return self.warmup(function, sig, WarmupReason::PathWarmingUp, inputs, body, out);
+                    return self.warmup(
+                        function,
+                        sig,
+                        WarmupReason::PathWarmingUp,
+                        inputs,
+                        body,
+                        out,
+                    );
                 }
                 Path::Idle => {
                     self.functions[fi].root_level = true;
@@ -430,12 +446,18 @@ impl<D: Device, M: Clone> Graft<D, M> {
             };
             if tip.is_some() && may_restart {
                 self.new_generation();
-                self.log(function, tip, Decision::NewGeneration);
                 continue;
             }
             let Some(reason) = miss else {
                 let done = self.functions[fi].sigs[sig].warmups_done;
-                return self.warmup(function, sig, WarmupReason::FirstCalls { done, needed }, inputs, body, out);
+                return self.warmup(
+                    function,
+                    sig,
+                    WarmupReason::FirstCalls { done, needed },
+                    inputs,
+                    body,
+                    out,
+                );
             };
             if let Some(reason) = self.eager_pairs.get(&(tip, function)) {
                 let reason = reason.clone();
@@ -450,8 +472,13 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 let count = self.rerecords.entry((tip, function)).or_insert(0);
                 *count += 1;
                 if *count > limit {
-                    let why = EagerReason::RerecordLimit { limit, last: reason };
-                    let _span = tracing::info_span!("fallback", function = %self.functions[fi].name).entered();
+                    let why = EagerReason::RerecordLimit {
+                        limit,
+                        last: reason,
+                    };
+                    let _span =
+                        tracing::info_span!("fallback", function = %self.functions[fi].name)
+                            .entered();
                     tracing::warn!(reason = %why, "function runs eagerly from now on at this point of the tree");
                     self.stats.fallbacks += 1;
                     self.log(function, tip, Decision::Eager(why.clone()));
@@ -481,7 +508,12 @@ impl<D: Device, M: Clone> Graft<D, M> {
     /// Finds the first candidate node whose invariants hold, or the reason the best one
     /// failed (a new signature when there is none).
     #[inline]
-    fn find_candidate(&self, tip: Option<NodeKey>, function: FunctionId, sig: usize) -> Result<NodeKey, RecordReason> {
+    fn find_candidate(
+        &self,
+        tip: Option<NodeKey>,
+        function: FunctionId,
+        sig: usize,
+    ) -> Result<NodeKey, RecordReason> {
         let candidates = match tip {
             Some(t) => self.nodes[t].children_of(function),
             None => &self.roots[function.0],
@@ -513,9 +545,9 @@ impl<D: Device, M: Clone> Graft<D, M> {
         let eager = if f.spec.eager_only {
             Some(EagerReason::Registered)
         } else if let Some(allow) = &self.config.allow_list {
-            let listed = allow
-                .iter()
-                .any(|e| *e.function == *f.name && e.keys.as_ref().is_none_or(|k| k.as_slice() == keys));
+            let listed = allow.iter().any(|e| {
+                *e.function == *f.name && e.keys.as_ref().is_none_or(|k| k.as_slice() == keys)
+            });
             (!listed).then_some(EagerReason::NotAllowListed)
         } else {
             None
@@ -539,7 +571,12 @@ impl<D: Device, M: Clone> Graft<D, M> {
 
     // ----- replay: the fast path -------------------------------------------------------
 
-    fn replay(&mut self, key: NodeKey, inputs: &[&Buffer], out: &mut Vec<Output<M>>) -> Result<Outcome, CallError> {
+    fn replay(
+        &mut self,
+        key: NodeKey,
+        inputs: &[&Buffer],
+        out: &mut Vec<Output<M>>,
+    ) -> Result<Outcome, CallError> {
         let _span = tracing::trace_span!("replay", node = ?key).entered();
         if self.nodes[key].conflicts_epoch != self.epoch {
             self.rebuild_conflicts(key);
@@ -653,7 +690,8 @@ impl<D: Device, M: Clone> Graft<D, M> {
 
     /// Rebuilds the graph pool's bookkeeping from what is actually held (after replays).
     fn restore(&mut self, function: FunctionId) {
-        let _span = tracing::debug_span!("restore", function = %self.functions[function.0].name).entered();
+        let _span =
+            tracing::debug_span!("restore", function = %self.functions[function.0].name).entered();
         let mut held: Vec<Arc<Cell>> = Vec::new();
         let mut consider = |c: &Arc<Cell>| {
             c.disown();
@@ -689,7 +727,11 @@ impl<D: Device, M: Clone> Graft<D, M> {
         self.stats.invalidations += invalidated as u64;
         let kept = held.len() - invalidated;
         tracing::debug!(kept, invalidated, "pool restored");
-        self.log(function, self.path.tip(), Decision::Restore { kept, invalidated });
+        self.log(
+            function,
+            self.path.tip(),
+            Decision::Restore { kept, invalidated },
+        );
     }
 
     fn run_body<F>(
@@ -732,7 +774,10 @@ impl<D: Device, M: Clone> Graft<D, M> {
             self.epoch += 1;
         }
         prune(registry, pruned_at);
-        let outputs = result.map_err(|source| CallError::Body { function: name, source })?;
+        let outputs = result.map_err(|source| CallError::Body {
+            function: name,
+            source,
+        })?;
         out.extend(outputs);
         Ok(())
     }
@@ -749,7 +794,9 @@ impl<D: Device, M: Clone> Graft<D, M> {
     where
         F: FnMut(&mut Ctx<'_, D>) -> Result<Vec<Output<M>>, BodyError>,
     {
-        let _span = tracing::debug_span!("warmup", function = %self.functions[function.0].name, %reason).entered();
+        let _span =
+            tracing::debug_span!("warmup", function = %self.functions[function.0].name, %reason)
+                .entered();
         if self.pool_stale {
             self.restore(function);
         }
@@ -771,7 +818,8 @@ impl<D: Device, M: Clone> Graft<D, M> {
     where
         F: FnMut(&mut Ctx<'_, D>) -> Result<Vec<Output<M>>, BodyError>,
     {
-        let _span = tracing::trace_span!("eager", function = %self.functions[function.0].name).entered();
+        let _span =
+            tracing::trace_span!("eager", function = %self.functions[function.0].name).entered();
         self.run_body(function, inputs, body, RunKind::Eager, out)?;
         self.stats.eager_runs += 1;
         Ok(Outcome::Eager)
@@ -906,11 +954,16 @@ impl<D: Device, M: Clone> Graft<D, M> {
         // `keep` holds the body's own handles until the caller's are made, so that no output
         // block is freed in between.
         let mut keep = Vec::new();
-        let captured = body(&mut ctx).and_then(|outs| Self::classify_outputs(&mut ctx, &slots, outs, &mut keep));
+        let captured = body(&mut ctx)
+            .and_then(|outs| Self::classify_outputs(&mut ctx, &slots, outs, &mut keep));
         let allocs = std::mem::take(&mut ctx.allocs);
         drop(ctx);
         let graph = match captured {
-            Ok(outs) => self.device.end_capture().map(|g| (g, outs)).map_err(BodyError::Device),
+            Ok(outs) => self
+                .device
+                .end_capture()
+                .map(|g| (g, outs))
+                .map_err(BodyError::Device),
             Err(e) => {
                 let aborted = self.device.abort_capture();
                 match aborted {
@@ -933,7 +986,12 @@ impl<D: Device, M: Clone> Graft<D, M> {
         };
 
         // The node: footprint, liveness facts, outputs.
-        footprint.extend(allocs.iter().filter(|c| c.len() > 0).map(|c| (c.addr().0, c.end())));
+        footprint.extend(
+            allocs
+                .iter()
+                .filter(|c| c.len() > 0)
+                .map(|c| (c.addr().0, c.end())),
+        );
         let mut expected_dead = Vec::new();
         for &anc in &path {
             for (i, o) in self.nodes[anc].outputs.iter().enumerate() {
@@ -995,10 +1053,16 @@ impl<D: Device, M: Clone> Graft<D, M> {
         match &reason {
             RecordReason::FirstRecording => {}
             RecordReason::NewSignature => self.stats.rerecords.new_signature += 1,
-            RecordReason::StaticAddressChanged { .. } => self.stats.rerecords.static_address_changed += 1,
-            RecordReason::ManagedAddressChanged { .. } => self.stats.rerecords.managed_address_changed += 1,
+            RecordReason::StaticAddressChanged { .. } => {
+                self.stats.rerecords.static_address_changed += 1
+            }
+            RecordReason::ManagedAddressChanged { .. } => {
+                self.stats.rerecords.managed_address_changed += 1
+            }
             RecordReason::ExpectedDeadAlive { .. } => self.stats.rerecords.expected_dead_alive += 1,
-            RecordReason::InputOverlapsPlaceholder { .. } => self.stats.rerecords.input_overlaps_placeholder += 1,
+            RecordReason::InputOverlapsPlaceholder { .. } => {
+                self.stats.rerecords.input_overlaps_placeholder += 1
+            }
         }
         tracing::debug!(node = %id, "recorded");
         self.log(function, Some(key), Decision::Record(reason));
@@ -1008,7 +1072,9 @@ impl<D: Device, M: Clone> Graft<D, M> {
         self.device.launch(&node.graph).map_err(device_err)?;
         for o in &node.outputs {
             let buffer = match &o.slot {
-                OutputSlot::Tracked { cell, .. } | OutputSlot::Empty(cell) => Buffer::from_cell(cell),
+                OutputSlot::Tracked { cell, .. } | OutputSlot::Empty(cell) => {
+                    Buffer::from_cell(cell)
+                }
                 OutputSlot::StaticInput(p) => (*inputs[*p]).clone(),
                 OutputSlot::Alias(j) => out[*j].buffer.clone(),
             };
@@ -1035,12 +1101,9 @@ impl<D: Device, M: Clone> Graft<D, M> {
             let cell = o.buffer.cell().clone();
             let slot = if o.buffer.is_empty() {
                 OutputSlot::Empty(cell.clone())
-            } else if let Some(p) = ctx
-                .inputs
-                .iter()
-                .enumerate()
-                .position(|(p, b)| matches!(slots[p], InputSlot::Static { .. }) && b.same_storage(&o.buffer))
-            {
+            } else if let Some(p) = ctx.inputs.iter().enumerate().position(|(p, b)| {
+                matches!(slots[p], InputSlot::Static { .. }) && b.same_storage(&o.buffer)
+            }) {
                 OutputSlot::StaticInput(p)
             } else if let Some(j) = seen.iter().position(|c| Arc::ptr_eq(c, &cell)) {
                 OutputSlot::Alias(j)
@@ -1097,11 +1160,23 @@ impl<D: Device, M: Clone> Graft<D, M> {
     {
         let name = self.functions[function.0].name.clone();
         let why = match error {
-            BodyError::Device(DeviceError::Capture { op, violation }) => EagerReason::CaptureFailed { op, violation },
-            BodyError::Device(e) if matches!(e.op(), DeviceOp::EndCapture | DeviceOp::Instantiate | DeviceOp::Upload) => {
+            BodyError::Device(DeviceError::Capture { op, violation }) => {
+                EagerReason::CaptureFailed { op, violation }
+            }
+            BodyError::Device(e)
+                if matches!(
+                    e.op(),
+                    DeviceOp::EndCapture | DeviceOp::Instantiate | DeviceOp::Upload
+                ) =>
+            {
                 EagerReason::InstantiateFailed { error: e }
             }
-            source => return Err(CallError::Body { function: name, source }),
+            source => {
+                return Err(CallError::Body {
+                    function: name,
+                    source,
+                });
+            }
         };
         let _span = tracing::info_span!("fallback", function = %name).entered();
         tracing::warn!(reason = %why, "capture failed; the function runs eagerly from now on");
@@ -1248,6 +1323,35 @@ impl<D: Device, M: Clone> Graft<D, M> {
 
     // ----- introspection used by tests and diagnostics ---------------------------------------
 
+    /// The node a call with these inputs would replay at the current tip, running the same
+    /// invariant check as a call but nothing else (no launch, no state change).
+    pub fn probe(
+        &mut self,
+        function: FunctionId,
+        inputs: &[&Buffer],
+        keys: &[u64],
+    ) -> Result<Option<NodeId>, CallError> {
+        let Some(f) = self.functions.get(function.0) else {
+            return Err(CallError::UnknownFunction { id: function });
+        };
+        self.addrs.clear();
+        for (position, b) in inputs.iter().enumerate() {
+            let addr = b.addr().map_err(|source| CallError::InvalidInput {
+                function: f.name.clone(),
+                position,
+                source,
+            })?;
+            self.addrs.push(addr);
+        }
+        let Some(sig) = f.sigs.iter().position(|s| s.matches(inputs, keys)) else {
+            return Ok(None);
+        };
+        Ok(self
+            .find_candidate(self.path.tip(), function, sig)
+            .ok()
+            .map(NodeKey::id))
+    }
+
     /// How often a node has been replayed.
     pub fn node_replays(&self, node: NodeId) -> Option<u64> {
         self.nodes.get(key_of(node)).map(|n| n.replays)
@@ -1265,7 +1369,9 @@ impl<D: Device, M: Clone> Graft<D, M> {
 
     /// A node's parent.
     pub fn node_parent(&self, node: NodeId) -> Option<NodeId> {
-        self.nodes.get(key_of(node)).and_then(|n| n.parent.map(NodeKey::id))
+        self.nodes
+            .get(key_of(node))
+            .and_then(|n| n.parent.map(NodeKey::id))
     }
 }
 
@@ -1273,7 +1379,9 @@ impl<D: Device, M: Clone> Drop for Graft<D, M> {
     fn drop(&mut self) {
         let synced = self.device.synchronize();
         self.invalidate_graph_memory();
-        self.eager_cells.drain(..).for_each(|c| c.invalidate_reset());
+        self.eager_cells
+            .drain(..)
+            .for_each(|c| c.invalidate_reset());
         self.nodes.clear();
         let device = &self.device;
         let record = |r: Result<(), crate::pool::PoolError>| {

@@ -5,6 +5,7 @@ pub mod buffer;
 pub mod config;
 pub mod ctx;
 pub mod device;
+pub mod diag;
 pub mod error;
 pub mod graft;
 pub mod pool;
@@ -16,9 +17,10 @@ pub use buffer::{Buffer, BufferError, NodeId, NodeLabel};
 pub use config::{AllowEntry, Config, FunctionSpec, Mode};
 pub use ctx::{Ctx, RunKind};
 pub use device::{
-    CaptureMode, CaptureViolation, Device, DeviceError, DeviceId, DeviceOp, DevicePtr, GraphSummary,
-    StickyError,
+    CaptureMode, CaptureViolation, Device, DeviceError, DeviceId, DeviceOp, DevicePtr,
+    GraphSummary, StickyError,
 };
+pub use diag::{InputKind, MemoryReport, NodeInfo};
 pub use error::{BodyError, CallError, FunctionId, MemoryError};
 pub use graft::{Graft, Outcome, Phase};
 pub use reason::{Decision, DecisionRecord, EagerReason, RecordReason, WarmupReason};

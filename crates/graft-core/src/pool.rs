@@ -564,17 +564,13 @@ impl Pool {
     }
 
     fn rollback_unchecked(&mut self, cp: &Checkpoint) {
-        let mut blocks = BTreeMap::new();
-        let mut free_small = BTreeSet::new();
-        let mut free_large = BTreeSet::new();
-        let mut ids = IdMap::default();
-        let mut allocated = 0;
+        let mut layout = Vec::with_capacity(cp.blocks.len() + self.segments.len());
         for (&addr, seg) in &self.segments {
             let same = cp
                 .segments
                 .binary_search_by_key(&addr, |r| r.addr)
                 .is_ok_and(|i| cp.segments[i].seg == *seg);
-            let layout: &[(u64, Slot)] = if same {
+            let old: &[(u64, Slot)] = if same {
                 let lo = cp.blocks.partition_point(|(a, _)| *a < addr);
                 let end = end_of(addr, seg.size);
                 let hi = lo + cp.blocks[lo..].partition_point(|(a, _)| *a < end);
@@ -582,8 +578,8 @@ impl Pool {
             } else {
                 &[]
             };
-            if layout.is_empty() {
-                blocks.insert(
+            if old.is_empty() {
+                layout.push((
                     addr,
                     Slot {
                         size: seg.size,
@@ -591,37 +587,35 @@ impl Pool {
                         large: seg.large,
                         id: None,
                     },
-                );
-                let set = if seg.large {
-                    &mut free_large
-                } else {
-                    &mut free_small
-                };
-                set.insert((seg.size, addr, addr));
-                continue;
-            }
-            for &(a, slot) in layout {
-                blocks.insert(a, slot);
-                match slot.id {
-                    Some(id) => {
-                        ids.insert(id, a);
-                        allocated += slot.size;
-                        self.next_id = self.next_id.max(id.0 + 1);
-                    }
-                    None => {
-                        let set = if slot.large {
-                            &mut free_large
-                        } else {
-                            &mut free_small
-                        };
-                        set.insert((slot.size, a, slot.segment));
-                    }
-                }
+                ));
+            } else {
+                layout.extend_from_slice(old);
             }
         }
-        self.blocks = blocks;
-        self.free_small = free_small;
-        self.free_large = free_large;
+        self.install(layout);
+    }
+
+    /// Replaces the bookkeeping with `layout`: every block of every segment, address order.
+    fn install(&mut self, layout: Vec<(u64, Slot)>) {
+        let mut free_small = Vec::new();
+        let mut free_large = Vec::new();
+        let mut ids = IdMap::with_capacity_and_hasher(layout.len(), Default::default());
+        let mut allocated = 0;
+        for &(addr, slot) in &layout {
+            match slot.id {
+                Some(id) => {
+                    ids.insert(id, addr);
+                    allocated += slot.size;
+                    self.next_id = self.next_id.max(id.0.saturating_add(1));
+                }
+                None if slot.large => free_large.push((slot.size, addr, slot.segment)),
+                None => free_small.push((slot.size, addr, slot.segment)),
+            }
+        }
+        // Bulk construction from sorted runs: linear, no rebalancing.
+        self.blocks = layout.into_iter().collect();
+        self.free_small = free_small.into_iter().collect();
+        self.free_large = free_large.into_iter().collect();
         self.ids = ids;
         self.allocated = allocated;
         self.note_peaks();
@@ -674,53 +668,28 @@ impl Pool {
             });
         }
 
-        self.blocks.clear();
-        self.free_small.clear();
-        self.free_large.clear();
-        self.ids = IdMap::default();
-        self.allocated = 0;
+        let mut layout = Vec::with_capacity(2 * placed.len() + self.segments.len());
         for (&seg_addr, seg) in &self.segments {
             let seg_end = end_of(seg_addr, seg.size);
+            let slot = |size: u64, id| Slot {
+                size: size as usize,
+                segment: seg_addr,
+                large: seg.large,
+                id,
+            };
             let mut cursor = seg_addr;
-            let set = if seg.large {
-                &mut self.free_large
-            } else {
-                &mut self.free_small
-            };
-            let mut add_free = |blocks: &mut BTreeMap<u64, Slot>, from: u64, to: u64| {
-                if to > from {
-                    let size = (to - from) as usize;
-                    blocks.insert(
-                        from,
-                        Slot {
-                            size,
-                            segment: seg_addr,
-                            large: seg.large,
-                            id: None,
-                        },
-                    );
-                    set.insert((size, from, seg_addr));
-                }
-            };
             for (&start, &(end, id)) in placed.range(seg_addr..seg_end) {
-                add_free(&mut self.blocks, cursor, start);
-                let size = (end - start) as usize;
-                self.blocks.insert(
-                    start,
-                    Slot {
-                        size,
-                        segment: seg_addr,
-                        large: seg.large,
-                        id: Some(id),
-                    },
-                );
-                self.ids.insert(id, start);
-                self.allocated += size;
+                if start > cursor {
+                    layout.push((cursor, slot(start - cursor, None)));
+                }
+                layout.push((start, slot(end - start, Some(id))));
                 cursor = end;
             }
-            add_free(&mut self.blocks, cursor, seg_end);
+            if seg_end > cursor {
+                layout.push((cursor, slot(seg_end - cursor, None)));
+            }
         }
-        self.note_peaks();
+        self.install(layout);
         out
     }
 

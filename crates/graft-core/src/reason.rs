@@ -51,7 +51,10 @@ impl RecordReason {
     /// Whether this re-recording counts toward the re-record limit (it was not caused by a
     /// new shape, but by addresses or liveness that changed).
     pub fn is_unexpected(&self) -> bool {
-        !matches!(self, RecordReason::FirstRecording | RecordReason::NewSignature)
+        !matches!(
+            self,
+            RecordReason::FirstRecording | RecordReason::NewSignature
+        )
     }
 
     /// A short stable name for statistics.
@@ -165,10 +168,12 @@ pub enum WarmupReason {
 impl fmt::Display for WarmupReason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            WarmupReason::FirstCalls { done, needed } => write!(f, "warmup {} of {needed}", done + 1),
-            WarmupReason::PathWarmingUp => {
-                f.write_str("an earlier call of this step warmed up, so the rest of the step runs eagerly")
+            WarmupReason::FirstCalls { done, needed } => {
+                write!(f, "warmup {} of {needed}", done + 1)
             }
+            WarmupReason::PathWarmingUp => f.write_str(
+                "an earlier call of this step warmed up, so the rest of the step runs eagerly",
+            ),
         }
     }
 }
@@ -189,8 +194,6 @@ pub enum Decision {
         /// Buffers invalidated because their memory could not be kept.
         invalidated: usize,
     },
-    /// Ended the path and started a new generation from the roots.
-    NewGeneration,
 }
 
 impl fmt::Display for Decision {
@@ -203,7 +206,6 @@ impl fmt::Display for Decision {
                 f,
                 "restore pool checkpoint: kept {kept} held buffers, invalidated {invalidated}"
             ),
-            Decision::NewGeneration => f.write_str("new generation: path ended, back to the roots"),
         }
     }
 }
@@ -214,7 +216,7 @@ pub struct DecisionRecord {
     /// Generation in which it happened.
     pub generation: u64,
     /// Function called.
-    pub function: String,
+    pub function: std::sync::Arc<str>,
     /// Node recorded, or the tip the decision was made at.
     pub node: Option<NodeId>,
     /// What was decided and why.

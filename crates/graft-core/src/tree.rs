@@ -161,7 +161,10 @@ pub(crate) fn check<G, M>(
         }
         let (s, e) = (src.0, src.0 + len as u64);
         for (j, earlier) in node.inputs[..=i].iter().enumerate() {
-            if let InputSlot::Copied { placeholder: p, len: l } = *earlier
+            if let InputSlot::Copied {
+                placeholder: p,
+                len: l,
+            } = *earlier
                 && p.0 < e
                 && s < p.0 + l as u64
                 && !(j == i && p == src)

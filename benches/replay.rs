@@ -1,0 +1,80 @@
+//! CPU cost of the replay fast path on the simulator: a 10-kernel graph with 8 inputs (7
+//! static, 1 copied), graft's replay versus launching the same recorded graph directly, and
+//! the invariant check alone.
+
+use criterion::{Criterion, criterion_group, criterion_main};
+use graft::sim::SimDevice;
+use graft::{BodyError, Buffer, Config, Ctx, Device, FunctionSpec, Graft, Output};
+
+const N: usize = 1;
+
+/// Ten kernels over the inputs: acc = x; acc = acc * w_i + b, ...
+fn chain(ctx: &mut Ctx<'_, SimDevice>) -> Result<Vec<Output<()>>, BodyError> {
+    let inputs = ctx.inputs();
+    let out = ctx.alloc(N * 4)?;
+    let d = ctx.device();
+    let o = out.addr()?;
+    d.axpb_f32(o, inputs[7].addr()?, 1.0, 0.0, N)?;
+    for w in &inputs[..7] {
+        d.mul_f32(o, o, w.addr()?, N)?;
+    }
+    d.axpb_f32(o, o, 0.5, 1.0, N)?;
+    d.add_f32(o, o, inputs[7].addr()?, N)?;
+    Ok(vec![Output::new(out, ())])
+}
+
+fn bench(c: &mut Criterion) {
+    let dev = SimDevice::new();
+    let mut g: Graft<SimDevice, ()> = Graft::new(dev.clone(), Config::default());
+    let f = g.register("chain", FunctionSpec::inference([0, 1, 2, 3, 4, 5, 6]));
+    let inputs: Vec<Buffer> = (0..8).map(|_| g.alloc(N * 4).unwrap()).collect();
+    for b in &inputs {
+        g.write_f32(b, &[1.0; N]).unwrap();
+    }
+    let refs: Vec<&Buffer> = inputs.iter().collect();
+    let mut out = Vec::new();
+    for _ in 0..3 {
+        g.call_into(f, &refs, &[], chain, &mut out).unwrap();
+    }
+
+    // The same ten kernels captured directly, without graft, on buffers of the same size.
+    let raw = {
+        let mut g2: Graft<SimDevice, ()> = Graft::new(dev.clone(), Config::default());
+        // 0..7 weights, 7 the placeholder, 8 the output, 9 the caller's copied input.
+        let bufs: Vec<Buffer> = (0..10).map(|_| g2.alloc(N * 4).unwrap()).collect();
+        let p: Vec<_> = bufs.iter().map(|b| b.addr().unwrap()).collect();
+        dev.begin_capture(Default::default()).unwrap();
+        dev.axpb_f32(p[8], p[7], 1.0, 0.0, N).unwrap();
+        for w in &p[..7] {
+            dev.mul_f32(p[8], p[8], *w, N).unwrap();
+        }
+        dev.axpb_f32(p[8], p[8], 0.5, 1.0, N).unwrap();
+        dev.add_f32(p[8], p[8], p[7], N).unwrap();
+        let graph = dev.end_capture().unwrap();
+        (g2, bufs, graph)
+    };
+
+    let mut group = c.benchmark_group("replay_fast_path");
+    group.bench_function("raw_graph_launch", |b| {
+        let (placeholder, source) = (raw.1[7].addr().unwrap(), raw.1[9].addr().unwrap());
+        b.iter(|| {
+            dev.copy(placeholder, source, N * 4).unwrap();
+            dev.launch(&raw.2).unwrap()
+        })
+    });
+    group.bench_function("graft_replay", |b| {
+        b.iter(|| g.call_into(f, &refs, &[], chain, &mut out).unwrap())
+    });
+    group.bench_function("invariant_check", |b| {
+        b.iter(|| {
+            g.mark_step_begin();
+            g.probe(f, &refs, &[])
+                .unwrap()
+                .expect("the root node matches")
+        })
+    });
+    group.finish();
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);
