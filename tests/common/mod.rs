@@ -34,6 +34,9 @@ pub trait TestDevice: Device + Clone {
         b: f32,
         n: usize,
     ) -> Result<(), DeviceError>;
+    /// An allocation made by user code outside graft (cudaMalloc): illegal during capture.
+    fn raw_alloc(&self, bytes: usize) -> Result<DevicePtr, DeviceError>;
+    fn raw_free(&self, ptr: DevicePtr) -> Result<(), DeviceError>;
 }
 
 macro_rules! forward_kernels {
@@ -69,6 +72,12 @@ macro_rules! forward_kernels {
                 n: usize,
             ) -> Result<(), DeviceError> {
                 <$t>::axpb_f32(self, dst, x, a, b, n)
+            }
+            fn raw_alloc(&self, bytes: usize) -> Result<DevicePtr, DeviceError> {
+                <$t>::raw_alloc(self, bytes)
+            }
+            fn raw_free(&self, ptr: DevicePtr) -> Result<(), DeviceError> {
+                <$t>::raw_free(self, ptr)
             }
         }
     };

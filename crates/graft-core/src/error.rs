@@ -109,18 +109,45 @@ pub enum CallError {
     },
     /// Verify mode found a replay that differs from eager execution.
     #[error(
-        "replay of {function} (node {node}) differs from eager execution at output {output}, byte {byte}; report this with Graft::dump_text output"
+        "replay of {function} (node {node}) differs from eager execution at {what}, byte {byte}; the body likely \
+         depends on host state baked into the graph at recording (read it from a device buffer instead), or a kernel is nondeterministic"
     )]
     VerifyMismatch {
         /// Function called.
         function: Arc<str>,
         /// Node replayed.
         node: crate::buffer::NodeId,
-        /// Output index.
-        output: usize,
+        /// Which buffer differs.
+        what: VerifyTarget,
         /// First differing byte.
         byte: usize,
     },
+    /// Verify mode could not snapshot or read buffers.
+    #[error("verifying the replay of {function} failed: {source}")]
+    Verify {
+        /// Function called.
+        function: Arc<str>,
+        /// Why.
+        source: MemoryError,
+    },
+}
+
+/// The buffer a verify mismatch was found in.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum VerifyTarget {
+    /// An output, by index.
+    Output(usize),
+    /// An input after the call (bodies may update inputs in place), by position.
+    Input(usize),
+}
+
+impl std::fmt::Display for VerifyTarget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            VerifyTarget::Output(i) => write!(f, "output {i}"),
+            VerifyTarget::Input(i) => write!(f, "input {i}"),
+        }
+    }
 }
 
 /// Errors of graft's memory operations outside calls (`alloc`, `copy_out`, `read`, `write`, `reset`).

@@ -10,7 +10,7 @@ use crate::buffer::{Buffer, Cell, NodeId};
 use crate::config::{Config, FunctionSpec, Mode};
 use crate::ctx::{Ctx, RunKind};
 use crate::device::{Device, DeviceError, DeviceOp, DevicePtr};
-use crate::error::{BodyError, CallError, FunctionId, MemoryError};
+use crate::error::{BodyError, CallError, FunctionId, MemoryError, VerifyTarget};
 use crate::pool::Pool;
 use crate::reason::{Decision, DecisionRecord, EagerReason, RecordReason, WarmupReason};
 use crate::stats::Stats;
@@ -438,6 +438,9 @@ impl<D: Device, M: Clone> Graft<D, M> {
             };
             let miss = if warmed {
                 match self.find_candidate(tip, function, sig) {
+                    Ok(key) if self.config.verify_replays => {
+                        return self.replay_verified(key, inputs, body, out);
+                    }
                     Ok(key) => return self.replay(key, inputs, out),
                     Err(miss) => Some(miss),
                 }
@@ -658,6 +661,77 @@ impl<D: Device, M: Clone> Graft<D, M> {
         self.pool_stale = true;
         self.path = Path::Replaying { tip: key };
         Ok(Outcome::Replayed(id))
+    }
+
+    /// Verify mode: snapshots the inputs into scratch memory, replays, runs the body eagerly
+    /// on the snapshot, and compares every output and every input afterwards (bodies may
+    /// update inputs in place, like a KV cache), byte for byte.
+    fn replay_verified<F>(
+        &mut self,
+        key: NodeKey,
+        inputs: &[&Buffer],
+        body: &mut F,
+        out: &mut Vec<Output<M>>,
+    ) -> Result<Outcome, CallError>
+    where
+        F: FnMut(&mut Ctx<'_, D>) -> Result<Vec<Output<M>>, BodyError>,
+    {
+        let function = self.nodes[key].function;
+        let name = self.functions[function.0].name.clone();
+        let memory = |source: MemoryError| CallError::Verify {
+            function: name.clone(),
+            source,
+        };
+        let scratch = inputs
+            .iter()
+            .map(|b| self.copy_out(b))
+            .collect::<Result<Vec<Buffer>, _>>()
+            .map_err(memory)?;
+        let outcome = self.replay(key, inputs, out)?;
+        let scratch_refs: Vec<&Buffer> = scratch.iter().collect();
+        let mut eager = Vec::new();
+        self.run_body(function, &scratch_refs, body, RunKind::Eager, &mut eager)?;
+        let pairs = out
+            .iter()
+            .map(|o| &o.buffer)
+            .zip(eager.iter().map(|o| &o.buffer))
+            .chain(inputs.iter().copied().zip(scratch.iter()));
+        for (index, (replayed, reference)) in pairs.enumerate() {
+            let a = self.read_bytes(replayed).map_err(memory)?;
+            let b = self.read_bytes(reference).map_err(memory)?;
+            if let Some(byte) = a
+                .iter()
+                .zip(&b)
+                .position(|(x, y)| x != y)
+                .or((a.len() != b.len()).then_some(a.len().min(b.len())))
+            {
+                return Err(CallError::VerifyMismatch {
+                    function: name,
+                    node: key.id(),
+                    what: if index < out.len() {
+                        VerifyTarget::Output(index)
+                    } else {
+                        VerifyTarget::Input(index - out.len())
+                    },
+                    byte,
+                });
+            }
+        }
+        if out.len() != eager.len() {
+            return Err(CallError::VerifyMismatch {
+                function: name,
+                node: key.id(),
+                what: VerifyTarget::Output(out.len().min(eager.len())),
+                byte: 0,
+            });
+        }
+        Ok(outcome)
+    }
+
+    fn read_bytes(&self, buffer: &Buffer) -> Result<Vec<u8>, MemoryError> {
+        let mut bytes = vec![0u8; buffer.len()];
+        self.read(buffer, &mut bytes)?;
+        Ok(bytes)
     }
 
     /// Recomputes which held memory a node's graph overwrites (slow path: after a node or

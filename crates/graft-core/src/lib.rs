@@ -21,7 +21,7 @@ pub use device::{
     GraphSummary, StickyError,
 };
 pub use diag::{InputKind, MemoryReport, NodeInfo};
-pub use error::{BodyError, CallError, FunctionId, MemoryError};
+pub use error::{BodyError, CallError, FunctionId, MemoryError, VerifyTarget};
 pub use graft::{Graft, Outcome, Phase};
 pub use reason::{Decision, DecisionRecord, EagerReason, RecordReason, WarmupReason};
 pub use stats::{RerecordCounts, Stats};
