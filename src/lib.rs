@@ -4,3 +4,6 @@
 pub use graft_core::*;
 pub use graft_cuda as cuda;
 pub use graft_sim as sim;
+
+#[doc = include_str!("../docs/guide.md")]
+pub mod guide {}

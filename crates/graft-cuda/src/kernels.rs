@@ -127,7 +127,7 @@ impl Kernels {
     }
 }
 
-fn function(module: sys::CUmodule, name: &CStr) -> Result<sys::CUfunction, DeviceError> {
+pub(crate) fn function(module: sys::CUmodule, name: &CStr) -> Result<sys::CUfunction, DeviceError> {
     let mut f: sys::CUfunction = ptr::null_mut();
     // SAFETY: `module` is a loaded module (load_image), `name` is NUL-terminated, and `f` is a
     // valid out-pointer. The function handle lives as long as the module.
@@ -139,21 +139,36 @@ fn function(module: sys::CUmodule, name: &CStr) -> Result<sys::CUfunction, Devic
 
 /// Compiles `kernels.cu` to a NUL-terminated PTX image, or says why it could not.
 fn compile_with_nvrtc() -> Result<Vec<u8>, String> {
+    compile_source(KERNELS_CU, "graft_kernels.cu")
+}
+
+/// Compiles CUDA C++ `source` with NVRTC (default options: no fast math) to a NUL-terminated
+/// PTX image, or says why it could not (the message includes NVRTC's compile log). Needs no GPU.
+pub(crate) fn compile_source(source: &str, name: &str) -> Result<Vec<u8>, String> {
+    // cudarc's `Program::create` panics on interior NULs: refuse them first.
+    if source.contains('\0') || name.contains('\0') {
+        return Err("the CUDA source or its name contains a NUL byte".to_string());
+    }
     // SAFETY: `is_culib_present` only `dlopen`s candidate names of libnvrtc and drops each
     // handle; it runs no NVRTC code.
     if !unsafe { nvrtc::sys::is_culib_present() } {
         return Err("libnvrtc could not be loaded".to_string());
     }
     let opts = nvrtc::CompileOptions {
-        name: Some("graft_kernels.cu".to_string()),
+        name: Some(name.to_string()),
         ..Default::default()
     };
     // cudarc panics if an NVRTC symbol is missing; treat that like any other NVRTC failure.
     let compiled = catch_unwind(AssertUnwindSafe(|| {
-        nvrtc::compile_ptx_with_opts(KERNELS_CU, opts)
+        nvrtc::compile_ptx_with_opts(source, opts)
     }))
     .map_err(|_| "cudarc panicked calling NVRTC (a symbol is missing?)".to_string())?;
-    let ptx = compiled.map_err(|e| format!("NVRTC failed: {e}"))?;
+    let ptx = compiled.map_err(|e| match e {
+        nvrtc::CompileError::CompileError { nvrtc, log, .. } => {
+            format!("NVRTC failed ({nvrtc:?}): {}", log.to_string_lossy())
+        }
+        other => format!("NVRTC failed: {other}"),
+    })?;
     let mut image = ptx
         .as_bytes()
         .ok_or_else(|| "NVRTC returned no PTX image".to_string())?
