@@ -6,7 +6,7 @@ mod common;
 use common::*;
 use graft::sim::SimDevice;
 use graft::{
-    BodyError, CallError, Config, Ctx, Decision, DeviceError, DeviceOp, EagerReason, FunctionSpec,
+    BodyError, CallError, Config, Ctx, Decision, Device, DeviceError, DeviceOp, EagerReason, FunctionSpec,
     Graft, MemoryError, Outcome, Output,
 };
 
@@ -291,4 +291,68 @@ fn allow_list_and_eager_only_run_outside_the_graph_pool() {
         0,
         "eager runs never touch the graph pool"
     );
+}
+
+#[test]
+fn buffer_leaked_from_a_failed_recording_is_reclaimed() {
+    let mut g: G<SimDevice> = graft(SimDevice::new(), Config::default());
+    let f = g.register("f", FunctionSpec::default());
+    let x = input(&mut g, &[1.0; 4]);
+    let mut leaked = Vec::new();
+    for _ in 0..2 {
+        g.call(f, &[&x], &[], |ctx: &mut Ctx<'_, SimDevice>| {
+            let out = ctx.alloc(16)?;
+            leaked.push(out.clone());
+            ctx.device().fill_f32(out.addr()?, 4, 1.0)?;
+            ctx.device().synchronize()?;
+            Ok(vec![Output::new(out, 0)])
+        })
+        .unwrap();
+    }
+    // The second call's capture failed: what the body allocated during it was rolled back.
+    let err = leaked[1].addr().unwrap_err();
+    assert!(matches!(err, graft::BufferError::Reclaimed { .. }), "{err}");
+    assert!(leaked[0].addr().is_ok(), "the warmup's allocation is real");
+}
+
+#[test]
+fn placeholder_allocation_failure_is_a_pool_error() {
+    let dev = SimDevice::new();
+    let mut g: G<SimDevice> = graft(dev.clone(), Config { warmups: 0, ..Config::default() });
+    let f = g.register("f", FunctionSpec::default());
+    let x = input(&mut g, &[1.0; 16]);
+    let runs = Runs::default();
+    // The first call records at once; its placeholder needs the graph pool's first segment.
+    dev.fail_segment_alloc_after(0);
+    let err = g.call(f, &[&x], &[], affine(1.0, 0.0, &runs)).unwrap_err();
+    assert!(matches!(err, CallError::Pool { .. }), "{err}");
+    assert_eq!((g.stats().nodes, runs.get()), (0, 0));
+    let out = g.call(f, &[&x], &[], affine(2.0, 0.0, &runs)).unwrap();
+    assert_eq!(read(&g, &out[0].buffer), vec![2.0; 16]);
+}
+
+#[test]
+fn host_slices_must_match_the_buffer() {
+    let mut g: G<SimDevice> = graft(SimDevice::new(), Config::default());
+    let b = g.alloc(16).unwrap();
+    let err = g.write_f32(&b, &[1.0; 3]).unwrap_err();
+    assert!(matches!(err, MemoryError::LengthMismatch { host: 12, buffer: 16 }), "{err}");
+    let mut short = [0u8; 4];
+    assert!(matches!(g.read(&b, &mut short), Err(MemoryError::LengthMismatch { .. })));
+}
+
+#[test]
+fn large_copied_input_warns_once() {
+    let warnings = count_warnings("copied on every replay", || {
+        let mut g: G<SimDevice> = graft(SimDevice::new(), Config { large_copy_warn_bytes: 1024, ..Config::default() });
+        let f = g.register("f", FunctionSpec::default());
+        let small = input(&mut g, &[1.0; 16]);
+        let large = input(&mut g, &[1.0; 1024]);
+        let runs = Runs::default();
+        for _ in 0..4 {
+            g.call(f, &[&small], &[], affine(1.0, 0.0, &runs)).unwrap();
+            g.call(f, &[&large], &[], affine(1.0, 0.0, &runs)).unwrap();
+        }
+    });
+    assert_eq!(warnings, 1);
 }

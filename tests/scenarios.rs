@@ -591,42 +591,6 @@ fn signature_warning_once<D: TestDevice>(dev: D) {
 }
 device_test!(scenario_13_signature_warning_once, signature_warning_once);
 
-/// Counts WARN events whose message contains `needle` while `f` runs on this thread.
-fn count_warnings(needle: &'static str, f: impl FnOnce()) -> usize {
-    use std::sync::{Arc, Mutex};
-    use tracing_subscriber::layer::SubscriberExt;
-
-    #[derive(Clone)]
-    struct Counter(Arc<Mutex<usize>>, &'static str);
-    struct Visit<'a>(&'a mut bool, &'static str);
-    impl tracing::field::Visit for Visit<'_> {
-        fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
-            if field.name() == "message" && format!("{value:?}").contains(self.1) {
-                *self.0 = true;
-            }
-        }
-    }
-    impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Counter {
-        fn on_event(
-            &self,
-            event: &tracing::Event<'_>,
-            _: tracing_subscriber::layer::Context<'_, S>,
-        ) {
-            if *event.metadata().level() == tracing::Level::WARN {
-                let mut hit = false;
-                event.record(&mut Visit(&mut hit, self.1));
-                if hit {
-                    *self.0.lock().unwrap() += 1;
-                }
-            }
-        }
-    }
-    let counter = Counter(Arc::new(Mutex::new(0)), needle);
-    let subscriber = tracing_subscriber::registry().with(counter.clone());
-    tracing::subscriber::with_default(subscriber, f);
-    *counter.0.lock().unwrap()
-}
-
 // 14. With a backward pending, calls do not start a new generation.
 fn backward_pending_holds_generation<D: TestDevice>(dev: D) {
     let warnings = count_warnings("still need a backward", || {

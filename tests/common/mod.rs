@@ -177,3 +177,40 @@ pub fn add<D: TestDevice>(runs: &Runs) -> Body<'static, D> {
 pub fn host_affine(x: &[f32], a: f32, b: f32) -> Vec<f32> {
     x.iter().map(|v| a.mul_add(*v, b)).collect()
 }
+
+/// Counts WARN events whose message contains `needle` while `f` runs on this thread.
+pub fn count_warnings(needle: &'static str, f: impl FnOnce()) -> usize {
+    use std::sync::{Arc, Mutex};
+    use tracing_subscriber::layer::SubscriberExt;
+
+    #[derive(Clone)]
+    struct Counter(Arc<Mutex<usize>>, &'static str);
+    struct Visit<'a>(&'a mut bool, &'static str);
+    impl tracing::field::Visit for Visit<'_> {
+        fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+            if field.name() == "message" && format!("{value:?}").contains(self.1) {
+                *self.0 = true;
+            }
+        }
+    }
+    impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Counter {
+        fn on_event(
+            &self,
+            event: &tracing::Event<'_>,
+            _: tracing_subscriber::layer::Context<'_, S>,
+        ) {
+            if *event.metadata().level() == tracing::Level::WARN {
+                let mut hit = false;
+                event.record(&mut Visit(&mut hit, self.1));
+                if hit {
+                    *self.0.lock().unwrap() += 1;
+                }
+            }
+        }
+    }
+    let counter = Counter(Arc::new(Mutex::new(0)), needle);
+    let subscriber = tracing_subscriber::registry().with(counter.clone());
+    tracing::subscriber::with_default(subscriber, f);
+    *counter.0.lock().unwrap()
+}
+
