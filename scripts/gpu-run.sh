@@ -72,6 +72,9 @@ run() {
     [[ -z $counts ]] && counts=-
     if ((rc == 0)); then
         status=ok
+    elif [[ $phase != test ]] && grep -q 'terminated before first instrumented API call' "$out"; then
+        # The executable never called CUDA (simulator-only tests): nothing to sanitize.
+        status=no-cuda
     elif ((rc == 124 || rc == 137)); then
         status=TIMEOUT
         failed=1

@@ -6,8 +6,8 @@ mod common;
 use common::*;
 use graft::sim::SimDevice;
 use graft::{
-    BodyError, CallError, Config, Ctx, Decision, Device, DeviceError, DeviceOp, EagerReason, FunctionSpec,
-    Graft, MemoryError, Outcome, Output,
+    BodyError, CallError, Config, Ctx, Decision, Device, DeviceError, DeviceOp, EagerReason,
+    FunctionSpec, Graft, MemoryError, Outcome, Output,
 };
 
 fn unknown_function_is_an_error<D: TestDevice>(dev: D) {
@@ -318,7 +318,13 @@ fn buffer_leaked_from_a_failed_recording_is_reclaimed() {
 #[test]
 fn placeholder_allocation_failure_is_a_pool_error() {
     let dev = SimDevice::new();
-    let mut g: G<SimDevice> = graft(dev.clone(), Config { warmups: 0, ..Config::default() });
+    let mut g: G<SimDevice> = graft(
+        dev.clone(),
+        Config {
+            warmups: 0,
+            ..Config::default()
+        },
+    );
     let f = g.register("f", FunctionSpec::default());
     let x = input(&mut g, &[1.0; 16]);
     let runs = Runs::default();
@@ -336,15 +342,33 @@ fn host_slices_must_match_the_buffer() {
     let mut g: G<SimDevice> = graft(SimDevice::new(), Config::default());
     let b = g.alloc(16).unwrap();
     let err = g.write_f32(&b, &[1.0; 3]).unwrap_err();
-    assert!(matches!(err, MemoryError::LengthMismatch { host: 12, buffer: 16 }), "{err}");
+    assert!(
+        matches!(
+            err,
+            MemoryError::LengthMismatch {
+                host: 12,
+                buffer: 16
+            }
+        ),
+        "{err}"
+    );
     let mut short = [0u8; 4];
-    assert!(matches!(g.read(&b, &mut short), Err(MemoryError::LengthMismatch { .. })));
+    assert!(matches!(
+        g.read(&b, &mut short),
+        Err(MemoryError::LengthMismatch { .. })
+    ));
 }
 
 #[test]
 fn large_copied_input_warns_once() {
     let warnings = count_warnings("copied on every replay", || {
-        let mut g: G<SimDevice> = graft(SimDevice::new(), Config { large_copy_warn_bytes: 1024, ..Config::default() });
+        let mut g: G<SimDevice> = graft(
+            SimDevice::new(),
+            Config {
+                large_copy_warn_bytes: 1024,
+                ..Config::default()
+            },
+        );
         let f = g.register("f", FunctionSpec::default());
         let small = input(&mut g, &[1.0; 16]);
         let large = input(&mut g, &[1.0; 1024]);

@@ -213,4 +213,3 @@ pub fn count_warnings(needle: &'static str, f: impl FnOnce()) -> usize {
     tracing::subscriber::with_default(subscriber, f);
     *counter.0.lock().unwrap()
 }
-

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use crate::buffer::{Buffer, Cell};
 use crate::device::{Device, DevicePtr};
 use crate::error::BodyError;
-use crate::pool::Pool;
+use crate::pool::{Pool, PoolError};
 
 /// How the body is being run.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -72,19 +72,13 @@ impl<'a, D: Device> Ctx<'a, D> {
             );
             return Ok(Buffer::from_cell(&cell));
         }
-        let mut pool = self.pool.lock().unwrap_or_else(PoisonError::into_inner);
-        let block = pool.alloc(bytes, &mut |n| device.alloc_segment(n))?;
-        let cell = Cell::new(
-            block.addr,
+        let (cell, buffer) = alloc_owned(
+            self.pool,
+            device,
             bytes,
-            device.id(),
             self.function.clone(),
             self.generation,
-            Some(Arc::downgrade(self.pool)),
-        );
-        let buffer = Buffer::from_cell(&cell);
-        cell.adopt(block.id, &mut pool);
-        drop(pool);
+        )?;
         self.allocs.push(cell);
         Ok(buffer)
     }
@@ -93,6 +87,30 @@ impl<'a, D: Device> Ctx<'a, D> {
     pub fn alloc_f32(&mut self, n: usize) -> Result<Buffer, BodyError> {
         self.alloc(n * 4)
     }
+}
+
+/// Allocates `bytes` from `pool` and returns a cell owning the block, with one handle: the
+/// block goes back to the pool when the last handle drops.
+pub(crate) fn alloc_owned<D: Device>(
+    pool: &Arc<Mutex<Pool>>,
+    device: &D,
+    bytes: usize,
+    function: Arc<str>,
+    generation: u64,
+) -> Result<(Arc<Cell>, Buffer), PoolError> {
+    let mut guard = pool.lock().unwrap_or_else(PoisonError::into_inner);
+    let block = guard.alloc(bytes, &mut |n| device.alloc_segment(n))?;
+    let cell = Cell::new(
+        block.addr,
+        bytes,
+        device.id(),
+        function,
+        generation,
+        Some(Arc::downgrade(pool)),
+    );
+    let buffer = Buffer::from_cell(&cell);
+    cell.adopt(block.id, &mut guard);
+    Ok((cell, buffer))
 }
 
 impl<D: Device> std::fmt::Debug for Ctx<'_, D> {

@@ -8,7 +8,7 @@ use slotmap::{KeyData, SlotMap};
 
 use crate::buffer::{Buffer, Cell, NodeId};
 use crate::config::{Config, FunctionSpec, Mode};
-use crate::ctx::{Ctx, RunKind};
+use crate::ctx::{Ctx, RunKind, alloc_owned};
 use crate::device::{Device, DeviceError, DeviceOp, DevicePtr};
 use crate::error::{BodyError, CallError, FunctionId, MemoryError, VerifyTarget};
 use crate::pool::Pool;
@@ -964,13 +964,15 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 });
                 ctx_inputs.push((*b).clone());
             } else {
-                let block = {
-                    let device = &self.device;
-                    let mut pool = lock(&self.graph_pool);
-                    pool.alloc(b.len(), &mut |n| device.alloc_segment(n))
-                };
-                let block = match block {
-                    Ok(block) => block,
+                let placeholder = alloc_owned(
+                    &self.graph_pool,
+                    &self.device,
+                    b.len(),
+                    name.clone(),
+                    generation,
+                );
+                let (cell, handle) = match placeholder {
+                    Ok(placed) => placed,
                     Err(source) => {
                         self.undo_recording(&checkpoint, &placeholder_cells, &[]);
                         return Err(CallError::Pool {
@@ -979,8 +981,11 @@ impl<D: Device, M: Clone> Graft<D, M> {
                         });
                     }
                 };
-                footprint.push((block.addr.0, block.addr.0 + b.len() as u64));
-                if let Err(e) = self.device.copy(block.addr, addr, b.len()) {
+                let block_addr = cell.addr();
+                ctx_inputs.push(handle);
+                placeholder_cells.push(cell);
+                footprint.push((block_addr.0, block_addr.0 + b.len() as u64));
+                if let Err(e) = self.device.copy(block_addr, addr, b.len()) {
                     self.undo_recording(&checkpoint, &placeholder_cells, &[]);
                     return Err(device_err(e));
                 }
@@ -990,19 +995,8 @@ impl<D: Device, M: Clone> Graft<D, M> {
                         "a large input is copied on every replay; if its address is stable, declare it static"
                     );
                 }
-                let c = Cell::new(
-                    block.addr,
-                    b.len(),
-                    self.device.id(),
-                    name.clone(),
-                    generation,
-                    Some(Arc::downgrade(&self.graph_pool)),
-                );
-                ctx_inputs.push(Buffer::from_cell(&c));
-                c.adopt(block.id, &mut lock(&self.graph_pool));
-                placeholder_cells.push(c);
                 slots.push(InputSlot::Copied {
-                    placeholder: block.addr,
+                    placeholder: block_addr,
                     len: b.len(),
                 });
             }
@@ -1269,20 +1263,13 @@ impl<D: Device, M: Clone> Graft<D, M> {
         if let Some(e) = self.device.take_sticky_error() {
             return Err(e.into());
         }
-        let device = &self.device;
-        let mut pool = lock(&self.eager_pool);
-        let block = pool.alloc(bytes.max(1), &mut |n| device.alloc_segment(n))?;
-        let cell = Cell::new(
-            block.addr,
+        let (cell, buffer) = alloc_owned(
+            &self.eager_pool,
+            &self.device,
             bytes,
-            device.id(),
             Arc::from("alloc"),
             self.generation,
-            Some(Arc::downgrade(&self.eager_pool)),
-        );
-        let buffer = Buffer::from_cell(&cell);
-        cell.adopt(block.id, &mut pool);
-        drop(pool);
+        )?;
         self.eager_cells.push(cell);
         prune(&mut self.eager_cells, &mut self.eager_pruned_at);
         Ok(buffer)
