@@ -232,6 +232,29 @@ fn with_scratch<D: TestDevice>(scratch_floats: usize, runs: &Runs) -> Body<'stat
 
 // 6. Memory: two sibling paths cost the larger path, not the sum; reset returns to zero.
 fn memory_is_largest_path<D: TestDevice>(dev: D) {
+    // The larger path's eager peak: the same functions, never graphed.
+    let eager_peak = {
+        let mut e = graft(dev.clone(), Config::default());
+        let spec = FunctionSpec {
+            eager_only: true,
+            ..FunctionSpec::default()
+        };
+        let (f1, f2) = (e.register("f1", spec.clone()), e.register("f2", spec));
+        let x = input(&mut e, &[1.0; 256]);
+        let base = e.stats().eager_pool.allocated;
+        let runs = Runs::default();
+        let y = e
+            .call(f1, &[&x], &[], affine(1.0, 0.0, &runs))
+            .unwrap()
+            .pop()
+            .unwrap()
+            .buffer;
+        let z = e
+            .call(f2, &[&y], &[], with_scratch(1 << 20, &runs))
+            .unwrap();
+        drop((y, z));
+        e.stats().eager_pool.peak_allocated - base
+    };
     let mut g = graft(dev, Config::default());
     let f1 = g.register("f1", FunctionSpec::default());
     let f2 = g.register("f2", FunctionSpec::default());
@@ -267,6 +290,12 @@ fn memory_is_largest_path<D: TestDevice>(dev: D) {
     assert_eq!(
         s.pool.reserved, one_path,
         "the second path reuses the first path's memory"
+    );
+    let ratio = s.pool.peak_allocated as f64 / eager_peak as f64;
+    assert!(
+        ratio <= 1.05,
+        "tree peak {} vs eager peak {eager_peak}: {ratio:.3}",
+        s.pool.peak_allocated
     );
     drop(runs);
     g.reset().unwrap();

@@ -1,0 +1,63 @@
+//! The replay fast path allocates nothing: counted with a global allocator, in steady state
+//! of an autoregressive loop (the previous output held as the next input).
+
+mod common;
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+
+use common::*;
+use graft::sim::SimDevice;
+use graft::{Config, FunctionSpec, Outcome};
+
+struct Counting;
+
+thread_local! {
+    static ALLOCATIONS: Cell<u64> = const { Cell::new(0) };
+}
+
+// SAFETY: forwards every call to the system allocator unchanged; only counts on the side.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        ALLOCATIONS.with(|c| c.set(c.get() + 1));
+        // SAFETY: the caller upholds `GlobalAlloc::alloc`'s contract, which we pass on.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: `ptr` came from `System.alloc` with this layout, per the caller's contract.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+fn allocations() -> u64 {
+    ALLOCATIONS.with(Cell::get)
+}
+
+#[test]
+fn replay_fast_path_does_not_allocate() {
+    let mut g: G<SimDevice> = graft(SimDevice::new(), Config::default());
+    let f = g.register("step", FunctionSpec::inference([0]));
+    let w = input(&mut g, &[0.5; 64]);
+    let mut x = input(&mut g, &[1.0; 64]);
+    let runs = Runs::default();
+    let mut body = add::<SimDevice>(&runs);
+    let mut out = Vec::with_capacity(1);
+    for _ in 0..8 {
+        g.call_into(f, &[&w, &x], &[], &mut body, &mut out).unwrap();
+        x = out.pop().unwrap().buffer;
+    }
+    let before = allocations();
+    for _ in 0..1000 {
+        let outcome = g.call_into(f, &[&w, &x], &[], &mut body, &mut out).unwrap();
+        assert!(matches!(outcome, Outcome::Replayed(_)));
+        x = out.pop().unwrap().buffer;
+    }
+    let per_call = (allocations() - before) as f64 / 1000.0;
+    assert_eq!(
+        per_call, 0.0,
+        "the replay path allocated {per_call} times per call"
+    );
+}
