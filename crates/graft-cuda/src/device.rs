@@ -13,13 +13,14 @@ use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
 use std::fmt;
 use std::ptr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use cudarc::driver::sys;
 use graft_core::{
     CaptureMode, Device, DeviceError, DeviceId, DeviceOp, DevicePtr, GraphSummary, StickyError,
 };
 
+use crate::blas::Blas;
 use crate::driver::{device_count, driver_ready};
 use crate::error::{INIT_OP, INSPECT_OP, check, check_alloc, is_capture_error, map};
 use crate::graph::{self, CudaGraph};
@@ -42,7 +43,7 @@ const CAPTURE_NONE: u32 = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_N
 /// slot. The device is released when the last clone and the last [`CudaGraph`] are dropped.
 #[derive(Clone)]
 pub struct CudaDevice {
-    inner: Arc<Inner>,
+    pub(crate) inner: Arc<Inner>,
 }
 
 /// The shared state of a device. Handles are null until created, so a partly built `Inner`
@@ -55,12 +56,16 @@ pub(crate) struct Inner {
     /// The device's primary context; non-null once retained (and then released in `Drop`).
     ctx: sys::CUcontext,
     /// The runtime stream: all work and all captures.
-    stream: sys::CUstream,
+    pub(crate) stream: sys::CUstream,
     /// A second stream, forked from the runtime stream by `fork_event`.
     side_stream: sys::CUstream,
     fork_event: sys::CUevent,
     join_event: sys::CUevent,
     kernels: Kernels,
+    /// The cuBLAS handle and its workspace, made once (see the `blas` module).
+    pub(crate) blas: OnceLock<Blas>,
+    /// Serializes the handle's creation.
+    pub(crate) blas_init: Mutex<()>,
     sticky: StickyError,
     /// Set whenever `sticky` may hold an error, so the fast path checks an atomic, not a mutex.
     sticky_pending: AtomicBool,
@@ -71,9 +76,11 @@ pub(crate) struct Inner {
     deferred_frees: Mutex<Vec<u64>>,
 }
 
-// SAFETY: the raw handles in `Inner` (context, streams, events, module, functions) are CUDA
-// driver handles, which the driver lets any thread use once the owning context is current on
-// it; every method makes the context current first (`make_current`). Streams and events are
+// SAFETY: the raw handles in `Inner` (context, streams, events, module, functions, the cuBLAS
+// handle) are CUDA driver or library handles, which may be used from any thread once the
+// owning context is current on it; every method makes the context current first
+// (`make_current`). The cuBLAS handle is created once (under `blas_init`) and only read after,
+// and cuBLAS allows one handle to be used from several host threads. Streams and events are
 // internally synchronized by the driver. The remaining fields are Send + Sync (Mutex, atomics,
 // String). Handles are created in `new` and destroyed only in `Drop`, with exclusive access.
 unsafe impl Send for Inner {}
@@ -145,7 +152,7 @@ impl Inner {
     /// `cuMemAlloc` with the calling thread switched to relaxed capture mode, as PyTorch's
     /// caching allocator does: in global or thread-local mode CUDA refuses `cuMemAlloc` during
     /// a capture, but the pool must be able to grow inside one.
-    fn alloc_relaxed(&self, op: DeviceOp, bytes: usize) -> Result<u64, DeviceError> {
+    pub(crate) fn alloc_relaxed(&self, op: DeviceOp, bytes: usize) -> Result<u64, DeviceError> {
         let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
         // SAFETY: exchanges this thread's capture mode with a valid enum value; the previous mode
         // is written back into `mode` and restored below.
@@ -210,6 +217,10 @@ impl Drop for Inner {
         }
         if !self.side_stream.is_null() {
             let _ = self.sync(DeviceOp::Synchronize, self.side_stream);
+        }
+        if let Some(mut blas) = self.blas.take() {
+            // The stream is synchronized above, so no GEMM still uses the workspace.
+            let _ = blas.destroy();
         }
         let _ = self.kernels.unload();
         let _ = self.drain_deferred_frees(DeviceOp::SegmentFree);
@@ -280,6 +291,8 @@ impl CudaDevice {
             fork_event: ptr::null_mut(),
             join_event: ptr::null_mut(),
             kernels: Kernels::empty(),
+            blas: OnceLock::new(),
+            blas_init: Mutex::new(()),
             sticky: StickyError::default(),
             sticky_pending: AtomicBool::new(false),
             realigned: Mutex::new(HashMap::new()),

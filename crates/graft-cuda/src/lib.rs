@@ -9,6 +9,13 @@
 //! what a framework's code might do wrong inside a captured body ([`CudaDevice::raw_alloc`],
 //! [`CudaDevice::query`], [`CudaDevice::fill_f32_on_side_stream`]), mirroring the simulator.
 //!
+//! For frameworks built on it (graft-tensor) it offers a safe generic kernel API:
+//! [`CudaDevice::load_module`] compiles CUDA C++ with NVRTC once and
+//! [`CudaDevice::launch_function`] launches its kernels on the runtime stream with
+//! [`KernelArg`]s checked against each kernel's real parameter sizes; and cuBLAS:
+//! [`CudaDevice::sgemm`], a row-major f32 GEMM on a per-device handle bound to the runtime
+//! stream, with a fixed workspace so it never allocates during a capture.
+//!
 //! cudarc is built with dynamic loading, so this crate builds without a CUDA toolkit and a
 //! program using it starts on a machine without a GPU: [`CudaDevice::is_available`] then
 //! returns false and [`CudaDevice::new`] an error, neither panics.
@@ -19,15 +26,19 @@
 //! with CUDA's code and name. Errors from `Drop` (destroying a graph) go to the device's sticky
 //! error slot.
 
+mod blas;
 mod device;
 mod driver;
 mod error;
 mod graph;
 mod kernels;
+mod module;
 
+pub use blas::{Sgemm, WORKSPACE_BYTES};
 pub use device::CudaDevice;
 pub use graph::CudaGraph;
 pub use kernels::KernelSource;
+pub use module::{CudaModule, KernelArg, compile_ptx};
 
 #[cfg(test)]
 mod tests {

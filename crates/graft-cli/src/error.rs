@@ -1,0 +1,60 @@
+//! Errors of the `graft` command.
+
+use std::path::PathBuf;
+
+use graft_core::DeviceError;
+use graft_tensor::TensorError;
+
+/// Why a command failed. Each message says what happened and what to do.
+#[derive(thiserror::Error, Debug)]
+pub enum CliError {
+    /// Graft replay and eager execution produced different tokens: a correctness bug.
+    #[error(
+        "tokens differ at batch {batch}, step {step}, row {row}: {first} gave {a}, {second} gave {b}; \
+         this is a bug in graft or its kernels: rerun with RUST_LOG=graft_core=debug and report it"
+    )]
+    TokensDiffer {
+        /// Batch size.
+        batch: usize,
+        /// Step (0-based).
+        step: usize,
+        /// Row of the batch.
+        row: usize,
+        /// Name of the first run.
+        first: &'static str,
+        /// Its token.
+        a: i32,
+        /// Name of the second run.
+        second: &'static str,
+        /// Its token.
+        b: i32,
+    },
+    /// A flag value the command cannot use.
+    #[error("invalid {flag}: {why}")]
+    BadArgument {
+        /// The flag.
+        flag: &'static str,
+        /// What is wrong and what to pass instead.
+        why: String,
+    },
+    /// The tensor layer or graft failed.
+    #[error(transparent)]
+    Tensor(#[from] TensorError),
+    /// The device failed.
+    #[error(transparent)]
+    Device(#[from] DeviceError),
+    /// Writing a file failed.
+    #[error("could not write {path}: {source}; check the path and permissions")]
+    WriteFile {
+        /// The file.
+        path: PathBuf,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// Writing the report failed.
+    #[error("could not write the report: {0}")]
+    Output(#[from] std::io::Error),
+    /// Serializing JSON failed.
+    #[error("could not serialize the results as JSON: {0}")]
+    Json(#[from] serde_json::Error),
+}

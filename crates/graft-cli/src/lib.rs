@@ -1,0 +1,151 @@
+//! graft-cli: the logic of the `graft` command (the binary's `main` only parses and calls in).
+//!
+//! - `graft demo`: decodes tokens with the benchmark decoder through graft and eagerly, checks
+//!   the tokens are identical, and reports step times, the tree's statistics and its pool.
+//! - `graft bench`: the decoder step timed three ways (eager, graft replay, one raw graph
+//!   without the tree), as a table and as JSON. `graft bench decoder` is the same; further
+//!   benchmarks go beside it as `graft bench <what>` ([`BenchWhat`]).
+//!
+//! Both use the GPU when [`graft_cuda::CudaDevice::is_available`] (the benchmark config),
+//! else the simulator (the tiny config), and say which.
+
+pub mod bench;
+pub mod demo;
+mod error;
+mod progress;
+mod timing;
+
+use std::io::Write;
+
+use clap::{Args, Parser, Subcommand};
+use graft_cuda::CudaDevice;
+use graft_sim::SimDevice;
+use graft_tensor::DecoderConfig;
+
+pub use error::CliError;
+
+/// graft: CUDA graph trees for Rust tensor frameworks.
+#[derive(Parser, Debug)]
+#[command(name = "graft", version, about, long_about = None)]
+pub struct Cli {
+    /// What to run.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The subcommands.
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Decode tokens through graft and eagerly, check they match, report times and the tree.
+    Demo(DemoArgs),
+    /// Benchmarks (the decoder step by default).
+    Bench(BenchCmd),
+}
+
+/// Arguments of `graft demo`.
+#[derive(Args, Debug, Clone)]
+pub struct DemoArgs {
+    /// Tokens to generate per batch size (at most the decoder's context).
+    #[arg(long, default_value_t = 32)]
+    pub tokens: usize,
+    /// Batch sizes, comma-separated (each padded to its bucket: 1, 2, 4, 8, 16, 32).
+    #[arg(long, value_delimiter = ',', default_value = "1,4,8")]
+    pub batches: Vec<usize>,
+    /// Write the graph tree as Graphviz DOT to this file.
+    #[arg(long, value_name = "FILE")]
+    pub dot: Option<std::path::PathBuf>,
+    /// Use the simulator even when a GPU is available.
+    #[arg(long)]
+    pub sim: bool,
+    /// Seed of the random weights.
+    #[arg(long, default_value_t = 7)]
+    pub seed: u64,
+}
+
+/// `graft bench`: a group of benchmarks. Without a subcommand it runs the decoder benchmark
+/// with the flags given here.
+#[derive(Args, Debug, Clone)]
+#[command(args_conflicts_with_subcommands = true)]
+pub struct BenchCmd {
+    /// Which benchmark.
+    #[command(subcommand)]
+    pub what: Option<BenchWhat>,
+    /// Flags of the decoder benchmark (the default).
+    #[command(flatten)]
+    pub decoder: DecoderBenchArgs,
+}
+
+/// The benchmarks of `graft bench`.
+#[derive(Subcommand, Debug, Clone)]
+pub enum BenchWhat {
+    /// The decoder step: eager, graft replay, and one raw graph without the tree.
+    Decoder(DecoderBenchArgs),
+}
+
+/// Arguments of the decoder benchmark.
+#[derive(Args, Debug, Clone)]
+pub struct DecoderBenchArgs {
+    /// Batch sizes, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
+    pub batches: Vec<usize>,
+    /// Timed steps per batch size and mode (after the warmup steps).
+    #[arg(long, default_value_t = 100)]
+    pub steps: usize,
+    /// Untimed steps before the timed ones.
+    #[arg(long, default_value_t = 5)]
+    pub warmup: usize,
+    /// Write the results as JSON to this file.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<std::path::PathBuf>,
+    /// Use the simulator even when a GPU is available.
+    #[arg(long)]
+    pub sim: bool,
+    /// Seed of the random weights.
+    #[arg(long, default_value_t = 7)]
+    pub seed: u64,
+}
+
+/// The device a command runs on, and the decoder configuration that goes with it.
+#[derive(Debug, Clone)]
+pub enum Backend {
+    /// A GPU: the benchmark configuration.
+    Cuda(CudaDevice),
+    /// The host simulator: the tiny configuration.
+    Sim(SimDevice),
+}
+
+impl Backend {
+    /// The GPU when one is available and `force_sim` is false, else the simulator. A note
+    /// explaining a fallback is written to `out`.
+    pub fn pick(force_sim: bool, out: &mut dyn Write) -> Result<Backend, CliError> {
+        if !force_sim && CudaDevice::is_available() {
+            match CudaDevice::new(0) {
+                Ok(dev) => return Ok(Backend::Cuda(dev)),
+                Err(e) => writeln!(
+                    out,
+                    "note: a CUDA GPU is present but could not be opened ({e}); using the simulator"
+                )?,
+            }
+        }
+        Ok(Backend::Sim(SimDevice::new()))
+    }
+
+    /// The decoder configuration for this backend and its name.
+    pub fn config(&self) -> (DecoderConfig, &'static str) {
+        match self {
+            Backend::Cuda(_) => (DecoderConfig::bench(), "bench"),
+            Backend::Sim(_) => (DecoderConfig::tiny(), "tiny"),
+        }
+    }
+}
+
+/// Runs a parsed command line, writing the report to `out`.
+pub fn run(cli: Cli, out: &mut dyn Write) -> Result<(), CliError> {
+    match cli.command {
+        Command::Demo(args) => demo::run(&args, out).map(|_| ()),
+        Command::Bench(cmd) => match cmd.what {
+            None => bench::run(&cmd.decoder, out).map(|_| ()),
+            Some(BenchWhat::Decoder(args)) => bench::run(&args, out).map(|_| ()),
+        },
+    }
+}

@@ -1,0 +1,159 @@
+//! `graft bench micro`: the replay fast path against a raw graph launch of the same chain.
+//!
+//! Ten elementwise kernels over 1,024 floats and 8 inputs (7 static, 1 copied), timed per
+//! call in one run four ways: eager launches, a raw graph launch, a raw graph launch plus the
+//! one input copy a tree replay also makes, and graft's tree replay.
+
+use std::time::Instant;
+
+use graft_core::{BodyError, Buffer, Config, Ctx, Device, DevicePtr, FunctionSpec, Graft, Output};
+use graft_tensor::Ops;
+
+/// Floats per buffer.
+pub const N: usize = 1024;
+
+/// Per-call times in nanoseconds (medians over repeats).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MicroResult {
+    /// Ten eager kernel launches.
+    pub eager_ns: f64,
+    /// One raw graph launch.
+    pub raw_ns: f64,
+    /// One input copy and one raw graph launch: the device work of a tree replay.
+    pub raw_copy_ns: f64,
+    /// One tree replay through `Graft::call_into`.
+    pub tree_ns: f64,
+}
+
+/// How to time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Timing {
+    /// Synchronize after every call: latency of one step.
+    Latency,
+    /// Synchronize after each block of calls: launch throughput.
+    Throughput,
+}
+
+/// The chain: acc = x + w0; acc += w1..w6; acc += x; acc += w0; acc += w1 (ten kernels).
+fn chain<D: Ops>(d: &D, acc: DevicePtr, w: &[DevicePtr], x: DevicePtr) -> Result<(), graft_core::DeviceError> {
+    d.add(acc, x, w[0], N)?;
+    for &wi in &w[1..7] {
+        d.add(acc, acc, wi, N)?;
+    }
+    d.add(acc, acc, x, N)?;
+    d.add(acc, acc, w[0], N)?;
+    d.add(acc, acc, w[1], N)
+}
+
+fn body<D: Ops>(ctx: &mut Ctx<'_, D>) -> Result<Vec<Output<()>>, BodyError> {
+    let inputs = ctx.inputs();
+    let w: Vec<DevicePtr> = inputs[..7].iter().map(Buffer::addr).collect::<Result<_, _>>()?;
+    let x = inputs[7].addr()?;
+    let out = ctx.alloc(N * 4)?;
+    chain(ctx.device(), out.addr()?, &w, x)?;
+    Ok(vec![Output::new(out, ())])
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Times `f` per call: `repeats` blocks of `per_block` calls, median of the block means.
+fn time<D: Device>(
+    device: &D,
+    timing: Timing,
+    repeats: usize,
+    per_block: usize,
+    mut f: impl FnMut() -> Result<(), Box<dyn std::error::Error>>,
+) -> Result<f64, Box<dyn std::error::Error>> {
+    for _ in 0..per_block {
+        f()?;
+    }
+    device.synchronize()?;
+    let mut samples = Vec::with_capacity(repeats);
+    for _ in 0..repeats {
+        let start = Instant::now();
+        for _ in 0..per_block {
+            f()?;
+            if timing == Timing::Latency {
+                device.synchronize()?;
+            }
+        }
+        device.synchronize()?;
+        samples.push(start.elapsed().as_nanos() as f64 / per_block as f64);
+    }
+    Ok(median(samples))
+}
+
+/// Runs the four measurements on `device`.
+pub fn run<D: Ops>(
+    device: D,
+    timing: Timing,
+    repeats: usize,
+    per_block: usize,
+) -> Result<MicroResult, Box<dyn std::error::Error>> {
+    device.prepare()?;
+    let mut g: Graft<D, ()> = Graft::new(device.clone(), Config::default());
+    let f = g.register("chain", FunctionSpec::inference([0, 1, 2, 3, 4, 5, 6]));
+    let bufs: Vec<Buffer> = (0..10).map(|_| g.alloc(N * 4)).collect::<Result<_, _>>()?;
+    for (i, b) in bufs.iter().enumerate() {
+        g.write_f32(b, &vec![i as f32 * 0.001; N])?;
+    }
+    let p: Vec<DevicePtr> = bufs.iter().map(Buffer::addr).collect::<Result<_, _>>()?;
+    let (w, x, acc, placeholder) = (&p[..7], p[7], p[8], p[9]);
+
+    let eager_ns = time(&device, timing, repeats, per_block, || Ok(chain(&device, acc, w, x)?))?;
+
+    device.begin_capture(Default::default())?;
+    let captured = chain(&device, acc, w, placeholder);
+    let graph = match captured {
+        Ok(()) => device.end_capture()?,
+        Err(e) => {
+            device.abort_capture()?;
+            return Err(e.into());
+        }
+    };
+    let raw_ns = time(&device, timing, repeats, per_block, || Ok(device.launch(&graph)?))?;
+    let raw_copy_ns = time(&device, timing, repeats, per_block, || {
+        device.copy(placeholder, x, N * 4)?;
+        Ok(device.launch(&graph)?)
+    })?;
+
+    let refs: Vec<&Buffer> = [&bufs[..7], &bufs[7..8]].concat().into_iter().collect();
+    let mut out = Vec::with_capacity(1);
+    for _ in 0..3 {
+        g.call_into(f, &refs, &[], body::<D>, &mut out)?;
+    }
+    let replays_before = g.stats().replays;
+    let tree_ns = time(&device, timing, repeats, per_block, || {
+        g.call_into(f, &refs, &[], body::<D>, &mut out)?;
+        Ok(())
+    })?;
+    let replayed = g.stats().replays - replays_before;
+    if replayed != ((repeats + 1) * per_block) as u64 {
+        return Err(format!("expected every timed call to replay, but {replayed} did").into());
+    }
+
+    // The tree computed what the chain computes.
+    let mut expected = vec![0f32; N];
+    let host = |i: usize| i as f32 * 0.001;
+    for v in expected.iter_mut() {
+        *v = host(7) + host(0);
+        for i in 1..7 {
+            *v += host(i);
+        }
+        *v += host(7) + host(0) + host(1);
+    }
+    let got = g.read_f32(&out[0].buffer)?;
+    if got.iter().zip(&expected).any(|(a, b)| (a - b).abs() > 1e-5) {
+        return Err("the tree replay computed a different result than the chain".into());
+    }
+    drop(graph);
+    Ok(MicroResult {
+        eager_ns,
+        raw_ns,
+        raw_copy_ns,
+        tree_ns,
+    })
+}

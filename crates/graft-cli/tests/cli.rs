@@ -1,0 +1,172 @@
+//! The demo and the decoder benchmark on the simulator, and the command-line parsing.
+
+use clap::Parser;
+use graft_cli::{BenchWhat, Cli, CliError, Command, DecoderBenchArgs, DemoArgs, bench, demo};
+use graft_sim::SimDevice;
+use graft_tensor::DecoderConfig;
+
+fn demo_args(tokens: usize, batches: &[usize]) -> DemoArgs {
+    DemoArgs {
+        tokens,
+        batches: batches.to_vec(),
+        dot: None,
+        sim: true,
+        seed: 7,
+    }
+}
+
+#[test]
+fn demo_on_the_simulator_matches_tokens_and_reports_the_tree() {
+    let dot = std::env::temp_dir().join(format!("graft-cli-demo-{}.dot", std::process::id()));
+    let args = DemoArgs {
+        dot: Some(dot.clone()),
+        ..demo_args(6, &[1, 3])
+    };
+    let mut out = Vec::new();
+    let report = demo::run_on(
+        SimDevice::new(),
+        DecoderConfig::tiny(),
+        "tiny",
+        &args,
+        &mut out,
+    )
+    .expect("graft and eager tokens match");
+    let text = String::from_utf8(out).unwrap();
+    assert!(text.contains("device:  host simulator"), "{text}");
+    assert!(text.contains("tiny config"), "{text}");
+    assert!(text.contains("identical over 6 steps"), "{text}");
+    assert_eq!(report.rows.len(), 2);
+    assert_eq!(report.rows[1].bucket, 4);
+    assert_eq!(report.rows[1].tokens.len(), 6);
+    assert_eq!(
+        report.rows[1].tokens[0].len(),
+        3,
+        "only the real rows are kept"
+    );
+    assert_eq!(report.roots, 2, "one root per bucket");
+    assert!(report.stats.replays >= 4, "{:?}", report.stats);
+    let dot_text = std::fs::read_to_string(&dot).unwrap();
+    assert!(dot_text.starts_with("digraph"), "{dot_text}");
+    let _ = std::fs::remove_file(dot);
+}
+
+#[test]
+fn demo_run_picks_the_simulator_when_asked() {
+    let mut out = Vec::new();
+    let report = demo::run(&demo_args(4, &[2]), &mut out).unwrap();
+    assert_eq!(report.device, "host simulator");
+    assert_eq!(report.config, DecoderConfig::tiny());
+}
+
+#[test]
+fn demo_longer_than_the_context_starts_new_sequences() {
+    let mut out = Vec::new();
+    let report = demo::run_on(
+        SimDevice::new(),
+        DecoderConfig::tiny(),
+        "tiny",
+        &demo_args(70, &[1]),
+        &mut out,
+    )
+    .unwrap();
+    assert_eq!(report.rows[0].tokens.len(), 70);
+    assert!(
+        String::from_utf8(out)
+            .unwrap()
+            .contains("exceed the context of 64")
+    );
+}
+
+#[test]
+fn demo_rejects_bad_arguments() {
+    let mut out = Vec::new();
+    for args in [demo_args(0, &[1]), demo_args(4, &[33]), demo_args(4, &[])] {
+        let r = demo::run_on(
+            SimDevice::new(),
+            DecoderConfig::tiny(),
+            "tiny",
+            &args,
+            &mut out,
+        );
+        assert!(matches!(r, Err(CliError::BadArgument { .. })), "{r:?}");
+    }
+}
+
+#[test]
+fn bench_on_the_simulator_writes_json() {
+    let json = std::env::temp_dir().join(format!("graft-cli-bench-{}.json", std::process::id()));
+    let args = DecoderBenchArgs {
+        batches: vec![1, 5],
+        steps: 6,
+        warmup: 2,
+        json: Some(json.clone()),
+        sim: true,
+        seed: 7,
+    };
+    let mut out = Vec::new();
+    let report = bench::run(&args, &mut out).unwrap();
+    let text = String::from_utf8(out).unwrap();
+    assert!(
+        text.contains("host simulator") && text.contains("tiny config"),
+        "{text}"
+    );
+    assert!(report.simulator);
+    assert_eq!(report.results.len(), 2);
+    assert_eq!(report.results[1].bucket, 8);
+    for r in &report.results {
+        assert!(
+            r.eager_us > 0.0 && r.graft_us > 0.0 && r.raw_us > 0.0,
+            "{r:?}"
+        );
+    }
+    let parsed: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(parsed["config"]["name"], "tiny");
+    assert_eq!(parsed["results"][0]["batch"], 1);
+    let _ = std::fs::remove_file(json);
+}
+
+#[test]
+fn command_line_parses() {
+    let cli = Cli::try_parse_from([
+        "graft",
+        "demo",
+        "--tokens",
+        "5",
+        "--batches",
+        "1,2",
+        "--sim",
+    ])
+    .unwrap();
+    match cli.command {
+        Command::Demo(a) => {
+            assert_eq!((a.tokens, a.batches, a.sim), (5, vec![1, 2], true));
+        }
+        other => panic!("{other:?}"),
+    }
+    let cli =
+        Cli::try_parse_from(["graft", "bench", "--batches", "1,8", "--json", "x.json"]).unwrap();
+    match cli.command {
+        Command::Bench(b) => {
+            assert!(b.what.is_none());
+            assert_eq!(b.decoder.batches, vec![1, 8]);
+            assert_eq!(b.decoder.steps, 100);
+        }
+        other => panic!("{other:?}"),
+    }
+    let cli = Cli::try_parse_from(["graft", "bench", "decoder", "--steps", "3"]).unwrap();
+    match cli.command {
+        Command::Bench(b) => match b.what {
+            Some(BenchWhat::Decoder(d)) => assert_eq!(d.steps, 3),
+            other => panic!("{other:?}"),
+        },
+        other => panic!("{other:?}"),
+    }
+    let defaults = Cli::try_parse_from(["graft", "demo"]).unwrap();
+    match defaults.command {
+        Command::Demo(a) => assert_eq!((a.tokens, a.batches), (32, vec![1, 4, 8])),
+        other => panic!("{other:?}"),
+    }
+    assert!(Cli::try_parse_from(["graft", "demo", "--tokens", "x"]).is_err());
+    assert!(Cli::try_parse_from(["graft", "bench", "--steps", "3", "decoder"]).is_err());
+}

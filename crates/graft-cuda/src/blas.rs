@@ -1,0 +1,282 @@
+//! cuBLAS on the runtime stream: one handle per device, made once, and [`CudaDevice::sgemm`],
+//! a row-major f32 matrix product.
+//!
+//! # Why a fixed workspace
+//! cuBLAS needs scratch memory for some GEMM algorithms. Left to itself it allocates that
+//! memory lazily, on the first call that needs it, and an allocation while the runtime stream
+//! is being captured either fails the capture or (with relaxed capture) bakes an address into
+//! the graph that cuBLAS may free later. So the handle is given its own workspace once, at
+//! creation, with `cublasSetWorkspace_v2`: [`WORKSPACE_BYTES`] from the device's own
+//! segment allocation (`cuMemAlloc`, outside graft's pool), freed only when the device is
+//! dropped. The handle is created outside any capture ([`CudaDevice::init_cublas`], or the
+//! first `sgemm` when the stream is not capturing); an `sgemm` that would have to create it
+//! during a capture fails with a capture error instead, which graft turns into an eager
+//! fallback.
+//!
+//! # Numerics
+//! Math mode is `CUBLAS_DEFAULT_MATH` (pure fp32: no TF32 tensor cores), pointer mode host
+//! (alpha and beta are read when the call is enqueued, so a captured GEMM keeps the values it
+//! was captured with), atomics not allowed: results are deterministic for one problem size and
+//! match the simulator's fp32 loops closely (not bitwise: the summation order differs).
+
+use std::ffi::{c_int, c_void};
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::ptr;
+
+use cudarc::cublas::sys as blas;
+use cudarc::driver::sys;
+use graft_core::{CaptureViolation, DeviceError, DeviceOp, DevicePtr};
+
+use crate::device::{CudaDevice, Inner};
+use crate::error::check;
+
+/// Bytes of the workspace each device's cuBLAS handle gets (32 MiB, what PyTorch gives
+/// Hopper GPUs).
+pub const WORKSPACE_BYTES: usize = 32 << 20;
+
+/// A device's cuBLAS handle and its workspace. Destroyed by the device's `Drop`, after the
+/// stream is synchronized.
+pub(crate) struct Blas {
+    handle: blas::cublasHandle_t,
+    workspace: sys::CUdeviceptr,
+}
+
+impl Blas {
+    /// Creates the handle on `inner`'s runtime stream with a fixed workspace. The context
+    /// must be current and the stream not capturing.
+    fn create(inner: &Inner) -> Result<Blas, DeviceError> {
+        let op = DeviceOp::ModuleLoad;
+        // SAFETY: only `dlopen`s candidate names of libcublas and drops each handle.
+        if !unsafe { blas::is_culib_present() } {
+            return Err(DeviceError::Driver {
+                op,
+                code: sys::CUresult::CUDA_ERROR_SHARED_OBJECT_INIT_FAILED as u32,
+                name: "CUDA_ERROR_SHARED_OBJECT_INIT_FAILED (libcublas not found: install the CUDA toolkit's cuBLAS or add it to LD_LIBRARY_PATH)",
+            });
+        }
+        let mut b = Blas {
+            handle: ptr::null_mut(),
+            workspace: 0,
+        };
+        // cudarc panics when a cuBLAS symbol is missing; report that as an error instead.
+        let made =
+            catch_unwind(AssertUnwindSafe(|| b.setup(inner))).unwrap_or(Err(DeviceError::Driver {
+                op,
+                code: sys::CUresult::CUDA_ERROR_NOT_FOUND as u32,
+                name: "CUDA_ERROR_NOT_FOUND (cudarc panicked calling cuBLAS: a symbol is missing)",
+            }));
+        match made {
+            Ok(()) => Ok(b),
+            Err(e) => {
+                // Setup failed part way: release what it got; the setup error is the one to report.
+                let _ = b.destroy();
+                Err(e)
+            }
+        }
+    }
+
+    fn setup(&mut self, inner: &Inner) -> Result<(), DeviceError> {
+        let op = DeviceOp::ModuleLoad;
+        let mut handle: blas::cublasHandle_t = ptr::null_mut();
+        // SAFETY: `handle` is a valid out-pointer; the device's primary context is current, so
+        // cuBLAS (through the runtime API) binds the handle to it. Destroyed in `destroy`.
+        blas_check(op, unsafe { blas::cublasCreate_v2(&mut handle) })?;
+        self.handle = handle;
+        // SAFETY: the handle was just created; the runtime stream is a live stream of the
+        // context the handle is bound to (a driver CUstream is a runtime cudaStream_t).
+        blas_check(op, unsafe {
+            blas::cublasSetStream_v2(handle, inner.stream.cast())
+        })?;
+        self.workspace = inner.alloc_relaxed(DeviceOp::SegmentAlloc, WORKSPACE_BYTES)?;
+        // SAFETY: the workspace is WORKSPACE_BYTES of device memory of this context, 256-byte
+        // aligned (cuMemAlloc), owned by this handle until `destroy` frees it after the handle.
+        blas_check(op, unsafe {
+            blas::cublasSetWorkspace_v2(handle, self.workspace as *mut c_void, WORKSPACE_BYTES)
+        })?;
+        // SAFETY: a live handle and valid enum values.
+        blas_check(op, unsafe {
+            blas::cublasSetMathMode(handle, blas::cublasMath_t::CUBLAS_DEFAULT_MATH)
+        })?;
+        // SAFETY: as above.
+        blas_check(op, unsafe {
+            blas::cublasSetPointerMode_v2(
+                handle,
+                blas::cublasPointerMode_t::CUBLAS_POINTER_MODE_HOST,
+            )
+        })?;
+        Ok(())
+    }
+
+    /// Destroys the handle, then frees the workspace. The context must be current and the
+    /// stream idle (synchronized). Idempotent.
+    pub(crate) fn destroy(&mut self) -> Result<(), DeviceError> {
+        let mut first = Ok(());
+        let handle = std::mem::replace(&mut self.handle, ptr::null_mut());
+        if !handle.is_null() {
+            // SAFETY: created by cublasCreate_v2 in `setup`, destroyed exactly once (swapped out).
+            let r = catch_unwind(AssertUnwindSafe(|| unsafe {
+                blas::cublasDestroy_v2(handle)
+            }));
+            if let Ok(status) = r {
+                first = blas_check(DeviceOp::GraphDestroy, status);
+            }
+        }
+        let workspace = std::mem::replace(&mut self.workspace, 0);
+        if workspace != 0 {
+            // SAFETY: allocated by cuMemAlloc in `setup`, no longer referenced (the handle that
+            // used it is destroyed), freed exactly once (swapped out).
+            let r = check(DeviceOp::SegmentFree, unsafe {
+                sys::cuMemFree_v2(workspace)
+            });
+            if first.is_ok() {
+                first = r;
+            }
+        }
+        first
+    }
+}
+
+/// Maps a cuBLAS status to a device error named after it.
+fn blas_check(op: DeviceOp, status: blas::cublasStatus_t) -> Result<(), DeviceError> {
+    use blas::cublasStatus_t as S;
+    let name = match status {
+        S::CUBLAS_STATUS_SUCCESS => return Ok(()),
+        S::CUBLAS_STATUS_ALLOC_FAILED => {
+            return Err(DeviceError::OutOfMemory { op, bytes: 0 });
+        }
+        S::CUBLAS_STATUS_NOT_INITIALIZED => "CUBLAS_STATUS_NOT_INITIALIZED",
+        S::CUBLAS_STATUS_INVALID_VALUE => "CUBLAS_STATUS_INVALID_VALUE",
+        S::CUBLAS_STATUS_ARCH_MISMATCH => "CUBLAS_STATUS_ARCH_MISMATCH",
+        S::CUBLAS_STATUS_MAPPING_ERROR => "CUBLAS_STATUS_MAPPING_ERROR",
+        S::CUBLAS_STATUS_EXECUTION_FAILED => "CUBLAS_STATUS_EXECUTION_FAILED",
+        S::CUBLAS_STATUS_INTERNAL_ERROR => "CUBLAS_STATUS_INTERNAL_ERROR",
+        S::CUBLAS_STATUS_NOT_SUPPORTED => "CUBLAS_STATUS_NOT_SUPPORTED",
+        S::CUBLAS_STATUS_LICENSE_ERROR => "CUBLAS_STATUS_LICENSE_ERROR",
+    };
+    Err(DeviceError::Driver {
+        op,
+        code: status as u32,
+        name,
+    })
+}
+
+/// One row-major f32 matrix product for [`CudaDevice::sgemm`]:
+/// `C[m, n] = alpha * A[m, k] · op(B) + beta * C[m, n]`, all matrices dense and row-major.
+///
+/// `op(B)` is `B` stored as `[k, n]` when `b_transposed` is false, and `Bᵀ` of a `B` stored as
+/// `[n, k]` when it is true (the `[out, in]` weight layout of a linear layer: `C = A · Bᵀ`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Sgemm {
+    /// Rows of `A` and `C`.
+    pub m: usize,
+    /// Columns of `C` (and of `op(B)`).
+    pub n: usize,
+    /// Columns of `A`, rows of `op(B)`.
+    pub k: usize,
+    /// `A`, `m * k` f32s.
+    pub a: DevicePtr,
+    /// `B`, `k * n` f32s.
+    pub b: DevicePtr,
+    /// `C`, `m * n` f32s; read when `beta != 0`.
+    pub c: DevicePtr,
+    /// Whether `B` is stored `[n, k]` (use `Bᵀ`).
+    pub b_transposed: bool,
+    /// Scale of the product.
+    pub alpha: f32,
+    /// Scale of the existing `C` (0: `C` is only written).
+    pub beta: f32,
+}
+
+impl CudaDevice {
+    /// Creates this device's cuBLAS handle (once; later calls do nothing): bound to the
+    /// runtime stream, with a fixed [`WORKSPACE_BYTES`] workspace, default (fp32) math.
+    /// Call it before capturing anything that uses [`CudaDevice::sgemm`]; the first `sgemm`
+    /// outside a capture does it too. Fails during a capture (`Capture { Unsupported }`).
+    pub fn init_cublas(&self) -> Result<(), DeviceError> {
+        self.blas().map(|_| ())
+    }
+
+    fn blas(&self) -> Result<blas::cublasHandle_t, DeviceError> {
+        let inner = &self.inner;
+        if let Some(b) = inner.blas.get() {
+            return Ok(b.handle);
+        }
+        let _guard = inner
+            .blas_init
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(b) = inner.blas.get() {
+            return Ok(b.handle);
+        }
+        inner.make_current(DeviceOp::ModuleLoad)?;
+        if self.is_capturing()? {
+            return Err(DeviceError::Capture {
+                op: DeviceOp::RawAlloc,
+                violation: CaptureViolation::Unsupported,
+            });
+        }
+        let b = Blas::create(inner)?;
+        let handle = b.handle;
+        if let Err(mut lost) = inner.blas.set(b) {
+            // Unreachable under the lock; release the spare rather than leak it.
+            let _ = lost.destroy();
+        }
+        Ok(handle)
+    }
+
+    /// Enqueues `C = alpha * A · op(B) + beta * C` (row-major, see [`Sgemm`]) on the runtime
+    /// stream through `cublasSgemm_v2` (captured when capturing).
+    ///
+    /// cuBLAS is column-major; a row-major `[r, c]` matrix is its column-major transpose. So
+    /// the call computes `Cᵀ = op(B)ᵀ · Aᵀ`: cuBLAS's first operand is `B` (transposed when
+    /// `b_transposed`), its second `A`, with `m` and `n` swapped and leading dimensions equal
+    /// to the row lengths (`n` for `B` stored `[k, n]`, `k` for `B` stored `[n, k]`, `k` for
+    /// `A`, `n` for `C`). Sizes of zero do nothing; sizes past `i32::MAX` are refused
+    /// (`CUBLAS_STATUS_INVALID_VALUE`).
+    pub fn sgemm(&self, g: &Sgemm) -> Result<(), DeviceError> {
+        let op = DeviceOp::KernelLaunch;
+        self.inner.make_current(op)?;
+        if g.m == 0 || g.n == 0 {
+            return Ok(());
+        }
+        let handle = self.blas()?;
+        let dim = |x: usize| {
+            c_int::try_from(x).map_err(|_| DeviceError::Driver {
+                op,
+                code: blas::cublasStatus_t::CUBLAS_STATUS_INVALID_VALUE as u32,
+                name: "CUBLAS_STATUS_INVALID_VALUE (a matrix dimension exceeds i32::MAX)",
+            })
+        };
+        let (m, n, k) = (dim(g.m)?, dim(g.n)?, dim(g.k.max(1))?);
+        let k_real = dim(g.k)?;
+        let (trans_b, ldb) = if g.b_transposed {
+            (blas::cublasOperation_t::CUBLAS_OP_T, k)
+        } else {
+            (blas::cublasOperation_t::CUBLAS_OP_N, n)
+        };
+        let (alpha, beta) = (g.alpha, g.beta);
+        // SAFETY: the handle is live (destroyed only in the device's Drop) and bound to the
+        // runtime stream; alpha and beta are host values read during the call (pointer mode
+        // host); the leading dimensions are at least the row lengths they describe and at
+        // least 1; the caller promises A, B and C hold the stated f32 counts (bad device
+        // addresses fault on the device and are reported by the driver, not host UB).
+        blas_check(op, unsafe {
+            blas::cublasSgemm_v2(
+                handle,
+                trans_b,
+                blas::cublasOperation_t::CUBLAS_OP_N,
+                n,
+                m,
+                k_real,
+                &alpha,
+                g.b.0 as *const f32,
+                ldb,
+                g.a.0 as *const f32,
+                k,
+                &beta,
+                g.c.0 as *mut f32,
+                n,
+            )
+        })
+    }
+}

@@ -1,0 +1,441 @@
+//! A safe, generic kernel API: compile CUDA C++ with NVRTC once ([`CudaDevice::load_module`]),
+//! then launch its kernels on the runtime stream ([`CudaDevice::launch_function`]) with
+//! arguments checked against the kernel's real parameter list, so callers need no `unsafe`.
+//!
+//! Soundness of the safe launch rests on one check: `cuLaunchKernel` reads, for parameter `i`,
+//! as many bytes as the kernel declares from the pointer `params[i]`, for as many parameters as
+//! the kernel has. At load time every kernel's parameter sizes are read from the driver
+//! (`cuFuncGetParamInfo`, CUDA 12.4+), and every launch checks that the arguments match them in
+//! count and size before the driver sees them. What the driver then reads is exactly the
+//! argument values on this function's stack. Device addresses themselves are not checked (the
+//! host cannot): a bad one makes the kernel fault on the device, which the driver reports at
+//! the next synchronizing call, as with the crate's other kernels.
+
+use std::ffi::{CString, c_uint, c_void};
+use std::fmt;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::ptr;
+use std::sync::Arc;
+
+use cudarc::driver::sys;
+use graft_core::{DeviceError, DeviceOp, DevicePtr};
+
+use crate::device::{CudaDevice, Inner};
+use crate::error::check;
+use crate::kernels::{compile_source, function};
+
+/// Most kernel parameters a launch passes without allocating (a stack array).
+const STACK_ARGS: usize = 16;
+
+/// `CUDA_ERROR_INVALID_VALUE`, for arguments that do not fit the kernel.
+const INVALID_VALUE: u32 = sys::CUresult::CUDA_ERROR_INVALID_VALUE as u32;
+
+/// `NVRTC_ERROR_COMPILATION`.
+const NVRTC_COMPILATION: u32 = 6;
+
+/// One kernel argument, passed by value. Its size must equal the kernel parameter's:
+/// 8 bytes for `Ptr` and `U64` (pointers, `unsigned long long`, `size_t`), 4 for `F32`,
+/// `I32` and `U32`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum KernelArg {
+    /// A device pointer (`T*`).
+    Ptr(DevicePtr),
+    /// A `float`.
+    F32(f32),
+    /// An `int`.
+    I32(i32),
+    /// An `unsigned int`.
+    U32(u32),
+    /// An `unsigned long long` (or `size_t`).
+    U64(u64),
+}
+
+impl KernelArg {
+    /// The argument's bytes, in the first `size` bytes of an 8-byte slot.
+    #[inline]
+    fn encode(self) -> ([u8; 8], usize) {
+        let mut slot = [0u8; 8];
+        let size = match self {
+            KernelArg::Ptr(p) => {
+                slot = p.0.to_ne_bytes();
+                8
+            }
+            KernelArg::U64(v) => {
+                slot = v.to_ne_bytes();
+                8
+            }
+            KernelArg::F32(v) => {
+                slot[..4].copy_from_slice(&v.to_ne_bytes());
+                4
+            }
+            KernelArg::I32(v) => {
+                slot[..4].copy_from_slice(&v.to_ne_bytes());
+                4
+            }
+            KernelArg::U32(v) => {
+                slot[..4].copy_from_slice(&v.to_ne_bytes());
+                4
+            }
+        };
+        (slot, size)
+    }
+}
+
+/// One kernel of a module: its handle and the byte size of each of its parameters.
+struct Kernel {
+    name: String,
+    function: sys::CUfunction,
+    param_sizes: Box<[usize]>,
+}
+
+/// A compiled, loaded CUDA module and the kernels looked up in it, in the order their names
+/// were given to [`CudaDevice::load_module`]. Launch them with [`CudaDevice::launch_function`]
+/// by index ([`CudaModule::index`] finds one by name).
+///
+/// Keeps its device alive. Dropping it unloads the module (`cuModuleUnload`); a failure there
+/// goes to the device's sticky error slot. Drop it only once no launched work still runs its
+/// kernels (synchronize first), as with any CUDA module.
+pub struct CudaModule {
+    device: Arc<Inner>,
+    module: sys::CUmodule,
+    kernels: Vec<Kernel>,
+}
+
+// SAFETY: the module and function handles are driver handles usable from any thread once the
+// device's context is current, which every use makes it (`launch_function` enters the device
+// first, `Drop` makes it current). They are only read after construction (launches), and the
+// module is unloaded once, in `Drop`, with exclusive access.
+unsafe impl Send for CudaModule {}
+// SAFETY: see `Send`: shared use only passes the immutable handles to `cuLaunchKernel`, which
+// the driver allows from several threads at once.
+unsafe impl Sync for CudaModule {}
+
+impl CudaModule {
+    /// The index of the kernel called `name`, for [`CudaDevice::launch_function`].
+    pub fn index(&self, name: &str) -> Option<usize> {
+        self.kernels.iter().position(|k| k.name == name)
+    }
+
+    /// The kernels' names, in index order.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.kernels.iter().map(|k| k.name.as_str())
+    }
+
+    /// The byte sizes of kernel `index`'s parameters, as the driver reports them.
+    pub fn param_sizes(&self, index: usize) -> Option<&[usize]> {
+        self.kernels.get(index).map(|k| &*k.param_sizes)
+    }
+}
+
+impl fmt::Debug for CudaModule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CudaModule")
+            .field("device", &self.device.id)
+            .field("kernels", &self.names().collect::<Vec<_>>())
+            .finish()
+    }
+}
+
+impl Drop for CudaModule {
+    fn drop(&mut self) {
+        let module = std::mem::replace(&mut self.module, ptr::null_mut());
+        if module.is_null() {
+            return;
+        }
+        if let Err(err) = self.device.make_current(DeviceOp::ModuleLoad) {
+            self.device.record_sticky(err);
+            return;
+        }
+        // SAFETY: `module` came from cuModuleLoadData in `load_module`, is owned by this value
+        // alone, and is unloaded exactly once (swapped out above); its function handles die
+        // with it and are not used afterwards.
+        if let Err(err) = check(DeviceOp::ModuleLoad, unsafe { sys::cuModuleUnload(module) }) {
+            self.device.record_sticky(err);
+        }
+    }
+}
+
+/// Compiles CUDA C++ source with NVRTC (default options) to a NUL-terminated PTX image. Needs
+/// libnvrtc but no GPU, so tests can check that kernel sources compile. The error holds
+/// NVRTC's compile log.
+pub fn compile_ptx(source: &str, name: &str) -> Result<Vec<u8>, String> {
+    compile_source(source, name)
+}
+
+/// Whether the driver exports `cuFuncGetParamInfo` (CUDA 12.4+), which checked launches need.
+fn param_info_available() -> bool {
+    // SAFETY: the driver library is loaded (every constructor of a device ran driver_ready),
+    // so `culib` returns it without panicking; the symbol is only looked up, never called here.
+    let lib = unsafe { sys::culib() };
+    // SAFETY: looking a symbol up does not call it; the fn-pointer type is pointer-sized.
+    unsafe { lib.get::<unsafe extern "C" fn()>(b"cuFuncGetParamInfo") }.is_ok()
+}
+
+/// The byte size of each parameter of `f`.
+fn param_sizes(f: sys::CUfunction) -> Result<Box<[usize]>, DeviceError> {
+    let mut sizes = Vec::new();
+    loop {
+        let (mut offset, mut size) = (0usize, 0usize);
+        // SAFETY: `f` is a function of a loaded module (looked up just before); the out-pointers
+        // are valid. An index past the last parameter returns CUDA_ERROR_INVALID_VALUE.
+        let r = unsafe { sys::cuFuncGetParamInfo(f, sizes.len(), &mut offset, &mut size) };
+        match r {
+            sys::CUresult::CUDA_SUCCESS => sizes.push(size),
+            sys::CUresult::CUDA_ERROR_INVALID_VALUE => return Ok(sizes.into_boxed_slice()),
+            other => return Err(crate::error::map(DeviceOp::ModuleLoad, other, 0)),
+        }
+        if sizes.len() > 4096 {
+            // Kernel parameters are limited to 32 KiB; this many means the driver misbehaves.
+            return Err(DeviceError::Driver {
+                op: DeviceOp::ModuleLoad,
+                code: INVALID_VALUE,
+                name: "CUDA_ERROR_INVALID_VALUE (cuFuncGetParamInfo reported too many parameters)",
+            });
+        }
+    }
+}
+
+impl CudaDevice {
+    /// Compiles `cuda_source` with NVRTC, loads it (`cuModuleLoadData`) and looks up
+    /// `kernel_names` (`extern "C" __global__` functions), reading each kernel's parameter
+    /// sizes so that [`CudaDevice::launch_function`] can check its arguments. Compile once and
+    /// keep the module: compiling costs milliseconds to seconds.
+    ///
+    /// Not for use during a capture (loading a module is not a stream operation, but keep
+    /// setup out of captured bodies). Errors, all with `DeviceOp::ModuleLoad`: NVRTC missing or
+    /// failing (the compile log goes to `tracing` at error level; [`compile_ptx`] returns it),
+    /// the driver rejecting the PTX, an unknown kernel name (`CUDA_ERROR_NOT_FOUND`), or a
+    /// driver older than CUDA 12.4.
+    pub fn load_module(
+        &self,
+        cuda_source: &str,
+        kernel_names: &[&str],
+    ) -> Result<CudaModule, DeviceError> {
+        let op = DeviceOp::ModuleLoad;
+        let inner = &self.inner;
+        inner.make_current(op)?;
+        if !param_info_available() {
+            return Err(DeviceError::Driver {
+                op,
+                code: sys::CUresult::CUDA_ERROR_NOT_FOUND as u32,
+                name: "CUDA_ERROR_NOT_FOUND (libcuda has no cuFuncGetParamInfo: update the NVIDIA driver to CUDA 12.4 or later)",
+            });
+        }
+        let names: Vec<CString> = kernel_names
+            .iter()
+            .map(|n| CString::new(*n))
+            .collect::<Result<_, _>>()
+            .map_err(|_| DeviceError::Driver {
+                op,
+                code: INVALID_VALUE,
+                name: "CUDA_ERROR_INVALID_VALUE (a kernel name contains a NUL byte)",
+            })?;
+        let image = compile_source(cuda_source, "graft_module.cu").map_err(|log| {
+            tracing::error!(%log, "NVRTC could not compile a module");
+            DeviceError::Driver {
+                op,
+                code: NVRTC_COMPILATION,
+                name: "NVRTC_ERROR_COMPILATION (the compile log went to tracing at error level; graft_cuda::compile_ptx returns it)",
+            }
+        })?;
+        let mut module = CudaModule {
+            device: Arc::clone(inner),
+            module: ptr::null_mut(),
+            kernels: Vec::with_capacity(names.len()),
+        };
+        let mut handle: sys::CUmodule = ptr::null_mut();
+        // SAFETY: `image` is a NUL-terminated PTX image that outlives the call (the driver
+        // copies it); the device's context is current; `handle` is a valid out-pointer. The
+        // module is owned by `module` from here and unloaded in its Drop (also on the error
+        // paths below).
+        check(op, unsafe {
+            sys::cuModuleLoadData(&mut handle, image.as_ptr().cast::<c_void>())
+        })?;
+        module.module = handle;
+        for (name, cname) in kernel_names.iter().zip(&names) {
+            let f = function(handle, cname)?;
+            // cudarc panics if the symbol is missing despite the check above; never unwind.
+            let sizes = catch_unwind(AssertUnwindSafe(|| param_sizes(f))).unwrap_or(Err(
+                DeviceError::Driver {
+                    op,
+                    code: sys::CUresult::CUDA_ERROR_NOT_FOUND as u32,
+                    name: "CUDA_ERROR_NOT_FOUND (cudarc panicked looking up cuFuncGetParamInfo)",
+                },
+            ))?;
+            module.kernels.push(Kernel {
+                name: (*name).to_string(),
+                function: f,
+                param_sizes: sizes,
+            });
+        }
+        Ok(module)
+    }
+
+    /// Launches kernel `kernel` (an index into the names given to
+    /// [`CudaDevice::load_module`]) of module `m` on the runtime stream: captured when
+    /// capturing, like every other operation of the device. `args` must match the kernel's
+    /// parameters in count and byte size (see [`KernelArg`]); otherwise, or for an index out
+    /// of range, a grid or block with a zero dimension, or a module of another device, the
+    /// launch is refused with `CUDA_ERROR_INVALID_VALUE` (`INVALID_CONTEXT` for the device)
+    /// before the driver sees it. No heap allocation for up to 16 arguments.
+    pub fn launch_function(
+        &self,
+        m: &CudaModule,
+        kernel: usize,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        shared_bytes: u32,
+        args: &[KernelArg],
+    ) -> Result<(), DeviceError> {
+        let op = DeviceOp::KernelLaunch;
+        let inner = &self.inner;
+        inner.make_current(op)?;
+        if !Arc::ptr_eq(&m.device, inner) {
+            return Err(DeviceError::Driver {
+                op,
+                code: sys::CUresult::CUDA_ERROR_INVALID_CONTEXT as u32,
+                name: "CUDA_ERROR_INVALID_CONTEXT (the module was loaded on another device)",
+            });
+        }
+        let Some(k) = m.kernels.get(kernel) else {
+            return Err(DeviceError::Driver {
+                op,
+                code: INVALID_VALUE,
+                name: "CUDA_ERROR_INVALID_VALUE (no kernel at this index in the module)",
+            });
+        };
+        if args.len() != k.param_sizes.len() {
+            return Err(DeviceError::Driver {
+                op,
+                code: INVALID_VALUE,
+                name: "CUDA_ERROR_INVALID_VALUE (the number of arguments differs from the kernel's parameters)",
+            });
+        }
+        if [grid.0, grid.1, grid.2, block.0, block.1, block.2].contains(&0) {
+            return Err(DeviceError::Driver {
+                op,
+                code: INVALID_VALUE,
+                name: "CUDA_ERROR_INVALID_VALUE (a grid or block dimension is zero)",
+            });
+        }
+        if args.len() <= STACK_ARGS {
+            let mut slots = [[0u8; 8]; STACK_ARGS];
+            let mut params: [*mut c_void; STACK_ARGS] = [ptr::null_mut(); STACK_ARGS];
+            encode(args, &k.param_sizes, &mut slots[..args.len()])?;
+            for (p, s) in params.iter_mut().zip(slots.iter_mut()) {
+                *p = s.as_mut_ptr().cast();
+            }
+            // SAFETY: see `raw_launch`: `params[..args.len()]` point at `slots`, which hold the
+            // arguments, each checked against the kernel's parameter size by `encode`.
+            unsafe { raw_launch(inner, k, grid, block, shared_bytes, &mut params) }
+        } else {
+            let mut slots = vec![[0u8; 8]; args.len()];
+            encode(args, &k.param_sizes, &mut slots)?;
+            let mut params: Vec<*mut c_void> =
+                slots.iter_mut().map(|s| s.as_mut_ptr().cast()).collect();
+            // SAFETY: as above, with heap arrays of exactly `args.len()` entries.
+            unsafe { raw_launch(inner, k, grid, block, shared_bytes, &mut params) }
+        }
+    }
+}
+
+/// Writes each argument into its slot, checking its size against the kernel's parameter.
+#[inline]
+fn encode(args: &[KernelArg], sizes: &[usize], slots: &mut [[u8; 8]]) -> Result<(), DeviceError> {
+    for ((arg, &want), slot) in args.iter().zip(sizes).zip(slots) {
+        let (bytes, size) = arg.encode();
+        if size != want {
+            return Err(DeviceError::Driver {
+                op: DeviceOp::KernelLaunch,
+                code: INVALID_VALUE,
+                name: "CUDA_ERROR_INVALID_VALUE (an argument's size differs from the kernel parameter's)",
+            });
+        }
+        *slot = bytes;
+    }
+    Ok(())
+}
+
+/// `cuLaunchKernel` on the runtime stream.
+///
+/// # Safety
+/// `params` must hold at least `k.param_sizes.len()` pointers, the `i`-th pointing at
+/// `k.param_sizes[i]` (at most 8) readable bytes holding the argument, all live for the call;
+/// `k` must belong to a module of `inner`, whose context is current.
+unsafe fn raw_launch(
+    inner: &Inner,
+    k: &Kernel,
+    grid: (u32, u32, u32),
+    block: (u32, u32, u32),
+    shared_bytes: u32,
+    params: &mut [*mut c_void],
+) -> Result<(), DeviceError> {
+    // SAFETY: the caller guarantees the parameter pointers (count and sizes checked against
+    // the driver's own parameter layout, so the driver reads only bytes of the slots) and
+    // that the function belongs to this context; cuLaunchKernel copies the values before
+    // returning; `extra` is null; the runtime stream is live for as long as `inner`.
+    check(DeviceOp::KernelLaunch, unsafe {
+        sys::cuLaunchKernel(
+            k.function,
+            grid.0 as c_uint,
+            grid.1 as c_uint,
+            grid.2 as c_uint,
+            block.0 as c_uint,
+            block.1 as c_uint,
+            block.2 as c_uint,
+            shared_bytes as c_uint,
+            inner.stream,
+            params.as_mut_ptr(),
+            ptr::null_mut(),
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn args_encode_in_their_declared_size() {
+        assert_eq!(KernelArg::Ptr(DevicePtr(0x1234)).encode().1, 8);
+        assert_eq!(KernelArg::U64(7).encode().1, 8);
+        let (bytes, size) = KernelArg::F32(1.5).encode();
+        assert_eq!(size, 4);
+        assert_eq!(&bytes[..4], &1.5f32.to_ne_bytes());
+        assert_eq!(KernelArg::I32(-1).encode().0[..4], [0xff; 4]);
+        assert_eq!(KernelArg::U32(3).encode().1, 4);
+    }
+
+    #[test]
+    fn encode_rejects_size_mismatches() {
+        let mut slots = [[0u8; 8]; 2];
+        assert!(
+            encode(
+                &[KernelArg::F32(1.0), KernelArg::U64(2)],
+                &[4, 8],
+                &mut slots
+            )
+            .is_ok()
+        );
+        assert_eq!(&slots[1], &2u64.to_ne_bytes());
+        assert!(matches!(
+            encode(&[KernelArg::F32(1.0)], &[8], &mut slots),
+            Err(DeviceError::Driver {
+                code: INVALID_VALUE,
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn compile_ptx_reports_errors_without_panicking() {
+        assert!(compile_ptx("a\0b", "x.cu").is_err());
+        match compile_ptx(
+            "extern \"C\" __global__ void k(float* x) { x[0] = 1.0f; }",
+            "k.cu",
+        ) {
+            Ok(ptx) => assert!(String::from_utf8_lossy(&ptx).contains(".entry k(")),
+            Err(reason) => eprintln!("NVRTC not used: {reason}"),
+        }
+    }
+}

@@ -1,0 +1,735 @@
+//! The benchmark decoder: a pre-LayerNorm transformer decoder (learned positions, GELU-tanh
+//! MLP, fp32) with random weights from a fixed seed, decoding one token per sequence per step
+//! against a static KV cache.
+//!
+//! One step: tokens `[bucket]` (i32) and the position (an i32 device scalar) in, the greedy
+//! next tokens `[bucket]` out; the step also writes the new keys and values at the position
+//! and increments it on the device, so step N's output tokens are step N+1's input and the
+//! host never reads anything. Shapes never change with the position (attention covers cache
+//! rows `0..=pos` by reading `pos` on the device), so one recorded graph serves every step.
+//!
+//! Batches are padded to a bucket ([`BUCKETS`]); each bucket has its own [`KvState`] and is
+//! its own signature key, hence its own branch of graft's tree. The same step runs three ways:
+//! [`Decoder::step_graft`] (one registered function per step, body = the whole step),
+//! [`Decoder::step_eager`] (the same ops, no graft), and [`Decoder::capture_raw`] (the same
+//! step captured once as a plain graph with the device's capture calls, no tree).
+
+use std::borrow::Cow;
+use std::fmt;
+
+use graft_core::{
+    BodyError, Buffer, CaptureMode, Ctx, Device, FunctionId, FunctionSpec, Graft, Output,
+};
+use rand::rngs::Xoshiro256PlusPlus;
+use rand::{RngExt, SeedableRng};
+
+use crate::backend::Ops;
+use crate::error::{Result, TensorError};
+use crate::ops;
+use crate::tensor::{Alloc, DType, Keep, Meta, Tensor};
+
+/// The batch buckets: a batch is padded up to the first bucket that holds it.
+pub const BUCKETS: [usize; 6] = [1, 2, 4, 8, 16, 32];
+
+/// The bucket a batch of `batch` rows is padded to, or `None` past the largest.
+pub fn bucket_for(batch: usize) -> Option<usize> {
+    BUCKETS.iter().copied().find(|&b| b >= batch.max(1))
+}
+
+/// Sizes of the decoder.
+#[derive(Clone, Copy, PartialEq, Debug)]
+pub struct DecoderConfig {
+    /// Transformer blocks.
+    pub layers: usize,
+    /// Model (residual stream) width.
+    pub d_model: usize,
+    /// Attention heads (`d_model` must be a multiple).
+    pub heads: usize,
+    /// Hidden width of the MLP.
+    pub ffn: usize,
+    /// Vocabulary size.
+    pub vocab: usize,
+    /// Context length: positions of the KV cache, and steps a state can take.
+    pub ctx: usize,
+    /// Layer-norm epsilon.
+    pub eps: f32,
+}
+
+impl DecoderConfig {
+    /// The benchmark model: 4 layers, d=512, 8 heads, ffn 2048, vocab 8192, context 512.
+    pub fn bench() -> DecoderConfig {
+        DecoderConfig {
+            layers: 4,
+            d_model: 512,
+            heads: 8,
+            ffn: 2048,
+            vocab: 8192,
+            ctx: 512,
+            eps: 1e-5,
+        }
+    }
+
+    /// A small model for the simulator: 2 layers, d=64, 4 heads, ffn 256, vocab 512, context 64.
+    pub fn tiny() -> DecoderConfig {
+        DecoderConfig {
+            layers: 2,
+            d_model: 64,
+            heads: 4,
+            ffn: 256,
+            vocab: 512,
+            ctx: 64,
+            eps: 1e-5,
+        }
+    }
+
+    /// Columns per head.
+    pub fn head_dim(&self) -> usize {
+        self.d_model / self.heads.max(1)
+    }
+
+    /// Parameters (f32s), alignment padding excluded.
+    pub fn parameters(&self) -> usize {
+        let (d, f) = (self.d_model, self.ffn);
+        let layer = 4 * d + 4 * (d * d + d) + (d * f + f) + (f * d + d);
+        self.vocab * d + self.ctx * d + self.layers * layer + 2 * d + d * self.vocab + self.vocab
+    }
+
+    fn validate(&self) -> Result<()> {
+        let what = if self.layers == 0
+            || self.d_model == 0
+            || self.heads == 0
+            || self.ffn == 0
+            || self.vocab == 0
+            || self.ctx == 0
+        {
+            "every size must be at least 1"
+        } else if !self.d_model.is_multiple_of(self.heads) {
+            "d_model must be a multiple of heads"
+        } else if i32::try_from(self.vocab).is_err() || i32::try_from(self.ctx).is_err() {
+            "vocab and ctx must fit in an i32"
+        } else if self.eps.is_nan() || self.eps <= 0.0 {
+            "eps must be positive"
+        } else {
+            return Ok(());
+        };
+        Err(TensorError::Config { what })
+    }
+}
+
+impl fmt::Display for DecoderConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} layers, d={}, {} heads, ffn {}, vocab {}, context {}, fp32 ({:.1}M parameters)",
+            self.layers,
+            self.d_model,
+            self.heads,
+            self.ffn,
+            self.vocab,
+            self.ctx,
+            self.parameters() as f64 / 1e6
+        )
+    }
+}
+
+/// Where each parameter sits in the weight arena (element offsets, 64-element aligned).
+#[derive(Clone, Debug, Default)]
+struct Layout {
+    entries: Vec<(usize, Vec<usize>)>,
+    names: Vec<String>,
+    total: usize,
+}
+
+impl Layout {
+    fn push(&mut self, name: String, shape: &[usize]) {
+        let at = self.total.next_multiple_of(64);
+        self.total = at + shape.iter().product::<usize>();
+        self.entries.push((at, shape.to_vec()));
+        self.names.push(name);
+    }
+}
+
+/// One block's parameters (views into the arena). Matrices are `[in, out]`.
+#[derive(Clone, Debug)]
+struct LayerWeights {
+    ln1_g: Tensor,
+    ln1_b: Tensor,
+    wq: Tensor,
+    bq: Tensor,
+    wk: Tensor,
+    bk: Tensor,
+    wv: Tensor,
+    bv: Tensor,
+    wo: Tensor,
+    bo: Tensor,
+    ln2_g: Tensor,
+    ln2_b: Tensor,
+    w1: Tensor,
+    b1: Tensor,
+    w2: Tensor,
+    b2: Tensor,
+}
+
+/// Every parameter, as views into one arena.
+#[derive(Clone, Debug)]
+struct Weights {
+    tok_emb: Tensor,
+    pos_emb: Tensor,
+    layers: Vec<LayerWeights>,
+    lnf_g: Tensor,
+    lnf_b: Tensor,
+    lm_w: Tensor,
+    lm_b: Tensor,
+}
+
+/// How each parameter is initialised.
+#[derive(Clone, Copy)]
+enum Init {
+    Ones,
+    Zeros,
+    Uniform(f32),
+}
+
+fn layout_of(c: &DecoderConfig) -> (Layout, Vec<Init>) {
+    let mut l = Layout::default();
+    let mut init = Vec::new();
+    let (d, f) = (c.d_model, c.ffn);
+    let mut add = |l: &mut Layout, name: String, shape: &[usize], i: Init| {
+        l.push(name, shape);
+        init.push(i);
+    };
+    let lin = |fan_in: usize| Init::Uniform(1.0 / (fan_in as f32).sqrt());
+    let bias = Init::Uniform(0.02);
+    add(&mut l, "tok_emb".into(), &[c.vocab, d], Init::Uniform(0.5));
+    add(&mut l, "pos_emb".into(), &[c.ctx, d], Init::Uniform(0.5));
+    for i in 0..c.layers {
+        let p = |n: &str| format!("layers.{i}.{n}");
+        add(&mut l, p("ln1.gamma"), &[d], Init::Ones);
+        add(&mut l, p("ln1.beta"), &[d], Init::Zeros);
+        for m in ["q", "k", "v", "o"] {
+            add(&mut l, p(&format!("w{m}")), &[d, d], lin(d));
+            add(&mut l, p(&format!("b{m}")), &[d], bias);
+        }
+        add(&mut l, p("ln2.gamma"), &[d], Init::Ones);
+        add(&mut l, p("ln2.beta"), &[d], Init::Zeros);
+        add(&mut l, p("w1"), &[d, f], lin(d));
+        add(&mut l, p("b1"), &[f], bias);
+        add(&mut l, p("w2"), &[f, d], lin(f));
+        add(&mut l, p("b2"), &[d], bias);
+    }
+    add(&mut l, "lnf.gamma".into(), &[d], Init::Ones);
+    add(&mut l, "lnf.beta".into(), &[d], Init::Zeros);
+    add(&mut l, "lm_head.w".into(), &[d, c.vocab], lin(d));
+    add(&mut l, "lm_head.b".into(), &[c.vocab], bias);
+    (l, init)
+}
+
+impl Weights {
+    /// Views of `layout` into `arena`, in the order `layout_of` pushed them.
+    fn views(arena: &Tensor, layout: &Layout, layers: usize) -> Result<Weights> {
+        let mut it = layout.entries.iter();
+        let mut next = || -> Result<Tensor> {
+            let (at, shape) = it.next().ok_or(TensorError::Config {
+                what: "the weight layout has fewer entries than the model",
+            })?;
+            arena.view(*at, shape)
+        };
+        let tok_emb = next()?;
+        let pos_emb = next()?;
+        let mut ls = Vec::with_capacity(layers);
+        for _ in 0..layers {
+            ls.push(LayerWeights {
+                ln1_g: next()?,
+                ln1_b: next()?,
+                wq: next()?,
+                bq: next()?,
+                wk: next()?,
+                bk: next()?,
+                wv: next()?,
+                bv: next()?,
+                wo: next()?,
+                bo: next()?,
+                ln2_g: next()?,
+                ln2_b: next()?,
+                w1: next()?,
+                b1: next()?,
+                w2: next()?,
+                b2: next()?,
+            });
+        }
+        Ok(Weights {
+            tok_emb,
+            pos_emb,
+            layers: ls,
+            lnf_g: next()?,
+            lnf_b: next()?,
+            lm_w: next()?,
+            lm_b: next()?,
+        })
+    }
+}
+
+/// The decoder: configuration and weights (one static arena from [`Graft::alloc`]).
+pub struct Decoder<D: Ops> {
+    device: D,
+    config: DecoderConfig,
+    layout: Layout,
+    arena: Tensor,
+    weights: Weights,
+}
+
+impl<D: Ops> fmt::Debug for Decoder<D> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Decoder")
+            .field("device", &self.device.describe())
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The per-bucket decoding state: the KV caches (static, `[layers, 2, bucket, ctx, d]` in one
+/// arena) and the position (an i32 device scalar), plus the host's count of steps taken.
+pub struct KvState {
+    bucket: usize,
+    pos: Tensor,
+    cache: Tensor,
+    /// (K, V) views per layer, each `[bucket, ctx, d]`.
+    kv: Vec<(Tensor, Tensor)>,
+    steps: usize,
+    ctx: usize,
+    /// Scratch for graft's outputs, reused so replays do not allocate.
+    outs: Vec<Output<Meta>>,
+}
+
+impl fmt::Debug for KvState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KvState")
+            .field("bucket", &self.bucket)
+            .field("steps", &self.steps)
+            .field("ctx", &self.ctx)
+            .finish_non_exhaustive()
+    }
+}
+
+impl KvState {
+    /// The bucket (padded batch size) this state serves.
+    pub fn bucket(&self) -> usize {
+        self.bucket
+    }
+
+    /// Steps taken since the last reset (the device position, as the host counts it).
+    pub fn steps(&self) -> usize {
+        self.steps
+    }
+
+    /// Steps the state can take between resets (the context length).
+    pub fn capacity(&self) -> usize {
+        self.ctx
+    }
+
+    /// The position tensor (`[1]` i32 on the device).
+    pub fn position(&self) -> &Tensor {
+        &self.pos
+    }
+
+    /// Starts a new sequence: position 0 (written synchronously; not inside a capture). The
+    /// cache needs no clearing: attention reads only rows `0..=pos`, each written first.
+    pub fn reset<D: Device>(&mut self, device: &D) -> Result<()> {
+        self.pos.write_i32(device, &[0])?;
+        self.steps = 0;
+        Ok(())
+    }
+
+    fn check_room(&self) -> Result<()> {
+        if self.steps >= self.ctx {
+            return Err(TensorError::ContextFull {
+                bucket: self.bucket,
+                ctx: self.ctx,
+            });
+        }
+        Ok(())
+    }
+
+    /// The cache views to use for buffers a body received: the state's own when the body got
+    /// the state's cache in place (a static input always is), else fresh views of `cache`.
+    fn views_for<'s>(
+        &'s self,
+        cache: &Buffer,
+        config: &DecoderConfig,
+    ) -> Result<Cow<'s, [(Tensor, Tensor)]>> {
+        if cache.same_storage(self.cache.buffer()) {
+            return Ok(Cow::Borrowed(&self.kv));
+        }
+        let t = Tensor::from_buffer(cache.clone(), self.cache.shape(), DType::F32)?;
+        Ok(Cow::Owned(kv_views(&t, config, self.bucket)?))
+    }
+}
+
+fn kv_views(cache: &Tensor, c: &DecoderConfig, bucket: usize) -> Result<Vec<(Tensor, Tensor)>> {
+    let per = bucket * c.ctx * c.d_model;
+    let shape = [bucket, c.ctx, c.d_model];
+    (0..c.layers)
+        .map(|l| {
+            Ok((
+                cache.view(2 * l * per, &shape)?,
+                cache.view((2 * l + 1) * per, &shape)?,
+            ))
+        })
+        .collect()
+}
+
+/// A decoder step captured once as a plain graph on the device, without graft's tree: the
+/// raw-graph baseline. The graph reads the tokens from [`RawGraph::tokens`] and writes the
+/// next tokens back there, so launching it repeatedly decodes. Holds every buffer the step
+/// allocated (none may be reused while the graph lives).
+pub struct RawGraph<D: Device> {
+    device: D,
+    graph: D::Graph,
+    tokens: Tensor,
+    bucket: usize,
+    _kept: Vec<Buffer>,
+}
+
+impl<D: Device> fmt::Debug for RawGraph<D> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RawGraph")
+            .field("bucket", &self.bucket)
+            .field("buffers", &self._kept.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<D: Device> RawGraph<D> {
+    /// The token buffer the graph reads and overwrites (`[bucket]` i32).
+    pub fn tokens(&self) -> &Tensor {
+        &self.tokens
+    }
+
+    /// Launches one step on `state` (the state it was captured with).
+    pub fn step(&self, state: &mut KvState) -> Result<()> {
+        if state.bucket != self.bucket {
+            return Err(TensorError::BucketMismatch {
+                tokens: self.bucket,
+                state: state.bucket,
+            });
+        }
+        state.check_room()?;
+        self.device.launch(&self.graph)?;
+        state.steps += 1;
+        Ok(())
+    }
+}
+
+impl<D: Ops> Decoder<D> {
+    /// Builds the model with random weights from `seed` in one arena allocated through
+    /// `alloc` (e.g. a [`Graft`], whose [`Graft::alloc`] memory lives across steps) and marked
+    /// static, and gets the backend ready ([`Ops::prepare`]: kernels, cuBLAS).
+    pub fn new<A: Alloc<D> + ?Sized>(
+        alloc: &mut A,
+        config: DecoderConfig,
+        seed: u64,
+    ) -> Result<Decoder<D>> {
+        config.validate()?;
+        let device = alloc.device().clone();
+        device.prepare()?;
+        let (layout, init) = layout_of(&config);
+        let mut host = vec![0.0f32; layout.total];
+        let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
+        for ((at, shape), how) in layout.entries.iter().zip(&init) {
+            let n: usize = shape.iter().product();
+            let dst = &mut host[*at..at + n];
+            match *how {
+                Init::Ones => dst.fill(1.0),
+                Init::Zeros => dst.fill(0.0),
+                Init::Uniform(s) => dst
+                    .iter_mut()
+                    .for_each(|v| *v = (rng.random::<f32>() * 2.0 - 1.0) * s),
+            }
+        }
+        let arena = Tensor::from_f32(alloc, &[layout.total], &host)?;
+        arena.buffer().mark_static();
+        let weights = Weights::views(&arena, &layout, config.layers)?;
+        Ok(Decoder {
+            device,
+            config,
+            layout,
+            arena,
+            weights,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &DecoderConfig {
+        &self.config
+    }
+
+    /// The device.
+    pub fn device(&self) -> &D {
+        &self.device
+    }
+
+    /// The weight arena (one static buffer).
+    pub fn weights(&self) -> &Tensor {
+        &self.arena
+    }
+
+    /// Every parameter by name, as a view into the arena: `tok_emb` `[vocab, d]`, `pos_emb`
+    /// `[ctx, d]`; per block `layers.{i}.` + `ln1.gamma`, `ln1.beta`, `wq`, `bq`, `wk`, `bk`,
+    /// `wv`, `bv`, `wo`, `bo`, `ln2.gamma`, `ln2.beta`, `w1` `[d, ffn]`, `b1`, `w2`
+    /// `[ffn, d]`, `b2`; then `lnf.gamma`, `lnf.beta`, `lm_head.w` `[d, vocab]`,
+    /// `lm_head.b`. Matrices are `[in, out]` (a layer computes `x · w + b`).
+    pub fn parameters(&self) -> Result<Vec<(String, Tensor)>> {
+        self.layout
+            .names
+            .iter()
+            .zip(&self.layout.entries)
+            .map(|(name, (at, shape))| Ok((name.clone(), self.arena.view(*at, shape)?)))
+            .collect()
+    }
+
+    /// Registers the decode step with `graft`: inputs (tokens, position, weights, caches),
+    /// the last three static.
+    pub fn register(&self, graft: &mut Graft<D, Meta>) -> FunctionId {
+        graft.register("decode_step", FunctionSpec::inference([1, 2, 3]))
+    }
+
+    /// A fresh state for `bucket` (caches and position from `alloc`, marked static), at
+    /// position 0.
+    pub fn new_state<A: Alloc<D> + ?Sized>(&self, alloc: &mut A, bucket: usize) -> Result<KvState> {
+        if !BUCKETS.contains(&bucket) {
+            return Err(TensorError::BatchTooLarge {
+                batch: bucket,
+                max: BUCKETS[BUCKETS.len() - 1],
+            });
+        }
+        let c = &self.config;
+        let cache = Tensor::empty(alloc, &[c.layers, 2, bucket, c.ctx, c.d_model], DType::F32)?;
+        cache.buffer().mark_static();
+        let pos = Tensor::from_i32(alloc, &[1], &[0])?;
+        pos.buffer().mark_static();
+        let kv = kv_views(&cache, c, bucket)?;
+        Ok(KvState {
+            bucket,
+            pos,
+            cache,
+            kv,
+            steps: 0,
+            ctx: c.ctx,
+            outs: Vec::with_capacity(1),
+        })
+    }
+
+    /// The first tokens of a batch, padded with token 0 to its bucket, as a `[bucket]` i32
+    /// tensor from `alloc` (written synchronously: not inside a capture).
+    pub fn tokens<A: Alloc<D> + ?Sized>(&self, alloc: &mut A, ids: &[i32]) -> Result<Tensor> {
+        if ids.is_empty() {
+            return Err(TensorError::EmptyBatch);
+        }
+        let bucket = bucket_for(ids.len()).ok_or(TensorError::BatchTooLarge {
+            batch: ids.len(),
+            max: BUCKETS[BUCKETS.len() - 1],
+        })?;
+        for (row, &id) in ids.iter().enumerate() {
+            if id < 0 || id as usize >= self.config.vocab {
+                return Err(TensorError::TokenOutOfRange {
+                    row,
+                    id,
+                    vocab: self.config.vocab,
+                });
+            }
+        }
+        let mut padded = ids.to_vec();
+        padded.resize(bucket, 0);
+        Tensor::from_i32(alloc, &[bucket], &padded)
+    }
+
+    fn check_tokens(&self, state: &KvState, tokens: &Tensor) -> Result<()> {
+        if tokens.dtype() != DType::I32 {
+            return Err(TensorError::DType {
+                op: "decode_step",
+                operand: "tokens",
+                expected: DType::I32,
+                found: tokens.dtype(),
+            });
+        }
+        match *tokens.shape() {
+            [b] if b == state.bucket => Ok(()),
+            [b] if BUCKETS.contains(&b) => Err(TensorError::BucketMismatch {
+                tokens: b,
+                state: state.bucket,
+            }),
+            _ => Err(TensorError::Shape {
+                op: "decode_step",
+                operand: "tokens",
+                expected: vec![state.bucket],
+                found: tokens.shape().to_vec(),
+            }),
+        }
+    }
+
+    /// One step through graft: `fid` (from [`Decoder::register`]) is called with the tokens,
+    /// the position, the weights and the caches, and the bucket as signature key; graft warms
+    /// it up, records it or replays it. Returns the next tokens (`[bucket]` i32, graft memory:
+    /// pass them to the next step).
+    pub fn step_graft(
+        &self,
+        graft: &mut Graft<D, Meta>,
+        fid: FunctionId,
+        state: &mut KvState,
+        tokens: &Tensor,
+    ) -> Result<Tensor> {
+        self.check_tokens(state, tokens)?;
+        state.check_room()?;
+        if !tokens.is_whole_buffer() {
+            return Err(TensorError::NotWholeBuffer {
+                operand: "tokens",
+                offset: tokens.offset(),
+                bytes: tokens.bytes(),
+                buffer: tokens.buffer().len(),
+            });
+        }
+        let mut outs = std::mem::take(&mut state.outs);
+        let st: &KvState = state;
+        let inputs = [
+            tokens.buffer(),
+            st.pos.buffer(),
+            self.arena.buffer(),
+            st.cache.buffer(),
+        ];
+        let bucket = st.bucket;
+        let called = graft.call_into(
+            fid,
+            &inputs,
+            &[bucket as u64],
+            |ctx: &mut Ctx<'_, D>| -> Result<Vec<Output<Meta>>, BodyError> {
+                let ins = ctx.inputs();
+                let tokens = Tensor::from_buffer(ins[0].clone(), &[bucket], DType::I32)?;
+                let pos = Tensor::from_buffer(ins[1].clone(), &[1], DType::I32)?;
+                let weights = if ins[2].same_storage(self.arena.buffer()) {
+                    Cow::Borrowed(&self.weights)
+                } else {
+                    let arena =
+                        Tensor::from_buffer(ins[2].clone(), &[self.layout.total], DType::F32)?;
+                    Cow::Owned(Weights::views(&arena, &self.layout, self.config.layers)?)
+                };
+                let kv = st.views_for(&ins[3], &self.config)?;
+                let next = self.forward(ctx, &tokens, &pos, &weights, &kv)?;
+                Ok(vec![next.into_output()])
+            },
+            &mut outs,
+        );
+        let result = called.map_err(TensorError::from).and_then(|_| {
+            let found = outs.len();
+            match outs.pop() {
+                Some(o) if found == 1 => Tensor::from_output(o),
+                _ => Err(TensorError::Outputs {
+                    function: "decode_step",
+                    expected: 1,
+                    found,
+                }),
+            }
+        });
+        outs.clear();
+        state.outs = outs;
+        let next = result?;
+        state.steps += 1;
+        Ok(next)
+    }
+
+    /// One step eagerly, without graft: the same ops, allocating from `alloc` (e.g. a
+    /// [`Graft`]'s eager pool). Returns the next tokens.
+    pub fn step_eager<A: Alloc<D> + ?Sized>(
+        &self,
+        alloc: &mut A,
+        state: &mut KvState,
+        tokens: &Tensor,
+    ) -> Result<Tensor> {
+        self.check_tokens(state, tokens)?;
+        state.check_room()?;
+        let next = self.forward(alloc, tokens, &state.pos, &self.weights, &state.kv)?;
+        state.steps += 1;
+        Ok(next)
+    }
+
+    /// Captures one step on `state` as a plain graph with the device's own capture calls (no
+    /// tree, no liveness checks): the raw-graph baseline. Memory comes from `alloc` and is
+    /// held by the returned graph. `tokens` (`[bucket]` i32) becomes the graph's token buffer:
+    /// each launch reads it and writes the next tokens back into it. The capture runs
+    /// nothing: the state's position is unchanged.
+    pub fn capture_raw<A: Alloc<D> + ?Sized>(
+        &self,
+        alloc: &mut A,
+        state: &KvState,
+        tokens: &Tensor,
+    ) -> Result<RawGraph<D>> {
+        self.check_tokens(state, tokens)?;
+        let device = self.device.clone();
+        device.begin_capture(CaptureMode::ThreadLocal)?;
+        let mut keep = Keep::new(alloc);
+        let body = (|| -> Result<()> {
+            let next = self.forward(&mut keep, tokens, &state.pos, &self.weights, &state.kv)?;
+            device.copy(tokens.ptr()?, next.ptr()?, tokens.bytes())?;
+            Ok(())
+        })();
+        let kept = keep.into_kept();
+        if let Err(e) = body {
+            // The body's error is the one to report; the abort only cleans up.
+            let _ = device.abort_capture();
+            return Err(e);
+        }
+        let graph = device.end_capture()?;
+        Ok(RawGraph {
+            device,
+            graph,
+            tokens: tokens.clone(),
+            bucket: state.bucket,
+            _kept: kept,
+        })
+    }
+
+    /// The step itself: embed, blocks, final norm, logits, greedy argmax, position + 1.
+    fn forward<A: Alloc<D> + ?Sized>(
+        &self,
+        cx: &mut A,
+        tokens: &Tensor,
+        pos: &Tensor,
+        w: &Weights,
+        kv: &[(Tensor, Tensor)],
+    ) -> Result<Tensor> {
+        let c = &self.config;
+        let emb = ops::embedding(cx, tokens, &w.tok_emb)?;
+        let mut x = ops::add_position(cx, &emb, &w.pos_emb, pos)?;
+        drop(emb);
+        for (l, (k_cache, v_cache)) in w.layers.iter().zip(kv) {
+            let h = ops::layer_norm(cx, &x, &l.ln1_g, &l.ln1_b, c.eps)?;
+            let q = ops::matmul(cx, &h, &l.wq, Some(&l.bq))?;
+            let k = ops::matmul(cx, &h, &l.wk, Some(&l.bk))?;
+            let v = ops::matmul(cx, &h, &l.wv, Some(&l.bv))?;
+            drop(h);
+            ops::kv_write(cx, k_cache, &k, pos)?;
+            ops::kv_write(cx, v_cache, &v, pos)?;
+            drop((k, v));
+            let a = ops::attention(cx, &q, k_cache, v_cache, pos, c.heads)?;
+            drop(q);
+            let o = ops::matmul(cx, &a, &l.wo, Some(&l.bo))?;
+            drop(a);
+            x = ops::add(cx, &x, &o)?;
+            drop(o);
+            let h2 = ops::layer_norm(cx, &x, &l.ln2_g, &l.ln2_b, c.eps)?;
+            let f = ops::matmul(cx, &h2, &l.w1, Some(&l.b1))?;
+            drop(h2);
+            let g = ops::gelu(cx, &f)?;
+            drop(f);
+            let f2 = ops::matmul(cx, &g, &l.w2, Some(&l.b2))?;
+            drop(g);
+            x = ops::add(cx, &x, &f2)?;
+        }
+        let h = ops::layer_norm(cx, &x, &w.lnf_g, &w.lnf_b, c.eps)?;
+        drop(x);
+        let logits = ops::matmul(cx, &h, &w.lm_w, Some(&w.lm_b))?;
+        drop(h);
+        let next = ops::argmax(cx, &logits)?;
+        ops::increment(cx, pos, c.ctx as i32)?;
+        Ok(next)
+    }
+}

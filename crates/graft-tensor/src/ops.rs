@@ -1,0 +1,407 @@
+//! Tensor operations: check shapes and dtypes, allocate the output from the given allocator
+//! (graft's pool inside a body, the eager pool outside), and enqueue the backend kernel.
+//!
+//! Nothing here reads device memory on the host, so every op is legal inside a captured body.
+
+use crate::backend::{
+    AttnDims, CacheDims, GatherDims, MatmulDims, NormDims, Ops, PositionDims, SoftmaxDims,
+};
+use crate::error::{Result, TensorError};
+use crate::tensor::{Alloc, DType, Tensor};
+
+fn shape_is(op: &'static str, operand: &'static str, t: &Tensor, want: &[usize]) -> Result<()> {
+    if t.shape() != want {
+        return Err(TensorError::Shape {
+            op,
+            operand,
+            expected: want.to_vec(),
+            found: t.shape().to_vec(),
+        });
+    }
+    Ok(())
+}
+
+fn dtype_is(op: &'static str, operand: &'static str, t: &Tensor, want: DType) -> Result<()> {
+    if t.dtype() != want {
+        return Err(TensorError::DType {
+            op,
+            operand,
+            expected: want,
+            found: t.dtype(),
+        });
+    }
+    Ok(())
+}
+
+/// The `[rows, cols]` of a rank-2 tensor, or a shape error.
+fn matrix(op: &'static str, operand: &'static str, t: &Tensor) -> Result<(usize, usize)> {
+    match *t.shape() {
+        [r, c] => Ok((r, c)),
+        _ => Err(TensorError::Shape {
+            op,
+            operand,
+            expected: vec![0, 0],
+            found: t.shape().to_vec(),
+        }),
+    }
+}
+
+/// A position: a one-element i32 tensor on the device.
+fn position(op: &'static str, pos: &Tensor) -> Result<()> {
+    dtype_is(op, "pos", pos, DType::I32)?;
+    shape_is(op, "pos", pos, &[1])
+}
+
+/// `out[r, :] = table[ids[r], :]`: `ids` is `[n]` i32, `table` `[vocab, d]` f32; out `[n, d]`.
+/// Ids outside the vocabulary give zero rows.
+pub fn embedding<D: Ops, A: Alloc<D> + ?Sized>(
+    cx: &mut A,
+    ids: &Tensor,
+    table: &Tensor,
+) -> Result<Tensor> {
+    const OP: &str = "embedding";
+    dtype_is(OP, "ids", ids, DType::I32)?;
+    dtype_is(OP, "table", table, DType::F32)?;
+    let rows = match *ids.shape() {
+        [n] => n,
+        _ => {
+            return Err(TensorError::Shape {
+                op: OP,
+                operand: "ids",
+                expected: vec![ids.numel()],
+                found: ids.shape().to_vec(),
+            });
+        }
+    };
+    let (vocab, dim) = matrix(OP, "table", table)?;
+    let out = Tensor::empty(cx, &[rows, dim], DType::F32)?;
+    cx.device().embedding(
+        out.ptr()?,
+        ids.ptr()?,
+        table.ptr()?,
+        GatherDims { rows, vocab, dim },
+    )?;
+    Ok(out)
+}
+
+/// `out[r, :] = x[r, :] + table[pos, :]`: learned positions at a device-held position.
+pub fn add_position<D: Ops, A: Alloc<D> + ?Sized>(
+    cx: &mut A,
+    x: &Tensor,
+    table: &Tensor,
+    pos: &Tensor,
+) -> Result<Tensor> {
+    const OP: &str = "add_position";
+    dtype_is(OP, "x", x, DType::F32)?;
+    dtype_is(OP, "table", table, DType::F32)?;
+    position(OP, pos)?;
+    let (rows, dim) = matrix(OP, "x", x)?;
+    let (ctx, tdim) = matrix(OP, "table", table)?;
+    if tdim != dim || ctx == 0 {
+        return Err(TensorError::Shape {
+            op: OP,
+            operand: "table",
+            expected: vec![ctx.max(1), dim],
+            found: table.shape().to_vec(),
+        });
+    }
+    let out = Tensor::empty(cx, x.shape(), DType::F32)?;
+    cx.device().add_position(
+        out.ptr()?,
+        x.ptr()?,
+        table.ptr()?,
+        pos.ptr()?,
+        PositionDims { rows, ctx, dim },
+    )?;
+    Ok(out)
+}
+
+/// `a + b`, elementwise, same shapes.
+pub fn add<D: Ops, A: Alloc<D> + ?Sized>(cx: &mut A, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    const OP: &str = "add";
+    dtype_is(OP, "a", a, DType::F32)?;
+    dtype_is(OP, "b", b, DType::F32)?;
+    shape_is(OP, "b", b, a.shape())?;
+    let out = Tensor::empty(cx, a.shape(), DType::F32)?;
+    cx.device().add(out.ptr()?, a.ptr()?, b.ptr()?, a.numel())?;
+    Ok(out)
+}
+
+/// Layer norm over the last axis: `gamma` and `beta` are `[d]` for `x` of shape `[..., d]`.
+pub fn layer_norm<D: Ops, A: Alloc<D> + ?Sized>(
+    cx: &mut A,
+    x: &Tensor,
+    gamma: &Tensor,
+    beta: &Tensor,
+    eps: f32,
+) -> Result<Tensor> {
+    const OP: &str = "layer_norm";
+    dtype_is(OP, "x", x, DType::F32)?;
+    let Some(&dim) = x.shape().last() else {
+        return Err(TensorError::Shape {
+            op: OP,
+            operand: "x",
+            expected: vec![1],
+            found: Vec::new(),
+        });
+    };
+    dtype_is(OP, "gamma", gamma, DType::F32)?;
+    dtype_is(OP, "beta", beta, DType::F32)?;
+    shape_is(OP, "gamma", gamma, &[dim])?;
+    shape_is(OP, "beta", beta, &[dim])?;
+    let rows = x.numel().checked_div(dim).unwrap_or(0);
+    let out = Tensor::empty(cx, x.shape(), DType::F32)?;
+    cx.device().layer_norm(
+        out.ptr()?,
+        x.ptr()?,
+        gamma.ptr()?,
+        beta.ptr()?,
+        NormDims { rows, dim, eps },
+    )?;
+    Ok(out)
+}
+
+/// `x[rows, k] · w[k, n] (+ bias[n])`.
+pub fn matmul<D: Ops, A: Alloc<D> + ?Sized>(
+    cx: &mut A,
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+) -> Result<Tensor> {
+    const OP: &str = "matmul";
+    dtype_is(OP, "x", x, DType::F32)?;
+    dtype_is(OP, "w", w, DType::F32)?;
+    let (rows, k) = matrix(OP, "x", x)?;
+    let (wk, n) = matrix(OP, "w", w)?;
+    if wk != k {
+        return Err(TensorError::Shape {
+            op: OP,
+            operand: "w",
+            expected: vec![k, n],
+            found: w.shape().to_vec(),
+        });
+    }
+    let bias = match bias {
+        Some(b) => {
+            dtype_is(OP, "bias", b, DType::F32)?;
+            shape_is(OP, "bias", b, &[n])?;
+            Some(b.ptr()?)
+        }
+        None => None,
+    };
+    let out = Tensor::empty(cx, &[rows, n], DType::F32)?;
+    cx.device().matmul(
+        out.ptr()?,
+        x.ptr()?,
+        w.ptr()?,
+        bias,
+        MatmulDims { rows, k, n },
+    )?;
+    Ok(out)
+}
+
+/// GELU (tanh approximation), elementwise.
+pub fn gelu<D: Ops, A: Alloc<D> + ?Sized>(cx: &mut A, x: &Tensor) -> Result<Tensor> {
+    dtype_is("gelu", "x", x, DType::F32)?;
+    let out = Tensor::empty(cx, x.shape(), DType::F32)?;
+    cx.device().gelu(out.ptr()?, x.ptr()?, x.numel())?;
+    Ok(out)
+}
+
+/// Softmax of each row of `x` (`[..., cols]`) over columns `0..=pos`, zeros after: the
+/// causal mask of single-token attention at the device position `pos`.
+pub fn masked_softmax<D: Ops, A: Alloc<D> + ?Sized>(
+    cx: &mut A,
+    x: &Tensor,
+    pos: &Tensor,
+) -> Result<Tensor> {
+    const OP: &str = "masked_softmax";
+    dtype_is(OP, "x", x, DType::F32)?;
+    position(OP, pos)?;
+    let cols = x.shape().last().copied().unwrap_or(0);
+    if cols == 0 {
+        return Err(TensorError::Shape {
+            op: OP,
+            operand: "x",
+            expected: vec![1],
+            found: x.shape().to_vec(),
+        });
+    }
+    let rows = x.numel() / cols;
+    let out = Tensor::empty(cx, x.shape(), DType::F32)?;
+    cx.device()
+        .masked_softmax(out.ptr()?, x.ptr()?, pos.ptr()?, SoftmaxDims { rows, cols })?;
+    Ok(out)
+}
+
+/// Checks `q` `[batch, d]` against a `[batch, ctx, d]` cache and returns the dims.
+fn attn_dims(
+    op: &'static str,
+    q_rows: usize,
+    d: usize,
+    cache: &Tensor,
+    operand: &'static str,
+    heads: usize,
+) -> Result<AttnDims> {
+    dtype_is(op, operand, cache, DType::F32)?;
+    let ctx = match *cache.shape() {
+        [b, ctx, cd] if b == q_rows && cd == d && ctx > 0 => ctx,
+        _ => {
+            return Err(TensorError::Shape {
+                op,
+                operand,
+                expected: vec![q_rows, cache.shape().get(1).copied().unwrap_or(1).max(1), d],
+                found: cache.shape().to_vec(),
+            });
+        }
+    };
+    if heads == 0 || !d.is_multiple_of(heads) {
+        return Err(TensorError::Config {
+            what: "the model dimension must be a non-zero multiple of the number of heads",
+        });
+    }
+    let head_dim = d / heads;
+    Ok(AttnDims {
+        batch: q_rows,
+        heads,
+        head_dim,
+        ctx,
+        scale: 1.0 / (head_dim as f32).sqrt(),
+    })
+}
+
+/// Attention scores of one query token per sequence against the cached keys, scaled by
+/// `1/sqrt(head_dim)`: `q` `[batch, d]`, `k_cache` `[batch, ctx, d]` → `[batch, heads, ctx]`,
+/// zeros past `pos`.
+pub fn attention_scores<D: Ops, A: Alloc<D> + ?Sized>(
+    cx: &mut A,
+    q: &Tensor,
+    k_cache: &Tensor,
+    pos: &Tensor,
+    heads: usize,
+) -> Result<Tensor> {
+    const OP: &str = "attention_scores";
+    dtype_is(OP, "q", q, DType::F32)?;
+    position(OP, pos)?;
+    let (batch, d) = matrix(OP, "q", q)?;
+    let dims = attn_dims(OP, batch, d, k_cache, "k_cache", heads)?;
+    let out = Tensor::empty(cx, &[batch, heads, dims.ctx], DType::F32)?;
+    cx.device()
+        .attention_scores(out.ptr()?, q.ptr()?, k_cache.ptr()?, pos.ptr()?, dims)?;
+    Ok(out)
+}
+
+/// The attention-weighted sum of cached values: `probs` `[batch, heads, ctx]`, `v_cache`
+/// `[batch, ctx, d]` → `[batch, d]`, over positions `0..=pos`.
+pub fn attention_values<D: Ops, A: Alloc<D> + ?Sized>(
+    cx: &mut A,
+    probs: &Tensor,
+    v_cache: &Tensor,
+    pos: &Tensor,
+) -> Result<Tensor> {
+    const OP: &str = "attention_values";
+    dtype_is(OP, "probs", probs, DType::F32)?;
+    position(OP, pos)?;
+    let (batch, heads, ctx) = match *probs.shape() {
+        [b, h, c] => (b, h, c),
+        _ => {
+            return Err(TensorError::Shape {
+                op: OP,
+                operand: "probs",
+                expected: vec![0, 0, 0],
+                found: probs.shape().to_vec(),
+            });
+        }
+    };
+    let d = v_cache.shape().get(2).copied().unwrap_or(0);
+    let dims = attn_dims(OP, batch, d, v_cache, "v_cache", heads)?;
+    if dims.ctx != ctx {
+        return Err(TensorError::Shape {
+            op: OP,
+            operand: "v_cache",
+            expected: vec![batch, ctx, d],
+            found: v_cache.shape().to_vec(),
+        });
+    }
+    let out = Tensor::empty(cx, &[batch, d], DType::F32)?;
+    cx.device()
+        .attention_values(out.ptr()?, probs.ptr()?, v_cache.ptr()?, pos.ptr()?, dims)?;
+    Ok(out)
+}
+
+/// Single-token multi-head attention over a KV cache at the device position: scores, masked
+/// softmax, weighted values. `q` `[batch, d]`, caches `[batch, ctx, d]` → `[batch, d]`.
+pub fn attention<D: Ops, A: Alloc<D> + ?Sized>(
+    cx: &mut A,
+    q: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    pos: &Tensor,
+    heads: usize,
+) -> Result<Tensor> {
+    let scores = attention_scores(cx, q, k_cache, pos, heads)?;
+    let probs = masked_softmax(cx, &scores, pos)?;
+    attention_values(cx, &probs, v_cache, pos)
+}
+
+/// `cache[b, pos, :] = x[b, :]`: `cache` `[batch, ctx, d]`, `x` `[batch, d]`. In place.
+pub fn kv_write<D: Ops, A: Alloc<D> + ?Sized>(
+    cx: &mut A,
+    cache: &Tensor,
+    x: &Tensor,
+    pos: &Tensor,
+) -> Result<()> {
+    const OP: &str = "kv_write";
+    dtype_is(OP, "cache", cache, DType::F32)?;
+    dtype_is(OP, "x", x, DType::F32)?;
+    position(OP, pos)?;
+    let (batch, dim) = matrix(OP, "x", x)?;
+    let ctx = match *cache.shape() {
+        [b, c, d] if b == batch && d == dim && c > 0 => c,
+        _ => {
+            return Err(TensorError::Shape {
+                op: OP,
+                operand: "cache",
+                expected: vec![
+                    batch,
+                    cache.shape().get(1).copied().unwrap_or(1).max(1),
+                    dim,
+                ],
+                found: cache.shape().to_vec(),
+            });
+        }
+    };
+    cx.device().kv_write(
+        cache.ptr()?,
+        x.ptr()?,
+        pos.ptr()?,
+        CacheDims { batch, ctx, dim },
+    )?;
+    Ok(())
+}
+
+/// Index of the largest entry of each row of `x` `[rows, cols]` → `[rows]` i32 (first index
+/// on ties; NaNs never win).
+pub fn argmax<D: Ops, A: Alloc<D> + ?Sized>(cx: &mut A, x: &Tensor) -> Result<Tensor> {
+    const OP: &str = "argmax";
+    dtype_is(OP, "x", x, DType::F32)?;
+    let (rows, cols) = matrix(OP, "x", x)?;
+    if cols == 0 || i32::try_from(cols).is_err() {
+        return Err(TensorError::Shape {
+            op: OP,
+            operand: "x",
+            expected: vec![rows, cols.clamp(1, i32::MAX as usize)],
+            found: x.shape().to_vec(),
+        });
+    }
+    let out = Tensor::empty(cx, &[rows], DType::I32)?;
+    cx.device().argmax(out.ptr()?, x.ptr()?, rows, cols)?;
+    Ok(out)
+}
+
+/// `pos = min(pos + 1, limit)` on the device. In place.
+pub fn increment<D: Ops, A: Alloc<D> + ?Sized>(cx: &mut A, pos: &Tensor, limit: i32) -> Result<()> {
+    position("increment", pos)?;
+    cx.device().increment(pos.ptr()?, limit)?;
+    Ok(())
+}

@@ -1,0 +1,188 @@
+//! The tiny decoder: graft replay, eager execution and the raw graph give identical tokens;
+//! each bucket is its own root of the tree; misuse is a typed error.
+
+mod common;
+
+use common::graft;
+use graft_tensor::{
+    BUCKETS, Decoder, DecoderConfig, KvState, Meta, Ops, Tensor, TensorError, bucket_for,
+};
+
+const SEED: u64 = 7;
+const STEPS: usize = 20;
+
+fn first_tokens(batch: usize, vocab: usize) -> Vec<i32> {
+    (0..batch).map(|i| ((i * 37 + 1) % vocab) as i32).collect()
+}
+
+/// Runs `STEPS` steps eagerly and through graft from the same first tokens; returns the
+/// tokens of every step of each (all rows, padding included).
+fn run_both<D: Ops>(
+    g: &mut graft_core::Graft<D, Meta>,
+    dec: &Decoder<D>,
+    fid: graft_core::FunctionId,
+    batch: usize,
+) -> (Vec<Vec<i32>>, Vec<Vec<i32>>) {
+    let ids = first_tokens(batch, dec.config().vocab);
+    let bucket = bucket_for(batch).unwrap();
+
+    let mut eager_state = dec.new_state(g, bucket).unwrap();
+    let mut t = dec.tokens(g, &ids).unwrap();
+    let mut eager = Vec::new();
+    for _ in 0..STEPS {
+        t = dec.step_eager(g, &mut eager_state, &t).unwrap();
+        eager.push(t.to_vec_i32(g.device()).unwrap());
+    }
+
+    let mut state = dec.new_state(g, bucket).unwrap();
+    let mut t = dec.tokens(g, &ids).unwrap();
+    let mut grafted = Vec::new();
+    for _ in 0..STEPS {
+        t = dec.step_graft(g, fid, &mut state, &t).unwrap();
+        grafted.push(t.to_vec_i32(g.device()).unwrap());
+    }
+    assert_eq!(state.steps(), STEPS);
+    (eager, grafted)
+}
+
+fn graft_matches_eager<D: Ops>(dev: D) {
+    let mut g = graft(dev);
+    let dec = Decoder::new(&mut g, DecoderConfig::tiny(), SEED).unwrap();
+    let fid = dec.register(&mut g);
+    for batch in [1, 3] {
+        let (eager, grafted) = run_both(&mut g, &dec, fid, batch);
+        assert_eq!(
+            eager, grafted,
+            "batch {batch}: graft and eager tokens differ"
+        );
+        assert_eq!(eager[0].len(), bucket_for(batch).unwrap());
+        let distinct: std::collections::HashSet<i32> = eager.iter().flatten().copied().collect();
+        assert!(
+            distinct.len() > 1,
+            "a degenerate model emits one token: {eager:?}"
+        );
+    }
+    let stats = g.stats();
+    assert!(stats.replays >= 2 * (STEPS as u64 - 4), "{stats:?}");
+    // One root per bucket (1 and 4), keyed by the bucket.
+    let roots: Vec<_> = g.nodes().into_iter().filter(|n| n.depth == 0).collect();
+    let mut keys: Vec<Vec<u64>> = roots.iter().map(|n| n.keys.clone()).collect();
+    keys.sort();
+    assert_eq!(keys, vec![vec![1], vec![4]], "{}", g.dump_text());
+}
+backend_test!(graft_matches_eager);
+
+fn raw_graph_matches_eager<D: Ops>(dev: D) {
+    let mut g = graft(dev);
+    let dec = Decoder::new(&mut g, DecoderConfig::tiny(), SEED).unwrap();
+    let ids = first_tokens(2, dec.config().vocab);
+    let mut eager_state = dec.new_state(&mut g, 2).unwrap();
+    let mut t = dec.tokens(&mut g, &ids).unwrap();
+    let mut eager = Vec::new();
+    for _ in 0..STEPS {
+        t = dec.step_eager(&mut g, &mut eager_state, &t).unwrap();
+        eager.push(t.to_vec_i32(g.device()).unwrap());
+    }
+    let mut state = dec.new_state(&mut g, 2).unwrap();
+    let tokens = dec.tokens(&mut g, &ids).unwrap();
+    let raw = dec.capture_raw(&mut g, &state, &tokens).unwrap();
+    assert_eq!(
+        state.position().to_vec_i32(g.device()).unwrap(),
+        vec![0],
+        "capture ran nothing"
+    );
+    let mut got = Vec::new();
+    for _ in 0..STEPS {
+        raw.step(&mut state).unwrap();
+        got.push(raw.tokens().to_vec_i32(g.device()).unwrap());
+    }
+    assert_eq!(eager, got);
+}
+backend_test!(raw_graph_matches_eager);
+
+fn misuse_is_typed<D: Ops>(dev: D) {
+    let mut g = graft(dev);
+    let config = DecoderConfig {
+        ctx: 3,
+        ..DecoderConfig::tiny()
+    };
+    let dec = Decoder::new(&mut g, config, SEED).unwrap();
+    let fid = dec.register(&mut g);
+    assert!(matches!(
+        dec.tokens(&mut g, &[0; 33]),
+        Err(TensorError::BatchTooLarge { batch: 33, max: 32 })
+    ));
+    assert!(matches!(
+        dec.tokens(&mut g, &[]),
+        Err(TensorError::EmptyBatch)
+    ));
+    assert!(matches!(
+        dec.tokens(&mut g, &[1, 512]),
+        Err(TensorError::TokenOutOfRange {
+            row: 1,
+            id: 512,
+            ..
+        })
+    ));
+    assert!(matches!(
+        dec.new_state(&mut g, 3),
+        Err(TensorError::BatchTooLarge { .. })
+    ));
+    let mut state: KvState = dec.new_state(&mut g, 1).unwrap();
+    let wrong = dec.tokens(&mut g, &[1, 2]).unwrap();
+    assert!(matches!(
+        dec.step_graft(&mut g, fid, &mut state, &wrong),
+        Err(TensorError::BucketMismatch {
+            tokens: 2,
+            state: 1
+        })
+    ));
+    let f = Tensor::from_f32(&mut g, &[1], &[0.0]).unwrap();
+    assert!(matches!(
+        dec.step_eager(&mut g, &mut state, &f),
+        Err(TensorError::DType { .. })
+    ));
+    let mut t = dec.tokens(&mut g, &[5]).unwrap();
+    for _ in 0..3 {
+        t = dec.step_graft(&mut g, fid, &mut state, &t).unwrap();
+    }
+    assert!(matches!(
+        dec.step_graft(&mut g, fid, &mut state, &t),
+        Err(TensorError::ContextFull { bucket: 1, ctx: 3 })
+    ));
+    state.reset(g.device()).unwrap();
+    dec.step_graft(&mut g, fid, &mut state, &t).unwrap();
+    assert!(matches!(
+        Decoder::new(
+            &mut g,
+            DecoderConfig {
+                heads: 5,
+                ..DecoderConfig::tiny()
+            },
+            SEED
+        ),
+        Err(TensorError::Config { .. })
+    ));
+}
+backend_test!(misuse_is_typed);
+
+#[test]
+fn buckets_pad_up() {
+    assert_eq!(bucket_for(1), Some(1));
+    assert_eq!(bucket_for(3), Some(4));
+    assert_eq!(bucket_for(17), Some(32));
+    assert_eq!(bucket_for(33), None);
+    assert_eq!(BUCKETS.len(), 6);
+    assert!(DecoderConfig::bench().parameters() > 20_000_000);
+}
+
+/// The benchmark model on the GPU: graft and eager agree over a few steps at batch 8.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn bench_config_graft_matches_eager_on_cuda() {
+    let mut g = graft(common::cuda());
+    let dec = Decoder::new(&mut g, DecoderConfig::bench(), SEED).unwrap();
+    let fid = dec.register(&mut g);
+    let (eager, grafted) = run_both(&mut g, &dec, fid, 8);
+    assert_eq!(eager, grafted);
+}
