@@ -43,6 +43,9 @@ pub enum CliError {
     /// The device failed.
     #[error(transparent)]
     Device(#[from] DeviceError),
+    /// The micro benchmark failed.
+    #[error(transparent)]
+    Micro(#[from] crate::micro::MicroError),
     /// Writing a file failed.
     #[error("could not write {path}: {source}; check the path and permissions")]
     WriteFile {

@@ -12,6 +12,7 @@
 pub mod bench;
 pub mod demo;
 mod error;
+pub mod micro;
 mod progress;
 mod timing;
 
@@ -80,6 +81,23 @@ pub struct BenchCmd {
 pub enum BenchWhat {
     /// The decoder step: eager, graft replay, and one raw graph without the tree.
     Decoder(DecoderBenchArgs),
+    /// The replay fast path: a 10-kernel chain (8 inputs, 1 copied) as eager launches, a raw
+    /// graph launch, and a tree replay, per call.
+    Micro(MicroArgs),
+}
+
+/// Arguments of `graft bench micro`.
+#[derive(Args, Debug, Clone)]
+pub struct MicroArgs {
+    /// Timed blocks; the median block is reported.
+    #[arg(long, default_value_t = 31)]
+    pub repeats: usize,
+    /// Calls per block.
+    #[arg(long, default_value_t = 200)]
+    pub calls: usize,
+    /// Use the simulator even when a GPU is available.
+    #[arg(long)]
+    pub sim: bool,
 }
 
 /// Arguments of the decoder benchmark.
@@ -146,6 +164,7 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<(), CliError> {
         Command::Bench(cmd) => match cmd.what {
             None => bench::run(&cmd.decoder, out).map(|_| ()),
             Some(BenchWhat::Decoder(args)) => bench::run(&args, out).map(|_| ()),
+            Some(BenchWhat::Micro(args)) => micro::report(&args, out),
         },
     }
 }

@@ -6,11 +6,52 @@
 
 use std::time::Instant;
 
+use std::io::Write;
+
 use graft_core::{BodyError, Buffer, Config, Ctx, Device, DevicePtr, FunctionSpec, Graft, Output};
 use graft_tensor::Ops;
 
+use crate::{Backend, CliError, MicroArgs};
+
 /// Floats per buffer.
 pub const N: usize = 1024;
+
+/// Why the micro benchmark could not finish.
+#[derive(thiserror::Error, Debug)]
+pub enum MicroError {
+    /// The device failed.
+    #[error(transparent)]
+    Device(#[from] graft_core::DeviceError),
+    /// A graft call failed.
+    #[error(transparent)]
+    Call(#[from] graft_core::CallError),
+    /// A buffer was invalidated.
+    #[error(transparent)]
+    Buffer(#[from] graft_core::BufferError),
+    /// Allocating, reading or writing a buffer failed.
+    #[error(transparent)]
+    Memory(#[from] graft_core::MemoryError),
+    /// Not every timed call was a replay, so the numbers would not measure the fast path.
+    #[error(
+        "only {replayed} of {calls} timed calls replayed; this is a bug in graft, please report it"
+    )]
+    NotReplayed {
+        /// Replays counted.
+        replayed: u64,
+        /// Calls made.
+        calls: u64,
+    },
+    /// The replay computed something else than the chain.
+    #[error(
+        "the tree replay gave {got} where the chain gives {expected}; this is a correctness bug, please report it"
+    )]
+    WrongResult {
+        /// Value read.
+        got: f32,
+        /// Value expected.
+        expected: f32,
+    },
+}
 
 /// Per-call times in nanoseconds (medians over repeats).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -35,7 +76,12 @@ pub enum Timing {
 }
 
 /// The chain: acc = x + w0; acc += w1..w6; acc += x; acc += w0; acc += w1 (ten kernels).
-fn chain<D: Ops>(d: &D, acc: DevicePtr, w: &[DevicePtr], x: DevicePtr) -> Result<(), graft_core::DeviceError> {
+fn chain<D: Ops>(
+    d: &D,
+    acc: DevicePtr,
+    w: &[DevicePtr],
+    x: DevicePtr,
+) -> Result<(), graft_core::DeviceError> {
     d.add(acc, x, w[0], N)?;
     for &wi in &w[1..7] {
         d.add(acc, acc, wi, N)?;
@@ -47,7 +93,10 @@ fn chain<D: Ops>(d: &D, acc: DevicePtr, w: &[DevicePtr], x: DevicePtr) -> Result
 
 fn body<D: Ops>(ctx: &mut Ctx<'_, D>) -> Result<Vec<Output<()>>, BodyError> {
     let inputs = ctx.inputs();
-    let w: Vec<DevicePtr> = inputs[..7].iter().map(Buffer::addr).collect::<Result<_, _>>()?;
+    let w: Vec<DevicePtr> = inputs[..7]
+        .iter()
+        .map(Buffer::addr)
+        .collect::<Result<_, _>>()?;
     let x = inputs[7].addr()?;
     let out = ctx.alloc(N * 4)?;
     chain(ctx.device(), out.addr()?, &w, x)?;
@@ -65,8 +114,8 @@ fn time<D: Device>(
     timing: Timing,
     repeats: usize,
     per_block: usize,
-    mut f: impl FnMut() -> Result<(), Box<dyn std::error::Error>>,
-) -> Result<f64, Box<dyn std::error::Error>> {
+    mut f: impl FnMut() -> Result<(), MicroError>,
+) -> Result<f64, MicroError> {
     for _ in 0..per_block {
         f()?;
     }
@@ -92,7 +141,7 @@ pub fn run<D: Ops>(
     timing: Timing,
     repeats: usize,
     per_block: usize,
-) -> Result<MicroResult, Box<dyn std::error::Error>> {
+) -> Result<MicroResult, MicroError> {
     device.prepare()?;
     let mut g: Graft<D, ()> = Graft::new(device.clone(), Config::default());
     let f = g.register("chain", FunctionSpec::inference([0, 1, 2, 3, 4, 5, 6]));
@@ -103,7 +152,9 @@ pub fn run<D: Ops>(
     let p: Vec<DevicePtr> = bufs.iter().map(Buffer::addr).collect::<Result<_, _>>()?;
     let (w, x, acc, placeholder) = (&p[..7], p[7], p[8], p[9]);
 
-    let eager_ns = time(&device, timing, repeats, per_block, || Ok(chain(&device, acc, w, x)?))?;
+    let eager_ns = time(&device, timing, repeats, per_block, || {
+        Ok(chain(&device, acc, w, x)?)
+    })?;
 
     device.begin_capture(Default::default())?;
     let captured = chain(&device, acc, w, placeholder);
@@ -114,13 +165,15 @@ pub fn run<D: Ops>(
             return Err(e.into());
         }
     };
-    let raw_ns = time(&device, timing, repeats, per_block, || Ok(device.launch(&graph)?))?;
+    let raw_ns = time(&device, timing, repeats, per_block, || {
+        Ok(device.launch(&graph)?)
+    })?;
     let raw_copy_ns = time(&device, timing, repeats, per_block, || {
         device.copy(placeholder, x, N * 4)?;
         Ok(device.launch(&graph)?)
     })?;
 
-    let refs: Vec<&Buffer> = [&bufs[..7], &bufs[7..8]].concat().into_iter().collect();
+    let refs: Vec<&Buffer> = bufs[..8].iter().collect();
     let mut out = Vec::with_capacity(1);
     for _ in 0..3 {
         g.call_into(f, &refs, &[], body::<D>, &mut out)?;
@@ -131,8 +184,9 @@ pub fn run<D: Ops>(
         Ok(())
     })?;
     let replayed = g.stats().replays - replays_before;
-    if replayed != ((repeats + 1) * per_block) as u64 {
-        return Err(format!("expected every timed call to replay, but {replayed} did").into());
+    let calls = ((repeats + 1) * per_block) as u64;
+    if replayed != calls {
+        return Err(MicroError::NotReplayed { replayed, calls });
     }
 
     // The tree computed what the chain computes.
@@ -146,8 +200,12 @@ pub fn run<D: Ops>(
         *v += host(7) + host(0) + host(1);
     }
     let got = g.read_f32(&out[0].buffer)?;
-    if got.iter().zip(&expected).any(|(a, b)| (a - b).abs() > 1e-5) {
-        return Err("the tree replay computed a different result than the chain".into());
+    if let Some((&got, &expected)) = got
+        .iter()
+        .zip(&expected)
+        .find(|(a, b)| (**a - **b).abs() > 1e-5)
+    {
+        return Err(MicroError::WrongResult { got, expected });
     }
     drop(graph);
     Ok(MicroResult {
@@ -156,4 +214,40 @@ pub fn run<D: Ops>(
         raw_copy_ns,
         tree_ns,
     })
+}
+
+/// `graft bench micro`: runs both timings on the picked backend and prints a table.
+pub fn report(args: &MicroArgs, out: &mut dyn Write) -> Result<(), CliError> {
+    let backend = Backend::pick(args.sim, out)?;
+    let name = match &backend {
+        Backend::Cuda(d) => d.describe(),
+        Backend::Sim(d) => d.describe(),
+    };
+    writeln!(
+        out,
+        "replay fast path on {name}: 10 kernels over {N} floats, 8 inputs (1 copied), per call"
+    )?;
+    writeln!(
+        out,
+        "{:<11} {:>10} {:>10} {:>12} {:>10} {:>9} {:>11}",
+        "timing", "eager", "raw graph", "raw + copy", "tree", "tree/raw", "tree/(raw+copy)"
+    )?;
+    for timing in [Timing::Latency, Timing::Throughput] {
+        let r = match &backend {
+            Backend::Cuda(d) => run(d.clone(), timing, args.repeats, args.calls),
+            Backend::Sim(d) => run(d.clone(), timing, args.repeats, args.calls),
+        }?;
+        writeln!(
+            out,
+            "{:<11} {:>8.2}us {:>8.2}us {:>10.2}us {:>8.2}us {:>9.3} {:>11.3}",
+            format!("{timing:?}").to_lowercase(),
+            r.eager_ns / 1e3,
+            r.raw_ns / 1e3,
+            r.raw_copy_ns / 1e3,
+            r.tree_ns / 1e3,
+            r.tree_ns / r.raw_ns,
+            r.tree_ns / r.raw_copy_ns
+        )?;
+    }
+    Ok(())
 }
