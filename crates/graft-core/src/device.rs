@@ -103,6 +103,8 @@ pub enum DeviceOp {
     Upload,
     /// Launching an instantiated graph.
     GraphLaunch,
+    /// Updating a node of an instantiated graph.
+    GraphUpdate,
     /// Destroying a graph.
     GraphDestroy,
     /// Loading or compiling a kernel module.
@@ -129,6 +131,7 @@ impl DeviceOp {
             DeviceOp::Instantiate => "graph instantiate",
             DeviceOp::Upload => "graph upload",
             DeviceOp::GraphLaunch => "graph launch",
+            DeviceOp::GraphUpdate => "graph update",
             DeviceOp::GraphDestroy => "graph destroy",
             DeviceOp::ModuleLoad => "module load",
         }
@@ -360,6 +363,17 @@ pub trait Device: Send + Sync + 'static {
 
     /// Step 4: launches the graph on the runtime stream.
     fn launch(&self, graph: &Self::Graph) -> Result<(), DeviceError>;
+
+    /// Re-points the copy that the capture recorded into `dst` (with [`Device::copy`]) at a
+    /// new source: later launches of `graph` copy from `src`, same length. Graft records each
+    /// copied input as such a copy at the start of the graph and re-points it when the
+    /// caller's buffer moves. Fails if the graph has no copy into `dst`.
+    fn set_copy_source(
+        &self,
+        graph: &mut Self::Graph,
+        dst: DevicePtr,
+        src: DevicePtr,
+    ) -> Result<(), DeviceError>;
 
     /// Counts the nodes of a graph by kind.
     fn summarize(&self, graph: &Self::Graph) -> Result<GraphSummary, DeviceError>;

@@ -585,21 +585,35 @@ impl<D: Device, M: Clone> Graft<D, M> {
             self.rebuild_conflicts(key);
         }
         let id = key.id();
-        let node = &self.nodes[key];
+        let function = self.nodes[key].function;
         let fail = |source| CallError::Device {
-            function: self.functions[node.function.0].name.clone(),
+            function: self.functions[function.0].name.clone(),
             source,
         };
+        let node = &mut self.nodes[key];
+        // The graph copies the copied inputs itself; re-point a copy only if the caller's
+        // buffer moved (in a loop it usually does not).
         let mut copied = 0;
-        for ((slot, &src), b) in node.inputs.iter().zip(&self.addrs).zip(inputs) {
-            if let InputSlot::Copied { placeholder, .. } = *slot
-                && !b.is_empty()
-                && placeholder != src
+        let mut repointed = 0;
+        for (slot, &src) in node.inputs.iter_mut().zip(&self.addrs) {
+            if let InputSlot::Copied {
+                placeholder,
+                len,
+                source,
+            } = slot
+                && *len > 0
             {
-                self.device.copy(placeholder, src, b.len()).map_err(fail)?;
+                if *source != src {
+                    self.device
+                        .set_copy_source(&mut node.graph, *placeholder, src)
+                        .map_err(fail)?;
+                    *source = src;
+                    repointed += 1;
+                }
                 copied += 1;
             }
         }
+        let node = &self.nodes[key];
         let mut invalidated = 0;
         for &(k, o) in &node.slot_conflicts {
             if let OutputSlot::Tracked { cell, .. } = &self.nodes[k].outputs[o as usize].slot
@@ -618,6 +632,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
         self.device.launch(&node.graph).map_err(fail)?;
         self.stats.invalidations += invalidated;
         self.stats.copied_inputs += copied;
+        self.stats.copy_sources_updated += repointed;
         let generation = self.generation;
         let pool = Arc::downgrade(&self.graph_pool);
         let node = &mut self.nodes[key];
@@ -961,6 +976,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 slots.push(InputSlot::Copied {
                     placeholder: DevicePtr(0),
                     len: 0,
+                    source: addr,
                 });
                 ctx_inputs.push((*b).clone());
             } else {
@@ -985,10 +1001,6 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 ctx_inputs.push(handle);
                 placeholder_cells.push(cell);
                 footprint.push((block_addr.0, block_addr.0 + b.len() as u64));
-                if let Err(e) = self.device.copy(block_addr, addr, b.len()) {
-                    self.undo_recording(&checkpoint, &placeholder_cells, &[]);
-                    return Err(device_err(e));
-                }
                 if b.len() > self.config.large_copy_warn_bytes {
                     tracing::warn!(
                         function = %name, position, bytes = b.len(),
@@ -998,6 +1010,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 slots.push(InputSlot::Copied {
                     placeholder: block_addr,
                     len: b.len(),
+                    source: addr,
                 });
             }
         }
@@ -1022,7 +1035,20 @@ impl<D: Device, M: Clone> Graft<D, M> {
         // `keep` holds the body's own handles until the caller's are made, so that no output
         // block is freed in between.
         let mut keep = Vec::new();
-        let captured = body(&mut ctx)
+        // The graph begins with the input copies, so a replay needs no separate copy.
+        let copies = slots.iter().try_for_each(|slot| match *slot {
+            InputSlot::Copied {
+                placeholder,
+                len,
+                source,
+            } if len > 0 => self
+                .device
+                .copy(placeholder, source, len)
+                .map_err(BodyError::Device),
+            _ => Ok(()),
+        });
+        let captured = copies
+            .and_then(|()| body(&mut ctx))
             .and_then(|outs| Self::classify_outputs(&mut ctx, &slots, outs, &mut keep));
         let allocs = std::mem::take(&mut ctx.allocs);
         drop(ctx);

@@ -26,8 +26,10 @@ pub struct Stats {
     pub recordings: u64,
     /// Graph replays.
     pub replays: u64,
-    /// Inputs copied into placeholders by replays.
+    /// Inputs copied into placeholders by replays (by the graph's own copy nodes).
     pub copied_inputs: u64,
+    /// Replays that re-pointed a copy node because the caller's buffer moved.
+    pub copy_sources_updated: u64,
     /// Re-recordings by reason.
     pub rerecords: RerecordCounts,
     /// Eager runs outside the graph pool (eager-only functions and fallbacks).

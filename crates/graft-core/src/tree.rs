@@ -27,8 +27,14 @@ pub(crate) enum InputSlot {
     Static { addr: DevicePtr },
     /// An output of the path, used in place; the address must stay the recorded one.
     Managed { addr: DevicePtr },
-    /// Copied into a placeholder (part of the node's footprint) before every launch.
-    Copied { placeholder: DevicePtr, len: usize },
+    /// Copied into a placeholder (part of the node's footprint) by a copy node at the start
+    /// of the graph. `source` is the address that copy node reads now: a replay re-points it
+    /// only when the caller passes a buffer at another address.
+    Copied {
+        placeholder: DevicePtr,
+        len: usize,
+        source: DevicePtr,
+    },
 }
 
 /// What one output of a node hands back.
@@ -149,9 +155,9 @@ pub(crate) fn check<G, M>(
             });
         }
     }
-    // Copies run in input order before the graph: a source may sit exactly on its own
-    // placeholder (the copy is skipped) but must not overlap any placeholder written before
-    // it is read. CUDA leaves overlapping copies undefined, so such a candidate cannot replay.
+    // The graph starts with the input copies, in input order: a source must not overlap its
+    // own placeholder or any placeholder written before it is read. CUDA leaves overlapping
+    // copies undefined, so such a candidate cannot replay.
     for (i, (slot, &src)) in node.inputs.iter().zip(addrs).enumerate() {
         let InputSlot::Copied { len, .. } = *slot else {
             continue;
@@ -160,14 +166,14 @@ pub(crate) fn check<G, M>(
             continue;
         }
         let (s, e) = (src.0, src.0 + len as u64);
-        for (j, earlier) in node.inputs[..=i].iter().enumerate() {
+        for earlier in &node.inputs[..=i] {
             if let InputSlot::Copied {
                 placeholder: p,
                 len: l,
+                ..
             } = *earlier
                 && p.0 < e
                 && s < p.0 + l as u64
-                && !(j == i && p == src)
             {
                 return Err(RecordReason::InputOverlapsPlaceholder { position: i });
             }

@@ -54,7 +54,7 @@ pub(crate) struct Inner {
     name: String,
     cu_device: sys::CUdevice,
     /// The device's primary context; non-null once retained (and then released in `Drop`).
-    ctx: sys::CUcontext,
+    pub(crate) ctx: sys::CUcontext,
     /// The runtime stream: all work and all captures.
     pub(crate) stream: sys::CUstream,
     /// A second stream, forked from the runtime stream by `fork_event`.
@@ -863,6 +863,26 @@ impl Device for CudaDevice {
         check(op, unsafe {
             sys::cuGraphLaunch(handles.exec, inner.stream)
         })
+    }
+
+    /// `cuGraphExecMemcpyNodeSetParams` on the copy node writing `dst` (found once, cached).
+    fn set_copy_source(
+        &self,
+        graph: &mut CudaGraph,
+        dst: DevicePtr,
+        src: DevicePtr,
+    ) -> Result<(), DeviceError> {
+        let op = DeviceOp::GraphUpdate;
+        let inner = &self.inner;
+        inner.enter(op)?;
+        if !Arc::ptr_eq(&graph.device, inner) {
+            return Err(DeviceError::Driver {
+                op,
+                code: sys::CUresult::CUDA_ERROR_INVALID_CONTEXT as u32,
+                name: "CUDA_ERROR_INVALID_CONTEXT",
+            });
+        }
+        graph.set_copy_source(inner.ctx, dst, src)
     }
 
     /// `cuGraphGetNodes` and `cuGraphNodeGetType` over the captured graph.

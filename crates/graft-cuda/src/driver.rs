@@ -61,6 +61,8 @@ pub(crate) const DRIVER_SYMBOLS: &[(&str, &str)] = driver_symbols![
     "cuGraphDestroy",
     "cuGraphGetNodes",
     "cuGraphNodeGetType",
+    "cuGraphMemcpyNodeGetParams",
+    "cuGraphExecMemcpyNodeSetParams",
     "cuMemAlloc_v2",
     "cuMemFree_v2",
     "cuMemcpyDtoDAsync_v2",

@@ -4,7 +4,7 @@ use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use cudarc::driver::sys;
-use graft_core::{DeviceError, DeviceOp};
+use graft_core::{DeviceError, DeviceOp, DevicePtr};
 
 use crate::device::Inner;
 use crate::error::check;
@@ -15,6 +15,9 @@ pub(crate) struct GraphHandles {
     pub(crate) graph: sys::CUgraph,
     /// Its instantiated executable.
     pub(crate) exec: sys::CUgraphExec,
+    /// Copy nodes re-pointed so far: (destination, node, current parameters). Found on first
+    /// use by scanning the graph, then updated in place.
+    copies: Vec<(u64, sys::CUgraphNode, sys::CUDA_MEMCPY3D)>,
 }
 
 // SAFETY: CUDA graph handles are plain driver handles, usable from any thread while their
@@ -39,7 +42,11 @@ impl CudaGraph {
     /// Takes ownership of `graph` and `exec`, both created in `device`'s context.
     pub(crate) fn new(device: Arc<Inner>, graph: sys::CUgraph, exec: sys::CUgraphExec) -> Self {
         CudaGraph {
-            handles: Mutex::new(GraphHandles { graph, exec }),
+            handles: Mutex::new(GraphHandles {
+                graph,
+                exec,
+                copies: Vec::new(),
+            }),
             device,
         }
     }
@@ -49,6 +56,70 @@ impl CudaGraph {
     pub(crate) fn lock(&self) -> MutexGuard<'_, GraphHandles> {
         self.handles.lock().unwrap_or_else(PoisonError::into_inner)
     }
+}
+
+impl CudaGraph {
+    /// Re-points the copy node writing `dst` at `src` in the executable (see
+    /// `graft_core::Device::set_copy_source`). `ctx` is the device's context, current.
+    pub(crate) fn set_copy_source(
+        &mut self,
+        ctx: sys::CUcontext,
+        dst: DevicePtr,
+        src: DevicePtr,
+    ) -> Result<(), DeviceError> {
+        let op = DeviceOp::GraphUpdate;
+        let h = self
+            .handles
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner);
+        let index = match h.copies.iter().position(|c| c.0 == dst.0) {
+            Some(i) => i,
+            None => {
+                let (node, params) = find_copy_into(op, h.graph, dst)?;
+                h.copies.push((dst.0, node, params));
+                h.copies.len() - 1
+            }
+        };
+        let (_, node, params) = &mut h.copies[index];
+        params.srcDevice = src.0;
+        // SAFETY: `exec` is the live executable instantiated from `graph` (both destroyed only
+        // in Drop, impossible while `&mut self` is held); `node` is a memcpy node of `graph`,
+        // found by `find_copy_into`; `params` is the node's own 1-D device-to-device parameter
+        // block read from the driver, with only the source address changed; `ctx` is the
+        // context both were created in, current on this thread.
+        check(op, unsafe {
+            sys::cuGraphExecMemcpyNodeSetParams(h.exec, *node, params, ctx)
+        })
+    }
+}
+
+/// Finds the memcpy node of `graph` whose destination is `dst`, with its parameters.
+fn find_copy_into(
+    op: DeviceOp,
+    graph: sys::CUgraph,
+    dst: DevicePtr,
+) -> Result<(sys::CUgraphNode, sys::CUDA_MEMCPY3D), DeviceError> {
+    for node in nodes(op, graph)? {
+        if node_type(op, node)? != sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEMCPY as u32 {
+            continue;
+        }
+        // SAFETY: CUDA_MEMCPY3D is a plain C struct of integers and pointers, for which all
+        // zero bytes are a valid value; the driver overwrites it below.
+        let mut params: sys::CUDA_MEMCPY3D = unsafe { std::mem::zeroed() };
+        // SAFETY: `node` is a memcpy node of the live `graph` (type checked above) and
+        // `params` is a valid out-pointer of the type the driver writes.
+        check(op, unsafe {
+            sys::cuGraphMemcpyNodeGetParams(node, &mut params)
+        })?;
+        if params.dstDevice == dst.0 {
+            return Ok((node, params));
+        }
+    }
+    Err(DeviceError::Driver {
+        op,
+        code: sys::CUresult::CUDA_ERROR_INVALID_HANDLE as u32,
+        name: "CUDA_ERROR_INVALID_HANDLE",
+    })
 }
 
 impl fmt::Debug for CudaGraph {
@@ -120,14 +191,11 @@ pub(crate) fn destroy_orphan(device: &Inner, graph: sys::CUgraph, exec: sys::CUg
     }
 }
 
-/// Counting helper for `summarize`, kept here with the other graph-handle code.
-pub(crate) fn summarize(
-    op: DeviceOp,
-    graph: sys::CUgraph,
-) -> Result<graft_core::GraphSummary, DeviceError> {
+/// The nodes of a live graph (the caller holds the CudaGraph's lock or `&mut` to it).
+fn nodes(op: DeviceOp, graph: sys::CUgraph) -> Result<Vec<sys::CUgraphNode>, DeviceError> {
     let mut count: usize = 0;
-    // SAFETY: `graph` is a live graph (the caller holds the CudaGraph's lock); a null node array
-    // asks only for the count, written into a valid out-pointer.
+    // SAFETY: `graph` is a live graph (see above); a null node array asks only for the count,
+    // written into a valid out-pointer.
     check(op, unsafe {
         sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut count)
     })?;
@@ -139,17 +207,30 @@ pub(crate) fn summarize(
             sys::cuGraphGetNodes(graph, nodes.as_mut_ptr(), &mut filled)
         })?;
     }
+    nodes.truncate(filled.min(count));
+    Ok(nodes)
+}
+
+/// A node's type as a plain number: a newer driver may report a node type that cudarc's enum
+/// (CUDA 12.8's list) lacks, and an unknown discriminant in a Rust enum is UB.
+fn node_type(op: DeviceOp, node: sys::CUgraphNode) -> Result<u32, DeviceError> {
+    let mut kind: u32 = u32::MAX;
+    // SAFETY: `node` is a node of a live graph, just returned by cuGraphGetNodes; `kind` is a
+    // valid, 4-byte-aligned out-pointer for the 4-byte `CUgraphNodeType` (repr(u32)).
+    check(op, unsafe {
+        sys::cuGraphNodeGetType(node, (&raw mut kind).cast::<sys::CUgraphNodeType>())
+    })?;
+    Ok(kind)
+}
+
+/// Counting helper for `summarize`, kept here with the other graph-handle code.
+pub(crate) fn summarize(
+    op: DeviceOp,
+    graph: sys::CUgraph,
+) -> Result<graft_core::GraphSummary, DeviceError> {
     let mut summary = graft_core::GraphSummary::default();
-    for &node in &nodes[..filled.min(count)] {
-        // Read the type as a plain u32: a newer driver may report a node type that cudarc's
-        // enum (CUDA 12.8's list) lacks, and an unknown discriminant in a Rust enum is UB.
-        let mut kind: u32 = u32::MAX;
-        // SAFETY: `node` is a node of the live `graph`, just returned by cuGraphGetNodes; `kind`
-        // is a valid, 4-byte-aligned out-pointer for the 4-byte `CUgraphNodeType` (repr(u32)).
-        check(op, unsafe {
-            sys::cuGraphNodeGetType(node, (&raw mut kind).cast::<sys::CUgraphNodeType>())
-        })?;
-        match kind {
+    for node in nodes(op, graph)? {
+        match node_type(op, node)? {
             k if k == sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL as u32 => {
                 summary.kernels += 1
             }

@@ -598,6 +598,22 @@ impl Device for SimDevice {
         Ok(graph.summary)
     }
 
+    fn set_copy_source(
+        &self,
+        graph: &mut SimGraph,
+        dst: DevicePtr,
+        src: DevicePtr,
+    ) -> Result<(), DeviceError> {
+        if graph.owner.id != self.inner.id {
+            return Err(DeviceError::Driver {
+                op: DeviceOp::GraphUpdate,
+                code: 201,
+                name: "CUDA_ERROR_INVALID_CONTEXT",
+            });
+        }
+        graph.set_copy_source(dst, src)
+    }
+
     fn take_sticky_error(&self) -> Option<DeviceError> {
         self.inner.sticky.take()
     }

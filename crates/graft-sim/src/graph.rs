@@ -13,6 +13,7 @@ use crate::memory::SimMemory;
 pub type KernelFn = dyn Fn(&mut SimMemory) -> Result<(), DeviceError> + Send + Sync + 'static;
 
 /// One operation recorded during a capture.
+#[derive(Clone)]
 pub(crate) enum Op {
     /// A kernel launch.
     Kernel {
@@ -91,6 +92,31 @@ pub struct SimGraph {
 }
 
 impl SimGraph {
+    /// Re-points the top-level copy into `dst` at `src` (see `Device::set_copy_source`).
+    pub(crate) fn set_copy_source(
+        &mut self,
+        dst: DevicePtr,
+        src: DevicePtr,
+    ) -> Result<(), DeviceError> {
+        let Some(index) = self
+            .ops
+            .iter()
+            .position(|op| matches!(op, Op::Copy { dst: d, .. } if *d == dst))
+        else {
+            return Err(DeviceError::Driver {
+                op: DeviceOp::GraphUpdate,
+                code: 400,
+                name: "CUDA_ERROR_INVALID_HANDLE",
+            });
+        };
+        let mut ops: Vec<Op> = self.ops.to_vec();
+        if let Op::Copy { src: s, .. } = &mut ops[index] {
+            *s = src;
+        }
+        self.ops = ops.into();
+        Ok(())
+    }
+
     /// The device that recorded this graph.
     pub fn device(&self) -> DeviceId {
         self.owner.id
