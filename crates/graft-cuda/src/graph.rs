@@ -103,14 +103,15 @@ fn find_copy_into(
         if node_type(op, node)? != sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEMCPY as u32 {
             continue;
         }
-        // SAFETY: CUDA_MEMCPY3D is a plain C struct of integers and pointers, for which all
-        // zero bytes are a valid value; the driver overwrites it below.
-        let mut params: sys::CUDA_MEMCPY3D = unsafe { std::mem::zeroed() };
+        let mut params = std::mem::MaybeUninit::<sys::CUDA_MEMCPY3D>::uninit();
         // SAFETY: `node` is a memcpy node of the live `graph` (type checked above) and
-        // `params` is a valid out-pointer of the type the driver writes.
+        // `params` is a valid, aligned out-pointer of the type the driver writes.
         check(op, unsafe {
-            sys::cuGraphMemcpyNodeGetParams(node, &mut params)
+            sys::cuGraphMemcpyNodeGetParams(node, params.as_mut_ptr())
         })?;
+        // SAFETY: cuGraphMemcpyNodeGetParams succeeded, so the driver wrote every field of
+        // `params` (its memory types are the driver's own valid values).
+        let params = unsafe { params.assume_init() };
         if params.dstDevice == dst.0 {
             return Ok((node, params));
         }
