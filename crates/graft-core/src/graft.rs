@@ -408,7 +408,6 @@ impl<D: Device, M: Clone> Graft<D, M> {
         loop {
             let root_level = self.functions[fi].root_level;
             let warmed = self.functions[fi].sigs[sig].warmups_done >= needed;
-            let may_restart = root_level && self.may_start_generation(function);
             let tip = match self.path {
                 Path::Recording { .. } => {
                     return Err(CallError::State {
@@ -417,7 +416,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
                     });
                 }
                 Path::Warmup => {
-                    if may_restart {
+                    if root_level && self.may_start_generation(function) {
                         self.new_generation();
                         continue;
                     }
@@ -447,7 +446,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
             } else {
                 None
             };
-            if tip.is_some() && may_restart {
+            if tip.is_some() && root_level && self.may_start_generation(function) {
                 self.new_generation();
                 continue;
             }
@@ -777,6 +776,20 @@ impl<D: Device, M: Clone> Graft<D, M> {
 
     // ----- slow paths: warmup, eager, record ----------------------------------------------
 
+    /// Before a warmup or recording: if replays ran since the bookkeeping was last true, the
+    /// path diverged from the recorded tree here, and the pool is restored.
+    fn diverge_if_replayed(&mut self, function: FunctionId) {
+        if self.pool_stale {
+            let _span = tracing::debug_span!(
+                "divergence",
+                function = %self.functions[function.0].name,
+                tip = ?self.path.tip().map(NodeKey::id)
+            )
+            .entered();
+            self.restore(function);
+        }
+    }
+
     /// Rebuilds the graph pool's bookkeeping from what is actually held (after replays).
     fn restore(&mut self, function: FunctionId) {
         let _span =
@@ -886,9 +899,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
         let _span =
             tracing::debug_span!("warmup", function = %self.functions[function.0].name, %reason)
                 .entered();
-        if self.pool_stale {
-            self.restore(function);
-        }
+        self.diverge_if_replayed(function);
         self.transition(Path::Warmup)?;
         self.log(function, None, Decision::Warmup(reason));
         self.run_body(function, inputs, body, RunKind::Warmup, out)?;
@@ -943,9 +954,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
         let name = self.functions[function.0].name.clone();
         let span = tracing::debug_span!("record", function = %name, reason = %reason);
         let _span = span.enter();
-        if self.pool_stale {
-            self.restore(function);
-        }
+        self.diverge_if_replayed(function);
         let generation = self.generation;
         let path = self.path_nodes(parent);
         let checkpoint = lock(&self.graph_pool).checkpoint();
