@@ -97,6 +97,78 @@ pub struct CacheDims {
     pub dim: usize,
 }
 
+/// Sizes of a fused embedding gather + position add + layer norm.
+#[derive(Clone, Copy, PartialEq, Debug)]
+pub struct EmbedDims {
+    /// Ids to look up (rows of the outputs).
+    pub rows: usize,
+    /// Rows of the token table; ids outside `0..vocab` give zero rows.
+    pub vocab: usize,
+    /// Rows of the position table.
+    pub ctx: usize,
+    /// Columns of the tables and the outputs.
+    pub dim: usize,
+    /// Added to the variance of the norm.
+    pub eps: f32,
+}
+
+/// Operands of [`Ops::embed_norm`].
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct EmbedNormArgs {
+    /// Out: `[rows, dim]`, `table[ids[r]] + pos_table[pos]`.
+    pub x: DevicePtr,
+    /// Out: `[rows, dim]`, the layer norm of `x`.
+    pub h: DevicePtr,
+    /// `[rows]` i32 ids.
+    pub ids: DevicePtr,
+    /// `[vocab, dim]` token table.
+    pub table: DevicePtr,
+    /// `[ctx, dim]` position table.
+    pub pos_table: DevicePtr,
+    /// The i32 device position.
+    pub pos: DevicePtr,
+    /// `[dim]` norm scale.
+    pub gamma: DevicePtr,
+    /// `[dim]` norm shift.
+    pub beta: DevicePtr,
+}
+
+/// Operands of [`Ops::linear`]: `out = act(x · w + bias) + residual`.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct LinearArgs {
+    /// Out: `[rows, n]` (distinct from every input).
+    pub out: DevicePtr,
+    /// `[rows, k]`.
+    pub x: DevicePtr,
+    /// `[k, n]`.
+    pub w: DevicePtr,
+    /// `[n]`, added to every row.
+    pub bias: Option<DevicePtr>,
+    /// `[rows, n]`, added after the activation.
+    pub residual: Option<DevicePtr>,
+    /// Apply GELU (tanh approximation) after the bias.
+    pub gelu: bool,
+}
+
+/// Operands of [`Ops::add_norm`]: `x_out = x + (a + bias)`, `h = layer_norm(x_out)`.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct AddNormArgs {
+    /// Out: `[rows, dim]`, the sum.
+    pub x_out: DevicePtr,
+    /// Out: `[rows, dim]`, its layer norm.
+    pub h: DevicePtr,
+    /// `[rows, dim]`, the residual stream.
+    pub x: DevicePtr,
+    /// `[rows, dim]`, the update.
+    pub a: DevicePtr,
+    /// `[dim]`, added to every row of `a` first.
+    pub bias: Option<DevicePtr>,
+    /// `[dim]` norm scale.
+    pub gamma: DevicePtr,
+    /// `[dim]` norm shift.
+    pub beta: DevicePtr,
+}
+
 /// The kernels of a decoder step, on raw addresses (see the module docs).
 pub trait Ops: Device + Clone {
     /// Gets the backend ready (compiles kernels, creates library handles). Idempotent and
@@ -196,6 +268,47 @@ pub trait Ops: Device + Clone {
         x: DevicePtr,
         rows: usize,
         cols: usize,
+    ) -> Result<(), DeviceError>;
+
+    /// `out = gelu?(x · w + bias) + residual` (see [`LinearArgs`]), all row-major f32.
+    fn linear(&self, a: LinearArgs, d: MatmulDims) -> Result<(), DeviceError>;
+
+    /// `x[r, :] = table[ids[r], :] + pos_table[pos, :]` (ids outside the vocabulary give
+    /// zero rows before the add) and `h = layer_norm(x)` (see [`EmbedNormArgs`]).
+    fn embed_norm(&self, a: EmbedNormArgs, d: EmbedDims) -> Result<(), DeviceError>;
+
+    /// `x_out = x + (a + bias)` and `h = layer_norm(x_out)` row by row (see [`AddNormArgs`]):
+    /// a residual add folded into the norm that follows it.
+    fn add_norm(&self, a: AddNormArgs, d: NormDims) -> Result<(), DeviceError>;
+
+    /// Single-token attention step: `qkv` is `[batch, 3 * d]` (the new token's q, k and v,
+    /// plus `bias` `[3 * d]` when given); k and v are written into row `pos` of the `[batch, ctx, d]` caches,
+    /// then `out[b, h, :] = softmax_{j <= pos}(scale * q[b, h, :] · k[b, j, h, :]) · v[b, j, h, :]`;
+    /// `out` is `[batch, d]`.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_step(
+        &self,
+        out: DevicePtr,
+        qkv: DevicePtr,
+        bias: Option<DevicePtr>,
+        k_cache: DevicePtr,
+        v_cache: DevicePtr,
+        pos: DevicePtr,
+        d: AttnDims,
+    ) -> Result<(), DeviceError>;
+
+    /// [`Ops::argmax`] of `x + bias` (bias `[cols]`, optional), then
+    /// `pos = min(pos + 1, limit)` (the end of a decode step).
+    #[allow(clippy::too_many_arguments)]
+    fn argmax_step(
+        &self,
+        out: DevicePtr,
+        x: DevicePtr,
+        bias: Option<DevicePtr>,
+        rows: usize,
+        cols: usize,
+        pos: DevicePtr,
+        limit: i32,
     ) -> Result<(), DeviceError>;
 
     /// `pos = min(pos + 1, limit)` on the device.

@@ -154,12 +154,9 @@ impl Layout {
 struct LayerWeights {
     ln1_g: Tensor,
     ln1_b: Tensor,
-    wq: Tensor,
-    bq: Tensor,
-    wk: Tensor,
-    bk: Tensor,
-    wv: Tensor,
-    bv: Tensor,
+    /// `[d, 3d]`: the q, k and v projections side by side.
+    wqkv: Tensor,
+    bqkv: Tensor,
     wo: Tensor,
     bo: Tensor,
     ln2_g: Tensor,
@@ -206,10 +203,10 @@ fn layout_of(c: &DecoderConfig) -> (Layout, Vec<Init>) {
         let p = |n: &str| format!("layers.{i}.{n}");
         add(&mut l, p("ln1.gamma"), &[d], Init::Ones);
         add(&mut l, p("ln1.beta"), &[d], Init::Zeros);
-        for m in ["q", "k", "v", "o"] {
-            add(&mut l, p(&format!("w{m}")), &[d, d], lin(d));
-            add(&mut l, p(&format!("b{m}")), &[d], bias);
-        }
+        add(&mut l, p("wqkv"), &[d, 3 * d], lin(d));
+        add(&mut l, p("bqkv"), &[3 * d], bias);
+        add(&mut l, p("wo"), &[d, d], lin(d));
+        add(&mut l, p("bo"), &[d], bias);
         add(&mut l, p("ln2.gamma"), &[d], Init::Ones);
         add(&mut l, p("ln2.beta"), &[d], Init::Zeros);
         add(&mut l, p("w1"), &[d, f], lin(d));
@@ -241,12 +238,8 @@ impl Weights {
             ls.push(LayerWeights {
                 ln1_g: next()?,
                 ln1_b: next()?,
-                wq: next()?,
-                bq: next()?,
-                wk: next()?,
-                bk: next()?,
-                wv: next()?,
-                bv: next()?,
+                wqkv: next()?,
+                bqkv: next()?,
                 wo: next()?,
                 bo: next()?,
                 ln2_g: next()?,
@@ -474,8 +467,8 @@ impl<D: Ops> Decoder<D> {
     }
 
     /// Every parameter by name, as a view into the arena: `tok_emb` `[vocab, d]`, `pos_emb`
-    /// `[ctx, d]`; per block `layers.{i}.` + `ln1.gamma`, `ln1.beta`, `wq`, `bq`, `wk`, `bk`,
-    /// `wv`, `bv`, `wo`, `bo`, `ln2.gamma`, `ln2.beta`, `w1` `[d, ffn]`, `b1`, `w2`
+    /// `[ctx, d]`; per block `layers.{i}.` + `ln1.gamma`, `ln1.beta`, `wqkv` `[d, 3d]` (the
+    /// q, k and v projections side by side), `bqkv` `[3d]`, `wo`, `bo`, `ln2.gamma`, `ln2.beta`, `w1` `[d, ffn]`, `b1`, `w2`
     /// `[ffn, d]`, `b2`; then `lnf.gamma`, `lnf.beta`, `lm_head.w` `[d, vocab]`,
     /// `lm_head.b`. Matrices are `[in, out]` (a layer computes `x · w + b`).
     pub fn parameters(&self) -> Result<Vec<(String, Tensor)>> {
@@ -697,39 +690,38 @@ impl<D: Ops> Decoder<D> {
         kv: &[(Tensor, Tensor)],
     ) -> Result<Tensor> {
         let c = &self.config;
-        let emb = ops::embedding(cx, tokens, &w.tok_emb)?;
-        let mut x = ops::add_position(cx, &emb, &w.pos_emb, pos)?;
-        drop(emb);
-        for (l, (k_cache, v_cache)) in w.layers.iter().zip(kv) {
-            let h = ops::layer_norm(cx, &x, &l.ln1_g, &l.ln1_b, c.eps)?;
-            let q = ops::matmul(cx, &h, &l.wq, Some(&l.bq))?;
-            let k = ops::matmul(cx, &h, &l.wk, Some(&l.bk))?;
-            let v = ops::matmul(cx, &h, &l.wv, Some(&l.bv))?;
+        let first = w
+            .layers
+            .first()
+            .map_or((&w.lnf_g, &w.lnf_b), |l| (&l.ln1_g, &l.ln1_b));
+        let (mut x, mut h) = ops::embed_norm(
+            cx, tokens, &w.tok_emb, &w.pos_emb, pos, first.0, first.1, c.eps,
+        )?;
+        // Biases ride in the kernel after each product (attention, the residual add + norm,
+        // the argmax), so a product is one GEMM; only the MLP's GELU needs its own epilogue.
+        for (i, (l, (k_cache, v_cache))) in w.layers.iter().zip(kv).enumerate() {
+            let qkv = ops::linear(cx, &h, &l.wqkv, None, None, false)?;
             drop(h);
-            ops::kv_write(cx, k_cache, &k, pos)?;
-            ops::kv_write(cx, v_cache, &v, pos)?;
-            drop((k, v));
-            let a = ops::attention(cx, &q, k_cache, v_cache, pos, c.heads)?;
-            drop(q);
-            let o = ops::matmul(cx, &a, &l.wo, Some(&l.bo))?;
+            let a = ops::attention_step(cx, &qkv, Some(&l.bqkv), k_cache, v_cache, pos, c.heads)?;
+            drop(qkv);
+            let o = ops::linear(cx, &a, &l.wo, None, None, false)?;
             drop(a);
-            x = ops::add(cx, &x, &o)?;
+            let (x1, h2) = ops::add_norm(cx, &x, &o, Some(&l.bo), &l.ln2_g, &l.ln2_b, c.eps)?;
             drop(o);
-            let h2 = ops::layer_norm(cx, &x, &l.ln2_g, &l.ln2_b, c.eps)?;
-            let f = ops::matmul(cx, &h2, &l.w1, Some(&l.b1))?;
+            let g = ops::linear(cx, &h2, &l.w1, Some(&l.b1), None, true)?;
             drop(h2);
-            let g = ops::gelu(cx, &f)?;
-            drop(f);
-            let f2 = ops::matmul(cx, &g, &l.w2, Some(&l.b2))?;
+            let f = ops::linear(cx, &g, &l.w2, None, None, false)?;
             drop(g);
-            x = ops::add(cx, &x, &f2)?;
+            let (gamma, beta) = match w.layers.get(i + 1) {
+                Some(n) => (&n.ln1_g, &n.ln1_b),
+                None => (&w.lnf_g, &w.lnf_b),
+            };
+            (x, h) = ops::add_norm(cx, &x1, &f, Some(&l.b2), gamma, beta, c.eps)?;
         }
-        let h = ops::layer_norm(cx, &x, &w.lnf_g, &w.lnf_b, c.eps)?;
         drop(x);
-        let logits = ops::matmul(cx, &h, &w.lm_w, Some(&w.lm_b))?;
+        let logits = ops::linear(cx, &h, &w.lm_w, None, None, false)?;
         drop(h);
-        let next = ops::argmax(cx, &logits)?;
-        ops::increment(cx, pos, c.ctx as i32)?;
+        let next = ops::argmax_step(cx, &logits, Some(&w.lm_b), pos, c.ctx as i32)?;
         Ok(next)
     }
 }

@@ -28,7 +28,8 @@ mod sim;
 mod tensor;
 
 pub use backend::{
-    AttnDims, CacheDims, GatherDims, MatmulDims, NormDims, Ops, PositionDims, SoftmaxDims,
+    AddNormArgs, AttnDims, CacheDims, EmbedDims, EmbedNormArgs, GatherDims, LinearArgs, MatmulDims,
+    NormDims, Ops, PositionDims, SoftmaxDims,
 };
 pub use cuda::{KERNEL_NAMES, KERNELS_CU};
 pub use decoder::{BUCKETS, Decoder, DecoderConfig, KvState, RawGraph, bucket_for};

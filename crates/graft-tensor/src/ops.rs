@@ -4,7 +4,8 @@
 //! Nothing here reads device memory on the host, so every op is legal inside a captured body.
 
 use crate::backend::{
-    AttnDims, CacheDims, GatherDims, MatmulDims, NormDims, Ops, PositionDims, SoftmaxDims,
+    AddNormArgs, AttnDims, CacheDims, EmbedDims, EmbedNormArgs, GatherDims, LinearArgs, MatmulDims,
+    NormDims, Ops, PositionDims, SoftmaxDims,
 };
 use crate::error::{Result, TensorError};
 use crate::tensor::{Alloc, DType, Tensor};
@@ -43,6 +44,23 @@ fn matrix(op: &'static str, operand: &'static str, t: &Tensor) -> Result<(usize,
             expected: vec![0, 0],
             found: t.shape().to_vec(),
         }),
+    }
+}
+
+/// An optional `[n]` f32 operand's address.
+fn vector(
+    op: &'static str,
+    operand: &'static str,
+    t: Option<&Tensor>,
+    n: usize,
+) -> Result<Option<graft_core::DevicePtr>> {
+    match t {
+        Some(t) => {
+            dtype_is(op, operand, t, DType::F32)?;
+            shape_is(op, operand, t, &[n])?;
+            Ok(Some(t.ptr()?))
+        }
+        None => Ok(None),
     }
 }
 
@@ -404,4 +422,249 @@ pub fn increment<D: Ops, A: Alloc<D> + ?Sized>(cx: &mut A, pos: &Tensor, limit: 
     position("increment", pos)?;
     cx.device().increment(pos.ptr()?, limit)?;
     Ok(())
+}
+
+/// `gelu?(x[rows, k] · w[k, n] + bias[n]) + residual[rows, n]` in one op (bias, GELU and
+/// residual each optional; GELU is the tanh approximation, applied before the residual).
+pub fn linear<D: Ops, A: Alloc<D> + ?Sized>(
+    cx: &mut A,
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    residual: Option<&Tensor>,
+    gelu: bool,
+) -> Result<Tensor> {
+    const OP: &str = "linear";
+    dtype_is(OP, "x", x, DType::F32)?;
+    dtype_is(OP, "w", w, DType::F32)?;
+    let (rows, k) = matrix(OP, "x", x)?;
+    let (wk, n) = matrix(OP, "w", w)?;
+    if wk != k {
+        return Err(TensorError::Shape {
+            op: OP,
+            operand: "w",
+            expected: vec![k, n],
+            found: w.shape().to_vec(),
+        });
+    }
+    let bias = match bias {
+        Some(b) => {
+            dtype_is(OP, "bias", b, DType::F32)?;
+            shape_is(OP, "bias", b, &[n])?;
+            Some(b.ptr()?)
+        }
+        None => None,
+    };
+    let residual = match residual {
+        Some(r) => {
+            dtype_is(OP, "residual", r, DType::F32)?;
+            shape_is(OP, "residual", r, &[rows, n])?;
+            Some(r.ptr()?)
+        }
+        None => None,
+    };
+    let out = Tensor::empty(cx, &[rows, n], DType::F32)?;
+    cx.device().linear(
+        LinearArgs {
+            out: out.ptr()?,
+            x: x.ptr()?,
+            w: w.ptr()?,
+            bias,
+            residual,
+            gelu,
+        },
+        MatmulDims { rows, k, n },
+    )?;
+    Ok(out)
+}
+
+/// Embedding, position add and layer norm in one op: `x = table[ids] + pos_table[pos]`
+/// (ids outside the vocabulary give zero rows before the add) and `h = layer_norm(x)`, both
+/// `[n, d]`; returns `(x, h)`.
+#[allow(clippy::too_many_arguments)]
+pub fn embed_norm<D: Ops, A: Alloc<D> + ?Sized>(
+    cx: &mut A,
+    ids: &Tensor,
+    table: &Tensor,
+    pos_table: &Tensor,
+    pos: &Tensor,
+    gamma: &Tensor,
+    beta: &Tensor,
+    eps: f32,
+) -> Result<(Tensor, Tensor)> {
+    const OP: &str = "embed_norm";
+    dtype_is(OP, "ids", ids, DType::I32)?;
+    dtype_is(OP, "table", table, DType::F32)?;
+    dtype_is(OP, "pos_table", pos_table, DType::F32)?;
+    position(OP, pos)?;
+    let rows = match *ids.shape() {
+        [n] => n,
+        _ => {
+            return Err(TensorError::Shape {
+                op: OP,
+                operand: "ids",
+                expected: vec![ids.numel()],
+                found: ids.shape().to_vec(),
+            });
+        }
+    };
+    let (vocab, dim) = matrix(OP, "table", table)?;
+    let (ctx, pdim) = matrix(OP, "pos_table", pos_table)?;
+    if pdim != dim || ctx == 0 {
+        return Err(TensorError::Shape {
+            op: OP,
+            operand: "pos_table",
+            expected: vec![ctx.max(1), dim],
+            found: pos_table.shape().to_vec(),
+        });
+    }
+    dtype_is(OP, "gamma", gamma, DType::F32)?;
+    dtype_is(OP, "beta", beta, DType::F32)?;
+    shape_is(OP, "gamma", gamma, &[dim])?;
+    shape_is(OP, "beta", beta, &[dim])?;
+    let x = Tensor::empty(cx, &[rows, dim], DType::F32)?;
+    let h = Tensor::empty(cx, &[rows, dim], DType::F32)?;
+    cx.device().embed_norm(
+        EmbedNormArgs {
+            x: x.ptr()?,
+            h: h.ptr()?,
+            ids: ids.ptr()?,
+            table: table.ptr()?,
+            pos_table: pos_table.ptr()?,
+            pos: pos.ptr()?,
+            gamma: gamma.ptr()?,
+            beta: beta.ptr()?,
+        },
+        EmbedDims {
+            rows,
+            vocab,
+            ctx,
+            dim,
+            eps,
+        },
+    )?;
+    Ok((x, h))
+}
+
+/// One attention step in one op: `qkv` `[batch, 3 * d]` holds the new token's q, k and v
+/// (plus `bias` `[3 * d]` when given); k and v are written into row `pos` of the caches (`[batch, ctx, d]`, in place), then
+/// single-token multi-head attention over rows `0..=pos` → `[batch, d]`.
+pub fn attention_step<D: Ops, A: Alloc<D> + ?Sized>(
+    cx: &mut A,
+    qkv: &Tensor,
+    bias: Option<&Tensor>,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    pos: &Tensor,
+    heads: usize,
+) -> Result<Tensor> {
+    const OP: &str = "attention_step";
+    dtype_is(OP, "qkv", qkv, DType::F32)?;
+    position(OP, pos)?;
+    let (batch, d3) = matrix(OP, "qkv", qkv)?;
+    if !d3.is_multiple_of(3) {
+        return Err(TensorError::Shape {
+            op: OP,
+            operand: "qkv",
+            expected: vec![batch, d3 / 3 * 3],
+            found: qkv.shape().to_vec(),
+        });
+    }
+    let d = d3 / 3;
+    let dims = attn_dims(OP, batch, d, k_cache, "k_cache", heads)?;
+    let vd = attn_dims(OP, batch, d, v_cache, "v_cache", heads)?;
+    if vd.ctx != dims.ctx {
+        return Err(TensorError::Shape {
+            op: OP,
+            operand: "v_cache",
+            expected: vec![batch, dims.ctx, d],
+            found: v_cache.shape().to_vec(),
+        });
+    }
+    let bias = vector(OP, "bias", bias, d3)?;
+    let out = Tensor::empty(cx, &[batch, d], DType::F32)?;
+    cx.device().attention_step(
+        out.ptr()?,
+        qkv.ptr()?,
+        bias,
+        k_cache.ptr()?,
+        v_cache.ptr()?,
+        pos.ptr()?,
+        dims,
+    )?;
+    Ok(out)
+}
+
+/// [`argmax`] of each row of `x + bias` (`bias` `[cols]`, optional), then `pos = min(pos + 1, limit)` on the device: the end
+/// of a decode step, in one op.
+pub fn argmax_step<D: Ops, A: Alloc<D> + ?Sized>(
+    cx: &mut A,
+    x: &Tensor,
+    bias: Option<&Tensor>,
+    pos: &Tensor,
+    limit: i32,
+) -> Result<Tensor> {
+    const OP: &str = "argmax_step";
+    dtype_is(OP, "x", x, DType::F32)?;
+    position(OP, pos)?;
+    let (rows, cols) = matrix(OP, "x", x)?;
+    if cols == 0 || i32::try_from(cols).is_err() {
+        return Err(TensorError::Shape {
+            op: OP,
+            operand: "x",
+            expected: vec![rows, cols.clamp(1, i32::MAX as usize)],
+            found: x.shape().to_vec(),
+        });
+    }
+    let bias = vector(OP, "bias", bias, cols)?;
+    let out = Tensor::empty(cx, &[rows], DType::I32)?;
+    cx.device()
+        .argmax_step(out.ptr()?, x.ptr()?, bias, rows, cols, pos.ptr()?, limit)?;
+    Ok(out)
+}
+
+/// A residual add folded into the layer norm after it: `x_out = x + (a + bias)` (`bias`
+/// `[d]` optional, `x` and `a` `[..., d]`) and `h = layer_norm(x_out)`; returns `(x_out, h)`.
+pub fn add_norm<D: Ops, A: Alloc<D> + ?Sized>(
+    cx: &mut A,
+    x: &Tensor,
+    a: &Tensor,
+    bias: Option<&Tensor>,
+    gamma: &Tensor,
+    beta: &Tensor,
+    eps: f32,
+) -> Result<(Tensor, Tensor)> {
+    const OP: &str = "add_norm";
+    dtype_is(OP, "x", x, DType::F32)?;
+    dtype_is(OP, "a", a, DType::F32)?;
+    shape_is(OP, "a", a, x.shape())?;
+    let Some(&dim) = x.shape().last() else {
+        return Err(TensorError::Shape {
+            op: OP,
+            operand: "x",
+            expected: vec![1],
+            found: Vec::new(),
+        });
+    };
+    let bias = vector(OP, "bias", bias, dim)?;
+    dtype_is(OP, "gamma", gamma, DType::F32)?;
+    dtype_is(OP, "beta", beta, DType::F32)?;
+    shape_is(OP, "gamma", gamma, &[dim])?;
+    shape_is(OP, "beta", beta, &[dim])?;
+    let rows = x.numel().checked_div(dim).unwrap_or(0);
+    let x_out = Tensor::empty(cx, x.shape(), DType::F32)?;
+    let h = Tensor::empty(cx, x.shape(), DType::F32)?;
+    cx.device().add_norm(
+        AddNormArgs {
+            x_out: x_out.ptr()?,
+            h: h.ptr()?,
+            x: x.ptr()?,
+            a: a.ptr()?,
+            bias,
+            gamma: gamma.ptr()?,
+            beta: beta.ptr()?,
+        },
+        NormDims { rows, dim, eps },
+    )?;
+    Ok((x_out, h))
 }

@@ -58,9 +58,11 @@ impl Host {
                 self.get(&n("ln1.beta")),
                 c.eps as f64,
             );
-            let q = linear(&h, self.get(&n("wq")), self.get(&n("bq")));
-            let k = linear(&h, self.get(&n("wk")), self.get(&n("bk")));
-            let v = linear(&h, self.get(&n("wv")), self.get(&n("bv")));
+            // `wqkv` is `[d, 3d]`: q, k and v side by side.
+            let qkv = linear(&h, self.get(&n("wqkv")), self.get(&n("bqkv")));
+            let q = qkv[..d].to_vec();
+            let k = qkv[d..2 * d].to_vec();
+            let v = qkv[2 * d..].to_vec();
             self.k[l][row].push(k);
             self.v[l][row].push(v);
             let mut att = vec![0.0; d];
