@@ -207,16 +207,6 @@ pub trait Ops: Device + Clone {
         d: NormDims,
     ) -> Result<(), DeviceError>;
 
-    /// `out = x · w (+ bias)`, all row-major f32.
-    fn matmul(
-        &self,
-        out: DevicePtr,
-        x: DevicePtr,
-        w: DevicePtr,
-        bias: Option<DevicePtr>,
-        d: MatmulDims,
-    ) -> Result<(), DeviceError>;
-
     /// GELU, tanh approximation: `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`.
     fn gelu(&self, out: DevicePtr, x: DevicePtr, n: usize) -> Result<(), DeviceError>;
 

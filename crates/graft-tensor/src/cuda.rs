@@ -242,27 +242,6 @@ impl Ops for CudaDevice {
         )
     }
 
-    fn matmul(
-        &self,
-        out: DevicePtr,
-        x: DevicePtr,
-        w: DevicePtr,
-        bias: Option<DevicePtr>,
-        d: MatmulDims,
-    ) -> Result<(), DeviceError> {
-        self.linear(
-            LinearArgs {
-                out,
-                x,
-                w,
-                bias,
-                residual: None,
-                gelu: false,
-            },
-            d,
-        )
-    }
-
     fn linear(&self, a: LinearArgs, d: MatmulDims) -> Result<(), DeviceError> {
         if d.rows == 0 || d.n == 0 {
             return Ok(());

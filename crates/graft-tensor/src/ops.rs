@@ -179,43 +179,14 @@ pub fn layer_norm<D: Ops, A: Alloc<D> + ?Sized>(
     Ok(out)
 }
 
-/// `x[rows, k] · w[k, n] (+ bias[n])`.
+/// `x[rows, k] · w[k, n] (+ bias[n])`: [`linear`] without GELU or residual.
 pub fn matmul<D: Ops, A: Alloc<D> + ?Sized>(
     cx: &mut A,
     x: &Tensor,
     w: &Tensor,
     bias: Option<&Tensor>,
 ) -> Result<Tensor> {
-    const OP: &str = "matmul";
-    dtype_is(OP, "x", x, DType::F32)?;
-    dtype_is(OP, "w", w, DType::F32)?;
-    let (rows, k) = matrix(OP, "x", x)?;
-    let (wk, n) = matrix(OP, "w", w)?;
-    if wk != k {
-        return Err(TensorError::Shape {
-            op: OP,
-            operand: "w",
-            expected: vec![k, n],
-            found: w.shape().to_vec(),
-        });
-    }
-    let bias = match bias {
-        Some(b) => {
-            dtype_is(OP, "bias", b, DType::F32)?;
-            shape_is(OP, "bias", b, &[n])?;
-            Some(b.ptr()?)
-        }
-        None => None,
-    };
-    let out = Tensor::empty(cx, &[rows, n], DType::F32)?;
-    cx.device().matmul(
-        out.ptr()?,
-        x.ptr()?,
-        w.ptr()?,
-        bias,
-        MatmulDims { rows, k, n },
-    )?;
-    Ok(out)
+    linear(cx, x, w, bias, None, false)
 }
 
 /// GELU (tanh approximation), elementwise.

@@ -163,22 +163,6 @@ impl Ops for SimDevice {
         })
     }
 
-    fn matmul(
-        &self,
-        out: DevicePtr,
-        x: DevicePtr,
-        w: DevicePtr,
-        bias: Option<DevicePtr>,
-        d: MatmulDims,
-    ) -> Result<(), DeviceError> {
-        self.launch_kernel("matmul", move |m| {
-            let xs = f32s(m, x, d.rows * d.k)?;
-            let ws = f32s(m, w, d.k * d.n)?;
-            let bs = bias.map(|b| f32s(m, b, d.n)).transpose()?;
-            m.write_f32(out, &host_linear(&xs, &ws, bs.as_deref(), d))
-        })
-    }
-
     fn gelu(&self, out: DevicePtr, x: DevicePtr, n: usize) -> Result<(), DeviceError> {
         self.launch_kernel("gelu", move |m| m.map_f32(out, x, n, gelu_tanh))
     }
