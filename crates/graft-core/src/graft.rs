@@ -633,7 +633,6 @@ impl<D: Device, M: Clone> Graft<D, M> {
         self.stats.copied_inputs += copied;
         self.stats.copy_sources_updated += repointed;
         let generation = self.generation;
-        let pool = Arc::downgrade(&self.graph_pool);
         let node = &mut self.nodes[key];
         for i in 0..node.outputs.len() {
             let out_i = &mut node.outputs[i];
@@ -650,7 +649,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
                                     self.device.id(),
                                     self.functions[node.function.0].name.clone(),
                                     generation,
-                                    Some(pool.clone()),
+                                    Some(Arc::downgrade(&self.graph_pool)),
                                 );
                                 c.set_node(id);
                                 c
@@ -1105,7 +1104,11 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 }
             }
         }
-        let summary = self.device.summarize(&graph).unwrap_or_default();
+        // The counts are diagnostics only: a failure to read them must not fail the call.
+        let summary = self.device.summarize(&graph).unwrap_or_else(|error| {
+            tracing::warn!(%error, function = %name, "could not count the nodes of a recorded graph");
+            Default::default()
+        });
         let outputs: Vec<NodeOutput<M>> = outs;
         let key = self.nodes.insert(Node {
             function,
@@ -1340,11 +1343,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 buffer: buffer.len(),
             });
         }
-        self.device.read(src, dst)?;
-        // The read may have raced with an invalidation (a buffer dropped elsewhere cannot be
-        // invalidated, but a replay on this thread cannot run concurrently): check again.
-        buffer.addr()?;
-        Ok(())
+        Ok(self.device.read(src, dst)?)
     }
 
     /// Writes host bytes into a buffer.

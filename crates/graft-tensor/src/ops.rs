@@ -47,6 +47,19 @@ fn matrix(op: &'static str, operand: &'static str, t: &Tensor) -> Result<(usize,
     }
 }
 
+/// The length of a one-dimensional `ids` operand.
+fn ids_len(op: &'static str, ids: &Tensor) -> Result<usize> {
+    match *ids.shape() {
+        [n] => Ok(n),
+        _ => Err(TensorError::Shape {
+            op,
+            operand: "ids",
+            expected: vec![ids.numel()],
+            found: ids.shape().to_vec(),
+        }),
+    }
+}
+
 /// An optional `[n]` f32 operand's address.
 fn vector(
     op: &'static str,
@@ -80,17 +93,7 @@ pub fn embedding<D: Ops, A: Alloc<D> + ?Sized>(
     const OP: &str = "embedding";
     dtype_is(OP, "ids", ids, DType::I32)?;
     dtype_is(OP, "table", table, DType::F32)?;
-    let rows = match *ids.shape() {
-        [n] => n,
-        _ => {
-            return Err(TensorError::Shape {
-                op: OP,
-                operand: "ids",
-                expected: vec![ids.numel()],
-                found: ids.shape().to_vec(),
-            });
-        }
-    };
+    let rows = ids_len(OP, ids)?;
     let (vocab, dim) = matrix(OP, "table", table)?;
     let out = Tensor::empty(cx, &[rows, dim], DType::F32)?;
     cx.device().embedding(
@@ -468,17 +471,7 @@ pub fn embed_norm<D: Ops, A: Alloc<D> + ?Sized>(
     dtype_is(OP, "table", table, DType::F32)?;
     dtype_is(OP, "pos_table", pos_table, DType::F32)?;
     position(OP, pos)?;
-    let rows = match *ids.shape() {
-        [n] => n,
-        _ => {
-            return Err(TensorError::Shape {
-                op: OP,
-                operand: "ids",
-                expected: vec![ids.numel()],
-                found: ids.shape().to_vec(),
-            });
-        }
-    };
+    let rows = ids_len(OP, ids)?;
     let (vocab, dim) = matrix(OP, "table", table)?;
     let (ctx, pdim) = matrix(OP, "pos_table", pos_table)?;
     if pdim != dim || ctx == 0 {
