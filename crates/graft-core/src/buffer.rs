@@ -66,6 +66,17 @@ pub enum BufferError {
         /// Generation that produced it.
         generation: u64,
     },
+    /// The `Graft` that made the buffer was dropped, and its memory with it.
+    #[error(
+        "buffer made by {function} (generation {generation}) was freed when its Graft was dropped; \
+         keep the runtime alive while you use its buffers, or copy them into memory you own first"
+    )]
+    Dropped {
+        /// Name of the function that produced the buffer (`alloc` for `Graft::alloc`).
+        function: Arc<str>,
+        /// Generation that produced it.
+        generation: u64,
+    },
 }
 
 /// A node id, or none (`-`) for memory made by a warmup or eager run.
@@ -85,6 +96,7 @@ const VALID: u8 = 0;
 const OVERWRITTEN: u8 = 1;
 const RECLAIMED: u8 = 2;
 const RESET: u8 = 3;
+const DROPPED: u8 = 4;
 const NO_NODE: u64 = u64::MAX;
 
 /// Where a cell's block lives, so that dropping the last handle can free it.
@@ -213,10 +225,27 @@ impl Cell {
     }
 
     pub(crate) fn invalidate_reset(&self) {
+        self.invalidate_freed(RESET);
+    }
+
+    pub(crate) fn invalidate_dropped(&self) {
+        self.invalidate_freed(DROPPED);
+    }
+
+    /// The memory goes back to the device with the whole pool: no block to free any more.
+    fn invalidate_freed(&self, state: u8) {
         let _ = self
             .state
-            .compare_exchange(VALID, RESET, Ordering::AcqRel, Ordering::Acquire);
+            .compare_exchange(VALID, state, Ordering::AcqRel, Ordering::Acquire);
         self.owner.store(0, Ordering::Release);
+    }
+
+    /// Whether this cell's memory comes from `pool`: the runtime's identity, since every
+    /// runtime owns its pools.
+    pub(crate) fn in_pool(&self, pool: &Arc<Mutex<Pool>>) -> bool {
+        self.pool
+            .as_ref()
+            .is_some_and(|p| std::ptr::eq(p.as_ptr(), Arc::as_ptr(pool)))
     }
 
     /// Makes a cell nobody holds fresh for reuse by the next replay of its slot.
@@ -262,6 +291,10 @@ impl Cell {
                 }
             }
             RESET => BufferError::Reset {
+                function,
+                generation,
+            },
+            DROPPED => BufferError::Dropped {
                 function,
                 generation,
             },

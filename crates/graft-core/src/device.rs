@@ -298,6 +298,15 @@ impl DeviceError {
     }
 }
 
+/// The two ends of a device-to-device copy recorded in a graph (see [`Device::repoint_copy`]).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct CopyEnds {
+    /// Where the copy writes.
+    pub dst: DevicePtr,
+    /// Where it reads.
+    pub src: DevicePtr,
+}
+
 /// How many nodes of each kind a captured graph holds.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
 pub struct GraphSummary {
@@ -364,15 +373,17 @@ pub trait Device: Send + Sync + 'static {
     /// Step 4: launches the graph on the runtime stream.
     fn launch(&self, graph: &Self::Graph) -> Result<(), DeviceError>;
 
-    /// Re-points the copy that the capture recorded into `dst` (with [`Device::copy`]) at a
-    /// new source: later launches of `graph` copy from `src`, same length. Graft records each
-    /// copied input as such a copy at the start of the graph and re-points it when the
-    /// caller's buffer moves. Fails if the graph has no copy into `dst`.
-    fn set_copy_source(
+    /// Re-points a copy the capture recorded with [`Device::copy`]: the copy whose ends are
+    /// `recorded` (as recorded, or as last re-pointed) copies between the ends of `now` from the
+    /// next launch on, with the same length. Graft records each copied input as a copy into its
+    /// placeholder at the start of the graph (and, for an input the body writes, a copy back at
+    /// the end) and re-points them when the caller's buffer moves. Fails if the graph has no
+    /// copy with these ends.
+    fn repoint_copy(
         &self,
         graph: &mut Self::Graph,
-        dst: DevicePtr,
-        src: DevicePtr,
+        recorded: CopyEnds,
+        now: CopyEnds,
     ) -> Result<(), DeviceError>;
 
     /// Counts the nodes of a graph by kind.

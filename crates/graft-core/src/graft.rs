@@ -2,6 +2,7 @@
 //! pool restores and reset.
 
 use std::collections::{HashMap, VecDeque};
+use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use slotmap::{KeyData, SlotMap};
@@ -9,7 +10,7 @@ use slotmap::{KeyData, SlotMap};
 use crate::buffer::{Buffer, Cell, NodeId};
 use crate::config::{Config, FunctionSpec, Mode};
 use crate::ctx::{Ctx, RunKind, alloc_owned};
-use crate::device::{Device, DeviceError, DeviceOp, DevicePtr};
+use crate::device::{CopyEnds, Device, DeviceError, DeviceOp, DevicePtr};
 use crate::error::{BodyError, CallError, FunctionId, MemoryError, VerifyTarget};
 use crate::pool::Pool;
 use crate::reason::{Decision, DecisionRecord, EagerReason, RecordReason, WarmupReason};
@@ -75,6 +76,8 @@ pub(crate) struct Signature {
     pub(crate) keys: Box<[u64]>,
     warmups_done: u32,
     eager: Option<EagerReason>,
+    /// Copied inputs the body was found to write: recordings copy them back to the caller.
+    mutated: Vec<usize>,
 }
 
 impl Signature {
@@ -559,6 +562,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
             keys: keys.into(),
             warmups_done: 0,
             eager,
+            mutated: Vec::new(),
         });
         if f.sigs.len() > self.config.signature_warn_limit && !f.warned_signatures {
             f.warned_signatures = true;
@@ -599,15 +603,27 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 placeholder,
                 len,
                 source,
+                write_back,
             } = slot
                 && *len > 0
             {
+                let ph = *placeholder;
                 if *source != src {
+                    let into = |src| CopyEnds { dst: ph, src };
                     self.device
-                        .set_copy_source(&mut node.graph, *placeholder, src)
+                        .repoint_copy(&mut node.graph, into(*source), into(src))
                         .map_err(fail)?;
                     *source = src;
                     repointed += 1;
+                }
+                if let Some(dst) = write_back
+                    && *dst != src
+                {
+                    let back = |dst| CopyEnds { dst, src: ph };
+                    self.device
+                        .repoint_copy(&mut node.graph, back(*dst), back(src))
+                        .map_err(fail)?;
+                    *dst = src;
                 }
                 copied += 1;
             }
@@ -862,7 +878,8 @@ impl<D: Device, M: Clone> Graft<D, M> {
             kind,
             allocs: Vec::new(),
         };
-        let result = body(&mut ctx);
+        // Catch a panic long enough to keep track of what the body allocated and still holds.
+        let result = catch_unwind(AssertUnwindSafe(|| body(&mut ctx)));
         let allocs = std::mem::take(&mut ctx.allocs);
         let (registry, pruned_at) = if kind == RunKind::Warmup {
             (&mut self.loose, &mut self.loose_pruned_at)
@@ -875,10 +892,12 @@ impl<D: Device, M: Clone> Graft<D, M> {
             self.epoch += 1;
         }
         prune(registry, pruned_at);
-        let outputs = result.map_err(|source| CallError::Body {
-            function: name,
-            source,
-        })?;
+        let outputs = result
+            .unwrap_or_else(|panic| resume_unwind(panic))
+            .map_err(|source| CallError::Body {
+                function: name,
+                source,
+            })?;
         out.extend(outputs);
         Ok(())
     }
@@ -899,9 +918,17 @@ impl<D: Device, M: Clone> Graft<D, M> {
             tracing::debug_span!("warmup", function = %self.functions[function.0].name, %reason)
                 .entered();
         self.diverge_if_replayed(function);
+        let previous = self.path;
         self.transition(Path::Warmup)?;
         self.log(function, None, Decision::Warmup(reason));
-        self.run_body(function, inputs, body, RunKind::Warmup, out)?;
+        // A panicking body leaves the path as it was before the warmup.
+        let ran = catch_unwind(AssertUnwindSafe(|| {
+            self.run_body(function, inputs, body, RunKind::Warmup, out)
+        }));
+        ran.unwrap_or_else(|panic| {
+            self.path = previous;
+            resume_unwind(panic)
+        })?;
         self.functions[function.0].sigs[sig].warmups_done += 1;
         self.stats.warmups += 1;
         Ok(Outcome::Warmup)
@@ -968,10 +995,14 @@ impl<D: Device, M: Clone> Graft<D, M> {
         let mut placeholder_cells = Vec::new();
         let mut footprint = Vec::new();
         let spec_static = self.functions[function.0].spec.static_inputs.clone();
+        let mutated = self.functions[function.0].sigs[sig].mutated.clone();
         for (position, b) in inputs.iter().enumerate() {
             let addr = self.addrs[position];
             let cell = b.cell();
-            let managed = cell.generation() == generation
+            // Identity first: node ids and generations of another runtime mean nothing here,
+            // so a buffer of another runtime's pool is never managed (it is copied).
+            let managed = cell.in_pool(&self.graph_pool)
+                && cell.generation() == generation
                 && cell.node().is_some_and(|n| path.contains(&key_of(n)))
                 && !b.is_empty();
             if spec_static.contains(&position) || cell.is_static() {
@@ -985,6 +1016,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
                     placeholder: DevicePtr(0),
                     len: 0,
                     source: addr,
+                    write_back: None,
                 });
                 ctx_inputs.push((*b).clone());
             } else {
@@ -1019,6 +1051,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
                     placeholder: block_addr,
                     len: b.len(),
                     source: addr,
+                    write_back: mutated.contains(&position).then_some(addr),
                 });
             }
         }
@@ -1029,7 +1062,16 @@ impl<D: Device, M: Clone> Graft<D, M> {
         if let Err(e) = self.device.begin_capture(self.config.capture_mode) {
             self.path = previous;
             self.undo_recording(&checkpoint, &placeholder_cells, &[]);
-            return Err(device_err(e));
+            drop(ctx_inputs);
+            return self.capture_failed(
+                function,
+                sig,
+                parent,
+                BodyError::Device(e),
+                inputs,
+                body,
+                out,
+            );
         }
         let mut ctx = Ctx {
             device: &self.device,
@@ -1049,15 +1091,47 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 placeholder,
                 len,
                 source,
+                ..
             } if len > 0 => self
                 .device
                 .copy(placeholder, source, len)
                 .map_err(BodyError::Device),
             _ => Ok(()),
         });
-        let captured = copies
-            .and_then(|()| body(&mut ctx))
-            .and_then(|outs| Self::classify_outputs(&mut ctx, &slots, outs, &mut keep));
+        // A panicking body must leave graft as it was: abort the capture, roll the pool back,
+        // restore the path, then let the panic continue.
+        let ran = catch_unwind(AssertUnwindSafe(|| copies.and_then(|()| body(&mut ctx))));
+        let ran = match ran {
+            Ok(ran) => ran,
+            Err(panic) => {
+                let allocs = std::mem::take(&mut ctx.allocs);
+                drop(ctx);
+                if let Err(abort) = self.device.abort_capture() {
+                    self.device.record_sticky_error(abort);
+                }
+                self.path = previous;
+                self.undo_recording(&checkpoint, &placeholder_cells, &allocs);
+                tracing::warn!(function = %name, "the body panicked during a recording; the capture was aborted and the pool rolled back");
+                resume_unwind(panic);
+            }
+        };
+        // Inputs the body writes are copied back to the caller's buffer, last.
+        let captured = ran
+            .and_then(|outs| Self::classify_outputs(&mut ctx, &slots, outs, &mut keep))
+            .and_then(|outs| {
+                for slot in &slots {
+                    if let InputSlot::Copied {
+                        placeholder,
+                        len,
+                        write_back: Some(dst),
+                        ..
+                    } = *slot
+                    {
+                        ctx.device.copy(dst, placeholder, len)?;
+                    }
+                }
+                Ok(outs)
+            });
         let allocs = std::mem::take(&mut ctx.allocs);
         drop(ctx);
         let graph = match captured {
@@ -1124,6 +1198,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
             cell_conflicts: Vec::new(),
             conflicts_epoch: u64::MAX,
             replays: 0,
+            retired: None,
             recorded_generation: generation,
             reason: reason.clone(),
             summary,
@@ -1169,13 +1244,21 @@ impl<D: Device, M: Clone> Graft<D, M> {
             RecordReason::InputOverlapsPlaceholder { .. } => {
                 self.stats.rerecords.input_overlaps_placeholder += 1
             }
+            RecordReason::InputMutated { .. } => self.stats.rerecords.input_mutated += 1,
+            RecordReason::MutatedInputOverlapsFootprint { .. } => {
+                self.stats.rerecords.mutated_input_overlaps_footprint += 1
+            }
         }
         tracing::debug!(node = %id, "recorded");
         self.log(function, Some(key), Decision::Record(reason));
 
         // Launch once: the recording only captured the work.
+        self.device
+            .launch(&self.nodes[key].graph)
+            .map_err(device_err)?;
+        self.catch_mutated_inputs(key, function, sig)
+            .map_err(device_err)?;
         let node = &self.nodes[key];
-        self.device.launch(&node.graph).map_err(device_err)?;
         for o in &node.outputs {
             let buffer = match &o.slot {
                 OutputSlot::Tracked { cell, .. } | OutputSlot::Empty(cell) => {
@@ -1191,6 +1274,53 @@ impl<D: Device, M: Clone> Graft<D, M> {
         }
         drop(keep);
         Ok(Outcome::Recorded(id))
+    }
+
+    /// After a recording's first launch: a copied input whose placeholder no longer equals the
+    /// caller's buffer was written by the body, and the graph left the caller's buffer as it
+    /// was. Copies the result back now (so this call behaves as an eager run), retires the
+    /// node (it never replays), and makes every later recording of the signature copy the
+    /// input back inside its graph.
+    fn catch_mutated_inputs(
+        &mut self,
+        key: NodeKey,
+        function: FunctionId,
+        sig: usize,
+    ) -> Result<(), DeviceError> {
+        let mut found = Vec::new();
+        for (position, slot) in self.nodes[key].inputs.iter().enumerate() {
+            if let InputSlot::Copied {
+                placeholder,
+                len,
+                source,
+                write_back: None,
+            } = *slot
+                && len > 0
+            {
+                let mut now = vec![0u8; len];
+                let mut caller = vec![0u8; len];
+                self.device.read(placeholder, &mut now)?;
+                self.device.read(source, &mut caller)?;
+                if now != caller {
+                    self.device.copy(source, placeholder, len)?;
+                    found.push(position);
+                }
+            }
+        }
+        let Some(&first) = found.first() else {
+            return Ok(());
+        };
+        self.nodes[key].retired = Some(first);
+        for position in found {
+            tracing::warn!(
+                function = %self.functions[function.0].name, position,
+                "the body writes a copied input in place; graft copies it back to the caller's buffer inside the graph from now on"
+            );
+            self.functions[function.0].sigs[sig].mutated.push(position);
+            self.stats.mutated_inputs += 1;
+            self.log(function, Some(key), Decision::InputMutated { position });
+        }
+        Ok(())
     }
 
     /// Turns the body's outputs into node output slots, copying (inside the capture) any
@@ -1266,6 +1396,9 @@ impl<D: Device, M: Clone> Graft<D, M> {
     {
         let name = self.functions[function.0].name.clone();
         let why = match error {
+            BodyError::Device(e) if e.op() == DeviceOp::BeginCapture => {
+                EagerReason::BeginCaptureFailed { error: e }
+            }
             BodyError::Device(DeviceError::Capture { op, violation }) => {
                 EagerReason::CaptureFailed { op, violation }
             }
@@ -1473,10 +1606,18 @@ impl<D: Device, M: Clone> Graft<D, M> {
 impl<D: Device, M: Clone> Drop for Graft<D, M> {
     fn drop(&mut self) {
         let synced = self.device.synchronize();
-        self.invalidate_graph_memory();
-        self.eager_cells
+        for node in self.nodes.values() {
+            for o in &node.outputs {
+                if let OutputSlot::Tracked { cell, spares } = &o.slot {
+                    cell.invalidate_dropped();
+                    spares.iter().for_each(|c| c.invalidate_dropped());
+                }
+            }
+        }
+        self.loose
             .drain(..)
-            .for_each(|c| c.invalidate_reset());
+            .chain(self.eager_cells.drain(..))
+            .for_each(|c| c.invalidate_dropped());
         self.nodes.clear();
         let device = &self.device;
         let record = |r: Result<(), crate::pool::PoolError>| {

@@ -17,7 +17,7 @@ pub use buffer::{Buffer, BufferError, NodeId, NodeLabel};
 pub use config::{AllowEntry, Config, FunctionSpec, Mode};
 pub use ctx::{Ctx, RunKind};
 pub use device::{
-    CaptureMode, CaptureViolation, Device, DeviceError, DeviceId, DeviceOp, DevicePtr,
+    CaptureMode, CaptureViolation, CopyEnds, Device, DeviceError, DeviceId, DeviceOp, DevicePtr,
     GraphSummary, StickyError,
 };
 pub use diag::{InputKind, MemoryReport, NodeInfo};

@@ -45,6 +45,18 @@ pub enum RecordReason {
         /// Input position.
         position: usize,
     },
+    /// The candidate was recorded before graft learned that its body writes this copied
+    /// input; it never replays, and a sibling that copies the input back is recorded instead.
+    InputMutated {
+        /// Input position.
+        position: usize,
+    },
+    /// A copied input the body writes lies in memory the candidate's graph writes, so copying
+    /// the result back could overwrite the graph's own outputs.
+    MutatedInputOverlapsFootprint {
+        /// Input position.
+        position: usize,
+    },
 }
 
 impl RecordReason {
@@ -53,7 +65,9 @@ impl RecordReason {
     pub fn is_unexpected(&self) -> bool {
         !matches!(
             self,
-            RecordReason::FirstRecording | RecordReason::NewSignature
+            RecordReason::FirstRecording
+                | RecordReason::NewSignature
+                | RecordReason::InputMutated { .. }
         )
     }
 
@@ -66,6 +80,10 @@ impl RecordReason {
             RecordReason::ManagedAddressChanged { .. } => "managed input address changed",
             RecordReason::ExpectedDeadAlive { .. } => "expected-dead output alive",
             RecordReason::InputOverlapsPlaceholder { .. } => "copied input overlaps a placeholder",
+            RecordReason::InputMutated { .. } => "copied input written by the body",
+            RecordReason::MutatedInputOverlapsFootprint { .. } => {
+                "written input overlaps the graph's memory"
+            }
         }
     }
 }
@@ -94,6 +112,14 @@ impl fmt::Display for RecordReason {
                 f,
                 "copied input overlaps a placeholder: input {position} lies where the candidate copies its inputs"
             ),
+            RecordReason::InputMutated { position } => write!(
+                f,
+                "copied input written by the body: input {position} is updated in place, so the graph now copies it back to the caller's buffer"
+            ),
+            RecordReason::MutatedInputOverlapsFootprint { position } => write!(
+                f,
+                "written input overlaps the graph's memory: input {position} lies where the candidate's graph writes, so its update cannot be copied back"
+            ),
             RecordReason::ExpectedDeadAlive { node, output } => write!(
                 f,
                 "expected-dead output alive: output {output} of node {node} was dead when the candidate was recorded and is held now"
@@ -115,6 +141,12 @@ pub enum EagerReason {
         op: DeviceOp,
         /// CUDA's reason.
         violation: CaptureViolation,
+    },
+    /// The capture could not begin: another capture is underway on the device (for example a
+    /// call into a second runtime from inside the body of another runtime's recording).
+    BeginCaptureFailed {
+        /// The device's error.
+        error: DeviceError,
     },
     /// The captured graph could not be instantiated.
     InstantiateFailed {
@@ -141,6 +173,10 @@ impl fmt::Display for EagerReason {
                 f,
                 "capture failed: {op} is not allowed during capture ({violation}); {}",
                 violation.advice()
+            ),
+            EagerReason::BeginCaptureFailed { error } => write!(
+                f,
+                "capture could not begin: {error}; a call made inside another runtime's recording runs eagerly and is recorded as part of that graph"
             ),
             EagerReason::InstantiateFailed { error } => write!(f, "graph instantiation failed: {error}"),
             EagerReason::RerecordLimit { limit, last } => write!(
@@ -187,6 +223,13 @@ pub enum Decision {
     Record(RecordReason),
     /// Ran eagerly outside the graph pool.
     Eager(EagerReason),
+    /// A recording found that its body writes a copied input (the placeholder differed from
+    /// the caller's buffer after the first launch): the caller's buffer was updated, and the
+    /// function's later recordings copy that input back inside the graph.
+    InputMutated {
+        /// Input position.
+        position: usize,
+    },
     /// Restored the pool bookkeeping before a warmup or recording that followed replays.
     Restore {
         /// Buffers kept because callers still hold them.
@@ -202,6 +245,10 @@ impl fmt::Display for Decision {
             Decision::Warmup(r) => write!(f, "warmup: {r}"),
             Decision::Record(r) => write!(f, "record: {r}"),
             Decision::Eager(r) => write!(f, "eager: {r}"),
+            Decision::InputMutated { position } => write!(
+                f,
+                "input {position} is written by the body: copied back to the caller's buffer inside the graph from now on"
+            ),
             Decision::Restore { kept, invalidated } => write!(
                 f,
                 "restore pool checkpoint: kept {kept} held buffers, invalidated {invalidated}"

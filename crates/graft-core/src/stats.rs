@@ -15,6 +15,10 @@ pub struct RerecordCounts {
     pub expected_dead_alive: u64,
     /// A copied input overlapped a placeholder the replay writes first.
     pub input_overlaps_placeholder: u64,
+    /// A candidate recorded before its body was known to write a copied input.
+    pub input_mutated: u64,
+    /// A written input lay in memory the candidate's graph writes.
+    pub mutated_input_overlaps_footprint: u64,
 }
 
 /// A snapshot of graft's counters.
@@ -36,6 +40,8 @@ pub struct Stats {
     pub eager_runs: u64,
     /// Functions or (parent, function) pairs that fell back to eager for good.
     pub fallbacks: u64,
+    /// Copied inputs found written by their body (each is copied back from then on).
+    pub mutated_inputs: u64,
     /// Captures that failed.
     pub capture_failures: u64,
     /// Pool restores before a warmup or recording that followed replays.

@@ -29,11 +29,15 @@ pub(crate) enum InputSlot {
     Managed { addr: DevicePtr },
     /// Copied into a placeholder (part of the node's footprint) by a copy node at the start
     /// of the graph. `source` is the address that copy node reads now: a replay re-points it
-    /// only when the caller passes a buffer at another address.
+    /// only when the caller passes a buffer at another address. With `write_back` (the body
+    /// writes this input), a copy node at the end of the graph copies the placeholder back to
+    /// the caller's buffer, so it is updated as an eager run would update it; the address is
+    /// the one that copy node writes now (re-pointed with `source`).
     Copied {
         placeholder: DevicePtr,
         len: usize,
         source: DevicePtr,
+        write_back: Option<DevicePtr>,
     },
 }
 
@@ -81,6 +85,9 @@ pub(crate) struct Node<G, M> {
     /// Registry epoch the conflict lists were computed at.
     pub(crate) conflicts_epoch: u64,
     pub(crate) replays: u64,
+    /// Set when the recording found that the body writes the copied input at this position
+    /// and the graph does not copy it back: the node never replays.
+    pub(crate) retired: Option<usize>,
     pub(crate) recorded_generation: u64,
     pub(crate) reason: RecordReason,
     pub(crate) summary: crate::device::GraphSummary,
@@ -122,6 +129,9 @@ pub(crate) fn check<G, M>(
     node: &Node<G, M>,
     addrs: &[DevicePtr],
 ) -> Result<(), RecordReason> {
+    if let Some(position) = node.retired {
+        return Err(RecordReason::InputMutated { position });
+    }
     for (position, (slot, &now)) in node.inputs.iter().zip(addrs).enumerate() {
         if let InputSlot::Managed { addr } = *slot
             && addr != now
@@ -177,6 +187,19 @@ pub(crate) fn check<G, M>(
             {
                 return Err(RecordReason::InputOverlapsPlaceholder { position: i });
             }
+        }
+    }
+    // A written input is copied back at the end of the graph: its buffer must not lie in
+    // memory the graph writes, or the copy would overwrite the graph's results (or they it).
+    for (position, (slot, &src)) in node.inputs.iter().zip(addrs).enumerate() {
+        if let InputSlot::Copied {
+            len,
+            write_back: Some(_),
+            ..
+        } = *slot
+            && node.footprint_overlaps(src.0, src.0 + len as u64)
+        {
+            return Err(RecordReason::MutatedInputOverlapsFootprint { position });
         }
     }
     Ok(())

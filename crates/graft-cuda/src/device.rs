@@ -17,7 +17,8 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use cudarc::driver::sys;
 use graft_core::{
-    CaptureMode, Device, DeviceError, DeviceId, DeviceOp, DevicePtr, GraphSummary, StickyError,
+    CaptureMode, CopyEnds, Device, DeviceError, DeviceId, DeviceOp, DevicePtr, GraphSummary,
+    StickyError,
 };
 
 use crate::blas::Blas;
@@ -866,11 +867,11 @@ impl Device for CudaDevice {
     }
 
     /// `cuGraphExecMemcpyNodeSetParams` on the copy node writing `dst` (found once, cached).
-    fn set_copy_source(
+    fn repoint_copy(
         &self,
         graph: &mut CudaGraph,
-        dst: DevicePtr,
-        src: DevicePtr,
+        recorded: CopyEnds,
+        now: CopyEnds,
     ) -> Result<(), DeviceError> {
         let op = DeviceOp::GraphUpdate;
         let inner = &self.inner;
@@ -882,7 +883,7 @@ impl Device for CudaDevice {
                 name: "CUDA_ERROR_INVALID_CONTEXT",
             });
         }
-        graph.set_copy_source(inner.ctx, dst, src)
+        graph.repoint_copy(inner.ctx, recorded, now)
     }
 
     /// `cuGraphGetNodes` and `cuGraphNodeGetType` over the captured graph.

@@ -4,7 +4,7 @@ use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use cudarc::driver::sys;
-use graft_core::{DeviceError, DeviceOp, DevicePtr};
+use graft_core::{CopyEnds, DeviceError, DeviceOp};
 
 use crate::device::Inner;
 use crate::error::check;
@@ -15,9 +15,10 @@ pub(crate) struct GraphHandles {
     pub(crate) graph: sys::CUgraph,
     /// Its instantiated executable.
     pub(crate) exec: sys::CUgraphExec,
-    /// Copy nodes re-pointed so far: (destination, node, current parameters). Found on first
-    /// use by scanning the graph, then updated in place.
-    copies: Vec<(u64, sys::CUgraphNode, sys::CUDA_MEMCPY3D)>,
+    /// Copy nodes re-pointed so far, with their current parameters (the executable's, which
+    /// the captured graph's nodes no longer show). Found on first use by scanning the graph,
+    /// then updated in place.
+    copies: Vec<(sys::CUgraphNode, sys::CUDA_MEMCPY3D)>,
 }
 
 // SAFETY: CUDA graph handles are plain driver handles, usable from any thread while their
@@ -59,33 +60,34 @@ impl CudaGraph {
 }
 
 impl CudaGraph {
-    /// Re-points the copy node writing `dst` at `src` in the executable (see
-    /// `graft_core::Device::set_copy_source`). `ctx` is the device's context, current.
-    pub(crate) fn set_copy_source(
+    /// Re-points the copy node with ends `recorded` to the ends `now` in the executable (see
+    /// `graft_core::Device::repoint_copy`). `ctx` is the device's context, current.
+    pub(crate) fn repoint_copy(
         &mut self,
         ctx: sys::CUcontext,
-        dst: DevicePtr,
-        src: DevicePtr,
+        recorded: CopyEnds,
+        now: CopyEnds,
     ) -> Result<(), DeviceError> {
         let op = DeviceOp::GraphUpdate;
         let h = self
             .handles
             .get_mut()
             .unwrap_or_else(PoisonError::into_inner);
-        let index = match h.copies.iter().position(|c| c.0 == dst.0) {
+        let index = match h.copies.iter().position(|(_, p)| has_ends(p, recorded)) {
             Some(i) => i,
             None => {
-                let (node, params) = find_copy_into(op, h.graph, dst)?;
-                h.copies.push((dst.0, node, params));
+                let (node, params) = find_copy(op, h.graph, recorded, &h.copies)?;
+                h.copies.push((node, params));
                 h.copies.len() - 1
             }
         };
-        let (_, node, params) = &mut h.copies[index];
-        params.srcDevice = src.0;
+        let (node, params) = &mut h.copies[index];
+        params.dstDevice = now.dst.0;
+        params.srcDevice = now.src.0;
         // SAFETY: `exec` is the live executable instantiated from `graph` (both destroyed only
         // in Drop, impossible while `&mut self` is held); `node` is a memcpy node of `graph`,
-        // found by `find_copy_into`; `params` is the node's own 1-D device-to-device parameter
-        // block read from the driver, with only the source address changed; `ctx` is the
+        // found by `find_copy`; `params` is the node's own 1-D device-to-device parameter
+        // block read from the driver, with only the two addresses changed; `ctx` is the
         // context both were created in, current on this thread.
         check(op, unsafe {
             sys::cuGraphExecMemcpyNodeSetParams(h.exec, *node, params, ctx)
@@ -93,14 +95,23 @@ impl CudaGraph {
     }
 }
 
-/// Finds the memcpy node of `graph` whose destination is `dst`, with its parameters.
-fn find_copy_into(
+/// Whether a copy's parameters have these ends.
+fn has_ends(params: &sys::CUDA_MEMCPY3D, ends: CopyEnds) -> bool {
+    params.dstDevice == ends.dst.0 && params.srcDevice == ends.src.0
+}
+
+/// Finds the memcpy node of `graph` with these ends as captured, with its parameters, skipping
+/// nodes already re-pointed (`known`: their captured ends are stale).
+fn find_copy(
     op: DeviceOp,
     graph: sys::CUgraph,
-    dst: DevicePtr,
+    ends: CopyEnds,
+    known: &[(sys::CUgraphNode, sys::CUDA_MEMCPY3D)],
 ) -> Result<(sys::CUgraphNode, sys::CUDA_MEMCPY3D), DeviceError> {
     for node in nodes(op, graph)? {
-        if node_type(op, node)? != sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEMCPY as u32 {
+        if known.iter().any(|(n, _)| *n == node)
+            || node_type(op, node)? != sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEMCPY as u32
+        {
             continue;
         }
         let mut params = std::mem::MaybeUninit::<sys::CUDA_MEMCPY3D>::uninit();
@@ -112,7 +123,7 @@ fn find_copy_into(
         // SAFETY: cuGraphMemcpyNodeGetParams succeeded, so the driver wrote every field of
         // `params` (its memory types are the driver's own valid values).
         let params = unsafe { params.assume_init() };
-        if params.dstDevice == dst.0 {
+        if has_ends(&params, ends) {
             return Ok((node, params));
         }
     }

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use graft_core::{
-    CaptureMode, CaptureViolation, Device, DeviceError, DeviceId, DeviceOp, DevicePtr,
+    CaptureMode, CaptureViolation, CopyEnds, Device, DeviceError, DeviceId, DeviceOp, DevicePtr,
     GraphSummary, StickyError,
 };
 
@@ -598,11 +598,11 @@ impl Device for SimDevice {
         Ok(graph.summary)
     }
 
-    fn set_copy_source(
+    fn repoint_copy(
         &self,
         graph: &mut SimGraph,
-        dst: DevicePtr,
-        src: DevicePtr,
+        recorded: CopyEnds,
+        now: CopyEnds,
     ) -> Result<(), DeviceError> {
         if graph.owner.id != self.inner.id {
             return Err(DeviceError::Driver {
@@ -611,7 +611,7 @@ impl Device for SimDevice {
                 name: "CUDA_ERROR_INVALID_CONTEXT",
             });
         }
-        graph.set_copy_source(dst, src)
+        graph.repoint_copy(recorded, now)
     }
 
     fn take_sticky_error(&self) -> Option<DeviceError> {

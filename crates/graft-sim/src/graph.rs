@@ -4,7 +4,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use graft_core::{DeviceError, DeviceId, DeviceOp, DevicePtr, GraphSummary};
+use graft_core::{CopyEnds, DeviceError, DeviceId, DeviceOp, DevicePtr, GraphSummary};
 
 use crate::device::Inner;
 use crate::memory::SimMemory;
@@ -92,17 +92,16 @@ pub struct SimGraph {
 }
 
 impl SimGraph {
-    /// Re-points the top-level copy into `dst` at `src` (see `Device::set_copy_source`).
-    pub(crate) fn set_copy_source(
+    /// Re-points the top-level copy with ends `recorded` to the ends `now` (see
+    /// `Device::repoint_copy`).
+    pub(crate) fn repoint_copy(
         &mut self,
-        dst: DevicePtr,
-        src: DevicePtr,
+        recorded: CopyEnds,
+        now: CopyEnds,
     ) -> Result<(), DeviceError> {
-        let Some(index) = self
-            .ops
-            .iter()
-            .position(|op| matches!(op, Op::Copy { dst: d, .. } if *d == dst))
-        else {
+        let Some(index) = self.ops.iter().position(
+            |op| matches!(op, Op::Copy { dst, src, .. } if *dst == recorded.dst && *src == recorded.src),
+        ) else {
             return Err(DeviceError::Driver {
                 op: DeviceOp::GraphUpdate,
                 code: 400,
@@ -110,8 +109,9 @@ impl SimGraph {
             });
         };
         let mut ops: Vec<Op> = self.ops.to_vec();
-        if let Op::Copy { src: s, .. } = &mut ops[index] {
-            *s = src;
+        if let Op::Copy { dst, src, .. } = &mut ops[index] {
+            *dst = now.dst;
+            *src = now.src;
         }
         self.ops = ops.into();
         Ok(())
