@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""PyTorch reference for graft's decoder-step benchmark (DESIGN.md section 6).
+"""PyTorch reference for graft's decoder-step benchmark (the decoder step of docs/benchmarks.md).
 
 The model is the benchmark decoder: decoder-only transformer, 4 layers, d_model 512,
 8 heads (head dim 64), FFN 2048 with GELU (tanh approximation), vocab 8192, context

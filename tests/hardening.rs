@@ -154,9 +154,8 @@ fn panics_leave_graft_as_it_was<D: TestDevice>(dev: D) {
         let nodes = g.stats().nodes;
         expect_panic(|| drop(call(&mut g, Some(at))));
         // (A call may start a new generation before it runs the body: the phase can be Idle.)
-        assert_ne!(
-            g.phase(),
-            Phase::Recording,
+        assert!(
+            !matches!(g.phase(), Phase::Recording { .. }),
             "panic at {at:?} left a capture open"
         );
         assert_eq!(g.stats().nodes, nodes, "panic at {at:?} left a node");
@@ -324,7 +323,7 @@ fn outcome_after_recovery_is_replay<D: TestDevice>(dev: D) {
         outcomes[..],
         [Outcome::Warmup, Outcome::Recorded(_), Outcome::Replayed(_)]
     ));
-    assert_eq!(g.phase(), Phase::Replaying);
+    assert!(matches!(g.phase(), Phase::Replaying { .. }));
     assert!(!matches!(
         g.call(f, &[&x], &[], affine(1.0, 0.0, &runs)),
         Err(CallError::State { .. })

@@ -1,4 +1,5 @@
-//! The scenarios of DESIGN section 5, each a named test whose body runs on every backend.
+//! The scenarios graft promises to handle (a tree, divergence, liveness, feedback loops, copies,
+//! fallbacks, ...), each a named test whose body runs on every backend.
 
 mod common;
 

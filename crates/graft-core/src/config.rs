@@ -2,7 +2,7 @@
 
 use crate::device::CaptureMode;
 
-/// What a registered function computes, which decides when generations start (DESIGN 4.7).
+/// What a registered function computes, which decides when generations start.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
 pub enum Mode {
     /// Inference: calling a root-level function when the path cannot continue starts a new

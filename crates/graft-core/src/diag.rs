@@ -258,6 +258,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
         }
         let outside = self
             .loose
+            .cells
             .iter()
             .filter(|c| c.is_readable_by_someone())
             .fold((0, 0), |(n, b), c| (n + 1, b + c.len()));

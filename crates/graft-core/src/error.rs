@@ -103,9 +103,9 @@ pub enum CallError {
     )]
     State {
         /// Phase the runtime was in.
-        from: crate::graft::Phase,
+        from: crate::lifecycle::Phase,
         /// Phase it was asked to move to.
-        to: crate::graft::Phase,
+        to: crate::lifecycle::Phase,
     },
     /// Verify mode found a replay that differs from eager execution.
     #[error(

@@ -8,8 +8,15 @@ pub mod device;
 pub mod diag;
 pub mod error;
 pub mod graft;
+mod introspect;
+mod lifecycle;
+mod memory;
+mod plan;
 pub mod pool;
 pub mod reason;
+mod record;
+mod replay;
+mod run;
 pub mod stats;
 mod tree;
 
@@ -22,7 +29,8 @@ pub use device::{
 };
 pub use diag::{InputKind, MemoryReport, NodeInfo};
 pub use error::{BodyError, CallError, FunctionId, MemoryError, VerifyTarget};
-pub use graft::{Graft, Outcome, Phase};
+pub use graft::{Graft, Outcome};
+pub use lifecycle::Phase;
 pub use reason::{Decision, DecisionRecord, EagerReason, RecordReason, WarmupReason};
 pub use stats::{RerecordCounts, Stats};
 pub use tree::Output;

@@ -1,6 +1,7 @@
 //! Counters graft keeps about its decisions and its pools.
 
 use crate::pool::PoolStats;
+use crate::reason::RecordReason;
 
 /// Re-recordings by reason.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
@@ -19,6 +20,25 @@ pub struct RerecordCounts {
     pub input_mutated: u64,
     /// A written input lay in memory the candidate's graph writes.
     pub mutated_input_overlaps_footprint: u64,
+}
+
+impl RerecordCounts {
+    /// Counts a recording made for `reason` (first recordings are not re-recordings).
+    pub(crate) fn count(&mut self, reason: &RecordReason) {
+        let counter = match reason {
+            RecordReason::FirstRecording => return,
+            RecordReason::NewSignature => &mut self.new_signature,
+            RecordReason::StaticAddressChanged { .. } => &mut self.static_address_changed,
+            RecordReason::ManagedAddressChanged { .. } => &mut self.managed_address_changed,
+            RecordReason::ExpectedDeadAlive { .. } => &mut self.expected_dead_alive,
+            RecordReason::InputOverlapsPlaceholder { .. } => &mut self.input_overlaps_placeholder,
+            RecordReason::InputMutated { .. } => &mut self.input_mutated,
+            RecordReason::MutatedInputOverlapsFootprint { .. } => {
+                &mut self.mutated_input_overlaps_footprint
+            }
+        };
+        *counter += 1;
+    }
 }
 
 /// A snapshot of graft's counters.

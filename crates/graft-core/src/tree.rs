@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use slotmap::{Key, SlotMap};
+use slotmap::{Key, KeyData, SlotMap};
 
 use crate::buffer::{Buffer, Cell, NodeId};
 use crate::device::DevicePtr;
@@ -18,6 +18,11 @@ impl NodeKey {
     pub(crate) fn id(self) -> NodeId {
         NodeId(self.data().as_ffi())
     }
+}
+
+/// The arena key of a node id (ids are keys in their FFI form).
+pub(crate) fn key_of(id: NodeId) -> NodeKey {
+    KeyData::from_ffi(id.0).into()
 }
 
 /// How a node uses the input at one position.

@@ -1,0 +1,64 @@
+//! Test introspection: what a call would replay, and per-node facts, without running anything.
+
+use crate::buffer::{Buffer, NodeId};
+use crate::device::Device;
+use crate::error::{CallError, FunctionId};
+use crate::graft::Graft;
+use crate::plan;
+use crate::tree::{NodeKey, key_of};
+
+impl<D: Device, M: Clone> Graft<D, M> {
+    /// The node a call with these inputs would replay at the current tip, running the same
+    /// invariant check as a call but nothing else (no launch, no state change).
+    pub fn probe(
+        &mut self,
+        function: FunctionId,
+        inputs: &[&Buffer],
+        keys: &[u64],
+    ) -> Result<Option<NodeId>, CallError> {
+        let Some(f) = self.functions.get(function.0) else {
+            return Err(CallError::UnknownFunction { id: function });
+        };
+        self.addrs.clear();
+        for (position, b) in inputs.iter().enumerate() {
+            let addr = b.addr().map_err(|source| CallError::InvalidInput {
+                function: f.name.clone(),
+                position,
+                source,
+            })?;
+            self.addrs.push(addr);
+        }
+        let same = |s: &crate::graft::Signature| plan::matches(&s.sizes, &s.keys, inputs, keys);
+        let Some(sig) = f.sigs.iter().position(same) else {
+            return Ok(None);
+        };
+        let tip = self.phase.tip().map(key_of);
+        Ok(
+            plan::candidate(&self.view(), tip, function, sig, &self.addrs, true)
+                .ok()
+                .map(NodeKey::id),
+        )
+    }
+
+    /// How often a node has been replayed.
+    pub fn node_replays(&self, node: NodeId) -> Option<u64> {
+        self.nodes.get(key_of(node)).map(|n| n.replays)
+    }
+
+    /// The nodes of the tree, in arena order.
+    pub fn node_ids(&self) -> Vec<NodeId> {
+        self.nodes.keys().map(NodeKey::id).collect()
+    }
+
+    /// The function a node records.
+    pub fn node_function(&self, node: NodeId) -> Option<FunctionId> {
+        self.nodes.get(key_of(node)).map(|n| n.function)
+    }
+
+    /// A node's parent.
+    pub fn node_parent(&self, node: NodeId) -> Option<NodeId> {
+        self.nodes
+            .get(key_of(node))
+            .and_then(|n| n.parent.map(NodeKey::id))
+    }
+}

@@ -1,0 +1,228 @@
+//! The pools seen from the runtime: restoring the graph pool after replays, the eager-memory
+//! API (`alloc`, `copy_out`, `read`, `write`), `reset` and `Drop`.
+
+use std::sync::Arc;
+
+use crate::buffer::{Buffer, Cell};
+use crate::ctx::alloc_owned;
+use crate::device::{Device, DevicePtr};
+use crate::error::{FunctionId, MemoryError};
+use crate::graft::{Graft, lock};
+use crate::reason::Decision;
+use crate::tree::{OutputSlot, key_of};
+
+impl<D: Device, M: Clone> Graft<D, M> {
+    /// Before a warmup or recording: if replays ran since the bookkeeping was last true, the
+    /// path diverged from the recorded tree here, and the pool is restored.
+    pub(crate) fn diverge_if_replayed(&mut self, function: FunctionId) {
+        if self.pool_stale {
+            let _span = tracing::debug_span!(
+                "divergence",
+                function = %self.functions[function.0].name,
+                tip = ?self.phase.tip()
+            )
+            .entered();
+            self.restore(function);
+        }
+    }
+
+    /// Rebuilds the graph pool's bookkeeping from what is actually held (after replays).
+    fn restore(&mut self, function: FunctionId) {
+        let _span =
+            tracing::debug_span!("restore", function = %self.functions[function.0].name).entered();
+        let mut held: Vec<Arc<Cell>> = Vec::new();
+        let mut consider = |c: &Arc<Cell>| {
+            c.disown();
+            if c.is_readable_by_someone() && c.len() > 0 {
+                held.push(c.clone());
+            }
+        };
+        for node in self.nodes.values() {
+            for o in &node.outputs {
+                if let OutputSlot::Tracked { cell, spares } = &o.slot {
+                    consider(cell);
+                    spares.iter().for_each(&mut consider);
+                }
+            }
+        }
+        self.loose.cells.iter().for_each(&mut consider);
+        let live: Vec<(DevicePtr, usize)> = held.iter().map(|c| (c.addr(), c.len())).collect();
+        let mut pool = lock(&self.graph_pool);
+        let placed = pool.restore(&live);
+        let mut invalidated = 0;
+        for (cell, block) in held.iter().zip(&placed) {
+            match block {
+                Some(b) => cell.adopt(b.id, &mut pool),
+                None => {
+                    cell.invalidate_reclaimed();
+                    invalidated += 1;
+                }
+            }
+        }
+        drop(pool);
+        self.pool_stale = false;
+        self.stats.restores += 1;
+        self.stats.invalidations += invalidated as u64;
+        let kept = held.len() - invalidated;
+        tracing::debug!(kept, invalidated, "pool restored");
+        let tip = self.phase.tip().map(key_of);
+        self.log(function, tip, Decision::Restore { kept, invalidated });
+    }
+
+    /// Allocates `bytes` outside the graph pool, for memory that lives across steps
+    /// (weights, caches, copies). Freed when the last handle drops.
+    pub fn alloc(&mut self, bytes: usize) -> Result<Buffer, MemoryError> {
+        if let Some(e) = self.device.take_sticky_error() {
+            return Err(e.into());
+        }
+        let (cell, buffer) = alloc_owned(
+            &self.eager_pool,
+            &self.device,
+            bytes,
+            Arc::from("alloc"),
+            self.generation,
+        )?;
+        self.eager_cells.extend([cell]);
+        Ok(buffer)
+    }
+
+    fn check_device(&self, buffer: &Buffer) -> Result<DevicePtr, MemoryError> {
+        if buffer.device() != self.device.id() {
+            return Err(MemoryError::WrongDevice {
+                expected: self.device.id(),
+                found: buffer.device(),
+            });
+        }
+        Ok(buffer.addr()?)
+    }
+
+    /// Copies a buffer into new memory outside the graph pool that the caller owns: it stays
+    /// valid across steps.
+    pub fn copy_out(&mut self, buffer: &Buffer) -> Result<Buffer, MemoryError> {
+        let src = self.check_device(buffer)?;
+        let copy = self.alloc(buffer.len())?;
+        if !buffer.is_empty() {
+            self.device.copy(copy.addr()?, src, buffer.len())?;
+        }
+        Ok(copy)
+    }
+
+    /// Reads a buffer's bytes to the host.
+    pub fn read(&self, buffer: &Buffer, dst: &mut [u8]) -> Result<(), MemoryError> {
+        let src = self.check_device(buffer)?;
+        if dst.len() != buffer.len() {
+            return Err(MemoryError::LengthMismatch {
+                host: dst.len(),
+                buffer: buffer.len(),
+            });
+        }
+        Ok(self.device.read(src, dst)?)
+    }
+
+    /// Writes host bytes into a buffer.
+    pub fn write(&self, buffer: &Buffer, src: &[u8]) -> Result<(), MemoryError> {
+        let dst = self.check_device(buffer)?;
+        if src.len() != buffer.len() {
+            return Err(MemoryError::LengthMismatch {
+                host: src.len(),
+                buffer: buffer.len(),
+            });
+        }
+        Ok(self.device.write(dst, src)?)
+    }
+
+    /// Reads a buffer of f32 values.
+    pub fn read_f32(&self, buffer: &Buffer) -> Result<Vec<f32>, MemoryError> {
+        let mut bytes = vec![0u8; buffer.len()];
+        self.read(buffer, &mut bytes)?;
+        Ok(bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect())
+    }
+
+    /// Writes f32 values into a buffer.
+    pub fn write_f32(&self, buffer: &Buffer, values: &[f32]) -> Result<(), MemoryError> {
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        self.write(buffer, &bytes)
+    }
+
+    /// Drops every graph and returns the graph pool's segments to the device. Buffers still
+    /// held from graph-pool memory become invalid (reading them returns
+    /// [`crate::BufferError::Reset`]); memory from [`Graft::alloc`] and eager runs stays.
+    pub fn reset(&mut self) -> Result<(), MemoryError> {
+        let _span = tracing::info_span!("reset").entered();
+        let synced = self.device.synchronize();
+        self.invalidate_graph_memory();
+        self.nodes.clear();
+        self.roots.iter_mut().for_each(Vec::clear);
+        self.rerecords.clear();
+        self.eager_pairs.clear();
+        for f in &mut self.functions {
+            for s in &mut f.sigs {
+                s.warmups_done = 0;
+            }
+            f.root_level = false;
+        }
+        self.pool_stale = false;
+        self.epoch += 1;
+        self.new_generation();
+        let device = &self.device;
+        let released = lock(&self.graph_pool).release_all(&mut |p, n| device.free_segment(p, n));
+        synced?;
+        released?;
+        if let Some(e) = self.device.take_sticky_error() {
+            return Err(e.into());
+        }
+        Ok(())
+    }
+
+    fn invalidate_graph_memory(&mut self) {
+        for node in self.nodes.values() {
+            for o in &node.outputs {
+                if let OutputSlot::Tracked { cell, spares } = &o.slot {
+                    cell.invalidate_reset();
+                    spares.iter().for_each(|c| c.invalidate_reset());
+                }
+            }
+        }
+        self.loose
+            .cells
+            .drain(..)
+            .for_each(|c| c.invalidate_reset());
+    }
+}
+
+impl<D: Device, M: Clone> Drop for Graft<D, M> {
+    fn drop(&mut self) {
+        let synced = self.device.synchronize();
+        for node in self.nodes.values() {
+            for o in &node.outputs {
+                if let OutputSlot::Tracked { cell, spares } = &o.slot {
+                    cell.invalidate_dropped();
+                    spares.iter().for_each(|c| c.invalidate_dropped());
+                }
+            }
+        }
+        self.loose
+            .cells
+            .drain(..)
+            .chain(self.eager_cells.cells.drain(..))
+            .for_each(|c| c.invalidate_dropped());
+        self.nodes.clear();
+        let device = &self.device;
+        let record = |r: Result<(), crate::pool::PoolError>| {
+            if let Err(e) = r {
+                tracing::error!(error = %e, "releasing pool segments failed while dropping the runtime");
+                if let crate::pool::PoolError::Release { source, .. } = e {
+                    device.record_sticky_error(source);
+                }
+            }
+        };
+        record(lock(&self.graph_pool).release_all(&mut |p, n| device.free_segment(p, n)));
+        record(lock(&self.eager_pool).release_all(&mut |p, n| device.free_segment(p, n)));
+        if let Err(e) = synced {
+            device.record_sticky_error(e);
+        }
+    }
+}

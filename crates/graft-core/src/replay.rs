@@ -1,0 +1,248 @@
+//! Replay, the fast path: re-point moved input copies, invalidate what the graph overwrites,
+//! launch, hand out the outputs. Also verify mode and the conflict lists replays use.
+
+use std::sync::Arc;
+
+use crate::buffer::{Buffer, Cell};
+use crate::ctx::{Ctx, RunKind};
+use crate::device::{CopyEnds, Device, DeviceError};
+use crate::error::{BodyError, CallError, MemoryError, VerifyTarget};
+use crate::graft::{Frame, Graft, Outcome};
+use crate::lifecycle::Phase;
+use crate::tree::{InputSlot, NodeKey, Output, OutputSlot};
+
+impl<D: Device, M: Clone> Graft<D, M> {
+    pub(crate) fn replay(
+        &mut self,
+        key: NodeKey,
+        inputs: &[&Buffer],
+        out: &mut Vec<Output<M>>,
+    ) -> Result<Outcome, CallError> {
+        let _span = tracing::trace_span!("replay", node = ?key).entered();
+        if self.nodes[key].conflicts_epoch != self.epoch {
+            self.rebuild_conflicts(key);
+        }
+        let id = key.id();
+        let function = self.nodes[key].function;
+        let fail = |graft: &Self, source| CallError::Device {
+            function: graft.functions[function.0].name.clone(),
+            source,
+        };
+        let (copied, repointed) = match self.repoint_copies(key) {
+            Ok(counts) => counts,
+            Err(source) => return Err(fail(self, source)),
+        };
+        let node = &self.nodes[key];
+        let mut invalidated = 0;
+        for &(k, o) in &node.slot_conflicts {
+            if let OutputSlot::Tracked { cell, .. } = &self.nodes[k].outputs[o as usize].slot
+                && cell.is_readable_by_someone()
+            {
+                cell.invalidate_overwritten(Some(id));
+                invalidated += 1;
+            }
+        }
+        for cell in &node.cell_conflicts {
+            if cell.is_readable_by_someone() {
+                cell.invalidate_overwritten(Some(id));
+                invalidated += 1;
+            }
+        }
+        if let Err(source) = self.device.launch(&node.graph) {
+            return Err(fail(self, source));
+        }
+        self.stats.invalidations += invalidated;
+        self.stats.copied_inputs += copied;
+        self.stats.copy_sources_updated += repointed;
+        self.hand_out(key, inputs, out);
+        self.nodes[key].replays += 1;
+        self.stats.replays += 1;
+        self.pool_stale = true;
+        self.move_to(Phase::Replaying { tip: id })?;
+        Ok(Outcome::Replayed(id))
+    }
+
+    /// The graph copies the copied inputs itself (and copies written ones back); re-points a
+    /// copy only if the caller's buffer moved (in a loop it usually does not). Returns the
+    /// copied inputs and how many were re-pointed.
+    fn repoint_copies(&mut self, key: NodeKey) -> Result<(u64, u64), DeviceError> {
+        let node = &mut self.nodes[key];
+        let (mut copied, mut repointed) = (0, 0);
+        for (slot, &src) in node.inputs.iter_mut().zip(&self.addrs) {
+            if let InputSlot::Copied {
+                placeholder,
+                len,
+                source,
+                write_back,
+            } = slot
+                && *len > 0
+            {
+                let ph = *placeholder;
+                if *source != src {
+                    let into = |src| CopyEnds { dst: ph, src };
+                    self.device
+                        .repoint_copy(&mut node.graph, into(*source), into(src))?;
+                    *source = src;
+                    repointed += 1;
+                }
+                if let Some(dst) = write_back
+                    && *dst != src
+                {
+                    let back = |dst| CopyEnds { dst, src: ph };
+                    self.device
+                        .repoint_copy(&mut node.graph, back(*dst), back(src))?;
+                    *dst = src;
+                }
+                copied += 1;
+            }
+        }
+        Ok((copied, repointed))
+    }
+
+    /// Hands a replay's outputs to the caller: each output slot reuses its cell when nobody
+    /// holds it, or retires it (invalidated) and takes a spare.
+    fn hand_out(&mut self, key: NodeKey, inputs: &[&Buffer], out: &mut Vec<Output<M>>) {
+        let id = key.id();
+        let generation = self.generation;
+        let node = &mut self.nodes[key];
+        for out_i in node.outputs.iter_mut() {
+            let buffer = match &mut out_i.slot {
+                OutputSlot::Tracked { cell, spares } => {
+                    if cell.is_held() {
+                        cell.invalidate_overwritten(Some(id));
+                        let fresh = match spares.iter().position(|c| !c.is_held()) {
+                            Some(j) => spares.swap_remove(j),
+                            None => {
+                                let c = Cell::new(
+                                    cell.addr(),
+                                    cell.len(),
+                                    self.device.id(),
+                                    self.functions[node.function.0].name.clone(),
+                                    generation,
+                                    Some(Arc::downgrade(&self.graph_pool)),
+                                );
+                                c.set_node(id);
+                                c
+                            }
+                        };
+                        spares.push(std::mem::replace(cell, fresh));
+                    }
+                    cell.recycle(generation);
+                    Buffer::from_cell(cell)
+                }
+                OutputSlot::StaticInput(p) => (*inputs[*p]).clone(),
+                OutputSlot::Alias(j) => out[*j].buffer.clone(),
+                OutputSlot::Empty(cell) => Buffer::from_cell(cell),
+            };
+            out.push(Output {
+                buffer,
+                meta: out_i.meta.clone(),
+            });
+        }
+    }
+
+    /// Verify mode: snapshots the inputs into scratch memory, replays, runs the body eagerly
+    /// on the snapshot, and compares every output and every input afterwards (bodies may
+    /// update inputs in place, like a KV cache), byte for byte.
+    pub(crate) fn replay_verified<F>(
+        &mut self,
+        key: NodeKey,
+        frame: &mut Frame<'_, F, M>,
+    ) -> Result<Outcome, CallError>
+    where
+        F: FnMut(&mut Ctx<'_, D>) -> Result<Vec<Output<M>>, BodyError>,
+    {
+        let name = self.functions[frame.function.0].name.clone();
+        let memory = |source: MemoryError| CallError::Verify {
+            function: name.clone(),
+            source,
+        };
+        let scratch = frame
+            .inputs
+            .iter()
+            .map(|b| self.copy_out(b))
+            .collect::<Result<Vec<Buffer>, _>>()
+            .map_err(memory)?;
+        let outcome = self.replay(key, frame.inputs, frame.out)?;
+        let scratch_refs: Vec<&Buffer> = scratch.iter().collect();
+        let mut eager = Vec::new();
+        let mut reference = Frame {
+            function: frame.function,
+            sig: frame.sig,
+            inputs: &scratch_refs,
+            body: &mut *frame.body,
+            out: &mut eager,
+        };
+        self.run_body(&mut reference, RunKind::Eager)?;
+        let out = &*frame.out;
+        let pairs = out
+            .iter()
+            .map(|o| &o.buffer)
+            .zip(eager.iter().map(|o| &o.buffer))
+            .chain(frame.inputs.iter().copied().zip(scratch.iter()));
+        for (index, (replayed, reference)) in pairs.enumerate() {
+            let a = self.read_bytes(replayed).map_err(memory)?;
+            let b = self.read_bytes(reference).map_err(memory)?;
+            if let Some(byte) = a
+                .iter()
+                .zip(&b)
+                .position(|(x, y)| x != y)
+                .or((a.len() != b.len()).then_some(a.len().min(b.len())))
+            {
+                let what = if index < out.len() {
+                    VerifyTarget::Output(index)
+                } else {
+                    VerifyTarget::Input(index - out.len())
+                };
+                return Err(CallError::VerifyMismatch {
+                    function: name,
+                    node: key.id(),
+                    what,
+                    byte,
+                });
+            }
+        }
+        if out.len() != eager.len() {
+            return Err(CallError::VerifyMismatch {
+                function: name,
+                node: key.id(),
+                what: VerifyTarget::Output(out.len().min(eager.len())),
+                byte: 0,
+            });
+        }
+        Ok(outcome)
+    }
+
+    fn read_bytes(&self, buffer: &Buffer) -> Result<Vec<u8>, MemoryError> {
+        let mut bytes = vec![0u8; buffer.len()];
+        self.read(buffer, &mut bytes)?;
+        Ok(bytes)
+    }
+
+    /// Recomputes which held memory a node's graph overwrites (slow path: after a node or
+    /// loose cell appeared).
+    fn rebuild_conflicts(&mut self, key: NodeKey) {
+        let node = &self.nodes[key];
+        let mut slots = Vec::new();
+        for (k, other) in &self.nodes {
+            for (i, o) in other.outputs.iter().enumerate() {
+                if let OutputSlot::Tracked { cell, .. } = &o.slot
+                    && node.footprint_overlaps(cell.addr().0, cell.end())
+                {
+                    slots.push((k, i as u16));
+                }
+            }
+        }
+        let cells: Vec<Arc<Cell>> = self
+            .loose
+            .cells
+            .iter()
+            .filter(|c| c.is_held() && node.footprint_overlaps(c.addr().0, c.end()))
+            .cloned()
+            .collect();
+        let node = &mut self.nodes[key];
+        node.slot_conflicts = slots;
+        node.cell_conflicts = cells;
+        node.conflicts_epoch = self.epoch;
+    }
+}

@@ -1,0 +1,97 @@
+//! Running a body eagerly: warmups (from the graph pool) and eager runs (outside it).
+
+use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
+
+use crate::buffer::Buffer;
+use crate::ctx::{Ctx, RunKind};
+use crate::device::Device;
+use crate::error::{BodyError, CallError};
+use crate::graft::{Frame, Graft, Outcome};
+use crate::lifecycle::Phase;
+use crate::reason::{Decision, WarmupReason};
+use crate::tree::Output;
+
+impl<D: Device, M: Clone> Graft<D, M> {
+    /// Runs the body eagerly from the graph pool.
+    pub(crate) fn warmup<F>(
+        &mut self,
+        frame: &mut Frame<'_, F, M>,
+        reason: WarmupReason,
+    ) -> Result<Outcome, CallError>
+    where
+        F: FnMut(&mut Ctx<'_, D>) -> Result<Vec<Output<M>>, BodyError>,
+    {
+        let function = frame.function;
+        let _span =
+            tracing::debug_span!("warmup", function = %self.functions[function.0].name, %reason)
+                .entered();
+        self.diverge_if_replayed(function);
+        self.move_to(Phase::Warmup)?;
+        self.log(function, None, Decision::Warmup(reason));
+        self.run_body(frame, RunKind::Warmup)?;
+        self.functions[function.0].sigs[frame.sig].warmups_done += 1;
+        self.stats.warmups += 1;
+        Ok(Outcome::Warmup)
+    }
+
+    /// Runs the body eagerly outside the graph pool.
+    pub(crate) fn run_eager<F>(&mut self, frame: &mut Frame<'_, F, M>) -> Result<Outcome, CallError>
+    where
+        F: FnMut(&mut Ctx<'_, D>) -> Result<Vec<Output<M>>, BodyError>,
+    {
+        let _span =
+            tracing::trace_span!("eager", function = %self.functions[frame.function.0].name)
+                .entered();
+        self.run_body(frame, RunKind::Eager)?;
+        self.stats.eager_runs += 1;
+        Ok(Outcome::Eager)
+    }
+
+    /// Runs the body on the caller's inputs, allocating from the graph pool for a warmup and
+    /// from the eager pool otherwise, and keeps track of every cell it allocated and still
+    /// holds (also when it panics: then the panic continues afterwards).
+    pub(crate) fn run_body<F>(
+        &mut self,
+        frame: &mut Frame<'_, F, M>,
+        kind: RunKind,
+    ) -> Result<(), CallError>
+    where
+        F: FnMut(&mut Ctx<'_, D>) -> Result<Vec<Output<M>>, BodyError>,
+    {
+        let ctx_inputs: Vec<Buffer> = frame.inputs.iter().map(|b| (*b).clone()).collect();
+        let name = self.functions[frame.function.0].name.clone();
+        let warmup = kind == RunKind::Warmup;
+        let pool = if warmup {
+            &self.graph_pool
+        } else {
+            &self.eager_pool
+        };
+        let mut ctx = Ctx {
+            device: &self.device,
+            inputs: &ctx_inputs,
+            pool,
+            function: &name,
+            generation: self.generation,
+            kind,
+            allocs: Vec::new(),
+        };
+        let result = catch_unwind(AssertUnwindSafe(|| (frame.body)(&mut ctx)));
+        let allocs = std::mem::take(&mut ctx.allocs);
+        let registry = if warmup {
+            &mut self.loose
+        } else {
+            &mut self.eager_cells
+        };
+        if registry.extend(allocs) && warmup {
+            self.epoch += 1;
+        }
+        let outputs = result
+            .unwrap_or_else(|panic| resume_unwind(panic))
+            .map_err(|source| CallError::Body {
+                function: name,
+                source,
+            })?;
+        frame.out.extend(outputs);
+        Ok(())
+    }
+}
