@@ -8,7 +8,7 @@ use slotmap::{KeyData, SlotMap};
 
 use crate::buffer::{Buffer, Cell, NodeId};
 use crate::config::{Config, FunctionSpec, Mode};
-use crate::ctx::{Ctx, RunKind, alloc_owned};
+use crate::ctx::{Ctx, Reclaim, RunKind, alloc_owned};
 use crate::device::{Device, DeviceError, DeviceOp, DevicePtr};
 use crate::error::{BodyError, CallError, FunctionId, MemoryError, VerifyTarget};
 use crate::pool::Pool;
@@ -165,6 +165,7 @@ fn prune(cells: &mut Vec<Arc<Cell>>, pruned_at: &mut usize) {
 impl<D: Device, M: Clone> Graft<D, M> {
     /// A runtime over `device` with `config`.
     pub fn new(device: D, config: Config) -> Graft<D, M> {
+        let reservation = config.pool_reservation;
         Graft {
             device,
             config,
@@ -173,8 +174,8 @@ impl<D: Device, M: Clone> Graft<D, M> {
             roots: Vec::new(),
             path: Path::Idle,
             generation: 1,
-            graph_pool: Arc::new(Mutex::new(Pool::new())),
-            eager_pool: Arc::new(Mutex::new(Pool::new())),
+            graph_pool: Arc::new(Mutex::new(Pool::new(reservation))),
+            eager_pool: Arc::new(Mutex::new(Pool::new(reservation))),
             pool_stale: false,
             loose: Vec::new(),
             loose_pruned_at: 0,
@@ -848,15 +849,16 @@ impl<D: Device, M: Clone> Graft<D, M> {
     {
         let ctx_inputs: Vec<Buffer> = inputs.iter().map(|b| (*b).clone()).collect();
         let name = self.functions[function.0].name.clone();
-        let pool = if kind == RunKind::Warmup {
-            &self.graph_pool
+        let (pool, sibling) = if kind == RunKind::Warmup {
+            (&self.graph_pool, &self.eager_pool)
         } else {
-            &self.eager_pool
+            (&self.eager_pool, &self.graph_pool)
         };
         let mut ctx = Ctx {
             device: &self.device,
             inputs: &ctx_inputs,
             pool,
+            sibling,
             function: &name,
             generation: self.generation,
             kind,
@@ -988,12 +990,14 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 });
                 ctx_inputs.push((*b).clone());
             } else {
+                // No reclaiming here: a checkpoint is pending.
                 let placeholder = alloc_owned(
                     &self.graph_pool,
                     &self.device,
                     b.len(),
                     name.clone(),
                     generation,
+                    Reclaim::Never,
                 );
                 let (cell, handle) = match placeholder {
                     Ok(placed) => placed,
@@ -1035,6 +1039,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
             device: &self.device,
             inputs: &ctx_inputs,
             pool: &self.graph_pool,
+            sibling: &self.eager_pool,
             function: &name,
             generation,
             kind: RunKind::Recording,
@@ -1129,6 +1134,12 @@ impl<D: Device, M: Clone> Graft<D, M> {
             summary,
         });
         let id = key.id();
+        let pins: Vec<(DevicePtr, usize)> = self.nodes[key]
+            .footprint
+            .iter()
+            .map(|&(s, e)| (DevicePtr(s), (e - s) as usize))
+            .collect();
+        lock(&self.graph_pool).pin(&pins);
         for o in &self.nodes[key].outputs {
             if let OutputSlot::Tracked { cell, .. } = &o.slot {
                 cell.set_node(id);
@@ -1307,6 +1318,9 @@ impl<D: Device, M: Clone> Graft<D, M> {
             bytes,
             Arc::from("alloc"),
             self.generation,
+            Reclaim::Unused {
+                sibling: &self.graph_pool,
+            },
         )?;
         self.eager_cells.push(cell);
         prune(&mut self.eager_cells, &mut self.eager_pruned_at);
@@ -1374,7 +1388,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
         self.write(buffer, &bytes)
     }
 
-    /// Drops every graph and returns the graph pool's segments to the device. Buffers still
+    /// Drops every graph and returns the graph pool's memory and address range to the device. Buffers still
     /// held from graph-pool memory become invalid (reading them returns
     /// [`crate::BufferError::Reset`]); memory from [`Graft::alloc`] and eager runs stays.
     pub fn reset(&mut self) -> Result<(), MemoryError> {
@@ -1395,7 +1409,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
         self.epoch += 1;
         self.new_generation();
         let device = &self.device;
-        let released = lock(&self.graph_pool).release_all(&mut |p, n| device.free_segment(p, n));
+        let released = lock(&self.graph_pool).release_all(device);
         synced?;
         released?;
         if let Some(e) = self.device.take_sticky_error() {
@@ -1481,14 +1495,14 @@ impl<D: Device, M: Clone> Drop for Graft<D, M> {
         let device = &self.device;
         let record = |r: Result<(), crate::pool::PoolError>| {
             if let Err(e) = r {
-                tracing::error!(error = %e, "releasing pool segments failed while dropping the runtime");
+                tracing::error!(error = %e, "releasing pool memory failed while dropping the runtime");
                 if let crate::pool::PoolError::Release { source, .. } = e {
                     device.record_sticky_error(source);
                 }
             }
         };
-        record(lock(&self.graph_pool).release_all(&mut |p, n| device.free_segment(p, n)));
-        record(lock(&self.eager_pool).release_all(&mut |p, n| device.free_segment(p, n)));
+        record(lock(&self.graph_pool).release_all(device));
+        record(lock(&self.eager_pool).release_all(device));
         if let Err(e) = synced {
             device.record_sticky_error(e);
         }
