@@ -117,12 +117,12 @@ mod tests {
     fn out_of_memory_keeps_the_size() {
         assert_eq!(
             check_alloc(
-                DeviceOp::SegmentAlloc,
+                DeviceOp::Map,
                 CUresult::CUDA_ERROR_OUT_OF_MEMORY,
                 4096
             ),
             Err(DeviceError::OutOfMemory {
-                op: DeviceOp::SegmentAlloc,
+                op: DeviceOp::Map,
                 bytes: 4096
             })
         );
