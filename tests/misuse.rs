@@ -111,15 +111,15 @@ device_test!(
 );
 
 #[test]
-fn failed_segment_allocation_during_recording_keeps_state_consistent() {
+fn failed_map_during_recording_keeps_state_consistent() {
     let dev = SimDevice::new();
     let mut g: G<SimDevice> = graft(dev.clone(), Config::default());
     let f = g.register("f", FunctionSpec::default());
     let x = input(&mut g, &[1.0; 4]);
     let runs = Runs::default();
     g.call(f, &[&x], &[], affine(1.0, 0.0, &runs)).unwrap();
-    // The recording needs a segment for its 4 MiB scratch: make that allocation fail.
-    dev.fail_segment_alloc_after(0);
+    // The recording needs new mapped memory for its 4 MiB scratch: make that allocation fail.
+    dev.fail_map_after(0);
     let big = |ctx: &mut Ctx<'_, SimDevice>| {
         let scratch = ctx.alloc(4 << 20)?;
         let out = ctx.alloc(16)?;
@@ -328,8 +328,8 @@ fn placeholder_allocation_failure_is_a_pool_error() {
     let f = g.register("f", FunctionSpec::default());
     let x = input(&mut g, &[1.0; 16]);
     let runs = Runs::default();
-    // The first call records at once; its placeholder needs the graph pool's first segment.
-    dev.fail_segment_alloc_after(0);
+    // The first call records at once; its placeholder needs the graph pool's first mapping.
+    dev.fail_map_after(0);
     let err = g.call(f, &[&x], &[], affine(1.0, 0.0, &runs)).unwrap_err();
     assert!(matches!(err, CallError::Pool { .. }), "{err}");
     assert_eq!((g.stats().nodes, runs.get()), (0, 0));
