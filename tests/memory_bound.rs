@@ -62,7 +62,11 @@ impl<D: TestDevice> Tree<D> {
             .g
             .call(self.branch, &[&r[0].buffer], &[k], branch(k))
             .unwrap();
-        assert_eq!(read(&self.g, &o[0].buffer), vec![2.0 + k as f32; N], "key {k}");
+        assert_eq!(
+            read(&self.g, &o[0].buffer),
+            vec![2.0 + k as f32; N],
+            "key {k}"
+        );
     }
 
     fn stats(&self) -> Stats {
@@ -136,7 +140,7 @@ fn check_bounded<D: TestDevice>(
     assert!(s.replays > 0);
 }
 
-const SIM_STEPS: usize = 1000;
+const SIM_STEPS: usize = 400;
 const GPU_STEPS: usize = 2000;
 
 mod alternating_siblings {
@@ -144,13 +148,23 @@ mod alternating_siblings {
 
     #[test]
     fn sim() {
-        check_bounded("sim alternating", common::sim(), common::sim(), alternating(SIM_STEPS));
+        check_bounded(
+            "sim alternating",
+            common::sim(),
+            common::sim(),
+            alternating(SIM_STEPS),
+        );
     }
 
     #[test]
     #[ignore = "needs a CUDA GPU"]
     fn cuda() {
-        check_bounded("cuda alternating", common::cuda(), common::cuda(), alternating(GPU_STEPS));
+        check_bounded(
+            "cuda alternating",
+            common::cuda(),
+            common::cuda(),
+            alternating(GPU_STEPS),
+        );
     }
 }
 
@@ -159,13 +173,23 @@ mod random_siblings {
 
     #[test]
     fn sim() {
-        check_bounded("sim random", common::sim(), common::sim(), random(SIM_STEPS, 0x5eed));
+        check_bounded(
+            "sim random",
+            common::sim(),
+            common::sim(),
+            random(SIM_STEPS, 0x5eed),
+        );
     }
 
     #[test]
     #[ignore = "needs a CUDA GPU"]
     fn cuda() {
-        check_bounded("cuda random", common::cuda(), common::cuda(), random(GPU_STEPS, 0x5eed));
+        check_bounded(
+            "cuda random",
+            common::cuda(),
+            common::cuda(),
+            random(GPU_STEPS, 0x5eed),
+        );
     }
 }
 

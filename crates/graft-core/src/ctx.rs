@@ -150,7 +150,11 @@ pub(crate) fn alloc_owned<D: Device>(
             let mut other = sibling.lock().unwrap_or_else(PoisonError::into_inner);
             released += release_unused(&mut other, device);
         }
-        tracing::debug!(released, bytes, "out of device memory: released unused pool memory, retrying");
+        tracing::debug!(
+            released,
+            bytes,
+            "out of device memory: released unused pool memory, retrying"
+        );
         guard = pool.lock().unwrap_or_else(PoisonError::into_inner);
         result = guard.alloc(bytes, device);
     }

@@ -336,11 +336,7 @@ fn covered(set: &Intervals, s: u64, e: u64) -> Vec<(u64, u64)> {
 
 /// Whether `set` covers all of `[s, e)`.
 fn covers(set: &Intervals, s: u64, e: u64) -> bool {
-    s >= e
-        || set
-            .range(..=s)
-            .next_back()
-            .is_some_and(|(_, &pe)| pe >= e)
+    s >= e || set.range(..=s).next_back().is_some_and(|(_, &pe)| pe >= e)
 }
 
 /// An exact snapshot of a pool's block layout (allocated ids, addresses, sizes), taken with
@@ -513,12 +509,10 @@ impl Pool {
             .ok_or(PoolError::TooLarge {
                 bytes: self.reservation_bytes,
             })?;
-        let ptr = backing
-            .reserve(size)
-            .map_err(|source| PoolError::Reserve {
-                bytes: size,
-                source,
-            })?;
+        let ptr = backing.reserve(size).map_err(|source| PoolError::Reserve {
+            bytes: size,
+            source,
+        })?;
         if !ptr.0.is_multiple_of(gran as u64) || ptr.0.checked_add(size as u64).is_none() {
             return Err(bad(ptr, size));
         }
@@ -750,10 +744,22 @@ impl Pool {
             for &(a, s, id) in &allocated {
                 if a > cursor {
                     let gap = (a - cursor) as usize;
-                    blocks.push((cursor, Slot { size: gap, id: None }));
+                    blocks.push((
+                        cursor,
+                        Slot {
+                            size: gap,
+                            id: None,
+                        },
+                    ));
                     free.push((gap, cursor));
                 }
-                blocks.push((a, Slot { size: s, id: Some(id) }));
+                blocks.push((
+                    a,
+                    Slot {
+                        size: s,
+                        id: Some(id),
+                    },
+                ));
                 ids.insert(id, a);
                 total += s;
                 self.next_id = self.next_id.max(id.0.saturating_add(1));
@@ -761,7 +767,13 @@ impl Pool {
             }
             if r.end() > cursor {
                 let gap = (r.end() - cursor) as usize;
-                blocks.push((cursor, Slot { size: gap, id: None }));
+                blocks.push((
+                    cursor,
+                    Slot {
+                        size: gap,
+                        id: None,
+                    },
+                ));
                 free.push((gap, cursor));
             }
         }
@@ -985,9 +997,7 @@ impl Pool {
                     if a != cursor {
                         return Err(format!("block {a:#x} {s:?} misplaced at {cursor:#x}"));
                     }
-                    if s.size == 0
-                        || !s.size.is_multiple_of(GRANULARITY)
-                        || !a.is_multiple_of(gran)
+                    if s.size == 0 || !s.size.is_multiple_of(GRANULARITY) || !a.is_multiple_of(gran)
                     {
                         return Err(format!("block {a:#x} {s:?} not granular"));
                     }

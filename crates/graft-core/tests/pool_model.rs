@@ -61,12 +61,11 @@ impl FakeBacking {
     /// Checks a map/unmap range; records a violation and returns an error when it is bad.
     fn check_range(&self, op: DeviceOp, addr: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
         let mut st = self.state.borrow_mut();
-        let inside = st.reservation.is_some_and(|(b, s)| {
-            addr.0 >= b && addr.0 + bytes as u64 <= b + s as u64
-        });
-        let aligned = bytes > 0
-            && bytes.is_multiple_of(self.gran)
-            && addr.0.is_multiple_of(self.gran as u64);
+        let inside = st
+            .reservation
+            .is_some_and(|(b, s)| addr.0 >= b && addr.0 + bytes as u64 <= b + s as u64);
+        let aligned =
+            bytes > 0 && bytes.is_multiple_of(self.gran) && addr.0.is_multiple_of(self.gran as u64);
         if !inside || !aligned {
             st.violations.push(format!("{op} {addr}+{bytes}"));
             return Err(DeviceError::InvalidArgument {
@@ -310,10 +309,7 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                             .filter(|g| !model.mapped.contains(g))
                             .collect();
                         if failing && !new.is_empty() {
-                            prop_assert!(
-                                matches!(res, Err(PoolError::Grow { .. })),
-                                "{res:?}"
-                            );
+                            prop_assert!(matches!(res, Err(PoolError::Grow { .. })), "{res:?}");
                         } else {
                             let b = res.map_err(|e| TestCaseError::fail(e.to_string()))?;
                             prop_assert_eq!((b.addr.0, b.size), (addr, size));
@@ -332,7 +328,11 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                     prop_assert!(pool.free(BlockId(u64::MAX - 1)).is_err());
                     continue;
                 }
-                let (&a, &(s, id)) = model.allocated.iter().nth(i.index(model.allocated.len())).unwrap();
+                let (&a, &(s, id)) = model
+                    .allocated
+                    .iter()
+                    .nth(i.index(model.allocated.len()))
+                    .unwrap();
                 prop_assert_eq!(pool.free(id), Ok(s));
                 prop_assert_eq!(
                     pool.free(id),
@@ -420,11 +420,9 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                     let end = (addr.0 + len.max(1) as u64).next_multiple_of(512);
                     let ok = end <= base + size as u64
                         && model.is_mapped(start, (end - start) as usize)
-                        && !new
-                            .iter()
-                            .any(|(&s, &(l, _)): (&u64, &(usize, BlockId))| {
-                                s < end && start < s + l as u64
-                            });
+                        && !new.iter().any(|(&s, &(l, _)): (&u64, &(usize, BlockId))| {
+                            s < end && start < s + l as u64
+                        });
                     match got {
                         Some(b) if ok => {
                             prop_assert_eq!((b.addr.0, b.size as u64), (start, end - start));
@@ -480,7 +478,11 @@ fn siblings_of_growing_size_reuse_the_range_in_place() {
             let k = if round == 0 { k } else { 9 - k };
             let scratch = pool.alloc(k * 4 * MIB, &fake).unwrap();
             let out = pool.alloc(KIB, &fake).unwrap();
-            assert_eq!(scratch.addr, root.addr.offset(4 * KIB), "scratch reuses the same range");
+            assert_eq!(
+                scratch.addr,
+                root.addr.offset(4 * KIB),
+                "scratch reuses the same range"
+            );
             pool.free(scratch.id).unwrap();
             pool.free(out.id).unwrap();
         }
@@ -528,7 +530,10 @@ fn requests_beyond_the_reservation_say_what_to_raise() {
     assert!(
         matches!(err, PoolError::ReservationExhausted { reservation, .. } if reservation == 8 * MIB)
     );
-    assert!(err.to_string().contains("Config::pool_reservation"), "{err}");
+    assert!(
+        err.to_string().contains("Config::pool_reservation"),
+        "{err}"
+    );
     assert!(matches!(
         pool.alloc(usize::MAX, &fake),
         Err(PoolError::TooLarge { .. })

@@ -125,9 +125,7 @@ impl Blas {
         if workspace != 0 {
             // SAFETY: allocated by cuMemAlloc in `setup`, no longer referenced (the handle that
             // used it is destroyed), freed exactly once (swapped out).
-            let r = check(DeviceOp::RawAlloc, unsafe {
-                sys::cuMemFree_v2(workspace)
-            });
+            let r = check(DeviceOp::RawAlloc, unsafe { sys::cuMemFree_v2(workspace) });
             if first.is_ok() {
                 first = r;
             }

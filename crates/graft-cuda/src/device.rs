@@ -251,7 +251,6 @@ impl Inner {
         // SAFETY: `stream` is one of this device's live streams.
         check(op, unsafe { sys::cuStreamSynchronize(stream) })
     }
-
 }
 
 impl Drop for Inner {
@@ -710,9 +709,8 @@ impl Device for CudaDevice {
             // SAFETY: the context is current; `ptr` is a valid out-pointer; a zero requested
             // address and flags ask for any suitably aligned range. Freed once, in
             // `release_reservation` or `Inner::drop`.
-            check_alloc(op, unsafe {
-                sys::cuMemAddressReserve(&mut ptr, bytes, inner.granularity, 0, 0)
-            }, bytes)?;
+            let r = unsafe { sys::cuMemAddressReserve(&mut ptr, bytes, inner.granularity, 0, 0) };
+            check_alloc(op, r, bytes)?;
             Ok(ptr)
         })?;
         vmm.reservations.insert(ptr, bytes);
@@ -727,11 +725,17 @@ impl Device for CudaDevice {
         inner.enter(op)?;
         let mut vmm = inner.vmm.lock().unwrap_or_else(PoisonError::into_inner);
         if vmm.reservations.get(&addr.0) != Some(&bytes) {
-            return Err(invalid_argument(op, "the range is not a reservation of this device"));
+            return Err(invalid_argument(
+                op,
+                "the range is not a reservation of this device",
+            ));
         }
         let end = addr.0 + bytes as u64;
         if vmm.handles.keys().any(|&g| g >= addr.0 && g < end) {
-            return Err(invalid_argument(op, "part of the reservation is still mapped"));
+            return Err(invalid_argument(
+                op,
+                "part of the reservation is still mapped",
+            ));
         }
         // SAFETY: `addr`/`bytes` are exactly a live reservation of this device (checked above)
         // with nothing mapped in it; it is removed from the list below, so freed once.
@@ -756,21 +760,28 @@ impl Device for CudaDevice {
         }
         let mut vmm = inner.vmm.lock().unwrap_or_else(PoisonError::into_inner);
         if !vmm.inside_reservation(addr.0, bytes) {
-            return Err(invalid_argument(op, "the range is not inside one reservation"));
+            return Err(invalid_argument(
+                op,
+                "the range is not inside one reservation",
+            ));
         }
-        let granules: Vec<u64> = (0..bytes / gran).map(|i| addr.0 + (i * gran) as u64).collect();
+        let granules: Vec<u64> = (0..bytes / gran)
+            .map(|i| addr.0 + (i * gran) as u64)
+            .collect();
         if granules.iter().any(|g| vmm.handles.contains_key(g)) {
             return Err(invalid_argument(op, "part of the range is already mapped"));
         }
         inner.enter(op)?;
         let prop = alloc_prop(inner.cu_device);
-        let mut done: Vec<(u64, sys::CUmemGenericAllocationHandle)> = Vec::with_capacity(granules.len());
+        let mut done: Vec<(u64, sys::CUmemGenericAllocationHandle)> =
+            Vec::with_capacity(granules.len());
         let result = inner.with_relaxed(op, || {
             for &g in &granules {
                 let mut handle: sys::CUmemGenericAllocationHandle = 0;
                 // SAFETY: `handle` is a valid out-pointer; `prop` is a fully initialized
                 // property struct that outlives the call; flags must be 0.
-                check_alloc(op, unsafe { sys::cuMemCreate(&mut handle, gran, &prop, 0) }, bytes)?;
+                let created = unsafe { sys::cuMemCreate(&mut handle, gran, &prop, 0) };
+                check_alloc(op, created, bytes)?;
                 // SAFETY: `g` is a granule-aligned, unmapped granule inside a live reservation
                 // of this device (checked above, under the lock held across the calls);
                 // `handle` is the `gran`-byte allocation just created; offset and flags 0.
@@ -822,7 +833,9 @@ impl Device for CudaDevice {
             ));
         }
         let mut vmm = inner.vmm.lock().unwrap_or_else(PoisonError::into_inner);
-        let granules: Vec<u64> = (0..bytes / gran).map(|i| addr.0 + (i * gran) as u64).collect();
+        let granules: Vec<u64> = (0..bytes / gran)
+            .map(|i| addr.0 + (i * gran) as u64)
+            .collect();
         if granules.iter().any(|g| !vmm.handles.contains_key(g)) {
             return Err(invalid_argument(op, "part of the range is not mapped"));
         }

@@ -51,7 +51,11 @@ const SEGMENT: usize = 4 * N * F32;
 
 fn arrays(dev: &CudaDevice) -> Arrays {
     let base = pool_memory(dev, SEGMENT).expect("reserve and map");
-    assert_eq!(base.0 % dev.granularity() as u64, 0, "reservations are granule-aligned");
+    assert_eq!(
+        base.0 % dev.granularity() as u64,
+        0,
+        "reservations are granule-aligned"
+    );
     Arrays {
         base,
         x: base,
@@ -439,7 +443,10 @@ fn map_write_read_unmap_remap() {
     assert_eq!(dev.read_f32(at, n).unwrap(), values);
     // Unmap one granule: the other keeps its contents.
     dev.unmap(at, g).unwrap();
-    assert_eq!(dev.read_f32(at.offset(g), g / F32).unwrap(), values[g / F32..]);
+    assert_eq!(
+        dev.read_f32(at.offset(g), g / F32).unwrap(),
+        values[g / F32..]
+    );
     // Remap it: new physical memory, usable again.
     dev.map(at, g).unwrap();
     dev.fill_f32(at, g / F32, 3.0).unwrap();

@@ -154,7 +154,11 @@ impl SimMemory {
     }
 
     /// A raw allocation of `bytes` at the next fresh address, filled with [`POISON_BYTE`].
-    pub(crate) fn alloc_raw(&mut self, op: DeviceOp, bytes: usize) -> Result<DevicePtr, DeviceError> {
+    pub(crate) fn alloc_raw(
+        &mut self,
+        op: DeviceOp,
+        bytes: usize,
+    ) -> Result<DevicePtr, DeviceError> {
         let oom = DeviceError::OutOfMemory { op, bytes };
         if bytes > self.limit - self.live_bytes {
             return Err(oom);
@@ -189,7 +193,10 @@ impl SimMemory {
     /// Reserves `bytes` of address space at the next fresh address; costs no memory.
     pub(crate) fn reserve(&mut self, op: DeviceOp, bytes: usize) -> Result<DevicePtr, DeviceError> {
         if bytes == 0 || !bytes.is_multiple_of(GRANULARITY) {
-            return Err(bad(op, "the size is not a positive multiple of the granularity"));
+            return Err(bad(
+                op,
+                "the size is not a positive multiple of the granularity",
+            ));
         }
         let base = self.place(bytes, DeviceError::OutOfMemory { op, bytes })?;
         self.regions.push(Region {
@@ -237,7 +244,10 @@ impl SimMemory {
         bytes: usize,
     ) -> Result<(usize, usize, usize), DeviceError> {
         if bytes == 0 || !bytes.is_multiple_of(GRANULARITY) || !addr.0.is_multiple_of(GRAN) {
-            return Err(bad(op, "the range is empty or not aligned to the granularity"));
+            return Err(bad(
+                op,
+                "the range is empty or not aligned to the granularity",
+            ));
         }
         let i = self.regions.partition_point(|r| r.base <= addr.0);
         let outside = || bad(op, "the range is not inside one reservation");
@@ -247,14 +257,22 @@ impl SimMemory {
             return Err(outside());
         };
         let off = addr.0 - r.base;
-        if off.checked_add(bytes as u64).is_none_or(|e| e > size as u64) {
+        if off
+            .checked_add(bytes as u64)
+            .is_none_or(|e| e > size as u64)
+        {
             return Err(outside());
         }
         Ok((i, (off / GRAN) as usize, bytes / GRANULARITY))
     }
 
     /// Maps fresh memory, filled with [`POISON_BYTE`], at the unmapped `[addr, addr+bytes)`.
-    pub(crate) fn map(&mut self, op: DeviceOp, addr: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
+    pub(crate) fn map(
+        &mut self,
+        op: DeviceOp,
+        addr: DevicePtr,
+        bytes: usize,
+    ) -> Result<(), DeviceError> {
         let (i, g0, n) = self.granules(op, addr, bytes)?;
         let oom = DeviceError::OutOfMemory { op, bytes };
         if bytes > self.limit - self.live_bytes {
@@ -284,7 +302,12 @@ impl SimMemory {
     }
 
     /// Unmaps the mapped `[addr, addr+bytes)`; host memory shrinks to the highest mapped granule.
-    pub(crate) fn unmap(&mut self, op: DeviceOp, addr: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
+    pub(crate) fn unmap(
+        &mut self,
+        op: DeviceOp,
+        addr: DevicePtr,
+        bytes: usize,
+    ) -> Result<(), DeviceError> {
         let (i, g0, n) = self.granules(op, addr, bytes)?;
         let r = &mut self.regions[i];
         let Kind::Reservation { mapped, .. } = &mut r.kind else {
@@ -656,31 +679,47 @@ mod tests {
         assert_eq!(m.regions[0].data.len(), 5 * GRANULARITY);
         assert_eq!(m.bytes(r, 4), Err(invalid(K, r, 4)), "below the mapping");
         let edge = far.offset(GRANULARITY - 2);
-        assert_eq!(m.bytes(edge, 4), Err(invalid(K, edge, 4)), "past the mapping");
+        assert_eq!(
+            m.bytes(edge, 4),
+            Err(invalid(K, edge, 4)),
+            "past the mapping"
+        );
         m.unmap(DeviceOp::Unmap, far, GRANULARITY).unwrap();
         assert_eq!(m.bytes(far, 4), Err(invalid(K, far, 4)));
         assert!(m.regions[0].data.is_empty());
         m.map(DeviceOp::Map, far, GRANULARITY).unwrap();
-        assert_eq!(m.bytes(far, 4).unwrap(), &[POISON_BYTE; 4], "remapped memory is fresh");
+        assert_eq!(
+            m.bytes(far, 4).unwrap(),
+            &[POISON_BYTE; 4],
+            "remapped memory is fresh"
+        );
     }
 
     #[test]
     fn misuse_is_an_invalid_argument() {
         let mut m = SimMemory::new(1 << 30);
         let r = m.reserve(DeviceOp::Reserve, 4 * GRANULARITY).unwrap();
-        let is_bad = |e: Result<(), DeviceError>| {
-            matches!(e, Err(DeviceError::InvalidArgument { .. }))
-        };
+        let is_bad =
+            |e: Result<(), DeviceError>| matches!(e, Err(DeviceError::InvalidArgument { .. }));
         assert!(matches!(
             m.reserve(DeviceOp::Reserve, 100),
             Err(DeviceError::InvalidArgument { .. })
         ));
         assert!(is_bad(m.map(DeviceOp::Map, r.offset(512), GRANULARITY)));
         assert!(is_bad(m.map(DeviceOp::Map, r, 0)));
-        assert!(is_bad(m.map(DeviceOp::Map, r, 5 * GRANULARITY)), "past the end");
+        assert!(
+            is_bad(m.map(DeviceOp::Map, r, 5 * GRANULARITY)),
+            "past the end"
+        );
         m.map(DeviceOp::Map, r, GRANULARITY).unwrap();
-        assert!(is_bad(m.map(DeviceOp::Map, r, 2 * GRANULARITY)), "mapped twice");
-        assert!(is_bad(m.unmap(DeviceOp::Unmap, r, 2 * GRANULARITY)), "not all mapped");
+        assert!(
+            is_bad(m.map(DeviceOp::Map, r, 2 * GRANULARITY)),
+            "mapped twice"
+        );
+        assert!(
+            is_bad(m.unmap(DeviceOp::Unmap, r, 2 * GRANULARITY)),
+            "not all mapped"
+        );
         assert!(is_bad(m.release_reservation(
             DeviceOp::ReleaseReservation,
             r,

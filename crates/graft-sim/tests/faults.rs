@@ -17,7 +17,10 @@ fn map_fault_fires_once_at_the_chosen_map() {
     dev.map(at(0), g).unwrap();
     dev.map(at(1), g).unwrap();
     assert_eq!(dev.map(at(2), g), Err(injected(DeviceOp::Map)));
-    assert!(dev.read(at(2), &mut [0u8; 4]).is_err(), "a failed map maps nothing");
+    assert!(
+        dev.read(at(2), &mut [0u8; 4]).is_err(),
+        "a failed map maps nothing"
+    );
     for i in 2..7 {
         dev.map(at(i), g).unwrap();
     }

@@ -205,7 +205,10 @@ fn memory_limit_gives_out_of_memory() {
             bytes: usize::MAX
         })
     );
-    assert!(dev.raw_alloc(g + 1).is_err(), "mapped bytes count against the limit");
+    assert!(
+        dev.raw_alloc(g + 1).is_err(),
+        "mapped bytes count against the limit"
+    );
     dev.unmap(r, g).unwrap();
     dev.map(r.offset(g), 2 * g).unwrap();
 }
