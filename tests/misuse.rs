@@ -380,3 +380,56 @@ fn large_copied_input_warns_once() {
     });
     assert_eq!(warnings, 1);
 }
+
+#[test]
+fn out_of_memory_releases_unused_pool_memory_then_reports_what_the_pool_holds() {
+    const MIB: usize = 1 << 20;
+    let dev = SimDevice::with_memory_limit(16 * MIB);
+    let mut g: G<SimDevice> = graft(
+        dev.clone(),
+        Config {
+            warmups: 10,
+            ..Config::default()
+        },
+    );
+    let f = g.register("f", FunctionSpec::default());
+    let x = input(&mut g, &[1.0; 4]);
+    // A warmup maps 12 MiB of scratch into the graph pool and frees it again.
+    let scratchy = |ctx: &mut Ctx<'_, SimDevice>| {
+        let scratch = ctx.alloc(12 * MIB)?;
+        ctx.device().fill_f32(scratch.addr()?, 4, 1.0)?;
+        let out = ctx.alloc(16)?;
+        ctx.device().fill_f32(out.addr()?, 4, 1.0)?;
+        Ok(vec![Output::new(out, 0)])
+    };
+    let out = g.call(f, &[&x], &[], scratchy).unwrap();
+    assert_eq!(g.stats().pool.reserved, 14 * MIB);
+    // The eager pool needs 8 MiB, the device has 2 left: graft unmaps what no block uses.
+    let big = g.alloc(8 * MIB).unwrap();
+    assert_eq!(
+        g.stats().pool.reserved,
+        2 * MIB,
+        "the held output's granule stays"
+    );
+    assert_eq!(read(&g, &out[0].buffer), vec![1.0; 4]);
+    // Past what any release can give, the error says what the pool holds and what to do.
+    let err = g.alloc(8 * MIB).unwrap_err();
+    match &err {
+        MemoryError::Pool(graft::pool::PoolError::OutOfMemory {
+            bytes,
+            mapped,
+            allocated,
+            ..
+        }) => assert_eq!(
+            (*bytes, *mapped, *allocated),
+            (8 * MIB, 10 * MIB, 8 * MIB + 512)
+        ),
+        other => panic!("{other}"),
+    }
+    let message = err.to_string();
+    assert!(
+        message.contains("Graft::reset") && message.contains("batch size"),
+        "{message}"
+    );
+    drop(big);
+}
