@@ -1,31 +1,43 @@
-//! Benchmarks of the pool's bookkeeping: alloc/free, checkpoint, rollback and restore.
+//! Benchmarks of the pool's bookkeeping: alloc/free (mapping once, then in place), checkpoint, rollback and restore.
 
 use std::hint::black_box;
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use graft::DevicePtr;
-use graft::pool::Pool;
+use graft::pool::{Backing, Pool};
+use graft::{DeviceError, DevicePtr};
 
 const MIB: usize = 1 << 20;
 
-/// A segment source that hands out addresses from a counter, as a device would.
-fn grower() -> impl FnMut(usize) -> Result<DevicePtr, graft::DeviceError> {
-    let mut next: u64 = 1 << 32;
-    move |bytes| {
-        let addr = next;
-        next += bytes as u64;
-        Ok(DevicePtr(addr))
+/// Memory that costs nothing: reservations from a counter, maps and unmaps accepted.
+struct Free;
+
+impl Backing for Free {
+    fn granularity(&self) -> usize {
+        2 * MIB
+    }
+    fn reserve(&self, _bytes: usize) -> Result<DevicePtr, DeviceError> {
+        Ok(DevicePtr(1 << 40))
+    }
+    fn release_reservation(&self, _: DevicePtr, _: usize) -> Result<(), DeviceError> {
+        Ok(())
+    }
+    fn map(&self, _: DevicePtr, _: usize) -> Result<(), DeviceError> {
+        Ok(())
+    }
+    fn unmap(&self, _: DevicePtr, _: usize) -> Result<(), DeviceError> {
+        Ok(())
     }
 }
 
+const RESERVATION: usize = 1 << 40;
+
 /// A pool holding about 100 blocks (about 67 allocated, the rest free holes).
 fn fragmented_pool() -> Pool {
-    let mut pool = Pool::new();
-    let mut grow = grower();
+    let mut pool = Pool::new(RESERVATION);
     let mut ids = Vec::new();
     for i in 0..100 {
         let size = 512 * (1 + (i * 37) % 64);
-        ids.push(pool.alloc(size, &mut grow).expect("alloc"));
+        ids.push(pool.alloc(size, &Free).expect("alloc"));
     }
     for b in ids.iter().step_by(3) {
         pool.free(b.id).expect("free");
@@ -35,11 +47,10 @@ fn fragmented_pool() -> Pool {
 
 fn bench_pool(c: &mut Criterion) {
     c.bench_function("pool/alloc_free_small", |b| {
-        let mut pool = Pool::new();
-        let mut grow = grower();
-        let keep = pool.alloc(4096, &mut grow).expect("alloc");
+        let mut pool = Pool::new(RESERVATION);
+        let keep = pool.alloc(4096, &Free).expect("alloc");
         b.iter(|| {
-            let blk = pool.alloc(black_box(4096), &mut grow).expect("alloc");
+            let blk = pool.alloc(black_box(4096), &Free).expect("alloc");
             pool.free(blk.id).expect("free")
         });
         black_box(keep);
@@ -56,12 +67,11 @@ fn bench_pool(c: &mut Criterion) {
             5 * MIB,
             12 * MIB,
         ];
-        let mut pool = Pool::new();
-        let mut grow = grower();
+        let mut pool = Pool::new(RESERVATION);
         let mut ids = [None; 8];
         b.iter(|| {
             for (slot, &size) in ids.iter_mut().zip(&SIZES) {
-                *slot = Some(pool.alloc(black_box(size), &mut grow).expect("alloc").id);
+                *slot = Some(pool.alloc(black_box(size), &Free).expect("alloc").id);
             }
             for id in ids.iter_mut().filter_map(Option::take) {
                 pool.free(id).expect("free");

@@ -169,10 +169,10 @@ fn memory_report_attributes_held_outputs<D: TestDevice>(dev: D) {
         );
     }
     let report = g.memory_report();
-    assert!(!report.segments.is_empty());
+    assert!(!report.mapped.is_empty());
     assert_eq!(
         report.reserved,
-        report.segments.iter().map(|s| s.1).sum::<usize>()
+        report.mapped.iter().map(|s| s.1).sum::<usize>()
     );
     let node = held[2].buffer.node().unwrap();
     // The replay overwrote the recording's output: only the replay's output is held by the node.

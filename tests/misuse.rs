@@ -111,15 +111,15 @@ device_test!(
 );
 
 #[test]
-fn failed_segment_allocation_during_recording_keeps_state_consistent() {
+fn failed_map_during_recording_keeps_state_consistent() {
     let dev = SimDevice::new();
     let mut g: G<SimDevice> = graft(dev.clone(), Config::default());
     let f = g.register("f", FunctionSpec::default());
     let x = input(&mut g, &[1.0; 4]);
     let runs = Runs::default();
     g.call(f, &[&x], &[], affine(1.0, 0.0, &runs)).unwrap();
-    // The recording needs a segment for its 4 MiB scratch: make that allocation fail.
-    dev.fail_segment_alloc_after(0);
+    // The recording needs new mapped memory for its 4 MiB scratch: make that allocation fail.
+    dev.fail_map_after(0);
     let big = |ctx: &mut Ctx<'_, SimDevice>| {
         let scratch = ctx.alloc(4 << 20)?;
         let out = ctx.alloc(16)?;
@@ -328,8 +328,8 @@ fn placeholder_allocation_failure_is_a_pool_error() {
     let f = g.register("f", FunctionSpec::default());
     let x = input(&mut g, &[1.0; 16]);
     let runs = Runs::default();
-    // The first call records at once; its placeholder needs the graph pool's first segment.
-    dev.fail_segment_alloc_after(0);
+    // The first call records at once; its placeholder needs the graph pool's first mapping.
+    dev.fail_map_after(0);
     let err = g.call(f, &[&x], &[], affine(1.0, 0.0, &runs)).unwrap_err();
     assert!(matches!(err, CallError::Pool { .. }), "{err}");
     assert_eq!((g.stats().nodes, runs.get()), (0, 0));
@@ -379,4 +379,57 @@ fn large_copied_input_warns_once() {
         }
     });
     assert_eq!(warnings, 1);
+}
+
+#[test]
+fn out_of_memory_releases_unused_pool_memory_then_reports_what_the_pool_holds() {
+    const MIB: usize = 1 << 20;
+    let dev = SimDevice::with_memory_limit(16 * MIB);
+    let mut g: G<SimDevice> = graft(
+        dev.clone(),
+        Config {
+            warmups: 10,
+            ..Config::default()
+        },
+    );
+    let f = g.register("f", FunctionSpec::default());
+    let x = input(&mut g, &[1.0; 4]);
+    // A warmup maps 12 MiB of scratch into the graph pool and frees it again.
+    let scratchy = |ctx: &mut Ctx<'_, SimDevice>| {
+        let scratch = ctx.alloc(12 * MIB)?;
+        ctx.device().fill_f32(scratch.addr()?, 4, 1.0)?;
+        let out = ctx.alloc(16)?;
+        ctx.device().fill_f32(out.addr()?, 4, 1.0)?;
+        Ok(vec![Output::new(out, 0)])
+    };
+    let out = g.call(f, &[&x], &[], scratchy).unwrap();
+    assert_eq!(g.stats().pool.reserved, 14 * MIB);
+    // The eager pool needs 8 MiB, the device has 2 left: graft unmaps what no block uses.
+    let big = g.alloc(8 * MIB).unwrap();
+    assert_eq!(
+        g.stats().pool.reserved,
+        2 * MIB,
+        "the held output's granule stays"
+    );
+    assert_eq!(read(&g, &out[0].buffer), vec![1.0; 4]);
+    // Past what any release can give, the error says what the pool holds and what to do.
+    let err = g.alloc(8 * MIB).unwrap_err();
+    match &err {
+        MemoryError::Pool(graft::pool::PoolError::OutOfMemory {
+            bytes,
+            mapped,
+            allocated,
+            ..
+        }) => assert_eq!(
+            (*bytes, *mapped, *allocated),
+            (8 * MIB, 10 * MIB, 8 * MIB + 512)
+        ),
+        other => panic!("{other}"),
+    }
+    let message = err.to_string();
+    assert!(
+        message.contains("Graft::reset") && message.contains("batch size"),
+        "{message}"
+    );
+    drop(big);
 }

@@ -786,7 +786,7 @@ fn reset_invalidates<D: TestDevice>(dev: D) {
         matches!(err, CallError::InvalidInput { position: 0, .. }),
         "{err}"
     );
-    assert_eq!(g.stats().pool.segments, 0);
+    assert_eq!(g.stats().pool.reserved, 0);
     assert_eq!(
         read(&g, &x),
         vec![1.0; 4],

@@ -92,6 +92,10 @@ pub struct Config {
     pub verify_replays: bool,
     /// How many non-replay decisions `Graft::explain` keeps (default 64).
     pub decision_log: usize,
+    /// Bytes of address space each of graft's two pools reserves (default 256 GiB). Address
+    /// space costs no device memory; physical memory is mapped into it only as needed. It
+    /// bounds the pool's live memory: raise it if an allocation reports the range exhausted.
+    pub pool_reservation: usize,
 }
 
 impl Default for Config {
@@ -105,6 +109,7 @@ impl Default for Config {
             allow_list: None,
             verify_replays: false,
             decision_log: 64,
+            pool_reservation: 256 << 30,
         }
     }
 }

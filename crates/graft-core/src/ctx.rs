@@ -4,7 +4,7 @@
 use std::sync::{Arc, Mutex, PoisonError};
 
 use crate::buffer::{Buffer, Cell};
-use crate::device::{Device, DevicePtr};
+use crate::device::{Device, DeviceError, DevicePtr};
 use crate::error::BodyError;
 use crate::pool::{Pool, PoolError};
 
@@ -25,6 +25,8 @@ pub struct Ctx<'a, D: Device> {
     pub(crate) device: &'a D,
     pub(crate) inputs: &'a [Buffer],
     pub(crate) pool: &'a Arc<Mutex<Pool>>,
+    /// The other pool of the runtime, released from on out-of-memory outside a capture.
+    pub(crate) sibling: &'a Mutex<Pool>,
     pub(crate) function: &'a Arc<str>,
     pub(crate) generation: u64,
     pub(crate) kind: RunKind,
@@ -72,12 +74,20 @@ impl<'a, D: Device> Ctx<'a, D> {
             );
             return Ok(Buffer::from_cell(&cell));
         }
+        let reclaim = if self.kind == RunKind::Recording {
+            Reclaim::Never
+        } else {
+            Reclaim::Unused {
+                sibling: self.sibling,
+            }
+        };
         let (cell, buffer) = alloc_owned(
             self.pool,
             device,
             bytes,
             self.function.clone(),
             self.generation,
+            reclaim,
         )?;
         self.allocs.push(cell);
         Ok(buffer)
@@ -89,17 +99,81 @@ impl<'a, D: Device> Ctx<'a, D> {
     }
 }
 
+/// What [`alloc_owned`] may do when the device is out of memory.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Reclaim<'a> {
+    /// Nothing: fail at once. During a capture (unmapping is illegal there) and between a
+    /// checkpoint and its rollback (releasing could unmap the checkpoint's blocks).
+    Never,
+    /// Release the memory no block and no pin uses, from the allocating pool and from
+    /// `sibling` (the two pools compete for one device), then retry once.
+    Unused {
+        /// The runtime's other pool.
+        sibling: &'a Mutex<Pool>,
+    },
+}
+
+/// Unmaps the memory of `pool` that no block and no recorded graph uses (see
+/// [`Pool::release_unused`]) and returns the bytes released. A failure is logged, not returned:
+/// this runs on the way to reporting an out-of-memory error, which is the error that matters.
+/// Call it only outside a capture, and never between a checkpoint of `pool` and its rollback.
+pub(crate) fn release_unused<D: Device>(pool: &mut Pool, device: &D) -> usize {
+    match pool.release_unused(device) {
+        Ok(bytes) => bytes,
+        Err(error) => {
+            tracing::debug!(%error, "releasing unused pool memory failed");
+            0
+        }
+    }
+}
+
 /// Allocates `bytes` from `pool` and returns a cell owning the block, with one handle: the
-/// block goes back to the pool when the last handle drops.
+/// block goes back to the pool when the last handle drops. On out-of-memory, `reclaim` says
+/// whether to release unused memory and retry once; a final out-of-memory is
+/// [`PoolError::OutOfMemory`], with what the pool holds.
 pub(crate) fn alloc_owned<D: Device>(
     pool: &Arc<Mutex<Pool>>,
     device: &D,
     bytes: usize,
     function: Arc<str>,
     generation: u64,
+    reclaim: Reclaim<'_>,
 ) -> Result<(Arc<Cell>, Buffer), PoolError> {
     let mut guard = pool.lock().unwrap_or_else(PoisonError::into_inner);
-    let block = guard.alloc(bytes, &mut |n| device.alloc_segment(n))?;
+    let mut result = guard.alloc(bytes, device);
+    if is_oom(&result)
+        && let Reclaim::Unused { sibling } = reclaim
+    {
+        let mut released = release_unused(&mut guard, device);
+        drop(guard);
+        if !std::ptr::eq(sibling, &**pool) {
+            let mut other = sibling.lock().unwrap_or_else(PoisonError::into_inner);
+            released += release_unused(&mut other, device);
+        }
+        tracing::debug!(
+            released,
+            bytes,
+            "out of device memory: released unused pool memory, retrying"
+        );
+        guard = pool.lock().unwrap_or_else(PoisonError::into_inner);
+        result = guard.alloc(bytes, device);
+    }
+    let block = match result {
+        Ok(block) => block,
+        Err(PoolError::Grow {
+            source: source @ DeviceError::OutOfMemory { .. },
+            ..
+        }) => {
+            let stats = guard.stats();
+            return Err(PoolError::OutOfMemory {
+                bytes,
+                mapped: stats.reserved,
+                allocated: stats.allocated,
+                source,
+            });
+        }
+        Err(e) => return Err(e),
+    };
     let cell = Cell::new(
         block.addr,
         bytes,
@@ -111,6 +185,17 @@ pub(crate) fn alloc_owned<D: Device>(
     let buffer = Buffer::from_cell(&cell);
     cell.adopt(block.id, &mut guard);
     Ok((cell, buffer))
+}
+
+/// Whether an allocation failed for want of device memory.
+fn is_oom<T>(result: &Result<T, PoolError>) -> bool {
+    matches!(
+        result,
+        Err(PoolError::Grow {
+            source: DeviceError::OutOfMemory { .. },
+            ..
+        })
+    )
 }
 
 impl<D: Device> std::fmt::Debug for Ctx<'_, D> {

@@ -7,8 +7,9 @@
 //! 1. [`Device::begin_capture`] puts the runtime stream into capture mode. From here on, work
 //!    enqueued on the runtime stream (kernels, [`Device::copy`]) is recorded, not run.
 //! 2. The registered function's body enqueues its work. Pool growth may call
-//!    [`Device::alloc_segment`] during the capture; a backend must make that legal (CUDA: switch
-//!    the calling thread to relaxed capture mode around the allocation, as PyTorch's allocator does).
+//!    [`Device::reserve`] and [`Device::map`] during the capture; a backend must make that legal
+//!    (CUDA: switch the calling thread to relaxed capture mode around the driver calls, as
+//!    PyTorch's allocator does).
 //!    Anything the body does that CUDA forbids during capture (a synchronize, a read to the host,
 //!    a raw allocation, work on another stream left unjoined) fails with
 //!    [`DeviceError::Capture`] and leaves the capture invalidated.
@@ -19,6 +20,28 @@
 //! 4. [`Device::launch`] replays the graph on the runtime stream: every operation runs again at
 //!    the addresses it was recorded with. Dropping the graph destroys it; errors from that go to
 //!    the sticky error slot.
+//!
+//! # Memory
+//!
+//! Graft's pools hold device memory through virtual memory management (CUDA VMM): each pool
+//! reserves one large range of address space and maps physical memory into it and out of it
+//! on demand, in units of [`Device::granularity`] bytes. A backend implements four calls with
+//! these rules:
+//!
+//! - [`Device::reserve`] takes `bytes` (a positive multiple of the granularity) of address space
+//!   only, aligned to the granularity. It is legal during a capture.
+//! - [`Device::map`] backs a granularity-aligned, currently unmapped range inside a reservation
+//!   with new physical memory, readable and writable by the device. Its contents are
+//!   unspecified (the simulator poisons them). It is legal during a capture. The backend keeps one
+//!   physical allocation per granule, so any granule-aligned sub-range can be unmapped later.
+//! - [`Device::unmap`] waits for stream work that may use the memory, then unmaps a mapped,
+//!   granularity-aligned range and releases its physical memory. Never called during a capture.
+//! - [`Device::release_reservation`] gives back a whole reservation, every byte of which must
+//!   be unmapped first. Never called during a capture.
+//!
+//! Misuse (a range that is unaligned, empty, outside a reservation, mapped twice, or unmapped
+//! while not mapped) is [`DeviceError::InvalidArgument`], never undefined behaviour. Once
+//! mapped, an address stays valid until it is unmapped, so a recorded graph may keep using it.
 
 use std::fmt;
 
@@ -71,10 +94,14 @@ pub enum CaptureMode {
 /// The device operation that failed, for errors and capture-failure reasons.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Hash)]
 pub enum DeviceOp {
-    /// Allocating a pool segment.
-    SegmentAlloc,
-    /// Returning a pool segment to the device.
-    SegmentFree,
+    /// Reserving address space for a pool.
+    Reserve,
+    /// Mapping physical memory into a reservation.
+    Map,
+    /// Unmapping physical memory from a reservation and releasing it.
+    Unmap,
+    /// Giving a reservation's address space back.
+    ReleaseReservation,
     /// A raw device allocation made outside graft's pool.
     RawAlloc,
     /// A device-to-device copy on the runtime stream.
@@ -115,8 +142,10 @@ impl DeviceOp {
     /// A short lowercase name for messages.
     pub fn name(self) -> &'static str {
         match self {
-            DeviceOp::SegmentAlloc => "segment allocation",
-            DeviceOp::SegmentFree => "segment free",
+            DeviceOp::Reserve => "address reservation",
+            DeviceOp::Map => "memory map",
+            DeviceOp::Unmap => "memory unmap",
+            DeviceOp::ReleaseReservation => "address reservation release",
             DeviceOp::RawAlloc => "raw device allocation",
             DeviceOp::Copy => "device-to-device copy",
             DeviceOp::Write => "host-to-device write",
@@ -261,6 +290,16 @@ pub enum DeviceError {
         /// Bytes.
         len: usize,
     },
+    /// The arguments of a call break the device layer's rules (see the module's Memory
+    /// section): an unaligned or empty range, one outside a reservation, mapping memory twice,
+    /// unmapping memory that is not mapped.
+    #[error("{op} refused: {what}; this is a bug in the caller of the device layer")]
+    InvalidArgument {
+        /// The failing operation.
+        op: DeviceOp,
+        /// What was wrong, lowercase.
+        what: &'static str,
+    },
     /// A capture call made in the wrong state (ending with none begun, beginning twice).
     #[error("{op} called while {state}; this is a bug in the caller of the device layer")]
     CaptureState {
@@ -293,6 +332,7 @@ impl DeviceError {
             | DeviceError::InvalidAddress { op, .. }
             | DeviceError::OverlappingCopy { op, .. }
             | DeviceError::CaptureState { op, .. }
+            | DeviceError::InvalidArgument { op, .. }
             | DeviceError::Driver { op, .. } => *op,
         }
     }
@@ -337,13 +377,28 @@ pub trait Device: Send + Sync + 'static {
     /// A human-readable description, e.g. "NVIDIA H100 80GB HBM3 (cuda:0)" or "host simulator".
     fn describe(&self) -> String;
 
-    /// Allocates `bytes` of device memory for a pool segment. Must succeed during a capture
-    /// (see step 2 of the capture lifecycle). The result is aligned to at least 512 bytes.
-    fn alloc_segment(&self, bytes: usize) -> Result<DevicePtr, DeviceError>;
+    /// The physical mapping granularity in bytes: a power of two, a multiple of 512 (CUDA: the
+    /// recommended granularity, 2 MiB on an H100). Constant for the device's life.
+    fn granularity(&self) -> usize;
 
-    /// Returns a segment obtained from [`Device::alloc_segment`] with the same size. Waits for
-    /// work on the stream that may still use it. Never called during a capture.
-    fn free_segment(&self, ptr: DevicePtr, bytes: usize) -> Result<(), DeviceError>;
+    /// Reserves `bytes` of address space, with no memory behind it (see the module's Memory
+    /// section). `bytes` must be a positive multiple of [`Device::granularity`]; the result is
+    /// aligned to it. Legal during a capture.
+    fn reserve(&self, bytes: usize) -> Result<DevicePtr, DeviceError>;
+
+    /// Gives back a whole reservation made by [`Device::reserve`] (`addr` and `bytes` as it
+    /// was made). Every byte of it must be unmapped first. Never called during a capture.
+    fn release_reservation(&self, addr: DevicePtr, bytes: usize) -> Result<(), DeviceError>;
+
+    /// Maps new physical memory, readable and writable by the device, at the granularity-aligned,
+    /// currently unmapped range `addr..addr+bytes` inside one reservation. Must be legal during a
+    /// capture (step 2 of the capture lifecycle). If it fails, nothing of the range is mapped.
+    fn map(&self, addr: DevicePtr, bytes: usize) -> Result<(), DeviceError>;
+
+    /// Waits for stream work that may use the memory, then unmaps the mapped,
+    /// granularity-aligned range `addr..addr+bytes` and releases its physical memory. Any
+    /// granule-aligned sub-range of earlier maps may be unmapped. Never called during a capture.
+    fn unmap(&self, addr: DevicePtr, bytes: usize) -> Result<(), DeviceError>;
 
     /// Enqueues a device-to-device copy of `bytes` on the runtime stream (captured when capturing).
     /// Overlapping ranges are an error, never undefined.

@@ -63,17 +63,19 @@ pub struct NodeInfo {
 /// Where the graph pool's memory is.
 #[derive(Clone, PartialEq, Debug, Default)]
 pub struct MemoryReport {
-    /// Segments obtained from the device: (address, bytes).
-    pub segments: Vec<(DevicePtr, usize)>,
-    /// Bytes reserved from the device.
+    /// Maximal ranges of physical memory mapped into the pool: (address, bytes).
+    pub mapped: Vec<(DevicePtr, usize)>,
+    /// Ranges recorded graphs use, kept mapped until `Graft::reset`: (address, bytes).
+    pub pinned: Vec<(DevicePtr, usize)>,
+    /// Bytes of physical memory mapped into the pool.
     pub reserved: usize,
     /// Bytes in allocated blocks (as the bookkeeping sees them).
     pub allocated: usize,
     /// Allocated blocks.
     pub live_blocks: usize,
-    /// Free blocks.
+    /// Free ranges over mapped memory (free blocks cut to the mapped ranges).
     pub free_blocks: usize,
-    /// Largest free block.
+    /// Largest of those free ranges.
     pub largest_free: usize,
     /// 1 - largest free block / free bytes: 0 when free memory is one block.
     pub fragmentation: f64,
@@ -222,7 +224,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
         }) + "}\n"
     }
 
-    /// Segments, blocks and fragmentation of the graph pool, and who holds its memory.
+    /// Mapped memory, blocks and fragmentation of the graph pool, and who holds its memory.
     pub fn memory_report(&self) -> MemoryReport {
         let pool = self
             .graph_pool
@@ -230,12 +232,21 @@ impl<D: Device, M: Clone> Graft<D, M> {
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         let stats = pool.stats();
         let blocks = pool.blocks();
-        let segments = pool.segments();
+        let mapped = pool.mapped();
+        let pinned = pool.pinned();
         drop(pool);
+        // Free memory that costs something: free blocks cut to the mapped ranges (the unmapped
+        // rest of the address range is free too, but holds no memory).
         let free: Vec<usize> = blocks
             .iter()
-            .filter(|(_, a)| !a)
-            .map(|(b, _)| b.size)
+            .filter(|(_, allocated)| !allocated)
+            .flat_map(|(b, _)| {
+                let (s, e) = (b.addr.0, b.addr.0 + b.size as u64);
+                mapped.iter().filter_map(move |&(m, len)| {
+                    let (ms, me) = (m.0.max(s), (m.0 + len as u64).min(e));
+                    (ms < me).then_some((me - ms) as usize)
+                })
+            })
             .collect();
         let free_bytes: usize = free.iter().sum();
         let largest_free = free.iter().copied().max().unwrap_or(0);
@@ -263,7 +274,8 @@ impl<D: Device, M: Clone> Graft<D, M> {
             .filter(|c| c.is_readable_by_someone())
             .fold((0, 0), |(n, b), c| (n + 1, b + c.len()));
         MemoryReport {
-            segments,
+            mapped,
+            pinned,
             reserved: stats.reserved,
             allocated: stats.allocated,
             live_blocks: stats.live_blocks,

@@ -136,6 +136,7 @@ pub(crate) fn lock(pool: &Mutex<Pool>) -> MutexGuard<'_, Pool> {
 impl<D: Device, M: Clone> Graft<D, M> {
     /// A runtime over `device` with `config`.
     pub fn new(device: D, config: Config) -> Graft<D, M> {
+        let reservation = config.pool_reservation;
         Graft {
             device,
             config,
@@ -144,8 +145,8 @@ impl<D: Device, M: Clone> Graft<D, M> {
             roots: Vec::new(),
             phase: Phase::Idle,
             generation: 1,
-            graph_pool: Arc::new(Mutex::new(Pool::new())),
-            eager_pool: Arc::new(Mutex::new(Pool::new())),
+            graph_pool: Arc::new(Mutex::new(Pool::new(reservation))),
+            eager_pool: Arc::new(Mutex::new(Pool::new(reservation))),
             pool_stale: false,
             loose: Registry::default(),
             eager_cells: Registry::default(),

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use crate::buffer::{Buffer, Cell};
-use crate::ctx::alloc_owned;
+use crate::ctx::{Reclaim, alloc_owned};
 use crate::device::{Device, DevicePtr};
 use crate::error::{FunctionId, MemoryError};
 use crate::graft::{Graft, lock};
@@ -81,6 +81,9 @@ impl<D: Device, M: Clone> Graft<D, M> {
             bytes,
             Arc::from("alloc"),
             self.generation,
+            Reclaim::Unused {
+                sibling: &self.graph_pool,
+            },
         )?;
         self.eager_cells.extend([cell]);
         Ok(buffer)
@@ -147,7 +150,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
         self.write(buffer, &bytes)
     }
 
-    /// Drops every graph and returns the graph pool's segments to the device. Buffers still
+    /// Drops every graph and returns the graph pool's memory and address range to the device. Buffers still
     /// held from graph-pool memory become invalid (reading them returns
     /// [`crate::BufferError::Reset`]); memory from [`Graft::alloc`] and eager runs stays.
     pub fn reset(&mut self) -> Result<(), MemoryError> {
@@ -168,7 +171,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
         self.epoch += 1;
         self.new_generation();
         let device = &self.device;
-        let released = lock(&self.graph_pool).release_all(&mut |p, n| device.free_segment(p, n));
+        let released = lock(&self.graph_pool).release_all(device);
         synced?;
         released?;
         if let Some(e) = self.device.take_sticky_error() {
@@ -213,14 +216,14 @@ impl<D: Device, M: Clone> Drop for Graft<D, M> {
         let device = &self.device;
         let record = |r: Result<(), crate::pool::PoolError>| {
             if let Err(e) = r {
-                tracing::error!(error = %e, "releasing pool segments failed while dropping the runtime");
+                tracing::error!(error = %e, "releasing pool memory failed while dropping the runtime");
                 if let crate::pool::PoolError::Release { source, .. } = e {
                     device.record_sticky_error(source);
                 }
             }
         };
-        record(lock(&self.graph_pool).release_all(&mut |p, n| device.free_segment(p, n)));
-        record(lock(&self.eager_pool).release_all(&mut |p, n| device.free_segment(p, n)));
+        record(lock(&self.graph_pool).release_all(device));
+        record(lock(&self.eager_pool).release_all(device));
         if let Err(e) = synced {
             device.record_sticky_error(e);
         }

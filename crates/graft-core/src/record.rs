@@ -5,7 +5,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 use std::sync::Arc;
 
 use crate::buffer::{Buffer, Cell};
-use crate::ctx::{Ctx, RunKind, alloc_owned};
+use crate::ctx::{Ctx, Reclaim, RunKind, alloc_owned};
 use crate::device::{Device, DeviceError, DeviceOp, DevicePtr};
 use crate::error::{BodyError, CallError};
 use crate::graft::{Frame, Graft, Outcome, lock};
@@ -129,12 +129,14 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 };
                 (slot, (*b).clone())
             } else {
+                // No reclaiming here: a checkpoint is pending.
                 let placed = alloc_owned(
                     &self.graph_pool,
                     &self.device,
                     b.len(),
                     name.clone(),
                     generation,
+                    Reclaim::Never,
                 );
                 let (cell, handle) = match placed {
                     Ok(placed) => placed,
@@ -197,6 +199,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
             device: &self.device,
             inputs: &prepared.ctx_inputs,
             pool: &self.graph_pool,
+            sibling: &self.eager_pool,
             function: &name,
             generation: self.generation,
             kind: RunKind::Recording,
@@ -321,6 +324,13 @@ impl<D: Device, M: Clone> Graft<D, M> {
     ) {
         let id = key.id();
         let (function, parent) = (self.nodes[key].function, self.nodes[key].parent);
+        // What a graph reads or writes stays mapped as long as the graph exists.
+        let pins: Vec<(DevicePtr, usize)> = self.nodes[key]
+            .footprint
+            .iter()
+            .map(|&(s, e)| (DevicePtr(s), (e - s) as usize))
+            .collect();
+        lock(&self.graph_pool).pin(&pins);
         let mut output_cells: Vec<*const Cell> = Vec::new();
         for o in &self.nodes[key].outputs {
             if let OutputSlot::Tracked { cell, .. } = &o.slot {

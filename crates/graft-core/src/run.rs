@@ -61,15 +61,16 @@ impl<D: Device, M: Clone> Graft<D, M> {
         let ctx_inputs: Vec<Buffer> = frame.inputs.iter().map(|b| (*b).clone()).collect();
         let name = self.functions[frame.function.0].name.clone();
         let warmup = kind == RunKind::Warmup;
-        let pool = if warmup {
-            &self.graph_pool
+        let (pool, sibling) = if warmup {
+            (&self.graph_pool, &self.eager_pool)
         } else {
-            &self.eager_pool
+            (&self.eager_pool, &self.graph_pool)
         };
         let mut ctx = Ctx {
             device: &self.device,
             inputs: &ctx_inputs,
             pool,
+            sibling,
             function: &name,
             generation: self.generation,
             kind,

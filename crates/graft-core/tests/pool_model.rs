@@ -1,1033 +1,619 @@
 //! The pool against a trivially correct model (proptest, with shrinking), plus unit tests.
 //!
-//! The model is a sorted list of segments and a list of live ranges. From them it computes the
-//! free gaps, and from the gaps exactly what the pool must do: best fit (smallest gap that fits,
-//! lowest address among equals), whether it grows, by how much, and the block size handed out.
+//! The model is a map of allocated ranges, a set of mapped granules and a set of pinned
+//! granules. From them it computes the free gaps, and from the gaps exactly what the pool must
+//! do: best fit (smallest gap that fits, lowest address among equals), which granules it maps,
+//! what `release_unused` unmaps. A fake backing checks every call against the device rules and
+//! keeps its own set of mapped granules, which must always equal the pool's and the model's.
 
-use std::collections::BTreeSet;
+use std::cell::RefCell;
+use std::collections::{BTreeMap, BTreeSet};
 
 use graft_core::device::{DeviceError, DeviceOp, DevicePtr};
-use graft_core::pool::{Block, BlockId, Checkpoint, Pool, PoolError, PoolStats};
+use graft_core::pool::{Backing, Block, BlockId, Checkpoint, Pool, PoolError};
 use proptest::prelude::*;
 use proptest::sample::Index;
 
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
-/// Where the fake device's first segment goes.
+/// Granularity of the fake backing in the model test: small, so blocks share granules.
+const GRAN: usize = 2 * KIB;
+/// Where the fake backing's reservations start; each new one is placed after the last.
 const BASE: u64 = 1 << 32;
 
-/// A device that hands out segment addresses from a counter.
-#[derive(Debug, Default)]
-struct FakeDevice {
-    next: u64,
-    /// Bytes left between consecutive segments (0: segments are adjacent).
-    gap: u64,
-    fail_next: bool,
-    grows: Vec<usize>,
-    frees: Vec<(DevicePtr, usize)>,
+/// A backing that checks every call against the device rules and records what is mapped.
+#[derive(Debug)]
+struct FakeBacking {
+    gran: usize,
+    state: RefCell<FakeState>,
 }
 
-impl FakeDevice {
-    fn new(gap: u64) -> FakeDevice {
-        FakeDevice {
-            next: BASE,
-            gap,
-            ..FakeDevice::default()
+#[derive(Debug, Default)]
+struct FakeState {
+    next: u64,
+    reservation: Option<(u64, usize)>,
+    /// Mapped granules (addresses).
+    mapped: BTreeSet<u64>,
+    fail_next_map: bool,
+    /// Rule violations seen (must stay empty).
+    violations: Vec<String>,
+    maps: usize,
+    reserves: usize,
+}
+
+impl FakeBacking {
+    fn new(gran: usize) -> FakeBacking {
+        FakeBacking {
+            gran,
+            state: RefCell::new(FakeState {
+                next: BASE,
+                ..FakeState::default()
+            }),
         }
     }
 
-    fn grow(&mut self, bytes: usize) -> Result<DevicePtr, DeviceError> {
-        self.grows.push(bytes);
-        if std::mem::take(&mut self.fail_next) {
-            return Err(DeviceError::Injected {
-                op: DeviceOp::SegmentAlloc,
+    fn granules(&self, addr: DevicePtr, bytes: usize) -> Vec<u64> {
+        (0..bytes / self.gran)
+            .map(|i| addr.0 + (i * self.gran) as u64)
+            .collect()
+    }
+
+    /// Checks a map/unmap range; records a violation and returns an error when it is bad.
+    fn check_range(&self, op: DeviceOp, addr: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
+        let mut st = self.state.borrow_mut();
+        let inside = st
+            .reservation
+            .is_some_and(|(b, s)| addr.0 >= b && addr.0 + bytes as u64 <= b + s as u64);
+        let aligned =
+            bytes > 0 && bytes.is_multiple_of(self.gran) && addr.0.is_multiple_of(self.gran as u64);
+        if !inside || !aligned {
+            st.violations.push(format!("{op} {addr}+{bytes}"));
+            return Err(DeviceError::InvalidArgument {
+                op,
+                what: "bad range",
             });
         }
-        let addr = self.next;
-        self.next += bytes as u64 + self.gap;
+        Ok(())
+    }
+
+    fn mapped(&self) -> BTreeSet<u64> {
+        self.state.borrow().mapped.clone()
+    }
+
+    fn violations(&self) -> Vec<String> {
+        self.state.borrow().violations.clone()
+    }
+
+    fn fail_next_map(&self) {
+        self.state.borrow_mut().fail_next_map = true;
+    }
+}
+
+impl Backing for FakeBacking {
+    fn granularity(&self) -> usize {
+        self.gran
+    }
+
+    fn reserve(&self, bytes: usize) -> Result<DevicePtr, DeviceError> {
+        let mut st = self.state.borrow_mut();
+        if st.reservation.is_some() || !bytes.is_multiple_of(self.gran) {
+            st.violations.push(format!("reserve {bytes}"));
+        }
+        let addr = st.next;
+        st.next += bytes as u64 + self.gran as u64;
+        st.reservation = Some((addr, bytes));
+        st.reserves += 1;
         Ok(DevicePtr(addr))
     }
 
-    fn free(&mut self, ptr: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
-        self.frees.push((ptr, bytes));
+    fn release_reservation(&self, addr: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
+        let mut st = self.state.borrow_mut();
+        if st.reservation != Some((addr.0, bytes)) || !st.mapped.is_empty() {
+            st.violations.push(format!("release {addr}+{bytes}"));
+        }
+        st.reservation = None;
+        Ok(())
+    }
+
+    fn map(&self, addr: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
+        self.check_range(DeviceOp::Map, addr, bytes)?;
+        let gs = self.granules(addr, bytes);
+        let mut st = self.state.borrow_mut();
+        if std::mem::take(&mut st.fail_next_map) {
+            return Err(DeviceError::OutOfMemory {
+                op: DeviceOp::Map,
+                bytes,
+            });
+        }
+        if gs.iter().any(|g| st.mapped.contains(g)) {
+            st.violations.push(format!("map twice {addr}+{bytes}"));
+        }
+        st.mapped.extend(gs);
+        st.maps += 1;
+        Ok(())
+    }
+
+    fn unmap(&self, addr: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
+        self.check_range(DeviceOp::Unmap, addr, bytes)?;
+        let gs = self.granules(addr, bytes);
+        let mut st = self.state.borrow_mut();
+        for g in gs {
+            if !st.mapped.remove(&g) {
+                st.violations.push(format!("unmap unmapped {g:#x}"));
+            }
+        }
         Ok(())
     }
 }
 
-fn alloc(pool: &mut Pool, dev: &mut FakeDevice, bytes: usize) -> Result<Block, PoolError> {
-    pool.alloc(bytes, &mut |b| dev.grow(b))
-}
-
-fn round(len: usize) -> usize {
-    len.max(1).next_multiple_of(512)
-}
-
-fn is_large(size: usize) -> bool {
-    size > MIB
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct MSeg {
-    addr: u64,
-    size: usize,
-    large: bool,
-}
-
-impl MSeg {
-    fn end(&self) -> u64 {
-        self.addr + self.size as u64
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Live {
-    id: BlockId,
-    addr: u64,
-    size: usize,
-    /// The length originally asked for (at most `size`).
-    req: usize,
-}
-
-#[derive(Debug)]
-struct Saved {
-    cp: Checkpoint,
-    live: Vec<Live>,
-    segs: Vec<u64>,
-}
-
-#[derive(Debug, Default)]
+/// The trivially correct model.
+#[derive(Debug, Clone, Default)]
 struct Model {
-    segs: Vec<MSeg>,
-    live: Vec<Live>,
-    saved: Vec<Saved>,
-    max_id: Option<BlockId>,
+    reservation: Option<(u64, usize)>,
+    /// addr -> (size, id)
+    allocated: BTreeMap<u64, (usize, BlockId)>,
+    mapped: BTreeSet<u64>,
+    pinned: BTreeSet<u64>,
+    peak_mapped: usize,
     peak_allocated: usize,
-    peak_reserved: usize,
+}
+
+fn round(bytes: usize) -> usize {
+    bytes.max(1).next_multiple_of(512)
 }
 
 impl Model {
-    fn seg_of(&self, addr: u64) -> Option<MSeg> {
-        self.segs
-            .iter()
-            .copied()
-            .find(|s| s.addr <= addr && addr < s.end())
+    fn gran_floor(&self, a: u64) -> u64 {
+        let (b, _) = self.reservation.unwrap();
+        b + (a - b) / GRAN as u64 * GRAN as u64
     }
 
-    /// Free gaps (addr, size, segment), address order.
-    fn gaps(&self) -> Vec<(u64, usize, MSeg)> {
+    /// Granules touched by `[a, a+len)`.
+    fn touched(&self, a: u64, len: usize) -> impl Iterator<Item = u64> {
+        let first = self.gran_floor(a);
+        let end = a + len as u64;
+        (first..end).step_by(GRAN)
+    }
+
+    fn is_mapped(&self, a: u64, len: usize) -> bool {
+        self.touched(a, len).all(|g| self.mapped.contains(&g))
+    }
+
+    /// Free gaps (addr, size), address order.
+    fn gaps(&self) -> Vec<(u64, usize)> {
+        let Some((base, size)) = self.reservation else {
+            return Vec::new();
+        };
         let mut out = Vec::new();
-        for seg in &self.segs {
-            let mut inside: Vec<(u64, u64)> = self
-                .live
-                .iter()
-                .filter(|l| seg.addr <= l.addr && l.addr < seg.end())
-                .map(|l| (l.addr, l.addr + l.size as u64))
-                .collect();
-            inside.sort_unstable();
-            let mut cursor = seg.addr;
-            for (a, e) in inside.into_iter().chain([(seg.end(), seg.end())]) {
-                if a > cursor {
-                    out.push((cursor, (a - cursor) as usize, *seg));
-                }
-                cursor = cursor.max(e);
+        let mut cursor = base;
+        for (&a, &(s, _)) in &self.allocated {
+            if a > cursor {
+                out.push((cursor, (a - cursor) as usize));
             }
+            cursor = a + s as u64;
+        }
+        let end = base + size as u64;
+        if end > cursor {
+            out.push((cursor, (end - cursor) as usize));
         }
         out
     }
 
-    fn stats(&self) -> PoolStats {
-        PoolStats {
-            reserved: self.segs.iter().map(|s| s.size).sum(),
-            allocated: self.live.iter().map(|l| l.size).sum(),
-            peak_allocated: self.peak_allocated,
-            peak_reserved: self.peak_reserved,
-            live_blocks: self.live.len(),
-            segments: self.segs.len(),
-        }
+    fn allocated_bytes(&self) -> usize {
+        self.allocated.values().map(|(s, _)| s).sum()
     }
 
     fn note_peaks(&mut self) {
-        let s = self.stats();
-        self.peak_allocated = self.peak_allocated.max(s.allocated);
-        self.peak_reserved = self.peak_reserved.max(s.reserved);
+        self.peak_mapped = self.peak_mapped.max(self.mapped.len() * GRAN);
+        self.peak_allocated = self.peak_allocated.max(self.allocated_bytes());
     }
-
-    /// Checks that `id` is fresh: above every id seen so far.
-    fn fresh(&mut self, id: BlockId) -> Result<(), TestCaseError> {
-        prop_assert!(self.max_id.is_none_or(|m| id > m), "id {id} reused");
-        self.max_id = Some(id);
-        Ok(())
-    }
-}
-
-#[derive(Debug, Clone)]
-enum Extra {
-    /// A range starting in a free gap: gap index, offset index, length index, and whether it
-    /// runs past the gap (into a live block, or past the segment's end) by up to 4 KiB.
-    FreeRange(Index, Index, Index, bool),
-    /// The last 512 bytes of a segment plus 512 more: never inside one segment.
-    Straddle(Index),
-    /// Below every segment.
-    Outside,
-    /// A copy of a live range: placed only if the original is not placed before it.
-    Duplicate(Index),
 }
 
 #[derive(Debug, Clone)]
 enum Op {
     Alloc(usize),
     Free(Index),
-    Checkpoint,
-    Rollback {
-        which: Index,
-        checked: bool,
-    },
-    Restore {
-        keep: u64,
-        use_req: bool,
-        extra: Option<(Extra, Index)>,
-    },
-    FailNextGrow,
+    Pin(Index, usize),
     ReleaseUnused,
+    Checkpoint,
+    Rollback,
+    TryRollback,
+    Restore(Vec<(Index, usize)>),
+    ReleaseAll,
+    FailNextMap,
 }
 
-fn size_strategy() -> impl Strategy<Value = usize> {
+fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        5 => 1usize..4096,
-        3 => 4096usize..=MIB,
-        2 => (MIB + 1)..=24 * MIB,
-        1 => prop::sample::select(vec![
-            0,
-            512,
-            513,
-            MIB - 1,
-            MIB,
-            MIB + 1,
-            2 * MIB,
-            10 * MIB - 1,
-            10 * MIB,
-            11 * MIB,
-            19 * MIB,
-            20 * MIB,
-        ]),
+        8 => prop_oneof![0..=4 * KIB, 4 * KIB..=24 * KIB].prop_map(Op::Alloc),
+        5 => any::<Index>().prop_map(Op::Free),
+        1 => (any::<Index>(), 0..3 * KIB).prop_map(|(i, l)| Op::Pin(i, l)),
+        2 => Just(Op::ReleaseUnused),
+        1 => Just(Op::Checkpoint),
+        1 => Just(Op::Rollback),
+        1 => Just(Op::TryRollback),
+        1 => prop::collection::vec((any::<Index>(), 0..2 * KIB), 0..5).prop_map(Op::Restore),
+        1 => Just(Op::ReleaseAll),
+        1 => Just(Op::FailNextMap),
     ]
 }
 
-fn extra_strategy() -> impl Strategy<Value = Extra> {
-    prop_oneof![
-        4 => (any::<Index>(), any::<Index>(), any::<Index>())
-            .prop_map(|(g, o, l)| Extra::FreeRange(g, o, l, false)),
-        2 => (any::<Index>(), any::<Index>(), any::<Index>())
-            .prop_map(|(g, o, l)| Extra::FreeRange(g, o, l, true)),
-        1 => any::<Index>().prop_map(Extra::Straddle),
-        1 => Just(Extra::Outside),
-        1 => any::<Index>().prop_map(Extra::Duplicate),
-    ]
-}
-
-fn op_strategy() -> impl Strategy<Value = Op> {
-    prop_oneof![
-        10 => size_strategy().prop_map(Op::Alloc),
-        6 => any::<Index>().prop_map(Op::Free),
-        2 => Just(Op::Checkpoint),
-        2 => (any::<Index>(), any::<bool>())
-            .prop_map(|(which, checked)| Op::Rollback { which, checked }),
-        2 => (any::<u64>(), any::<bool>(), prop::option::of((extra_strategy(), any::<Index>())))
-            .prop_map(|(keep, use_req, extra)| Op::Restore { keep, use_req, extra }),
-        1 => Just(Op::FailNextGrow),
-        1 => Just(Op::ReleaseUnused),
-    ]
-}
-
-type Snapshot = (Vec<(Block, bool)>, Vec<(DevicePtr, usize)>, PoolStats);
-
-fn snapshot(pool: &Pool) -> Snapshot {
-    (pool.blocks(), pool.segments(), pool.stats())
-}
-
-/// Layout without ids: (addr, size, allocated).
-fn layout(pool: &Pool) -> Vec<(DevicePtr, usize, bool)> {
-    pool.blocks()
+/// Compares the pool, the model and the fake backing.
+fn check(pool: &Pool, model: &Model, fake: &FakeBacking) -> Result<(), TestCaseError> {
+    pool.check_invariants()
+        .map_err(|e| TestCaseError::fail(format!("invariant: {e}")))?;
+    prop_assert_eq!(fake.violations(), Vec::<String>::new());
+    let allocated: BTreeMap<u64, (usize, BlockId)> = pool
+        .blocks()
         .into_iter()
-        .map(|(b, a)| (b.addr, b.size, a))
-        .collect()
-}
-
-/// Everything checked after every step.
-fn check(pool: &Pool, model: &Model) -> Result<(), TestCaseError> {
-    if let Err(e) = pool.check_invariants() {
-        prop_assert!(false, "invariant broken: {e}");
-    }
-    let segs: Vec<(DevicePtr, usize)> = model
-        .segs
-        .iter()
-        .map(|s| (DevicePtr(s.addr), s.size))
-        .collect();
-    prop_assert_eq!(pool.segments(), segs);
-
-    // The model's own sanity: live ranges disjoint and inside one segment each.
-    let mut ranges: Vec<(u64, u64)> = model
-        .live
-        .iter()
-        .map(|l| (l.addr, l.addr + l.size as u64))
-        .collect();
-    ranges.sort_unstable();
-    for w in ranges.windows(2) {
-        prop_assert!(w[0].1 <= w[1].0, "live ranges overlap: {:?}", w);
-    }
-    for l in &model.live {
-        let seg = model.seg_of(l.addr);
-        prop_assert!(
-            seg.is_some_and(|s| l.addr + l.size as u64 <= s.end()),
-            "live range {l:?} outside every segment"
-        );
-        prop_assert!(l.size >= round(l.req));
-    }
-
-    // Blocks tile the segments, free blocks are coalesced.
-    let blocks = pool.blocks();
-    let mut bi = blocks.iter().peekable();
-    for s in &model.segs {
-        let mut cursor = s.addr;
-        let mut prev_free = false;
-        while cursor < s.end() {
-            let Some((b, allocated)) = bi.next() else {
-                return Err(TestCaseError::fail(format!("segment {s:?} not tiled")));
-            };
-            prop_assert_eq!(b.addr.0, cursor);
-            prop_assert!(
-                *allocated || !prev_free,
-                "adjacent free blocks at {}",
-                b.addr
-            );
-            prop_assert_eq!(*allocated, b.id != BlockId::FREE);
-            prev_free = !allocated;
-            cursor += b.size as u64;
-        }
-        prop_assert_eq!(cursor, s.end());
-    }
-    prop_assert!(bi.next().is_none());
-
-    // Exactly the model's live set is allocated.
-    let got: BTreeSet<(u64, BlockId, usize)> = blocks
-        .iter()
         .filter(|(_, a)| *a)
-        .map(|(b, _)| (b.addr.0, b.id, b.size))
+        .map(|(b, _)| (b.addr.0, (b.size, b.id)))
         .collect();
-    let want: BTreeSet<(u64, BlockId, usize)> =
-        model.live.iter().map(|l| (l.addr, l.id, l.size)).collect();
-    prop_assert_eq!(got, want);
-    prop_assert_eq!(pool.stats(), model.stats());
-    Ok(())
-}
-
-/// What the pool must do for an allocation of `req` bytes.
-enum Expect {
-    /// A free gap fits: (addr, size).
-    Fit(u64, usize),
-    /// Grow by this many bytes.
-    Grow(usize),
-}
-
-fn expect_alloc(model: &Model, req: usize) -> Expect {
-    let size = round(req);
-    let large = is_large(size);
-    let best = model
-        .gaps()
+    prop_assert_eq!(&allocated, &model.allocated);
+    let pool_mapped: BTreeSet<u64> = pool
+        .mapped()
         .into_iter()
-        .filter(|(_, len, seg)| seg.large == large && *len >= size)
-        .min_by_key(|(addr, len, _)| (*len, *addr));
-    match best {
-        Some((addr, len, _)) => Expect::Fit(addr, handed_out(size, len)),
-        None => Expect::Grow(if !large {
-            2 * MIB
-        } else if size < 10 * MIB {
-            20 * MIB
-        } else {
-            size.next_multiple_of(2 * MIB)
-        }),
-    }
-}
-
-/// The block size handed out for a rounded request taken from a free block of `free` bytes.
-fn handed_out(size: usize, free: usize) -> usize {
-    let rest = free - size;
-    let split = if is_large(size) {
-        rest > MIB
-    } else {
-        rest >= 512
-    };
-    if split { size } else { free }
-}
-
-fn step_alloc(
-    pool: &mut Pool,
-    dev: &mut FakeDevice,
-    model: &mut Model,
-    req: usize,
-) -> Result<(), TestCaseError> {
-    let size = round(req);
-    let before = snapshot(pool);
-    let grows = dev.grows.len();
-    let will_fail = dev.fail_next;
-    let expect = expect_alloc(model, req);
-    let res = alloc(pool, dev, req);
-    match expect {
-        Expect::Fit(addr, bsize) => {
-            prop_assert_eq!(dev.grows.len(), grows, "grew although a gap fits");
-            let b = res.map_err(|e| TestCaseError::fail(e.to_string()))?;
-            prop_assert_eq!((b.addr.0, b.size), (addr, bsize));
-            model.fresh(b.id)?;
-            model.live.push(Live {
-                id: b.id,
-                addr,
-                size: bsize,
-                req,
-            });
-        }
-        Expect::Grow(seg_bytes) => {
-            prop_assert_eq!(&dev.grows[grows..], &[seg_bytes][..]);
-            if will_fail {
-                prop_assert_eq!(
-                    res,
-                    Err(PoolError::Grow {
-                        bytes: seg_bytes,
-                        source: DeviceError::Injected {
-                            op: DeviceOp::SegmentAlloc
-                        },
-                    })
-                );
-                prop_assert_eq!(snapshot(pool), before, "failed grow changed the pool");
-            } else {
-                let b = res.map_err(|e| TestCaseError::fail(e.to_string()))?;
-                let seg_addr = dev.next - dev.gap - seg_bytes as u64;
-                let bsize = handed_out(size, seg_bytes);
-                prop_assert_eq!((b.addr.0, b.size), (seg_addr, bsize));
-                model.fresh(b.id)?;
-                model.segs.push(MSeg {
-                    addr: seg_addr,
-                    size: seg_bytes,
-                    large: is_large(size),
-                });
-                model.live.push(Live {
-                    id: b.id,
-                    addr: seg_addr,
-                    size: bsize,
-                    req,
-                });
-            }
-        }
-    }
-    model.note_peaks();
-    Ok(())
-}
-
-fn step_free(
-    pool: &mut Pool,
-    dev: &mut FakeDevice,
-    model: &mut Model,
-    which: Index,
-) -> Result<(), TestCaseError> {
-    if model.live.is_empty() {
-        return Ok(());
-    }
-    let l = model.live.remove(which.index(model.live.len()));
-    prop_assert_eq!(pool.free(l.id), Ok(l.size));
-    // A second free of the same id is detected and changes nothing.
-    let before = snapshot(pool);
-    prop_assert_eq!(pool.free(l.id), Err(PoolError::UnknownBlock { id: l.id }));
-    prop_assert_eq!(snapshot(pool), before);
-
-    // The freed bytes are reusable at once: the block now lies in a free gap of at least its
-    // size in a segment of its class, so the same request is served without growing. Serving
-    // and freeing it again leaves the layout as it was (free space is the maximal gaps).
-    let seg = model.seg_of(l.addr).expect("model segment");
-    if seg.large == is_large(l.size) {
-        let Expect::Fit(addr, size) = expect_alloc(model, l.size) else {
-            return Err(TestCaseError::fail("model: freed block not reusable"));
-        };
-        let layout_before = layout(pool);
-        let grows = dev.grows.len();
-        let b = alloc(pool, dev, l.size).map_err(|e| TestCaseError::fail(e.to_string()))?;
-        prop_assert_eq!(dev.grows.len(), grows, "freed bytes not reused");
-        prop_assert_eq!((b.addr.0, b.size), (addr, size));
-        model.fresh(b.id)?;
-        // The pool's peak saw this block.
-        model.peak_allocated = model.peak_allocated.max(model.stats().allocated + b.size);
-        prop_assert_eq!(pool.free(b.id), Ok(b.size));
-        prop_assert_eq!(layout(pool), layout_before);
-    }
-    if model.live.is_empty() {
-        // Everything freed: every segment is one free block.
-        let blocks = pool.blocks();
-        prop_assert_eq!(blocks.len(), model.segs.len());
-        prop_assert!(blocks.iter().all(|(_, a)| !a));
-    }
-    Ok(())
-}
-
-fn step_rollback(
-    pool: &mut Pool,
-    model: &mut Model,
-    which: Index,
-    checked: bool,
-) -> Result<(), TestCaseError> {
-    if model.saved.is_empty() {
-        return Ok(());
-    }
-    let saved = &model.saved[which.index(model.saved.len())];
-    let missing = saved
-        .segs
-        .iter()
-        .copied()
-        .find(|a| model.seg_of(*a).is_none_or(|s| s.addr != *a));
-    if checked {
-        let before = snapshot(pool);
-        let res = pool.try_rollback(&saved.cp);
-        match missing {
-            None => prop_assert_eq!(res, Ok(())),
-            Some(seg) => {
-                prop_assert_eq!(
-                    res,
-                    Err(PoolError::StaleCheckpoint {
-                        segment: DevicePtr(seg)
-                    })
-                );
-                prop_assert_eq!(snapshot(pool), before);
-                return Ok(());
-            }
-        }
-    } else {
-        pool.rollback(&saved.cp);
-    }
-    // Blocks of segments released since are left out.
-    let live: Vec<Live> = saved
-        .live
-        .iter()
-        .copied()
-        .filter(|l| model.seg_of(l.addr).is_some())
+        .flat_map(|(a, len)| (a.0..a.0 + len as u64).step_by(GRAN))
         .collect();
-    model.live = live;
-    model.note_peaks();
-    Ok(())
-}
-
-fn step_restore(
-    pool: &mut Pool,
-    model: &mut Model,
-    keep: u64,
-    use_req: bool,
-    extra: Option<(Extra, Index)>,
-) -> Result<(), TestCaseError> {
-    let mut input: Vec<(DevicePtr, usize, usize)> = model
-        .live
-        .iter()
-        .enumerate()
-        .filter(|(i, _)| keep & (1 << (i % 64)) != 0)
-        .map(|(_, l)| {
-            let len = if use_req { l.req } else { l.size };
-            (DevicePtr(l.addr), len, 0)
-        })
+    prop_assert_eq!(&pool_mapped, &model.mapped);
+    prop_assert_eq!(&fake.mapped(), &model.mapped);
+    let pinned: BTreeSet<u64> = pool
+        .pinned()
+        .into_iter()
+        .flat_map(|(a, len)| (a.0..a.0 + len as u64).step_by(GRAN))
         .collect();
-    if let Some((extra, pos)) = extra {
-        let range = match extra {
-            Extra::FreeRange(g, o, len, over) => {
-                let gaps = model.gaps();
-                if gaps.is_empty() {
-                    None
-                } else {
-                    let (addr, size, _) = gaps[g.index(gaps.len())];
-                    let off = o.index(size / 512) as u64 * 512;
-                    let room = size - off as usize;
-                    let len = if over {
-                        room + 1 + len.index(4 * KIB)
-                    } else {
-                        len.index(room + 1)
-                    };
-                    Some((DevicePtr(addr + off), len))
-                }
-            }
-            Extra::Straddle(s) if !model.segs.is_empty() => {
-                let seg = model.segs[s.index(model.segs.len())];
-                Some((DevicePtr(seg.end() - 512), 1024))
-            }
-            Extra::Duplicate(i) if !model.live.is_empty() => {
-                let l = model.live[i.index(model.live.len())];
-                Some((DevicePtr(l.addr), l.size))
-            }
-            Extra::Outside => Some((DevicePtr(BASE - 64 * KIB as u64), 512)),
-            _ => None,
-        };
-        if let Some((addr, len)) = range {
-            let at = pos.index(input.len() + 1);
-            input.insert(at, (addr, len, 1));
-        }
+    prop_assert_eq!(&pinned, &model.pinned);
+    for (&a, &(s, _)) in &model.allocated {
+        prop_assert!(model.is_mapped(a, s), "allocated block {a:#x} not mapped");
     }
-
-    // The model's placement: in input order, inside one segment, disjoint from earlier ones.
-    let mut placed: Vec<(u64, u64)> = Vec::new();
-    let mut expected: Vec<Option<(u64, usize)>> = Vec::new();
-    for &(addr, len, _) in &input {
-        let start = addr.0;
-        let end = start + round(len) as u64;
-        let inside = model.segs.iter().any(|s| s.addr <= start && end <= s.end());
-        let overlaps = placed.iter().any(|&(a, e)| a < end && start < e);
-        if inside && !overlaps {
-            placed.push((start, end));
-            expected.push(Some((start, (end - start) as usize)));
-        } else {
-            expected.push(None);
-        }
-    }
-    let old: Vec<BlockId> = model.live.iter().map(|l| l.id).collect();
-    let pairs: Vec<(DevicePtr, usize)> = input.iter().map(|&(a, l, _)| (a, l)).collect();
-    let got = pool.restore(&pairs);
-    prop_assert_eq!(got.len(), input.len());
-    let mut live = Vec::new();
-    for ((g, e), &(_, len, _)) in got.iter().zip(&expected).zip(&input) {
-        prop_assert_eq!(g.map(|b| (b.addr.0, b.size)), *e);
-        if let Some(b) = g {
-            model.fresh(b.id)?;
-            live.push(Live {
-                id: b.id,
-                addr: b.addr.0,
-                size: b.size,
-                req: len,
-            });
-        }
-    }
-    model.live = live;
-    model.note_peaks();
-    // Every id issued before is stale.
-    for id in old {
-        prop_assert_eq!(pool.free(id), Err(PoolError::UnknownBlock { id }));
-    }
+    let st = pool.stats();
+    prop_assert_eq!(st.allocated, model.allocated_bytes());
+    prop_assert_eq!(st.reserved, model.mapped.len() * GRAN);
+    prop_assert_eq!(st.live_blocks, model.allocated.len());
+    prop_assert_eq!(st.peak_reserved, model.peak_mapped);
+    prop_assert_eq!(st.peak_allocated, model.peak_allocated);
+    prop_assert_eq!(pool.reservation().map(|(a, s)| (a.0, s)), model.reservation);
     Ok(())
 }
 
-fn step_release_unused(
-    pool: &mut Pool,
-    dev: &mut FakeDevice,
-    model: &mut Model,
-) -> Result<(), TestCaseError> {
-    let unused: Vec<MSeg> = model
-        .segs
-        .iter()
-        .copied()
-        .filter(|s| {
-            !model
-                .live
-                .iter()
-                .any(|l| s.addr <= l.addr && l.addr < s.end())
-        })
-        .collect();
-    let frees = dev.frees.len();
-    let res = pool.release_unused(&mut |p, b| dev.free(p, b));
-    prop_assert_eq!(res, Ok(unused.iter().map(|s| s.size).sum::<usize>()));
-    let want: Vec<(DevicePtr, usize)> =
-        unused.iter().map(|s| (DevicePtr(s.addr), s.size)).collect();
-    prop_assert_eq!(&dev.frees[frees..], &want[..]);
-    model.segs.retain(|s| !unused.contains(s));
-    Ok(())
-}
+const RESERVATION: usize = 160 * KIB;
 
-fn run(gap: bool, ops: Vec<Op>) -> Result<(), TestCaseError> {
-    let mut pool = Pool::new();
-    let mut dev = FakeDevice::new(if gap { 2 * MIB as u64 } else { 0 });
+fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
+    let fake = FakeBacking::new(GRAN);
+    let mut pool = Pool::new(RESERVATION);
     let mut model = Model::default();
-    check(&pool, &model)?;
+    let mut cp: Option<(Checkpoint, Model)> = None;
     for op in ops {
         match op {
-            Op::Alloc(req) => step_alloc(&mut pool, &mut dev, &mut model, req)?,
-            Op::Free(which) => step_free(&mut pool, &mut dev, &mut model, which)?,
-            Op::Checkpoint => {
-                let cp = pool.checkpoint();
-                let mut from_cp: Vec<(u64, BlockId, usize)> =
-                    cp.allocated().map(|b| (b.addr.0, b.id, b.size)).collect();
-                let mut want: Vec<(u64, BlockId, usize)> =
-                    model.live.iter().map(|l| (l.addr, l.id, l.size)).collect();
-                from_cp.sort_unstable();
-                want.sort_unstable();
-                prop_assert_eq!(from_cp, want);
-                model.saved.push(Saved {
-                    cp,
-                    live: model.live.clone(),
-                    segs: model.segs.iter().map(|s| s.addr).collect(),
-                });
+            Op::Alloc(bytes) => {
+                let size = round(bytes);
+                if model.reservation.is_none() {
+                    let base = fake.state.borrow().next;
+                    model.reservation = Some((base, RESERVATION));
+                }
+                let fit = model
+                    .gaps()
+                    .into_iter()
+                    .filter(|&(_, s)| s >= size)
+                    .min_by_key(|&(a, s)| (s, a));
+                let failing = fake.state.borrow().fail_next_map;
+                let res = pool.alloc(bytes, &fake);
+                match fit {
+                    None => prop_assert!(
+                        matches!(res, Err(PoolError::ReservationExhausted { .. })),
+                        "{res:?}"
+                    ),
+                    Some((addr, _)) => {
+                        let new: Vec<u64> = model
+                            .touched(addr, size)
+                            .filter(|g| !model.mapped.contains(g))
+                            .collect();
+                        if failing && !new.is_empty() {
+                            prop_assert!(matches!(res, Err(PoolError::Grow { .. })), "{res:?}");
+                        } else {
+                            let b = res.map_err(|e| TestCaseError::fail(e.to_string()))?;
+                            prop_assert_eq!((b.addr.0, b.size), (addr, size));
+                            model.mapped.extend(new);
+                            model.allocated.insert(addr, (size, b.id));
+                            model.note_peaks();
+                        }
+                    }
+                }
+                // A failure armed but not consumed (no new granule needed) stays armed in
+                // the fake; disarm it so the model's expectation stays simple.
+                fake.state.borrow_mut().fail_next_map = false;
             }
-            Op::Rollback { which, checked } => {
-                step_rollback(&mut pool, &mut model, which, checked)?
+            Op::Free(i) => {
+                if model.allocated.is_empty() {
+                    prop_assert!(pool.free(BlockId(u64::MAX - 1)).is_err());
+                    continue;
+                }
+                let (&a, &(s, id)) = model
+                    .allocated
+                    .iter()
+                    .nth(i.index(model.allocated.len()))
+                    .unwrap();
+                prop_assert_eq!(pool.free(id), Ok(s));
+                prop_assert_eq!(
+                    pool.free(id),
+                    Err(PoolError::UnknownBlock { id }),
+                    "double free"
+                );
+                model.allocated.remove(&a);
             }
-            Op::Restore {
-                keep,
-                use_req,
-                extra,
-            } => step_restore(&mut pool, &mut model, keep, use_req, extra)?,
-            Op::FailNextGrow => dev.fail_next = true,
-            Op::ReleaseUnused => step_release_unused(&mut pool, &mut dev, &mut model)?,
+            Op::Pin(i, len) => {
+                let Some((base, size)) = model.reservation else {
+                    pool.pin(&[(DevicePtr(BASE), len)]);
+                    continue;
+                };
+                let start = base + (i.index(size / 512) * 512) as u64;
+                let len = len.min((base + size as u64 - start) as usize);
+                pool.pin(&[(DevicePtr(start), len)]);
+                if len > 0 {
+                    let gs: Vec<u64> = model.touched(start, len).collect();
+                    model.pinned.extend(gs);
+                }
+            }
+            Op::ReleaseUnused => {
+                let keep: BTreeSet<u64> = model
+                    .allocated
+                    .iter()
+                    .flat_map(|(&a, &(s, _))| model.touched(a, s).collect::<Vec<_>>())
+                    .chain(model.pinned.iter().copied())
+                    .collect();
+                let before = model.mapped.len();
+                model.mapped.retain(|g| keep.contains(g));
+                let released = (before - model.mapped.len()) * GRAN;
+                prop_assert_eq!(pool.release_unused(&fake), Ok(released));
+            }
+            Op::Checkpoint => cp = Some((pool.checkpoint(), model.clone())),
+            Op::Rollback | Op::TryRollback => {
+                let Some((c, old)) = &cp else { continue };
+                let same_reservation = old.reservation.is_some()
+                    && old.reservation == model.reservation
+                    && fake.state.borrow().reserves == 1;
+                let stale = old
+                    .allocated
+                    .iter()
+                    .any(|(&a, &(s, _))| !same_reservation || !model.is_mapped(a, s));
+                if matches!(op, Op::TryRollback) {
+                    let res = pool.try_rollback(c);
+                    if stale {
+                        prop_assert!(
+                            matches!(res, Err(PoolError::StaleCheckpoint { .. })),
+                            "{res:?}"
+                        );
+                        check(&pool, &model, &fake)?;
+                        continue;
+                    }
+                    prop_assert_eq!(res, Ok(()));
+                } else {
+                    pool.rollback(c);
+                }
+                model.allocated = if same_reservation {
+                    old.allocated
+                        .iter()
+                        .filter(|&(&a, &(s, _))| model.is_mapped(a, s))
+                        .map(|(&a, &v)| (a, v))
+                        .collect()
+                } else {
+                    BTreeMap::new()
+                };
+                model.note_peaks();
+            }
+            Op::Restore(picks) => {
+                let Some((base, size)) = model.reservation else {
+                    prop_assert_eq!(pool.restore(&[(DevicePtr(BASE), 16)]), vec![None]);
+                    continue;
+                };
+                let live: Vec<(DevicePtr, usize)> = picks
+                    .iter()
+                    .map(|(i, len)| {
+                        let a = base + i.index(size) as u64;
+                        (DevicePtr(a), *len)
+                    })
+                    .collect();
+                let placed = pool.restore(&live);
+                let mut new = BTreeMap::new();
+                for (&(addr, len), got) in live.iter().zip(&placed) {
+                    let start = addr.0 - addr.0 % 512;
+                    let end = (addr.0 + len.max(1) as u64).next_multiple_of(512);
+                    let ok = end <= base + size as u64
+                        && model.is_mapped(start, (end - start) as usize)
+                        && !new.iter().any(|(&s, &(l, _)): (&u64, &(usize, BlockId))| {
+                            s < end && start < s + l as u64
+                        });
+                    match got {
+                        Some(b) if ok => {
+                            prop_assert_eq!((b.addr.0, b.size as u64), (start, end - start));
+                            new.insert(start, (b.size, b.id));
+                        }
+                        None if !ok => {}
+                        other => prop_assert!(false, "restore of {addr}+{len}: {other:?}"),
+                    }
+                }
+                model.allocated = new;
+                model.note_peaks();
+            }
+            Op::ReleaseAll => {
+                prop_assert_eq!(pool.release_all(&fake), Ok(()));
+                model.reservation = None;
+                model.allocated.clear();
+                model.mapped.clear();
+                model.pinned.clear();
+                fake.state.borrow_mut().reserves = 0;
+            }
+            Op::FailNextMap => fake.fail_next_map(),
         }
-        check(&pool, &model)?;
+        check(&pool, &model, &fake)?;
     }
     Ok(())
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 1000, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
 
     #[test]
-    fn pool_matches_model(gap in any::<bool>(), ops in prop::collection::vec(op_strategy(), 1..48)) {
-        run(gap, ops)?;
+    fn pool_matches_the_model(ops in prop::collection::vec(op(), 1..60)) {
+        run(ops)?;
     }
 }
 
-// ---- unit tests ----
+// ----- unit tests ---------------------------------------------------------------------------
+
+/// A fake with the simulator's 2 MiB granularity.
+fn fake2m() -> FakeBacking {
+    FakeBacking::new(2 * MIB)
+}
 
 #[test]
-fn classes_and_segment_sizes() {
-    let mut pool = Pool::new();
-    let mut dev = FakeDevice::new(0);
-    let a = alloc(&mut pool, &mut dev, 0).unwrap();
-    assert_eq!(a.size, 512);
-    assert_eq!(dev.grows, [2 * MIB]);
-    // 1 MiB is still small, and fits the small segment.
-    let b = alloc(&mut pool, &mut dev, MIB).unwrap();
-    assert_eq!((b.addr, b.size), (a.addr.offset(512), MIB));
-    assert_eq!(dev.grows, [2 * MIB]);
-    // One byte more is large: a 20 MiB segment.
-    let c = alloc(&mut pool, &mut dev, MIB + 1).unwrap();
-    assert_eq!(c.size, MIB + 512);
-    assert_eq!(dev.grows, [2 * MIB, 20 * MIB]);
-    // A 10 MiB request fits the large segment's remainder.
-    let d = alloc(&mut pool, &mut dev, 10 * MIB).unwrap();
-    assert_eq!(d.addr, c.addr.offset(c.size));
-    // 30 MiB: dedicated segment of exactly 30 MiB; 31 MiB: rounded to 32 MiB and, since the
-    // 1 MiB remainder is too small to split, the whole segment is handed out.
-    let e = alloc(&mut pool, &mut dev, 30 * MIB).unwrap();
-    let f = alloc(&mut pool, &mut dev, 31 * MIB).unwrap();
-    assert_eq!(dev.grows, [2 * MIB, 20 * MIB, 30 * MIB, 32 * MIB]);
-    assert_eq!((e.size, f.size), (30 * MIB, 32 * MIB));
-    // Small requests never use the large segments' free space.
-    let g = alloc(&mut pool, &mut dev, 4096).unwrap();
-    let (small_seg, _) = pool.segments()[0];
-    assert!(g.addr.0 >= small_seg.0 && g.addr.0 < small_seg.0 + 2 * MIB as u64);
-    assert_eq!(pool.stats().segments, 4);
+fn siblings_of_growing_size_reuse_the_range_in_place() {
+    // The defect this pool fixes: after a common root, eight branches allocate 4..32 MiB of
+    // scratch in turn. Memory must end at the largest single path.
+    let fake = fake2m();
+    let mut pool = Pool::new(256 << 30);
+    let root = pool.alloc(4 * KIB, &fake).unwrap();
+    for round in 0..3 {
+        for k in 1..=8usize {
+            let k = if round == 0 { k } else { 9 - k };
+            let scratch = pool.alloc(k * 4 * MIB, &fake).unwrap();
+            let out = pool.alloc(KIB, &fake).unwrap();
+            assert_eq!(
+                scratch.addr,
+                root.addr.offset(4 * KIB),
+                "scratch reuses the same range"
+            );
+            pool.free(scratch.id).unwrap();
+            pool.free(out.id).unwrap();
+        }
+    }
+    let largest = (4 * KIB + 32 * MIB + KIB).next_multiple_of(2 * MIB);
+    assert_eq!(pool.stats().reserved, largest);
+    assert_eq!(pool.stats().peak_reserved, largest);
+    assert_eq!(pool.stats().mapped_ranges, 1);
+    assert_eq!(fake.state.borrow().reserves, 1);
     pool.check_invariants().unwrap();
 }
 
 #[test]
-fn split_and_coalesce() {
-    let mut pool = Pool::new();
-    let mut dev = FakeDevice::new(0);
-    let a = alloc(&mut pool, &mut dev, 1000).unwrap();
-    let b = alloc(&mut pool, &mut dev, 2000).unwrap();
-    let c = alloc(&mut pool, &mut dev, 3000).unwrap();
-    assert_eq!((a.size, b.size, c.size), (1024, 2048, 3072));
-    assert_eq!(b.addr, a.addr.offset(1024));
-    assert_eq!(pool.blocks().len(), 4);
-    assert_eq!(pool.free(b.id), Ok(2048));
-    assert_eq!(pool.blocks().len(), 4);
-    assert_eq!(pool.free(a.id), Ok(1024));
-    // a and b merged.
-    assert_eq!(
-        pool.blocks()[0],
-        (
-            Block {
-                id: BlockId::FREE,
-                addr: a.addr,
-                size: 3072
-            },
-            false
-        )
-    );
-    assert_eq!(pool.free(c.id), Ok(3072));
-    assert_eq!(
-        pool.blocks(),
-        [(
-            Block {
-                id: BlockId::FREE,
-                addr: a.addr,
-                size: 2 * MIB
-            },
-            false
-        )]
-    );
-    assert_eq!(pool.stats().allocated, 0);
-    assert_eq!(pool.stats().peak_allocated, 6144);
-}
-
-#[test]
-fn adjacent_segments_do_not_coalesce() {
-    let mut pool = Pool::new();
-    let mut dev = FakeDevice::new(0);
-    let a = alloc(&mut pool, &mut dev, MIB).unwrap();
-    let b = alloc(&mut pool, &mut dev, MIB).unwrap();
-    let c = alloc(&mut pool, &mut dev, MIB).unwrap(); // second segment, adjacent
-    assert_eq!(c.addr, b.addr.offset(MIB));
-    for id in [a.id, b.id, c.id] {
-        pool.free(id).unwrap();
-    }
-    assert_eq!(pool.blocks().len(), 2);
-    pool.check_invariants().unwrap();
-}
-
-#[test]
-fn best_fit_takes_the_smallest_fitting_block() {
-    let mut pool = Pool::new();
-    let mut dev = FakeDevice::new(0);
-    let mut holes = Vec::new();
-    for size in [4096, 2048, 8192] {
-        holes.push(alloc(&mut pool, &mut dev, size).unwrap());
-        alloc(&mut pool, &mut dev, 512).unwrap(); // separator
-    }
-    for h in &holes {
-        pool.free(h.id).unwrap();
-    }
-    let x = alloc(&mut pool, &mut dev, 1500).unwrap();
-    assert_eq!(x.addr, holes[1].addr);
-    let y = alloc(&mut pool, &mut dev, 3000).unwrap();
-    assert_eq!(y.addr, holes[0].addr);
-    let z = alloc(&mut pool, &mut dev, 8192).unwrap();
-    assert_eq!((z.addr, z.size), (holes[2].addr, 8192));
-    assert_eq!(dev.grows.len(), 1);
-}
-
-#[test]
-fn unknown_and_stale_ids_are_errors() {
-    let mut pool = Pool::new();
-    let mut dev = FakeDevice::new(0);
-    let a = alloc(&mut pool, &mut dev, 100).unwrap();
-    assert_eq!(
-        pool.free(BlockId::FREE),
-        Err(PoolError::UnknownBlock { id: BlockId::FREE })
-    );
-    pool.free(a.id).unwrap();
-    let err = pool.free(a.id).unwrap_err();
-    assert_eq!(err, PoolError::UnknownBlock { id: a.id });
-    assert!(err.to_string().starts_with("block#"), "{err}");
-    let b = alloc(&mut pool, &mut dev, 100).unwrap();
-    assert_ne!(a.id, b.id);
-    assert_eq!(b.addr, a.addr);
-    let placed = pool.restore(&[(b.addr, 100)]);
-    let c = placed[0].unwrap();
-    assert_eq!((c.addr, c.size), (b.addr, 512));
-    assert_eq!(pool.free(b.id), Err(PoolError::UnknownBlock { id: b.id }));
-    assert_eq!(pool.free(c.id), Ok(512));
-    assert!(pool.block(c.id).is_none());
-}
-
-#[test]
-fn restore_widens_unaligned_ranges() {
-    let mut pool = Pool::new();
-    let mut dev = FakeDevice::new(0);
-    let a = alloc(&mut pool, &mut dev, 100).unwrap();
-    let placed = pool.restore(&[
-        (a.addr.offset(100), 1000),
-        (a.addr.offset(2048), 0),
-        (a.addr.offset(2 * MIB - 512), 513),
-        (a.addr.offset(1024), 1),
-    ]);
-    let sizes: Vec<Option<(DevicePtr, usize)>> =
-        placed.iter().map(|b| b.map(|b| (b.addr, b.size))).collect();
-    assert_eq!(
-        sizes,
-        [
-            Some((a.addr, 1536)),
-            Some((a.addr.offset(2048), 512)),
-            None,
-            None
-        ]
-    );
-    assert_eq!(pool.stats().allocated, 2048);
-    assert_eq!(pool.stats().live_blocks, 2);
-    pool.check_invariants().unwrap();
-}
-
-#[test]
-fn failed_grow_leaves_the_pool_unchanged() {
-    let mut pool = Pool::new();
-    let mut dev = FakeDevice::new(0);
-    alloc(&mut pool, &mut dev, MIB).unwrap();
-    let before = snapshot(&pool);
-    dev.fail_next = true;
-    let err = alloc(&mut pool, &mut dev, 2 * MIB).unwrap_err();
-    assert_eq!(
-        err,
-        PoolError::Grow {
-            bytes: 20 * MIB,
-            source: DeviceError::Injected {
-                op: DeviceOp::SegmentAlloc
+fn a_failed_map_leaves_the_pool_unchanged() {
+    let fake = fake2m();
+    let mut pool = Pool::new(64 * MIB);
+    let a = pool.alloc(MIB, &fake).unwrap();
+    let before = (pool.blocks(), pool.mapped(), pool.stats());
+    fake.fail_next_map();
+    let err = pool.alloc(8 * MIB, &fake).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            PoolError::Grow {
+                source: DeviceError::OutOfMemory { .. },
+                ..
             }
-        }
+        ),
+        "{err}"
     );
-    assert_eq!(snapshot(&pool), before);
-    assert!(err.to_string().contains("fault injected"), "{err}");
-}
-
-#[test]
-fn bad_segments_and_oversized_requests_are_rejected() {
-    let mut pool = Pool::new();
-    let err = pool.alloc(100, &mut |_| Ok(DevicePtr(0x1001))).unwrap_err();
-    assert_eq!(
-        err,
-        PoolError::BadSegment {
-            addr: DevicePtr(0x1001),
-            bytes: 2 * MIB
-        }
-    );
-    pool.alloc(100, &mut |_| Ok(DevicePtr(0x10_0000))).unwrap();
-    let err = pool
-        .alloc(2 * MIB, &mut |_| Ok(DevicePtr(0x20_0000)))
-        .unwrap_err();
-    assert_eq!(
-        err,
-        PoolError::BadSegment {
-            addr: DevicePtr(0x20_0000),
-            bytes: 20 * MIB
-        }
-    );
-    let err = pool
-        .alloc(3 * MIB, &mut |_| Ok(DevicePtr(u64::MAX - 511)))
-        .unwrap_err();
-    assert!(matches!(err, PoolError::BadSegment { .. }));
-    let err = pool.alloc(usize::MAX, &mut |_| unreachable!()).unwrap_err();
-    assert_eq!(err, PoolError::TooLarge { bytes: usize::MAX });
-    assert_eq!(pool.stats().segments, 1);
+    assert_eq!((pool.blocks(), pool.mapped(), pool.stats()), before);
+    assert_eq!(fake.mapped().len(), 1);
+    // Memory already mapped needs no map: a failure armed now does not fire.
+    fake.fail_next_map();
+    let b = pool.alloc(MIB, &fake).unwrap();
+    assert_eq!(b.addr, a.addr.offset(MIB));
     pool.check_invariants().unwrap();
 }
 
 #[test]
-fn release_all_frees_every_segment_and_reports_the_first_error() {
-    let mut pool = Pool::new();
-    let mut dev = FakeDevice::new(2 * MIB as u64);
-    alloc(&mut pool, &mut dev, 100).unwrap();
-    alloc(&mut pool, &mut dev, 5 * MIB).unwrap();
-    let c = alloc(&mut pool, &mut dev, 16 * MIB).unwrap();
-    let segs = pool.segments();
-    assert_eq!(segs.len(), 3);
-    let mut calls = Vec::new();
-    let res = pool.release_all(&mut |p, b| {
-        calls.push((p, b));
-        if calls.len() >= 2 {
-            Err(DeviceError::Injected {
-                op: DeviceOp::SegmentFree,
-            })
-        } else {
-            Ok(())
-        }
-    });
-    assert_eq!(calls, segs);
-    assert_eq!(
-        res,
-        Err(PoolError::Release {
-            addr: segs[1].0,
-            bytes: segs[1].1,
-            source: DeviceError::Injected {
-                op: DeviceOp::SegmentFree
-            }
-        })
+fn requests_beyond_the_reservation_say_what_to_raise() {
+    let fake = fake2m();
+    let mut pool = Pool::new(8 * MIB);
+    let err = pool.alloc(9 * MIB, &fake).unwrap_err();
+    assert!(
+        matches!(err, PoolError::ReservationExhausted { reservation, .. } if reservation == 8 * MIB)
     );
-    let s = pool.stats();
-    assert_eq!(
-        (s.reserved, s.allocated, s.live_blocks, s.segments),
-        (0, 0, 0, 0)
+    assert!(
+        err.to_string().contains("Config::pool_reservation"),
+        "{err}"
     );
-    assert_eq!(s.peak_reserved, (2 + 20 + 16) * MIB);
-    assert!(pool.blocks().is_empty());
-    assert_eq!(pool.free(c.id), Err(PoolError::UnknownBlock { id: c.id }));
-    assert_eq!(pool.release_all(&mut |_, _| unreachable!()), Ok(()));
+    assert!(matches!(
+        pool.alloc(usize::MAX, &fake),
+        Err(PoolError::TooLarge { .. })
+    ));
+    pool.check_invariants().unwrap();
 }
 
 #[test]
-fn release_unused_gives_back_only_free_segments() {
-    let mut pool = Pool::new();
-    let mut dev = FakeDevice::new(0);
-    let a = alloc(&mut pool, &mut dev, 100).unwrap();
-    let b = alloc(&mut pool, &mut dev, 5 * MIB).unwrap();
+fn release_unused_keeps_allocated_and_pinned_granules() {
+    let fake = fake2m();
+    let mut pool = Pool::new(64 * MIB);
+    let a = pool.alloc(MIB, &fake).unwrap();
+    let b = pool.alloc(6 * MIB, &fake).unwrap();
+    let c = pool.alloc(MIB, &fake).unwrap();
+    assert_eq!(pool.stats().reserved, 8 * MIB);
+    pool.pin(&[(c.addr, c.size)]);
     pool.free(b.id).unwrap();
-    let mut calls = Vec::new();
-    let released = pool.release_unused(&mut |p, n| {
-        calls.push((p, n));
-        Ok(())
-    });
-    assert_eq!(released, Ok(20 * MIB));
-    assert_eq!(calls, [(b.addr, 20 * MIB)]);
-    assert_eq!(pool.segments(), [(a.addr, 2 * MIB)]);
-    assert_eq!(pool.stats().reserved, 2 * MIB);
+    pool.free(c.id).unwrap();
+    // a's granule and the pinned granule of c stay; the two granules between them go.
+    assert_eq!(pool.release_unused(&fake), Ok(4 * MIB));
+    assert_eq!(
+        pool.mapped(),
+        [(a.addr, 2 * MIB), (a.addr.offset(6 * MIB), 2 * MIB)]
+    );
+    assert_eq!(pool.stats().mapped_ranges, 2);
+    assert_eq!(pool.release_unused(&fake), Ok(0));
     pool.check_invariants().unwrap();
+    // Growing again maps the hole back, in place.
+    let d = pool.alloc(5 * MIB, &fake).unwrap();
+    assert_eq!(d.addr, a.addr.offset(MIB));
+    assert_eq!(pool.stats().reserved, 8 * MIB);
+    pool.release_all(&fake).unwrap();
+    assert_eq!(fake.mapped().len(), 0);
+    assert!(pool.pinned().is_empty());
+    assert_eq!(fake.violations(), Vec::<String>::new());
 }
 
 #[test]
-fn rollback_is_exact_and_checked() {
-    let mut pool = Pool::new();
-    let mut dev = FakeDevice::new(0);
-    let a = alloc(&mut pool, &mut dev, 100).unwrap();
-    let b = alloc(&mut pool, &mut dev, 200).unwrap();
+fn try_rollback_refuses_a_checkpoint_over_unmapped_memory() {
+    let fake = fake2m();
+    let mut pool = Pool::new(64 * MIB);
+    let keep = pool.alloc(MIB, &fake).unwrap();
+    let big = pool.alloc(8 * MIB, &fake).unwrap();
     let cp = pool.checkpoint();
+    pool.free(big.id).unwrap();
+    pool.release_unused(&fake).unwrap();
     let before = pool.blocks();
-    pool.free(a.id).unwrap();
-    let c = alloc(&mut pool, &mut dev, 3 * MIB).unwrap();
-    pool.rollback(&cp);
-    let mut after = pool.blocks();
-    // The new large segment stays, entirely free.
-    assert_eq!(
-        after.pop(),
-        Some((
-            Block {
-                id: BlockId::FREE,
-                addr: c.addr,
-                size: 20 * MIB
-            },
-            false
-        ))
-    );
-    assert_eq!(after, before);
-    assert_eq!(pool.free(c.id), Err(PoolError::UnknownBlock { id: c.id }));
-    assert_eq!(pool.block(b.id), Some(b));
-    // A checkpoint of another pool is refused.
-    let other = Pool::new().checkpoint();
-    assert_eq!(pool.try_rollback(&other), Err(PoolError::ForeignCheckpoint));
-    pool.rollback(&other);
-    assert_eq!(pool.block(b.id), Some(b));
-    // A checkpoint naming a released segment is stale.
-    let cp2 = pool.checkpoint();
-    pool.free(a.id).unwrap();
-    pool.free(b.id).unwrap();
-    pool.release_unused(&mut |_, _| Ok(())).unwrap();
-    assert_eq!(
-        pool.try_rollback(&cp2),
-        Err(PoolError::StaleCheckpoint { segment: a.addr })
-    );
-    let next = alloc(&mut pool, &mut dev, 100).unwrap();
-    assert!(next.id > c.id);
-}
-
-#[test]
-fn rollback_does_not_mistake_a_new_segment_at_a_reused_address() {
-    let mut pool = Pool::new();
-    let a = pool.alloc(100, &mut |_| Ok(DevicePtr(0x10_0000))).unwrap();
-    let cp = pool.checkpoint();
-    pool.free(a.id).unwrap();
-    assert_eq!(pool.release_unused(&mut |_, _| Ok(())), Ok(2 * MIB));
-    // The device hands the same address out again: a different segment.
-    let b = pool.alloc(5000, &mut |_| Ok(DevicePtr(0x10_0000))).unwrap();
     assert_eq!(
         pool.try_rollback(&cp),
         Err(PoolError::StaleCheckpoint {
-            segment: DevicePtr(0x10_0000)
+            addr: big.addr,
+            bytes: big.size
         })
     );
-    assert_eq!(pool.block(b.id), Some(b));
+    assert_eq!(pool.blocks(), before, "unchanged on error");
+    // The infallible rollback leaves the stale block out.
     pool.rollback(&cp);
-    assert_eq!(
-        pool.blocks(),
-        [(
-            Block {
-                id: BlockId::FREE,
-                addr: DevicePtr(0x10_0000),
-                size: 2 * MIB
-            },
-            false
-        )]
-    );
+    assert_eq!(pool.block(keep.id), Some(keep));
+    assert_eq!(pool.block(big.id), None);
+    pool.check_invariants().unwrap();
+    let other = Pool::new(64 * MIB).checkpoint();
+    assert_eq!(pool.try_rollback(&other), Err(PoolError::ForeignCheckpoint));
+}
+
+#[test]
+fn rollback_and_restore_are_exact_and_keep_the_mapping() {
+    let fake = fake2m();
+    let mut pool = Pool::new(64 * MIB);
+    let a = pool.alloc(3000, &fake).unwrap();
+    let cp = pool.checkpoint();
+    let b = pool.alloc(4 * MIB, &fake).unwrap();
+    let mapped = pool.mapped();
+    pool.rollback(&cp);
+    assert_eq!(pool.checkpoint().allocated().collect::<Vec<Block>>(), [a]);
+    assert_eq!(pool.mapped(), mapped, "rollback unmaps nothing");
+    let placed = pool.restore(&[(b.addr, 100), (a.addr, 3000), (b.addr.offset(64), 8)]);
+    assert_eq!(placed[0].map(|p| (p.addr, p.size)), Some((b.addr, 512)));
+    assert_eq!(placed[1].map(|p| (p.addr, p.size)), Some((a.addr, 3072)));
+    assert_eq!(placed[2], None, "overlaps the first range");
     assert_eq!(pool.free(a.id), Err(PoolError::UnknownBlock { id: a.id }));
+    assert_eq!(pool.mapped(), mapped);
+    pool.check_invariants().unwrap();
 }

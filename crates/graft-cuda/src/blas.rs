@@ -87,7 +87,7 @@ impl Blas {
         blas_check(op, unsafe {
             blas::cublasSetStream_v2(handle, inner.stream.cast())
         })?;
-        self.workspace = inner.alloc_relaxed(DeviceOp::SegmentAlloc, WORKSPACE_BYTES)?;
+        self.workspace = inner.alloc_relaxed(DeviceOp::RawAlloc, WORKSPACE_BYTES)?;
         // SAFETY: the workspace is WORKSPACE_BYTES of device memory of this context, 256-byte
         // aligned (cuMemAlloc), owned by this handle until `destroy` frees it after the handle.
         blas_check(op, unsafe {
@@ -125,9 +125,7 @@ impl Blas {
         if workspace != 0 {
             // SAFETY: allocated by cuMemAlloc in `setup`, no longer referenced (the handle that
             // used it is destroyed), freed exactly once (swapped out).
-            let r = check(DeviceOp::SegmentFree, unsafe {
-                sys::cuMemFree_v2(workspace)
-            });
+            let r = check(DeviceOp::RawAlloc, unsafe { sys::cuMemFree_v2(workspace) });
             if first.is_ok() {
                 first = r;
             }

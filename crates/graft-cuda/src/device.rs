@@ -6,9 +6,12 @@
 //!
 //! cudarc's safe layer (`CudaSlice`, `CudaStream`) is deliberately not used: it records events
 //! per buffer to order its own streams, and those event waits cross the capture boundary and
-//! break captures with isolation errors. Pool memory is plain `CUdeviceptr`s here.
+//! break captures with isolation errors. Pool memory is plain `CUdeviceptr`s here, in address
+//! ranges reserved and mapped with the virtual memory management API (`cuMemAddressReserve`,
+//! `cuMemCreate`, `cuMemMap`): one physical allocation per granule, so any granule can be
+//! unmapped on its own.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
 use std::fmt;
 use std::ptr;
@@ -28,9 +31,6 @@ use crate::graph::{self, CudaGraph};
 use crate::kernels::{KernelSource, Kernels, launch_1d};
 
 const F32_BYTES: usize = std::mem::size_of::<f32>();
-
-/// Alignment the [`Device`] trait promises for segments.
-const SEGMENT_ALIGN: u64 = 512;
 
 /// Tags ids of CUDA devices so they never equal a simulator's small counters.
 const ID_TAG: u64 = 0xC0DA << 48;
@@ -70,11 +70,56 @@ pub(crate) struct Inner {
     sticky: StickyError,
     /// Set whenever `sticky` may hold an error, so the fast path checks an atomic, not a mutex.
     sticky_pending: AtomicBool,
-    /// Segments that `cuMemAlloc` returned misaligned and were re-allocated with slack:
-    /// aligned address handed out -> base address to free. Empty in practice.
-    realigned: Mutex<HashMap<u64, u64>>,
-    /// Misaligned first attempts, freed at the next `free_segment` (never during a capture).
-    deferred_frees: Mutex<Vec<u64>>,
+    /// The physical mapping granularity (the driver's recommended granularity for this device).
+    granularity: usize,
+    /// Reservations and mapped granules, for validation and teardown.
+    vmm: Mutex<Vmm>,
+}
+
+/// What the device has reserved and mapped for graft's pools.
+#[derive(Default)]
+struct Vmm {
+    /// Base -> size of each live reservation.
+    reservations: BTreeMap<u64, usize>,
+    /// Address of each mapped granule -> its physical allocation.
+    handles: HashMap<u64, sys::CUmemGenericAllocationHandle>,
+}
+
+impl Vmm {
+    /// Whether `[addr, addr+bytes)` lies inside one reservation.
+    fn inside_reservation(&self, addr: u64, bytes: usize) -> bool {
+        self.reservations
+            .range(..=addr)
+            .next_back()
+            .is_some_and(|(&base, &size)| {
+                addr.checked_add(bytes as u64)
+                    .is_some_and(|end| end <= base + size as u64)
+            })
+    }
+}
+
+/// The properties of graft's physical allocations on device `cu_device`: pinned device memory,
+/// no exportable handle.
+fn alloc_prop(cu_device: sys::CUdevice) -> sys::CUmemAllocationProp {
+    sys::CUmemAllocationProp {
+        type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
+        requestedHandleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
+        location: sys::CUmemLocation {
+            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+            id: cu_device,
+        },
+        win32HandleMetaData: ptr::null_mut(),
+        allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 {
+            compressionType: 0,
+            gpuDirectRDMACapable: 0,
+            usage: 0,
+            reserved: [0; 4],
+        },
+    }
+}
+
+fn invalid_argument(op: DeviceOp, what: &'static str) -> DeviceError {
+    DeviceError::InvalidArgument { op, what }
 }
 
 // SAFETY: the raw handles in `Inner` (context, streams, events, module, functions, the cuBLAS
@@ -150,53 +195,62 @@ impl Inner {
         result
     }
 
-    /// `cuMemAlloc` with the calling thread switched to relaxed capture mode, as PyTorch's
-    /// caching allocator does: in global or thread-local mode CUDA refuses `cuMemAlloc` during
-    /// a capture, but the pool must be able to grow inside one.
-    pub(crate) fn alloc_relaxed(&self, op: DeviceOp, bytes: usize) -> Result<u64, DeviceError> {
+    /// Runs `f` with the calling thread switched to relaxed capture mode, as PyTorch's caching
+    /// allocator does: in global or thread-local mode CUDA refuses allocation and mapping calls
+    /// during a capture, but the pool must be able to grow inside one.
+    fn with_relaxed<T>(
+        &self,
+        op: DeviceOp,
+        f: impl FnOnce() -> Result<T, DeviceError>,
+    ) -> Result<T, DeviceError> {
         let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
         // SAFETY: exchanges this thread's capture mode with a valid enum value; the previous mode
         // is written back into `mode` and restored below.
         check(op, unsafe {
             sys::cuThreadExchangeStreamCaptureMode(&mut mode)
         })?;
-        let mut ptr: sys::CUdeviceptr = 0;
-        // SAFETY: the context is current (callers `enter` first); `ptr` is a valid out-pointer.
-        // The memory is owned by the pool from here and freed once in `free_segment`.
-        let result = unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes) };
+        let result = f();
         // SAFETY: restores the mode saved by the first exchange.
         let restored = check(op, unsafe {
             sys::cuThreadExchangeStreamCaptureMode(&mut mode)
         });
-        check_alloc(op, result, bytes)?;
+        let value = result?;
         restored?;
-        Ok(ptr)
+        Ok(value)
+    }
+
+    /// `cuMemAlloc` in relaxed capture mode (legal during a capture), for the backend's own
+    /// memory (the cuBLAS workspace).
+    pub(crate) fn alloc_relaxed(&self, op: DeviceOp, bytes: usize) -> Result<u64, DeviceError> {
+        self.with_relaxed(op, || {
+            let mut ptr: sys::CUdeviceptr = 0;
+            // SAFETY: the context is current (callers `enter` first); `ptr` is a valid
+            // out-pointer. The caller owns the memory and frees it once.
+            check_alloc(op, unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes) }, bytes)?;
+            Ok(ptr)
+        })
+    }
+
+    /// Unmaps granule `addr` and releases its physical allocation `handle`.
+    fn unmap_granule(
+        &self,
+        op: DeviceOp,
+        addr: u64,
+        handle: sys::CUmemGenericAllocationHandle,
+    ) -> Result<(), DeviceError> {
+        // SAFETY: `addr` is a granule this device mapped with `cuMemMap` (a key of
+        // `Vmm::handles`, whose entry the caller removes), `granularity` bytes long, so the
+        // range is exactly one mapping; work that could use it was synchronized or never ran.
+        check(op, unsafe { sys::cuMemUnmap(addr, self.granularity) })?;
+        // SAFETY: `handle` came from `cuMemCreate` for this granule and is released once, after
+        // its only mapping is gone.
+        check(op, unsafe { sys::cuMemRelease(handle) })
     }
 
     /// Synchronizes `stream`, mapping a failure to `op`.
     fn sync(&self, op: DeviceOp, stream: sys::CUstream) -> Result<(), DeviceError> {
         // SAFETY: `stream` is one of this device's live streams.
         check(op, unsafe { sys::cuStreamSynchronize(stream) })
-    }
-
-    /// Frees the misaligned first attempts of earlier segment allocations.
-    fn drain_deferred_frees(&self, op: DeviceOp) -> Result<(), DeviceError> {
-        let pending = std::mem::take(
-            &mut *self
-                .deferred_frees
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner),
-        );
-        let mut first_err = Ok(());
-        for base in pending {
-            // SAFETY: `base` came from cuMemAlloc in `alloc_segment`, was never handed out, and
-            // was removed from the deferred list above, so it is freed exactly once.
-            let r = check(op, unsafe { sys::cuMemFree_v2(base) });
-            if first_err.is_ok() {
-                first_err = r;
-            }
-        }
-        first_err
     }
 }
 
@@ -224,7 +278,16 @@ impl Drop for Inner {
             let _ = blas.destroy();
         }
         let _ = self.kernels.unload();
-        let _ = self.drain_deferred_frees(DeviceOp::SegmentFree);
+        // Memory pools did not give back (a runtime leaked, or a test stopped early).
+        let vmm = std::mem::take(self.vmm.get_mut().unwrap_or_else(PoisonError::into_inner));
+        for (addr, handle) in vmm.handles {
+            let _ = self.unmap_granule(DeviceOp::Unmap, addr, handle);
+        }
+        for (base, size) in vmm.reservations {
+            // SAFETY: a reservation made by cuMemAddressReserve in `reserve`, never released
+            // (it is still listed), with every granule unmapped just above; freed once.
+            let _ = unsafe { sys::cuMemAddressFree(base, size) };
+        }
         for event in [&mut self.fork_event, &mut self.join_event] {
             let event = std::mem::replace(event, ptr::null_mut());
             if !event.is_null() {
@@ -296,8 +359,8 @@ impl CudaDevice {
             blas_init: Mutex::new(()),
             sticky: StickyError::default(),
             sticky_pending: AtomicBool::new(false),
-            realigned: Mutex::new(HashMap::new()),
-            deferred_frees: Mutex::new(Vec::new()),
+            granularity: 0,
+            vmm: Mutex::new(Vmm::default()),
         };
         // From here on, an early return drops `inner`, which releases what was created.
         let mut ctx: sys::CUcontext = ptr::null_mut();
@@ -308,6 +371,19 @@ impl CudaDevice {
         })?;
         inner.ctx = ctx;
         inner.make_current(INIT_OP)?;
+        let prop = alloc_prop(cu_device);
+        let mut granularity: usize = 0;
+        // SAFETY: `granularity` is a valid out-pointer; `prop` is a fully initialized property
+        // struct for this device that outlives the call.
+        check(INIT_OP, unsafe {
+            sys::cuMemGetAllocationGranularity(
+                &mut granularity,
+                &prop,
+                sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
+            )
+        })?;
+        // The driver's granularity is a power of two; the trait promises a multiple of 512.
+        inner.granularity = granularity.max(512);
 
         let non_blocking = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as c_uint;
         for slot in [&mut inner.stream, &mut inner.side_stream] {
@@ -369,7 +445,7 @@ impl CudaDevice {
     }
 
     /// A raw `cuMemAlloc`, as framework code that calls cudaMalloc directly would make.
-    /// Unlike [`Device::alloc_segment`] it is *not* switched to relaxed capture mode, so during
+    /// Unlike [`Device::map`] it is *not* switched to relaxed capture mode, so during
     /// a capture it fails as CUDA fails it (`Capture { op: RawAlloc, .. }`).
     pub fn raw_alloc(&self, bytes: usize) -> Result<DevicePtr, DeviceError> {
         let op = DeviceOp::RawAlloc;
@@ -611,64 +687,176 @@ impl Device for CudaDevice {
         format!("{} (cuda:{})", self.inner.name, self.inner.ordinal)
     }
 
-    /// `cuMemAlloc` under relaxed capture mode (legal during a capture).
-    ///
-    /// Why not the virtual memory management API (`cuMemCreate`/`cuMemMap`): graft's pool never
-    /// grows a segment in place, so reserving address space to extend later buys nothing yet,
-    /// and plain `cuMemAlloc` is simpler and what the pool's model (segments obtained whole,
-    /// returned whole) describes. Expandable segments over VMM are a later optimisation.
-    ///
-    /// The trait promises 512-byte alignment; CUDA only documents 256. If an address comes back
-    /// misaligned, the segment is re-allocated with 512 bytes of slack and the address rounded up
-    /// (the misaligned attempt is freed at the next `free_segment`, never during a capture).
-    fn alloc_segment(&self, bytes: usize) -> Result<DevicePtr, DeviceError> {
-        let op = DeviceOp::SegmentAlloc;
-        let inner = &self.inner;
-        inner.enter(op)?;
-        let ptr = inner.alloc_relaxed(op, bytes)?;
-        if ptr % SEGMENT_ALIGN == 0 {
-            return Ok(DevicePtr(ptr));
-        }
-        inner
-            .deferred_frees
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .push(ptr);
-        let padded = bytes
-            .checked_add(SEGMENT_ALIGN as usize)
-            .ok_or(DeviceError::OutOfMemory {
-                op,
-                bytes: usize::MAX,
-            })?;
-        let base = inner.alloc_relaxed(op, padded)?;
-        let aligned = base.next_multiple_of(SEGMENT_ALIGN);
-        inner
-            .realigned
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .insert(aligned, base);
-        Ok(DevicePtr(aligned))
+    /// The driver's recommended granularity for pinned device memory (2 MiB on an H100).
+    fn granularity(&self) -> usize {
+        self.inner.granularity
     }
 
-    /// Synchronizes the runtime and side streams (work still using the segment), then
-    /// `cuMemFree`.
-    fn free_segment(&self, ptr: DevicePtr, _bytes: usize) -> Result<(), DeviceError> {
-        let op = DeviceOp::SegmentFree;
+    /// `cuMemAddressReserve`, aligned to the granularity, in relaxed capture mode (legal during
+    /// a capture).
+    fn reserve(&self, bytes: usize) -> Result<DevicePtr, DeviceError> {
+        let op = DeviceOp::Reserve;
         let inner = &self.inner;
+        if bytes == 0 || !bytes.is_multiple_of(inner.granularity) {
+            return Err(invalid_argument(
+                op,
+                "the size is not a positive multiple of the granularity",
+            ));
+        }
+        inner.enter(op)?;
+        let mut vmm = inner.vmm.lock().unwrap_or_else(PoisonError::into_inner);
+        let ptr = inner.with_relaxed(op, || {
+            let mut ptr: sys::CUdeviceptr = 0;
+            // SAFETY: the context is current; `ptr` is a valid out-pointer; a zero requested
+            // address and flags ask for any suitably aligned range. Freed once, in
+            // `release_reservation` or `Inner::drop`.
+            let r = unsafe { sys::cuMemAddressReserve(&mut ptr, bytes, inner.granularity, 0, 0) };
+            check_alloc(op, r, bytes)?;
+            Ok(ptr)
+        })?;
+        vmm.reservations.insert(ptr, bytes);
+        tracing::debug!(addr = %DevicePtr(ptr), bytes, "address range reserved");
+        Ok(DevicePtr(ptr))
+    }
+
+    /// `cuMemAddressFree` of a whole reservation with nothing mapped in it.
+    fn release_reservation(&self, addr: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
+        let op = DeviceOp::ReleaseReservation;
+        let inner = &self.inner;
+        inner.enter(op)?;
+        let mut vmm = inner.vmm.lock().unwrap_or_else(PoisonError::into_inner);
+        if vmm.reservations.get(&addr.0) != Some(&bytes) {
+            return Err(invalid_argument(
+                op,
+                "the range is not a reservation of this device",
+            ));
+        }
+        let end = addr.0 + bytes as u64;
+        if vmm.handles.keys().any(|&g| g >= addr.0 && g < end) {
+            return Err(invalid_argument(
+                op,
+                "part of the reservation is still mapped",
+            ));
+        }
+        // SAFETY: `addr`/`bytes` are exactly a live reservation of this device (checked above)
+        // with nothing mapped in it; it is removed from the list below, so freed once.
+        check(op, unsafe { sys::cuMemAddressFree(addr.0, bytes) })?;
+        vmm.reservations.remove(&addr.0);
+        tracing::debug!(%addr, bytes, "address range released");
+        Ok(())
+    }
+
+    /// Per granule `cuMemCreate` and `cuMemMap`, then one `cuMemSetAccess` (read/write for this
+    /// device) over the range, all in relaxed capture mode (legal during a capture). On failure
+    /// what this call mapped is unmapped and released again.
+    fn map(&self, addr: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
+        let op = DeviceOp::Map;
+        let inner = &self.inner;
+        let gran = inner.granularity;
+        if bytes == 0 || !bytes.is_multiple_of(gran) || !addr.0.is_multiple_of(gran as u64) {
+            return Err(invalid_argument(
+                op,
+                "the range is empty or not aligned to the granularity",
+            ));
+        }
+        let mut vmm = inner.vmm.lock().unwrap_or_else(PoisonError::into_inner);
+        if !vmm.inside_reservation(addr.0, bytes) {
+            return Err(invalid_argument(
+                op,
+                "the range is not inside one reservation",
+            ));
+        }
+        let granules: Vec<u64> = (0..bytes / gran)
+            .map(|i| addr.0 + (i * gran) as u64)
+            .collect();
+        if granules.iter().any(|g| vmm.handles.contains_key(g)) {
+            return Err(invalid_argument(op, "part of the range is already mapped"));
+        }
+        inner.enter(op)?;
+        let prop = alloc_prop(inner.cu_device);
+        let mut done: Vec<(u64, sys::CUmemGenericAllocationHandle)> =
+            Vec::with_capacity(granules.len());
+        let result = inner.with_relaxed(op, || {
+            for &g in &granules {
+                let mut handle: sys::CUmemGenericAllocationHandle = 0;
+                // SAFETY: `handle` is a valid out-pointer; `prop` is a fully initialized
+                // property struct that outlives the call; flags must be 0.
+                let created = unsafe { sys::cuMemCreate(&mut handle, gran, &prop, 0) };
+                check_alloc(op, created, bytes)?;
+                // SAFETY: `g` is a granule-aligned, unmapped granule inside a live reservation
+                // of this device (checked above, under the lock held across the calls);
+                // `handle` is the `gran`-byte allocation just created; offset and flags 0.
+                if let Err(e) = check(op, unsafe { sys::cuMemMap(g, gran, 0, handle, 0) }) {
+                    // SAFETY: `handle` was just created and never mapped; released once.
+                    let _ = unsafe { sys::cuMemRelease(handle) };
+                    return Err(e);
+                }
+                done.push((g, handle));
+            }
+            let desc = sys::CUmemAccessDesc {
+                location: prop.location,
+                flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+            };
+            // SAFETY: every granule of `addr..addr+bytes` was just mapped above; `desc` is one
+            // valid access descriptor that outlives the call, matching the count of 1.
+            check(op, unsafe { sys::cuMemSetAccess(addr.0, bytes, &desc, 1) })
+        });
+        match result {
+            Ok(()) => {
+                vmm.handles.extend(done);
+                tracing::debug!(%addr, bytes, "memory mapped");
+                Ok(())
+            }
+            Err(e) => {
+                for (g, handle) in done {
+                    if let Err(undo) = inner.unmap_granule(op, g, handle) {
+                        // Keep what could not be undone listed, so teardown retries it.
+                        tracing::debug!(error = %undo, granule = %DevicePtr(g), "undoing a map failed");
+                        vmm.handles.insert(g, handle);
+                    }
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Synchronizes the runtime and side streams (work that may still use the memory), then
+    /// `cuMemUnmap` and `cuMemRelease` per granule. Every granule is attempted; the first error
+    /// is returned after all of them, and a granule that failed stays mapped.
+    fn unmap(&self, addr: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
+        let op = DeviceOp::Unmap;
+        let inner = &self.inner;
+        let gran = inner.granularity;
+        if bytes == 0 || !bytes.is_multiple_of(gran) || !addr.0.is_multiple_of(gran as u64) {
+            return Err(invalid_argument(
+                op,
+                "the range is empty or not aligned to the granularity",
+            ));
+        }
+        let mut vmm = inner.vmm.lock().unwrap_or_else(PoisonError::into_inner);
+        let granules: Vec<u64> = (0..bytes / gran)
+            .map(|i| addr.0 + (i * gran) as u64)
+            .collect();
+        if granules.iter().any(|g| !vmm.handles.contains_key(g)) {
+            return Err(invalid_argument(op, "part of the range is not mapped"));
+        }
         inner.enter(op)?;
         inner.sync(op, inner.stream)?;
         inner.sync(op, inner.side_stream)?;
-        let base = inner
-            .realigned
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .remove(&ptr.0)
-            .unwrap_or(ptr.0);
-        // SAFETY: `base` is the address cuMemAlloc returned for this segment in alloc_segment
-        // (the realigned map translates a rounded-up address back); the pool frees each segment
-        // once, and the streams that could still use it were synchronized above.
-        check(op, unsafe { sys::cuMemFree_v2(base) })?;
-        inner.drain_deferred_frees(op)
+        let mut first = Ok(());
+        for g in granules {
+            let Some(handle) = vmm.handles.remove(&g) else {
+                continue;
+            };
+            if let Err(e) = inner.unmap_granule(op, g, handle) {
+                vmm.handles.insert(g, handle);
+                if first.is_ok() {
+                    first = Err(e);
+                }
+            }
+        }
+        tracing::debug!(%addr, bytes, "memory unmapped");
+        first
     }
 
     /// `cuMemcpyDtoDAsync` on the runtime stream. Overlapping ranges are rejected before CUDA

@@ -116,13 +116,9 @@ mod tests {
     #[test]
     fn out_of_memory_keeps_the_size() {
         assert_eq!(
-            check_alloc(
-                DeviceOp::SegmentAlloc,
-                CUresult::CUDA_ERROR_OUT_OF_MEMORY,
-                4096
-            ),
+            check_alloc(DeviceOp::Map, CUresult::CUDA_ERROR_OUT_OF_MEMORY, 4096),
             Err(DeviceError::OutOfMemory {
-                op: DeviceOp::SegmentAlloc,
+                op: DeviceOp::Map,
                 bytes: 4096
             })
         );

@@ -23,7 +23,22 @@ fn assert_capture_err(result: Result<impl std::fmt::Debug, DeviceError>, op: Dev
     }
 }
 
-/// Four arrays of `N` f32 in one segment.
+/// Pool-style memory for `bytes`: a fresh reservation of whole granules, all mapped.
+fn pool_memory(dev: &CudaDevice, bytes: usize) -> Result<DevicePtr, DeviceError> {
+    let size = bytes.max(1).next_multiple_of(dev.granularity());
+    let r = dev.reserve(size)?;
+    dev.map(r, size)?;
+    Ok(r)
+}
+
+/// Unmaps and releases memory from [`pool_memory`].
+fn free_pool_memory(dev: &CudaDevice, ptr: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
+    let size = bytes.max(1).next_multiple_of(dev.granularity());
+    dev.unmap(ptr, size)?;
+    dev.release_reservation(ptr, size)
+}
+
+/// Four arrays of `N` f32 in one mapped range.
 struct Arrays {
     base: DevicePtr,
     x: DevicePtr,
@@ -35,8 +50,12 @@ struct Arrays {
 const SEGMENT: usize = 4 * N * F32;
 
 fn arrays(dev: &CudaDevice) -> Arrays {
-    let base = dev.alloc_segment(SEGMENT).expect("alloc_segment");
-    assert_eq!(base.0 % 512, 0, "segments are 512-byte aligned");
+    let base = pool_memory(dev, SEGMENT).expect("reserve and map");
+    assert_eq!(
+        base.0 % dev.granularity() as u64,
+        0,
+        "reservations are granule-aligned"
+    );
     Arrays {
         base,
         x: base,
@@ -122,7 +141,7 @@ fn capture_then_launch_reproduces_eager() {
 
     drop(graph);
     assert_eq!(dev.take_sticky_error(), None);
-    dev.free_segment(a.base, SEGMENT).unwrap();
+    free_pool_memory(&dev, a.base, SEGMENT).unwrap();
 }
 
 #[test]
@@ -144,7 +163,7 @@ fn capture_modes_all_work() {
         dev.launch(&graph).unwrap();
         assert_eq!(dev.read_f32(a.x, N).unwrap(), vec![i as f32; N], "{mode:?}");
     }
-    dev.free_segment(a.base, SEGMENT).unwrap();
+    free_pool_memory(&dev, a.base, SEGMENT).unwrap();
 }
 
 #[test]
@@ -167,7 +186,7 @@ fn synchronize_inside_capture_fails_and_abort_recovers() {
     let graph = dev.end_capture().unwrap();
     dev.launch(&graph).unwrap();
     assert_eq!(dev.read_f32(a.x, N).unwrap(), vec![4.0; N]);
-    dev.free_segment(a.base, SEGMENT).unwrap();
+    free_pool_memory(&dev, a.base, SEGMENT).unwrap();
 }
 
 #[test]
@@ -191,7 +210,7 @@ fn host_transfers_and_query_inside_capture_fail() {
 
     dev.synchronize().unwrap();
     assert!(dev.query().unwrap(), "an idle stream has finished its work");
-    dev.free_segment(a.base, SEGMENT).unwrap();
+    free_pool_memory(&dev, a.base, SEGMENT).unwrap();
 }
 
 #[test]
@@ -272,7 +291,7 @@ fn copies_and_read_write_round_trip() {
     assert_eq!(dev.read_f32(a.out, N).unwrap(), vec![0.0; N]);
     dev.launch(&graph).unwrap();
     assert_eq!(dev.read_f32(a.out, N).unwrap(), vec![5.0; N]);
-    dev.free_segment(a.base, SEGMENT).unwrap();
+    free_pool_memory(&dev, a.base, SEGMENT).unwrap();
 }
 
 #[test]
@@ -289,26 +308,23 @@ fn summarize_counts_kernels_and_copies() {
     assert_eq!(summary.kernels, 3);
     assert_eq!(summary.copies, 1);
     assert_eq!(summary.memsets, 0);
-    dev.free_segment(a.base, SEGMENT).unwrap();
+    free_pool_memory(&dev, a.base, SEGMENT).unwrap();
 }
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
-fn alloc_segment_during_capture_works() {
+fn reserve_and_map_during_capture_work() {
     let dev = device();
     for mode in [CaptureMode::Global, CaptureMode::ThreadLocal] {
         dev.begin_capture(mode).unwrap();
-        let seg = dev
-            .alloc_segment(1 << 20)
-            .expect("alloc_segment inside a capture");
-        assert_eq!(seg.0 % 512, 0);
+        let seg = pool_memory(&dev, 1 << 20).expect("reserve and map inside a capture");
         dev.fill_f32(seg, N, 9.0).unwrap();
         let graph = dev
             .end_capture()
             .expect("the capture survives the allocation");
         dev.launch(&graph).unwrap();
         assert_eq!(dev.read_f32(seg, N).unwrap(), vec![9.0; N], "{mode:?}");
-        dev.free_segment(seg, 1 << 20).unwrap();
+        free_pool_memory(&dev, seg, 1 << 20).unwrap();
     }
 }
 
@@ -361,7 +377,7 @@ fn side_stream_left_unjoined_fails_end_capture() {
     dev.launch(&graph).unwrap();
     assert_eq!(dev.read_f32(a.x, N).unwrap(), vec![7.0; N]);
     assert_eq!(dev.read_f32(a.y, N).unwrap(), vec![8.0; N]);
-    dev.free_segment(a.base, SEGMENT).unwrap();
+    free_pool_memory(&dev, a.base, SEGMENT).unwrap();
 }
 
 #[test]
@@ -394,7 +410,7 @@ fn graphs_launch_from_another_thread_and_drop_cleanly() {
             ..
         })
     ));
-    dev.free_segment(a.base, SEGMENT).unwrap();
+    free_pool_memory(&dev, a.base, SEGMENT).unwrap();
 }
 
 #[test]
@@ -403,9 +419,54 @@ fn large_fill_covers_every_element() {
     // More elements than one launch has threads (65536 blocks x 256): the grid-stride loop.
     let dev = device();
     let n = (1 << 24) + 3;
-    let seg = dev.alloc_segment(n * F32).unwrap();
+    let seg = pool_memory(&dev, n * F32).unwrap();
     dev.fill_f32(seg, n, 0.25).unwrap();
     let all = dev.read_f32(seg, n).unwrap();
     assert!(all.iter().all(|&v| v == 0.25));
-    dev.free_segment(seg, n * F32).unwrap();
+    free_pool_memory(&dev, seg, n * F32).unwrap();
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn map_write_read_unmap_remap() {
+    let dev = device();
+    let g = dev.granularity();
+    eprintln!("granularity: {g} bytes");
+    assert!(g >= 512 && g.is_multiple_of(512));
+    let r = dev.reserve(64 * g).unwrap();
+    // Map two granules in the middle of a large reservation; nothing else is backed.
+    let at = r.offset(10 * g);
+    dev.map(at, 2 * g).unwrap();
+    let n = 2 * g / F32;
+    let values: Vec<f32> = (0..n).map(|i| i as f32).collect();
+    dev.write_f32(at, &values).unwrap();
+    assert_eq!(dev.read_f32(at, n).unwrap(), values);
+    // Unmap one granule: the other keeps its contents.
+    dev.unmap(at, g).unwrap();
+    assert_eq!(
+        dev.read_f32(at.offset(g), g / F32).unwrap(),
+        values[g / F32..]
+    );
+    // Remap it: new physical memory, usable again.
+    dev.map(at, g).unwrap();
+    dev.fill_f32(at, g / F32, 3.0).unwrap();
+    assert_eq!(dev.read_f32(at, g / F32).unwrap(), vec![3.0; g / F32]);
+    // Misuse is an error, not undefined behaviour.
+    let bad = |e: Result<(), DeviceError>| matches!(e, Err(DeviceError::InvalidArgument { .. }));
+    assert!(bad(dev.map(at, g)), "mapping twice");
+    assert!(bad(dev.map(at.offset(512), g)), "unaligned");
+    assert!(bad(dev.map(r.offset(64 * g), g)), "outside the reservation");
+    assert!(bad(dev.unmap(r, g)), "unmapping what is not mapped");
+    assert!(bad(dev.release_reservation(r, 64 * g)), "still mapped");
+    // Map during a capture, after the reservation.
+    dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
+    dev.map(r, g).expect("map inside a capture");
+    dev.fill_f32(r, N, 5.0).unwrap();
+    let graph = dev.end_capture().expect("the capture survives the map");
+    dev.launch(&graph).unwrap();
+    assert_eq!(dev.read_f32(r, N).unwrap(), vec![5.0; N]);
+    drop(graph);
+    dev.unmap(r, g).unwrap();
+    dev.unmap(at, 2 * g).unwrap();
+    dev.release_reservation(r, 64 * g).unwrap();
 }

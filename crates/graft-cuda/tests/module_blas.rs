@@ -21,7 +21,7 @@ fn device() -> CudaDevice {
 }
 
 fn upload(dev: &CudaDevice, values: &[f32]) -> DevicePtr {
-    let p = dev.alloc_segment(values.len().max(1) * 4).unwrap();
+    let p = dev.raw_alloc(values.len().max(1) * 4).unwrap();
     dev.write_f32(p, values).unwrap();
     p
 }

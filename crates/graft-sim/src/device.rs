@@ -11,7 +11,7 @@ use graft_core::{
 };
 
 use crate::graph::{self, Op, SimGraph, Tally};
-use crate::memory::{DEFAULT_MEMORY_LIMIT, SegmentKind, SimMemory};
+use crate::memory::{DEFAULT_MEMORY_LIMIT, GRANULARITY, SimMemory};
 
 static NEXT_DEVICE_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -79,21 +79,21 @@ struct State {
 /// Counters readable without the lock.
 #[derive(Default)]
 pub(crate) struct Counters {
-    live_segments: AtomicUsize,
-    live_bytes: AtomicUsize,
+    mapped_bytes: AtomicUsize,
+    reservations: AtomicUsize,
     live_raw_allocs: AtomicUsize,
     pub(crate) live_graphs: AtomicUsize,
     kernels_run: AtomicU64,
     copies_run: AtomicU64,
     graph_launches: AtomicU64,
-    segment_allocs: AtomicU64,
+    maps: AtomicU64,
 }
 
 /// Armed fault injection points; each fires once.
 #[derive(Default)]
 pub(crate) struct Faults {
-    /// 0: off; k > 0: the k-th segment allocation from when it was armed fails.
-    segment_alloc_countdown: AtomicU64,
+    /// 0: off; k > 0: the k-th map from when it was armed fails.
+    map_countdown: AtomicU64,
     instantiate: AtomicBool,
     launch: AtomicBool,
     pub(crate) fail_next_graph_destroy: AtomicBool,
@@ -110,10 +110,10 @@ pub(crate) struct Inner {
 /// Counters of a [`SimDevice`], for tests.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
 pub struct SimStats {
-    /// Pool segments allocated and not yet freed.
-    pub live_segments: usize,
-    /// Bytes in those segments.
-    pub live_bytes: usize,
+    /// Bytes of pool memory mapped and not yet unmapped.
+    pub mapped_bytes: usize,
+    /// Address reservations made and not yet released.
+    pub reservations: usize,
     /// Raw (user) allocations not yet freed.
     pub live_raw_allocs: usize,
     /// Graphs instantiated and not yet dropped.
@@ -124,8 +124,8 @@ pub struct SimStats {
     pub copies_run: u64,
     /// Graph launches that ran to completion.
     pub graph_launches: u64,
-    /// Successful pool segment allocations.
-    pub segment_allocs: u64,
+    /// Successful [`Device::map`] calls.
+    pub maps: u64,
 }
 
 /// A simulated CUDA device with one stream. Cloning it is cheap and shares the device.
@@ -220,14 +220,14 @@ impl SimDevice {
     pub fn stats(&self) -> SimStats {
         let c = &self.inner.counters;
         SimStats {
-            live_segments: c.live_segments.load(Ordering::Relaxed),
-            live_bytes: c.live_bytes.load(Ordering::Relaxed),
+            mapped_bytes: c.mapped_bytes.load(Ordering::Relaxed),
+            reservations: c.reservations.load(Ordering::Relaxed),
             live_raw_allocs: c.live_raw_allocs.load(Ordering::Relaxed),
             live_graphs: c.live_graphs.load(Ordering::Relaxed),
             kernels_run: c.kernels_run.load(Ordering::Relaxed),
             copies_run: c.copies_run.load(Ordering::Relaxed),
             graph_launches: c.graph_launches.load(Ordering::Relaxed),
-            segment_allocs: c.segment_allocs.load(Ordering::Relaxed),
+            maps: c.maps.load(Ordering::Relaxed),
         }
     }
 
@@ -306,7 +306,7 @@ impl SimDevice {
     pub fn raw_alloc(&self, bytes: usize) -> Result<DevicePtr, DeviceError> {
         let mut st = self.lock(DeviceOp::RawAlloc)?;
         st.forbid_in_capture(DeviceOp::RawAlloc)?;
-        let ptr = st.mem.alloc(SegmentKind::Raw, DeviceOp::RawAlloc, bytes)?;
+        let ptr = st.mem.alloc_raw(DeviceOp::RawAlloc, bytes)?;
         self.inner
             .counters
             .live_raw_allocs
@@ -319,8 +319,7 @@ impl SimDevice {
     pub fn raw_free(&self, ptr: DevicePtr) -> Result<(), DeviceError> {
         let mut st = self.lock(DeviceOp::RawAlloc)?;
         st.forbid_in_capture(DeviceOp::RawAlloc)?;
-        st.mem
-            .free(SegmentKind::Raw, DeviceOp::RawAlloc, ptr, None)?;
+        st.mem.free_raw(DeviceOp::RawAlloc, ptr)?;
         self.inner
             .counters
             .live_raw_allocs
@@ -359,13 +358,12 @@ impl SimDevice {
         st.mem.write_f32_as(DeviceOp::Write, dst, values)
     }
 
-    /// Makes the `(n+1)`-th pool segment allocation from now fail with
-    /// `Injected { op: SegmentAlloc }` (`n = 0`: the next one). Fires once; re-arming replaces
-    /// the previous setting.
-    pub fn fail_segment_alloc_after(&self, n: u64) {
+    /// Makes the `(n+1)`-th [`Device::map`] from now fail with `Injected { op: Map }` (`n = 0`:
+    /// the next one), mapping nothing. Fires once; re-arming replaces the previous setting.
+    pub fn fail_map_after(&self, n: u64) {
         self.inner
             .faults
-            .segment_alloc_countdown
+            .map_countdown
             .store(n.saturating_add(1), Ordering::Relaxed);
     }
 
@@ -391,10 +389,10 @@ impl SimDevice {
             .store(true, Ordering::Relaxed);
     }
 
-    /// Consumes one step of the segment allocation countdown; true when this allocation fails.
-    fn segment_alloc_fault_fires(&self) -> bool {
+    /// Consumes one step of the map countdown; true when this map fails.
+    fn map_fault_fires(&self) -> bool {
         let mut fires = false;
-        let _ = self.inner.faults.segment_alloc_countdown.fetch_update(
+        let _ = self.inner.faults.map_countdown.fetch_update(
             Ordering::Relaxed,
             Ordering::Relaxed,
             |v| {
@@ -417,32 +415,56 @@ impl Device for SimDevice {
         "host simulator".to_owned()
     }
 
-    fn alloc_segment(&self, bytes: usize) -> Result<DevicePtr, DeviceError> {
-        // Legal in every capture state: CUDA backends switch to relaxed mode around it.
-        let mut st = self.lock(DeviceOp::SegmentAlloc)?;
-        if self.segment_alloc_fault_fires() {
-            return Err(DeviceError::Injected {
-                op: DeviceOp::SegmentAlloc,
-            });
-        }
-        let ptr = st
-            .mem
-            .alloc(SegmentKind::Pool, DeviceOp::SegmentAlloc, bytes)?;
-        let c = &self.inner.counters;
-        c.segment_allocs.fetch_add(1, Ordering::Relaxed);
-        c.live_segments.fetch_add(1, Ordering::Relaxed);
-        c.live_bytes.fetch_add(bytes, Ordering::Relaxed);
+    fn granularity(&self) -> usize {
+        GRANULARITY
+    }
+
+    /// Legal in every capture state, like the CUDA backend's relaxed-mode reservation.
+    fn reserve(&self, bytes: usize) -> Result<DevicePtr, DeviceError> {
+        let mut st = self.lock(DeviceOp::Reserve)?;
+        let ptr = st.mem.reserve(DeviceOp::Reserve, bytes)?;
+        self.inner
+            .counters
+            .reservations
+            .fetch_add(1, Ordering::Relaxed);
         Ok(ptr)
     }
 
-    fn free_segment(&self, ptr: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
-        let mut st = self.lock(DeviceOp::SegmentFree)?;
-        st.forbid_in_capture(DeviceOp::SegmentFree)?;
-        st.mem
-            .free(SegmentKind::Pool, DeviceOp::SegmentFree, ptr, Some(bytes))?;
+    fn release_reservation(&self, addr: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
+        let op = DeviceOp::ReleaseReservation;
+        let mut st = self.lock(op)?;
+        st.forbid_in_capture(op)?;
+        st.mem.release_reservation(op, addr, bytes)?;
+        self.inner
+            .counters
+            .reservations
+            .fetch_sub(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Legal in every capture state: CUDA backends switch to relaxed mode around it.
+    fn map(&self, addr: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
+        let op = DeviceOp::Map;
+        let mut st = self.lock(op)?;
+        if self.map_fault_fires() {
+            return Err(DeviceError::Injected { op });
+        }
+        st.mem.map(op, addr, bytes)?;
         let c = &self.inner.counters;
-        c.live_segments.fetch_sub(1, Ordering::Relaxed);
-        c.live_bytes.fetch_sub(bytes, Ordering::Relaxed);
+        c.maps.fetch_add(1, Ordering::Relaxed);
+        c.mapped_bytes.fetch_add(bytes, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn unmap(&self, addr: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
+        let op = DeviceOp::Unmap;
+        let mut st = self.lock(op)?;
+        st.forbid_in_capture(op)?;
+        st.mem.unmap(op, addr, bytes)?;
+        self.inner
+            .counters
+            .mapped_bytes
+            .fetch_sub(bytes, Ordering::Relaxed);
         Ok(())
     }
 

@@ -4,22 +4,27 @@
 //! wherever CUDA would fail, so that bugs show up in tests instead of as silent corruption on a
 //! GPU. The rules it enforces:
 //!
-//! - **Memory at fixed addresses.** Allocations are placed at increasing addresses from
-//!   [`ADDRESS_BASE`], each on a 2 MiB boundary ([`SEGMENT_ALIGN`]) with at least one unmapped
-//!   2 MiB gap after it, and an address is never handed out twice. Every access must lie inside
-//!   one live allocation, so out-of-bounds accesses and uses after free fail with
+//! - **Memory at fixed addresses.** Raw allocations and pool reservations are placed at
+//!   increasing addresses from [`ADDRESS_BASE`], each on a 2 MiB boundary ([`GRANULARITY`])
+//!   with at least one unmapped 2 MiB gap after it, and an address is never handed out twice.
+//!   Pool memory is mapped into a reservation and unmapped in 2 MiB granules, with the rules of
+//!   graft-core's device module (misuse is
+//!   [`DeviceError::InvalidArgument`](graft_core::DeviceError::InvalidArgument)); a reservation
+//!   costs host memory only up to its highest mapped granule. Every access must lie inside one
+//!   raw allocation or inside mapped granules of one reservation, so out-of-bounds accesses and
+//!   uses after free or unmap fail with
 //!   [`DeviceError::InvalidAddress`](graft_core::DeviceError::InvalidAddress), never read stale
-//!   data. Fresh memory is filled with [`POISON_BYTE`], not zeros. Freeing needs the exact start
-//!   and size of a live allocation of the same kind (pool segment or raw allocation).
+//!   data. Fresh allocations and fresh mappings are filled with [`POISON_BYTE`], not zeros. The
+//!   memory limit counts mapped bytes plus raw allocations.
 //! - **One stream, program order.** Kernels ([`SimDevice::launch_kernel`], closures over
 //!   [`SimMemory`]) and copies run when enqueued; synchronizing is a no-op outside a capture.
 //! - **Capture records instead of running.** Between `begin_capture` and `end_capture`, kernels,
 //!   copies and graph launches are recorded; [`SimGraph`] replays them in order at the recorded
-//!   addresses against current memory. Pool segment allocation stays legal during a capture.
+//!   addresses against current memory. Reserving and mapping stay legal during a capture.
 //! - **What CUDA forbids during capture fails the same way** with
 //!   [`DeviceError::Capture`](graft_core::DeviceError::Capture) and invalidates the capture:
 //!   synchronize, host reads and writes, [`SimDevice::raw_alloc`] / [`SimDevice::raw_free`],
-//!   [`SimDevice::query`], freeing a segment. Work on the side stream
+//!   [`SimDevice::query`], unmapping, releasing a reservation. Work on the side stream
 //!   ([`SimDevice::launch_kernel_on_side_stream`]) is never joined, so `end_capture` fails with
 //!   `Unjoined`. After a violation every stream operation fails with `Invalidated` until the
 //!   capture is ended or aborted. All capture modes are treated alike (real CUDA would allow a
@@ -29,7 +34,7 @@
 //!   replay; elementwise kernels may work in place but not on partly overlapping ranges; typed
 //!   accesses must be aligned; a kernel body calling back into the device gets
 //!   `CUDA_ERROR_NOT_PERMITTED` instead of a deadlock.
-//! - **Fault injection**, each firing once: [`SimDevice::fail_segment_alloc_after`],
+//! - **Fault injection**, each firing once: [`SimDevice::fail_map_after`],
 //!   [`SimDevice::fail_next_instantiate`], [`SimDevice::fail_next_launch`],
 //!   [`SimDevice::fail_next_graph_destroy`] (which goes to the sticky error slot).
 //!
@@ -43,4 +48,4 @@ mod memory;
 
 pub use device::{CaptureStatus, SimDevice, SimStats};
 pub use graph::{KernelFn, SimGraph};
-pub use memory::{ADDRESS_BASE, DEFAULT_MEMORY_LIMIT, POISON_BYTE, SEGMENT_ALIGN, SimMemory};
+pub use memory::{ADDRESS_BASE, DEFAULT_MEMORY_LIMIT, GRANULARITY, POISON_BYTE, SimMemory};

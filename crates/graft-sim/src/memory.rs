@@ -1,79 +1,86 @@
-//! Simulated device memory: segments at fixed, never-reused addresses, and the accessors kernels use.
+//! Simulated device memory: raw allocations and pool reservations at fixed, never-reused addresses, granules mapped on demand, and the accessors kernels use.
 
 use std::fmt;
 
 use graft_core::{DeviceError, DeviceOp, DevicePtr};
 
-/// The byte every fresh allocation is filled with, so that reading memory nobody wrote shows up.
+/// The byte every fresh allocation and every fresh mapping is filled with, so that reading
+/// memory nobody wrote shows up.
 pub const POISON_BYTE: u8 = 0xA5;
 
-/// The address of the first allocation of every simulated device.
+/// The address of the first allocation or reservation of every simulated device.
 pub const ADDRESS_BASE: u64 = 0x7f00_0000_0000;
 
-/// Allocations start on multiples of this (2 MiB), with at least this much unmapped space between
-/// two of them.
-pub const SEGMENT_ALIGN: u64 = 2 << 20;
+/// The mapping granularity (2 MiB, as on an H100). Allocations and reservations start on
+/// multiples of it, with at least this much unmapped space between two of them.
+pub const GRANULARITY: usize = 2 << 20;
 
-/// Device memory of a [`crate::SimDevice::new`] device (8 GiB): allocations past it fail with
-/// `OutOfMemory`.
+const GRAN: u64 = GRANULARITY as u64;
+
+/// Device memory of a [`crate::SimDevice::new`] device (8 GiB): raw allocations and mappings
+/// past it fail with `OutOfMemory`.
 pub const DEFAULT_MEMORY_LIMIT: usize = 8 << 30;
 
 /// CUDA's code for a misaligned typed access (`CUDA_ERROR_MISALIGNED_ADDRESS`).
 const MISALIGNED_CODE: u32 = 716;
 const MISALIGNED_NAME: &str = "CUDA_ERROR_MISALIGNED_ADDRESS";
 
-/// Who owns an allocation: graft's pool ([`crate::SimDevice`]'s `alloc_segment`) or user code
-/// (`raw_alloc`). Each kind can only be freed through its own call.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub(crate) enum SegmentKind {
-    Pool,
+/// What a region of the address space is.
+#[derive(Clone, PartialEq, Eq, Debug)]
+enum Kind {
+    /// A user allocation (`raw_alloc`): all of `data`.
     Raw,
+    /// A pool reservation of `size` bytes; `mapped[g]` says whether granule `g` is mapped.
+    /// `data` covers the reservation up to the end of its highest mapped granule.
+    Reservation { size: usize, mapped: Vec<bool> },
 }
 
-struct Segment {
+struct Region {
     base: u64,
-    kind: SegmentKind,
+    kind: Kind,
     data: Vec<u8>,
 }
 
 /// The memory of one simulated device, as kernels see it.
 ///
 /// Every address is a plain `u64` in a sparse address space: an access must lie wholly inside
-/// one live allocation, otherwise it fails with [`DeviceError::InvalidAddress`]. Typed accessors
-/// (`f32`, `i32`, `u32`) are little-endian and need an address aligned to the element size,
-/// otherwise they fail like CUDA with a `CUDA_ERROR_MISALIGNED_ADDRESS` driver error.
-/// Zero-length accesses do nothing and always succeed, at any address.
+/// one raw allocation, or inside mapped granules of one reservation, otherwise it fails with
+/// [`DeviceError::InvalidAddress`]. Typed accessors (`f32`, `i32`, `u32`) are little-endian and
+/// need an address aligned to the element size, otherwise they fail like CUDA with a
+/// `CUDA_ERROR_MISALIGNED_ADDRESS` driver error. Zero-length accesses do nothing and always
+/// succeed, at any address.
 ///
 /// Errors from these accessors name [`DeviceOp::KernelLaunch`]: they are what a kernel sees.
 pub struct SimMemory {
-    /// Live allocations, sorted by base address (new ones always go last: addresses only grow).
-    segments: Vec<Segment>,
+    /// Live regions, sorted by base address (new ones always go last: addresses only grow).
+    regions: Vec<Region>,
     next_base: u64,
+    /// Bytes of raw allocations plus mapped granules: what counts against the limit.
     live_bytes: usize,
     limit: usize,
 }
 
 impl fmt::Debug for SimMemory {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        struct Seg<'a>(&'a Segment);
-        impl fmt::Debug for Seg<'_> {
+        struct Reg<'a>(&'a Region);
+        impl fmt::Debug for Reg<'_> {
             fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                write!(
-                    f,
-                    "{:?} {:#x}+{}",
-                    self.0.kind,
-                    self.0.base,
-                    self.0.data.len()
-                )
+                match &self.0.kind {
+                    Kind::Raw => write!(f, "raw {:#x}+{}", self.0.base, self.0.data.len()),
+                    Kind::Reservation { size, mapped } => write!(
+                        f,
+                        "reservation {:#x}+{} ({} granules mapped)",
+                        self.0.base,
+                        size,
+                        mapped.iter().filter(|m| **m).count()
+                    ),
+                }
             }
         }
         f.debug_struct("SimMemory")
             .field("live_bytes", &self.live_bytes)
             .field("limit", &self.limit)
-            .field(
-                "segments",
-                &self.segments.iter().map(Seg).collect::<Vec<_>>(),
-            )
+            .field("regions", &self.regions.iter().map(Reg).collect::<Vec<_>>())
             .finish()
     }
 }
@@ -116,25 +123,39 @@ fn overlaps(a: DevicePtr, b: DevicePtr, len: usize) -> bool {
     a.0 < b.0.saturating_add(len) && b.0 < a.0.saturating_add(len)
 }
 
-/// Rounds `x` up to a multiple of [`SEGMENT_ALIGN`], `None` on overflow.
+/// Rounds `x` up to a multiple of [`GRANULARITY`], `None` on overflow.
 fn align_up(x: u64) -> Option<u64> {
-    Some(x.checked_add(SEGMENT_ALIGN - 1)? & !(SEGMENT_ALIGN - 1))
+    Some(x.checked_add(GRAN - 1)? & !(GRAN - 1))
+}
+
+fn bad(op: DeviceOp, what: &'static str) -> DeviceError {
+    DeviceError::InvalidArgument { op, what }
 }
 
 impl SimMemory {
     pub(crate) fn new(limit: usize) -> SimMemory {
         SimMemory {
-            segments: Vec::new(),
+            regions: Vec::new(),
             next_base: ADDRESS_BASE,
             live_bytes: 0,
             limit,
         }
     }
 
-    /// Allocates `bytes` at the next fresh address, filled with [`POISON_BYTE`].
-    pub(crate) fn alloc(
+    /// Places a region of `bytes` at the next fresh address (then a one-granule gap).
+    fn place(&mut self, bytes: usize, oom: DeviceError) -> Result<u64, DeviceError> {
+        let base = self.next_base;
+        let next = (base.checked_add(bytes as u64))
+            .and_then(align_up)
+            .and_then(|end| end.checked_add(GRAN))
+            .ok_or(oom)?;
+        self.next_base = next;
+        Ok(base)
+    }
+
+    /// A raw allocation of `bytes` at the next fresh address, filled with [`POISON_BYTE`].
+    pub(crate) fn alloc_raw(
         &mut self,
-        kind: SegmentKind,
         op: DeviceOp,
         bytes: usize,
     ) -> Result<DevicePtr, DeviceError> {
@@ -142,45 +163,172 @@ impl SimMemory {
         if bytes > self.limit - self.live_bytes {
             return Err(oom);
         }
-        let base = self.next_base;
-        let next = (base.checked_add(bytes as u64))
-            .and_then(align_up)
-            .and_then(|end| end.checked_add(SEGMENT_ALIGN))
-            .ok_or_else(|| oom.clone())?;
         let mut data = Vec::new();
-        data.try_reserve_exact(bytes).map_err(|_| oom)?;
+        data.try_reserve_exact(bytes).map_err(|_| oom.clone())?;
         data.resize(bytes, POISON_BYTE);
-        self.segments.push(Segment { base, kind, data });
-        self.next_base = next;
+        let base = self.place(bytes, oom)?;
+        self.regions.push(Region {
+            base,
+            kind: Kind::Raw,
+            data,
+        });
         self.live_bytes += bytes;
         Ok(DevicePtr(base))
     }
 
-    /// Frees the allocation of `kind` starting exactly at `ptr`; when `bytes` is given it must
-    /// be the allocation's size. Returns the size freed.
-    pub(crate) fn free(
-        &mut self,
-        kind: SegmentKind,
-        op: DeviceOp,
-        ptr: DevicePtr,
-        bytes: Option<usize>,
-    ) -> Result<usize, DeviceError> {
-        let err = || invalid(op, ptr, bytes.unwrap_or(0));
+    /// Frees the raw allocation starting exactly at `ptr`. Returns its size.
+    pub(crate) fn free_raw(&mut self, op: DeviceOp, ptr: DevicePtr) -> Result<usize, DeviceError> {
         let i = self
-            .segments
-            .binary_search_by_key(&ptr.0, |s| s.base)
-            .map_err(|_| err())?;
-        let seg = &self.segments[i];
-        if seg.kind != kind || bytes.is_some_and(|b| b != seg.data.len()) {
-            return Err(err());
+            .regions
+            .binary_search_by_key(&ptr.0, |r| r.base)
+            .map_err(|_| invalid(op, ptr, 0))?;
+        if self.regions[i].kind != Kind::Raw {
+            return Err(invalid(op, ptr, 0));
         }
-        let len = seg.data.len();
-        self.segments.remove(i);
+        let len = self.regions.remove(i).data.len();
         self.live_bytes -= len;
         Ok(len)
     }
 
-    /// The segment index and offset of `[ptr, ptr+len)`, which must lie in one live allocation.
+    /// Reserves `bytes` of address space at the next fresh address; costs no memory.
+    pub(crate) fn reserve(&mut self, op: DeviceOp, bytes: usize) -> Result<DevicePtr, DeviceError> {
+        if bytes == 0 || !bytes.is_multiple_of(GRANULARITY) {
+            return Err(bad(
+                op,
+                "the size is not a positive multiple of the granularity",
+            ));
+        }
+        let base = self.place(bytes, DeviceError::OutOfMemory { op, bytes })?;
+        self.regions.push(Region {
+            base,
+            kind: Kind::Reservation {
+                size: bytes,
+                mapped: Vec::new(),
+            },
+            data: Vec::new(),
+        });
+        Ok(DevicePtr(base))
+    }
+
+    /// Gives back the reservation made at `addr` with `bytes`; nothing of it may be mapped.
+    pub(crate) fn release_reservation(
+        &mut self,
+        op: DeviceOp,
+        addr: DevicePtr,
+        bytes: usize,
+    ) -> Result<(), DeviceError> {
+        let Ok(i) = self.regions.binary_search_by_key(&addr.0, |r| r.base) else {
+            return Err(bad(op, "the address is not the start of a reservation"));
+        };
+        match &self.regions[i].kind {
+            Kind::Reservation { size, mapped } => {
+                if *size != bytes {
+                    return Err(bad(op, "the size is not the reservation's size"));
+                }
+                if mapped.iter().any(|m| *m) {
+                    return Err(bad(op, "part of the reservation is still mapped"));
+                }
+            }
+            Kind::Raw => return Err(bad(op, "the address is not the start of a reservation")),
+        }
+        self.regions.remove(i);
+        Ok(())
+    }
+
+    /// The reservation holding the granule-aligned `[addr, addr+bytes)`, and the range's first
+    /// granule and granule count.
+    fn granules(
+        &mut self,
+        op: DeviceOp,
+        addr: DevicePtr,
+        bytes: usize,
+    ) -> Result<(usize, usize, usize), DeviceError> {
+        if bytes == 0 || !bytes.is_multiple_of(GRANULARITY) || !addr.0.is_multiple_of(GRAN) {
+            return Err(bad(
+                op,
+                "the range is empty or not aligned to the granularity",
+            ));
+        }
+        let i = self.regions.partition_point(|r| r.base <= addr.0);
+        let outside = || bad(op, "the range is not inside one reservation");
+        let i = i.checked_sub(1).ok_or_else(outside)?;
+        let r = &self.regions[i];
+        let Kind::Reservation { size, .. } = r.kind else {
+            return Err(outside());
+        };
+        let off = addr.0 - r.base;
+        if off
+            .checked_add(bytes as u64)
+            .is_none_or(|e| e > size as u64)
+        {
+            return Err(outside());
+        }
+        Ok((i, (off / GRAN) as usize, bytes / GRANULARITY))
+    }
+
+    /// Maps fresh memory, filled with [`POISON_BYTE`], at the unmapped `[addr, addr+bytes)`.
+    pub(crate) fn map(
+        &mut self,
+        op: DeviceOp,
+        addr: DevicePtr,
+        bytes: usize,
+    ) -> Result<(), DeviceError> {
+        let (i, g0, n) = self.granules(op, addr, bytes)?;
+        let oom = DeviceError::OutOfMemory { op, bytes };
+        if bytes > self.limit - self.live_bytes {
+            return Err(oom);
+        }
+        let r = &mut self.regions[i];
+        let Kind::Reservation { mapped, .. } = &mut r.kind else {
+            return Err(bad(op, "the range is not inside one reservation"));
+        };
+        if mapped.iter().skip(g0).take(n).any(|m| *m) {
+            return Err(bad(op, "part of the range is already mapped"));
+        }
+        let (off, end) = (g0 * GRANULARITY, (g0 + n) * GRANULARITY);
+        if r.data.len() < end {
+            r.data
+                .try_reserve_exact(end - r.data.len())
+                .map_err(|_| oom)?;
+            r.data.resize(end, POISON_BYTE);
+        }
+        r.data[off..end].fill(POISON_BYTE);
+        if mapped.len() < g0 + n {
+            mapped.resize(g0 + n, false);
+        }
+        mapped[g0..g0 + n].fill(true);
+        self.live_bytes += bytes;
+        Ok(())
+    }
+
+    /// Unmaps the mapped `[addr, addr+bytes)`; host memory shrinks to the highest mapped granule.
+    pub(crate) fn unmap(
+        &mut self,
+        op: DeviceOp,
+        addr: DevicePtr,
+        bytes: usize,
+    ) -> Result<(), DeviceError> {
+        let (i, g0, n) = self.granules(op, addr, bytes)?;
+        let r = &mut self.regions[i];
+        let Kind::Reservation { mapped, .. } = &mut r.kind else {
+            return Err(bad(op, "the range is not inside one reservation"));
+        };
+        if mapped.len() < g0 + n || mapped[g0..g0 + n].iter().any(|m| !*m) {
+            return Err(bad(op, "part of the range is not mapped"));
+        }
+        mapped[g0..g0 + n].fill(false);
+        let top = mapped.iter().rposition(|m| *m).map_or(0, |g| g + 1);
+        mapped.truncate(top);
+        if r.data.len() > top * GRANULARITY {
+            r.data.truncate(top * GRANULARITY);
+            r.data.shrink_to_fit();
+        }
+        self.live_bytes -= bytes;
+        Ok(())
+    }
+
+    /// The region index and offset of `[ptr, ptr+len)`, which must lie in one raw allocation
+    /// or in mapped granules of one reservation.
     #[inline]
     fn locate(
         &self,
@@ -192,14 +340,21 @@ impl SimMemory {
             .0
             .checked_add(len as u64)
             .ok_or_else(|| invalid(op, ptr, len))?;
-        let i = self.segments.partition_point(|s| s.base <= ptr.0);
-        let Some(seg) = i.checked_sub(1).map(|i| &self.segments[i]) else {
+        let i = self.regions.partition_point(|s| s.base <= ptr.0);
+        let Some(r) = i.checked_sub(1).map(|i| &self.regions[i]) else {
             return Err(invalid(op, ptr, len));
         };
-        if end > seg.base + seg.data.len() as u64 {
+        if end > r.base + r.data.len() as u64 {
             return Err(invalid(op, ptr, len));
         }
-        Ok((i - 1, (ptr.0 - seg.base) as usize))
+        if let Kind::Reservation { mapped, .. } = &r.kind {
+            let first = ((ptr.0 - r.base) / GRAN) as usize;
+            let last = ((end - 1 - r.base) / GRAN) as usize;
+            if mapped[first..=last].iter().any(|m| !*m) {
+                return Err(invalid(op, ptr, len));
+            }
+        }
+        Ok((i - 1, (ptr.0 - r.base) as usize))
     }
 
     /// Like [`SimMemory::locate`] for `n` elements of `T`, also checking alignment.
@@ -233,7 +388,7 @@ impl SimMemory {
             return Ok(&[]);
         }
         let (s, o) = self.locate(op, ptr, len)?;
-        Ok(&self.segments[s].data[o..o + len])
+        Ok(&self.regions[s].data[o..o + len])
     }
 
     pub(crate) fn range_mut(
@@ -246,7 +401,7 @@ impl SimMemory {
             return Ok(&mut []);
         }
         let (s, o) = self.locate(op, ptr, len)?;
-        Ok(&mut self.segments[s].data[o..o + len])
+        Ok(&mut self.regions[s].data[o..o + len])
     }
 
     fn read_elems<T: Element>(
@@ -259,7 +414,7 @@ impl SimMemory {
             return Ok(());
         }
         let (s, o) = self.locate_elems::<T>(op, ptr, dst.len())?;
-        let bytes = &self.segments[s].data[o..o + dst.len() * T::SIZE];
+        let bytes = &self.regions[s].data[o..o + dst.len() * T::SIZE];
         for (d, c) in dst.iter_mut().zip(bytes.chunks_exact(T::SIZE)) {
             *d = T::load(c);
         }
@@ -276,7 +431,7 @@ impl SimMemory {
             return Ok(());
         }
         let (s, o) = self.locate_elems::<T>(op, ptr, src.len())?;
-        let bytes = &mut self.segments[s].data[o..o + src.len() * T::SIZE];
+        let bytes = &mut self.regions[s].data[o..o + src.len() * T::SIZE];
         for (v, c) in src.iter().zip(bytes.chunks_exact_mut(T::SIZE)) {
             v.store(c);
         }
@@ -318,12 +473,12 @@ impl SimMemory {
         let (ss, so) = self.locate(op, src, len)?;
         let (ds, d_off) = self.locate(op, dst, len)?;
         if ss == ds {
-            self.segments[ss].data.copy_within(so..so + len, d_off);
+            self.regions[ss].data.copy_within(so..so + len, d_off);
         } else if ss < ds {
-            let (lo, hi) = self.segments.split_at_mut(ds);
+            let (lo, hi) = self.regions.split_at_mut(ds);
             hi[0].data[d_off..d_off + len].copy_from_slice(&lo[ss].data[so..so + len]);
         } else {
-            let (lo, hi) = self.segments.split_at_mut(ss);
+            let (lo, hi) = self.regions.split_at_mut(ss);
             lo[ds].data[d_off..d_off + len].copy_from_slice(&hi[0].data[so..so + len]);
         }
         Ok(())
@@ -409,7 +564,7 @@ impl SimMemory {
             return Ok(());
         }
         let (s, o) = self.locate_elems::<f32>(DeviceOp::KernelLaunch, dst, n)?;
-        let bytes = &mut self.segments[s].data[o..o + n * 4];
+        let bytes = &mut self.regions[s].data[o..o + n * 4];
         for c in bytes.chunks_exact_mut(4) {
             value.store(c);
         }
@@ -432,8 +587,8 @@ impl SimMemory {
         let (ds, d_off) = self.locate_elems::<f32>(OP, dst, n)?;
         Self::check_elementwise_alias(OP, dst, src, n * 4)?;
         for k in (0..n * 4).step_by(4) {
-            let x = f32::load(&self.segments[ss].data[so + k..so + k + 4]);
-            f(x).store(&mut self.segments[ds].data[d_off + k..d_off + k + 4]);
+            let x = f32::load(&self.regions[ss].data[so + k..so + k + 4]);
+            f(x).store(&mut self.regions[ds].data[d_off + k..d_off + k + 4]);
         }
         Ok(())
     }
@@ -458,9 +613,9 @@ impl SimMemory {
         Self::check_elementwise_alias(OP, dst, a, n * 4)?;
         Self::check_elementwise_alias(OP, dst, b, n * 4)?;
         for k in (0..n * 4).step_by(4) {
-            let x = f32::load(&self.segments[sa].data[oa + k..oa + k + 4]);
-            let y = f32::load(&self.segments[sb].data[ob + k..ob + k + 4]);
-            f(x, y).store(&mut self.segments[ds].data[d_off + k..d_off + k + 4]);
+            let x = f32::load(&self.regions[sa].data[oa + k..oa + k + 4]);
+            let y = f32::load(&self.regions[sb].data[ob + k..ob + k + 4]);
+            f(x, y).store(&mut self.regions[ds].data[d_off + k..d_off + k + 4]);
         }
         Ok(())
     }
@@ -472,54 +627,136 @@ mod tests {
 
     const K: DeviceOp = DeviceOp::KernelLaunch;
 
+    /// A reservation of `bytes` (rounded up to granules) with all of it mapped.
+    fn mapped(m: &mut SimMemory, bytes: usize) -> DevicePtr {
+        let size = bytes.max(1).next_multiple_of(GRANULARITY);
+        let p = m.reserve(DeviceOp::Reserve, size).unwrap();
+        m.map(DeviceOp::Map, p, size).unwrap();
+        p
+    }
+
     #[test]
     fn placement_is_aligned_gapped_and_monotonic() {
         let mut m = SimMemory::new(1 << 30);
-        let a = m
-            .alloc(SegmentKind::Pool, DeviceOp::SegmentAlloc, 100)
-            .unwrap();
-        let b = m
-            .alloc(SegmentKind::Pool, DeviceOp::SegmentAlloc, 2 << 20)
-            .unwrap();
-        let c = m
-            .alloc(SegmentKind::Pool, DeviceOp::SegmentAlloc, 0)
-            .unwrap();
-        let d = m
-            .alloc(SegmentKind::Pool, DeviceOp::SegmentAlloc, 1)
-            .unwrap();
+        let a = m.alloc_raw(DeviceOp::RawAlloc, 100).unwrap();
+        let b = m.reserve(DeviceOp::Reserve, GRANULARITY).unwrap();
+        let c = m.alloc_raw(DeviceOp::RawAlloc, 0).unwrap();
+        let d = m.alloc_raw(DeviceOp::RawAlloc, 1).unwrap();
         assert_eq!(a, DevicePtr(ADDRESS_BASE));
         // 100 bytes round up to one 2 MiB unit, then a 2 MiB gap.
-        assert_eq!(b.0, ADDRESS_BASE + 2 * SEGMENT_ALIGN);
+        assert_eq!(b.0, ADDRESS_BASE + 2 * GRAN);
         // exactly 2 MiB: ends on a boundary, then the gap.
-        assert_eq!(c.0, b.0 + 2 * SEGMENT_ALIGN);
+        assert_eq!(c.0, b.0 + 2 * GRAN);
         // zero bytes still leave a gap.
-        assert_eq!(d.0, c.0 + SEGMENT_ALIGN);
+        assert_eq!(d.0, c.0 + GRAN);
         for p in [a, b, c, d] {
-            assert_eq!(p.0 % SEGMENT_ALIGN, 0);
+            assert_eq!(p.0 % GRAN, 0);
         }
-        m.free(SegmentKind::Pool, DeviceOp::SegmentFree, b, Some(2 << 20))
+        m.free_raw(DeviceOp::RawAlloc, a).unwrap();
+        m.release_reservation(DeviceOp::ReleaseReservation, b, GRANULARITY)
             .unwrap();
-        let e = m
-            .alloc(SegmentKind::Pool, DeviceOp::SegmentAlloc, 8)
-            .unwrap();
+        let e = m.alloc_raw(DeviceOp::RawAlloc, 8).unwrap();
         assert!(e.0 > d.0, "addresses are never reused");
     }
 
     #[test]
     fn fresh_memory_is_poisoned() {
-        let mut m = SimMemory::new(1 << 20);
-        let a = m
-            .alloc(SegmentKind::Pool, DeviceOp::SegmentAlloc, 16)
-            .unwrap();
+        let mut m = SimMemory::new(4 << 20);
+        let a = m.alloc_raw(DeviceOp::RawAlloc, 16).unwrap();
         assert!(m.bytes(a, 16).unwrap().iter().all(|&b| b == POISON_BYTE));
+        let r = mapped(&mut m, 16);
+        assert!(m.bytes(r, 16).unwrap().iter().all(|&b| b == POISON_BYTE));
+    }
+
+    #[test]
+    fn a_huge_reservation_costs_no_host_memory_and_accesses_need_mapping() {
+        let mut m = SimMemory::new(16 << 20);
+        let r = m.reserve(DeviceOp::Reserve, 256 << 30).unwrap();
+        let far = r.offset(4 * GRANULARITY);
+        assert_eq!(m.bytes(far, 4), Err(invalid(K, far, 4)));
+        m.map(DeviceOp::Map, far, GRANULARITY).unwrap();
+        m.bytes_mut(far, 4).unwrap().copy_from_slice(&[1, 2, 3, 4]);
+        assert_eq!(m.regions[0].data.len(), 5 * GRANULARITY);
+        assert_eq!(m.bytes(r, 4), Err(invalid(K, r, 4)), "below the mapping");
+        let edge = far.offset(GRANULARITY - 2);
+        assert_eq!(
+            m.bytes(edge, 4),
+            Err(invalid(K, edge, 4)),
+            "past the mapping"
+        );
+        m.unmap(DeviceOp::Unmap, far, GRANULARITY).unwrap();
+        assert_eq!(m.bytes(far, 4), Err(invalid(K, far, 4)));
+        assert!(m.regions[0].data.is_empty());
+        m.map(DeviceOp::Map, far, GRANULARITY).unwrap();
+        assert_eq!(
+            m.bytes(far, 4).unwrap(),
+            &[POISON_BYTE; 4],
+            "remapped memory is fresh"
+        );
+    }
+
+    #[test]
+    fn misuse_is_an_invalid_argument() {
+        let mut m = SimMemory::new(1 << 30);
+        let r = m.reserve(DeviceOp::Reserve, 4 * GRANULARITY).unwrap();
+        let is_bad =
+            |e: Result<(), DeviceError>| matches!(e, Err(DeviceError::InvalidArgument { .. }));
+        assert!(matches!(
+            m.reserve(DeviceOp::Reserve, 100),
+            Err(DeviceError::InvalidArgument { .. })
+        ));
+        assert!(is_bad(m.map(DeviceOp::Map, r.offset(512), GRANULARITY)));
+        assert!(is_bad(m.map(DeviceOp::Map, r, 0)));
+        assert!(
+            is_bad(m.map(DeviceOp::Map, r, 5 * GRANULARITY)),
+            "past the end"
+        );
+        m.map(DeviceOp::Map, r, GRANULARITY).unwrap();
+        assert!(
+            is_bad(m.map(DeviceOp::Map, r, 2 * GRANULARITY)),
+            "mapped twice"
+        );
+        assert!(
+            is_bad(m.unmap(DeviceOp::Unmap, r, 2 * GRANULARITY)),
+            "not all mapped"
+        );
+        assert!(is_bad(m.release_reservation(
+            DeviceOp::ReleaseReservation,
+            r,
+            4 * GRANULARITY
+        )));
+        m.unmap(DeviceOp::Unmap, r, GRANULARITY).unwrap();
+        assert!(is_bad(m.release_reservation(
+            DeviceOp::ReleaseReservation,
+            r,
+            GRANULARITY
+        )));
+        m.release_reservation(DeviceOp::ReleaseReservation, r, 4 * GRANULARITY)
+            .unwrap();
+    }
+
+    #[test]
+    fn the_limit_counts_mapped_and_raw_bytes() {
+        let mut m = SimMemory::new(3 * GRANULARITY);
+        let r = m.reserve(DeviceOp::Reserve, 8 * GRANULARITY).unwrap();
+        m.map(DeviceOp::Map, r, 2 * GRANULARITY).unwrap();
+        m.alloc_raw(DeviceOp::RawAlloc, GRANULARITY).unwrap();
+        assert_eq!(
+            m.map(DeviceOp::Map, r.offset(2 * GRANULARITY), GRANULARITY),
+            Err(DeviceError::OutOfMemory {
+                op: DeviceOp::Map,
+                bytes: GRANULARITY
+            })
+        );
+        m.unmap(DeviceOp::Unmap, r, GRANULARITY).unwrap();
+        m.map(DeviceOp::Map, r.offset(2 * GRANULARITY), GRANULARITY)
+            .unwrap();
     }
 
     #[test]
     fn accesses_must_stay_inside_one_allocation() {
         let mut m = SimMemory::new(1 << 30);
-        let a = m
-            .alloc(SegmentKind::Pool, DeviceOp::SegmentAlloc, 64)
-            .unwrap();
+        let a = m.alloc_raw(DeviceOp::RawAlloc, 64).unwrap();
         assert!(m.bytes(a, 64).is_ok());
         assert_eq!(
             m.bytes(a, 65),
@@ -548,9 +785,7 @@ mod tests {
     #[test]
     fn typed_access_round_trips_and_checks_alignment() {
         let mut m = SimMemory::new(1 << 30);
-        let a = m
-            .alloc(SegmentKind::Pool, DeviceOp::SegmentAlloc, 64)
-            .unwrap();
+        let a = mapped(&mut m, 64);
         m.write_i32(a, &[-1, 2]).unwrap();
         assert_eq!(m.bytes(a, 4).unwrap(), &[0xff; 4]);
         let mut u = [0u32; 2];
@@ -567,9 +802,7 @@ mod tests {
     #[test]
     fn elementwise_rejects_partial_overlap_but_allows_in_place() {
         let mut m = SimMemory::new(1 << 30);
-        let a = m
-            .alloc(SegmentKind::Pool, DeviceOp::SegmentAlloc, 64)
-            .unwrap();
+        let a = mapped(&mut m, 64);
         m.fill_f32(a, 16, 1.0).unwrap();
         m.map_f32(a, a, 4, |x| x + 1.0).unwrap();
         assert_eq!(m.f32s(a, 5).unwrap(), [2.0, 2.0, 2.0, 2.0, 1.0]);

@@ -1,10 +1,19 @@
 //! Capture records, launch replays: same results as eager execution, at the recorded addresses.
 
 use graft_core::{CaptureMode, Device, DeviceError, DeviceOp, DevicePtr, GraphSummary};
-use graft_sim::{CaptureStatus, SimDevice};
+use graft_sim::{CaptureStatus, GRANULARITY, SimDevice};
 
 const N: usize = 64;
 const BYTES: usize = N * 4;
+
+/// Pool-style memory for `bytes`: a fresh reservation of whole granules, all mapped. Legal
+/// during a capture.
+fn pool_memory(dev: &SimDevice, bytes: usize) -> Result<DevicePtr, DeviceError> {
+    let size = bytes.next_multiple_of(GRANULARITY);
+    let r = dev.reserve(size)?;
+    dev.map(r, size)?;
+    Ok(r)
+}
 
 /// The chain under test: x = 2; y = 3x + 1; z = x + y; z *= y.
 fn chain(dev: &SimDevice, x: DevicePtr, y: DevicePtr, z: DevicePtr) -> Result<(), DeviceError> {
@@ -17,11 +26,11 @@ fn chain(dev: &SimDevice, x: DevicePtr, y: DevicePtr, z: DevicePtr) -> Result<()
 #[test]
 fn replay_reproduces_eager_result_at_recorded_addresses() {
     let dev = SimDevice::new();
-    let seg = dev.alloc_segment(4 * BYTES).unwrap();
+    let seg = pool_memory(&dev, 4 * BYTES).unwrap();
     let (x, y, z) = (seg, seg.offset(BYTES), seg.offset(2 * BYTES));
 
     // Eager run on other buffers.
-    let other = dev.alloc_segment(3 * BYTES).unwrap();
+    let other = pool_memory(&dev, 3 * BYTES).unwrap();
     chain(&dev, other, other.offset(BYTES), other.offset(2 * BYTES)).unwrap();
     let eager = dev.read_f32(other.offset(2 * BYTES), N).unwrap();
     assert_eq!(eager, vec![(2.0 + 7.0) * 7.0; N]);
@@ -62,7 +71,7 @@ fn replay_reproduces_eager_result_at_recorded_addresses() {
 #[test]
 fn replay_rereads_inputs_changed_in_place() {
     let dev = SimDevice::new();
-    let seg = dev.alloc_segment(3 * BYTES).unwrap();
+    let seg = pool_memory(&dev, 3 * BYTES).unwrap();
     let (input, out) = (seg, seg.offset(BYTES));
     dev.write_f32(input, &[1.0; N]).unwrap();
 
@@ -83,8 +92,8 @@ fn replay_rereads_inputs_changed_in_place() {
 #[test]
 fn copies_are_recorded_and_replayed() {
     let dev = SimDevice::new();
-    let a = dev.alloc_segment(BYTES).unwrap();
-    let b = dev.alloc_segment(BYTES).unwrap();
+    let a = pool_memory(&dev, BYTES).unwrap();
+    let b = pool_memory(&dev, BYTES).unwrap();
     dev.write_f32(a, &[4.0; N]).unwrap();
 
     dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
@@ -110,7 +119,7 @@ fn copies_are_recorded_and_replayed() {
 #[test]
 fn graph_launched_inside_a_capture_becomes_a_child_graph() {
     let dev = SimDevice::new();
-    let a = dev.alloc_segment(BYTES).unwrap();
+    let a = pool_memory(&dev, BYTES).unwrap();
     dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
     dev.fill_f32(a, N, 1.0).unwrap();
     let inner = dev.end_capture().unwrap();
@@ -128,29 +137,29 @@ fn graph_launched_inside_a_capture_becomes_a_child_graph() {
 }
 
 #[test]
-fn alloc_segment_works_during_capture_and_the_capture_stays_valid() {
+fn reserve_and_map_work_during_capture_and_the_capture_stays_valid() {
     let dev = SimDevice::new();
     dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
-    let seg = dev.alloc_segment(BYTES).unwrap();
+    let seg = pool_memory(&dev, BYTES).unwrap();
     dev.fill_f32(seg, N, 9.0).unwrap();
     let graph = dev.end_capture().unwrap();
-    assert_eq!(dev.stats().live_segments, 1);
+    assert_eq!(dev.stats().mapped_bytes, GRANULARITY);
     dev.launch(&graph).unwrap();
     assert_eq!(dev.read_f32(seg, N).unwrap(), vec![9.0; N]);
 }
 
 #[test]
-fn replay_after_free_fails_with_invalid_address() {
+fn replay_after_unmap_fails_with_invalid_address() {
     let dev = SimDevice::new();
-    let seg = dev.alloc_segment(BYTES).unwrap();
+    let seg = pool_memory(&dev, BYTES).unwrap();
     dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
     dev.fill_f32(seg, N, 1.0).unwrap();
     let graph = dev.end_capture().unwrap();
     dev.launch(&graph).unwrap();
 
-    dev.free_segment(seg, BYTES).unwrap();
-    // A new segment never lands at the freed address.
-    let fresh = dev.alloc_segment(BYTES).unwrap();
+    dev.unmap(seg, GRANULARITY).unwrap();
+    // New memory never lands at the unmapped address.
+    let fresh = pool_memory(&dev, BYTES).unwrap();
     assert_ne!(fresh, seg);
     assert_eq!(
         dev.launch(&graph),
@@ -191,7 +200,7 @@ fn graphs_are_counted_and_bound_to_their_device() {
 fn clones_share_the_device() {
     let dev = SimDevice::new();
     let clone = dev.clone();
-    let seg = dev.alloc_segment(BYTES).unwrap();
+    let seg = pool_memory(&dev, BYTES).unwrap();
     clone.fill_f32(seg, N, 3.0).unwrap();
     assert_eq!(dev.read_f32(seg, 1).unwrap(), [3.0]);
     assert_eq!(clone.id(), dev.id());

@@ -1,7 +1,7 @@
 //! Everything CUDA forbids during a capture fails with the right operation and reason, and breaks the capture.
 
 use graft_core::{CaptureMode, CaptureViolation, Device, DeviceError, DeviceOp, DevicePtr};
-use graft_sim::{CaptureStatus, SimDevice, SimMemory};
+use graft_sim::{CaptureStatus, GRANULARITY, SimDevice, SimMemory};
 
 const N: usize = 16;
 
@@ -16,7 +16,7 @@ fn check_forbidden(
     forbidden: impl Fn(&SimDevice, DevicePtr) -> Result<(), DeviceError>,
 ) {
     let dev = SimDevice::new();
-    let seg = dev.alloc_segment(N * 4).unwrap();
+    let seg = dev.raw_alloc(N * 4).unwrap();
     dev.fill_f32(seg, N, 1.0).unwrap();
     let kernels = dev.stats().kernels_run;
 
@@ -114,10 +114,19 @@ fn query_is_forbidden() {
 }
 
 #[test]
-fn segment_free_is_forbidden() {
-    check_forbidden(DeviceOp::SegmentFree, |d, _| {
-        let extra = d.alloc_segment(64)?;
-        d.free_segment(extra, 64)
+fn unmap_is_forbidden() {
+    check_forbidden(DeviceOp::Unmap, |d, _| {
+        let extra = d.reserve(GRANULARITY)?;
+        d.map(extra, GRANULARITY)?;
+        d.unmap(extra, GRANULARITY)
+    });
+}
+
+#[test]
+fn releasing_a_reservation_is_forbidden() {
+    check_forbidden(DeviceOp::ReleaseReservation, |d, _| {
+        let extra = d.reserve(GRANULARITY)?;
+        d.release_reservation(extra, GRANULARITY)
     });
 }
 
@@ -129,17 +138,22 @@ fn forbidden_ops_work_outside_capture() {
     let raw = dev.raw_alloc(64).unwrap();
     assert_eq!(dev.stats().live_raw_allocs, 1);
     assert_eq!(
-        dev.stats().live_segments,
+        dev.stats().mapped_bytes,
         0,
-        "raw allocations are not segments"
+        "raw allocations are not pool memory"
     );
     dev.write(raw, &[1, 2, 3]).unwrap();
     let mut back = [0u8; 4];
     dev.read(raw, &mut back).unwrap();
     assert_eq!(back, [1, 2, 3, 0xA5]);
-    // A raw allocation is not a segment, and the other way round.
+    // A raw allocation is not a reservation, and the other way round.
     assert!(matches!(
-        dev.free_segment(raw, 64),
+        dev.unmap(raw, GRANULARITY),
+        Err(DeviceError::InvalidArgument { .. })
+    ));
+    let r = dev.reserve(GRANULARITY).unwrap();
+    assert!(matches!(
+        dev.raw_free(r),
         Err(DeviceError::InvalidAddress { .. })
     ));
     dev.raw_free(raw).unwrap();
@@ -152,7 +166,7 @@ fn forbidden_ops_work_outside_capture() {
 #[test]
 fn unjoined_side_stream_fails_end_capture() {
     let dev = SimDevice::new();
-    let seg = dev.alloc_segment(N * 4).unwrap();
+    let seg = dev.raw_alloc(N * 4).unwrap();
     dev.fill_f32(seg, N, 1.0).unwrap();
 
     dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
@@ -188,7 +202,7 @@ fn abort_discards_an_unjoined_capture() {
 #[test]
 fn abort_of_a_valid_capture_discards_recorded_work() {
     let dev = SimDevice::new();
-    let seg = dev.alloc_segment(N * 4).unwrap();
+    let seg = dev.raw_alloc(N * 4).unwrap();
     dev.fill_f32(seg, N, 1.0).unwrap();
     dev.begin_capture(CaptureMode::Relaxed).unwrap();
     dev.fill_f32(seg, N, 3.0).unwrap();

@@ -1,46 +1,54 @@
 //! Fault injection: each injection point fires exactly once, where it was aimed.
 
 use graft_core::{CaptureMode, Device, DeviceError, DeviceOp};
-use graft_sim::{CaptureStatus, SimDevice};
+use graft_sim::{CaptureStatus, GRANULARITY, SimDevice};
 
 fn injected(op: DeviceOp) -> DeviceError {
     DeviceError::Injected { op }
 }
 
 #[test]
-fn segment_alloc_fault_fires_once_at_the_chosen_allocation() {
+fn map_fault_fires_once_at_the_chosen_map() {
     let dev = SimDevice::new();
-    dev.fail_segment_alloc_after(2);
-    dev.alloc_segment(64).unwrap();
-    dev.alloc_segment(64).unwrap();
-    assert_eq!(dev.alloc_segment(64), Err(injected(DeviceOp::SegmentAlloc)));
-    for _ in 0..5 {
-        dev.alloc_segment(64).unwrap();
+    let g = GRANULARITY;
+    let r = dev.reserve(16 * g).unwrap();
+    let at = |i: usize| r.offset(i * g);
+    dev.fail_map_after(2);
+    dev.map(at(0), g).unwrap();
+    dev.map(at(1), g).unwrap();
+    assert_eq!(dev.map(at(2), g), Err(injected(DeviceOp::Map)));
+    assert!(
+        dev.read(at(2), &mut [0u8; 4]).is_err(),
+        "a failed map maps nothing"
+    );
+    for i in 2..7 {
+        dev.map(at(i), g).unwrap();
     }
-    assert_eq!(dev.stats().segment_allocs, 7);
-    assert_eq!(dev.stats().live_segments, 7);
+    assert_eq!(dev.stats().maps, 7);
+    assert_eq!(dev.stats().mapped_bytes, 7 * g);
 
-    dev.fail_segment_alloc_after(0);
-    assert_eq!(dev.alloc_segment(64), Err(injected(DeviceOp::SegmentAlloc)));
-    dev.alloc_segment(64).unwrap();
+    dev.fail_map_after(0);
+    assert_eq!(dev.map(at(7), g), Err(injected(DeviceOp::Map)));
+    dev.map(at(7), g).unwrap();
 }
 
 #[test]
-fn segment_alloc_fault_ignores_raw_allocations_and_fires_during_capture() {
+fn map_fault_ignores_raw_allocations_and_fires_during_capture() {
     let dev = SimDevice::new();
-    dev.fail_segment_alloc_after(0);
+    let r = dev.reserve(2 * GRANULARITY).unwrap();
+    dev.fail_map_after(0);
     dev.raw_alloc(64).unwrap();
     dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
-    assert_eq!(dev.alloc_segment(64), Err(injected(DeviceOp::SegmentAlloc)));
-    // An allocation failure does not invalidate the capture.
-    dev.alloc_segment(64).unwrap();
+    assert_eq!(dev.map(r, GRANULARITY), Err(injected(DeviceOp::Map)));
+    // A map failure does not invalidate the capture.
+    dev.map(r, GRANULARITY).unwrap();
     dev.end_capture().unwrap();
 }
 
 #[test]
 fn instantiate_fault_fires_once_and_ends_the_capture() {
     let dev = SimDevice::new();
-    let seg = dev.alloc_segment(64).unwrap();
+    let seg = dev.raw_alloc(64).unwrap();
     dev.fill_f32(seg, 16, 1.0).unwrap();
     dev.fail_next_instantiate();
 
@@ -88,7 +96,7 @@ fn instantiate_fault_waits_for_a_capture_that_reaches_instantiation() {
 #[test]
 fn launch_fault_fires_once_and_runs_nothing() {
     let dev = SimDevice::new();
-    let seg = dev.alloc_segment(64).unwrap();
+    let seg = dev.raw_alloc(64).unwrap();
     dev.fill_f32(seg, 16, 1.0).unwrap();
     dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
     dev.axpb_f32(seg, seg, 2.0, 0.0, 16).unwrap();

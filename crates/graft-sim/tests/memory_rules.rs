@@ -1,67 +1,82 @@
-//! Memory rules: fixed addresses, poison, bounds, use after free, overlapping copies, limits.
+//! Memory rules: fixed addresses, poison, mapping, bounds, use after free or unmap, overlapping copies, limits.
 
 use graft_core::{CaptureMode, Device, DeviceError, DeviceOp, DevicePtr};
-use graft_sim::{ADDRESS_BASE, POISON_BYTE, SEGMENT_ALIGN, SimDevice, SimMemory};
+use graft_sim::{ADDRESS_BASE, GRANULARITY, POISON_BYTE, SimDevice, SimMemory};
+
+/// A fresh reservation of `granules` granules, all mapped.
+fn mapped(dev: &SimDevice, granules: usize) -> DevicePtr {
+    let r = dev.reserve(granules * GRANULARITY).unwrap();
+    dev.map(r, granules * GRANULARITY).unwrap();
+    r
+}
 
 #[test]
-fn segments_are_placed_deterministically() {
+fn memory_is_placed_deterministically() {
     let place = || {
         let dev = SimDevice::new();
-        let a = dev.alloc_segment(1000).unwrap();
-        let b = dev.alloc_segment(3 << 20).unwrap();
-        dev.free_segment(a, 1000).unwrap();
-        let c = dev.alloc_segment(1000).unwrap();
+        let a = dev.raw_alloc(1000).unwrap();
+        let b = dev.reserve(4 * GRANULARITY).unwrap();
+        dev.raw_free(a).unwrap();
+        let c = dev.raw_alloc(1000).unwrap();
         (a, b, c)
     };
     let (a, b, c) = place();
     assert_eq!(place(), (a, b, c), "same program, same addresses");
     assert_eq!(a, DevicePtr(ADDRESS_BASE));
-    assert_eq!(b.0, ADDRESS_BASE + 2 * SEGMENT_ALIGN);
-    // 3 MiB rounds to 4 MiB, then a 2 MiB gap.
-    assert_eq!(c.0, b.0 + 3 * SEGMENT_ALIGN);
+    assert_eq!(b.0, ADDRESS_BASE + 2 * GRANULARITY as u64);
+    // 4 granules, then a one-granule gap.
+    assert_eq!(c.0, b.0 + 5 * GRANULARITY as u64);
 }
 
 #[test]
-fn fresh_segments_are_poisoned() {
+fn fresh_memory_is_poisoned() {
     let dev = SimDevice::new();
-    let a = dev.alloc_segment(4096).unwrap();
-    let mut buf = vec![0u8; 4096];
-    dev.read(a, &mut buf).unwrap();
-    assert!(buf.iter().all(|&b| b == POISON_BYTE));
+    for a in [dev.raw_alloc(4096).unwrap(), mapped(&dev, 1)] {
+        let mut buf = vec![0u8; 4096];
+        dev.read(a, &mut buf).unwrap();
+        assert!(buf.iter().all(|&b| b == POISON_BYTE));
+    }
 }
 
 #[test]
-fn free_needs_an_exact_live_segment() {
+fn unmap_needs_mapped_granules_of_a_reservation() {
     let dev = SimDevice::new();
-    let a = dev.alloc_segment(4096).unwrap();
+    let a = mapped(&dev, 2);
+    let g = GRANULARITY;
     for (ptr, bytes) in [
-        (a, 4095),
-        (a, 4097),
-        (a.offset(512), 3584),
-        (DevicePtr(0), 0),
+        (a, g - 512),
+        (a, 3 * g),
+        (a.offset(512), g),
+        (DevicePtr(0), g),
+        (a, 0),
     ] {
-        assert_eq!(
-            dev.free_segment(ptr, bytes),
-            Err(DeviceError::InvalidAddress {
-                op: DeviceOp::SegmentFree,
-                addr: ptr,
-                len: bytes
-            })
+        assert!(
+            matches!(
+                dev.unmap(ptr, bytes),
+                Err(DeviceError::InvalidArgument {
+                    op: DeviceOp::Unmap,
+                    ..
+                })
+            ),
+            "{ptr}+{bytes}"
         );
     }
-    assert_eq!(dev.stats().live_segments, 1);
-    assert_eq!(dev.stats().live_bytes, 4096);
-    dev.free_segment(a, 4096).unwrap();
-    assert_eq!(dev.stats().live_bytes, 0);
-    assert!(dev.free_segment(a, 4096).is_err(), "double free");
+    assert_eq!(dev.stats().mapped_bytes, 2 * g);
+    assert_eq!(dev.stats().reservations, 1);
+    dev.unmap(a.offset(g), g).unwrap();
+    assert_eq!(dev.stats().mapped_bytes, g);
+    assert!(dev.unmap(a.offset(g), g).is_err(), "double unmap");
+    dev.unmap(a, g).unwrap();
+    dev.release_reservation(a, 2 * g).unwrap();
+    assert_eq!((dev.stats().mapped_bytes, dev.stats().reservations), (0, 0));
 }
 
 #[test]
-fn use_after_free_is_rejected() {
+fn use_after_unmap_is_rejected() {
     let dev = SimDevice::new();
-    let a = dev.alloc_segment(64).unwrap();
+    let a = mapped(&dev, 1);
     dev.fill_f32(a, 16, 1.0).unwrap();
-    dev.free_segment(a, 64).unwrap();
+    dev.unmap(a, GRANULARITY).unwrap();
     assert_eq!(
         dev.fill_f32(a, 16, 1.0),
         Err(DeviceError::InvalidAddress {
@@ -85,12 +100,15 @@ fn use_after_free_is_rejected() {
             ..
         })
     ));
+    let b = dev.raw_alloc(64).unwrap();
+    dev.raw_free(b).unwrap();
+    assert!(dev.fill_f32(b, 16, 1.0).is_err(), "use after raw free");
 }
 
 #[test]
 fn out_of_bounds_kernel_access_is_an_error() {
     let dev = SimDevice::new();
-    let a = dev.alloc_segment(64).unwrap();
+    let a = dev.raw_alloc(64).unwrap();
     // One element past the end.
     assert_eq!(
         dev.add_f32(a, a, a, 17),
@@ -101,7 +119,7 @@ fn out_of_bounds_kernel_access_is_an_error() {
         })
     );
     // Into the gap after the segment, with a hand-written kernel.
-    let past = a.offset(SEGMENT_ALIGN as usize);
+    let past = a.offset(GRANULARITY);
     let err = dev
         .launch_kernel("oob", move |m: &mut SimMemory| {
             m.bytes_mut(past, 1)?[0] = 1;
@@ -118,7 +136,7 @@ fn out_of_bounds_kernel_access_is_an_error() {
 #[test]
 fn overlapping_copy_is_rejected_eagerly() {
     let dev = SimDevice::new();
-    let a = dev.alloc_segment(64).unwrap();
+    let a = dev.raw_alloc(64).unwrap();
     let expected = DeviceError::OverlappingCopy {
         op: DeviceOp::Copy,
         dst: a.offset(8),
@@ -135,7 +153,7 @@ fn overlapping_copy_is_rejected_eagerly() {
 #[test]
 fn overlapping_copy_is_rejected_on_replay() {
     let dev = SimDevice::new();
-    let a = dev.alloc_segment(64).unwrap();
+    let a = dev.raw_alloc(64).unwrap();
     dev.fill_f32(a, 16, 1.0).unwrap();
     dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
     dev.fill_f32(a, 4, 2.0).unwrap();
@@ -157,7 +175,7 @@ fn overlapping_copy_is_rejected_on_replay() {
 #[test]
 fn elementwise_partial_overlap_is_rejected_in_place_is_fine() {
     let dev = SimDevice::new();
-    let a = dev.alloc_segment(64).unwrap();
+    let a = dev.raw_alloc(64).unwrap();
     dev.fill_f32(a, 16, 1.0).unwrap();
     dev.add_f32(a, a, a, 8).unwrap();
     assert!(matches!(
@@ -169,13 +187,15 @@ fn elementwise_partial_overlap_is_rejected_in_place_is_fine() {
 
 #[test]
 fn memory_limit_gives_out_of_memory() {
-    let dev = SimDevice::with_memory_limit(1 << 20);
-    let a = dev.alloc_segment(1 << 19).unwrap();
+    let g = GRANULARITY;
+    let dev = SimDevice::with_memory_limit(2 * g);
+    let r = dev.reserve(8 * g).unwrap();
+    dev.map(r, g).unwrap();
     assert_eq!(
-        dev.alloc_segment((1 << 19) + 1),
+        dev.map(r.offset(g), 2 * g),
         Err(DeviceError::OutOfMemory {
-            op: DeviceOp::SegmentAlloc,
-            bytes: (1 << 19) + 1
+            op: DeviceOp::Map,
+            bytes: 2 * g
         })
     );
     assert_eq!(
@@ -185,14 +205,18 @@ fn memory_limit_gives_out_of_memory() {
             bytes: usize::MAX
         })
     );
-    dev.free_segment(a, 1 << 19).unwrap();
-    dev.alloc_segment(1 << 20).unwrap();
+    assert!(
+        dev.raw_alloc(g + 1).is_err(),
+        "mapped bytes count against the limit"
+    );
+    dev.unmap(r, g).unwrap();
+    dev.map(r.offset(g), 2 * g).unwrap();
 }
 
 #[test]
 fn misaligned_typed_access_fails() {
     let dev = SimDevice::new();
-    let a = dev.alloc_segment(64).unwrap();
+    let a = dev.raw_alloc(64).unwrap();
     assert!(matches!(
         dev.fill_f32(a.offset(1), 4, 0.0),
         Err(DeviceError::Driver { code: 716, .. })
@@ -202,7 +226,7 @@ fn misaligned_typed_access_fails() {
 #[test]
 fn axpb_is_fused() {
     let dev = SimDevice::new();
-    let a = dev.alloc_segment(64).unwrap();
+    let a = dev.raw_alloc(64).unwrap();
     // (1 + 2^-12)^2 - 1 = 2^-11 + 2^-24: the rounded product loses the 2^-24 term, FMA keeps it.
     let x = 1.0 + 2f32.powi(-12);
     dev.write_f32(a, &[x]).unwrap();
