@@ -333,3 +333,27 @@ device_test!(
     outcome_after_recovery_is_replay,
     outcome_after_recovery_is_replay
 );
+
+/// A recording that runs out of device memory while idle memory sits in the eager pool
+/// releases it and records on the second try (releasing is illegal during the capture itself).
+#[test]
+fn recording_out_of_memory_releases_idle_memory_and_retries() {
+    let dev = graft::sim::SimDevice::with_memory_limit(16 << 20);
+    let mut g = graft(dev, Config::default());
+    let f = g.register("f", FunctionSpec::default().warmups(0));
+    let x = input(&mut g, &[1.0; 4]);
+    drop(g.alloc(12 << 20).unwrap()); // the eager pool keeps its 12 MiB mapped, idle
+    let out = g
+        .call(f, &[&x], &[], |ctx: &mut Ctx<'_, graft::sim::SimDevice>| {
+            let scratch = ctx.alloc(8 << 20)?;
+            let out = ctx.alloc(16)?;
+            ctx.device().fill_f32(scratch.addr()?, 4, 2.0)?;
+            ctx.device()
+                .add_f32(out.addr()?, scratch.addr()?, ctx.input(0).addr()?, 4)?;
+            Ok(vec![Output::new(out, 0)])
+        })
+        .unwrap();
+    assert_eq!(read(&g, &out[0].buffer), vec![3.0; 4]);
+    assert_eq!(g.stats().recordings, 1);
+    assert!(g.stats().eager_pool.reserved < 12 << 20, "{:?}", g.stats().eager_pool);
+}

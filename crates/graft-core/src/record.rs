@@ -5,7 +5,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 use std::sync::Arc;
 
 use crate::buffer::{Buffer, Cell};
-use crate::ctx::{Ctx, Reclaim, RunKind, alloc_owned};
+use crate::ctx::{Ctx, Reclaim, RunKind, alloc_owned, release_unused};
 use crate::device::{Device, DeviceError, DeviceOp, DevicePtr};
 use crate::error::{BodyError, CallError};
 use crate::graft::{Frame, Graft, Outcome, lock};
@@ -41,7 +41,10 @@ struct Captured<G, M> {
 }
 
 impl<D: Device, M: Clone> Graft<D, M> {
-    /// Records the body under `parent` (a root when none) and launches the graph once.
+    /// Records the body under `parent` (a root when none) and launches the graph once. When
+    /// the device runs out of memory while recording, the recording is undone, memory no
+    /// block and no graph uses is released from both pools, and the recording is tried once
+    /// more (releasing is illegal during a capture and while the pool's checkpoint is pending).
     pub(crate) fn record<F>(
         &mut self,
         frame: &mut Frame<'_, F, M>,
@@ -55,15 +58,47 @@ impl<D: Device, M: Clone> Graft<D, M> {
         let span = tracing::debug_span!("record", function = %name, reason = %reason);
         let _span = span.enter();
         self.diverge_if_replayed(frame.function);
+        match self.record_once(frame, parent, reason.clone())? {
+            Ok(outcome) => Ok(outcome),
+            Err(_) => {
+                let released = release_unused(&mut lock(&self.graph_pool), &self.device)
+                    + release_unused(&mut lock(&self.eager_pool), &self.device);
+                tracing::debug!(
+                    released,
+                    "out of device memory while recording: released unused pool memory, retrying"
+                );
+                match self.record_once(frame, parent, reason)? {
+                    Ok(outcome) => Ok(outcome),
+                    Err(source) => Err(CallError::Pool {
+                        function: name,
+                        source,
+                    }),
+                }
+            }
+        }
+    }
+
+    /// One try at a recording. The inner error is the device running out of memory, after
+    /// the recording was undone.
+    fn record_once<F>(
+        &mut self,
+        frame: &mut Frame<'_, F, M>,
+        parent: Option<NodeKey>,
+        reason: RecordReason,
+    ) -> Result<Result<Outcome, PoolError>, CallError>
+    where
+        F: FnMut(&mut Ctx<'_, D>) -> Result<Vec<Output<M>>, BodyError>,
+    {
         let checkpoint = lock(&self.graph_pool).checkpoint();
         let prepared = match self.prepare_inputs(frame, parent) {
             Ok(prepared) => prepared,
             Err((placeholders, source)) => {
                 self.undo_recording(&checkpoint, &placeholders, &[]);
-                return Err(CallError::Pool {
-                    function: name,
-                    source,
-                });
+                if matches!(source, PoolError::OutOfMemory { .. }) {
+                    return Ok(Err(source));
+                }
+                let function = self.functions[frame.function.0].name.clone();
+                return Err(CallError::Pool { function, source });
             }
         };
         let previous = self.phase;
@@ -75,13 +110,16 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 let (key, keep) = self.attach(frame, parent, reason, prepared, captured);
                 let outcome = self.first_launch(key, frame);
                 drop(keep);
-                outcome
+                outcome.map(Ok)
             }
             Err((error, allocs)) => {
                 self.move_to(previous)?;
                 self.undo_recording(&checkpoint, &prepared.placeholders, &allocs);
                 drop(prepared);
-                self.capture_failed(frame, parent, error)
+                match error {
+                    BodyError::Pool(source @ PoolError::OutOfMemory { .. }) => Ok(Err(source)),
+                    error => self.capture_failed(frame, parent, error).map(Ok),
+                }
             }
         }
     }
