@@ -3,7 +3,7 @@
 use std::hint::black_box;
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use graft::pool::{Backing, Pool};
+use graft::testing::{Backing, Pool};
 use graft::{DeviceError, DevicePtr};
 
 const MIB: usize = 1 << 20;

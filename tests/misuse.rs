@@ -415,7 +415,7 @@ fn out_of_memory_releases_unused_pool_memory_then_reports_what_the_pool_holds() 
     // Past what any release can give, the error says what the pool holds and what to do.
     let err = g.alloc(8 * MIB).unwrap_err();
     match &err {
-        MemoryError::Pool(graft::pool::PoolError::OutOfMemory {
+        MemoryError::Pool(graft::PoolError::OutOfMemory {
             bytes,
             mapped,
             allocated,

@@ -327,13 +327,6 @@ impl Buffer {
         &self.cell
     }
 
-    /// Wraps memory graft does not own (weights, caches or inputs the framework allocated
-    /// itself). Graft never frees or invalidates it.
-    pub fn external(device: DeviceId, addr: DevicePtr, len: usize) -> Buffer {
-        let cell = Cell::new(addr, len, device, Arc::from("external"), 0, None);
-        Buffer::from_cell(&cell)
-    }
-
     /// The device address, or why the memory may no longer be read.
     #[inline]
     pub fn addr(&self) -> Result<DevicePtr, BufferError> {

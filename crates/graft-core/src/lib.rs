@@ -1,36 +1,57 @@
 //! graft-core: the backend-neutral runtime of graft (device layer, pool, buffers, the graph tree).
+//!
+//! The root holds what a framework embedding graft uses. [`backend`] holds what a backend
+//! author implements; `testing` (feature `test-support`) what graft's own tests and benches
+//! inspect.
 #![forbid(unsafe_code)]
 
-pub mod buffer;
-pub mod config;
-pub mod ctx;
-pub mod device;
-pub mod diag;
-pub mod error;
-pub mod graft;
+mod buffer;
+mod config;
+mod ctx;
+mod device;
+mod diag;
+mod error;
+mod graft;
+#[cfg(feature = "test-support")]
 mod introspect;
 mod lifecycle;
 mod memory;
 mod plan;
-pub mod pool;
-pub mod reason;
+mod pool;
+mod reason;
 mod record;
 mod replay;
 mod run;
-pub mod stats;
+mod stats;
 mod tree;
 
 pub use buffer::{Buffer, BufferError, NodeId, NodeLabel};
 pub use config::{AllowEntry, Config, FunctionSpec, Mode};
 pub use ctx::{Ctx, RunKind};
 pub use device::{
-    CaptureMode, CaptureViolation, CopyEnds, Device, DeviceError, DeviceId, DeviceOp, DevicePtr,
-    GraphSummary, StickyError,
+    CaptureMode, CaptureViolation, Device, DeviceError, DeviceId, DeviceOp, DevicePtr, GraphSummary,
 };
 pub use diag::{InputKind, MemoryReport, NodeInfo};
 pub use error::{BodyError, CallError, FunctionId, MemoryError, VerifyTarget};
 pub use graft::{Graft, Outcome};
 pub use lifecycle::Phase;
+pub use pool::{PoolError, PoolStats};
 pub use reason::{Decision, DecisionRecord, EagerReason, RecordReason, WarmupReason};
 pub use stats::{RerecordCounts, Stats};
 pub use tree::Output;
+
+/// What a backend author implements and uses: the [`Device`](backend::Device) trait, its
+/// capture lifecycle and memory rules (see the trait's module documentation), and the types
+/// its methods take and return.
+pub mod backend {
+    pub use crate::device::{
+        CaptureMode, CaptureViolation, CopyEnds, Device, DeviceError, DeviceId, DeviceOp,
+        DevicePtr, GraphSummary, StickyError,
+    };
+}
+
+/// What graft's own tests and benches inspect: the pool on its own. Not a stable interface.
+#[cfg(feature = "test-support")]
+pub mod testing {
+    pub use crate::pool::{Backing, Block, BlockId, Checkpoint, Pool};
+}

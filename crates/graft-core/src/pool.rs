@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use crate::device::{Device, DeviceError, DevicePtr};
 
 /// Every block address and size is a multiple of this many bytes.
-pub const GRANULARITY: usize = 512;
+pub(crate) const GRANULARITY: usize = 512;
 
 /// What the pool needs from the memory behind it: the memory calls of [`Device`] (see the
 /// device module's Memory section for their rules). Every device is one; tests use fakes.

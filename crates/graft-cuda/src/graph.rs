@@ -4,7 +4,7 @@ use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use cudarc::driver::sys;
-use graft_core::{CopyEnds, DeviceError, DeviceOp};
+use graft_core::backend::{CopyEnds, DeviceError, DeviceOp};
 
 use crate::device::Inner;
 use crate::error::check;

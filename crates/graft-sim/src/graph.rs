@@ -4,7 +4,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use graft_core::{CopyEnds, DeviceError, DeviceId, DeviceOp, DevicePtr, GraphSummary};
+use graft_core::backend::{CopyEnds, DeviceError, DeviceId, DeviceOp, DevicePtr, GraphSummary};
 
 use crate::device::Inner;
 use crate::memory::SimMemory;

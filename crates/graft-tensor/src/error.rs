@@ -1,6 +1,6 @@
 //! The tensor layer's error type, and its conversions to and from graft's.
 
-use graft_core::pool::PoolError;
+use graft_core::PoolError;
 use graft_core::{BodyError, BufferError, CallError, DeviceError, MemoryError};
 
 use crate::tensor::DType;

@@ -9,8 +9,9 @@
 use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet};
 
-use graft_core::device::{DeviceError, DeviceOp, DevicePtr};
-use graft_core::pool::{Backing, Block, BlockId, Checkpoint, Pool, PoolError};
+use graft_core::PoolError;
+use graft_core::testing::{Backing, Block, BlockId, Checkpoint, Pool};
+use graft_core::{DeviceError, DeviceOp, DevicePtr};
 use proptest::prelude::*;
 use proptest::sample::Index;
 
