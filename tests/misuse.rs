@@ -230,19 +230,34 @@ fn errors_in_drop_reach_the_next_call() {
     );
     // Taken once: the next call works.
     g.call(f, &[&x], &[], affine(1.0, 0.0, &runs)).unwrap();
-    // A graph destroyed when the runtime drops reports into the device's sticky slot.
+    // Closing the runtime returns a failure to destroy a graph.
     for _ in 0..2 {
         g.call(f, &[&x], &[], affine(1.0, 0.0, &runs)).unwrap();
     }
     dev.fail_next_graph_destroy();
+    let err = g.close().unwrap_err();
+    assert!(
+        matches!(
+            err,
+            MemoryError::Device(DeviceError::Injected {
+                op: DeviceOp::GraphDestroy
+            })
+        ),
+        "{err}"
+    );
+    // Dropping one logs it (nobody is left to return it to) and leaves nothing behind for the
+    // next runtime on the device.
+    let mut g: Graft<SimDevice, u32> = Graft::new(dev.clone(), Config::default());
+    let f = g.register("f", FunctionSpec::default());
+    let x = input(&mut g, &[1.0; 4]);
+    for _ in 0..2 {
+        g.call(f, &[&x], &[], affine(1.0, 0.0, &runs)).unwrap();
+    }
+    dev.fail_next_graph_destroy();
+    drop(x);
     drop(g);
     let mut g2: Graft<SimDevice, u32> = Graft::new(dev, Config::default());
     let f2 = g2.register("f", FunctionSpec::default());
-    let y = g2.alloc(16);
-    assert!(
-        matches!(y, Err(MemoryError::Device(DeviceError::Injected { .. }))),
-        "{y:?}"
-    );
     let y = input(&mut g2, &[1.0; 4]);
     g2.call(f2, &[&y], &[], affine(1.0, 0.0, &runs)).unwrap();
 }

@@ -66,9 +66,9 @@ pub enum BufferError {
         /// Generation that produced it.
         generation: u64,
     },
-    /// The `Graft` that made the buffer was dropped, and its memory with it.
+    /// The `Graft` that made the buffer was dropped or closed, and its memory with it.
     #[error(
-        "buffer made by {function} (generation {generation}) was freed when its Graft was dropped; \
+        "buffer made by {function} (generation {generation}) was freed when its Graft was dropped or closed; \
          keep the runtime alive while you use its buffers, or copy them into memory you own first"
     )]
     Dropped {

@@ -194,10 +194,17 @@ impl<D: Device, M: Clone> Graft<D, M> {
             .drain(..)
             .for_each(|c| c.invalidate_reset());
     }
-}
 
-impl<D: Device, M: Clone> Drop for Graft<D, M> {
-    fn drop(&mut self) {
+    /// Closes the runtime: waits for the device, invalidates every buffer it handed out
+    /// (reading one then says its runtime was dropped), destroys every graph and returns both
+    /// pools' memory to the device. Returns the first error. Dropping the runtime does the
+    /// same but can only log an error: close it to handle one.
+    pub fn close(mut self) -> Result<(), MemoryError> {
+        self.teardown()
+    }
+
+    /// What `close` and `Drop` do. Running it twice is harmless: the second finds nothing.
+    fn teardown(&mut self) -> Result<(), MemoryError> {
         let synced = self.device.synchronize();
         for node in self.nodes.values() {
             for o in &node.outputs {
@@ -212,20 +219,23 @@ impl<D: Device, M: Clone> Drop for Graft<D, M> {
             .drain(..)
             .chain(self.eager_cells.cells.drain(..))
             .for_each(|c| c.invalidate_dropped());
+        // Graph destruction reports failures to the sticky slot: taken below.
         self.nodes.clear();
-        let device = &self.device;
-        let record = |r: Result<(), crate::pool::PoolError>| {
-            if let Err(e) = r {
-                tracing::error!(error = %e, "releasing pool memory failed while dropping the runtime");
-                if let crate::pool::PoolError::Release { source, .. } = e {
-                    device.record_sticky_error(source);
-                }
-            }
-        };
-        record(lock(&self.graph_pool).release_all(device));
-        record(lock(&self.eager_pool).release_all(device));
-        if let Err(e) = synced {
-            device.record_sticky_error(e);
+        self.roots.iter_mut().for_each(Vec::clear);
+        let graph = lock(&self.graph_pool).release_all(&self.device);
+        let eager = lock(&self.eager_pool).release_all(&self.device);
+        let sticky = self.device.take_sticky_error();
+        synced?;
+        graph?;
+        eager?;
+        sticky.map_or(Ok(()), |e| Err(e.into()))
+    }
+}
+
+impl<D: Device, M: Clone> Drop for Graft<D, M> {
+    fn drop(&mut self) {
+        if let Err(error) = self.teardown() {
+            tracing::error!(%error, "tearing the graft runtime down failed; call Graft::close to handle this error");
         }
     }
 }
