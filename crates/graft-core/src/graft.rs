@@ -54,6 +54,19 @@ pub(crate) struct Function {
     last_sig: usize,
 }
 
+impl Function {
+    pub(crate) fn new(name: &str, spec: FunctionSpec) -> Function {
+        Function {
+            name: Arc::from(name),
+            spec,
+            sigs: Vec::new(),
+            root_level: false,
+            warned_signatures: false,
+            last_sig: 0,
+        }
+    }
+}
+
 /// Everything one call carries through the executor: what was called, on what, the body,
 /// and where the outputs go.
 pub(crate) struct Frame<'c, F, M> {
@@ -177,14 +190,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
     /// Registers a function and returns its id. Names need not be unique; they appear in
     /// errors, logs and dumps.
     pub fn register(&mut self, name: &str, spec: FunctionSpec) -> FunctionId {
-        self.functions.push(Function {
-            name: Arc::from(name),
-            spec,
-            sigs: Vec::new(),
-            root_level: false,
-            warned_signatures: false,
-            last_sig: 0,
-        });
+        self.functions.push(Function::new(name, spec));
         self.roots.push(Vec::new());
         FunctionId(self.functions.len() - 1)
     }

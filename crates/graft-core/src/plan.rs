@@ -193,3 +193,175 @@ pub(crate) fn matches(sizes: &[usize], sig_keys: &[u64], inputs: &[&Buffer], key
         && sizes.len() == inputs.len()
         && sizes.iter().zip(inputs).all(|(&s, b)| s == b.len())
 }
+
+#[cfg(test)]
+mod tests {
+    //! The planner without a device: a tree of nodes with `()` graphs.
+
+    use super::*;
+    use crate::config::FunctionSpec;
+    use crate::graft::Signature;
+    use crate::tree::InputSlot;
+
+    struct World {
+        config: Config,
+        functions: Vec<Function>,
+        nodes: SlotMap<NodeKey, Node<(), ()>>,
+        roots: Vec<Vec<NodeKey>>,
+        eager_pairs: HashMap<(Option<NodeKey>, FunctionId), EagerReason>,
+        rerecords: HashMap<(Option<NodeKey>, FunctionId), u32>,
+    }
+
+    const F: FunctionId = FunctionId(0);
+    const ADDR: DevicePtr = DevicePtr(0x1000);
+
+    /// One function with one signature (one static input at `ADDR`), warmed up `warmups` times.
+    fn world(warmups: u32) -> World {
+        let mut f = Function::new("f", FunctionSpec::default());
+        f.sigs.push(Signature {
+            sizes: vec![4].into(),
+            keys: Box::new([]),
+            warmups_done: warmups,
+            eager: None,
+            mutated: Vec::new(),
+        });
+        World {
+            config: Config::default(),
+            functions: vec![f],
+            nodes: SlotMap::with_key(),
+            roots: vec![Vec::new()],
+            eager_pairs: HashMap::new(),
+            rerecords: HashMap::new(),
+        }
+    }
+
+    impl World {
+        /// A node of `F` recorded with its static input at `addr`, under `parent`.
+        fn node(&mut self, parent: Option<NodeKey>, addr: DevicePtr) -> NodeKey {
+            let key = self.nodes.insert(Node {
+                function: F,
+                sig: 0,
+                parent,
+                children: Vec::new(),
+                graph: (),
+                inputs: vec![InputSlot::Static { addr }].into(),
+                expected_dead: Box::new([]),
+                outputs: Vec::new(),
+                footprint: Box::new([]),
+                slot_conflicts: Vec::new(),
+                cell_conflicts: Vec::new(),
+                conflicts_epoch: 0,
+                replays: 0,
+                retired: None,
+                recorded_generation: 1,
+                reason: RecordReason::FirstRecording,
+                summary: Default::default(),
+            });
+            match parent {
+                Some(p) => self.nodes[p].add_child(F, key),
+                None => self.roots[0].push(key),
+            }
+            key
+        }
+
+        fn plan(&self, phase: Phase, backward_pending: bool, addr: DevicePtr) -> Plan {
+            let view = View {
+                phase,
+                config: &self.config,
+                functions: &self.functions,
+                nodes: &self.nodes,
+                roots: &self.roots,
+                backward_pending,
+                eager_pairs: &self.eager_pairs,
+                rerecords: &self.rerecords,
+            };
+            plan(&view, F, 0, &[addr])
+        }
+    }
+
+    #[test]
+    fn a_new_signature_warms_up_then_records_at_the_roots() {
+        let w = world(0);
+        let p = w.plan(Phase::Idle, false, ADDR);
+        assert_eq!(
+            p.action,
+            Action::Warmup(WarmupReason::FirstCalls { done: 0, needed: 1 })
+        );
+        let w = world(1);
+        let p = w.plan(Phase::Idle, false, ADDR);
+        assert_eq!(
+            p.action,
+            Action::Record {
+                parent: None,
+                reason: RecordReason::FirstRecording
+            }
+        );
+    }
+
+    #[test]
+    fn a_matching_child_replays_and_a_dead_end_starts_a_generation() {
+        let mut w = world(1);
+        w.functions[0].root_level = true;
+        let root = w.node(None, ADDR);
+        let child = w.node(Some(root), ADDR);
+        let at_root = Phase::Replaying { tip: root.id() };
+        assert_eq!(w.plan(at_root, false, ADDR).action, Action::Replay(child));
+        // At the child, nothing follows: the loop starts over at the roots.
+        let at_child = Phase::Replaying { tip: child.id() };
+        let p = w.plan(at_child, false, ADDR);
+        assert!(p.new_generation);
+        assert_eq!(p.action, Action::Replay(root));
+        // ...unless a backward is pending: then the path goes on, and says so.
+        let p = w.plan(at_child, true, ADDR);
+        assert!(!p.new_generation && p.backward_blocked);
+        assert_eq!(
+            p.action,
+            Action::Record {
+                parent: Some(child),
+                reason: RecordReason::FirstRecording
+            }
+        );
+    }
+
+    #[test]
+    fn unexpected_misses_over_the_limit_fall_back_for_good() {
+        let mut w = world(1);
+        w.node(None, ADDR);
+        let moved = DevicePtr(0x2000);
+        let miss = RecordReason::StaticAddressChanged {
+            position: 0,
+            recorded: ADDR,
+            now: moved,
+        };
+        assert_eq!(
+            w.plan(Phase::Idle, false, moved).action,
+            Action::Record {
+                parent: None,
+                reason: miss.clone()
+            }
+        );
+        let limit = w.config.rerecord_limit;
+        w.rerecords.insert((None, F), limit);
+        assert_eq!(
+            w.plan(Phase::Idle, false, moved).action,
+            Action::Eager {
+                reason: EagerReason::RerecordLimit { limit, last: miss },
+                new_fallback: true
+            }
+        );
+    }
+
+    #[test]
+    fn warmup_is_contagious_within_a_generation() {
+        let mut w = world(1);
+        w.node(None, ADDR);
+        // Not root-level: the rest of the generation warms up.
+        let p = w.plan(Phase::Warmup, false, ADDR);
+        assert_eq!(p.action, Action::Warmup(WarmupReason::PathWarmingUp));
+        // Root-level: it ends the warming path and replays from the roots.
+        w.functions[0].root_level = true;
+        let p = w.plan(Phase::Warmup, false, ADDR);
+        assert!(p.new_generation);
+        assert!(matches!(p.action, Action::Replay(_)));
+    }
+}
