@@ -17,6 +17,8 @@ mod introspect;
 mod lifecycle;
 mod memory;
 mod plan;
+// Its inspection surface (`testing`) is only reachable with the test-support feature.
+#[cfg_attr(not(feature = "test-support"), allow(unreachable_pub, dead_code))]
 mod pool;
 mod reason;
 mod record;
