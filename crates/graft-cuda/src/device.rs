@@ -118,7 +118,10 @@ fn alloc_prop(cu_device: sys::CUdevice) -> sys::CUmemAllocationProp {
     }
 }
 
-fn invalid_argument(op: DeviceOp, what: &'static str) -> DeviceError {
+/// What a launch or update of another device's graph is refused with.
+const FOREIGN_GRAPH: &str = "the graph was captured on another device";
+
+pub(crate) fn invalid_argument(op: DeviceOp, what: &'static str) -> DeviceError {
     DeviceError::InvalidArgument { op, what }
 }
 
@@ -321,12 +324,8 @@ impl CudaDevice {
     /// dedicated operation for them.
     pub fn new(ordinal: usize) -> Result<CudaDevice, DeviceError> {
         driver_ready()?;
-        let invalid_device = || DeviceError::Driver {
-            op: INIT_OP,
-            code: sys::CUresult::CUDA_ERROR_INVALID_DEVICE as u32,
-            name: "CUDA_ERROR_INVALID_DEVICE",
-        };
-        let ordinal_c = c_int::try_from(ordinal).map_err(|_| invalid_device())?;
+        let ordinal_c = c_int::try_from(ordinal)
+            .map_err(|_| invalid_argument(INIT_OP, "the device ordinal exceeds i32::MAX"))?;
         let mut cu_device: sys::CUdevice = 0;
         // SAFETY: the driver is initialized (driver_ready); `cu_device` is a valid out-pointer.
         check(INIT_OP, unsafe {
@@ -1038,12 +1037,7 @@ impl Device for CudaDevice {
         let inner = &self.inner;
         inner.enter(op)?;
         if !Arc::ptr_eq(&graph.device, inner) {
-            // The simulator reports the same code and name for this misuse.
-            return Err(DeviceError::Driver {
-                op,
-                code: sys::CUresult::CUDA_ERROR_INVALID_CONTEXT as u32,
-                name: "CUDA_ERROR_INVALID_CONTEXT",
-            });
+            return Err(invalid_argument(op, FOREIGN_GRAPH));
         }
         let handles = graph.lock();
         // SAFETY: `exec` is the live executable of `graph` (destroyed only when the graph is
@@ -1065,11 +1059,7 @@ impl Device for CudaDevice {
         let inner = &self.inner;
         inner.enter(op)?;
         if !Arc::ptr_eq(&graph.device, inner) {
-            return Err(DeviceError::Driver {
-                op,
-                code: sys::CUresult::CUDA_ERROR_INVALID_CONTEXT as u32,
-                name: "CUDA_ERROR_INVALID_CONTEXT",
-            });
+            return Err(invalid_argument(op, FOREIGN_GRAPH));
         }
         graph.repoint_copy(inner.ctx, recorded, now)
     }

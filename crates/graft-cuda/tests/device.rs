@@ -405,7 +405,7 @@ fn graphs_launch_from_another_thread_and_drop_cleanly() {
     let foreign = other.end_capture().unwrap();
     assert!(matches!(
         dev.launch(&foreign),
-        Err(DeviceError::Driver {
+        Err(DeviceError::InvalidArgument {
             op: DeviceOp::GraphLaunch,
             ..
         })

@@ -36,6 +36,8 @@ impl Drop for StreamGuard {
     }
 }
 
+/// What a launch or update of another device's graph is refused with.
+const FOREIGN_GRAPH: &str = "the graph was captured on another device";
 const NO_CAPTURE: &str = "no capture is underway";
 const CAPTURE_UNDERWAY: &str = "a capture is already underway";
 const CAPTURE_INVALIDATED: &str = "an invalidated capture is underway";
@@ -200,7 +202,8 @@ impl SimDevice {
     }
 
     /// Locks the device. Calls made from inside a kernel body (which runs under the lock) fail
-    /// like CUDA calls made from a host callback, instead of deadlocking.
+    /// like CUDA calls made from a host callback (the driver's real `CUDA_ERROR_NOT_PERMITTED`),
+    /// instead of deadlocking.
     fn lock(&self, op: DeviceOp) -> Result<MutexGuard<'_, State>, DeviceError> {
         if ON_STREAM.with(Cell::get) {
             return Err(DeviceError::Driver {
@@ -581,10 +584,9 @@ impl Device for SimDevice {
 
     fn launch(&self, graph: &SimGraph) -> Result<(), DeviceError> {
         if graph.owner.id != self.inner.id {
-            return Err(DeviceError::Driver {
+            return Err(DeviceError::InvalidArgument {
                 op: DeviceOp::GraphLaunch,
-                code: 201,
-                name: "CUDA_ERROR_INVALID_CONTEXT",
+                what: FOREIGN_GRAPH,
             });
         }
         let mut guard = self.lock(DeviceOp::GraphLaunch)?;
@@ -627,10 +629,9 @@ impl Device for SimDevice {
         now: CopyEnds,
     ) -> Result<(), DeviceError> {
         if graph.owner.id != self.inner.id {
-            return Err(DeviceError::Driver {
+            return Err(DeviceError::InvalidArgument {
                 op: DeviceOp::GraphUpdate,
-                code: 201,
-                name: "CUDA_ERROR_INVALID_CONTEXT",
+                what: FOREIGN_GRAPH,
             });
         }
         graph.repoint_copy(recorded, now)

@@ -103,11 +103,7 @@ fn module(dev: &CudaDevice) -> Result<Arc<CudaModule>, DeviceError> {
 }
 
 fn u32_of(x: usize) -> Result<u32, DeviceError> {
-    u32::try_from(x).map_err(|_| DeviceError::Driver {
-        op: graft_core::DeviceOp::KernelLaunch,
-        code: 1,
-        name: "CUDA_ERROR_INVALID_VALUE (a tensor dimension exceeds u32::MAX)",
-    })
+    u32::try_from(x).map_err(|_| invalid("a tensor dimension exceeds u32::MAX"))
 }
 
 fn ptr(p: DevicePtr) -> KernelArg {
@@ -143,11 +139,10 @@ fn strided(
     dev.launch_function(&m, kernel, (blocks, 1, 1), (BLOCK, 1, 1), 0, args)
 }
 
-fn invalid(name: &'static str) -> DeviceError {
-    DeviceError::Driver {
+fn invalid(what: &'static str) -> DeviceError {
+    DeviceError::InvalidArgument {
         op: graft_core::DeviceOp::KernelLaunch,
-        code: 1,
-        name,
+        what,
     }
 }
 
@@ -343,13 +338,11 @@ impl Ops for CudaDevice {
         let vec = d.head_dim.is_multiple_of(4);
         if d.head_dim > 1024 || (!vec && d.head_dim > 256) {
             return Err(invalid(
-                "CUDA_ERROR_INVALID_VALUE (attention head_dim over 1024, or over 256 and not a multiple of 4)",
+                "attention head_dim is over 1024, or over 256 and not a multiple of 4",
             ));
         }
         if vec && (!k_cache.0.is_multiple_of(16) || !v_cache.0.is_multiple_of(16)) {
-            return Err(invalid(
-                "CUDA_ERROR_INVALID_VALUE (KV caches must be 16-byte aligned)",
-            ));
+            return Err(invalid("KV caches must be 16-byte aligned"));
         }
         per_row(
             self,
