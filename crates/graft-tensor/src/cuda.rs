@@ -527,21 +527,18 @@ impl Ops for CudaDevice {
 mod tests {
     use super::{KERNEL_NAMES, KERNELS_CU};
 
-    /// NVRTC compiles `kernels.cu` and the PTX defines every kernel the module looks up
-    /// (when libnvrtc is present; CI machines without it skip the check and say so).
+    /// NVRTC compiles `kernels.cu` and the PTX defines every kernel the module looks up.
     #[test]
-    fn kernels_compile_with_nvrtc_when_available() {
-        match graft_cuda::compile_ptx(KERNELS_CU, "graft_tensor_kernels.cu") {
-            Ok(ptx) => {
-                let text = String::from_utf8_lossy(&ptx);
-                for name in KERNEL_NAMES {
-                    assert!(
-                        text.contains(&format!(".entry {name}(")),
-                        "{name} missing from the PTX"
-                    );
-                }
-            }
-            Err(reason) => eprintln!("NVRTC not available here, not compiled: {reason}"),
+    #[ignore = "needs NVRTC (libnvrtc), present on GPU machines"]
+    fn kernels_compile_with_nvrtc() {
+        let ptx = graft_cuda::compile_ptx(KERNELS_CU, "graft_tensor_kernels.cu")
+            .expect("kernels.cu compiles");
+        let text = String::from_utf8_lossy(&ptx);
+        for name in KERNEL_NAMES {
+            assert!(
+                text.contains(&format!(".entry {name}(")),
+                "{name} missing from the PTX"
+            );
         }
     }
 }
