@@ -411,6 +411,16 @@ pub trait Device: Send + Sync + 'static {
     /// goes to the sticky error slot.
     type Graph: Send + Sync + 'static;
 
+    /// The body-facing handle: what a registered function's body gets from
+    /// [`Ctx::queue`](crate::Ctx::queue). It enqueues work on the runtime stream (kernels,
+    /// library calls, copies) and reads and writes memory, and it offers no way back to the
+    /// device: nothing on it changes capture, memory mapping, graphs or the sticky error slot,
+    /// which core alone drives through this trait.
+    type Queue: Send + Sync + 'static;
+
+    /// The body-facing handle of this device (see [`Device::Queue`]).
+    fn queue(&self) -> &Self::Queue;
+
     /// This device instance's identity.
     fn id(&self) -> DeviceId;
 

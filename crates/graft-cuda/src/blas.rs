@@ -1,4 +1,4 @@
-//! cuBLAS on the runtime stream: one handle per device, made once, and [`CudaDevice::sgemm`],
+//! cuBLAS on the runtime stream: one handle per device, made once, and [`CudaQueue::sgemm`],
 //! a row-major f32 matrix product.
 //!
 //! # Why a fixed workspace
@@ -8,7 +8,7 @@
 //! the graph that cuBLAS may free later. So the handle is given its own workspace once, at
 //! creation, with `cublasSetWorkspace_v2`: [`WORKSPACE_BYTES`] from the device's own
 //! segment allocation (`cuMemAlloc`, outside graft's pool), freed only when the device is
-//! dropped. The handle is created outside any capture ([`CudaDevice::init_cublas`], or the
+//! dropped. The handle is created outside any capture ([`CudaQueue::init_cublas`], or the
 //! first `sgemm` when the stream is not capturing); an `sgemm` that would have to create it
 //! during a capture fails with a capture error instead, which graft turns into an eager
 //! fallback.
@@ -27,7 +27,7 @@ use cudarc::cublas::sys as blas;
 use cudarc::driver::sys;
 use graft_core::{CaptureViolation, DeviceError, DeviceOp, DevicePtr};
 
-use crate::device::{CudaDevice, Inner};
+use crate::device::{CudaQueue, Inner};
 use crate::error::check;
 
 /// Bytes of the workspace each device's cuBLAS handle gets (32 MiB, what PyTorch gives
@@ -159,7 +159,7 @@ fn blas_check(op: DeviceOp, status: blas::cublasStatus_t) -> Result<(), DeviceEr
     })
 }
 
-/// One row-major f32 matrix product for [`CudaDevice::sgemm`]:
+/// One row-major f32 matrix product for [`CudaQueue::sgemm`]:
 /// `C[m, n] = alpha * A[m, k] · op(B) + beta * C[m, n]`, all matrices dense and row-major.
 ///
 /// `op(B)` is `B` stored as `[k, n]` when `b_transposed` is false, and `Bᵀ` of a `B` stored as
@@ -186,10 +186,10 @@ pub struct Sgemm {
     pub beta: f32,
 }
 
-impl CudaDevice {
+impl CudaQueue {
     /// Creates this device's cuBLAS handle (once; later calls do nothing): bound to the
     /// runtime stream, with a fixed [`WORKSPACE_BYTES`] workspace, default (fp32) math.
-    /// Call it before capturing anything that uses [`CudaDevice::sgemm`]; the first `sgemm`
+    /// Call it before capturing anything that uses [`CudaQueue::sgemm`]; the first `sgemm`
     /// outside a capture does it too. Fails during a capture (`Capture { Unsupported }`).
     pub fn init_cublas(&self) -> Result<(), DeviceError> {
         self.blas().map(|_| ())

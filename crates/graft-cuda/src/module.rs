@@ -1,5 +1,5 @@
-//! A safe, generic kernel API: compile CUDA C++ with NVRTC once ([`CudaDevice::load_module`]),
-//! then launch its kernels on the runtime stream ([`CudaDevice::launch_function`]) with
+//! A safe, generic kernel API: compile CUDA C++ with NVRTC once ([`CudaQueue::load_module`]),
+//! then launch its kernels on the runtime stream ([`CudaQueue::launch_function`]) with
 //! arguments checked against the kernel's real parameter list, so callers need no `unsafe`.
 //!
 //! Soundness of the safe launch rests on one check: `cuLaunchKernel` reads, for parameter `i`,
@@ -20,7 +20,7 @@ use std::sync::Arc;
 use cudarc::driver::sys;
 use graft_core::{DeviceError, DeviceOp, DevicePtr};
 
-use crate::device::{CudaDevice, Inner, invalid_argument};
+use crate::device::{CudaQueue, Inner, invalid_argument};
 use crate::error::check;
 use crate::kernels::{compile_source, function};
 
@@ -86,7 +86,7 @@ struct Kernel {
 }
 
 /// A compiled, loaded CUDA module and the kernels looked up in it, in the order their names
-/// were given to [`CudaDevice::load_module`]. Launch them with [`CudaDevice::launch_function`]
+/// were given to [`CudaQueue::load_module`]. Launch them with [`CudaQueue::launch_function`]
 /// by index ([`CudaModule::index`] finds one by name).
 ///
 /// Keeps its device alive. Dropping it unloads the module (`cuModuleUnload`); a failure there
@@ -108,7 +108,7 @@ unsafe impl Send for CudaModule {}
 unsafe impl Sync for CudaModule {}
 
 impl CudaModule {
-    /// The index of the kernel called `name`, for [`CudaDevice::launch_function`].
+    /// The index of the kernel called `name`, for [`CudaQueue::launch_function`].
     pub fn index(&self, name: &str) -> Option<usize> {
         self.kernels.iter().position(|k| k.name == name)
     }
@@ -194,10 +194,10 @@ fn param_sizes(f: sys::CUfunction) -> Result<Box<[usize]>, DeviceError> {
     }
 }
 
-impl CudaDevice {
+impl CudaQueue {
     /// Compiles `cuda_source` with NVRTC, loads it (`cuModuleLoadData`) and looks up
     /// `kernel_names` (`extern "C" __global__` functions), reading each kernel's parameter
-    /// sizes so that [`CudaDevice::launch_function`] can check its arguments. Compile once and
+    /// sizes so that [`CudaQueue::launch_function`] can check its arguments. Compile once and
     /// keep the module: compiling costs milliseconds to seconds.
     ///
     /// Not for use during a capture (loading a module is not a stream operation, but keep
@@ -261,7 +261,7 @@ impl CudaDevice {
     }
 
     /// Launches kernel `kernel` (an index into the names given to
-    /// [`CudaDevice::load_module`]) of module `m` on the runtime stream: captured when
+    /// [`CudaQueue::load_module`]) of module `m` on the runtime stream: captured when
     /// capturing, like every other operation of the device. `args` must match the kernel's
     /// parameters in count and byte size (see [`KernelArg`]); otherwise, or for an index out
     /// of range, a grid or block with a zero dimension, or a module of another device, the

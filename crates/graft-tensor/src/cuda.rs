@@ -13,8 +13,8 @@
 use std::cell::RefCell;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use graft_core::{Device, DeviceError, DeviceId, DevicePtr};
-use graft_cuda::{CudaDevice, CudaModule, KernelArg, Sgemm};
+use graft_core::{DeviceError, DeviceId, DevicePtr};
+use graft_cuda::{CudaModule, CudaQueue, KernelArg, Sgemm};
 
 use crate::backend::{
     AddNormArgs, AttnDims, CacheDims, EmbedDims, EmbedNormArgs, GatherDims, LinearArgs, MatmulDims,
@@ -78,8 +78,8 @@ thread_local! {
 
 /// This device's kernel module, compiling and loading it on first use (and creating the
 /// cuBLAS handle then too, outside any capture).
-fn module(dev: &CudaDevice) -> Result<Arc<CudaModule>, DeviceError> {
-    let id = dev.id();
+fn module(dev: &CudaQueue) -> Result<Arc<CudaModule>, DeviceError> {
+    let id = dev.device_id();
     let hit = LAST.with(|l| match &*l.borrow() {
         Some((last, m)) if *last == id => Some(Arc::clone(m)),
         _ => None,
@@ -112,7 +112,7 @@ fn ptr(p: DevicePtr) -> KernelArg {
 
 /// Launches `kernel` with one block per row (`rows` blocks of [`BLOCK`] threads).
 fn per_row(
-    dev: &CudaDevice,
+    dev: &CudaQueue,
     kernel: usize,
     rows: usize,
     args: &[KernelArg],
@@ -126,7 +126,7 @@ fn per_row(
 
 /// Launches a grid-stride `kernel` over `n` elements.
 fn strided(
-    dev: &CudaDevice,
+    dev: &CudaQueue,
     kernel: usize,
     n: usize,
     args: &[KernelArg],
@@ -150,7 +150,11 @@ fn opt(p: Option<DevicePtr>) -> KernelArg {
     KernelArg::Ptr(p.unwrap_or(DevicePtr(0)))
 }
 
-impl Ops for CudaDevice {
+impl Ops for CudaQueue {
+    fn write(&self, dst: DevicePtr, src: &[u8]) -> Result<(), DeviceError> {
+        CudaQueue::write(self, dst, src)
+    }
+
     fn prepare(&self) -> Result<(), DeviceError> {
         module(self).map(|_| ())
     }
