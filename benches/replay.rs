@@ -13,7 +13,7 @@ const N: usize = 1;
 fn chain(ctx: &mut Ctx<'_, SimDevice>) -> Result<Vec<Output<()>>, BodyError> {
     let inputs = ctx.inputs();
     let out = ctx.alloc(N * 4)?;
-    let d = ctx.device();
+    let d = ctx.queue();
     let o = out.addr()?;
     d.axpb_f32(o, inputs[7].addr()?, 1.0, 0.0, N)?;
     for w in &inputs[..7] {

@@ -87,7 +87,7 @@ fn body<D: TestDevice>(
         };
         let scratch = ctx.alloc(scratch_bytes)?; // an intermediate, freed before the body returns
         let out = ctx.alloc(x.len())?;
-        let d = ctx.device();
+        let d = ctx.queue();
         let (xa, sa, oa) = (x.addr()?, scratch.addr()?, out.addr()?);
         match function {
             0 => {

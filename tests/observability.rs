@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use common::*;
 use graft::sim::SimDevice;
-use graft::{Config, Ctx, Device, FunctionSpec, Output};
+use graft::{Config, Ctx, FunctionSpec, Output};
 use tracing_subscriber::layer::{Context, SubscriberExt};
 
 #[derive(Clone, Default)]
@@ -80,7 +80,7 @@ fn spans_name_every_decision_and_replays_stay_at_trace() {
         step(&mut g, 2);
         let syncing = |ctx: &mut Ctx<'_, SimDevice>| {
             let out = ctx.alloc(16)?;
-            ctx.device().synchronize()?;
+            ctx.queue().synchronize()?;
             Ok(vec![Output::new(out, 0)])
         };
         let f4 = g.register(

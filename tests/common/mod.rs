@@ -5,12 +5,13 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use graft::cuda::CudaDevice;
-use graft::sim::SimDevice;
+use graft::cuda::{CudaDevice, CudaQueue};
+use graft::sim::{SimDevice, SimQueue};
 use graft::{BodyError, Buffer, Config, Ctx, Device, DeviceError, DevicePtr, Graft, Output};
 
-/// The kernels the scenario bodies use; both backends provide them with these signatures.
-pub trait TestDevice: Device + Clone {
+/// The kernels the scenario bodies use, on a body's queue; both backends provide them with
+/// these signatures.
+pub trait TestQueue {
     fn fill_f32(&self, dst: DevicePtr, n: usize, value: f32) -> Result<(), DeviceError>;
     fn add_f32(
         &self,
@@ -37,11 +38,18 @@ pub trait TestDevice: Device + Clone {
     /// An allocation made by user code outside graft (cudaMalloc): illegal during capture.
     fn raw_alloc(&self, bytes: usize) -> Result<DevicePtr, DeviceError>;
     fn raw_free(&self, ptr: DevicePtr) -> Result<(), DeviceError>;
+    /// Waits for the stream: illegal during capture.
+    fn synchronize(&self) -> Result<(), DeviceError>;
 }
+
+/// A device whose queue runs the test kernels.
+pub trait TestDevice: Device<Queue: TestQueue> + Clone {}
+
+impl<D: Device<Queue: TestQueue> + Clone> TestDevice for D {}
 
 macro_rules! forward_kernels {
     ($t:ty) => {
-        impl TestDevice for $t {
+        impl TestQueue for $t {
             fn fill_f32(&self, dst: DevicePtr, n: usize, value: f32) -> Result<(), DeviceError> {
                 <$t>::fill_f32(self, dst, n, value)
             }
@@ -79,11 +87,14 @@ macro_rules! forward_kernels {
             fn raw_free(&self, ptr: DevicePtr) -> Result<(), DeviceError> {
                 <$t>::raw_free(self, ptr)
             }
+            fn synchronize(&self) -> Result<(), DeviceError> {
+                <$t>::synchronize(self)
+            }
         }
     };
 }
-forward_kernels!(SimDevice);
-forward_kernels!(CudaDevice);
+forward_kernels!(SimQueue);
+forward_kernels!(CudaQueue);
 
 pub fn sim() -> SimDevice {
     SimDevice::new()
@@ -155,7 +166,7 @@ pub fn affine<D: TestDevice>(a: f32, b: f32, runs: &Runs) -> Body<'static, D> {
         let x = ctx.input(0).clone();
         let n = x.len() / 4;
         let out = ctx.alloc(x.len())?;
-        ctx.device().axpb_f32(out.addr()?, x.addr()?, a, b, n)?;
+        ctx.queue().axpb_f32(out.addr()?, x.addr()?, a, b, n)?;
         Ok(vec![Output::new(out, n as u32)])
     })
 }
@@ -167,7 +178,7 @@ pub fn add<D: TestDevice>(runs: &Runs) -> Body<'static, D> {
         runs.hit();
         let (x, y) = (ctx.input(0).clone(), ctx.input(1).clone());
         let out = ctx.alloc(x.len())?;
-        ctx.device()
+        ctx.queue()
             .add_f32(out.addr()?, x.addr()?, y.addr()?, x.len() / 4)?;
         Ok(vec![Output::new(out, 0)])
     })

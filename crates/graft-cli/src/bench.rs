@@ -7,7 +7,7 @@ use std::io::Write;
 use std::time::Duration;
 
 use graft_core::{Config, Device, Graft};
-use graft_tensor::{Decoder, DecoderConfig, Meta, Ops, Tensor, bucket_for};
+use graft_tensor::{Decoder, DecoderConfig, Meta, Tensor, bucket_for};
 use serde::Serialize;
 
 use crate::demo::{check_batches, compare, first_tokens, make_room};
@@ -103,7 +103,7 @@ impl Run {
 }
 
 /// Runs the decoder benchmark on `device` with `config`.
-pub fn run_on<D: Ops>(
+pub fn run_on<D: graft_tensor::Backend>(
     device: D,
     config: DecoderConfig,
     config_name: &str,

@@ -5,7 +5,7 @@ use std::io::Write;
 use std::time::Duration;
 
 use graft_core::{Config, Device, Graft, Stats};
-use graft_tensor::{Decoder, DecoderConfig, KvState, Meta, Ops, bucket_for};
+use graft_tensor::{Decoder, DecoderConfig, KvState, Meta, bucket_for};
 
 use crate::error::CliError;
 use crate::progress;
@@ -79,7 +79,7 @@ pub fn run(args: &DemoArgs, out: &mut dyn Write) -> Result<DemoReport, CliError>
 }
 
 /// Runs the demo on `device` with `config`.
-pub fn run_on<D: Ops>(
+pub fn run_on<D: graft_tensor::Backend>(
     device: D,
     config: DecoderConfig,
     config_name: &str,

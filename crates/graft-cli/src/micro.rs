@@ -78,8 +78,8 @@ pub enum Timing {
 }
 
 /// The chain: acc = x + w0; acc += w1..w6; acc += x; acc += w0; acc += w1 (ten kernels).
-fn chain<D: Ops>(
-    d: &D,
+fn chain<Q: Ops>(
+    d: &Q,
     acc: DevicePtr,
     w: &[DevicePtr],
     x: DevicePtr,
@@ -93,7 +93,7 @@ fn chain<D: Ops>(
     d.add(acc, acc, w[1], N)
 }
 
-fn body<D: Ops>(ctx: &mut Ctx<'_, D>) -> Result<Vec<Output<()>>, BodyError> {
+fn body<D: graft_tensor::Backend>(ctx: &mut Ctx<'_, D>) -> Result<Vec<Output<()>>, BodyError> {
     let inputs = ctx.inputs();
     let w: Vec<DevicePtr> = inputs[..7]
         .iter()
@@ -101,7 +101,7 @@ fn body<D: Ops>(ctx: &mut Ctx<'_, D>) -> Result<Vec<Output<()>>, BodyError> {
         .collect::<Result<_, _>>()?;
     let x = inputs[7].addr()?;
     let out = ctx.alloc(N * 4)?;
-    chain(ctx.device(), out.addr()?, &w, x)?;
+    chain(ctx.queue(), out.addr()?, &w, x)?;
     Ok(vec![Output::new(out, ())])
 }
 
@@ -153,13 +153,13 @@ fn time<D: Device>(
 }
 
 /// Runs the four measurements on `device`.
-pub fn run<D: Ops>(
+pub fn run<D: graft_tensor::Backend>(
     device: D,
     timing: Timing,
     repeats: usize,
     per_block: usize,
 ) -> Result<MicroResult, MicroError> {
-    device.prepare()?;
+    device.queue().prepare()?;
     let mut g: Graft<D, ()> = Graft::new(device.clone(), Config::default());
     let f = g.register("chain", FunctionSpec::inference([0, 1, 2, 3, 4, 5, 6]));
     let bufs: Vec<Buffer> = (0..10).map(|_| g.alloc(N * 4)).collect::<Result<_, _>>()?;
@@ -170,19 +170,19 @@ pub fn run<D: Ops>(
     let (w, x, acc, placeholder) = (&p[..7], p[7], p[8], p[9]);
 
     let eager_ns = time(&device, timing, repeats, per_block, || {
-        Ok(chain(&device, acc, w, x)?)
+        Ok(chain(device.queue(), acc, w, x)?)
     })?;
 
     // The graph graft records: the input copy into the placeholder, then the chain.
     let same_graph = capture(&device, || {
         device.copy(placeholder, x, N * 4)?;
-        chain(&device, acc, w, placeholder)
+        chain(device.queue(), acc, w, placeholder)
     })?;
     let raw_ns = time(&device, timing, repeats, per_block, || {
         Ok(device.launch(&same_graph)?)
     })?;
     // The chain alone, with the input copied before each launch (how PyTorch's trees copy).
-    let kernels_only = capture(&device, || chain(&device, acc, w, placeholder))?;
+    let kernels_only = capture(&device, || chain(device.queue(), acc, w, placeholder))?;
     let raw_copy_ns = time(&device, timing, repeats, per_block, || {
         device.copy(placeholder, x, N * 4)?;
         Ok(device.launch(&kernels_only)?)

@@ -1,5 +1,5 @@
-//! The context a function's body runs with: its inputs, the device, and allocation from the
-//! right pool.
+//! The context a function's body runs with: its inputs, the device's queue, and allocation
+//! from the right pool.
 
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -20,7 +20,8 @@ pub enum RunKind {
 }
 
 /// What the body sees: the inputs to use (during a recording, copied inputs are replaced by
-/// their placeholders), the device to launch on, and `alloc` for every buffer it makes.
+/// their placeholders), the queue to launch on, and `alloc` for every buffer it makes. Nothing
+/// here reaches the device's capture, mapping, graph or error-slot operations.
 pub struct Ctx<'a, D: Device> {
     pub(crate) device: &'a D,
     pub(crate) inputs: &'a [Buffer],
@@ -35,9 +36,10 @@ pub struct Ctx<'a, D: Device> {
 }
 
 impl<'a, D: Device> Ctx<'a, D> {
-    /// The device to launch work on (its runtime stream).
-    pub fn device(&self) -> &'a D {
-        self.device
+    /// The queue to enqueue work on: the device's runtime stream, as a body may use it
+    /// (see [`Device::Queue`]).
+    pub fn queue(&self) -> &'a D::Queue {
+        self.device.queue()
     }
 
     /// The inputs to use, in call order. Always read inputs from here, not from captured

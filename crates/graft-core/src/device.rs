@@ -290,9 +290,12 @@ pub enum DeviceError {
         /// Bytes.
         len: usize,
     },
-    /// The arguments of a call break the device layer's rules (see the module's Memory
-    /// section): an unaligned or empty range, one outside a reservation, mapping memory twice,
-    /// unmapping memory that is not mapped.
+    /// The arguments of a call break the device layer's rules, checked before the driver sees
+    /// them: for memory (see the module's Memory section) an unaligned or empty range, one
+    /// outside a reservation, mapping memory twice, unmapping memory that is not mapped; for
+    /// launches a kernel index out of range, arguments that do not match the kernel's
+    /// parameters, a zero grid, a dimension too large, a NUL in a name, a graph, module or
+    /// buffer of another device.
     #[error("{op} refused: {what}; this is a bug in the caller of the device layer")]
     InvalidArgument {
         /// The failing operation.
@@ -308,7 +311,41 @@ pub enum DeviceError {
         /// The state the stream was in.
         state: &'static str,
     },
-    /// Any other driver error, with CUDA's code and name.
+    /// A library or driver entry point the operation needs is missing: libcuda, libcublas or
+    /// libnvrtc cannot be loaded, or the driver is too old to export a function.
+    #[error("{op} failed: {what}")]
+    Unavailable {
+        /// The failing operation.
+        op: DeviceOp,
+        /// What is missing and what to install, lowercase.
+        what: &'static str,
+    },
+    /// Kernel source did not compile (NVRTC); the log says why.
+    #[error(
+        "{op} failed: the kernel source did not compile; fix the source. The compiler's log:\n{log}"
+    )]
+    Compile {
+        /// The failing operation.
+        op: DeviceOp,
+        /// The compiler's log.
+        log: std::sync::Arc<str>,
+    },
+    /// A CUDA library (cuBLAS) returned an error status, with the library's code and name.
+    #[error(
+        "{op} failed with {library} status {name} ({code}); check the call's sizes and the device's state"
+    )]
+    Library {
+        /// The failing operation.
+        op: DeviceOp,
+        /// The library, e.g. "cuBLAS".
+        library: &'static str,
+        /// The library's numeric status.
+        code: u32,
+        /// The status's name, e.g. "CUBLAS_STATUS_INVALID_VALUE".
+        name: &'static str,
+    },
+    /// An error `CUresult` from the CUDA driver, with its code and name (the simulator reports
+    /// the driver's code for the same failures).
     #[error(
         "{op} failed with driver error {name} ({code}); check the device's state and driver logs"
     )]
@@ -333,6 +370,9 @@ impl DeviceError {
             | DeviceError::OverlappingCopy { op, .. }
             | DeviceError::CaptureState { op, .. }
             | DeviceError::InvalidArgument { op, .. }
+            | DeviceError::Unavailable { op, .. }
+            | DeviceError::Compile { op, .. }
+            | DeviceError::Library { op, .. }
             | DeviceError::Driver { op, .. } => *op,
         }
     }
@@ -370,6 +410,16 @@ pub trait Device: Send + Sync + 'static {
     /// An instantiated, uploaded, executable graph. Dropping it destroys it; a failure there
     /// goes to the sticky error slot.
     type Graph: Send + Sync + 'static;
+
+    /// The body-facing handle: what a registered function's body gets from
+    /// [`Ctx::queue`](crate::Ctx::queue). It enqueues work on the runtime stream (kernels,
+    /// library calls, copies) and reads and writes memory, and it offers no way back to the
+    /// device: nothing on it changes capture, memory mapping, graphs or the sticky error slot,
+    /// which core alone drives through this trait.
+    type Queue: Send + Sync + 'static;
+
+    /// The body-facing handle of this device (see [`Device::Queue`]).
+    fn queue(&self) -> &Self::Queue;
 
     /// This device instance's identity.
     fn id(&self) -> DeviceId;

@@ -1,4 +1,4 @@
-//! cuBLAS on the runtime stream: one handle per device, made once, and [`CudaDevice::sgemm`],
+//! cuBLAS on the runtime stream: one handle per device, made once, and [`CudaQueue::sgemm`],
 //! a row-major f32 matrix product.
 //!
 //! # Why a fixed workspace
@@ -8,7 +8,7 @@
 //! the graph that cuBLAS may free later. So the handle is given its own workspace once, at
 //! creation, with `cublasSetWorkspace_v2`: [`WORKSPACE_BYTES`] from the device's own
 //! segment allocation (`cuMemAlloc`, outside graft's pool), freed only when the device is
-//! dropped. The handle is created outside any capture ([`CudaDevice::init_cublas`], or the
+//! dropped. The handle is created outside any capture ([`CudaQueue::init_cublas`], or the
 //! first `sgemm` when the stream is not capturing); an `sgemm` that would have to create it
 //! during a capture fails with a capture error instead, which graft turns into an eager
 //! fallback.
@@ -27,7 +27,7 @@ use cudarc::cublas::sys as blas;
 use cudarc::driver::sys;
 use graft_core::{CaptureViolation, DeviceError, DeviceOp, DevicePtr};
 
-use crate::device::{CudaDevice, Inner};
+use crate::device::{CudaQueue, Inner};
 use crate::error::check;
 
 /// Bytes of the workspace each device's cuBLAS handle gets (32 MiB, what PyTorch gives
@@ -48,10 +48,9 @@ impl Blas {
         let op = DeviceOp::ModuleLoad;
         // SAFETY: only `dlopen`s candidate names of libcublas and drops each handle.
         if !unsafe { blas::is_culib_present() } {
-            return Err(DeviceError::Driver {
+            return Err(DeviceError::Unavailable {
                 op,
-                code: sys::CUresult::CUDA_ERROR_SHARED_OBJECT_INIT_FAILED as u32,
-                name: "CUDA_ERROR_SHARED_OBJECT_INIT_FAILED (libcublas not found: install the CUDA toolkit's cuBLAS or add it to LD_LIBRARY_PATH)",
+                what: "libcublas could not be loaded; install the CUDA toolkit's cuBLAS or add it to LD_LIBRARY_PATH",
             });
         }
         let mut b = Blas {
@@ -60,11 +59,12 @@ impl Blas {
         };
         // cudarc panics when a cuBLAS symbol is missing; report that as an error instead.
         let made =
-            catch_unwind(AssertUnwindSafe(|| b.setup(inner))).unwrap_or(Err(DeviceError::Driver {
-                op,
-                code: sys::CUresult::CUDA_ERROR_NOT_FOUND as u32,
-                name: "CUDA_ERROR_NOT_FOUND (cudarc panicked calling cuBLAS: a symbol is missing)",
-            }));
+            catch_unwind(AssertUnwindSafe(|| b.setup(inner))).unwrap_or(Err(
+                DeviceError::Unavailable {
+                    op,
+                    what: "libcublas lacks a function graft calls (cudarc panicked calling it); install cuBLAS 12 or later",
+                },
+            ));
         match made {
             Ok(()) => Ok(b),
             Err(e) => {
@@ -134,7 +134,7 @@ impl Blas {
     }
 }
 
-/// Maps a cuBLAS status to a device error named after it.
+/// Maps a cuBLAS status to a device error named after it (`Library`, or `OutOfMemory`).
 fn blas_check(op: DeviceOp, status: blas::cublasStatus_t) -> Result<(), DeviceError> {
     use blas::cublasStatus_t as S;
     let name = match status {
@@ -151,14 +151,15 @@ fn blas_check(op: DeviceOp, status: blas::cublasStatus_t) -> Result<(), DeviceEr
         S::CUBLAS_STATUS_NOT_SUPPORTED => "CUBLAS_STATUS_NOT_SUPPORTED",
         S::CUBLAS_STATUS_LICENSE_ERROR => "CUBLAS_STATUS_LICENSE_ERROR",
     };
-    Err(DeviceError::Driver {
+    Err(DeviceError::Library {
         op,
+        library: "cuBLAS",
         code: status as u32,
         name,
     })
 }
 
-/// One row-major f32 matrix product for [`CudaDevice::sgemm`]:
+/// One row-major f32 matrix product for [`CudaQueue::sgemm`]:
 /// `C[m, n] = alpha * A[m, k] · op(B) + beta * C[m, n]`, all matrices dense and row-major.
 ///
 /// `op(B)` is `B` stored as `[k, n]` when `b_transposed` is false, and `Bᵀ` of a `B` stored as
@@ -185,10 +186,10 @@ pub struct Sgemm {
     pub beta: f32,
 }
 
-impl CudaDevice {
+impl CudaQueue {
     /// Creates this device's cuBLAS handle (once; later calls do nothing): bound to the
     /// runtime stream, with a fixed [`WORKSPACE_BYTES`] workspace, default (fp32) math.
-    /// Call it before capturing anything that uses [`CudaDevice::sgemm`]; the first `sgemm`
+    /// Call it before capturing anything that uses [`CudaQueue::sgemm`]; the first `sgemm`
     /// outside a capture does it too. Fails during a capture (`Capture { Unsupported }`).
     pub fn init_cublas(&self) -> Result<(), DeviceError> {
         self.blas().map(|_| ())
@@ -230,7 +231,7 @@ impl CudaDevice {
     /// `b_transposed`), its second `A`, with `m` and `n` swapped and leading dimensions equal
     /// to the row lengths (`n` for `B` stored `[k, n]`, `k` for `B` stored `[n, k]`, `k` for
     /// `A`, `n` for `C`). Sizes of zero do nothing; sizes past `i32::MAX` are refused
-    /// (`CUBLAS_STATUS_INVALID_VALUE`).
+    /// (`InvalidArgument`).
     pub fn sgemm(&self, g: &Sgemm) -> Result<(), DeviceError> {
         let op = DeviceOp::KernelLaunch;
         self.inner.make_current(op)?;
@@ -239,10 +240,9 @@ impl CudaDevice {
         }
         let handle = self.blas()?;
         let dim = |x: usize| {
-            c_int::try_from(x).map_err(|_| DeviceError::Driver {
+            c_int::try_from(x).map_err(|_| DeviceError::InvalidArgument {
                 op,
-                code: blas::cublasStatus_t::CUBLAS_STATUS_INVALID_VALUE as u32,
-                name: "CUBLAS_STATUS_INVALID_VALUE (a matrix dimension exceeds i32::MAX)",
+                what: "a matrix dimension exceeds i32::MAX",
             })
         };
         let (m, n, k) = (dim(g.m)?, dim(g.n)?, dim(g.k.max(1))?);
@@ -276,5 +276,32 @@ impl CudaDevice {
                 n,
             )
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statuses_map_to_library_errors() {
+        let op = DeviceOp::KernelLaunch;
+        assert_eq!(
+            blas_check(op, blas::cublasStatus_t::CUBLAS_STATUS_SUCCESS),
+            Ok(())
+        );
+        assert_eq!(
+            blas_check(op, blas::cublasStatus_t::CUBLAS_STATUS_INVALID_VALUE),
+            Err(DeviceError::Library {
+                op,
+                library: "cuBLAS",
+                code: blas::cublasStatus_t::CUBLAS_STATUS_INVALID_VALUE as u32,
+                name: "CUBLAS_STATUS_INVALID_VALUE",
+            })
+        );
+        assert_eq!(
+            blas_check(op, blas::cublasStatus_t::CUBLAS_STATUS_ALLOC_FAILED),
+            Err(DeviceError::OutOfMemory { op, bytes: 0 })
+        );
     }
 }

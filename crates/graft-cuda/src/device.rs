@@ -42,9 +42,36 @@ const CAPTURE_NONE: u32 = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_N
 ///
 /// Cheap to clone (an `Arc` inside); clones share the streams, the kernels and the sticky error
 /// slot. The device is released when the last clone and the last [`CudaGraph`] are dropped.
+///
+/// It dereferences to its [`CudaQueue`], so eager code calls the queue's methods on the device.
 #[derive(Clone)]
 pub struct CudaDevice {
+    queue: CudaQueue,
+}
+
+/// The body-facing handle of a [`CudaDevice`] ([`Device::Queue`]): launches of module kernels
+/// and cuBLAS GEMMs, copies, host reads and writes, synchronize, all on the runtime stream.
+/// There is no way from it back to the device's capture, mapping, graph or error-slot
+/// operations. Cheap to clone.
+#[derive(Clone)]
+pub struct CudaQueue {
     pub(crate) inner: Arc<Inner>,
+}
+
+impl std::ops::Deref for CudaDevice {
+    type Target = CudaQueue;
+
+    fn deref(&self) -> &CudaQueue {
+        &self.queue
+    }
+}
+
+impl fmt::Debug for CudaQueue {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CudaQueue")
+            .field("device", &self.inner.id)
+            .finish_non_exhaustive()
+    }
 }
 
 /// The shared state of a device. Handles are null until created, so a partly built `Inner`
@@ -118,7 +145,10 @@ fn alloc_prop(cu_device: sys::CUdevice) -> sys::CUmemAllocationProp {
     }
 }
 
-fn invalid_argument(op: DeviceOp, what: &'static str) -> DeviceError {
+/// What a launch or update of another device's graph is refused with.
+const FOREIGN_GRAPH: &str = "the graph was captured on another device";
+
+pub(crate) fn invalid_argument(op: DeviceOp, what: &'static str) -> DeviceError {
     DeviceError::InvalidArgument { op, what }
 }
 
@@ -321,12 +351,8 @@ impl CudaDevice {
     /// dedicated operation for them.
     pub fn new(ordinal: usize) -> Result<CudaDevice, DeviceError> {
         driver_ready()?;
-        let invalid_device = || DeviceError::Driver {
-            op: INIT_OP,
-            code: sys::CUresult::CUDA_ERROR_INVALID_DEVICE as u32,
-            name: "CUDA_ERROR_INVALID_DEVICE",
-        };
-        let ordinal_c = c_int::try_from(ordinal).map_err(|_| invalid_device())?;
+        let ordinal_c = c_int::try_from(ordinal)
+            .map_err(|_| invalid_argument(INIT_OP, "the device ordinal exceeds i32::MAX"))?;
         let mut cu_device: sys::CUdevice = 0;
         // SAFETY: the driver is initialized (driver_ready); `cu_device` is a valid out-pointer.
         check(INIT_OP, unsafe {
@@ -407,7 +433,9 @@ impl CudaDevice {
         }
         inner.kernels = Kernels::load()?;
         Ok(CudaDevice {
-            inner: Arc::new(inner),
+            queue: CudaQueue {
+                inner: Arc::new(inner),
+            },
         })
     }
 
@@ -424,17 +452,24 @@ impl CudaDevice {
 
     /// The device ordinal this device was opened with.
     pub fn ordinal(&self) -> usize {
-        self.inner.ordinal
+        self.queue.inner.ordinal
     }
 
     /// The device's name as the driver reports it, e.g. "NVIDIA H100 80GB HBM3".
     pub fn name(&self) -> &str {
-        &self.inner.name
+        &self.queue.inner.name
     }
 
     /// Where this device's kernels came from (NVRTC, or the PTX shipped in the crate and why).
     pub fn kernel_source(&self) -> &KernelSource {
-        &self.inner.kernels.source
+        &self.queue.inner.kernels.source
+    }
+}
+
+impl CudaQueue {
+    /// The identity of the device this queue belongs to.
+    pub fn device_id(&self) -> DeviceId {
+        self.inner.id
     }
 
     /// Whether the runtime stream is capturing (an invalidated capture counts: it must still be
@@ -457,7 +492,7 @@ impl CudaDevice {
         Ok(DevicePtr(ptr))
     }
 
-    /// Frees memory from [`CudaDevice::raw_alloc`] (reported as `DeviceOp::RawAlloc`: core has
+    /// Frees memory from [`CudaQueue::raw_alloc`] (reported as `DeviceOp::RawAlloc`: core has
     /// no raw-free operation). Like `cuMemFree`, it fails during a capture.
     pub fn raw_free(&self, ptr: DevicePtr) -> Result<(), DeviceError> {
         let op = DeviceOp::RawAlloc;
@@ -570,7 +605,7 @@ impl CudaDevice {
 
     /// `dst[i] = value` launched on the side stream, after the runtime stream's earlier work
     /// (an event recorded on the runtime stream, waited on by the side stream) and *not*
-    /// joined back. Eagerly, call [`CudaDevice::join_side_stream`] before relying on the result.
+    /// joined back. Eagerly, call [`CudaQueue::join_side_stream`] before relying on the result.
     /// During a capture the fork pulls the side stream into the capture, and leaving it
     /// unjoined makes `end_capture` fail with `Capture { violation: Unjoined, .. }`: the
     /// CUDA counterpart of the simulator's `launch_kernel_on_side_stream`.
@@ -660,15 +695,90 @@ impl CudaDevice {
         // driver, not undefined behaviour on the host); the runtime stream is live.
         unsafe { launch_1d(op, f, n, self.inner.stream, &mut params) }
     }
+
+    /// `cuMemcpyDtoDAsync` on the runtime stream. Overlapping ranges are rejected before CUDA
+    /// sees them; a zero-byte copy does nothing.
+    pub fn copy(&self, dst: DevicePtr, src: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
+        let op = DeviceOp::Copy;
+        self.inner.enter(op)?;
+        if bytes == 0 {
+            return Ok(());
+        }
+        let len = bytes as u64;
+        if dst.0 < src.0.saturating_add(len) && src.0 < dst.0.saturating_add(len) {
+            return Err(DeviceError::OverlappingCopy {
+                op,
+                dst,
+                src,
+                len: bytes,
+            });
+        }
+        // SAFETY: the ranges do not overlap (checked above); the addresses are device addresses
+        // the caller owns (an invalid one is an error the driver reports, not host UB); the
+        // runtime stream is live.
+        check(op, unsafe {
+            sys::cuMemcpyDtoDAsync_v2(dst.0, src.0, bytes, self.inner.stream)
+        })
+    }
+
+    /// `cuMemcpyHtoDAsync` on the runtime stream, then `cuStreamSynchronize`. During a capture
+    /// CUDA refuses one or the other, and the error is returned as it comes.
+    pub fn write(&self, dst: DevicePtr, src: &[u8]) -> Result<(), DeviceError> {
+        let op = DeviceOp::Write;
+        let inner = &self.inner;
+        inner.enter(op)?;
+        if !src.is_empty() {
+            // SAFETY: `src` is a live host slice of `src.len()` bytes, borrowed until the stream
+            // synchronize below returns (so the driver's read of it has finished); `dst` is a
+            // device address the caller owns (an invalid one is a driver error).
+            check(op, unsafe {
+                sys::cuMemcpyHtoDAsync_v2(
+                    dst.0,
+                    src.as_ptr().cast::<c_void>(),
+                    src.len(),
+                    inner.stream,
+                )
+            })?;
+        }
+        inner.sync(op, inner.stream)
+    }
+
+    /// `cuMemcpyDtoHAsync` on the runtime stream (after its earlier work), then
+    /// `cuStreamSynchronize`. Fails during a capture, as CUDA does.
+    pub fn read(&self, src: DevicePtr, dst: &mut [u8]) -> Result<(), DeviceError> {
+        let op = DeviceOp::Read;
+        let inner = &self.inner;
+        inner.enter(op)?;
+        if !dst.is_empty() {
+            // SAFETY: `dst` is a live, exclusively borrowed host buffer of `dst.len()` bytes,
+            // borrowed until the stream synchronize below returns (so the driver's write to it
+            // has finished); `src` is a device address the caller owns.
+            check(op, unsafe {
+                sys::cuMemcpyDtoHAsync_v2(
+                    dst.as_mut_ptr().cast::<c_void>(),
+                    src.0,
+                    dst.len(),
+                    inner.stream,
+                )
+            })?;
+        }
+        inner.sync(op, inner.stream)
+    }
+
+    pub fn synchronize(&self) -> Result<(), DeviceError> {
+        let op = DeviceOp::Synchronize;
+        self.inner.enter(op)?;
+        self.inner.sync(op, self.inner.stream)
+    }
 }
 
 impl fmt::Debug for CudaDevice {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("CudaDevice")
-            .field("id", &self.inner.id)
-            .field("ordinal", &self.inner.ordinal)
-            .field("name", &self.inner.name)
-            .field("kernels", &self.inner.kernels.source)
+            .field("id", &self.queue.inner.id)
+            .field("ordinal", &self.queue.inner.ordinal)
+            .field("name", &self.queue.inner.name)
+            .field("kernels", &self.queue.inner.kernels.source)
             .finish_non_exhaustive()
     }
 }
@@ -678,25 +788,33 @@ impl fmt::Debug for CudaDevice {
 /// `take_sticky_error` (one atomic load when there is none); no other method returns them.
 impl Device for CudaDevice {
     type Graph = CudaGraph;
+    type Queue = CudaQueue;
+
+    fn queue(&self) -> &CudaQueue {
+        &self.queue
+    }
 
     fn id(&self) -> DeviceId {
-        self.inner.id
+        self.queue.inner.id
     }
 
     fn describe(&self) -> String {
-        format!("{} (cuda:{})", self.inner.name, self.inner.ordinal)
+        format!(
+            "{} (cuda:{})",
+            self.queue.inner.name, self.queue.inner.ordinal
+        )
     }
 
     /// The driver's recommended granularity for pinned device memory (2 MiB on an H100).
     fn granularity(&self) -> usize {
-        self.inner.granularity
+        self.queue.inner.granularity
     }
 
     /// `cuMemAddressReserve`, aligned to the granularity, in relaxed capture mode (legal during
     /// a capture).
     fn reserve(&self, bytes: usize) -> Result<DevicePtr, DeviceError> {
         let op = DeviceOp::Reserve;
-        let inner = &self.inner;
+        let inner = &self.queue.inner;
         if bytes == 0 || !bytes.is_multiple_of(inner.granularity) {
             return Err(invalid_argument(
                 op,
@@ -722,7 +840,7 @@ impl Device for CudaDevice {
     /// `cuMemAddressFree` of a whole reservation with nothing mapped in it.
     fn release_reservation(&self, addr: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
         let op = DeviceOp::ReleaseReservation;
-        let inner = &self.inner;
+        let inner = &self.queue.inner;
         inner.enter(op)?;
         let mut vmm = inner.vmm.lock().unwrap_or_else(PoisonError::into_inner);
         if vmm.reservations.get(&addr.0) != Some(&bytes) {
@@ -751,7 +869,7 @@ impl Device for CudaDevice {
     /// what this call mapped is unmapped and released again.
     fn map(&self, addr: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
         let op = DeviceOp::Map;
-        let inner = &self.inner;
+        let inner = &self.queue.inner;
         let gran = inner.granularity;
         if bytes == 0 || !bytes.is_multiple_of(gran) || !addr.0.is_multiple_of(gran as u64) {
             return Err(invalid_argument(
@@ -825,7 +943,7 @@ impl Device for CudaDevice {
     /// is returned after all of them, and a granule that failed stays mapped.
     fn unmap(&self, addr: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
         let op = DeviceOp::Unmap;
-        let inner = &self.inner;
+        let inner = &self.queue.inner;
         let gran = inner.granularity;
         if bytes == 0 || !bytes.is_multiple_of(gran) || !addr.0.is_multiple_of(gran as u64) {
             return Err(invalid_argument(
@@ -859,85 +977,26 @@ impl Device for CudaDevice {
         first
     }
 
-    /// `cuMemcpyDtoDAsync` on the runtime stream. Overlapping ranges are rejected before CUDA
-    /// sees them; a zero-byte copy does nothing.
     fn copy(&self, dst: DevicePtr, src: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
-        let op = DeviceOp::Copy;
-        self.inner.enter(op)?;
-        if bytes == 0 {
-            return Ok(());
-        }
-        let len = bytes as u64;
-        if dst.0 < src.0.saturating_add(len) && src.0 < dst.0.saturating_add(len) {
-            return Err(DeviceError::OverlappingCopy {
-                op,
-                dst,
-                src,
-                len: bytes,
-            });
-        }
-        // SAFETY: the ranges do not overlap (checked above); the addresses are device addresses
-        // the caller owns (an invalid one is an error the driver reports, not host UB); the
-        // runtime stream is live.
-        check(op, unsafe {
-            sys::cuMemcpyDtoDAsync_v2(dst.0, src.0, bytes, self.inner.stream)
-        })
+        self.queue.copy(dst, src, bytes)
     }
 
-    /// `cuMemcpyHtoDAsync` on the runtime stream, then `cuStreamSynchronize`. During a capture
-    /// CUDA refuses one or the other, and the error is returned as it comes.
     fn write(&self, dst: DevicePtr, src: &[u8]) -> Result<(), DeviceError> {
-        let op = DeviceOp::Write;
-        let inner = &self.inner;
-        inner.enter(op)?;
-        if !src.is_empty() {
-            // SAFETY: `src` is a live host slice of `src.len()` bytes, borrowed until the stream
-            // synchronize below returns (so the driver's read of it has finished); `dst` is a
-            // device address the caller owns (an invalid one is a driver error).
-            check(op, unsafe {
-                sys::cuMemcpyHtoDAsync_v2(
-                    dst.0,
-                    src.as_ptr().cast::<c_void>(),
-                    src.len(),
-                    inner.stream,
-                )
-            })?;
-        }
-        inner.sync(op, inner.stream)
+        self.queue.write(dst, src)
     }
 
-    /// `cuMemcpyDtoHAsync` on the runtime stream (after its earlier work), then
-    /// `cuStreamSynchronize`. Fails during a capture, as CUDA does.
     fn read(&self, src: DevicePtr, dst: &mut [u8]) -> Result<(), DeviceError> {
-        let op = DeviceOp::Read;
-        let inner = &self.inner;
-        inner.enter(op)?;
-        if !dst.is_empty() {
-            // SAFETY: `dst` is a live, exclusively borrowed host buffer of `dst.len()` bytes,
-            // borrowed until the stream synchronize below returns (so the driver's write to it
-            // has finished); `src` is a device address the caller owns.
-            check(op, unsafe {
-                sys::cuMemcpyDtoHAsync_v2(
-                    dst.as_mut_ptr().cast::<c_void>(),
-                    src.0,
-                    dst.len(),
-                    inner.stream,
-                )
-            })?;
-        }
-        inner.sync(op, inner.stream)
+        self.queue.read(src, dst)
     }
 
     fn synchronize(&self) -> Result<(), DeviceError> {
-        let op = DeviceOp::Synchronize;
-        self.inner.enter(op)?;
-        self.inner.sync(op, self.inner.stream)
+        self.queue.synchronize()
     }
 
     /// `cuStreamBeginCapture_v2` on the runtime stream with the matching `CUstreamCaptureMode`.
     fn begin_capture(&self, mode: CaptureMode) -> Result<(), DeviceError> {
         let op = DeviceOp::BeginCapture;
-        let inner = &self.inner;
+        let inner = &self.queue.inner;
         inner.enter(op)?;
         if inner.capture_status(op)? != CAPTURE_NONE {
             return Err(DeviceError::CaptureState {
@@ -965,7 +1024,7 @@ impl Device for CudaDevice {
     /// `end_capture` (it would answer `CaptureState`).
     fn end_capture(&self) -> Result<CudaGraph, DeviceError> {
         let op = DeviceOp::EndCapture;
-        let inner = &self.inner;
+        let inner = &self.queue.inner;
         inner.enter(op)?;
         if inner.capture_status(op)? == CAPTURE_NONE {
             return Err(DeviceError::CaptureState {
@@ -1011,7 +1070,7 @@ impl Device for CudaDevice {
     /// capture has ended there is no error state left to clear: the stream is usable eagerly.
     fn abort_capture(&self) -> Result<(), DeviceError> {
         let op = DeviceOp::EndCapture;
-        let inner = &self.inner;
+        let inner = &self.queue.inner;
         inner.enter(op)?;
         if inner.capture_status(op)? == CAPTURE_NONE {
             return Err(DeviceError::CaptureState {
@@ -1035,15 +1094,10 @@ impl Device for CudaDevice {
     /// `cuGraphLaunch` on the runtime stream.
     fn launch(&self, graph: &CudaGraph) -> Result<(), DeviceError> {
         let op = DeviceOp::GraphLaunch;
-        let inner = &self.inner;
+        let inner = &self.queue.inner;
         inner.enter(op)?;
         if !Arc::ptr_eq(&graph.device, inner) {
-            // The simulator reports the same code and name for this misuse.
-            return Err(DeviceError::Driver {
-                op,
-                code: sys::CUresult::CUDA_ERROR_INVALID_CONTEXT as u32,
-                name: "CUDA_ERROR_INVALID_CONTEXT",
-            });
+            return Err(invalid_argument(op, FOREIGN_GRAPH));
         }
         let handles = graph.lock();
         // SAFETY: `exec` is the live executable of `graph` (destroyed only when the graph is
@@ -1062,30 +1116,26 @@ impl Device for CudaDevice {
         now: CopyEnds,
     ) -> Result<(), DeviceError> {
         let op = DeviceOp::GraphUpdate;
-        let inner = &self.inner;
+        let inner = &self.queue.inner;
         inner.enter(op)?;
         if !Arc::ptr_eq(&graph.device, inner) {
-            return Err(DeviceError::Driver {
-                op,
-                code: sys::CUresult::CUDA_ERROR_INVALID_CONTEXT as u32,
-                name: "CUDA_ERROR_INVALID_CONTEXT",
-            });
+            return Err(invalid_argument(op, FOREIGN_GRAPH));
         }
         graph.repoint_copy(inner.ctx, recorded, now)
     }
 
     /// `cuGraphGetNodes` and `cuGraphNodeGetType` over the captured graph.
     fn summarize(&self, graph: &CudaGraph) -> Result<GraphSummary, DeviceError> {
-        self.inner.enter(INSPECT_OP)?;
+        self.queue.inner.enter(INSPECT_OP)?;
         let handles = graph.lock();
         graph::summarize(INSPECT_OP, handles.graph)
     }
 
     fn take_sticky_error(&self) -> Option<DeviceError> {
-        self.inner.take_sticky()
+        self.queue.inner.take_sticky()
     }
 
     fn record_sticky_error(&self, error: DeviceError) {
-        self.inner.record_sticky(error);
+        self.queue.inner.record_sticky(error);
     }
 }

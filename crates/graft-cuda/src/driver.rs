@@ -24,16 +24,16 @@ use graft_core::DeviceError;
 
 use crate::error::{INIT_OP, check};
 
-/// Declares the driver symbols this crate calls, each with a static error name for when it is
+/// Declares the driver symbols this crate calls, each with a static description for when it is
 /// missing. Names are exactly those of the functions in `cudarc::driver::sys` (the `_v2`
 /// suffixes included): cudarc looks each up by its Rust function name.
 macro_rules! driver_symbols {
     ($($name:literal),* $(,)?) => {
-        &[$(($name, concat!("CUDA_ERROR_NOT_FOUND (libcuda has no symbol ", $name, ")"))),*]
+        &[$(($name, concat!("libcuda has no ", $name, "; update the NVIDIA driver"))),*]
     };
 }
 
-/// Every driver function the crate calls, with the error name reported if it is missing.
+/// Every driver function the crate calls, with what is reported if it is missing.
 pub(crate) const DRIVER_SYMBOLS: &[(&str, &str)] = driver_symbols![
     "cuInit",
     "cuDeviceGetCount",
@@ -80,11 +80,12 @@ pub(crate) fn driver_ready() -> Result<(), DeviceError> {
     static READY: OnceLock<Result<(), DeviceError>> = OnceLock::new();
     READY
         .get_or_init(|| {
-            catch_unwind(AssertUnwindSafe(load_and_init)).unwrap_or(Err(DeviceError::Driver {
-                op: INIT_OP,
-                code: sys::CUresult::CUDA_ERROR_SHARED_OBJECT_INIT_FAILED as u32,
-                name: "CUDA_ERROR_SHARED_OBJECT_INIT_FAILED (cudarc panicked loading libcuda)",
-            }))
+            catch_unwind(AssertUnwindSafe(load_and_init)).unwrap_or(Err(
+                DeviceError::Unavailable {
+                    op: INIT_OP,
+                    what: "libcuda could not be loaded (cudarc panicked opening it); reinstall the NVIDIA driver",
+                },
+            ))
         })
         .clone()
 }
@@ -93,10 +94,9 @@ fn load_and_init() -> Result<(), DeviceError> {
     // SAFETY: `is_culib_present` only `dlopen`s the candidate library names and drops each
     // handle again; it calls no driver function.
     if !unsafe { sys::is_culib_present() } {
-        return Err(DeviceError::Driver {
+        return Err(DeviceError::Unavailable {
             op: INIT_OP,
-            code: sys::CUresult::CUDA_ERROR_SHARED_OBJECT_INIT_FAILED as u32,
-            name: "CUDA_ERROR_SHARED_OBJECT_INIT_FAILED (libcuda not found: no NVIDIA driver installed)",
+            what: "libcuda could not be loaded: no NVIDIA driver is installed",
         });
     }
     // SAFETY: the library was just found loadable, so `culib` opens it (once, into a
@@ -107,10 +107,9 @@ fn load_and_init() -> Result<(), DeviceError> {
         // pointer-sized, as libloading requires.
         let found = unsafe { lib.get::<unsafe extern "C" fn()>(symbol.as_bytes()) }.is_ok();
         if !found {
-            return Err(DeviceError::Driver {
+            return Err(DeviceError::Unavailable {
                 op: INIT_OP,
-                code: sys::CUresult::CUDA_ERROR_NOT_FOUND as u32,
-                name: missing,
+                what: missing,
             });
         }
     }
@@ -146,5 +145,13 @@ mod tests {
         // On a machine without libcuda this is an error; with one, whatever the driver says.
         let first = driver_ready();
         assert_eq!(first, driver_ready(), "the outcome is computed once");
+        // Without libcuda (or with one lacking a symbol) the error says what is missing.
+        // SAFETY: `is_culib_present` only `dlopen`s candidate names and drops the handles.
+        if !unsafe { sys::is_culib_present() } {
+            assert!(
+                matches!(first, Err(DeviceError::Unavailable { op: INIT_OP, .. })),
+                "{first:?}"
+            );
+        }
     }
 }

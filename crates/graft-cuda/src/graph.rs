@@ -127,10 +127,9 @@ fn find_copy(
             return Ok((node, params));
         }
     }
-    Err(DeviceError::Driver {
+    Err(DeviceError::InvalidArgument {
         op,
-        code: sys::CUresult::CUDA_ERROR_INVALID_HANDLE as u32,
-        name: "CUDA_ERROR_INVALID_HANDLE",
+        what: "the graph has no copy with the recorded ends",
     })
 }
 

@@ -6,14 +6,14 @@
 //! Pool segments come from `cuMemAlloc`, made legal inside a capture by switching the thread to
 //! relaxed capture mode around it, as PyTorch's caching allocator does. It also carries four
 //! elementwise f32 kernels (compiled once per device with NVRTC) and a few calls that model
-//! what a framework's code might do wrong inside a captured body ([`CudaDevice::raw_alloc`],
-//! [`CudaDevice::query`], [`CudaDevice::fill_f32_on_side_stream`]), mirroring the simulator.
+//! what a framework's code might do wrong inside a captured body ([`CudaQueue::raw_alloc`],
+//! [`CudaQueue::query`], [`CudaQueue::fill_f32_on_side_stream`]), mirroring the simulator.
 //!
 //! For frameworks built on it (graft-tensor) it offers a safe generic kernel API:
-//! [`CudaDevice::load_module`] compiles CUDA C++ with NVRTC once and
-//! [`CudaDevice::launch_function`] launches its kernels on the runtime stream with
+//! [`CudaQueue::load_module`] compiles CUDA C++ with NVRTC once and
+//! [`CudaQueue::launch_function`] launches its kernels on the runtime stream with
 //! [`KernelArg`]s checked against each kernel's real parameter sizes; and cuBLAS:
-//! [`CudaDevice::sgemm`], a row-major f32 GEMM on a per-device handle bound to the runtime
+//! [`CudaQueue::sgemm`], a row-major f32 GEMM on a per-device handle bound to the runtime
 //! stream, with a fixed workspace so it never allocates during a capture.
 //!
 //! cudarc is built with dynamic loading, so this crate builds without a CUDA toolkit and a
@@ -35,7 +35,7 @@ mod kernels;
 mod module;
 
 pub use blas::{Sgemm, WORKSPACE_BYTES};
-pub use device::CudaDevice;
+pub use device::{CudaDevice, CudaQueue};
 pub use graph::CudaGraph;
 pub use kernels::KernelSource;
 pub use module::{CudaModule, KernelArg, compile_ptx};

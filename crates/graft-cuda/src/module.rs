@@ -1,5 +1,5 @@
-//! A safe, generic kernel API: compile CUDA C++ with NVRTC once ([`CudaDevice::load_module`]),
-//! then launch its kernels on the runtime stream ([`CudaDevice::launch_function`]) with
+//! A safe, generic kernel API: compile CUDA C++ with NVRTC once ([`CudaQueue::load_module`]),
+//! then launch its kernels on the runtime stream ([`CudaQueue::launch_function`]) with
 //! arguments checked against the kernel's real parameter list, so callers need no `unsafe`.
 //!
 //! Soundness of the safe launch rests on one check: `cuLaunchKernel` reads, for parameter `i`,
@@ -20,18 +20,15 @@ use std::sync::Arc;
 use cudarc::driver::sys;
 use graft_core::{DeviceError, DeviceOp, DevicePtr};
 
-use crate::device::{CudaDevice, Inner};
+use crate::device::{CudaQueue, Inner, invalid_argument};
 use crate::error::check;
 use crate::kernels::{compile_source, function};
 
 /// Most kernel parameters a launch passes without allocating (a stack array).
 const STACK_ARGS: usize = 16;
 
-/// `CUDA_ERROR_INVALID_VALUE`, for arguments that do not fit the kernel.
-const INVALID_VALUE: u32 = sys::CUresult::CUDA_ERROR_INVALID_VALUE as u32;
-
-/// `NVRTC_ERROR_COMPILATION`.
-const NVRTC_COMPILATION: u32 = 6;
+/// Most parameters a kernel can have: CUDA limits parameters to 32 KiB, each at least a byte.
+const MAX_PARAMS: usize = 32 << 10;
 
 /// One kernel argument, passed by value. Its size must equal the kernel parameter's:
 /// 8 bytes for `Ptr` and `U64` (pointers, `unsigned long long`, `size_t`), 4 for `F32`,
@@ -89,7 +86,7 @@ struct Kernel {
 }
 
 /// A compiled, loaded CUDA module and the kernels looked up in it, in the order their names
-/// were given to [`CudaDevice::load_module`]. Launch them with [`CudaDevice::launch_function`]
+/// were given to [`CudaQueue::load_module`]. Launch them with [`CudaQueue::launch_function`]
 /// by index ([`CudaModule::index`] finds one by name).
 ///
 /// Keeps its device alive. Dropping it unloads the module (`cuModuleUnload`); a failure there
@@ -111,7 +108,7 @@ unsafe impl Send for CudaModule {}
 unsafe impl Sync for CudaModule {}
 
 impl CudaModule {
-    /// The index of the kernel called `name`, for [`CudaDevice::launch_function`].
+    /// The index of the kernel called `name`, for [`CudaQueue::launch_function`].
     pub fn index(&self, name: &str) -> Option<usize> {
         self.kernels.iter().position(|k| k.name == name)
     }
@@ -156,11 +153,15 @@ impl Drop for CudaModule {
 }
 
 /// Compiles CUDA C++ source with NVRTC (default options) to a NUL-terminated PTX image. Needs
-/// libnvrtc but no GPU, so tests can check that kernel sources compile. The error holds
-/// NVRTC's compile log.
-pub fn compile_ptx(source: &str, name: &str) -> Result<Vec<u8>, String> {
+/// libnvrtc but no GPU, so tests can check that kernel sources compile. A source that does
+/// not compile is [`DeviceError::Compile`], with NVRTC's log; libnvrtc missing is
+/// [`DeviceError::Unavailable`].
+pub fn compile_ptx(source: &str, name: &str) -> Result<Vec<u8>, DeviceError> {
     compile_source(source, name)
 }
+
+/// What a driver without `cuFuncGetParamInfo` is reported with.
+const NO_PARAM_INFO: &str = "libcuda has no cuFuncGetParamInfo, which checked launches need; update the NVIDIA driver to CUDA 12.4 or later";
 
 /// Whether the driver exports `cuFuncGetParamInfo` (CUDA 12.4+), which checked launches need.
 fn param_info_available() -> bool {
@@ -184,28 +185,26 @@ fn param_sizes(f: sys::CUfunction) -> Result<Box<[usize]>, DeviceError> {
             sys::CUresult::CUDA_ERROR_INVALID_VALUE => return Ok(sizes.into_boxed_slice()),
             other => return Err(crate::error::map(DeviceOp::ModuleLoad, other, 0)),
         }
-        if sizes.len() > 4096 {
-            // Kernel parameters are limited to 32 KiB; this many means the driver misbehaves.
-            return Err(DeviceError::Driver {
+        if sizes.len() > MAX_PARAMS {
+            return Err(DeviceError::Unavailable {
                 op: DeviceOp::ModuleLoad,
-                code: INVALID_VALUE,
-                name: "CUDA_ERROR_INVALID_VALUE (cuFuncGetParamInfo reported too many parameters)",
+                what: "cuFuncGetParamInfo reported more parameters than a kernel can have; update the NVIDIA driver",
             });
         }
     }
 }
 
-impl CudaDevice {
+impl CudaQueue {
     /// Compiles `cuda_source` with NVRTC, loads it (`cuModuleLoadData`) and looks up
     /// `kernel_names` (`extern "C" __global__` functions), reading each kernel's parameter
-    /// sizes so that [`CudaDevice::launch_function`] can check its arguments. Compile once and
+    /// sizes so that [`CudaQueue::launch_function`] can check its arguments. Compile once and
     /// keep the module: compiling costs milliseconds to seconds.
     ///
     /// Not for use during a capture (loading a module is not a stream operation, but keep
-    /// setup out of captured bodies). Errors, all with `DeviceOp::ModuleLoad`: NVRTC missing or
-    /// failing (the compile log goes to `tracing` at error level; [`compile_ptx`] returns it),
-    /// the driver rejecting the PTX, an unknown kernel name (`CUDA_ERROR_NOT_FOUND`), or a
-    /// driver older than CUDA 12.4.
+    /// setup out of captured bodies). Errors, all with `DeviceOp::ModuleLoad`: the source not
+    /// compiling (`Compile`, with NVRTC's log), NVRTC missing or a driver older than CUDA 12.4
+    /// (`Unavailable`), a NUL in a kernel name (`InvalidArgument`), the driver rejecting the
+    /// PTX or an unknown kernel name (`Driver`, `CUDA_ERROR_NOT_FOUND`).
     pub fn load_module(
         &self,
         cuda_source: &str,
@@ -215,29 +214,20 @@ impl CudaDevice {
         let inner = &self.inner;
         inner.make_current(op)?;
         if !param_info_available() {
-            return Err(DeviceError::Driver {
+            return Err(DeviceError::Unavailable {
                 op,
-                code: sys::CUresult::CUDA_ERROR_NOT_FOUND as u32,
-                name: "CUDA_ERROR_NOT_FOUND (libcuda has no cuFuncGetParamInfo: update the NVIDIA driver to CUDA 12.4 or later)",
+                what: NO_PARAM_INFO,
             });
         }
         let names: Vec<CString> = kernel_names
             .iter()
             .map(|n| CString::new(*n))
             .collect::<Result<_, _>>()
-            .map_err(|_| DeviceError::Driver {
+            .map_err(|_| DeviceError::InvalidArgument {
                 op,
-                code: INVALID_VALUE,
-                name: "CUDA_ERROR_INVALID_VALUE (a kernel name contains a NUL byte)",
+                what: "a kernel name contains a NUL byte",
             })?;
-        let image = compile_source(cuda_source, "graft_module.cu").map_err(|log| {
-            tracing::error!(%log, "NVRTC could not compile a module");
-            DeviceError::Driver {
-                op,
-                code: NVRTC_COMPILATION,
-                name: "NVRTC_ERROR_COMPILATION (the compile log went to tracing at error level; graft_cuda::compile_ptx returns it)",
-            }
-        })?;
+        let image = compile_source(cuda_source, "graft_module.cu")?;
         let mut module = CudaModule {
             device: Arc::clone(inner),
             module: ptr::null_mut(),
@@ -256,10 +246,9 @@ impl CudaDevice {
             let f = function(handle, cname)?;
             // cudarc panics if the symbol is missing despite the check above; never unwind.
             let sizes = catch_unwind(AssertUnwindSafe(|| param_sizes(f))).unwrap_or(Err(
-                DeviceError::Driver {
+                DeviceError::Unavailable {
                     op,
-                    code: sys::CUresult::CUDA_ERROR_NOT_FOUND as u32,
-                    name: "CUDA_ERROR_NOT_FOUND (cudarc panicked looking up cuFuncGetParamInfo)",
+                    what: NO_PARAM_INFO,
                 },
             ))?;
             module.kernels.push(Kernel {
@@ -272,12 +261,11 @@ impl CudaDevice {
     }
 
     /// Launches kernel `kernel` (an index into the names given to
-    /// [`CudaDevice::load_module`]) of module `m` on the runtime stream: captured when
+    /// [`CudaQueue::load_module`]) of module `m` on the runtime stream: captured when
     /// capturing, like every other operation of the device. `args` must match the kernel's
     /// parameters in count and byte size (see [`KernelArg`]); otherwise, or for an index out
     /// of range, a grid or block with a zero dimension, or a module of another device, the
-    /// launch is refused with `CUDA_ERROR_INVALID_VALUE` (`INVALID_CONTEXT` for the device)
-    /// before the driver sees it. No heap allocation for up to 16 arguments.
+    /// launch is refused with `InvalidArgument` before the driver sees it. No heap allocation for up to 16 arguments.
     pub fn launch_function(
         &self,
         m: &CudaModule,
@@ -291,32 +279,25 @@ impl CudaDevice {
         let inner = &self.inner;
         inner.make_current(op)?;
         if !Arc::ptr_eq(&m.device, inner) {
-            return Err(DeviceError::Driver {
+            return Err(invalid_argument(
                 op,
-                code: sys::CUresult::CUDA_ERROR_INVALID_CONTEXT as u32,
-                name: "CUDA_ERROR_INVALID_CONTEXT (the module was loaded on another device)",
-            });
+                "the module was loaded on another device",
+            ));
         }
         let Some(k) = m.kernels.get(kernel) else {
-            return Err(DeviceError::Driver {
+            return Err(invalid_argument(
                 op,
-                code: INVALID_VALUE,
-                name: "CUDA_ERROR_INVALID_VALUE (no kernel at this index in the module)",
-            });
+                "no kernel at this index in the module",
+            ));
         };
         if args.len() != k.param_sizes.len() {
-            return Err(DeviceError::Driver {
+            return Err(invalid_argument(
                 op,
-                code: INVALID_VALUE,
-                name: "CUDA_ERROR_INVALID_VALUE (the number of arguments differs from the kernel's parameters)",
-            });
+                "the number of arguments differs from the kernel's parameters",
+            ));
         }
         if [grid.0, grid.1, grid.2, block.0, block.1, block.2].contains(&0) {
-            return Err(DeviceError::Driver {
-                op,
-                code: INVALID_VALUE,
-                name: "CUDA_ERROR_INVALID_VALUE (a grid or block dimension is zero)",
-            });
+            return Err(invalid_argument(op, "a grid or block dimension is zero"));
         }
         if args.len() <= STACK_ARGS {
             let mut slots = [[0u8; 8]; STACK_ARGS];
@@ -345,11 +326,10 @@ fn encode(args: &[KernelArg], sizes: &[usize], slots: &mut [[u8; 8]]) -> Result<
     for ((arg, &want), slot) in args.iter().zip(sizes).zip(slots) {
         let (bytes, size) = arg.encode();
         if size != want {
-            return Err(DeviceError::Driver {
-                op: DeviceOp::KernelLaunch,
-                code: INVALID_VALUE,
-                name: "CUDA_ERROR_INVALID_VALUE (an argument's size differs from the kernel parameter's)",
-            });
+            return Err(invalid_argument(
+                DeviceOp::KernelLaunch,
+                "an argument's size differs from the kernel parameter's",
+            ));
         }
         *slot = bytes;
     }
@@ -420,22 +400,51 @@ mod tests {
         assert_eq!(&slots[1], &2u64.to_ne_bytes());
         assert!(matches!(
             encode(&[KernelArg::F32(1.0)], &[8], &mut slots),
-            Err(DeviceError::Driver {
-                code: INVALID_VALUE,
-                ..
-            })
+            Err(DeviceError::InvalidArgument { .. })
         ));
     }
 
+    /// Refused before NVRTC is touched; without libnvrtc a valid source is `Unavailable`.
     #[test]
-    fn compile_ptx_reports_errors_without_panicking() {
-        assert!(compile_ptx("a\0b", "x.cu").is_err());
+    fn compile_ptx_refuses_nul_bytes_and_reports_a_missing_nvrtc() {
+        assert!(matches!(
+            compile_ptx("a\0b", "x.cu"),
+            Err(DeviceError::InvalidArgument {
+                op: DeviceOp::ModuleLoad,
+                ..
+            })
+        ));
+        // SAFETY: `is_culib_present` only `dlopen`s candidate names and drops the handles.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            assert!(matches!(
+                compile_ptx(GOOD, "k.cu"),
+                Err(DeviceError::Unavailable { .. })
+            ));
+        }
+    }
+
+    const GOOD: &str = "extern \"C\" __global__ void k(float* x) { x[0] = 1.0f; }";
+
+    #[test]
+    #[ignore = "needs NVRTC (libnvrtc), present on GPU machines"]
+    fn compile_ptx_compiles_a_kernel() {
+        let ptx = compile_ptx(GOOD, "k.cu").expect("NVRTC compiles a valid kernel");
+        assert!(String::from_utf8_lossy(&ptx).contains(".entry k("));
+        assert_eq!(ptx.last(), Some(&0), "the image is NUL-terminated");
+    }
+
+    #[test]
+    #[ignore = "needs NVRTC (libnvrtc), present on GPU machines"]
+    fn compile_ptx_returns_the_log_of_a_bad_source() {
         match compile_ptx(
-            "extern \"C\" __global__ void k(float* x) { x[0] = 1.0f; }",
-            "k.cu",
+            "extern \"C\" __global__ void k() { undefined_name; }",
+            "bad.cu",
         ) {
-            Ok(ptx) => assert!(String::from_utf8_lossy(&ptx).contains(".entry k(")),
-            Err(reason) => eprintln!("NVRTC not used: {reason}"),
+            Err(DeviceError::Compile { op, log }) => {
+                assert_eq!(op, DeviceOp::ModuleLoad);
+                assert!(log.contains("undefined_name"), "{log}");
+            }
+            other => panic!("expected a compile error, got {other:?}"),
         }
     }
 }

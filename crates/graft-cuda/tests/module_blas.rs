@@ -61,7 +61,7 @@ fn module_kernels_launch_with_checked_arguments() {
     ] {
         let r = dev.launch_function(&m, kernel, (grid, 1, 1), (32, 1, 1), 0, args);
         assert!(
-            matches!(r, Err(DeviceError::Driver { code: 1, .. })),
+            matches!(r, Err(DeviceError::InvalidArgument { .. })),
             "{r:?}"
         );
     }

@@ -36,6 +36,8 @@ impl Drop for StreamGuard {
     }
 }
 
+/// What a launch or update of another device's graph is refused with.
+const FOREIGN_GRAPH: &str = "the graph was captured on another device";
 const NO_CAPTURE: &str = "no capture is underway";
 const CAPTURE_UNDERWAY: &str = "a capture is already underway";
 const CAPTURE_INVALIDATED: &str = "an invalidated capture is underway";
@@ -130,18 +132,43 @@ pub struct SimStats {
 
 /// A simulated CUDA device with one stream. Cloning it is cheap and shares the device.
 ///
-/// See the crate documentation for the rules it enforces.
+/// See the crate documentation for the rules it enforces. It dereferences to its
+/// [`SimQueue`], so eager code calls the queue's methods on the device.
 #[derive(Clone)]
 pub struct SimDevice {
+    queue: SimQueue,
+}
+
+/// The body-facing handle of a [`SimDevice`] ([`graft_core::Device::Queue`]): kernels, copies,
+/// host reads and writes, synchronize, on the device's one stream. There is no way from it
+/// back to the device's capture, mapping, graph or error-slot operations.
+#[derive(Clone)]
+pub struct SimQueue {
     inner: Arc<Inner>,
 }
 
 impl fmt::Debug for SimDevice {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("SimDevice")
-            .field("id", &self.inner.id)
+            .field("id", &self.queue.inner.id)
             .field("stats", &self.stats())
             .finish()
+    }
+}
+
+impl fmt::Debug for SimQueue {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SimQueue")
+            .field("device", &self.inner.id)
+            .finish()
+    }
+}
+
+impl std::ops::Deref for SimDevice {
+    type Target = SimQueue;
+
+    fn deref(&self) -> &SimQueue {
+        &self.queue
     }
 }
 
@@ -186,39 +213,24 @@ impl SimDevice {
     /// `OutOfMemory`. Memory is really allocated on the host, so keep it modest.
     pub fn with_memory_limit(bytes: usize) -> SimDevice {
         SimDevice {
-            inner: Arc::new(Inner {
-                id: DeviceId(NEXT_DEVICE_ID.fetch_add(1, Ordering::Relaxed)),
-                state: Mutex::new(State {
-                    mem: SimMemory::new(bytes),
-                    capture: Capture::Idle,
+            queue: SimQueue {
+                inner: Arc::new(Inner {
+                    id: DeviceId(NEXT_DEVICE_ID.fetch_add(1, Ordering::Relaxed)),
+                    state: Mutex::new(State {
+                        mem: SimMemory::new(bytes),
+                        capture: Capture::Idle,
+                    }),
+                    sticky: StickyError::default(),
+                    counters: Counters::default(),
+                    faults: Faults::default(),
                 }),
-                sticky: StickyError::default(),
-                counters: Counters::default(),
-                faults: Faults::default(),
-            }),
+            },
         }
-    }
-
-    /// Locks the device. Calls made from inside a kernel body (which runs under the lock) fail
-    /// like CUDA calls made from a host callback, instead of deadlocking.
-    fn lock(&self, op: DeviceOp) -> Result<MutexGuard<'_, State>, DeviceError> {
-        if ON_STREAM.with(Cell::get) {
-            return Err(DeviceError::Driver {
-                op,
-                code: 800,
-                name: "CUDA_ERROR_NOT_PERMITTED",
-            });
-        }
-        Ok(self
-            .inner
-            .state
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner))
     }
 
     /// The device's counters. Never blocks.
     pub fn stats(&self) -> SimStats {
-        let c = &self.inner.counters;
+        let c = &self.queue.inner.counters;
         SimStats {
             mapped_bytes: c.mapped_bytes.load(Ordering::Relaxed),
             reservations: c.reservations.load(Ordering::Relaxed),
@@ -239,6 +251,81 @@ impl SimDevice {
             Capture::Recording { mode, .. } => CaptureStatus::Active { mode },
             Capture::Invalidated { mode } => CaptureStatus::Invalidated { mode },
         })
+    }
+
+    /// Makes the `(n+1)`-th [`Device::map`] from now fail with `Injected { op: Map }` (`n = 0`:
+    /// the next one), mapping nothing. Fires once; re-arming replaces the previous setting.
+    pub fn fail_map_after(&self, n: u64) {
+        self.queue
+            .inner
+            .faults
+            .map_countdown
+            .store(n.saturating_add(1), Ordering::Relaxed);
+    }
+
+    /// Makes the next [`Device::end_capture`] that gets as far as instantiating fail with
+    /// `Injected { op: Instantiate }`; the capture is over after it and its graph discarded.
+    /// Fires once.
+    pub fn fail_next_instantiate(&self) {
+        self.queue
+            .inner
+            .faults
+            .instantiate
+            .store(true, Ordering::Relaxed);
+    }
+
+    /// Makes the next [`Device::launch`] fail with `Injected { op: GraphLaunch }` before running
+    /// anything. Fires once.
+    pub fn fail_next_launch(&self) {
+        self.queue
+            .inner
+            .faults
+            .launch
+            .store(true, Ordering::Relaxed);
+    }
+
+    /// Makes the next drop of a [`SimGraph`] of this device record
+    /// `Injected { op: GraphDestroy }` in the sticky error slot. Fires once.
+    pub fn fail_next_graph_destroy(&self) {
+        self.queue
+            .inner
+            .faults
+            .fail_next_graph_destroy
+            .store(true, Ordering::Relaxed);
+    }
+
+    /// Consumes one step of the map countdown; true when this map fails.
+    fn map_fault_fires(&self) -> bool {
+        let mut fires = false;
+        let _ = self.queue.inner.faults.map_countdown.fetch_update(
+            Ordering::Relaxed,
+            Ordering::Relaxed,
+            |v| {
+                fires = v == 1;
+                v.checked_sub(1)
+            },
+        );
+        fires
+    }
+}
+
+impl SimQueue {
+    /// Locks the device. Calls made from inside a kernel body (which runs under the lock) fail
+    /// like CUDA calls made from a host callback (the driver's real `CUDA_ERROR_NOT_PERMITTED`),
+    /// instead of deadlocking.
+    fn lock(&self, op: DeviceOp) -> Result<MutexGuard<'_, State>, DeviceError> {
+        if ON_STREAM.with(Cell::get) {
+            return Err(DeviceError::Driver {
+                op,
+                code: 800,
+                name: "CUDA_ERROR_NOT_PERMITTED",
+            });
+        }
+        Ok(self
+            .inner
+            .state
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner))
     }
 
     /// Enqueues a kernel on the runtime stream: run now when idle (the stream runs in program
@@ -314,8 +401,8 @@ impl SimDevice {
         Ok(ptr)
     }
 
-    /// Frees a [`SimDevice::raw_alloc`] allocation (`cudaFree`); `ptr` must be its start. Fails
-    /// during a capture like [`SimDevice::raw_alloc`] (reported as [`DeviceOp::RawAlloc`]).
+    /// Frees a [`SimQueue::raw_alloc`] allocation (`cudaFree`); `ptr` must be its start. Fails
+    /// during a capture like [`SimQueue::raw_alloc`] (reported as [`DeviceOp::RawAlloc`]).
     pub fn raw_free(&self, ptr: DevicePtr) -> Result<(), DeviceError> {
         let mut st = self.lock(DeviceOp::RawAlloc)?;
         st.forbid_in_capture(DeviceOp::RawAlloc)?;
@@ -358,117 +445,8 @@ impl SimDevice {
         st.mem.write_f32_as(DeviceOp::Write, dst, values)
     }
 
-    /// Makes the `(n+1)`-th [`Device::map`] from now fail with `Injected { op: Map }` (`n = 0`:
-    /// the next one), mapping nothing. Fires once; re-arming replaces the previous setting.
-    pub fn fail_map_after(&self, n: u64) {
-        self.inner
-            .faults
-            .map_countdown
-            .store(n.saturating_add(1), Ordering::Relaxed);
-    }
-
-    /// Makes the next [`Device::end_capture`] that gets as far as instantiating fail with
-    /// `Injected { op: Instantiate }`; the capture is over after it and its graph discarded.
-    /// Fires once.
-    pub fn fail_next_instantiate(&self) {
-        self.inner.faults.instantiate.store(true, Ordering::Relaxed);
-    }
-
-    /// Makes the next [`Device::launch`] fail with `Injected { op: GraphLaunch }` before running
-    /// anything. Fires once.
-    pub fn fail_next_launch(&self) {
-        self.inner.faults.launch.store(true, Ordering::Relaxed);
-    }
-
-    /// Makes the next drop of a [`SimGraph`] of this device record
-    /// `Injected { op: GraphDestroy }` in the sticky error slot. Fires once.
-    pub fn fail_next_graph_destroy(&self) {
-        self.inner
-            .faults
-            .fail_next_graph_destroy
-            .store(true, Ordering::Relaxed);
-    }
-
-    /// Consumes one step of the map countdown; true when this map fails.
-    fn map_fault_fires(&self) -> bool {
-        let mut fires = false;
-        let _ = self.inner.faults.map_countdown.fetch_update(
-            Ordering::Relaxed,
-            Ordering::Relaxed,
-            |v| {
-                fires = v == 1;
-                v.checked_sub(1)
-            },
-        );
-        fires
-    }
-}
-
-impl Device for SimDevice {
-    type Graph = SimGraph;
-
-    fn id(&self) -> DeviceId {
-        self.inner.id
-    }
-
-    fn describe(&self) -> String {
-        "host simulator".to_owned()
-    }
-
-    fn granularity(&self) -> usize {
-        GRANULARITY
-    }
-
-    /// Legal in every capture state, like the CUDA backend's relaxed-mode reservation.
-    fn reserve(&self, bytes: usize) -> Result<DevicePtr, DeviceError> {
-        let mut st = self.lock(DeviceOp::Reserve)?;
-        let ptr = st.mem.reserve(DeviceOp::Reserve, bytes)?;
-        self.inner
-            .counters
-            .reservations
-            .fetch_add(1, Ordering::Relaxed);
-        Ok(ptr)
-    }
-
-    fn release_reservation(&self, addr: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
-        let op = DeviceOp::ReleaseReservation;
-        let mut st = self.lock(op)?;
-        st.forbid_in_capture(op)?;
-        st.mem.release_reservation(op, addr, bytes)?;
-        self.inner
-            .counters
-            .reservations
-            .fetch_sub(1, Ordering::Relaxed);
-        Ok(())
-    }
-
-    /// Legal in every capture state: CUDA backends switch to relaxed mode around it.
-    fn map(&self, addr: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
-        let op = DeviceOp::Map;
-        let mut st = self.lock(op)?;
-        if self.map_fault_fires() {
-            return Err(DeviceError::Injected { op });
-        }
-        st.mem.map(op, addr, bytes)?;
-        let c = &self.inner.counters;
-        c.maps.fetch_add(1, Ordering::Relaxed);
-        c.mapped_bytes.fetch_add(bytes, Ordering::Relaxed);
-        Ok(())
-    }
-
-    fn unmap(&self, addr: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
-        let op = DeviceOp::Unmap;
-        let mut st = self.lock(op)?;
-        st.forbid_in_capture(op)?;
-        st.mem.unmap(op, addr, bytes)?;
-        self.inner
-            .counters
-            .mapped_bytes
-            .fetch_sub(bytes, Ordering::Relaxed);
-        Ok(())
-    }
-
-    fn copy(&self, dst: DevicePtr, src: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
+    /// Enqueues a device-to-device copy (recorded when capturing); overlapping ranges fail.
+    pub fn copy(&self, dst: DevicePtr, src: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
         let mut st = self.lock(DeviceOp::Copy)?;
         match &mut st.capture {
             Capture::Idle => {}
@@ -489,7 +467,8 @@ impl Device for SimDevice {
         st.mem.copy_as(DeviceOp::Copy, dst, src, bytes)
     }
 
-    fn write(&self, dst: DevicePtr, src: &[u8]) -> Result<(), DeviceError> {
+    /// Copies host bytes to the device, synchronously. Fails during a capture.
+    pub fn write(&self, dst: DevicePtr, src: &[u8]) -> Result<(), DeviceError> {
         let mut st = self.lock(DeviceOp::Write)?;
         st.forbid_in_capture(DeviceOp::Write)?;
         st.mem
@@ -498,16 +477,107 @@ impl Device for SimDevice {
         Ok(())
     }
 
-    fn read(&self, src: DevicePtr, dst: &mut [u8]) -> Result<(), DeviceError> {
+    /// Copies device bytes to the host, synchronously. Fails during a capture.
+    pub fn read(&self, src: DevicePtr, dst: &mut [u8]) -> Result<(), DeviceError> {
         let mut st = self.lock(DeviceOp::Read)?;
         st.forbid_in_capture(DeviceOp::Read)?;
         dst.copy_from_slice(st.mem.range(DeviceOp::Read, src, dst.len())?);
         Ok(())
     }
 
-    fn synchronize(&self) -> Result<(), DeviceError> {
+    /// Waits for the stream (a no-op when idle). Fails during a capture.
+    pub fn synchronize(&self) -> Result<(), DeviceError> {
         let mut st = self.lock(DeviceOp::Synchronize)?;
         st.forbid_in_capture(DeviceOp::Synchronize)
+    }
+}
+
+impl Device for SimDevice {
+    type Graph = SimGraph;
+    type Queue = SimQueue;
+
+    fn queue(&self) -> &SimQueue {
+        &self.queue
+    }
+
+    fn id(&self) -> DeviceId {
+        self.queue.inner.id
+    }
+
+    fn describe(&self) -> String {
+        "host simulator".to_owned()
+    }
+
+    fn granularity(&self) -> usize {
+        GRANULARITY
+    }
+
+    /// Legal in every capture state, like the CUDA backend's relaxed-mode reservation.
+    fn reserve(&self, bytes: usize) -> Result<DevicePtr, DeviceError> {
+        let mut st = self.lock(DeviceOp::Reserve)?;
+        let ptr = st.mem.reserve(DeviceOp::Reserve, bytes)?;
+        self.queue
+            .inner
+            .counters
+            .reservations
+            .fetch_add(1, Ordering::Relaxed);
+        Ok(ptr)
+    }
+
+    fn release_reservation(&self, addr: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
+        let op = DeviceOp::ReleaseReservation;
+        let mut st = self.lock(op)?;
+        st.forbid_in_capture(op)?;
+        st.mem.release_reservation(op, addr, bytes)?;
+        self.queue
+            .inner
+            .counters
+            .reservations
+            .fetch_sub(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Legal in every capture state: CUDA backends switch to relaxed mode around it.
+    fn map(&self, addr: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
+        let op = DeviceOp::Map;
+        let mut st = self.lock(op)?;
+        if self.map_fault_fires() {
+            return Err(DeviceError::Injected { op });
+        }
+        st.mem.map(op, addr, bytes)?;
+        let c = &self.queue.inner.counters;
+        c.maps.fetch_add(1, Ordering::Relaxed);
+        c.mapped_bytes.fetch_add(bytes, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn unmap(&self, addr: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
+        let op = DeviceOp::Unmap;
+        let mut st = self.lock(op)?;
+        st.forbid_in_capture(op)?;
+        st.mem.unmap(op, addr, bytes)?;
+        self.queue
+            .inner
+            .counters
+            .mapped_bytes
+            .fetch_sub(bytes, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn copy(&self, dst: DevicePtr, src: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
+        self.queue.copy(dst, src, bytes)
+    }
+
+    fn write(&self, dst: DevicePtr, src: &[u8]) -> Result<(), DeviceError> {
+        self.queue.write(dst, src)
+    }
+
+    fn read(&self, src: DevicePtr, dst: &mut [u8]) -> Result<(), DeviceError> {
+        self.queue.read(src, dst)
+    }
+
+    fn synchronize(&self) -> Result<(), DeviceError> {
+        self.queue.synchronize()
     }
 
     fn begin_capture(&self, mode: CaptureMode) -> Result<(), DeviceError> {
@@ -550,21 +620,28 @@ impl Device for SimDevice {
             Capture::Recording { ops, .. } => ops,
         };
         drop(st);
-        if self.inner.faults.instantiate.swap(false, Ordering::Relaxed) {
+        if self
+            .queue
+            .inner
+            .faults
+            .instantiate
+            .swap(false, Ordering::Relaxed)
+        {
             return Err(DeviceError::Injected {
                 op: DeviceOp::Instantiate,
             });
         }
         let ops: Arc<[Op]> = ops.into();
         let summary = graph::summarize(&ops);
-        self.inner
+        self.queue
+            .inner
             .counters
             .live_graphs
             .fetch_add(1, Ordering::Relaxed);
         Ok(SimGraph {
             ops,
             summary,
-            owner: Arc::clone(&self.inner),
+            owner: Arc::clone(&self.queue.inner),
         })
     }
 
@@ -580,15 +657,20 @@ impl Device for SimDevice {
     }
 
     fn launch(&self, graph: &SimGraph) -> Result<(), DeviceError> {
-        if graph.owner.id != self.inner.id {
-            return Err(DeviceError::Driver {
+        if graph.owner.id != self.queue.inner.id {
+            return Err(DeviceError::InvalidArgument {
                 op: DeviceOp::GraphLaunch,
-                code: 201,
-                name: "CUDA_ERROR_INVALID_CONTEXT",
+                what: FOREIGN_GRAPH,
             });
         }
         let mut guard = self.lock(DeviceOp::GraphLaunch)?;
-        if self.inner.faults.launch.swap(false, Ordering::Relaxed) {
+        if self
+            .queue
+            .inner
+            .faults
+            .launch
+            .swap(false, Ordering::Relaxed)
+        {
             return Err(DeviceError::Injected {
                 op: DeviceOp::GraphLaunch,
             });
@@ -607,7 +689,7 @@ impl Device for SimDevice {
             let _on_stream = StreamGuard::enter();
             graph::run_ops(&mut st.mem, &graph.ops, &mut tally)
         };
-        let c = &self.inner.counters;
+        let c = &self.queue.inner.counters;
         c.kernels_run.fetch_add(tally.kernels, Ordering::Relaxed);
         c.copies_run.fetch_add(tally.copies, Ordering::Relaxed);
         if result.is_ok() {
@@ -626,21 +708,20 @@ impl Device for SimDevice {
         recorded: CopyEnds,
         now: CopyEnds,
     ) -> Result<(), DeviceError> {
-        if graph.owner.id != self.inner.id {
-            return Err(DeviceError::Driver {
+        if graph.owner.id != self.queue.inner.id {
+            return Err(DeviceError::InvalidArgument {
                 op: DeviceOp::GraphUpdate,
-                code: 201,
-                name: "CUDA_ERROR_INVALID_CONTEXT",
+                what: FOREIGN_GRAPH,
             });
         }
         graph.repoint_copy(recorded, now)
     }
 
     fn take_sticky_error(&self) -> Option<DeviceError> {
-        self.inner.sticky.take()
+        self.queue.inner.sticky.take()
     }
 
     fn record_sticky_error(&self, error: DeviceError) {
-        self.inner.sticky.record(error);
+        self.queue.inner.sticky.record(error);
     }
 }

@@ -102,10 +102,9 @@ impl SimGraph {
         let Some(index) = self.ops.iter().position(
             |op| matches!(op, Op::Copy { dst, src, .. } if *dst == recorded.dst && *src == recorded.src),
         ) else {
-            return Err(DeviceError::Driver {
+            return Err(DeviceError::InvalidArgument {
                 op: DeviceOp::GraphUpdate,
-                code: 400,
-                name: "CUDA_ERROR_INVALID_HANDLE",
+                what: "the graph has no copy with the recorded ends",
             });
         };
         let mut ops: Vec<Op> = self.ops.to_vec();

@@ -2,9 +2,9 @@
 
 use graft_core::{DeviceError, DevicePtr};
 
-use crate::SimDevice;
+use crate::SimQueue;
 
-impl SimDevice {
+impl SimQueue {
     /// `dst[i] = value` for `n` `f32`s, as a kernel on the runtime stream.
     pub fn fill_f32(&self, dst: DevicePtr, n: usize, value: f32) -> Result<(), DeviceError> {
         self.launch_kernel("fill_f32", move |m| m.fill_f32(dst, n, value))

@@ -16,16 +16,16 @@
 //!   [`DeviceError::InvalidAddress`](graft_core::DeviceError::InvalidAddress), never read stale
 //!   data. Fresh allocations and fresh mappings are filled with [`POISON_BYTE`], not zeros. The
 //!   memory limit counts mapped bytes plus raw allocations.
-//! - **One stream, program order.** Kernels ([`SimDevice::launch_kernel`], closures over
+//! - **One stream, program order.** Kernels ([`SimQueue::launch_kernel`], closures over
 //!   [`SimMemory`]) and copies run when enqueued; synchronizing is a no-op outside a capture.
 //! - **Capture records instead of running.** Between `begin_capture` and `end_capture`, kernels,
 //!   copies and graph launches are recorded; [`SimGraph`] replays them in order at the recorded
 //!   addresses against current memory. Reserving and mapping stay legal during a capture.
 //! - **What CUDA forbids during capture fails the same way** with
 //!   [`DeviceError::Capture`](graft_core::DeviceError::Capture) and invalidates the capture:
-//!   synchronize, host reads and writes, [`SimDevice::raw_alloc`] / [`SimDevice::raw_free`],
-//!   [`SimDevice::query`], unmapping, releasing a reservation. Work on the side stream
-//!   ([`SimDevice::launch_kernel_on_side_stream`]) is never joined, so `end_capture` fails with
+//!   synchronize, host reads and writes, [`SimQueue::raw_alloc`] / [`SimQueue::raw_free`],
+//!   [`SimQueue::query`], unmapping, releasing a reservation. Work on the side stream
+//!   ([`SimQueue::launch_kernel_on_side_stream`]) is never joined, so `end_capture` fails with
 //!   `Unjoined`. After a violation every stream operation fails with `Invalidated` until the
 //!   capture is ended or aborted. All capture modes are treated alike (real CUDA would allow a
 //!   raw allocation in `Relaxed` mode).
@@ -46,6 +46,6 @@ mod graph;
 mod kernels;
 mod memory;
 
-pub use device::{CaptureStatus, SimDevice, SimStats};
+pub use device::{CaptureStatus, SimDevice, SimQueue, SimStats};
 pub use graph::{KernelFn, SimGraph};
 pub use memory::{ADDRESS_BASE, DEFAULT_MEMORY_LIMIT, GRANULARITY, POISON_BYTE, SimMemory};

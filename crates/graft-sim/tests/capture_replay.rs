@@ -185,7 +185,7 @@ fn graphs_are_counted_and_bound_to_their_device() {
     assert_eq!(dev.stats().live_graphs, 1);
     assert!(matches!(
         other.launch(&graph),
-        Err(DeviceError::Driver {
+        Err(DeviceError::InvalidArgument {
             op: DeviceOp::GraphLaunch,
             ..
         })

@@ -1,6 +1,7 @@
-//! The backend trait: the kernels a decoder step needs, on raw device addresses. Implemented
-//! for the simulator ([`graft_sim::SimDevice`], host loops) and for CUDA
-//! ([`graft_cuda::CudaDevice`], NVRTC kernels and cuBLAS).
+//! The backend trait: the kernels a decoder step needs, on raw device addresses, implemented on
+//! the body-facing queue of each backend: the simulator's ([`graft_sim::SimQueue`], host
+//! loops) and CUDA's ([`graft_cuda::CudaQueue`], NVRTC kernels and cuBLAS). [`Backend`] names
+//! a device whose queue implements them.
 //!
 //! Every method enqueues work on the device's runtime stream (recorded when capturing) and
 //! checks nothing about shapes: the tensor-level functions in [`crate::ops`] do that before
@@ -169,8 +170,17 @@ pub struct AddNormArgs {
     pub beta: DevicePtr,
 }
 
-/// The kernels of a decoder step, on raw addresses (see the module docs).
-pub trait Ops: Device + Clone {
+/// A device whose body-facing queue runs the decoder's kernels: what graft-tensor is generic
+/// over.
+pub trait Backend: Device<Queue: Ops> + Clone {}
+
+impl<D: Device<Queue: Ops> + Clone> Backend for D {}
+
+/// The kernels of a decoder step, on raw addresses (see the module docs), on a device's queue.
+pub trait Ops: Send + Sync + 'static {
+    /// Copies host bytes to the device, synchronously (not inside a captured body).
+    fn write(&self, dst: DevicePtr, src: &[u8]) -> Result<(), DeviceError>;
+
     /// Gets the backend ready (compiles kernels, creates library handles). Idempotent and
     /// cheap after the first call. Call it before capturing anything; each op calls it too.
     fn prepare(&self) -> Result<(), DeviceError>;

@@ -23,10 +23,10 @@ use graft_core::{
 use rand::rngs::Xoshiro256PlusPlus;
 use rand::{RngExt, SeedableRng};
 
-use crate::backend::Ops;
+use crate::backend::{Backend, Ops};
 use crate::error::{Result, TensorError};
 use crate::ops;
-use crate::tensor::{Alloc, DType, Keep, Meta, Tensor};
+use crate::tensor::{Alloc, DType, EagerAlloc, Keep, Meta, Tensor};
 
 /// The batch buckets: a batch is padded up to the first bucket that holds it.
 pub const BUCKETS: [usize; 6] = [1, 2, 4, 8, 16, 32];
@@ -263,7 +263,7 @@ impl Weights {
 }
 
 /// The decoder: configuration and weights (one static arena from [`Graft::alloc`]).
-pub struct Decoder<D: Ops> {
+pub struct Decoder<D: Backend> {
     device: D,
     config: DecoderConfig,
     layout: Layout,
@@ -271,7 +271,7 @@ pub struct Decoder<D: Ops> {
     weights: Weights,
 }
 
-impl<D: Ops> fmt::Debug for Decoder<D> {
+impl<D: Backend> fmt::Debug for Decoder<D> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Decoder")
             .field("device", &self.device.describe())
@@ -413,18 +413,18 @@ impl<D: Device> RawGraph<D> {
     }
 }
 
-impl<D: Ops> Decoder<D> {
+impl<D: Backend> Decoder<D> {
     /// Builds the model with random weights from `seed` in one arena allocated through
     /// `alloc` (e.g. a [`Graft`], whose [`Graft::alloc`] memory lives across steps) and marked
     /// static, and gets the backend ready ([`Ops::prepare`]: kernels, cuBLAS).
-    pub fn new<A: Alloc<D> + ?Sized>(
+    pub fn new<A: EagerAlloc<D> + ?Sized>(
         alloc: &mut A,
         config: DecoderConfig,
         seed: u64,
     ) -> Result<Decoder<D>> {
         config.validate()?;
         let device = alloc.device().clone();
-        device.prepare()?;
+        device.queue().prepare()?;
         let (layout, init) = layout_of(&config);
         let mut host = vec![0.0f32; layout.total];
         let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
@@ -488,7 +488,11 @@ impl<D: Ops> Decoder<D> {
 
     /// A fresh state for `bucket` (caches and position from `alloc`, marked static), at
     /// position 0.
-    pub fn new_state<A: Alloc<D> + ?Sized>(&self, alloc: &mut A, bucket: usize) -> Result<KvState> {
+    pub fn new_state<A: EagerAlloc<D> + ?Sized>(
+        &self,
+        alloc: &mut A,
+        bucket: usize,
+    ) -> Result<KvState> {
         if !BUCKETS.contains(&bucket) {
             return Err(TensorError::BatchTooLarge {
                 batch: bucket,
@@ -514,7 +518,7 @@ impl<D: Ops> Decoder<D> {
 
     /// The first tokens of a batch, padded with token 0 to its bucket, as a `[bucket]` i32
     /// tensor from `alloc` (written synchronously: not inside a capture).
-    pub fn tokens<A: Alloc<D> + ?Sized>(&self, alloc: &mut A, ids: &[i32]) -> Result<Tensor> {
+    pub fn tokens<A: EagerAlloc<D> + ?Sized>(&self, alloc: &mut A, ids: &[i32]) -> Result<Tensor> {
         if ids.is_empty() {
             return Err(TensorError::EmptyBatch);
         }

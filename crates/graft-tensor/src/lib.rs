@@ -28,13 +28,13 @@ mod sim;
 mod tensor;
 
 pub use backend::{
-    AddNormArgs, AttnDims, CacheDims, EmbedDims, EmbedNormArgs, GatherDims, LinearArgs, MatmulDims,
-    NormDims, Ops, PositionDims, SoftmaxDims,
+    AddNormArgs, AttnDims, Backend, CacheDims, EmbedDims, EmbedNormArgs, GatherDims, LinearArgs,
+    MatmulDims, NormDims, Ops, PositionDims, SoftmaxDims,
 };
 pub use cuda::{KERNEL_NAMES, KERNELS_CU};
 pub use decoder::{BUCKETS, Decoder, DecoderConfig, KvState, RawGraph, bucket_for};
 pub use error::{Result, TensorError};
-pub use tensor::{Alloc, DType, Keep, Meta, Tensor, numel};
+pub use tensor::{Alloc, DType, EagerAlloc, Keep, Meta, Tensor, numel};
 
 /// GELU with the tanh approximation on the host, as the kernels compute it (for references).
 pub fn gelu_tanh(x: f32) -> f32 {

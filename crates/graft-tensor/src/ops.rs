@@ -3,6 +3,7 @@
 //!
 //! Nothing here reads device memory on the host, so every op is legal inside a captured body.
 
+use crate::backend::Backend;
 use crate::backend::{
     AddNormArgs, AttnDims, CacheDims, EmbedDims, EmbedNormArgs, GatherDims, LinearArgs, MatmulDims,
     NormDims, Ops, PositionDims, SoftmaxDims,
@@ -85,7 +86,7 @@ fn position(op: &'static str, pos: &Tensor) -> Result<()> {
 
 /// `out[r, :] = table[ids[r], :]`: `ids` is `[n]` i32, `table` `[vocab, d]` f32; out `[n, d]`.
 /// Ids outside the vocabulary give zero rows.
-pub fn embedding<D: Ops, A: Alloc<D> + ?Sized>(
+pub fn embedding<D: Backend, A: Alloc<D> + ?Sized>(
     cx: &mut A,
     ids: &Tensor,
     table: &Tensor,
@@ -96,7 +97,7 @@ pub fn embedding<D: Ops, A: Alloc<D> + ?Sized>(
     let rows = ids_len(OP, ids)?;
     let (vocab, dim) = matrix(OP, "table", table)?;
     let out = Tensor::empty(cx, &[rows, dim], DType::F32)?;
-    cx.device().embedding(
+    cx.queue().embedding(
         out.ptr()?,
         ids.ptr()?,
         table.ptr()?,
@@ -106,7 +107,7 @@ pub fn embedding<D: Ops, A: Alloc<D> + ?Sized>(
 }
 
 /// `out[r, :] = x[r, :] + table[pos, :]`: learned positions at a device-held position.
-pub fn add_position<D: Ops, A: Alloc<D> + ?Sized>(
+pub fn add_position<D: Backend, A: Alloc<D> + ?Sized>(
     cx: &mut A,
     x: &Tensor,
     table: &Tensor,
@@ -127,7 +128,7 @@ pub fn add_position<D: Ops, A: Alloc<D> + ?Sized>(
         });
     }
     let out = Tensor::empty(cx, x.shape(), DType::F32)?;
-    cx.device().add_position(
+    cx.queue().add_position(
         out.ptr()?,
         x.ptr()?,
         table.ptr()?,
@@ -138,18 +139,18 @@ pub fn add_position<D: Ops, A: Alloc<D> + ?Sized>(
 }
 
 /// `a + b`, elementwise, same shapes.
-pub fn add<D: Ops, A: Alloc<D> + ?Sized>(cx: &mut A, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+pub fn add<D: Backend, A: Alloc<D> + ?Sized>(cx: &mut A, a: &Tensor, b: &Tensor) -> Result<Tensor> {
     const OP: &str = "add";
     dtype_is(OP, "a", a, DType::F32)?;
     dtype_is(OP, "b", b, DType::F32)?;
     shape_is(OP, "b", b, a.shape())?;
     let out = Tensor::empty(cx, a.shape(), DType::F32)?;
-    cx.device().add(out.ptr()?, a.ptr()?, b.ptr()?, a.numel())?;
+    cx.queue().add(out.ptr()?, a.ptr()?, b.ptr()?, a.numel())?;
     Ok(out)
 }
 
 /// Layer norm over the last axis: `gamma` and `beta` are `[d]` for `x` of shape `[..., d]`.
-pub fn layer_norm<D: Ops, A: Alloc<D> + ?Sized>(
+pub fn layer_norm<D: Backend, A: Alloc<D> + ?Sized>(
     cx: &mut A,
     x: &Tensor,
     gamma: &Tensor,
@@ -172,7 +173,7 @@ pub fn layer_norm<D: Ops, A: Alloc<D> + ?Sized>(
     shape_is(OP, "beta", beta, &[dim])?;
     let rows = x.numel().checked_div(dim).unwrap_or(0);
     let out = Tensor::empty(cx, x.shape(), DType::F32)?;
-    cx.device().layer_norm(
+    cx.queue().layer_norm(
         out.ptr()?,
         x.ptr()?,
         gamma.ptr()?,
@@ -183,7 +184,7 @@ pub fn layer_norm<D: Ops, A: Alloc<D> + ?Sized>(
 }
 
 /// `x[rows, k] · w[k, n] (+ bias[n])`: [`linear`] without GELU or residual.
-pub fn matmul<D: Ops, A: Alloc<D> + ?Sized>(
+pub fn matmul<D: Backend, A: Alloc<D> + ?Sized>(
     cx: &mut A,
     x: &Tensor,
     w: &Tensor,
@@ -193,16 +194,16 @@ pub fn matmul<D: Ops, A: Alloc<D> + ?Sized>(
 }
 
 /// GELU (tanh approximation), elementwise.
-pub fn gelu<D: Ops, A: Alloc<D> + ?Sized>(cx: &mut A, x: &Tensor) -> Result<Tensor> {
+pub fn gelu<D: Backend, A: Alloc<D> + ?Sized>(cx: &mut A, x: &Tensor) -> Result<Tensor> {
     dtype_is("gelu", "x", x, DType::F32)?;
     let out = Tensor::empty(cx, x.shape(), DType::F32)?;
-    cx.device().gelu(out.ptr()?, x.ptr()?, x.numel())?;
+    cx.queue().gelu(out.ptr()?, x.ptr()?, x.numel())?;
     Ok(out)
 }
 
 /// Softmax of each row of `x` (`[..., cols]`) over columns `0..=pos`, zeros after: the
 /// causal mask of single-token attention at the device position `pos`.
-pub fn masked_softmax<D: Ops, A: Alloc<D> + ?Sized>(
+pub fn masked_softmax<D: Backend, A: Alloc<D> + ?Sized>(
     cx: &mut A,
     x: &Tensor,
     pos: &Tensor,
@@ -221,7 +222,7 @@ pub fn masked_softmax<D: Ops, A: Alloc<D> + ?Sized>(
     }
     let rows = x.numel() / cols;
     let out = Tensor::empty(cx, x.shape(), DType::F32)?;
-    cx.device()
+    cx.queue()
         .masked_softmax(out.ptr()?, x.ptr()?, pos.ptr()?, SoftmaxDims { rows, cols })?;
     Ok(out)
 }
@@ -265,7 +266,7 @@ fn attn_dims(
 /// Attention scores of one query token per sequence against the cached keys, scaled by
 /// `1/sqrt(head_dim)`: `q` `[batch, d]`, `k_cache` `[batch, ctx, d]` → `[batch, heads, ctx]`,
 /// zeros past `pos`.
-pub fn attention_scores<D: Ops, A: Alloc<D> + ?Sized>(
+pub fn attention_scores<D: Backend, A: Alloc<D> + ?Sized>(
     cx: &mut A,
     q: &Tensor,
     k_cache: &Tensor,
@@ -278,14 +279,14 @@ pub fn attention_scores<D: Ops, A: Alloc<D> + ?Sized>(
     let (batch, d) = matrix(OP, "q", q)?;
     let dims = attn_dims(OP, batch, d, k_cache, "k_cache", heads)?;
     let out = Tensor::empty(cx, &[batch, heads, dims.ctx], DType::F32)?;
-    cx.device()
+    cx.queue()
         .attention_scores(out.ptr()?, q.ptr()?, k_cache.ptr()?, pos.ptr()?, dims)?;
     Ok(out)
 }
 
 /// The attention-weighted sum of cached values: `probs` `[batch, heads, ctx]`, `v_cache`
 /// `[batch, ctx, d]` → `[batch, d]`, over positions `0..=pos`.
-pub fn attention_values<D: Ops, A: Alloc<D> + ?Sized>(
+pub fn attention_values<D: Backend, A: Alloc<D> + ?Sized>(
     cx: &mut A,
     probs: &Tensor,
     v_cache: &Tensor,
@@ -316,14 +317,14 @@ pub fn attention_values<D: Ops, A: Alloc<D> + ?Sized>(
         });
     }
     let out = Tensor::empty(cx, &[batch, d], DType::F32)?;
-    cx.device()
+    cx.queue()
         .attention_values(out.ptr()?, probs.ptr()?, v_cache.ptr()?, pos.ptr()?, dims)?;
     Ok(out)
 }
 
 /// Single-token multi-head attention over a KV cache at the device position: scores, masked
 /// softmax, weighted values. `q` `[batch, d]`, caches `[batch, ctx, d]` → `[batch, d]`.
-pub fn attention<D: Ops, A: Alloc<D> + ?Sized>(
+pub fn attention<D: Backend, A: Alloc<D> + ?Sized>(
     cx: &mut A,
     q: &Tensor,
     k_cache: &Tensor,
@@ -337,7 +338,7 @@ pub fn attention<D: Ops, A: Alloc<D> + ?Sized>(
 }
 
 /// `cache[b, pos, :] = x[b, :]`: `cache` `[batch, ctx, d]`, `x` `[batch, d]`. In place.
-pub fn kv_write<D: Ops, A: Alloc<D> + ?Sized>(
+pub fn kv_write<D: Backend, A: Alloc<D> + ?Sized>(
     cx: &mut A,
     cache: &Tensor,
     x: &Tensor,
@@ -363,7 +364,7 @@ pub fn kv_write<D: Ops, A: Alloc<D> + ?Sized>(
             });
         }
     };
-    cx.device().kv_write(
+    cx.queue().kv_write(
         cache.ptr()?,
         x.ptr()?,
         pos.ptr()?,
@@ -374,7 +375,7 @@ pub fn kv_write<D: Ops, A: Alloc<D> + ?Sized>(
 
 /// Index of the largest entry of each row of `x` `[rows, cols]` → `[rows]` i32 (first index
 /// on ties; NaNs never win).
-pub fn argmax<D: Ops, A: Alloc<D> + ?Sized>(cx: &mut A, x: &Tensor) -> Result<Tensor> {
+pub fn argmax<D: Backend, A: Alloc<D> + ?Sized>(cx: &mut A, x: &Tensor) -> Result<Tensor> {
     const OP: &str = "argmax";
     dtype_is(OP, "x", x, DType::F32)?;
     let (rows, cols) = matrix(OP, "x", x)?;
@@ -387,20 +388,24 @@ pub fn argmax<D: Ops, A: Alloc<D> + ?Sized>(cx: &mut A, x: &Tensor) -> Result<Te
         });
     }
     let out = Tensor::empty(cx, &[rows], DType::I32)?;
-    cx.device().argmax(out.ptr()?, x.ptr()?, rows, cols)?;
+    cx.queue().argmax(out.ptr()?, x.ptr()?, rows, cols)?;
     Ok(out)
 }
 
 /// `pos = min(pos + 1, limit)` on the device. In place.
-pub fn increment<D: Ops, A: Alloc<D> + ?Sized>(cx: &mut A, pos: &Tensor, limit: i32) -> Result<()> {
+pub fn increment<D: Backend, A: Alloc<D> + ?Sized>(
+    cx: &mut A,
+    pos: &Tensor,
+    limit: i32,
+) -> Result<()> {
     position("increment", pos)?;
-    cx.device().increment(pos.ptr()?, limit)?;
+    cx.queue().increment(pos.ptr()?, limit)?;
     Ok(())
 }
 
 /// `gelu?(x[rows, k] · w[k, n] + bias[n]) + residual[rows, n]` in one op (bias, GELU and
 /// residual each optional; GELU is the tanh approximation, applied before the residual).
-pub fn linear<D: Ops, A: Alloc<D> + ?Sized>(
+pub fn linear<D: Backend, A: Alloc<D> + ?Sized>(
     cx: &mut A,
     x: &Tensor,
     w: &Tensor,
@@ -438,7 +443,7 @@ pub fn linear<D: Ops, A: Alloc<D> + ?Sized>(
         None => None,
     };
     let out = Tensor::empty(cx, &[rows, n], DType::F32)?;
-    cx.device().linear(
+    cx.queue().linear(
         LinearArgs {
             out: out.ptr()?,
             x: x.ptr()?,
@@ -456,7 +461,7 @@ pub fn linear<D: Ops, A: Alloc<D> + ?Sized>(
 /// (ids outside the vocabulary give zero rows before the add) and `h = layer_norm(x)`, both
 /// `[n, d]`; returns `(x, h)`.
 #[allow(clippy::too_many_arguments)]
-pub fn embed_norm<D: Ops, A: Alloc<D> + ?Sized>(
+pub fn embed_norm<D: Backend, A: Alloc<D> + ?Sized>(
     cx: &mut A,
     ids: &Tensor,
     table: &Tensor,
@@ -488,7 +493,7 @@ pub fn embed_norm<D: Ops, A: Alloc<D> + ?Sized>(
     shape_is(OP, "beta", beta, &[dim])?;
     let x = Tensor::empty(cx, &[rows, dim], DType::F32)?;
     let h = Tensor::empty(cx, &[rows, dim], DType::F32)?;
-    cx.device().embed_norm(
+    cx.queue().embed_norm(
         EmbedNormArgs {
             x: x.ptr()?,
             h: h.ptr()?,
@@ -513,7 +518,7 @@ pub fn embed_norm<D: Ops, A: Alloc<D> + ?Sized>(
 /// One attention step in one op: `qkv` `[batch, 3 * d]` holds the new token's q, k and v
 /// (plus `bias` `[3 * d]` when given); k and v are written into row `pos` of the caches (`[batch, ctx, d]`, in place), then
 /// single-token multi-head attention over rows `0..=pos` → `[batch, d]`.
-pub fn attention_step<D: Ops, A: Alloc<D> + ?Sized>(
+pub fn attention_step<D: Backend, A: Alloc<D> + ?Sized>(
     cx: &mut A,
     qkv: &Tensor,
     bias: Option<&Tensor>,
@@ -547,7 +552,7 @@ pub fn attention_step<D: Ops, A: Alloc<D> + ?Sized>(
     }
     let bias = vector(OP, "bias", bias, d3)?;
     let out = Tensor::empty(cx, &[batch, d], DType::F32)?;
-    cx.device().attention_step(
+    cx.queue().attention_step(
         out.ptr()?,
         qkv.ptr()?,
         bias,
@@ -561,7 +566,7 @@ pub fn attention_step<D: Ops, A: Alloc<D> + ?Sized>(
 
 /// [`argmax`] of each row of `x + bias` (`bias` `[cols]`, optional), then `pos = min(pos + 1, limit)` on the device: the end
 /// of a decode step, in one op.
-pub fn argmax_step<D: Ops, A: Alloc<D> + ?Sized>(
+pub fn argmax_step<D: Backend, A: Alloc<D> + ?Sized>(
     cx: &mut A,
     x: &Tensor,
     bias: Option<&Tensor>,
@@ -582,14 +587,14 @@ pub fn argmax_step<D: Ops, A: Alloc<D> + ?Sized>(
     }
     let bias = vector(OP, "bias", bias, cols)?;
     let out = Tensor::empty(cx, &[rows], DType::I32)?;
-    cx.device()
+    cx.queue()
         .argmax_step(out.ptr()?, x.ptr()?, bias, rows, cols, pos.ptr()?, limit)?;
     Ok(out)
 }
 
 /// A residual add folded into the layer norm after it: `x_out = x + (a + bias)` (`bias`
 /// `[d]` optional, `x` and `a` `[..., d]`) and `h = layer_norm(x_out)`; returns `(x_out, h)`.
-pub fn add_norm<D: Ops, A: Alloc<D> + ?Sized>(
+pub fn add_norm<D: Backend, A: Alloc<D> + ?Sized>(
     cx: &mut A,
     x: &Tensor,
     a: &Tensor,
@@ -618,7 +623,7 @@ pub fn add_norm<D: Ops, A: Alloc<D> + ?Sized>(
     let rows = x.numel().checked_div(dim).unwrap_or(0);
     let x_out = Tensor::empty(cx, x.shape(), DType::F32)?;
     let h = Tensor::empty(cx, x.shape(), DType::F32)?;
-    cx.device().add_norm(
+    cx.queue().add_norm(
         AddNormArgs {
             x_out: x_out.ptr()?,
             h: h.ptr()?,

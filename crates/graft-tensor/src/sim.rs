@@ -1,4 +1,4 @@
-//! [`Ops`] on the simulator: each op is one [`SimDevice::launch_kernel`] whose closure is a
+//! [`Ops`] on the simulator: each op is one [`SimQueue::launch_kernel`] whose closure is a
 //! plain host loop over simulated memory.
 //!
 //! The closures capture only addresses and sizes, and read everything else (operands, the
@@ -6,7 +6,7 @@
 //! replay runs them again against the memory as it is then, as a GPU graph would.
 
 use graft_core::{DeviceError, DevicePtr};
-use graft_sim::{SimDevice, SimMemory};
+use graft_sim::{SimMemory, SimQueue};
 
 use crate::backend::{
     AddNormArgs, AttnDims, CacheDims, EmbedDims, EmbedNormArgs, GatherDims, LinearArgs, MatmulDims,
@@ -96,7 +96,11 @@ fn increment_at(m: &mut SimMemory, pos: DevicePtr, limit: i32) -> Result<(), Dev
     m.write_i32(pos, &[p[0].saturating_add(1).min(limit)])
 }
 
-impl Ops for SimDevice {
+impl Ops for SimQueue {
+    fn write(&self, dst: DevicePtr, src: &[u8]) -> Result<(), DeviceError> {
+        SimQueue::write(self, dst, src)
+    }
+
     fn prepare(&self) -> Result<(), DeviceError> {
         Ok(())
     }

@@ -133,7 +133,7 @@ impl Tensor {
     }
 
     /// A new tensor holding `data` (written synchronously: not inside a captured body).
-    pub fn from_f32<D: Device, A: Alloc<D> + ?Sized>(
+    pub fn from_f32<D: Device, A: EagerAlloc<D> + ?Sized>(
         alloc: &mut A,
         shape: &[usize],
         data: &[f32],
@@ -144,7 +144,7 @@ impl Tensor {
     }
 
     /// A new i32 tensor holding `data` (written synchronously: not inside a captured body).
-    pub fn from_i32<D: Device, A: Alloc<D> + ?Sized>(
+    pub fn from_i32<D: Device, A: EagerAlloc<D> + ?Sized>(
         alloc: &mut A,
         shape: &[usize],
         data: &[i32],
@@ -299,19 +299,26 @@ impl Tensor {
     }
 }
 
-/// Where ops get their memory and their device: inside a graft body the [`Ctx`] (graft's
+/// Where ops get their memory and their queue: inside a graft body the [`Ctx`] (graft's
 /// pool), eagerly a [`Graft`] (its eager caching pool, [`Graft::alloc`]), or a [`Keep`]
 /// wrapper that holds on to everything it hands out (for capturing a raw graph).
 pub trait Alloc<D: Device> {
-    /// The device to launch on.
-    fn device(&self) -> &D;
+    /// The queue to launch on (the device's runtime stream, as a body sees it).
+    fn queue(&self) -> &D::Queue;
     /// `bytes` of device memory.
     fn alloc(&mut self, bytes: usize) -> Result<Buffer>;
 }
 
+/// An allocator outside any body, which also has the device: what host writes and graph
+/// captures of their own need ([`Graft`], and [`Keep`] over one).
+pub trait EagerAlloc<D: Device>: Alloc<D> {
+    /// The device.
+    fn device(&self) -> &D;
+}
+
 impl<D: Device> Alloc<D> for Ctx<'_, D> {
-    fn device(&self) -> &D {
-        Ctx::device(self)
+    fn queue(&self) -> &D::Queue {
+        Ctx::queue(self)
     }
 
     fn alloc(&mut self, bytes: usize) -> Result<Buffer> {
@@ -320,12 +327,18 @@ impl<D: Device> Alloc<D> for Ctx<'_, D> {
 }
 
 impl<D: Device, M: Clone> Alloc<D> for Graft<D, M> {
-    fn device(&self) -> &D {
-        Graft::device(self)
+    fn queue(&self) -> &D::Queue {
+        Graft::device(self).queue()
     }
 
     fn alloc(&mut self, bytes: usize) -> Result<Buffer> {
         Ok(Graft::alloc(self, bytes)?)
+    }
+}
+
+impl<D: Device, M: Clone> EagerAlloc<D> for Graft<D, M> {
+    fn device(&self) -> &D {
+        Graft::device(self)
     }
 }
 
@@ -355,14 +368,20 @@ impl<'a, D: Device, A: Alloc<D> + ?Sized> Keep<'a, D, A> {
 }
 
 impl<D: Device, A: Alloc<D> + ?Sized> Alloc<D> for Keep<'_, D, A> {
-    fn device(&self) -> &D {
-        self.inner.device()
+    fn queue(&self) -> &D::Queue {
+        self.inner.queue()
     }
 
     fn alloc(&mut self, bytes: usize) -> Result<Buffer> {
         let b = self.inner.alloc(bytes)?;
         self.kept.push(b.clone());
         Ok(b)
+    }
+}
+
+impl<D: Device, A: EagerAlloc<D> + ?Sized> EagerAlloc<D> for Keep<'_, D, A> {
+    fn device(&self) -> &D {
+        self.inner.device()
     }
 }
 

@@ -5,7 +5,7 @@ mod common;
 
 use common::graft;
 use graft_tensor::{
-    BUCKETS, Decoder, DecoderConfig, KvState, Meta, Ops, Tensor, TensorError, bucket_for,
+    BUCKETS, Backend, Decoder, DecoderConfig, KvState, Meta, Tensor, TensorError, bucket_for,
 };
 
 const SEED: u64 = 7;
@@ -17,7 +17,7 @@ fn first_tokens(batch: usize, vocab: usize) -> Vec<i32> {
 
 /// Runs `STEPS` steps eagerly and through graft from the same first tokens; returns the
 /// tokens of every step of each (all rows, padding included).
-fn run_both<D: Ops>(
+fn run_both<D: Backend>(
     g: &mut graft_core::Graft<D, Meta>,
     dec: &Decoder<D>,
     fid: graft_core::FunctionId,
@@ -45,7 +45,7 @@ fn run_both<D: Ops>(
     (eager, grafted)
 }
 
-fn graft_matches_eager<D: Ops>(dev: D) {
+fn graft_matches_eager<D: Backend>(dev: D) {
     let mut g = graft(dev);
     let dec = Decoder::new(&mut g, DecoderConfig::tiny(), SEED).unwrap();
     let fid = dec.register(&mut g);
@@ -72,7 +72,7 @@ fn graft_matches_eager<D: Ops>(dev: D) {
 }
 backend_test!(graft_matches_eager);
 
-fn raw_graph_matches_eager<D: Ops>(dev: D) {
+fn raw_graph_matches_eager<D: Backend>(dev: D) {
     let mut g = graft(dev);
     let dec = Decoder::new(&mut g, DecoderConfig::tiny(), SEED).unwrap();
     let ids = first_tokens(2, dec.config().vocab);
@@ -100,7 +100,7 @@ fn raw_graph_matches_eager<D: Ops>(dev: D) {
 }
 backend_test!(raw_graph_matches_eager);
 
-fn misuse_is_typed<D: Ops>(dev: D) {
+fn misuse_is_typed<D: Backend>(dev: D) {
     let mut g = graft(dev);
     let config = DecoderConfig {
         ctx: 3,

@@ -6,11 +6,11 @@ mod common;
 
 use common::{assert_close, f32s, graft, i32s, read, values};
 use graft_core::{BodyError, FunctionSpec, Output};
-use graft_tensor::{DType, Meta, Ops, Tensor, TensorError, gelu_tanh, ops};
+use graft_tensor::{Backend, DType, Meta, Tensor, TensorError, gelu_tanh, ops};
 
 const TOL: f32 = 1e-5;
 
-fn embedding<D: Ops>(dev: D) {
+fn embedding<D: Backend>(dev: D) {
     let mut g = graft(dev);
     let (vocab, dim) = (7, 5);
     let table_h = values(vocab * dim, 1);
@@ -33,7 +33,7 @@ fn embedding<D: Ops>(dev: D) {
 }
 backend_test!(embedding);
 
-fn add_position<D: Ops>(dev: D) {
+fn add_position<D: Backend>(dev: D) {
     let mut g = graft(dev);
     let (rows, ctx, dim) = (3, 4, 5);
     let x_h = values(rows * dim, 2);
@@ -51,7 +51,7 @@ fn add_position<D: Ops>(dev: D) {
 }
 backend_test!(add_position);
 
-fn add<D: Ops>(dev: D) {
+fn add<D: Backend>(dev: D) {
     let mut g = graft(dev);
     let n = 1000;
     let (a_h, b_h) = (values(n, 4), values(n, 5));
@@ -68,7 +68,7 @@ fn add<D: Ops>(dev: D) {
 }
 backend_test!(add);
 
-fn layer_norm<D: Ops>(dev: D) {
+fn layer_norm<D: Backend>(dev: D) {
     let mut g = graft(dev);
     for (rows, dim) in [(3, 37), (2, 300), (1, 1)] {
         let x_h: Vec<f32> = values(rows * dim, 6)
@@ -117,7 +117,7 @@ fn host_matmul(
     out
 }
 
-fn matmul<D: Ops>(dev: D) {
+fn matmul<D: Backend>(dev: D) {
     let mut g = graft(dev);
     let (rows, k, n) = (3, 70, 45);
     let (x_h, w_h, b_h) = (values(rows * k, 9), values(k * n, 10), values(n, 11));
@@ -153,7 +153,7 @@ fn matmul<D: Ops>(dev: D) {
 }
 backend_test!(matmul);
 
-fn gelu<D: Ops>(dev: D) {
+fn gelu<D: Backend>(dev: D) {
     let mut g = graft(dev);
     let x_h: Vec<f32> = values(513, 12).iter().map(|v| v * 6.0).collect();
     let x = f32s(&mut g, &[513], &x_h);
@@ -189,7 +189,7 @@ fn host_softmax(row: &[f32], valid: usize) -> Vec<f32> {
         .collect()
 }
 
-fn masked_softmax<D: Ops>(dev: D) {
+fn masked_softmax<D: Backend>(dev: D) {
     let mut g = graft(dev);
     for (rows, cols) in [(4, 10), (2, 600)] {
         let x_h: Vec<f32> = values(rows * cols, 13).iter().map(|v| v * 5.0).collect();
@@ -208,7 +208,7 @@ fn masked_softmax<D: Ops>(dev: D) {
 }
 backend_test!(masked_softmax);
 
-fn attention<D: Ops>(dev: D) {
+fn attention<D: Backend>(dev: D) {
     let mut g = graft(dev);
     let (batch, heads, hd, ctx) = (2, 3, 4, 5);
     let d = heads * hd;
@@ -259,7 +259,7 @@ fn attention<D: Ops>(dev: D) {
 }
 backend_test!(attention);
 
-fn kv_write<D: Ops>(dev: D) {
+fn kv_write<D: Backend>(dev: D) {
     let mut g = graft(dev);
     let (batch, ctx, dim) = (2, 4, 3);
     let init = values(batch * ctx * dim, 17);
@@ -283,7 +283,7 @@ fn kv_write<D: Ops>(dev: D) {
 }
 backend_test!(kv_write);
 
-fn argmax<D: Ops>(dev: D) {
+fn argmax<D: Backend>(dev: D) {
     let mut g = graft(dev);
     let cols = 300;
     let mut rows: Vec<Vec<f32>> = vec![values(cols, 19), vec![0.0; cols], vec![f32::NAN; cols]];
@@ -301,7 +301,7 @@ fn argmax<D: Ops>(dev: D) {
 }
 backend_test!(argmax);
 
-fn increment<D: Ops>(dev: D) {
+fn increment<D: Backend>(dev: D) {
     let mut g = graft(dev);
     let pos = i32s(&mut g, &[1], &[0]);
     for _ in 0..3 {
@@ -317,7 +317,7 @@ backend_test!(increment);
 
 /// A body of several ops, registered with graft: the warmup, the recording and every replay
 /// compute on the inputs and position of their own call (kernels read memory when they run).
-fn ops_replay_on_current_memory<D: Ops>(dev: D) {
+fn ops_replay_on_current_memory<D: Backend>(dev: D) {
     let mut g = graft(dev);
     let fid = g.register("block", FunctionSpec::inference([1, 2]));
     let (rows, k, n) = (2, 8, 6);
@@ -376,7 +376,7 @@ fn host_layer_norm(x: &[f32], g: &[f32], b: &[f32], eps: f32) -> Vec<f32> {
 /// The fused product: every epilogue combination, row counts on both sides of the few-rows
 /// kernel's tiles, column counts it takes (multiples of 4) and leaves to cuBLAS, and a k
 /// longer than its shared-memory chunk.
-fn linear<D: Ops>(dev: D) {
+fn linear<D: Backend>(dev: D) {
     let mut g = graft(dev);
     for (rows, k, n) in [
         (1, 70, 96),
@@ -427,7 +427,7 @@ fn linear<D: Ops>(dev: D) {
 }
 backend_test!(linear);
 
-fn embed_norm<D: Ops>(dev: D) {
+fn embed_norm<D: Backend>(dev: D) {
     let mut g = graft(dev);
     // Both the register path (dim <= 1024) and the looping one.
     for dim in [300, 1100] {
@@ -478,7 +478,7 @@ backend_test!(embed_norm);
 /// The fused attention step: cache writes at the (clamped) position and attention over
 /// rows `0..=pos`, for head sizes on the float4 and scalar paths and a context longer than
 /// the kernel's score chunk (online softmax across chunks).
-fn attention_step<D: Ops>(dev: D) {
+fn attention_step<D: Backend>(dev: D) {
     let mut g = graft(dev);
     for (batch, heads, hd, ctx, positions) in [
         (2, 3, 4, 5, vec![0i32, 2, 4, 9]),
@@ -562,7 +562,7 @@ fn attention_step<D: Ops>(dev: D) {
 }
 backend_test!(attention_step);
 
-fn argmax_step<D: Ops>(dev: D) {
+fn argmax_step<D: Backend>(dev: D) {
     let mut g = graft(dev);
     let cols = 9000;
     let mut rows: Vec<Vec<f32>> = vec![values(cols, 70), vec![0.0; cols], vec![f32::NAN; cols]];
@@ -606,7 +606,7 @@ fn argmax_step<D: Ops>(dev: D) {
 }
 backend_test!(argmax_step);
 
-fn add_norm<D: Ops>(dev: D) {
+fn add_norm<D: Backend>(dev: D) {
     let mut g = graft(dev);
     for (rows, dim) in [(3, 300), (2, 512), (1, 7), (2, 1500)] {
         let (x_h, a_h, b_h) = (

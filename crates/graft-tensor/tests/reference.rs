@@ -6,7 +6,7 @@ mod common;
 use std::collections::HashMap;
 
 use common::graft;
-use graft_tensor::{Decoder, DecoderConfig, Ops, gelu_tanh};
+use graft_tensor::{Backend, Decoder, DecoderConfig, gelu_tanh};
 
 struct Host {
     c: DecoderConfig,
@@ -120,7 +120,7 @@ impl Host {
     }
 }
 
-fn decoder_matches_host_reference<D: Ops>(dev: D) {
+fn decoder_matches_host_reference<D: Backend>(dev: D) {
     let mut g = graft(dev);
     let c = DecoderConfig::tiny();
     let dec = Decoder::new(&mut g, c, 7).unwrap();

@@ -4,7 +4,7 @@
 
 use graft_core::{Config, Graft};
 use graft_cuda::CudaDevice;
-use graft_tensor::{Meta, Ops, Tensor};
+use graft_tensor::{Backend, Meta, Tensor};
 
 /// One CUDA device per test process.
 pub fn cuda() -> CudaDevice {
@@ -14,7 +14,7 @@ pub fn cuda() -> CudaDevice {
         .clone()
 }
 
-/// Defines `mod $body { sim, cuda }` running `fn $body<D: Ops>(D)` on each backend.
+/// Defines `mod $body { sim, cuda }` running `fn $body<D: Backend>(D)` on each backend.
 #[macro_export]
 macro_rules! backend_test {
     ($body:ident) => {
@@ -32,19 +32,19 @@ macro_rules! backend_test {
     };
 }
 
-pub fn graft<D: Ops>(device: D) -> Graft<D, Meta> {
+pub fn graft<D: Backend>(device: D) -> Graft<D, Meta> {
     Graft::new(device, Config::default())
 }
 
-pub fn f32s<D: Ops>(g: &mut Graft<D, Meta>, shape: &[usize], data: &[f32]) -> Tensor {
+pub fn f32s<D: Backend>(g: &mut Graft<D, Meta>, shape: &[usize], data: &[f32]) -> Tensor {
     Tensor::from_f32(g, shape, data).unwrap()
 }
 
-pub fn i32s<D: Ops>(g: &mut Graft<D, Meta>, shape: &[usize], data: &[i32]) -> Tensor {
+pub fn i32s<D: Backend>(g: &mut Graft<D, Meta>, shape: &[usize], data: &[i32]) -> Tensor {
     Tensor::from_i32(g, shape, data).unwrap()
 }
 
-pub fn read<D: Ops>(g: &Graft<D, Meta>, t: &Tensor) -> Vec<f32> {
+pub fn read<D: Backend>(g: &Graft<D, Meta>, t: &Tensor) -> Vec<f32> {
     t.to_vec_f32(g.device()).unwrap()
 }
 
