@@ -55,5 +55,5 @@ pub mod backend {
 /// What graft's own tests and benches inspect: the pool on its own. Not a stable interface.
 #[cfg(feature = "test-support")]
 pub mod testing {
-    pub use crate::pool::{Backing, Block, BlockId, Checkpoint, Pool};
+    pub use crate::pool::{Backing, Block, BlockId, Checkpoint, InvariantViolation, Pool};
 }

@@ -21,6 +21,7 @@ mod mapping;
 
 pub use error::PoolError;
 use intervals::{Intervals, covered, covers, gaps, insert_interval, remove_interval};
+pub use invariants::InvariantViolation;
 pub use layout::Checkpoint;
 
 /// Every block address and size is a multiple of this many bytes.
