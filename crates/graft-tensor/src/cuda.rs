@@ -10,7 +10,7 @@
 //! and lets the device go.
 
 use graft_core::{DeviceError, DeviceOp};
-use graft_cuda::{CudaDevice, CudaModule, CudaQueue, KernelArg, Sgemm};
+use graft_cuda::{CudaDevice, CudaModule, CudaQueue, KernelArg, Operand, Sgemm};
 
 use crate::backend::{
     AddNormArgs, ArgmaxArgs, AttentionArgs, AttnDims, Backend, EmbedDims, EmbedNormArgs,
@@ -118,17 +118,19 @@ fn invalid(what: &'static str) -> DeviceError {
     }
 }
 
-/// `t` as a kernel's pointer argument.
-fn arg(t: &Tensor) -> Result<KernelArg> {
-    Ok(KernelArg::Ptr(t.ptr()?))
+/// `t` as a kernel's pointer argument (checked by the launch).
+fn arg(t: &Tensor) -> KernelArg<'_> {
+    KernelArg::BufferAt(t.buffer(), t.offset())
 }
 
 /// An optional operand: a null pointer when absent (the kernels check).
-fn opt(t: Option<&Tensor>) -> Result<KernelArg> {
-    match t {
-        Some(t) => arg(t),
-        None => Ok(KernelArg::Ptr(graft_core::DevicePtr(0))),
-    }
+fn opt(t: Option<&Tensor>) -> KernelArg<'_> {
+    t.map_or(KernelArg::Null, arg)
+}
+
+/// `t` as a GEMM operand (checked against the matrix's size by `sgemm`).
+fn operand(t: &Tensor) -> Operand<'_> {
+    Operand::at(t.buffer(), t.offset())
 }
 
 impl Ops for CudaOps {
@@ -137,7 +139,7 @@ impl Ops for CudaOps {
         self.strided(
             ADD,
             n,
-            &[arg(out)?, arg(a)?, arg(b)?, KernelArg::U64(n as u64)],
+            &[arg(out), arg(a), arg(b), KernelArg::U64(n as u64)],
         )
     }
 
@@ -149,9 +151,9 @@ impl Ops for CudaOps {
             m: d.rows,
             n: d.n,
             k: d.k,
-            a: a.x.ptr()?,
-            b: a.w.ptr()?,
-            c: a.out.ptr()?,
+            a: operand(a.x),
+            b: operand(a.w),
+            c: operand(a.out),
             b_transposed: false,
             alpha: 1.0,
             beta: 0.0,
@@ -162,9 +164,9 @@ impl Ops for CudaOps {
                 EPILOGUE,
                 n,
                 &[
-                    arg(a.out)?,
-                    opt(a.bias)?,
-                    opt(a.residual)?,
+                    arg(a.out),
+                    opt(a.bias),
+                    opt(a.residual),
                     KernelArg::U64(n as u64),
                     KernelArg::U32(u32_of(d.n)?),
                     KernelArg::I32(i32::from(a.gelu)),
@@ -182,14 +184,14 @@ impl Ops for CudaOps {
             EMBED_NORM,
             d.rows,
             &[
-                arg(a.x)?,
-                arg(a.h)?,
-                arg(a.ids)?,
-                arg(a.table)?,
-                arg(a.pos_table)?,
-                arg(a.pos)?,
-                arg(a.gamma)?,
-                arg(a.beta)?,
+                arg(a.x),
+                arg(a.h),
+                arg(a.ids),
+                arg(a.table),
+                arg(a.pos_table),
+                arg(a.pos),
+                arg(a.gamma),
+                arg(a.beta),
                 KernelArg::U32(u32_of(d.vocab)?),
                 KernelArg::U32(u32_of(d.ctx)?),
                 KernelArg::U32(u32_of(d.dim)?),
@@ -206,13 +208,13 @@ impl Ops for CudaOps {
             ADD_NORM,
             d.rows,
             &[
-                arg(a.x_out)?,
-                arg(a.h)?,
-                arg(a.x)?,
-                arg(a.a)?,
-                opt(a.bias)?,
-                arg(a.gamma)?,
-                arg(a.beta)?,
+                arg(a.x_out),
+                arg(a.h),
+                arg(a.x),
+                arg(a.a),
+                opt(a.bias),
+                arg(a.gamma),
+                arg(a.beta),
                 KernelArg::U32(u32_of(d.dim)?),
                 KernelArg::F32(d.eps),
             ],
@@ -238,12 +240,12 @@ impl Ops for CudaOps {
             ATTENTION_STEP,
             d.batch * d.heads,
             &[
-                arg(a.out)?,
-                arg(a.qkv)?,
-                opt(a.bias)?,
-                arg(a.k_cache)?,
-                arg(a.v_cache)?,
-                arg(a.pos)?,
+                arg(a.out),
+                arg(a.qkv),
+                opt(a.bias),
+                arg(a.k_cache),
+                arg(a.v_cache),
+                arg(a.pos),
                 KernelArg::U32(u32_of(d.heads)?),
                 KernelArg::U32(u32_of(d.head_dim)?),
                 KernelArg::U32(u32_of(d.ctx)?),
@@ -254,7 +256,7 @@ impl Ops for CudaOps {
 
     fn argmax_step(&self, a: ArgmaxArgs<'_>, rows: usize, cols: usize, limit: i32) -> Result<()> {
         if rows == 0 {
-            let args = [arg(a.pos)?, KernelArg::I32(limit)];
+            let args = [arg(a.pos), KernelArg::I32(limit)];
             return Ok(self.queue.launch_function(
                 &self.module,
                 INCREMENT,
@@ -265,11 +267,11 @@ impl Ops for CudaOps {
             )?);
         }
         let args = [
-            arg(a.out)?,
-            arg(a.x)?,
-            opt(a.bias)?,
+            arg(a.out),
+            arg(a.x),
+            opt(a.bias),
             KernelArg::U32(u32_of(cols)?),
-            arg(a.pos)?,
+            arg(a.pos),
             KernelArg::I32(limit),
         ];
         Ok(self.queue.launch_function(

@@ -116,9 +116,10 @@ impl SimOps {
         }
     }
 
-    /// The address of `t`'s first element.
+    /// The address of `t`'s first element, checked to be memory of this device that `t`'s
+    /// buffer still owns.
     fn at(&self, t: &Tensor) -> Result<DevicePtr> {
-        t.ptr()
+        Ok(self.queue.buffer_addr(t.buffer(), t.offset(), t.bytes())?)
     }
 
     /// The address of `t`'s first element, if there is a `t`.

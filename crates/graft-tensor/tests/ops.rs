@@ -5,7 +5,7 @@
 mod common;
 
 use common::{assert_close, f32s, graft, i32s, read, values};
-use graft_core::{BodyError, FunctionSpec, Output};
+use graft_core::{BodyError, DeviceError, FunctionSpec, Output};
 use graft_tensor::{Backend, DType, Meta, Tensor, TensorError, gelu_tanh, ops};
 
 const TOL: f32 = 1e-5;
@@ -445,4 +445,35 @@ fn dropping_the_kernels_releases_the_device() {
         1,
         "after dropping the kernels and the runtime, only this handle holds the device"
     );
+}
+
+/// Operands are checked before any kernel sees them: one whose memory graft freed is refused
+/// with the buffer's error.
+fn freed_operands_are_refused<D: Backend>(dev: D) {
+    let kernels = dev.load_ops().unwrap();
+    let mut g = graft(dev.clone());
+    let a = f32s(&mut g, &[4], &[1.0; 4]);
+    let mut closed = graft(dev);
+    let b = f32s(&mut closed, &[4], &[2.0; 4]);
+    closed.close().unwrap();
+    assert!(matches!(
+        ops::add(&kernels, &mut g, &a, &b),
+        Err(TensorError::Device(DeviceError::InvalidBuffer { .. }))
+    ));
+}
+backend_test!(freed_operands_are_refused);
+
+/// A tensor of another device is refused before any kernel sees it.
+#[test]
+fn operands_of_another_device_are_refused() {
+    let dev = graft_sim::SimDevice::new();
+    let kernels = dev.load_ops().unwrap();
+    let mut g = graft(dev);
+    let mut elsewhere = graft(graft_sim::SimDevice::new());
+    let a = f32s(&mut g, &[4], &[1.0; 4]);
+    let b = f32s(&mut elsewhere, &[4], &[2.0; 4]);
+    assert!(matches!(
+        ops::add(&kernels, &mut g, &a, &b),
+        Err(TensorError::Device(DeviceError::InvalidArgument { .. }))
+    ));
 }
