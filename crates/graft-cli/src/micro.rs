@@ -9,8 +9,8 @@ use std::time::Instant;
 
 use std::io::Write;
 
-use graft_core::{BodyError, Buffer, Config, Ctx, Device, DevicePtr, FunctionSpec, Graft, Output};
-use graft_tensor::Ops;
+use graft_core::{BodyError, Buffer, Config, Ctx, Device, FunctionSpec, Graft, Output};
+use graft_tensor::{DType, Ops, Tensor, TensorError};
 
 use crate::{Backend, CliError, MicroArgs};
 
@@ -32,6 +32,9 @@ pub enum MicroError {
     /// Allocating, reading or writing a buffer failed.
     #[error(transparent)]
     Memory(#[from] graft_core::MemoryError),
+    /// A kernel launch was refused.
+    #[error(transparent)]
+    Tensor(#[from] TensorError),
     /// Not every timed call was a replay, so the numbers would not measure the fast path.
     #[error(
         "only {replayed} of {calls} timed calls replayed; this is a bug in graft, please report it"
@@ -78,30 +81,28 @@ pub enum Timing {
 }
 
 /// The chain: acc = x + w0; acc += w1..w6; acc += x; acc += w0; acc += w1 (ten kernels).
-fn chain<Q: Ops>(
-    d: &Q,
-    acc: DevicePtr,
-    w: &[DevicePtr],
-    x: DevicePtr,
-) -> Result<(), graft_core::DeviceError> {
-    d.add(acc, x, w[0], N)?;
-    for &wi in &w[1..7] {
-        d.add(acc, acc, wi, N)?;
+fn chain<K: Ops>(k: &K, acc: &Tensor, w: &[Tensor], x: &Tensor) -> graft_tensor::Result<()> {
+    k.add(acc, x, &w[0])?;
+    for wi in &w[1..7] {
+        k.add(acc, acc, wi)?;
     }
-    d.add(acc, acc, x, N)?;
-    d.add(acc, acc, w[0], N)?;
-    d.add(acc, acc, w[1], N)
+    k.add(acc, acc, x)?;
+    k.add(acc, acc, &w[0])?;
+    k.add(acc, acc, &w[1])
 }
 
-fn body<D: graft_tensor::Backend>(ctx: &mut Ctx<'_, D>) -> Result<Vec<Output<()>>, BodyError> {
-    let inputs = ctx.inputs();
-    let w: Vec<DevicePtr> = inputs[..7]
-        .iter()
-        .map(Buffer::addr)
-        .collect::<Result<_, _>>()?;
-    let x = inputs[7].addr()?;
+/// `N` floats over `buffer`.
+fn floats(buffer: &Buffer) -> graft_tensor::Result<Tensor> {
+    Tensor::from_buffer(buffer.clone(), &[N], DType::F32)
+}
+
+fn body<D: graft_tensor::Backend>(
+    k: &D::Ops,
+    ctx: &mut Ctx<'_, D>,
+) -> Result<Vec<Output<()>>, BodyError> {
+    let inputs: Vec<Tensor> = ctx.inputs().iter().map(floats).collect::<Result<_, _>>()?;
     let out = ctx.alloc(N * 4)?;
-    chain(ctx.queue(), out.addr()?, &w, x)?;
+    chain(k, &floats(&out)?, &inputs[..7], &inputs[7])?;
     Ok(vec![Output::new(out, ())])
 }
 
@@ -113,7 +114,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 /// Captures what `f` enqueues into one graph.
 fn capture<D: Device>(
     device: &D,
-    f: impl FnOnce() -> Result<(), graft_core::DeviceError>,
+    f: impl FnOnce() -> graft_tensor::Result<()>,
 ) -> Result<D::Graph, MicroError> {
     device.begin_capture(Default::default())?;
     match f() {
@@ -159,43 +160,44 @@ pub fn run<D: graft_tensor::Backend>(
     repeats: usize,
     per_block: usize,
 ) -> Result<MicroResult, MicroError> {
-    device.queue().prepare()?;
+    let k = device.load_ops()?;
     let mut g: Graft<D, ()> = Graft::new(device.clone(), Config::default());
     let f = g.register("chain", FunctionSpec::inference([0, 1, 2, 3, 4, 5, 6]));
     let bufs: Vec<Buffer> = (0..10).map(|_| g.alloc(N * 4)).collect::<Result<_, _>>()?;
     for (i, b) in bufs.iter().enumerate() {
         g.write_f32(b, &vec![i as f32 * 0.001; N])?;
     }
-    let p: Vec<DevicePtr> = bufs.iter().map(Buffer::addr).collect::<Result<_, _>>()?;
-    let (w, x, acc, placeholder) = (&p[..7], p[7], p[8], p[9]);
+    let t: Vec<Tensor> = bufs.iter().map(floats).collect::<Result<_, _>>()?;
+    let (w, x, acc, placeholder) = (&t[..7], &t[7], &t[8], &t[9]);
 
     let eager_ns = time(&device, timing, repeats, per_block, || {
-        Ok(chain(device.queue(), acc, w, x)?)
+        Ok(chain(&k, acc, w, x)?)
     })?;
 
     // The graph graft records: the input copy into the placeholder, then the chain.
     let same_graph = capture(&device, || {
-        device.copy(placeholder, x, N * 4)?;
-        chain(device.queue(), acc, w, placeholder)
+        device.copy(placeholder.ptr()?, x.ptr()?, N * 4)?;
+        chain(&k, acc, w, placeholder)
     })?;
     let raw_ns = time(&device, timing, repeats, per_block, || {
         Ok(device.launch(&same_graph)?)
     })?;
     // The chain alone, with the input copied before each launch (how PyTorch's trees copy).
-    let kernels_only = capture(&device, || chain(device.queue(), acc, w, placeholder))?;
+    let kernels_only = capture(&device, || chain(&k, acc, w, placeholder))?;
+    let (x_at, placeholder_at) = (x.ptr()?, placeholder.ptr()?);
     let raw_copy_ns = time(&device, timing, repeats, per_block, || {
-        device.copy(placeholder, x, N * 4)?;
+        device.copy(placeholder_at, x_at, N * 4)?;
         Ok(device.launch(&kernels_only)?)
     })?;
 
     let refs: Vec<&Buffer> = bufs[..8].iter().collect();
     let mut out = Vec::with_capacity(1);
     for _ in 0..3 {
-        g.call_into(f, &refs, &[], body::<D>, &mut out)?;
+        g.call_into(f, &refs, &[], |ctx| body::<D>(&k, ctx), &mut out)?;
     }
     let replays_before = g.stats().replays;
     let tree_ns = time(&device, timing, repeats, per_block, || {
-        g.call_into(f, &refs, &[], body::<D>, &mut out)?;
+        g.call_into(f, &refs, &[], |ctx| body::<D>(&k, ctx), &mut out)?;
         Ok(())
     })?;
     let replayed = g.stats().replays - replays_before;

@@ -10,7 +10,7 @@ use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, AtomicUsize, Ordering, fence};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 
-use crate::device::{DeviceId, DevicePtr};
+use crate::device::{DeviceError, DeviceId, DeviceOp, DevicePtr};
 use crate::pool::{BlockId, Pool};
 
 /// Identifies a node of the graph tree in errors, dumps and statistics.
@@ -335,6 +335,39 @@ impl Buffer {
         } else {
             Err(self.cell.error())
         }
+    }
+
+    /// The address `offset` bytes into this buffer, for operation `op` of device `device`
+    /// touching `extent` bytes from there: what a backend's typed launch checks each buffer
+    /// argument with, so the driver only ever sees live memory of its own device. Errors:
+    /// another device's buffer, or a range past the buffer's end (`InvalidArgument`); memory
+    /// graft reused or freed (`InvalidBuffer`, with the buffer's error).
+    pub fn device_addr(
+        &self,
+        op: DeviceOp,
+        device: DeviceId,
+        offset: usize,
+        extent: usize,
+    ) -> Result<DevicePtr, DeviceError> {
+        if self.cell.device != device {
+            return Err(DeviceError::InvalidArgument {
+                op,
+                what: "a buffer argument belongs to another device",
+            });
+        }
+        if offset
+            .checked_add(extent)
+            .is_none_or(|end| end > self.cell.len)
+        {
+            return Err(DeviceError::InvalidArgument {
+                op,
+                what: "a buffer argument's range runs past the buffer's end",
+            });
+        }
+        let addr = self
+            .addr()
+            .map_err(|source| DeviceError::InvalidBuffer { op, source })?;
+        Ok(addr.offset(offset))
     }
 
     /// The length in bytes.

@@ -45,6 +45,8 @@
 
 use std::fmt;
 
+use crate::buffer::BufferError;
+
 /// A device address. Plain integer arithmetic on it is meaningful: ranges, overlap, offsets.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
 pub struct DevicePtr(pub u64);
@@ -303,6 +305,15 @@ pub enum DeviceError {
         /// What was wrong, lowercase.
         what: &'static str,
     },
+    /// A buffer passed to a typed launch can no longer be used: graft reused or freed its
+    /// memory. The buffer error says what happened and what to do.
+    #[error("{op} refused a buffer argument: {source}")]
+    InvalidBuffer {
+        /// The failing operation.
+        op: DeviceOp,
+        /// Why the buffer can no longer be used.
+        source: BufferError,
+    },
     /// A capture call made in the wrong state (ending with none begun, beginning twice).
     #[error("{op} called while {state}; this is a bug in the caller of the device layer")]
     CaptureState {
@@ -370,6 +381,7 @@ impl DeviceError {
             | DeviceError::OverlappingCopy { op, .. }
             | DeviceError::CaptureState { op, .. }
             | DeviceError::InvalidArgument { op, .. }
+            | DeviceError::InvalidBuffer { op, .. }
             | DeviceError::Unavailable { op, .. }
             | DeviceError::Compile { op, .. }
             | DeviceError::Library { op, .. }

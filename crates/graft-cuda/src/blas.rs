@@ -25,7 +25,7 @@ use std::ptr;
 
 use cudarc::cublas::sys as blas;
 use cudarc::driver::sys;
-use graft_core::{CaptureViolation, DeviceError, DeviceOp, DevicePtr};
+use graft_core::{Buffer, CaptureViolation, DeviceError, DeviceOp};
 
 use crate::device::{CudaQueue, Inner};
 use crate::error::check;
@@ -164,8 +164,11 @@ fn blas_check(op: DeviceOp, status: blas::cublasStatus_t) -> Result<(), DeviceEr
 ///
 /// `op(B)` is `B` stored as `[k, n]` when `b_transposed` is false, and `Bᵀ` of a `B` stored as
 /// `[n, k]` when it is true (the `[out, in]` weight layout of a linear layer: `C = A · Bᵀ`).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Sgemm {
+///
+/// The matrices are graft buffers of the device ([`Operand`]), each checked before cuBLAS
+/// sees it to be valid and to hold the bytes its dimensions need from its offset.
+#[derive(Clone, Copy, Debug)]
+pub struct Sgemm<'a> {
     /// Rows of `A` and `C`.
     pub m: usize,
     /// Columns of `C` (and of `op(B)`).
@@ -173,17 +176,55 @@ pub struct Sgemm {
     /// Columns of `A`, rows of `op(B)`.
     pub k: usize,
     /// `A`, `m * k` f32s.
-    pub a: DevicePtr,
+    pub a: Operand<'a>,
     /// `B`, `k * n` f32s.
-    pub b: DevicePtr,
+    pub b: Operand<'a>,
     /// `C`, `m * n` f32s; read when `beta != 0`.
-    pub c: DevicePtr,
+    pub c: Operand<'a>,
     /// Whether `B` is stored `[n, k]` (use `Bᵀ`).
     pub b_transposed: bool,
     /// Scale of the product.
     pub alpha: f32,
     /// Scale of the existing `C` (0: `C` is only written).
     pub beta: f32,
+}
+
+/// A matrix of an [`Sgemm`]: a graft buffer of the device and the byte offset of its first
+/// element.
+#[derive(Clone, Copy, Debug)]
+pub struct Operand<'a> {
+    /// The buffer holding the matrix.
+    pub buffer: &'a Buffer,
+    /// Where the matrix starts, in bytes from the buffer's start.
+    pub offset: usize,
+}
+
+impl<'a> Operand<'a> {
+    /// A matrix at the start of `buffer`.
+    pub fn new(buffer: &'a Buffer) -> Operand<'a> {
+        Operand { buffer, offset: 0 }
+    }
+
+    /// A matrix `offset` bytes into `buffer`.
+    pub fn at(buffer: &'a Buffer, offset: usize) -> Operand<'a> {
+        Operand { buffer, offset }
+    }
+
+    /// The device address of a `rows * cols` f32 matrix here, checked for this device.
+    fn resolve(self, q: &CudaQueue, rows: usize, cols: usize) -> Result<u64, DeviceError> {
+        let op = DeviceOp::KernelLaunch;
+        let bytes = rows
+            .checked_mul(cols)
+            .and_then(|n| n.checked_mul(size_of::<f32>()))
+            .ok_or(DeviceError::InvalidArgument {
+                op,
+                what: "a matrix's byte size overflows usize",
+            })?;
+        Ok(self
+            .buffer
+            .device_addr(op, q.device_id(), self.offset, bytes)?
+            .0)
+    }
 }
 
 impl CudaQueue {
@@ -230,14 +271,18 @@ impl CudaQueue {
     /// the call computes `Cᵀ = op(B)ᵀ · Aᵀ`: cuBLAS's first operand is `B` (transposed when
     /// `b_transposed`), its second `A`, with `m` and `n` swapped and leading dimensions equal
     /// to the row lengths (`n` for `B` stored `[k, n]`, `k` for `B` stored `[n, k]`, `k` for
-    /// `A`, `n` for `C`). Sizes of zero do nothing; sizes past `i32::MAX` are refused
-    /// (`InvalidArgument`).
-    pub fn sgemm(&self, g: &Sgemm) -> Result<(), DeviceError> {
+    /// `A`, `n` for `C`). Sizes of zero do nothing; sizes past `i32::MAX`, an operand of
+    /// another device or smaller than its matrix are refused (`InvalidArgument`), an operand
+    /// graft reused with `InvalidBuffer`.
+    pub fn sgemm(&self, g: &Sgemm<'_>) -> Result<(), DeviceError> {
         let op = DeviceOp::KernelLaunch;
         self.inner.make_current(op)?;
         if g.m == 0 || g.n == 0 {
             return Ok(());
         }
+        let a = g.a.resolve(self, g.m, g.k)?;
+        let b = g.b.resolve(self, g.k, g.n)?;
+        let c = g.c.resolve(self, g.m, g.n)?;
         let handle = self.blas()?;
         let dim = |x: usize| {
             c_int::try_from(x).map_err(|_| DeviceError::InvalidArgument {
@@ -256,8 +301,8 @@ impl CudaQueue {
         // SAFETY: the handle is live (destroyed only in the device's Drop) and bound to the
         // runtime stream; alpha and beta are host values read during the call (pointer mode
         // host); the leading dimensions are at least the row lengths they describe and at
-        // least 1; the caller promises A, B and C hold the stated f32 counts (bad device
-        // addresses fault on the device and are reported by the driver, not host UB).
+        // least 1; A, B and C are live graft buffers of this device holding at least the
+        // `m * k`, `k * n` and `m * n` f32s the call reads and writes (checked by `resolve`).
         blas_check(op, unsafe {
             blas::cublasSgemm_v2(
                 handle,
@@ -267,12 +312,12 @@ impl CudaQueue {
                 m,
                 k_real,
                 &alpha,
-                g.b.0 as *const f32,
+                b as *const f32,
                 ldb,
-                g.a.0 as *const f32,
+                a as *const f32,
                 k,
                 &beta,
-                g.c.0 as *mut f32,
+                c as *mut f32,
                 n,
             )
         })

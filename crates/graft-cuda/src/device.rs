@@ -472,6 +472,14 @@ impl CudaQueue {
         self.inner.id
     }
 
+    /// How many handles share this device: clones of the device and of its queue, loaded
+    /// modules, graphs. The device (its context, streams, cuBLAS handle and memory) is
+    /// released when the last one is dropped; a count that stays above one after a program
+    /// dropped its modules and graphs means something still holds the device.
+    pub fn handle_count(&self) -> usize {
+        Arc::strong_count(&self.inner)
+    }
+
     /// Whether the runtime stream is capturing (an invalidated capture counts: it must still be
     /// ended). Legal during a capture.
     pub fn is_capturing(&self) -> Result<bool, DeviceError> {

@@ -34,7 +34,7 @@ mod graph;
 mod kernels;
 mod module;
 
-pub use blas::{Sgemm, WORKSPACE_BYTES};
+pub use blas::{Operand, Sgemm, WORKSPACE_BYTES};
 pub use device::{CudaDevice, CudaQueue};
 pub use graph::CudaGraph;
 pub use kernels::KernelSource;

@@ -7,9 +7,14 @@
 //! the kernel has. At load time every kernel's parameter sizes are read from the driver
 //! (`cuFuncGetParamInfo`, CUDA 12.4+), and every launch checks that the arguments match them in
 //! count and size before the driver sees them. What the driver then reads is exactly the
-//! argument values on this function's stack. Device addresses themselves are not checked (the
-//! host cannot): a bad one makes the kernel fault on the device, which the driver reports at
-//! the next synchronizing call, as with the crate's other kernels.
+//! argument values on this function's stack.
+//!
+//! Pointer arguments are graft [`Buffer`]s ([`KernelArg::Buffer`], [`KernelArg::BufferAt`]),
+//! never raw addresses: each is checked to belong to this device, to be valid (graft has not
+//! reused its memory) and to hold the offset ([`Buffer::device_addr`]), so every pointer the
+//! driver gets is live device memory of this device, mapped in graft's pool. What a kernel
+//! does with its pointers (indexing past a buffer's end) is the kernel's contract, reported
+//! by the driver as a device fault, never host memory written through a stray pointer.
 
 use std::ffi::{CString, c_uint, c_void};
 use std::fmt;
@@ -18,7 +23,7 @@ use std::ptr;
 use std::sync::Arc;
 
 use cudarc::driver::sys;
-use graft_core::{DeviceError, DeviceOp, DevicePtr};
+use graft_core::{Buffer, DeviceError, DeviceId, DeviceOp};
 
 use crate::device::{CudaQueue, Inner, invalid_argument};
 use crate::error::check;
@@ -31,12 +36,17 @@ const STACK_ARGS: usize = 16;
 const MAX_PARAMS: usize = 32 << 10;
 
 /// One kernel argument, passed by value. Its size must equal the kernel parameter's:
-/// 8 bytes for `Ptr` and `U64` (pointers, `unsigned long long`, `size_t`), 4 for `F32`,
-/// `I32` and `U32`.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum KernelArg {
-    /// A device pointer (`T*`).
-    Ptr(DevicePtr),
+/// 8 bytes for pointers (`Buffer`, `BufferAt`, `Null`) and `U64` (`unsigned long long`,
+/// `size_t`), 4 for `F32`, `I32` and `U32`.
+#[derive(Clone, Copy, Debug)]
+pub enum KernelArg<'a> {
+    /// A pointer (`T*`) to the start of a graft buffer of the launching device.
+    Buffer(&'a Buffer),
+    /// A pointer (`T*`) `offset` bytes into a graft buffer of the launching device
+    /// (`offset <= len`).
+    BufferAt(&'a Buffer, usize),
+    /// A null pointer, for an optional operand the kernel checks for.
+    Null,
     /// A `float`.
     F32(f32),
     /// An `int`.
@@ -47,16 +57,23 @@ pub enum KernelArg {
     U64(u64),
 }
 
-impl KernelArg {
-    /// The argument's bytes, in the first `size` bytes of an 8-byte slot.
+impl KernelArg<'_> {
+    /// The argument's bytes, in the first `size` bytes of an 8-byte slot; buffers are
+    /// resolved for device `device` ([`Buffer::device_addr`]).
     #[inline]
-    fn encode(self) -> ([u8; 8], usize) {
+    fn encode(self, device: DeviceId) -> Result<([u8; 8], usize), DeviceError> {
+        let op = DeviceOp::KernelLaunch;
         let mut slot = [0u8; 8];
         let size = match self {
-            KernelArg::Ptr(p) => {
-                slot = p.0.to_ne_bytes();
+            KernelArg::Buffer(b) => {
+                slot = b.device_addr(op, device, 0, 0)?.0.to_ne_bytes();
                 8
             }
+            KernelArg::BufferAt(b, offset) => {
+                slot = b.device_addr(op, device, offset, 0)?.0.to_ne_bytes();
+                8
+            }
+            KernelArg::Null => 8,
             KernelArg::U64(v) => {
                 slot = v.to_ne_bytes();
                 8
@@ -74,7 +91,7 @@ impl KernelArg {
                 4
             }
         };
-        (slot, size)
+        Ok((slot, size))
     }
 }
 
@@ -264,8 +281,10 @@ impl CudaQueue {
     /// [`CudaQueue::load_module`]) of module `m` on the runtime stream: captured when
     /// capturing, like every other operation of the device. `args` must match the kernel's
     /// parameters in count and byte size (see [`KernelArg`]); otherwise, or for an index out
-    /// of range, a grid or block with a zero dimension, or a module of another device, the
-    /// launch is refused with `InvalidArgument` before the driver sees it. No heap allocation for up to 16 arguments.
+    /// of range, a grid or block with a zero dimension, a module or buffer of another device,
+    /// or an offset past a buffer's end, the launch is refused with `InvalidArgument` before
+    /// the driver sees it, and a buffer graft reused with `InvalidBuffer`. No heap allocation
+    /// for up to 16 arguments.
     pub fn launch_function(
         &self,
         m: &CudaModule,
@@ -302,16 +321,17 @@ impl CudaQueue {
         if args.len() <= STACK_ARGS {
             let mut slots = [[0u8; 8]; STACK_ARGS];
             let mut params: [*mut c_void; STACK_ARGS] = [ptr::null_mut(); STACK_ARGS];
-            encode(args, &k.param_sizes, &mut slots[..args.len()])?;
+            encode(args, &k.param_sizes, inner.id, &mut slots[..args.len()])?;
             for (p, s) in params.iter_mut().zip(slots.iter_mut()) {
                 *p = s.as_mut_ptr().cast();
             }
             // SAFETY: see `raw_launch`: `params[..args.len()]` point at `slots`, which hold the
-            // arguments, each checked against the kernel's parameter size by `encode`.
+            // arguments, each checked against the kernel's parameter size by `encode`, whose
+            // pointers are null or live graft memory of this device (checked by `encode`).
             unsafe { raw_launch(inner, k, grid, block, shared_bytes, &mut params) }
         } else {
             let mut slots = vec![[0u8; 8]; args.len()];
-            encode(args, &k.param_sizes, &mut slots)?;
+            encode(args, &k.param_sizes, inner.id, &mut slots)?;
             let mut params: Vec<*mut c_void> =
                 slots.iter_mut().map(|s| s.as_mut_ptr().cast()).collect();
             // SAFETY: as above, with heap arrays of exactly `args.len()` entries.
@@ -320,11 +340,17 @@ impl CudaQueue {
     }
 }
 
-/// Writes each argument into its slot, checking its size against the kernel's parameter.
+/// Writes each argument into its slot, checking its size against the kernel's parameter and
+/// resolving buffers for device `device`.
 #[inline]
-fn encode(args: &[KernelArg], sizes: &[usize], slots: &mut [[u8; 8]]) -> Result<(), DeviceError> {
+fn encode(
+    args: &[KernelArg],
+    sizes: &[usize],
+    device: DeviceId,
+    slots: &mut [[u8; 8]],
+) -> Result<(), DeviceError> {
     for ((arg, &want), slot) in args.iter().zip(sizes).zip(slots) {
-        let (bytes, size) = arg.encode();
+        let (bytes, size) = arg.encode(device)?;
         if size != want {
             return Err(invalid_argument(
                 DeviceOp::KernelLaunch,
@@ -340,7 +366,8 @@ fn encode(args: &[KernelArg], sizes: &[usize], slots: &mut [[u8; 8]]) -> Result<
 ///
 /// # Safety
 /// `params` must hold at least `k.param_sizes.len()` pointers, the `i`-th pointing at
-/// `k.param_sizes[i]` (at most 8) readable bytes holding the argument, all live for the call;
+/// `k.param_sizes[i]` (at most 8) readable bytes holding the argument, all live for the call,
+/// every device pointer among the arguments null or live device memory of `inner`'s device;
 /// `k` must belong to a module of `inner`, whose context is current.
 unsafe fn raw_launch(
     inner: &Inner,
@@ -351,9 +378,10 @@ unsafe fn raw_launch(
     params: &mut [*mut c_void],
 ) -> Result<(), DeviceError> {
     // SAFETY: the caller guarantees the parameter pointers (count and sizes checked against
-    // the driver's own parameter layout, so the driver reads only bytes of the slots) and
-    // that the function belongs to this context; cuLaunchKernel copies the values before
-    // returning; `extra` is null; the runtime stream is live for as long as `inner`.
+    // the driver's own parameter layout, so the driver reads only bytes of the slots), that
+    // the device pointers among them are null or live memory of this device, and that the
+    // function belongs to this context; cuLaunchKernel copies the values before returning;
+    // `extra` is null; the runtime stream is live for as long as `inner`.
     check(DeviceOp::KernelLaunch, unsafe {
         sys::cuLaunchKernel(
             k.function,
@@ -377,29 +405,32 @@ mod tests {
 
     #[test]
     fn args_encode_in_their_declared_size() {
-        assert_eq!(KernelArg::Ptr(DevicePtr(0x1234)).encode().1, 8);
-        assert_eq!(KernelArg::U64(7).encode().1, 8);
-        let (bytes, size) = KernelArg::F32(1.5).encode();
+        let dev = DeviceId(1);
+        assert_eq!(KernelArg::Null.encode(dev), Ok(([0; 8], 8)));
+        assert_eq!(KernelArg::U64(7).encode(dev).unwrap().1, 8);
+        let (bytes, size) = KernelArg::F32(1.5).encode(dev).unwrap();
         assert_eq!(size, 4);
         assert_eq!(&bytes[..4], &1.5f32.to_ne_bytes());
-        assert_eq!(KernelArg::I32(-1).encode().0[..4], [0xff; 4]);
-        assert_eq!(KernelArg::U32(3).encode().1, 4);
+        assert_eq!(KernelArg::I32(-1).encode(dev).unwrap().0[..4], [0xff; 4]);
+        assert_eq!(KernelArg::U32(3).encode(dev).unwrap().1, 4);
     }
 
     #[test]
     fn encode_rejects_size_mismatches() {
         let mut slots = [[0u8; 8]; 2];
+        let dev = DeviceId(1);
         assert!(
             encode(
                 &[KernelArg::F32(1.0), KernelArg::U64(2)],
                 &[4, 8],
+                dev,
                 &mut slots
             )
             .is_ok()
         );
         assert_eq!(&slots[1], &2u64.to_ne_bytes());
         assert!(matches!(
-            encode(&[KernelArg::F32(1.0)], &[8], &mut slots),
+            encode(&[KernelArg::F32(1.0)], &[8], dev, &mut slots),
             Err(DeviceError::InvalidArgument { .. })
         ));
     }

@@ -2,8 +2,8 @@
 //! real GPU. Every GPU test is `#[ignore]`d (CI has no GPU); run them with `--include-ignored`
 //! on a machine with one.
 
-use graft_core::{CaptureMode, Device, DeviceError, DevicePtr};
-use graft_cuda::{CudaDevice, KernelArg, Sgemm};
+use graft_core::{Buffer, CaptureMode, Config, Device, DeviceError, Graft};
+use graft_cuda::{CudaDevice, KernelArg, Operand, Sgemm};
 
 const SOURCE: &str = r#"
 extern "C" __global__ void scale_add(float* out, const float* x, float a, int b, unsigned int n) {
@@ -16,48 +16,57 @@ extern "C" __global__ void iota(int* out, unsigned long long n) {
 }
 "#;
 
-fn device() -> CudaDevice {
-    CudaDevice::new(0).expect("open cuda:0")
+/// A fresh device, and a runtime on it whose eager pool holds the tests' buffers.
+fn device() -> (CudaDevice, Graft<CudaDevice, ()>) {
+    let dev = CudaDevice::new(0).expect("open cuda:0");
+    (dev.clone(), Graft::new(dev, Config::default()))
 }
 
-fn upload(dev: &CudaDevice, values: &[f32]) -> DevicePtr {
-    let p = dev.raw_alloc(values.len().max(1) * 4).unwrap();
-    dev.write_f32(p, values).unwrap();
-    p
+fn upload(g: &mut Graft<CudaDevice, ()>, values: &[f32]) -> Buffer {
+    let b = g.alloc(values.len().max(1) * 4).unwrap();
+    g.write_f32(&b, values).unwrap();
+    b
 }
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn module_kernels_launch_with_checked_arguments() {
-    let dev = device();
+    let (dev, mut g) = device();
     let m = dev.load_module(SOURCE, &["scale_add", "iota"]).unwrap();
     assert_eq!(m.index("iota"), Some(1));
     assert_eq!(m.param_sizes(0), Some(&[8, 8, 4, 4, 4][..]));
     assert_eq!(m.param_sizes(1), Some(&[8, 8][..]));
     let n = 1000usize;
     let x: Vec<f32> = (0..n).map(|i| i as f32 * 0.5).collect();
-    let xp = upload(&dev, &x);
-    let out = upload(&dev, &vec![0.0; n]);
+    let xp = upload(&mut g, &x);
+    let out = upload(&mut g, &vec![0.0; n]);
     let args = [
-        KernelArg::Ptr(out),
-        KernelArg::Ptr(xp),
+        KernelArg::Buffer(&out),
+        KernelArg::Buffer(&xp),
         KernelArg::F32(2.0),
         KernelArg::I32(-3),
         KernelArg::U32(n as u32),
     ];
     dev.launch_function(&m, 0, (n.div_ceil(128) as u32, 1, 1), (128, 1, 1), 0, &args)
         .unwrap();
-    let got = dev.read_f32(out, n).unwrap();
+    let got = g.read_f32(&out).unwrap();
     for i in 0..n {
         assert_eq!(got[i], 2.0 * x[i] - 3.0);
     }
 
-    // Wrong count, wrong size, bad index, zero grid: refused before the driver sees them.
+    // Wrong count, wrong size, bad index, zero grid, an offset past the buffer, a buffer of
+    // another device: refused before the driver sees them.
+    let (_other_dev, mut other) = device();
+    let foreign = upload(&mut other, &[0.0; 4]);
+    let past_end = [KernelArg::BufferAt(&out, n * 4 + 4), KernelArg::U64(1)];
+    let elsewhere = [KernelArg::Buffer(&foreign), KernelArg::U64(1)];
     for (kernel, args, grid) in [
         (0, &args[..4], 1),
-        (1, &[KernelArg::Ptr(out), KernelArg::U32(4)][..], 1),
+        (1, &[KernelArg::Buffer(&out), KernelArg::U32(4)][..], 1),
         (7, &args[..], 1),
         (0, &args[..], 0),
+        (1, &past_end[..], 1),
+        (1, &elsewhere[..], 1),
     ] {
         let r = dev.launch_function(&m, kernel, (grid, 1, 1), (32, 1, 1), 0, args);
         assert!(
@@ -74,15 +83,15 @@ fn module_kernels_launch_with_checked_arguments() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn module_launches_are_captured_and_replayed() {
-    let dev = device();
+    let (dev, mut g) = device();
     let m = dev.load_module(SOURCE, &["scale_add", "iota"]).unwrap();
     let n = 300usize;
-    let xp = upload(&dev, &vec![1.0; n]);
-    let out = upload(&dev, &vec![0.0; n]);
+    let xp = upload(&mut g, &vec![1.0; n]);
+    let out = upload(&mut g, &vec![0.0; n]);
     dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
     let args = [
-        KernelArg::Ptr(out),
-        KernelArg::Ptr(xp),
+        KernelArg::Buffer(&out),
+        KernelArg::Buffer(&xp),
         KernelArg::F32(3.0),
         KernelArg::I32(1),
         KernelArg::U32(n as u32),
@@ -92,20 +101,31 @@ fn module_launches_are_captured_and_replayed() {
     let graph = dev.end_capture().unwrap();
     assert_eq!(dev.summarize(&graph).unwrap().kernels, 1);
     assert_eq!(
-        dev.read_f32(out, n).unwrap(),
+        g.read_f32(&out).unwrap(),
         vec![0.0; n],
         "capture ran nothing"
     );
     dev.launch(&graph).unwrap();
-    assert_eq!(dev.read_f32(out, n).unwrap(), vec![4.0; n]);
-    dev.write_f32(xp, &vec![2.0; n]).unwrap();
+    assert_eq!(g.read_f32(&out).unwrap(), vec![4.0; n]);
+    g.write_f32(&xp, &vec![2.0; n]).unwrap();
     dev.launch(&graph).unwrap();
     assert_eq!(
-        dev.read_f32(out, n).unwrap(),
+        g.read_f32(&out).unwrap(),
         vec![7.0; n],
         "replay reads memory anew"
     );
     drop(graph);
+    // A buffer graft freed (its runtime closed) is refused with the buffer's error.
+    g.close().unwrap();
+    let r = dev.launch_function(
+        &m,
+        1,
+        (1, 1, 1),
+        (32, 1, 1),
+        0,
+        &[KernelArg::Buffer(&out), KernelArg::U64(1)],
+    );
+    assert!(matches!(r, Err(DeviceError::InvalidBuffer { .. })), "{r:?}");
     drop(m);
     assert!(dev.take_sticky_error().is_none());
 }
@@ -127,7 +147,7 @@ fn host_gemm(m: usize, n: usize, k: usize, a: &[f32], b: &[f32], bt: bool) -> Ve
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn sgemm_is_row_major_in_both_layouts_and_captures() {
-    let dev = device();
+    let (dev, mut g) = device();
     dev.init_cublas().unwrap();
     let (m, n, k) = (5usize, 7usize, 33usize);
     let a: Vec<f32> = (0..m * k)
@@ -136,76 +156,76 @@ fn sgemm_is_row_major_in_both_layouts_and_captures() {
     let b: Vec<f32> = (0..k * n)
         .map(|i| ((i * 5 % 11) as f32 - 5.0) / 4.0)
         .collect();
-    let (ap, bp) = (upload(&dev, &a), upload(&dev, &b));
-    let cp = upload(&dev, &vec![0.0; m * n]);
+    let (ap, bp) = (upload(&mut g, &a), upload(&mut g, &b));
+    let cp = upload(&mut g, &vec![0.0; m * n]);
     for bt in [false, true] {
         let want = host_gemm(m, n, k, &a, &b, bt);
-        let g = Sgemm {
+        let gemm = Sgemm {
             m,
             n,
             k,
-            a: ap,
-            b: bp,
-            c: cp,
+            a: Operand::new(&ap),
+            b: Operand::new(&bp),
+            c: Operand::new(&cp),
             b_transposed: bt,
             alpha: 1.0,
             beta: 0.0,
         };
-        dev.sgemm(&g).unwrap();
-        let got = dev.read_f32(cp, m * n).unwrap();
-        for (g, w) in got.iter().zip(&want) {
-            assert!((g - w).abs() < 1e-4, "b_transposed={bt}: {g} vs {w}");
+        dev.sgemm(&gemm).unwrap();
+        let got = g.read_f32(&cp).unwrap();
+        for (v, w) in got.iter().zip(&want) {
+            assert!((v - w).abs() < 1e-4, "b_transposed={bt}: {v} vs {w}");
         }
         // beta = 1 accumulates.
-        dev.sgemm(&Sgemm { beta: 1.0, ..g }).unwrap();
-        let twice = dev.read_f32(cp, m * n).unwrap();
+        dev.sgemm(&Sgemm { beta: 1.0, ..gemm }).unwrap();
+        let twice = g.read_f32(&cp).unwrap();
         for (t, w) in twice.iter().zip(&want) {
             assert!((t - 2.0 * w).abs() < 2e-4);
         }
     }
 
     // Captured: the graph replays the product on the memory's current values.
-    let g = Sgemm {
+    let gemm = Sgemm {
         m,
         n,
         k,
-        a: ap,
-        b: bp,
-        c: cp,
+        a: Operand::new(&ap),
+        b: Operand::new(&bp),
+        c: Operand::new(&cp),
         b_transposed: false,
         alpha: 1.0,
         beta: 0.0,
     };
     dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
-    dev.sgemm(&g).unwrap();
+    dev.sgemm(&gemm).unwrap();
     let graph = dev.end_capture().unwrap();
     let a2: Vec<f32> = a.iter().map(|v| v * 2.0).collect();
-    dev.write_f32(ap, &a2).unwrap();
+    g.write_f32(&ap, &a2).unwrap();
     dev.launch(&graph).unwrap();
-    let got = dev.read_f32(cp, m * n).unwrap();
+    let got = g.read_f32(&cp).unwrap();
     let want = host_gemm(m, n, k, &a2, &b, false);
-    for (g, w) in got.iter().zip(&want) {
-        assert!((g - w).abs() < 2e-4);
+    for (v, w) in got.iter().zip(&want) {
+        assert!((v - w).abs() < 2e-4);
     }
     // Bit-identical to the eager call of the same product.
-    dev.sgemm(&g).unwrap();
-    assert_eq!(dev.read_f32(cp, m * n).unwrap(), got);
+    dev.sgemm(&gemm).unwrap();
+    assert_eq!(g.read_f32(&cp).unwrap(), got);
 }
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn first_sgemm_inside_a_capture_is_a_capture_error() {
     // A fresh device whose handle does not exist yet: creating it would allocate.
-    let dev = device();
-    let c = upload(&dev, &[0.0; 4]);
+    let (dev, mut g) = device();
+    let c = upload(&mut g, &[0.0; 4]);
     dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
     let r = dev.sgemm(&Sgemm {
         m: 2,
         n: 2,
         k: 1,
-        a: c,
-        b: c,
-        c,
+        a: Operand::new(&c),
+        b: Operand::new(&c),
+        c: Operand::new(&c),
         b_transposed: false,
         alpha: 1.0,
         beta: 0.0,

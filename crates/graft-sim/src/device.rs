@@ -5,6 +5,7 @@ use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
+use graft_core::Buffer;
 use graft_core::backend::{
     CaptureMode, CaptureViolation, CopyEnds, Device, DeviceError, DeviceId, DeviceOp, DevicePtr,
     GraphSummary, StickyError,
@@ -326,6 +327,19 @@ impl SimQueue {
             .state
             .lock()
             .unwrap_or_else(PoisonError::into_inner))
+    }
+
+    /// The address `offset` bytes into `buffer`, for a kernel touching `extent` bytes from
+    /// there: checked as CUDA's typed launches check their buffer arguments
+    /// ([`Buffer::device_addr`]: this device's, still valid, in bounds). Kernel closures
+    /// capture what it returns.
+    pub fn buffer_addr(
+        &self,
+        buffer: &Buffer,
+        offset: usize,
+        extent: usize,
+    ) -> Result<DevicePtr, DeviceError> {
+        buffer.device_addr(DeviceOp::KernelLaunch, self.inner.id, offset, extent)
     }
 
     /// Enqueues a kernel on the runtime stream: run now when idle (the stream runs in program

@@ -1,38 +1,17 @@
-//! The backend trait: the kernels a decoder step needs, on raw device addresses, implemented on
-//! the body-facing queue of each backend: the simulator's ([`graft_sim::SimQueue`], host
-//! loops) and CUDA's ([`graft_cuda::CudaQueue`], NVRTC kernels and cuBLAS). [`Backend`] names
-//! a device whose queue implements them.
+//! The backend traits: [`Ops`], the kernels a decoder step needs, held by a value bound to one
+//! device (the simulator's [`crate::SimOps`], host loops; CUDA's [`crate::CudaOps`], NVRTC
+//! kernels and cuBLAS), and [`Backend`], a device that can make one.
 //!
-//! Every method enqueues work on the device's runtime stream (recorded when capturing) and
-//! checks nothing about shapes: the tensor-level functions in [`crate::ops`] do that before
-//! calling here. Device scalars (`pos`) are read by the kernel when it runs, never by the host,
-//! so a captured graph sees each replay's current value. Positions are clamped into
-//! `0..ctx` on the device, so a bad position can never make a kernel touch memory outside its
-//! operands.
+//! Device scalars (`pos`) are read by the kernel when it runs, never by the host, so a
+//! captured graph sees each replay's current value. Positions are clamped into `0..ctx` on
+//! the device, so a bad position can never make a kernel touch memory outside its operands.
 
-use graft_core::{Device, DeviceError, DevicePtr};
+use std::fmt;
 
-/// Sizes of an embedding gather: `rows` ids into a `[vocab, dim]` table.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub struct GatherDims {
-    /// Ids to look up (rows of the output).
-    pub rows: usize,
-    /// Rows of the table; ids outside `0..vocab` give zero rows.
-    pub vocab: usize,
-    /// Columns of the table and the output.
-    pub dim: usize,
-}
+use graft_core::{Device, DeviceError};
 
-/// Sizes of a position-embedding add: `[rows, dim]` plus row `pos` of a `[ctx, dim]` table.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub struct PositionDims {
-    /// Rows of the input and output.
-    pub rows: usize,
-    /// Rows of the table.
-    pub ctx: usize,
-    /// Columns.
-    pub dim: usize,
-}
+use crate::error::Result;
+use crate::tensor::Tensor;
 
 /// Sizes of a layer norm over the last axis.
 #[derive(Clone, Copy, PartialEq, Debug)]
@@ -54,15 +33,6 @@ pub struct MatmulDims {
     pub k: usize,
     /// Columns of `w` and `out`.
     pub n: usize,
-}
-
-/// Sizes of a row softmax masked at a device position.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub struct SoftmaxDims {
-    /// Rows.
-    pub rows: usize,
-    /// Columns; entries past the position are masked.
-    pub cols: usize,
 }
 
 /// Sizes of single-token attention over a `[batch, ctx, heads * head_dim]` cache.
@@ -87,17 +57,6 @@ impl AttnDims {
     }
 }
 
-/// Sizes of a KV-cache write: `[batch, dim]` into row `pos` of a `[batch, ctx, dim]` cache.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub struct CacheDims {
-    /// Sequences.
-    pub batch: usize,
-    /// Positions of the cache.
-    pub ctx: usize,
-    /// Columns.
-    pub dim: usize,
-}
-
 /// Sizes of a fused embedding gather + position add + layer norm.
 #[derive(Clone, Copy, PartialEq, Debug)]
 pub struct EmbedDims {
@@ -114,203 +73,128 @@ pub struct EmbedDims {
 }
 
 /// Operands of [`Ops::embed_norm`].
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub struct EmbedNormArgs {
+#[derive(Clone, Copy, Debug)]
+pub struct EmbedNormArgs<'a> {
     /// Out: `[rows, dim]`, `table[ids[r]] + pos_table[pos]`.
-    pub x: DevicePtr,
+    pub x: &'a Tensor,
     /// Out: `[rows, dim]`, the layer norm of `x`.
-    pub h: DevicePtr,
+    pub h: &'a Tensor,
     /// `[rows]` i32 ids.
-    pub ids: DevicePtr,
+    pub ids: &'a Tensor,
     /// `[vocab, dim]` token table.
-    pub table: DevicePtr,
+    pub table: &'a Tensor,
     /// `[ctx, dim]` position table.
-    pub pos_table: DevicePtr,
+    pub pos_table: &'a Tensor,
     /// The i32 device position.
-    pub pos: DevicePtr,
+    pub pos: &'a Tensor,
     /// `[dim]` norm scale.
-    pub gamma: DevicePtr,
+    pub gamma: &'a Tensor,
     /// `[dim]` norm shift.
-    pub beta: DevicePtr,
+    pub beta: &'a Tensor,
 }
 
 /// Operands of [`Ops::linear`]: `out = act(x · w + bias) + residual`.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub struct LinearArgs {
+#[derive(Clone, Copy, Debug)]
+pub struct LinearArgs<'a> {
     /// Out: `[rows, n]` (distinct from every input).
-    pub out: DevicePtr,
+    pub out: &'a Tensor,
     /// `[rows, k]`.
-    pub x: DevicePtr,
+    pub x: &'a Tensor,
     /// `[k, n]`.
-    pub w: DevicePtr,
+    pub w: &'a Tensor,
     /// `[n]`, added to every row.
-    pub bias: Option<DevicePtr>,
+    pub bias: Option<&'a Tensor>,
     /// `[rows, n]`, added after the activation.
-    pub residual: Option<DevicePtr>,
+    pub residual: Option<&'a Tensor>,
     /// Apply GELU (tanh approximation) after the bias.
     pub gelu: bool,
 }
 
 /// Operands of [`Ops::add_norm`]: `x_out = x + (a + bias)`, `h = layer_norm(x_out)`.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub struct AddNormArgs {
+#[derive(Clone, Copy, Debug)]
+pub struct AddNormArgs<'a> {
     /// Out: `[rows, dim]`, the sum.
-    pub x_out: DevicePtr,
+    pub x_out: &'a Tensor,
     /// Out: `[rows, dim]`, its layer norm.
-    pub h: DevicePtr,
+    pub h: &'a Tensor,
     /// `[rows, dim]`, the residual stream.
-    pub x: DevicePtr,
+    pub x: &'a Tensor,
     /// `[rows, dim]`, the update.
-    pub a: DevicePtr,
+    pub a: &'a Tensor,
     /// `[dim]`, added to every row of `a` first.
-    pub bias: Option<DevicePtr>,
+    pub bias: Option<&'a Tensor>,
     /// `[dim]` norm scale.
-    pub gamma: DevicePtr,
+    pub gamma: &'a Tensor,
     /// `[dim]` norm shift.
-    pub beta: DevicePtr,
+    pub beta: &'a Tensor,
 }
 
-/// A device whose body-facing queue runs the decoder's kernels: what graft-tensor is generic
-/// over.
-pub trait Backend: Device<Queue: Ops> + Clone {}
+/// Operands of [`Ops::attention_step`].
+#[derive(Clone, Copy, Debug)]
+pub struct AttentionArgs<'a> {
+    /// Out: `[batch, d]`.
+    pub out: &'a Tensor,
+    /// `[batch, 3 * d]`: the new token's q, k and v.
+    pub qkv: &'a Tensor,
+    /// `[3 * d]`, added to `qkv` first.
+    pub bias: Option<&'a Tensor>,
+    /// `[batch, ctx, d]` keys, written at row `pos`.
+    pub k_cache: &'a Tensor,
+    /// `[batch, ctx, d]` values, written at row `pos`.
+    pub v_cache: &'a Tensor,
+    /// The i32 device position.
+    pub pos: &'a Tensor,
+}
 
-impl<D: Device<Queue: Ops> + Clone> Backend for D {}
+/// Operands of [`Ops::argmax_step`].
+#[derive(Clone, Copy, Debug)]
+pub struct ArgmaxArgs<'a> {
+    /// Out: `[rows]` i32.
+    pub out: &'a Tensor,
+    /// `[rows, cols]`.
+    pub x: &'a Tensor,
+    /// `[cols]`, added to every row first.
+    pub bias: Option<&'a Tensor>,
+    /// The i32 device position, incremented.
+    pub pos: &'a Tensor,
+}
 
-/// The kernels of a decoder step, on raw addresses (see the module docs), on a device's queue.
-pub trait Ops: Send + Sync + 'static {
-    /// Copies host bytes to the device, synchronously (not inside a captured body).
-    fn write(&self, dst: DevicePtr, src: &[u8]) -> Result<(), DeviceError>;
+/// A device whose kernels graft-tensor can run: [`Backend::load_ops`] makes the value that
+/// holds them for one device.
+pub trait Backend: Device + Clone {
+    /// This backend's kernels, loaded for one device.
+    type Ops: Ops;
 
-    /// Gets the backend ready (compiles kernels, creates library handles). Idempotent and
-    /// cheap after the first call. Call it before capturing anything; each op calls it too.
-    fn prepare(&self) -> Result<(), DeviceError>;
+    /// Loads this device's kernels (compiles them, creates library handles): slow on CUDA,
+    /// so do it once, outside any capture, and keep the value. Dropping it unloads them; the
+    /// device is released when the last of its handles goes.
+    fn load_ops(&self) -> Result<Self::Ops, DeviceError>;
+}
 
-    /// `out[r, :] = table[ids[r], :]` (i32 ids; ids outside the vocabulary give zeros).
-    fn embedding(
-        &self,
-        out: DevicePtr,
-        ids: DevicePtr,
-        table: DevicePtr,
-        d: GatherDims,
-    ) -> Result<(), DeviceError>;
-
-    /// `out[r, :] = x[r, :] + table[pos, :]`, `pos` an i32 device scalar.
-    fn add_position(
-        &self,
-        out: DevicePtr,
-        x: DevicePtr,
-        table: DevicePtr,
-        pos: DevicePtr,
-        d: PositionDims,
-    ) -> Result<(), DeviceError>;
-
-    /// `out[i] = a[i] + b[i]` for `n` f32s (`out` may be `a` or `b`).
-    fn add(&self, out: DevicePtr, a: DevicePtr, b: DevicePtr, n: usize) -> Result<(), DeviceError>;
-
-    /// Layer norm of each row: `(x - mean) / sqrt(var + eps) * gamma + beta`.
-    fn layer_norm(
-        &self,
-        out: DevicePtr,
-        x: DevicePtr,
-        gamma: DevicePtr,
-        beta: DevicePtr,
-        d: NormDims,
-    ) -> Result<(), DeviceError>;
-
-    /// GELU, tanh approximation: `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`.
-    fn gelu(&self, out: DevicePtr, x: DevicePtr, n: usize) -> Result<(), DeviceError>;
-
-    /// Row softmax over columns `0..=pos` (`pos` an i32 device scalar, clamped into
-    /// `0..cols`); columns past it are 0 in `out`.
-    fn masked_softmax(
-        &self,
-        out: DevicePtr,
-        x: DevicePtr,
-        pos: DevicePtr,
-        d: SoftmaxDims,
-    ) -> Result<(), DeviceError>;
-
-    /// `out[b, h, j] = scale * q[b, h, :] · k[b, j, h, :]` for `j <= pos`, 0 past it;
-    /// `out` is `[batch, heads, ctx]`.
-    fn attention_scores(
-        &self,
-        out: DevicePtr,
-        q: DevicePtr,
-        k_cache: DevicePtr,
-        pos: DevicePtr,
-        d: AttnDims,
-    ) -> Result<(), DeviceError>;
-
-    /// `out[b, h, :] = sum_{j <= pos} probs[b, h, j] * v[b, j, h, :]`; `out` is
-    /// `[batch, heads * head_dim]`.
-    fn attention_values(
-        &self,
-        out: DevicePtr,
-        probs: DevicePtr,
-        v_cache: DevicePtr,
-        pos: DevicePtr,
-        d: AttnDims,
-    ) -> Result<(), DeviceError>;
-
-    /// `cache[b, pos, :] = x[b, :]`.
-    fn kv_write(
-        &self,
-        cache: DevicePtr,
-        x: DevicePtr,
-        pos: DevicePtr,
-        d: CacheDims,
-    ) -> Result<(), DeviceError>;
-
-    /// `out[r] = argmax_j x[r, j]` as i32 (first index on ties; NaNs never win).
-    fn argmax(
-        &self,
-        out: DevicePtr,
-        x: DevicePtr,
-        rows: usize,
-        cols: usize,
-    ) -> Result<(), DeviceError>;
+/// The kernels of a decoder step, bound to one device's queue. Every method enqueues work on
+/// that device's runtime stream (recorded when capturing) and checks nothing about shapes:
+/// the tensor-level functions in [`crate::ops`] do that before calling here.
+pub trait Ops: Send + Sync + fmt::Debug + 'static {
+    /// `out[i] = a[i] + b[i]` over `out`'s elements (`out` may be `a` or `b`).
+    fn add(&self, out: &Tensor, a: &Tensor, b: &Tensor) -> Result<()>;
 
     /// `out = gelu?(x · w + bias) + residual` (see [`LinearArgs`]), all row-major f32.
-    fn linear(&self, a: LinearArgs, d: MatmulDims) -> Result<(), DeviceError>;
+    fn linear(&self, a: LinearArgs<'_>, d: MatmulDims) -> Result<()>;
 
     /// `x[r, :] = table[ids[r], :] + pos_table[pos, :]` (ids outside the vocabulary give
     /// zero rows before the add) and `h = layer_norm(x)` (see [`EmbedNormArgs`]).
-    fn embed_norm(&self, a: EmbedNormArgs, d: EmbedDims) -> Result<(), DeviceError>;
+    fn embed_norm(&self, a: EmbedNormArgs<'_>, d: EmbedDims) -> Result<()>;
 
     /// `x_out = x + (a + bias)` and `h = layer_norm(x_out)` row by row (see [`AddNormArgs`]):
     /// a residual add folded into the norm that follows it.
-    fn add_norm(&self, a: AddNormArgs, d: NormDims) -> Result<(), DeviceError>;
+    fn add_norm(&self, a: AddNormArgs<'_>, d: NormDims) -> Result<()>;
 
-    /// Single-token attention step: `qkv` is `[batch, 3 * d]` (the new token's q, k and v,
-    /// plus `bias` `[3 * d]` when given); k and v are written into row `pos` of the `[batch, ctx, d]` caches,
-    /// then `out[b, h, :] = softmax_{j <= pos}(scale * q[b, h, :] · k[b, j, h, :]) · v[b, j, h, :]`;
-    /// `out` is `[batch, d]`.
-    #[allow(clippy::too_many_arguments)]
-    fn attention_step(
-        &self,
-        out: DevicePtr,
-        qkv: DevicePtr,
-        bias: Option<DevicePtr>,
-        k_cache: DevicePtr,
-        v_cache: DevicePtr,
-        pos: DevicePtr,
-        d: AttnDims,
-    ) -> Result<(), DeviceError>;
+    /// Single-token attention step (see [`AttentionArgs`]): k and v of `qkv` (plus `bias`)
+    /// are written into row `pos` of the caches, then
+    /// `out[b, h, :] = softmax_{j <= pos}(scale * q[b, h, :] · k[b, j, h, :]) · v[b, j, h, :]`.
+    fn attention_step(&self, a: AttentionArgs<'_>, d: AttnDims) -> Result<()>;
 
-    /// [`Ops::argmax`] of `x + bias` (bias `[cols]`, optional), then
-    /// `pos = min(pos + 1, limit)` (the end of a decode step).
-    #[allow(clippy::too_many_arguments)]
-    fn argmax_step(
-        &self,
-        out: DevicePtr,
-        x: DevicePtr,
-        bias: Option<DevicePtr>,
-        rows: usize,
-        cols: usize,
-        pos: DevicePtr,
-        limit: i32,
-    ) -> Result<(), DeviceError>;
-
-    /// `pos = min(pos + 1, limit)` on the device.
-    fn increment(&self, pos: DevicePtr, limit: i32) -> Result<(), DeviceError>;
+    /// Row argmax of `x + bias` as i32 (first index on ties; NaNs never win), then
+    /// `pos = min(pos + 1, limit)` (the end of a decode step; see [`ArgmaxArgs`]).
+    fn argmax_step(&self, a: ArgmaxArgs<'_>, rows: usize, cols: usize, limit: i32) -> Result<()>;
 }

@@ -1,41 +1,30 @@
-//! [`Ops`] on CUDA: the kernels of `kernels.cu`, compiled with NVRTC once per device and
-//! launched through graft-cuda's checked launch API (no `unsafe` here), and matrix products
-//! through graft-cuda's cuBLAS `sgemm` (plus an epilogue kernel when the product itself must
-//! add a bias, a GELU or a residual; the decoder passes its biases to the kernel after the
-//! product instead). cuBLAS beat a hand-written few-rows kernel with the epilogue fused at
-//! every batch size of the benchmark decoder inside a CUDA graph (H200, 2026-11-21), so there
-//! is none.
+//! [`Ops`] on CUDA ([`CudaOps`]): the kernels of `kernels.cu`, compiled with NVRTC once per
+//! device and launched through graft-cuda's checked launch API (no `unsafe` here), and matrix
+//! products through graft-cuda's cuBLAS `sgemm` (plus an epilogue kernel when the product
+//! itself must add a bias, a GELU or a residual; the decoder passes its biases to the kernel
+//! after the product instead). cuBLAS beat a hand-written few-rows kernel with the epilogue
+//! fused at every batch size of the benchmark decoder inside a CUDA graph (H200, 2026-11-21),
+//! so there is none.
 //!
-//! Modules are kept in a process-wide registry keyed by device, with a per-thread cache of
-//! the last one looked up, so a launch costs a comparison, not a lock. A device's module stays
-//! loaded (and keeps the device alive) until the process exits.
+//! The module belongs to the [`CudaOps`] value that loaded it: dropping the value unloads it
+//! and lets the device go.
 
-use std::cell::RefCell;
-use std::sync::{Arc, Mutex, PoisonError};
-
-use graft_core::{DeviceError, DeviceId, DevicePtr};
-use graft_cuda::{CudaModule, CudaQueue, KernelArg, Sgemm};
+use graft_core::{DeviceError, DeviceOp};
+use graft_cuda::{CudaDevice, CudaModule, CudaQueue, KernelArg, Operand, Sgemm};
 
 use crate::backend::{
-    AddNormArgs, AttnDims, CacheDims, EmbedDims, EmbedNormArgs, GatherDims, LinearArgs, MatmulDims,
-    NormDims, Ops, PositionDims, SoftmaxDims,
+    AddNormArgs, ArgmaxArgs, AttentionArgs, AttnDims, Backend, EmbedDims, EmbedNormArgs,
+    LinearArgs, MatmulDims, NormDims, Ops,
 };
+use crate::error::Result;
+use crate::tensor::Tensor;
 
 /// CUDA C++ source of the kernels.
 pub const KERNELS_CU: &str = include_str!("kernels.cu");
 
 /// The kernels, in the order of their indices in the loaded module.
-pub const KERNEL_NAMES: [&str; 16] = [
-    "gt_embedding",
-    "gt_add_position",
+pub const KERNEL_NAMES: [&str; 7] = [
     "gt_add",
-    "gt_layer_norm",
-    "gt_gelu",
-    "gt_masked_softmax",
-    "gt_attention_scores",
-    "gt_attention_values",
-    "gt_kv_write",
-    "gt_argmax",
     "gt_increment",
     "gt_embed_norm",
     "gt_epilogue",
@@ -44,22 +33,13 @@ pub const KERNEL_NAMES: [&str; 16] = [
     "gt_add_norm",
 ];
 
-const EMBEDDING: usize = 0;
-const ADD_POSITION: usize = 1;
-const ADD: usize = 2;
-const LAYER_NORM: usize = 3;
-const GELU: usize = 4;
-const MASKED_SOFTMAX: usize = 5;
-const ATTENTION_SCORES: usize = 6;
-const ATTENTION_VALUES: usize = 7;
-const KV_WRITE: usize = 8;
-const ARGMAX: usize = 9;
-const INCREMENT: usize = 10;
-const EMBED_NORM: usize = 11;
-const EPILOGUE: usize = 12;
-const ATTENTION_STEP: usize = 13;
-const ARGMAX_STEP: usize = 14;
-const ADD_NORM: usize = 15;
+const ADD: usize = 0;
+const INCREMENT: usize = 1;
+const EMBED_NORM: usize = 2;
+const EPILOGUE: usize = 3;
+const ATTENTION_STEP: usize = 4;
+const ARGMAX_STEP: usize = 5;
+const ADD_NORM: usize = 6;
 
 /// Threads per block of `gt_argmax_step`.
 const ARGMAX_BLOCK: u32 = 1024;
@@ -69,232 +49,149 @@ const BLOCK: u32 = 256;
 /// Most blocks of a grid-stride launch.
 const MAX_BLOCKS: usize = 4096;
 
-type Registry = Mutex<Vec<(DeviceId, Arc<CudaModule>)>>;
-static MODULES: Registry = Mutex::new(Vec::new());
-
-thread_local! {
-    static LAST: RefCell<Option<(DeviceId, Arc<CudaModule>)>> = const { RefCell::new(None) };
+/// The decoder's kernels on one CUDA device: its queue, the module compiled from
+/// [`KERNELS_CU`] and (made with it) the device's cuBLAS handle. Make it once per device
+/// ([`CudaOps::new`] compiles, which takes a while) and keep it; dropping it unloads the
+/// module.
+#[derive(Debug)]
+pub struct CudaOps {
+    queue: CudaQueue,
+    module: CudaModule,
 }
 
-/// This device's kernel module, compiling and loading it on first use (and creating the
-/// cuBLAS handle then too, outside any capture).
-fn module(dev: &CudaQueue) -> Result<Arc<CudaModule>, DeviceError> {
-    let id = dev.device_id();
-    let hit = LAST.with(|l| match &*l.borrow() {
-        Some((last, m)) if *last == id => Some(Arc::clone(m)),
-        _ => None,
-    });
-    if let Some(m) = hit {
-        return Ok(m);
+impl CudaOps {
+    /// Compiles and loads the kernels on `queue`'s device and creates its cuBLAS handle, so
+    /// nothing is created during a capture. Call it outside any capture.
+    pub fn new(queue: &CudaQueue) -> std::result::Result<CudaOps, DeviceError> {
+        queue.init_cublas()?;
+        let module = queue.load_module(KERNELS_CU, &KERNEL_NAMES)?;
+        Ok(CudaOps {
+            queue: queue.clone(),
+            module,
+        })
     }
-    let mut reg = MODULES.lock().unwrap_or_else(PoisonError::into_inner);
-    let m = match reg.iter().find(|(d, _)| *d == id) {
-        Some((_, m)) => Arc::clone(m),
-        None => {
-            dev.init_cublas()?;
-            let m = Arc::new(dev.load_module(KERNELS_CU, &KERNEL_NAMES)?);
-            reg.push((id, Arc::clone(&m)));
-            m
+
+    /// Launches `kernel` with one block per row (`rows` blocks of [`BLOCK`] threads).
+    fn per_row(&self, kernel: usize, rows: usize, args: &[KernelArg]) -> Result<()> {
+        if rows == 0 {
+            return Ok(());
         }
-    };
-    drop(reg);
-    LAST.with(|l| *l.borrow_mut() = Some((id, Arc::clone(&m))));
-    Ok(m)
+        let grid = (u32_of(rows)?, 1, 1);
+        Ok(self
+            .queue
+            .launch_function(&self.module, kernel, grid, (BLOCK, 1, 1), 0, args)?)
+    }
+
+    /// Launches a grid-stride `kernel` over `n` elements.
+    fn strided(&self, kernel: usize, n: usize, args: &[KernelArg]) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let blocks = n.div_ceil(BLOCK as usize).min(MAX_BLOCKS) as u32;
+        Ok(self.queue.launch_function(
+            &self.module,
+            kernel,
+            (blocks, 1, 1),
+            (BLOCK, 1, 1),
+            0,
+            args,
+        )?)
+    }
 }
 
-fn u32_of(x: usize) -> Result<u32, DeviceError> {
+impl Backend for CudaDevice {
+    type Ops = CudaOps;
+
+    fn load_ops(&self) -> std::result::Result<CudaOps, DeviceError> {
+        CudaOps::new(self)
+    }
+}
+
+fn u32_of(x: usize) -> std::result::Result<u32, DeviceError> {
     u32::try_from(x).map_err(|_| invalid("a tensor dimension exceeds u32::MAX"))
-}
-
-fn ptr(p: DevicePtr) -> KernelArg {
-    KernelArg::Ptr(p)
-}
-
-/// Launches `kernel` with one block per row (`rows` blocks of [`BLOCK`] threads).
-fn per_row(
-    dev: &CudaQueue,
-    kernel: usize,
-    rows: usize,
-    args: &[KernelArg],
-) -> Result<(), DeviceError> {
-    if rows == 0 {
-        return Ok(());
-    }
-    let m = module(dev)?;
-    dev.launch_function(&m, kernel, (u32_of(rows)?, 1, 1), (BLOCK, 1, 1), 0, args)
-}
-
-/// Launches a grid-stride `kernel` over `n` elements.
-fn strided(
-    dev: &CudaQueue,
-    kernel: usize,
-    n: usize,
-    args: &[KernelArg],
-) -> Result<(), DeviceError> {
-    if n == 0 {
-        return Ok(());
-    }
-    let m = module(dev)?;
-    let blocks = n.div_ceil(BLOCK as usize).min(MAX_BLOCKS) as u32;
-    dev.launch_function(&m, kernel, (blocks, 1, 1), (BLOCK, 1, 1), 0, args)
 }
 
 fn invalid(what: &'static str) -> DeviceError {
     DeviceError::InvalidArgument {
-        op: graft_core::DeviceOp::KernelLaunch,
+        op: DeviceOp::KernelLaunch,
         what,
     }
 }
 
-fn opt(p: Option<DevicePtr>) -> KernelArg {
-    KernelArg::Ptr(p.unwrap_or(DevicePtr(0)))
+/// `t` as a kernel's pointer argument (checked by the launch).
+fn arg(t: &Tensor) -> KernelArg<'_> {
+    KernelArg::BufferAt(t.buffer(), t.offset())
 }
 
-impl Ops for CudaQueue {
-    fn write(&self, dst: DevicePtr, src: &[u8]) -> Result<(), DeviceError> {
-        CudaQueue::write(self, dst, src)
-    }
+/// An optional operand: a null pointer when absent (the kernels check).
+fn opt(t: Option<&Tensor>) -> KernelArg<'_> {
+    t.map_or(KernelArg::Null, arg)
+}
 
-    fn prepare(&self) -> Result<(), DeviceError> {
-        module(self).map(|_| ())
-    }
+/// `t` as a GEMM operand (checked against the matrix's size by `sgemm`).
+fn operand(t: &Tensor) -> Operand<'_> {
+    Operand::at(t.buffer(), t.offset())
+}
 
-    fn embedding(
-        &self,
-        out: DevicePtr,
-        ids: DevicePtr,
-        table: DevicePtr,
-        d: GatherDims,
-    ) -> Result<(), DeviceError> {
-        per_row(
-            self,
-            EMBEDDING,
-            d.rows,
-            &[
-                ptr(out),
-                ptr(ids),
-                ptr(table),
-                KernelArg::U32(u32_of(d.vocab)?),
-                KernelArg::U32(u32_of(d.dim)?),
-            ],
-        )
-    }
-
-    fn add_position(
-        &self,
-        out: DevicePtr,
-        x: DevicePtr,
-        table: DevicePtr,
-        pos: DevicePtr,
-        d: PositionDims,
-    ) -> Result<(), DeviceError> {
-        if d.ctx == 0 {
-            return Ok(());
-        }
-        per_row(
-            self,
-            ADD_POSITION,
-            d.rows,
-            &[
-                ptr(out),
-                ptr(x),
-                ptr(table),
-                ptr(pos),
-                KernelArg::U32(u32_of(d.ctx)?),
-                KernelArg::U32(u32_of(d.dim)?),
-            ],
-        )
-    }
-
-    fn add(&self, out: DevicePtr, a: DevicePtr, b: DevicePtr, n: usize) -> Result<(), DeviceError> {
-        strided(
-            self,
+impl Ops for CudaOps {
+    fn add(&self, out: &Tensor, a: &Tensor, b: &Tensor) -> Result<()> {
+        let n = out.numel();
+        self.strided(
             ADD,
             n,
-            &[ptr(out), ptr(a), ptr(b), KernelArg::U64(n as u64)],
+            &[arg(out), arg(a), arg(b), KernelArg::U64(n as u64)],
         )
     }
 
-    fn layer_norm(
-        &self,
-        out: DevicePtr,
-        x: DevicePtr,
-        gamma: DevicePtr,
-        beta: DevicePtr,
-        d: NormDims,
-    ) -> Result<(), DeviceError> {
-        if d.dim == 0 {
-            return Ok(());
-        }
-        per_row(
-            self,
-            LAYER_NORM,
-            d.rows,
-            &[
-                ptr(out),
-                ptr(x),
-                ptr(gamma),
-                ptr(beta),
-                KernelArg::U32(u32_of(d.dim)?),
-                KernelArg::F32(d.eps),
-            ],
-        )
-    }
-
-    fn linear(&self, a: LinearArgs, d: MatmulDims) -> Result<(), DeviceError> {
+    fn linear(&self, a: LinearArgs<'_>, d: MatmulDims) -> Result<()> {
         if d.rows == 0 || d.n == 0 {
             return Ok(());
         }
-        // Loads the module and creates the cuBLAS handle if this is the first op.
-        module(self)?;
-        let gelu = KernelArg::I32(i32::from(a.gelu));
-        self.sgemm(&Sgemm {
+        self.queue.sgemm(&Sgemm {
             m: d.rows,
             n: d.n,
             k: d.k,
-            a: a.x,
-            b: a.w,
-            c: a.out,
+            a: operand(a.x),
+            b: operand(a.w),
+            c: operand(a.out),
             b_transposed: false,
             alpha: 1.0,
             beta: 0.0,
         })?;
         if a.bias.is_some() || a.residual.is_some() || a.gelu {
             let n = d.rows * d.n;
-            strided(
-                self,
+            self.strided(
                 EPILOGUE,
                 n,
                 &[
-                    ptr(a.out),
+                    arg(a.out),
                     opt(a.bias),
                     opt(a.residual),
                     KernelArg::U64(n as u64),
                     KernelArg::U32(u32_of(d.n)?),
-                    gelu,
+                    KernelArg::I32(i32::from(a.gelu)),
                 ],
             )?;
         }
         Ok(())
     }
 
-    fn embed_norm(&self, a: EmbedNormArgs, d: EmbedDims) -> Result<(), DeviceError> {
+    fn embed_norm(&self, a: EmbedNormArgs<'_>, d: EmbedDims) -> Result<()> {
         if d.ctx == 0 || d.dim == 0 {
             return Ok(());
         }
-        per_row(
-            self,
+        self.per_row(
             EMBED_NORM,
             d.rows,
             &[
-                ptr(a.x),
-                ptr(a.h),
-                ptr(a.ids),
-                ptr(a.table),
-                ptr(a.pos_table),
-                ptr(a.pos),
-                ptr(a.gamma),
-                ptr(a.beta),
+                arg(a.x),
+                arg(a.h),
+                arg(a.ids),
+                arg(a.table),
+                arg(a.pos_table),
+                arg(a.pos),
+                arg(a.gamma),
+                arg(a.beta),
                 KernelArg::U32(u32_of(d.vocab)?),
                 KernelArg::U32(u32_of(d.ctx)?),
                 KernelArg::U32(u32_of(d.dim)?),
@@ -303,39 +200,28 @@ impl Ops for CudaQueue {
         )
     }
 
-    fn add_norm(&self, a: AddNormArgs, d: NormDims) -> Result<(), DeviceError> {
+    fn add_norm(&self, a: AddNormArgs<'_>, d: NormDims) -> Result<()> {
         if d.dim == 0 {
             return Ok(());
         }
-        per_row(
-            self,
+        self.per_row(
             ADD_NORM,
             d.rows,
             &[
-                ptr(a.x_out),
-                ptr(a.h),
-                ptr(a.x),
-                ptr(a.a),
+                arg(a.x_out),
+                arg(a.h),
+                arg(a.x),
+                arg(a.a),
                 opt(a.bias),
-                ptr(a.gamma),
-                ptr(a.beta),
+                arg(a.gamma),
+                arg(a.beta),
                 KernelArg::U32(u32_of(d.dim)?),
                 KernelArg::F32(d.eps),
             ],
         )
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn attention_step(
-        &self,
-        out: DevicePtr,
-        qkv: DevicePtr,
-        bias: Option<DevicePtr>,
-        k_cache: DevicePtr,
-        v_cache: DevicePtr,
-        pos: DevicePtr,
-        d: AttnDims,
-    ) -> Result<(), DeviceError> {
+    fn attention_step(&self, a: AttentionArgs<'_>, d: AttnDims) -> Result<()> {
         if d.ctx == 0 || d.head_dim == 0 {
             return Ok(());
         }
@@ -343,22 +229,23 @@ impl Ops for CudaQueue {
         if d.head_dim > 1024 || (!vec && d.head_dim > 256) {
             return Err(invalid(
                 "attention head_dim is over 1024, or over 256 and not a multiple of 4",
-            ));
+            )
+            .into());
         }
-        if vec && (!k_cache.0.is_multiple_of(16) || !v_cache.0.is_multiple_of(16)) {
-            return Err(invalid("KV caches must be 16-byte aligned"));
+        let aligned = |t: &Tensor| -> Result<bool> { Ok(t.ptr()?.0.is_multiple_of(16)) };
+        if vec && (!aligned(a.k_cache)? || !aligned(a.v_cache)?) {
+            return Err(invalid("KV caches must be 16-byte aligned").into());
         }
-        per_row(
-            self,
+        self.per_row(
             ATTENTION_STEP,
             d.batch * d.heads,
             &[
-                ptr(out),
-                ptr(qkv),
-                opt(bias),
-                ptr(k_cache),
-                ptr(v_cache),
-                ptr(pos),
+                arg(a.out),
+                arg(a.qkv),
+                opt(a.bias),
+                arg(a.k_cache),
+                arg(a.v_cache),
+                arg(a.pos),
                 KernelArg::U32(u32_of(d.heads)?),
                 KernelArg::U32(u32_of(d.head_dim)?),
                 KernelArg::U32(u32_of(d.ctx)?),
@@ -367,163 +254,34 @@ impl Ops for CudaQueue {
         )
     }
 
-    fn argmax_step(
-        &self,
-        out: DevicePtr,
-        x: DevicePtr,
-        bias: Option<DevicePtr>,
-        rows: usize,
-        cols: usize,
-        pos: DevicePtr,
-        limit: i32,
-    ) -> Result<(), DeviceError> {
+    fn argmax_step(&self, a: ArgmaxArgs<'_>, rows: usize, cols: usize, limit: i32) -> Result<()> {
         if rows == 0 {
-            return self.increment(pos, limit);
+            let args = [arg(a.pos), KernelArg::I32(limit)];
+            return Ok(self.queue.launch_function(
+                &self.module,
+                INCREMENT,
+                (1, 1, 1),
+                (1, 1, 1),
+                0,
+                &args,
+            )?);
         }
-        let m = module(self)?;
-        self.launch_function(
-            &m,
+        let args = [
+            arg(a.out),
+            arg(a.x),
+            opt(a.bias),
+            KernelArg::U32(u32_of(cols)?),
+            arg(a.pos),
+            KernelArg::I32(limit),
+        ];
+        Ok(self.queue.launch_function(
+            &self.module,
             ARGMAX_STEP,
             (u32_of(rows)?, 1, 1),
             (ARGMAX_BLOCK, 1, 1),
             0,
-            &[
-                ptr(out),
-                ptr(x),
-                opt(bias),
-                KernelArg::U32(u32_of(cols)?),
-                ptr(pos),
-                KernelArg::I32(limit),
-            ],
-        )
-    }
-
-    fn gelu(&self, out: DevicePtr, x: DevicePtr, n: usize) -> Result<(), DeviceError> {
-        strided(self, GELU, n, &[ptr(out), ptr(x), KernelArg::U64(n as u64)])
-    }
-
-    fn masked_softmax(
-        &self,
-        out: DevicePtr,
-        x: DevicePtr,
-        pos: DevicePtr,
-        d: SoftmaxDims,
-    ) -> Result<(), DeviceError> {
-        if d.cols == 0 {
-            return Ok(());
-        }
-        per_row(
-            self,
-            MASKED_SOFTMAX,
-            d.rows,
-            &[ptr(out), ptr(x), ptr(pos), KernelArg::U32(u32_of(d.cols)?)],
-        )
-    }
-
-    fn attention_scores(
-        &self,
-        out: DevicePtr,
-        q: DevicePtr,
-        k_cache: DevicePtr,
-        pos: DevicePtr,
-        d: AttnDims,
-    ) -> Result<(), DeviceError> {
-        if d.ctx == 0 {
-            return Ok(());
-        }
-        per_row(
-            self,
-            ATTENTION_SCORES,
-            d.batch * d.heads,
-            &[
-                ptr(out),
-                ptr(q),
-                ptr(k_cache),
-                ptr(pos),
-                KernelArg::U32(u32_of(d.heads)?),
-                KernelArg::U32(u32_of(d.head_dim)?),
-                KernelArg::U32(u32_of(d.ctx)?),
-                KernelArg::F32(d.scale),
-            ],
-        )
-    }
-
-    fn attention_values(
-        &self,
-        out: DevicePtr,
-        probs: DevicePtr,
-        v_cache: DevicePtr,
-        pos: DevicePtr,
-        d: AttnDims,
-    ) -> Result<(), DeviceError> {
-        if d.ctx == 0 {
-            return Ok(());
-        }
-        per_row(
-            self,
-            ATTENTION_VALUES,
-            d.batch * d.heads,
-            &[
-                ptr(out),
-                ptr(probs),
-                ptr(v_cache),
-                ptr(pos),
-                KernelArg::U32(u32_of(d.heads)?),
-                KernelArg::U32(u32_of(d.head_dim)?),
-                KernelArg::U32(u32_of(d.ctx)?),
-            ],
-        )
-    }
-
-    fn kv_write(
-        &self,
-        cache: DevicePtr,
-        x: DevicePtr,
-        pos: DevicePtr,
-        d: CacheDims,
-    ) -> Result<(), DeviceError> {
-        if d.ctx == 0 {
-            return Ok(());
-        }
-        per_row(
-            self,
-            KV_WRITE,
-            d.batch,
-            &[
-                ptr(cache),
-                ptr(x),
-                ptr(pos),
-                KernelArg::U32(u32_of(d.ctx)?),
-                KernelArg::U32(u32_of(d.dim)?),
-            ],
-        )
-    }
-
-    fn argmax(
-        &self,
-        out: DevicePtr,
-        x: DevicePtr,
-        rows: usize,
-        cols: usize,
-    ) -> Result<(), DeviceError> {
-        per_row(
-            self,
-            ARGMAX,
-            rows,
-            &[ptr(out), ptr(x), KernelArg::U32(u32_of(cols)?)],
-        )
-    }
-
-    fn increment(&self, pos: DevicePtr, limit: i32) -> Result<(), DeviceError> {
-        let m = module(self)?;
-        self.launch_function(
-            &m,
-            INCREMENT,
-            (1, 1, 1),
-            (1, 1, 1),
-            0,
-            &[ptr(pos), KernelArg::I32(limit)],
-        )
+            &args,
+        )?)
     }
 }
 

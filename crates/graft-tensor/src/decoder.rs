@@ -23,7 +23,7 @@ use graft_core::{
 use rand::rngs::Xoshiro256PlusPlus;
 use rand::{RngExt, SeedableRng};
 
-use crate::backend::{Backend, Ops};
+use crate::backend::Backend;
 use crate::error::{Result, TensorError};
 use crate::ops;
 use crate::tensor::{Alloc, DType, EagerAlloc, Keep, Meta, Tensor};
@@ -262,9 +262,11 @@ impl Weights {
     }
 }
 
-/// The decoder: configuration and weights (one static arena from [`Graft::alloc`]).
+/// The decoder: configuration, weights (one static arena from [`Graft::alloc`]) and the
+/// device's kernels, loaded when it is built and unloaded when it is dropped.
 pub struct Decoder<D: Backend> {
     device: D,
+    kernels: D::Ops,
     config: DecoderConfig,
     layout: Layout,
     arena: Tensor,
@@ -416,7 +418,8 @@ impl<D: Device> RawGraph<D> {
 impl<D: Backend> Decoder<D> {
     /// Builds the model with random weights from `seed` in one arena allocated through
     /// `alloc` (e.g. a [`Graft`], whose [`Graft::alloc`] memory lives across steps) and marked
-    /// static, and gets the backend ready ([`Ops::prepare`]: kernels, cuBLAS).
+    /// static, and loads the device's kernels ([`Backend::load_ops`]: compiled once, with
+    /// cuBLAS set up, so nothing is created during a capture).
     pub fn new<A: EagerAlloc<D> + ?Sized>(
         alloc: &mut A,
         config: DecoderConfig,
@@ -424,7 +427,7 @@ impl<D: Backend> Decoder<D> {
     ) -> Result<Decoder<D>> {
         config.validate()?;
         let device = alloc.device().clone();
-        device.queue().prepare()?;
+        let kernels = device.load_ops()?;
         let (layout, init) = layout_of(&config);
         let mut host = vec![0.0f32; layout.total];
         let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
@@ -444,6 +447,7 @@ impl<D: Backend> Decoder<D> {
         let weights = Weights::views(&arena, &layout, config.layers)?;
         Ok(Decoder {
             device,
+            kernels,
             config,
             layout,
             arena,
@@ -694,38 +698,40 @@ impl<D: Backend> Decoder<D> {
         kv: &[(Tensor, Tensor)],
     ) -> Result<Tensor> {
         let c = &self.config;
+        let k = &self.kernels;
         let first = w
             .layers
             .first()
             .map_or((&w.lnf_g, &w.lnf_b), |l| (&l.ln1_g, &l.ln1_b));
         let (mut x, mut h) = ops::embed_norm(
-            cx, tokens, &w.tok_emb, &w.pos_emb, pos, first.0, first.1, c.eps,
+            k, cx, tokens, &w.tok_emb, &w.pos_emb, pos, first.0, first.1, c.eps,
         )?;
         // Biases ride in the kernel after each product (attention, the residual add + norm,
         // the argmax), so a product is one GEMM; only the MLP's GELU needs its own epilogue.
         for (i, (l, (k_cache, v_cache))) in w.layers.iter().zip(kv).enumerate() {
-            let qkv = ops::linear(cx, &h, &l.wqkv, None, None, false)?;
+            let qkv = ops::linear(k, cx, &h, &l.wqkv, None, None, false)?;
             drop(h);
-            let a = ops::attention_step(cx, &qkv, Some(&l.bqkv), k_cache, v_cache, pos, c.heads)?;
+            let a =
+                ops::attention_step(k, cx, &qkv, Some(&l.bqkv), k_cache, v_cache, pos, c.heads)?;
             drop(qkv);
-            let o = ops::linear(cx, &a, &l.wo, None, None, false)?;
+            let o = ops::linear(k, cx, &a, &l.wo, None, None, false)?;
             drop(a);
-            let (x1, h2) = ops::add_norm(cx, &x, &o, Some(&l.bo), &l.ln2_g, &l.ln2_b, c.eps)?;
+            let (x1, h2) = ops::add_norm(k, cx, &x, &o, Some(&l.bo), &l.ln2_g, &l.ln2_b, c.eps)?;
             drop(o);
-            let g = ops::linear(cx, &h2, &l.w1, Some(&l.b1), None, true)?;
+            let g = ops::linear(k, cx, &h2, &l.w1, Some(&l.b1), None, true)?;
             drop(h2);
-            let f = ops::linear(cx, &g, &l.w2, None, None, false)?;
+            let f = ops::linear(k, cx, &g, &l.w2, None, None, false)?;
             drop(g);
             let (gamma, beta) = match w.layers.get(i + 1) {
                 Some(n) => (&n.ln1_g, &n.ln1_b),
                 None => (&w.lnf_g, &w.lnf_b),
             };
-            (x, h) = ops::add_norm(cx, &x1, &f, Some(&l.b2), gamma, beta, c.eps)?;
+            (x, h) = ops::add_norm(k, cx, &x1, &f, Some(&l.b2), gamma, beta, c.eps)?;
         }
         drop(x);
-        let logits = ops::linear(cx, &h, &w.lm_w, None, None, false)?;
+        let logits = ops::linear(k, cx, &h, &w.lm_w, None, None, false)?;
         drop(h);
-        let next = ops::argmax_step(cx, &logits, Some(&w.lm_b), pos, c.ctx as i32)?;
+        let next = ops::argmax_step(k, cx, &logits, Some(&w.lm_b), pos, c.ctx as i32)?;
         Ok(next)
     }
 }

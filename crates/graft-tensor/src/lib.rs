@@ -6,12 +6,14 @@
 //!   [`Ctx`](graft_core::Ctx) (graft's pool, so the tree can reuse memory); eagerly a
 //!   [`Graft`](graft_core::Graft) ([`Graft::alloc`](graft_core::Graft::alloc), its caching
 //!   eager pool); [`Keep`] to hold on to everything a raw captured graph uses.
-//! - [`Ops`]: the backend, the kernels of a decoder step on raw addresses, implemented for
-//!   the simulator ([`graft_sim::SimDevice`]: host loops in recorded closures) and for CUDA
-//!   ([`graft_cuda::CudaDevice`]: NVRTC kernels and cuBLAS, through graft-cuda's safe API).
-//! - [`ops`]: the tensor operations (embedding, position add, add, layer norm, matmul with
-//!   bias, GELU, masked softmax, single-token attention over a KV cache at a device-held
-//!   position, KV write, argmax, position increment), shape-checked, on any backend.
+//! - [`Ops`]: the kernels of a decoder step, held by a value bound to one device that the
+//!   caller makes with [`Backend::load_ops`] and keeps (dropping it unloads them): [`SimOps`]
+//!   on the simulator (host loops in recorded closures), [`CudaOps`] on CUDA (NVRTC kernels
+//!   and cuBLAS, through graft-cuda's safe API).
+//! - [`ops`]: the tensor operations the decoder uses (fused embedding + norm, linear with
+//!   bias, GELU and residual, residual add + norm, single-token attention over a KV cache at
+//!   a device-held position, argmax + position increment) and an elementwise add,
+//!   shape-checked, on any backend.
 //! - [`Decoder`]: the benchmark decoder, stepped through graft ([`Decoder::step_graft`]),
 //!   eagerly ([`Decoder::step_eager`]) or as one raw graph ([`Decoder::capture_raw`]).
 //!
@@ -28,12 +30,13 @@ mod sim;
 mod tensor;
 
 pub use backend::{
-    AddNormArgs, AttnDims, Backend, CacheDims, EmbedDims, EmbedNormArgs, GatherDims, LinearArgs,
-    MatmulDims, NormDims, Ops, PositionDims, SoftmaxDims,
+    AddNormArgs, ArgmaxArgs, AttentionArgs, AttnDims, Backend, EmbedDims, EmbedNormArgs,
+    LinearArgs, MatmulDims, NormDims, Ops,
 };
-pub use cuda::{KERNEL_NAMES, KERNELS_CU};
+pub use cuda::{CudaOps, KERNEL_NAMES, KERNELS_CU};
 pub use decoder::{BUCKETS, Decoder, DecoderConfig, KvState, RawGraph, bucket_for};
 pub use error::{Result, TensorError};
+pub use sim::SimOps;
 pub use tensor::{Alloc, DType, EagerAlloc, Keep, Meta, Tensor, numel};
 
 /// GELU with the tanh approximation on the host, as the kernels compute it (for references).

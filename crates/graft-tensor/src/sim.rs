@@ -1,30 +1,32 @@
-//! [`Ops`] on the simulator: each op is one [`SimQueue::launch_kernel`] whose closure is a
-//! plain host loop over simulated memory.
+//! [`Ops`] on the simulator ([`SimOps`]): each op is one [`SimQueue::launch_kernel`] whose
+//! closure is a plain host loop over simulated memory.
 //!
 //! The closures capture only addresses and sizes, and read everything else (operands, the
 //! device position) from memory when they run: during a capture they are recorded, and every
 //! replay runs them again against the memory as it is then, as a GPU graph would.
 
-use graft_core::{DeviceError, DevicePtr};
-use graft_sim::{SimMemory, SimQueue};
+use graft_core::{Device, DeviceError, DevicePtr};
+use graft_sim::{SimDevice, SimMemory, SimQueue};
 
 use crate::backend::{
-    AddNormArgs, AttnDims, CacheDims, EmbedDims, EmbedNormArgs, GatherDims, LinearArgs, MatmulDims,
-    NormDims, Ops, PositionDims, SoftmaxDims,
+    AddNormArgs, ArgmaxArgs, AttentionArgs, AttnDims, Backend, EmbedDims, EmbedNormArgs,
+    LinearArgs, MatmulDims, NormDims, Ops,
 };
+use crate::error::Result;
+use crate::tensor::Tensor;
 
-fn f32s(m: &SimMemory, p: DevicePtr, n: usize) -> Result<Vec<f32>, DeviceError> {
+fn f32s(m: &SimMemory, p: DevicePtr, n: usize) -> std::result::Result<Vec<f32>, DeviceError> {
     m.f32s(p, n)
 }
 
-fn i32s(m: &SimMemory, p: DevicePtr, n: usize) -> Result<Vec<i32>, DeviceError> {
+fn i32s(m: &SimMemory, p: DevicePtr, n: usize) -> std::result::Result<Vec<i32>, DeviceError> {
     let mut v = vec![0i32; n];
     m.read_i32(p, &mut v)?;
     Ok(v)
 }
 
 /// The device position at `pos`, clamped into `0..len` (`len > 0`).
-fn position(m: &SimMemory, pos: DevicePtr, len: usize) -> Result<usize, DeviceError> {
+fn position(m: &SimMemory, pos: DevicePtr, len: usize) -> std::result::Result<usize, DeviceError> {
     let mut p = [0i32];
     m.read_i32(pos, &mut p)?;
     Ok((p[0].max(0) as usize).min(len.saturating_sub(1)))
@@ -90,286 +92,115 @@ fn argmax_rows(v: &[f32], rows: usize, cols: usize) -> Vec<i32> {
         .collect()
 }
 
-fn increment_at(m: &mut SimMemory, pos: DevicePtr, limit: i32) -> Result<(), DeviceError> {
+fn increment_at(
+    m: &mut SimMemory,
+    pos: DevicePtr,
+    limit: i32,
+) -> std::result::Result<(), DeviceError> {
     let mut p = [0i32];
     m.read_i32(pos, &mut p)?;
     m.write_i32(pos, &[p[0].saturating_add(1).min(limit)])
 }
 
-impl Ops for SimQueue {
-    fn write(&self, dst: DevicePtr, src: &[u8]) -> Result<(), DeviceError> {
-        SimQueue::write(self, dst, src)
+/// The decoder's kernels on a simulated device: host loops launched on its queue.
+#[derive(Clone, Debug)]
+pub struct SimOps {
+    queue: SimQueue,
+}
+
+impl SimOps {
+    /// The kernels on `queue`'s device (nothing to compile).
+    pub fn new(queue: &SimQueue) -> SimOps {
+        SimOps {
+            queue: queue.clone(),
+        }
     }
 
-    fn prepare(&self) -> Result<(), DeviceError> {
-        Ok(())
+    /// The address of `t`'s first element, checked to be memory of this device that `t`'s
+    /// buffer still owns.
+    fn at(&self, t: &Tensor) -> Result<DevicePtr> {
+        Ok(self.queue.buffer_addr(t.buffer(), t.offset(), t.bytes())?)
     }
 
-    fn embedding(
-        &self,
-        out: DevicePtr,
-        ids: DevicePtr,
-        table: DevicePtr,
-        d: GatherDims,
-    ) -> Result<(), DeviceError> {
-        self.launch_kernel("embedding", move |m| {
-            let ids = i32s(m, ids, d.rows)?;
-            let mut o = vec![0.0f32; d.rows * d.dim];
-            for (r, &id) in ids.iter().enumerate() {
-                if id >= 0 && (id as usize) < d.vocab {
-                    let row = f32s(m, table.offset(id as usize * d.dim * 4), d.dim)?;
-                    o[r * d.dim..(r + 1) * d.dim].copy_from_slice(&row);
-                }
-            }
-            m.write_f32(out, &o)
-        })
+    /// The address of `t`'s first element, if there is a `t`.
+    fn opt(&self, t: Option<&Tensor>) -> Result<Option<DevicePtr>> {
+        t.map(|t| self.at(t)).transpose()
+    }
+}
+
+impl Backend for SimDevice {
+    type Ops = SimOps;
+
+    fn load_ops(&self) -> std::result::Result<SimOps, DeviceError> {
+        Ok(SimOps::new(self.queue()))
+    }
+}
+
+impl Ops for SimOps {
+    fn add(&self, out: &Tensor, a: &Tensor, b: &Tensor) -> Result<()> {
+        let n = out.numel();
+        let (out, a, b) = (self.at(out)?, self.at(a)?, self.at(b)?);
+        Ok(self
+            .queue
+            .launch_kernel("add", move |m| m.zip_f32(out, a, b, n, |x, y| x + y))?)
     }
 
-    fn add_position(
-        &self,
-        out: DevicePtr,
-        x: DevicePtr,
-        table: DevicePtr,
-        pos: DevicePtr,
-        d: PositionDims,
-    ) -> Result<(), DeviceError> {
-        self.launch_kernel("add_position", move |m| {
-            let p = position(m, pos, d.ctx)?;
-            let row = f32s(m, table.offset(p * d.dim * 4), d.dim)?;
-            let mut v = f32s(m, x, d.rows * d.dim)?;
-            for chunk in v.chunks_exact_mut(d.dim.max(1)) {
-                for (a, b) in chunk.iter_mut().zip(&row) {
-                    *a += b;
-                }
-            }
-            m.write_f32(out, &v)
-        })
-    }
-
-    fn add(&self, out: DevicePtr, a: DevicePtr, b: DevicePtr, n: usize) -> Result<(), DeviceError> {
-        self.launch_kernel("add", move |m| m.zip_f32(out, a, b, n, |x, y| x + y))
-    }
-
-    fn layer_norm(
-        &self,
-        out: DevicePtr,
-        x: DevicePtr,
-        gamma: DevicePtr,
-        beta: DevicePtr,
-        d: NormDims,
-    ) -> Result<(), DeviceError> {
-        self.launch_kernel("layer_norm", move |m| {
-            let g = f32s(m, gamma, d.dim)?;
-            let b = f32s(m, beta, d.dim)?;
-            let mut v = f32s(m, x, d.rows * d.dim)?;
-            norm_rows(&mut v, &g, &b, d.dim, d.eps);
-            m.write_f32(out, &v)
-        })
-    }
-
-    fn gelu(&self, out: DevicePtr, x: DevicePtr, n: usize) -> Result<(), DeviceError> {
-        self.launch_kernel("gelu", move |m| m.map_f32(out, x, n, gelu_tanh))
-    }
-
-    fn masked_softmax(
-        &self,
-        out: DevicePtr,
-        x: DevicePtr,
-        pos: DevicePtr,
-        d: SoftmaxDims,
-    ) -> Result<(), DeviceError> {
-        self.launch_kernel("masked_softmax", move |m| {
-            if d.rows == 0 || d.cols == 0 {
-                return Ok(());
-            }
-            let valid = position(m, pos, d.cols)? + 1;
-            let mut v = f32s(m, x, d.rows * d.cols)?;
-            for row in v.chunks_exact_mut(d.cols) {
-                let (live, masked) = row.split_at_mut(valid);
-                let max = live.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let mut sum = 0.0f32;
-                for e in live.iter_mut() {
-                    *e = (*e - max).exp();
-                    sum += *e;
-                }
-                for e in live.iter_mut() {
-                    *e /= sum;
-                }
-                masked.fill(0.0);
-            }
-            m.write_f32(out, &v)
-        })
-    }
-
-    fn attention_scores(
-        &self,
-        out: DevicePtr,
-        q: DevicePtr,
-        k_cache: DevicePtr,
-        pos: DevicePtr,
-        d: AttnDims,
-    ) -> Result<(), DeviceError> {
-        self.launch_kernel("attention_scores", move |m| {
-            if d.ctx == 0 {
-                return Ok(());
-            }
-            let dm = d.model_dim();
-            let p = position(m, pos, d.ctx)?;
-            let qs = f32s(m, q, d.batch * dm)?;
-            let mut o = vec![0.0f32; d.batch * d.heads * d.ctx];
-            for b in 0..d.batch {
-                let ks = f32s(m, k_cache.offset(b * d.ctx * dm * 4), (p + 1) * dm)?;
-                for h in 0..d.heads {
-                    let qh = &qs[b * dm + h * d.head_dim..][..d.head_dim];
-                    for j in 0..=p {
-                        let kh = &ks[j * dm + h * d.head_dim..][..d.head_dim];
-                        let dot: f32 = qh.iter().zip(kh).map(|(a, b)| a * b).sum();
-                        o[(b * d.heads + h) * d.ctx + j] = dot * d.scale;
-                    }
-                }
-            }
-            m.write_f32(out, &o)
-        })
-    }
-
-    fn attention_values(
-        &self,
-        out: DevicePtr,
-        probs: DevicePtr,
-        v_cache: DevicePtr,
-        pos: DevicePtr,
-        d: AttnDims,
-    ) -> Result<(), DeviceError> {
-        self.launch_kernel("attention_values", move |m| {
-            if d.ctx == 0 {
-                return Ok(());
-            }
-            let dm = d.model_dim();
-            let p = position(m, pos, d.ctx)?;
-            let ps = f32s(m, probs, d.batch * d.heads * d.ctx)?;
-            let mut o = vec![0.0f32; d.batch * dm];
-            for b in 0..d.batch {
-                let vs = f32s(m, v_cache.offset(b * d.ctx * dm * 4), (p + 1) * dm)?;
-                for h in 0..d.heads {
-                    let oh = &mut o[b * dm + h * d.head_dim..][..d.head_dim];
-                    for j in 0..=p {
-                        let w = ps[(b * d.heads + h) * d.ctx + j];
-                        let vh = &vs[j * dm + h * d.head_dim..][..d.head_dim];
-                        for (a, v) in oh.iter_mut().zip(vh) {
-                            *a += w * v;
-                        }
-                    }
-                }
-            }
-            m.write_f32(out, &o)
-        })
-    }
-
-    fn kv_write(
-        &self,
-        cache: DevicePtr,
-        x: DevicePtr,
-        pos: DevicePtr,
-        d: CacheDims,
-    ) -> Result<(), DeviceError> {
-        self.launch_kernel("kv_write", move |m| {
-            if d.ctx == 0 {
-                return Ok(());
-            }
-            let p = position(m, pos, d.ctx)?;
-            let xs = f32s(m, x, d.batch * d.dim)?;
-            for b in 0..d.batch {
-                let dst = cache.offset((b * d.ctx + p) * d.dim * 4);
-                m.write_f32(dst, &xs[b * d.dim..(b + 1) * d.dim])?;
-            }
-            Ok(())
-        })
-    }
-
-    fn argmax(
-        &self,
-        out: DevicePtr,
-        x: DevicePtr,
-        rows: usize,
-        cols: usize,
-    ) -> Result<(), DeviceError> {
-        self.launch_kernel("argmax", move |m| {
-            let v = f32s(m, x, rows * cols)?;
-            m.write_i32(out, &argmax_rows(&v, rows, cols))
-        })
-    }
-
-    fn argmax_step(
-        &self,
-        out: DevicePtr,
-        x: DevicePtr,
-        bias: Option<DevicePtr>,
-        rows: usize,
-        cols: usize,
-        pos: DevicePtr,
-        limit: i32,
-    ) -> Result<(), DeviceError> {
-        self.launch_kernel("argmax_step", move |m| {
-            let mut v = f32s(m, x, rows * cols)?;
-            if let Some(b) = bias {
-                let bs = f32s(m, b, cols)?;
-                for row in v.chunks_exact_mut(cols.max(1)) {
-                    row.iter_mut().zip(&bs).for_each(|(v, b)| *v += b);
-                }
-            }
-            m.write_i32(out, &argmax_rows(&v, rows, cols))?;
-            increment_at(m, pos, limit)
-        })
-    }
-
-    fn linear(&self, a: LinearArgs, d: MatmulDims) -> Result<(), DeviceError> {
-        self.launch_kernel("linear", move |m| {
-            let xs = f32s(m, a.x, d.rows * d.k)?;
-            let ws = f32s(m, a.w, d.k * d.n)?;
-            let bs = a.bias.map(|b| f32s(m, b, d.n)).transpose()?;
+    fn linear(&self, a: LinearArgs<'_>, d: MatmulDims) -> Result<()> {
+        let (out, x, w) = (self.at(a.out)?, self.at(a.x)?, self.at(a.w)?);
+        let (bias, residual, gelu) = (self.opt(a.bias)?, self.opt(a.residual)?, a.gelu);
+        Ok(self.queue.launch_kernel("linear", move |m| {
+            let xs = f32s(m, x, d.rows * d.k)?;
+            let ws = f32s(m, w, d.k * d.n)?;
+            let bs = bias.map(|b| f32s(m, b, d.n)).transpose()?;
             let mut o = host_linear(&xs, &ws, bs.as_deref(), d);
-            if a.gelu {
+            if gelu {
                 o.iter_mut().for_each(|v| *v = gelu_tanh(*v));
             }
-            if let Some(r) = a.residual {
+            if let Some(r) = residual {
                 let rs = f32s(m, r, d.rows * d.n)?;
                 o.iter_mut().zip(&rs).for_each(|(v, r)| *v += r);
             }
-            m.write_f32(a.out, &o)
-        })
+            m.write_f32(out, &o)
+        })?)
     }
 
-    fn embed_norm(&self, a: EmbedNormArgs, d: EmbedDims) -> Result<(), DeviceError> {
-        self.launch_kernel("embed_norm", move |m| {
+    fn embed_norm(&self, a: EmbedNormArgs<'_>, d: EmbedDims) -> Result<()> {
+        let (x_out, h_out, ids) = (self.at(a.x)?, self.at(a.h)?, self.at(a.ids)?);
+        let (table, pos_table, pos) = (self.at(a.table)?, self.at(a.pos_table)?, self.at(a.pos)?);
+        let (gamma, beta) = (self.at(a.gamma)?, self.at(a.beta)?);
+        Ok(self.queue.launch_kernel("embed_norm", move |m| {
             if d.ctx == 0 {
                 return Ok(());
             }
-            let ids = i32s(m, a.ids, d.rows)?;
-            let p = position(m, a.pos, d.ctx)?;
-            let prow = f32s(m, a.pos_table.offset(p * d.dim * 4), d.dim)?;
+            let ids = i32s(m, ids, d.rows)?;
+            let p = position(m, pos, d.ctx)?;
+            let prow = f32s(m, pos_table.offset(p * d.dim * 4), d.dim)?;
             let mut x = vec![0.0f32; d.rows * d.dim];
             for (r, &id) in ids.iter().enumerate() {
                 let xr = &mut x[r * d.dim..(r + 1) * d.dim];
                 if id >= 0 && (id as usize) < d.vocab {
-                    let row = f32s(m, a.table.offset(id as usize * d.dim * 4), d.dim)?;
+                    let row = f32s(m, table.offset(id as usize * d.dim * 4), d.dim)?;
                     xr.copy_from_slice(&row);
                 }
                 xr.iter_mut().zip(&prow).for_each(|(v, p)| *v += p);
             }
-            m.write_f32(a.x, &x)?;
-            let g = f32s(m, a.gamma, d.dim)?;
-            let b = f32s(m, a.beta, d.dim)?;
+            m.write_f32(x_out, &x)?;
+            let g = f32s(m, gamma, d.dim)?;
+            let b = f32s(m, beta, d.dim)?;
             norm_rows(&mut x, &g, &b, d.dim, d.eps);
-            m.write_f32(a.h, &x)
-        })
+            m.write_f32(h_out, &x)
+        })?)
     }
 
-    fn add_norm(&self, a: AddNormArgs, d: NormDims) -> Result<(), DeviceError> {
-        self.launch_kernel("add_norm", move |m| {
+    fn add_norm(&self, a: AddNormArgs<'_>, d: NormDims) -> Result<()> {
+        let (x_out, h_out) = (self.at(a.x_out)?, self.at(a.h)?);
+        let (x, upd, bias) = (self.at(a.x)?, self.at(a.a)?, self.opt(a.bias)?);
+        let (gamma, beta) = (self.at(a.gamma)?, self.at(a.beta)?);
+        Ok(self.queue.launch_kernel("add_norm", move |m| {
             let n = d.rows * d.dim;
-            let xs = f32s(m, a.x, n)?;
-            let mut v = f32s(m, a.a, n)?;
-            let bs = a.bias.map(|b| f32s(m, b, d.dim)).transpose()?;
+            let xs = f32s(m, x, n)?;
+            let mut v = f32s(m, upd, n)?;
+            let bs = bias.map(|b| f32s(m, b, d.dim)).transpose()?;
             for (row, xr) in v
                 .chunks_exact_mut(d.dim.max(1))
                 .zip(xs.chunks_exact(d.dim.max(1)))
@@ -378,26 +209,18 @@ impl Ops for SimQueue {
                     *v = x + (*v + bs.as_ref().map_or(0.0, |b| b[c]));
                 }
             }
-            m.write_f32(a.x_out, &v)?;
-            let g = f32s(m, a.gamma, d.dim)?;
-            let b = f32s(m, a.beta, d.dim)?;
+            m.write_f32(x_out, &v)?;
+            let g = f32s(m, gamma, d.dim)?;
+            let b = f32s(m, beta, d.dim)?;
             norm_rows(&mut v, &g, &b, d.dim, d.eps);
-            m.write_f32(a.h, &v)
-        })
+            m.write_f32(h_out, &v)
+        })?)
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn attention_step(
-        &self,
-        out: DevicePtr,
-        qkv: DevicePtr,
-        bias: Option<DevicePtr>,
-        k_cache: DevicePtr,
-        v_cache: DevicePtr,
-        pos: DevicePtr,
-        d: AttnDims,
-    ) -> Result<(), DeviceError> {
-        self.launch_kernel("attention_step", move |m| {
+    fn attention_step(&self, a: AttentionArgs<'_>, d: AttnDims) -> Result<()> {
+        let (out, qkv, bias) = (self.at(a.out)?, self.at(a.qkv)?, self.opt(a.bias)?);
+        let (k_cache, v_cache, pos) = (self.at(a.k_cache)?, self.at(a.v_cache)?, self.at(a.pos)?);
+        Ok(self.queue.launch_kernel("attention_step", move |m| {
             if d.ctx == 0 {
                 return Ok(());
             }
@@ -441,10 +264,26 @@ impl Ops for SimQueue {
                 }
             }
             m.write_f32(out, &o)
-        })
+        })?)
     }
 
-    fn increment(&self, pos: DevicePtr, limit: i32) -> Result<(), DeviceError> {
-        self.launch_kernel("increment", move |m| increment_at(m, pos, limit))
+    fn argmax_step(&self, a: ArgmaxArgs<'_>, rows: usize, cols: usize, limit: i32) -> Result<()> {
+        let (out, x, bias, pos) = (
+            self.at(a.out)?,
+            self.at(a.x)?,
+            self.opt(a.bias)?,
+            self.at(a.pos)?,
+        );
+        Ok(self.queue.launch_kernel("argmax_step", move |m| {
+            let mut v = f32s(m, x, rows * cols)?;
+            if let Some(b) = bias {
+                let bs = f32s(m, b, cols)?;
+                for row in v.chunks_exact_mut(cols.max(1)) {
+                    row.iter_mut().zip(&bs).for_each(|(v, b)| *v += b);
+                }
+            }
+            m.write_i32(out, &argmax_rows(&v, rows, cols))?;
+            increment_at(m, pos, limit)
+        })?)
     }
 }

@@ -299,12 +299,10 @@ impl Tensor {
     }
 }
 
-/// Where ops get their memory and their queue: inside a graft body the [`Ctx`] (graft's
-/// pool), eagerly a [`Graft`] (its eager caching pool, [`Graft::alloc`]), or a [`Keep`]
-/// wrapper that holds on to everything it hands out (for capturing a raw graph).
+/// Where ops get their memory: inside a graft body the [`Ctx`] (graft's pool), eagerly a
+/// [`Graft`] (its eager caching pool, [`Graft::alloc`]), or a [`Keep`] wrapper that holds on
+/// to everything it hands out (for capturing a raw graph).
 pub trait Alloc<D: Device> {
-    /// The queue to launch on (the device's runtime stream, as a body sees it).
-    fn queue(&self) -> &D::Queue;
     /// `bytes` of device memory.
     fn alloc(&mut self, bytes: usize) -> Result<Buffer>;
 }
@@ -317,20 +315,12 @@ pub trait EagerAlloc<D: Device>: Alloc<D> {
 }
 
 impl<D: Device> Alloc<D> for Ctx<'_, D> {
-    fn queue(&self) -> &D::Queue {
-        Ctx::queue(self)
-    }
-
     fn alloc(&mut self, bytes: usize) -> Result<Buffer> {
         Ok(Ctx::alloc(self, bytes)?)
     }
 }
 
 impl<D: Device, M: Clone> Alloc<D> for Graft<D, M> {
-    fn queue(&self) -> &D::Queue {
-        Graft::device(self).queue()
-    }
-
     fn alloc(&mut self, bytes: usize) -> Result<Buffer> {
         Ok(Graft::alloc(self, bytes)?)
     }
@@ -368,10 +358,6 @@ impl<'a, D: Device, A: Alloc<D> + ?Sized> Keep<'a, D, A> {
 }
 
 impl<D: Device, A: Alloc<D> + ?Sized> Alloc<D> for Keep<'_, D, A> {
-    fn queue(&self) -> &D::Queue {
-        self.inner.queue()
-    }
-
     fn alloc(&mut self, bytes: usize) -> Result<Buffer> {
         let b = self.inner.alloc(bytes)?;
         self.kept.push(b.clone());
