@@ -217,17 +217,17 @@ fn errors_in_drop_reach_the_next_call() {
     for _ in 0..2 {
         g.call(f, &[&x], &[], affine(1.0, 0.0, &runs)).unwrap();
     }
-    dev.fail_next_graph_destroy();
-    let err = g.reset().unwrap_err();
-    assert!(
+    let destroy_failed = |err: &MemoryError| {
         matches!(
             err,
             MemoryError::Device(DeviceError::Injected {
                 op: DeviceOp::GraphDestroy
             })
-        ),
-        "{err}"
-    );
+        )
+    };
+    dev.fail_next_graph_destroy();
+    let err = g.reset().unwrap_err();
+    assert!(destroy_failed(&err), "{err}");
     // Taken once: the next call works.
     g.call(f, &[&x], &[], affine(1.0, 0.0, &runs)).unwrap();
     // Closing the runtime returns a failure to destroy a graph.
@@ -236,15 +236,7 @@ fn errors_in_drop_reach_the_next_call() {
     }
     dev.fail_next_graph_destroy();
     let err = g.close().unwrap_err();
-    assert!(
-        matches!(
-            err,
-            MemoryError::Device(DeviceError::Injected {
-                op: DeviceOp::GraphDestroy
-            })
-        ),
-        "{err}"
-    );
+    assert!(destroy_failed(&err), "{err}");
     // Dropping one logs it (nobody is left to return it to) and leaves nothing behind for the
     // next runtime on the device.
     let mut g: Graft<SimDevice, u32> = Graft::new(dev.clone(), Config::default());

@@ -156,7 +156,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
     pub fn reset(&mut self) -> Result<(), MemoryError> {
         let _span = tracing::info_span!("reset").entered();
         let synced = self.device.synchronize();
-        self.invalidate_graph_memory();
+        self.invalidate_graph_memory(Cell::invalidate_reset);
         self.nodes.clear();
         self.roots.iter_mut().for_each(Vec::clear);
         self.rerecords.clear();
@@ -180,19 +180,18 @@ impl<D: Device, M: Clone> Graft<D, M> {
         Ok(())
     }
 
-    fn invalidate_graph_memory(&mut self) {
+    /// Invalidates every graph-pool buffer graft handed out (node outputs, their spares,
+    /// warmup and intermediate cells) with `invalidate`, and forgets the loose cells.
+    fn invalidate_graph_memory(&mut self, invalidate: fn(&Cell)) {
         for node in self.nodes.values() {
             for o in &node.outputs {
                 if let OutputSlot::Tracked { cell, spares } = &o.slot {
-                    cell.invalidate_reset();
-                    spares.iter().for_each(|c| c.invalidate_reset());
+                    invalidate(cell);
+                    spares.iter().for_each(|c| invalidate(c));
                 }
             }
         }
-        self.loose
-            .cells
-            .drain(..)
-            .for_each(|c| c.invalidate_reset());
+        self.loose.cells.drain(..).for_each(|c| invalidate(&c));
     }
 
     /// Closes the runtime: waits for the device, invalidates every buffer it handed out
@@ -206,18 +205,10 @@ impl<D: Device, M: Clone> Graft<D, M> {
     /// What `close` and `Drop` do. Running it twice is harmless: the second finds nothing.
     fn teardown(&mut self) -> Result<(), MemoryError> {
         let synced = self.device.synchronize();
-        for node in self.nodes.values() {
-            for o in &node.outputs {
-                if let OutputSlot::Tracked { cell, spares } = &o.slot {
-                    cell.invalidate_dropped();
-                    spares.iter().for_each(|c| c.invalidate_dropped());
-                }
-            }
-        }
-        self.loose
+        self.invalidate_graph_memory(Cell::invalidate_dropped);
+        self.eager_cells
             .cells
             .drain(..)
-            .chain(self.eager_cells.cells.drain(..))
             .for_each(|c| c.invalidate_dropped());
         // Graph destruction reports failures to the sticky slot: taken below.
         self.nodes.clear();
