@@ -18,7 +18,10 @@ mod lifecycle;
 mod memory;
 mod plan;
 // Its inspection surface (`testing`) is only reachable with the test-support feature.
-#[cfg_attr(not(feature = "test-support"), allow(unreachable_pub, dead_code))]
+#[cfg_attr(
+    not(feature = "test-support"),
+    allow(unreachable_pub, dead_code, unused_imports)
+)]
 mod pool;
 mod reason;
 mod record;
