@@ -381,6 +381,7 @@ impl SimQueue {
     /// Enqueues a kernel on a second stream. When idle it runs now. During a capture it forks
     /// work off the capture that this simulator never joins back, so the capture's
     /// [`Device::end_capture`] fails with [`CaptureViolation::Unjoined`].
+    #[cfg(feature = "test-support")]
     pub fn launch_kernel_on_side_stream<F>(
         &self,
         name: &'static str,
@@ -404,6 +405,7 @@ impl SimQueue {
 
     /// A device allocation made by user code (`cudaMalloc`), outside graft's pool. Fails during
     /// a capture with [`CaptureViolation::Unsupported`] and invalidates it.
+    #[cfg(feature = "test-support")]
     pub fn raw_alloc(&self, bytes: usize) -> Result<DevicePtr, DeviceError> {
         let mut st = self.lock(DeviceOp::RawAlloc)?;
         st.forbid_in_capture(DeviceOp::RawAlloc)?;
@@ -417,6 +419,7 @@ impl SimQueue {
 
     /// Frees a [`SimQueue::raw_alloc`] allocation (`cudaFree`); `ptr` must be its start. Fails
     /// during a capture like [`SimQueue::raw_alloc`] (reported as [`DeviceOp::RawAlloc`]).
+    #[cfg(feature = "test-support")]
     pub fn raw_free(&self, ptr: DevicePtr) -> Result<(), DeviceError> {
         let mut st = self.lock(DeviceOp::RawAlloc)?;
         st.forbid_in_capture(DeviceOp::RawAlloc)?;
@@ -430,6 +433,7 @@ impl SimQueue {
 
     /// Whether all work on the stream has finished (`cudaStreamQuery`); always true here, since
     /// work runs when enqueued. Fails during a capture and invalidates it.
+    #[cfg(feature = "test-support")]
     pub fn query(&self) -> Result<bool, DeviceError> {
         let mut st = self.lock(DeviceOp::Query)?;
         st.forbid_in_capture(DeviceOp::Query)?;
@@ -437,6 +441,7 @@ impl SimQueue {
     }
 
     /// Reads `n` `f32`s from the device, synchronously (a [`Device::read`]).
+    #[cfg(feature = "test-support")]
     pub fn read_f32(&self, src: DevicePtr, n: usize) -> Result<Vec<f32>, DeviceError> {
         let mut st = self.lock(DeviceOp::Read)?;
         st.forbid_in_capture(DeviceOp::Read)?;
@@ -453,6 +458,7 @@ impl SimQueue {
     }
 
     /// Writes `values` to the device as `f32`s, synchronously (a [`Device::write`]).
+    #[cfg(feature = "test-support")]
     pub fn write_f32(&self, dst: DevicePtr, values: &[f32]) -> Result<(), DeviceError> {
         let mut st = self.lock(DeviceOp::Write)?;
         st.forbid_in_capture(DeviceOp::Write)?;

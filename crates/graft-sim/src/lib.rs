@@ -43,7 +43,6 @@
 
 mod device;
 mod graph;
-mod kernels;
 mod memory;
 
 pub use device::{CaptureStatus, SimDevice, SimQueue, SimStats};
