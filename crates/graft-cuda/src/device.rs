@@ -19,6 +19,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use cudarc::driver::sys;
+use graft_core::Buffer;
 use graft_core::backend::{
     CaptureMode, CopyEnds, Device, DeviceError, DeviceId, DeviceOp, DevicePtr, GraphSummary,
     StickyError,
@@ -546,7 +547,7 @@ impl CudaQueue {
                 len: usize::MAX,
             })?;
         let mut raw = vec![0u8; bytes];
-        self.read(src, &mut raw)?;
+        self.read_raw(src, &mut raw)?;
         Ok(raw
             .chunks_exact(F32_BYTES)
             .map(|c| f32::from_ne_bytes([c[0], c[1], c[2], c[3]]))
@@ -557,7 +558,7 @@ impl CudaQueue {
     #[cfg(feature = "test-support")]
     pub fn write_f32(&self, dst: DevicePtr, values: &[f32]) -> Result<(), DeviceError> {
         let raw: Vec<u8> = values.iter().flat_map(|v| v.to_ne_bytes()).collect();
-        self.write(dst, &raw)
+        self.write_raw(dst, &raw)
     }
 
     /// Joins the side stream back: the runtime stream waits for the side stream's work so far
@@ -577,9 +578,37 @@ impl CudaQueue {
         })
     }
 
+    /// Copies the first `bytes` of `src` to the start of `dst` on the runtime stream (recorded
+    /// when capturing), like [`Device::copy`] but on graft buffers: both are checked to be
+    /// this device's, still valid and at least `bytes` long ([`Buffer::device_addr`]) before
+    /// anything is enqueued (`InvalidArgument`, `InvalidBuffer`); overlapping ranges fail with
+    /// `OverlappingCopy`.
+    pub fn copy(&self, dst: &Buffer, src: &Buffer, bytes: usize) -> Result<(), DeviceError> {
+        let op = DeviceOp::Copy;
+        let dst = dst.device_addr(op, self.inner.id, 0, bytes)?;
+        let src = src.device_addr(op, self.inner.id, 0, bytes)?;
+        self.copy_raw(dst, src, bytes)
+    }
+
+    /// Writes `src` to the start of `dst`, synchronously, like [`Device::write`] but on a
+    /// graft buffer, checked as [`Self::copy`] checks its buffers. Fails during a capture.
+    pub fn write(&self, dst: &Buffer, src: &[u8]) -> Result<(), DeviceError> {
+        let dst = dst.device_addr(DeviceOp::Write, self.inner.id, 0, src.len())?;
+        self.write_raw(dst, src)
+    }
+
+    /// Reads the first `dst.len()` bytes of `src` into `dst`, synchronously, like
+    /// [`Device::read`] but on a graft buffer, checked as [`Self::copy`] checks its buffers.
+    /// Fails during a capture.
+    pub fn read(&self, src: &Buffer, dst: &mut [u8]) -> Result<(), DeviceError> {
+        let src = src.device_addr(DeviceOp::Read, self.inner.id, 0, dst.len())?;
+        self.read_raw(src, dst)
+    }
+
     /// `cuMemcpyDtoDAsync` on the runtime stream. Overlapping ranges are rejected before CUDA
-    /// sees them; a zero-byte copy does nothing.
-    pub fn copy(&self, dst: DevicePtr, src: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
+    /// sees them; a zero-byte copy does nothing. Callers: [`Device::copy`] (core's own pool
+    /// addresses) and [`CudaQueue::copy`] (checked graft buffers).
+    fn copy_raw(&self, dst: DevicePtr, src: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
         let op = DeviceOp::Copy;
         self.inner.enter(op)?;
         if bytes == 0 {
@@ -594,9 +623,10 @@ impl CudaQueue {
                 len: bytes,
             });
         }
-        // SAFETY: the ranges do not overlap (checked above); the addresses are device addresses
-        // the caller owns (an invalid one is an error the driver reports, not host UB); the
-        // runtime stream is live.
+        // SAFETY: the ranges do not overlap (checked above); the addresses are device memory
+        // of this device that the caller holds (core's pool addresses, or checked graft
+        // buffers); an invalid one is an error the driver reports, not host UB; the runtime
+        // stream is live.
         check(op, unsafe {
             sys::cuMemcpyDtoDAsync_v2(dst.0, src.0, bytes, self.inner.stream)
         })
@@ -604,14 +634,15 @@ impl CudaQueue {
 
     /// `cuMemcpyHtoDAsync` on the runtime stream, then `cuStreamSynchronize`. During a capture
     /// CUDA refuses one or the other, and the error is returned as it comes.
-    pub fn write(&self, dst: DevicePtr, src: &[u8]) -> Result<(), DeviceError> {
+    fn write_raw(&self, dst: DevicePtr, src: &[u8]) -> Result<(), DeviceError> {
         let op = DeviceOp::Write;
         let inner = &self.inner;
         inner.enter(op)?;
         if !src.is_empty() {
             // SAFETY: `src` is a live host slice of `src.len()` bytes, borrowed until the stream
-            // synchronize below returns (so the driver's read of it has finished); `dst` is a
-            // device address the caller owns (an invalid one is a driver error).
+            // synchronize below returns (so the driver's read of it has finished); `dst` is device
+            // memory the caller holds (core's pool addresses, a checked graft buffer, or a test's
+            // raw address); an invalid one is a driver error, not host UB.
             check(op, unsafe {
                 sys::cuMemcpyHtoDAsync_v2(
                     dst.0,
@@ -626,14 +657,14 @@ impl CudaQueue {
 
     /// `cuMemcpyDtoHAsync` on the runtime stream (after its earlier work), then
     /// `cuStreamSynchronize`. Fails during a capture, as CUDA does.
-    pub fn read(&self, src: DevicePtr, dst: &mut [u8]) -> Result<(), DeviceError> {
+    fn read_raw(&self, src: DevicePtr, dst: &mut [u8]) -> Result<(), DeviceError> {
         let op = DeviceOp::Read;
         let inner = &self.inner;
         inner.enter(op)?;
         if !dst.is_empty() {
             // SAFETY: `dst` is a live, exclusively borrowed host buffer of `dst.len()` bytes,
             // borrowed until the stream synchronize below returns (so the driver's write to it
-            // has finished); `src` is a device address the caller owns.
+            // has finished); `src` is device memory the caller holds (as for `write_raw`).
             check(op, unsafe {
                 sys::cuMemcpyDtoHAsync_v2(
                     dst.as_mut_ptr().cast::<c_void>(),
@@ -858,15 +889,15 @@ impl Device for CudaDevice {
     }
 
     fn copy(&self, dst: DevicePtr, src: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
-        self.queue.copy(dst, src, bytes)
+        self.queue.copy_raw(dst, src, bytes)
     }
 
     fn write(&self, dst: DevicePtr, src: &[u8]) -> Result<(), DeviceError> {
-        self.queue.write(dst, src)
+        self.queue.write_raw(dst, src)
     }
 
     fn read(&self, src: DevicePtr, dst: &mut [u8]) -> Result<(), DeviceError> {
-        self.queue.read(src, dst)
+        self.queue.read_raw(src, dst)
     }
 
     fn synchronize(&self) -> Result<(), DeviceError> {

@@ -5,7 +5,7 @@
 use graft_core::{
     Buffer, CaptureMode, CaptureViolation, Config, Device, DeviceError, DeviceOp, DevicePtr, Graft,
 };
-use graft_cuda::CudaDevice;
+use graft_cuda::{CudaDevice, CudaQueue};
 use graft_testkit::{CudaTestKernels, TestQueue};
 
 const N: usize = 1000;
@@ -314,6 +314,29 @@ fn copies_and_read_write_round_trip() {
     assert_eq!(dev.read_f32(a.out, N).unwrap(), vec![0.0; N]);
     dev.launch(&graph).unwrap();
     assert_eq!(dev.read_f32(a.out, N).unwrap(), vec![5.0; N]);
+
+    // The queue's own copies, reads and writes take graft buffers, checked before CUDA sees
+    // them (the raw-address versions are the `Device` trait's, for core's pool).
+    let q: &CudaQueue = &dev;
+    q.write(&a.yb, &bytes).unwrap();
+    q.copy(&a.tb, &a.yb, bytes.len()).unwrap();
+    let mut again = vec![0u8; bytes.len()];
+    q.read(&a.tb, &mut again).unwrap();
+    assert_eq!(again, bytes);
+    assert!(matches!(
+        q.copy(&a.tb, &a.yb, bytes.len() + 1),
+        Err(DeviceError::InvalidArgument {
+            op: DeviceOp::Copy,
+            ..
+        })
+    ));
+    assert!(matches!(
+        q.read(&a.tb, &mut vec![0u8; bytes.len() + 1]),
+        Err(DeviceError::InvalidArgument {
+            op: DeviceOp::Read,
+            ..
+        })
+    ));
 }
 
 #[test]

@@ -465,8 +465,33 @@ impl SimQueue {
         st.mem.write_f32_as(DeviceOp::Write, dst, values)
     }
 
+    /// [`Device::copy`] of the first `bytes` of `src` to the start of `dst`, on graft buffers
+    /// checked first as graft-cuda's `CudaQueue::copy` checks them ([`Buffer::device_addr`]:
+    /// this device's, still valid, long enough). Overlapping ranges fail.
+    pub fn copy(&self, dst: &Buffer, src: &Buffer, bytes: usize) -> Result<(), DeviceError> {
+        let at = |b: &Buffer| b.device_addr(DeviceOp::Copy, self.inner.id, 0, bytes);
+        self.copy_raw(at(dst)?, at(src)?, bytes)
+    }
+
+    /// [`Device::write`] of `src` to the start of `dst`, checked as [`SimQueue::copy`] checks.
+    pub fn write(&self, dst: &Buffer, src: &[u8]) -> Result<(), DeviceError> {
+        self.write_raw(
+            dst.device_addr(DeviceOp::Write, self.inner.id, 0, src.len())?,
+            src,
+        )
+    }
+
+    /// [`Device::read`] of the first `dst.len()` bytes of `src`, checked as [`SimQueue::copy`]
+    /// checks.
+    pub fn read(&self, src: &Buffer, dst: &mut [u8]) -> Result<(), DeviceError> {
+        self.read_raw(
+            src.device_addr(DeviceOp::Read, self.inner.id, 0, dst.len())?,
+            dst,
+        )
+    }
+
     /// Enqueues a device-to-device copy (recorded when capturing); overlapping ranges fail.
-    pub fn copy(&self, dst: DevicePtr, src: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
+    fn copy_raw(&self, dst: DevicePtr, src: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
         let mut st = self.lock(DeviceOp::Copy)?;
         match &mut st.capture {
             Capture::Idle => {}
@@ -488,7 +513,7 @@ impl SimQueue {
     }
 
     /// Copies host bytes to the device, synchronously. Fails during a capture.
-    pub fn write(&self, dst: DevicePtr, src: &[u8]) -> Result<(), DeviceError> {
+    fn write_raw(&self, dst: DevicePtr, src: &[u8]) -> Result<(), DeviceError> {
         let mut st = self.lock(DeviceOp::Write)?;
         st.forbid_in_capture(DeviceOp::Write)?;
         st.mem
@@ -498,7 +523,7 @@ impl SimQueue {
     }
 
     /// Copies device bytes to the host, synchronously. Fails during a capture.
-    pub fn read(&self, src: DevicePtr, dst: &mut [u8]) -> Result<(), DeviceError> {
+    fn read_raw(&self, src: DevicePtr, dst: &mut [u8]) -> Result<(), DeviceError> {
         let mut st = self.lock(DeviceOp::Read)?;
         st.forbid_in_capture(DeviceOp::Read)?;
         dst.copy_from_slice(st.mem.range(DeviceOp::Read, src, dst.len())?);
@@ -585,15 +610,15 @@ impl Device for SimDevice {
     }
 
     fn copy(&self, dst: DevicePtr, src: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
-        self.queue.copy(dst, src, bytes)
+        self.queue.copy_raw(dst, src, bytes)
     }
 
     fn write(&self, dst: DevicePtr, src: &[u8]) -> Result<(), DeviceError> {
-        self.queue.write(dst, src)
+        self.queue.write_raw(dst, src)
     }
 
     fn read(&self, src: DevicePtr, dst: &mut [u8]) -> Result<(), DeviceError> {
-        self.queue.read(src, dst)
+        self.queue.read_raw(src, dst)
     }
 
     fn synchronize(&self) -> Result<(), DeviceError> {
