@@ -161,9 +161,9 @@ const MAX_BLOCKS: usize = 1 << 16;
 /// [`CudaTestKernels`] value that loaded it owns it.
 static LOADED: Mutex<Vec<(DeviceId, Weak<CudaModule>)>> = Mutex::new(Vec::new());
 
-/// The test kernels compiled and loaded on one CUDA device. While this value lives, the
-/// device's [`CudaQueue`] runs [`TestQueue`]'s kernels with them; drop it (after the work
-/// using them finished) to unload the module. Keeps its device alive.
+/// The test kernels compiled and loaded on one CUDA device. While this value (or a clone)
+/// lives, the device's [`CudaQueue`] runs [`TestQueue`]'s kernels with them; drop it (after
+/// the work using them finished) to unload the module. Keeps its device alive.
 #[derive(Clone, Debug)]
 pub struct CudaTestKernels {
     module: Arc<CudaModule>,
@@ -171,12 +171,12 @@ pub struct CudaTestKernels {
 
 impl CudaTestKernels {
     /// Compiles the test kernels with NVRTC and loads them on `queue`'s device (see
-    /// [`CudaQueue::load_module`] for the errors). Loading again for the same device replaces
-    /// the kernels its queue uses.
+    /// [`CudaQueue::load_module`] for the errors). The device's queue finds them while this
+    /// value or any clone of it lives (or another value loaded for the same device).
     pub fn load(queue: &CudaQueue) -> Result<CudaTestKernels, DeviceError> {
         let module = Arc::new(queue.load_module(KERNELS_CU, &NAMES)?);
         let mut loaded = LOADED.lock().unwrap_or_else(PoisonError::into_inner);
-        loaded.retain(|(id, m)| *id != queue.device_id() && m.strong_count() > 0);
+        loaded.retain(|(_, m)| m.strong_count() > 0);
         loaded.push((queue.device_id(), Arc::downgrade(&module)));
         Ok(CudaTestKernels { module })
     }
@@ -205,8 +205,8 @@ fn module(queue: &CudaQueue) -> Result<Arc<CudaModule>, DeviceError> {
     let loaded = LOADED.lock().unwrap_or_else(PoisonError::into_inner);
     loaded
         .iter()
-        .find(|(id, _)| *id == queue.device_id())
-        .and_then(|(_, m)| m.upgrade())
+        .filter(|(id, _)| *id == queue.device_id())
+        .find_map(|(_, m)| m.upgrade())
         .ok_or(DeviceError::Unavailable {
             op: OP,
             what: "no test kernels are loaded on this device; keep a graft_testkit::CudaTestKernels::load value alive",
