@@ -6,6 +6,7 @@
 use criterion::{Criterion, criterion_group, criterion_main};
 use graft::sim::SimDevice;
 use graft::{BodyError, Buffer, Config, Ctx, Device, FunctionSpec, Graft, Output};
+use graft_testkit::TestQueue;
 
 const N: usize = 1;
 
@@ -14,13 +15,13 @@ fn chain(ctx: &mut Ctx<'_, SimDevice>) -> Result<Vec<Output<()>>, BodyError> {
     let inputs = ctx.inputs();
     let out = ctx.alloc(N * 4)?;
     let d = ctx.queue();
-    let o = out.addr()?;
-    d.axpb_f32(o, inputs[7].addr()?, 1.0, 0.0, N)?;
+    let o = &out;
+    d.axpb_f32(o, &inputs[7], 1.0, 0.0, N)?;
     for w in &inputs[..7] {
-        d.mul_f32(o, o, w.addr()?, N)?;
+        d.mul_f32(o, o, w, N)?;
     }
     d.axpb_f32(o, o, 0.5, 1.0, N)?;
-    d.add_f32(o, o, inputs[7].addr()?, N)?;
+    d.add_f32(o, o, &inputs[7], N)?;
     Ok(vec![Output::new(out, ())])
 }
 
@@ -47,12 +48,13 @@ fn bench(c: &mut Criterion) {
         // The graph graft records: the input copy into the placeholder, then the chain.
         dev.begin_capture(Default::default()).unwrap();
         dev.copy(p[7], p[9], N * 4).unwrap();
-        dev.axpb_f32(p[8], p[7], 1.0, 0.0, N).unwrap();
-        for w in &p[..7] {
-            dev.mul_f32(p[8], p[8], *w, N).unwrap();
+        let (out, placeholder) = (&bufs[8], &bufs[7]);
+        dev.axpb_f32(out, placeholder, 1.0, 0.0, N).unwrap();
+        for w in &bufs[..7] {
+            dev.mul_f32(out, out, w, N).unwrap();
         }
-        dev.axpb_f32(p[8], p[8], 0.5, 1.0, N).unwrap();
-        dev.add_f32(p[8], p[8], p[7], N).unwrap();
+        dev.axpb_f32(out, out, 0.5, 1.0, N).unwrap();
+        dev.add_f32(out, out, placeholder, N).unwrap();
         let graph = dev.end_capture().unwrap();
         (g2, bufs, graph)
     };

@@ -128,7 +128,7 @@ fn verify_mode_catches_host_state<D: TestDevice>(dev: D) {
         move |ctx: &mut Ctx<'_, D>| {
             let v = counter.fetch_add(1, Ordering::Relaxed) as f32;
             let out = ctx.alloc(ctx.input(0).len())?;
-            ctx.queue().fill_f32(out.addr()?, 8, v)?;
+            ctx.queue().fill_f32(&out, 8, v)?;
             Ok(vec![Output::new(out, 0)])
         }
     };

@@ -15,9 +15,9 @@ use graft::{
 fn count_up<D: TestDevice>(ctx: &mut Ctx<'_, D>) -> Result<Vec<Output<u32>>, BodyError> {
     let x = ctx.input(0).clone();
     let n = x.len() / 4;
-    ctx.queue().axpb_f32(x.addr()?, x.addr()?, 1.0, 1.0, n)?;
+    ctx.queue().axpb_f32(&x, &x, 1.0, 1.0, n)?;
     let out = ctx.alloc(x.len())?;
-    ctx.queue().axpb_f32(out.addr()?, x.addr()?, 2.0, 0.0, n)?;
+    ctx.queue().axpb_f32(&out, &x, 2.0, 0.0, n)?;
     Ok(vec![Output::new(out, 0)])
 }
 
@@ -94,10 +94,10 @@ fn input_written_on_one_branch<D: TestDevice>(dev: D) {
                     let h = ctx.input(1).clone();
                     let n = c.len() / 4;
                     if key == 0 {
-                        ctx.queue().axpb_f32(c.addr()?, c.addr()?, 1.0, 1.0, n)?;
+                        ctx.queue().axpb_f32(&c, &c, 1.0, 1.0, n)?;
                     }
                     let out = ctx.alloc(c.len())?;
-                    ctx.queue().add_f32(out.addr()?, c.addr()?, h.addr()?, n)?;
+                    ctx.queue().add_f32(&out, &c, &h, n)?;
                     Ok(vec![Output::new(out, 0)])
                 },
             )
@@ -253,8 +253,7 @@ fn call_inside_another_recording_falls_back<D: TestDevice>(dev: D) {
                     .call(h, &[&x], &[], affine(2.0, 0.0, &runs))
                     .map_err(|e| BodyError::Framework(Box::new(e)))?;
                 let out = ctx.alloc(x.len())?;
-                ctx.queue()
-                    .axpb_f32(out.addr()?, y[0].buffer.addr()?, 1.0, 1.0, 4)?;
+                ctx.queue().axpb_f32(&out, &y[0].buffer, 1.0, 1.0, 4)?;
                 Ok(vec![Output::new(out, 0)])
             })
             .unwrap();
@@ -347,9 +346,8 @@ fn recording_out_of_memory_releases_idle_memory_and_retries() {
         .call(f, &[&x], &[], |ctx: &mut Ctx<'_, graft::sim::SimDevice>| {
             let scratch = ctx.alloc(8 << 20)?;
             let out = ctx.alloc(16)?;
-            ctx.queue().fill_f32(scratch.addr()?, 4, 2.0)?;
-            ctx.queue()
-                .add_f32(out.addr()?, scratch.addr()?, ctx.input(0).addr()?, 4)?;
+            ctx.queue().fill_f32(&scratch, 4, 2.0)?;
+            ctx.queue().add_f32(&out, &scratch, ctx.input(0), 4)?;
             Ok(vec![Output::new(out, 0)])
         })
         .unwrap();

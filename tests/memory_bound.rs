@@ -20,10 +20,9 @@ fn branch<D: TestDevice>(k: u64) -> Body<'static, D> {
         let x = ctx.input(0).clone();
         let bytes = k as usize * 4 * MIB;
         let scratch = ctx.alloc(bytes)?;
-        ctx.queue().fill_f32(scratch.addr()?, bytes / 4, k as f32)?;
+        ctx.queue().fill_f32(&scratch, bytes / 4, k as f32)?;
         let out = ctx.alloc(N * 4)?;
-        ctx.queue()
-            .add_f32(out.addr()?, x.addr()?, scratch.addr()?, N)?;
+        ctx.queue().add_f32(&out, &x, &scratch, N)?;
         Ok::<_, BodyError>(vec![Output::new(out, k as u32)])
     })
 }

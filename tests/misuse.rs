@@ -91,7 +91,7 @@ fn raw_allocation_during_capture_falls_back<D: TestDevice>(dev: D) {
                 let p = ctx.queue().raw_alloc(64)?;
                 ctx.queue().raw_free(p)?;
                 let out = ctx.alloc(16)?;
-                ctx.queue().fill_f32(out.addr()?, 4, 5.0)?;
+                ctx.queue().fill_f32(&out, 4, 5.0)?;
                 Ok(vec![Output::new(out, 0)])
             })
             .unwrap();
@@ -123,8 +123,8 @@ fn failed_map_during_recording_keeps_state_consistent() {
     let big = |ctx: &mut Ctx<'_, SimDevice>| {
         let scratch = ctx.alloc(4 << 20)?;
         let out = ctx.alloc(16)?;
-        ctx.queue().fill_f32(scratch.addr()?, 1, 1.0)?;
-        ctx.queue().fill_f32(out.addr()?, 4, 1.0)?;
+        ctx.queue().fill_f32(&scratch, 1, 1.0)?;
+        ctx.queue().fill_f32(&out, 4, 1.0)?;
         Ok(vec![Output::new(out, 0)])
     };
     let err = g.call(f, &[&x], &[], big).unwrap_err();
@@ -310,7 +310,7 @@ fn buffer_leaked_from_a_failed_recording_is_reclaimed() {
         g.call(f, &[&x], &[], |ctx: &mut Ctx<'_, SimDevice>| {
             let out = ctx.alloc(16)?;
             leaked.push(out.clone());
-            ctx.queue().fill_f32(out.addr()?, 4, 1.0)?;
+            ctx.queue().fill_f32(&out, 4, 1.0)?;
             ctx.queue().synchronize()?;
             Ok(vec![Output::new(out, 0)])
         })
@@ -404,9 +404,9 @@ fn out_of_memory_releases_unused_pool_memory_then_reports_what_the_pool_holds() 
     // A warmup maps 12 MiB of scratch into the graph pool and frees it again.
     let scratchy = |ctx: &mut Ctx<'_, SimDevice>| {
         let scratch = ctx.alloc(12 * MIB)?;
-        ctx.queue().fill_f32(scratch.addr()?, 4, 1.0)?;
+        ctx.queue().fill_f32(&scratch, 4, 1.0)?;
         let out = ctx.alloc(16)?;
-        ctx.queue().fill_f32(out.addr()?, 4, 1.0)?;
+        ctx.queue().fill_f32(&out, 4, 1.0)?;
         Ok(vec![Output::new(out, 0)])
     };
     let out = g.call(f, &[&x], &[], scratchy).unwrap();

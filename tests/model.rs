@@ -88,7 +88,7 @@ fn body<D: TestDevice>(
         let scratch = ctx.alloc(scratch_bytes)?; // an intermediate, freed before the body returns
         let out = ctx.alloc(x.len())?;
         let d = ctx.queue();
-        let (xa, sa, oa) = (x.addr()?, scratch.addr()?, out.addr()?);
+        let (xa, sa, oa) = (&x, &scratch, &out);
         match function {
             0 => {
                 d.fill_f32(sa, n, 1.0)?;
@@ -97,7 +97,7 @@ fn body<D: TestDevice>(
             1 => d.axpb_f32(oa, xa, -1.0, 0.0, n)?,
             2 => {
                 d.axpb_f32(sa, xa, 1.0, 0.0, n)?;
-                d.add_f32(oa, sa, ctx.input(1).addr()?, n)?;
+                d.add_f32(oa, sa, ctx.input(1), n)?;
             }
             3 => d.add_f32(oa, xa, xa, n)?,
             4 => {
@@ -116,10 +116,10 @@ fn body<D: TestDevice>(
                 d.add_f32(oa, xa, sa, n)?;
             }
             _ => {
-                // The scratch's size is what matters (memory), so only its end is used.
-                let end = sa.offset(scratch_bytes - x.len());
-                d.fill_f32(end, n, 3.0)?;
-                d.add_f32(oa, xa, end, n)?;
+                // The scratch's size is what matters (memory): all of it is written, so every
+                // granule under it must be mapped; the sum reads its first `n` elements.
+                d.fill_f32(sa, scratch_bytes / 4, 3.0)?;
+                d.add_f32(oa, xa, sa, n)?;
             }
         }
         Ok(vec![Output::new(out, function as u32)])

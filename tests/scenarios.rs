@@ -222,10 +222,9 @@ fn with_scratch<D: TestDevice>(scratch_floats: usize, runs: &Runs) -> Body<'stat
         let x = ctx.input(0).clone();
         let n = x.len() / 4;
         let scratch = ctx_alloc(ctx, scratch_floats)?;
-        ctx.queue().fill_f32(scratch.addr()?, scratch_floats, 1.0)?;
+        ctx.queue().fill_f32(&scratch, scratch_floats, 1.0)?;
         let out = ctx.alloc(x.len())?;
-        ctx.queue()
-            .add_f32(out.addr()?, x.addr()?, scratch.addr()?, n)?;
+        ctx.queue().add_f32(&out, &x, &scratch, n)?;
         Ok(vec![Output::new(out, 0)])
     })
 }
@@ -368,8 +367,7 @@ fn autoregressive_feedback<D: TestDevice>(dev: D) {
         g.call_into(f, &[&x], &[], affine(0.5, 1.0, &runs), &mut out)
             .unwrap();
         x = out.pop().unwrap().buffer;
-        let e = eager.addr().unwrap();
-        dev.queue().axpb_f32(e, e, 0.5, 1.0, 256).unwrap();
+        dev.queue().axpb_f32(&eager, &eager, 0.5, 1.0, 256).unwrap();
     }
     assert_eq!(read(&g, &x), read(&g, &eager));
     let s = g.stats();
@@ -385,8 +383,7 @@ fn scale<D: TestDevice>(runs: &Runs) -> Body<'static, D> {
         runs.hit();
         let (w, x) = (ctx.input(0).clone(), ctx.input(1).clone());
         let out = ctx.alloc(x.len())?;
-        ctx.queue()
-            .mul_f32(out.addr()?, w.addr()?, x.addr()?, x.len() / 4)?;
+        ctx.queue().mul_f32(&out, &w, &x, x.len() / 4)?;
         Ok(vec![Output::new(out, 0)])
     })
 }
@@ -459,8 +456,8 @@ fn two_outputs<D: TestDevice>(runs: &Runs) -> Body<'static, D> {
         let n = x.len() / 4;
         let a = ctx.alloc(x.len())?;
         let b = ctx.alloc(x.len())?;
-        ctx.queue().axpb_f32(a.addr()?, x.addr()?, 2.0, 0.0, n)?;
-        ctx.queue().axpb_f32(b.addr()?, x.addr()?, 3.0, 0.0, n)?;
+        ctx.queue().axpb_f32(&a, &x, 2.0, 0.0, n)?;
+        ctx.queue().axpb_f32(&b, &x, 3.0, 0.0, n)?;
         Ok(vec![Output::new(a, 0), Output::new(b, 1)])
     })
 }

@@ -1,110 +1,32 @@
-//! Shared test support: one trait over both backends' test kernels, so every scenario body
-//! runs on the simulator in CI and on a real GPU with `--ignored`.
+//! Shared test support: devices, the `device_test!` macro and body helpers. The test kernels
+//! ([`TestQueue`]) come from graft-testkit, so every scenario body runs on the simulator in CI
+//! and on a real GPU with `--ignored`.
 #![allow(dead_code, unreachable_pub)]
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use graft::cuda::{CudaDevice, CudaQueue};
-use graft::sim::{SimDevice, SimQueue};
-use graft::{BodyError, Buffer, Config, Ctx, Device, DeviceError, DevicePtr, Graft, Output};
-
-/// The kernels the scenario bodies use, on a body's queue; both backends provide them with
-/// these signatures.
-pub trait TestQueue {
-    fn fill_f32(&self, dst: DevicePtr, n: usize, value: f32) -> Result<(), DeviceError>;
-    fn add_f32(
-        &self,
-        dst: DevicePtr,
-        a: DevicePtr,
-        b: DevicePtr,
-        n: usize,
-    ) -> Result<(), DeviceError>;
-    fn mul_f32(
-        &self,
-        dst: DevicePtr,
-        a: DevicePtr,
-        b: DevicePtr,
-        n: usize,
-    ) -> Result<(), DeviceError>;
-    fn axpb_f32(
-        &self,
-        dst: DevicePtr,
-        x: DevicePtr,
-        a: f32,
-        b: f32,
-        n: usize,
-    ) -> Result<(), DeviceError>;
-    /// An allocation made by user code outside graft (cudaMalloc): illegal during capture.
-    fn raw_alloc(&self, bytes: usize) -> Result<DevicePtr, DeviceError>;
-    fn raw_free(&self, ptr: DevicePtr) -> Result<(), DeviceError>;
-    /// Waits for the stream: illegal during capture.
-    fn synchronize(&self) -> Result<(), DeviceError>;
-}
-
-/// A device whose queue runs the test kernels.
-pub trait TestDevice: Device<Queue: TestQueue> + Clone {}
-
-impl<D: Device<Queue: TestQueue> + Clone> TestDevice for D {}
-
-macro_rules! forward_kernels {
-    ($t:ty) => {
-        impl TestQueue for $t {
-            fn fill_f32(&self, dst: DevicePtr, n: usize, value: f32) -> Result<(), DeviceError> {
-                <$t>::fill_f32(self, dst, n, value)
-            }
-            fn add_f32(
-                &self,
-                dst: DevicePtr,
-                a: DevicePtr,
-                b: DevicePtr,
-                n: usize,
-            ) -> Result<(), DeviceError> {
-                <$t>::add_f32(self, dst, a, b, n)
-            }
-            fn mul_f32(
-                &self,
-                dst: DevicePtr,
-                a: DevicePtr,
-                b: DevicePtr,
-                n: usize,
-            ) -> Result<(), DeviceError> {
-                <$t>::mul_f32(self, dst, a, b, n)
-            }
-            fn axpb_f32(
-                &self,
-                dst: DevicePtr,
-                x: DevicePtr,
-                a: f32,
-                b: f32,
-                n: usize,
-            ) -> Result<(), DeviceError> {
-                <$t>::axpb_f32(self, dst, x, a, b, n)
-            }
-            fn raw_alloc(&self, bytes: usize) -> Result<DevicePtr, DeviceError> {
-                <$t>::raw_alloc(self, bytes)
-            }
-            fn raw_free(&self, ptr: DevicePtr) -> Result<(), DeviceError> {
-                <$t>::raw_free(self, ptr)
-            }
-            fn synchronize(&self) -> Result<(), DeviceError> {
-                <$t>::synchronize(self)
-            }
-        }
-    };
-}
-forward_kernels!(SimQueue);
-forward_kernels!(CudaQueue);
+use graft::cuda::CudaDevice;
+use graft::sim::SimDevice;
+use graft::{BodyError, Buffer, Config, Ctx, Graft, Output};
+use graft_testkit::CudaTestKernels;
+pub use graft_testkit::{TestDevice, TestQueue};
 
 pub fn sim() -> SimDevice {
     SimDevice::new()
 }
 
-/// One device per test process: creating a context and compiling kernels once.
+/// One device per test process, with the test kernels loaded: creating a context and
+/// compiling the kernels once. The kernels stay loaded as long as the process runs.
 pub fn cuda() -> CudaDevice {
-    static DEVICE: std::sync::OnceLock<CudaDevice> = std::sync::OnceLock::new();
+    static DEVICE: std::sync::OnceLock<(CudaDevice, CudaTestKernels)> = std::sync::OnceLock::new();
     DEVICE
-        .get_or_init(|| CudaDevice::new(0).expect("a CUDA GPU is required for the ignored tests"))
+        .get_or_init(|| {
+            let dev = CudaDevice::new(0).expect("a CUDA GPU is required for the ignored tests");
+            let kernels = CudaTestKernels::load(&dev).expect("the test kernels compile and load");
+            (dev, kernels)
+        })
+        .0
         .clone()
 }
 
@@ -166,7 +88,7 @@ pub fn affine<D: TestDevice>(a: f32, b: f32, runs: &Runs) -> Body<'static, D> {
         let x = ctx.input(0).clone();
         let n = x.len() / 4;
         let out = ctx.alloc(x.len())?;
-        ctx.queue().axpb_f32(out.addr()?, x.addr()?, a, b, n)?;
+        ctx.queue().axpb_f32(&out, &x, a, b, n)?;
         Ok(vec![Output::new(out, n as u32)])
     })
 }
@@ -178,8 +100,7 @@ pub fn add<D: TestDevice>(runs: &Runs) -> Body<'static, D> {
         runs.hit();
         let (x, y) = (ctx.input(0).clone(), ctx.input(1).clone());
         let out = ctx.alloc(x.len())?;
-        ctx.queue()
-            .add_f32(out.addr()?, x.addr()?, y.addr()?, x.len() / 4)?;
+        ctx.queue().add_f32(&out, &x, &y, x.len() / 4)?;
         Ok(vec![Output::new(out, 0)])
     })
 }

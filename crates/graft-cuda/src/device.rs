@@ -2,7 +2,7 @@
 //!
 //! One device owns one primary-context reference, one non-blocking *runtime stream* (everything
 //! graft does is enqueued there, and captured from there), one *side stream* (for tests that
-//! model work on another stream), two events to fork and join them, and the kernel module.
+//! model work on another stream), and two events to fork and join them.
 //!
 //! cudarc's safe layer (`CudaSlice`, `CudaStream`) is deliberately not used: it records events
 //! per buffer to order its own streams, and those event waits cross the capture boundary and
@@ -19,6 +19,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use cudarc::driver::sys;
+use graft_core::Buffer;
 use graft_core::backend::{
     CaptureMode, CopyEnds, Device, DeviceError, DeviceId, DeviceOp, DevicePtr, GraphSummary,
     StickyError,
@@ -28,8 +29,8 @@ use crate::blas::Blas;
 use crate::driver::{device_count, driver_ready};
 use crate::error::{INIT_OP, INSPECT_OP, check, check_alloc, is_capture_error, map};
 use crate::graph::{self, CudaGraph};
-use crate::kernels::{KernelSource, Kernels, launch_1d};
 
+#[cfg(feature = "test-support")]
 const F32_BYTES: usize = std::mem::size_of::<f32>();
 
 /// Tags ids of CUDA devices so they never equal a simulator's small counters.
@@ -40,7 +41,7 @@ const CAPTURE_NONE: u32 = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_N
 
 /// graft's CUDA backend: one runtime stream on one device. See the [crate docs](crate).
 ///
-/// Cheap to clone (an `Arc` inside); clones share the streams, the kernels and the sticky error
+/// Cheap to clone (an `Arc` inside); clones share the streams and the sticky error
 /// slot. The device is released when the last clone and the last [`CudaGraph`] are dropped.
 ///
 /// It dereferences to its [`CudaQueue`], so eager code calls the queue's methods on the device.
@@ -85,11 +86,11 @@ pub(crate) struct Inner {
     pub(crate) ctx: sys::CUcontext,
     /// The runtime stream: all work and all captures.
     pub(crate) stream: sys::CUstream,
-    /// A second stream, forked from the runtime stream by `fork_event`.
+    /// A second stream, forked from the runtime stream by `fork_event` (test-support's
+    /// side-stream launches).
     side_stream: sys::CUstream,
     fork_event: sys::CUevent,
     join_event: sys::CUevent,
-    kernels: Kernels,
     /// The cuBLAS handle and its workspace, made once (see the `blas` module).
     pub(crate) blas: OnceLock<Blas>,
     /// Serializes the handle's creation.
@@ -277,6 +278,23 @@ impl Inner {
         check(op, unsafe { sys::cuMemRelease(handle) })
     }
 
+    /// Makes the side stream wait for the runtime stream's work so far (an event recorded on
+    /// the runtime stream, waited on by the side stream) and returns it. During a capture this
+    /// pulls the side stream into the capture.
+    #[cfg(feature = "test-support")]
+    pub(crate) fn fork_side_stream(&self) -> Result<sys::CUstream, DeviceError> {
+        // SAFETY: `fork_event` and both streams are live handles of this device's context,
+        // which is current (callers `enter` first).
+        check(DeviceOp::Event, unsafe {
+            sys::cuEventRecord(self.fork_event, self.stream)
+        })?;
+        // SAFETY: as above; flags 0 is CU_EVENT_WAIT_DEFAULT.
+        check(DeviceOp::Event, unsafe {
+            sys::cuStreamWaitEvent(self.side_stream, self.fork_event, 0)
+        })?;
+        Ok(self.side_stream)
+    }
+
     /// Synchronizes `stream`, mapping a failure to `op`.
     fn sync(&self, op: DeviceOp, stream: sys::CUstream) -> Result<(), DeviceError> {
         // SAFETY: `stream` is one of this device's live streams.
@@ -307,7 +325,6 @@ impl Drop for Inner {
             // The stream is synchronized above, so no GEMM still uses the workspace.
             let _ = blas.destroy();
         }
-        let _ = self.kernels.unload();
         // Memory pools did not give back (a runtime leaked, or a test stopped early).
         let vmm = std::mem::take(self.vmm.get_mut().unwrap_or_else(PoisonError::into_inner));
         for (addr, handle) in vmm.handles {
@@ -343,8 +360,7 @@ impl Drop for Inner {
 impl CudaDevice {
     /// Opens device `ordinal`: initializes the driver, retains the device's primary context and
     /// makes it current on this thread, creates the runtime stream (non-blocking, so it never
-    /// synchronizes with the legacy default stream), a side stream and its fork/join events, and
-    /// compiles and loads the elementwise kernels.
+    /// synchronizes with the legacy default stream), and a side stream and its fork/join events.
     ///
     /// Fails (never panics) when there is no driver, no such device, or a driver call fails.
     /// Initialization failures are reported with `DeviceOp::ModuleLoad`, core having no
@@ -380,7 +396,6 @@ impl CudaDevice {
             side_stream: ptr::null_mut(),
             fork_event: ptr::null_mut(),
             join_event: ptr::null_mut(),
-            kernels: Kernels::empty(),
             blas: OnceLock::new(),
             blas_init: Mutex::new(()),
             sticky: StickyError::default(),
@@ -431,7 +446,6 @@ impl CudaDevice {
             })?;
             *slot = event;
         }
-        inner.kernels = Kernels::load()?;
         Ok(CudaDevice {
             queue: CudaQueue {
                 inner: Arc::new(inner),
@@ -459,11 +473,6 @@ impl CudaDevice {
     pub fn name(&self) -> &str {
         &self.queue.inner.name
     }
-
-    /// Where this device's kernels came from (NVRTC, or the PTX shipped in the crate and why).
-    pub fn kernel_source(&self) -> &KernelSource {
-        &self.queue.inner.kernels.source
-    }
 }
 
 impl CudaQueue {
@@ -490,6 +499,7 @@ impl CudaQueue {
     /// A raw `cuMemAlloc`, as framework code that calls cudaMalloc directly would make.
     /// Unlike [`Device::map`] it is *not* switched to relaxed capture mode, so during
     /// a capture it fails as CUDA fails it (`Capture { op: RawAlloc, .. }`).
+    #[cfg(feature = "test-support")]
     pub fn raw_alloc(&self, bytes: usize) -> Result<DevicePtr, DeviceError> {
         let op = DeviceOp::RawAlloc;
         self.inner.enter(op)?;
@@ -502,6 +512,7 @@ impl CudaQueue {
 
     /// Frees memory from [`CudaQueue::raw_alloc`] (reported as `DeviceOp::RawAlloc`: core has
     /// no raw-free operation). Like `cuMemFree`, it fails during a capture.
+    #[cfg(feature = "test-support")]
     pub fn raw_free(&self, ptr: DevicePtr) -> Result<(), DeviceError> {
         let op = DeviceOp::RawAlloc;
         self.inner.enter(op)?;
@@ -512,6 +523,7 @@ impl CudaQueue {
 
     /// Whether all work enqueued on the runtime stream has finished (`cuStreamQuery`). Fails
     /// during a capture, as CUDA forbids querying a capturing stream.
+    #[cfg(feature = "test-support")]
     pub fn query(&self) -> Result<bool, DeviceError> {
         let op = DeviceOp::Query;
         self.inner.enter(op)?;
@@ -524,7 +536,8 @@ impl CudaQueue {
     }
 
     /// Reads `n` f32s from the device, synchronously (a [`Device::read`]). Same signature as
-    /// the simulator's, so test bodies run on both.
+    /// the simulator's, so tests run on both.
+    #[cfg(feature = "test-support")]
     pub fn read_f32(&self, src: DevicePtr, n: usize) -> Result<Vec<f32>, DeviceError> {
         let bytes = n
             .checked_mul(F32_BYTES)
@@ -534,7 +547,7 @@ impl CudaQueue {
                 len: usize::MAX,
             })?;
         let mut raw = vec![0u8; bytes];
-        self.read(src, &mut raw)?;
+        self.read_raw(src, &mut raw)?;
         Ok(raw
             .chunks_exact(F32_BYTES)
             .map(|c| f32::from_ne_bytes([c[0], c[1], c[2], c[3]]))
@@ -542,103 +555,16 @@ impl CudaQueue {
     }
 
     /// Writes `values` to the device as f32s, synchronously (a [`Device::write`]).
+    #[cfg(feature = "test-support")]
     pub fn write_f32(&self, dst: DevicePtr, values: &[f32]) -> Result<(), DeviceError> {
         let raw: Vec<u8> = values.iter().flat_map(|v| v.to_ne_bytes()).collect();
-        self.write(dst, &raw)
-    }
-
-    /// `dst[i] = value` for `i < n`, on the runtime stream (captured when capturing).
-    pub fn fill_f32(&self, dst: DevicePtr, n: usize, value: f32) -> Result<(), DeviceError> {
-        self.fill_on(DeviceOp::KernelLaunch, self.inner.stream, dst, n, value)
-    }
-
-    /// `dst[i] = a[i] + b[i]` for `i < n`, on the runtime stream. `dst` may alias `a` or `b`.
-    pub fn add_f32(
-        &self,
-        dst: DevicePtr,
-        a: DevicePtr,
-        b: DevicePtr,
-        n: usize,
-    ) -> Result<(), DeviceError> {
-        self.binary(self.inner.kernels.add, dst, a, b, n)
-    }
-
-    /// `dst[i] = a[i] * b[i]` for `i < n`, on the runtime stream. `dst` may alias `a` or `b`.
-    pub fn mul_f32(
-        &self,
-        dst: DevicePtr,
-        a: DevicePtr,
-        b: DevicePtr,
-        n: usize,
-    ) -> Result<(), DeviceError> {
-        self.binary(self.inner.kernels.mul, dst, a, b, n)
-    }
-
-    /// `dst[i] = a * x[i] + b` for `i < n`, on the runtime stream. `dst` may alias `x`.
-    pub fn axpb_f32(
-        &self,
-        dst: DevicePtr,
-        x: DevicePtr,
-        a: f32,
-        b: f32,
-        n: usize,
-    ) -> Result<(), DeviceError> {
-        let op = DeviceOp::KernelLaunch;
-        self.inner.enter(op)?;
-        if n == 0 {
-            return Ok(());
-        }
-        let (mut dst, mut x, mut a, mut b, mut n64) = (dst.0, x.0, a, b, n as u64);
-        let mut params: [*mut c_void; 5] = [
-            (&raw mut dst).cast(),
-            (&raw mut x).cast(),
-            (&raw mut a).cast(),
-            (&raw mut b).cast(),
-            (&raw mut n64).cast(),
-        ];
-        // SAFETY: `axpb` is graft_axpb_f32(float*, const float*, float, float, unsigned long
-        // long), matching the five parameters (u64, u64, f32, f32, u64) in order; the caller
-        // promises `dst` and `x` hold `n` f32s (a bad address is reported by the driver at the
-        // next synchronizing call, not undefined behaviour on the host); `stream` is live.
-        unsafe {
-            launch_1d(
-                op,
-                self.inner.kernels.axpb,
-                n,
-                self.inner.stream,
-                &mut params,
-            )
-        }
-    }
-
-    /// `dst[i] = value` launched on the side stream, after the runtime stream's earlier work
-    /// (an event recorded on the runtime stream, waited on by the side stream) and *not*
-    /// joined back. Eagerly, call [`CudaQueue::join_side_stream`] before relying on the result.
-    /// During a capture the fork pulls the side stream into the capture, and leaving it
-    /// unjoined makes `end_capture` fail with `Capture { violation: Unjoined, .. }`: the
-    /// CUDA counterpart of the simulator's `launch_kernel_on_side_stream`.
-    pub fn fill_f32_on_side_stream(
-        &self,
-        dst: DevicePtr,
-        n: usize,
-        value: f32,
-    ) -> Result<(), DeviceError> {
-        let inner = &self.inner;
-        inner.enter(DeviceOp::OtherStream)?;
-        // SAFETY: `fork_event` and both streams are live handles of this device's context.
-        check(DeviceOp::Event, unsafe {
-            sys::cuEventRecord(inner.fork_event, inner.stream)
-        })?;
-        // SAFETY: as above; flags 0 is CU_EVENT_WAIT_DEFAULT.
-        check(DeviceOp::Event, unsafe {
-            sys::cuStreamWaitEvent(inner.side_stream, inner.fork_event, 0)
-        })?;
-        self.fill_on(DeviceOp::OtherStream, inner.side_stream, dst, n, value)
+        self.write_raw(dst, &raw)
     }
 
     /// Joins the side stream back: the runtime stream waits for the side stream's work so far
     /// (an event recorded on the side stream, waited on by the runtime stream). Inside a capture
-    /// this is what makes forked work legal.
+    /// this is what makes forked work ([`CudaQueue::launch_function_on_side_stream`]) legal.
+    #[cfg(feature = "test-support")]
     pub fn join_side_stream(&self) -> Result<(), DeviceError> {
         let inner = &self.inner;
         inner.enter(DeviceOp::Event)?;
@@ -652,61 +578,37 @@ impl CudaQueue {
         })
     }
 
-    fn fill_on(
-        &self,
-        op: DeviceOp,
-        stream: sys::CUstream,
-        dst: DevicePtr,
-        n: usize,
-        value: f32,
-    ) -> Result<(), DeviceError> {
-        self.inner.enter(op)?;
-        if n == 0 {
-            return Ok(());
-        }
-        let (mut dst, mut n64, mut value) = (dst.0, n as u64, value);
-        let mut params: [*mut c_void; 3] = [
-            (&raw mut dst).cast(),
-            (&raw mut n64).cast(),
-            (&raw mut value).cast(),
-        ];
-        // SAFETY: `fill` is graft_fill_f32(float*, unsigned long long, float), matching the
-        // three parameters (u64, u64, f32) in order; the caller promises `dst` holds `n` f32s
-        // (a bad address is reported by the driver, not undefined behaviour on the host);
-        // `stream` is one of this device's live streams.
-        unsafe { launch_1d(op, self.inner.kernels.fill, n, stream, &mut params) }
+    /// Copies the first `bytes` of `src` to the start of `dst` on the runtime stream (recorded
+    /// when capturing), like [`Device::copy`] but on graft buffers: both are checked to be
+    /// this device's, still valid and at least `bytes` long ([`Buffer::device_addr`]) before
+    /// anything is enqueued (`InvalidArgument`, `InvalidBuffer`); overlapping ranges fail with
+    /// `OverlappingCopy`.
+    pub fn copy(&self, dst: &Buffer, src: &Buffer, bytes: usize) -> Result<(), DeviceError> {
+        let op = DeviceOp::Copy;
+        let dst = dst.device_addr(op, self.inner.id, 0, bytes)?;
+        let src = src.device_addr(op, self.inner.id, 0, bytes)?;
+        self.copy_raw(dst, src, bytes)
     }
 
-    fn binary(
-        &self,
-        f: sys::CUfunction,
-        dst: DevicePtr,
-        a: DevicePtr,
-        b: DevicePtr,
-        n: usize,
-    ) -> Result<(), DeviceError> {
-        let op = DeviceOp::KernelLaunch;
-        self.inner.enter(op)?;
-        if n == 0 {
-            return Ok(());
-        }
-        let (mut dst, mut a, mut b, mut n64) = (dst.0, a.0, b.0, n as u64);
-        let mut params: [*mut c_void; 4] = [
-            (&raw mut dst).cast(),
-            (&raw mut a).cast(),
-            (&raw mut b).cast(),
-            (&raw mut n64).cast(),
-        ];
-        // SAFETY: `f` is graft_add_f32 or graft_mul_f32, both (float*, const float*, const
-        // float*, unsigned long long), matching the four parameters (u64, u64, u64, u64) in
-        // order; the caller promises the arrays hold `n` f32s (a bad address is reported by the
-        // driver, not undefined behaviour on the host); the runtime stream is live.
-        unsafe { launch_1d(op, f, n, self.inner.stream, &mut params) }
+    /// Writes `src` to the start of `dst`, synchronously, like [`Device::write`] but on a
+    /// graft buffer, checked as [`Self::copy`] checks its buffers. Fails during a capture.
+    pub fn write(&self, dst: &Buffer, src: &[u8]) -> Result<(), DeviceError> {
+        let dst = dst.device_addr(DeviceOp::Write, self.inner.id, 0, src.len())?;
+        self.write_raw(dst, src)
+    }
+
+    /// Reads the first `dst.len()` bytes of `src` into `dst`, synchronously, like
+    /// [`Device::read`] but on a graft buffer, checked as [`Self::copy`] checks its buffers.
+    /// Fails during a capture.
+    pub fn read(&self, src: &Buffer, dst: &mut [u8]) -> Result<(), DeviceError> {
+        let src = src.device_addr(DeviceOp::Read, self.inner.id, 0, dst.len())?;
+        self.read_raw(src, dst)
     }
 
     /// `cuMemcpyDtoDAsync` on the runtime stream. Overlapping ranges are rejected before CUDA
-    /// sees them; a zero-byte copy does nothing.
-    pub fn copy(&self, dst: DevicePtr, src: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
+    /// sees them; a zero-byte copy does nothing. Callers: [`Device::copy`] (core's own pool
+    /// addresses) and [`CudaQueue::copy`] (checked graft buffers).
+    fn copy_raw(&self, dst: DevicePtr, src: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
         let op = DeviceOp::Copy;
         self.inner.enter(op)?;
         if bytes == 0 {
@@ -721,9 +623,10 @@ impl CudaQueue {
                 len: bytes,
             });
         }
-        // SAFETY: the ranges do not overlap (checked above); the addresses are device addresses
-        // the caller owns (an invalid one is an error the driver reports, not host UB); the
-        // runtime stream is live.
+        // SAFETY: the ranges do not overlap (checked above); the addresses are device memory
+        // of this device that the caller holds (core's pool addresses, or checked graft
+        // buffers); an invalid one is an error the driver reports, not host UB; the runtime
+        // stream is live.
         check(op, unsafe {
             sys::cuMemcpyDtoDAsync_v2(dst.0, src.0, bytes, self.inner.stream)
         })
@@ -731,14 +634,15 @@ impl CudaQueue {
 
     /// `cuMemcpyHtoDAsync` on the runtime stream, then `cuStreamSynchronize`. During a capture
     /// CUDA refuses one or the other, and the error is returned as it comes.
-    pub fn write(&self, dst: DevicePtr, src: &[u8]) -> Result<(), DeviceError> {
+    fn write_raw(&self, dst: DevicePtr, src: &[u8]) -> Result<(), DeviceError> {
         let op = DeviceOp::Write;
         let inner = &self.inner;
         inner.enter(op)?;
         if !src.is_empty() {
             // SAFETY: `src` is a live host slice of `src.len()` bytes, borrowed until the stream
-            // synchronize below returns (so the driver's read of it has finished); `dst` is a
-            // device address the caller owns (an invalid one is a driver error).
+            // synchronize below returns (so the driver's read of it has finished); `dst` is device
+            // memory the caller holds (core's pool addresses, a checked graft buffer, or a test's
+            // raw address); an invalid one is a driver error, not host UB.
             check(op, unsafe {
                 sys::cuMemcpyHtoDAsync_v2(
                     dst.0,
@@ -753,14 +657,14 @@ impl CudaQueue {
 
     /// `cuMemcpyDtoHAsync` on the runtime stream (after its earlier work), then
     /// `cuStreamSynchronize`. Fails during a capture, as CUDA does.
-    pub fn read(&self, src: DevicePtr, dst: &mut [u8]) -> Result<(), DeviceError> {
+    fn read_raw(&self, src: DevicePtr, dst: &mut [u8]) -> Result<(), DeviceError> {
         let op = DeviceOp::Read;
         let inner = &self.inner;
         inner.enter(op)?;
         if !dst.is_empty() {
             // SAFETY: `dst` is a live, exclusively borrowed host buffer of `dst.len()` bytes,
             // borrowed until the stream synchronize below returns (so the driver's write to it
-            // has finished); `src` is a device address the caller owns.
+            // has finished); `src` is device memory the caller holds (as for `write_raw`).
             check(op, unsafe {
                 sys::cuMemcpyDtoHAsync_v2(
                     dst.as_mut_ptr().cast::<c_void>(),
@@ -786,7 +690,6 @@ impl fmt::Debug for CudaDevice {
             .field("id", &self.queue.inner.id)
             .field("ordinal", &self.queue.inner.ordinal)
             .field("name", &self.queue.inner.name)
-            .field("kernels", &self.queue.inner.kernels.source)
             .finish_non_exhaustive()
     }
 }
@@ -986,15 +889,15 @@ impl Device for CudaDevice {
     }
 
     fn copy(&self, dst: DevicePtr, src: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
-        self.queue.copy(dst, src, bytes)
+        self.queue.copy_raw(dst, src, bytes)
     }
 
     fn write(&self, dst: DevicePtr, src: &[u8]) -> Result<(), DeviceError> {
-        self.queue.write(dst, src)
+        self.queue.write_raw(dst, src)
     }
 
     fn read(&self, src: DevicePtr, dst: &mut [u8]) -> Result<(), DeviceError> {
-        self.queue.read(src, dst)
+        self.queue.read_raw(src, dst)
     }
 
     fn synchronize(&self) -> Result<(), DeviceError> {

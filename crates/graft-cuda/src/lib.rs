@@ -4,10 +4,11 @@
 //! lifecycle with stream capture (`cuStreamBeginCapture` / `cuStreamEndCapture`), instantiating
 //! and uploading each graph ([`CudaGraph`]) so that its first replay is as cheap as the rest.
 //! Pool segments come from `cuMemAlloc`, made legal inside a capture by switching the thread to
-//! relaxed capture mode around it, as PyTorch's caching allocator does. It also carries four
-//! elementwise f32 kernels (compiled once per device with NVRTC) and a few calls that model
-//! what a framework's code might do wrong inside a captured body ([`CudaQueue::raw_alloc`],
-//! [`CudaQueue::query`], [`CudaQueue::fill_f32_on_side_stream`]), mirroring the simulator.
+//! relaxed capture mode around it, as PyTorch's caching allocator does. Behind the
+//! `test-support` feature it offers a few calls that model what a framework's code might do
+//! wrong inside a captured body (`CudaQueue::raw_alloc`, `CudaQueue::query`,
+//! `CudaQueue::launch_function_on_side_stream`), mirroring the simulator; graft's shared
+//! test kernels live in graft-testkit.
 //!
 //! For frameworks built on it (graft-tensor) it offers a safe generic kernel API:
 //! [`CudaQueue::load_module`] compiles CUDA C++ with NVRTC once and
@@ -31,13 +32,11 @@ mod device;
 mod driver;
 mod error;
 mod graph;
-mod kernels;
 mod module;
 
 pub use blas::{Operand, Sgemm, WORKSPACE_BYTES};
 pub use device::{CudaDevice, CudaQueue};
 pub use graph::CudaGraph;
-pub use kernels::KernelSource;
 pub use module::{CudaModule, KernelArg, compile_ptx};
 
 #[cfg(test)]

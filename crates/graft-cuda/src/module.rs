@@ -16,18 +16,18 @@
 //! does with its pointers (indexing past a buffer's end) is the kernel's contract, reported
 //! by the driver as a device fault, never host memory written through a stray pointer.
 
-use std::ffi::{CString, c_uint, c_void};
+use std::ffi::{CStr, CString, c_uint, c_void};
 use std::fmt;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::ptr;
 use std::sync::Arc;
 
 use cudarc::driver::sys;
+use cudarc::nvrtc;
 use graft_core::{Buffer, DeviceError, DeviceId, DeviceOp};
 
 use crate::device::{CudaQueue, Inner, invalid_argument};
 use crate::error::check;
-use crate::kernels::{compile_source, function};
 
 /// Most kernel parameters a launch passes without allocating (a stack array).
 const STACK_ARGS: usize = 16;
@@ -177,6 +177,70 @@ pub fn compile_ptx(source: &str, name: &str) -> Result<Vec<u8>, DeviceError> {
     compile_source(source, name)
 }
 
+/// Compiles CUDA C++ `source` with NVRTC (default options: no fast math) to a NUL-terminated
+/// PTX image. Needs no GPU. Errors, with `DeviceOp::ModuleLoad`: a NUL byte in the source or
+/// its name (`InvalidArgument`), libnvrtc missing or lacking a function (`Unavailable`), the
+/// source not compiling or NVRTC failing (`Compile`, with NVRTC's log).
+fn compile_source(source: &str, name: &str) -> Result<Vec<u8>, DeviceError> {
+    let op = DeviceOp::ModuleLoad;
+    // cudarc's `Program::create` panics on interior NULs: refuse them first.
+    if source.contains('\0') || name.contains('\0') {
+        return Err(DeviceError::InvalidArgument {
+            op,
+            what: "the CUDA source or its name contains a NUL byte",
+        });
+    }
+    // SAFETY: `is_culib_present` only `dlopen`s candidate names of libnvrtc and drops each
+    // handle; it runs no NVRTC code.
+    if !unsafe { nvrtc::sys::is_culib_present() } {
+        return Err(DeviceError::Unavailable {
+            op,
+            what: "libnvrtc could not be loaded; install the CUDA toolkit's NVRTC or add it to LD_LIBRARY_PATH",
+        });
+    }
+    let opts = nvrtc::CompileOptions {
+        name: Some(name.to_string()),
+        ..Default::default()
+    };
+    // cudarc panics if an NVRTC symbol is missing; report that instead of unwinding.
+    let compiled = catch_unwind(AssertUnwindSafe(|| {
+        nvrtc::compile_ptx_with_opts(source, opts)
+    }))
+    .map_err(|_| DeviceError::Unavailable {
+        op,
+        what: "libnvrtc lacks a function graft calls (cudarc panicked calling it); install NVRTC 12 or later",
+    })?;
+    let ptx = compiled.map_err(|e| DeviceError::Compile {
+        op,
+        log: match e {
+            nvrtc::CompileError::CompileError { log, .. } => log.to_string_lossy().into(),
+            // NVRTC failed before or after compiling (no compile log exists): its own error.
+            other => format!("NVRTC failed: {other}").into(),
+        },
+    })?;
+    let mut image = ptx
+        .as_bytes()
+        .ok_or(DeviceError::Compile {
+            op,
+            log: "NVRTC returned no PTX image".into(),
+        })?
+        .to_vec();
+    if image.last() != Some(&0) {
+        image.push(0);
+    }
+    Ok(image)
+}
+
+fn function(module: sys::CUmodule, name: &CStr) -> Result<sys::CUfunction, DeviceError> {
+    let mut f: sys::CUfunction = ptr::null_mut();
+    // SAFETY: `module` is a loaded module (`load_module`), `name` is NUL-terminated, and `f` is a
+    // valid out-pointer. The function handle lives as long as the module.
+    check(DeviceOp::ModuleLoad, unsafe {
+        sys::cuModuleGetFunction(&mut f, module, name.as_ptr())
+    })?;
+    Ok(f)
+}
+
 /// What a driver without `cuFuncGetParamInfo` is reported with.
 const NO_PARAM_INFO: &str = "libcuda has no cuFuncGetParamInfo, which checked launches need; update the NVIDIA driver to CUDA 12.4 or later";
 
@@ -294,9 +358,54 @@ impl CudaQueue {
         shared_bytes: u32,
         args: &[KernelArg],
     ) -> Result<(), DeviceError> {
+        self.inner.make_current(DeviceOp::KernelLaunch)?;
+        self.launch_on(
+            self.inner.stream,
+            m,
+            kernel,
+            grid,
+            block,
+            shared_bytes,
+            args,
+        )
+    }
+
+    /// [`CudaQueue::launch_function`] on the device's side stream, after the runtime stream's
+    /// earlier work (an event recorded on the runtime stream, waited on by the side stream) and
+    /// *not* joined back: a test hook modelling framework code that forks work onto another
+    /// stream. Eagerly, call [`CudaQueue::join_side_stream`] before relying on the result.
+    /// During a capture the fork pulls the side stream into the capture, and leaving it
+    /// unjoined makes `end_capture` fail with `Capture { violation: Unjoined, .. }`: the CUDA
+    /// counterpart of the simulator's `launch_kernel_on_side_stream`.
+    #[cfg(feature = "test-support")]
+    pub fn launch_function_on_side_stream(
+        &self,
+        m: &CudaModule,
+        kernel: usize,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        shared_bytes: u32,
+        args: &[KernelArg],
+    ) -> Result<(), DeviceError> {
+        self.inner.make_current(DeviceOp::OtherStream)?;
+        let stream = self.inner.fork_side_stream()?;
+        self.launch_on(stream, m, kernel, grid, block, shared_bytes, args)
+    }
+
+    /// Checks and launches on `stream`, a live stream of this device; the context is current.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_on(
+        &self,
+        stream: sys::CUstream,
+        m: &CudaModule,
+        kernel: usize,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        shared_bytes: u32,
+        args: &[KernelArg],
+    ) -> Result<(), DeviceError> {
         let op = DeviceOp::KernelLaunch;
         let inner = &self.inner;
-        inner.make_current(op)?;
         if !Arc::ptr_eq(&m.device, inner) {
             return Err(invalid_argument(
                 op,
@@ -328,14 +437,14 @@ impl CudaQueue {
             // SAFETY: see `raw_launch`: `params[..args.len()]` point at `slots`, which hold the
             // arguments, each checked against the kernel's parameter size by `encode`, whose
             // pointers are null or live graft memory of this device (checked by `encode`).
-            unsafe { raw_launch(inner, k, grid, block, shared_bytes, &mut params) }
+            unsafe { raw_launch(stream, k, grid, block, shared_bytes, &mut params) }
         } else {
             let mut slots = vec![[0u8; 8]; args.len()];
             encode(args, &k.param_sizes, inner.id, &mut slots)?;
             let mut params: Vec<*mut c_void> =
                 slots.iter_mut().map(|s| s.as_mut_ptr().cast()).collect();
             // SAFETY: as above, with heap arrays of exactly `args.len()` entries.
-            unsafe { raw_launch(inner, k, grid, block, shared_bytes, &mut params) }
+            unsafe { raw_launch(stream, k, grid, block, shared_bytes, &mut params) }
         }
     }
 }
@@ -362,15 +471,16 @@ fn encode(
     Ok(())
 }
 
-/// `cuLaunchKernel` on the runtime stream.
+/// `cuLaunchKernel` on `stream`.
 ///
 /// # Safety
 /// `params` must hold at least `k.param_sizes.len()` pointers, the `i`-th pointing at
 /// `k.param_sizes[i]` (at most 8) readable bytes holding the argument, all live for the call,
-/// every device pointer among the arguments null or live device memory of `inner`'s device;
-/// `k` must belong to a module of `inner`, whose context is current.
+/// every device pointer among the arguments null or live device memory of the device;
+/// `k` must belong to a module of the device, whose context is current, and `stream` must be a
+/// live stream of that device.
 unsafe fn raw_launch(
-    inner: &Inner,
+    stream: sys::CUstream,
     k: &Kernel,
     grid: (u32, u32, u32),
     block: (u32, u32, u32),
@@ -381,7 +491,7 @@ unsafe fn raw_launch(
     // the driver's own parameter layout, so the driver reads only bytes of the slots), that
     // the device pointers among them are null or live memory of this device, and that the
     // function belongs to this context; cuLaunchKernel copies the values before returning;
-    // `extra` is null; the runtime stream is live for as long as `inner`.
+    // `extra` is null; the caller guarantees `stream` is live.
     check(DeviceOp::KernelLaunch, unsafe {
         sys::cuLaunchKernel(
             k.function,
@@ -392,7 +502,7 @@ unsafe fn raw_launch(
             block.1 as c_uint,
             block.2 as c_uint,
             shared_bytes as c_uint,
-            inner.stream,
+            stream,
             params.as_mut_ptr(),
             ptr::null_mut(),
         )

@@ -2,17 +2,32 @@
 //! imposes inside a capture. Every GPU test is `#[ignore]`d (CI has no GPU); run them with
 //! `--include-ignored` on a machine with one (scripts/gpu-run.sh does).
 
-use graft_core::{CaptureMode, CaptureViolation, Device, DeviceError, DeviceOp, DevicePtr};
-use graft_cuda::{CudaDevice, KernelSource};
+use graft_core::{
+    Buffer, CaptureMode, CaptureViolation, Config, Device, DeviceError, DeviceOp, DevicePtr, Graft,
+};
+use graft_cuda::{CudaDevice, CudaQueue};
+use graft_testkit::{CudaTestKernels, TestQueue};
 
 const N: usize = 1000;
 const F32: usize = std::mem::size_of::<f32>();
 
+/// A GPU with the test kernels loaded, and a runtime to allocate the kernels' buffers from.
+struct Gpu {
+    dev: CudaDevice,
+    g: Graft<CudaDevice, ()>,
+    kernels: CudaTestKernels,
+}
+
 fn device() -> CudaDevice {
-    let dev = CudaDevice::new(0).expect("open cuda:0");
-    // GPU machines have NVRTC: kernels from the shipped PTX mean the NVRTC path broke.
-    assert_eq!(dev.kernel_source(), &KernelSource::Nvrtc);
-    dev
+    CudaDevice::new(0).expect("open cuda:0")
+}
+
+fn gpu() -> Gpu {
+    let dev = device();
+    // GPU machines have NVRTC: the test kernels compile there.
+    let kernels = CudaTestKernels::load(&dev).expect("the test kernels compile and load");
+    let g = Graft::new(dev.clone(), Config::default());
+    Gpu { dev, g, kernels }
 }
 
 fn assert_capture_err(result: Result<impl std::fmt::Debug, DeviceError>, op: DeviceOp) {
@@ -37,38 +52,46 @@ fn free_pool_memory(dev: &CudaDevice, ptr: DevicePtr, bytes: usize) -> Result<()
     dev.release_reservation(ptr, size)
 }
 
-/// Four arrays of `N` f32 in one mapped range.
+/// Four graft buffers of `N` f32, for the kernels, and their addresses, for the rest.
 struct Arrays {
-    base: DevicePtr,
+    xb: Buffer,
+    yb: Buffer,
+    tb: Buffer,
+    outb: Buffer,
     x: DevicePtr,
     y: DevicePtr,
     t: DevicePtr,
     out: DevicePtr,
 }
 
-const SEGMENT: usize = 4 * N * F32;
-
-fn arrays(dev: &CudaDevice) -> Arrays {
-    let base = pool_memory(dev, SEGMENT).expect("reserve and map");
-    assert_eq!(
-        base.0 % dev.granularity() as u64,
-        0,
-        "reservations are granule-aligned"
-    );
+fn arrays(gpu: &mut Gpu) -> Arrays {
+    let mut buffer = || gpu.g.alloc(N * F32).expect("allocate a buffer");
+    let (xb, yb, tb, outb) = (buffer(), buffer(), buffer(), buffer());
+    let addr = |b: &Buffer| b.addr().expect("a fresh buffer is valid");
     Arrays {
-        base,
-        x: base,
-        y: base.offset(N * F32),
-        t: base.offset(2 * N * F32),
-        out: base.offset(3 * N * F32),
+        x: addr(&xb),
+        y: addr(&yb),
+        t: addr(&tb),
+        out: addr(&outb),
+        xb,
+        yb,
+        tb,
+        outb,
     }
+}
+
+/// A buffer of `n` f32 holding `value`, for a copy to write into raw pool memory.
+fn filled(gpu: &mut Gpu, n: usize, value: f32) -> Buffer {
+    let b = gpu.g.alloc(n * F32).expect("allocate a buffer");
+    gpu.g.write_f32(&b, &vec![value; n]).unwrap();
+    b
 }
 
 /// out = 0.5 * ((x + y) * x) + 1
 fn chain(dev: &CudaDevice, a: &Arrays) {
-    dev.add_f32(a.t, a.x, a.y, N).unwrap();
-    dev.mul_f32(a.t, a.t, a.x, N).unwrap();
-    dev.axpb_f32(a.out, a.t, 0.5, 1.0, N).unwrap();
+    dev.add_f32(&a.tb, &a.xb, &a.yb, N).unwrap();
+    dev.mul_f32(&a.tb, &a.tb, &a.xb, N).unwrap();
+    dev.axpb_f32(&a.outb, &a.tb, 0.5, 1.0, N).unwrap();
 }
 
 fn expected(x: &[f32], y: &[f32]) -> Vec<f32> {
@@ -101,8 +124,9 @@ fn describe_names_the_device() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn capture_then_launch_reproduces_eager() {
-    let dev = device();
-    let a = arrays(&dev);
+    let mut gpu = gpu();
+    let a = arrays(&mut gpu);
+    let dev = gpu.dev.clone();
     let x: Vec<f32> = (0..N).map(|i| (i % 17) as f32).collect();
     let y: Vec<f32> = (0..N).map(|i| (i % 5) as f32 - 2.0).collect();
     dev.write_f32(a.x, &x).unwrap();
@@ -114,7 +138,7 @@ fn capture_then_launch_reproduces_eager() {
     assert_eq!(eager, expected(&x, &y));
 
     // Capture: recorded, not run.
-    dev.fill_f32(a.out, N, -7.0).unwrap();
+    dev.fill_f32(&a.outb, N, -7.0).unwrap();
     dev.synchronize().unwrap();
     dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
     assert!(dev.is_capturing().unwrap());
@@ -140,14 +164,14 @@ fn capture_then_launch_reproduces_eager() {
 
     drop(graph);
     assert_eq!(dev.take_sticky_error(), None);
-    free_pool_memory(&dev, a.base, SEGMENT).unwrap();
 }
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn capture_modes_all_work() {
-    let dev = device();
-    let a = arrays(&dev);
+    let mut gpu = gpu();
+    let a = arrays(&mut gpu);
+    let dev = gpu.dev.clone();
     for (i, mode) in [
         CaptureMode::Global,
         CaptureMode::ThreadLocal,
@@ -157,42 +181,42 @@ fn capture_modes_all_work() {
     .enumerate()
     {
         dev.begin_capture(mode).unwrap();
-        dev.fill_f32(a.x, N, i as f32).unwrap();
+        dev.fill_f32(&a.xb, N, i as f32).unwrap();
         let graph = dev.end_capture().unwrap();
         dev.launch(&graph).unwrap();
         assert_eq!(dev.read_f32(a.x, N).unwrap(), vec![i as f32; N], "{mode:?}");
     }
-    free_pool_memory(&dev, a.base, SEGMENT).unwrap();
 }
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn synchronize_inside_capture_fails_and_abort_recovers() {
-    let dev = device();
-    let a = arrays(&dev);
+    let mut gpu = gpu();
+    let a = arrays(&mut gpu);
+    let dev = gpu.dev.clone();
     dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
-    dev.fill_f32(a.x, N, 1.0).unwrap();
+    dev.fill_f32(&a.xb, N, 1.0).unwrap();
     assert_capture_err(dev.synchronize(), DeviceOp::Synchronize);
     dev.abort_capture().unwrap();
     assert!(!dev.is_capturing().unwrap());
 
     // The stream works eagerly again...
-    dev.fill_f32(a.x, N, 3.0).unwrap();
+    dev.fill_f32(&a.xb, N, 3.0).unwrap();
     assert_eq!(dev.read_f32(a.x, N).unwrap(), vec![3.0; N]);
     // ...and captures again.
     dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
-    dev.fill_f32(a.x, N, 4.0).unwrap();
+    dev.fill_f32(&a.xb, N, 4.0).unwrap();
     let graph = dev.end_capture().unwrap();
     dev.launch(&graph).unwrap();
     assert_eq!(dev.read_f32(a.x, N).unwrap(), vec![4.0; N]);
-    free_pool_memory(&dev, a.base, SEGMENT).unwrap();
 }
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn host_transfers_and_query_inside_capture_fail() {
-    let dev = device();
-    let a = arrays(&dev);
+    let mut gpu = gpu();
+    let a = arrays(&mut gpu);
+    let dev = gpu.dev.clone();
     let mut host = vec![0u8; 16];
 
     dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
@@ -209,7 +233,6 @@ fn host_transfers_and_query_inside_capture_fail() {
 
     dev.synchronize().unwrap();
     assert!(dev.query().unwrap(), "an idle stream has finished its work");
-    free_pool_memory(&dev, a.base, SEGMENT).unwrap();
 }
 
 #[test]
@@ -245,8 +268,9 @@ fn capture_lifecycle_misuse_is_capture_state() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn copies_and_read_write_round_trip() {
-    let dev = device();
-    let a = arrays(&dev);
+    let mut gpu = gpu();
+    let a = arrays(&mut gpu);
+    let dev = gpu.dev.clone();
     let bytes: Vec<u8> = (0..N * F32).map(|i| (i * 7 % 251) as u8).collect();
     dev.write(a.x, &bytes).unwrap();
     dev.copy(a.y, a.x, bytes.len()).unwrap();
@@ -283,21 +307,44 @@ fn copies_and_read_write_round_trip() {
 
     // A copy inside a capture is recorded and replayed.
     dev.write_f32(a.x, &[5.0; N]).unwrap();
-    dev.fill_f32(a.out, N, 0.0).unwrap();
+    dev.fill_f32(&a.outb, N, 0.0).unwrap();
     dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
     dev.copy(a.out, a.x, N * F32).unwrap();
     let graph = dev.end_capture().unwrap();
     assert_eq!(dev.read_f32(a.out, N).unwrap(), vec![0.0; N]);
     dev.launch(&graph).unwrap();
     assert_eq!(dev.read_f32(a.out, N).unwrap(), vec![5.0; N]);
-    free_pool_memory(&dev, a.base, SEGMENT).unwrap();
+
+    // The queue's own copies, reads and writes take graft buffers, checked before CUDA sees
+    // them (the raw-address versions are the `Device` trait's, for core's pool).
+    let q: &CudaQueue = &dev;
+    q.write(&a.yb, &bytes).unwrap();
+    q.copy(&a.tb, &a.yb, bytes.len()).unwrap();
+    let mut again = vec![0u8; bytes.len()];
+    q.read(&a.tb, &mut again).unwrap();
+    assert_eq!(again, bytes);
+    assert!(matches!(
+        q.copy(&a.tb, &a.yb, bytes.len() + 1),
+        Err(DeviceError::InvalidArgument {
+            op: DeviceOp::Copy,
+            ..
+        })
+    ));
+    assert!(matches!(
+        q.read(&a.tb, &mut vec![0u8; bytes.len() + 1]),
+        Err(DeviceError::InvalidArgument {
+            op: DeviceOp::Read,
+            ..
+        })
+    ));
 }
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn summarize_counts_kernels_and_copies() {
-    let dev = device();
-    let a = arrays(&dev);
+    let mut gpu = gpu();
+    let a = arrays(&mut gpu);
+    let dev = gpu.dev.clone();
     dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
     chain(&dev, &a);
     dev.copy(a.y, a.out, N * F32).unwrap();
@@ -307,17 +354,19 @@ fn summarize_counts_kernels_and_copies() {
     assert_eq!(summary.kernels, 3);
     assert_eq!(summary.copies, 1);
     assert_eq!(summary.memsets, 0);
-    free_pool_memory(&dev, a.base, SEGMENT).unwrap();
 }
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn reserve_and_map_during_capture_work() {
-    let dev = device();
+    let mut gpu = gpu();
+    let dev = gpu.dev.clone();
+    let nines = filled(&mut gpu, N, 9.0);
     for mode in [CaptureMode::Global, CaptureMode::ThreadLocal] {
         dev.begin_capture(mode).unwrap();
         let seg = pool_memory(&dev, 1 << 20).expect("reserve and map inside a capture");
-        dev.fill_f32(seg, N, 9.0).unwrap();
+        // Pool memory is not a graft buffer: a captured copy writes it.
+        dev.copy(seg, nines.addr().unwrap(), N * F32).unwrap();
         let graph = dev
             .end_capture()
             .expect("the capture survives the allocation");
@@ -336,7 +385,7 @@ fn raw_alloc_during_capture_fails() {
     dev.abort_capture().unwrap();
 
     let ptr = dev.raw_alloc(4096).expect("raw_alloc outside a capture");
-    dev.fill_f32(ptr, 1024, 2.0).unwrap();
+    dev.write_f32(ptr, &[2.0; 1024]).unwrap();
     assert_eq!(dev.read_f32(ptr, 4).unwrap(), vec![2.0; 4]);
     dev.raw_free(ptr).unwrap();
 }
@@ -344,11 +393,14 @@ fn raw_alloc_during_capture_fails() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn side_stream_left_unjoined_fails_end_capture() {
-    let dev = device();
-    let a = arrays(&dev);
+    let mut gpu = gpu();
+    let a = arrays(&mut gpu);
+    let dev = gpu.dev.clone();
     dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
-    dev.fill_f32(a.x, N, 1.0).unwrap();
-    dev.fill_f32_on_side_stream(a.y, N, 2.0).unwrap();
+    dev.fill_f32(&a.xb, N, 1.0).unwrap();
+    gpu.kernels
+        .fill_f32_on_side_stream(&dev, &a.yb, N, 2.0)
+        .unwrap();
     match dev.end_capture() {
         Err(DeviceError::Capture {
             op: DeviceOp::EndCapture,
@@ -362,30 +414,34 @@ fn side_stream_left_unjoined_fails_end_capture() {
     );
 
     // Both streams work eagerly afterwards.
-    dev.fill_f32_on_side_stream(a.y, N, 6.0).unwrap();
+    gpu.kernels
+        .fill_f32_on_side_stream(&dev, &a.yb, N, 6.0)
+        .unwrap();
     dev.join_side_stream().unwrap();
     assert_eq!(dev.read_f32(a.y, N).unwrap(), vec![6.0; N]);
 
     // Joined, the same fork captures fine and replays both kernels.
     dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
-    dev.fill_f32(a.x, N, 7.0).unwrap();
-    dev.fill_f32_on_side_stream(a.y, N, 8.0).unwrap();
+    dev.fill_f32(&a.xb, N, 7.0).unwrap();
+    gpu.kernels
+        .fill_f32_on_side_stream(&dev, &a.yb, N, 8.0)
+        .unwrap();
     dev.join_side_stream().unwrap();
     let graph = dev.end_capture().expect("joined fork captures");
     assert_eq!(dev.summarize(&graph).unwrap().kernels, 2);
     dev.launch(&graph).unwrap();
     assert_eq!(dev.read_f32(a.x, N).unwrap(), vec![7.0; N]);
     assert_eq!(dev.read_f32(a.y, N).unwrap(), vec![8.0; N]);
-    free_pool_memory(&dev, a.base, SEGMENT).unwrap();
 }
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn graphs_launch_from_another_thread_and_drop_cleanly() {
-    let dev = device();
-    let a = arrays(&dev);
+    let mut gpu = gpu();
+    let a = arrays(&mut gpu);
+    let dev = gpu.dev.clone();
     dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
-    dev.fill_f32(a.x, N, 11.0).unwrap();
+    dev.fill_f32(&a.xb, N, 11.0).unwrap();
     let graph = dev.end_capture().unwrap();
     let dev2 = dev.clone();
     std::thread::spawn(move || {
@@ -409,26 +465,26 @@ fn graphs_launch_from_another_thread_and_drop_cleanly() {
             ..
         })
     ));
-    free_pool_memory(&dev, a.base, SEGMENT).unwrap();
 }
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn large_fill_covers_every_element() {
     // More elements than one launch has threads (65536 blocks x 256): the grid-stride loop.
-    let dev = device();
+    let mut gpu = gpu();
     let n = (1 << 24) + 3;
-    let seg = pool_memory(&dev, n * F32).unwrap();
-    dev.fill_f32(seg, n, 0.25).unwrap();
-    let all = dev.read_f32(seg, n).unwrap();
+    let seg = gpu.g.alloc(n * F32).unwrap();
+    gpu.dev.fill_f32(&seg, n, 0.25).unwrap();
+    let all = gpu.g.read_f32(&seg).unwrap();
     assert!(all.iter().all(|&v| v == 0.25));
-    free_pool_memory(&dev, seg, n * F32).unwrap();
 }
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn map_write_read_unmap_remap() {
-    let dev = device();
+    let mut gpu = gpu();
+    let fives = filled(&mut gpu, N, 5.0);
+    let dev = gpu.dev.clone();
     let g = dev.granularity();
     eprintln!("granularity: {g} bytes");
     assert!(g >= 512 && g.is_multiple_of(512));
@@ -448,7 +504,7 @@ fn map_write_read_unmap_remap() {
     );
     // Remap it: new physical memory, usable again.
     dev.map(at, g).unwrap();
-    dev.fill_f32(at, g / F32, 3.0).unwrap();
+    dev.write_f32(at, &vec![3.0; g / F32]).unwrap();
     assert_eq!(dev.read_f32(at, g / F32).unwrap(), vec![3.0; g / F32]);
     // Misuse is an error, not undefined behaviour.
     let bad = |e: Result<(), DeviceError>| matches!(e, Err(DeviceError::InvalidArgument { .. }));
@@ -460,7 +516,8 @@ fn map_write_read_unmap_remap() {
     // Map during a capture, after the reservation.
     dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
     dev.map(r, g).expect("map inside a capture");
-    dev.fill_f32(r, N, 5.0).unwrap();
+    // Mapped memory is not a graft buffer: a captured copy writes it.
+    dev.copy(r, fives.addr().unwrap(), N * F32).unwrap();
     let graph = dev.end_capture().expect("the capture survives the map");
     dev.launch(&graph).unwrap();
     assert_eq!(dev.read_f32(r, N).unwrap(), vec![5.0; N]);

@@ -381,6 +381,7 @@ impl SimQueue {
     /// Enqueues a kernel on a second stream. When idle it runs now. During a capture it forks
     /// work off the capture that this simulator never joins back, so the capture's
     /// [`Device::end_capture`] fails with [`CaptureViolation::Unjoined`].
+    #[cfg(feature = "test-support")]
     pub fn launch_kernel_on_side_stream<F>(
         &self,
         name: &'static str,
@@ -404,6 +405,7 @@ impl SimQueue {
 
     /// A device allocation made by user code (`cudaMalloc`), outside graft's pool. Fails during
     /// a capture with [`CaptureViolation::Unsupported`] and invalidates it.
+    #[cfg(feature = "test-support")]
     pub fn raw_alloc(&self, bytes: usize) -> Result<DevicePtr, DeviceError> {
         let mut st = self.lock(DeviceOp::RawAlloc)?;
         st.forbid_in_capture(DeviceOp::RawAlloc)?;
@@ -417,6 +419,7 @@ impl SimQueue {
 
     /// Frees a [`SimQueue::raw_alloc`] allocation (`cudaFree`); `ptr` must be its start. Fails
     /// during a capture like [`SimQueue::raw_alloc`] (reported as [`DeviceOp::RawAlloc`]).
+    #[cfg(feature = "test-support")]
     pub fn raw_free(&self, ptr: DevicePtr) -> Result<(), DeviceError> {
         let mut st = self.lock(DeviceOp::RawAlloc)?;
         st.forbid_in_capture(DeviceOp::RawAlloc)?;
@@ -430,6 +433,7 @@ impl SimQueue {
 
     /// Whether all work on the stream has finished (`cudaStreamQuery`); always true here, since
     /// work runs when enqueued. Fails during a capture and invalidates it.
+    #[cfg(feature = "test-support")]
     pub fn query(&self) -> Result<bool, DeviceError> {
         let mut st = self.lock(DeviceOp::Query)?;
         st.forbid_in_capture(DeviceOp::Query)?;
@@ -437,6 +441,7 @@ impl SimQueue {
     }
 
     /// Reads `n` `f32`s from the device, synchronously (a [`Device::read`]).
+    #[cfg(feature = "test-support")]
     pub fn read_f32(&self, src: DevicePtr, n: usize) -> Result<Vec<f32>, DeviceError> {
         let mut st = self.lock(DeviceOp::Read)?;
         st.forbid_in_capture(DeviceOp::Read)?;
@@ -453,14 +458,40 @@ impl SimQueue {
     }
 
     /// Writes `values` to the device as `f32`s, synchronously (a [`Device::write`]).
+    #[cfg(feature = "test-support")]
     pub fn write_f32(&self, dst: DevicePtr, values: &[f32]) -> Result<(), DeviceError> {
         let mut st = self.lock(DeviceOp::Write)?;
         st.forbid_in_capture(DeviceOp::Write)?;
         st.mem.write_f32_as(DeviceOp::Write, dst, values)
     }
 
+    /// [`Device::copy`] of the first `bytes` of `src` to the start of `dst`, on graft buffers
+    /// checked first as graft-cuda's `CudaQueue::copy` checks them ([`Buffer::device_addr`]:
+    /// this device's, still valid, long enough). Overlapping ranges fail.
+    pub fn copy(&self, dst: &Buffer, src: &Buffer, bytes: usize) -> Result<(), DeviceError> {
+        let at = |b: &Buffer| b.device_addr(DeviceOp::Copy, self.inner.id, 0, bytes);
+        self.copy_raw(at(dst)?, at(src)?, bytes)
+    }
+
+    /// [`Device::write`] of `src` to the start of `dst`, checked as [`SimQueue::copy`] checks.
+    pub fn write(&self, dst: &Buffer, src: &[u8]) -> Result<(), DeviceError> {
+        self.write_raw(
+            dst.device_addr(DeviceOp::Write, self.inner.id, 0, src.len())?,
+            src,
+        )
+    }
+
+    /// [`Device::read`] of the first `dst.len()` bytes of `src`, checked as [`SimQueue::copy`]
+    /// checks.
+    pub fn read(&self, src: &Buffer, dst: &mut [u8]) -> Result<(), DeviceError> {
+        self.read_raw(
+            src.device_addr(DeviceOp::Read, self.inner.id, 0, dst.len())?,
+            dst,
+        )
+    }
+
     /// Enqueues a device-to-device copy (recorded when capturing); overlapping ranges fail.
-    pub fn copy(&self, dst: DevicePtr, src: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
+    fn copy_raw(&self, dst: DevicePtr, src: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
         let mut st = self.lock(DeviceOp::Copy)?;
         match &mut st.capture {
             Capture::Idle => {}
@@ -482,7 +513,7 @@ impl SimQueue {
     }
 
     /// Copies host bytes to the device, synchronously. Fails during a capture.
-    pub fn write(&self, dst: DevicePtr, src: &[u8]) -> Result<(), DeviceError> {
+    fn write_raw(&self, dst: DevicePtr, src: &[u8]) -> Result<(), DeviceError> {
         let mut st = self.lock(DeviceOp::Write)?;
         st.forbid_in_capture(DeviceOp::Write)?;
         st.mem
@@ -492,7 +523,7 @@ impl SimQueue {
     }
 
     /// Copies device bytes to the host, synchronously. Fails during a capture.
-    pub fn read(&self, src: DevicePtr, dst: &mut [u8]) -> Result<(), DeviceError> {
+    fn read_raw(&self, src: DevicePtr, dst: &mut [u8]) -> Result<(), DeviceError> {
         let mut st = self.lock(DeviceOp::Read)?;
         st.forbid_in_capture(DeviceOp::Read)?;
         dst.copy_from_slice(st.mem.range(DeviceOp::Read, src, dst.len())?);
@@ -579,15 +610,15 @@ impl Device for SimDevice {
     }
 
     fn copy(&self, dst: DevicePtr, src: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
-        self.queue.copy(dst, src, bytes)
+        self.queue.copy_raw(dst, src, bytes)
     }
 
     fn write(&self, dst: DevicePtr, src: &[u8]) -> Result<(), DeviceError> {
-        self.queue.write(dst, src)
+        self.queue.write_raw(dst, src)
     }
 
     fn read(&self, src: DevicePtr, dst: &mut [u8]) -> Result<(), DeviceError> {
-        self.queue.read(src, dst)
+        self.queue.read_raw(src, dst)
     }
 
     fn synchronize(&self) -> Result<(), DeviceError> {

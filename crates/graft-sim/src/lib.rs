@@ -23,10 +23,9 @@
 //!   addresses against current memory. Reserving and mapping stay legal during a capture.
 //! - **What CUDA forbids during capture fails the same way** with
 //!   [`DeviceError::Capture`](graft_core::DeviceError::Capture) and invalidates the capture:
-//!   synchronize, host reads and writes, [`SimQueue::raw_alloc`] / [`SimQueue::raw_free`],
-//!   [`SimQueue::query`], unmapping, releasing a reservation. Work on the side stream
-//!   ([`SimQueue::launch_kernel_on_side_stream`]) is never joined, so `end_capture` fails with
-//!   `Unjoined`. After a violation every stream operation fails with `Invalidated` until the
+//!   synchronize, host reads and writes, unmapping, releasing a reservation, and the
+//!   `test-support` hooks below: raw allocations, queries. Work on the side stream is never
+//!   joined, so `end_capture` fails with `Unjoined`. After a violation every stream operation fails with `Invalidated` until the
 //!   capture is ended or aborted. All capture modes are treated alike (real CUDA would allow a
 //!   raw allocation in `Relaxed` mode).
 //! - **Undefined behaviour is an error.** Overlapping copies fail with
@@ -38,12 +37,16 @@
 //!   [`SimDevice::fail_next_instantiate`], [`SimDevice::fail_next_launch`],
 //!   [`SimDevice::fail_next_graph_destroy`] (which goes to the sticky error slot).
 //!
-//! [`SimDevice::stats`] exposes counters for tests.
+//! [`SimDevice::stats`] exposes counters for tests. Behind the `test-support` feature (enabled
+//! by graft-testkit and graft's dev-dependencies) are the calls only tests make, modelling
+//! what a framework's code might do wrong inside a captured body: `SimQueue::raw_alloc` /
+//! `SimQueue::raw_free` (`cudaMalloc` / `cudaFree`), `SimQueue::query` (`cudaStreamQuery`),
+//! `SimQueue::launch_kernel_on_side_stream`, and raw-address `SimQueue::read_f32` /
+//! `SimQueue::write_f32`. graft's shared test kernels live in graft-testkit.
 #![forbid(unsafe_code)]
 
 mod device;
 mod graph;
-mod kernels;
 mod memory;
 
 pub use device::{CaptureStatus, SimDevice, SimQueue, SimStats};

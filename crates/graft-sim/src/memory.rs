@@ -29,6 +29,7 @@ const MISALIGNED_NAME: &str = "CUDA_ERROR_MISALIGNED_ADDRESS";
 #[derive(Clone, PartialEq, Eq, Debug)]
 enum Kind {
     /// A user allocation (`raw_alloc`): all of `data`.
+    #[cfg(any(test, feature = "test-support"))]
     Raw,
     /// A pool reservation of `size` bytes; `mapped[g]` says whether granule `g` is mapped.
     /// `data` covers the reservation up to the end of its highest mapped granule.
@@ -66,6 +67,7 @@ impl fmt::Debug for SimMemory {
         impl fmt::Debug for Reg<'_> {
             fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
                 match &self.0.kind {
+                    #[cfg(any(test, feature = "test-support"))]
                     Kind::Raw => write!(f, "raw {:#x}+{}", self.0.base, self.0.data.len()),
                     Kind::Reservation { size, mapped } => write!(
                         f,
@@ -132,6 +134,11 @@ fn bad(op: DeviceOp, what: &'static str) -> DeviceError {
     DeviceError::InvalidArgument { op, what }
 }
 
+// Without raw allocations (feature `test-support`) every region is a reservation.
+#[cfg_attr(
+    not(any(test, feature = "test-support")),
+    allow(irrefutable_let_patterns)
+)]
 impl SimMemory {
     pub(crate) fn new(limit: usize) -> SimMemory {
         SimMemory {
@@ -154,6 +161,7 @@ impl SimMemory {
     }
 
     /// A raw allocation of `bytes` at the next fresh address, filled with [`POISON_BYTE`].
+    #[cfg(any(test, feature = "test-support"))]
     pub(crate) fn alloc_raw(
         &mut self,
         op: DeviceOp,
@@ -177,6 +185,7 @@ impl SimMemory {
     }
 
     /// Frees the raw allocation starting exactly at `ptr`. Returns its size.
+    #[cfg(any(test, feature = "test-support"))]
     pub(crate) fn free_raw(&mut self, op: DeviceOp, ptr: DevicePtr) -> Result<usize, DeviceError> {
         let i = self
             .regions
@@ -229,6 +238,7 @@ impl SimMemory {
                     return Err(bad(op, "part of the reservation is still mapped"));
                 }
             }
+            #[cfg(any(test, feature = "test-support"))]
             Kind::Raw => return Err(bad(op, "the address is not the start of a reservation")),
         }
         self.regions.remove(i);
@@ -438,6 +448,7 @@ impl SimMemory {
         Ok(())
     }
 
+    #[cfg(any(test, feature = "test-support"))]
     pub(crate) fn read_f32_as(
         &self,
         op: DeviceOp,
@@ -447,6 +458,7 @@ impl SimMemory {
         self.read_elems(op, ptr, dst)
     }
 
+    #[cfg(any(test, feature = "test-support"))]
     pub(crate) fn write_f32_as(
         &mut self,
         op: DeviceOp,

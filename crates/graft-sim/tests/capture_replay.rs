@@ -17,10 +17,12 @@ fn pool_memory(dev: &SimDevice, bytes: usize) -> Result<DevicePtr, DeviceError> 
 
 /// The chain under test: x = 2; y = 3x + 1; z = x + y; z *= y.
 fn chain(dev: &SimDevice, x: DevicePtr, y: DevicePtr, z: DevicePtr) -> Result<(), DeviceError> {
-    dev.fill_f32(x, N, 2.0)?;
-    dev.axpb_f32(y, x, 3.0, 1.0, N)?;
-    dev.add_f32(z, x, y, N)?;
-    dev.mul_f32(z, z, y, N)
+    dev.launch_kernel("fill_f32", move |m| m.fill_f32(x, N, 2.0))?;
+    dev.launch_kernel("axpb_f32", move |m| {
+        m.map_f32(y, x, N, |v| f32::mul_add(3.0, v, 1.0))
+    })?;
+    dev.launch_kernel("add_f32", move |m| m.zip_f32(z, x, y, N, |x, y| x + y))?;
+    dev.launch_kernel("mul_f32", move |m| m.zip_f32(z, z, y, N, |x, y| x * y))
 }
 
 #[test]
@@ -76,8 +78,14 @@ fn replay_rereads_inputs_changed_in_place() {
     dev.write_f32(input, &[1.0; N]).unwrap();
 
     dev.begin_capture(CaptureMode::Global).unwrap();
-    dev.axpb_f32(out, input, 2.0, 0.5, N).unwrap();
-    dev.add_f32(out, out, input, N).unwrap();
+    dev.launch_kernel("axpb_f32", move |m| {
+        m.map_f32(out, input, N, |v| f32::mul_add(2.0, v, 0.5))
+    })
+    .unwrap();
+    dev.launch_kernel("add_f32", move |m| {
+        m.zip_f32(out, out, input, N, |x, y| x + y)
+    })
+    .unwrap();
     let graph = dev.end_capture().unwrap();
 
     dev.launch(&graph).unwrap();
@@ -98,7 +106,10 @@ fn copies_are_recorded_and_replayed() {
 
     dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
     dev.copy(b, a, BYTES).unwrap();
-    dev.axpb_f32(b, b, 1.0, 1.0, N).unwrap();
+    dev.launch_kernel("axpb_f32", move |m| {
+        m.map_f32(b, b, N, |v| f32::mul_add(1.0, v, 1.0))
+    })
+    .unwrap();
     let graph = dev.end_capture().unwrap();
     assert_eq!(dev.stats().copies_run, 0, "recording does not run the copy");
     assert_eq!(
@@ -121,12 +132,16 @@ fn graph_launched_inside_a_capture_becomes_a_child_graph() {
     let dev = SimDevice::new();
     let a = pool_memory(&dev, BYTES).unwrap();
     dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
-    dev.fill_f32(a, N, 1.0).unwrap();
+    dev.launch_kernel("fill_f32", move |m| m.fill_f32(a, N, 1.0))
+        .unwrap();
     let inner = dev.end_capture().unwrap();
 
     dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
     dev.launch(&inner).unwrap();
-    dev.axpb_f32(a, a, 2.0, 0.0, N).unwrap();
+    dev.launch_kernel("axpb_f32", move |m| {
+        m.map_f32(a, a, N, |v| f32::mul_add(2.0, v, 0.0))
+    })
+    .unwrap();
     let outer = dev.end_capture().unwrap();
     assert_eq!(dev.stats().kernels_run, 0);
     assert_eq!(dev.summarize(&outer).unwrap().other, 1);
@@ -141,7 +156,8 @@ fn reserve_and_map_work_during_capture_and_the_capture_stays_valid() {
     let dev = SimDevice::new();
     dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
     let seg = pool_memory(&dev, BYTES).unwrap();
-    dev.fill_f32(seg, N, 9.0).unwrap();
+    dev.launch_kernel("fill_f32", move |m| m.fill_f32(seg, N, 9.0))
+        .unwrap();
     let graph = dev.end_capture().unwrap();
     assert_eq!(dev.stats().mapped_bytes, GRANULARITY);
     dev.launch(&graph).unwrap();
@@ -153,7 +169,8 @@ fn replay_after_unmap_fails_with_invalid_address() {
     let dev = SimDevice::new();
     let seg = pool_memory(&dev, BYTES).unwrap();
     dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
-    dev.fill_f32(seg, N, 1.0).unwrap();
+    dev.launch_kernel("fill_f32", move |m| m.fill_f32(seg, N, 1.0))
+        .unwrap();
     let graph = dev.end_capture().unwrap();
     dev.launch(&graph).unwrap();
 
@@ -201,7 +218,9 @@ fn clones_share_the_device() {
     let dev = SimDevice::new();
     let clone = dev.clone();
     let seg = pool_memory(&dev, BYTES).unwrap();
-    clone.fill_f32(seg, N, 3.0).unwrap();
+    clone
+        .launch_kernel("fill_f32", move |m| m.fill_f32(seg, N, 3.0))
+        .unwrap();
     assert_eq!(dev.read_f32(seg, 1).unwrap(), [3.0]);
     assert_eq!(clone.id(), dev.id());
 }

@@ -17,11 +17,13 @@ fn check_forbidden(
 ) {
     let dev = SimDevice::new();
     let seg = dev.raw_alloc(N * 4).unwrap();
-    dev.fill_f32(seg, N, 1.0).unwrap();
+    dev.launch_kernel("fill_f32", move |m| m.fill_f32(seg, N, 1.0))
+        .unwrap();
     let kernels = dev.stats().kernels_run;
 
     dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
-    dev.fill_f32(seg, N, 7.0).unwrap();
+    dev.launch_kernel("fill_f32", move |m| m.fill_f32(seg, N, 7.0))
+        .unwrap();
     assert_eq!(
         forbidden(&dev, seg),
         Err(capture_err(op, CaptureViolation::Unsupported)),
@@ -35,7 +37,7 @@ fn check_forbidden(
     );
     // Further captured work fails as invalidated.
     assert_eq!(
-        dev.fill_f32(seg, N, 8.0),
+        dev.launch_kernel("fill_f32", move |m| m.fill_f32(seg, N, 8.0)),
         Err(capture_err(
             DeviceOp::KernelLaunch,
             CaptureViolation::Invalidated
@@ -63,12 +65,14 @@ fn check_forbidden(
 
     // Same again, but leaving through abort_capture.
     dev.begin_capture(CaptureMode::Global).unwrap();
-    dev.fill_f32(seg, N, 7.0).unwrap();
+    dev.launch_kernel("fill_f32", move |m| m.fill_f32(seg, N, 7.0))
+        .unwrap();
     assert!(forbidden(&dev, seg).is_err());
     dev.abort_capture().unwrap();
     assert_eq!(dev.capture_status().unwrap(), CaptureStatus::Idle);
     assert_eq!(dev.read_f32(seg, N).unwrap(), vec![1.0; N]);
-    dev.fill_f32(seg, N, 2.0).unwrap();
+    dev.launch_kernel("fill_f32", move |m| m.fill_f32(seg, N, 2.0))
+        .unwrap();
     assert_eq!(dev.read_f32(seg, N).unwrap(), vec![2.0; N]);
     assert_eq!(dev.stats().live_graphs, 0);
 }
@@ -167,14 +171,17 @@ fn forbidden_ops_work_outside_capture() {
 fn unjoined_side_stream_fails_end_capture() {
     let dev = SimDevice::new();
     let seg = dev.raw_alloc(N * 4).unwrap();
-    dev.fill_f32(seg, N, 1.0).unwrap();
+    dev.launch_kernel("fill_f32", move |m| m.fill_f32(seg, N, 1.0))
+        .unwrap();
 
     dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
-    dev.fill_f32(seg, N, 5.0).unwrap();
+    dev.launch_kernel("fill_f32", move |m| m.fill_f32(seg, N, 5.0))
+        .unwrap();
     dev.launch_kernel_on_side_stream("side", move |m: &mut SimMemory| m.fill_f32(seg, N, 6.0))
         .unwrap();
     // The fork itself is legal; work on the main stream can still be recorded.
-    dev.fill_f32(seg, N, 5.0).unwrap();
+    dev.launch_kernel("fill_f32", move |m| m.fill_f32(seg, N, 5.0))
+        .unwrap();
     assert_eq!(
         dev.end_capture().unwrap_err(),
         capture_err(DeviceOp::EndCapture, CaptureViolation::Unjoined)
@@ -203,9 +210,11 @@ fn abort_discards_an_unjoined_capture() {
 fn abort_of_a_valid_capture_discards_recorded_work() {
     let dev = SimDevice::new();
     let seg = dev.raw_alloc(N * 4).unwrap();
-    dev.fill_f32(seg, N, 1.0).unwrap();
+    dev.launch_kernel("fill_f32", move |m| m.fill_f32(seg, N, 1.0))
+        .unwrap();
     dev.begin_capture(CaptureMode::Relaxed).unwrap();
-    dev.fill_f32(seg, N, 3.0).unwrap();
+    dev.launch_kernel("fill_f32", move |m| m.fill_f32(seg, N, 3.0))
+        .unwrap();
     dev.copy(seg.offset(32), seg, 32).unwrap();
     dev.abort_capture().unwrap();
     assert_eq!(dev.read_f32(seg, N).unwrap(), vec![1.0; N]);

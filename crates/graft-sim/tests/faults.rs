@@ -49,11 +49,13 @@ fn map_fault_ignores_raw_allocations_and_fires_during_capture() {
 fn instantiate_fault_fires_once_and_ends_the_capture() {
     let dev = SimDevice::new();
     let seg = dev.raw_alloc(64).unwrap();
-    dev.fill_f32(seg, 16, 1.0).unwrap();
+    dev.launch_kernel("fill_f32", move |m| m.fill_f32(seg, 16, 1.0))
+        .unwrap();
     dev.fail_next_instantiate();
 
     dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
-    dev.fill_f32(seg, 16, 2.0).unwrap();
+    dev.launch_kernel("fill_f32", move |m| m.fill_f32(seg, 16, 2.0))
+        .unwrap();
     assert_eq!(
         dev.end_capture().unwrap_err(),
         injected(DeviceOp::Instantiate)
@@ -67,7 +69,8 @@ fn instantiate_fault_fires_once_and_ends_the_capture() {
     assert_eq!(dev.stats().live_graphs, 0);
 
     dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
-    dev.fill_f32(seg, 16, 2.0).unwrap();
+    dev.launch_kernel("fill_f32", move |m| m.fill_f32(seg, 16, 2.0))
+        .unwrap();
     let graph = dev.end_capture().unwrap();
     dev.launch(&graph).unwrap();
     assert_eq!(dev.read_f32(seg, 16).unwrap(), vec![2.0; 16]);
@@ -97,9 +100,13 @@ fn instantiate_fault_waits_for_a_capture_that_reaches_instantiation() {
 fn launch_fault_fires_once_and_runs_nothing() {
     let dev = SimDevice::new();
     let seg = dev.raw_alloc(64).unwrap();
-    dev.fill_f32(seg, 16, 1.0).unwrap();
+    dev.launch_kernel("fill_f32", move |m| m.fill_f32(seg, 16, 1.0))
+        .unwrap();
     dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
-    dev.axpb_f32(seg, seg, 2.0, 0.0, 16).unwrap();
+    dev.launch_kernel("axpb_f32", move |m| {
+        m.map_f32(seg, seg, 16, |v| f32::mul_add(2.0, v, 0.0))
+    })
+    .unwrap();
     let graph = dev.end_capture().unwrap();
 
     dev.fail_next_launch();

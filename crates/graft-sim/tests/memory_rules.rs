@@ -75,10 +75,11 @@ fn unmap_needs_mapped_granules_of_a_reservation() {
 fn use_after_unmap_is_rejected() {
     let dev = SimDevice::new();
     let a = mapped(&dev, 1);
-    dev.fill_f32(a, 16, 1.0).unwrap();
+    dev.launch_kernel("fill_f32", move |m| m.fill_f32(a, 16, 1.0))
+        .unwrap();
     dev.unmap(a, GRANULARITY).unwrap();
     assert_eq!(
-        dev.fill_f32(a, 16, 1.0),
+        dev.launch_kernel("fill_f32", move |m| m.fill_f32(a, 16, 1.0)),
         Err(DeviceError::InvalidAddress {
             op: DeviceOp::KernelLaunch,
             addr: a,
@@ -102,7 +103,11 @@ fn use_after_unmap_is_rejected() {
     ));
     let b = dev.raw_alloc(64).unwrap();
     dev.raw_free(b).unwrap();
-    assert!(dev.fill_f32(b, 16, 1.0).is_err(), "use after raw free");
+    assert!(
+        dev.launch_kernel("fill_f32", move |m| m.fill_f32(b, 16, 1.0))
+            .is_err(),
+        "use after raw free"
+    );
 }
 
 #[test]
@@ -111,7 +116,7 @@ fn out_of_bounds_kernel_access_is_an_error() {
     let a = dev.raw_alloc(64).unwrap();
     // One element past the end.
     assert_eq!(
-        dev.add_f32(a, a, a, 17),
+        dev.launch_kernel("add_f32", move |m| m.zip_f32(a, a, a, 17, |x, y| x + y)),
         Err(DeviceError::InvalidAddress {
             op: DeviceOp::KernelLaunch,
             addr: a,
@@ -128,7 +133,10 @@ fn out_of_bounds_kernel_access_is_an_error() {
         .unwrap_err();
     assert!(matches!(err, DeviceError::InvalidAddress { addr, .. } if addr == past));
     // Absurd sizes are errors too, not panics or huge host allocations.
-    assert!(dev.fill_f32(a, usize::MAX, 0.0).is_err());
+    assert!(
+        dev.launch_kernel("fill_f32", move |m| m.fill_f32(a, usize::MAX, 0.0))
+            .is_err()
+    );
     assert!(dev.read_f32(a, usize::MAX / 2).is_err());
     assert!(dev.copy(a, DevicePtr(u64::MAX - 4), 64).is_err());
 }
@@ -154,9 +162,11 @@ fn overlapping_copy_is_rejected_eagerly() {
 fn overlapping_copy_is_rejected_on_replay() {
     let dev = SimDevice::new();
     let a = dev.raw_alloc(64).unwrap();
-    dev.fill_f32(a, 16, 1.0).unwrap();
+    dev.launch_kernel("fill_f32", move |m| m.fill_f32(a, 16, 1.0))
+        .unwrap();
     dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
-    dev.fill_f32(a, 4, 2.0).unwrap();
+    dev.launch_kernel("fill_f32", move |m| m.fill_f32(a, 4, 2.0))
+        .unwrap();
     dev.copy(a, a.offset(4), 16).unwrap();
     let graph = dev.end_capture().unwrap();
     assert_eq!(
@@ -176,10 +186,13 @@ fn overlapping_copy_is_rejected_on_replay() {
 fn elementwise_partial_overlap_is_rejected_in_place_is_fine() {
     let dev = SimDevice::new();
     let a = dev.raw_alloc(64).unwrap();
-    dev.fill_f32(a, 16, 1.0).unwrap();
-    dev.add_f32(a, a, a, 8).unwrap();
+    dev.launch_kernel("fill_f32", move |m| m.fill_f32(a, 16, 1.0))
+        .unwrap();
+    dev.launch_kernel("add_f32", move |m| m.zip_f32(a, a, a, 8, |x, y| x + y))
+        .unwrap();
     assert!(matches!(
-        dev.axpb_f32(a.offset(4), a, 1.0, 0.0, 8),
+        dev.launch_kernel("axpb_f32", move |m| m
+            .map_f32(a.offset(4), a, 8, |v| f32::mul_add(1.0, v, 0.0))),
         Err(DeviceError::OverlappingCopy { .. })
     ));
     assert_eq!(dev.read_f32(a, 9).unwrap()[7..], [2.0, 1.0]);
@@ -218,7 +231,7 @@ fn misaligned_typed_access_fails() {
     let dev = SimDevice::new();
     let a = dev.raw_alloc(64).unwrap();
     assert!(matches!(
-        dev.fill_f32(a.offset(1), 4, 0.0),
+        dev.launch_kernel("fill_f32", move |m| m.fill_f32(a.offset(1), 4, 0.0)),
         Err(DeviceError::Driver { code: 716, .. })
     ));
 }
@@ -230,7 +243,10 @@ fn axpb_is_fused() {
     // (1 + 2^-12)^2 - 1 = 2^-11 + 2^-24: the rounded product loses the 2^-24 term, FMA keeps it.
     let x = 1.0 + 2f32.powi(-12);
     dev.write_f32(a, &[x]).unwrap();
-    dev.axpb_f32(a, a, x, -1.0, 1).unwrap();
+    dev.launch_kernel("axpb_f32", move |m| {
+        m.map_f32(a, a, 1, |v| f32::mul_add(x, v, -1.0))
+    })
+    .unwrap();
     assert_eq!(
         dev.read_f32(a, 1).unwrap(),
         [2f32.powi(-11) + 2f32.powi(-24)]

@@ -1,6 +1,5 @@
-// graft-cuda's elementwise f32 kernels. Compiled at run time with NVRTC (see kernels.rs); the
-// checked-in kernels.ptx is the same source compiled ahead of time by scripts/gen-kernels-ptx.py,
-// used when NVRTC is missing. Every kernel is a grid-stride loop over `n` elements, so any launch
+// The shared test bodies' elementwise f32 kernels, compiled once per device with NVRTC by
+// `CudaTestKernels::load`. Every kernel is a grid-stride loop over `n` elements, so any launch
 // grid covers any `n`. `dst` may alias an input (in-place updates), so no pointer is __restrict__.
 
 extern "C" __global__ void graft_fill_f32(float* dst, unsigned long long n, float value) {

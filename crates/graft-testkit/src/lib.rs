@@ -1,0 +1,354 @@
+//! graft-testkit: what graft's tests and benches share across both backends.
+//!
+//! [`TestQueue`] is the set of calls the shared test bodies make on a body's queue
+//! (`ctx.queue()`): four elementwise `f32` kernels over graft [`Buffer`]s (fill, add, mul,
+//! `a * x + b`), and the raw allocation and synchronize calls that misuse tests make inside
+//! captures. [`TestDevice`] is a device whose queue provides them. Both backends implement
+//! it, so every scenario body runs on the simulator in CI and on a GPU with `--ignored`:
+//!
+//! - on [`SimQueue`], the kernels are `launch_kernel` closures over [`graft_sim::SimMemory`];
+//! - on [`CudaQueue`], they are launches of one small NVRTC module (`kernels.cu`) through
+//!   graft-cuda's checked launch API. [`CudaTestKernels::load`] compiles and loads it for a
+//!   device; the value it returns owns the module, and while it lives the device's queue
+//!   finds the kernels. The testkit keeps only a weak reference per device, so no device is
+//!   kept alive by it.
+//!
+//! Every kernel touches `n` elements from the start of each buffer; a buffer shorter than
+//! `n` elements, of another device, or no longer valid is refused before anything is
+//! launched (with [`Buffer::device_addr`]'s errors), so the kernels are safe to call.
+
+use std::sync::{Arc, Mutex, PoisonError, Weak};
+
+use graft_core::{Buffer, Device, DeviceError, DeviceId, DeviceOp, DevicePtr};
+use graft_cuda::{CudaModule, CudaQueue, KernelArg};
+use graft_sim::SimQueue;
+
+const F32_BYTES: usize = std::mem::size_of::<f32>();
+const OP: DeviceOp = DeviceOp::KernelLaunch;
+
+/// The calls the shared test bodies make on a body's queue, on either backend.
+pub trait TestQueue {
+    /// `dst[i] = value` for the first `n` `f32`s of `dst`, as a kernel.
+    fn fill_f32(&self, dst: &Buffer, n: usize, value: f32) -> Result<(), DeviceError>;
+    /// `dst[i] = a[i] + b[i]` for `n` `f32`s, as a kernel. `dst` may be an input.
+    fn add_f32(&self, dst: &Buffer, a: &Buffer, b: &Buffer, n: usize) -> Result<(), DeviceError>;
+    /// `dst[i] = a[i] * b[i]` for `n` `f32`s, as a kernel. `dst` may be an input.
+    fn mul_f32(&self, dst: &Buffer, a: &Buffer, b: &Buffer, n: usize) -> Result<(), DeviceError>;
+    /// `dst[i] = a * x[i] + b` for `n` `f32`s, as a kernel, computed as one fused multiply-add
+    /// on both backends so they round identically. `dst` may be `x`.
+    fn axpb_f32(
+        &self,
+        dst: &Buffer,
+        x: &Buffer,
+        a: f32,
+        b: f32,
+        n: usize,
+    ) -> Result<(), DeviceError>;
+    /// An allocation made by user code outside graft (`cudaMalloc`): illegal during capture.
+    fn raw_alloc(&self, bytes: usize) -> Result<DevicePtr, DeviceError>;
+    /// Frees a [`TestQueue::raw_alloc`] allocation: illegal during capture.
+    fn raw_free(&self, ptr: DevicePtr) -> Result<(), DeviceError>;
+    /// Waits for the stream: illegal during capture.
+    fn synchronize(&self) -> Result<(), DeviceError>;
+}
+
+/// [`TestQueue`]'s raw allocation and synchronize, which both queues have as inherent methods
+/// (raw allocation behind their `test-support` feature).
+macro_rules! inherent_hooks {
+    ($queue:ty) => {
+        fn raw_alloc(&self, bytes: usize) -> Result<DevicePtr, DeviceError> {
+            <$queue>::raw_alloc(self, bytes)
+        }
+
+        fn raw_free(&self, ptr: DevicePtr) -> Result<(), DeviceError> {
+            <$queue>::raw_free(self, ptr)
+        }
+
+        fn synchronize(&self) -> Result<(), DeviceError> {
+            <$queue>::synchronize(self)
+        }
+    };
+}
+
+/// A device whose queue runs the test calls.
+pub trait TestDevice: Device<Queue: TestQueue> + Clone {}
+
+impl<D: Device<Queue: TestQueue> + Clone> TestDevice for D {}
+
+/// The byte length of `n` `f32`s, refused when it overflows.
+fn f32_bytes(n: usize) -> Result<usize, DeviceError> {
+    n.checked_mul(F32_BYTES)
+        .ok_or(DeviceError::InvalidArgument {
+            op: OP,
+            what: "the element count overflows the address space",
+        })
+}
+
+/// `dst[i] = f(a[i], b[i])` for `n` `f32`s of `[dst, a, b]`, as a simulator kernel.
+fn sim_binary(
+    queue: &SimQueue,
+    name: &'static str,
+    [dst, a, b]: [&Buffer; 3],
+    n: usize,
+    f: fn(f32, f32) -> f32,
+) -> Result<(), DeviceError> {
+    let bytes = f32_bytes(n)?;
+    let (dst, a, b) = (
+        queue.buffer_addr(dst, 0, bytes)?,
+        queue.buffer_addr(a, 0, bytes)?,
+        queue.buffer_addr(b, 0, bytes)?,
+    );
+    queue.launch_kernel(name, move |m| m.zip_f32(dst, a, b, n, f))
+}
+
+impl TestQueue for SimQueue {
+    fn fill_f32(&self, dst: &Buffer, n: usize, value: f32) -> Result<(), DeviceError> {
+        let bytes = f32_bytes(n)?;
+        let dst = self.buffer_addr(dst, 0, bytes)?;
+        self.launch_kernel("fill_f32", move |m| m.fill_f32(dst, n, value))
+    }
+
+    fn add_f32(&self, dst: &Buffer, a: &Buffer, b: &Buffer, n: usize) -> Result<(), DeviceError> {
+        sim_binary(self, "add_f32", [dst, a, b], n, |x, y| x + y)
+    }
+
+    fn mul_f32(&self, dst: &Buffer, a: &Buffer, b: &Buffer, n: usize) -> Result<(), DeviceError> {
+        sim_binary(self, "mul_f32", [dst, a, b], n, |x, y| x * y)
+    }
+
+    fn axpb_f32(
+        &self,
+        dst: &Buffer,
+        x: &Buffer,
+        a: f32,
+        b: f32,
+        n: usize,
+    ) -> Result<(), DeviceError> {
+        let bytes = f32_bytes(n)?;
+        let (dst, x) = (
+            self.buffer_addr(dst, 0, bytes)?,
+            self.buffer_addr(x, 0, bytes)?,
+        );
+        self.launch_kernel("axpb_f32", move |m| {
+            m.map_f32(dst, x, n, |v| a.mul_add(v, b))
+        })
+    }
+
+    inherent_hooks!(SimQueue);
+}
+
+/// CUDA C++ source of the test kernels.
+const KERNELS_CU: &str = include_str!("kernels.cu");
+
+/// The kernels of [`KERNELS_CU`], in module index order.
+const NAMES: [&str; 4] = [
+    "graft_fill_f32",
+    "graft_add_f32",
+    "graft_mul_f32",
+    "graft_axpb_f32",
+];
+const FILL: usize = 0;
+const ADD: usize = 1;
+const MUL: usize = 2;
+const AXPB: usize = 3;
+
+/// Threads per block of every launch.
+const BLOCK: u32 = 256;
+/// Most blocks of one launch; the kernels' grid-stride loops cover any larger `n`.
+const MAX_BLOCKS: usize = 1 << 16;
+
+/// For each CUDA device with loaded test kernels, a weak reference to its module: the
+/// [`CudaTestKernels`] value that loaded it owns it.
+static LOADED: Mutex<Vec<(DeviceId, Weak<CudaModule>)>> = Mutex::new(Vec::new());
+
+/// The test kernels compiled and loaded on one CUDA device. While this value (or a clone)
+/// lives, the device's [`CudaQueue`] runs [`TestQueue`]'s kernels with them; drop it (after
+/// the work using them finished) to unload the module. Keeps its device alive.
+#[derive(Clone, Debug)]
+pub struct CudaTestKernels {
+    module: Arc<CudaModule>,
+}
+
+impl CudaTestKernels {
+    /// Compiles the test kernels with NVRTC and loads them on `queue`'s device (see
+    /// [`CudaQueue::load_module`] for the errors). The device's queue finds them while this
+    /// value or any clone of it lives (or another value loaded for the same device).
+    pub fn load(queue: &CudaQueue) -> Result<CudaTestKernels, DeviceError> {
+        let module = Arc::new(queue.load_module(KERNELS_CU, &NAMES)?);
+        let mut loaded = LOADED.lock().unwrap_or_else(PoisonError::into_inner);
+        loaded.retain(|(_, m)| m.strong_count() > 0);
+        loaded.push((queue.device_id(), Arc::downgrade(&module)));
+        Ok(CudaTestKernels { module })
+    }
+
+    /// `dst[i] = value` for the first `n` `f32`s of `dst`, launched on the device's side
+    /// stream and not joined back ([`CudaQueue::launch_function_on_side_stream`]).
+    pub fn fill_f32_on_side_stream(
+        &self,
+        queue: &CudaQueue,
+        dst: &Buffer,
+        n: usize,
+        value: f32,
+    ) -> Result<(), DeviceError> {
+        check(queue, &[dst], n)?;
+        let args = [
+            KernelArg::Buffer(dst),
+            KernelArg::U64(n as u64),
+            KernelArg::F32(value),
+        ];
+        queue.launch_function_on_side_stream(&self.module, FILL, grid(n), block(), 0, &args)
+    }
+}
+
+/// The loaded test kernels of `queue`'s device.
+fn module(queue: &CudaQueue) -> Result<Arc<CudaModule>, DeviceError> {
+    let loaded = LOADED.lock().unwrap_or_else(PoisonError::into_inner);
+    loaded
+        .iter()
+        .filter(|(id, _)| *id == queue.device_id())
+        .find_map(|(_, m)| m.upgrade())
+        .ok_or(DeviceError::Unavailable {
+            op: OP,
+            what: "no test kernels are loaded on this device; keep a graft_testkit::CudaTestKernels::load value alive",
+        })
+}
+
+/// Checks that every buffer belongs to `queue`'s device, is valid and holds `n` `f32`s.
+fn check(queue: &CudaQueue, buffers: &[&Buffer], n: usize) -> Result<(), DeviceError> {
+    let bytes = f32_bytes(n)?;
+    for b in buffers {
+        b.device_addr(OP, queue.device_id(), 0, bytes)?;
+    }
+    Ok(())
+}
+
+fn grid(n: usize) -> (u32, u32, u32) {
+    (n.div_ceil(BLOCK as usize).clamp(1, MAX_BLOCKS) as u32, 1, 1)
+}
+
+fn block() -> (u32, u32, u32) {
+    (BLOCK, 1, 1)
+}
+
+/// Checks the buffers and launches kernel `kernel` of the device's test module over `n`
+/// elements (nothing for `n == 0`).
+fn launch(
+    queue: &CudaQueue,
+    kernel: usize,
+    buffers: &[&Buffer],
+    n: usize,
+    args: &[KernelArg],
+) -> Result<(), DeviceError> {
+    check(queue, buffers, n)?;
+    let module = module(queue)?;
+    if n == 0 {
+        return Ok(());
+    }
+    queue.launch_function(&module, kernel, grid(n), block(), 0, args)
+}
+
+/// Kernel `kernel` (add or mul, `(float*, const float*, const float*, unsigned long long)`)
+/// over `n` `f32`s of `[dst, a, b]`.
+fn cuda_binary(
+    queue: &CudaQueue,
+    kernel: usize,
+    [dst, a, b]: [&Buffer; 3],
+    n: usize,
+) -> Result<(), DeviceError> {
+    let args = [
+        KernelArg::Buffer(dst),
+        KernelArg::Buffer(a),
+        KernelArg::Buffer(b),
+        KernelArg::U64(n as u64),
+    ];
+    launch(queue, kernel, &[dst, a, b], n, &args)
+}
+
+impl TestQueue for CudaQueue {
+    fn fill_f32(&self, dst: &Buffer, n: usize, value: f32) -> Result<(), DeviceError> {
+        let args = [
+            KernelArg::Buffer(dst),
+            KernelArg::U64(n as u64),
+            KernelArg::F32(value),
+        ];
+        launch(self, FILL, &[dst], n, &args)
+    }
+
+    fn add_f32(&self, dst: &Buffer, a: &Buffer, b: &Buffer, n: usize) -> Result<(), DeviceError> {
+        cuda_binary(self, ADD, [dst, a, b], n)
+    }
+
+    fn mul_f32(&self, dst: &Buffer, a: &Buffer, b: &Buffer, n: usize) -> Result<(), DeviceError> {
+        cuda_binary(self, MUL, [dst, a, b], n)
+    }
+
+    fn axpb_f32(
+        &self,
+        dst: &Buffer,
+        x: &Buffer,
+        a: f32,
+        b: f32,
+        n: usize,
+    ) -> Result<(), DeviceError> {
+        let args = [
+            KernelArg::Buffer(dst),
+            KernelArg::Buffer(x),
+            KernelArg::F32(a),
+            KernelArg::F32(b),
+            KernelArg::U64(n as u64),
+        ];
+        launch(self, AXPB, &[dst, x], n, &args)
+    }
+
+    inherent_hooks!(CudaQueue);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_source_defines_every_kernel() {
+        for name in NAMES {
+            assert!(
+                KERNELS_CU.contains(&format!("void {name}(")),
+                "{name} missing"
+            );
+        }
+    }
+
+    /// NVRTC compiles the source, and the PTX exports the four kernels.
+    #[test]
+    #[ignore = "needs NVRTC (libnvrtc), present on GPU machines"]
+    fn nvrtc_compiles_the_source() {
+        let image = graft_cuda::compile_ptx(KERNELS_CU, "graft_test_kernels.cu")
+            .expect("kernels.cu compiles");
+        let text = String::from_utf8_lossy(&image);
+        for name in NAMES {
+            assert!(text.contains(&format!(".entry {name}(")), "{name} missing");
+        }
+    }
+
+    #[test]
+    fn sim_kernels_check_their_buffers() {
+        use graft_core::{Config, Graft};
+        let dev = graft_sim::SimDevice::new();
+        let mut g: Graft<_, ()> = Graft::new(dev.clone(), Config::default());
+        let b = g.alloc(16).unwrap();
+        dev.fill_f32(&b, 4, 2.0).unwrap();
+        assert_eq!(g.read_f32(&b).unwrap(), vec![2.0; 4]);
+        assert!(matches!(
+            dev.fill_f32(&b, 5, 2.0),
+            Err(DeviceError::InvalidArgument { op: OP, .. })
+        ));
+        assert!(matches!(
+            dev.axpb_f32(&b, &b, 1.0, 0.0, usize::MAX),
+            Err(DeviceError::InvalidArgument { op: OP, .. })
+        ));
+        let other = graft_sim::SimDevice::new();
+        assert!(matches!(
+            other.fill_f32(&b, 1, 0.0),
+            Err(DeviceError::InvalidArgument { op: OP, .. })
+        ));
+    }
+}
