@@ -69,6 +69,9 @@ pub struct MicroResult {
     pub raw_copy_ns: f64,
     /// One tree replay through `Graft::call_into`.
     pub tree_ns: f64,
+    /// Tree replay over raw launch: the median of the ratios of blocks timed back to back
+    /// (raw, then tree, in every repeat), so that drift of the machine cancels out.
+    pub tree_over_raw: f64,
 }
 
 /// How to time.
@@ -140,17 +143,50 @@ fn time<D: Device>(
     device.synchronize()?;
     let mut samples = Vec::with_capacity(repeats);
     for _ in 0..repeats {
-        let start = Instant::now();
-        for _ in 0..per_block {
-            f()?;
-            if timing == Timing::Latency {
-                device.synchronize()?;
-            }
-        }
-        device.synchronize()?;
-        samples.push(start.elapsed().as_nanos() as f64 / per_block as f64);
+        samples.push(block(device, timing, per_block, &mut f)?);
     }
     Ok(median(samples))
+}
+
+/// Nanoseconds per call of one block of `per_block` calls.
+fn block<D: Device>(
+    device: &D,
+    timing: Timing,
+    per_block: usize,
+    f: &mut impl FnMut() -> Result<(), MicroError>,
+) -> Result<f64, MicroError> {
+    let start = Instant::now();
+    for _ in 0..per_block {
+        f()?;
+        if timing == Timing::Latency {
+            device.synchronize()?;
+        }
+    }
+    device.synchronize()?;
+    Ok(start.elapsed().as_nanos() as f64 / per_block as f64)
+}
+
+/// Times `a` and `b` in alternating blocks (a warmup block of each first): the medians of
+/// each, and the median of the per-repeat ratios b / a.
+fn time_pair<D: Device>(
+    device: &D,
+    timing: Timing,
+    repeats: usize,
+    per_block: usize,
+    mut a: impl FnMut() -> Result<(), MicroError>,
+    mut b: impl FnMut() -> Result<(), MicroError>,
+) -> Result<(f64, f64, f64), MicroError> {
+    block(device, timing, per_block, &mut a)?;
+    block(device, timing, per_block, &mut b)?;
+    let (mut sa, mut sb, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..repeats {
+        let ta = block(device, timing, per_block, &mut a)?;
+        let tb = block(device, timing, per_block, &mut b)?;
+        ratios.push(tb / ta);
+        sa.push(ta);
+        sb.push(tb);
+    }
+    Ok((median(sa), median(sb), median(ratios)))
 }
 
 /// Runs the four measurements on `device`.
@@ -179,9 +215,6 @@ pub fn run<D: graft_tensor::Backend>(
         device.copy(placeholder.ptr()?, x.ptr()?, N * 4)?;
         chain(&k, acc, w, placeholder)
     })?;
-    let raw_ns = time(&device, timing, repeats, per_block, || {
-        Ok(device.launch(&same_graph)?)
-    })?;
     // The chain alone, with the input copied before each launch (how PyTorch's trees copy).
     let kernels_only = capture(&device, || chain(&k, acc, w, placeholder))?;
     let (x_at, placeholder_at) = (x.ptr()?, placeholder.ptr()?);
@@ -196,10 +229,18 @@ pub fn run<D: graft_tensor::Backend>(
         g.call_into(f, &refs, &[], |ctx| body::<D>(&k, ctx), &mut out)?;
     }
     let replays_before = g.stats().replays;
-    let tree_ns = time(&device, timing, repeats, per_block, || {
-        g.call_into(f, &refs, &[], |ctx| body::<D>(&k, ctx), &mut out)?;
-        Ok(())
-    })?;
+    // Raw launch and tree replay of the same graph, in alternating blocks.
+    let (raw_ns, tree_ns, tree_over_raw) = time_pair(
+        &device,
+        timing,
+        repeats,
+        per_block,
+        || Ok(device.launch(&same_graph)?),
+        || {
+            g.call_into(f, &refs, &[], |ctx| body::<D>(&k, ctx), &mut out)?;
+            Ok(())
+        },
+    )?;
     let replayed = g.stats().replays - replays_before;
     let calls = ((repeats + 1) * per_block) as u64;
     if replayed != calls {
@@ -229,6 +270,7 @@ pub fn run<D: graft_tensor::Backend>(
         raw_ns,
         raw_copy_ns,
         tree_ns,
+        tree_over_raw,
     })
 }
 
@@ -261,7 +303,7 @@ pub fn report(args: &MicroArgs, out: &mut dyn Write) -> Result<(), CliError> {
             r.raw_ns / 1e3,
             r.raw_copy_ns / 1e3,
             r.tree_ns / 1e3,
-            r.tree_ns / r.raw_ns
+            r.tree_over_raw
         )?;
     }
     Ok(())

@@ -289,7 +289,7 @@ pub fn attention_step<D: Backend, A: Alloc<D> + ?Sized>(
     Ok(out)
 }
 
-/// [`argmax`] of each row of `x + bias` (`bias` `[cols]`, optional), then `pos = min(pos + 1, limit)` on the device: the end
+/// The row-wise argmax of `x + bias` (`bias` `[cols]`, optional), then `pos = min(pos + 1, limit)` on the device: the end
 /// of a decode step, in one op.
 pub fn argmax_step<D: Backend, A: Alloc<D> + ?Sized>(
     k: &D::Ops,
