@@ -694,6 +694,24 @@ impl fmt::Debug for CudaDevice {
     }
 }
 
+/// The granules of `addr..addr+bytes`, which must be a non-empty range aligned to `gran`.
+fn granules(
+    op: DeviceOp,
+    addr: DevicePtr,
+    bytes: usize,
+    gran: usize,
+) -> Result<Vec<u64>, DeviceError> {
+    if bytes == 0 || !bytes.is_multiple_of(gran) || !addr.0.is_multiple_of(gran as u64) {
+        return Err(invalid_argument(
+            op,
+            "the range is empty or not aligned to the granularity",
+        ));
+    }
+    Ok((0..bytes / gran)
+        .map(|i| addr.0 + (i * gran) as u64)
+        .collect())
+}
+
 /// Every method makes the device's context current on the calling thread first. Errors from
 /// `Drop` (graph destruction) wait in the sticky slot until core takes them with
 /// `take_sticky_error` (one atomic load when there is none); no other method returns them.
@@ -782,12 +800,7 @@ impl Device for CudaDevice {
         let op = DeviceOp::Map;
         let inner = &self.queue.inner;
         let gran = inner.granularity;
-        if bytes == 0 || !bytes.is_multiple_of(gran) || !addr.0.is_multiple_of(gran as u64) {
-            return Err(invalid_argument(
-                op,
-                "the range is empty or not aligned to the granularity",
-            ));
-        }
+        let granules = granules(op, addr, bytes, gran)?;
         let mut vmm = inner.vmm.lock().unwrap_or_else(PoisonError::into_inner);
         if !vmm.inside_reservation(addr.0, bytes) {
             return Err(invalid_argument(
@@ -795,9 +808,6 @@ impl Device for CudaDevice {
                 "the range is not inside one reservation",
             ));
         }
-        let granules: Vec<u64> = (0..bytes / gran)
-            .map(|i| addr.0 + (i * gran) as u64)
-            .collect();
         if granules.iter().any(|g| vmm.handles.contains_key(g)) {
             return Err(invalid_argument(op, "part of the range is already mapped"));
         }
@@ -856,16 +866,8 @@ impl Device for CudaDevice {
         let op = DeviceOp::Unmap;
         let inner = &self.queue.inner;
         let gran = inner.granularity;
-        if bytes == 0 || !bytes.is_multiple_of(gran) || !addr.0.is_multiple_of(gran as u64) {
-            return Err(invalid_argument(
-                op,
-                "the range is empty or not aligned to the granularity",
-            ));
-        }
+        let granules = granules(op, addr, bytes, gran)?;
         let mut vmm = inner.vmm.lock().unwrap_or_else(PoisonError::into_inner);
-        let granules: Vec<u64> = (0..bytes / gran)
-            .map(|i| addr.0 + (i * gran) as u64)
-            .collect();
         if granules.iter().any(|g| !vmm.handles.contains_key(g)) {
             return Err(invalid_argument(op, "part of the range is not mapped"));
         }

@@ -94,19 +94,17 @@ impl Pool {
         let mut free = Vec::with_capacity(allocated.len() + 1);
         let mut total = 0;
         if let Some(r) = self.reservation {
+            // Every byte between `from` and `to` is one free block.
+            let mut gap = |from: u64, to: u64, blocks: &mut Vec<(u64, Slot)>| {
+                if to > from {
+                    let size = (to - from) as usize;
+                    blocks.push((from, Slot { size, id: None }));
+                    free.push((size, from));
+                }
+            };
             let mut cursor = r.base;
             for &(a, s, id) in &allocated {
-                if a > cursor {
-                    let gap = (a - cursor) as usize;
-                    blocks.push((
-                        cursor,
-                        Slot {
-                            size: gap,
-                            id: None,
-                        },
-                    ));
-                    free.push((gap, cursor));
-                }
+                gap(cursor, a, &mut blocks);
                 blocks.push((
                     a,
                     Slot {
@@ -119,17 +117,7 @@ impl Pool {
                 self.next_id = self.next_id.max(id.0.saturating_add(1));
                 cursor = end_of(a, s);
             }
-            if r.end() > cursor {
-                let gap = (r.end() - cursor) as usize;
-                blocks.push((
-                    cursor,
-                    Slot {
-                        size: gap,
-                        id: None,
-                    },
-                ));
-                free.push((gap, cursor));
-            }
+            gap(cursor, r.end(), &mut blocks);
         }
         // Bulk construction from sorted runs: linear, no rebalancing.
         self.blocks = blocks.into_iter().collect();
