@@ -1,5 +1,6 @@
 //! Configuration: runtime-wide defaults and per-function specs.
 
+use crate::bucket::Buckets;
 use crate::device::CaptureMode;
 
 /// What a registered function computes, which decides when generations start.
@@ -30,6 +31,12 @@ pub struct FunctionSpec {
     pub rerecord_limit: Option<u32>,
     /// Never graph this function: always run it eagerly, outside the graph pool.
     pub eager_only: bool,
+    /// The sizes this function is recorded at: every call passes its bucket as `keys[0]`
+    /// (see [`Buckets`]).
+    pub buckets: Option<Buckets>,
+    /// At most this many recorded graphs of this function; recording one more evicts the
+    /// least recently used (see [`Config::max_graphs`]).
+    pub max_graphs: Option<usize>,
 }
 
 impl FunctionSpec {
@@ -56,6 +63,18 @@ impl FunctionSpec {
     /// Sets the re-record limit.
     pub fn rerecord_limit(mut self, limit: u32) -> FunctionSpec {
         self.rerecord_limit = Some(limit);
+        self
+    }
+
+    /// Sets the buckets: calls pass their bucket as `keys[0]`.
+    pub fn buckets(mut self, buckets: Buckets) -> FunctionSpec {
+        self.buckets = Some(buckets);
+        self
+    }
+
+    /// Limits the recorded graphs of this function.
+    pub fn max_graphs(mut self, limit: usize) -> FunctionSpec {
+        self.max_graphs = Some(limit);
         self
     }
 }
@@ -96,6 +115,23 @@ pub struct Config {
     /// space costs no device memory; physical memory is mapped into it only as needed. It
     /// bounds the pool's live memory: raise it if an allocation reports the range exhausted.
     pub pool_reservation: usize,
+    /// At most this many recorded graphs in the whole tree (default: no limit). Recording one
+    /// more first evicts the least recently used graph not on the current path, with the
+    /// graphs recorded under it: their executables are destroyed and their pool memory
+    /// returns to the pool. Outputs a caller still holds stay readable until graft reuses
+    /// their memory, and are invalidated before it does.
+    pub max_graphs: Option<usize>,
+    /// When a static input moved, the re-recording replaces the node recorded with the old
+    /// address, updating its executable in place (`cuGraphExecUpdate`; instantiating when
+    /// the device refuses), instead of recording a sibling next to it (default off: a
+    /// sibling, so that both addresses keep replaying). Turn it on when static buffers move
+    /// for good (weights reloaded, caches reallocated). Independently of this, a recording
+    /// that the graph budget makes room for reuses the executable it evicted the same way.
+    pub replace_moved_static: bool,
+    /// Copied inputs of at least this many bytes that the graph only reads are not copied:
+    /// the graph's kernels are patched to read the caller's buffer (default 64 KiB; `None`
+    /// turns patching off). Smaller inputs are cheaper to copy than to patch.
+    pub patch_inputs_from: Option<usize>,
 }
 
 impl Default for Config {
@@ -110,6 +146,9 @@ impl Default for Config {
             verify_replays: false,
             decision_log: 64,
             pool_reservation: 256 << 30,
+            max_graphs: None,
+            replace_moved_static: false,
+            patch_inputs_from: Some(64 << 10),
         }
     }
 }

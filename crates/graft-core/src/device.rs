@@ -390,6 +390,40 @@ impl DeviceError {
     }
 }
 
+/// Why a device refused to update an executable graph in place (CUDA's
+/// `CUgraphExecUpdateResult`).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum UpdateRefusal {
+    /// Nodes were added or removed, or their dependencies changed.
+    TopologyChanged,
+    /// A node has another kind (kernel, copy, ...).
+    NodeTypeChanged,
+    /// A kernel node runs another function.
+    FunctionChanged,
+    /// A parameter that cannot change in place changed (a copy's length, ...).
+    ParametersChanged,
+    /// The device cannot update in place at all, or not this kind of node.
+    NotSupported,
+    /// An attribute of a node changed.
+    AttributesChanged,
+    /// The driver reported another reason.
+    Other,
+}
+
+impl fmt::Display for UpdateRefusal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            UpdateRefusal::TopologyChanged => "the graph's topology changed",
+            UpdateRefusal::NodeTypeChanged => "a node changed kind",
+            UpdateRefusal::FunctionChanged => "a kernel node runs another function",
+            UpdateRefusal::ParametersChanged => "a parameter changed that cannot change in place",
+            UpdateRefusal::NotSupported => "the device does not update this graph in place",
+            UpdateRefusal::AttributesChanged => "a node's attributes changed",
+            UpdateRefusal::Other => "the driver refused for another reason",
+        })
+    }
+}
+
 /// The two ends of a device-to-device copy recorded in a graph (see [`Device::repoint_copy`]).
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub struct CopyEnds {
@@ -483,6 +517,23 @@ pub trait Device: Send + Sync + 'static {
     /// Step 3: ends the capture, instantiates and uploads the graph. The capture is over
     /// whether this succeeds or fails (as with `cuStreamEndCapture`): do not abort after it.
     fn end_capture(&self) -> Result<Self::Graph, DeviceError>;
+
+    /// Step 3 for a re-recording that replaces `graph`: ends the capture and makes `graph` run
+    /// the captured work. When the capture has the topology `graph` was made from (the same
+    /// nodes in the same order, only addresses and scalar arguments changed) the backend
+    /// updates `graph`'s executable in place (CUDA: `cuGraphExecUpdate`), far cheaper than an
+    /// instantiation, and returns `None`. Otherwise it instantiates the capture as
+    /// [`Device::end_capture`] does, replaces `graph` with it and returns why the update was
+    /// refused. On error `graph` is unchanged and the capture is over.
+    ///
+    /// The default refuses every update.
+    fn end_capture_into(
+        &self,
+        graph: &mut Self::Graph,
+    ) -> Result<Option<UpdateRefusal>, DeviceError> {
+        *graph = self.end_capture()?;
+        Ok(Some(UpdateRefusal::NotSupported))
+    }
 
     /// Step 3 on failure: ends the capture in whatever state it is and discards it.
     fn abort_capture(&self) -> Result<(), DeviceError>;

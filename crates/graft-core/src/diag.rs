@@ -129,9 +129,8 @@ impl<D: Device, M: Clone> Graft<D, M> {
             .collect();
         while let Some((key, depth)) = stack.pop() {
             out.push(self.info(key, depth));
-            for (_, children) in self.nodes[key].children.iter().rev() {
-                stack.extend(children.iter().rev().map(|&k| (k, depth + 1)));
-            }
+            let children = &self.nodes[key].children;
+            stack.extend(children.iter().rev().map(|&k| (k, depth + 1)));
         }
         out
     }

@@ -67,6 +67,33 @@ pub enum CallError {
         /// Why.
         source: BufferError,
     },
+    /// A function with buckets was called without its bucket as `keys[0]`.
+    #[error(
+        "{function} has buckets, but the call passed no keys; pass the bucket (Graft::bucket) as keys[0]"
+    )]
+    MissingBucket {
+        /// Function called.
+        function: Arc<str>,
+    },
+    /// `keys[0]` of a function with buckets is not one of its buckets (and not above the
+    /// largest, which would run eagerly).
+    #[error(
+        "{function} was called with size {size}, which is not one of its buckets; pad the inputs to bucket {bucket} and pass {bucket} as keys[0]"
+    )]
+    NotABucket {
+        /// Function called.
+        function: Arc<str>,
+        /// The `keys[0]` passed.
+        size: u64,
+        /// The bucket that holds it.
+        bucket: usize,
+    },
+    /// [`crate::Graft::bucket`] was asked about a function registered without buckets.
+    #[error("{function} was registered without buckets; set FunctionSpec::buckets to use them")]
+    NoBuckets {
+        /// Function asked about.
+        function: Arc<str>,
+    },
     /// The body failed.
     #[error("body of {function} failed: {source}")]
     Body {

@@ -5,10 +5,13 @@
 //! `memory.rs` (the pools, restore, reset, the eager-memory API).
 
 use std::collections::{HashMap, VecDeque};
+use std::hash::{BuildHasher, Hasher};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
+use foldhash::fast::FixedState;
 use slotmap::SlotMap;
 
+use crate::bucket::Bucket;
 use crate::buffer::{Buffer, Cell, NodeId};
 use crate::config::{Config, FunctionSpec, Mode};
 use crate::ctx::Ctx;
@@ -17,9 +20,9 @@ use crate::error::{BodyError, CallError, FunctionId};
 use crate::lifecycle::{Phase, transition};
 use crate::plan::{self, Action, Plan, View};
 use crate::pool::Pool;
-use crate::reason::{Decision, DecisionRecord, EagerReason};
+use crate::reason::{Decision, DecisionRecord, EagerReason, EvictReason, RecordReason};
 use crate::stats::Stats;
-use crate::tree::{Node, NodeKey, Output};
+use crate::tree::{self, Node, NodeKey, Output, Slots};
 
 /// What a call did.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -48,6 +51,9 @@ pub(crate) struct Function {
     pub(crate) name: Arc<str>,
     pub(crate) spec: FunctionSpec,
     pub(crate) sigs: Vec<Signature>,
+    /// Signatures by [`shape_hash`] of their sizes and keys, so a call that switches between
+    /// many shapes (buckets) finds its signature with one lookup.
+    by_shape: HashMap<u64, Vec<usize>, FixedState>,
     /// Has been the first call of a generation.
     pub(crate) root_level: bool,
     warned_signatures: bool,
@@ -60,11 +66,21 @@ impl Function {
             name: Arc::from(name),
             spec,
             sigs: Vec::new(),
+            by_shape: HashMap::default(),
             root_level: false,
             warned_signatures: false,
             last_sig: 0,
         }
     }
+}
+
+/// A hash of a call's input sizes and keys (the signature's identity).
+fn shape_hash(inputs: &[&Buffer], keys: &[u64]) -> u64 {
+    let mut h = FixedState::default().build_hasher();
+    h.write_usize(inputs.len());
+    inputs.iter().for_each(|b| h.write_usize(b.len()));
+    keys.iter().for_each(|&k| h.write_u64(k));
+    h.finish()
 }
 
 /// Everything one call carries through the executor: what was called, on what, the body,
@@ -87,6 +103,7 @@ pub struct Graft<D: Device, M: Clone = ()> {
     pub(crate) functions: Vec<Function>,
     pub(crate) nodes: SlotMap<NodeKey, Node<D::Graph, M>>,
     pub(crate) roots: Vec<Vec<NodeKey>>,
+    pub(crate) slots: Slots,
     pub(crate) phase: Phase,
     pub(crate) generation: u64,
     pub(crate) graph_pool: Arc<Mutex<Pool>>,
@@ -107,6 +124,8 @@ pub struct Graft<D: Device, M: Clone = ()> {
     pub(crate) eager_pairs: HashMap<(Option<NodeKey>, FunctionId), EagerReason>,
     pub(crate) stats: Stats,
     decisions: VecDeque<DecisionRecord>,
+    /// Counts replays and recordings: the nodes' `last_used` stamps.
+    pub(crate) clock: u64,
     /// Scratch for input addresses: reused so the fast path never allocates.
     pub(crate) addrs: Vec<DevicePtr>,
 }
@@ -156,6 +175,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
             functions: Vec::new(),
             nodes: SlotMap::with_key(),
             roots: Vec::new(),
+            slots: Slots::default(),
             phase: Phase::Idle,
             generation: 1,
             graph_pool: Arc::new(Mutex::new(Pool::new(reservation))),
@@ -174,6 +194,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
             },
             decisions: VecDeque::new(),
             addrs: Vec::new(),
+            clock: 0,
         }
     }
 
@@ -353,10 +374,22 @@ impl<D: Device, M: Clone> Graft<D, M> {
         let same = |s: &Signature| plan::matches(&s.sizes, &s.keys, inputs, keys);
         let sig = match f.sigs.get(f.last_sig) {
             Some(s) if same(s) => f.last_sig,
-            _ => match f.sigs.iter().position(same) {
-                Some(i) => i,
-                None => self.new_signature(function, inputs, keys),
-            },
+            _ => {
+                let hash = shape_hash(inputs, keys);
+                let found = f
+                    .by_shape
+                    .get(&hash)
+                    .and_then(|c| c.iter().copied().find(|&i| same(&f.sigs[i])));
+                match found {
+                    Some(i) => i,
+                    None => {
+                        let i = self.new_signature(function, inputs, keys)?;
+                        let f = &mut self.functions[function.0];
+                        f.by_shape.entry(hash).or_default().push(i);
+                        i
+                    }
+                }
+            }
         };
         self.functions[function.0].last_sig = sig;
         Ok(sig)
@@ -370,6 +403,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
             functions: &self.functions,
             nodes: &self.nodes,
             roots: &self.roots,
+            slots: &self.slots,
             backward_pending: self.backward_pending,
             eager_pairs: &self.eager_pairs,
             rerecords: &self.rerecords,
@@ -404,7 +438,18 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 if reason.is_unexpected() {
                     *self.rerecords.entry((parent, function)).or_insert(0) += 1;
                 }
-                self.record(frame, parent, reason)
+                let replaced = self.replaced_by(frame, parent, &reason);
+                let mut reuse = replaced.and_then(|k| self.evict(k, EvictReason::Replaced));
+                match self.make_room(function, parent) {
+                    Ok(evicted) => reuse = reuse.or(evicted),
+                    Err(limit) => {
+                        let why = EagerReason::GraphBudget { limit };
+                        tracing::debug!(reason = %why, "graph budget full: running eagerly");
+                        self.log(function, parent, Decision::Eager(why));
+                        return self.run_eager(frame);
+                    }
+                }
+                self.record(frame, parent, reason, reuse)
             }
             Action::Eager {
                 reason,
@@ -418,6 +463,24 @@ impl<D: Device, M: Clone> Graft<D, M> {
         }
     }
 
+    /// With [`Config::replace_moved_static`], the node a re-recording for a moved static
+    /// input replaces: the candidate that failed for that reason.
+    fn replaced_by<F>(
+        &self,
+        frame: &Frame<'_, F, M>,
+        parent: Option<NodeKey>,
+        reason: &RecordReason,
+    ) -> Option<NodeKey> {
+        let moved = matches!(reason, RecordReason::StaticAddressChanged { .. });
+        if !self.config.replace_moved_static || !moved {
+            return None;
+        }
+        let candidates = self.slots.get(&(parent, frame.function, frame.sig))?;
+        candidates.iter().copied().find(|&k| {
+            tree::check(&self.nodes, &self.nodes[k], &self.addrs).err().as_ref() == Some(reason)
+        })
+    }
+
     /// The (parent, function) pair runs eagerly for good (the re-record limit was exceeded).
     fn fall_back(&mut self, function: FunctionId, parent: Option<NodeKey>, why: EagerReason) {
         let _span =
@@ -428,9 +491,40 @@ impl<D: Device, M: Clone> Graft<D, M> {
         self.eager_pairs.insert((parent, function), why);
     }
 
-    fn new_signature(&mut self, function: FunctionId, inputs: &[&Buffer], keys: &[u64]) -> usize {
+    /// Adds a signature for these inputs and keys, checking the bucket of a function with
+    /// buckets (the signature of a size above the largest bucket is eager).
+    fn new_signature(
+        &mut self,
+        function: FunctionId,
+        inputs: &[&Buffer],
+        keys: &[u64],
+    ) -> Result<usize, CallError> {
         let f = &mut self.functions[function.0];
-        let eager = if f.spec.eager_only {
+        let above = match (&f.spec.buckets, keys.first()) {
+            (None, _) => None,
+            (Some(_), None) => {
+                return Err(CallError::MissingBucket {
+                    function: f.name.clone(),
+                });
+            }
+            (Some(b), Some(&size)) => match usize::try_from(size).map(|s| b.pick(s)) {
+                Ok(Bucket::Padded(bucket)) if bucket as u64 == size => None,
+                Ok(Bucket::Padded(bucket)) => {
+                    return Err(CallError::NotABucket {
+                        function: f.name.clone(),
+                        size,
+                        bucket,
+                    });
+                }
+                Ok(Bucket::Above { .. }) | Err(_) => Some(EagerReason::AboveLargestBucket {
+                    size,
+                    largest: b.largest(),
+                }),
+            },
+        };
+        let eager = if above.is_some() {
+            above
+        } else if f.spec.eager_only {
             Some(EagerReason::Registered)
         } else if let Some(allow) = &self.config.allow_list {
             let listed = allow.iter().any(|e| {
@@ -447,7 +541,12 @@ impl<D: Device, M: Clone> Graft<D, M> {
             eager,
             mutated: Vec::new(),
         });
-        if f.sigs.len() > self.config.signature_warn_limit && !f.warned_signatures {
+        // Buckets bound the signatures by design: no warning for them.
+        let limit = match &f.spec.buckets {
+            Some(b) => self.config.signature_warn_limit.max(b.sizes().len()),
+            None => self.config.signature_warn_limit,
+        };
+        if f.sigs.len() > limit && !f.warned_signatures {
             f.warned_signatures = true;
             tracing::warn!(
                 function = %f.name,
@@ -455,6 +554,20 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 "function called with more distinct signatures than the warn limit; pad or bucket the inputs to fewer shapes"
             );
         }
-        f.sigs.len() - 1
+        Ok(f.sigs.len() - 1)
+    }
+
+    /// The bucket a call of `function` with real size `size` runs at: pad the inputs to
+    /// [`Bucket::size`] and pass it as `keys[0]`.
+    pub fn bucket(&self, function: FunctionId, size: usize) -> Result<Bucket, CallError> {
+        let Some(f) = self.functions.get(function.0) else {
+            return Err(CallError::UnknownFunction { id: function });
+        };
+        match &f.spec.buckets {
+            Some(b) => Ok(b.pick(size)),
+            None => Err(CallError::NoBuckets {
+                function: f.name.clone(),
+            }),
+        }
     }
 }

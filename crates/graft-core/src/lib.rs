@@ -5,12 +5,14 @@
 //! inspect.
 #![forbid(unsafe_code)]
 
+mod bucket;
 mod buffer;
 mod config;
 mod ctx;
 mod device;
 mod diag;
 mod error;
+mod evict;
 mod graft;
 #[cfg(feature = "test-support")]
 mod introspect;
@@ -30,18 +32,22 @@ mod run;
 mod stats;
 mod tree;
 
+pub use bucket::{Bucket, Buckets, BucketsError};
 pub use buffer::{Buffer, BufferError, NodeId, NodeLabel};
 pub use config::{AllowEntry, Config, FunctionSpec, Mode};
 pub use ctx::{Ctx, RunKind};
 pub use device::{
     CaptureMode, CaptureViolation, Device, DeviceError, DeviceId, DeviceOp, DevicePtr, GraphSummary,
+    UpdateRefusal,
 };
 pub use diag::{InputKind, MemoryReport, NodeInfo};
 pub use error::{BodyError, CallError, FunctionId, MemoryError, VerifyTarget};
 pub use graft::{Graft, Outcome};
 pub use lifecycle::Phase;
 pub use pool::{PoolError, PoolStats};
-pub use reason::{Decision, DecisionRecord, EagerReason, RecordReason, WarmupReason};
+pub use reason::{
+    Decision, DecisionRecord, EagerReason, EvictReason, RecordReason, WarmupReason,
+};
 pub use stats::{RerecordCounts, Stats};
 pub use tree::Output;
 
@@ -51,7 +57,7 @@ pub use tree::Output;
 pub mod backend {
     pub use crate::device::{
         CaptureMode, CaptureViolation, CopyEnds, Device, DeviceError, DeviceId, DeviceOp,
-        DevicePtr, GraphSummary, StickyError,
+        DevicePtr, GraphSummary, StickyError, UpdateRefusal,
     };
 }
 

@@ -159,6 +159,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
         self.invalidate_graph_memory(Cell::invalidate_reset);
         self.nodes.clear();
         self.roots.iter_mut().for_each(Vec::clear);
+        self.slots.clear();
         self.rerecords.clear();
         self.eager_pairs.clear();
         for f in &mut self.functions {
@@ -213,6 +214,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
         // Graph destruction reports failures to the sticky slot: taken below.
         self.nodes.clear();
         self.roots.iter_mut().for_each(Vec::clear);
+        self.slots.clear();
         let graph = lock(&self.graph_pool).release_all(&self.device);
         let eager = lock(&self.eager_pool).release_all(&self.device);
         let sticky = self.device.take_sticky_error();

@@ -15,7 +15,7 @@ use crate::error::FunctionId;
 use crate::graft::Function;
 use crate::lifecycle::Phase;
 use crate::reason::{EagerReason, RecordReason, WarmupReason};
-use crate::tree::{self, Node, NodeKey, key_of};
+use crate::tree::{self, Node, NodeKey, Slots, key_of};
 
 /// What a call will do.
 #[derive(Clone, PartialEq, Debug)]
@@ -53,6 +53,7 @@ pub(crate) struct View<'a, G, M> {
     pub(crate) functions: &'a [Function],
     pub(crate) nodes: &'a SlotMap<NodeKey, Node<G, M>>,
     pub(crate) roots: &'a [Vec<NodeKey>],
+    pub(crate) slots: &'a Slots,
     pub(crate) backward_pending: bool,
     pub(crate) eager_pairs: &'a HashMap<(Option<NodeKey>, FunctionId), EagerReason>,
     pub(crate) rerecords: &'a HashMap<(Option<NodeKey>, FunctionId), u32>,
@@ -159,16 +160,13 @@ pub(crate) fn candidate<G, M>(
     if !warmed {
         return Err(None);
     }
-    let candidates = match tip {
-        Some(t) => view.nodes[t].children_of(function),
-        None => &view.roots[function.0],
-    };
+    let candidates = view
+        .slots
+        .get(&(tip, function, sig))
+        .map_or(&[][..], Vec::as_slice);
     let mut first_miss = None;
     for &key in candidates {
         let node = &view.nodes[key];
-        if node.sig != sig {
-            continue;
-        }
         match tree::check(view.nodes, node, addrs) {
             Ok(()) => return Ok(key),
             Err(reason) => {
@@ -176,10 +174,21 @@ pub(crate) fn candidate<G, M>(
             }
         }
     }
-    Err(Some(first_miss.unwrap_or(if candidates.is_empty() {
-        RecordReason::FirstRecording
-    } else {
-        RecordReason::NewSignature
+    // No node of this signature here: a first recording, or a new signature when the
+    // function has nodes here already (a miss, so the walk is off the fast path).
+    Err(Some(first_miss.unwrap_or_else(|| {
+        let here = match tip {
+            Some(t) => view.nodes[t]
+                .children
+                .iter()
+                .any(|&c| view.nodes[c].function == function),
+            None => !view.roots[function.0].is_empty(),
+        };
+        if here {
+            RecordReason::NewSignature
+        } else {
+            RecordReason::FirstRecording
+        }
     })))
 }
 
@@ -208,6 +217,7 @@ mod tests {
         functions: Vec<Function>,
         nodes: SlotMap<NodeKey, Node<(), ()>>,
         roots: Vec<Vec<NodeKey>>,
+        slots: Slots,
         eager_pairs: HashMap<(Option<NodeKey>, FunctionId), EagerReason>,
         rerecords: HashMap<(Option<NodeKey>, FunctionId), u32>,
     }
@@ -230,6 +240,7 @@ mod tests {
             functions: vec![f],
             nodes: SlotMap::with_key(),
             roots: vec![Vec::new()],
+            slots: Slots::default(),
             eager_pairs: HashMap::new(),
             rerecords: HashMap::new(),
         }
@@ -252,15 +263,13 @@ mod tests {
                 cell_conflicts: Vec::new(),
                 conflicts_epoch: 0,
                 replays: 0,
+                last_used: 0,
                 retired: None,
                 recorded_generation: 1,
                 reason: RecordReason::FirstRecording,
                 summary: Default::default(),
             });
-            match parent {
-                Some(p) => self.nodes[p].add_child(F, key),
-                None => self.roots[0].push(key),
-            }
+            tree::link(&mut self.nodes, &mut self.roots, &mut self.slots, key);
             key
         }
 
@@ -271,6 +280,7 @@ mod tests {
                 functions: &self.functions,
                 nodes: &self.nodes,
                 roots: &self.roots,
+                slots: &self.slots,
                 backward_pending,
                 eager_pairs: &self.eager_pairs,
                 rerecords: &self.rerecords,

@@ -4,7 +4,7 @@
 use std::fmt;
 
 use crate::buffer::NodeId;
-use crate::device::{CaptureViolation, DeviceError, DeviceOp, DevicePtr};
+use crate::device::{UpdateRefusal, CaptureViolation, DeviceError, DeviceOp, DevicePtr};
 
 /// Why a call recorded a new node instead of replaying one.
 #[derive(Clone, PartialEq, Eq, Debug)]
@@ -153,6 +153,19 @@ pub enum EagerReason {
         /// The device's error.
         error: DeviceError,
     },
+    /// The call's bucket (`keys[0]`) is above the function's largest bucket.
+    AboveLargestBucket {
+        /// The size called with.
+        size: u64,
+        /// The largest bucket.
+        largest: usize,
+    },
+    /// Recording would exceed the graph budget and every recorded graph is on the current
+    /// path (none can be evicted). Not permanent: a later call records when room is made.
+    GraphBudget {
+        /// The limit that is full.
+        limit: usize,
+    },
     /// This (parent, function) pair re-recorded more often than the limit allows.
     RerecordLimit {
         /// The limit in force.
@@ -179,10 +192,43 @@ impl fmt::Display for EagerReason {
                 "capture could not begin: {error}; a call made inside another runtime's recording runs eagerly and is recorded as part of that graph"
             ),
             EagerReason::InstantiateFailed { error } => write!(f, "graph instantiation failed: {error}"),
+            EagerReason::AboveLargestBucket { size, largest } => write!(
+                f,
+                "size {size} is above the largest bucket ({largest}); it runs eagerly: add a larger bucket to graph it"
+            ),
+            EagerReason::GraphBudget { limit } => write!(
+                f,
+                "the graph budget ({limit}) is full and every recorded graph is on the current path; raise Config::max_graphs or FunctionSpec::max_graphs"
+            ),
             EagerReason::RerecordLimit { limit, last } => write!(
                 f,
                 "re-record limit reached ({limit}): {last}; make the input static with a stable address, or drop outputs consistently"
             ),
+        }
+    }
+}
+
+/// Why recorded graphs were evicted.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum EvictReason {
+    /// The graph budget was full; this was the least recently used graph off the current path.
+    Budget {
+        /// The limit that was full (per function or overall).
+        limit: usize,
+    },
+    /// The node was re-recorded (an address it baked in changed) and its executable updated
+    /// in place for the new recording.
+    Replaced,
+}
+
+impl fmt::Display for EvictReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            EvictReason::Budget { limit } => write!(
+                f,
+                "graph budget of {limit} full, least recently used first; raise the budget if this repeats"
+            ),
+            EvictReason::Replaced => f.write_str("replaced by its re-recording"),
         }
     }
 }
@@ -230,6 +276,19 @@ pub enum Decision {
         /// Input position.
         position: usize,
     },
+    /// Removed recorded graphs from the tree (a node and the nodes recorded under it).
+    Evict {
+        /// Nodes removed.
+        nodes: usize,
+        /// Why.
+        why: EvictReason,
+    },
+    /// A re-recording asked the device to update the replaced node's executable in place and
+    /// the device refused: the new graph was instantiated instead.
+    UpdateRefused {
+        /// The device's reason.
+        reason: UpdateRefusal,
+    },
     /// Restored the pool bookkeeping before a warmup or recording that followed replays.
     Restore {
         /// Buffers kept because callers still hold them.
@@ -248,6 +307,11 @@ impl fmt::Display for Decision {
             Decision::InputMutated { position } => write!(
                 f,
                 "input {position} is written by the body: copied back to the caller's buffer inside the graph from now on"
+            ),
+            Decision::Evict { nodes, why } => write!(f, "evicted {nodes} recorded graphs: {why}"),
+            Decision::UpdateRefused { reason } => write!(
+                f,
+                "in-place update refused ({reason}); the new graph was instantiated instead"
             ),
             Decision::Restore { kept, invalidated } => write!(
                 f,

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use crate::buffer::{Buffer, Cell};
 use crate::ctx::{Ctx, Reclaim, RunKind, alloc_owned, release_unused};
 use crate::device::{Device, DeviceError, DeviceOp, DevicePtr};
-use crate::error::{BodyError, CallError};
+use crate::error::{BodyError, CallError, FunctionId};
 use crate::graft::{Frame, Graft, Outcome, lock};
 use crate::lifecycle::Phase;
 use crate::pool::{Checkpoint, PoolError};
@@ -41,7 +41,9 @@ struct Captured<G, M> {
 }
 
 impl<D: Device, M: Clone> Graft<D, M> {
-    /// Records the body under `parent` (a root when none) and launches the graph once. When
+    /// Records the body under `parent` (a root when none) and launches the graph once.
+    /// `reuse` is the graph of the node this recording replaces: its executable is updated in
+    /// place when the device accepts the new capture (see [`Device::end_capture_into`]). When
     /// the device runs out of memory while recording, the recording is undone, memory no
     /// block and no graph uses is released from both pools, and the recording is tried once
     /// more (releasing is illegal during a capture and while the pool's checkpoint is pending).
@@ -50,6 +52,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
         frame: &mut Frame<'_, F, M>,
         parent: Option<NodeKey>,
         reason: RecordReason,
+        mut reuse: Option<D::Graph>,
     ) -> Result<Outcome, CallError>
     where
         F: FnMut(&mut Ctx<'_, D>) -> Result<Vec<Output<M>>, BodyError>,
@@ -58,7 +61,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
         let span = tracing::debug_span!("record", function = %name, reason = %reason);
         let _span = span.enter();
         self.diverge_if_replayed(frame.function);
-        match self.record_once(frame, parent, reason.clone())? {
+        match self.record_once(frame, parent, reason.clone(), &mut reuse)? {
             Ok(outcome) => Ok(outcome),
             Err(_) => {
                 let released = release_unused(&mut lock(&self.graph_pool), &self.device)
@@ -67,7 +70,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
                     released,
                     "out of device memory while recording: released unused pool memory, retrying"
                 );
-                match self.record_once(frame, parent, reason)? {
+                match self.record_once(frame, parent, reason, &mut reuse)? {
                     Ok(outcome) => Ok(outcome),
                     Err(source) => Err(CallError::Pool {
                         function: name,
@@ -85,6 +88,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
         frame: &mut Frame<'_, F, M>,
         parent: Option<NodeKey>,
         reason: RecordReason,
+        reuse: &mut Option<D::Graph>,
     ) -> Result<Result<Outcome, PoolError>, CallError>
     where
         F: FnMut(&mut Ctx<'_, D>) -> Result<Vec<Output<M>>, BodyError>,
@@ -105,7 +109,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
         self.move_to(Phase::Recording {
             parent: parent.map(NodeKey::id),
         })?;
-        match self.capture(frame, &prepared, &checkpoint, previous) {
+        match self.capture(frame, &prepared, &checkpoint, previous, reuse) {
             Ok(captured) => {
                 let (key, keep) = self.attach(frame, parent, reason, prepared, captured);
                 let outcome = self.first_launch(key, frame);
@@ -204,7 +208,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
     }
 
     /// The nodes from the root to `tip`, tip last.
-    fn path_nodes(&self, tip: Option<NodeKey>) -> Vec<NodeKey> {
+    pub(crate) fn path_nodes(&self, tip: Option<NodeKey>) -> Vec<NodeKey> {
         let mut path = Vec::new();
         let mut at = tip;
         while let Some(k) = at {
@@ -225,6 +229,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
         prepared: &Prepared,
         checkpoint: &Checkpoint,
         previous: Phase,
+        reuse: &mut Option<D::Graph>,
     ) -> Result<Captured<D::Graph, M>, CaptureFailure>
     where
         F: FnMut(&mut Ctx<'_, D>) -> Result<Vec<Output<M>>, BodyError>,
@@ -267,7 +272,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
         let allocs = std::mem::take(&mut ctx.allocs);
         drop(ctx);
         match captured {
-            Ok(outputs) => match self.device.end_capture() {
+            Ok(outputs) => match self.end_capture(frame.function, reuse) {
                 Ok(graph) => Ok(Captured {
                     graph,
                     outputs,
@@ -281,6 +286,30 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 Err((e, allocs))
             }
         }
+    }
+
+    /// Ends a successful capture: updates the replaced node's executable in place when there
+    /// is one and the device accepts, else instantiates.
+    fn end_capture(
+        &mut self,
+        function: FunctionId,
+        reuse: &mut Option<D::Graph>,
+    ) -> Result<D::Graph, DeviceError> {
+        let Some(mut graph) = reuse.take() else {
+            return self.device.end_capture();
+        };
+        match self.device.end_capture_into(&mut graph)? {
+            None => {
+                tracing::debug!("executable updated in place");
+                self.stats.updates_in_place += 1;
+            }
+            Some(refusal) => {
+                tracing::debug!(%refusal, "in-place update refused; instantiated instead");
+                self.stats.update_refusals += 1;
+                self.log(function, None, Decision::UpdateRefused { reason: refusal });
+            }
+        }
+        Ok(graph)
     }
 
     /// Ends a failed capture; an error doing so cannot be returned (another one is being
@@ -329,6 +358,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
             tracing::warn!(%error, "could not count the nodes of a recorded graph");
             Default::default()
         });
+        self.clock += 1;
         let key = self.nodes.insert(Node {
             function: frame.function,
             sig: frame.sig,
@@ -343,6 +373,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
             cell_conflicts: Vec::new(),
             conflicts_epoch: u64::MAX,
             replays: 0,
+            last_used: self.clock,
             retired: None,
             recorded_generation: self.generation,
             reason: reason.clone(),
@@ -361,7 +392,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
         reason: RecordReason,
     ) {
         let id = key.id();
-        let (function, parent) = (self.nodes[key].function, self.nodes[key].parent);
+        let function = self.nodes[key].function;
         // What a graph reads or writes stays mapped as long as the graph exists.
         let pins: Vec<(DevicePtr, usize)> = self.nodes[key]
             .footprint
@@ -376,10 +407,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 output_cells.push(Arc::as_ptr(cell));
             }
         }
-        match parent {
-            Some(p) => self.nodes[p].add_child(function, key),
-            None => self.roots[function.0].push(key),
-        }
+        tree::link(&mut self.nodes, &mut self.roots, &mut self.slots, key);
         self.loose.extend(
             allocs
                 .into_iter()

@@ -55,7 +55,10 @@ impl<D: Device, M: Clone> Graft<D, M> {
         self.stats.copied_inputs += copied;
         self.stats.copy_sources_updated += repointed;
         self.hand_out(key, inputs, out);
-        self.nodes[key].replays += 1;
+        self.clock += 1;
+        let node = &mut self.nodes[key];
+        node.replays += 1;
+        node.last_used = self.clock;
         self.stats.replays += 1;
         self.pool_stale = true;
         self.move_to(Phase::Replaying { tip: id })?;

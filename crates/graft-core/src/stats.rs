@@ -70,6 +70,12 @@ pub struct Stats {
     pub generations: u64,
     /// Nodes in the tree.
     pub nodes: usize,
+    /// Recorded graphs evicted (by the graph budget, or replaced by their re-recording).
+    pub evictions: u64,
+    /// Re-recordings that updated the replaced node's executable in place.
+    pub updates_in_place: u64,
+    /// Re-recordings whose in-place update the device refused (instantiated instead).
+    pub update_refusals: u64,
     /// Buffers invalidated because their memory was reused.
     pub invalidations: u64,
     /// The graph pool.

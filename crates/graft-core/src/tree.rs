@@ -1,5 +1,6 @@
 //! The graph tree: nodes in a slotmap arena, what each recorded, and its invariant check.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use slotmap::{Key, KeyData, SlotMap};
@@ -24,6 +25,14 @@ impl NodeKey {
 pub(crate) fn key_of(id: NodeId) -> NodeKey {
     KeyData::from_ffi(id.0).into()
 }
+
+/// Where a node sits for lookups: its parent (none at the roots), function and signature.
+pub(crate) type SlotKey = (Option<NodeKey>, FunctionId, usize);
+
+/// The nodes at each (parent, function, signature), in recording order: a call finds its
+/// candidates with one hash lookup, however large the tree (a fixed hasher: no per-map seed
+/// and no SipHash on the fast path).
+pub(crate) type Slots = HashMap<SlotKey, Vec<NodeKey>, foldhash::fast::FixedState>;
 
 /// How a node uses the input at one position.
 #[derive(Clone, Copy, Debug)]
@@ -75,7 +84,8 @@ pub(crate) struct Node<G, M> {
     pub(crate) function: FunctionId,
     pub(crate) sig: usize,
     pub(crate) parent: Option<NodeKey>,
-    pub(crate) children: Vec<(FunctionId, Vec<NodeKey>)>,
+    /// Children in recording order (for walks; lookups go through [`Slots`]).
+    pub(crate) children: Vec<NodeKey>,
     pub(crate) graph: G,
     pub(crate) inputs: Box<[InputSlot]>,
     /// Output slots of ancestors that were dead when this node was recorded.
@@ -90,6 +100,9 @@ pub(crate) struct Node<G, M> {
     /// Registry epoch the conflict lists were computed at.
     pub(crate) conflicts_epoch: u64,
     pub(crate) replays: u64,
+    /// When the node last replayed or was recorded ([`crate::Graft`]'s clock): the graph
+    /// budget evicts the smallest first.
+    pub(crate) last_used: u64,
     /// Set when the recording found that the body writes the copied input at this position
     /// and the graph does not copy it back: the node never replays.
     pub(crate) retired: Option<usize>,
@@ -99,20 +112,6 @@ pub(crate) struct Node<G, M> {
 }
 
 impl<G, M> Node<G, M> {
-    pub(crate) fn children_of(&self, function: FunctionId) -> &[NodeKey] {
-        self.children
-            .iter()
-            .find(|(f, _)| *f == function)
-            .map_or(&[], |(_, v)| v.as_slice())
-    }
-
-    pub(crate) fn add_child(&mut self, function: FunctionId, child: NodeKey) {
-        match self.children.iter_mut().find(|(f, _)| *f == function) {
-            Some((_, v)) => v.push(child),
-            None => self.children.push((function, vec![child])),
-        }
-    }
-
     /// Whether `[start, end)` overlaps this node's footprint.
     pub(crate) fn footprint_overlaps(&self, start: u64, end: u64) -> bool {
         let i = self.footprint.partition_point(|&(_, e)| e <= start);
@@ -122,6 +121,22 @@ impl<G, M> Node<G, M> {
     /// Bytes of device memory this node's graph writes.
     pub(crate) fn footprint_bytes(&self) -> u64 {
         self.footprint.iter().map(|(s, e)| e - s).sum()
+    }
+}
+
+/// Links the node at `key` into its parent's children (or the roots) and the lookup index.
+pub(crate) fn link<G, M>(
+    nodes: &mut SlotMap<NodeKey, Node<G, M>>,
+    roots: &mut [Vec<NodeKey>],
+    slots: &mut Slots,
+    key: NodeKey,
+) {
+    let node = &nodes[key];
+    let (parent, function, sig) = (node.parent, node.function, node.sig);
+    slots.entry((parent, function, sig)).or_default().push(key);
+    match parent {
+        Some(p) => nodes[p].children.push(key),
+        None => roots[function.0].push(key),
     }
 }
 

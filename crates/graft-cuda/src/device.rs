@@ -22,7 +22,7 @@ use cudarc::driver::sys;
 use graft_core::Buffer;
 use graft_core::backend::{
     CaptureMode, CopyEnds, Device, DeviceError, DeviceId, DeviceOp, DevicePtr, GraphSummary,
-    StickyError,
+    StickyError, UpdateRefusal,
 };
 
 use crate::blas::Blas;
@@ -358,6 +358,55 @@ impl Drop for Inner {
 }
 
 impl CudaDevice {
+    /// `cuStreamEndCapture` on the runtime stream: the captured graph. If the end fails (an
+    /// invalidated capture, unjoined work), the partial graph is destroyed and the error
+    /// returned; the stream is out of capture mode either way.
+    fn end_stream_capture(&self) -> Result<sys::CUgraph, DeviceError> {
+        let op = DeviceOp::EndCapture;
+        let inner = &self.queue.inner;
+        inner.enter(op)?;
+        if inner.capture_status(op)? == CAPTURE_NONE {
+            return Err(DeviceError::CaptureState {
+                op,
+                state: "no capture is underway on the runtime stream",
+            });
+        }
+        let mut graph: sys::CUgraph = ptr::null_mut();
+        // SAFETY: the runtime stream is live and capturing (checked above), begun by this
+        // thread; `graph` is a valid out-pointer.
+        let ended = unsafe { sys::cuStreamEndCapture(inner.stream, &mut graph) };
+        if ended != sys::CUresult::CUDA_SUCCESS {
+            graph::destroy_orphan(inner, graph, ptr::null_mut());
+            // CUDA ends the capture even when it reports an error; make sure of it.
+            if matches!(inner.capture_status(op), Ok(s) if s != CAPTURE_NONE) {
+                let _ = inner.end_and_discard();
+            }
+            return Err(map(op, ended, 0));
+        }
+        Ok(graph)
+    }
+
+    /// Instantiates (flags 0) and uploads `graph`, taking ownership of it: on failure it is
+    /// destroyed.
+    fn instantiate(&self, graph: sys::CUgraph) -> Result<CudaGraph, DeviceError> {
+        let inner = &self.queue.inner;
+        let mut exec: sys::CUgraphExec = ptr::null_mut();
+        // SAFETY: `graph` is a live graph returned by cuStreamEndCapture and owned by this
+        // call; `exec` is a valid out-pointer; flags 0 requests a plain instantiation.
+        let instantiated = unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) };
+        if let Err(err) = check(DeviceOp::Instantiate, instantiated) {
+            graph::destroy_orphan(inner, graph, ptr::null_mut());
+            return Err(err);
+        }
+        // SAFETY: `exec` was just instantiated in this context; the runtime stream is live.
+        let uploaded = unsafe { sys::cuGraphUpload(exec, inner.stream) };
+        if let Err(err) = check(DeviceOp::Upload, uploaded) {
+            graph::destroy_orphan(inner, graph, exec);
+            return Err(err);
+        }
+        Ok(CudaGraph::new(Arc::clone(inner), graph, exec))
+    }
+
     /// Opens device `ordinal`: initializes the driver, retains the device's primary context and
     /// makes it current on this thread, creates the runtime stream (non-blocking, so it never
     /// synchronizes with the legacy default stream), and a side stream and its fork/join events.
@@ -936,42 +985,28 @@ impl Device for CudaDevice {
     /// capture mode either way, so core must not call `abort_capture` after a failed
     /// `end_capture` (it would answer `CaptureState`).
     fn end_capture(&self) -> Result<CudaGraph, DeviceError> {
-        let op = DeviceOp::EndCapture;
-        let inner = &self.queue.inner;
-        inner.enter(op)?;
-        if inner.capture_status(op)? == CAPTURE_NONE {
-            return Err(DeviceError::CaptureState {
-                op,
-                state: "no capture is underway on the runtime stream",
-            });
-        }
-        let mut graph: sys::CUgraph = ptr::null_mut();
-        // SAFETY: the runtime stream is live and capturing (checked above), begun by this
-        // thread; `graph` is a valid out-pointer.
-        let ended = unsafe { sys::cuStreamEndCapture(inner.stream, &mut graph) };
-        if ended != sys::CUresult::CUDA_SUCCESS {
-            graph::destroy_orphan(inner, graph, ptr::null_mut());
-            // CUDA ends the capture even when it reports an error; make sure of it.
-            if matches!(inner.capture_status(op), Ok(s) if s != CAPTURE_NONE) {
-                let _ = inner.end_and_discard();
+        let graph = self.end_stream_capture()?;
+        self.instantiate(graph)
+    }
+
+    /// Ends the capture, then `cuGraphExecUpdate`s `target`'s executable with it; when the
+    /// driver refuses, instantiates the capture into `target` instead.
+    fn end_capture_into(
+        &self,
+        target: &mut CudaGraph,
+    ) -> Result<Option<UpdateRefusal>, DeviceError> {
+        let graph = self.end_stream_capture()?;
+        match target.update(graph) {
+            Ok(None) => Ok(None),
+            Ok(Some(refusal)) => {
+                *target = self.instantiate(graph)?;
+                Ok(Some(refusal))
             }
-            return Err(map(op, ended, 0));
+            Err(err) => {
+                graph::destroy_orphan(&self.queue.inner, graph, ptr::null_mut());
+                Err(err)
+            }
         }
-        let mut exec: sys::CUgraphExec = ptr::null_mut();
-        // SAFETY: `graph` is the live graph just returned by cuStreamEndCapture; `exec` is a
-        // valid out-pointer; flags 0 requests a plain instantiation.
-        let instantiated = unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) };
-        if let Err(err) = check(DeviceOp::Instantiate, instantiated) {
-            graph::destroy_orphan(inner, graph, ptr::null_mut());
-            return Err(err);
-        }
-        // SAFETY: `exec` was just instantiated in this context; the runtime stream is live.
-        let uploaded = unsafe { sys::cuGraphUpload(exec, inner.stream) };
-        if let Err(err) = check(DeviceOp::Upload, uploaded) {
-            graph::destroy_orphan(inner, graph, exec);
-            return Err(err);
-        }
-        Ok(CudaGraph::new(Arc::clone(inner), graph, exec))
     }
 
     /// If the runtime stream is capturing (active or invalidated), ends the capture and destroys

@@ -4,7 +4,7 @@ use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use cudarc::driver::sys;
-use graft_core::backend::{CopyEnds, DeviceError, DeviceOp};
+use graft_core::backend::{CopyEnds, DeviceError, DeviceOp, UpdateRefusal};
 
 use crate::device::Inner;
 use crate::error::check;
@@ -15,6 +15,11 @@ pub(crate) struct GraphHandles {
     pub(crate) graph: sys::CUgraph,
     /// Its instantiated executable.
     pub(crate) exec: sys::CUgraphExec,
+    /// The capture the executable was last updated with (`cuGraphExecUpdate`), or null when
+    /// it runs `graph` as instantiated. Node handles stay `graph`'s (the driver names an
+    /// executable's nodes by the graph it was instantiated from); their current parameters
+    /// are this graph's nodes', paired in creation order.
+    updated_from: sys::CUgraph,
     /// Copy nodes re-pointed so far, with their current parameters (the executable's, which
     /// the captured graph's nodes no longer show). Found on first use by scanning the graph,
     /// then updated in place.
@@ -46,6 +51,7 @@ impl CudaGraph {
             handles: Mutex::new(GraphHandles {
                 graph,
                 exec,
+                updated_from: std::ptr::null_mut(),
                 copies: Vec::new(),
             }),
             device,
@@ -60,6 +66,44 @@ impl CudaGraph {
 }
 
 impl CudaGraph {
+    /// Updates the executable in place to run `captured` (`cuGraphExecUpdate`), taking
+    /// ownership of `captured` on success. Returns the driver's refusal (then `captured` is
+    /// still the caller's and the executable unchanged).
+    pub(crate) fn update(
+        &mut self,
+        captured: sys::CUgraph,
+    ) -> Result<Option<UpdateRefusal>, DeviceError> {
+        let op = DeviceOp::GraphUpdate;
+        let h = self
+            .handles
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner);
+        let mut info = std::mem::MaybeUninit::<sys::CUgraphExecUpdateResultInfo>::zeroed();
+        // SAFETY: `exec` is this graph's live executable (destroyed only in Drop, impossible
+        // while `&mut self` is held) and `captured` a live graph of the same context, just
+        // returned by cuStreamEndCapture on this thread, whose context is current; `info` is a
+        // valid out-pointer for the result record.
+        let result = unsafe { sys::cuGraphExecUpdate_v2(h.exec, captured, info.as_mut_ptr()) };
+        match result {
+            sys::CUresult::CUDA_SUCCESS => {
+                let previous = std::mem::replace(&mut h.updated_from, captured);
+                destroy_graph(&self.device, previous);
+                // The copies' parameters are now the new capture's.
+                h.copies.clear();
+                Ok(None)
+            }
+            sys::CUresult::CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE => {
+                // The result code is read as a plain number: a newer driver may report one
+                // cudarc's enum lacks (see `node_type`).
+                // SAFETY: the record was zeroed, and the driver fills it on this error; its
+                // first field is the 4-byte result code at offset 0 of a repr(C) struct.
+                let code = unsafe { info.as_ptr().cast::<u32>().read() };
+                Ok(Some(refusal(code)))
+            }
+            other => Err(crate::error::map(op, other, 0)),
+        }
+    }
+
     /// Re-points the copy node with ends `recorded` to the ends `now` in the executable (see
     /// `graft_core::Device::repoint_copy`). `ctx` is the device's context, current.
     pub(crate) fn repoint_copy(
@@ -76,7 +120,8 @@ impl CudaGraph {
         let index = match h.copies.iter().position(|(_, p)| has_ends(p, recorded)) {
             Some(i) => i,
             None => {
-                let (node, params) = find_copy(op, h.graph, recorded, &h.copies)?;
+                let (node, params) =
+                    find_copy(op, h.graph, h.updated_from, recorded, &h.copies)?;
                 h.copies.push((node, params));
                 h.copies.len() - 1
             }
@@ -100,25 +145,34 @@ fn has_ends(params: &sys::CUDA_MEMCPY3D, ends: CopyEnds) -> bool {
     params.dstDevice == ends.dst.0 && params.srcDevice == ends.src.0
 }
 
-/// Finds the memcpy node of `graph` with these ends as captured, with its parameters, skipping
-/// nodes already re-pointed (`known`: their captured ends are stale).
+/// Finds the memcpy node of `graph` with these ends as captured (or as in `updated_from`, the
+/// capture the executable was last updated with, when not null), with its parameters,
+/// skipping nodes already re-pointed (`known`: their captured ends are stale).
 fn find_copy(
     op: DeviceOp,
     graph: sys::CUgraph,
+    updated_from: sys::CUgraph,
     ends: CopyEnds,
     known: &[(sys::CUgraphNode, sys::CUDA_MEMCPY3D)],
 ) -> Result<(sys::CUgraphNode, sys::CUDA_MEMCPY3D), DeviceError> {
-    for node in nodes(op, graph)? {
+    let current = if updated_from.is_null() {
+        graph
+    } else {
+        updated_from
+    };
+    // An update requires the same nodes in the same creation order, which is the order
+    // cuGraphGetNodes lists them in: the lists pair up.
+    for (node, source) in nodes(op, graph)?.into_iter().zip(nodes(op, current)?) {
         if known.iter().any(|(n, _)| *n == node)
-            || node_type(op, node)? != sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEMCPY as u32
+            || node_type(op, source)? != sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEMCPY as u32
         {
             continue;
         }
         let mut params = std::mem::MaybeUninit::<sys::CUDA_MEMCPY3D>::uninit();
-        // SAFETY: `node` is a memcpy node of the live `graph` (type checked above) and
+        // SAFETY: `source` is a memcpy node of a live graph (type checked above) and
         // `params` is a valid, aligned out-pointer of the type the driver writes.
         check(op, unsafe {
-            sys::cuGraphMemcpyNodeGetParams(node, params.as_mut_ptr())
+            sys::cuGraphMemcpyNodeGetParams(source, params.as_mut_ptr())
         })?;
         // SAFETY: cuGraphMemcpyNodeGetParams succeeded, so the driver wrote every field of
         // `params` (its memory types are the driver's own valid values).
@@ -165,6 +219,7 @@ impl Drop for CudaGraph {
                 device.record_sticky(err);
             }
         }
+        destroy_graph(device, std::mem::replace(&mut h.updated_from, std::ptr::null_mut()));
         if !h.graph.is_null() {
             let graph = std::mem::replace(&mut h.graph, std::ptr::null_mut());
             // SAFETY: `graph` came from cuStreamEndCapture in end_capture, is owned by this
@@ -176,6 +231,45 @@ impl Drop for CudaGraph {
                 device.record_sticky(err);
             }
         }
+    }
+}
+
+/// Destroys a captured graph owned by the caller alone (null: nothing); a failure goes to the
+/// sticky slot.
+fn destroy_graph(device: &Inner, graph: sys::CUgraph) {
+    if graph.is_null() {
+        return;
+    }
+    // SAFETY: `graph` came from cuStreamEndCapture, is owned by the caller alone (swapped out
+    // of its handles), and is destroyed exactly once here; no executable depends on it.
+    if let Err(err) = check(DeviceOp::GraphDestroy, unsafe { sys::cuGraphDestroy(graph) }) {
+        device.record_sticky(err);
+    }
+}
+
+/// The refusal for a `CUgraphExecUpdateResult` code.
+fn refusal(code: u32) -> UpdateRefusal {
+    use sys::CUgraphExecUpdateResult as R;
+    match code {
+        c if c == R::CU_GRAPH_EXEC_UPDATE_ERROR_TOPOLOGY_CHANGED as u32 => {
+            UpdateRefusal::TopologyChanged
+        }
+        c if c == R::CU_GRAPH_EXEC_UPDATE_ERROR_NODE_TYPE_CHANGED as u32 => {
+            UpdateRefusal::NodeTypeChanged
+        }
+        c if c == R::CU_GRAPH_EXEC_UPDATE_ERROR_FUNCTION_CHANGED as u32
+            || c == R::CU_GRAPH_EXEC_UPDATE_ERROR_UNSUPPORTED_FUNCTION_CHANGE as u32 =>
+        {
+            UpdateRefusal::FunctionChanged
+        }
+        c if c == R::CU_GRAPH_EXEC_UPDATE_ERROR_PARAMETERS_CHANGED as u32 => {
+            UpdateRefusal::ParametersChanged
+        }
+        c if c == R::CU_GRAPH_EXEC_UPDATE_ERROR_NOT_SUPPORTED as u32 => UpdateRefusal::NotSupported,
+        c if c == R::CU_GRAPH_EXEC_UPDATE_ERROR_ATTRIBUTES_CHANGED as u32 => {
+            UpdateRefusal::AttributesChanged
+        }
+        _ => UpdateRefusal::Other,
     }
 }
 

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use graft_core::Buffer;
 use graft_core::backend::{
     CaptureMode, CaptureViolation, CopyEnds, Device, DeviceError, DeviceId, DeviceOp, DevicePtr,
-    GraphSummary, StickyError,
+    GraphSummary, StickyError, UpdateRefusal,
 };
 
 use crate::graph::{self, Op, SimGraph, Tally};
@@ -688,6 +688,23 @@ impl Device for SimDevice {
             summary,
             owner: Arc::clone(&self.queue.inner),
         })
+    }
+
+    /// Updates in place when the capture has `graph`'s topology ([`graph::update_refusal`]:
+    /// the same operations in the same order, kernels by name, copies by length), as CUDA's
+    /// `cuGraphExecUpdate` does; else instantiates.
+    fn end_capture_into(&self, graph: &mut SimGraph) -> Result<Option<UpdateRefusal>, DeviceError> {
+        let new = self.end_capture()?;
+        match graph::update_refusal(&graph.ops, &new.ops) {
+            None => {
+                graph.ops = Arc::clone(&new.ops);
+                Ok(None)
+            }
+            Some(refusal) => {
+                *graph = new;
+                Ok(Some(refusal))
+            }
+        }
     }
 
     fn abort_capture(&self) -> Result<(), DeviceError> {

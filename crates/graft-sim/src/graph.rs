@@ -4,7 +4,9 @@ use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use graft_core::backend::{CopyEnds, DeviceError, DeviceId, DeviceOp, DevicePtr, GraphSummary};
+use graft_core::backend::{
+    CopyEnds, DeviceError, DeviceId, DeviceOp, DevicePtr, GraphSummary, UpdateRefusal,
+};
 
 use crate::device::Inner;
 use crate::memory::SimMemory;
@@ -67,6 +69,25 @@ pub(crate) fn run_ops(
         }
     }
     Ok(())
+}
+
+/// Why `new` cannot update an executable made from `old`, or `None` when it can: the same
+/// operations in the same order, kernels with the same name (the function), copies of the
+/// same length (CUDA updates only the addresses of a 1-D copy), child graphs recursively.
+pub(crate) fn update_refusal(old: &[Op], new: &[Op]) -> Option<UpdateRefusal> {
+    if old.len() != new.len() {
+        return Some(UpdateRefusal::TopologyChanged);
+    }
+    old.iter().zip(new).find_map(|pair| match pair {
+        (Op::Kernel { name: a, .. }, Op::Kernel { name: b, .. }) => {
+            (a != b).then_some(UpdateRefusal::FunctionChanged)
+        }
+        (Op::Copy { len: a, .. }, Op::Copy { len: b, .. }) => {
+            (a != b).then_some(UpdateRefusal::ParametersChanged)
+        }
+        (Op::Child(a), Op::Child(b)) => update_refusal(a, b),
+        _ => Some(UpdateRefusal::NodeTypeChanged),
+    })
 }
 
 pub(crate) fn summarize(ops: &[Op]) -> GraphSummary {

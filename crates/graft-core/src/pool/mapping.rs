@@ -101,6 +101,13 @@ impl Pool {
         }
     }
 
+    /// Replaces every pin with `ranges` (after recorded graphs were destroyed: what they alone
+    /// pinned may be unmapped by [`Pool::release_unused`] from then on).
+    pub fn repin(&mut self, ranges: &[(DevicePtr, usize)]) {
+        self.pins = Intervals::new();
+        self.pin(ranges);
+    }
+
     /// Forgets every block and pin, unmaps every mapped range and releases the address range.
     /// Every range is attempted; the first error is returned after all of them. Afterwards the
     /// pool is empty (all counters zero but the peaks) whatever the backing returned, every id
