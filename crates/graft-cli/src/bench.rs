@@ -7,7 +7,7 @@ use std::io::Write;
 use std::time::Duration;
 
 use graft_core::{Config, Device, Graft};
-use graft_tensor::{Decoder, DecoderConfig, Meta, Tensor, bucket_for};
+use graft_tensor::{Decoder, DecoderConfig, Meta, Tensor};
 use serde::Serialize;
 
 use crate::demo::{check_batches, compare, first_tokens, make_room};
@@ -154,7 +154,7 @@ pub fn run_on<D: graft_tensor::Backend>(
     })?;
     let mut results = Vec::new();
     for &batch in &args.batches {
-        let bucket = bucket_for(batch).unwrap_or(batch);
+        let bucket = g.bucket(fid, batch)?.size();
         let ids = first_tokens(batch, config.vocab);
         bar.set_message(format!("batch {batch}"));
 

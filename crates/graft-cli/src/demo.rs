@@ -5,7 +5,7 @@ use std::io::Write;
 use std::time::Duration;
 
 use graft_core::{Config, Device, Graft, Stats};
-use graft_tensor::{Decoder, DecoderConfig, KvState, Meta, bucket_for};
+use graft_tensor::{Decoder, DecoderConfig, KvState, Meta, default_buckets};
 
 use crate::error::CliError;
 use crate::progress;
@@ -58,7 +58,7 @@ pub(crate) fn check_batches(batches: &[usize]) -> Result<(), CliError> {
         });
     }
     for &b in batches {
-        if b == 0 || bucket_for(b).is_none() {
+        if b == 0 || !matches!(default_buckets().pick(b), graft_core::Bucket::Padded(_)) {
             return Err(CliError::BadArgument {
                 flag: "--batches",
                 why: format!("batch size {b} is outside 1..=32; pass sizes from 1 to 32"),
@@ -122,7 +122,7 @@ pub fn run_on<D: graft_tensor::Backend>(
         )
     })?;
     for &batch in &args.batches {
-        let bucket = bucket_for(batch).unwrap_or(batch);
+        let bucket = g.bucket(fid, batch)?.size();
         let ids = first_tokens(batch, config.vocab);
         bar.set_message(format!("batch {batch}"));
 

@@ -43,6 +43,12 @@ pub enum CliError {
     /// The device failed.
     #[error(transparent)]
     Device(#[from] DeviceError),
+    /// A graft call failed.
+    #[error(transparent)]
+    Call(#[from] graft_core::CallError),
+    /// Allocating, reading or writing graft memory failed.
+    #[error(transparent)]
+    Memory(#[from] graft_core::MemoryError),
     /// The micro benchmark failed.
     #[error(transparent)]
     Micro(#[from] crate::micro::MicroError),

@@ -554,6 +554,26 @@ pub trait Device: Send + Sync + 'static {
         now: CopyEnds,
     ) -> Result<(), DeviceError>;
 
+    /// Copy-free inputs: makes every node that reads the `len` bytes at `copy.dst` (a copied
+    /// input's placeholder, filled by the copy `copy` at the start of the graph, with its ends
+    /// as last re-pointed) read the same offsets at `to` instead, and turns that copy off,
+    /// from the next launch on; `to = None` undoes both. Graft calls it only for inputs the
+    /// graph does not write, with `to` outside the memory the graph writes. Returns `false`,
+    /// changing nothing, when the backend cannot find and patch every reader (the graph then
+    /// keeps copying).
+    ///
+    /// The default patches nothing.
+    fn redirect_reads(
+        &self,
+        graph: &mut Self::Graph,
+        copy: CopyEnds,
+        len: usize,
+        to: Option<DevicePtr>,
+    ) -> Result<bool, DeviceError> {
+        let _ = (graph, copy, len);
+        Ok(to.is_none())
+    }
+
     /// Counts the nodes of a graph by kind.
     fn summarize(&self, graph: &Self::Graph) -> Result<GraphSummary, DeviceError>;
 

@@ -23,6 +23,9 @@ pub enum InputKind {
     Managed,
     /// Copied into a placeholder before every replay.
     Copied,
+    /// Read in place by the graph, which was patched to read the caller's buffer (copy-free;
+    /// see `Config::patch_inputs_from`).
+    Patched,
 }
 
 /// A description of one node of the tree.
@@ -104,6 +107,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 .map(|s| match s {
                     InputSlot::Static { .. } => InputKind::Static,
                     InputSlot::Managed { .. } => InputKind::Managed,
+                    InputSlot::Copied { reads: Some(_), .. } => InputKind::Patched,
                     InputSlot::Copied { .. } => InputKind::Copied,
                 })
                 .collect(),
@@ -159,6 +163,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
                         InputKind::Static => "static",
                         InputKind::Managed => "managed",
                         InputKind::Copied => "copied",
+                        InputKind::Patched => "patched",
                     };
                     format!("{size}B {k}")
                 })

@@ -19,6 +19,7 @@ mod introspect;
 mod lifecycle;
 mod memory;
 mod plan;
+mod prepare;
 // Its inspection surface (`testing`) is only reachable with the test-support feature.
 #[cfg_attr(
     not(feature = "test-support"),
@@ -45,6 +46,7 @@ pub use error::{BodyError, CallError, FunctionId, MemoryError, VerifyTarget};
 pub use graft::{Graft, Outcome};
 pub use lifecycle::Phase;
 pub use pool::{PoolError, PoolStats};
+pub use prepare::{BucketCapture, CaptureReport};
 pub use reason::{
     Decision, DecisionRecord, EagerReason, EvictReason, RecordReason, WarmupReason,
 };

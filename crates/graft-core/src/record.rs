@@ -168,6 +168,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
                     len: 0,
                     source: addr,
                     write_back: None,
+                    reads: None,
                 };
                 (slot, (*b).clone())
             } else {
@@ -198,6 +199,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
                     len: b.len(),
                     source: addr,
                     write_back: mutated.contains(&position).then_some(addr),
+                    reads: None,
                 };
                 (slot, handle)
             };
@@ -440,6 +442,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
             .map_err(device_err)?;
         self.catch_mutated_inputs(key, frame.sig)
             .map_err(device_err)?;
+        self.patch_inputs(key).map_err(device_err)?;
         for o in &self.nodes[key].outputs {
             let buffer = match &o.slot {
                 OutputSlot::Tracked { cell, .. } | OutputSlot::Empty(cell) => {
@@ -470,6 +473,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 len,
                 source,
                 write_back: None,
+                ..
             } = *slot
                 && len > 0
             {
@@ -495,6 +499,45 @@ impl<D: Device, M: Clone> Graft<D, M> {
             self.functions[function.0].sigs[sig].mutated.push(position);
             self.stats.mutated_inputs += 1;
             self.log(function, Some(key), Decision::InputMutated { position });
+        }
+        Ok(())
+    }
+
+    /// Copy-free inputs: after the first launch showed which copied inputs the body leaves
+    /// unchanged, asks the device to patch the graph to read the large ones (at least
+    /// `Config::patch_inputs_from` bytes) in the caller's buffer instead of copying them, where
+    /// that buffer lies outside the memory the graph writes. A retired node is left alone.
+    fn patch_inputs(&mut self, key: NodeKey) -> Result<(), DeviceError> {
+        let Some(min) = self.config.patch_inputs_from else {
+            return Ok(());
+        };
+        let node = &mut self.nodes[key];
+        if node.retired.is_some() {
+            return Ok(());
+        }
+        for slot in node.inputs.iter_mut() {
+            if let InputSlot::Copied {
+                placeholder,
+                len,
+                source,
+                write_back: None,
+                reads,
+            } = slot
+                && *len >= min.max(1)
+                && !tree::overlaps(&node.footprint, source.0, source.0 + *len as u64)
+            {
+                let copy = crate::device::CopyEnds {
+                    dst: *placeholder,
+                    src: *source,
+                };
+                if self
+                    .device
+                    .redirect_reads(&mut node.graph, copy, *len, Some(*source))?
+                {
+                    *reads = Some(*source);
+                    self.stats.patched_inputs += 1;
+                }
+            }
         }
         Ok(())
     }

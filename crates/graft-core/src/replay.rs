@@ -9,7 +9,7 @@ use crate::device::{CopyEnds, Device, DeviceError};
 use crate::error::{BodyError, CallError, MemoryError, VerifyTarget};
 use crate::graft::{Frame, Graft, Outcome};
 use crate::lifecycle::Phase;
-use crate::tree::{InputSlot, NodeKey, Output, OutputSlot};
+use crate::tree::{self, InputSlot, NodeKey, Output, OutputSlot};
 
 impl<D: Device, M: Clone> Graft<D, M> {
     pub(crate) fn replay(
@@ -66,8 +66,10 @@ impl<D: Device, M: Clone> Graft<D, M> {
     }
 
     /// The graph copies the copied inputs itself (and copies written ones back); re-points a
-    /// copy only if the caller's buffer moved (in a loop it usually does not). Returns the
-    /// copied inputs and how many were re-pointed.
+    /// copy only if the caller's buffer moved (in a loop it usually does not). A copy-free
+    /// input is re-patched to the caller's new buffer instead, or copied again when that
+    /// buffer lies in memory the graph writes. Returns the copied inputs and how many were
+    /// re-pointed (or re-patched).
     fn repoint_copies(&mut self, key: NodeKey) -> Result<(u64, u64), DeviceError> {
         let node = &mut self.nodes[key];
         let (mut copied, mut repointed) = (0, 0);
@@ -77,10 +79,31 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 len,
                 source,
                 write_back,
+                reads,
             } = slot
                 && *len > 0
             {
                 let ph = *placeholder;
+                let copy = CopyEnds {
+                    dst: ph,
+                    src: *source,
+                };
+                match *reads {
+                    Some(at) if at == src => continue,
+                    Some(_) if tree::overlaps(&node.footprint, src.0, src.0 + *len as u64) => {
+                        self.device
+                            .redirect_reads(&mut node.graph, copy, *len, None)?;
+                        *reads = None;
+                    }
+                    Some(_) => {
+                        self.device
+                            .redirect_reads(&mut node.graph, copy, *len, Some(src))?;
+                        *reads = Some(src);
+                        repointed += 1;
+                        continue;
+                    }
+                    None => {}
+                }
                 if *source != src {
                     let into = |src| CopyEnds { dst: ph, src };
                     self.device

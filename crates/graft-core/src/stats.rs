@@ -52,7 +52,10 @@ pub struct Stats {
     pub replays: u64,
     /// Inputs copied into placeholders by replays (by the graph's own copy nodes).
     pub copied_inputs: u64,
-    /// Replays that re-pointed a copy node because the caller's buffer moved.
+    /// Copied inputs that recordings made copy-free (the graph reads the caller's buffer).
+    pub patched_inputs: u64,
+    /// Replays that re-pointed a copy node (or re-patched a copy-free input) because the
+    /// caller's buffer moved.
     pub copy_sources_updated: u64,
     /// Re-recordings by reason.
     pub rerecords: RerecordCounts,

@@ -46,12 +46,16 @@ pub(crate) enum InputSlot {
     /// only when the caller passes a buffer at another address. With `write_back` (the body
     /// writes this input), a copy node at the end of the graph copies the placeholder back to
     /// the caller's buffer, so it is updated as an eager run would update it; the address is
-    /// the one that copy node writes now (re-pointed with `source`).
+    /// the one that copy node writes now (re-pointed with `source`). With `reads` (copy-free:
+    /// the graph only reads this input), the copy node is off and the graph's readers read the
+    /// caller's buffer at that address instead (`Device::redirect_reads`); `source` then stays
+    /// the copy node's, as it was when the copy was turned off.
     Copied {
         placeholder: DevicePtr,
         len: usize,
         source: DevicePtr,
         write_back: Option<DevicePtr>,
+        reads: Option<DevicePtr>,
     },
 }
 
@@ -114,8 +118,7 @@ pub(crate) struct Node<G, M> {
 impl<G, M> Node<G, M> {
     /// Whether `[start, end)` overlaps this node's footprint.
     pub(crate) fn footprint_overlaps(&self, start: u64, end: u64) -> bool {
-        let i = self.footprint.partition_point(|&(_, e)| e <= start);
-        self.footprint.get(i).is_some_and(|&(s, _)| s < end)
+        overlaps(&self.footprint, start, end)
     }
 
     /// Bytes of device memory this node's graph writes.
@@ -223,6 +226,12 @@ pub(crate) fn check<G, M>(
         }
     }
     Ok(())
+}
+
+/// Whether `[start, end)` overlaps any of `ranges` (sorted and disjoint).
+pub(crate) fn overlaps(ranges: &[(u64, u64)], start: u64, end: u64) -> bool {
+    let i = ranges.partition_point(|&(_, e)| e <= start);
+    ranges.get(i).is_some_and(|&(s, _)| s < end)
 }
 
 /// Merges `[start, end)` ranges into sorted, disjoint ranges.

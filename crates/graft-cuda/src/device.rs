@@ -1072,6 +1072,23 @@ impl Device for CudaDevice {
         graph.repoint_copy(inner.ctx, recorded, now)
     }
 
+    /// Patches the executable's kernel nodes (see [`crate::patch`]).
+    fn redirect_reads(
+        &self,
+        graph: &mut CudaGraph,
+        copy: CopyEnds,
+        len: usize,
+        to: Option<DevicePtr>,
+    ) -> Result<bool, DeviceError> {
+        let op = DeviceOp::GraphUpdate;
+        let inner = &self.queue.inner;
+        inner.enter(op)?;
+        if !Arc::ptr_eq(&graph.device, inner) {
+            return Err(invalid_argument(op, FOREIGN_GRAPH));
+        }
+        graph.redirect_reads(copy, len, to)
+    }
+
     /// `cuGraphGetNodes` and `cuGraphNodeGetType` over the captured graph.
     fn summarize(&self, graph: &CudaGraph) -> Result<GraphSummary, DeviceError> {
         self.queue.inner.enter(INSPECT_OP)?;

@@ -20,6 +20,8 @@ pub(crate) struct GraphHandles {
     /// executable's nodes by the graph it was instantiated from); their current parameters
     /// are this graph's nodes', paired in creation order.
     updated_from: sys::CUgraph,
+    /// Copy-free inputs patched into the executable.
+    pub(crate) patches: crate::patch::Patches,
     /// Copy nodes re-pointed so far, with their current parameters (the executable's, which
     /// the captured graph's nodes no longer show). Found on first use by scanning the graph,
     /// then updated in place.
@@ -52,6 +54,7 @@ impl CudaGraph {
                 graph,
                 exec,
                 updated_from: std::ptr::null_mut(),
+                patches: Default::default(),
                 copies: Vec::new(),
             }),
             device,
@@ -88,8 +91,14 @@ impl CudaGraph {
             sys::CUresult::CUDA_SUCCESS => {
                 let previous = std::mem::replace(&mut h.updated_from, captured);
                 destroy_graph(&self.device, previous);
-                // The copies' parameters are now the new capture's.
+                // The copies' parameters are now the new capture's, and its kernels read
+                // what it captured: no input is patched, every copy runs.
                 h.copies.clear();
+                for copy in h.patches.take_active() {
+                    // SAFETY: `exec` is live and `copy` a memcpy node of the graph it was
+                    // instantiated from, turned off by a redirect.
+                    check(op, unsafe { sys::cuGraphNodeSetEnabled(h.exec, copy, 1) })?;
+                }
                 Ok(None)
             }
             sys::CUresult::CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE => {
@@ -117,15 +126,7 @@ impl CudaGraph {
             .handles
             .get_mut()
             .unwrap_or_else(PoisonError::into_inner);
-        let index = match h.copies.iter().position(|(_, p)| has_ends(p, recorded)) {
-            Some(i) => i,
-            None => {
-                let (node, params) =
-                    find_copy(op, h.graph, h.updated_from, recorded, &h.copies)?;
-                h.copies.push((node, params));
-                h.copies.len() - 1
-            }
-        };
+        let index = h.copy_index(recorded)?;
         let (node, params) = &mut h.copies[index];
         params.dstDevice = now.dst.0;
         params.srcDevice = now.src.0;
@@ -140,26 +141,68 @@ impl CudaGraph {
     }
 }
 
+impl CudaGraph {
+    /// Copy-free inputs (see `graft_core::Device::redirect_reads` and [`crate::patch`]).
+    pub(crate) fn redirect_reads(
+        &mut self,
+        copy: CopyEnds,
+        len: usize,
+        to: Option<graft_core::backend::DevicePtr>,
+    ) -> Result<bool, DeviceError> {
+        let h = self
+            .handles
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner);
+        let index = h.copy_index(copy)?;
+        let node = h.copies[index].0;
+        crate::patch::redirect(h, node, copy, len, to)
+    }
+}
+
+impl GraphHandles {
+    /// The index in `copies` of the copy node with these ends (current ones), found in the
+    /// graph on first use.
+    fn copy_index(&mut self, ends: CopyEnds) -> Result<usize, DeviceError> {
+        if let Some(i) = self.copies.iter().position(|(_, p)| has_ends(p, ends)) {
+            return Ok(i);
+        }
+        let found = find_copy(
+            DeviceOp::GraphUpdate,
+            self.graph,
+            self.current_graph(),
+            ends,
+            &self.copies,
+        )?;
+        self.copies.push(found);
+        Ok(self.copies.len() - 1)
+    }
+
+    /// The graph whose nodes hold the executable's current parameters.
+    pub(crate) fn current_graph(&self) -> sys::CUgraph {
+        if self.updated_from.is_null() {
+            self.graph
+        } else {
+            self.updated_from
+        }
+    }
+}
+
 /// Whether a copy's parameters have these ends.
 fn has_ends(params: &sys::CUDA_MEMCPY3D, ends: CopyEnds) -> bool {
     params.dstDevice == ends.dst.0 && params.srcDevice == ends.src.0
 }
 
-/// Finds the memcpy node of `graph` with these ends as captured (or as in `updated_from`, the
-/// capture the executable was last updated with, when not null), with its parameters,
-/// skipping nodes already re-pointed (`known`: their captured ends are stale).
+/// Finds the memcpy node of `graph` with these ends as captured in `current` (the graph whose
+/// nodes hold the executable's parameters: `graph`, or the capture it was last updated
+/// with), with its parameters, skipping nodes already re-pointed (`known`: their captured
+/// ends are stale).
 fn find_copy(
     op: DeviceOp,
     graph: sys::CUgraph,
-    updated_from: sys::CUgraph,
+    current: sys::CUgraph,
     ends: CopyEnds,
     known: &[(sys::CUgraphNode, sys::CUDA_MEMCPY3D)],
 ) -> Result<(sys::CUgraphNode, sys::CUDA_MEMCPY3D), DeviceError> {
-    let current = if updated_from.is_null() {
-        graph
-    } else {
-        updated_from
-    };
     // An update requires the same nodes in the same creation order, which is the order
     // cuGraphGetNodes lists them in: the lists pair up.
     for (node, source) in nodes(op, graph)?.into_iter().zip(nodes(op, current)?) {
@@ -297,7 +340,7 @@ pub(crate) fn destroy_orphan(device: &Inner, graph: sys::CUgraph, exec: sys::CUg
 }
 
 /// The nodes of a live graph (the caller holds the CudaGraph's lock or `&mut` to it).
-fn nodes(op: DeviceOp, graph: sys::CUgraph) -> Result<Vec<sys::CUgraphNode>, DeviceError> {
+pub(crate) fn nodes(op: DeviceOp, graph: sys::CUgraph) -> Result<Vec<sys::CUgraphNode>, DeviceError> {
     let mut count: usize = 0;
     // SAFETY: `graph` is a live graph (see above); a null node array asks only for the count,
     // written into a valid out-pointer.
@@ -318,7 +361,7 @@ fn nodes(op: DeviceOp, graph: sys::CUgraph) -> Result<Vec<sys::CUgraphNode>, Dev
 
 /// A node's type as a plain number: a newer driver may report a node type that cudarc's enum
 /// (CUDA 12.8's list) lacks, and an unknown discriminant in a Rust enum is UB.
-fn node_type(op: DeviceOp, node: sys::CUgraphNode) -> Result<u32, DeviceError> {
+pub(crate) fn node_type(op: DeviceOp, node: sys::CUgraphNode) -> Result<u32, DeviceError> {
     let mut kind: u32 = u32::MAX;
     // SAFETY: `node` is a node of a live graph, just returned by cuGraphGetNodes; `kind` is a
     // valid, 4-byte-aligned out-pointer for the 4-byte `CUgraphNodeType` (repr(u32)).

@@ -33,6 +33,7 @@ mod driver;
 mod error;
 mod graph;
 mod module;
+mod patch;
 
 pub use blas::{Operand, Sgemm, WORKSPACE_BYTES};
 pub use device::{CudaDevice, CudaQueue};

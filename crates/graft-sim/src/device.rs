@@ -685,6 +685,8 @@ impl Device for SimDevice {
             .fetch_add(1, Ordering::Relaxed);
         Ok(SimGraph {
             ops,
+            redirects: Vec::new(),
+            disabled: Vec::new(),
             summary,
             owner: Arc::clone(&self.queue.inner),
         })
@@ -698,6 +700,8 @@ impl Device for SimDevice {
         match graph::update_refusal(&graph.ops, &new.ops) {
             None => {
                 graph.ops = Arc::clone(&new.ops);
+                graph.redirects.clear();
+                graph.disabled.clear();
                 Ok(None)
             }
             Some(refusal) => {
@@ -749,7 +753,10 @@ impl Device for SimDevice {
         let mut tally = Tally::default();
         let result = {
             let _on_stream = StreamGuard::enter();
-            graph::run_ops(&mut st.mem, &graph.ops, &mut tally)
+            st.mem.set_redirects(&graph.redirects);
+            let ran = graph::run_ops(&mut st.mem, &graph.ops, &graph.disabled, &mut tally);
+            st.mem.set_redirects(&[]);
+            ran
         };
         let c = &self.queue.inner.counters;
         c.kernels_run.fetch_add(tally.kernels, Ordering::Relaxed);
@@ -762,6 +769,25 @@ impl Device for SimDevice {
 
     fn summarize(&self, graph: &SimGraph) -> Result<GraphSummary, DeviceError> {
         Ok(graph.summary)
+    }
+
+    /// Redirects reads exactly (every access inside the placeholder, by kernels and copies,
+    /// goes to `to`): the simulator sees every access, so it always can.
+    fn redirect_reads(
+        &self,
+        graph: &mut SimGraph,
+        copy: CopyEnds,
+        len: usize,
+        to: Option<DevicePtr>,
+    ) -> Result<bool, DeviceError> {
+        if graph.owner.id != self.queue.inner.id {
+            return Err(DeviceError::InvalidArgument {
+                op: DeviceOp::GraphUpdate,
+                what: FOREIGN_GRAPH,
+            });
+        }
+        graph.redirect(copy, len, to);
+        Ok(true)
     }
 
     fn repoint_copy(

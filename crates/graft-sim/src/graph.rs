@@ -53,10 +53,13 @@ pub(crate) struct Tally {
 pub(crate) fn run_ops(
     mem: &mut SimMemory,
     ops: &[Op],
+    disabled: &[CopyEnds],
     tally: &mut Tally,
 ) -> Result<(), DeviceError> {
     for op in ops {
         match op {
+            Op::Copy { dst, src, .. }
+                if disabled.iter().any(|c| c.dst == *dst && c.src == *src) => {}
             Op::Kernel { f, .. } => {
                 tally.kernels += 1;
                 f(mem)?;
@@ -65,7 +68,7 @@ pub(crate) fn run_ops(
                 tally.copies += 1;
                 mem.copy_as(DeviceOp::Copy, *dst, *src, *len)?;
             }
-            Op::Child(ops) => run_ops(mem, ops, tally)?,
+            Op::Child(ops) => run_ops(mem, ops, &[], tally)?,
         }
     }
     Ok(())
@@ -108,11 +111,27 @@ pub(crate) fn summarize(ops: &[Op]) -> GraphSummary {
 /// Dropping it destroys it (see [`crate::SimDevice::fail_next_graph_destroy`] for the error path).
 pub struct SimGraph {
     pub(crate) ops: Arc<[Op]>,
+    /// Redirected reads (`Device::redirect_reads`): `(placeholder, len, to)`, and the input
+    /// copies they turned off (as `(dst, src)`).
+    pub(crate) redirects: Vec<(u64, u64, u64)>,
+    pub(crate) disabled: Vec<CopyEnds>,
     pub(crate) summary: GraphSummary,
     pub(crate) owner: Arc<Inner>,
 }
 
 impl SimGraph {
+    /// Makes reads of `[copy.dst, + len)` go to `to` and turns the copy `copy` off; with
+    /// `None`, undoes both.
+    pub(crate) fn redirect(&mut self, copy: CopyEnds, len: usize, to: Option<DevicePtr>) {
+        let start = copy.dst.0;
+        self.redirects.retain(|&(s, _, _)| s != start);
+        self.disabled.retain(|c| c.dst != copy.dst);
+        if let Some(to) = to {
+            self.redirects.push((start, len as u64, to.0));
+            self.disabled.push(copy);
+        }
+    }
+
     /// Re-points the top-level copy with ends `recorded` to the ends `now` (see
     /// `Device::repoint_copy`).
     pub(crate) fn repoint_copy(

@@ -59,6 +59,9 @@ pub struct SimMemory {
     /// Bytes of raw allocations plus mapped granules: what counts against the limit.
     live_bytes: usize,
     limit: usize,
+    /// While a graph with redirected reads runs: `(start, len, to)`, accesses inside
+    /// `[start, start + len)` go to `to + (addr - start)` (see `Device::redirect_reads`).
+    redirects: Vec<(u64, u64, u64)>,
 }
 
 impl fmt::Debug for SimMemory {
@@ -146,6 +149,7 @@ impl SimMemory {
             next_base: ADDRESS_BASE,
             live_bytes: 0,
             limit,
+            redirects: Vec::new(),
         }
     }
 
@@ -346,6 +350,7 @@ impl SimMemory {
         ptr: DevicePtr,
         len: usize,
     ) -> Result<(usize, usize), DeviceError> {
+        let ptr = self.redirected(ptr, len);
         let end = ptr
             .0
             .checked_add(len as u64)
@@ -365,6 +370,23 @@ impl SimMemory {
             }
         }
         Ok((i - 1, (ptr.0 - r.base) as usize))
+    }
+
+    /// Where an access of `len` bytes at `ptr` goes under the current redirects.
+    #[inline]
+    fn redirected(&self, ptr: DevicePtr, len: usize) -> DevicePtr {
+        for &(start, n, to) in &self.redirects {
+            if ptr.0 >= start && ptr.0.saturating_add(len as u64) <= start + n {
+                return DevicePtr(to + (ptr.0 - start));
+            }
+        }
+        ptr
+    }
+
+    /// Sets the redirects in force (empty: none).
+    pub(crate) fn set_redirects(&mut self, redirects: &[(u64, u64, u64)]) {
+        self.redirects.clear();
+        self.redirects.extend_from_slice(redirects);
     }
 
     /// Like [`SimMemory::locate`] for `n` elements of `T`, also checking alignment.

@@ -8,8 +8,9 @@
 //! host never reads anything. Shapes never change with the position (attention covers cache
 //! rows `0..=pos` by reading `pos` on the device), so one recorded graph serves every step.
 //!
-//! Batches are padded to a bucket ([`BUCKETS`]); each bucket has its own [`KvState`] and is
-//! its own signature key, hence its own branch of graft's tree. The same step runs three ways:
+//! Batches are padded to a bucket (graft's [`Buckets`], by default [`default_buckets`]);
+//! each bucket has its own [`KvState`] (several may share one cache arena,
+//! [`Decoder::cache_for`]) and is its own signature key, hence its own branch of graft's tree. The same step runs three ways:
 //! [`Decoder::step_graft`] (one registered function per step, body = the whole step),
 //! [`Decoder::step_eager`] (the same ops, no graft), and [`Decoder::capture_raw`] (the same
 //! step captured once as a plain graph with the device's capture calls, no tree).
@@ -18,7 +19,8 @@ use std::borrow::Cow;
 use std::fmt;
 
 use graft_core::{
-    BodyError, Buffer, CaptureMode, Ctx, Device, FunctionId, FunctionSpec, Graft, Output,
+    BodyError, Bucket, Buckets, Buffer, CaptureMode, Ctx, Device, FunctionId, FunctionSpec, Graft,
+    Output, UpdateRefusal,
 };
 use rand::rngs::Xoshiro256PlusPlus;
 use rand::{RngExt, SeedableRng};
@@ -28,12 +30,9 @@ use crate::error::{Result, TensorError};
 use crate::ops;
 use crate::tensor::{Alloc, DType, EagerAlloc, Keep, Meta, Tensor};
 
-/// The batch buckets: a batch is padded up to the first bucket that holds it.
-pub const BUCKETS: [usize; 6] = [1, 2, 4, 8, 16, 32];
-
-/// The bucket a batch of `batch` rows is padded to, or `None` past the largest.
-pub fn bucket_for(batch: usize) -> Option<usize> {
-    BUCKETS.iter().copied().find(|&b| b >= batch.max(1))
+/// The buckets [`Decoder::register`] uses: 1, 2, 4, 8, 16, 32.
+pub fn default_buckets() -> Buckets {
+    Buckets::powers_of_two(32)
 }
 
 /// Sizes of the decoder.
@@ -484,28 +483,59 @@ impl<D: Backend> Decoder<D> {
             .collect()
     }
 
-    /// Registers the decode step with `graft`: inputs (tokens, position, weights, caches),
-    /// the last three static.
+    /// Registers the decode step with `graft` with the default buckets: inputs (tokens,
+    /// position, weights, caches), the last three static; the bucket is `keys[0]`.
     pub fn register(&self, graft: &mut Graft<D, Meta>) -> FunctionId {
-        graft.register("decode_step", FunctionSpec::inference([1, 2, 3]))
+        self.register_with(graft, default_buckets())
     }
 
-    /// A fresh state for `bucket` (caches and position from `alloc`, marked static), at
-    /// position 0.
+    /// [`Decoder::register`] with these buckets.
+    pub fn register_with(&self, graft: &mut Graft<D, Meta>, buckets: Buckets) -> FunctionId {
+        graft.register(
+            "decode_step",
+            FunctionSpec::inference([1, 2, 3]).buckets(buckets),
+        )
+    }
+
+    /// A static cache arena for states of up to `bucket` rows (see [`Decoder::state_in`]).
+    pub fn cache_for<A: EagerAlloc<D> + ?Sized>(
+        &self,
+        alloc: &mut A,
+        bucket: usize,
+    ) -> Result<Tensor> {
+        let c = &self.config;
+        let cache = Tensor::empty(alloc, &[c.layers, 2, bucket, c.ctx, c.d_model], DType::F32)?;
+        cache.buffer().mark_static();
+        Ok(cache)
+    }
+
+    /// A fresh state for `bucket` with its own cache (caches and position from `alloc`,
+    /// marked static), at position 0.
     pub fn new_state<A: EagerAlloc<D> + ?Sized>(
         &self,
         alloc: &mut A,
         bucket: usize,
     ) -> Result<KvState> {
-        if !BUCKETS.contains(&bucket) {
-            return Err(TensorError::BatchTooLarge {
-                batch: bucket,
-                max: BUCKETS[BUCKETS.len() - 1],
-            });
-        }
+        let cache = self.cache_for(alloc, bucket.max(1))?;
+        self.state_in(alloc, &cache, bucket)
+    }
+
+    /// A fresh state for `bucket` whose cache lives at the start of `arena` (from
+    /// [`Decoder::cache_for`] with at least `bucket` rows): states made from one arena share
+    /// its memory, so only one of them holds a live sequence at a time (a serving engine's
+    /// per-bucket graphs over one cache). The position comes from `alloc`.
+    pub fn state_in<A: EagerAlloc<D> + ?Sized>(
+        &self,
+        alloc: &mut A,
+        arena: &Tensor,
+        bucket: usize,
+    ) -> Result<KvState> {
         let c = &self.config;
-        let cache = Tensor::empty(alloc, &[c.layers, 2, bucket, c.ctx, c.d_model], DType::F32)?;
-        cache.buffer().mark_static();
+        let shape = [c.layers, 2, bucket, c.ctx, c.d_model];
+        if bucket == 0 {
+            return Err(TensorError::EmptyBatch);
+        }
+        let cache = arena.view(0, &shape)?;
         let pos = Tensor::from_i32(alloc, &[1], &[0])?;
         pos.buffer().mark_static();
         let kv = kv_views(&cache, c, bucket)?;
@@ -520,16 +550,34 @@ impl<D: Backend> Decoder<D> {
         })
     }
 
-    /// The first tokens of a batch, padded with token 0 to its bucket, as a `[bucket]` i32
-    /// tensor from `alloc` (written synchronously: not inside a capture).
+    /// The first tokens of a batch, padded with token 0 to its default bucket, as a
+    /// `[bucket]` i32 tensor from `alloc` (written synchronously: not inside a capture).
     pub fn tokens<A: EagerAlloc<D> + ?Sized>(&self, alloc: &mut A, ids: &[i32]) -> Result<Tensor> {
+        match default_buckets().pick(ids.len()) {
+            Bucket::Padded(bucket) => self.tokens_in(alloc, ids, bucket),
+            Bucket::Above { size, largest } => Err(TensorError::BatchTooLarge {
+                batch: size,
+                max: largest,
+            }),
+        }
+    }
+
+    /// The first tokens of a batch padded with token 0 to `bucket` rows.
+    pub fn tokens_in<A: EagerAlloc<D> + ?Sized>(
+        &self,
+        alloc: &mut A,
+        ids: &[i32],
+        bucket: usize,
+    ) -> Result<Tensor> {
         if ids.is_empty() {
             return Err(TensorError::EmptyBatch);
         }
-        let bucket = bucket_for(ids.len()).ok_or(TensorError::BatchTooLarge {
-            batch: ids.len(),
-            max: BUCKETS[BUCKETS.len() - 1],
-        })?;
+        if ids.len() > bucket {
+            return Err(TensorError::BatchTooLarge {
+                batch: ids.len(),
+                max: bucket,
+            });
+        }
         for (row, &id) in ids.iter().enumerate() {
             if id < 0 || id as usize >= self.config.vocab {
                 return Err(TensorError::TokenOutOfRange {
@@ -555,7 +603,7 @@ impl<D: Backend> Decoder<D> {
         }
         match *tokens.shape() {
             [b] if b == state.bucket => Ok(()),
-            [b] if BUCKETS.contains(&b) => Err(TensorError::BucketMismatch {
+            [b] => Err(TensorError::BucketMismatch {
                 tokens: b,
                 state: state.bucket,
             }),
@@ -663,8 +711,48 @@ impl<D: Backend> Decoder<D> {
         state: &KvState,
         tokens: &Tensor,
     ) -> Result<RawGraph<D>> {
-        self.check_tokens(state, tokens)?;
+        let kept = self.capture_step(alloc, state, tokens)?;
         let device = self.device.clone();
+        let graph = device.end_capture()?;
+        Ok(RawGraph {
+            device,
+            graph,
+            tokens: tokens.clone(),
+            bucket: state.bucket,
+            _kept: kept,
+        })
+    }
+
+    /// Captures the step again into `raw` (for `state` and `tokens`, which become its state
+    /// and token buffer), updating its executable in place when the device accepts
+    /// ([`Device::end_capture_into`]), else instantiating anew: the update baseline. Waits
+    /// for the device first, since the memory the old capture used is released.
+    pub fn recapture_raw<A: Alloc<D> + ?Sized>(
+        &self,
+        raw: &mut RawGraph<D>,
+        alloc: &mut A,
+        state: &KvState,
+        tokens: &Tensor,
+    ) -> Result<Option<UpdateRefusal>> {
+        self.device.synchronize()?;
+        let kept = self.capture_step(alloc, state, tokens)?;
+        let refusal = self.device.end_capture_into(&mut raw.graph)?;
+        raw.tokens = tokens.clone();
+        raw.bucket = state.bucket;
+        raw._kept = kept;
+        Ok(refusal)
+    }
+
+    /// Begins a capture and records one step into it (the next tokens copied over `tokens`),
+    /// leaving the capture open; returns the buffers the step used. Aborts on error.
+    fn capture_step<A: Alloc<D> + ?Sized>(
+        &self,
+        alloc: &mut A,
+        state: &KvState,
+        tokens: &Tensor,
+    ) -> Result<Vec<Buffer>> {
+        self.check_tokens(state, tokens)?;
+        let device = &self.device;
         device.begin_capture(CaptureMode::ThreadLocal)?;
         let mut keep = Keep::new(alloc);
         let body = (|| -> Result<()> {
@@ -678,14 +766,7 @@ impl<D: Backend> Decoder<D> {
             let _ = device.abort_capture();
             return Err(e);
         }
-        let graph = device.end_capture()?;
-        Ok(RawGraph {
-            device,
-            graph,
-            tokens: tokens.clone(),
-            bucket: state.bucket,
-            _kept: kept,
-        })
+        Ok(kept)
     }
 
     /// The step itself: embed, blocks, final norm, logits, greedy argmax, position + 1.

@@ -34,7 +34,7 @@ pub use backend::{
     LinearArgs, MatmulDims, NormDims, Ops,
 };
 pub use cuda::{CudaOps, KERNEL_NAMES, KERNELS_CU};
-pub use decoder::{BUCKETS, Decoder, DecoderConfig, KvState, RawGraph, bucket_for};
+pub use decoder::{Decoder, DecoderConfig, KvState, RawGraph, default_buckets};
 pub use error::{Result, TensorError};
 pub use sim::SimOps;
 pub use tensor::{Alloc, DType, EagerAlloc, Keep, Meta, Tensor, numel};

@@ -5,7 +5,7 @@ mod common;
 
 use common::graft;
 use graft_tensor::{
-    BUCKETS, Backend, Decoder, DecoderConfig, KvState, Meta, Tensor, TensorError, bucket_for,
+    Backend, Decoder, DecoderConfig, KvState, Meta, Tensor, TensorError, default_buckets,
 };
 
 const SEED: u64 = 7;
@@ -24,7 +24,7 @@ fn run_both<D: Backend>(
     batch: usize,
 ) -> (Vec<Vec<i32>>, Vec<Vec<i32>>) {
     let ids = first_tokens(batch, dec.config().vocab);
-    let bucket = bucket_for(batch).unwrap();
+    let bucket = default_buckets().pick(batch).size();
 
     let mut eager_state = dec.new_state(g, bucket).unwrap();
     let mut t = dec.tokens(g, &ids).unwrap();
@@ -55,7 +55,7 @@ fn graft_matches_eager<D: Backend>(dev: D) {
             eager, grafted,
             "batch {batch}: graft and eager tokens differ"
         );
-        assert_eq!(eager[0].len(), bucket_for(batch).unwrap());
+        assert_eq!(eager[0].len(), default_buckets().pick(batch).size());
         let distinct: std::collections::HashSet<i32> = eager.iter().flatten().copied().collect();
         assert!(
             distinct.len() > 1,
@@ -125,8 +125,8 @@ fn misuse_is_typed<D: Backend>(dev: D) {
         })
     ));
     assert!(matches!(
-        dec.new_state(&mut g, 3),
-        Err(TensorError::BatchTooLarge { .. })
+        dec.new_state(&mut g, 0),
+        Err(TensorError::EmptyBatch)
     ));
     let mut state: KvState = dec.new_state(&mut g, 1).unwrap();
     let wrong = dec.tokens(&mut g, &[1, 2]).unwrap();
@@ -168,11 +168,12 @@ backend_test!(misuse_is_typed);
 
 #[test]
 fn buckets_pad_up() {
-    assert_eq!(bucket_for(1), Some(1));
-    assert_eq!(bucket_for(3), Some(4));
-    assert_eq!(bucket_for(17), Some(32));
-    assert_eq!(bucket_for(33), None);
-    assert_eq!(BUCKETS.len(), 6);
+    let b = default_buckets();
+    assert_eq!(b.pick(1).size(), 1);
+    assert_eq!(b.pick(3).size(), 4);
+    assert_eq!(b.pick(17).size(), 32);
+    assert!(matches!(b.pick(33), graft_core::Bucket::Above { size: 33, largest: 32 }));
+    assert_eq!(b.sizes().len(), 6);
     assert!(DecoderConfig::bench().parameters() > 20_000_000);
 }
 

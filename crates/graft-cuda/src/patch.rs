@@ -1,0 +1,243 @@
+//! Copy-free inputs: patching the kernel nodes of an executable that read a placeholder to
+//! read the caller's buffer instead (`graft_core::Device::redirect_reads`).
+//!
+//! The kernel nodes' parameters are read once from the graph (`cuGraphKernelNodeGetParams`)
+//! with their layout (`cuFuncGetParamInfo`), so every kernel is covered, cuBLAS's included.
+//! Every 8-byte-aligned word of a parameter whose value lies inside a redirected placeholder
+//! is a pointer into it and is moved by the same offset into the caller's buffer. A graph
+//! that reads the placeholder any other way (another copy, a memset, a child graph, a kernel
+//! whose parameters cannot be read) is refused: it keeps copying.
+
+use std::ffi::c_void;
+
+use cudarc::driver::sys;
+use graft_core::backend::{CopyEnds, DeviceError, DeviceOp, DevicePtr};
+
+use crate::error::check;
+use crate::graph::{GraphHandles, node_type, nodes};
+
+const OP: DeviceOp = DeviceOp::GraphUpdate;
+const KERNEL: u32 = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL as u32;
+const MEMCPY: u32 = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEMCPY as u32;
+const MEMSET: u32 = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEMSET as u32;
+const GRAPH: u32 = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_GRAPH as u32;
+
+/// One kernel node as captured: its parameter block, flattened, and where each parameter sits.
+pub(crate) struct KernelNode {
+    /// The node of the graph the executable was instantiated from.
+    node: sys::CUgraphNode,
+    /// Its launch parameters as captured (`kernelParams` is replaced at each set).
+    params: sys::CUDA_KERNEL_NODE_PARAMS,
+    /// `(offset, size)` of each parameter in `bytes`.
+    layout: Vec<(usize, usize)>,
+    /// The parameter values as captured.
+    bytes: Vec<u8>,
+}
+
+/// What the patcher knows about one executable.
+#[derive(Default)]
+pub(crate) struct Patches {
+    /// The kernel nodes, read on first use; `None` while unread.
+    kernels: Option<Vec<KernelNode>>,
+    /// Ranges copies and memsets touch, with their node, and whether a node hides its
+    /// accesses (a child graph, a kernel whose parameters cannot be read).
+    others: Vec<(sys::CUgraphNode, u64, u64)>,
+    opaque: bool,
+    /// Active redirects: placeholder start, length, target, and the copy node turned off.
+    active: Vec<(u64, u64, u64, sys::CUgraphNode)>,
+}
+
+// SAFETY: the node handles and the parameter block's raw pointers (`func`, `kern`, `ctx`,
+// `kernelParams`, `extra`) are driver handles or pointers graft never dereferences itself
+// (`kernelParams` is overwritten with a block of its own before every use); they are only
+// used under the owning CudaGraph's lock or `&mut`.
+unsafe impl Send for Patches {}
+
+impl Patches {
+    /// After a successful `cuGraphExecUpdate` the executable runs another capture: forget
+    /// everything (the caller turns the copies back on).
+    pub(crate) fn take_active(&mut self) -> Vec<sys::CUgraphNode> {
+        self.kernels = None;
+        self.others.clear();
+        self.opaque = false;
+        self.active.drain(..).map(|(.., copy)| copy).collect()
+    }
+}
+
+/// `Device::redirect_reads` on one executable. `copy_node` finds the memcpy node with the
+/// given ends (see `CudaGraph::repoint_copy`). Returns false, changing nothing, when the graph
+/// reads the placeholder in a way the patcher cannot follow.
+pub(crate) fn redirect(
+    h: &mut GraphHandles,
+    copy_node: sys::CUgraphNode,
+    copy: CopyEnds,
+    len: usize,
+    to: Option<DevicePtr>,
+) -> Result<bool, DeviceError> {
+    let (start, end) = (copy.dst.0, copy.dst.0 + len as u64);
+    if h.patches.kernels.is_none() {
+        read_graph(h)?;
+    }
+    let touched_elsewhere = h
+        .patches
+        .others
+        .iter()
+        .any(|&(n, s, e)| n != copy_node && s < end && start < e);
+    if to.is_some() && (h.patches.opaque || touched_elsewhere) {
+        return Ok(false);
+    }
+    h.patches.active.retain(|&(s, ..)| s != start);
+    if let Some(to) = to {
+        h.patches.active.push((start, len as u64, to.0, copy_node));
+    }
+    let exec = h.exec;
+    let active = h.patches.active.clone();
+    for k in h.patches.kernels.iter().flatten() {
+        if !words(k).any(|(_, v)| v >= start && v < end) {
+            continue;
+        }
+        let mut bytes = k.bytes.clone();
+        for (at, v) in words(k) {
+            if let Some(&(s, _, t, _)) = active.iter().find(|&&(s, n, ..)| v >= s && v < s + n) {
+                bytes[at..at + 8].copy_from_slice(&(t + (v - s)).to_le_bytes());
+            }
+        }
+        set_params(exec, k, &mut bytes)?;
+    }
+    // SAFETY: `exec` is the live executable and `copy_node` a memcpy node of the graph it was
+    // instantiated from (found by the caller); both are used under the graph's lock.
+    check(OP, unsafe {
+        sys::cuGraphNodeSetEnabled(exec, copy_node, u32::from(to.is_none()))
+    })?;
+    Ok(true)
+}
+
+/// The 8-byte-aligned words of a kernel's parameters, as `(byte offset, value)`.
+fn words(k: &KernelNode) -> impl Iterator<Item = (usize, u64)> + '_ {
+    k.layout.iter().flat_map(move |&(offset, size)| {
+        (0..size / 8).map(move |i| {
+            let at = offset + 8 * i;
+            let mut w = [0u8; 8];
+            w.copy_from_slice(&k.bytes[at..at + 8]);
+            (at, u64::from_le_bytes(w))
+        })
+    })
+}
+
+/// Sets a kernel node's parameters in the executable to `bytes` (laid out as captured).
+fn set_params(exec: sys::CUgraphExec, k: &KernelNode, bytes: &mut [u8]) -> Result<(), DeviceError> {
+    let mut pointers: Vec<*mut c_void> = k
+        .layout
+        .iter()
+        .map(|&(offset, _)| bytes[offset..].as_mut_ptr().cast::<c_void>())
+        .collect();
+    let mut params = k.params;
+    params.kernelParams = pointers.as_mut_ptr();
+    params.extra = std::ptr::null_mut();
+    // SAFETY: `exec` is the live executable and `k.node` a kernel node of the graph it was
+    // instantiated from; `params` is the node's own captured block with `kernelParams`
+    // pointing at one pointer per parameter, each into `bytes`, which holds every parameter
+    // at its offset with its size (the layout `cuFuncGetParamInfo` reported); both outlive
+    // the call, which copies them.
+    check(OP, unsafe {
+        sys::cuGraphExecKernelNodeSetParams_v2(exec, k.node, &params)
+    })
+}
+
+/// Reads every node of the graph: kernels with their parameters, and the ranges copies and
+/// memsets touch.
+fn read_graph(h: &mut GraphHandles) -> Result<(), DeviceError> {
+    let current = h.current_graph();
+    let mut kernels = Vec::new();
+    for (node, source) in nodes(OP, h.graph)?.into_iter().zip(nodes(OP, current)?) {
+        match node_type(OP, source)? {
+            KERNEL => match read_kernel(node, source)? {
+                Some(k) => kernels.push(k),
+                None => h.patches.opaque = true,
+            },
+            MEMCPY => {
+                let mut p = std::mem::MaybeUninit::<sys::CUDA_MEMCPY3D>::uninit();
+                // SAFETY: `source` is a memcpy node of a live graph (type checked) and `p` a
+                // valid out-pointer of the type the driver writes.
+                check(OP, unsafe {
+                    sys::cuGraphMemcpyNodeGetParams(source, p.as_mut_ptr())
+                })?;
+                // SAFETY: the call succeeded, so the driver wrote every field.
+                let p = unsafe { p.assume_init() };
+                let bytes = (p.WidthInBytes * p.Height.max(1) * p.Depth.max(1)) as u64;
+                h.patches.others.push((node, p.srcDevice, p.srcDevice + bytes));
+                h.patches.others.push((node, p.dstDevice, p.dstDevice + bytes));
+            }
+            MEMSET => {
+                let mut p = std::mem::MaybeUninit::<sys::CUDA_MEMSET_NODE_PARAMS>::uninit();
+                // SAFETY: as above, for a memset node.
+                check(OP, unsafe {
+                    sys::cuGraphMemsetNodeGetParams(source, p.as_mut_ptr())
+                })?;
+                // SAFETY: the call succeeded, so the driver wrote every field.
+                let p = unsafe { p.assume_init() };
+                let row = p.width as u64 * u64::from(p.elementSize);
+                let bytes = p.pitch as u64 * (p.height.max(1) as u64 - 1) + row;
+                h.patches.others.push((node, p.dst, p.dst + bytes));
+            }
+            GRAPH => h.patches.opaque = true,
+            // Events, host nodes, allocations and frees read no device memory of graft's.
+            _ => {}
+        }
+    }
+    h.patches.kernels = Some(kernels);
+    Ok(())
+}
+
+/// A kernel node's parameters and layout, or `None` when they cannot be read (passed through
+/// `extra`, or a function whose layout the driver does not report).
+fn read_kernel(
+    node: sys::CUgraphNode,
+    source: sys::CUgraphNode,
+) -> Result<Option<KernelNode>, DeviceError> {
+    let mut params = std::mem::MaybeUninit::<sys::CUDA_KERNEL_NODE_PARAMS>::zeroed();
+    // SAFETY: `source` is a kernel node of a live graph (type checked by the caller) and
+    // `params` a valid out-pointer of the type the driver writes.
+    check(OP, unsafe {
+        sys::cuGraphKernelNodeGetParams_v2(source, params.as_mut_ptr())
+    })?;
+    // SAFETY: the call succeeded, so the driver wrote every field.
+    let params = unsafe { params.assume_init() };
+    if params.func.is_null() || !params.extra.is_null() {
+        return Ok(None);
+    }
+    let mut layout = Vec::new();
+    loop {
+        let (mut offset, mut size) = (0usize, 0usize);
+        // SAFETY: `func` is the live function of a captured kernel node; the out-pointers are
+        // valid. An index past the last parameter answers CUDA_ERROR_INVALID_VALUE.
+        let r = unsafe {
+            sys::cuFuncGetParamInfo(params.func, layout.len(), &mut offset, &mut size)
+        };
+        match r {
+            sys::CUresult::CUDA_SUCCESS => layout.push((offset, size)),
+            sys::CUresult::CUDA_ERROR_INVALID_VALUE => break,
+            _ => return Ok(None),
+        }
+    }
+    if !layout.is_empty() && params.kernelParams.is_null() {
+        return Ok(None);
+    }
+    let total = layout.iter().map(|&(o, s)| o + s).max().unwrap_or(0);
+    let mut bytes = vec![0u8; total];
+    for (i, &(offset, size)) in layout.iter().enumerate() {
+        // SAFETY: the driver returned `kernelParams` with one pointer per parameter of
+        // `func` (the layout lists them), each to `size` readable bytes, valid while the
+        // node lives; the destination range lies inside `bytes` (`total` covers it).
+        unsafe {
+            let src = (*params.kernelParams.add(i)).cast::<u8>();
+            std::ptr::copy_nonoverlapping(src, bytes[offset..].as_mut_ptr(), size);
+        }
+    }
+    Ok(Some(KernelNode {
+        node,
+        params,
+        layout,
+        bytes,
+    }))
+}
