@@ -61,3 +61,47 @@ fn replay_fast_path_does_not_allocate() {
         "the replay path allocated {per_call} times per call"
     );
 }
+
+/// At serving scale: 64 static inputs per call, a tree of 1,000 recorded nodes (one per
+/// bucket key), and calls that switch bucket every time, so the signature is found by hash
+/// and the candidates by their (parent, function, signature) slot: still no allocation.
+#[test]
+fn switching_buckets_in_a_large_tree_does_not_allocate() {
+    let mut g: G<SimDevice> = graft(SimDevice::new(), Config::default());
+    let statics: Vec<usize> = (1..64).collect();
+    let buckets = graft::Buckets::new(1..=1000).unwrap();
+    let f = g.register(
+        "step",
+        FunctionSpec::inference(statics).buckets(buckets).warmups(0),
+    );
+    let x = input(&mut g, &[1.0; 16]);
+    let ws: Vec<graft::Buffer> = (0..63).map(|_| input(&mut g, &[0.5; 4])).collect();
+    let inputs: Vec<&graft::Buffer> = std::iter::once(&x).chain(&ws).collect();
+    let runs = Runs::default();
+    let mut body = affine::<SimDevice>(2.0, 0.0, &runs);
+    let mut out = Vec::with_capacity(1);
+    for key in 1..=1000u64 {
+        g.call_into(f, &inputs, &[key], &mut body, &mut out)
+            .unwrap();
+        g.mark_step_begin();
+    }
+    assert_eq!(g.stats().nodes, 1000);
+    let keys = [17u64, 503, 999, 1, 250];
+    for &key in &keys {
+        g.call_into(f, &inputs, &[key], &mut body, &mut out)
+            .unwrap();
+    }
+    let before = allocations();
+    for i in 0..1000 {
+        let key = keys[i % keys.len()];
+        let outcome = g
+            .call_into(f, &inputs, &[key], &mut body, &mut out)
+            .unwrap();
+        assert!(matches!(outcome, Outcome::Replayed(_)), "{outcome:?}");
+    }
+    let per_call = (allocations() - before) as f64 / 1000.0;
+    assert_eq!(
+        per_call, 0.0,
+        "the replay path allocated {per_call} times per call"
+    );
+}

@@ -14,6 +14,7 @@ pub mod demo;
 mod error;
 pub mod micro;
 mod progress;
+pub mod shapes;
 mod timing;
 
 use std::io::Write;
@@ -84,6 +85,40 @@ pub enum BenchWhat {
     /// The replay fast path: a 10-kernel chain (8 inputs, 1 copied) as eager launches, a raw
     /// graph launch, and a tree replay, per call.
     Micro(MicroArgs),
+    /// Capture every bucket of the decode step up front, largest first: time and memory.
+    Capture(ShapesArgs),
+    /// A serving-like trace of batch sizes: a graph budget against none and against eager.
+    Serve(ShapesArgs),
+    /// Re-recording by in-place executable update against instantiating a new one.
+    Update(ShapesArgs),
+    /// A 64 MiB read-only input per replay: copied into the graph against patched in place.
+    Inputs(ShapesArgs),
+}
+
+/// Arguments of `graft bench capture`, `serve`, `update` and `inputs`.
+#[derive(Args, Debug, Clone)]
+pub struct ShapesArgs {
+    /// capture: how many bucket sizes, spread evenly from 1 to --max.
+    #[arg(long, default_value_t = 32)]
+    pub buckets: usize,
+    /// capture and serve: the largest batch size.
+    #[arg(long, default_value_t = 256)]
+    pub max: usize,
+    /// serve: steps of the trace; inputs: timed calls per mode.
+    #[arg(long, default_value_t = 10_000)]
+    pub steps: usize,
+    /// serve: the graph budget (Config::max_graphs) of the budgeted run.
+    #[arg(long, default_value_t = 8)]
+    pub budget: usize,
+    /// update: re-recordings timed per mode.
+    #[arg(long, default_value_t = 15)]
+    pub repeats: usize,
+    /// Seed of the random weights and of the trace.
+    #[arg(long, default_value_t = 7)]
+    pub seed: u64,
+    /// Use the simulator even when a GPU is available.
+    #[arg(long)]
+    pub sim: bool,
 }
 
 /// Arguments of `graft bench micro`.
@@ -95,6 +130,12 @@ pub struct MicroArgs {
     /// Calls per block.
     #[arg(long, default_value_t = 200)]
     pub calls: usize,
+    /// Inputs per call (at least 8; those past 8 are static and not read by the chain).
+    #[arg(long, default_value_t = 8)]
+    pub inputs: usize,
+    /// Recorded nodes in the tree (the timed one plus siblings of other signatures).
+    #[arg(long, default_value_t = 1)]
+    pub tree: usize,
     /// Use the simulator even when a GPU is available.
     #[arg(long)]
     pub sim: bool,
@@ -165,6 +206,10 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<(), CliError> {
             None => bench::run(&cmd.decoder, out).map(|_| ()),
             Some(BenchWhat::Decoder(args)) => bench::run(&args, out).map(|_| ()),
             Some(BenchWhat::Micro(args)) => micro::report(&args, out),
+            Some(BenchWhat::Capture(args)) => shapes::capture(&args, out),
+            Some(BenchWhat::Serve(args)) => shapes::serve(&args, out),
+            Some(BenchWhat::Update(args)) => shapes::update(&args, out),
+            Some(BenchWhat::Inputs(args)) => shapes::inputs(&args, out),
         },
     }
 }

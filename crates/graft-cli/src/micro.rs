@@ -4,6 +4,9 @@
 //! call in one run four ways: eager launches; a raw launch of the same graph graft records
 //! (the input's copy node, then the ten kernels); the ten-kernel graph launched after a
 //! separate input copy (how PyTorch's trees copy inputs); and graft's tree replay.
+//!
+//! At scale (`--inputs`, `--tree`): more static inputs per call (passed and checked, not read
+//! by the chain), and more recorded nodes in the tree (siblings of other signatures).
 
 use std::time::Instant;
 
@@ -103,7 +106,10 @@ fn body<D: graft_tensor::Backend>(
     k: &D::Ops,
     ctx: &mut Ctx<'_, D>,
 ) -> Result<Vec<Output<()>>, BodyError> {
-    let inputs: Vec<Tensor> = ctx.inputs().iter().map(floats).collect::<Result<_, _>>()?;
+    let inputs: Vec<Tensor> = ctx.inputs()[..8]
+        .iter()
+        .map(floats)
+        .collect::<Result<_, _>>()?;
     let out = ctx.alloc(N * 4)?;
     chain(k, &floats(&out)?, &inputs[..7], &inputs[7])?;
     Ok(vec![Output::new(out, ())])
@@ -189,17 +195,29 @@ fn time_pair<D: Device>(
     Ok((median(sa), median(sb), median(ratios)))
 }
 
+/// The size of the measurement: inputs per call (at least 8) and recorded nodes in the tree.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Scale {
+    /// Inputs per call: the chain's 8, then static ones it does not read.
+    pub inputs: usize,
+    /// Nodes in the tree: the timed one and siblings of other signatures.
+    pub nodes: usize,
+}
+
 /// Runs the four measurements on `device`.
 pub fn run<D: graft_tensor::Backend>(
     device: D,
     timing: Timing,
     repeats: usize,
     per_block: usize,
+    scale: Scale,
 ) -> Result<MicroResult, MicroError> {
     let k = device.load_ops()?;
     let mut g: Graft<D, ()> = Graft::new(device.clone(), Config::default());
-    let f = g.register("chain", FunctionSpec::inference([0, 1, 2, 3, 4, 5, 6]));
-    let bufs: Vec<Buffer> = (0..10).map(|_| g.alloc(N * 4)).collect::<Result<_, _>>()?;
+    let inputs = scale.inputs.max(8);
+    let statics: Vec<usize> = (0..7).chain(8..inputs).collect();
+    let f = g.register("chain", FunctionSpec::inference(statics));
+    let mut bufs: Vec<Buffer> = (0..10).map(|_| g.alloc(N * 4)).collect::<Result<_, _>>()?;
     for (i, b) in bufs.iter().enumerate() {
         g.write_f32(b, &vec![i as f32 * 0.001; N])?;
     }
@@ -223,10 +241,18 @@ pub fn run<D: graft_tensor::Backend>(
         Ok(device.launch(&kernels_only)?)
     })?;
 
-    let refs: Vec<&Buffer> = bufs[..8].iter().collect();
+    for _ in 8..inputs {
+        bufs.push(g.alloc(N * 4)?);
+    }
+    let refs: Vec<&Buffer> = bufs[..8].iter().chain(&bufs[10..]).collect();
     let mut out = Vec::with_capacity(1);
+    for key in 1..scale.nodes.max(1) as u64 {
+        for _ in 0..2 {
+            g.call_into(f, &refs, &[key], |ctx| body::<D>(&k, ctx), &mut out)?;
+        }
+    }
     for _ in 0..3 {
-        g.call_into(f, &refs, &[], |ctx| body::<D>(&k, ctx), &mut out)?;
+        g.call_into(f, &refs, &[0], |ctx| body::<D>(&k, ctx), &mut out)?;
     }
     let replays_before = g.stats().replays;
     // Raw launch and tree replay of the same graph, in alternating blocks.
@@ -237,7 +263,7 @@ pub fn run<D: graft_tensor::Backend>(
         per_block,
         || Ok(device.launch(&same_graph)?),
         || {
-            g.call_into(f, &refs, &[], |ctx| body::<D>(&k, ctx), &mut out)?;
+            g.call_into(f, &refs, &[0], |ctx| body::<D>(&k, ctx), &mut out)?;
             Ok(())
         },
     )?;
@@ -281,9 +307,14 @@ pub fn report(args: &MicroArgs, out: &mut dyn Write) -> Result<(), CliError> {
         Backend::Cuda(d) => d.describe(),
         Backend::Sim(d) => d.describe(),
     };
+    let scale = Scale {
+        inputs: args.inputs.max(8),
+        nodes: args.tree.max(1),
+    };
     writeln!(
         out,
-        "replay fast path on {name}: 10 kernels over {N} floats, 8 inputs (1 copied), per call"
+        "replay fast path on {name}: 10 kernels over {N} floats, {} inputs (1 copied), {} recorded nodes in the tree, per call",
+        scale.inputs, scale.nodes
     )?;
     writeln!(
         out,
@@ -292,8 +323,8 @@ pub fn report(args: &MicroArgs, out: &mut dyn Write) -> Result<(), CliError> {
     )?;
     for timing in [Timing::Latency, Timing::Throughput] {
         let r = match &backend {
-            Backend::Cuda(d) => run(d.clone(), timing, args.repeats, args.calls),
-            Backend::Sim(d) => run(d.clone(), timing, args.repeats, args.calls),
+            Backend::Cuda(d) => run(d.clone(), timing, args.repeats, args.calls, scale),
+            Backend::Sim(d) => run(d.clone(), timing, args.repeats, args.calls, scale),
         }?;
         writeln!(
             out,

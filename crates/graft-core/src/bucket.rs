@@ -128,11 +128,7 @@ impl fmt::Debug for Buckets {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match &*self.sizes {
             [one] => write!(f, "Buckets[{one}]"),
-            [first, .., last] => write!(
-                f,
-                "Buckets[{} sizes, {first}..={last}]",
-                self.sizes.len()
-            ),
+            [first, .., last] => write!(f, "Buckets[{} sizes, {first}..={last}]", self.sizes.len()),
             [] => write!(f, "Buckets[]"),
         }
     }
@@ -145,7 +141,10 @@ mod tests {
     #[test]
     fn rules_produce_the_documented_sizes() {
         assert_eq!(Buckets::powers_of_two(32).sizes(), &[1, 2, 4, 8, 16, 32]);
-        assert_eq!(Buckets::powers_of_two(48).sizes(), &[1, 2, 4, 8, 16, 32, 48]);
+        assert_eq!(
+            Buckets::powers_of_two(48).sizes(),
+            &[1, 2, 4, 8, 16, 32, 48]
+        );
         let s = Buckets::stepped(512);
         assert_eq!(&s.sizes()[..5], &[1, 2, 4, 8, 16]);
         assert!(s.contains(256) && s.contains(272) && s.contains(512));

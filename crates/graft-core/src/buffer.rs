@@ -114,6 +114,8 @@ pub(crate) struct Cell {
     overwritten_by: AtomicU64,
     generation: AtomicU64,
     is_static: AtomicBool,
+    /// In the runtime's list of handed-out graph-pool cells (see `Graft::handed`).
+    listed: AtomicBool,
     /// The pool block this cell owns, as `BlockId + 1` (0: none). Swapped out exactly once by
     /// whoever frees it: the last handle's drop, or a restore that rebuilds the bookkeeping.
     owner: AtomicU64,
@@ -152,6 +154,7 @@ impl Cell {
             overwritten_by: AtomicU64::new(NO_NODE),
             generation: AtomicU64::new(generation),
             is_static: AtomicBool::new(false),
+            listed: AtomicBool::new(false),
             owner: AtomicU64::new(0),
             pool,
         })
@@ -184,6 +187,18 @@ impl Cell {
     #[inline]
     pub(crate) fn is_readable_by_someone(&self) -> bool {
         self.is_held() && self.is_valid()
+    }
+
+    /// Marks the cell as listed; returns whether it was not listed before.
+    #[inline]
+    pub(crate) fn mark_listed(&self) -> bool {
+        !self.listed.swap(true, Ordering::Relaxed)
+    }
+
+    /// Marks the cell as no longer listed.
+    #[inline]
+    pub(crate) fn unlist(&self) {
+        self.listed.store(false, Ordering::Relaxed);
     }
 
     pub(crate) fn set_node(&self, node: NodeId) {

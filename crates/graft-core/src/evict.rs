@@ -111,7 +111,6 @@ impl<D: Device, M: Clone> Graft<D, M> {
             .map(|&(s, e)| (DevicePtr(s), (e - s) as usize))
             .collect();
         lock(&self.graph_pool).repin(&pins);
-        self.epoch += 1;
         self.stats.evictions += doomed.len() as u64;
         tracing::debug!(nodes = doomed.len(), "evicted");
         self.log(

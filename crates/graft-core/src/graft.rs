@@ -116,8 +116,11 @@ pub struct Graft<D: Device, M: Clone = ()> {
     pub(crate) loose: Registry,
     /// Cells of eager-pool memory, so `Drop` can invalidate them.
     pub(crate) eager_cells: Registry,
-    /// Bumped when a node or loose cell appears: nodes recompute their conflict lists lazily.
-    pub(crate) epoch: u64,
+    /// Graph-pool cells handed to callers or kept by bodies that may still be held: what a
+    /// replay must invalidate when its graph overwrites them. Each cell appears once; cells
+    /// nobody holds are dropped from the list by the next replay's scan, so a replay costs
+    /// the number of held cells, however large the tree.
+    pub(crate) handed: Vec<Arc<Cell>>,
     backward_pending: bool,
     warned_backward: bool,
     pub(crate) rerecords: HashMap<(Option<NodeKey>, FunctionId), u32>,
@@ -128,6 +131,18 @@ pub struct Graft<D: Device, M: Clone = ()> {
     pub(crate) clock: u64,
     /// Scratch for input addresses: reused so the fast path never allocates.
     pub(crate) addrs: Vec<DevicePtr>,
+}
+
+/// Adds the held ones of `cells` not yet listed to `handed` (see [`Graft::handed`]).
+pub(crate) fn list_held<'a>(
+    handed: &mut Vec<Arc<Cell>>,
+    cells: impl IntoIterator<Item = &'a Arc<Cell>>,
+) {
+    for c in cells {
+        if c.is_held() && c.mark_listed() {
+            handed.push(Arc::clone(c));
+        }
+    }
 }
 
 /// Cells graft must be able to invalidate, pruned of unheld ones once the list has doubled.
@@ -183,7 +198,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
             pool_stale: false,
             loose: Registry::default(),
             eager_cells: Registry::default(),
-            epoch: 0,
+            handed: Vec::new(),
             backward_pending: false,
             warned_backward: false,
             rerecords: HashMap::new(),
@@ -477,7 +492,10 @@ impl<D: Device, M: Clone> Graft<D, M> {
         }
         let candidates = self.slots.get(&(parent, frame.function, frame.sig))?;
         candidates.iter().copied().find(|&k| {
-            tree::check(&self.nodes, &self.nodes[k], &self.addrs).err().as_ref() == Some(reason)
+            tree::check(&self.nodes, &self.nodes[k], &self.addrs)
+                .err()
+                .as_ref()
+                == Some(reason)
         })
     }
 
@@ -534,6 +552,10 @@ impl<D: Device, M: Clone> Graft<D, M> {
         } else {
             None
         };
+        if let Some(why) = &eager {
+            tracing::debug!(function = %f.name, reason = %why, "a new signature runs eagerly");
+        }
+        let logged = eager.clone();
         f.sigs.push(Signature {
             sizes: inputs.iter().map(|b| b.len()).collect(),
             keys: keys.into(),
@@ -554,7 +576,11 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 "function called with more distinct signatures than the warn limit; pad or bucket the inputs to fewer shapes"
             );
         }
-        Ok(f.sigs.len() - 1)
+        let sig = f.sigs.len() - 1;
+        if let Some(why) = logged {
+            self.log(function, None, Decision::Eager(why));
+        }
+        Ok(sig)
     }
 
     /// The bucket a call of `function` with real size `size` runs at: pad the inputs to

@@ -38,8 +38,8 @@ pub use buffer::{Buffer, BufferError, NodeId, NodeLabel};
 pub use config::{AllowEntry, Config, FunctionSpec, Mode};
 pub use ctx::{Ctx, RunKind};
 pub use device::{
-    CaptureMode, CaptureViolation, Device, DeviceError, DeviceId, DeviceOp, DevicePtr, GraphSummary,
-    UpdateRefusal,
+    CaptureMode, CaptureViolation, Device, DeviceError, DeviceId, DeviceOp, DevicePtr,
+    GraphSummary, UpdateRefusal,
 };
 pub use diag::{InputKind, MemoryReport, NodeInfo};
 pub use error::{BodyError, CallError, FunctionId, MemoryError, VerifyTarget};
@@ -47,9 +47,7 @@ pub use graft::{Graft, Outcome};
 pub use lifecycle::Phase;
 pub use pool::{PoolError, PoolStats};
 pub use prepare::{BucketCapture, CaptureReport};
-pub use reason::{
-    Decision, DecisionRecord, EagerReason, EvictReason, RecordReason, WarmupReason,
-};
+pub use reason::{Decision, DecisionRecord, EagerReason, EvictReason, RecordReason, WarmupReason};
 pub use stats::{RerecordCounts, Stats};
 pub use tree::Output;
 

@@ -169,7 +169,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
             f.root_level = false;
         }
         self.pool_stale = false;
-        self.epoch += 1;
+        self.handed.drain(..).for_each(|c| c.unlist());
         self.new_generation();
         let device = &self.device;
         let released = lock(&self.graph_pool).release_all(device);

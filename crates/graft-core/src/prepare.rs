@@ -38,23 +38,26 @@ impl<D: Device, M: Clone> Graft<D, M> {
     /// generation of its own. Every bucket records at the root of the tree, so all of them
     /// share the graph pool: together they hold about what the largest holds alone.
     ///
-    /// Errors if the function has no buckets, or with the first call's error (buckets
-    /// captured before it stay recorded).
-    pub fn capture_buckets<F>(
+    /// Errors if the function has no buckets, or with the first error `step` returns (a
+    /// framework's own error type, which a graft error converts into); buckets captured
+    /// before it stay recorded.
+    pub fn capture_buckets<F, E>(
         &mut self,
         function: FunctionId,
         mut step: F,
-    ) -> Result<CaptureReport, CallError>
+    ) -> Result<CaptureReport, E>
     where
-        F: FnMut(&mut Graft<D, M>, usize) -> Result<Outcome, CallError>,
+        F: FnMut(&mut Graft<D, M>, usize) -> Result<Outcome, E>,
+        E: From<CallError>,
     {
         let Some(f) = self.functions.get(function.0) else {
-            return Err(CallError::UnknownFunction { id: function });
+            return Err(CallError::UnknownFunction { id: function }.into());
         };
         let Some(buckets) = f.spec.buckets.clone() else {
             return Err(CallError::NoBuckets {
                 function: f.name.clone(),
-            });
+            }
+            .into());
         };
         let _span = tracing::info_span!("capture_buckets", function = %f.name, buckets = buckets.sizes().len()).entered();
         // Enough calls for the warmups and the recording, with room for one re-record.

@@ -4,7 +4,7 @@
 use std::fmt;
 
 use crate::buffer::NodeId;
-use crate::device::{UpdateRefusal, CaptureViolation, DeviceError, DeviceOp, DevicePtr};
+use crate::device::{CaptureViolation, DeviceError, DeviceOp, DevicePtr, UpdateRefusal};
 
 /// Why a call recorded a new node instead of replaying one.
 #[derive(Clone, PartialEq, Eq, Debug)]

@@ -188,12 +188,6 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 let at = cell.addr();
                 p.placeholders.push(cell);
                 p.footprint.push((at.0, at.0 + b.len() as u64));
-                if b.len() > self.config.large_copy_warn_bytes {
-                    tracing::warn!(
-                        function = %name, position, bytes = b.len(),
-                        "a large input is copied on every replay; if its address is stable, declare it static"
-                    );
-                }
                 let slot = InputSlot::Copied {
                     placeholder: at,
                     len: b.len(),
@@ -371,9 +365,6 @@ impl<D: Device, M: Clone> Graft<D, M> {
             expected_dead: expected_dead.into_boxed_slice(),
             outputs,
             footprint: tree::merge_ranges(footprint),
-            slot_conflicts: Vec::new(),
-            cell_conflicts: Vec::new(),
-            conflicts_epoch: u64::MAX,
             replays: 0,
             last_used: self.clock,
             retired: None,
@@ -410,13 +401,13 @@ impl<D: Device, M: Clone> Graft<D, M> {
             }
         }
         tree::link(&mut self.nodes, &mut self.roots, &mut self.slots, key);
-        self.loose.extend(
-            allocs
-                .into_iter()
-                .chain(placeholders)
-                .filter(|c| !output_cells.contains(&Arc::as_ptr(c))),
-        );
-        self.epoch += 1;
+        let loose: Vec<Arc<Cell>> = allocs
+            .into_iter()
+            .chain(placeholders)
+            .filter(|c| !output_cells.contains(&Arc::as_ptr(c)))
+            .collect();
+        crate::graft::list_held(&mut self.handed, &loose);
+        self.loose.extend(loose);
         // Recording always ends at its node.
         let _ = self.move_to(Phase::Replaying { tip: id });
         self.stats.recordings += 1;
@@ -445,9 +436,12 @@ impl<D: Device, M: Clone> Graft<D, M> {
         self.patch_inputs(key).map_err(device_err)?;
         for o in &self.nodes[key].outputs {
             let buffer = match &o.slot {
-                OutputSlot::Tracked { cell, .. } | OutputSlot::Empty(cell) => {
-                    Buffer::from_cell(cell)
+                OutputSlot::Tracked { cell, .. } => {
+                    let buffer = Buffer::from_cell(cell);
+                    crate::graft::list_held(&mut self.handed, [cell]);
+                    buffer
                 }
+                OutputSlot::Empty(cell) => Buffer::from_cell(cell),
                 OutputSlot::StaticInput(p) => (*frame.inputs[*p]).clone(),
                 OutputSlot::Alias(j) => frame.out[*j].buffer.clone(),
             };
@@ -507,10 +501,10 @@ impl<D: Device, M: Clone> Graft<D, M> {
     /// unchanged, asks the device to patch the graph to read the large ones (at least
     /// `Config::patch_inputs_from` bytes) in the caller's buffer instead of copying them, where
     /// that buffer lies outside the memory the graph writes. A retired node is left alone.
+    /// Warns once per input that stays copied and is larger than
+    /// `Config::large_copy_warn_bytes`.
     fn patch_inputs(&mut self, key: NodeKey) -> Result<(), DeviceError> {
-        let Some(min) = self.config.patch_inputs_from else {
-            return Ok(());
-        };
+        let min = self.config.patch_inputs_from.unwrap_or(usize::MAX);
         let node = &mut self.nodes[key];
         if node.retired.is_some() {
             return Ok(());
@@ -537,6 +531,19 @@ impl<D: Device, M: Clone> Graft<D, M> {
                     *reads = Some(*source);
                     self.stats.patched_inputs += 1;
                 }
+            }
+        }
+        let warn_from = self.config.large_copy_warn_bytes;
+        for (position, slot) in node.inputs.iter().enumerate() {
+            if let InputSlot::Copied {
+                len, reads: None, ..
+            } = *slot
+                && len > warn_from
+            {
+                tracing::warn!(
+                    function = %self.functions[node.function.0].name, position, bytes = len,
+                    "a large input is copied on every replay; if its address is stable, declare it static"
+                );
             }
         }
         Ok(())

@@ -19,9 +19,6 @@ impl<D: Device, M: Clone> Graft<D, M> {
         out: &mut Vec<Output<M>>,
     ) -> Result<Outcome, CallError> {
         let _span = tracing::trace_span!("replay", node = ?key).entered();
-        if self.nodes[key].conflicts_epoch != self.epoch {
-            self.rebuild_conflicts(key);
-        }
         let id = key.id();
         let function = self.nodes[key].function;
         let fail = |graft: &Self, source| CallError::Device {
@@ -33,20 +30,21 @@ impl<D: Device, M: Clone> Graft<D, M> {
             Err(source) => return Err(fail(self, source)),
         };
         let node = &self.nodes[key];
+        // Held memory the graph overwrites is invalidated first; cells nobody holds leave the
+        // list (a later hand-out lists them again).
         let mut invalidated = 0;
-        for &(k, o) in &node.slot_conflicts {
-            if let OutputSlot::Tracked { cell, .. } = &self.nodes[k].outputs[o as usize].slot
-                && cell.is_readable_by_someone()
-            {
+        let mut i = 0;
+        while let Some(cell) = self.handed.get(i) {
+            if !cell.is_held() {
+                cell.unlist();
+                self.handed.swap_remove(i);
+                continue;
+            }
+            if cell.is_valid() && node.footprint_overlaps(cell.addr().0, cell.end()) {
                 cell.invalidate_overwritten(Some(id));
                 invalidated += 1;
             }
-        }
-        for cell in &node.cell_conflicts {
-            if cell.is_readable_by_someone() {
-                cell.invalidate_overwritten(Some(id));
-                invalidated += 1;
-            }
+            i += 1;
         }
         if let Err(source) = self.device.launch(&node.graph) {
             return Err(fail(self, source));
@@ -130,6 +128,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
     fn hand_out(&mut self, key: NodeKey, inputs: &[&Buffer], out: &mut Vec<Output<M>>) {
         let id = key.id();
         let generation = self.generation;
+        let handed = &mut self.handed;
         let node = &mut self.nodes[key];
         for out_i in node.outputs.iter_mut() {
             let buffer = match &mut out_i.slot {
@@ -154,7 +153,11 @@ impl<D: Device, M: Clone> Graft<D, M> {
                         spares.push(std::mem::replace(cell, fresh));
                     }
                     cell.recycle(generation);
-                    Buffer::from_cell(cell)
+                    let buffer = Buffer::from_cell(cell);
+                    if cell.mark_listed() {
+                        handed.push(Arc::clone(cell));
+                    }
+                    buffer
                 }
                 OutputSlot::StaticInput(p) => (*inputs[*p]).clone(),
                 OutputSlot::Alias(j) => out[*j].buffer.clone(),
@@ -243,32 +246,5 @@ impl<D: Device, M: Clone> Graft<D, M> {
         let mut bytes = vec![0u8; buffer.len()];
         self.read(buffer, &mut bytes)?;
         Ok(bytes)
-    }
-
-    /// Recomputes which held memory a node's graph overwrites (slow path: after a node or
-    /// loose cell appeared).
-    fn rebuild_conflicts(&mut self, key: NodeKey) {
-        let node = &self.nodes[key];
-        let mut slots = Vec::new();
-        for (k, other) in &self.nodes {
-            for (i, o) in other.outputs.iter().enumerate() {
-                if let OutputSlot::Tracked { cell, .. } = &o.slot
-                    && node.footprint_overlaps(cell.addr().0, cell.end())
-                {
-                    slots.push((k, i as u16));
-                }
-            }
-        }
-        let cells: Vec<Arc<Cell>> = self
-            .loose
-            .cells
-            .iter()
-            .filter(|c| c.is_held() && node.footprint_overlaps(c.addr().0, c.end()))
-            .cloned()
-            .collect();
-        let node = &mut self.nodes[key];
-        node.slot_conflicts = slots;
-        node.cell_conflicts = cells;
-        node.conflicts_epoch = self.epoch;
     }
 }

@@ -83,9 +83,10 @@ impl<D: Device, M: Clone> Graft<D, M> {
         } else {
             &mut self.eager_cells
         };
-        if registry.extend(allocs) && warmup {
-            self.epoch += 1;
+        if warmup {
+            crate::graft::list_held(&mut self.handed, &allocs);
         }
+        registry.extend(allocs);
         let outputs = result
             .unwrap_or_else(|panic| resume_unwind(panic))
             .map_err(|source| CallError::Body {

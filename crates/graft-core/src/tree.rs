@@ -97,12 +97,6 @@ pub(crate) struct Node<G, M> {
     pub(crate) outputs: Vec<NodeOutput<M>>,
     /// Sorted, disjoint `[start, end)` ranges this node's graph writes.
     pub(crate) footprint: Box<[(u64, u64)]>,
-    /// Output slots of any node whose memory overlaps this node's footprint.
-    pub(crate) slot_conflicts: Vec<(NodeKey, u16)>,
-    /// Warmup and eager-in-pool cells whose memory overlaps this node's footprint.
-    pub(crate) cell_conflicts: Vec<Arc<Cell>>,
-    /// Registry epoch the conflict lists were computed at.
-    pub(crate) conflicts_epoch: u64,
     pub(crate) replays: u64,
     /// When the node last replayed or was recorded ([`crate::Graft`]'s clock): the graph
     /// budget evicts the smallest first.

@@ -262,7 +262,10 @@ impl Drop for CudaGraph {
                 device.record_sticky(err);
             }
         }
-        destroy_graph(device, std::mem::replace(&mut h.updated_from, std::ptr::null_mut()));
+        destroy_graph(
+            device,
+            std::mem::replace(&mut h.updated_from, std::ptr::null_mut()),
+        );
         if !h.graph.is_null() {
             let graph = std::mem::replace(&mut h.graph, std::ptr::null_mut());
             // SAFETY: `graph` came from cuStreamEndCapture in end_capture, is owned by this
@@ -285,7 +288,9 @@ fn destroy_graph(device: &Inner, graph: sys::CUgraph) {
     }
     // SAFETY: `graph` came from cuStreamEndCapture, is owned by the caller alone (swapped out
     // of its handles), and is destroyed exactly once here; no executable depends on it.
-    if let Err(err) = check(DeviceOp::GraphDestroy, unsafe { sys::cuGraphDestroy(graph) }) {
+    if let Err(err) = check(DeviceOp::GraphDestroy, unsafe {
+        sys::cuGraphDestroy(graph)
+    }) {
         device.record_sticky(err);
     }
 }
@@ -340,7 +345,10 @@ pub(crate) fn destroy_orphan(device: &Inner, graph: sys::CUgraph, exec: sys::CUg
 }
 
 /// The nodes of a live graph (the caller holds the CudaGraph's lock or `&mut` to it).
-pub(crate) fn nodes(op: DeviceOp, graph: sys::CUgraph) -> Result<Vec<sys::CUgraphNode>, DeviceError> {
+pub(crate) fn nodes(
+    op: DeviceOp,
+    graph: sys::CUgraph,
+) -> Result<Vec<sys::CUgraphNode>, DeviceError> {
     let mut count: usize = 0;
     // SAFETY: `graph` is a live graph (see above); a null node array asks only for the count,
     // written into a valid out-pointer.

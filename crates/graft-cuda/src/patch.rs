@@ -165,8 +165,12 @@ fn read_graph(h: &mut GraphHandles) -> Result<(), DeviceError> {
                 // SAFETY: the call succeeded, so the driver wrote every field.
                 let p = unsafe { p.assume_init() };
                 let bytes = (p.WidthInBytes * p.Height.max(1) * p.Depth.max(1)) as u64;
-                h.patches.others.push((node, p.srcDevice, p.srcDevice + bytes));
-                h.patches.others.push((node, p.dstDevice, p.dstDevice + bytes));
+                h.patches
+                    .others
+                    .push((node, p.srcDevice, p.srcDevice + bytes));
+                h.patches
+                    .others
+                    .push((node, p.dstDevice, p.dstDevice + bytes));
             }
             MEMSET => {
                 let mut p = std::mem::MaybeUninit::<sys::CUDA_MEMSET_NODE_PARAMS>::uninit();
@@ -211,9 +215,8 @@ fn read_kernel(
         let (mut offset, mut size) = (0usize, 0usize);
         // SAFETY: `func` is the live function of a captured kernel node; the out-pointers are
         // valid. An index past the last parameter answers CUDA_ERROR_INVALID_VALUE.
-        let r = unsafe {
-            sys::cuFuncGetParamInfo(params.func, layout.len(), &mut offset, &mut size)
-        };
+        let r =
+            unsafe { sys::cuFuncGetParamInfo(params.func, layout.len(), &mut offset, &mut size) };
         match r {
             sys::CUresult::CUDA_SUCCESS => layout.push((offset, size)),
             sys::CUresult::CUDA_ERROR_INVALID_VALUE => break,

@@ -20,7 +20,7 @@ use std::fmt;
 
 use graft_core::{
     BodyError, Bucket, Buckets, Buffer, CaptureMode, Ctx, Device, FunctionId, FunctionSpec, Graft,
-    Output, UpdateRefusal,
+    Outcome, Output, UpdateRefusal,
 };
 use rand::rngs::Xoshiro256PlusPlus;
 use rand::{RngExt, SeedableRng};
@@ -627,6 +627,19 @@ impl<D: Backend> Decoder<D> {
         state: &mut KvState,
         tokens: &Tensor,
     ) -> Result<Tensor> {
+        self.step_graft_outcome(graft, fid, state, tokens)
+            .map(|(next, _)| next)
+    }
+
+    /// [`Decoder::step_graft`], also returning what graft did (warmed up, recorded, replayed
+    /// or ran eagerly), as [`Graft::capture_buckets`] needs.
+    pub fn step_graft_outcome(
+        &self,
+        graft: &mut Graft<D, Meta>,
+        fid: FunctionId,
+        state: &mut KvState,
+        tokens: &Tensor,
+    ) -> Result<(Tensor, Outcome)> {
         self.check_tokens(state, tokens)?;
         state.check_room()?;
         if !tokens.is_whole_buffer() {
@@ -667,10 +680,10 @@ impl<D: Backend> Decoder<D> {
             },
             &mut outs,
         );
-        let result = called.map_err(TensorError::from).and_then(|_| {
+        let result = called.map_err(TensorError::from).and_then(|outcome| {
             let found = outs.len();
             match outs.pop() {
-                Some(o) if found == 1 => Tensor::from_output(o),
+                Some(o) if found == 1 => Tensor::from_output(o).map(|t| (t, outcome)),
                 _ => Err(TensorError::Outputs {
                     function: "decode_step",
                     expected: 1,

@@ -172,7 +172,13 @@ fn buckets_pad_up() {
     assert_eq!(b.pick(1).size(), 1);
     assert_eq!(b.pick(3).size(), 4);
     assert_eq!(b.pick(17).size(), 32);
-    assert!(matches!(b.pick(33), graft_core::Bucket::Above { size: 33, largest: 32 }));
+    assert!(matches!(
+        b.pick(33),
+        graft_core::Bucket::Above {
+            size: 33,
+            largest: 32
+        }
+    ));
     assert_eq!(b.sizes().len(), 6);
     assert!(DecoderConfig::bench().parameters() > 20_000_000);
 }

@@ -1,0 +1,502 @@
+//! `graft bench capture | serve | update | inputs`: shapes at serving scale, on the benchmark
+//! decoder (the GPU) or the tiny one (the simulator).
+//!
+//! - capture: every bucket recorded up front, largest first: time and graph-pool memory;
+//! - serve: a skewed trace of batch sizes, with a graph budget, without one, and eagerly;
+//! - update: a re-recording that updates the executable in place against one that
+//!   instantiates a new one;
+//! - inputs: a 64 MiB read-only input per replay, copied against read in place (patched).
+
+use std::io::Write;
+use std::time::{Duration, Instant};
+
+use graft_core::{Buckets, Config, FunctionSpec, Graft, Outcome, PoolStats, Stats};
+use graft_tensor::{DType, Decoder, DecoderConfig, KvState, Meta, Tensor, ops};
+use rand::rngs::Xoshiro256PlusPlus;
+use rand::{RngExt, SeedableRng};
+
+use crate::demo::{first_tokens, make_room};
+use crate::error::CliError;
+use crate::progress;
+use crate::timing::{fmt_us, median_us, timed};
+use crate::{Backend, ShapesArgs};
+
+const MIB: f64 = (1 << 20) as f64;
+
+/// `count` bucket sizes spread evenly from 1 to `max` (32 sizes from 1 to 256 by default).
+pub fn spread(count: usize, max: usize) -> Result<Buckets, CliError> {
+    let bad = |why: &str| CliError::BadArgument {
+        flag: "--buckets",
+        why: why.into(),
+    };
+    if count == 0 || max == 0 {
+        return Err(bad(
+            "pass at least one bucket and a largest size of 1 or more",
+        ));
+    }
+    let sizes = (0..count).map(|i| 1 + (i * (max - 1)) / (count - 1).max(1));
+    Buckets::new(sizes).map_err(|e| bad(&e.to_string()))
+}
+
+/// Runs `f` on the device `args` selects, with its decoder configuration.
+macro_rules! on_backend {
+    ($args:expr, $out:expr, $f:ident) => {{
+        let backend = Backend::pick($args.sim, $out)?;
+        let (config, name) = backend.config();
+        match backend {
+            Backend::Cuda(dev) => $f(dev, config, name, $args, $out),
+            Backend::Sim(dev) => $f(dev, config, name, $args, $out),
+        }
+    }};
+}
+
+/// `graft bench capture`.
+pub fn capture(args: &ShapesArgs, out: &mut dyn Write) -> Result<(), CliError> {
+    on_backend!(args, out, capture_on)
+}
+
+/// Per-bucket states over one shared cache arena, with their first tokens.
+struct Lanes {
+    states: Vec<KvState>,
+    tokens: Vec<Tensor>,
+    sizes: Vec<usize>,
+}
+
+impl Lanes {
+    fn new<D: graft_tensor::Backend>(
+        g: &mut Graft<D, Meta>,
+        dec: &Decoder<D>,
+        buckets: &Buckets,
+    ) -> Result<Lanes, CliError> {
+        let arena = dec.cache_for(g, buckets.largest())?;
+        let vocab = dec.config().vocab;
+        let mut lanes = Lanes {
+            states: Vec::new(),
+            tokens: Vec::new(),
+            sizes: buckets.sizes().to_vec(),
+        };
+        for &b in buckets.sizes() {
+            lanes.states.push(dec.state_in(g, &arena, b)?);
+            lanes
+                .tokens
+                .push(dec.tokens_in(g, &first_tokens(b, vocab), b)?);
+        }
+        Ok(lanes)
+    }
+
+    fn index(&self, bucket: usize) -> usize {
+        self.sizes.partition_point(|&s| s < bucket)
+    }
+}
+
+fn header(
+    out: &mut dyn Write,
+    device: &str,
+    name: &str,
+    config: &DecoderConfig,
+) -> Result<(), CliError> {
+    writeln!(out, "device:  {device}")?;
+    writeln!(out, "decoder: {name} config ({config})")?;
+    Ok(())
+}
+
+fn capture_on<D: graft_tensor::Backend>(
+    device: D,
+    config: DecoderConfig,
+    name: &str,
+    args: &ShapesArgs,
+    out: &mut dyn Write,
+) -> Result<(), CliError> {
+    header(out, &device.describe(), name, &config)?;
+    let buckets = spread(args.buckets, args.max)?;
+    let mut g: Graft<D, Meta> = Graft::new(device.clone(), Config::default());
+    let dec = Decoder::new(&mut g, config, args.seed)?;
+    let fid = dec.register_with(&mut g, buckets.clone());
+    let mut lanes = Lanes::new(&mut g, &dec, &buckets)?;
+    device.synchronize()?;
+    writeln!(
+        out,
+        "capturing {} buckets ({}..={}) of the decode step, largest first, warmups included",
+        buckets.sizes().len(),
+        buckets.sizes()[0],
+        buckets.largest()
+    )?;
+    let bar = progress::bar(buckets.sizes().len() as u64);
+    let mut largest_alone: Option<PoolStats> = None;
+    let report = g.capture_buckets(fid, |g, b| -> Result<Outcome, CliError> {
+        let i = lanes.index(b);
+        let (_, outcome) =
+            dec.step_graft_outcome(g, fid, &mut lanes.states[i], &lanes.tokens[i])?;
+        if outcome != Outcome::Warmup {
+            bar.inc(1);
+            if largest_alone.is_none() {
+                largest_alone = Some(g.stats().pool);
+            }
+        }
+        Ok(outcome)
+    })?;
+    device.synchronize()?;
+    bar.finish_and_clear();
+    let stats = g.stats();
+    let recorded = report
+        .buckets
+        .iter()
+        .filter(|c| matches!(c.outcome, Outcome::Recorded(_)))
+        .count();
+    let mut per: Vec<Duration> = report.buckets.iter().map(|c| c.elapsed).collect();
+    per.sort();
+    let alone = largest_alone.map_or(0, |p| p.peak_reserved);
+    let all = stats.pool.peak_reserved;
+    writeln!(
+        out,
+        "recorded {recorded} of {} buckets in {:.3} s (per bucket: min {}, median {}, max {}; a lazy capture pays one of these on each bucket's first use)",
+        report.buckets.len(),
+        report.elapsed.as_secs_f64(),
+        fmt_us(per[0].as_secs_f64() * 1e6),
+        fmt_us(median_us(&per)),
+        fmt_us(per[per.len() - 1].as_secs_f64() * 1e6),
+    )?;
+    writeln!(
+        out,
+        "graph pool: {:.1} MiB for all {} buckets, {:.1} MiB after the largest alone: {:.3}x",
+        all as f64 / MIB,
+        report.buckets.len(),
+        alone as f64 / MIB,
+        all as f64 / alone.max(1) as f64
+    )?;
+    // Every bucket replays on its first call afterwards.
+    let mut replays = 0;
+    for i in 0..lanes.states.len() {
+        make_room(&mut lanes.states[i], &device)?;
+        let (_, o) = dec.step_graft_outcome(&mut g, fid, &mut lanes.states[i], &lanes.tokens[i])?;
+        replays += usize::from(matches!(o, Outcome::Replayed(_)));
+    }
+    writeln!(
+        out,
+        "afterwards {replays} of {} buckets replay on first use; {} nodes, {} graph-pool bytes mapped",
+        buckets.sizes().len(),
+        g.stats().nodes,
+        g.stats().pool.reserved
+    )?;
+    Ok(())
+}
+
+/// `graft bench serve`.
+pub fn serve(args: &ShapesArgs, out: &mut dyn Write) -> Result<(), CliError> {
+    on_backend!(args, out, serve_on)
+}
+
+/// A batch size from a skewed distribution over `1..=max`: most steps are small.
+fn skewed(rng: &mut Xoshiro256PlusPlus, max: usize) -> usize {
+    let u: f64 = rng.random();
+    ((u * u * u * max as f64).ceil() as usize).clamp(1, max)
+}
+
+/// One serving run's figures.
+struct ServeRun {
+    times: Vec<Duration>,
+    stats: Option<Stats>,
+    reserved_early: usize,
+}
+
+fn serve_on<D: graft_tensor::Backend>(
+    device: D,
+    config: DecoderConfig,
+    name: &str,
+    args: &ShapesArgs,
+    out: &mut dyn Write,
+) -> Result<(), CliError> {
+    header(out, &device.describe(), name, &config)?;
+    let buckets = Buckets::stepped(args.max);
+    let steps = args.steps;
+    writeln!(
+        out,
+        "trace: {steps} steps, batch sizes 1..={} drawn as ceil(max * u^3) (seed {}), padded to {} buckets (1, 2, 4, then every 8 up to 256, then every 16)",
+        args.max,
+        args.seed,
+        buckets.sizes().len()
+    )?;
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(args.seed);
+    let trace: Vec<usize> = (0..steps).map(|_| skewed(&mut rng, args.max)).collect();
+    let distinct: std::collections::BTreeSet<usize> =
+        trace.iter().map(|&s| buckets.pick(s).size()).collect();
+    writeln!(out, "the trace uses {} distinct buckets", distinct.len())?;
+    let bar = progress::bar((3 * steps) as u64);
+    let mut runs = Vec::new();
+    for budget in [None, Some(None), Some(Some(args.budget))] {
+        let config_g = Config {
+            max_graphs: budget.flatten(),
+            ..Config::default()
+        };
+        let mut g: Graft<D, Meta> = Graft::new(device.clone(), config_g);
+        let dec = Decoder::new(&mut g, config, args.seed)?;
+        let fid = dec.register_with(&mut g, buckets.clone());
+        let mut lanes = Lanes::new(&mut g, &dec, &buckets)?;
+        let mut run = ServeRun {
+            times: Vec::with_capacity(steps),
+            stats: None,
+            reserved_early: 0,
+        };
+        for (n, &size) in trace.iter().enumerate() {
+            let i = lanes.index(buckets.pick(size).size());
+            make_room(&mut lanes.states[i], &device)?;
+            let (state, tokens) = (&mut lanes.states[i], &lanes.tokens[i]);
+            let ((), dt) = timed(&device, || -> Result<(), CliError> {
+                match budget {
+                    None => drop(dec.step_eager(&mut g, state, tokens)?),
+                    Some(_) => drop(dec.step_graft(&mut g, fid, state, tokens)?),
+                }
+                Ok(())
+            })?;
+            run.times.push(dt);
+            if n == steps / 10 {
+                run.reserved_early = g.stats().pool.reserved;
+            }
+            bar.inc(1);
+        }
+        if budget.is_some() {
+            run.stats = Some(g.stats());
+        }
+        runs.push(run);
+    }
+    bar.finish_and_clear();
+    writeln!(
+        out,
+        "\n{:<22} {:>12} {:>12} {:>12} {:>11} {:>10} {:>22}",
+        "mode", "median", "mean", "p99", "recordings", "evictions", "graph pool (10%/end)"
+    )?;
+    let names = [
+        "eager".to_string(),
+        "graft, no budget".to_string(),
+        format!("graft, budget {}", args.budget),
+    ];
+    for (name, run) in names.iter().zip(&runs) {
+        let mut sorted = run.times.clone();
+        sorted.sort();
+        let mean =
+            sorted.iter().map(Duration::as_secs_f64).sum::<f64>() / sorted.len().max(1) as f64;
+        let p99 = sorted[(sorted.len() * 99 / 100).min(sorted.len() - 1)];
+        let (rec, ev, mem) = match &run.stats {
+            Some(s) => (
+                s.recordings.to_string(),
+                s.evictions.to_string(),
+                format!(
+                    "{:.1}/{:.1} MiB",
+                    run.reserved_early as f64 / MIB,
+                    s.pool.reserved as f64 / MIB
+                ),
+            ),
+            None => ("-".into(), "-".into(), "-".into()),
+        };
+        writeln!(
+            out,
+            "{name:<22} {:>12} {:>12} {:>12} {rec:>11} {ev:>10} {mem:>22}",
+            fmt_us(median_us(&sorted)),
+            fmt_us(mean * 1e6),
+            fmt_us(p99.as_secs_f64() * 1e6),
+        )?;
+    }
+    Ok(())
+}
+
+/// `graft bench update`.
+pub fn update(args: &ShapesArgs, out: &mut dyn Write) -> Result<(), CliError> {
+    on_backend!(args, out, update_on)
+}
+
+fn update_on<D: graft_tensor::Backend>(
+    device: D,
+    config: DecoderConfig,
+    name: &str,
+    args: &ShapesArgs,
+    out: &mut dyn Write,
+) -> Result<(), CliError> {
+    header(out, &device.describe(), name, &config)?;
+    let bucket = 8;
+    let rounds = args.repeats.max(3);
+    let mut g: Graft<D, Meta> = Graft::new(device.clone(), Config::default());
+    let dec = Decoder::new(&mut g, config, args.seed)?;
+    let ids = first_tokens(bucket, config.vocab);
+    // The raw graph alone: re-capture the step for another state (other cache and position
+    // addresses), then update the executable in place, or instantiate a new one.
+    let states = [
+        dec.new_state(&mut g, bucket)?,
+        dec.new_state(&mut g, bucket)?,
+    ];
+    let tokens = [
+        dec.tokens_in(&mut g, &ids, bucket)?,
+        dec.tokens_in(&mut g, &ids, bucket)?,
+    ];
+    let mut raw = dec.capture_raw(&mut g, &states[0], &tokens[0])?;
+    let (mut updated, mut instantiated, mut refusals) = (Vec::new(), Vec::new(), 0);
+    for r in 0..=rounds {
+        let i = (r + 1) % 2;
+        device.synchronize()?;
+        let start = Instant::now();
+        let refusal = dec.recapture_raw(&mut raw, &mut g, &states[i], &tokens[i])?;
+        let dt_update = start.elapsed();
+        refusals += usize::from(refusal.is_some());
+        device.synchronize()?;
+        let start = Instant::now();
+        let fresh = dec.capture_raw(&mut g, &states[i], &tokens[i])?;
+        let dt_new = start.elapsed();
+        drop(fresh);
+        if r > 0 {
+            updated.push(dt_update);
+            instantiated.push(dt_new);
+        }
+    }
+    let (u, n) = (median_us(&updated), median_us(&instantiated));
+    writeln!(
+        out,
+        "raw decode step (bucket {bucket}), capture + finish, median of {rounds}: update in place {}, instantiate + upload {}: {:.1}x ({refusals} refusals)",
+        fmt_us(u),
+        fmt_us(n),
+        n / u.max(1e-9)
+    )?;
+    drop(raw);
+
+    // Through graft: the decode step's KV cache (a static input) moves to a new state every
+    // round; with replace_moved_static the re-recording updates the node's executable,
+    // without it a sibling is instantiated.
+    let mut medians = Vec::new();
+    for replace in [true, false] {
+        let cfg = Config {
+            replace_moved_static: replace,
+            ..Config::default()
+        };
+        let mut g: Graft<D, Meta> = Graft::new(device.clone(), cfg);
+        let dec = Decoder::new(&mut g, config, args.seed)?;
+        let fid = dec.register(&mut g);
+        let t = dec.tokens_in(&mut g, &ids, bucket)?;
+        let mut kept = Vec::new();
+        let mut times = Vec::new();
+        for r in 0..=rounds + 1 {
+            let mut state = dec.new_state(&mut g, bucket)?;
+            device.synchronize()?;
+            let ((_, outcome), dt) = timed(&device, || {
+                dec.step_graft_outcome(&mut g, fid, &mut state, &t)
+            })?;
+            if r >= 2 && matches!(outcome, Outcome::Recorded(_)) {
+                times.push(dt);
+            }
+            kept.push(state);
+        }
+        let s = g.stats();
+        writeln!(
+            out,
+            "graft re-record of the decode step after its cache moved, replace_moved_static={replace}: median {} over {} re-recordings ({} updated in place, {} refused, {} nodes)",
+            fmt_us(median_us(&times)),
+            times.len(),
+            s.updates_in_place,
+            s.update_refusals,
+            s.nodes
+        )?;
+        medians.push(median_us(&times));
+    }
+    writeln!(
+        out,
+        "graft re-record, update over instantiate: {:.2}x faster",
+        medians[1] / medians[0].max(1e-9)
+    )?;
+    Ok(())
+}
+
+/// `graft bench inputs`.
+pub fn inputs(args: &ShapesArgs, out: &mut dyn Write) -> Result<(), CliError> {
+    let backend = Backend::pick(args.sim, out)?;
+    match backend {
+        Backend::Cuda(dev) => inputs_on(dev, 4096, args, out),
+        // The simulator runs the same product, smaller (4 MiB): its times are the host's.
+        Backend::Sim(dev) => inputs_on(dev, 1024, args, out),
+    }
+}
+
+fn inputs_on<D: graft_tensor::Backend>(
+    device: D,
+    n: usize,
+    args: &ShapesArgs,
+    out: &mut dyn Write,
+) -> Result<(), CliError> {
+    writeln!(out, "device:  {}", device.describe())?;
+    let mib = (n * n * 4) as f64 / MIB;
+    writeln!(
+        out,
+        "one matrix-vector product, y[1, {n}] = x[1, {n}] . w[{n}, {n}], with w ({mib:.0} MiB) a copied input the graph only reads; per replay, median of {} synchronized calls",
+        args.steps
+    )?;
+    let k = device.load_ops()?;
+    writeln!(
+        out,
+        "{:<10} {:>14} {:>14} {:>9}",
+        "w", "copy", "patch", "copy/patch"
+    )?;
+    for moving in [false, true] {
+        let mut medians = Vec::new();
+        let mut patched = 0;
+        for patch in [false, true] {
+            let cfg = Config {
+                patch_inputs_from: patch.then_some(64 << 10),
+                ..Config::default()
+            };
+            let mut g: Graft<D, Meta> = Graft::new(device.clone(), cfg);
+            let f = g.register("gemv", FunctionSpec::inference([0]));
+            let x = Tensor::from_f32(&mut g, &[1, n], &vec![0.5; n])?;
+            let ws = [
+                Tensor::from_f32(&mut g, &[n, n], &vec![0.25; n * n])?,
+                Tensor::from_f32(&mut g, &[n, n], &vec![0.25; n * n])?,
+            ];
+            let mut outs = Vec::new();
+            let mut times = Vec::new();
+            for s in 0..args.steps + 3 {
+                let w = &ws[if moving { s % 2 } else { 0 }];
+                let ((), dt) = timed(&device, || -> Result<(), CliError> {
+                    g.call_into(
+                        f,
+                        &[x.buffer(), w.buffer()],
+                        &[],
+                        |ctx| {
+                            let ins = ctx.inputs();
+                            let x = Tensor::from_buffer(ins[0].clone(), &[1, n], DType::F32)?;
+                            let w = Tensor::from_buffer(ins[1].clone(), &[n, n], DType::F32)?;
+                            let y = ops::linear(&k, ctx, &x, &w, None, None, false)?;
+                            Ok(vec![y.into_output()])
+                        },
+                        &mut outs,
+                    )?;
+                    Ok(())
+                })?;
+                if s >= 3 {
+                    times.push(dt);
+                }
+            }
+            let y = g.read_f32(&outs[0].buffer)?;
+            let expect = 0.5 * 0.25 * n as f32;
+            if y.iter().any(|v| (v - expect).abs() > 1e-3 * expect) {
+                return Err(CliError::BadArgument {
+                    flag: "bench inputs",
+                    why: format!(
+                        "the product gave {} instead of {expect}; this is a bug, please report it",
+                        y[0]
+                    ),
+                });
+            }
+            patched = g.stats().patched_inputs;
+            medians.push(median_us(&times));
+        }
+        writeln!(
+            out,
+            "{:<10} {:>14} {:>14} {:>9.2}{}",
+            if moving { "moving" } else { "stable" },
+            fmt_us(medians[0]),
+            fmt_us(medians[1]),
+            medians[0] / medians[1].max(1e-9),
+            if patched == 0 {
+                "  (the device refused the patch: both copy)"
+            } else {
+                ""
+            }
+        )?;
+    }
+    Ok(())
+}
