@@ -174,7 +174,8 @@ device_test!(
 
 // With a budget of two graphs, recording a third evicts the least recently used one. Outputs a
 // caller holds from an evicted graph stay correct until graft reuses their memory, and reading
-// them errors after that: never stale. Memory stays flat over many evictions.
+// them errors after that: never stale. Memory stays flat over many evictions, and signatures
+// that keep being evicted back off instead of thrashing.
 fn budget_evicts_lru<D: TestDevice>(dev: D) {
     let config = Config {
         max_graphs: Some(2),
@@ -232,7 +233,12 @@ fn budget_evicts_lru<D: TestDevice>(dev: D) {
         reserved.push(g.stats().pool.reserved);
         assert!(g.stats().nodes <= 2, "round {round}: {}", g.dump_text());
     }
-    assert!(g.stats().evictions > 30);
+    // Four signatures over two slots: evicted ones back off (2, 4, 8, ... eager calls before
+    // they record again), so the budget stops thrashing instead of re-recording every call.
+    let s = g.stats();
+    assert!(s.evictions >= 4, "{s:?}");
+    assert!(s.recordings < 40, "the budget thrashed: {s:?}");
+    assert!(s.warmups > 20, "{s:?}");
     assert_eq!(reserved[5], reserved[29], "pool memory grew: {reserved:?}");
 }
 device_test!(budget_evicts_lru, budget_evicts_lru);

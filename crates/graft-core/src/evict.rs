@@ -93,6 +93,11 @@ impl<D: Device, M: Clone> Graft<D, M> {
                     self.slots.remove(&slot);
                 }
             }
+            if matches!(why, EvictReason::Budget { .. }) {
+                let s = &mut self.functions[node.function.0].sigs[node.sig];
+                s.evictions = s.evictions.saturating_add(1);
+                s.warmups_done = 0;
+            }
             self.rerecords.retain(|(p, _), _| *p != Some(k));
             self.eager_pairs.retain(|(p, _), _| *p != Some(k));
             for o in node.outputs {

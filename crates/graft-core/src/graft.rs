@@ -45,6 +45,21 @@ pub(crate) struct Signature {
     pub(crate) eager: Option<EagerReason>,
     /// Copied inputs the body was found to write: recordings copy them back to the caller.
     pub(crate) mutated: Vec<usize>,
+    /// Times the graph budget evicted this signature's recordings: each doubles the eager
+    /// calls it needs before it records again (see [`Signature::warmups_needed`]).
+    pub(crate) evictions: u32,
+}
+
+impl Signature {
+    /// Warmups before the signature records: the configured count, and after evictions by
+    /// the graph budget `max(count, 1) * 2^evictions` (at most 64 times): a signature the
+    /// budget keeps evicting runs eagerly more often instead of evicting others in turn.
+    pub(crate) fn warmups_needed(&self, configured: u32) -> u32 {
+        match self.evictions {
+            0 => configured,
+            n => configured.max(1) << n.min(6),
+        }
+    }
 }
 
 pub(crate) struct Function {
@@ -562,6 +577,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
             warmups_done: 0,
             eager,
             mutated: Vec::new(),
+            evictions: 0,
         });
         // Buckets bound the signatures by design: no warning for them.
         let limit = match &f.spec.buckets {

@@ -86,7 +86,7 @@ pub(crate) fn plan<G, M>(
     let due = f.root_level;
     let may_start = due && !view.backward_pending;
     let blocked = due && view.backward_pending;
-    let needed = f.spec.warmups.unwrap_or(view.config.warmups);
+    let needed = s.warmups_needed(f.spec.warmups.unwrap_or(view.config.warmups));
     let warmed = s.warmups_done >= needed;
     let (mut new_generation, mut tip) = match view.phase {
         Phase::Warmup if may_start => (true, None),
@@ -234,6 +234,7 @@ mod tests {
             warmups_done: warmups,
             eager: None,
             mutated: Vec::new(),
+            evictions: 0,
         });
         World {
             config: Config::default(),
@@ -256,6 +257,7 @@ mod tests {
                 children: Vec::new(),
                 graph: (),
                 inputs: vec![InputSlot::Static { addr }].into(),
+                copied: Box::new([]),
                 expected_dead: Box::new([]),
                 outputs: Vec::new(),
                 footprint: Box::new([]),

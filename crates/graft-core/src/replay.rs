@@ -71,7 +71,8 @@ impl<D: Device, M: Clone> Graft<D, M> {
     fn repoint_copies(&mut self, key: NodeKey) -> Result<(u64, u64), DeviceError> {
         let node = &mut self.nodes[key];
         let (mut copied, mut repointed) = (0, 0);
-        for (slot, &src) in node.inputs.iter_mut().zip(&self.addrs) {
+        for &i in node.copied.iter() {
+            let (slot, src) = (&mut node.inputs[i], self.addrs[i]);
             if let InputSlot::Copied {
                 placeholder,
                 len,

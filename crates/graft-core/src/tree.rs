@@ -92,6 +92,9 @@ pub(crate) struct Node<G, M> {
     pub(crate) children: Vec<NodeKey>,
     pub(crate) graph: G,
     pub(crate) inputs: Box<[InputSlot]>,
+    /// Positions of the copied inputs (non-empty ones), so that checks and re-pointing skip
+    /// the static and managed ones.
+    pub(crate) copied: Box<[usize]>,
     /// Output slots of ancestors that were dead when this node was recorded.
     pub(crate) expected_dead: Box<[(NodeKey, u16)]>,
     pub(crate) outputs: Vec<NodeOutput<M>>,
@@ -137,11 +140,84 @@ pub(crate) fn link<G, M>(
     }
 }
 
+/// The positions of the non-empty copied inputs among `slots`.
+pub(crate) fn copied_positions(slots: &[InputSlot]) -> Box<[usize]> {
+    slots
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| matches!(s, InputSlot::Copied { len, .. } if *len > 0))
+        .map(|(i, _)| i)
+        .collect()
+}
+
+/// Checks the replay invariants of `node` for these inputs (see [`check_each`]): one pass
+/// over the inputs when they all hold, the ordered checks only to name a failure.
+#[inline]
+pub(crate) fn check<G, M>(
+    nodes: &SlotMap<NodeKey, Node<G, M>>,
+    node: &Node<G, M>,
+    addrs: &[DevicePtr],
+) -> Result<(), RecordReason> {
+    if holds(nodes, node, addrs) {
+        return Ok(());
+    }
+    check_each(nodes, node, addrs)
+}
+
+/// Whether every replay invariant holds: static and managed addresses in one pass, the
+/// outputs expected dead, then the copied inputs alone.
+#[inline]
+fn holds<G, M>(
+    nodes: &SlotMap<NodeKey, Node<G, M>>,
+    node: &Node<G, M>,
+    addrs: &[DevicePtr],
+) -> bool {
+    if node.retired.is_some() || addrs.len() != node.inputs.len() {
+        return false;
+    }
+    for (slot, &now) in node.inputs.iter().zip(addrs) {
+        match *slot {
+            InputSlot::Static { addr } | InputSlot::Managed { addr } if addr != now => {
+                return false;
+            }
+            _ => {}
+        }
+    }
+    for &(key, output) in node.expected_dead.iter() {
+        if let Some(anc) = nodes.get(key)
+            && let OutputSlot::Tracked { cell, .. } = &anc.outputs[output as usize].slot
+            && cell.is_held()
+        {
+            return false;
+        }
+    }
+    node.copied.is_empty() || copied_hold(node, addrs)
+}
+
+/// The copied-input invariants of [`check_each`], over the copied inputs only.
+fn copied_hold<G, M>(node: &Node<G, M>, addrs: &[DevicePtr]) -> bool {
+    for (k, &i) in node.copied.iter().enumerate() {
+        let InputSlot::Copied {
+            len, write_back, ..
+        } = node.inputs[i]
+        else {
+            continue;
+        };
+        let (s, e) = (addrs[i].0, addrs[i].0 + len as u64);
+        let overlaps_placeholder = node.copied[..=k].iter().any(|&j| {
+            matches!(node.inputs[j], InputSlot::Copied { placeholder: p, len: l, .. } if p.0 < e && s < p.0 + l as u64)
+        });
+        if overlaps_placeholder || (write_back.is_some() && node.footprint_overlaps(s, e)) {
+            return false;
+        }
+    }
+    true
+}
+
 /// Checks the replay invariants of `node` for these inputs, cheapest first: managed input
 /// addresses, outputs expected dead, static input addresses, then copied inputs against the
 /// placeholders written before them. No allocation, no formatting: a failure returns plain data.
-#[inline]
-pub(crate) fn check<G, M>(
+fn check_each<G, M>(
     nodes: &SlotMap<NodeKey, Node<G, M>>,
     node: &Node<G, M>,
     addrs: &[DevicePtr],

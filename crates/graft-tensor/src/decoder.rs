@@ -20,7 +20,7 @@ use std::fmt;
 
 use graft_core::{
     BodyError, Bucket, Buckets, Buffer, CaptureMode, Ctx, Device, FunctionId, FunctionSpec, Graft,
-    Outcome, Output, UpdateRefusal,
+    Outcome, Output,
 };
 use rand::rngs::Xoshiro256PlusPlus;
 use rand::{RngExt, SeedableRng};
@@ -724,7 +724,7 @@ impl<D: Backend> Decoder<D> {
         state: &KvState,
         tokens: &Tensor,
     ) -> Result<RawGraph<D>> {
-        let kept = self.capture_step(alloc, state, tokens)?;
+        let kept = self.capture_open(alloc, state, tokens)?;
         let device = self.device.clone();
         let graph = device.end_capture()?;
         Ok(RawGraph {
@@ -736,29 +736,11 @@ impl<D: Backend> Decoder<D> {
         })
     }
 
-    /// Captures the step again into `raw` (for `state` and `tokens`, which become its state
-    /// and token buffer), updating its executable in place when the device accepts
-    /// ([`Device::end_capture_into`]), else instantiating anew: the update baseline. Waits
-    /// for the device first, since the memory the old capture used is released.
-    pub fn recapture_raw<A: Alloc<D> + ?Sized>(
-        &self,
-        raw: &mut RawGraph<D>,
-        alloc: &mut A,
-        state: &KvState,
-        tokens: &Tensor,
-    ) -> Result<Option<UpdateRefusal>> {
-        self.device.synchronize()?;
-        let kept = self.capture_step(alloc, state, tokens)?;
-        let refusal = self.device.end_capture_into(&mut raw.graph)?;
-        raw.tokens = tokens.clone();
-        raw.bucket = state.bucket;
-        raw._kept = kept;
-        Ok(refusal)
-    }
-
     /// Begins a capture and records one step into it (the next tokens copied over `tokens`),
-    /// leaving the capture open; returns the buffers the step used. Aborts on error.
-    fn capture_step<A: Alloc<D> + ?Sized>(
+    /// leaving the capture open for the caller to end ([`Device::end_capture`], or
+    /// [`Device::end_capture_into`] to update an executable in place); returns the buffers
+    /// the step uses, which must outlive the graph. Aborts the capture on error.
+    pub fn capture_open<A: Alloc<D> + ?Sized>(
         &self,
         alloc: &mut A,
         state: &KvState,
