@@ -1,7 +1,8 @@
 //! CPU cost of the replay fast path on the simulator: a 10-kernel graph with 8 inputs (7
 //! static, 1 copied), graft's replay versus launching the same graph (input copy node and
 //! chain) directly, and the invariant check alone. The difference is graft's overhead; the
-//! simulated kernels cost the same in both.
+//! simulated kernels cost the same in both. At scale: the same replay with 64 inputs (56 more
+//! static ones the chain does not read) in a tree of 1,000 recorded nodes.
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use graft::sim::SimDevice;
@@ -59,12 +60,31 @@ fn bench(c: &mut Criterion) {
         (g2, bufs, graph)
     };
 
+    // 64 inputs, 1,000 nodes (999 siblings of other keys), replaying key 0.
+    let mut g64: Graft<SimDevice, ()> = Graft::new(dev.clone(), Config::default());
+    let statics: Vec<usize> = (0..7).chain(8..64).collect();
+    let f64 = g64.register("chain", FunctionSpec::inference(statics));
+    let inputs64: Vec<Buffer> = (0..64).map(|_| g64.alloc(N * 4).unwrap()).collect();
+    for b in &inputs64 {
+        g64.write_f32(b, &[1.0; N]).unwrap();
+    }
+    let refs64: Vec<&Buffer> = inputs64.iter().collect();
+    for key in (1..1000).chain([0, 0, 0]) {
+        for _ in 0..2 {
+            g64.call_into(f64, &refs64, &[key], chain, &mut out)
+                .unwrap();
+        }
+    }
+
     let mut group = c.benchmark_group("replay_fast_path");
     group.bench_function("raw_graph_launch", |b| {
         b.iter(|| dev.launch(&raw.2).unwrap())
     });
     group.bench_function("graft_replay", |b| {
         b.iter(|| g.call_into(f, &refs, &[], chain, &mut out).unwrap())
+    });
+    group.bench_function("graft_replay_64_inputs_1000_nodes", |b| {
+        b.iter(|| g64.call_into(f64, &refs64, &[0], chain, &mut out).unwrap())
     });
     group.bench_function("invariant_check", |b| {
         b.iter(|| {

@@ -381,7 +381,13 @@ impl<D: Device, M: Clone> Graft<D, M> {
         }
         let device_id = self.device.id();
         self.addrs.clear();
+        // One pass over the inputs: device, readability, and the sizes of the signature used
+        // last (the usual case in a loop), so each input's cell is read once.
+        let last = f.sigs.get(f.last_sig);
+        let last_sizes = last.map_or(&[][..], |s| &s.sizes[..]);
+        let mut same_sizes = last_sizes.len() == inputs.len();
         for (position, b) in inputs.iter().enumerate() {
+            same_sizes &= last_sizes.get(position) == Some(&b.len());
             if b.device() != device_id {
                 return Err(CallError::WrongDevice {
                     function: f.name.clone(),
@@ -402,8 +408,8 @@ impl<D: Device, M: Clone> Graft<D, M> {
             }
         }
         let same = |s: &Signature| plan::matches(&s.sizes, &s.keys, inputs, keys);
-        let sig = match f.sigs.get(f.last_sig) {
-            Some(s) if same(s) => f.last_sig,
+        let sig = match last {
+            Some(s) if same_sizes && *s.keys == *keys => f.last_sig,
             _ => {
                 let hash = shape_hash(inputs, keys);
                 let found = f
