@@ -258,6 +258,7 @@ mod tests {
                 graph: (),
                 inputs: vec![InputSlot::Static { addr }].into(),
                 copied: Box::new([]),
+                fixed: Box::new([addr.0]),
                 expected_dead: Box::new([]),
                 outputs: Vec::new(),
                 footprint: Box::new([]),

@@ -362,6 +362,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
             children: Vec::new(),
             graph,
             copied: tree::copied_positions(&prepared.slots),
+            fixed: tree::fixed_addresses(&prepared.slots),
             inputs: prepared.slots.into_boxed_slice(),
             expected_dead: expected_dead.into_boxed_slice(),
             outputs,

@@ -95,6 +95,9 @@ pub(crate) struct Node<G, M> {
     /// Positions of the copied inputs (non-empty ones), so that checks and re-pointing skip
     /// the static and managed ones.
     pub(crate) copied: Box<[usize]>,
+    /// Per input, the address a static or managed input must have ([`ANY_ADDRESS`] for a
+    /// copied one): the fast path's check, dense.
+    pub(crate) fixed: Box<[u64]>,
     /// Output slots of ancestors that were dead when this node was recorded.
     pub(crate) expected_dead: Box<[(NodeKey, u16)]>,
     pub(crate) outputs: Vec<NodeOutput<M>>,
@@ -140,6 +143,20 @@ pub(crate) fn link<G, M>(
     }
 }
 
+/// In [`Node::fixed`]: any address will do (a copied input). No device address is `u64::MAX`.
+pub(crate) const ANY_ADDRESS: u64 = u64::MAX;
+
+/// [`Node::fixed`] for these slots.
+pub(crate) fn fixed_addresses(slots: &[InputSlot]) -> Box<[u64]> {
+    slots
+        .iter()
+        .map(|s| match *s {
+            InputSlot::Static { addr } | InputSlot::Managed { addr } => addr.0,
+            InputSlot::Copied { .. } => ANY_ADDRESS,
+        })
+        .collect()
+}
+
 /// The positions of the non-empty copied inputs among `slots`.
 pub(crate) fn copied_positions(slots: &[InputSlot]) -> Box<[usize]> {
     slots
@@ -172,16 +189,16 @@ fn holds<G, M>(
     node: &Node<G, M>,
     addrs: &[DevicePtr],
 ) -> bool {
-    if node.retired.is_some() || addrs.len() != node.inputs.len() {
+    if node.retired.is_some() || addrs.len() != node.fixed.len() {
         return false;
     }
-    for (slot, &now) in node.inputs.iter().zip(addrs) {
-        match *slot {
-            InputSlot::Static { addr } | InputSlot::Managed { addr } if addr != now => {
-                return false;
-            }
-            _ => {}
-        }
+    if !node
+        .fixed
+        .iter()
+        .zip(addrs)
+        .all(|(&f, a)| f == ANY_ADDRESS || f == a.0)
+    {
+        return false;
     }
     for &(key, output) in node.expected_dead.iter() {
         if let Some(anc) = nodes.get(key)
