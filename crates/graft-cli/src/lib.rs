@@ -20,6 +20,7 @@ mod timing;
 use std::io::Write;
 
 use clap::{Args, Parser, Subcommand};
+use graft_core::Device;
 use graft_cuda::CudaDevice;
 use graft_sim::SimDevice;
 use graft_tensor::DecoderConfig;
@@ -187,6 +188,14 @@ impl Backend {
             }
         }
         Ok(Backend::Sim(SimDevice::new()))
+    }
+
+    /// The device's description.
+    pub fn describe(&self) -> String {
+        match self {
+            Backend::Cuda(d) => d.describe(),
+            Backend::Sim(d) => d.describe(),
+        }
     }
 
     /// The decoder configuration for this backend and its name.

@@ -303,10 +303,7 @@ pub fn run<D: graft_tensor::Backend>(
 /// `graft bench micro`: runs both timings on the picked backend and prints a table.
 pub fn report(args: &MicroArgs, out: &mut dyn Write) -> Result<(), CliError> {
     let backend = Backend::pick(args.sim, out)?;
-    let name = match &backend {
-        Backend::Cuda(d) => d.describe(),
-        Backend::Sim(d) => d.describe(),
-    };
+    let name = backend.describe();
     let scale = Scale {
         inputs: args.inputs.max(8),
         nodes: args.tree.max(1),

@@ -432,10 +432,25 @@ fn update_on<D: graft_tensor::Backend>(
 /// `graft bench inputs`.
 pub fn inputs(args: &ShapesArgs, out: &mut dyn Write) -> Result<(), CliError> {
     let backend = Backend::pick(args.sim, out)?;
+    writeln!(out, "device:  {}", backend.describe())?;
+    writeln!(
+        out,
+        "one matrix-vector product, y[1, n] = x[1, n] . w[n, n], with w a copied input the graph only reads; per replay, median of {} synchronized calls",
+        args.steps
+    )?;
+    writeln!(
+        out,
+        "{:>8} {:<8} {:>12} {:>12} {:>10}",
+        "w", "buffer", "copy", "patch", "copy/patch"
+    )?;
+    // 64 KiB (the default threshold), 1 MiB, 64 MiB; the simulator stops at 4 MiB.
     match backend {
-        Backend::Cuda(dev) => inputs_on(dev, 4096, args, out),
-        // The simulator runs the same product, smaller (4 MiB): its times are the host's.
-        Backend::Sim(dev) => inputs_on(dev, 1024, args, out),
+        Backend::Cuda(dev) => [128, 512, 4096]
+            .into_iter()
+            .try_for_each(|n| inputs_on(dev.clone(), n, args, out)),
+        Backend::Sim(dev) => [128, 512, 1024]
+            .into_iter()
+            .try_for_each(|n| inputs_on(dev.clone(), n, args, out)),
     }
 }
 
@@ -445,19 +460,13 @@ fn inputs_on<D: graft_tensor::Backend>(
     args: &ShapesArgs,
     out: &mut dyn Write,
 ) -> Result<(), CliError> {
-    writeln!(out, "device:  {}", device.describe())?;
-    let mib = (n * n * 4) as f64 / MIB;
-    writeln!(
-        out,
-        "one matrix-vector product, y[1, {n}] = x[1, {n}] . w[{n}, {n}], with w ({mib:.0} MiB) a copied input the graph only reads; per replay, median of {} synchronized calls",
-        args.steps
-    )?;
+    let kib = n * n * 4 / 1024;
+    let size = if kib >= 1024 {
+        format!("{} MiB", kib / 1024)
+    } else {
+        format!("{kib} KiB")
+    };
     let k = device.load_ops()?;
-    writeln!(
-        out,
-        "{:<10} {:>14} {:>14} {:>9}",
-        "w", "copy", "patch", "copy/patch"
-    )?;
     for moving in [false, true] {
         let mut medians = Vec::new();
         let mut patched = 0;
@@ -513,7 +522,7 @@ fn inputs_on<D: graft_tensor::Backend>(
         }
         writeln!(
             out,
-            "{:<10} {:>14} {:>14} {:>9.2}{}",
+            "{size:>8} {:<8} {:>12} {:>12} {:>10.2}{}",
             if moving { "moving" } else { "stable" },
             fmt_us(medians[0]),
             fmt_us(medians[1]),

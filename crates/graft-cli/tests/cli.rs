@@ -170,3 +170,26 @@ fn command_line_parses() {
     assert!(Cli::try_parse_from(["graft", "demo", "--tokens", "x"]).is_err());
     assert!(Cli::try_parse_from(["graft", "bench", "--steps", "3", "decoder"]).is_err());
 }
+
+/// The shapes benchmarks run end to end on the simulator, small, and report what they measure.
+#[test]
+fn shapes_benchmarks_run_on_the_simulator() {
+    let run = |line: &str| -> String {
+        let cli = Cli::try_parse_from(line.split_whitespace()).expect("the command line parses");
+        let mut out = Vec::new();
+        graft_cli::run(cli, &mut out).unwrap_or_else(|e| panic!("{line}: {e}"));
+        String::from_utf8(out).unwrap()
+    };
+    let capture = run("graft bench capture --sim --buckets 4 --max 16");
+    assert!(capture.contains("recorded 4 of 4 buckets"), "{capture}");
+    assert!(capture.contains("1.000x"), "{capture}");
+    assert!(capture.contains("4 of 4 buckets replay"), "{capture}");
+    let serve = run("graft bench serve --sim --steps 60 --max 16 --budget 2");
+    assert!(serve.contains("graft, budget 2"), "{serve}");
+    let update = run("graft bench update --sim --repeats 3");
+    assert!(update.contains("0 refusals"), "{update}");
+    assert!(update.contains("3 updated in place"), "{update}");
+    let inputs = run("graft bench inputs --sim --steps 3");
+    assert!(inputs.contains("64 KiB moving"), "{inputs}");
+    assert!(!inputs.contains("refused"), "{inputs}");
+}
