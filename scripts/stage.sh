@@ -10,9 +10,26 @@
 # well under the 64 MiB a device run may carry. Then, on the GPU machine: scripts/gpu-run.sh
 # (with "stage" in the run's carry list).
 #
-# usage: scripts/stage.sh            (CARGO_BUILD_JOBS etc. are honoured)
+# With --candle-cuda (or GRAFT_STAGE_CANDLE_CUDA=1) it also builds graft-candle with its `cuda`
+# feature (candle's CUDA backend, linked against CUDA at build time) in a separate cargo
+# invocation, after sourcing scripts/cuda-build-env.sh (first run: pip wheels and stubs into
+# its cache, then nvcc compiles candle's kernels, ~15 min cold on 2 cores), and stages those
+# executables under the package name with "+cuda" (stage/tests/graft-candle+cuda.lib). Each is
+# checked to need the real CUDA libraries by soname with no RUNPATH into the stub folder.
+#
+# usage: scripts/stage.sh [--candle-cuda]       (CARGO_BUILD_JOBS etc. are honoured)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+candle_cuda=${GRAFT_STAGE_CANDLE_CUDA:-0}
+while (($#)); do
+    case $1 in
+        --candle-cuda) candle_cuda=1 ;;
+        -h | --help) sed -n '2,22p' "$0"; exit 0 ;;
+        *) echo "stage.sh: unknown argument $1" >&2; exit 2 ;;
+    esac
+    shift
+done
 
 export CARGO_PROFILE_RELEASE_DEBUG=0
 export CARGO_PROFILE_RELEASE_STRIP=debuginfo
@@ -22,7 +39,10 @@ rm -rf stage
 mkdir -p stage/bin stage/tests
 bin_json=$(mktemp)
 test_json=$(mktemp)
-trap 'rm -f "$bin_json" "$test_json"' EXIT
+cuda_bin_json=$(mktemp)
+cuda_test_json=$(mktemp)
+stager=$(mktemp)
+trap 'rm -f "$bin_json" "$test_json" "$cuda_bin_json" "$cuda_test_json" "$stager"' EXIT
 
 echo "== cargo build --release --workspace --bins" >&2
 cargo build --release --workspace --bins --message-format=json-render-diagnostics >"$bin_json"
@@ -32,13 +52,16 @@ cargo test --release --workspace --no-run --message-format=json-render-diagnosti
 # Package names by manifest path, so executables are named after their package.
 metadata=$(cargo metadata --no-deps --format-version 1)
 
-python3 - "$bin_json" "$test_json" "$metadata" <<'PY'
+# Copies the executables of one build (its two JSON message files) into stage/, named after
+# their package plus a suffix, and lists them in stage/MANIFEST.
+cat >"$stager" <<'PY'
 import json
 import os
 import shutil
 import sys
 
 bin_json, test_json, metadata = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+suffix = sys.argv[4]
 pkg_by_manifest = {p["manifest_path"]: p["name"] for p in metadata["packages"]}
 
 
@@ -56,7 +79,7 @@ def artifacts(path):
 staged = []
 for msg in artifacts(bin_json):
     if "bin" in msg["target"]["kind"] and not msg["profile"]["test"]:
-        dst = os.path.join("stage/bin", msg["target"]["name"])
+        dst = os.path.join("stage/bin", msg["target"]["name"] + suffix)
         shutil.copy2(msg["executable"], dst)
         staged.append(dst)
 
@@ -64,7 +87,7 @@ names = set()
 for msg in artifacts(test_json):
     if not msg["profile"]["test"]:
         continue
-    pkg = pkg_by_manifest.get(msg["manifest_path"], "unknown")
+    pkg = pkg_by_manifest.get(msg["manifest_path"], "unknown") + suffix
     kind, target = msg["target"]["kind"], msg["target"]["name"]
     if "lib" in kind or "rlib" in kind or "cdylib" in kind or "proc-macro" in kind:
         name = f"{pkg}.lib"
@@ -75,6 +98,8 @@ for msg in artifacts(test_json):
     if name in names:
         sys.exit(f"stage.sh: two test executables would be named {name}")
     names.add(name)
+    if os.path.exists(os.path.join("stage/tests", name)):
+        sys.exit(f"stage.sh: a test executable named {name} was staged already")
     dst = os.path.join("stage/tests", name)
     shutil.copy2(msg["executable"], dst)
     staged.append(dst)
@@ -84,6 +109,34 @@ with open("stage/MANIFEST", "a") as f:
         f.write(f"{path} {os.path.getsize(path)}\n")
 print(f"staged {len(staged)} executables", file=sys.stderr)
 PY
+python3 "$stager" "$bin_json" "$test_json" "$metadata" ""
+
+if ((candle_cuda)); then
+    # A separate invocation: candle's CUDA backend needs cudarc's dynamic-linking, the rest of
+    # the workspace its dynamic-loading, and cargo unifies features over one build.
+    # shellcheck source=scripts/cuda-build-env.sh
+    source scripts/cuda-build-env.sh
+    [[ -n ${GRAFT_CUDA_STUBS:-} ]] || { echo "stage.sh: the CUDA build environment failed" >&2; exit 1; }
+    echo "== cargo build --release -p graft-candle --features cuda --bins" >&2
+    cargo build --release -p graft-candle --features cuda --bins \
+        --message-format=json-render-diagnostics >"$cuda_bin_json"
+    echo "== cargo test --release -p graft-candle --features cuda --no-run" >&2
+    cargo test --release -p graft-candle --features cuda --no-run \
+        --message-format=json-render-diagnostics >"$cuda_test_json"
+    python3 "$stager" "$cuda_bin_json" "$cuda_test_json" "$metadata" "+cuda"
+    # The stubs serve the linker only: no executable may carry a RUNPATH/RPATH (or any path)
+    # into the stub folder, which would shadow the real libraries on the GPU machine.
+    for exe in stage/bin/*+cuda stage/tests/*+cuda.*; do
+        [[ -e $exe ]] || continue
+        dynamic=$(readelf -d "$exe")
+        if grep -E 'RPATH|RUNPATH' <<<"$dynamic" | grep -qF "$GRAFT_CUDA_STUBS"; then
+            echo "stage.sh: $exe has a RUNPATH into the stub folder $GRAFT_CUDA_STUBS" >&2
+            exit 1
+        fi
+        needed=$(sed -nE 's/.*\(NEEDED\).*\[(.*)\]/\1/p' <<<"$dynamic" | tr '\n' ' ')
+        echo "$exe needs: $needed" >&2
+    done
+fi
 
 {
     if rev=$(git rev-parse HEAD 2>/dev/null); then
@@ -94,6 +147,9 @@ PY
     echo "revision $rev"
     echo "toolchain $(rustc --version)"
     echo "built $(date -u +%Y-%m-%dT%H:%M:%SZ) on glibc $(ldd --version | head -1 | awk '{print $NF}')"
+    if ((candle_cuda)); then
+        echo "candle-cuda $(nvcc --version | grep -o 'release [0-9.]*'), CUDA_COMPUTE_CAP=$CUDA_COMPUTE_CAP"
+    fi
 } >stage/MANIFEST.head
 cat stage/MANIFEST.head stage/MANIFEST >stage/MANIFEST.tmp
 mv stage/MANIFEST.tmp stage/MANIFEST

@@ -46,7 +46,9 @@ impl Blas {
     /// must be current and the stream not capturing.
     fn create(inner: &Inner) -> Result<Blas, DeviceError> {
         let op = DeviceOp::ModuleLoad;
-        // SAFETY: only `dlopen`s candidate names of libcublas and drops each handle.
+        // SAFETY: only `dlopen`s candidate names of libcublas and drops each handle. (Linked
+        // with `dynamic-linking`: the loader already found it.)
+        #[cfg(feature = "dynamic-loading")]
         if !unsafe { blas::is_culib_present() } {
             return Err(DeviceError::Unavailable {
                 op,

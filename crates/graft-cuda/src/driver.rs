@@ -1,6 +1,6 @@
 //! Loading the CUDA driver library without ever panicking.
 //!
-//! cudarc is built with `dynamic-loading`: libcuda is opened on first use, and every driver
+//! With the `dynamic-loading` feature (the default) cudarc opens libcuda on first use, and every driver
 //! function is looked up by name on its first call. Both panic when the library or a symbol is
 //! missing, which a runtime must not do on a machine without a GPU. So before any driver call,
 //! [`driver_ready`] (once per process):
@@ -14,6 +14,10 @@
 //! The whole sequence also runs under `std::panic::catch_unwind`, as a second guard against a
 //! panic inside cudarc (it only helps with the default `panic = "unwind"`). Every constructor
 //! goes through here, so the rest of the crate may assume the driver is loaded and initialised.
+//!
+//! With `dynamic-linking` instead (graft-candle's CUDA build) libcuda is linked: the loader
+//! opened it and bound every symbol before `main` (Rust links with `-z now`), so steps 1 and 2
+//! have nothing left to check and only `cuInit` runs.
 
 use std::ffi::c_int;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -33,7 +37,9 @@ macro_rules! driver_symbols {
     };
 }
 
-/// Every driver function the crate calls, with what is reported if it is missing.
+/// Every driver function the crate calls, with the error name reported if it is missing.
+/// (Checked at run time only with `dynamic-loading`; with `dynamic-linking` the loader checks.)
+#[cfg_attr(not(feature = "dynamic-loading"), allow(dead_code))]
 pub(crate) const DRIVER_SYMBOLS: &[(&str, &str)] = driver_symbols![
     "cuInit",
     "cuDeviceGetCount",
@@ -91,6 +97,17 @@ pub(crate) fn driver_ready() -> Result<(), DeviceError> {
 }
 
 fn load_and_init() -> Result<(), DeviceError> {
+    #[cfg(feature = "dynamic-loading")]
+    check_library()?;
+    // SAFETY: the library and `cuInit` are present (checked above, or bound by the loader with
+    // `dynamic-linking`); 0 is cuInit's only valid flag value, and calling it more than once is
+    // allowed.
+    check(INIT_OP, unsafe { sys::cuInit(0) })
+}
+
+/// Steps 1 and 2: libcuda can be opened and has every symbol in [`DRIVER_SYMBOLS`].
+#[cfg(feature = "dynamic-loading")]
+fn check_library() -> Result<(), DeviceError> {
     // SAFETY: `is_culib_present` only `dlopen`s the candidate library names and drops each
     // handle again; it calls no driver function.
     if !unsafe { sys::is_culib_present() } {
@@ -113,9 +130,7 @@ fn load_and_init() -> Result<(), DeviceError> {
             });
         }
     }
-    // SAFETY: the library and `cuInit` are present (checked above); 0 is cuInit's only valid
-    // flag value, and calling it more than once is allowed.
-    check(INIT_OP, unsafe { sys::cuInit(0) })
+    Ok(())
 }
 
 /// The number of CUDA devices, after [`driver_ready`].

@@ -17,15 +17,27 @@
 //! [`CudaQueue::sgemm`], a row-major f32 GEMM on a per-device handle bound to the runtime
 //! stream, with a fixed workspace so it never allocates during a capture.
 //!
-//! cudarc is built with dynamic loading, so this crate builds without a CUDA toolkit and a
-//! program using it starts on a machine without a GPU: [`CudaDevice::is_available`] then
-//! returns false and [`CudaDevice::new`] an error, neither panics.
+//! By default (feature `dynamic-loading`) cudarc loads CUDA at run time, so this crate builds
+//! without a CUDA toolkit and a program using it starts on a machine without a GPU:
+//! [`CudaDevice::is_available`] then returns false and [`CudaDevice::new`] an error, neither
+//! panics. The other feature, `dynamic-linking`, links libcuda, libnvrtc and libcublas at build
+//! time instead, as candle's CUDA backend requires (graft-candle's `cuda` build); its programs
+//! need those libraries to start. Exactly one of the two must be on.
 //!
-//! This is graft's only crate with `unsafe`: every block names the invariant it relies on.
+//! This is graft's only crate with `unsafe` (besides one call in graft-candle): every block
+//! names the invariant it relies on.
 //! Driver errors map to core's [`DeviceError`](graft_core::DeviceError): out of memory, the
 //! stream-capture family (as `Capture` with the violation), and everything else as `Driver`
 //! with CUDA's code and name. Errors from `Drop` (destroying a graph) go to the device's sticky
 //! error slot.
+
+#[cfg(all(feature = "dynamic-loading", feature = "dynamic-linking"))]
+compile_error!(
+    "graft-cuda: features `dynamic-loading` and `dynamic-linking` are exclusive; build \
+     graft-candle's `cuda` feature on its own (cargo build -p graft-candle --features cuda)"
+);
+#[cfg(not(any(feature = "dynamic-loading", feature = "dynamic-linking")))]
+compile_error!("graft-cuda: enable one of the features `dynamic-loading` or `dynamic-linking`");
 
 mod blas;
 mod device;

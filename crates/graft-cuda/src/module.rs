@@ -191,7 +191,8 @@ fn compile_source(source: &str, name: &str) -> Result<Vec<u8>, DeviceError> {
         });
     }
     // SAFETY: `is_culib_present` only `dlopen`s candidate names of libnvrtc and drops each
-    // handle; it runs no NVRTC code.
+    // handle; it runs no NVRTC code. (Linked with `dynamic-linking`: the loader found it.)
+    #[cfg(feature = "dynamic-loading")]
     if !unsafe { nvrtc::sys::is_culib_present() } {
         return Err(DeviceError::Unavailable {
             op,
@@ -245,12 +246,20 @@ fn function(module: sys::CUmodule, name: &CStr) -> Result<sys::CUfunction, Devic
 const NO_PARAM_INFO: &str = "libcuda has no cuFuncGetParamInfo, which checked launches need; update the NVIDIA driver to CUDA 12.4 or later";
 
 /// Whether the driver exports `cuFuncGetParamInfo` (CUDA 12.4+), which checked launches need.
+#[cfg(feature = "dynamic-loading")]
 fn param_info_available() -> bool {
     // SAFETY: the driver library is loaded (every constructor of a device ran driver_ready),
     // so `culib` returns it without panicking; the symbol is only looked up, never called here.
     let lib = unsafe { sys::culib() };
     // SAFETY: looking a symbol up does not call it; the fn-pointer type is pointer-sized.
     unsafe { lib.get::<unsafe extern "C" fn()>(b"cuFuncGetParamInfo") }.is_ok()
+}
+
+/// With `dynamic-linking` the loader bound `cuFuncGetParamInfo` before `main` (or the program
+/// did not start).
+#[cfg(not(feature = "dynamic-loading"))]
+fn param_info_available() -> bool {
+    true
 }
 
 /// The byte size of each parameter of `f`.
