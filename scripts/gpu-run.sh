@@ -97,6 +97,12 @@ fi
 say "libnvrtc: $( (ldconfig -p 2>/dev/null | grep -o 'libnvrtc\.so[^ ]*' | sort -u | tr '\n' ' ') || true)"
 say "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
 
+# scripts/stage.sh --candle-cuda stages the large candle CUDA executables xz-compressed.
+for packed in stage/bin/*.xz stage/tests/*.xz; do
+    [[ -e $packed ]] || continue
+    if xz -d -f "$packed"; then say "unpacked $packed"; else say "could not unpack $packed (xz)"; fi
+done
+
 tests=()
 if [[ -d stage/tests ]]; then
     while IFS= read -r exe; do

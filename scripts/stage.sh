@@ -14,8 +14,9 @@
 # feature (candle's CUDA backend, linked against CUDA at build time) in a separate cargo
 # invocation, after sourcing scripts/cuda-build-env.sh (first run: pip wheels and stubs into
 # its cache, then nvcc compiles candle's kernels, ~15 min cold on 2 cores), and stages those
-# executables under the package name with "+cuda" (stage/tests/graft-candle+cuda.lib). Each is
-# checked to need the real CUDA libraries by soname with no RUNPATH into the stub folder.
+# executables under the package name with "_cuda", xz-compressed (stage/tests/
+# graft-candle_cuda.lib.xz: 42 MiB of executable, mostly candle's PTX, packs to 5 MiB; gpu-run.sh
+# unpacks it). Each is checked to carry no RUNPATH into the stub folder.
 #
 # usage: scripts/stage.sh [--candle-cuda]       (CARGO_BUILD_JOBS etc. are honoured)
 set -euo pipefail
@@ -25,7 +26,7 @@ candle_cuda=${GRAFT_STAGE_CANDLE_CUDA:-0}
 while (($#)); do
     case $1 in
         --candle-cuda) candle_cuda=1 ;;
-        -h | --help) sed -n '2,22p' "$0"; exit 0 ;;
+        -h | --help) sed -n '2,21p' "$0"; exit 0 ;;
         *) echo "stage.sh: unknown argument $1" >&2; exit 2 ;;
     esac
     shift
@@ -62,6 +63,7 @@ import sys
 
 bin_json, test_json, metadata = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 suffix = sys.argv[4]
+staged_list = sys.argv[5] if len(sys.argv) > 5 else None
 pkg_by_manifest = {p["manifest_path"]: p["name"] for p in metadata["packages"]}
 
 
@@ -107,6 +109,9 @@ for msg in artifacts(test_json):
 with open("stage/MANIFEST", "a") as f:
     for path in sorted(staged):
         f.write(f"{path} {os.path.getsize(path)}\n")
+if staged_list:
+    with open(staged_list, "w") as f:
+        f.writelines(path + "\n" for path in staged)
 print(f"staged {len(staged)} executables", file=sys.stderr)
 PY
 python3 "$stager" "$bin_json" "$test_json" "$metadata" ""
@@ -123,11 +128,11 @@ if ((candle_cuda)); then
     echo "== cargo test --release -p graft-candle --features cuda --no-run" >&2
     cargo test --release -p graft-candle --features cuda --no-run \
         --message-format=json-render-diagnostics >"$cuda_test_json"
-    python3 "$stager" "$cuda_bin_json" "$cuda_test_json" "$metadata" "+cuda"
+    cuda_staged=$(mktemp)
+    python3 "$stager" "$cuda_bin_json" "$cuda_test_json" "$metadata" "_cuda" "$cuda_staged"
     # The stubs serve the linker only: no executable may carry a RUNPATH/RPATH (or any path)
     # into the stub folder, which would shadow the real libraries on the GPU machine.
-    for exe in stage/bin/*+cuda stage/tests/*+cuda.*; do
-        [[ -e $exe ]] || continue
+    while IFS= read -r exe; do
         dynamic=$(readelf -d "$exe")
         if grep -E 'RPATH|RUNPATH' <<<"$dynamic" | grep -qF "$GRAFT_CUDA_STUBS"; then
             echo "stage.sh: $exe has a RUNPATH into the stub folder $GRAFT_CUDA_STUBS" >&2
@@ -135,7 +140,11 @@ if ((candle_cuda)); then
         fi
         needed=$(sed -nE 's/.*\(NEEDED\).*\[(.*)\]/\1/p' <<<"$dynamic" | tr '\n' ' ')
         echo "$exe needs: $needed" >&2
-    done
+        echo "$exe: $(($(stat -c %s "$exe") / 1024 / 1024)) MiB, packing with xz" >&2
+        xz -T0 -6 -f "$exe"
+        echo "$exe.xz $(stat -c %s "$exe.xz")" >>stage/MANIFEST
+    done <"$cuda_staged"
+    rm -f "$cuda_staged"
 fi
 
 {
