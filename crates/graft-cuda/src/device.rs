@@ -86,6 +86,9 @@ pub(crate) struct Inner {
     pub(crate) ctx: sys::CUcontext,
     /// The runtime stream: all work and all captures.
     pub(crate) stream: sys::CUstream,
+    /// The cudarc stream `stream` was adopted from ([`CudaDevice::from_stream`]): kept alive
+    /// while the device lives, and never destroyed here (its owner does that).
+    adopted: Option<Arc<cudarc::driver::CudaStream>>,
     /// A second stream, forked from the runtime stream by `fork_event` (test-support's
     /// side-stream launches).
     side_stream: sys::CUstream,
@@ -342,6 +345,10 @@ impl Drop for Inner {
                 let _ = unsafe { sys::cuEventDestroy_v2(event) };
             }
         }
+        if self.adopted.is_some() {
+            // Not ours to destroy: the adopted stream's owner (cudarc) does that.
+            self.stream = ptr::null_mut();
+        }
         for stream in [&mut self.side_stream, &mut self.stream] {
             let stream = std::mem::replace(stream, ptr::null_mut());
             if !stream.is_null() {
@@ -415,6 +422,42 @@ impl CudaDevice {
     /// Initialization failures are reported with `DeviceOp::ModuleLoad`, core having no
     /// dedicated operation for them.
     pub fn new(ordinal: usize) -> Result<CudaDevice, DeviceError> {
+        CudaDevice::open(ordinal, None)
+    }
+
+    /// A device whose runtime stream is `stream`, a stream another cudarc user made (for
+    /// example candle's `CudaDevice::cuda_stream()`), so that graft and that library order their
+    /// work on one stream and graft's captures record the library's launches. The stream must
+    /// be one made with `CudaContext::new_stream` on a primary context (candle's
+    /// `Device::new_cuda_with_stream`): the legacy and per-thread default streams cannot be
+    /// captured. The device keeps `stream` alive and never destroys it; its side stream and
+    /// events are graft's own. Everything else is as [`CudaDevice::new`].
+    pub fn from_stream(stream: Arc<cudarc::driver::CudaStream>) -> Result<CudaDevice, DeviceError> {
+        let raw = stream.cu_stream();
+        // 0x1 and 0x2 are CU_STREAM_LEGACY and CU_STREAM_PER_THREAD.
+        if raw.is_null() || raw as usize == 0x1 || raw as usize == 0x2 {
+            return Err(invalid_argument(
+                INIT_OP,
+                "the stream to adopt is a default stream, which cannot be captured; make one with new_stream (candle: Device::new_cuda_with_stream)",
+            ));
+        }
+        let ordinal = stream.context().ordinal();
+        let owner_ctx = stream.context().cu_ctx();
+        let device = CudaDevice::open(ordinal, Some(stream))?;
+        if device.queue.inner.ctx != owner_ctx {
+            return Err(invalid_argument(
+                INIT_OP,
+                "the stream to adopt belongs to a non-primary context; make it on the device's primary context (cudarc: CudaContext::new)",
+            ));
+        }
+        Ok(device)
+    }
+
+    /// Opens device `ordinal` with a runtime stream of its own, or with `adopted`.
+    fn open(
+        ordinal: usize,
+        adopted: Option<Arc<cudarc::driver::CudaStream>>,
+    ) -> Result<CudaDevice, DeviceError> {
         driver_ready()?;
         let ordinal_c = c_int::try_from(ordinal)
             .map_err(|_| invalid_argument(INIT_OP, "the device ordinal exceeds i32::MAX"))?;
@@ -442,6 +485,7 @@ impl CudaDevice {
             cu_device,
             ctx: ptr::null_mut(),
             stream: ptr::null_mut(),
+            adopted: None,
             side_stream: ptr::null_mut(),
             fork_event: ptr::null_mut(),
             join_event: ptr::null_mut(),
@@ -476,7 +520,14 @@ impl CudaDevice {
         inner.granularity = granularity.max(512);
 
         let non_blocking = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as c_uint;
-        for slot in [&mut inner.stream, &mut inner.side_stream] {
+        let own_streams = if let Some(stream) = adopted {
+            inner.stream = stream.cu_stream();
+            inner.adopted = Some(stream);
+            vec![&mut inner.side_stream]
+        } else {
+            vec![&mut inner.stream, &mut inner.side_stream]
+        };
+        for slot in own_streams {
             let mut stream: sys::CUstream = ptr::null_mut();
             // SAFETY: the context is current; `stream` is a valid out-pointer. Destroyed once in
             // `Inner::drop`.
