@@ -24,7 +24,7 @@
 //! time instead, as candle's CUDA backend requires (graft-candle's `cuda` build); its programs
 //! need those libraries to start. Exactly one of the two must be on.
 //!
-//! This is graft's only crate with `unsafe` (besides one call in graft-candle): every block
+//! This is graft's only crate with `unsafe` besides graft-candle's CUDA module: every block
 //! names the invariant it relies on.
 //! Driver errors map to core's [`DeviceError`](graft_core::DeviceError): out of memory, the
 //! stream-capture family (as `Capture` with the violation), and everything else as `Driver`

@@ -1,0 +1,62 @@
+//! The candle example of docs/guide.md: a Llama-style decode step under graft, batches padded
+//! to buckets, tokens fed back step to step, outputs held and checked. Run by graft-candle's
+//! tests: on the CPU in CI (tests/guide.rs), on the GPU in the CUDA build (tests/gpu.rs).
+use graft_candle::candle_core::Tensor;
+use graft_candle::llama::{Llama, LlamaConfig};
+use graft_candle::{Buckets, CandleGraft, StepOutcome};
+
+pub(crate) fn main() -> Result<(), Box<dyn std::error::Error>> {
+    // GPU 0 on its own stream with candle's event tracking off (the CPU in a build without
+    // graft-candle's `cuda` feature, where steps run eagerly).
+    let device = graft_candle::device(0)?;
+    let model = Llama::new(LlamaConfig::tiny(), 42, &device)?;
+    let mut graft = CandleGraft::new(&device)?;
+    let decode = graft.register("decode");
+
+    // Three requests padded to a bucket (8): one graph per bucket, not per batch size. The
+    // decode state (KV cache and position, on the device) belongs to the bucket.
+    let (bucket, padded) = Buckets::default().pad(&[11u32, 22, 33], 0)?;
+    let state = model.new_state(bucket)?;
+    // What the step uses in place: its addresses are part of the signature.
+    let mut statics = model.weights();
+    statics.extend(state.tensors());
+
+    let first = Tensor::new(padded.as_slice(), &device)?;
+    let mut tokens = first.clone();
+    let mut history = Vec::new();
+    for step in 0..16 {
+        let out = graft.call(decode, &[&tokens], &statics, &[bucket as u64], |inputs| {
+            // Ordinary candle code; `inputs[0]` is a fresh copy of `tokens`.
+            Ok(vec![model.step(&state, &inputs[0])?])
+        })?;
+        if graft.is_graphed() {
+            match (step, &out.outcome) {
+                (0, StepOutcome::Warmup) | (1, StepOutcome::Recorded(_)) => {}
+                (2.., StepOutcome::Replayed(_)) => {}
+                (_, other) => return Err(format!("step {step}: unexpected {other:?}").into()),
+            }
+        }
+        // The output is the caller's own tensor: feed it back and keep it, no clone needed.
+        tokens = out
+            .outputs
+            .into_iter()
+            .next()
+            .ok_or("the step returned nothing")?;
+        history.push(tokens.clone());
+    }
+
+    // Every held output still holds its own step's tokens: check against the plain model.
+    let plain_state = model.new_state(bucket)?;
+    let mut plain = first;
+    for (step, held) in history.iter().enumerate() {
+        plain = model.step(&plain_state, &plain)?;
+        if held.to_vec1::<u32>()? != plain.to_vec1::<u32>()? {
+            return Err(format!("step {step}: the held output differs from candle's").into());
+        }
+    }
+    println!(
+        "16 steps at bucket {bucket}, graphed: {}",
+        graft.is_graphed()
+    );
+    Ok(())
+}

@@ -1,0 +1,257 @@
+//! graft-candle-bench: the Llama-style decode step on the GPU, per step at batch 1, 8 and 32,
+//! in one run: candle eager, a hand-made single CUDA graph of the same step, and
+//! graft-candle; then the ~1B-parameter bf16 model at batch 1, eager against graft-candle.
+//!
+//! Each variant first runs 64 steps from the same tokens and its tokens are checked equal to
+//! eager's; then it is timed: each step is one call followed by a synchronize of candle's
+//! stream, timed on the host; variants alternate in rounds so drift spreads evenly; the
+//! figure is the median step. Only with graft-candle's `cuda` feature (GPU only).
+//!
+//! usage: graft-candle-bench [--steps N] [--rounds R] [--skip-1b] [--json PATH]
+
+use std::time::Instant;
+
+use graft_candle::candle_core::{Device, Tensor};
+use graft_candle::cuda::HandmadeGraph;
+use graft_candle::llama::{DecodeState, Llama, LlamaConfig};
+use graft_candle::{CandleGraft, StepId};
+
+type BenchResult<T> = Result<T, Box<dyn std::error::Error>>;
+
+const CHECK_STEPS: usize = 64;
+const BUCKETS: [usize; 3] = [1, 8, 32];
+
+struct Options {
+    steps: usize,
+    rounds: usize,
+    skip_1b: bool,
+    json: Option<String>,
+}
+
+fn options() -> BenchResult<Options> {
+    let mut o = Options {
+        steps: 300,
+        rounds: 3,
+        skip_1b: false,
+        json: None,
+    };
+    let mut args = std::env::args().skip(1);
+    while let Some(arg) = args.next() {
+        let mut value = |name: &str| args.next().ok_or(format!("{name} needs a value"));
+        match arg.as_str() {
+            "--steps" => o.steps = value("--steps")?.parse()?,
+            "--rounds" => o.rounds = value("--rounds")?.parse()?,
+            "--skip-1b" => o.skip_1b = true,
+            "--json" => o.json = Some(value("--json")?),
+            "-h" | "--help" => {
+                println!(
+                    "usage: graft-candle-bench [--steps N] [--rounds R] [--skip-1b] [--json PATH]"
+                );
+                std::process::exit(0);
+            }
+            other => return Err(format!("unknown argument {other}; see --help").into()),
+        }
+    }
+    if o.rounds == 0 || o.steps < o.rounds {
+        return Err("--rounds must be at least 1 and --steps at least --rounds".into());
+    }
+    Ok(o)
+}
+
+/// One way of running the step.
+enum Runner<'m> {
+    Eager,
+    Handmade(HandmadeGraph),
+    Graft(&'m mut CandleGraft, StepId),
+}
+
+impl Runner<'_> {
+    fn name(&self) -> &'static str {
+        match self {
+            Runner::Eager => "candle eager",
+            Runner::Handmade(_) => "hand-made graph",
+            Runner::Graft(..) => "graft-candle",
+        }
+    }
+
+    fn step(&mut self, model: &Llama, state: &DecodeState, tokens: &Tensor) -> BenchResult<Tensor> {
+        Ok(match self {
+            Runner::Eager => model.step(state, tokens)?,
+            Runner::Handmade(graph) => graph.launch(tokens)?,
+            Runner::Graft(graft, step) => {
+                let mut statics = model.weights();
+                statics.extend(state.tensors());
+                let out = graft.call(
+                    *step,
+                    &[tokens],
+                    &statics,
+                    &[state.batch() as u64],
+                    |inputs| Ok(vec![model.step(state, &inputs[0])?]),
+                )?;
+                out.outputs
+                    .into_iter()
+                    .next()
+                    .ok_or("the step returned no output")?
+            }
+        })
+    }
+}
+
+fn first_tokens(batch: usize, vocab: usize, device: &Device) -> BenchResult<Tensor> {
+    let tokens: Vec<u32> = (0..batch).map(|i| ((3 + 17 * i) % vocab) as u32).collect();
+    Ok(Tensor::new(tokens.as_slice(), device)?)
+}
+
+fn median(samples: &mut [f64]) -> f64 {
+    samples.sort_by(f64::total_cmp);
+    samples[samples.len() / 2]
+}
+
+/// Checks every runner's tokens against eager's for `CHECK_STEPS` steps, then times them in
+/// alternating rounds; returns each runner's median step in microseconds.
+fn measure(
+    model: &Llama,
+    device: &Device,
+    batch: usize,
+    runners: &mut [(Runner<'_>, DecodeState)],
+    o: &Options,
+) -> BenchResult<Vec<f64>> {
+    let vocab = model.config().vocab;
+    let eager_state = model.new_state(batch)?;
+    let mut eager = first_tokens(batch, vocab, device)?;
+    let mut tokens: Vec<Tensor> = Vec::new();
+    for (_, state) in runners.iter() {
+        state.reset()?;
+        tokens.push(first_tokens(batch, vocab, device)?);
+    }
+    for i in 0..CHECK_STEPS {
+        eager = model.step(&eager_state, &eager)?;
+        let want = eager.to_vec1::<u32>()?;
+        for ((runner, state), t) in runners.iter_mut().zip(tokens.iter_mut()) {
+            *t = runner.step(model, state, t)?;
+            if t.to_vec1::<u32>()? != want {
+                return Err(format!(
+                    "{} at batch {batch}: step {i} differs from eager",
+                    runner.name()
+                )
+                .into());
+            }
+        }
+    }
+    let per_round = o.steps / o.rounds;
+    let mut samples = vec![Vec::with_capacity(o.steps); runners.len()];
+    for _ in 0..o.rounds {
+        for (((runner, state), t), times) in runners
+            .iter_mut()
+            .zip(tokens.iter_mut())
+            .zip(samples.iter_mut())
+        {
+            state.reset()?;
+            // A few untimed steps to settle after the switch.
+            for _ in 0..5 {
+                *t = runner.step(model, state, t)?;
+            }
+            device.synchronize()?;
+            for _ in 0..per_round {
+                let start = Instant::now();
+                *t = runner.step(model, state, t)?;
+                device.synchronize()?;
+                times.push(start.elapsed().as_secs_f64() * 1e6);
+            }
+        }
+    }
+    Ok(samples.iter_mut().map(|s| median(s)).collect())
+}
+
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("graft-candle-bench: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run() -> BenchResult<()> {
+    let o = options()?;
+    let device =
+        graft_candle::device(0).map_err(|e| format!("no CUDA GPU for the benchmark: {e}"))?;
+    let cuda = device.as_cuda_device()?.clone();
+    let mut rows = Vec::new();
+    let mut json = Vec::new();
+
+    let cfg = LlamaConfig::bench();
+    let model = Llama::new(cfg, 1234, &device)?;
+    let mut graft = CandleGraft::new(&device)?;
+    let step = graft.register("decode");
+    println!(
+        "decode step, {cfg}; {} timed steps per variant in {} rounds, median",
+        o.steps, o.rounds
+    );
+    for batch in BUCKETS {
+        let handmade_state = model.new_state(batch)?;
+        let example = first_tokens(batch, cfg.vocab, &device)?;
+        let handmade = HandmadeGraph::capture(&cuda, &example, |t| model.step(&handmade_state, t))?;
+        let mut runners = vec![
+            (Runner::Eager, model.new_state(batch)?),
+            (Runner::Handmade(handmade), handmade_state),
+            (Runner::Graft(&mut graft, step), model.new_state(batch)?),
+        ];
+        let us = measure(&model, &device, batch, &mut runners, &o)?;
+        let (eager, hand, ours) = (us[0], us[1], us[2]);
+        rows.push(format!(
+            "B={batch:<3} eager {eager:8.1} us   hand-made graph {hand:8.1} us   graft-candle {ours:8.1} us   eager/graft {:.2}x   graft/hand-made {:.3}",
+            eager / ours,
+            ours / hand
+        ));
+        json.push(format!(
+            "{{\"model\":\"bench\",\"batch\":{batch},\"eager_us\":{eager:.1},\"handmade_us\":{hand:.1},\"graft_us\":{ours:.1}}}"
+        ));
+        println!("{}", rows.last().map_or("", String::as_str));
+    }
+    if let Some(stats) = graft.graft().map(|g| g.stats()) {
+        println!(
+            "graft: {} recordings, {} replays, {} warmups, {} eager",
+            stats.recordings, stats.replays, stats.warmups, stats.eager_runs
+        );
+    }
+    drop(graft);
+    drop(model);
+
+    if !o.skip_1b {
+        let cfg = LlamaConfig::one_b();
+        let started = Instant::now();
+        let model = Llama::new(cfg, 1234, &device)?;
+        println!(
+            "~1B model: {cfg} (weights made in {:.1} s)",
+            started.elapsed().as_secs_f64()
+        );
+        let mut graft = CandleGraft::new(&device)?;
+        let step = graft.register("decode-1b");
+        let mut runners = vec![
+            (Runner::Eager, model.new_state(1)?),
+            (Runner::Graft(&mut graft, step), model.new_state(1)?),
+        ];
+        let us = measure(&model, &device, 1, &mut runners, &o)?;
+        rows.push(format!(
+            "1B B=1 eager {:8.1} us   graft-candle {:8.1} us   eager/graft {:.2}x",
+            us[0],
+            us[1],
+            us[0] / us[1]
+        ));
+        json.push(format!(
+            "{{\"model\":\"1b-bf16\",\"batch\":1,\"eager_us\":{:.1},\"graft_us\":{:.1}}}",
+            us[0], us[1]
+        ));
+        println!("{}", rows.last().map_or("", String::as_str));
+    }
+    println!(
+        "\nsummary (tokens of every variant checked equal to eager over {CHECK_STEPS} steps):"
+    );
+    for row in &rows {
+        println!("  {row}");
+    }
+    if let Some(path) = &o.json {
+        std::fs::write(path, format!("[\n  {}\n]\n", json.join(",\n  ")))?;
+        println!("wrote {path}");
+    }
+    Ok(())
+}

@@ -1,0 +1,98 @@
+//! Device addresses of candle tensors, fresh uninitialized candle tensors, and the raw
+//! device-to-device copies between candle memory and graft buffers, on candle's stream.
+
+use std::sync::Arc;
+
+use candle_core::backend::BackendDevice;
+use candle_core::cuda_backend::cudarc::driver::{CudaStream, DevicePtr, DriverError, sys};
+use candle_core::cuda_backend::{CudaDevice as CandleCuda, CudaStorageSlice};
+use candle_core::op::BackpropOp;
+use candle_core::{DType, Shape, Storage, Tensor};
+
+use crate::error::Error;
+
+/// The device address of `t`'s first element (its storage plus its layout's start offset)
+/// and the bytes of its elements; `None` when `t` is not a CUDA tensor or its dtype is one of
+/// candle's raw-byte dummy types. For a contiguous tensor the range is exactly its data.
+pub(crate) fn tensor_range(t: &Tensor, stream: &Arc<CudaStream>) -> Option<(u64, usize)> {
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cuda(cuda) = &*storage else {
+        return None;
+    };
+    // With event tracking off (crate::device) `device_ptr` records nothing on the stream.
+    let base = match &cuda.slice {
+        CudaStorageSlice::U8(s) => s.device_ptr(stream).0,
+        CudaStorageSlice::U32(s) => s.device_ptr(stream).0,
+        CudaStorageSlice::I16(s) => s.device_ptr(stream).0,
+        CudaStorageSlice::I32(s) => s.device_ptr(stream).0,
+        CudaStorageSlice::I64(s) => s.device_ptr(stream).0,
+        CudaStorageSlice::BF16(s) => s.device_ptr(stream).0,
+        CudaStorageSlice::F16(s) => s.device_ptr(stream).0,
+        CudaStorageSlice::F32(s) => s.device_ptr(stream).0,
+        CudaStorageSlice::F64(s) => s.device_ptr(stream).0,
+        CudaStorageSlice::F8E4M3(s) => s.device_ptr(stream).0,
+        CudaStorageSlice::F6E2M3(_)
+        | CudaStorageSlice::F6E3M2(_)
+        | CudaStorageSlice::F4(_)
+        | CudaStorageSlice::F8E8M0(_) => return None,
+    };
+    let size = t.dtype().size_in_bytes();
+    let start = (layout.start_offset() * size) as u64;
+    Some((base + start, t.elem_count() * size))
+}
+
+/// [`tensor_range`], or the error naming the tensor (`role` `position` of `step`) when `t`
+/// has none.
+pub(crate) fn checked_range(
+    t: &Tensor,
+    stream: &Arc<CudaStream>,
+    step: &Arc<str>,
+    role: &'static str,
+    position: usize,
+) -> Result<(u64, usize), Error> {
+    tensor_range(t, stream).ok_or_else(|| Error::UnsupportedDtype {
+        step: step.clone(),
+        role,
+        position,
+        dtype: t.dtype(),
+    })
+}
+
+/// A contiguous tensor of `dtype` and `shape` on `device`, uninitialized: the caller fills
+/// all of it (with [`copy`]) before anything reads it. Allocated on candle's stream like
+/// every candle tensor (inside a capture: a graph allocation, freed when it drops).
+pub(crate) fn uninit_tensor(
+    device: &CandleCuda,
+    dtype: DType,
+    shape: &Shape,
+) -> candle_core::Result<Tensor> {
+    // SAFETY: candle's contract for `alloc_uninit` is that the memory is written before it
+    // is read; every caller copies a full tensor's bytes into it first, on the same stream.
+    let storage = unsafe { device.alloc_uninit(shape, dtype) }?;
+    Ok(Tensor::from_storage(
+        Storage::Cuda(storage),
+        shape.clone(),
+        BackpropOp::none(),
+        false,
+    ))
+}
+
+/// Enqueues a copy of `bytes` from device address `src` to `dst` on `stream` (nothing for 0
+/// bytes). Inside a capture it becomes a memcpy node.
+pub(crate) fn copy(
+    dst: u64,
+    src: u64,
+    bytes: usize,
+    stream: &Arc<CudaStream>,
+) -> Result<(), DriverError> {
+    if bytes == 0 {
+        return Ok(());
+    }
+    // SAFETY: the context is the device's primary context, alive while `stream` (which holds
+    // it) is; making it current only sets a thread-local.
+    unsafe { sys::cuCtxSetCurrent(stream.context().cu_ctx()) }.result()?;
+    // SAFETY: callers pass the ranges of live device memory of this context, `bytes` long
+    // each (a contiguous candle tensor from `tensor_range`, a graft buffer of that length from
+    // its `addr`), owned until the copy has run: both are freed only in stream order after it.
+    unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, stream.cu_stream()) }.result()
+}

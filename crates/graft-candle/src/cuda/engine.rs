@@ -1,0 +1,334 @@
+//! The engine behind a [`CandleGraft`](crate::CandleGraft) on a CUDA device: graft over
+//! candle's own stream, with every recorded graph self-contained.
+//!
+//! A call: (1) the dynamic inputs are copied into graft buffers kept per signature (static
+//! inputs to graft, so no copy is recorded); (2) graft runs, records or replays the wrapped
+//! body, which copies each buffer into a fresh candle tensor, runs the user's body, copies
+//! each output into a buffer from `ctx.alloc` and drops every candle tensor it made before
+//! returning, so all of candle's allocations inside a capture are freed inside it; (3) each
+//! output buffer is copied into a fresh candle tensor the caller owns, and dropped.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use candle_core::cuda_backend::CudaDevice as CandleCuda;
+use candle_core::cuda_backend::cudarc::driver::CudaStream;
+use candle_core::{DType, Shape, Tensor};
+use graft_core::{
+    BodyError, Buffer, CallError, CaptureViolation, Config, Ctx, Decision, DeviceError, FunctionId,
+    FunctionSpec, Graft, Outcome, Output, RunKind,
+};
+use graft_cuda::CudaDevice as GraftCuda;
+
+use super::copy::{checked_range, copy, tensor_range, uninit_tensor};
+use crate::error::Error;
+use crate::refusal::{EagerCause, Uncapturable, classify};
+use crate::runtime::{Step, StepInfo, StepOutcome, push_shape_keys};
+
+/// What graft keeps per output of a recorded step: enough to make the candle tensor again on
+/// a replay, without running the body.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub struct OutputMeta {
+    /// The output's dtype.
+    pub dtype: DType,
+    /// The output's shape.
+    pub shape: Shape,
+}
+
+/// graft over one candle CUDA device.
+pub(crate) struct CudaEngine {
+    graft: Graft<GraftCuda, OutputMeta>,
+    candle: CandleCuda,
+    stream: Arc<CudaStream>,
+    /// Per signature (step index first, then the keys), the buffers the inputs are staged in.
+    staging: HashMap<Vec<u64>, Vec<Buffer>>,
+    /// Per signature, the operation that made it eager.
+    refusals: HashMap<Vec<u64>, Uncapturable>,
+    /// Scratch: the signature of the call in progress.
+    signature: Vec<u64>,
+    /// Scratch: graft's outputs.
+    outs: Vec<Output<OutputMeta>>,
+}
+
+impl std::fmt::Debug for CudaEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaEngine")
+            .field("graft", &self.graft)
+            .field("signatures", &self.staging.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl CudaEngine {
+    pub(crate) fn new(candle: &CandleCuda, config: Config) -> Result<CudaEngine, Error> {
+        if candle.is_event_tracking() {
+            // A device not made by crate::device: its tensors would record events into
+            // captures. Turning tracking off now covers the tensors made from here on.
+            super::prepare(candle);
+        }
+        let stream = candle.cuda_stream();
+        let device = GraftCuda::from_stream(stream.clone()).map_err(|source| Error::Device {
+            what: "opening graft's CUDA device on candle's stream",
+            source,
+        })?;
+        Ok(CudaEngine {
+            graft: Graft::new(device, config),
+            candle: candle.clone(),
+            stream,
+            staging: HashMap::new(),
+            refusals: HashMap::new(),
+            signature: Vec::new(),
+            outs: Vec::new(),
+        })
+    }
+
+    pub(crate) fn register(&mut self, name: &str) -> FunctionId {
+        self.graft
+            .register(name, FunctionSpec::inference(Vec::<usize>::new()))
+    }
+
+    pub(crate) fn graft(&self) -> &Graft<GraftCuda, OutputMeta> {
+        &self.graft
+    }
+
+    pub(crate) fn graft_mut(&mut self) -> &mut Graft<GraftCuda, OutputMeta> {
+        &mut self.graft
+    }
+
+    pub(crate) fn call<F>(
+        &mut self,
+        step: usize,
+        info: &StepInfo,
+        inputs: &[&Tensor],
+        statics: &[&Tensor],
+        keys: &[u64],
+        mut body: F,
+    ) -> Result<Step, Error>
+    where
+        F: FnMut(&[Tensor]) -> candle_core::Result<Vec<Tensor>>,
+    {
+        let name = &info.name;
+        let function = info.function.ok_or(Error::UnknownStep { id: step })?;
+        let candle_error = |what: &'static str| {
+            let step = name.clone();
+            move |source| Error::Candle {
+                step: step.clone(),
+                what,
+                source,
+            }
+        };
+        // Inputs contiguous (an eager copy only for those that are not).
+        let mut contiguous = Vec::with_capacity(inputs.len());
+        for t in inputs {
+            contiguous.push(
+                t.contiguous()
+                    .map_err(candle_error("making an input contiguous"))?,
+            );
+        }
+        let signature = &mut self.signature;
+        signature.clear();
+        signature.push(step as u64);
+        signature.extend_from_slice(keys);
+        for t in &contiguous {
+            push_shape_keys(signature, t);
+        }
+        for (position, t) in statics.iter().enumerate() {
+            let (addr, _) = checked_range(t, &self.stream, name, "static", position)?;
+            signature.push(addr);
+        }
+        if !self.staging.contains_key(signature.as_slice()) {
+            let mut buffers = Vec::with_capacity(contiguous.len());
+            for t in &contiguous {
+                let bytes = t.elem_count() * t.dtype().size_in_bytes();
+                // At least one byte: a zero-length buffer has no address to be static at.
+                let buffer = self.graft.alloc(bytes.max(1))?;
+                buffer.mark_static();
+                buffers.push(buffer);
+            }
+            self.staging.insert(signature.clone(), buffers);
+        }
+        let staging = &self.staging[signature.as_slice()];
+        let mut metas = Vec::with_capacity(contiguous.len());
+        for (position, (t, buffer)) in contiguous.iter().zip(staging).enumerate() {
+            let (src, bytes) = checked_range(t, &self.stream, name, "input", position)?;
+            let dst = buffer.addr().map_err(graft_core::MemoryError::from)?.0;
+            copy(dst, src, bytes, &self.stream).map_err(|source| Error::Driver {
+                what: "copying an input into its staging buffer",
+                source,
+            })?;
+            metas.push(OutputMeta {
+                dtype: t.dtype(),
+                shape: t.shape().clone(),
+            });
+        }
+        let staged: Vec<&Buffer> = staging.iter().collect();
+
+        let (candle, stream) = (&self.candle, &self.stream);
+        let mut refusal: Option<Uncapturable> = None;
+        let mut body_error: Option<candle_core::Error> = None;
+        let mut clear_pending = false;
+        // candle serves its small constant uploads (kernel layout arrays) from a cache inside
+        // captures while this guard lives; it also makes candle refuse host copies then.
+        let cache = candle.enable_cuda_graph_htod_cache();
+        let result = self.graft.call_into(
+            function,
+            &staged,
+            &signature[1..],
+            |ctx: &mut Ctx<'_, GraftCuda>| {
+                if std::mem::take(&mut clear_pending) {
+                    clear_cudarc_error(stream);
+                }
+                let recording = ctx.kind() == RunKind::Recording;
+                let fresh = stage_in(candle, stream, &metas, ctx.inputs())?;
+                let produced = match body(&fresh) {
+                    Ok(produced) => produced,
+                    Err(error) => {
+                        drop(fresh);
+                        if recording && let Some(op) = classify(&error) {
+                            let op_kind = op.device_op();
+                            refusal = Some(op);
+                            clear_pending = true;
+                            return Err(BodyError::Device(DeviceError::Capture {
+                                op: op_kind,
+                                violation: CaptureViolation::Unsupported,
+                            }));
+                        }
+                        body_error = Some(error);
+                        return Err(BodyError::Framework("the step's body failed".into()));
+                    }
+                };
+                drop(fresh);
+                stage_out(ctx, stream, produced)
+            },
+            &mut self.outs,
+        );
+        drop(cache);
+        if clear_pending {
+            clear_cudarc_error(stream);
+        }
+        let outcome = match result {
+            Ok(outcome) => outcome,
+            Err(CallError::Body { source, .. }) => {
+                self.outs.clear();
+                return Err(match (body_error, source) {
+                    (Some(source), _) => Error::Body {
+                        step: name.clone(),
+                        source,
+                    },
+                    (None, BodyError::Framework(inner)) => match inner.downcast::<Error>() {
+                        Ok(ours) => *ours,
+                        Err(other) => Error::Body {
+                            step: name.clone(),
+                            source: candle_core::Error::Msg(other.to_string()),
+                        },
+                    },
+                    (None, source) => Error::Call(CallError::Body {
+                        function: name.clone(),
+                        source,
+                    }),
+                });
+            }
+            Err(e) => {
+                self.outs.clear();
+                return Err(e.into());
+            }
+        };
+        if let Some(op) = refusal {
+            self.refusals.insert(self.signature.clone(), op);
+        }
+        let outcome = match outcome {
+            Outcome::Replayed(node) => StepOutcome::Replayed(node),
+            Outcome::Recorded(node) => StepOutcome::Recorded(node),
+            Outcome::Warmup => StepOutcome::Warmup,
+            Outcome::Eager => StepOutcome::Eager(self.eager_cause(name)),
+        };
+        let mut outputs = Vec::with_capacity(self.outs.len());
+        for out in self.outs.drain(..) {
+            let t = uninit_tensor(&self.candle, out.meta.dtype, &out.meta.shape)
+                .map_err(candle_error("allocating an output tensor"))?;
+            let (dst, bytes) = checked_range(&t, &self.stream, name, "output", outputs.len())?;
+            let src = out.buffer.addr().map_err(graft_core::MemoryError::from)?.0;
+            copy(dst, src, bytes, &self.stream).map_err(|source| Error::Driver {
+                what: "copying an output into the caller's tensor",
+                source,
+            })?;
+            outputs.push(t);
+        }
+        Ok(Step { outputs, outcome })
+    }
+
+    /// Why graft ran the current signature eagerly.
+    fn eager_cause(&self, name: &str) -> EagerCause {
+        if let Some(op) = self.refusals.get(self.signature.as_slice()) {
+            return EagerCause::Uncapturable(op.clone());
+        }
+        self.graft
+            .explain()
+            .filter(|r| &*r.function == name)
+            .filter_map(|r| match &r.decision {
+                Decision::Eager(reason) => Some(reason.clone()),
+                _ => None,
+            })
+            .last()
+            .map_or(EagerCause::Unlogged, EagerCause::Graft)
+    }
+}
+
+/// Fresh candle tensors holding the staged inputs (inside a capture: graph allocations and
+/// memcpy nodes).
+fn stage_in(
+    candle: &CandleCuda,
+    stream: &Arc<CudaStream>,
+    metas: &[OutputMeta],
+    buffers: &[Buffer],
+) -> Result<Vec<Tensor>, BodyError> {
+    let mut fresh = Vec::with_capacity(metas.len());
+    for (meta, buffer) in metas.iter().zip(buffers) {
+        let t = uninit_tensor(candle, meta.dtype, &meta.shape).map_err(framework)?;
+        let (dst, bytes) = tensor_range(&t, stream)
+            .ok_or_else(|| framework("a staged input's dtype has no device layout"))?;
+        copy(dst, buffer.addr()?.0, bytes, stream).map_err(framework)?;
+        fresh.push(t);
+    }
+    Ok(fresh)
+}
+
+/// Copies each output into a buffer from graft's pool and drops the candle tensor, so no
+/// candle allocation outlives the body.
+fn stage_out(
+    ctx: &mut Ctx<'_, GraftCuda>,
+    stream: &Arc<CudaStream>,
+    produced: Vec<Tensor>,
+) -> Result<Vec<Output<OutputMeta>>, BodyError> {
+    let mut outputs = Vec::with_capacity(produced.len());
+    for (position, t) in produced.into_iter().enumerate() {
+        let t = t.contiguous().map_err(framework)?;
+        let (src, bytes) = checked_range(&t, stream, &Arc::from("the step"), "output", position)
+            .map_err(|e| BodyError::Framework(Box::new(e)))?;
+        let buffer = ctx.alloc(bytes)?;
+        if bytes > 0 {
+            copy(buffer.addr()?.0, src, bytes, stream).map_err(framework)?;
+        }
+        outputs.push(Output::new(
+            buffer,
+            OutputMeta {
+                dtype: t.dtype(),
+                shape: t.shape().clone(),
+            },
+        ));
+    }
+    Ok(outputs)
+}
+
+fn framework(e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> BodyError {
+    BodyError::Framework(e.into())
+}
+
+/// After a capture candle's body broke, cudarc may hold an error it recorded on the way
+/// (a free or synchronize inside the invalidated capture) and would return it from the next
+/// unrelated call. That error belongs to the failed capture, which graft already handled.
+fn clear_cudarc_error(stream: &Arc<CudaStream>) {
+    if let Err(error) = stream.context().check_err() {
+        tracing::debug!(%error, "cleared cudarc's error left by the failed capture");
+    }
+}

@@ -1,0 +1,88 @@
+//! CUDA's graph memory pool, where candle's allocations inside a recorded step live: what it
+//! holds (`cuDeviceGetGraphMemAttribute`) and giving its unused memory back
+//! (`cuDeviceGraphMemTrim`).
+
+use std::ffi::c_void;
+
+use candle_core::cuda_backend::CudaDevice;
+use candle_core::cuda_backend::cudarc::driver::sys;
+
+use crate::error::Error;
+
+/// The device's graph memory figures, in bytes (CUDA's `CU_GRAPH_MEM_ATTR_*`).
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
+pub struct GraphMemory {
+    /// Memory currently associated with graphs (their allocations' physical backing).
+    pub used_current: u64,
+    /// The highest `used_current` since the last reset.
+    pub used_high: u64,
+    /// Memory currently reserved for graph allocations by the driver.
+    pub reserved_current: u64,
+    /// The highest `reserved_current` since the last reset.
+    pub reserved_high: u64,
+}
+
+/// The graph memory figures of `device`'s GPU.
+pub fn graph_memory(device: &CudaDevice) -> Result<GraphMemory, Error> {
+    let stream = device.cuda_stream();
+    let cu_device = stream.context().cu_device();
+    let get = |attr: sys::CUgraphMem_attribute| -> Result<u64, Error> {
+        let mut value: u64 = 0;
+        // SAFETY: `cu_device` is the device of a live context; the four attributes queried
+        // here are each a cuuint64_t, which `value` is.
+        unsafe {
+            sys::cuDeviceGetGraphMemAttribute(cu_device, attr, (&raw mut value).cast::<c_void>())
+        }
+        .result()
+        .map_err(|source| Error::Driver {
+            what: "reading the graph memory figures (cuDeviceGetGraphMemAttribute)",
+            source,
+        })?;
+        Ok(value)
+    };
+    use sys::CUgraphMem_attribute as A;
+    Ok(GraphMemory {
+        used_current: get(A::CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT)?,
+        used_high: get(A::CU_GRAPH_MEM_ATTR_USED_MEM_HIGH)?,
+        reserved_current: get(A::CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT)?,
+        reserved_high: get(A::CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH)?,
+    })
+}
+
+/// Synchronizes candle's stream, then gives the graph memory no graph uses back to the OS
+/// (`cuDeviceGraphMemTrim`) and resets the two high-water marks, so the next figures
+/// describe what the live graphs hold.
+pub fn trim_graph_memory(device: &CudaDevice) -> Result<(), Error> {
+    let stream = device.cuda_stream();
+    stream.synchronize().map_err(|source| Error::Driver {
+        what: "synchronizing candle's stream",
+        source,
+    })?;
+    let cu_device = stream.context().cu_device();
+    // SAFETY: `cu_device` is the device of a live context; trimming only releases memory no
+    // graph allocation uses.
+    unsafe { sys::cuDeviceGraphMemTrim(cu_device) }
+        .result()
+        .map_err(|source| Error::Driver {
+            what: "trimming graph memory (cuDeviceGraphMemTrim)",
+            source,
+        })?;
+    use sys::CUgraphMem_attribute as A;
+    for attr in [
+        A::CU_GRAPH_MEM_ATTR_USED_MEM_HIGH,
+        A::CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH,
+    ] {
+        let mut zero: u64 = 0;
+        // SAFETY: the high-water attributes are cuuint64_t and may only be set to 0, which
+        // `zero` is.
+        unsafe {
+            sys::cuDeviceSetGraphMemAttribute(cu_device, attr, (&raw mut zero).cast::<c_void>())
+        }
+        .result()
+        .map_err(|source| Error::Driver {
+            what: "resetting the graph memory high-water marks (cuDeviceSetGraphMemAttribute)",
+            source,
+        })?;
+    }
+    Ok(())
+}

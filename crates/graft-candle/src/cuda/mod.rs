@@ -1,0 +1,30 @@
+//! The CUDA side: the candle device set up for capture, graft's engine over candle's stream,
+//! the graph memory figures, and a hand-made single graph for comparison.
+
+pub(crate) mod copy;
+pub(crate) mod engine;
+mod handmade;
+mod memory;
+
+pub use engine::OutputMeta;
+pub use handmade::HandmadeGraph;
+pub use memory::{GraphMemory, graph_memory, trim_graph_memory};
+
+use candle_core::cuda_backend::CudaDevice;
+use candle_core::cuda_backend::cudarc::driver::sys::CUstream;
+
+/// The raw CUDA stream `device` issues all of its work on (kernels, cuBLAS, copies): the
+/// stream graft captures.
+pub fn capture_stream(device: &CudaDevice) -> CUstream {
+    device.cuda_stream().cu_stream()
+}
+
+/// Turns off candle's event tracking for the tensors `device` creates from now on. Those
+/// events are recorded after each use and waited on before each free; inside a capture they
+/// would be recorded into the graph and waited on from outside it.
+pub(crate) fn prepare(device: &CudaDevice) {
+    // SAFETY: candle's conditions are about several streams using one tensor; every
+    // tensor of a device made by `crate::device` lives on that device's single stream,
+    // which orders all of its allocations, uses and frees.
+    unsafe { device.disable_event_tracking() };
+}

@@ -1,0 +1,108 @@
+//! The errors of graft-candle, with what happened and what to do.
+
+use std::sync::Arc;
+
+/// Errors of [`CandleGraft`](crate::CandleGraft)'s operations.
+#[derive(thiserror::Error, Debug)]
+pub enum Error {
+    /// The step id was not returned by `register` on this runtime.
+    #[error("unknown step id {id}: register the step on this CandleGraft before calling it")]
+    UnknownStep {
+        /// The id passed.
+        id: usize,
+    },
+    /// An input or static tensor lives on another device than the runtime's.
+    #[error(
+        "{role} {position} of {step} is on {found}, but this runtime runs on {expected}; move it to the runtime's device first"
+    )]
+    WrongDevice {
+        /// The step called.
+        step: Arc<str>,
+        /// "input" or "static".
+        role: &'static str,
+        /// Its position in the slice passed.
+        position: usize,
+        /// The runtime's device.
+        expected: String,
+        /// The tensor's device.
+        found: String,
+    },
+    /// A tensor's dtype cannot cross graft's boundary (candle's raw-byte dummy types).
+    #[error(
+        "{role} {position} of {step} has dtype {dtype:?}, which graft-candle cannot copy; convert it to a standard dtype first"
+    )]
+    UnsupportedDtype {
+        /// The step called.
+        step: Arc<str>,
+        /// "input", "static" or "output".
+        role: &'static str,
+        /// Its position.
+        position: usize,
+        /// The dtype.
+        dtype: candle_core::DType,
+    },
+    /// A batch does not fit any bucket.
+    #[error(
+        "a batch of {batch} rows fits no bucket (the largest is {largest}); split it or add a larger bucket"
+    )]
+    NoBucket {
+        /// Rows asked for.
+        batch: usize,
+        /// The largest bucket.
+        largest: usize,
+    },
+    /// A bucket list that cannot be used.
+    #[error(
+        "bucket list {buckets:?} is not usable: it must be non-empty, strictly increasing and start at 1 or more"
+    )]
+    BadBuckets {
+        /// The list given.
+        buckets: Vec<usize>,
+    },
+    /// The step's body failed (a candle error: bad shapes, unsupported op, ...), in a run
+    /// that was not a capture, or with an error that is not about capturing.
+    #[error("body of {step} failed: {source}")]
+    Body {
+        /// The step called.
+        step: Arc<str>,
+        /// candle's error.
+        source: candle_core::Error,
+    },
+    /// candle failed outside the body (making the tensors graft-candle hands in or back).
+    #[error("{step}: {what} failed: {source}")]
+    Candle {
+        /// The step called.
+        step: Arc<str>,
+        /// What graft-candle was doing.
+        what: &'static str,
+        /// candle's error.
+        source: candle_core::Error,
+    },
+    /// graft refused or failed the call (see graft's `CallError`).
+    #[cfg(feature = "cuda")]
+    #[error(transparent)]
+    Call(#[from] graft_core::CallError),
+    /// graft's memory operations failed (allocating or reading a staging buffer).
+    #[cfg(feature = "cuda")]
+    #[error(transparent)]
+    Memory(#[from] graft_core::MemoryError),
+    /// Opening graft's CUDA device on candle's stream failed, or a driver query failed.
+    #[cfg(feature = "cuda")]
+    #[error("{what}: {source}")]
+    Device {
+        /// What was being done.
+        what: &'static str,
+        /// The device's error.
+        source: graft_core::DeviceError,
+    },
+    /// A CUDA driver call graft-candle makes itself (copies between candle tensors and graft
+    /// buffers, graph memory queries) failed.
+    #[cfg(feature = "cuda")]
+    #[error("{what} failed: {source}; the CUDA context may be broken, restart the process")]
+    Driver {
+        /// What was being done.
+        what: &'static str,
+        /// CUDA's error.
+        source: candle_core::cuda_backend::cudarc::driver::DriverError,
+    },
+}

@@ -1,0 +1,306 @@
+//! [`CandleGraft`]: a candle step function under graft. Candle tensors in, candle tensors out;
+//! on a CUDA device the step is warmed up, recorded and replayed by graft, anywhere else it
+//! runs eagerly with a typed reason.
+
+use std::sync::Arc;
+
+#[cfg(any(test, feature = "cuda"))]
+use candle_core::DType;
+use candle_core::{Device, Tensor};
+
+use crate::error::Error;
+use crate::refusal::EagerCause;
+
+/// Identifies a registered step.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub struct StepId(pub(crate) usize);
+
+/// What a call did.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub enum StepOutcome {
+    /// Replayed this recorded node.
+    Replayed(graft_core::NodeId),
+    /// Recorded this new node (and launched it once).
+    Recorded(graft_core::NodeId),
+    /// Ran eagerly as a warmup (the recording comes after the warmups).
+    Warmup,
+    /// Ran eagerly, for this reason.
+    Eager(EagerCause),
+}
+
+/// What a call returns: the step's outputs, each a candle tensor the caller owns (it stays
+/// correct however long it is held), and what was done.
+#[derive(Debug)]
+pub struct Step {
+    /// The outputs, in the order the body returned them.
+    pub outputs: Vec<Tensor>,
+    /// What the call did.
+    pub outcome: StepOutcome,
+}
+
+/// A registered step.
+#[derive(Debug)]
+pub(crate) struct StepInfo {
+    pub(crate) name: Arc<str>,
+    /// graft's function (`None` when calls run eagerly).
+    #[cfg(feature = "cuda")]
+    pub(crate) function: Option<graft_core::FunctionId>,
+}
+
+/// Where calls run.
+#[derive(Debug)]
+enum Engine {
+    /// Not a CUDA device: every call runs the body directly.
+    Eager(EagerCause),
+    /// graft over candle's CUDA stream.
+    #[cfg(feature = "cuda")]
+    Cuda(Box<crate::cuda::engine::CudaEngine>),
+}
+
+/// graft for candle: runs registered step functions of candle tensors under graft's graph
+/// tree on a candle CUDA device (see the crate documentation for the contract), and eagerly
+/// on any other device.
+#[derive(Debug)]
+pub struct CandleGraft {
+    device: Device,
+    engine: Engine,
+    steps: Vec<StepInfo>,
+}
+
+impl CandleGraft {
+    /// A runtime for `device` with graft's default configuration. On a CUDA device, that
+    /// device must have been made by [`crate::device`] (its own stream, event tracking off).
+    pub fn new(device: &Device) -> Result<CandleGraft, Error> {
+        CandleGraft::with_config(device, graft_core::Config::default())
+    }
+
+    /// A runtime for `device` with `config` (warmups, re-record limit, allow-list, ...).
+    pub fn with_config(device: &Device, config: graft_core::Config) -> Result<CandleGraft, Error> {
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(cuda) = device {
+            let engine = crate::cuda::engine::CudaEngine::new(cuda, config)?;
+            return Ok(CandleGraft {
+                device: device.clone(),
+                engine: Engine::Cuda(Box::new(engine)),
+                steps: Vec::new(),
+            });
+        }
+        let _ = config;
+        Ok(CandleGraft {
+            device: device.clone(),
+            engine: Engine::Eager(EagerCause::NotCuda {
+                location: format!("{:?}", device.location()),
+            }),
+            steps: Vec::new(),
+        })
+    }
+
+    /// The candle device calls run on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Whether calls run under graft (a CUDA device in a `cuda` build) rather than eagerly.
+    pub fn is_graphed(&self) -> bool {
+        !matches!(self.engine, Engine::Eager(_))
+    }
+
+    /// Registers a step (an inference function) and returns its id. Names appear in errors,
+    /// logs and graft's diagnostics.
+    pub fn register(&mut self, name: &str) -> StepId {
+        let name: Arc<str> = Arc::from(name);
+        match &mut self.engine {
+            Engine::Eager(_) => self.steps.push(StepInfo {
+                name,
+                #[cfg(feature = "cuda")]
+                function: None,
+            }),
+            #[cfg(feature = "cuda")]
+            Engine::Cuda(engine) => {
+                let function = engine.register(&name);
+                self.steps.push(StepInfo {
+                    name,
+                    function: Some(function),
+                });
+            }
+        }
+        StepId(self.steps.len() - 1)
+    }
+
+    /// Calls step `step`: `inputs` are the tensors that change from call to call (tokens),
+    /// handed to `body` as fresh tensors in the same order; `statics` are the tensors `body`
+    /// captures by reference and reads or writes in place (weights, KV caches, positions):
+    /// their device addresses are part of the signature, so a moved tensor means a new
+    /// recording, never a stale address; `keys` are integers of your own that must match for
+    /// a replay (the bucket, for one). The inputs' dtypes and shapes are keys too.
+    ///
+    /// `body` is ordinary candle code. Under graft it may run (warmup, recording, eager
+    /// fallback) or not (replay); it must not read results to the host, upload host data
+    /// that changes between calls, or keep any tensor it makes beyond its return. A body
+    /// that does one of the first two runs eagerly from then on with the operation as the
+    /// reason ([`EagerCause::Uncapturable`]).
+    pub fn call<F>(
+        &mut self,
+        step: StepId,
+        inputs: &[&Tensor],
+        statics: &[&Tensor],
+        keys: &[u64],
+        body: F,
+    ) -> Result<Step, Error>
+    where
+        F: FnMut(&[Tensor]) -> candle_core::Result<Vec<Tensor>>,
+    {
+        let info = self
+            .steps
+            .get(step.0)
+            .ok_or(Error::UnknownStep { id: step.0 })?;
+        check_devices(&self.device, &info.name, "input", inputs)?;
+        check_devices(&self.device, &info.name, "static", statics)?;
+        match &mut self.engine {
+            Engine::Eager(why) => {
+                let mut body = body;
+                let owned: Vec<Tensor> = inputs.iter().map(|&t| t.clone()).collect();
+                let outputs = body(&owned).map_err(|source| Error::Body {
+                    step: info.name.clone(),
+                    source,
+                })?;
+                let _ = keys;
+                Ok(Step {
+                    outputs,
+                    outcome: StepOutcome::Eager(why.clone()),
+                })
+            }
+            #[cfg(feature = "cuda")]
+            Engine::Cuda(engine) => engine.call(step.0, info, inputs, statics, keys, body),
+        }
+    }
+
+    /// Starts a new step of graft's tree (optional for inference loops; see graft's
+    /// `Graft::mark_step_begin`).
+    pub fn mark_step_begin(&mut self) {
+        #[cfg(feature = "cuda")]
+        if let Engine::Cuda(engine) = &mut self.engine {
+            engine.graft_mut().mark_step_begin();
+        }
+    }
+
+    /// The graft runtime underneath, for diagnostics (`explain`, `stats`, `dump_text`,
+    /// `memory_report`); `None` when calls run eagerly.
+    #[cfg(feature = "cuda")]
+    pub fn graft(&self) -> Option<&graft_core::Graft<graft_cuda::CudaDevice, crate::OutputMeta>> {
+        match &self.engine {
+            Engine::Cuda(engine) => Some(engine.graft()),
+            Engine::Eager(_) => None,
+        }
+    }
+}
+
+/// Every tensor of `tensors` must be on `device`.
+fn check_devices(
+    device: &Device,
+    step: &Arc<str>,
+    role: &'static str,
+    tensors: &[&Tensor],
+) -> Result<(), Error> {
+    for (position, t) in tensors.iter().enumerate() {
+        if !t.device().same_device(device) {
+            return Err(Error::WrongDevice {
+                step: step.clone(),
+                role,
+                position,
+                expected: format!("{:?}", device.location()),
+                found: format!("{:?}", t.device().location()),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// A stable number for a dtype, for signature keys.
+#[cfg(any(test, feature = "cuda"))]
+pub(crate) fn dtype_key(dtype: DType) -> u64 {
+    DTYPES
+        .iter()
+        .position(|&d| d == dtype)
+        .map_or(u64::MAX, |i| i as u64)
+}
+
+#[cfg(any(test, feature = "cuda"))]
+const DTYPES: [DType; 10] = [
+    DType::U8,
+    DType::U32,
+    DType::I16,
+    DType::I32,
+    DType::I64,
+    DType::BF16,
+    DType::F16,
+    DType::F32,
+    DType::F64,
+    DType::F8E4M3,
+];
+
+/// Appends what of `t` the signature depends on: dtype, rank, dims.
+#[cfg(any(test, feature = "cuda"))]
+pub(crate) fn push_shape_keys(keys: &mut Vec<u64>, t: &Tensor) {
+    keys.push(dtype_key(t.dtype()));
+    keys.push(t.rank() as u64);
+    keys.extend(t.dims().iter().map(|&d| d as u64));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shape_keys_tell_shapes_of_equal_size_apart() {
+        let a = Tensor::zeros(8, DType::U32, &Device::Cpu).unwrap();
+        let b = Tensor::zeros((2, 4), DType::U32, &Device::Cpu).unwrap();
+        let c = Tensor::zeros(8, DType::F32, &Device::Cpu).unwrap();
+        let keys = |t: &Tensor| {
+            let mut k = Vec::new();
+            push_shape_keys(&mut k, t);
+            k
+        };
+        assert_eq!(keys(&a), vec![dtype_key(DType::U32), 1, 8]);
+        assert_ne!(keys(&a), keys(&b));
+        assert_ne!(keys(&a), keys(&c));
+        assert!(DTYPES.iter().all(|&d| dtype_key(d) != u64::MAX));
+    }
+
+    #[test]
+    fn cpu_runs_eagerly_with_a_typed_reason() {
+        let mut g = CandleGraft::new(&Device::Cpu).unwrap();
+        assert!(!g.is_graphed());
+        let step = g.register("double");
+        let x = Tensor::new(&[1f32, 2., 3.], &Device::Cpu).unwrap();
+        let out = g
+            .call(step, &[&x], &[], &[], |ins| Ok(vec![(&ins[0] * 2.0)?]))
+            .unwrap();
+        assert!(matches!(
+            out.outcome,
+            StepOutcome::Eager(EagerCause::NotCuda { .. })
+        ));
+        assert_eq!(out.outputs[0].to_vec1::<f32>().unwrap(), [2., 4., 6.]);
+        g.mark_step_begin();
+    }
+
+    #[test]
+    fn unknown_steps_and_body_errors_are_typed() {
+        let mut g = CandleGraft::new(&Device::Cpu).unwrap();
+        let e = g
+            .call(StepId(3), &[], &[], &[], |_| Ok(Vec::new()))
+            .unwrap_err();
+        assert!(matches!(e, Error::UnknownStep { id: 3 }), "{e}");
+        let step = g.register("fails");
+        let e = g
+            .call(step, &[], &[], &[], |_| {
+                candle_core::bail!("shape mismatch in the body")
+            })
+            .unwrap_err();
+        assert!(
+            matches!(&e, Error::Body { step, .. } if &**step == "fails"),
+            "{e}"
+        );
+        assert!(e.to_string().contains("shape mismatch"), "{e}");
+    }
+}
