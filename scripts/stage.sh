@@ -6,8 +6,9 @@
 #                                binary's unit tests, <pkg>.<name> = tests/<name>.rs)
 #   stage/MANIFEST               git revision, toolchain and what was staged
 # New crates, binaries and tests are picked up by themselves (cargo's JSON messages list them).
-# Debug info is left out and symbols kept (panics still name functions), so that stage/ stays
-# well under the 64 MiB a device run may carry. Then, on the GPU machine: scripts/gpu-run.sh
+# Debug info is left out and symbols kept (panics still name functions), and every executable
+# is xz-packed (as <name>.xz; gpu-run.sh unpacks them), so that stage/ stays well under the
+# 64 MiB a device run may carry. Then, on the GPU machine: scripts/gpu-run.sh
 # (with "stage" in the run's carry list).
 #
 # With --candle-cuda (or GRAFT_STAGE_CANDLE_CUDA=1) it also builds graft-candle with its `cuda`
@@ -118,7 +119,15 @@ if staged_list:
         f.writelines(path + "\n" for path in staged)
 print(f"staged {len(staged)} executables", file=sys.stderr)
 PY
-python3 "$stager" "$bin_json" "$test_json" "$metadata" ""
+plain_staged=$(mktemp)
+python3 "$stager" "$bin_json" "$test_json" "$metadata" "" "$plain_staged"
+# Every executable is xz-packed (about 4x smaller; gpu-run.sh unpacks them on the GPU machine),
+# so that the workspace's ~50 MiB of executables and candle's CUDA build fit in one carry.
+while IFS= read -r exe; do
+    xz -T0 -6 -f "$exe"
+    echo "$exe.xz $(stat -c %s "$exe.xz")" >>stage/MANIFEST
+done <"$plain_staged"
+rm -f "$plain_staged"
 
 if ((candle_cuda)); then
     # A separate invocation: candle's CUDA backend needs cudarc's dynamic-linking, the rest of

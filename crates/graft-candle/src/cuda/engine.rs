@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use candle_core::cuda_backend::CudaDevice as CandleCuda;
-use candle_core::cuda_backend::cudarc::driver::CudaStream;
+use candle_core::cuda_backend::cudarc::driver::{CudaStream, sys};
 use candle_core::{DType, Shape, Tensor};
 use graft_core::{
     BodyError, Buffer, CallError, CaptureViolation, Config, Ctx, Decision, DeviceError, FunctionId,
@@ -198,6 +198,17 @@ impl CudaEngine {
                     }
                 };
                 drop(fresh);
+                if recording && let Some(op) = silent_capture_failure(stream) {
+                    // A call inside the body broke the capture without returning an error.
+                    drop(produced);
+                    let op_kind = op.device_op();
+                    refusal = Some(op);
+                    clear_pending = true;
+                    return Err(BodyError::Device(DeviceError::Capture {
+                        op: op_kind,
+                        violation: CaptureViolation::Invalidated,
+                    }));
+                }
                 stage_out(ctx, stream, produced)
             },
             &mut self.outs,
@@ -322,6 +333,25 @@ fn stage_out(
 
 fn framework(e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> BodyError {
     BodyError::Framework(e.into())
+}
+
+/// An operation that broke the capture of a body that returned normally: cudarc records the
+/// errors of calls that cannot return one (the synchronize after a host read, a free) and the
+/// capture may be invalidated. Called at the end of a recorded body, so what cudarc holds is
+/// this body's.
+fn silent_capture_failure(stream: &Arc<CudaStream>) -> Option<Uncapturable> {
+    if let Err(error) = stream.context().check_err() {
+        return Some(Uncapturable::CudaCall {
+            error: format!("{:?}", error.0),
+        });
+    }
+    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE;
+    // SAFETY: the stream is live (held by `stream`) and `status` is a valid out-pointer.
+    let queried = unsafe { sys::cuStreamIsCapturing(stream.cu_stream(), &mut status) };
+    let invalidated = status == sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_INVALIDATED;
+    (queried.result().is_ok() && invalidated).then(|| Uncapturable::CudaCall {
+        error: "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED".to_string(),
+    })
 }
 
 /// After a capture candle's body broke, cudarc may hold an error it recorded on the way
