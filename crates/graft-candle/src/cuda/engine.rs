@@ -41,7 +41,10 @@ pub(crate) struct CudaEngine {
     candle: CandleCuda,
     stream: Arc<CudaStream>,
     /// Per signature (step index first, then the keys), the buffers the inputs are staged in.
-    staging: HashMap<Vec<u64>, Vec<Buffer>>,
+    /// A few per step (one per bucket): searched linearly, the last one used first.
+    staging: Vec<(Vec<u64>, Vec<Buffer>)>,
+    /// The index in `staging` of the last signature called.
+    last_staged: usize,
     /// Per signature, the operation that made it eager.
     refusals: HashMap<Vec<u64>, Uncapturable>,
     /// Scratch: the signature of the call in progress.
@@ -75,7 +78,8 @@ impl CudaEngine {
             graft: Graft::new(device, config),
             candle: candle.clone(),
             stream,
-            staging: HashMap::new(),
+            staging: Vec::new(),
+            last_staged: 0,
             refusals: HashMap::new(),
             signature: Vec::new(),
             outs: Vec::new(),
@@ -136,18 +140,29 @@ impl CudaEngine {
             let (addr, _) = checked_range(t, &self.stream, name, "static", position)?;
             signature.push(addr);
         }
-        if !self.staging.contains_key(signature.as_slice()) {
-            let mut buffers = Vec::with_capacity(contiguous.len());
-            for t in &contiguous {
-                let bytes = t.elem_count() * t.dtype().size_in_bytes();
-                // At least one byte: a zero-length buffer has no address to be static at.
-                let buffer = self.graft.alloc(bytes.max(1))?;
-                buffer.mark_static();
-                buffers.push(buffer);
+        let hit = match self.staging.get(self.last_staged) {
+            Some((known, _)) if known.as_slice() == signature.as_slice() => Some(self.last_staged),
+            _ => self
+                .staging
+                .iter()
+                .position(|(known, _)| known.as_slice() == signature.as_slice()),
+        };
+        self.last_staged = match hit {
+            Some(index) => index,
+            None => {
+                let mut buffers = Vec::with_capacity(contiguous.len());
+                for t in &contiguous {
+                    let bytes = t.elem_count() * t.dtype().size_in_bytes();
+                    // At least one byte: a zero-length buffer has no address to be static at.
+                    let buffer = self.graft.alloc(bytes.max(1))?;
+                    buffer.mark_static();
+                    buffers.push(buffer);
+                }
+                self.staging.push((signature.clone(), buffers));
+                self.staging.len() - 1
             }
-            self.staging.insert(signature.clone(), buffers);
-        }
-        let staging = &self.staging[signature.as_slice()];
+        };
+        let staging = &self.staging[self.last_staged].1;
         let mut metas = Vec::with_capacity(contiguous.len());
         for (position, (t, buffer)) in contiguous.iter().zip(staging).enumerate() {
             let (src, bytes) = checked_range(t, &self.stream, name, "input", position)?;
