@@ -51,6 +51,25 @@ pub(crate) struct CudaEngine {
     signature: Vec<u64>,
     /// Scratch: graft's outputs.
     outs: Vec<Output<OutputMeta>>,
+    /// Declared last, so dropped after `graft` (and with it every graph): gives the graph
+    /// memory those graphs held back to the device.
+    _trim: TrimOnDrop,
+}
+
+/// Trims the device's graph memory when dropped (`cuDeviceGraphMemTrim`): memory no graph
+/// that is executing or scheduled uses goes back to the OS.
+struct TrimOnDrop(Arc<CudaStream>);
+
+impl Drop for TrimOnDrop {
+    fn drop(&mut self) {
+        let cu_device = self.0.context().cu_device();
+        // SAFETY: `cu_device` is the device of the context `self.0` keeps alive; trimming
+        // only releases graph memory no graph uses.
+        let trimmed = unsafe { sys::cuDeviceGraphMemTrim(cu_device) }.result();
+        if let Err(error) = trimmed {
+            tracing::debug!(%error, "trimming graph memory after dropping the runtime failed");
+        }
+    }
 }
 
 impl std::fmt::Debug for CudaEngine {
@@ -77,12 +96,13 @@ impl CudaEngine {
         Ok(CudaEngine {
             graft: Graft::new(device, config),
             candle: candle.clone(),
-            stream,
+            stream: stream.clone(),
             staging: Vec::new(),
             last_staged: 0,
             refusals: HashMap::new(),
             signature: Vec::new(),
             outs: Vec::new(),
+            _trim: TrimOnDrop(stream),
         })
     }
 
