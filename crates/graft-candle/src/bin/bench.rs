@@ -107,15 +107,22 @@ fn median(samples: &mut [f64]) -> f64 {
     samples[samples.len() / 2]
 }
 
+/// What one measurement found: each runner's median step in microseconds and the first
+/// step at which its tokens differed from eager's, if any.
+struct Measured {
+    us: Vec<f64>,
+    differs: Vec<Option<usize>>,
+}
+
 /// Checks every runner's tokens against eager's for `CHECK_STEPS` steps, then times them in
-/// alternating rounds; returns each runner's median step in microseconds.
+/// alternating rounds.
 fn measure(
     model: &Llama,
     device: &Device,
     batch: usize,
     runners: &mut [(Runner<'_>, DecodeState)],
     o: &Options,
-) -> BenchResult<Vec<f64>> {
+) -> BenchResult<Measured> {
     let vocab = model.config().vocab;
     let eager_state = model.new_state(batch)?;
     let mut eager = first_tokens(batch, vocab, device)?;
@@ -124,17 +131,22 @@ fn measure(
         state.reset()?;
         tokens.push(first_tokens(batch, vocab, device)?);
     }
+    let mut differs = vec![None; runners.len()];
     for i in 0..CHECK_STEPS {
         eager = model.step(&eager_state, &eager)?;
         let want = eager.to_vec1::<u32>()?;
-        for ((runner, state), t) in runners.iter_mut().zip(tokens.iter_mut()) {
+        for (((runner, state), t), first) in runners
+            .iter_mut()
+            .zip(tokens.iter_mut())
+            .zip(differs.iter_mut())
+        {
             *t = runner.step(model, state, t)?;
-            if t.to_vec1::<u32>()? != want {
-                return Err(format!(
+            if first.is_none() && t.to_vec1::<u32>()? != want {
+                eprintln!(
                     "{} at batch {batch}: step {i} differs from eager",
                     runner.name()
-                )
-                .into());
+                );
+                *first = Some(i);
             }
         }
     }
@@ -160,7 +172,23 @@ fn measure(
             }
         }
     }
-    Ok(samples.iter_mut().map(|s| median(s)).collect())
+    let us = samples.iter_mut().map(|s| median(s)).collect();
+    Ok(Measured { us, differs })
+}
+
+/// "identical" or where the tokens first differed, for each runner after the first.
+fn tokens_note(m: &Measured) -> String {
+    let bad: Vec<String> = m
+        .differs
+        .iter()
+        .enumerate()
+        .filter_map(|(i, d)| d.map(|step| format!("variant {i} differs from step {step}")))
+        .collect();
+    if bad.is_empty() {
+        "tokens identical".to_string()
+    } else {
+        format!("TOKENS DIFFER: {}", bad.join(", "))
+    }
 }
 
 fn main() {
@@ -186,24 +214,40 @@ fn run() -> BenchResult<()> {
         "decode step, {cfg}; {} timed steps per variant in {} rounds, median",
         o.steps, o.rounds
     );
+    let mut failed = false;
     for batch in BUCKETS {
-        let handmade_state = model.new_state(batch)?;
-        let example = first_tokens(batch, cfg.vocab, &device)?;
-        let handmade = HandmadeGraph::capture(&cuda, &example, |t| model.step(&handmade_state, t))?;
-        let mut runners = vec![
-            (Runner::Eager, model.new_state(batch)?),
-            (Runner::Handmade(handmade), handmade_state),
-            (Runner::Graft(&mut graft, step), model.new_state(batch)?),
-        ];
-        let us = measure(&model, &device, batch, &mut runners, &o)?;
-        let (eager, hand, ours) = (us[0], us[1], us[2]);
+        let mut one = || -> BenchResult<Measured> {
+            let handmade_state = model.new_state(batch)?;
+            let example = first_tokens(batch, cfg.vocab, &device)?;
+            let handmade =
+                HandmadeGraph::capture(&cuda, &example, |t| model.step(&handmade_state, t))?;
+            let mut runners = vec![
+                (Runner::Eager, model.new_state(batch)?),
+                (Runner::Handmade(handmade), handmade_state),
+                (Runner::Graft(&mut graft, step), model.new_state(batch)?),
+            ];
+            measure(&model, &device, batch, &mut runners, &o)
+        };
+        let m = match one() {
+            Ok(m) => m,
+            Err(e) => {
+                failed = true;
+                rows.push(format!("B={batch:<3} failed: {e}"));
+                println!("{}", rows.last().map_or("", String::as_str));
+                continue;
+            }
+        };
+        failed |= m.differs.iter().any(Option::is_some);
+        let (eager, hand, ours) = (m.us[0], m.us[1], m.us[2]);
         rows.push(format!(
-            "B={batch:<3} eager {eager:8.1} us   hand-made graph {hand:8.1} us   graft-candle {ours:8.1} us   eager/graft {:.2}x   graft/hand-made {:.3}",
+            "B={batch:<3} eager {eager:8.1} us   hand-made graph {hand:8.1} us   graft-candle {ours:8.1} us   eager/graft {:.2}x   graft/hand-made {:.3}   {}",
             eager / ours,
-            ours / hand
+            ours / hand,
+            tokens_note(&m)
         ));
         json.push(format!(
-            "{{\"model\":\"bench\",\"batch\":{batch},\"eager_us\":{eager:.1},\"handmade_us\":{hand:.1},\"graft_us\":{ours:.1}}}"
+            "{{\"model\":\"bench\",\"batch\":{batch},\"eager_us\":{eager:.1},\"handmade_us\":{hand:.1},\"graft_us\":{ours:.1},\"tokens_identical\":{}}}",
+            m.differs.iter().all(Option::is_none)
         ));
         println!("{}", rows.last().map_or("", String::as_str));
     }
@@ -217,41 +261,56 @@ fn run() -> BenchResult<()> {
     drop(model);
 
     if !o.skip_1b {
-        let cfg = LlamaConfig::one_b();
-        let started = Instant::now();
-        let model = Llama::new(cfg, 1234, &device)?;
-        println!(
-            "~1B model: {cfg} (weights made in {:.1} s)",
-            started.elapsed().as_secs_f64()
-        );
-        let mut graft = CandleGraft::new(&device)?;
-        let step = graft.register("decode-1b");
-        let mut runners = vec![
-            (Runner::Eager, model.new_state(1)?),
-            (Runner::Graft(&mut graft, step), model.new_state(1)?),
-        ];
-        let us = measure(&model, &device, 1, &mut runners, &o)?;
-        rows.push(format!(
-            "1B B=1 eager {:8.1} us   graft-candle {:8.1} us   eager/graft {:.2}x",
-            us[0],
-            us[1],
-            us[0] / us[1]
-        ));
-        json.push(format!(
-            "{{\"model\":\"1b-bf16\",\"batch\":1,\"eager_us\":{:.1},\"graft_us\":{:.1}}}",
-            us[0], us[1]
-        ));
+        let one_b = || -> BenchResult<Measured> {
+            let cfg = LlamaConfig::one_b();
+            let started = Instant::now();
+            let model = Llama::new(cfg, 1234, &device)?;
+            println!(
+                "~1B model: {cfg} (weights made in {:.1} s)",
+                started.elapsed().as_secs_f64()
+            );
+            let mut graft = CandleGraft::new(&device)?;
+            let step = graft.register("decode-1b");
+            let mut runners = vec![
+                (Runner::Eager, model.new_state(1)?),
+                (Runner::Graft(&mut graft, step), model.new_state(1)?),
+            ];
+            measure(&model, &device, 1, &mut runners, &o)
+        };
+        match one_b() {
+            Ok(m) => {
+                failed |= m.differs.iter().any(Option::is_some);
+                rows.push(format!(
+                    "1B B=1 eager {:8.1} us   graft-candle {:8.1} us   eager/graft {:.2}x   {}",
+                    m.us[0],
+                    m.us[1],
+                    m.us[0] / m.us[1],
+                    tokens_note(&m)
+                ));
+                json.push(format!(
+                    "{{\"model\":\"1b-bf16\",\"batch\":1,\"eager_us\":{:.1},\"graft_us\":{:.1},\"tokens_identical\":{}}}",
+                    m.us[0],
+                    m.us[1],
+                    m.differs.iter().all(Option::is_none)
+                ));
+            }
+            Err(e) => {
+                failed = true;
+                rows.push(format!("1B B=1 failed: {e}"));
+            }
+        }
         println!("{}", rows.last().map_or("", String::as_str));
     }
-    println!(
-        "\nsummary (tokens of every variant checked equal to eager over {CHECK_STEPS} steps):"
-    );
+    println!("\nsummary (tokens of every variant checked against eager over {CHECK_STEPS} steps):");
     for row in &rows {
         println!("  {row}");
     }
     if let Some(path) = &o.json {
         std::fs::write(path, format!("[\n  {}\n]\n", json.join(",\n  ")))?;
         println!("wrote {path}");
+    }
+    if failed {
+        return Err("a variant failed or its tokens differed from eager's (see above)".into());
     }
     Ok(())
 }
