@@ -429,3 +429,37 @@ pub(crate) fn attend(
     let p = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(cfg.dtype)?;
     p.matmul(v)?.reshape((batch, heads * hd))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn configs_have_the_documented_sizes() {
+        let one_b = LlamaConfig::one_b().parameters() as f64;
+        assert!((1.0e9..1.2e9).contains(&one_b), "{one_b}");
+        assert_eq!(LlamaConfig::bench().head_dim(), 64);
+        let shown = LlamaConfig::bench().to_string();
+        assert!(shown.starts_with("4 layers, d=512"), "{shown}");
+    }
+
+    #[test]
+    fn bad_configs_and_batches_are_errors_not_panics() {
+        let device = Device::Cpu;
+        let odd = LlamaConfig {
+            kv_heads: 3,
+            ..LlamaConfig::tiny()
+        };
+        let e = Llama::new(odd, 1, &device).unwrap_err().to_string();
+        assert!(e.contains("heads of kv_heads"), "{e}");
+        let model = Llama::new(LlamaConfig::tiny(), 1, &device).unwrap();
+        assert!(model.new_state(0).is_err());
+        let state = model.new_state(2).unwrap();
+        // The weights and the state's tensors are what a step's signature keys on.
+        assert_eq!(model.weights().len(), 5 + 9 * LlamaConfig::tiny().layers);
+        assert_eq!(state.tensors().len(), 2 * LlamaConfig::tiny().layers + 1);
+        let three = Tensor::new(&[1u32, 2, 3], &device).unwrap();
+        let e = model.step(&state, &three).unwrap_err().to_string();
+        assert!(e.contains("pad the tokens"), "{e}");
+    }
+}

@@ -95,6 +95,31 @@ mod tests {
         }
     }
 
+    /// The same in bf16 (the dtype of the 1B config): the static-cache step runs and agrees
+    /// with the reference.
+    #[test]
+    fn bf16_step_matches_the_reference() {
+        let device = Device::Cpu;
+        let cfg = LlamaConfig {
+            dtype: DType::BF16,
+            ..LlamaConfig::tiny()
+        };
+        let model = Llama::new(cfg, 3, &device).unwrap();
+        let state = model.new_state(2).unwrap();
+        let mut reference = ConcatState::new(&model);
+        let mut ours = Tensor::new(prompt(2).as_slice(), &device).unwrap();
+        let mut theirs = ours.clone();
+        for i in 0..16 {
+            ours = model.step(&state, &ours).unwrap();
+            theirs = step(&model, &mut reference, &theirs).unwrap();
+            assert_eq!(
+                ours.to_vec1::<u32>().unwrap(),
+                theirs.to_vec1::<u32>().unwrap(),
+                "step {i}"
+            );
+        }
+    }
+
     /// graft-candle on the CPU runs the step eagerly with a typed reason and gives the plain
     /// model's tokens, the batch padded to its bucket.
     #[test]
