@@ -82,7 +82,7 @@ pub enum Error {
     #[cfg(feature = "cuda")]
     #[error(transparent)]
     Call(#[from] graft_core::CallError),
-    /// graft's memory operations failed (allocating or reading a staging buffer).
+    /// A graft buffer could not be read (an output buffer graft handed back).
     #[cfg(feature = "cuda")]
     #[error(transparent)]
     Memory(#[from] graft_core::MemoryError),

@@ -9,8 +9,8 @@
 //!
 //! The contract, in short (docs/guide.md has a complete example):
 //! - make the device with [`device`] (its own stream, candle's event tracking off);
-//! - pass the tensors that change every call (tokens) as `inputs`; the body gets fresh
-//!   copies; pass the tensors the body captures and uses in place (weights, KV caches, a
+//! - pass the tensors that change every call (tokens) as `inputs`; the body gets input slots
+//!   holding copies of them (use them within the call); pass the tensors the body captures and uses in place (weights, KV caches, a
 //!   device-side position) as `statics`: their addresses are part of the signature;
 //! - no host reads and no changing host values inside the body: keep positions on the
 //!   device (see [`llama`]); a body that reads to the host or uploads uncached host data runs

@@ -127,8 +127,10 @@ impl CandleGraft {
         StepId(self.steps.len() - 1)
     }
 
-    /// Calls step `step`: `inputs` are the tensors that change from call to call (tokens),
-    /// handed to `body` as fresh tensors in the same order; `statics` are the tensors `body`
+    /// Calls step `step`: `inputs` are the tensors that change from call to call (tokens);
+    /// on CUDA they are copied into input slots graft-candle keeps per signature, and `body`
+    /// gets those slots in the same order (the same tensors on every call of the signature,
+    /// so do not keep them past the call); `statics` are the tensors `body`
     /// captures by reference and reads or writes in place (weights, KV caches, positions):
     /// their device addresses are part of the signature, so a moved tensor means a new
     /// recording, never a stale address; `keys` are integers of your own that must match for

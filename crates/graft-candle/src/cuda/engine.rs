@@ -1,12 +1,13 @@
 //! The engine behind a [`CandleGraft`](crate::CandleGraft) on a CUDA device: graft over
 //! candle's own stream, with every recorded graph self-contained.
 //!
-//! A call: (1) the dynamic inputs are copied into graft buffers kept per signature (static
-//! inputs to graft, so no copy is recorded); (2) graft runs, records or replays the wrapped
-//! body, which copies each buffer into a fresh candle tensor, runs the user's body, copies
-//! each output into a buffer from `ctx.alloc` and drops every candle tensor it made before
-//! returning, so all of candle's allocations inside a capture are freed inside it; (3) each
-//! output buffer is copied into a fresh candle tensor the caller owns, and dropped.
+//! A call: (1) the dynamic inputs are copied into input slots, candle tensors kept per
+//! signature and allocated outside any capture, so a recorded graph reads them at fixed
+//! addresses; (2) graft runs, records or replays the wrapped body, which hands the user's body
+//! handles to the slots, copies each output into a buffer from `ctx.alloc` and drops every
+//! candle tensor it made before returning, so all of candle's allocations inside a capture
+//! are freed inside it; (3) each output buffer is copied into a fresh candle tensor the caller
+//! owns, and dropped.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -15,12 +16,12 @@ use candle_core::cuda_backend::CudaDevice as CandleCuda;
 use candle_core::cuda_backend::cudarc::driver::{CudaStream, sys};
 use candle_core::{DType, Shape, Tensor};
 use graft_core::{
-    BodyError, Buffer, CallError, CaptureViolation, Config, Ctx, Decision, DeviceError, FunctionId,
+    BodyError, CallError, CaptureViolation, Config, Ctx, Decision, DeviceError, FunctionId,
     FunctionSpec, Graft, Outcome, Output, RunKind,
 };
 use graft_cuda::CudaDevice as GraftCuda;
 
-use super::copy::{checked_range, copy, tensor_range, uninit_tensor};
+use super::copy::{checked_range, copy, uninit_tensor};
 use crate::error::Error;
 use crate::refusal::{EagerCause, Uncapturable, classify};
 use crate::runtime::{Step, StepInfo, StepOutcome, push_shape_keys};
@@ -40,11 +41,13 @@ pub(crate) struct CudaEngine {
     graft: Graft<GraftCuda, OutputMeta>,
     candle: CandleCuda,
     stream: Arc<CudaStream>,
-    /// Per signature (step index first, then the keys), the buffers the inputs are staged in.
-    /// A few per step (one per bucket): searched linearly, the last one used first.
-    staging: Vec<(Vec<u64>, Vec<Buffer>)>,
-    /// The index in `staging` of the last signature called.
-    last_staged: usize,
+    /// Per signature (step index first, then the keys), the input slots: one candle tensor per
+    /// input, made on the signature's first call and kept for good, so the signature alone
+    /// fixes their addresses. A few per step (one per bucket): searched linearly, the last one
+    /// used first.
+    slots: Vec<(Vec<u64>, Vec<Tensor>)>,
+    /// The index in `slots` of the last signature called.
+    last_slots: usize,
     /// Per signature, the operation that made it eager.
     refusals: HashMap<Vec<u64>, Uncapturable>,
     /// Scratch: the signature of the call in progress.
@@ -76,7 +79,7 @@ impl std::fmt::Debug for CudaEngine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CudaEngine")
             .field("graft", &self.graft)
-            .field("signatures", &self.staging.len())
+            .field("signatures", &self.slots.len())
             .finish_non_exhaustive()
     }
 }
@@ -97,8 +100,8 @@ impl CudaEngine {
             graft: Graft::new(device, config),
             candle: candle.clone(),
             stream: stream.clone(),
-            staging: Vec::new(),
-            last_staged: 0,
+            slots: Vec::new(),
+            last_slots: 0,
             refusals: HashMap::new(),
             signature: Vec::new(),
             outs: Vec::new(),
@@ -160,43 +163,36 @@ impl CudaEngine {
             let (addr, _) = checked_range(t, &self.stream, name, "static", position)?;
             signature.push(addr);
         }
-        let hit = match self.staging.get(self.last_staged) {
-            Some((known, _)) if known.as_slice() == signature.as_slice() => Some(self.last_staged),
+        let hit = match self.slots.get(self.last_slots) {
+            Some((known, _)) if known.as_slice() == signature.as_slice() => Some(self.last_slots),
             _ => self
-                .staging
+                .slots
                 .iter()
                 .position(|(known, _)| known.as_slice() == signature.as_slice()),
         };
-        self.last_staged = match hit {
+        self.last_slots = match hit {
             Some(index) => index,
             None => {
-                let mut buffers = Vec::with_capacity(contiguous.len());
+                let mut slots = Vec::with_capacity(contiguous.len());
                 for t in &contiguous {
-                    let bytes = t.elem_count() * t.dtype().size_in_bytes();
-                    // At least one byte: a zero-length buffer has no address to be static at.
-                    let buffer = self.graft.alloc(bytes.max(1))?;
-                    buffer.mark_static();
-                    buffers.push(buffer);
+                    slots.push(
+                        uninit_tensor(&self.candle, t.dtype(), t.shape())
+                            .map_err(candle_error("allocating an input slot"))?,
+                    );
                 }
-                self.staging.push((signature.clone(), buffers));
-                self.staging.len() - 1
+                self.slots.push((signature.clone(), slots));
+                self.slots.len() - 1
             }
         };
-        let staging = &self.staging[self.last_staged].1;
-        let mut metas = Vec::with_capacity(contiguous.len());
-        for (position, (t, buffer)) in contiguous.iter().zip(staging).enumerate() {
+        let slots = &self.slots[self.last_slots].1;
+        for (position, (t, slot)) in contiguous.iter().zip(slots).enumerate() {
             let (src, bytes) = checked_range(t, &self.stream, name, "input", position)?;
-            let dst = buffer.addr().map_err(graft_core::MemoryError::from)?.0;
+            let (dst, _) = checked_range(slot, &self.stream, name, "input", position)?;
             copy(dst, src, bytes, &self.stream).map_err(|source| Error::Driver {
-                what: "copying an input into its staging buffer",
+                what: "copying an input into its slot",
                 source,
             })?;
-            metas.push(OutputMeta {
-                dtype: t.dtype(),
-                shape: t.shape().clone(),
-            });
         }
-        let staged: Vec<&Buffer> = staging.iter().collect();
 
         let (candle, stream) = (&self.candle, &self.stream);
         let mut refusal: Option<Uncapturable> = None;
@@ -207,18 +203,18 @@ impl CudaEngine {
         let cache = candle.enable_cuda_graph_htod_cache();
         let result = self.graft.call_into(
             function,
-            &staged,
+            &[],
             &signature[1..],
             |ctx: &mut Ctx<'_, GraftCuda>| {
                 if std::mem::take(&mut clear_pending) {
                     clear_cudarc_error(stream);
                 }
                 let recording = ctx.kind() == RunKind::Recording;
-                let fresh = stage_in(candle, stream, &metas, ctx.inputs())?;
-                let produced = match body(&fresh) {
+                let handles: Vec<Tensor> = slots.to_vec();
+                let produced = match body(&handles) {
                     Ok(produced) => produced,
                     Err(error) => {
-                        drop(fresh);
+                        drop(handles);
                         if recording && let Some(op) = classify(&error) {
                             let op_kind = op.device_op();
                             refusal = Some(op);
@@ -232,7 +228,7 @@ impl CudaEngine {
                         return Err(BodyError::Framework("the step's body failed".into()));
                     }
                 };
-                drop(fresh);
+                drop(handles);
                 if recording && let Some(op) = silent_capture_failure(stream) {
                     // A call inside the body broke the capture without returning an error.
                     drop(produced);
@@ -318,25 +314,6 @@ impl CudaEngine {
             .last()
             .map_or(EagerCause::Unlogged, EagerCause::Graft)
     }
-}
-
-/// Fresh candle tensors holding the staged inputs (inside a capture: graph allocations and
-/// memcpy nodes).
-fn stage_in(
-    candle: &CandleCuda,
-    stream: &Arc<CudaStream>,
-    metas: &[OutputMeta],
-    buffers: &[Buffer],
-) -> Result<Vec<Tensor>, BodyError> {
-    let mut fresh = Vec::with_capacity(metas.len());
-    for (meta, buffer) in metas.iter().zip(buffers) {
-        let t = uninit_tensor(candle, meta.dtype, &meta.shape).map_err(framework)?;
-        let (dst, bytes) = tensor_range(&t, stream)
-            .ok_or_else(|| framework("a staged input's dtype has no device layout"))?;
-        copy(dst, buffer.addr()?.0, bytes, stream).map_err(framework)?;
-        fresh.push(t);
-    }
-    Ok(fresh)
 }
 
 /// Copies each output into a buffer from graft's pool and drops the candle tensor, so no
