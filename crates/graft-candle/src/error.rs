@@ -82,6 +82,19 @@ pub enum Error {
     #[cfg(feature = "cuda")]
     #[error(transparent)]
     Call(#[from] graft_core::CallError),
+    /// Launching a recorded graph failed. CUDA refuses to relaunch a graph while one of its
+    /// allocations is held: a body that keeps a tensor it made (in a struct, a cache, a
+    /// channel) causes this.
+    #[cfg(feature = "cuda")]
+    #[error(
+        "{step}: launching its recorded graph failed: {source}; if the body keeps a tensor it made (in a struct, a cache, a channel), CUDA refuses to relaunch the graph until that tensor is dropped: a step must drop everything it makes"
+    )]
+    Launch {
+        /// The step called.
+        step: Arc<str>,
+        /// The device's error.
+        source: graft_core::DeviceError,
+    },
     /// A graft buffer could not be read (an output buffer graft handed back).
     #[cfg(feature = "cuda")]
     #[error(transparent)]

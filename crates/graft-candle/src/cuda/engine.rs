@@ -16,8 +16,8 @@ use candle_core::cuda_backend::CudaDevice as CandleCuda;
 use candle_core::cuda_backend::cudarc::driver::{CudaStream, sys};
 use candle_core::{DType, Shape, Tensor};
 use graft_core::{
-    BodyError, CallError, CaptureViolation, Config, Ctx, Decision, DeviceError, FunctionId,
-    FunctionSpec, Graft, Outcome, Output, RunKind,
+    BodyError, CallError, CaptureViolation, Config, Ctx, Decision, DeviceError, DeviceOp,
+    FunctionId, FunctionSpec, Graft, Outcome, Output, RunKind,
 };
 use graft_cuda::CudaDevice as GraftCuda;
 
@@ -268,6 +268,13 @@ impl CudaEngine {
                         function: name.clone(),
                         source,
                     }),
+                });
+            }
+            Err(CallError::Device { source, .. }) if source.op() == DeviceOp::GraphLaunch => {
+                self.outs.clear();
+                return Err(Error::Launch {
+                    step: name.clone(),
+                    source,
                 });
             }
             Err(e) => {
