@@ -96,6 +96,14 @@ else
 fi
 say "libnvrtc: $( (ldconfig -p 2>/dev/null | grep -o 'libnvrtc\.so[^ ]*' | sort -u | tr '\n' ' ') || true)"
 say "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
+# graft-candle's CUDA executables (stage.sh --candle-cuda) link these by soname (CUDA 13).
+if compgen -G 'stage/*/*_cuda*' >/dev/null; then
+    for lib in libcuda.so.1 libcublas.so.13 libcublasLt.so.13 libcurand.so.10 libcudart.so.13; do
+        where=$( (IFS=:; for dir in ${LD_LIBRARY_PATH:-}; do [[ -e $dir/$lib ]] && echo "$dir" && break; done) )
+        [[ -z $where ]] && where=$(ldconfig -p 2>/dev/null | grep -F "$lib " | head -1 | sed 's/.*=> //')
+        say "candle CUDA build needs $lib: ${where:-NOT FOUND}"
+    done
+fi
 
 # scripts/stage.sh --candle-cuda stages the large candle CUDA executables xz-compressed.
 for packed in stage/bin/*.xz stage/tests/*.xz; do
