@@ -11,11 +11,13 @@ pub(crate) fn main() -> Result<(), Box<dyn std::error::Error>> {
     let device = graft_candle::device(0)?;
     let model = Llama::new(LlamaConfig::tiny(), 42, &device)?;
     let mut graft = CandleGraft::new(&device)?;
-    let decode = graft.register("decode");
+    // Recorded at batch 1, 8 and 32: one graph per bucket, not per batch size.
+    let buckets = Buckets::new([1, 8, 32])?;
+    let decode = graft.register_bucketed("decode", buckets.clone());
 
-    // Three requests padded to a bucket (8): one graph per bucket, not per batch size. The
+    // Three requests padded to their bucket (8), which is the first key of every call. The
     // decode state (KV cache and position, on the device) belongs to the bucket.
-    let (bucket, padded) = Buckets::default().pad(&[11u32, 22, 33], 0)?;
+    let (bucket, padded) = graft_candle::pad(&buckets, &[11u32, 22, 33], 0);
     let state = model.new_state(bucket)?;
     // What the step uses in place: its addresses are part of the signature.
     let mut statics = model.weights();

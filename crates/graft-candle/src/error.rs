@@ -41,24 +41,6 @@ pub enum Error {
         /// The dtype.
         dtype: candle_core::DType,
     },
-    /// A batch does not fit any bucket.
-    #[error(
-        "a batch of {batch} rows fits no bucket (the largest is {largest}); split it or add a larger bucket"
-    )]
-    NoBucket {
-        /// Rows asked for.
-        batch: usize,
-        /// The largest bucket.
-        largest: usize,
-    },
-    /// A bucket list that cannot be used.
-    #[error(
-        "bucket list {buckets:?} is not usable: it must be non-empty, strictly increasing and start at 1 or more"
-    )]
-    BadBuckets {
-        /// The list given.
-        buckets: Vec<usize>,
-    },
     /// The step's body failed (a candle error: bad shapes, unsupported op, ...), in a run
     /// that was not a capture, or with an error that is not about capturing.
     #[error("body of {step} failed: {source}")]

@@ -46,11 +46,12 @@ mod runtime;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 
-pub use bucket::Buckets;
+pub use bucket::pad;
 pub use candle_core;
 #[cfg(feature = "cuda")]
 pub use cuda::OutputMeta;
 pub use error::Error;
+pub use graft_core::{Bucket, Buckets};
 pub use refusal::{EagerCause, Uncapturable};
 pub use runtime::{CandleGraft, Step, StepId, StepOutcome};
 

@@ -57,7 +57,7 @@ mod tests {
 
     use super::*;
     use crate::llama::LlamaConfig;
-    use crate::{Buckets, CandleGraft, EagerCause, StepOutcome};
+    use crate::{Buckets, CandleGraft, EagerCause, StepOutcome, pad};
 
     const STEPS: usize = 64;
 
@@ -126,13 +126,13 @@ mod tests {
     fn the_adapter_on_the_cpu_gives_the_plain_models_tokens() {
         let device = Device::Cpu;
         let model = Llama::new(LlamaConfig::tiny(), 7, &device).unwrap();
-        let buckets = Buckets::default();
-        let (bucket, padded) = buckets.pad(&prompt(3), 0).unwrap();
+        let buckets = Buckets::new([1, 8, 32]).unwrap();
+        let (bucket, padded) = pad(&buckets, &prompt(3), 0);
         assert_eq!(bucket, 8);
         let plain_state = model.new_state(bucket).unwrap();
         let state = model.new_state(bucket).unwrap();
         let mut graft = CandleGraft::new(&device).unwrap();
-        let decode = graft.register("decode");
+        let decode = graft.register_bucketed("decode", buckets);
         let mut statics = model.weights();
         statics.extend(state.tensors());
         let mut plain = Tensor::new(padded.as_slice(), &device).unwrap();

@@ -108,16 +108,33 @@ impl CandleGraft {
     /// Registers a step (an inference function) and returns its id. Names appear in errors,
     /// logs and graft's diagnostics.
     pub fn register(&mut self, name: &str) -> StepId {
+        self.register_with(
+            name,
+            graft_core::FunctionSpec::inference(Vec::<usize>::new()),
+        )
+    }
+
+    /// Registers a step recorded at `buckets`: every call passes its bucket as `keys[0]`
+    /// (pad the batch with [`crate::pad`]); a size above the largest bucket runs eagerly.
+    pub fn register_bucketed(&mut self, name: &str, buckets: graft_core::Buckets) -> StepId {
+        let spec = graft_core::FunctionSpec::inference(Vec::<usize>::new()).buckets(buckets);
+        self.register_with(name, spec)
+    }
+
+    fn register_with(&mut self, name: &str, spec: graft_core::FunctionSpec) -> StepId {
         let name: Arc<str> = Arc::from(name);
         match &mut self.engine {
-            Engine::Eager(_) => self.steps.push(StepInfo {
-                name,
-                #[cfg(feature = "cuda")]
-                function: None,
-            }),
+            Engine::Eager(_) => {
+                let _ = spec;
+                self.steps.push(StepInfo {
+                    name,
+                    #[cfg(feature = "cuda")]
+                    function: None,
+                })
+            }
             #[cfg(feature = "cuda")]
             Engine::Cuda(engine) => {
-                let function = engine.register(&name);
+                let function = engine.register(&name, spec);
                 self.steps.push(StepInfo {
                     name,
                     function: Some(function),

@@ -8,7 +8,7 @@
 use graft_candle::candle_core::{Device, Tensor};
 use graft_candle::cuda::{GraphMemory, graph_memory, trim_graph_memory};
 use graft_candle::llama::{DecodeState, Llama, LlamaConfig};
-use graft_candle::{CandleGraft, EagerCause, StepId, StepOutcome, Uncapturable};
+use graft_candle::{Buckets, CandleGraft, EagerCause, StepId, StepOutcome, Uncapturable};
 
 #[path = "../examples/guide.rs"]
 mod guide;
@@ -115,7 +115,7 @@ fn tokens_match_candle_eager_at_every_bucket_and_held_outputs_stay_correct() -> 
     for cfg in [LlamaConfig::tiny(), LlamaConfig::bench()] {
         let model = Llama::new(cfg, 42, &device)?;
         let mut graft = CandleGraft::new(&device)?;
-        let step = graft.register("decode");
+        let step = graft.register_bucketed("decode", Buckets::new(BUCKETS)?);
         let mut runs = Vec::new();
         for batch in BUCKETS {
             let first = Tensor::new(first_tokens(batch, cfg.vocab).as_slice(), &device)?;

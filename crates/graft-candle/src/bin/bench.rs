@@ -14,7 +14,7 @@ use std::time::Instant;
 use graft_candle::candle_core::{Device, Tensor};
 use graft_candle::cuda::HandmadeGraph;
 use graft_candle::llama::{DecodeState, Llama, LlamaConfig};
-use graft_candle::{CandleGraft, StepId};
+use graft_candle::{Buckets, CandleGraft, StepId};
 
 type BenchResult<T> = Result<T, Box<dyn std::error::Error>>;
 
@@ -209,7 +209,7 @@ fn run() -> BenchResult<()> {
     let cfg = LlamaConfig::bench();
     let model = Llama::new(cfg, 1234, &device)?;
     let mut graft = CandleGraft::new(&device)?;
-    let step = graft.register("decode");
+    let step = graft.register_bucketed("decode", Buckets::new(BUCKETS)?);
     println!(
         "decode step, {cfg}; {} timed steps per variant in {} rounds, median",
         o.steps, o.rounds

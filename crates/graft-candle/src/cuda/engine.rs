@@ -109,9 +109,8 @@ impl CudaEngine {
         })
     }
 
-    pub(crate) fn register(&mut self, name: &str) -> FunctionId {
-        self.graft
-            .register(name, FunctionSpec::inference(Vec::<usize>::new()))
+    pub(crate) fn register(&mut self, name: &str, spec: FunctionSpec) -> FunctionId {
+        self.graft.register(name, spec)
     }
 
     pub(crate) fn graft(&self) -> &Graft<GraftCuda, OutputMeta> {
