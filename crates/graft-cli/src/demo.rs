@@ -68,14 +68,69 @@ pub(crate) fn check_batches(batches: &[usize]) -> Result<(), CliError> {
     Ok(())
 }
 
-/// Runs the demo on the backend `args` selects.
+/// Runs the demo on the backend `args` selects, then the candle model (see [`candle`]).
 pub fn run(args: &DemoArgs, out: &mut dyn Write) -> Result<DemoReport, CliError> {
     let backend = Backend::pick(args.sim, out)?;
     let (config, name) = backend.config();
-    match backend {
-        Backend::Cuda(dev) => run_on(dev, config, name, args, out),
-        Backend::Sim(dev) => run_on(dev, config, name, args, out),
+    let report = match backend {
+        Backend::Cuda(dev) => {
+            let report = run_on(dev, config, name, args, out)?;
+            candle(out)?;
+            report
+        }
+        Backend::Sim(dev) => {
+            let report = run_on(dev, config, name, args, out)?;
+            writeln!(
+                out,
+                "\ncandle model: skipped, it needs a GPU (graft-candle's Llama-style decoder runs on CUDA only)"
+            )?;
+            report
+        }
+    };
+    Ok(report)
+}
+
+/// The names graft-candle's demo binary has next to this one: as cargo builds it, and as
+/// `scripts/stage.sh --candle-cuda` stages it.
+const CANDLE_BENCH: [&str; 2] = ["graft-candle-bench", "graft-candle-bench_cuda"];
+
+/// The candle part of the demo, on a GPU. candle's CUDA backend links CUDA at build time and
+/// this binary loads it at run time; cudarc allows one or the other per build, so the candle
+/// model lives in graft-candle's own CUDA build, `graft-candle-bench`. When that binary sits
+/// next to this one, the demo runs it short (tokens of eager, a hand-made graph and
+/// graft-candle checked equal over 64 steps at buckets 1, 8 and 32, then timed); otherwise it
+/// says how to build it.
+fn candle(out: &mut dyn Write) -> Result<(), CliError> {
+    writeln!(out, "\ncandle model (graft-candle):")?;
+    let dir = std::env::current_exe()
+        .ok()
+        .and_then(|exe| exe.parent().map(std::path::Path::to_path_buf));
+    let found = dir.and_then(|d| CANDLE_BENCH.iter().map(|n| d.join(n)).find(|p| p.is_file()));
+    let Some(path) = found else {
+        writeln!(
+            out,
+            "  skipped: graft-candle-bench is not built next to this binary; build it with\n  `source scripts/cuda-build-env.sh && cargo build --release -p graft-candle --features cuda`"
+        )?;
+        return Ok(());
+    };
+    let ran = std::process::Command::new(&path)
+        .args(["--steps", "60", "--rounds", "3", "--skip-1b"])
+        .output()
+        .map_err(|source| CliError::Candle {
+            path: path.clone(),
+            status: None,
+            source: Some(source),
+        })?;
+    out.write_all(&ran.stdout)?;
+    if !ran.status.success() {
+        out.write_all(&ran.stderr)?;
+        return Err(CliError::Candle {
+            path,
+            status: ran.status.code(),
+            source: None,
+        });
     }
+    Ok(())
 }
 
 /// Runs the demo on `device` with `config`.

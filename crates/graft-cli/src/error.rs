@@ -52,6 +52,20 @@ pub enum CliError {
     /// The micro benchmark failed.
     #[error(transparent)]
     Micro(#[from] crate::micro::MicroError),
+    /// graft-candle's demo binary could not run, or failed (its output says why).
+    #[error(
+        "the candle demo {} failed (exit status {status:?}{}); run it alone to see its report",
+        path.display(),
+        source.as_ref().map(|e| format!(": {e}")).unwrap_or_default()
+    )]
+    Candle {
+        /// The binary.
+        path: PathBuf,
+        /// Its exit status, when it ran.
+        status: Option<i32>,
+        /// Why it could not start.
+        source: Option<std::io::Error>,
+    },
     /// Writing a file failed.
     #[error("could not write {path}: {source}; check the path and permissions")]
     WriteFile {

@@ -130,7 +130,7 @@ pub struct Config {
     pub replace_moved_static: bool,
     /// Copied inputs of at least this many bytes that the graph only reads are not copied:
     /// the graph's kernels are patched to read the caller's buffer (default 64 KiB; `None`
-    /// turns patching off). Smaller inputs are cheaper to copy than to patch.
+    /// turns patching off). Smaller inputs keep their copy node, which costs little.
     pub patch_inputs_from: Option<usize>,
 }
 

@@ -7,7 +7,8 @@
 //! stream, timed on the host; variants alternate in rounds so drift spreads evenly; the
 //! figure is the median step. Only with graft-candle's `cuda` feature (GPU only).
 //!
-//! usage: graft-candle-bench [--steps N] [--rounds R] [--skip-1b] [--json PATH]
+//! usage: graft-candle-bench [--steps N] [--rounds R] [--skip-1b] [--json PATH] (`graft demo`
+//! runs it, short, when it sits next to the `graft` binary and a GPU is present)
 
 use std::time::Instant;
 
@@ -21,37 +22,29 @@ type BenchResult<T> = Result<T, Box<dyn std::error::Error>>;
 const CHECK_STEPS: usize = 64;
 const BUCKETS: [usize; 3] = [1, 8, 32];
 
+/// The benchmark's flags.
+#[derive(clap::Parser, Debug)]
+#[command(
+    name = "graft-candle-bench",
+    about = "The Llama-style candle decode step: eager, a hand-made graph and graft-candle"
+)]
 struct Options {
+    /// Timed steps per variant (split over the rounds).
+    #[arg(long, default_value_t = 300)]
     steps: usize,
+    /// Rounds the variants alternate in.
+    #[arg(long, default_value_t = 3)]
     rounds: usize,
+    /// Leave out the ~1B-parameter bf16 model.
+    #[arg(long)]
     skip_1b: bool,
+    /// Write the results as JSON to this file.
+    #[arg(long)]
     json: Option<String>,
 }
 
 fn options() -> BenchResult<Options> {
-    let mut o = Options {
-        steps: 300,
-        rounds: 3,
-        skip_1b: false,
-        json: None,
-    };
-    let mut args = std::env::args().skip(1);
-    while let Some(arg) = args.next() {
-        let mut value = |name: &str| args.next().ok_or(format!("{name} needs a value"));
-        match arg.as_str() {
-            "--steps" => o.steps = value("--steps")?.parse()?,
-            "--rounds" => o.rounds = value("--rounds")?.parse()?,
-            "--skip-1b" => o.skip_1b = true,
-            "--json" => o.json = Some(value("--json")?),
-            "-h" | "--help" => {
-                println!(
-                    "usage: graft-candle-bench [--steps N] [--rounds R] [--skip-1b] [--json PATH]"
-                );
-                std::process::exit(0);
-            }
-            other => return Err(format!("unknown argument {other}; see --help").into()),
-        }
-    }
+    let o = <Options as clap::Parser>::parse();
     if o.rounds == 0 || o.steps < o.rounds {
         return Err("--rounds must be at least 1 and --steps at least --rounds".into());
     }
