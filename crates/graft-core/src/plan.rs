@@ -192,13 +192,19 @@ pub(crate) fn candidate<G, M>(
     })))
 }
 
+/// Whether two key lists are equal (an element loop: slice equality calls memcmp, which costs
+/// more than the handful of integers compared here).
+#[inline]
+pub(crate) fn same_keys(a: &[u64], b: &[u64]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x == y)
+}
+
 /// Whether `inputs` match a signature: sizes and keys.
 #[inline]
 pub(crate) fn matches(sizes: &[usize], sig_keys: &[u64], inputs: &[&Buffer], keys: &[u64]) -> bool {
     // Element loops, not slice equality: that calls memcmp, which costs more than the
     // handful of integers compared here.
-    sig_keys.len() == keys.len()
-        && sig_keys.iter().zip(keys).all(|(a, b)| a == b)
+    same_keys(sig_keys, keys)
         && sizes.len() == inputs.len()
         && sizes.iter().zip(inputs).all(|(&s, b)| s == b.len())
 }
