@@ -168,15 +168,13 @@ pub(crate) struct Registry {
 }
 
 impl Registry {
-    /// Adds the held ones of `cells`; returns whether any was added.
-    pub(crate) fn extend(&mut self, cells: impl IntoIterator<Item = Arc<Cell>>) -> bool {
-        let before = self.cells.len();
+    /// Adds the held ones of `cells`.
+    pub(crate) fn extend(&mut self, cells: impl IntoIterator<Item = Arc<Cell>>) {
         self.cells.extend(cells.into_iter().filter(|c| c.is_held()));
         if self.cells.len() >= 2 * self.pruned_at.max(32) {
             self.cells.retain(|c| c.is_held());
             self.pruned_at = self.cells.len();
         }
-        self.cells.len() != before
     }
 }
 

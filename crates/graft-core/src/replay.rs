@@ -155,9 +155,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
                     }
                     cell.recycle(generation);
                     let buffer = Buffer::from_cell(cell);
-                    if cell.mark_listed() {
-                        handed.push(Arc::clone(cell));
-                    }
+                    crate::graft::list_held(handed, [&*cell]);
                     buffer
                 }
                 OutputSlot::StaticInput(p) => (*inputs[*p]).clone(),

@@ -218,6 +218,19 @@ impl Inner {
         Ok(status)
     }
 
+    /// Makes the context current for `op` and checks that a capture is underway on the runtime
+    /// stream (active or invalidated): what ending or aborting one needs first.
+    fn enter_capture(&self, op: DeviceOp) -> Result<(), DeviceError> {
+        self.enter(op)?;
+        if self.capture_status(op)? == CAPTURE_NONE {
+            return Err(DeviceError::CaptureState {
+                op,
+                state: "no capture is underway on the runtime stream",
+            });
+        }
+        Ok(())
+    }
+
     /// Ends the runtime stream's capture, whatever its state, and destroys any graph it returns.
     /// Returns the raw result of `cuStreamEndCapture`.
     fn end_and_discard(&self) -> sys::CUresult {
@@ -371,13 +384,7 @@ impl CudaDevice {
     fn end_stream_capture(&self) -> Result<sys::CUgraph, DeviceError> {
         let op = DeviceOp::EndCapture;
         let inner = &self.queue.inner;
-        inner.enter(op)?;
-        if inner.capture_status(op)? == CAPTURE_NONE {
-            return Err(DeviceError::CaptureState {
-                op,
-                state: "no capture is underway on the runtime stream",
-            });
-        }
+        inner.enter_capture(op)?;
         let mut graph: sys::CUgraph = ptr::null_mut();
         // SAFETY: the runtime stream is live and capturing (checked above), begun by this
         // thread; `graph` is a valid out-pointer.
@@ -1070,13 +1077,7 @@ impl Device for CudaDevice {
     fn abort_capture(&self) -> Result<(), DeviceError> {
         let op = DeviceOp::EndCapture;
         let inner = &self.queue.inner;
-        inner.enter(op)?;
-        if inner.capture_status(op)? == CAPTURE_NONE {
-            return Err(DeviceError::CaptureState {
-                op,
-                state: "no capture is underway on the runtime stream",
-            });
-        }
+        inner.enter_capture(op)?;
         let ended = inner.end_and_discard();
         if ended != sys::CUresult::CUDA_SUCCESS && !is_capture_error(ended) {
             return Err(map(op, ended, 0));

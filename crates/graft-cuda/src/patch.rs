@@ -32,6 +32,21 @@ pub(crate) struct KernelNode {
     layout: Vec<(usize, usize)>,
     /// The parameter values as captured.
     bytes: Vec<u8>,
+    /// The values as last set: `bytes` with the active redirects applied.
+    current: Vec<u8>,
+}
+
+/// One redirected placeholder.
+struct Redirect {
+    /// Placeholder start and length, and where its readers read now.
+    start: u64,
+    len: u64,
+    to: u64,
+    /// The input's copy node, turned off.
+    copy: sys::CUgraphNode,
+    /// Indices (in `Patches::kernels`) of the kernels with a pointer into the placeholder,
+    /// found once: a re-patch touches only these.
+    readers: Vec<usize>,
 }
 
 /// What the patcher knows about one executable.
@@ -43,14 +58,17 @@ pub(crate) struct Patches {
     /// accesses (a child graph, a kernel whose parameters cannot be read).
     others: Vec<(sys::CUgraphNode, u64, u64)>,
     opaque: bool,
-    /// Active redirects: placeholder start, length, target, and the copy node turned off.
-    active: Vec<(u64, u64, u64, sys::CUgraphNode)>,
+    /// Active redirects.
+    active: Vec<Redirect>,
+    /// Scratch for the parameter pointers of one set, reused so a re-patch does not allocate.
+    pointers: Vec<*mut c_void>,
 }
 
 // SAFETY: the node handles and the parameter block's raw pointers (`func`, `kern`, `ctx`,
 // `kernelParams`, `extra`) are driver handles or pointers graft never dereferences itself
-// (`kernelParams` is overwritten with a block of its own before every use); they are only
-// used under the owning CudaGraph's lock or `&mut`.
+// (`kernelParams` is overwritten with a block of its own before every use), and `pointers`
+// holds only pointers into `KernelNode::current`, refilled before each use; all are only used
+// under the owning CudaGraph's lock or `&mut`.
 unsafe impl Send for Patches {}
 
 impl Patches {
@@ -60,7 +78,7 @@ impl Patches {
         self.kernels = None;
         self.others.clear();
         self.opaque = false;
-        self.active.drain(..).map(|(.., copy)| copy).collect()
+        self.active.drain(..).map(|r| r.copy).collect()
     }
 }
 
@@ -86,23 +104,48 @@ pub(crate) fn redirect(
     if to.is_some() && (h.patches.opaque || touched_elsewhere) {
         return Ok(false);
     }
-    h.patches.active.retain(|&(s, ..)| s != start);
-    if let Some(to) = to {
-        h.patches.active.push((start, len as u64, to.0, copy_node));
-    }
     let exec = h.exec;
-    let active = h.patches.active.clone();
-    for k in h.patches.kernels.iter().flatten() {
-        if !words(k).any(|(_, v)| v >= start && v < end) {
-            continue;
-        }
-        let mut bytes = k.bytes.clone();
-        for (at, v) in words(k) {
-            if let Some(&(s, _, t, _)) = active.iter().find(|&&(s, n, ..)| v >= s && v < s + n) {
-                bytes[at..at + 8].copy_from_slice(&(t + (v - s)).to_le_bytes());
+    let Patches {
+        kernels,
+        active,
+        pointers,
+        ..
+    } = &mut h.patches;
+    let kernels = kernels.as_deref_mut().unwrap_or_default();
+    let at = active.iter().position(|r| r.start == start);
+    match (at, to) {
+        (Some(i), Some(to)) => {
+            active[i].to = to.0;
+            let active = &active[..];
+            for &k in &active[i].readers {
+                repatch(exec, &mut kernels[k], active, pointers)?;
             }
         }
-        set_params(exec, k, &mut bytes)?;
+        (None, Some(to)) => {
+            let readers: Vec<usize> = (0..kernels.len())
+                .filter(|&k| {
+                    words(&kernels[k].bytes, &kernels[k].layout).any(|(_, v)| v >= start && v < end)
+                })
+                .collect();
+            active.push(Redirect {
+                start,
+                len: len as u64,
+                to: to.0,
+                copy: copy_node,
+                readers,
+            });
+            let active = &active[..];
+            for &k in &active[active.len() - 1].readers {
+                repatch(exec, &mut kernels[k], active, pointers)?;
+            }
+        }
+        (Some(i), None) => {
+            let gone = active.swap_remove(i);
+            for &k in &gone.readers {
+                repatch(exec, &mut kernels[k], active, pointers)?;
+            }
+        }
+        (None, None) => return Ok(true),
     }
     // SAFETY: `exec` is the live executable and `copy_node` a memcpy node of the graph it was
     // instantiated from (found by the caller); both are used under the graph's lock.
@@ -112,31 +155,57 @@ pub(crate) fn redirect(
     Ok(true)
 }
 
-/// The 8-byte-aligned words of a kernel's parameters, as `(byte offset, value)`.
-fn words(k: &KernelNode) -> impl Iterator<Item = (usize, u64)> + '_ {
-    k.layout.iter().flat_map(move |&(offset, size)| {
+/// Sets `k`'s parameters to the captured ones with every pointer into an `active`
+/// placeholder moved by the same offset into its target.
+fn repatch(
+    exec: sys::CUgraphExec,
+    k: &mut KernelNode,
+    active: &[Redirect],
+    pointers: &mut Vec<*mut c_void>,
+) -> Result<(), DeviceError> {
+    k.current.copy_from_slice(&k.bytes);
+    for (at, v) in words(&k.bytes, &k.layout) {
+        if let Some(r) = active.iter().find(|r| v >= r.start && v < r.start + r.len) {
+            k.current[at..at + 8].copy_from_slice(&(r.to + (v - r.start)).to_le_bytes());
+        }
+    }
+    set_params(exec, k, pointers)
+}
+
+/// The 8-byte-aligned words of parameters laid out as `layout` in `bytes`, as
+/// `(byte offset, value)`.
+fn words<'a>(
+    bytes: &'a [u8],
+    layout: &'a [(usize, usize)],
+) -> impl Iterator<Item = (usize, u64)> + 'a {
+    layout.iter().flat_map(move |&(offset, size)| {
         (0..size / 8).map(move |i| {
             let at = offset + 8 * i;
             let mut w = [0u8; 8];
-            w.copy_from_slice(&k.bytes[at..at + 8]);
+            w.copy_from_slice(&bytes[at..at + 8]);
             (at, u64::from_le_bytes(w))
         })
     })
 }
 
-/// Sets a kernel node's parameters in the executable to `bytes` (laid out as captured).
-fn set_params(exec: sys::CUgraphExec, k: &KernelNode, bytes: &mut [u8]) -> Result<(), DeviceError> {
-    let mut pointers: Vec<*mut c_void> = k
-        .layout
-        .iter()
-        .map(|&(offset, _)| bytes[offset..].as_mut_ptr().cast::<c_void>())
-        .collect();
+/// Sets a kernel node's parameters in the executable to `k.current`, through `pointers`
+/// (scratch, refilled).
+fn set_params(
+    exec: sys::CUgraphExec,
+    k: &mut KernelNode,
+    pointers: &mut Vec<*mut c_void>,
+) -> Result<(), DeviceError> {
+    pointers.clear();
+    let bytes = &mut k.current;
+    for &(offset, _) in &k.layout {
+        pointers.push(bytes[offset..].as_mut_ptr().cast::<c_void>());
+    }
     let mut params = k.params;
     params.kernelParams = pointers.as_mut_ptr();
     params.extra = std::ptr::null_mut();
     // SAFETY: `exec` is the live executable and `k.node` a kernel node of the graph it was
     // instantiated from; `params` is the node's own captured block with `kernelParams`
-    // pointing at one pointer per parameter, each into `bytes`, which holds every parameter
+    // pointing at one pointer per parameter, each into `k.current`, which holds every parameter
     // at its offset with its size (the layout `cuFuncGetParamInfo` reported); both outlive
     // the call, which copies them.
     check(OP, unsafe {
@@ -241,6 +310,7 @@ fn read_kernel(
         node,
         params,
         layout,
+        current: bytes.clone(),
         bytes,
     }))
 }
