@@ -49,6 +49,19 @@ for dir in /usr/local/nvidia/lib64 /usr/local/cuda/lib64 /usr/local/cuda/targets
     [[ -d $dir ]] && export LD_LIBRARY_PATH="$dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 done
 sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+# NCCL (graft-cuda's `nccl` feature): cudarc opens libnccl.so, but pip's wheel (what PyTorch
+# brings) ships only libnccl.so.2, so link one in a scratch folder on LD_LIBRARY_PATH.
+# NVLink multicast stays off: on shared hosts it can take the GPUs out of service.
+export NCCL_NVLS_ENABLE=0
+# graft's NcclComm requires ranks connected at init (see NcclComm::init_all).
+export NCCL_RUNTIME_CONNECT=0
+nccl_so=$( (ldconfig -p 2>/dev/null | grep -o '/[^ ]*libnccl\.so\.2$'; \
+    find /usr/local /usr/lib /opt -name 'libnccl.so.2' 2>/dev/null) | head -1)
+if [[ -n $nccl_so ]]; then
+    nccl_dir=$(mktemp -d)
+    ln -s "$nccl_so" "$nccl_dir/libnccl.so"
+    export LD_LIBRARY_PATH="$nccl_dir:$(dirname "$nccl_so")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
 
 rows=()
 failed=0
@@ -95,6 +108,7 @@ else
     say "nvidia-smi not found"
 fi
 say "libnvrtc: $( (ldconfig -p 2>/dev/null | grep -o 'libnvrtc\.so[^ ]*' | sort -u | tr '\n' ' ') || true)"
+say "libnccl: ${nccl_so:-NOT FOUND} (NCCL_NVLS_ENABLE=$NCCL_NVLS_ENABLE NCCL_RUNTIME_CONNECT=$NCCL_RUNTIME_CONNECT)"
 say "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
 # graft-candle's CUDA executables (stage.sh --candle-cuda) link these by soname (CUDA 13).
 if compgen -G 'stage/*/*_cuda*' >/dev/null; then

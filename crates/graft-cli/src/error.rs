@@ -75,6 +75,12 @@ pub enum CliError {
         source: std::io::Error,
     },
     /// Writing the report failed.
+    /// A rank of the tensor-parallel benchmark could not start.
+    #[error(transparent)]
+    Ranks(Box<graft_core::StartError<CliError>>),
+    /// A step of the tensor-parallel benchmark panicked on a rank.
+    #[error(transparent)]
+    Step(#[from] graft_core::StepError),
     #[error("could not write the report: {0}")]
     Output(#[from] std::io::Error),
     /// Serializing JSON failed.

@@ -4,7 +4,9 @@
 //!   the tokens are identical, and reports step times, the tree's statistics and its pool.
 //! - `graft bench`: the decoder step timed three ways (eager, graft replay, one raw graph
 //!   without the tree), as a table and as JSON. `graft bench decoder` is the same; further
-//!   benchmarks go beside it as `graft bench <what>` ([`BenchWhat`]).
+//!   benchmarks go beside it as `graft bench <what>` ([`BenchWhat`]), among them `graft bench
+//!   tp`, the decoder split tensor-parallel over several GPUs (NCCL), or over simulated
+//!   devices when there are not enough.
 //!
 //! Both use the GPU when [`graft_cuda::CudaDevice::is_available`] (the benchmark config),
 //! else the simulator (the tiny config), and say which.
@@ -16,6 +18,7 @@ pub mod micro;
 mod progress;
 pub mod shapes;
 mod timing;
+pub mod tp;
 
 use std::io::Write;
 
@@ -94,6 +97,35 @@ pub enum BenchWhat {
     Update(ShapesArgs),
     /// A 64 MiB read-only input per replay: copied into the graph against patched in place.
     Inputs(ShapesArgs),
+    /// The decoder split tensor-parallel over several devices (NCCL on GPUs): tokens of graft
+    /// against eager and raw graphs, and per-step times against one device.
+    Tp(TpArgs),
+}
+
+/// Arguments of `graft bench tp`.
+#[derive(Args, Debug, Clone)]
+pub struct TpArgs {
+    /// Ranks (devices); on fewer GPUs than this it runs on simulated devices.
+    #[arg(long, default_value_t = 2)]
+    pub world: usize,
+    /// Batch sizes, comma-separated (buckets of the decoder: 1, 2, 4, 8, 16, 32).
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
+    pub batches: Vec<usize>,
+    /// Steps whose tokens are compared across eager, graft and the raw graph.
+    #[arg(long, default_value_t = 64)]
+    pub check: usize,
+    /// Timed steps per mode and round (twice: synced, then pipelined).
+    #[arg(long, default_value_t = 24)]
+    pub steps: usize,
+    /// Rounds; modes are interleaved within each and the median round is reported.
+    #[arg(long, default_value_t = 9)]
+    pub rounds: usize,
+    /// Seed of the random weights.
+    #[arg(long, default_value_t = 7)]
+    pub seed: u64,
+    /// Use simulated devices even when GPUs are available.
+    #[arg(long)]
+    pub sim: bool,
 }
 
 /// Arguments of `graft bench capture`, `serve`, `update` and `inputs`.
@@ -219,6 +251,7 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<(), CliError> {
             Some(BenchWhat::Serve(args)) => shapes::serve(&args, out),
             Some(BenchWhat::Update(args)) => shapes::update(&args, out),
             Some(BenchWhat::Inputs(args)) => shapes::inputs(&args, out),
+            Some(BenchWhat::Tp(args)) => tp::run(&args, out),
         },
     }
 }

@@ -193,3 +193,28 @@ fn shapes_benchmarks_run_on_the_simulator() {
     assert!(inputs.contains("64 KiB moving"), "{inputs}");
     assert!(!inputs.contains("refused"), "{inputs}");
 }
+
+/// The tensor-parallel benchmark runs on simulated devices: graft, eager and the raw graph
+/// agree on every rank, and the table has a row per batch size and timing.
+#[test]
+fn tensor_parallel_benchmark_runs_on_simulated_devices() {
+    let line = "graft bench tp --sim --batches 1,8 --check 8 --steps 3 --rounds 1";
+    let cli = Cli::try_parse_from(line.split_whitespace()).expect("the command line parses");
+    let mut out = Vec::new();
+    graft_cli::run(cli, &mut out).unwrap_or_else(|e| panic!("{line}: {e}"));
+    let report = String::from_utf8(out).unwrap();
+    assert!(report.contains("on 2 ranks"), "{report}");
+    assert!(
+        report.contains("graft = eager = raw graph on every rank"),
+        "{report}"
+    );
+    assert!(report.contains("| 8 | pipelined |"), "{report}");
+    let one = Cli::try_parse_from(["graft", "bench", "tp", "--sim", "--world", "1"]).unwrap();
+    assert!(matches!(
+        graft_cli::run(one, &mut Vec::new()),
+        Err(CliError::BadArgument {
+            flag: "--world",
+            ..
+        })
+    ));
+}

@@ -138,6 +138,8 @@ pub enum DeviceOp {
     GraphDestroy,
     /// Loading or compiling a kernel module.
     ModuleLoad,
+    /// A collective among the devices of a group (an all-reduce), or making its communicator.
+    Collective,
 }
 
 impl DeviceOp {
@@ -165,6 +167,7 @@ impl DeviceOp {
             DeviceOp::GraphUpdate => "graph update",
             DeviceOp::GraphDestroy => "graph destroy",
             DeviceOp::ModuleLoad => "module load",
+            DeviceOp::Collective => "collective",
         }
     }
 }
@@ -322,8 +325,9 @@ pub enum DeviceError {
         /// The state the stream was in.
         state: &'static str,
     },
-    /// A library or driver entry point the operation needs is missing: libcuda, libcublas or
-    /// libnvrtc cannot be loaded, or the driver is too old to export a function.
+    /// A library or driver entry point the operation needs is missing: libcuda, libcublas,
+    /// libnvrtc or libnccl cannot be loaded, the driver is too old to export a function, or
+    /// the library is configured in a way graft cannot run safely (NCCL's lazy connection).
     #[error("{op} failed: {what}")]
     Unavailable {
         /// The failing operation.
@@ -355,6 +359,27 @@ pub enum DeviceError {
         /// The status's name, e.g. "CUBLAS_STATUS_INVALID_VALUE".
         name: &'static str,
     },
+    /// A collective waited past its timeout for ranks that never joined it: the simulator's
+    /// stand-in for what would be a hang on GPUs.
+    #[error(
+        "{op} on rank {rank} waited {waited:?} for ranks {missing:?}, which never joined it; a rank skipped work that the others ran: drive every rank with the same calls (the communicator is now aborted)"
+    )]
+    CollectiveTimeout {
+        /// The failing operation.
+        op: DeviceOp,
+        /// The rank that waited.
+        rank: usize,
+        /// How long it waited.
+        waited: std::time::Duration,
+        /// The ranks that did not join.
+        missing: Vec<usize>,
+    },
+    /// The communicator was aborted after an earlier failure; no collective runs on it again.
+    #[error("{op} refused: the communicator was aborted after an earlier failure; make a new one")]
+    CollectiveAborted {
+        /// The failing operation.
+        op: DeviceOp,
+    },
     /// An error `CUresult` from the CUDA driver, with its code and name (the simulator reports
     /// the driver's code for the same failures).
     #[error(
@@ -385,6 +410,8 @@ impl DeviceError {
             | DeviceError::Unavailable { op, .. }
             | DeviceError::Compile { op, .. }
             | DeviceError::Library { op, .. }
+            | DeviceError::CollectiveTimeout { op, .. }
+            | DeviceError::CollectiveAborted { op }
             | DeviceError::Driver { op, .. } => *op,
         }
     }

@@ -118,6 +118,26 @@ pub enum CallError {
         /// The pool's error.
         source: PoolError,
     },
+    /// Another rank of this runtime's group failed to record the same call, so this rank
+    /// discarded its own recording and ran nothing: all ranks return an error together.
+    #[error(
+        "{function}: rank {rank} of the group failed to record this call (its own call returned the error), so this rank discarded its recording and ran nothing; the ranks stay in step, and the next call records again"
+    )]
+    PeerFailed {
+        /// Function called.
+        function: Arc<str>,
+        /// The lowest rank that failed.
+        rank: usize,
+    },
+    /// The group's agreement on a recording failed: ranks timed out waiting for each other, or
+    /// they record different calls. Nothing was launched.
+    #[error("{function}: {source}")]
+    Group {
+        /// Function called.
+        function: Arc<str>,
+        /// The agreement's error.
+        source: crate::group::GroupError,
+    },
     /// An error recorded earlier by a `Drop` (graph destruction, buffer release).
     #[error("an earlier release failed: {source}")]
     Sticky {

@@ -17,6 +17,7 @@ use crate::config::{Config, FunctionSpec, Mode};
 use crate::ctx::Ctx;
 use crate::device::{Device, DevicePtr};
 use crate::error::{BodyError, CallError, FunctionId};
+use crate::group::Member;
 use crate::lifecycle::{Phase, transition};
 use crate::plan::{self, Action, Plan, View};
 use crate::pool::Pool;
@@ -89,11 +90,12 @@ impl Function {
     }
 }
 
-/// A hash of a call's input sizes and keys (the signature's identity).
-fn shape_hash(inputs: &[&Buffer], keys: &[u64]) -> u64 {
+/// A hash of a call's input sizes and keys (the signature's identity). Fixed-seeded, so the
+/// ranks of a group hash one signature alike.
+pub(crate) fn shape_hash(sizes: impl ExactSizeIterator<Item = usize>, keys: &[u64]) -> u64 {
     let mut h = FixedState::default().build_hasher();
-    h.write_usize(inputs.len());
-    inputs.iter().for_each(|b| h.write_usize(b.len()));
+    h.write_usize(sizes.len());
+    sizes.for_each(|n| h.write_usize(n));
     keys.iter().for_each(|&k| h.write_u64(k));
     h.finish()
 }
@@ -146,6 +148,9 @@ pub struct Graft<D: Device, M: Clone = ()> {
     pub(crate) clock: u64,
     /// Scratch for input addresses: reused so the fast path never allocates.
     pub(crate) addrs: Vec<DevicePtr>,
+    /// This runtime's rank of a tensor-parallel group ([`Graft::join`]): recordings are
+    /// agreed with the other ranks.
+    pub(crate) member: Option<Member>,
 }
 
 /// Adds the held ones of `cells` not yet listed to `handed` (see [`Graft::handed`]).
@@ -223,7 +228,21 @@ impl<D: Device, M: Clone> Graft<D, M> {
             decisions: VecDeque::new(),
             addrs: Vec::new(),
             clock: 0,
+            member: None,
         }
+    }
+
+    /// Makes this runtime one rank of a tensor-parallel group: from now on every recording
+    /// ends with a vote of all ranks (see [`Member`]), so that all keep it, all fall back to
+    /// eager, or all return an error, before any launches it. Replays take no vote. Join
+    /// before the first call; joining again replaces the membership.
+    pub fn join(&mut self, member: Member) {
+        self.member = Some(member);
+    }
+
+    /// This runtime's group membership, if it joined one.
+    pub fn member(&self) -> Option<&Member> {
+        self.member.as_ref()
     }
 
     /// The device this runtime drives.
@@ -409,7 +428,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
         let sig = match last {
             Some(s) if same_sizes && plan::same_keys(&s.keys, keys) => f.last_sig,
             _ => {
-                let hash = shape_hash(inputs, keys);
+                let hash = shape_hash(inputs.iter().map(|b| b.len()), keys);
                 let found = f
                     .by_shape
                     .get(&hash)

@@ -8,12 +8,14 @@
 mod bucket;
 mod buffer;
 mod config;
+mod coordinator;
 mod ctx;
 mod device;
 mod diag;
 mod error;
 mod evict;
 mod graft;
+mod group;
 #[cfg(feature = "test-support")]
 mod introspect;
 mod lifecycle;
@@ -36,6 +38,7 @@ mod tree;
 pub use bucket::{Bucket, Buckets, BucketsError};
 pub use buffer::{Buffer, BufferError, NodeId, NodeLabel};
 pub use config::{AllowEntry, Config, FunctionSpec, Mode};
+pub use coordinator::{Coordinator, StartError, StepError};
 pub use ctx::{Ctx, RunKind};
 pub use device::{
     CaptureMode, CaptureViolation, Device, DeviceError, DeviceId, DeviceOp, DevicePtr,
@@ -44,6 +47,7 @@ pub use device::{
 pub use diag::{InputKind, MemoryReport, NodeInfo};
 pub use error::{BodyError, CallError, FunctionId, MemoryError, VerifyTarget};
 pub use graft::{Graft, Outcome};
+pub use group::{GroupError, Member};
 pub use lifecycle::Phase;
 pub use pool::{PoolError, PoolStats};
 pub use prepare::{BucketCapture, CaptureReport};

@@ -153,6 +153,12 @@ pub enum EagerReason {
         /// The device's error.
         error: DeviceError,
     },
+    /// Another rank of the group could not capture this call (it falls back for one of the
+    /// reasons above), so every rank runs it eagerly from now on.
+    PeerCaptureFailed {
+        /// The lowest rank whose capture failed.
+        rank: usize,
+    },
     /// The call's bucket (`keys[0]`) is above the function's largest bucket.
     AboveLargestBucket {
         /// The size called with.
@@ -192,6 +198,10 @@ impl fmt::Display for EagerReason {
                 "capture could not begin: {error}; a call made inside another runtime's recording runs eagerly and is recorded as part of that graph"
             ),
             EagerReason::InstantiateFailed { error } => write!(f, "graph instantiation failed: {error}"),
+            EagerReason::PeerCaptureFailed { rank } => write!(
+                f,
+                "rank {rank} of the group could not capture this call (see its log), so every rank runs it eagerly"
+            ),
             EagerReason::AboveLargestBucket { size, largest } => write!(
                 f,
                 "size {size} is above the largest bucket ({largest}); it runs eagerly: add a larger bucket to graph it"

@@ -8,7 +8,8 @@ use crate::buffer::{Buffer, Cell};
 use crate::ctx::{Ctx, Reclaim, RunKind, alloc_owned, release_unused};
 use crate::device::{Device, DeviceError, DeviceOp, DevicePtr};
 use crate::error::{BodyError, CallError, FunctionId};
-use crate::graft::{Frame, Graft, Outcome, lock};
+use crate::graft::{Frame, Graft, Outcome, lock, shape_hash};
+use crate::group::{Verdict, Vote};
 use crate::lifecycle::Phase;
 use crate::pool::{Checkpoint, PoolError};
 use crate::reason::{Decision, EagerReason, RecordReason};
@@ -40,6 +41,32 @@ struct Captured<G, M> {
     keep: Vec<Buffer>,
 }
 
+/// How one try at a capture failed, with the recording already undone.
+enum Failure {
+    /// The device ran out of memory: worth one more try after releasing unused memory.
+    OutOfMemory(PoolError),
+    /// The body or the device failed the capture: a fallback or an error, by its kind.
+    Capture(BodyError),
+    /// An error the call returns as it is.
+    Call(CallError),
+}
+
+/// A capture that succeeded, not yet attached or launched: what the group votes on.
+struct Pending<G, M> {
+    prepared: Prepared,
+    captured: Captured<G, M>,
+    checkpoint: Checkpoint,
+    /// The phase the recording began from.
+    previous: Phase,
+}
+
+/// How this rank's recording ended, before (and after) the group's vote.
+enum Local<G, M> {
+    Captured(Pending<G, M>),
+    FallBack(EagerReason),
+    Failed(CallError),
+}
+
 impl<D: Device, M: Clone> Graft<D, M> {
     /// Records the body under `parent` (a root when none) and launches the graph once.
     /// `reuse` is the graph of the node this recording replaces: its executable is updated in
@@ -47,6 +74,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
     /// the device runs out of memory while recording, the recording is undone, memory no
     /// block and no graph uses is released from both pools, and the recording is tried once
     /// more (releasing is illegal during a capture and while the pool's checkpoint is pending).
+    /// In a group, the ranks then agree on the outcome before anything is launched.
     pub(crate) fn record<F>(
         &mut self,
         frame: &mut Frame<'_, F, M>,
@@ -61,35 +89,113 @@ impl<D: Device, M: Clone> Graft<D, M> {
         let span = tracing::debug_span!("record", function = %name, reason = %reason);
         let _span = span.enter();
         self.diverge_if_replayed(frame.function);
-        match self.record_once(frame, parent, reason.clone(), &mut reuse)? {
-            Ok(outcome) => Ok(outcome),
-            Err(_) => {
+        let attempt = match self.capture_once(frame, parent, &mut reuse) {
+            Err(Failure::OutOfMemory(_)) => {
                 let released = release_unused(&mut lock(&self.graph_pool), &self.device)
                     + release_unused(&mut lock(&self.eager_pool), &self.device);
                 tracing::debug!(
                     released,
                     "out of device memory while recording: released unused pool memory, retrying"
                 );
-                match self.record_once(frame, parent, reason, &mut reuse)? {
-                    Ok(outcome) => Ok(outcome),
-                    Err(source) => Err(CallError::Pool {
-                        function: name,
-                        source,
-                    }),
-                }
+                self.capture_once(frame, parent, &mut reuse)
             }
+            attempt => attempt,
+        };
+        let local = match attempt {
+            Ok(pending) => Local::Captured(pending),
+            Err(Failure::OutOfMemory(source)) => Local::Failed(CallError::Pool {
+                function: name.clone(),
+                source,
+            }),
+            Err(Failure::Capture(error)) => match fallback_reason(error) {
+                Ok(why) => Local::FallBack(why),
+                Err(source) => Local::Failed(CallError::Body {
+                    function: name.clone(),
+                    source,
+                }),
+            },
+            Err(Failure::Call(error)) => Local::Failed(error),
+        };
+        match self.agree(frame, local) {
+            Local::Captured(Pending {
+                prepared, captured, ..
+            }) => {
+                let (key, keep) = self.attach(frame, parent, reason, prepared, captured);
+                let outcome = self.first_launch(key, frame);
+                drop(keep);
+                outcome
+            }
+            Local::FallBack(why) => self.capture_failed(frame, parent, why),
+            Local::Failed(error) => Err(error),
         }
     }
 
-    /// One try at a recording. The inner error is the device running out of memory, after
-    /// the recording was undone.
-    fn record_once<F>(
+    /// In a group: votes this rank's outcome and turns it into the group's. A rank that
+    /// captured but is outvoted discards its capture (the pool and the phase as they were).
+    /// Alone: the outcome as it is.
+    fn agree<F>(
+        &mut self,
+        frame: &Frame<'_, F, M>,
+        local: Local<D::Graph, M>,
+    ) -> Local<D::Graph, M> {
+        let Some(member) = &self.member else {
+            return local;
+        };
+        let vote = match &local {
+            Local::Captured(_) => Vote::Recorded,
+            Local::FallBack(_) => Vote::FellBack,
+            Local::Failed(_) => Vote::Failed,
+        };
+        let _span = tracing::debug_span!("agree", rank = member.rank()).entered();
+        let sig = &self.functions[frame.function.0].sigs[frame.sig];
+        let subject = (
+            frame.function.0,
+            shape_hash(sig.sizes.iter().copied(), &sig.keys),
+        );
+        let verdict = member.agree(vote, subject);
+        self.stats.agreements += 1;
+        let function = self.functions[frame.function.0].name.clone();
+        let agreed = match verdict {
+            Ok(v) if v.vote == vote => return local,
+            Ok(Verdict {
+                vote: Vote::FellBack,
+                rank,
+            }) => Local::FallBack(EagerReason::PeerCaptureFailed { rank }),
+            Ok(Verdict { rank, .. }) => Local::Failed(CallError::PeerFailed { function, rank }),
+            Err(source) => Local::Failed(CallError::Group { function, source }),
+        };
+        tracing::debug!(?vote, "outvoted by the group");
+        match local {
+            Local::Captured(pending) => match self.discard(pending) {
+                Ok(()) => agreed,
+                Err(e) => Local::Failed(e),
+            },
+            _ => agreed,
+        }
+    }
+
+    /// Undoes a capture that will never be attached: phase, pool and graph as before it.
+    fn discard(&mut self, pending: Pending<D::Graph, M>) -> Result<(), CallError> {
+        let Pending {
+            prepared,
+            captured,
+            checkpoint,
+            previous,
+        } = pending;
+        self.move_to(previous)?;
+        self.undo_recording(&checkpoint, &prepared.placeholders, &captured.allocs);
+        drop(captured);
+        Ok(())
+    }
+
+    /// One try at a capture, leaving it pending (not attached, not launched). On failure the
+    /// recording is undone.
+    fn capture_once<F>(
         &mut self,
         frame: &mut Frame<'_, F, M>,
         parent: Option<NodeKey>,
-        reason: RecordReason,
         reuse: &mut Option<D::Graph>,
-    ) -> Result<Result<Outcome, PoolError>, CallError>
+    ) -> Result<Pending<D::Graph, M>, Failure>
     where
         F: FnMut(&mut Ctx<'_, D>) -> Result<Vec<Output<M>>, BodyError>,
     {
@@ -99,30 +205,33 @@ impl<D: Device, M: Clone> Graft<D, M> {
             Err((placeholders, source)) => {
                 self.undo_recording(&checkpoint, &placeholders, &[]);
                 if matches!(source, PoolError::OutOfMemory { .. }) {
-                    return Ok(Err(source));
+                    return Err(Failure::OutOfMemory(source));
                 }
                 let function = self.functions[frame.function.0].name.clone();
-                return Err(CallError::Pool { function, source });
+                return Err(Failure::Call(CallError::Pool { function, source }));
             }
         };
         let previous = self.phase;
         self.move_to(Phase::Recording {
             parent: parent.map(NodeKey::id),
-        })?;
+        })
+        .map_err(Failure::Call)?;
         match self.capture(frame, &prepared, &checkpoint, previous, reuse) {
-            Ok(captured) => {
-                let (key, keep) = self.attach(frame, parent, reason, prepared, captured);
-                let outcome = self.first_launch(key, frame);
-                drop(keep);
-                outcome.map(Ok)
-            }
+            Ok(captured) => Ok(Pending {
+                prepared,
+                captured,
+                checkpoint,
+                previous,
+            }),
             Err((error, allocs)) => {
-                self.move_to(previous)?;
+                self.move_to(previous).map_err(Failure::Call)?;
                 self.undo_recording(&checkpoint, &prepared.placeholders, &allocs);
                 drop(prepared);
                 match error {
-                    BodyError::Pool(source @ PoolError::OutOfMemory { .. }) => Ok(Err(source)),
-                    error => self.capture_failed(frame, parent, error).map(Ok),
+                    BodyError::Pool(source @ PoolError::OutOfMemory { .. }) => {
+                        Err(Failure::OutOfMemory(source))
+                    }
+                    error => Err(Failure::Capture(error)),
                 }
             }
         }
@@ -257,6 +366,11 @@ impl<D: Device, M: Clone> Graft<D, M> {
             Err(panic) => {
                 let allocs = std::mem::take(&mut ctx.allocs);
                 drop(ctx);
+                if let Some(member) = &self.member {
+                    let sig = &self.functions[frame.function.0].sigs[frame.sig];
+                    let shape = shape_hash(sig.sizes.iter().copied(), &sig.keys);
+                    member.abandon((frame.function.0, shape));
+                }
                 self.abort_capture();
                 // Recording may always return to the phase it began from.
                 let _ = self.move_to(previous);
@@ -565,48 +679,50 @@ impl<D: Device, M: Clone> Graft<D, M> {
         lock(&self.graph_pool).rollback(checkpoint);
     }
 
-    /// A capture failed: a capture violation or a failed instantiation makes the signature
-    /// eager for good, and the call runs eagerly; any other error is returned.
+    /// A capture failed (here, or on another rank of the group): the signature runs eagerly
+    /// for good, starting with this call.
     fn capture_failed<F>(
         &mut self,
         frame: &mut Frame<'_, F, M>,
         parent: Option<NodeKey>,
-        error: BodyError,
+        why: EagerReason,
     ) -> Result<Outcome, CallError>
     where
         F: FnMut(&mut Ctx<'_, D>) -> Result<Vec<Output<M>>, BodyError>,
     {
         let function = frame.function;
         let name = self.functions[function.0].name.clone();
-        let why = match error {
-            BodyError::Device(e) if e.op() == DeviceOp::BeginCapture => {
-                EagerReason::BeginCaptureFailed { error: e }
-            }
-            BodyError::Device(DeviceError::Capture { op, violation }) => {
-                EagerReason::CaptureFailed { op, violation }
-            }
-            BodyError::Device(e)
-                if matches!(
-                    e.op(),
-                    DeviceOp::EndCapture | DeviceOp::Instantiate | DeviceOp::Upload
-                ) =>
-            {
-                EagerReason::InstantiateFailed { error: e }
-            }
-            source => {
-                return Err(CallError::Body {
-                    function: name,
-                    source,
-                });
-            }
-        };
         let _span = tracing::info_span!("fallback", function = %name).entered();
         tracing::warn!(reason = %why, "capture failed; the function runs eagerly from now on");
-        self.stats.capture_failures += 1;
+        if !matches!(why, EagerReason::PeerCaptureFailed { .. }) {
+            self.stats.capture_failures += 1;
+        }
         self.stats.fallbacks += 1;
         self.log(function, parent, Decision::Eager(why.clone()));
         self.functions[function.0].sigs[frame.sig].eager = Some(why);
         self.run_eager(frame)
+    }
+}
+
+/// Why a failed capture makes the signature eager: a capture violation or a failed
+/// instantiation. Any other error is the call's to return.
+fn fallback_reason(error: BodyError) -> Result<EagerReason, BodyError> {
+    match error {
+        BodyError::Device(e) if e.op() == DeviceOp::BeginCapture => {
+            Ok(EagerReason::BeginCaptureFailed { error: e })
+        }
+        BodyError::Device(DeviceError::Capture { op, violation }) => {
+            Ok(EagerReason::CaptureFailed { op, violation })
+        }
+        BodyError::Device(e)
+            if matches!(
+                e.op(),
+                DeviceOp::EndCapture | DeviceOp::Instantiate | DeviceOp::Upload
+            ) =>
+        {
+            Ok(EagerReason::InstantiateFailed { error: e })
+        }
+        error => Err(error),
     }
 }
 

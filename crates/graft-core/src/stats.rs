@@ -57,6 +57,8 @@ pub struct Stats {
     /// Replays that re-pointed a copy node (or re-patched a copy-free input) because the
     /// caller's buffer moved.
     pub copy_sources_updated: u64,
+    /// Recordings whose outcome was agreed with the other ranks of a group.
+    pub agreements: u64,
     /// Re-recordings by reason.
     pub rerecords: RerecordCounts,
     /// Eager runs outside the graph pool (eager-only functions and fallbacks).

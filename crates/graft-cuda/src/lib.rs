@@ -24,6 +24,10 @@
 //! time instead, as candle's CUDA backend requires (graft-candle's `cuda` build); its programs
 //! need those libraries to start. Exactly one of the two must be on.
 //!
+//! With the `nccl` feature, `NcclComm` adds NCCL communicators for several GPUs of one
+//! process, whose all-reduces run on each device's runtime stream and so are captured into
+//! graft's graphs.
+//!
 //! This is graft's only crate with `unsafe` besides graft-candle's CUDA module: every block
 //! names the invariant it relies on.
 //! Driver errors map to core's [`DeviceError`](graft_core::DeviceError): out of memory, the
@@ -45,12 +49,16 @@ mod driver;
 mod error;
 mod graph;
 mod module;
+#[cfg(feature = "nccl")]
+mod nccl;
 mod patch;
 
 pub use blas::{Operand, Sgemm, WORKSPACE_BYTES};
 pub use device::{CudaDevice, CudaQueue};
 pub use graph::CudaGraph;
 pub use module::{CudaModule, KernelArg, compile_ptx};
+#[cfg(feature = "nccl")]
+pub use nccl::NcclComm;
 
 #[cfg(test)]
 mod tests {

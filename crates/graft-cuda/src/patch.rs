@@ -6,7 +6,7 @@
 //! Every 8-byte-aligned word of a parameter whose value lies inside a redirected placeholder
 //! is a pointer into it and is moved by the same offset into the caller's buffer. A graph
 //! that reads the placeholder any other way (another copy, a memset, a child graph, a kernel
-//! whose parameters cannot be read) is refused: it keeps copying.
+//! whose parameters cannot be read, an NCCL kernel) is refused: it keeps copying.
 
 use std::ffi::c_void;
 
@@ -262,6 +262,23 @@ fn read_graph(h: &mut GraphHandles) -> Result<(), DeviceError> {
     Ok(())
 }
 
+/// Whether `func` is one of NCCL's kernels, which find their buffers through work descriptors
+/// of their own, not only through their parameters: a placeholder such a kernel reads cannot
+/// be redirected by patching parameters. A function whose name cannot be read counts as one.
+fn is_collective(func: sys::CUfunction) -> bool {
+    let mut name: *const std::ffi::c_char = std::ptr::null();
+    // SAFETY: `func` is the live function of a captured kernel node; `name` is a valid
+    // out-pointer, set to a NUL-terminated string the driver owns while the module is loaded.
+    let r = unsafe { sys::cuFuncGetName(&mut name, func) };
+    if r != sys::CUresult::CUDA_SUCCESS || name.is_null() {
+        return true;
+    }
+    // SAFETY: the call succeeded, so `name` is a NUL-terminated string valid for this read.
+    let name = unsafe { std::ffi::CStr::from_ptr(name) }.to_bytes();
+    // Mangled or not (`_Z..ncclDevKernel_AllReduce..`), the name holds "nccl".
+    name.windows(4).any(|w| w == b"nccl")
+}
+
 /// A kernel node's parameters and layout, or `None` when they cannot be read (passed through
 /// `extra`, or a function whose layout the driver does not report).
 fn read_kernel(
@@ -276,7 +293,7 @@ fn read_kernel(
     })?;
     // SAFETY: the call succeeded, so the driver wrote every field.
     let params = unsafe { params.assume_init() };
-    if params.func.is_null() || !params.extra.is_null() {
+    if params.func.is_null() || !params.extra.is_null() || is_collective(params.func) {
         return Ok(None);
     }
     let mut layout = Vec::new();

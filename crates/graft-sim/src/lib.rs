@@ -37,6 +37,10 @@
 //!   [`SimDevice::fail_next_instantiate`], [`SimDevice::fail_next_launch`],
 //!   [`SimDevice::fail_next_graph_destroy`] (which goes to the sticky error slot).
 //!
+//! - **Several devices, one all-reduce.** [`SimComm`] joins simulated devices into a group
+//!   with an in-process all-reduce, recorded into graphs like NCCL's kernels; where NCCL
+//!   would hang it times out with an error.
+//!
 //! [`SimDevice::stats`] exposes counters for tests. Behind the `test-support` feature (enabled
 //! by graft-testkit and graft's dev-dependencies) are the calls only tests make, modelling
 //! what a framework's code might do wrong inside a captured body: `SimQueue::raw_alloc` /
@@ -45,10 +49,12 @@
 //! `SimQueue::write_f32`. graft's shared test kernels live in graft-testkit.
 #![forbid(unsafe_code)]
 
+mod collective;
 mod device;
 mod graph;
 mod memory;
 
+pub use collective::SimComm;
 pub use device::{CaptureStatus, SimDevice, SimQueue, SimStats};
 pub use graph::{KernelFn, SimGraph};
 pub use memory::{ADDRESS_BASE, DEFAULT_MEMORY_LIMIT, GRANULARITY, POISON_BYTE, SimMemory};

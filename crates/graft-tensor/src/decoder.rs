@@ -17,6 +17,7 @@
 
 use std::borrow::Cow;
 use std::fmt;
+use std::sync::Arc;
 
 use graft_core::{
     BodyError, Bucket, Buckets, Buffer, CaptureMode, Ctx, Device, FunctionId, FunctionSpec, Graft,
@@ -26,6 +27,7 @@ use rand::rngs::Xoshiro256PlusPlus;
 use rand::{RngExt, SeedableRng};
 
 use crate::backend::Backend;
+use crate::collective::Collective;
 use crate::error::{Result, TensorError};
 use crate::ops;
 use crate::tensor::{Alloc, DType, EagerAlloc, Keep, Meta, Tensor};
@@ -64,6 +66,21 @@ impl DecoderConfig {
             ffn: 2048,
             vocab: 8192,
             ctx: 512,
+            eps: 1e-5,
+        }
+    }
+
+    /// The tensor-parallel benchmark model, large enough that splitting it over two GPUs
+    /// pays: 8 layers, d=4096, 32 heads, ffn 16384, vocab 8192, context 128 (1.7B
+    /// parameters, 6.7 GB in fp32).
+    pub fn tensor_parallel() -> DecoderConfig {
+        DecoderConfig {
+            layers: 8,
+            d_model: 4096,
+            heads: 32,
+            ffn: 16384,
+            vocab: 8192,
+            ctx: 128,
             eps: 1e-5,
         }
     }
@@ -186,13 +203,33 @@ enum Init {
     Uniform(f32),
 }
 
-fn layout_of(c: &DecoderConfig) -> (Layout, Vec<Init>) {
+/// How a tensor-parallel rank holds a parameter (Megatron's split): whole, its share of the
+/// columns of each of `n` side-by-side groups (q, k and v; the MLP's first layer), or its
+/// share of the rows (the products whose partial sums the all-reduce adds up).
+#[derive(Clone, Copy)]
+enum Split {
+    Whole,
+    Columns(usize),
+    Rows,
+}
+
+/// The parameters of the whole model, in arena order, with how each is made and split.
+fn layout_of(c: &DecoderConfig) -> (Layout, Vec<(Init, Split)>) {
     let mut l = Layout::default();
     let mut init = Vec::new();
     let (d, f) = (c.d_model, c.ffn);
     let mut add = |l: &mut Layout, name: String, shape: &[usize], i: Init| {
+        let split = if name.ends_with("wqkv") || name.ends_with("bqkv") {
+            Split::Columns(3)
+        } else if name.ends_with("w1") || name.ends_with("b1") {
+            Split::Columns(1)
+        } else if name.ends_with("wo") || name.ends_with("w2") {
+            Split::Rows
+        } else {
+            Split::Whole
+        };
         l.push(name, shape);
-        init.push(i);
+        init.push((i, split));
     };
     let lin = |fan_in: usize| Init::Uniform(1.0 / (fan_in as f32).sqrt());
     let bias = Init::Uniform(0.02);
@@ -218,6 +255,50 @@ fn layout_of(c: &DecoderConfig) -> (Layout, Vec<Init>) {
     add(&mut l, "lm_head.w".into(), &[d, c.vocab], lin(d));
     add(&mut l, "lm_head.b".into(), &[c.vocab], bias);
     (l, init)
+}
+
+/// Rank `rank`'s share (of `world`) of the whole model's parameters `host` laid out by
+/// `layout`: its own layout and values.
+fn shard_host(
+    layout: &Layout,
+    splits: &[(Init, Split)],
+    host: &[f32],
+    rank: usize,
+    world: usize,
+) -> (Layout, Vec<f32>) {
+    let mut local = Layout::default();
+    let mut parts: Vec<Vec<f32>> = Vec::with_capacity(splits.len());
+    for ((name, (at, shape)), (_, split)) in layout.names.iter().zip(&layout.entries).zip(splits) {
+        let whole = &host[*at..at + shape.iter().product::<usize>()];
+        let n = *shape.last().unwrap_or(&1);
+        let (values, shape) = match *split {
+            Split::Whole => (whole.to_vec(), shape.clone()),
+            Split::Columns(groups) => {
+                let share = n / groups / world;
+                let mut v = Vec::with_capacity(whole.len() / world);
+                for row in whole.chunks(n) {
+                    for group in row.chunks(n / groups) {
+                        v.extend_from_slice(&group[rank * share..(rank + 1) * share]);
+                    }
+                }
+                let mut shape = shape.clone();
+                *shape.last_mut().unwrap_or(&mut 0) = groups * share;
+                (v, shape)
+            }
+            Split::Rows => {
+                let rows = shape[0] / world;
+                let v = whole[rank * rows * n..(rank + 1) * rows * n].to_vec();
+                (v, vec![rows, n])
+            }
+        };
+        local.push(name.clone(), &shape);
+        parts.push(values);
+    }
+    let mut values = vec![0.0f32; local.total];
+    for ((at, _), part) in local.entries.iter().zip(parts) {
+        values[*at..at + part.len()].copy_from_slice(&part);
+    }
+    (local, values)
 }
 
 impl Weights {
@@ -270,6 +351,8 @@ pub struct Decoder<D: Backend> {
     layout: Layout,
     arena: Tensor,
     weights: Weights,
+    /// Tensor-parallel: this rank's communicator (`None`: the whole model on one device).
+    shard: Option<Arc<dyn Collective>>,
 }
 
 impl<D: Backend> fmt::Debug for Decoder<D> {
@@ -277,6 +360,7 @@ impl<D: Backend> fmt::Debug for Decoder<D> {
         f.debug_struct("Decoder")
             .field("device", &self.device.describe())
             .field("config", &self.config)
+            .field("shard", &self.shard)
             .finish_non_exhaustive()
     }
 }
@@ -346,23 +430,25 @@ impl KvState {
 
     /// The cache views to use for buffers a body received: the state's own when the body got
     /// the state's cache in place (a static input always is), else fresh views of `cache`.
-    fn views_for<'s>(
-        &'s self,
-        cache: &Buffer,
-        config: &DecoderConfig,
-    ) -> Result<Cow<'s, [(Tensor, Tensor)]>> {
+    fn views_for<'s>(&'s self, cache: &Buffer) -> Result<Cow<'s, [(Tensor, Tensor)]>> {
         if cache.same_storage(self.cache.buffer()) {
             return Ok(Cow::Borrowed(&self.kv));
         }
         let t = Tensor::from_buffer(cache.clone(), self.cache.shape(), DType::F32)?;
-        Ok(Cow::Owned(kv_views(&t, config, self.bucket)?))
+        Ok(Cow::Owned(kv_views(&t)?))
     }
 }
 
-fn kv_views(cache: &Tensor, c: &DecoderConfig, bucket: usize) -> Result<Vec<(Tensor, Tensor)>> {
-    let per = bucket * c.ctx * c.d_model;
-    let shape = [bucket, c.ctx, c.d_model];
-    (0..c.layers)
+/// The (K, V) views per layer of a `[layers, 2, bucket, ctx, d]` cache.
+fn kv_views(cache: &Tensor) -> Result<Vec<(Tensor, Tensor)>> {
+    let &[layers, 2, bucket, ctx, d] = cache.shape() else {
+        return Err(TensorError::Config {
+            what: "a cache must have the shape [layers, 2, bucket, ctx, d]",
+        });
+    };
+    let per = bucket * ctx * d;
+    let shape = [bucket, ctx, d];
+    (0..layers)
         .map(|l| {
             Ok((
                 cache.view(2 * l * per, &shape)?,
@@ -424,13 +510,45 @@ impl<D: Backend> Decoder<D> {
         config: DecoderConfig,
         seed: u64,
     ) -> Result<Decoder<D>> {
+        Decoder::build(alloc, config, seed, None)
+    }
+
+    /// One rank of the same model (same `config` and `seed`) split tensor-parallel over
+    /// `comm.world()` devices, Megatron-style: this rank holds its share of the attention
+    /// heads (the columns of q, k and v, the rows of the output projection) and of the MLP's
+    /// hidden columns (the columns of its first layer, the rows of its second), and its KV
+    /// caches hold its heads only. The partial products of the output projection and of the
+    /// MLP's second layer are summed over the ranks by an all-reduce on `comm`, inside the
+    /// step (so graft records it into the step's graph); everything else is replicated, so
+    /// every rank computes the same tokens. `heads` and `ffn` must be multiples of the world.
+    pub fn new_sharded<A: EagerAlloc<D> + ?Sized>(
+        alloc: &mut A,
+        config: DecoderConfig,
+        seed: u64,
+        comm: Arc<dyn Collective>,
+    ) -> Result<Decoder<D>> {
+        let world = comm.world();
+        if world == 0 || !config.heads.is_multiple_of(world) || !config.ffn.is_multiple_of(world) {
+            return Err(TensorError::Config {
+                what: "heads and ffn must be multiples of the number of ranks",
+            });
+        }
+        Decoder::build(alloc, config, seed, Some(comm))
+    }
+
+    fn build<A: EagerAlloc<D> + ?Sized>(
+        alloc: &mut A,
+        config: DecoderConfig,
+        seed: u64,
+        shard: Option<Arc<dyn Collective>>,
+    ) -> Result<Decoder<D>> {
         config.validate()?;
         let device = alloc.device().clone();
         let kernels = device.load_ops()?;
         let (layout, init) = layout_of(&config);
         let mut host = vec![0.0f32; layout.total];
         let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
-        for ((at, shape), how) in layout.entries.iter().zip(&init) {
+        for ((at, shape), (how, _)) in layout.entries.iter().zip(&init) {
             let n: usize = shape.iter().product();
             let dst = &mut host[*at..at + n];
             match *how {
@@ -441,6 +559,10 @@ impl<D: Backend> Decoder<D> {
                     .for_each(|v| *v = (rng.random::<f32>() * 2.0 - 1.0) * s),
             }
         }
+        let (layout, host) = match &shard {
+            Some(comm) => shard_host(&layout, &init, &host, comm.rank(), comm.world()),
+            None => (layout, host),
+        };
         let arena = Tensor::from_f32(alloc, &[layout.total], &host)?;
         arena.buffer().mark_static();
         let weights = Weights::views(&arena, &layout, config.layers)?;
@@ -451,7 +573,14 @@ impl<D: Backend> Decoder<D> {
             layout,
             arena,
             weights,
+            shard,
         })
+    }
+
+    /// The model width and heads this device holds: all of them, or a rank's share.
+    fn local_dims(&self) -> (usize, usize) {
+        let world = self.shard.as_ref().map_or(1, |c| c.world());
+        (self.config.d_model / world, self.config.heads / world)
     }
 
     /// The configuration.
@@ -504,7 +633,8 @@ impl<D: Backend> Decoder<D> {
         bucket: usize,
     ) -> Result<Tensor> {
         let c = &self.config;
-        let cache = Tensor::empty(alloc, &[c.layers, 2, bucket, c.ctx, c.d_model], DType::F32)?;
+        let (d, _) = self.local_dims();
+        let cache = Tensor::empty(alloc, &[c.layers, 2, bucket, c.ctx, d], DType::F32)?;
         cache.buffer().mark_static();
         Ok(cache)
     }
@@ -531,14 +661,15 @@ impl<D: Backend> Decoder<D> {
         bucket: usize,
     ) -> Result<KvState> {
         let c = &self.config;
-        let shape = [c.layers, 2, bucket, c.ctx, c.d_model];
+        let (d, _) = self.local_dims();
+        let shape = [c.layers, 2, bucket, c.ctx, d];
         if bucket == 0 {
             return Err(TensorError::EmptyBatch);
         }
         let cache = arena.view(0, &shape)?;
         let pos = Tensor::from_i32(alloc, &[1], &[0])?;
         pos.buffer().mark_static();
-        let kv = kv_views(&cache, c, bucket)?;
+        let kv = kv_views(&cache)?;
         Ok(KvState {
             bucket,
             pos,
@@ -674,7 +805,7 @@ impl<D: Backend> Decoder<D> {
                         Tensor::from_buffer(ins[2].clone(), &[self.layout.total], DType::F32)?;
                     Cow::Owned(Weights::views(&arena, &self.layout, self.config.layers)?)
                 };
-                let kv = st.views_for(&ins[3], &self.config)?;
+                let kv = st.views_for(&ins[3])?;
                 let next = self.forward(ctx, &tokens, &pos, &weights, &kv)?;
                 Ok(vec![next.into_output()])
             },
@@ -764,6 +895,14 @@ impl<D: Backend> Decoder<D> {
         Ok(kept)
     }
 
+    /// Tensor-parallel: sums a partial product over the ranks (nothing on one device).
+    fn all_reduce(&self, partial: &Tensor) -> Result<()> {
+        match &self.shard {
+            Some(comm) => comm.all_reduce_sum(partial),
+            None => Ok(()),
+        }
+    }
+
     /// The step itself: embed, blocks, final norm, logits, greedy argmax, position + 1.
     fn forward<A: Alloc<D> + ?Sized>(
         &self,
@@ -775,6 +914,7 @@ impl<D: Backend> Decoder<D> {
     ) -> Result<Tensor> {
         let c = &self.config;
         let k = &self.kernels;
+        let (_, heads) = self.local_dims();
         let first = w
             .layers
             .first()
@@ -787,17 +927,18 @@ impl<D: Backend> Decoder<D> {
         for (i, (l, (k_cache, v_cache))) in w.layers.iter().zip(kv).enumerate() {
             let qkv = ops::linear(k, cx, &h, &l.wqkv, None, None, false)?;
             drop(h);
-            let a =
-                ops::attention_step(k, cx, &qkv, Some(&l.bqkv), k_cache, v_cache, pos, c.heads)?;
+            let a = ops::attention_step(k, cx, &qkv, Some(&l.bqkv), k_cache, v_cache, pos, heads)?;
             drop(qkv);
             let o = ops::linear(k, cx, &a, &l.wo, None, None, false)?;
             drop(a);
+            self.all_reduce(&o)?;
             let (x1, h2) = ops::add_norm(k, cx, &x, &o, Some(&l.bo), &l.ln2_g, &l.ln2_b, c.eps)?;
             drop(o);
             let g = ops::linear(k, cx, &h2, &l.w1, Some(&l.b1), None, true)?;
             drop(h2);
             let f = ops::linear(k, cx, &g, &l.w2, None, None, false)?;
             drop(g);
+            self.all_reduce(&f)?;
             let (gamma, beta) = match w.layers.get(i + 1) {
                 Some(n) => (&n.ln1_g, &n.ln1_b),
                 None => (&w.lnf_g, &w.lnf_b),

@@ -15,13 +15,16 @@
 //!   a device-held position, argmax + position increment) and an elementwise add,
 //!   shape-checked, on any backend.
 //! - [`Decoder`]: the benchmark decoder, stepped through graft ([`Decoder::step_graft`]),
-//!   eagerly ([`Decoder::step_eager`]) or as one raw graph ([`Decoder::capture_raw`]).
+//!   eagerly ([`Decoder::step_eager`]) or as one raw graph ([`Decoder::capture_raw`]); on one
+//!   device, or one rank of it split tensor-parallel ([`Decoder::new_sharded`]) with the
+//!   all-reduces of a [`Collective`] (NCCL on CUDA, an in-process one on the simulator).
 //!
 //! On one backend, graft replay and eager execution run the same kernels on the same data, so
 //! they produce identical tokens; the simulator and CUDA agree closely but not bitwise.
 #![forbid(unsafe_code)]
 
 mod backend;
+mod collective;
 mod cuda;
 mod decoder;
 mod error;
@@ -33,6 +36,7 @@ pub use backend::{
     AddNormArgs, ArgmaxArgs, AttentionArgs, AttnDims, Backend, EmbedDims, EmbedNormArgs,
     LinearArgs, MatmulDims, NormDims, Ops,
 };
+pub use collective::Collective;
 pub use cuda::{CudaOps, KERNEL_NAMES, KERNELS_CU};
 pub use decoder::{Decoder, DecoderConfig, KvState, RawGraph, default_buckets};
 pub use error::{Result, TensorError};

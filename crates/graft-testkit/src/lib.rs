@@ -16,12 +16,16 @@
 //! Every kernel touches `n` elements from the start of each buffer; a buffer shorter than
 //! `n` elements, of another device, or no longer valid is refused before anything is
 //! launched (with [`Buffer::device_addr`]'s errors), so the kernels are safe to call.
+//!
+//! [`TestGroupDevice`] adds what multi-device tests need: several devices of one backend and
+//! an all-reduce among them ([`SimComm`] on the simulator, [`NcclComm`] on GPUs).
 
-use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError, Weak};
+use std::time::Duration;
 
 use graft_core::{Buffer, Device, DeviceError, DeviceId, DeviceOp, DevicePtr};
-use graft_cuda::{CudaModule, CudaQueue, KernelArg};
-use graft_sim::SimQueue;
+use graft_cuda::{CudaDevice, CudaModule, CudaQueue, KernelArg, NcclComm};
+use graft_sim::{SimComm, SimDevice, SimQueue};
 
 const F32_BYTES: usize = std::mem::size_of::<f32>();
 const OP: DeviceOp = DeviceOp::KernelLaunch;
@@ -74,6 +78,101 @@ macro_rules! inherent_hooks {
 pub trait TestDevice: Device<Queue: TestQueue> + Clone {}
 
 impl<D: Device<Queue: TestQueue> + Clone> TestDevice for D {}
+
+/// A [`TestDevice`] backend with several devices and an all-reduce among them, for tests of
+/// tensor-parallel groups. Each backend hands out `world` devices and one communicator per
+/// device (rank `i` on device `i`).
+pub trait TestGroupDevice: TestDevice {
+    /// One rank's communicator.
+    type Comm: Send + Sync + 'static;
+
+    /// `world` devices of this backend, ready for [`TestQueue`]'s kernels.
+    ///
+    /// # Panics
+    /// If the devices cannot be had (on CUDA: fewer than `world` GPUs, or the test kernels do
+    /// not load).
+    fn devices(world: usize) -> Vec<Self>;
+
+    /// One communicator per device of `devices`, rank `i` on `devices[i]`.
+    ///
+    /// # Panics
+    /// If the communicators cannot be made (on CUDA: NCCL is missing or fails to initialize).
+    fn comms(devices: &[Self]) -> Vec<Self::Comm>;
+
+    /// Enqueues an in-place all-reduce (sum) of the first `n` `f32`s of `buf` on `comm`'s
+    /// device's runtime stream (recorded when capturing).
+    fn all_reduce(comm: &Self::Comm, buf: &Buffer, n: usize) -> Result<(), DeviceError>;
+}
+
+/// Device memory of each simulated device [`TestGroupDevice::devices`] makes (64 MiB): small,
+/// so that a test can take all of it with raw allocations (the simulator really allocates them
+/// on the host).
+pub const SIM_GROUP_MEMORY: usize = 64 << 20;
+
+/// How long a [`SimComm`] collective of [`TestGroupDevice::comms`] waits for its peers before
+/// it fails (where NCCL would hang).
+pub const SIM_COLLECTIVE_TIMEOUT: Duration = Duration::from_secs(5);
+
+impl TestGroupDevice for SimDevice {
+    type Comm = SimComm;
+
+    /// Fresh devices of [`SIM_GROUP_MEMORY`] bytes each.
+    fn devices(world: usize) -> Vec<SimDevice> {
+        (0..world)
+            .map(|_| SimDevice::with_memory_limit(SIM_GROUP_MEMORY))
+            .collect()
+    }
+
+    /// A [`SimComm`] group whose collectives wait at most [`SIM_COLLECTIVE_TIMEOUT`].
+    fn comms(devices: &[SimDevice]) -> Vec<SimComm> {
+        SimComm::group(devices, SIM_COLLECTIVE_TIMEOUT)
+    }
+
+    fn all_reduce(comm: &SimComm, buf: &Buffer, n: usize) -> Result<(), DeviceError> {
+        comm.all_reduce_sum_f32(buf, n)
+    }
+}
+
+/// The CUDA devices opened so far by [`TestGroupDevice::devices`], by ordinal, each with its
+/// test kernels loaded: opened once per process and kept, like the kernels, until it exits.
+static CUDA_GROUP: OnceLock<Mutex<Vec<(CudaDevice, CudaTestKernels)>>> = OnceLock::new();
+
+impl TestGroupDevice for CudaDevice {
+    type Comm = NcclComm;
+
+    /// GPUs `0..world`, each opened once per process with the test kernels loaded (later calls
+    /// return the same devices).
+    fn devices(world: usize) -> Vec<CudaDevice> {
+        let available = CudaDevice::device_count().unwrap_or(0);
+        assert!(
+            available >= world,
+            "this test needs {world} CUDA GPUs; {available} found"
+        );
+        let mut opened = CUDA_GROUP
+            .get_or_init(|| Mutex::new(Vec::new()))
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        for ordinal in opened.len()..world {
+            let dev = CudaDevice::new(ordinal)
+                .unwrap_or_else(|e| panic!("CUDA device {ordinal} cannot be opened: {e}"));
+            let kernels = CudaTestKernels::load(&dev).unwrap_or_else(|e| {
+                panic!("the test kernels do not load on CUDA device {ordinal}: {e}")
+            });
+            opened.push((dev, kernels));
+        }
+        opened[..world].iter().map(|(d, _)| d.clone()).collect()
+    }
+
+    /// NCCL communicators over the devices (`ncclCommInitAll`).
+    fn comms(devices: &[CudaDevice]) -> Vec<NcclComm> {
+        NcclComm::init_all(devices)
+            .unwrap_or_else(|e| panic!("NCCL communicators cannot be made: {e}"))
+    }
+
+    fn all_reduce(comm: &NcclComm, buf: &Buffer, n: usize) -> Result<(), DeviceError> {
+        comm.all_reduce_sum_f32(buf, n)
+    }
+}
 
 /// The byte length of `n` `f32`s, refused when it overflows.
 fn f32_bytes(n: usize) -> Result<usize, DeviceError> {

@@ -1,0 +1,393 @@
+//! `graft bench tp`: the benchmark decoder split tensor-parallel over several devices (NCCL
+//! on GPUs, the in-process all-reduce on the simulator), one rank per thread under a
+//! [`Coordinator`]: tokens of graft against eager and a raw graph per rank, then per-step
+//! times of eager, graft and raw-graph tensor parallelism against the whole model on one
+//! device.
+
+use std::io::Write;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use graft_core::{Config, Coordinator, Device, FunctionId, Graft, Member};
+use graft_cuda::{CudaDevice, NcclComm};
+use graft_sim::{SimComm, SimDevice};
+use graft_tensor::{Backend, Collective, Decoder, DecoderConfig, KvState, Meta, Tensor};
+
+use crate::TpArgs;
+use crate::demo::{compare, first_tokens};
+use crate::error::CliError;
+use crate::timing::{fmt_us, median_us};
+
+/// One rank's state. Field order is drop order: the runtime (and its graphs) before the
+/// decoder, whose communicator NCCL wants destroyed after the graphs that captured it.
+struct Rank<D: Backend> {
+    graft: Graft<D, Meta>,
+    decoder: Decoder<D>,
+    fid: FunctionId,
+}
+
+/// Per-step times of one mode at one batch size, in microseconds.
+#[derive(Clone, Copy, Debug, Default)]
+struct Times {
+    /// Median of steps each followed by a synchronize.
+    synced: f64,
+    /// Steps enqueued back to back, one synchronize at the end, per step.
+    pipelined: f64,
+}
+
+/// What one rank measured at one batch size.
+#[derive(Clone, Debug, Default)]
+struct RankReport {
+    eager: Times,
+    graft: Times,
+    raw: Times,
+    /// The tokens of the checked steps (eager's; graft's and the raw graph's equal them).
+    tokens: Vec<Vec<i32>>,
+}
+
+/// `graft bench tp`.
+pub fn run(args: &TpArgs, out: &mut dyn Write) -> Result<(), CliError> {
+    if args.world < 2 {
+        return Err(CliError::BadArgument {
+            flag: "--world",
+            why: "tensor parallelism needs at least 2 ranks".into(),
+        });
+    }
+    let gpus = if !args.sim && CudaDevice::is_available() {
+        CudaDevice::device_count().unwrap_or(0)
+    } else {
+        0
+    };
+    if gpus >= args.world {
+        let devices = (0..args.world)
+            .map(CudaDevice::new)
+            .collect::<Result<Vec<_>, _>>()?;
+        let (major, minor, patch) = NcclComm::version()?;
+        writeln!(out, "NCCL {major}.{minor}.{patch}")?;
+        let comms = NcclComm::init_all(&devices)?;
+        let comms = comms
+            .into_iter()
+            .map(|c| Arc::new(c) as Arc<dyn Collective>)
+            .collect();
+        return run_on(
+            devices,
+            comms,
+            DecoderConfig::tensor_parallel(),
+            "tp",
+            args,
+            out,
+        );
+    }
+    if !args.sim {
+        writeln!(
+            out,
+            "note: {gpus} CUDA GPU(s) found, {} needed; running on simulated devices",
+            args.world
+        )?;
+    }
+    let devices: Vec<SimDevice> = (0..args.world).map(|_| SimDevice::new()).collect();
+    let comms = SimComm::group(&devices, Duration::from_secs(30))
+        .into_iter()
+        .map(|c| Arc::new(c) as Arc<dyn Collective>)
+        .collect();
+    run_on(devices, comms, DecoderConfig::tiny(), "tiny", args, out)
+}
+
+fn run_on<D: Backend>(
+    devices: Vec<D>,
+    comms: Vec<Arc<dyn Collective>>,
+    config: DecoderConfig,
+    name: &str,
+    args: &TpArgs,
+    out: &mut dyn Write,
+) -> Result<(), CliError> {
+    if args.steps == 0 || 2 * args.steps + 2 > config.ctx || args.check > config.ctx {
+        return Err(CliError::BadArgument {
+            flag: "--steps",
+            why: format!(
+                "--steps must be 1..={} and --check at most {} (the context)",
+                (config.ctx - 2) / 2,
+                config.ctx
+            ),
+        });
+    }
+    writeln!(
+        out,
+        "tensor-parallel decoder ({name}: {config}) on {} ranks: {}",
+        devices.len(),
+        devices[0].describe()
+    )?;
+    let first = devices[0].clone();
+    let seed = args.seed;
+    let start = Instant::now();
+    let seeds: Vec<(D, Arc<dyn Collective>)> = devices.into_iter().zip(comms).collect();
+    let ranks = Coordinator::start(
+        seeds,
+        Duration::from_secs(120),
+        move |(device, comm): (D, Arc<dyn Collective>), member: Member| {
+            let mut graft = Graft::new(device, Config::default());
+            graft.join(member);
+            let decoder = Decoder::new_sharded(&mut graft, config, seed, comm)?;
+            let fid = decoder.register(&mut graft);
+            Ok::<_, CliError>(Rank {
+                graft,
+                decoder,
+                fid,
+            })
+        },
+    )
+    .map_err(|e| CliError::Ranks(Box::new(e)))?;
+    writeln!(out, "ranks built in {:.1} s", start.elapsed().as_secs_f64())?;
+
+    let mut rows = Vec::new();
+    for &batch in &args.batches {
+        let (check, steps, rounds) = (args.check, args.steps, args.rounds);
+        let reports = ranks
+            .step(move |_, rank: &mut Rank<D>| measure_tp(rank, batch, check, steps, rounds))?;
+        let reports = reports.into_iter().collect::<Result<Vec<_>, _>>()?;
+        for r in &reports[1..] {
+            compare(
+                batch,
+                ("rank 0", &reports[0].tokens),
+                ("another rank", &r.tokens),
+            )?;
+        }
+        rows.push((batch, reports));
+    }
+    drop(ranks);
+    writeln!(
+        out,
+        "tokens: graft = eager = raw graph on every rank, and every rank the same, over {} steps at B={}",
+        args.check,
+        args.batches
+            .iter()
+            .map(usize::to_string)
+            .collect::<Vec<_>>()
+            .join(", ")
+    )?;
+
+    let mut one = Graft::<D, Meta>::new(first, Config::default());
+    let whole = Decoder::new(&mut one, config, args.seed)?;
+    let fid = whole.register(&mut one);
+    writeln!(
+        out,
+        "\nper step, median of {} rounds of {} steps (synced: each step then a synchronize; pipelined: {} steps, one synchronize)",
+        args.rounds, args.steps, args.steps
+    )?;
+    writeln!(
+        out,
+        "| B | timing | 1 GPU eager | 1 GPU graft | TP eager | TP graft | TP raw graph | TP graft / raw, per rank | 1 GPU graft / TP graft | TP eager / TP graft |"
+    )?;
+    writeln!(
+        out,
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+    )?;
+    for (batch, reports) in &rows {
+        let single = measure_one(&mut one, &whole, fid, *batch, args.steps, args.rounds)?;
+        for (label, pick) in [
+            ("synced", (|t: &Times| t.synced) as fn(&Times) -> f64),
+            ("pipelined", |t: &Times| t.pipelined),
+        ] {
+            let r0 = &reports[0];
+            let ratios: Vec<String> = reports
+                .iter()
+                .map(|r| format!("{:.3}", pick(&r.graft) / pick(&r.raw)))
+                .collect();
+            writeln!(
+                out,
+                "| {batch} | {label} | {} | {} | {} | {} | {} | {} | {:.2}x | {:.2}x |",
+                fmt_us(pick(&single.eager)),
+                fmt_us(pick(&single.graft)),
+                fmt_us(pick(&r0.eager)),
+                fmt_us(pick(&r0.graft)),
+                fmt_us(pick(&r0.raw)),
+                ratios.join(" / "),
+                pick(&single.graft) / pick(&r0.graft),
+                pick(&r0.eager) / pick(&r0.graft),
+            )?;
+        }
+    }
+    let stats = one.stats();
+    writeln!(
+        out,
+        "\none-device runtime: {} recordings, {} replays",
+        stats.recordings, stats.replays
+    )?;
+    Ok(())
+}
+
+/// Steps `state` `n` times with `step`, returning the tokens after each step when `keep`.
+fn run_steps<D: Device>(
+    device: &D,
+    state: &mut KvState,
+    n: usize,
+    mut step: impl FnMut(&mut KvState) -> Result<Tensor, CliError>,
+    keep: bool,
+) -> Result<Vec<Vec<i32>>, CliError> {
+    let mut tokens = Vec::new();
+    for _ in 0..n {
+        let next = step(state)?;
+        if keep {
+            tokens.push(next.to_vec_i32(device)?);
+        }
+    }
+    Ok(tokens)
+}
+
+/// Times of one mode: `rounds` rounds of `steps` synced steps and `steps` pipelined ones,
+/// each from position 0. `step` runs one step and returns nothing the host reads.
+fn time_mode<D: Device>(
+    device: &D,
+    state: &mut KvState,
+    steps: usize,
+    mut step: impl FnMut(&mut KvState) -> Result<(), CliError>,
+) -> Result<Times, CliError> {
+    state.reset(device)?;
+    // Warm: the first steps record (graft) and touch every page.
+    for _ in 0..2 {
+        step(state)?;
+    }
+    device.synchronize()?;
+    let mut synced = Vec::with_capacity(steps);
+    for _ in 0..steps {
+        let t = Instant::now();
+        step(state)?;
+        device.synchronize()?;
+        synced.push(t.elapsed());
+    }
+    let t = Instant::now();
+    for _ in 0..steps {
+        step(state)?;
+    }
+    device.synchronize()?;
+    Ok(Times {
+        synced: median_us(&synced),
+        pipelined: t.elapsed().as_secs_f64() * 1e6 / steps as f64,
+    })
+}
+
+/// The median over rounds of each field.
+fn median_times(rounds: &[Times]) -> Times {
+    let field = |f: fn(&Times) -> f64| {
+        let mut v: Vec<f64> = rounds.iter().map(f).collect();
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() / 2).copied().unwrap_or(0.0)
+    };
+    Times {
+        synced: field(|t| t.synced),
+        pipelined: field(|t| t.pipelined),
+    }
+}
+
+/// One rank at one batch size: the tokens of `check` steps eagerly, through graft and as a
+/// raw graph (which must agree), then the times of each mode, interleaved over `rounds`.
+fn measure_tp<D: Backend>(
+    rank: &mut Rank<D>,
+    batch: usize,
+    check: usize,
+    steps: usize,
+    rounds: usize,
+) -> Result<RankReport, CliError> {
+    let Rank {
+        graft,
+        decoder,
+        fid,
+    } = rank;
+    let device = decoder.device().clone();
+    let ids = first_tokens(batch, decoder.config().vocab);
+    let mut state = decoder.new_state(graft, batch)?;
+    let start = decoder.tokens(graft, &ids)?;
+
+    let mut tokens = start.clone();
+    let eager = run_steps(
+        &device,
+        &mut state,
+        check,
+        |s| {
+            tokens = decoder.step_eager(graft, s, &tokens)?;
+            Ok(tokens.clone())
+        },
+        true,
+    )?;
+    state.reset(&device)?;
+    let mut tokens = start.clone();
+    let graphed = run_steps(
+        &device,
+        &mut state,
+        check,
+        |s| {
+            tokens = decoder.step_graft(graft, *fid, s, &tokens)?;
+            Ok(tokens.clone())
+        },
+        true,
+    )?;
+    compare(batch, ("eager", &eager), ("graft", &graphed))?;
+    state.reset(&device)?;
+    let raw_tokens = decoder.tokens(graft, &ids)?;
+    let raw = decoder.capture_raw(graft, &state, &raw_tokens)?;
+    let replayed = run_steps(
+        &device,
+        &mut state,
+        check,
+        |s| {
+            raw.step(s)?;
+            Ok(raw.tokens().clone())
+        },
+        true,
+    )?;
+    compare(batch, ("eager", &eager), ("raw graph", &replayed))?;
+
+    let mut times = [Vec::new(), Vec::new(), Vec::new()];
+    for _ in 0..rounds {
+        let mut tokens = start.clone();
+        times[0].push(time_mode(&device, &mut state, steps, |s| {
+            tokens = decoder.step_eager(graft, s, &tokens)?;
+            Ok(())
+        })?);
+        let mut tokens = start.clone();
+        times[1].push(time_mode(&device, &mut state, steps, |s| {
+            tokens = decoder.step_graft(graft, *fid, s, &tokens)?;
+            Ok(())
+        })?);
+        times[2].push(time_mode(&device, &mut state, steps, |s| Ok(raw.step(s)?))?);
+    }
+    Ok(RankReport {
+        eager: median_times(&times[0]),
+        graft: median_times(&times[1]),
+        raw: median_times(&times[2]),
+        tokens: eager,
+    })
+}
+
+/// The whole model on one device at one batch size: eager and graft times.
+fn measure_one<D: Backend>(
+    graft: &mut Graft<D, Meta>,
+    decoder: &Decoder<D>,
+    fid: FunctionId,
+    batch: usize,
+    steps: usize,
+    rounds: usize,
+) -> Result<RankReport, CliError> {
+    let device = decoder.device().clone();
+    let ids = first_tokens(batch, decoder.config().vocab);
+    let mut state = decoder.new_state(graft, batch)?;
+    let start = decoder.tokens(graft, &ids)?;
+    let mut times = [Vec::new(), Vec::new()];
+    for _ in 0..rounds {
+        let mut tokens = start.clone();
+        times[0].push(time_mode(&device, &mut state, steps, |s| {
+            tokens = decoder.step_eager(graft, s, &tokens)?;
+            Ok(())
+        })?);
+        let mut tokens = start.clone();
+        times[1].push(time_mode(&device, &mut state, steps, |s| {
+            tokens = decoder.step_graft(graft, fid, s, &tokens)?;
+            Ok(())
+        })?);
+    }
+    Ok(RankReport {
+        eager: median_times(&times[0]),
+        graft: median_times(&times[1]),
+        ..RankReport::default()
+    })
+}
