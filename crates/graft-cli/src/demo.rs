@@ -68,7 +68,7 @@ pub(crate) fn check_batches(batches: &[usize]) -> Result<(), CliError> {
     Ok(())
 }
 
-/// Runs the demo on the backend `args` selects, then the candle model (see [`candle`]).
+/// Runs the demo on the backend `args` selects, then the candle model (see the `candle` module).
 pub fn run(args: &DemoArgs, out: &mut dyn Write) -> Result<DemoReport, CliError> {
     let backend = Backend::pick(args.sim, out)?;
     let (config, name) = backend.config();

@@ -103,7 +103,7 @@ impl Shared {
     }
 }
 
-/// One rank's membership of a tensor-parallel group: give it to that rank's [`Graft`] with
+/// One rank's membership of a tensor-parallel group: give it to that rank's [`Graft`](crate::Graft) with
 /// [`Graft::join`](crate::Graft::join). Made by [`Member::group`] (or by a
 /// [`Coordinator`](crate::Coordinator), which hands one to each rank's thread).
 ///

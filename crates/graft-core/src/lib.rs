@@ -55,7 +55,7 @@ pub use reason::{Decision, DecisionRecord, EagerReason, EvictReason, RecordReaso
 pub use stats::{RerecordCounts, Stats};
 pub use tree::Output;
 
-/// What a backend author implements and uses: the [`Device`](backend::Device) trait, its
+/// What a backend author implements and uses: the [`Device`] trait, its
 /// capture lifecycle and memory rules (see the trait's module documentation), and the types
 /// its methods take and return.
 pub mod backend {

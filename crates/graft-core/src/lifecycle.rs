@@ -4,7 +4,7 @@ use crate::buffer::NodeId;
 use crate::error::CallError;
 
 /// Where the path of the current generation stands. Owned by the runtime and moved only by
-/// [`transition`].
+/// `transition`.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum Phase {
     /// Nothing has run in this generation: the next call starts at the roots.

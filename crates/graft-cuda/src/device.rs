@@ -1124,7 +1124,7 @@ impl Device for CudaDevice {
         graph.repoint_copy(inner.ctx, recorded, now)
     }
 
-    /// Patches the executable's kernel nodes (see [`crate::patch`]).
+    /// Patches the executable's kernel nodes (see the `patch` module).
     fn redirect_reads(
         &self,
         graph: &mut CudaGraph,

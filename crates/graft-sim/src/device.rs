@@ -692,7 +692,7 @@ impl Device for SimDevice {
         })
     }
 
-    /// Updates in place when the capture has `graph`'s topology ([`graph::update_refusal`]:
+    /// Updates in place when the capture has `graph`'s topology (`graph::update_refusal`:
     /// the same operations in the same order, kernels by name, copies by length), as CUDA's
     /// `cuGraphExecUpdate` does; else instantiates.
     fn end_capture_into(&self, graph: &mut SimGraph) -> Result<Option<UpdateRefusal>, DeviceError> {

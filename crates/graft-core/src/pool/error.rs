@@ -63,7 +63,7 @@ pub enum PoolError {
         id: BlockId,
     },
     /// The device failed to take memory back. The pool's bookkeeping says why it still counts
-    /// it or not (see [`Pool::release_unused`] and [`Pool::release_all`]).
+    /// it or not (see `Pool::release_unused` and `Pool::release_all`).
     #[error("returning {addr}+{bytes} bytes of the pool to the device failed: {source}")]
     Release {
         /// First address.
