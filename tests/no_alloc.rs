@@ -105,3 +105,33 @@ fn switching_buckets_in_a_large_tree_does_not_allocate() {
         "the replay path allocated {per_call} times per call"
     );
 }
+
+/// A rank of a tensor-parallel group: its recording was agreed with the group (here of one
+/// rank, so the vote completes at once), and its replays take no vote and allocate nothing.
+#[test]
+fn replays_of_a_rank_in_a_group_do_not_allocate() {
+    let mut g: G<SimDevice> = graft(SimDevice::new(), Config::default());
+    let member = graft::Member::group(1, std::time::Duration::from_secs(5))
+        .unwrap()
+        .remove(0);
+    g.join(member);
+    let f = g.register("step", FunctionSpec::inference([0]));
+    let w = input(&mut g, &[0.5; 64]);
+    let mut x = input(&mut g, &[1.0; 64]);
+    let runs = Runs::default();
+    let mut body = add::<SimDevice>(&runs);
+    let mut out = Vec::with_capacity(1);
+    for _ in 0..8 {
+        g.call_into(f, &[&w, &x], &[], &mut body, &mut out).unwrap();
+        x = out.pop().unwrap().buffer;
+    }
+    assert_eq!(g.stats().agreements, 1, "the one recording was voted on");
+    let before = allocations();
+    for _ in 0..1000 {
+        let outcome = g.call_into(f, &[&w, &x], &[], &mut body, &mut out).unwrap();
+        assert!(matches!(outcome, Outcome::Replayed(_)));
+        x = out.pop().unwrap().buffer;
+    }
+    assert_eq!(allocations() - before, 0, "a rank's replays allocated");
+    assert_eq!(g.stats().agreements, 1, "replays take no vote");
+}

@@ -68,7 +68,8 @@ pub(crate) fn check_batches(batches: &[usize]) -> Result<(), CliError> {
     Ok(())
 }
 
-/// Runs the demo on the backend `args` selects, then the candle model (see the `candle` module).
+/// Runs the demo on the backend `args` selects, then the candle model (see the `candle`
+/// module), then the decoder split over two ranks (two GPUs, or simulated devices).
 pub fn run(args: &DemoArgs, out: &mut dyn Write) -> Result<DemoReport, CliError> {
     let backend = Backend::pick(args.sim, out)?;
     let (config, name) = backend.config();
@@ -87,6 +88,11 @@ pub fn run(args: &DemoArgs, out: &mut dyn Write) -> Result<DemoReport, CliError>
             report
         }
     };
+    writeln!(
+        out,
+        "\ntensor parallel, 2 ranks (a short `graft bench tp`):"
+    )?;
+    crate::tp::demo(args.sim, out)?;
     Ok(report)
 }
 

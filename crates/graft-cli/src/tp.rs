@@ -8,7 +8,7 @@ use std::io::Write;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use graft_core::{Config, Coordinator, Device, FunctionId, Graft, Member};
+use graft_core::{Config, Coordinator, Device, DeviceError, FunctionId, Graft, Member};
 use graft_cuda::{CudaDevice, NcclComm};
 use graft_sim::{SimComm, SimDevice};
 use graft_tensor::{Backend, Collective, Decoder, DecoderConfig, KvState, Meta, Tensor};
@@ -47,6 +47,27 @@ struct RankReport {
 
 /// `graft bench tp`.
 pub fn run(args: &TpArgs, out: &mut dyn Write) -> Result<(), CliError> {
+    run_with(args, false, out)
+}
+
+/// The tensor-parallel part of `graft demo`: a short run of the benchmark, on simulated
+/// devices when there are not two GPUs or NCCL cannot be used here (with a note saying why).
+pub(crate) fn demo(sim: bool, out: &mut dyn Write) -> Result<(), CliError> {
+    let args = TpArgs {
+        world: 2,
+        batches: vec![1, 8],
+        check: 32,
+        steps: 8,
+        rounds: 3,
+        seed: 7,
+        sim,
+    };
+    run_with(&args, true, out)
+}
+
+/// [`run`]; with `sim_if_unavailable`, NCCL being unusable (not installed, or
+/// `NCCL_RUNTIME_CONNECT` not 0) falls back to simulated devices instead of failing.
+fn run_with(args: &TpArgs, sim_if_unavailable: bool, out: &mut dyn Write) -> Result<(), CliError> {
     if args.world < 2 {
         return Err(CliError::BadArgument {
             flag: "--world",
@@ -62,23 +83,23 @@ pub fn run(args: &TpArgs, out: &mut dyn Write) -> Result<(), CliError> {
         let devices = (0..args.world)
             .map(CudaDevice::new)
             .collect::<Result<Vec<_>, _>>()?;
-        let (major, minor, patch) = NcclComm::version()?;
-        writeln!(out, "NCCL {major}.{minor}.{patch}")?;
-        let comms = NcclComm::init_all(&devices)?;
-        let comms = comms
-            .into_iter()
-            .map(|c| Arc::new(c) as Arc<dyn Collective>)
-            .collect();
-        return run_on(
-            devices,
-            comms,
-            DecoderConfig::tensor_parallel(),
-            "tp",
-            args,
-            out,
-        );
-    }
-    if !args.sim {
+        let comms = NcclComm::version().and_then(|v| Ok((v, NcclComm::init_all(&devices)?)));
+        match comms {
+            Ok(((major, minor, patch), comms)) => {
+                writeln!(out, "NCCL {major}.{minor}.{patch}")?;
+                let comms = comms
+                    .into_iter()
+                    .map(|c| Arc::new(c) as Arc<dyn Collective>)
+                    .collect();
+                let config = DecoderConfig::tensor_parallel();
+                return run_on(devices, comms, config, "tp", args, out);
+            }
+            Err(e @ DeviceError::Unavailable { .. }) if sim_if_unavailable => {
+                writeln!(out, "note: {e}; running on simulated devices")?;
+            }
+            Err(e) => return Err(e.into()),
+        }
+    } else if !args.sim {
         writeln!(
             out,
             "note: {gpus} CUDA GPU(s) found, {} needed; running on simulated devices",
@@ -138,6 +159,17 @@ fn run_on<D: Backend>(
     )
     .map_err(|e| CliError::Ranks(Box::new(e)))?;
     writeln!(out, "ranks built in {:.1} s", start.elapsed().as_secs_f64())?;
+    let mut empty = Vec::with_capacity(200);
+    for _ in 0..200 {
+        let t = Instant::now();
+        ranks.step(|_, _| ())?;
+        empty.push(t.elapsed());
+    }
+    writeln!(
+        out,
+        "coordinator: an empty step on every rank takes {} (median of 200)",
+        fmt_us(median_us(&empty))
+    )?;
 
     let mut rows = Vec::new();
     for &batch in &args.batches {
@@ -176,7 +208,7 @@ fn run_on<D: Backend>(
     )?;
     writeln!(
         out,
-        "| B | timing | 1 GPU eager | 1 GPU graft | TP eager | TP graft | TP raw graph | TP graft / raw, per rank | 1 GPU graft / TP graft | TP eager / TP graft |"
+        "| B | timing | 1 device eager | 1 device graft | TP eager | TP graft | TP raw graph | TP graft / raw, per rank | 1 device graft / TP graft | TP eager / TP graft |"
     )?;
     writeln!(
         out,

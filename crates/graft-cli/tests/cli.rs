@@ -56,6 +56,12 @@ fn demo_run_picks_the_simulator_when_asked() {
     let report = demo::run(&demo_args(4, &[2]), &mut out).unwrap();
     assert_eq!(report.device, "host simulator");
     assert_eq!(report.config, DecoderConfig::tiny());
+    let text = String::from_utf8(out).unwrap();
+    assert!(text.contains("tensor parallel, 2 ranks"), "{text}");
+    assert!(
+        text.contains("graft = eager = raw graph on every rank"),
+        "{text}"
+    );
 }
 
 #[test]
