@@ -10,10 +10,11 @@ use graft_core::{Config, Device, Graft};
 use graft_tensor::{Decoder, DecoderConfig, Meta, Tensor};
 use serde::Serialize;
 
-use crate::demo::{check_batches, compare, first_tokens, make_room};
+use crate::demo::{check_batches, make_room};
 use crate::error::CliError;
 use crate::progress;
 use crate::timing::{fmt_us, median_us, timed};
+use crate::tokens::{compare, first_tokens};
 use crate::{Backend, DecoderBenchArgs};
 
 /// One batch size's medians.

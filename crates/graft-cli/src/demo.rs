@@ -10,6 +10,7 @@ use graft_tensor::{Decoder, DecoderConfig, KvState, Meta, default_buckets};
 use crate::error::CliError;
 use crate::progress;
 use crate::timing::{fmt_us, median_us, timed};
+use crate::tokens::{compare, first_tokens};
 use crate::{Backend, DemoArgs};
 
 /// Steps left out of the medians: graft's warmup and recording, and cold caches.
@@ -43,11 +44,6 @@ pub struct DemoReport {
     pub stats: Stats,
     /// Root nodes of the tree.
     pub roots: usize,
-}
-
-/// The first tokens of row `i` of a batch.
-pub(crate) fn first_tokens(batch: usize, vocab: usize) -> Vec<i32> {
-    (0..batch).map(|i| ((i * 37 + 1) % vocab) as i32).collect()
 }
 
 pub(crate) fn check_batches(batches: &[usize]) -> Result<(), CliError> {
@@ -299,28 +295,4 @@ fn preview(tokens: &[Vec<i32>]) -> String {
 
 pub(crate) fn mib(bytes: usize) -> String {
     format!("{:.1} MiB", bytes as f64 / (1 << 20) as f64)
-}
-
-/// Checks two runs produced the same tokens, naming the first difference.
-pub(crate) fn compare(
-    batch: usize,
-    (first, a): (&'static str, &[Vec<i32>]),
-    (second, b): (&'static str, &[Vec<i32>]),
-) -> Result<(), CliError> {
-    for (step, (ra, rb)) in a.iter().zip(b).enumerate() {
-        for (row, (&x, &y)) in ra.iter().zip(rb).enumerate() {
-            if x != y {
-                return Err(CliError::TokensDiffer {
-                    batch,
-                    step,
-                    row,
-                    first,
-                    a: x,
-                    second,
-                    b: y,
-                });
-            }
-        }
-    }
-    Ok(())
 }

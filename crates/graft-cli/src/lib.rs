@@ -18,6 +18,7 @@ pub mod micro;
 mod progress;
 pub mod shapes;
 mod timing;
+mod tokens;
 pub mod tp;
 
 use std::io::Write;

@@ -15,10 +15,11 @@ use graft_tensor::{DType, Decoder, DecoderConfig, KvState, Meta, Tensor, ops};
 use rand::rngs::Xoshiro256PlusPlus;
 use rand::{RngExt, SeedableRng};
 
-use crate::demo::{first_tokens, make_room};
+use crate::demo::make_room;
 use crate::error::CliError;
 use crate::progress;
 use crate::timing::{fmt_us, median_us, timed};
+use crate::tokens::first_tokens;
 use crate::{Backend, ShapesArgs};
 
 const MIB: f64 = (1 << 20) as f64;

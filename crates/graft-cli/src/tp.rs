@@ -14,9 +14,9 @@ use graft_sim::{SimComm, SimDevice};
 use graft_tensor::{Backend, Collective, Decoder, DecoderConfig, KvState, Meta, Tensor};
 
 use crate::TpArgs;
-use crate::demo::{compare, first_tokens};
 use crate::error::CliError;
 use crate::timing::{fmt_us, median_us};
+use crate::tokens::{compare, first_tokens};
 
 /// One rank's state. Field order is drop order: the runtime (and its graphs) before the
 /// decoder, whose communicator NCCL wants destroyed after the graphs that captured it.
