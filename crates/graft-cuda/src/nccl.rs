@@ -197,8 +197,9 @@ impl NcclComm {
         })
     }
 
-    /// Aborts the communicator (`ncclCommAbort`): its pending collectives stop, so a rank
-    /// stuck in one returns. Use it when a peer failed after collectives were enqueued.
+    /// Aborts the communicator (`ncclCommAbort`, which NCCL documents as aborting the
+    /// communicator's uncompleted operations). Use it when a peer failed after collectives were
+    /// enqueued, then make new communicators. Not exercised by graft's tests.
     pub fn abort(self) -> Result<(), DeviceError> {
         let mut comm = self.comm.lock().unwrap_or_else(PoisonError::into_inner);
         let handle = std::mem::replace(&mut *comm, ptr::null_mut());
