@@ -194,6 +194,22 @@ fn values_ok(results: Vec<StepResult>, step: usize) -> Vec<Outcome> {
         .collect()
 }
 
+/// Checks every rank recorded.
+fn assert_all_recorded(outcomes: &[Outcome]) {
+    assert!(
+        outcomes.iter().all(|o| matches!(o, Outcome::Recorded(_))),
+        "{outcomes:?}"
+    );
+}
+
+/// Checks every rank replayed.
+fn assert_all_replayed(outcomes: &[Outcome]) {
+    assert!(
+        outcomes.iter().all(|o| matches!(o, Outcome::Replayed(_))),
+        "{outcomes:?}"
+    );
+}
+
 /// Takes (nearly) all of the device's free memory with raw allocations: halving chunks from
 /// 1 GiB down to 2 MiB (the pool's mapping granularity), so what is left is too little for
 /// graft's pool to map anything.
@@ -227,14 +243,8 @@ fn steps_record_and_replay<D: TestGroupDevice>() {
                 outcomes.iter().all(|o| *o == Outcome::Warmup),
                 "{outcomes:?}"
             ),
-            2 => assert!(
-                outcomes.iter().all(|o| matches!(o, Outcome::Recorded(_))),
-                "{outcomes:?}"
-            ),
-            _ => assert!(
-                outcomes.iter().all(|o| matches!(o, Outcome::Replayed(_))),
-                "{outcomes:?}"
-            ),
+            2 => assert_all_recorded(&outcomes),
+            _ => assert_all_replayed(&outcomes),
         }
     }
     let stats = c.step(|_, r| r.g.stats()).unwrap();
@@ -341,15 +351,9 @@ fn out_of_memory_on_one_rank_fails_every_rank<D: TestGroupDevice>() {
     );
     c.step(|_, r| free_all(r)).unwrap();
     let outcomes = values_ok(step(&c, 2), 2);
-    assert!(
-        outcomes.iter().all(|o| matches!(o, Outcome::Recorded(_))),
-        "{outcomes:?}"
-    );
+    assert_all_recorded(&outcomes);
     let outcomes = values_ok(step(&c, 3), 3);
-    assert!(
-        outcomes.iter().all(|o| matches!(o, Outcome::Replayed(_))),
-        "{outcomes:?}"
-    );
+    assert_all_replayed(&outcomes);
     let stats = c.step(|_, r| r.g.stats()).unwrap();
     assert!(
         stats.iter().all(|s| s.agreements == 2 && s.recordings == 1),
@@ -394,15 +398,9 @@ fn a_panic_while_recording_fails_the_peers_at_once<D: TestGroupDevice>() {
     );
     assert!(took < agreement / 4, "the step took {took:?}");
     let outcomes = values_ok(step(&c, 3), 3);
-    assert!(
-        outcomes.iter().all(|o| matches!(o, Outcome::Recorded(_))),
-        "{outcomes:?}"
-    );
+    assert_all_recorded(&outcomes);
     let outcomes = values_ok(step(&c, 4), 4);
-    assert!(
-        outcomes.iter().all(|o| matches!(o, Outcome::Replayed(_))),
-        "{outcomes:?}"
-    );
+    assert_all_replayed(&outcomes);
 }
 group_test!(
     a_panic_while_recording_fails_the_peers_at_once,
@@ -499,10 +497,7 @@ fn ranks_recording_different_functions_diverge<D: TestGroupDevice>() {
         );
     }
     let outcomes = values_ok(step(&c, 2), 2);
-    assert!(
-        outcomes.iter().all(|o| matches!(o, Outcome::Recorded(_))),
-        "{outcomes:?}"
-    );
+    assert_all_recorded(&outcomes);
 }
 group_test!(
     ranks_recording_different_functions_diverge,

@@ -18,10 +18,14 @@ pub(crate) fn timed<D: Device, T, E: From<graft_core::DeviceError>>(
 /// The median of `times` in microseconds (the mean of the middle two for an even count);
 /// 0 for none.
 pub(crate) fn median_us(times: &[Duration]) -> f64 {
-    if times.is_empty() {
+    median(times.iter().map(|t| t.as_secs_f64() * 1e6).collect())
+}
+
+/// The median of `values` (the mean of the middle two for an even count); 0 for none.
+pub(crate) fn median(mut us: Vec<f64>) -> f64 {
+    if us.is_empty() {
         return 0.0;
     }
-    let mut us: Vec<f64> = times.iter().map(|t| t.as_secs_f64() * 1e6).collect();
     us.sort_by(f64::total_cmp);
     let n = us.len();
     if n % 2 == 1 {

@@ -15,7 +15,7 @@ use graft_tensor::{Backend, Collective, Decoder, DecoderConfig, KvState, Meta, T
 
 use crate::TpArgs;
 use crate::error::CliError;
-use crate::timing::{fmt_us, median_us};
+use crate::timing::{fmt_us, median, median_us};
 use crate::tokens::{compare, first_tokens};
 
 /// One rank's state. Field order is drop order: the runtime (and its graphs) before the
@@ -248,22 +248,16 @@ fn run_on<D: Backend>(
     Ok(())
 }
 
-/// Steps `state` `n` times with `step`, returning the tokens after each step when `keep`.
+/// Steps `state` `n` times with `step`, returning the tokens after each step.
 fn run_steps<D: Device>(
     device: &D,
     state: &mut KvState,
     n: usize,
     mut step: impl FnMut(&mut KvState) -> Result<Tensor, CliError>,
-    keep: bool,
 ) -> Result<Vec<Vec<i32>>, CliError> {
-    let mut tokens = Vec::new();
-    for _ in 0..n {
-        let next = step(state)?;
-        if keep {
-            tokens.push(next.to_vec_i32(device)?);
-        }
-    }
-    Ok(tokens)
+    (0..n)
+        .map(|_| Ok(step(state)?.to_vec_i32(device)?))
+        .collect()
 }
 
 /// Times of one mode: `rounds` rounds of `steps` synced steps and `steps` pipelined ones,
@@ -298,13 +292,32 @@ fn time_mode<D: Device>(
     })
 }
 
+/// One round of eager steps, then graft steps, each from `start` at position 0.
+fn time_round<D: Backend>(
+    graft: &mut Graft<D, Meta>,
+    decoder: &Decoder<D>,
+    fid: FunctionId,
+    state: &mut KvState,
+    start: &Tensor,
+    steps: usize,
+) -> Result<[Times; 2], CliError> {
+    let device = decoder.device();
+    let mut tokens = start.clone();
+    let eager = time_mode(device, state, steps, |s| {
+        tokens = decoder.step_eager(graft, s, &tokens)?;
+        Ok(())
+    })?;
+    let mut tokens = start.clone();
+    let graphed = time_mode(device, state, steps, |s| {
+        tokens = decoder.step_graft(graft, fid, s, &tokens)?;
+        Ok(())
+    })?;
+    Ok([eager, graphed])
+}
+
 /// The median over rounds of each field.
 fn median_times(rounds: &[Times]) -> Times {
-    let field = |f: fn(&Times) -> f64| {
-        let mut v: Vec<f64> = rounds.iter().map(f).collect();
-        v.sort_by(f64::total_cmp);
-        v.get(v.len() / 2).copied().unwrap_or(0.0)
-    };
+    let field = |f: fn(&Times) -> f64| median(rounds.iter().map(f).collect());
     Times {
         synced: field(|t| t.synced),
         pipelined: field(|t| t.pipelined),
@@ -331,56 +344,31 @@ fn measure_tp<D: Backend>(
     let start = decoder.tokens(graft, &ids)?;
 
     let mut tokens = start.clone();
-    let eager = run_steps(
-        &device,
-        &mut state,
-        check,
-        |s| {
-            tokens = decoder.step_eager(graft, s, &tokens)?;
-            Ok(tokens.clone())
-        },
-        true,
-    )?;
+    let eager = run_steps(&device, &mut state, check, |s| {
+        tokens = decoder.step_eager(graft, s, &tokens)?;
+        Ok(tokens.clone())
+    })?;
     state.reset(&device)?;
     let mut tokens = start.clone();
-    let graphed = run_steps(
-        &device,
-        &mut state,
-        check,
-        |s| {
-            tokens = decoder.step_graft(graft, *fid, s, &tokens)?;
-            Ok(tokens.clone())
-        },
-        true,
-    )?;
+    let graphed = run_steps(&device, &mut state, check, |s| {
+        tokens = decoder.step_graft(graft, *fid, s, &tokens)?;
+        Ok(tokens.clone())
+    })?;
     compare(batch, ("eager", &eager), ("graft", &graphed))?;
     state.reset(&device)?;
     let raw_tokens = decoder.tokens(graft, &ids)?;
     let raw = decoder.capture_raw(graft, &state, &raw_tokens)?;
-    let replayed = run_steps(
-        &device,
-        &mut state,
-        check,
-        |s| {
-            raw.step(s)?;
-            Ok(raw.tokens().clone())
-        },
-        true,
-    )?;
+    let replayed = run_steps(&device, &mut state, check, |s| {
+        raw.step(s)?;
+        Ok(raw.tokens().clone())
+    })?;
     compare(batch, ("eager", &eager), ("raw graph", &replayed))?;
 
     let mut times = [Vec::new(), Vec::new(), Vec::new()];
     for _ in 0..rounds {
-        let mut tokens = start.clone();
-        times[0].push(time_mode(&device, &mut state, steps, |s| {
-            tokens = decoder.step_eager(graft, s, &tokens)?;
-            Ok(())
-        })?);
-        let mut tokens = start.clone();
-        times[1].push(time_mode(&device, &mut state, steps, |s| {
-            tokens = decoder.step_graft(graft, *fid, s, &tokens)?;
-            Ok(())
-        })?);
+        let [eager, graphed] = time_round(graft, decoder, *fid, &mut state, &start, steps)?;
+        times[0].push(eager);
+        times[1].push(graphed);
         times[2].push(time_mode(&device, &mut state, steps, |s| Ok(raw.step(s)?))?);
     }
     Ok(RankReport {
@@ -400,22 +388,14 @@ fn measure_one<D: Backend>(
     steps: usize,
     rounds: usize,
 ) -> Result<RankReport, CliError> {
-    let device = decoder.device().clone();
     let ids = first_tokens(batch, decoder.config().vocab);
     let mut state = decoder.new_state(graft, batch)?;
     let start = decoder.tokens(graft, &ids)?;
     let mut times = [Vec::new(), Vec::new()];
     for _ in 0..rounds {
-        let mut tokens = start.clone();
-        times[0].push(time_mode(&device, &mut state, steps, |s| {
-            tokens = decoder.step_eager(graft, s, &tokens)?;
-            Ok(())
-        })?);
-        let mut tokens = start.clone();
-        times[1].push(time_mode(&device, &mut state, steps, |s| {
-            tokens = decoder.step_graft(graft, fid, s, &tokens)?;
-            Ok(())
-        })?);
+        let [eager, graphed] = time_round(graft, decoder, fid, &mut state, &start, steps)?;
+        times[0].push(eager);
+        times[1].push(graphed);
     }
     Ok(RankReport {
         eager: median_times(&times[0]),

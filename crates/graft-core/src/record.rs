@@ -9,7 +9,7 @@ use crate::ctx::{Ctx, Reclaim, RunKind, alloc_owned, release_unused};
 use crate::device::{Device, DeviceError, DeviceOp, DevicePtr};
 use crate::error::{BodyError, CallError, FunctionId};
 use crate::graft::{Frame, Graft, Outcome, lock, shape_hash};
-use crate::group::{Verdict, Vote};
+use crate::group::{Subject, Verdict, Vote};
 use crate::lifecycle::Phase;
 use crate::pool::{Checkpoint, PoolError};
 use crate::reason::{Decision, EagerReason, RecordReason};
@@ -147,12 +147,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
             Local::Failed(_) => Vote::Failed,
         };
         let _span = tracing::debug_span!("agree", rank = member.rank()).entered();
-        let sig = &self.functions[frame.function.0].sigs[frame.sig];
-        let subject = (
-            frame.function.0,
-            shape_hash(sig.sizes.iter().copied(), &sig.keys),
-        );
-        let verdict = member.agree(vote, subject);
+        let verdict = member.agree(vote, self.subject(frame));
         self.stats.agreements += 1;
         let function = self.functions[frame.function.0].name.clone();
         let agreed = match verdict {
@@ -172,6 +167,15 @@ impl<D: Device, M: Clone> Graft<D, M> {
             },
             _ => agreed,
         }
+    }
+
+    /// What the group votes this call records: the function and its signature's shape.
+    fn subject<F>(&self, frame: &Frame<'_, F, M>) -> Subject {
+        let sig = &self.functions[frame.function.0].sigs[frame.sig];
+        (
+            frame.function.0,
+            shape_hash(sig.sizes.iter().copied(), &sig.keys),
+        )
     }
 
     /// Undoes a capture that will never be attached: phase, pool and graph as before it.
@@ -367,9 +371,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 let allocs = std::mem::take(&mut ctx.allocs);
                 drop(ctx);
                 if let Some(member) = &self.member {
-                    let sig = &self.functions[frame.function.0].sigs[frame.sig];
-                    let shape = shape_hash(sig.sizes.iter().copied(), &sig.keys);
-                    member.abandon((frame.function.0, shape));
+                    member.abandon(self.subject(frame));
                 }
                 self.abort_capture();
                 // Recording may always return to the phase it began from.

@@ -218,42 +218,51 @@ fn layout_of(c: &DecoderConfig) -> (Layout, Vec<(Init, Split)>) {
     let mut l = Layout::default();
     let mut init = Vec::new();
     let (d, f) = (c.d_model, c.ffn);
-    let mut add = |l: &mut Layout, name: String, shape: &[usize], i: Init| {
-        let split = if name.ends_with("wqkv") || name.ends_with("bqkv") {
-            Split::Columns(3)
-        } else if name.ends_with("w1") || name.ends_with("b1") {
-            Split::Columns(1)
-        } else if name.ends_with("wo") || name.ends_with("w2") {
-            Split::Rows
-        } else {
-            Split::Whole
-        };
+    let mut add = |l: &mut Layout, name: String, shape: &[usize], i: Init, split: Split| {
         l.push(name, shape);
         init.push((i, split));
     };
     let lin = |fan_in: usize| Init::Uniform(1.0 / (fan_in as f32).sqrt());
     let bias = Init::Uniform(0.02);
-    add(&mut l, "tok_emb".into(), &[c.vocab, d], Init::Uniform(0.5));
-    add(&mut l, "pos_emb".into(), &[c.ctx, d], Init::Uniform(0.5));
+    let (whole, qkv, cols, rows) = (
+        Split::Whole,
+        Split::Columns(3),
+        Split::Columns(1),
+        Split::Rows,
+    );
+    add(
+        &mut l,
+        "tok_emb".into(),
+        &[c.vocab, d],
+        Init::Uniform(0.5),
+        whole,
+    );
+    add(
+        &mut l,
+        "pos_emb".into(),
+        &[c.ctx, d],
+        Init::Uniform(0.5),
+        whole,
+    );
     for i in 0..c.layers {
         let p = |n: &str| format!("layers.{i}.{n}");
-        add(&mut l, p("ln1.gamma"), &[d], Init::Ones);
-        add(&mut l, p("ln1.beta"), &[d], Init::Zeros);
-        add(&mut l, p("wqkv"), &[d, 3 * d], lin(d));
-        add(&mut l, p("bqkv"), &[3 * d], bias);
-        add(&mut l, p("wo"), &[d, d], lin(d));
-        add(&mut l, p("bo"), &[d], bias);
-        add(&mut l, p("ln2.gamma"), &[d], Init::Ones);
-        add(&mut l, p("ln2.beta"), &[d], Init::Zeros);
-        add(&mut l, p("w1"), &[d, f], lin(d));
-        add(&mut l, p("b1"), &[f], bias);
-        add(&mut l, p("w2"), &[f, d], lin(f));
-        add(&mut l, p("b2"), &[d], bias);
+        add(&mut l, p("ln1.gamma"), &[d], Init::Ones, whole);
+        add(&mut l, p("ln1.beta"), &[d], Init::Zeros, whole);
+        add(&mut l, p("wqkv"), &[d, 3 * d], lin(d), qkv);
+        add(&mut l, p("bqkv"), &[3 * d], bias, qkv);
+        add(&mut l, p("wo"), &[d, d], lin(d), rows);
+        add(&mut l, p("bo"), &[d], bias, whole);
+        add(&mut l, p("ln2.gamma"), &[d], Init::Ones, whole);
+        add(&mut l, p("ln2.beta"), &[d], Init::Zeros, whole);
+        add(&mut l, p("w1"), &[d, f], lin(d), cols);
+        add(&mut l, p("b1"), &[f], bias, cols);
+        add(&mut l, p("w2"), &[f, d], lin(f), rows);
+        add(&mut l, p("b2"), &[d], bias, whole);
     }
-    add(&mut l, "lnf.gamma".into(), &[d], Init::Ones);
-    add(&mut l, "lnf.beta".into(), &[d], Init::Zeros);
-    add(&mut l, "lm_head.w".into(), &[d, c.vocab], lin(d));
-    add(&mut l, "lm_head.b".into(), &[c.vocab], bias);
+    add(&mut l, "lnf.gamma".into(), &[d], Init::Ones, whole);
+    add(&mut l, "lnf.beta".into(), &[d], Init::Zeros, whole);
+    add(&mut l, "lm_head.w".into(), &[d, c.vocab], lin(d), whole);
+    add(&mut l, "lm_head.b".into(), &[c.vocab], bias, whole);
     (l, init)
 }
 
