@@ -117,22 +117,32 @@ pub(crate) fn classify(error: &CandleError) -> Option<Uncapturable> {
     }
 }
 
-/// candle's own refusals, by their text (candle-core 0.11.1, `cuda_backend/device.rs`).
+/// candle's own refusals, by their text (candle-core 0.11.1, `cuda_backend/device.rs` and
+/// `cuda_backend/mod.rs`). Uploads first: the kernel-parameter cache's miss ("h2d param
+/// cache miss during CUDA graph capture") shares its ending with the host reads' refusal
+/// ("clone_dtoh during CUDA graph capture").
 #[cfg(any(test, feature = "cuda"))]
 fn classify_message(message: &str) -> Option<Uncapturable> {
-    if let Some(at) = message.find(" during CUDA graph capture") {
-        let call = message[..at].rsplit(' ').next().unwrap_or("host copy");
-        return Some(Uncapturable::HostRead {
-            call: call.to_string(),
-        });
-    }
     let upload = [
         "cannot upload uncached host data",
         "missing cached host data",
+        "h2d param cache miss",
     ];
     if upload.iter().any(|u| message.contains(u)) {
         return Some(Uncapturable::Upload {
             detail: message.to_string(),
+        });
+    }
+    let reads = ["clone_dtoh", "memcpy_dtoh", "to_cpu_storage"];
+    if let Some(at) = message.find(" during CUDA graph capture") {
+        let call = message[..at].rsplit(' ').next().unwrap_or("host copy");
+        if reads.contains(&call) {
+            return Some(Uncapturable::HostRead {
+                call: call.to_string(),
+            });
+        }
+        return Some(Uncapturable::CudaCall {
+            error: message.to_string(),
         });
     }
     None
@@ -189,6 +199,26 @@ mod tests {
         assert!(matches!(op, Uncapturable::Upload { .. }));
         assert_eq!(op.device_op(), graft_core::DeviceOp::Write);
         assert!(op.to_string().contains("outside the body"), "{op}");
+    }
+
+    #[test]
+    fn a_parameter_upload_is_an_upload_not_a_host_read() {
+        let miss = CandleError::Msg(
+            "h2d param cache miss during CUDA graph capture: warmup did not populate all required parameter vectors".into(),
+        );
+        let op = classify(&miss).expect("an upload");
+        assert!(matches!(op, Uncapturable::Upload { .. }), "{op:?}");
+        assert_eq!(op.device_op(), graft_core::DeviceOp::Write);
+        assert!(!op.to_string().contains("device-to-host"), "{op}");
+        let storage = CandleError::Msg(
+            "to_cpu_storage during CUDA graph capture: host/device copies are not permitted while capturing".into(),
+        );
+        assert_eq!(
+            classify(&storage),
+            Some(Uncapturable::HostRead {
+                call: "to_cpu_storage".into()
+            })
+        );
     }
 
     #[test]
