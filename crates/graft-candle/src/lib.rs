@@ -3,19 +3,23 @@
 //! A candle user registers a step function (a decode step) and calls it through
 //! [`CandleGraft`]: candle tensors go in, candle tensors come out, and the body is ordinary
 //! candle code. On a CUDA device graft warms the step up, records it as a CUDA graph per
-//! signature (bucket, input shapes, the addresses of the tensors it uses in place) and
-//! replays it, with graft's tree, diagnostics and eager fallback; on any other device the
-//! step runs eagerly with a typed reason ([`EagerCause::NotCuda`]).
+//! signature (bucket, input shapes, the addresses of the static tensors it uses) and replays
+//! it, with graft's tree, diagnostics and eager fallback; on any other device the step runs
+//! eagerly with a typed reason ([`EagerCause::NotCuda`]). candle's tensors reach graft-core
+//! as memory it does not own (`graft_core::Buffer::external`): no slot cache, no copies
+//! outside the graph.
 //!
 //! The contract, in short (docs/guide.md has a complete example):
 //! - make the device with [`device`] (its own stream, candle's event tracking off);
-//! - pass the tensors that change every call (tokens) as `inputs`; the body gets input slots
-//!   holding copies of them (use them within the call); pass the tensors the body captures and uses in place (weights, KV caches, a
-//!   device-side position) as `statics`: their addresses are part of the signature;
+//! - pass the tensors that change every call (tokens) as `inputs`: the body uses them in
+//!   place and a replay follows them to their new addresses; pass the tensors the body
+//!   captures and uses in place (weights, KV caches, a device-side position) as `statics`:
+//!   their addresses are part of the signature;
 //! - no host reads and no changing host values inside the body: keep positions on the
 //!   device (see [`llama`]); a body that reads to the host or uploads uncached host data runs
 //!   eagerly from then on, with the operation named ([`Uncapturable`]);
-//! - the body drops every tensor it makes before returning (the outputs are copied out), so
+//! - the body drops every tensor it makes before returning (each output is copied, as the
+//!   graph's last node for it, into a tensor allocated for the caller before the launch), so
 //!   every recorded graph is self-contained: nothing it allocates outlives a launch;
 //! - outputs are tensors the caller owns: hold them as long as you like.
 //!
@@ -42,6 +46,7 @@ mod reference;
 mod refusal;
 mod rng;
 mod runtime;
+mod step;
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -53,7 +58,8 @@ pub use cuda::OutputMeta;
 pub use error::Error;
 pub use graft_core::{Bucket, Buckets};
 pub use refusal::{EagerCause, Uncapturable};
-pub use runtime::{CandleGraft, Step, StepId, StepOutcome};
+pub use runtime::CandleGraft;
+pub use step::{Step, StepId, StepOutcome};
 
 use candle_core::{Device, Result};
 

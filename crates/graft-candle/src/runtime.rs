@@ -4,48 +4,11 @@
 
 use std::sync::Arc;
 
-#[cfg(any(test, feature = "cuda"))]
-use candle_core::DType;
 use candle_core::{Device, Tensor};
 
 use crate::error::Error;
 use crate::refusal::EagerCause;
-
-/// Identifies a registered step.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
-pub struct StepId(pub(crate) usize);
-
-/// What a call did.
-#[derive(Clone, PartialEq, Eq, Debug)]
-pub enum StepOutcome {
-    /// Replayed this recorded node.
-    Replayed(graft_core::NodeId),
-    /// Recorded this new node (and launched it once).
-    Recorded(graft_core::NodeId),
-    /// Ran eagerly as a warmup (the recording comes after the warmups).
-    Warmup,
-    /// Ran eagerly, for this reason.
-    Eager(EagerCause),
-}
-
-/// What a call returns: the step's outputs, each a candle tensor the caller owns (it stays
-/// correct however long it is held), and what was done.
-#[derive(Debug)]
-pub struct Step {
-    /// The outputs, in the order the body returned them.
-    pub outputs: Vec<Tensor>,
-    /// What the call did.
-    pub outcome: StepOutcome,
-}
-
-/// A registered step.
-#[derive(Debug)]
-pub(crate) struct StepInfo {
-    pub(crate) name: Arc<str>,
-    /// graft's function (`None` when calls run eagerly).
-    #[cfg(feature = "cuda")]
-    pub(crate) function: Option<graft_core::FunctionId>,
-}
+use crate::step::{Step, StepId, StepInfo, StepOutcome};
 
 /// Where calls run.
 #[derive(Debug)]
@@ -145,19 +108,21 @@ impl CandleGraft {
     }
 
     /// Calls step `step`: `inputs` are the tensors that change from call to call (tokens);
-    /// on CUDA they are copied into input slots graft-candle keeps per signature, and `body`
-    /// gets those slots in the same order (the same tensors on every call of the signature,
-    /// so do not keep them past the call); `statics` are the tensors `body`
-    /// captures by reference and reads or writes in place (weights, KV caches, positions):
-    /// their device addresses are part of the signature, so a moved tensor means a new
-    /// recording, never a stale address; `keys` are integers of your own that must match for
-    /// a replay (the bucket, for one). The inputs' dtypes and shapes are keys too.
+    /// `body` gets them (made contiguous) and uses them in place, as an eager call would: on
+    /// a replay graft patches the recorded graph's kernels to the tensors of this call, so an
+    /// input costs no copy. `statics` are the tensors `body` captures by reference and reads
+    /// or writes in place (weights, KV caches, positions): graft binds them once per
+    /// position and checks per call only that the same tensors are passed (a tensor id
+    /// comparison); another tensor at a position means a new recording, never a stale
+    /// address. `keys` are integers of your own that must match for a replay (the bucket,
+    /// for one). The inputs' dtypes and shapes are keys too.
     ///
     /// `body` is ordinary candle code. Under graft it may run (warmup, recording, eager
     /// fallback) or not (replay); it must not read results to the host, upload host data
     /// that changes between calls, or keep any tensor it makes beyond its return. A body
     /// that does one of the first two runs eagerly from then on with the operation as the
-    /// reason ([`EagerCause::Uncapturable`]).
+    /// reason ([`EagerCause::Uncapturable`]). Each output is a fresh tensor the caller owns,
+    /// written by the graph's last copy for it.
     pub fn call<F>(
         &mut self,
         step: StepId,
@@ -235,56 +200,9 @@ fn check_devices(
     Ok(())
 }
 
-/// A stable number for a dtype, for signature keys.
-#[cfg(any(test, feature = "cuda"))]
-pub(crate) fn dtype_key(dtype: DType) -> u64 {
-    DTYPES
-        .iter()
-        .position(|&d| d == dtype)
-        .map_or(u64::MAX, |i| i as u64)
-}
-
-#[cfg(any(test, feature = "cuda"))]
-const DTYPES: [DType; 10] = [
-    DType::U8,
-    DType::U32,
-    DType::I16,
-    DType::I32,
-    DType::I64,
-    DType::BF16,
-    DType::F16,
-    DType::F32,
-    DType::F64,
-    DType::F8E4M3,
-];
-
-/// Appends what of `t` the signature depends on: dtype, rank, dims.
-#[cfg(any(test, feature = "cuda"))]
-pub(crate) fn push_shape_keys(keys: &mut Vec<u64>, t: &Tensor) {
-    keys.push(dtype_key(t.dtype()));
-    keys.push(t.rank() as u64);
-    keys.extend(t.dims().iter().map(|&d| d as u64));
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn shape_keys_tell_shapes_of_equal_size_apart() {
-        let a = Tensor::zeros(8, DType::U32, &Device::Cpu).unwrap();
-        let b = Tensor::zeros((2, 4), DType::U32, &Device::Cpu).unwrap();
-        let c = Tensor::zeros(8, DType::F32, &Device::Cpu).unwrap();
-        let keys = |t: &Tensor| {
-            let mut k = Vec::new();
-            push_shape_keys(&mut k, t);
-            k
-        };
-        assert_eq!(keys(&a), vec![dtype_key(DType::U32), 1, 8]);
-        assert_ne!(keys(&a), keys(&b));
-        assert_ne!(keys(&a), keys(&c));
-        assert!(DTYPES.iter().all(|&d| dtype_key(d) != u64::MAX));
-    }
 
     #[test]
     fn cpu_runs_eagerly_with_a_typed_reason() {
