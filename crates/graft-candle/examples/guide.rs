@@ -28,7 +28,7 @@ pub(crate) fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut history = Vec::new();
     for step in 0..16 {
         let out = graft.call(decode, &[&tokens], &statics, &[bucket as u64], |inputs| {
-            // Ordinary candle code; `inputs[0]` holds a copy of `tokens`.
+            // Ordinary candle code; `inputs[0]` is `tokens` itself, used in place.
             Ok(vec![model.step(&state, &inputs[0])?])
         })?;
         if graft.is_graphed() {

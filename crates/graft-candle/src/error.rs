@@ -63,7 +63,7 @@ pub enum Error {
     /// graft refused or failed the call (see graft's `CallError`).
     #[cfg(feature = "cuda")]
     #[error(transparent)]
-    Call(#[from] graft_core::CallError),
+    Call(#[from] graft_core::CallError<candle_core::Error>),
     /// Launching a recorded graph failed. CUDA refuses to relaunch a graph while one of its
     /// allocations is held: a body that keeps a tensor it made (in a struct, a cache, a
     /// channel) causes this.
@@ -77,10 +77,6 @@ pub enum Error {
         /// The device's error.
         source: graft_core::DeviceError,
     },
-    /// A graft buffer could not be read (an output buffer graft handed back).
-    #[cfg(feature = "cuda")]
-    #[error(transparent)]
-    Memory(#[from] graft_core::MemoryError),
     /// Opening graft's CUDA device on candle's stream failed, or a driver query failed.
     #[cfg(feature = "cuda")]
     #[error("{what}: {source}")]

@@ -114,6 +114,14 @@ pub(crate) struct Cell {
     overwritten_by: AtomicU64,
     generation: AtomicU64,
     is_static: AtomicBool,
+    /// Used in place by a recorded graph, which is patched to follow it (see
+    /// [`Buffer::mark_in_place`]).
+    in_place: AtomicBool,
+    /// Memory graft does not own (see [`Buffer::external`]): never freed, reused or
+    /// invalidated by graft.
+    external: bool,
+    /// What keeps external memory allocated while a handle lives: dropped with the cell.
+    keepalive: Option<Box<dyn std::any::Any + Send + Sync>>,
     /// In the runtime's list of handed-out graph-pool cells (see `Graft::handed`).
     listed: AtomicBool,
     /// The pool block this cell owns, as `BlockId + 1` (0: none). Swapped out exactly once by
@@ -143,7 +151,18 @@ impl Cell {
         generation: u64,
         pool: Option<PoolRef>,
     ) -> Arc<Cell> {
-        Arc::new(Cell {
+        Arc::new(Cell::build(addr, len, device, function, generation, pool))
+    }
+
+    fn build(
+        addr: DevicePtr,
+        len: usize,
+        device: DeviceId,
+        function: Arc<str>,
+        generation: u64,
+        pool: Option<PoolRef>,
+    ) -> Cell {
+        Cell {
             addr,
             len,
             device,
@@ -154,9 +173,26 @@ impl Cell {
             overwritten_by: AtomicU64::new(NO_NODE),
             generation: AtomicU64::new(generation),
             is_static: AtomicBool::new(false),
+            in_place: AtomicBool::new(false),
+            external: false,
+            keepalive: None,
             listed: AtomicBool::new(false),
             owner: AtomicU64::new(0),
             pool,
+        }
+    }
+
+    /// A cell over memory graft does not own (see [`Buffer::external`]).
+    fn external(
+        device: DeviceId,
+        addr: DevicePtr,
+        len: usize,
+        keepalive: Option<Box<dyn std::any::Any + Send + Sync>>,
+    ) -> Arc<Cell> {
+        Arc::new(Cell {
+            external: true,
+            keepalive,
+            ..Cell::build(addr, len, device, Arc::from("external"), 0, None)
         })
     }
 
@@ -216,6 +252,15 @@ impl Cell {
 
     pub(crate) fn is_static(&self) -> bool {
         self.is_static.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn is_in_place(&self) -> bool {
+        self.in_place.load(Ordering::Relaxed)
+    }
+
+    /// Memory graft does not own (see [`Buffer::external`]).
+    pub(crate) fn is_external(&self) -> bool {
+        self.external
     }
 
     /// Marks the cell overwritten by `by` (a node, or none for a warmup). Idempotent: the first
@@ -332,6 +377,27 @@ pub struct Buffer {
 }
 
 impl Buffer {
+    /// A handle to `len` bytes at `addr` on `device` that graft does not own: a framework's own
+    /// allocation (a candle tensor's storage, say) passed to a call as an input, returned by
+    /// a body as an output, or given as a call's output destination. Graft never frees,
+    /// reuses or invalidates it; `keepalive`, if any, is whatever keeps the memory allocated
+    /// (the framework's tensor), and is dropped when the last handle is.
+    ///
+    /// The caller vouches for the range: live memory of `device`, allocated for as long as
+    /// this handle lives, and, for a static input, for as long as graphs recorded with it
+    /// exist. A wrong range is a device fault (the simulator reports it as
+    /// [`DeviceError::InvalidAddress`]), never host memory unsafety. As an input it is
+    /// static, in place, or copied like any buffer (see [`Buffer::mark_static`] and
+    /// [`Buffer::mark_in_place`]); a range inside graft's own pools is refused at the call.
+    pub fn external(
+        device: DeviceId,
+        addr: DevicePtr,
+        len: usize,
+        keepalive: Option<Box<dyn std::any::Any + Send + Sync>>,
+    ) -> Buffer {
+        Buffer::from_cell(&Cell::external(device, addr, len, keepalive))
+    }
+
     /// A new user handle to `cell`.
     pub(crate) fn from_cell(cell: &Arc<Cell>) -> Buffer {
         cell.users.fetch_add(1, Ordering::Relaxed);
@@ -419,6 +485,16 @@ impl Buffer {
     /// wherever it is passed as an input it is used in place and never copied.
     pub fn mark_static(&self) {
         self.cell.is_static.store(true, Ordering::Relaxed);
+    }
+
+    /// Declares that a call uses this buffer in place, at whatever address the caller passes:
+    /// the body reads (and may write) the caller's buffer directly, as an eager run would,
+    /// and a replay patches the graph's kernels to the buffer of its call instead of copying
+    /// it (see `Device::redirect`). Where the device cannot follow every use, the graph
+    /// replays only at the address it was recorded with. For inputs that move every call
+    /// (a framework's fresh token tensor) and must not cost a copy.
+    pub fn mark_in_place(&self) {
+        self.cell.in_place.store(true, Ordering::Relaxed);
     }
 
     /// Whether two handles share one storage.

@@ -581,23 +581,32 @@ pub trait Device: Send + Sync + 'static {
         now: CopyEnds,
     ) -> Result<(), DeviceError>;
 
-    /// Copy-free inputs: makes every node that reads the `len` bytes at `copy.dst` (a copied
-    /// input's placeholder, filled by the copy `copy` at the start of the graph, with its ends
-    /// as last re-pointed) read the same offsets at `to` instead, and turns that copy off,
-    /// from the next launch on; `to = None` undoes both. Graft calls it only for inputs the
-    /// graph does not write, with `to` outside the memory the graph writes. Returns `false`,
-    /// changing nothing, when the backend cannot find and patch every reader (the graph then
-    /// keeps copying).
+    /// Moves a range the graph uses to other memory, from the next launch on: every node that
+    /// reads or writes the `len` bytes at `from` (as recorded) uses the same offsets at `to`
+    /// instead; `to = None` undoes it. Two uses:
     ///
-    /// The default patches nothing.
-    fn redirect_reads(
+    /// - copy-free inputs: `from` is a copied input's placeholder and `copy` the copy that
+    ///   fills it at the start of the graph (its ends as last re-pointed), which is turned off
+    ///   while the redirect is in force. Graft asks only for inputs the graph does not write,
+    ///   with `to` outside the memory the graph writes;
+    /// - in-place inputs: `from` is the caller's buffer as it was when the graph was recorded
+    ///   (the body used it directly), `copy` is `None`, and `to` is the caller's buffer of
+    ///   this call. Graft first asks with `to = Some(from)` right after the recording, to learn
+    ///   whether the backend can follow every use; then on each call whose buffer moved.
+    ///
+    /// Returns `false`, changing nothing, when the backend cannot find and move every use of
+    /// the range (a graph that then keeps copying, or replays only at the recorded address).
+    ///
+    /// The default moves nothing.
+    fn redirect(
         &self,
         graph: &mut Self::Graph,
-        copy: CopyEnds,
+        from: DevicePtr,
         len: usize,
+        copy: Option<CopyEnds>,
         to: Option<DevicePtr>,
     ) -> Result<bool, DeviceError> {
-        let _ = (graph, copy, len);
+        let _ = (graph, from, len, copy);
         Ok(to.is_none())
     }
 

@@ -16,9 +16,14 @@ impl std::fmt::Display for FunctionId {
     }
 }
 
-/// An error returned by a function's body.
+/// The framework error type a body returns when it does not name its own: any error.
+pub type AnyError = Box<dyn std::error::Error + Send + Sync>;
+
+/// An error returned by a function's body. `E` is the framework's own error type: graft hands
+/// it back untouched in [`CallError::Body`], so a framework gets its typed error back with
+/// no downcast.
 #[derive(thiserror::Error, Debug)]
-pub enum BodyError {
+pub enum BodyError<E = AnyError> {
     /// A device operation failed (during a recording, a capture violation here makes graft
     /// fall back to eager execution).
     #[error(transparent)]
@@ -31,12 +36,12 @@ pub enum BodyError {
     Pool(#[from] PoolError),
     /// The framework's own error (bad shapes, unsupported dtype, ...).
     #[error("{0}")]
-    Framework(Box<dyn std::error::Error + Send + Sync>),
+    Framework(E),
 }
 
-/// Errors of `Graft::call`.
+/// Errors of `Graft::call`. `E` is the framework's error type, as the body returned it.
 #[derive(thiserror::Error, Debug)]
-pub enum CallError {
+pub enum CallError<E = AnyError> {
     /// The id was not returned by `register` on this runtime.
     #[error("unknown function id {id}: register the function on this Graft before calling it")]
     UnknownFunction {
@@ -100,7 +105,47 @@ pub enum CallError {
         /// Function called.
         function: Arc<str>,
         /// The body's error.
-        source: BodyError,
+        source: BodyError<E>,
+    },
+    /// The caller's output allocator ([`crate::Destinations`]) failed; nothing was launched.
+    #[error("{function}: allocating the caller's memory for output {index} failed: {source}")]
+    Destination {
+        /// Function called.
+        function: Arc<str>,
+        /// The output.
+        index: usize,
+        /// The allocator's error.
+        source: E,
+    },
+    /// A destination ([`crate::Destinations`]) does not fit its output: another device, fewer
+    /// bytes than the output, or memory of graft's own pools. Nothing was launched.
+    #[error(
+        "{function}: the destination given for output {index} ({given} bytes) cannot take its {needed} bytes: {why}; allocate {needed} bytes of the runtime's device outside graft's pools"
+    )]
+    BadDestination {
+        /// Function called.
+        function: Arc<str>,
+        /// The output.
+        index: usize,
+        /// Bytes of the destination.
+        given: usize,
+        /// Bytes of the output.
+        needed: usize,
+        /// What is wrong, lowercase.
+        why: &'static str,
+    },
+    /// An external input ([`crate::Buffer::external`]) lies inside graft's own pools: it is
+    /// graft's memory, whose reuse graft tracks through its own buffers only.
+    #[error(
+        "input {position} of {function} is external memory inside graft's own pools ({addr}); pass the graft buffer itself, not an external handle to its memory"
+    )]
+    ExternalInPool {
+        /// Function called.
+        function: Arc<str>,
+        /// Input position.
+        position: usize,
+        /// Its address.
+        addr: crate::device::DevicePtr,
     },
     /// A device operation graft itself issued failed.
     #[error("{function}: {source}")]

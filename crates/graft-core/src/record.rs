@@ -644,7 +644,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 };
                 if self
                     .device
-                    .redirect_reads(&mut node.graph, copy, *len, Some(*source))?
+                    .redirect(&mut node.graph, copy.dst, *len, Some(copy), Some(*source))?
                 {
                     *reads = Some(*source);
                     self.stats.patched_inputs += 1;

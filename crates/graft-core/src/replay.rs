@@ -91,12 +91,12 @@ impl<D: Device, M: Clone> Graft<D, M> {
                     Some(at) if at == src => continue,
                     Some(_) if tree::overlaps(&node.footprint, src.0, src.0 + *len as u64) => {
                         self.device
-                            .redirect_reads(&mut node.graph, copy, *len, None)?;
+                            .redirect(&mut node.graph, ph, *len, Some(copy), None)?;
                         *reads = None;
                     }
                     Some(_) => {
                         self.device
-                            .redirect_reads(&mut node.graph, copy, *len, Some(src))?;
+                            .redirect(&mut node.graph, ph, *len, Some(copy), Some(src))?;
                         *reads = Some(src);
                         repointed += 1;
                         continue;

@@ -48,7 +48,7 @@ pub(crate) enum InputSlot {
     /// the caller's buffer, so it is updated as an eager run would update it; the address is
     /// the one that copy node writes now (re-pointed with `source`). With `reads` (copy-free:
     /// the graph only reads this input), the copy node is off and the graph's readers read the
-    /// caller's buffer at that address instead (`Device::redirect_reads`); `source` then stays
+    /// caller's buffer at that address instead (`Device::redirect`); `source` then stays
     /// the copy node's, as it was when the copy was turned off.
     Copied {
         placeholder: DevicePtr,

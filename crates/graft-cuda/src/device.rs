@@ -1125,11 +1125,12 @@ impl Device for CudaDevice {
     }
 
     /// Patches the executable's kernel nodes (see the `patch` module).
-    fn redirect_reads(
+    fn redirect(
         &self,
         graph: &mut CudaGraph,
-        copy: CopyEnds,
+        from: DevicePtr,
         len: usize,
+        copy: Option<CopyEnds>,
         to: Option<DevicePtr>,
     ) -> Result<bool, DeviceError> {
         let op = DeviceOp::GraphUpdate;
@@ -1138,7 +1139,7 @@ impl Device for CudaDevice {
         if !Arc::ptr_eq(&graph.device, inner) {
             return Err(invalid_argument(op, FOREIGN_GRAPH));
         }
-        graph.redirect_reads(copy, len, to)
+        graph.redirect(from, len, copy, to)
     }
 
     /// `cuGraphGetNodes` and `cuGraphNodeGetType` over the captured graph.

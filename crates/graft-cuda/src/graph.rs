@@ -142,20 +142,27 @@ impl CudaGraph {
 }
 
 impl CudaGraph {
-    /// Copy-free inputs (see `graft_core::Device::redirect_reads` and [`crate::patch`]).
-    pub(crate) fn redirect_reads(
+    /// Copy-free and in-place inputs (see `graft_core::Device::redirect` and
+    /// [`crate::patch`]).
+    pub(crate) fn redirect(
         &mut self,
-        copy: CopyEnds,
+        from: graft_core::backend::DevicePtr,
         len: usize,
+        copy: Option<CopyEnds>,
         to: Option<graft_core::backend::DevicePtr>,
     ) -> Result<bool, DeviceError> {
         let h = self
             .handles
             .get_mut()
             .unwrap_or_else(PoisonError::into_inner);
-        let index = h.copy_index(copy)?;
-        let node = h.copies[index].0;
-        crate::patch::redirect(h, node, copy, len, to)
+        let copy_node = match copy {
+            Some(ends) => {
+                let index = h.copy_index(ends)?;
+                Some(h.copies[index].0)
+            }
+            None => None,
+        };
+        crate::patch::redirect(h, from, len, copy_node, to)
     }
 }
 

@@ -1,5 +1,6 @@
-//! Copy-free inputs: patching the kernel nodes of an executable that read a placeholder to
-//! read the caller's buffer instead (`graft_core::Device::redirect_reads`).
+//! Copy-free and in-place inputs: patching the kernel nodes of an executable that use a range
+//! (a placeholder, or the caller's buffer as recorded) to use the caller's buffer of this
+//! call instead (`graft_core::Device::redirect`).
 //!
 //! The kernel nodes' parameters are read once from the graph (`cuGraphKernelNodeGetParams`)
 //! with their layout (`cuFuncGetParamInfo`), so every kernel is covered, cuBLAS's included.
@@ -11,7 +12,7 @@
 use std::ffi::c_void;
 
 use cudarc::driver::sys;
-use graft_core::backend::{CopyEnds, DeviceError, DeviceOp, DevicePtr};
+use graft_core::backend::{DeviceError, DeviceOp, DevicePtr};
 
 use crate::error::check;
 use crate::graph::{GraphHandles, node_type, nodes};
@@ -36,16 +37,16 @@ pub(crate) struct KernelNode {
     current: Vec<u8>,
 }
 
-/// One redirected placeholder.
+/// One redirected range.
 struct Redirect {
-    /// Placeholder start and length, and where its readers read now.
+    /// Range start (as recorded) and length, and where its users point now.
     start: u64,
     len: u64,
     to: u64,
-    /// The input's copy node, turned off.
-    copy: sys::CUgraphNode,
-    /// Indices (in `Patches::kernels`) of the kernels with a pointer into the placeholder,
-    /// found once: a re-patch touches only these.
+    /// The input's copy node, turned off (copy-free inputs; none for in-place ones).
+    copy: Option<sys::CUgraphNode>,
+    /// Indices (in `Patches::kernels`) of the kernels with a pointer into the range, found
+    /// once: a re-patch touches only these.
     readers: Vec<usize>,
 }
 
@@ -78,21 +79,24 @@ impl Patches {
         self.kernels = None;
         self.others.clear();
         self.opaque = false;
-        self.active.drain(..).map(|r| r.copy).collect()
+        self.active.drain(..).filter_map(|r| r.copy).collect()
     }
 }
 
-/// `Device::redirect_reads` on one executable. `copy_node` finds the memcpy node with the
-/// given ends (see `CudaGraph::repoint_copy`). Returns false, changing nothing, when the graph
-/// reads the placeholder in a way the patcher cannot follow.
+/// `Device::redirect` on one executable: the kernels with a pointer into `[from, + len)` (as
+/// captured) point the same offsets into `to`; `copy_node`, the input's copy (found by the
+/// caller, see `CudaGraph::repoint_copy`), is turned off while the redirect is in force.
+/// Returns false, changing nothing, when the graph uses the range in a way the patcher
+/// cannot follow (another copy or a memset touches it, a child graph, a kernel whose
+/// parameters cannot be read).
 pub(crate) fn redirect(
     h: &mut GraphHandles,
-    copy_node: sys::CUgraphNode,
-    copy: CopyEnds,
+    from: DevicePtr,
     len: usize,
+    copy_node: Option<sys::CUgraphNode>,
     to: Option<DevicePtr>,
 ) -> Result<bool, DeviceError> {
-    let (start, end) = (copy.dst.0, copy.dst.0 + len as u64);
+    let (start, end) = (from.0, from.0 + len as u64);
     if h.patches.kernels.is_none() {
         read_graph(h)?;
     }
@@ -100,7 +104,7 @@ pub(crate) fn redirect(
         .patches
         .others
         .iter()
-        .any(|&(n, s, e)| n != copy_node && s < end && start < e);
+        .any(|&(n, s, e)| Some(n) != copy_node && s < end && start < e);
     if to.is_some() && (h.patches.opaque || touched_elsewhere) {
         return Ok(false);
     }
@@ -115,6 +119,9 @@ pub(crate) fn redirect(
     let at = active.iter().position(|r| r.start == start);
     match (at, to) {
         (Some(i), Some(to)) => {
+            if active[i].to == to.0 {
+                return Ok(true);
+            }
             active[i].to = to.0;
             let active = &active[..];
             for &k in &active[i].readers {
@@ -147,11 +154,13 @@ pub(crate) fn redirect(
         }
         (None, None) => return Ok(true),
     }
-    // SAFETY: `exec` is the live executable and `copy_node` a memcpy node of the graph it was
-    // instantiated from (found by the caller); both are used under the graph's lock.
-    check(OP, unsafe {
-        sys::cuGraphNodeSetEnabled(exec, copy_node, u32::from(to.is_none()))
-    })?;
+    if let Some(copy_node) = copy_node {
+        // SAFETY: `exec` is the live executable and `copy_node` a memcpy node of the graph it
+        // was instantiated from (found by the caller); both are used under the graph's lock.
+        check(OP, unsafe {
+            sys::cuGraphNodeSetEnabled(exec, copy_node, u32::from(to.is_none()))
+        })?;
+    }
     Ok(true)
 }
 

@@ -771,13 +771,14 @@ impl Device for SimDevice {
         Ok(graph.summary)
     }
 
-    /// Redirects reads exactly (every access inside the placeholder, by kernels and copies,
-    /// goes to `to`): the simulator sees every access, so it always can.
-    fn redirect_reads(
+    /// Redirects exactly (every access inside the range, by kernels and copies, goes to `to`):
+    /// the simulator sees every access, so it always can.
+    fn redirect(
         &self,
         graph: &mut SimGraph,
-        copy: CopyEnds,
+        from: DevicePtr,
         len: usize,
+        copy: Option<CopyEnds>,
         to: Option<DevicePtr>,
     ) -> Result<bool, DeviceError> {
         if graph.owner.id != self.queue.inner.id {
@@ -786,7 +787,7 @@ impl Device for SimDevice {
                 what: FOREIGN_GRAPH,
             });
         }
-        graph.redirect(copy, len, to);
+        graph.redirect(from, len, copy, to);
         Ok(true)
     }
 

@@ -111,8 +111,8 @@ pub(crate) fn summarize(ops: &[Op]) -> GraphSummary {
 /// Dropping it destroys it (see [`crate::SimDevice::fail_next_graph_destroy`] for the error path).
 pub struct SimGraph {
     pub(crate) ops: Arc<[Op]>,
-    /// Redirected reads (`Device::redirect_reads`): `(placeholder, len, to)`, and the input
-    /// copies they turned off (as `(dst, src)`).
+    /// Redirected ranges (`Device::redirect`): `(from, len, to)`, and the input copies they
+    /// turned off (as `(dst, src)`).
     pub(crate) redirects: Vec<(u64, u64, u64)>,
     pub(crate) disabled: Vec<CopyEnds>,
     pub(crate) summary: GraphSummary,
@@ -120,15 +120,22 @@ pub struct SimGraph {
 }
 
 impl SimGraph {
-    /// Makes reads of `[copy.dst, + len)` go to `to` and turns the copy `copy` off; with
-    /// `None`, undoes both.
-    pub(crate) fn redirect(&mut self, copy: CopyEnds, len: usize, to: Option<DevicePtr>) {
-        let start = copy.dst.0;
-        self.redirects.retain(|&(s, _, _)| s != start);
-        self.disabled.retain(|c| c.dst != copy.dst);
+    /// Makes accesses of `[from, + len)` go to `to` and turns the copy `copy` off, if any;
+    /// with `None`, undoes both.
+    pub(crate) fn redirect(
+        &mut self,
+        from: DevicePtr,
+        len: usize,
+        copy: Option<CopyEnds>,
+        to: Option<DevicePtr>,
+    ) {
+        self.redirects.retain(|&(s, _, _)| s != from.0);
+        if let Some(copy) = copy {
+            self.disabled.retain(|c| c.dst != copy.dst);
+        }
         if let Some(to) = to {
-            self.redirects.push((start, len as u64, to.0));
-            self.disabled.push(copy);
+            self.redirects.push((from.0, len as u64, to.0));
+            self.disabled.extend(copy);
         }
     }
 

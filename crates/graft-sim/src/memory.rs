@@ -60,7 +60,7 @@ pub struct SimMemory {
     live_bytes: usize,
     limit: usize,
     /// While a graph with redirected reads runs: `(start, len, to)`, accesses inside
-    /// `[start, start + len)` go to `to + (addr - start)` (see `Device::redirect_reads`).
+    /// `[start, start + len)` go to `to + (addr - start)` (see `Device::redirect`).
     redirects: Vec<(u64, u64, u64)>,
 }
 

@@ -1,6 +1,7 @@
 //! graft-candle-bench: the Llama-style decode step on the GPU, per step at batch 1, 8 and 32,
-//! in one run: candle eager, a hand-made single CUDA graph of the same step, and
-//! graft-candle; then the ~1B-parameter bf16 model at batch 1, eager against graft-candle.
+//! in one run: candle eager, a hand-made single CUDA graph of the same step (copy-free: it
+//! reads and overwrites one fixed token tensor, one launch per token), and graft-candle;
+//! then the ~1B-parameter bf16 model at batch 1, eager against graft-candle.
 //!
 //! Each variant first runs 64 steps from the same tokens and its tokens are checked equal to
 //! eager's; then it is timed: each step is one call followed by a synchronize of candle's
@@ -55,7 +56,8 @@ fn options() -> BenchResult<Options> {
 enum Runner<'m> {
     Eager,
     Handmade(HandmadeGraph),
-    Graft(&'m mut CandleGraft, StepId),
+    /// graft-candle, with the step's static tensors (weights and state), gathered once.
+    Graft(&'m mut CandleGraft, StepId, Vec<Tensor>),
 }
 
 impl Runner<'_> {
@@ -70,10 +72,13 @@ impl Runner<'_> {
     fn step(&mut self, model: &Llama, state: &DecodeState, tokens: &Tensor) -> BenchResult<Tensor> {
         Ok(match self {
             Runner::Eager => model.step(state, tokens)?,
-            Runner::Handmade(graph) => graph.launch(tokens)?,
-            Runner::Graft(graft, step) => {
-                let mut statics = model.weights();
-                statics.extend(state.tensors());
+            Runner::Handmade(graph) => {
+                // The graph reads its own last tokens: `tokens` holds the same values.
+                graph.launch()?;
+                graph.tokens().clone()
+            }
+            Runner::Graft(graft, step, statics) => {
+                let statics: Vec<&Tensor> = statics.iter().collect();
                 let out = graft.call(
                     *step,
                     &[tokens],
@@ -88,6 +93,13 @@ impl Runner<'_> {
             }
         })
     }
+}
+
+/// The tensors the step reads or writes in place: the model's weights and the state's.
+fn statics_of(model: &Llama, state: &DecodeState) -> Vec<Tensor> {
+    let mut statics: Vec<Tensor> = model.weights().into_iter().cloned().collect();
+    statics.extend(state.tensors().into_iter().cloned());
+    statics
 }
 
 fn first_tokens(batch: usize, vocab: usize, device: &Device) -> BenchResult<Tensor> {
@@ -214,10 +226,12 @@ fn run() -> BenchResult<()> {
             let example = first_tokens(batch, cfg.vocab, &device)?;
             let handmade =
                 HandmadeGraph::capture(&cuda, &example, |t| model.step(&handmade_state, t))?;
+            let graft_state = model.new_state(batch)?;
+            let statics = statics_of(&model, &graft_state);
             let mut runners = vec![
                 (Runner::Eager, model.new_state(batch)?),
                 (Runner::Handmade(handmade), handmade_state),
-                (Runner::Graft(&mut graft, step), model.new_state(batch)?),
+                (Runner::Graft(&mut graft, step, statics), graft_state),
             ];
             measure(&model, &device, batch, &mut runners, &o)
         };
@@ -264,9 +278,11 @@ fn run() -> BenchResult<()> {
             );
             let mut graft = CandleGraft::new(&device)?;
             let step = graft.register("decode-1b");
+            let graft_state = model.new_state(1)?;
+            let statics = statics_of(&model, &graft_state);
             let mut runners = vec![
                 (Runner::Eager, model.new_state(1)?),
-                (Runner::Graft(&mut graft, step), model.new_state(1)?),
+                (Runner::Graft(&mut graft, step, statics), graft_state),
             ];
             measure(&model, &device, 1, &mut runners, &o)
         };

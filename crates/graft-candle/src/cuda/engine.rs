@@ -1,33 +1,35 @@
-//! The engine behind a [`CandleGraft`](crate::CandleGraft) on a CUDA device: graft over
-//! candle's own stream, with every recorded graph self-contained.
+//! The engine behind a [`CandleGraft`](crate::CandleGraft) on a CUDA device: graft-core over
+//! candle's own stream, with candle's tensors passed to the core as memory it does not own.
 //!
-//! A call: (1) the dynamic inputs are copied into input slots, candle tensors kept per
-//! signature and allocated outside any capture, so a recorded graph reads them at fixed
-//! addresses; (2) graft runs, records or replays the wrapped body, which hands the user's body
-//! handles to the slots, copies each output into a buffer from `ctx.alloc` and drops every
-//! candle tensor it made before returning, so all of candle's allocations inside a capture
-//! are freed inside it; (3) each output buffer is copied into a fresh candle tensor the caller
-//! owns, and dropped.
+//! A call hands graft-core (1) each input tensor as an external buffer used in place: the
+//! body reads the caller's own tensor, and a replay patches the graph's kernels to the
+//! tensor of its call; (2) each static tensor as an external static buffer, bound once per
+//! step position and re-bound only when the caller passes another tensor there; (3) an
+//! allocator of the caller's output tensors: each output costs one copy, the graph's last
+//! node for it, straight into a fresh tensor allocated before the launch. The body drops
+//! every candle tensor it makes before the capture ends, so every recorded graph is
+//! self-contained.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use candle_core::cuda_backend::CudaDevice as CandleCuda;
 use candle_core::cuda_backend::cudarc::driver::{CudaStream, sys};
-use candle_core::{DType, Shape, Tensor};
+use candle_core::{DType, Shape, Tensor, TensorId};
 use graft_core::{
-    BodyError, CallError, CaptureViolation, Config, Ctx, Decision, DeviceError, DeviceOp,
-    FunctionId, FunctionSpec, Graft, Outcome, Output, RunKind,
+    BodyError, Buffer, CallError, CaptureViolation, Config, Ctx, DeviceError, DeviceId,
+    DevicePtr, Destinations, EagerReason, FunctionId, FunctionSpec, Graft, Outcome, Output,
+    RunKind,
 };
 use graft_cuda::CudaDevice as GraftCuda;
 
-use super::copy::{checked_range, copy, uninit_tensor};
+use super::copy::{checked_range, uninit_tensor};
 use crate::error::Error;
 use crate::refusal::{EagerCause, Uncapturable, classify};
-use crate::runtime::{Step, StepInfo, StepOutcome, push_shape_keys};
+use crate::step::{Step, StepInfo, StepOutcome, push_shape_keys};
 
-/// What graft keeps per output of a recorded step: enough to make the candle tensor again on
-/// a replay, without running the body.
+/// What graft keeps per output of a recorded step: enough to allocate the caller's tensor
+/// on a replay, without running the body.
 #[derive(Clone, PartialEq, Eq, Debug)]
 pub struct OutputMeta {
     /// The output's dtype.
@@ -36,23 +38,26 @@ pub struct OutputMeta {
     pub shape: Shape,
 }
 
+/// One static tensor as bound to graft: the tensor (which keeps its memory alive while
+/// graphs may use it) and graft's external buffer over it.
+struct Bound {
+    id: TensorId,
+    buffer: Buffer,
+}
+
 /// graft over one candle CUDA device.
 pub(crate) struct CudaEngine {
     graft: Graft<GraftCuda, OutputMeta>,
     candle: CandleCuda,
     stream: Arc<CudaStream>,
-    /// Per signature (step index first, then the keys), the input slots: one candle tensor per
-    /// input, made on the signature's first call and kept for good, so the signature alone
-    /// fixes their addresses. A few per step (one per bucket): searched linearly, the last one
-    /// used first.
-    slots: Vec<(Vec<u64>, Vec<Tensor>)>,
-    /// The index in `slots` of the last signature called.
-    last_slots: usize,
-    /// Per signature, the operation that made it eager.
-    refusals: HashMap<Vec<u64>, Uncapturable>,
-    /// Scratch: the signature of the call in progress.
-    signature: Vec<u64>,
-    /// Scratch: graft's outputs.
+    device: DeviceId,
+    /// Per step, its static tensors as bound (see [`CudaEngine::bind_statics`]).
+    statics: Vec<Vec<Bound>>,
+    /// Per step and keys, the operation that made a signature eager, for the outcome.
+    refusals: HashMap<(usize, Vec<u64>), Uncapturable>,
+    /// Scratch: the keys of the call in progress.
+    keys: Vec<u64>,
+    /// Scratch: graft's outputs (the caller's tensors are in `Allocator::made`).
     outs: Vec<Output<OutputMeta>>,
     /// Declared last, so dropped after `graft` (and with it every graph): gives the graph
     /// memory those graphs held back to the device.
@@ -79,8 +84,42 @@ impl std::fmt::Debug for CudaEngine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CudaEngine")
             .field("graft", &self.graft)
-            .field("signatures", &self.slots.len())
+            .field("steps", &self.statics.len())
             .finish_non_exhaustive()
+    }
+}
+
+/// The caller's output tensors of one call, allocated when graft asks for them: before the
+/// launch of a replay or a recording, after the body of a warmup or eager run.
+struct Allocator<'e> {
+    candle: &'e CandleCuda,
+    stream: &'e Arc<CudaStream>,
+    device: DeviceId,
+    step: &'e Arc<str>,
+    made: Vec<Tensor>,
+}
+
+impl Destinations<OutputMeta, candle_core::Error> for Allocator<'_> {
+    fn destination(
+        &mut self,
+        index: usize,
+        meta: &OutputMeta,
+        bytes: usize,
+    ) -> Result<Buffer, candle_core::Error> {
+        let t = uninit_tensor(self.candle, meta.dtype, &meta.shape)?;
+        let (addr, len) = checked_range(&t, self.stream, self.step, "output", index)
+            .map_err(candle_core::Error::wrap)?;
+        if len != bytes {
+            candle_core::bail!(
+                "output {index} of {} holds {bytes} bytes, but a {:?} tensor of shape {:?} holds {len}",
+                self.step,
+                meta.dtype,
+                meta.shape
+            );
+        }
+        self.made.push(t);
+        // The tensor stays in `made` (then with the caller) while graft writes it.
+        Ok(Buffer::external(self.device, DevicePtr(addr), len, None))
     }
 }
 
@@ -96,20 +135,22 @@ impl CudaEngine {
             what: "opening graft's CUDA device on candle's stream",
             source,
         })?;
+        let id = graft_core::Device::id(&device);
         Ok(CudaEngine {
             graft: Graft::new(device, config),
             candle: candle.clone(),
             stream: stream.clone(),
-            slots: Vec::new(),
-            last_slots: 0,
+            device: id,
+            statics: Vec::new(),
             refusals: HashMap::new(),
-            signature: Vec::new(),
+            keys: Vec::new(),
             outs: Vec::new(),
             _trim: TrimOnDrop(stream),
         })
     }
 
     pub(crate) fn register(&mut self, name: &str, spec: FunctionSpec) -> FunctionId {
+        self.statics.push(Vec::new());
         self.graft.register(name, spec)
     }
 
@@ -119,6 +160,30 @@ impl CudaEngine {
 
     pub(crate) fn graft_mut(&mut self) -> &mut Graft<GraftCuda, OutputMeta> {
         &mut self.graft
+    }
+
+    /// Makes the bound statics of `step` the tensors `statics`: a position keeps its buffer
+    /// while the caller passes the same tensor there (one id comparison), and gets a new
+    /// external static buffer over the tensor otherwise, so graft sees the new address and
+    /// never replays a graph recorded with the old one.
+    fn bind_statics(&mut self, step: usize, name: &Arc<str>, statics: &[&Tensor]) -> Result<(), Error> {
+        let bound = &mut self.statics[step];
+        bound.truncate(statics.len());
+        for (position, t) in statics.iter().enumerate() {
+            if bound.get(position).is_some_and(|b| b.id == t.id()) {
+                continue;
+            }
+            let (addr, len) = checked_range(t, &self.stream, name, "static", position)?;
+            // The buffer keeps the tensor, so its memory stays allocated while it is bound.
+            let buffer = Buffer::external(self.device, DevicePtr(addr), len, Some(Box::new((*t).clone())));
+            buffer.mark_static();
+            let fresh = Bound { id: t.id(), buffer };
+            match bound.get_mut(position) {
+                Some(b) => *b = fresh,
+                None => bound.push(fresh),
+            }
+        }
+        Ok(())
     }
 
     pub(crate) fn call<F>(
@@ -135,85 +200,59 @@ impl CudaEngine {
     {
         let name = &info.name;
         let function = info.function.ok_or(Error::UnknownStep { id: step })?;
-        let candle_error = |what: &'static str| {
-            let step = name.clone();
-            move |source| Error::Candle {
-                step: step.clone(),
-                what,
-                source,
-            }
-        };
         // Inputs contiguous (an eager copy only for those that are not).
         let mut contiguous = Vec::with_capacity(inputs.len());
         for t in inputs {
-            contiguous.push(
-                t.contiguous()
-                    .map_err(candle_error("making an input contiguous"))?,
-            );
-        }
-        let signature = &mut self.signature;
-        signature.clear();
-        signature.push(step as u64);
-        signature.extend_from_slice(keys);
-        for t in &contiguous {
-            push_shape_keys(signature, t);
-        }
-        for (position, t) in statics.iter().enumerate() {
-            let (addr, _) = checked_range(t, &self.stream, name, "static", position)?;
-            signature.push(addr);
-        }
-        let hit = match self.slots.get(self.last_slots) {
-            Some((known, _)) if known.as_slice() == signature.as_slice() => Some(self.last_slots),
-            _ => self
-                .slots
-                .iter()
-                .position(|(known, _)| known.as_slice() == signature.as_slice()),
-        };
-        self.last_slots = match hit {
-            Some(index) => index,
-            None => {
-                let mut slots = Vec::with_capacity(contiguous.len());
-                for t in &contiguous {
-                    slots.push(
-                        uninit_tensor(&self.candle, t.dtype(), t.shape())
-                            .map_err(candle_error("allocating an input slot"))?,
-                    );
-                }
-                self.slots.push((signature.clone(), slots));
-                self.slots.len() - 1
-            }
-        };
-        let slots = &self.slots[self.last_slots].1;
-        for (position, (t, slot)) in contiguous.iter().zip(slots).enumerate() {
-            let (src, bytes) = checked_range(t, &self.stream, name, "input", position)?;
-            let (dst, _) = checked_range(slot, &self.stream, name, "input", position)?;
-            copy(dst, src, bytes, &self.stream).map_err(|source| Error::Driver {
-                what: "copying an input into its slot",
+            contiguous.push(t.contiguous().map_err(|source| Error::Candle {
+                step: name.clone(),
+                what: "making an input contiguous",
                 source,
-            })?;
+            })?);
         }
+        self.keys.clear();
+        self.keys.extend_from_slice(keys);
+        for t in &contiguous {
+            push_shape_keys(&mut self.keys, t);
+        }
+        self.bind_statics(step, name, statics)?;
+        let mut dynamic = Vec::with_capacity(contiguous.len());
+        for (position, t) in contiguous.iter().enumerate() {
+            let (addr, len) = checked_range(t, &self.stream, name, "input", position)?;
+            // The caller holds the tensor for the whole call.
+            let b = Buffer::external(self.device, DevicePtr(addr), len, None);
+            b.mark_in_place();
+            dynamic.push(b);
+        }
+        let all: Vec<&Buffer> = dynamic
+            .iter()
+            .chain(self.statics[step].iter().map(|b| &b.buffer))
+            .collect();
 
-        let (candle, stream) = (&self.candle, &self.stream);
+        let (candle, stream, device) = (&self.candle, &self.stream, self.device);
+        let mut allocator = Allocator {
+            candle,
+            stream,
+            device,
+            step: name,
+            made: Vec::new(),
+        };
         let mut refusal: Option<Uncapturable> = None;
-        let mut body_error: Option<candle_core::Error> = None;
         let mut clear_pending = false;
         // candle serves its small constant uploads (kernel layout arrays) from a cache inside
         // captures while this guard lives; it also makes candle refuse host copies then.
         let cache = candle.enable_cuda_graph_htod_cache();
-        let result = self.graft.call_into(
+        let result = self.graft.call_owned(
             function,
-            &[],
-            &signature[1..],
+            &all,
+            &self.keys,
             |ctx: &mut Ctx<'_, GraftCuda>| {
                 if std::mem::take(&mut clear_pending) {
                     clear_cudarc_error(stream);
                 }
                 let recording = ctx.kind() == RunKind::Recording;
-                let handles: Vec<Tensor> = slots.to_vec();
-                let produced = match body(&handles) {
+                let produced = match body(&contiguous) {
                     Ok(produced) => produced,
                     Err(error) => {
-                        drop(handles);
                         if recording && let Some(op) = classify(&error) {
                             let op_kind = op.device_op();
                             refusal = Some(op);
@@ -223,11 +262,9 @@ impl CudaEngine {
                                 violation: CaptureViolation::Unsupported,
                             }));
                         }
-                        body_error = Some(error);
-                        return Err(BodyError::Framework("the step's body failed".into()));
+                        return Err(BodyError::Framework(error));
                     }
                 };
-                drop(handles);
                 if recording && let Some(op) = silent_capture_failure(stream) {
                     // A call inside the body broke the capture without returning an error.
                     drop(produced);
@@ -239,118 +276,101 @@ impl CudaEngine {
                         violation: CaptureViolation::Invalidated,
                     }));
                 }
-                stage_out(ctx, stream, produced)
+                external_outputs(device, stream, name, produced)
             },
+            &mut allocator,
             &mut self.outs,
         );
         drop(cache);
+        self.outs.clear();
         if clear_pending {
             clear_cudarc_error(stream);
         }
         let outcome = match result {
             Ok(outcome) => outcome,
-            Err(CallError::Body { source, .. }) => {
-                self.outs.clear();
-                return Err(match (body_error, source) {
-                    (Some(source), _) => Error::Body {
-                        step: name.clone(),
-                        source,
-                    },
-                    (None, BodyError::Framework(inner)) => match inner.downcast::<Error>() {
-                        Ok(ours) => *ours,
-                        Err(other) => Error::Body {
-                            step: name.clone(),
-                            source: candle_core::Error::Msg(other.to_string()),
-                        },
-                    },
-                    (None, source) => Error::Call(CallError::Body {
-                        function: name.clone(),
-                        source,
-                    }),
+            Err(CallError::Body {
+                source: BodyError::Framework(source),
+                ..
+            }) => {
+                return Err(Error::Body {
+                    step: name.clone(),
+                    source,
                 });
             }
-            Err(CallError::Device { source, .. }) if source.op() == DeviceOp::GraphLaunch => {
-                self.outs.clear();
+            Err(CallError::Destination { source, .. }) => {
+                return Err(Error::Candle {
+                    step: name.clone(),
+                    what: "allocating an output tensor",
+                    source,
+                });
+            }
+            Err(CallError::Device { source, .. })
+                if source.op() == graft_core::DeviceOp::GraphLaunch =>
+            {
                 return Err(Error::Launch {
                     step: name.clone(),
                     source,
                 });
             }
-            Err(e) => {
-                self.outs.clear();
-                return Err(e.into());
-            }
+            Err(e) => return Err(Error::Call(e)),
         };
-        if let Some(op) = refusal {
-            self.refusals.insert(self.signature.clone(), op);
-        }
         let outcome = match outcome {
             Outcome::Replayed(node) => StepOutcome::Replayed(node),
             Outcome::Recorded(node) => StepOutcome::Recorded(node),
             Outcome::Warmup => StepOutcome::Warmup,
-            Outcome::Eager => StepOutcome::Eager(self.eager_cause(name)),
+            Outcome::Eager(reason) => StepOutcome::Eager(self.eager_cause(step, reason, refusal)),
         };
-        let mut outputs = Vec::with_capacity(self.outs.len());
-        for out in self.outs.drain(..) {
-            let t = uninit_tensor(&self.candle, out.meta.dtype, &out.meta.shape)
-                .map_err(candle_error("allocating an output tensor"))?;
-            let (dst, bytes) = checked_range(&t, &self.stream, name, "output", outputs.len())?;
-            let src = out.buffer.addr().map_err(graft_core::MemoryError::from)?.0;
-            copy(dst, src, bytes, &self.stream).map_err(|source| Error::Driver {
-                what: "copying an output into the caller's tensor",
-                source,
-            })?;
-            outputs.push(t);
-        }
-        Ok(Step { outputs, outcome })
+        Ok(Step {
+            outputs: allocator.made,
+            outcome,
+        })
     }
 
-    /// Why graft ran the current signature eagerly.
-    fn eager_cause(&self, name: &str) -> EagerCause {
-        if let Some(op) = self.refusals.get(self.signature.as_slice()) {
-            return EagerCause::Uncapturable(op.clone());
+    /// Why graft ran the call eagerly: the candle operation that broke the capture when
+    /// graft-core's reason is that failure, else graft-core's reason.
+    fn eager_cause(
+        &mut self,
+        step: usize,
+        reason: EagerReason,
+        refused_now: Option<Uncapturable>,
+    ) -> EagerCause {
+        if !matches!(reason, EagerReason::CaptureFailed { .. }) {
+            return EagerCause::Graft(reason);
         }
-        self.graft
-            .explain()
-            .filter(|r| &*r.function == name)
-            .filter_map(|r| match &r.decision {
-                Decision::Eager(reason) => Some(reason.clone()),
-                _ => None,
-            })
-            .last()
-            .map_or(EagerCause::Unlogged, EagerCause::Graft)
+        let key = (step, self.keys.clone());
+        if let Some(op) = refused_now {
+            self.refusals.insert(key, op.clone());
+            return EagerCause::Uncapturable(op);
+        }
+        match self.refusals.get(&key) {
+            Some(op) => EagerCause::Uncapturable(op.clone()),
+            None => EagerCause::Graft(reason),
+        }
     }
 }
 
-/// Copies each output into a buffer from graft's pool and drops the candle tensor, so no
-/// candle allocation outlives the body.
-fn stage_out(
-    ctx: &mut Ctx<'_, GraftCuda>,
+/// The body's outputs as external buffers that own their tensors: graft copies each into
+/// the caller's tensor and then drops it, inside the capture when recording, so no candle
+/// allocation of a recording outlives it.
+fn external_outputs(
+    device: DeviceId,
     stream: &Arc<CudaStream>,
+    step: &Arc<str>,
     produced: Vec<Tensor>,
-) -> Result<Vec<Output<OutputMeta>>, BodyError> {
+) -> Result<Vec<Output<OutputMeta>>, BodyError<candle_core::Error>> {
     let mut outputs = Vec::with_capacity(produced.len());
     for (position, t) in produced.into_iter().enumerate() {
-        let t = t.contiguous().map_err(framework)?;
-        let (src, bytes) = checked_range(&t, stream, &Arc::from("the step"), "output", position)
-            .map_err(|e| BodyError::Framework(Box::new(e)))?;
-        let buffer = ctx.alloc(bytes)?;
-        if bytes > 0 {
-            copy(buffer.addr()?.0, src, bytes, stream).map_err(framework)?;
-        }
-        outputs.push(Output::new(
-            buffer,
-            OutputMeta {
-                dtype: t.dtype(),
-                shape: t.shape().clone(),
-            },
-        ));
+        let t = t.contiguous().map_err(BodyError::Framework)?;
+        let (addr, len) = checked_range(&t, stream, step, "output", position)
+            .map_err(|e| BodyError::Framework(candle_core::Error::wrap(e)))?;
+        let meta = OutputMeta {
+            dtype: t.dtype(),
+            shape: t.shape().clone(),
+        };
+        let buffer = Buffer::external(device, DevicePtr(addr), len, Some(Box::new(t)));
+        outputs.push(Output::new(buffer, meta));
     }
     Ok(outputs)
-}
-
-fn framework(e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> BodyError {
-    BodyError::Framework(e.into())
 }
 
 /// An operation that broke the capture of a body that returned normally: cudarc records the

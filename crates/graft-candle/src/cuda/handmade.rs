@@ -1,8 +1,12 @@
-//! A hand-made single CUDA graph of a candle step, captured once on candle's stream with
-//! cudarc and relaunched: what candle users write by hand today, and what graft-candle's
-//! benchmark compares against. Same contract as graft-candle (the caller's input is copied
-//! into the graph's input tensor before each launch, the output copied into a tensor the
-//! caller owns after), but one shape, no tree, no liveness checks, no fallback.
+//! A hand-made single CUDA graph of a candle decode step, captured once on candle's stream
+//! with cudarc and relaunched: the smallest graph a candle user could write by hand, and
+//! what graft-candle's benchmark compares against.
+//!
+//! It has the shape serving engines use: one fixed token tensor the graph reads and, as its
+//! last node, overwrites with the step's result, so a decode loop is one launch per token
+//! with no copy before or after it and no allocation. The caller reads the tokens from that
+//! tensor (they are overwritten by the next launch) and writes its own with
+//! [`HandmadeGraph::set_tokens`]. One shape, no tree, no liveness checks, no fallback.
 
 use std::sync::Arc;
 
@@ -10,25 +14,22 @@ use candle_core::Tensor;
 use candle_core::cuda_backend::CudaDevice as CandleCuda;
 use candle_core::cuda_backend::cudarc::driver::{CudaGraph, CudaStream, sys};
 
-use super::copy::{checked_range, copy, tensor_range, uninit_tensor};
+use super::copy::{checked_range, copy, uninit_tensor};
 use crate::error::Error;
 
 const NAME: &str = "hand-made graph";
 
-/// One captured step and its input and output tensors.
+/// One captured step and the fixed token tensor it reads and writes.
 pub struct HandmadeGraph {
     graph: CudaGraph,
     stream: Arc<CudaStream>,
-    device: CandleCuda,
-    input: Tensor,
-    output: Tensor,
+    tokens: Tensor,
 }
 
 impl std::fmt::Debug for HandmadeGraph {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("HandmadeGraph")
-            .field("input", &self.input.shape())
-            .field("output", &self.output.shape())
+            .field("tokens", &self.tokens.shape())
             .finish_non_exhaustive()
     }
 }
@@ -47,48 +48,44 @@ fn driver(
     move |source| Error::Driver { what, source }
 }
 
-/// The device range of a tensor known to be a standard-dtype CUDA tensor.
+/// The device range of a contiguous tensor.
 fn range(t: &Tensor, stream: &Arc<CudaStream>, role: &'static str) -> Result<(u64, usize), Error> {
-    let t = t
-        .contiguous()
-        .map_err(candle("making a tensor contiguous"))?;
-    checked_range(&t, stream, &Arc::from(NAME), role, 0)
+    checked_range(t, stream, &Arc::from(NAME), role, 0)
 }
 
 impl HandmadeGraph {
-    /// Runs `step` once eagerly on `example` (a warmup: it loads candle's kernels and fills
+    /// Runs `step` once eagerly on `first` (a warmup: it loads candle's kernels and fills
     /// candle's upload cache; its effects on the step's state happen), then captures it once
-    /// on an input tensor of `example`'s shape, the output copied into a tensor of the graph's
-    /// own inside the graph. Every tensor `step` makes must be dropped before it returns.
-    pub fn capture<F>(
-        device: &CandleCuda,
-        example: &Tensor,
-        mut step: F,
-    ) -> Result<HandmadeGraph, Error>
+    /// on the fixed token tensor, holding `first`, with the step's result copied back into
+    /// that tensor as the graph's last node. `step` must return a tensor of `first`'s dtype
+    /// and shape and drop every other tensor it makes before it returns.
+    pub fn capture<F>(device: &CandleCuda, first: &Tensor, mut step: F) -> Result<HandmadeGraph, Error>
     where
         F: FnMut(&Tensor) -> candle_core::Result<Tensor>,
     {
         let stream = device.cuda_stream();
         let _cache = device.enable_cuda_graph_htod_cache();
-        let warm = step(example).map_err(candle("the warmup run"))?;
-        let input = uninit_tensor(device, example.dtype(), example.shape())
-            .map_err(candle("allocating the input tensor"))?;
-        let (dst, bytes) = range(&input, &stream, "input")?;
-        let (src, _) = range(example, &stream, "input")?;
-        copy(dst, src, bytes, &stream).map_err(driver("copying the example input"))?;
-        let output = uninit_tensor(device, warm.dtype(), warm.shape())
-            .map_err(candle("allocating the output tensor"))?;
-        drop(warm);
+        let first = first
+            .contiguous()
+            .map_err(candle("making the tokens contiguous"))?;
+        drop(step(&first).map_err(candle("the warmup run"))?);
+        let tokens = uninit_tensor(device, first.dtype(), first.shape())
+            .map_err(candle("allocating the token tensor"))?;
+        let (dst, bytes) = range(&tokens, &stream, "tokens")?;
+        let (src, _) = range(&first, &stream, "tokens")?;
+        copy(dst, src, bytes, &stream).map_err(driver("copying the first tokens"))?;
         stream
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(driver("beginning the capture"))?;
-        let captured = step(&input).and_then(|result| {
-            let (src, bytes) = tensor_range(&result, &stream)
-                .ok_or_else(|| candle_core::Error::Msg("unsupported output dtype".into()))?;
-            let (dst, _) = tensor_range(&output, &stream)
-                .ok_or_else(|| candle_core::Error::Msg("unsupported output dtype".into()))?;
+        let captured = step(&tokens).and_then(|next| {
+            let next = next.contiguous()?;
+            if next.dtype() != tokens.dtype() || next.shape() != tokens.shape() {
+                candle_core::bail!("the step's result does not match its tokens' dtype and shape");
+            }
+            let (src, _) = range(&next, &stream, "tokens")
+                .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
             copy(dst, src, bytes, &stream)
-                .map_err(|e| candle_core::Error::Msg(format!("copying the output: {e}")))
+                .map_err(|e| candle_core::Error::Msg(format!("copying the result: {e}")))
         });
         let ended = stream.end_capture(sys::CUgraphInstantiate_flags(0));
         if let Err(source) = captured {
@@ -107,31 +104,38 @@ impl HandmadeGraph {
         Ok(HandmadeGraph {
             graph,
             stream,
-            device: device.clone(),
-            input,
-            output,
+            tokens,
         })
     }
 
-    /// Copies `input` into the graph's input tensor, launches the graph, and returns the
-    /// output copied into a new tensor the caller owns.
-    pub fn launch(&self, input: &Tensor) -> Result<Tensor, Error> {
-        let (dst, bytes) = range(&self.input, &self.stream, "input")?;
-        let (src, given) = range(input, &self.stream, "input")?;
-        if given != bytes {
-            return Err(candle("checking the input")(candle_core::Error::Msg(
+    /// Launches the graph: one decode step, whose tokens replace the ones in
+    /// [`HandmadeGraph::tokens`].
+    pub fn launch(&self) -> Result<(), Error> {
+        self.graph.launch().map_err(driver("launching the graph"))
+    }
+
+    /// The fixed token tensor: after a launch, the step's result. The next launch overwrites
+    /// it, so read it (or copy it) before launching again.
+    pub fn tokens(&self) -> &Tensor {
+        &self.tokens
+    }
+
+    /// Writes `tokens` into the fixed token tensor (a copy on candle's stream).
+    pub fn set_tokens(&self, tokens: &Tensor) -> Result<(), Error> {
+        let tokens = tokens
+            .contiguous()
+            .map_err(candle("making the tokens contiguous"))?;
+        let (dst, bytes) = range(&self.tokens, &self.stream, "tokens")?;
+        let (src, given) = range(&tokens, &self.stream, "tokens")?;
+        if given != bytes || tokens.dtype() != self.tokens.dtype() {
+            return Err(candle("checking the tokens")(candle_core::Error::Msg(
                 format!(
-                    "the hand-made graph was captured for a {bytes}-byte input, got {given} bytes"
+                    "the hand-made graph was captured for {bytes} bytes of {:?}, got {given} bytes of {:?}",
+                    self.tokens.dtype(),
+                    tokens.dtype()
                 ),
             )));
         }
-        copy(dst, src, bytes, &self.stream).map_err(driver("copying the input"))?;
-        self.graph.launch().map_err(driver("launching the graph"))?;
-        let out = uninit_tensor(&self.device, self.output.dtype(), self.output.shape())
-            .map_err(candle("allocating the output tensor"))?;
-        let (dst, bytes) = range(&out, &self.stream, "output")?;
-        let (src, _) = range(&self.output, &self.stream, "output")?;
-        copy(dst, src, bytes, &self.stream).map_err(driver("copying the output"))?;
-        Ok(out)
+        copy(dst, src, bytes, &self.stream).map_err(driver("copying the tokens"))
     }
 }

@@ -1,0 +1,313 @@
+//! Memory graft does not own (a framework's own allocations) as call inputs and outputs, on
+//! both backends: static, copied and in-place inputs; outputs delivered into memory the
+//! caller owns (`Graft::call_owned`), which no later replay overwrites; the misuse cases.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use common::{Runs, TestDevice, graft, host_affine, read};
+use graft::{
+    BodyError, Buffer, CallError, Config, Ctx, Destinations, Device, DevicePtr, EagerReason,
+    FunctionSpec, Graft, Outcome, Output,
+};
+
+/// Foreign memory: a raw allocation of the device, outside graft's pools, freed on drop.
+struct Foreign<D: TestDevice> {
+    device: D,
+    addr: DevicePtr,
+    len: usize,
+}
+
+impl<D: TestDevice> Foreign<D> {
+    fn new(g: &Graft<D, u32>, values: &[f32]) -> Foreign<D> {
+        let device = g.device().clone();
+        let len = values.len() * 4;
+        let addr = device.queue().raw_alloc(len).unwrap();
+        let f = Foreign { device, addr, len };
+        g.write_f32(&f.buffer(), values).unwrap();
+        f
+    }
+
+    fn buffer(&self) -> Buffer {
+        Buffer::external(self.device.id(), self.addr, self.len, None)
+    }
+}
+
+impl<D: TestDevice> Drop for Foreign<D> {
+    fn drop(&mut self) {
+        let _ = self.device.queue().synchronize();
+        let _ = self.device.queue().raw_free(self.addr);
+    }
+}
+
+fn values(seed: f32, n: usize) -> Vec<f32> {
+    (0..n).map(|i| seed + i as f32).collect()
+}
+
+/// out = a * x + b over a foreign in-place input that moves every call, with a foreign
+/// static weight added: every call equals eager, replays follow the input without a
+/// re-recording.
+fn in_place_inputs_follow_the_caller<D: TestDevice>(device: D) {
+    let mut g = graft(device, Config::default());
+    let f = g.register("axpb+w", FunctionSpec::inference(Vec::<usize>::new()));
+    let n = 64;
+    let weight = Foreign::new(&g, &values(100.0, n));
+    let w = weight.buffer();
+    w.mark_static();
+    let runs = Runs::default();
+    let mut outcomes = Vec::new();
+    for step in 0..8 {
+        // A new foreign input every call, as a framework's fresh token tensor is.
+        let x_mem = Foreign::new(&g, &values(step as f32, n));
+        let x = x_mem.buffer();
+        x.mark_in_place();
+        let r = runs.clone();
+        let mut out = Vec::new();
+        let outcome = g
+            .call_into(
+                f,
+                &[&x, &w],
+                &[],
+                |ctx: &mut Ctx<'_, D>| {
+                    r.hit();
+                    let (x, w) = (ctx.input(0).clone(), ctx.input(1).clone());
+                    let y = ctx.alloc(x.len())?;
+                    ctx.queue().axpb_f32(&y, &x, 2.0, 1.0, n)?;
+                    ctx.queue().add_f32(&y, &y, &w, n)?;
+                    Ok(vec![Output::new(y, 0)])
+                },
+                &mut out,
+            )
+            .unwrap();
+        let want: Vec<f32> = host_affine(&values(step as f32, n), 2.0, 1.0)
+            .iter()
+            .zip(values(100.0, n))
+            .map(|(a, b)| a + b)
+            .collect();
+        assert_eq!(read(&g, &out[0].buffer), want, "step {step}: {outcome:?}");
+        outcomes.push(outcome);
+    }
+    let recorded = outcomes
+        .iter()
+        .filter(|o| matches!(o, Outcome::Recorded(_)))
+        .count();
+    let replayed = outcomes
+        .iter()
+        .filter(|o| matches!(o, Outcome::Replayed(_)))
+        .count();
+    assert_eq!(recorded, 1, "{outcomes:?}\n{}", g.dump_text());
+    assert_eq!(replayed, 6, "{outcomes:?}");
+    assert_eq!(runs.get(), 2, "the body ran only for the warmup and the recording");
+    assert!(g.stats().patched_inputs >= 1, "{:?}", g.stats());
+}
+device_test!(in_place, in_place_inputs_follow_the_caller);
+
+/// A body that writes its in-place input (a counter, a cache) writes the caller's buffer, on
+/// every call, whichever buffer the caller passes: as eager execution does.
+fn in_place_inputs_are_written_like_eager<D: TestDevice>(device: D) {
+    let mut g = graft(device, Config::default());
+    let f = g.register("bump", FunctionSpec::inference(Vec::<usize>::new()));
+    let n = 16;
+    let a = Foreign::new(&g, &values(0.0, n));
+    let b = Foreign::new(&g, &values(50.0, n));
+    let (mut want_a, mut want_b) = (values(0.0, n), values(50.0, n));
+    for step in 0..8 {
+        let (mem, want) = if step % 2 == 0 {
+            (&a, &mut want_a)
+        } else {
+            (&b, &mut want_b)
+        };
+        let x = mem.buffer();
+        x.mark_in_place();
+        g.call(f, &[&x], &[], |ctx: &mut Ctx<'_, D>| {
+            let x = ctx.input(0).clone();
+            ctx.queue().axpb_f32(&x, &x, 1.0, 1.0, n)?;
+            Ok(Vec::new())
+        })
+        .unwrap();
+        want.iter_mut().for_each(|v| *v += 1.0);
+        assert_eq!(read(&g, &a.buffer()), want_a, "step {step}");
+        assert_eq!(read(&g, &b.buffer()), want_b, "step {step}");
+    }
+    assert!(g.stats().replays >= 4, "{:?}", g.stats());
+    assert_eq!(g.stats().mutated_inputs, 0, "in place, nothing is copied back");
+}
+device_test!(in_place_writes, in_place_inputs_are_written_like_eager);
+
+/// Output destinations from the caller: fresh foreign memory per call.
+struct Fresh<D: TestDevice> {
+    device: D,
+    made: Vec<Foreign<D>>,
+    asked: Arc<AtomicUsize>,
+}
+
+impl<D: TestDevice> Destinations<u32, std::io::Error> for Fresh<D> {
+    fn destination(&mut self, _index: usize, _meta: &u32, bytes: usize) -> Result<Buffer, std::io::Error> {
+        self.asked.fetch_add(1, Ordering::Relaxed);
+        let addr = self.device.queue().raw_alloc(bytes.max(4)).unwrap();
+        let f = Foreign {
+            device: self.device.clone(),
+            addr,
+            len: bytes,
+        };
+        let b = f.buffer();
+        self.made.push(f);
+        Ok(b)
+    }
+}
+
+/// Every output of `call_owned` lands in memory the caller gave for that call: no replay
+/// ever overwrites an earlier call's output, however long it is held, and no output is
+/// invalidated.
+fn owned_outputs_are_never_overwritten<D: TestDevice>(device: D) {
+    let mut g = graft(device.clone(), Config::default());
+    let f = g.register("affine", FunctionSpec::inference(Vec::<usize>::new()));
+    let n = 32;
+    let asked = Arc::new(AtomicUsize::new(0));
+    let mut dests = Fresh {
+        device,
+        made: Vec::new(),
+        asked: asked.clone(),
+    };
+    let mut held = Vec::new();
+    for step in 0..6 {
+        let x = common::input(&mut g, &values(step as f32, n));
+        let mut out = Vec::new();
+        let outcome = g
+            .call_owned(
+                f,
+                &[&x],
+                &[],
+                |ctx: &mut Ctx<'_, D>| -> Result<Vec<Output<u32>>, BodyError<std::io::Error>> {
+                    let x = ctx.input(0).clone();
+                    let y = ctx.alloc(x.len())?;
+                    ctx.queue().axpb_f32(&y, &x, 3.0, -1.0, n)?;
+                    Ok(vec![Output::new(y, n as u32)])
+                },
+                &mut dests,
+                &mut out,
+            )
+            .unwrap();
+        assert_eq!(out[0].meta, n as u32);
+        held.push((step, out.remove(0).buffer, outcome));
+    }
+    for (step, buffer, outcome) in &held {
+        assert!(buffer.is_valid());
+        assert_eq!(
+            read(&g, buffer),
+            host_affine(&values(*step as f32, n), 3.0, -1.0),
+            "step {step} ({outcome:?})"
+        );
+    }
+    assert_eq!(asked.load(Ordering::Relaxed), 6, "one destination per output per call");
+    assert_eq!(g.stats().invalidations, 0);
+    assert!(g.stats().replays >= 4, "{:?}", g.stats());
+}
+device_test!(owned_outputs, owned_outputs_are_never_overwritten);
+
+/// A body's output that is foreign memory it made (as candle's tensors are) is copied into
+/// the caller's destination and its keepalive dropped before the call returns, in every
+/// kind of run: nothing the body made outlives the call.
+fn foreign_body_outputs_are_released<D: TestDevice>(device: D) {
+    struct Flag(Arc<AtomicUsize>);
+    impl Drop for Flag {
+        fn drop(&mut self) {
+            self.0.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+    let mut g = graft(device.clone(), Config::default());
+    let f = g.register("made", FunctionSpec::inference(Vec::<usize>::new()));
+    let dropped = Arc::new(AtomicUsize::new(0));
+    let mut dests = Fresh {
+        device: device.clone(),
+        made: Vec::new(),
+        asked: Arc::new(AtomicUsize::new(0)),
+    };
+    let scratch = Foreign::new(&g, &values(0.0, 8));
+    let id = g.device().id();
+    for step in 0..5 {
+        let x = common::input(&mut g, &values(step as f32, 8));
+        let d = dropped.clone();
+        let (s, len) = (scratch.addr, scratch.len);
+        let mut out = Vec::new();
+        g.call_owned(
+            f,
+            &[&x],
+            &[],
+            |ctx: &mut Ctx<'_, D>| -> Result<Vec<Output<u32>>, BodyError<std::io::Error>> {
+                let made = Buffer::external(id, s, len, Some(Box::new(Flag(d.clone()))));
+                ctx.queue().axpb_f32(&made, ctx.input(0), 1.0, 10.0, 8)?;
+                Ok(vec![Output::new(made, 0)])
+            },
+            &mut dests,
+            &mut out,
+        )
+        .unwrap();
+        assert_eq!(read(&g, &out[0].buffer), host_affine(&values(step as f32, 8), 1.0, 10.0));
+    }
+    assert_eq!(dropped.load(Ordering::Relaxed), 2, "dropped after the warmup and the recording");
+}
+device_test!(foreign_body_outputs, foreign_body_outputs_are_released);
+
+/// Typed framework errors come back as they were returned, with no downcast; a destination
+/// that fails is an error naming the output, and nothing is launched.
+fn framework_errors_come_back_typed<D: TestDevice>(device: D) {
+    #[derive(Debug, thiserror::Error, PartialEq)]
+    #[error("shape mismatch: {0}")]
+    struct Shape(usize);
+    let mut g = graft(device, Config::default());
+    let f = g.register("fails", FunctionSpec::inference(Vec::<usize>::new()));
+    let x = common::input(&mut g, &[1.0; 4]);
+    let e = g
+        .call(f, &[&x], &[], |_: &mut Ctx<'_, D>| Err(BodyError::Framework(Shape(7))))
+        .unwrap_err();
+    match e {
+        CallError::Body {
+            source: BodyError::Framework(shape),
+            ..
+        } => assert_eq!(shape, Shape(7)),
+        other => panic!("{other}"),
+    }
+}
+device_test!(typed_errors, framework_errors_come_back_typed);
+
+/// Foreign memory that is really graft's own pool memory is refused when recorded.
+fn foreign_ranges_inside_the_pool_are_refused<D: TestDevice>(device: D) {
+    let mut g = graft(device, Config::default());
+    let f = g.register("f", FunctionSpec::inference(Vec::<usize>::new()));
+    let x = common::input(&mut g, &[1.0; 4]);
+    let runs = Runs::default();
+    let mut body = common::affine::<D>(1.0, 0.0, &runs);
+    let out = g.call(f, &[&x], &[], &mut body).unwrap();
+    let inside = Buffer::external(g.device().id(), out[0].buffer.addr().unwrap(), 16, None);
+    let mut result = Ok(Vec::new());
+    for _ in 0..3 {
+        result = g.call(f, &[&inside], &[], &mut body);
+        if result.is_err() {
+            break;
+        }
+    }
+    let e = result.unwrap_err();
+    assert!(matches!(e, CallError::ExternalInPool { position: 0, .. }), "{e}");
+    assert!(e.to_string().contains("graft's own"), "{e}");
+}
+device_test!(foreign_in_pool, foreign_ranges_inside_the_pool_are_refused);
+
+/// Eager outcomes say why.
+fn eager_outcomes_carry_their_reason<D: TestDevice>(device: D) {
+    let mut g = graft(device, Config::default());
+    let f = g.register(
+        "eager",
+        FunctionSpec {
+            eager_only: true,
+            ..FunctionSpec::default()
+        },
+    );
+    let x = common::input(&mut g, &[1.0; 4]);
+    let runs = Runs::default();
+    let out = g.call_into(f, &[&x], &[], common::affine::<D>(1.0, 0.0, &runs), &mut Vec::new());
+    assert_eq!(out.unwrap(), Outcome::Eager(EagerReason::Registered));
+}
+device_test!(eager_reasons, eager_outcomes_carry_their_reason);
