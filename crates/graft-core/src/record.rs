@@ -12,7 +12,7 @@ use crate::graft::{Frame, Graft, Outcome, lock, shape_hash};
 use crate::group::{Subject, Verdict, Vote};
 use crate::lifecycle::Phase;
 use crate::pool::{Checkpoint, PoolError};
-use crate::reason::{Decision, EagerReason, RecordReason};
+use crate::reason::{Decision, EagerReason, EvictReason, RecordReason};
 use crate::tree::{self, InputSlot, Node, NodeKey, NodeOutput, Output, OutputSlot, key_of};
 
 /// What a recording prepares before the capture begins.
@@ -123,6 +123,9 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 let (key, keep) = self.attach(frame, parent, reason, prepared, captured);
                 let outcome = self.first_launch(key, frame);
                 drop(keep);
+                if let Some(position) = self.nodes[key].retired {
+                    self.free_retired(key, parent, position)?;
+                }
                 outcome
             }
             Local::FallBack(why) => self.capture_failed(frame, parent, why),
@@ -613,6 +616,23 @@ impl<D: Device, M: Clone> Graft<D, M> {
             self.log(function, Some(key), Decision::InputMutated { position });
         }
         Ok(())
+    }
+
+    /// Frees a node retired by its first launch (it never replays): its graph is destroyed
+    /// and its pins released at once instead of counting against the graph budget, and the
+    /// path moves back to its parent, as after an eager run. The outputs this call handed out
+    /// stay valid: evicting keeps held outputs as loose memory.
+    fn free_retired(
+        &mut self,
+        key: NodeKey,
+        parent: Option<NodeKey>,
+        position: usize,
+    ) -> Result<(), CallError> {
+        drop(self.evict(key, EvictReason::InputMutated { position }));
+        self.move_to(match parent {
+            Some(p) => Phase::Replaying { tip: p.id() },
+            None => Phase::Idle,
+        })
     }
 
     /// Copy-free inputs: after the first launch showed which copied inputs the body leaves
