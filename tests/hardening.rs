@@ -7,8 +7,8 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use common::*;
 use graft::{
-    BodyError, BufferError, CallError, Config, Ctx, Decision, EagerReason, FunctionSpec, InputKind,
-    Outcome, Output, Phase, RunKind,
+    BodyError, BufferError, CallError, Config, Ctx, Decision, EagerReason, EvictReason,
+    FunctionSpec, InputKind, Outcome, Output, Phase, RunKind,
 };
 
 /// `x += 1` on input 0 in place, and out = 2x: a step counter kept in the caller's buffer.
@@ -49,6 +49,56 @@ fn written_input_matches_eager<D: TestDevice>(dev: D) {
     assert_eq!(logged, 1);
 }
 device_test!(written_input_matches_eager, written_input_matches_eager);
+
+/// A recording that finds its body writes an input is retired: it is freed at once (no graph
+/// kept, nothing counted against the budget) while the call's outputs stay valid, and the next
+/// call records the graph that copies the input back without evicting anything for room.
+fn retired_recording_is_freed_at_once<D: TestDevice>(dev: D) {
+    let config = Config {
+        max_graphs: Some(1),
+        ..Config::default()
+    };
+    let mut g = graft(dev, config);
+    let f = g.register("count", FunctionSpec::default());
+    let counter = input(&mut g, &[0.0; 4]);
+    g.call(f, &[&counter], &[], count_up).unwrap();
+    let mut out = Vec::new();
+    let outcome = g
+        .call_into(f, &[&counter], &[], count_up, &mut out)
+        .unwrap();
+    assert!(matches!(outcome, Outcome::Recorded(_)), "{outcome:?}");
+    assert_eq!(g.stats().mutated_inputs, 1);
+    assert_eq!(g.node_ids(), Vec::new(), "the retired node is gone");
+    assert_eq!(g.stats().nodes, 0);
+    assert_eq!(read(&g, &counter), vec![2.0; 4]);
+    assert_eq!(read(&g, &out[0].buffer), vec![4.0; 4], "this call's output");
+    let next = g.call(f, &[&counter], &[], count_up).unwrap();
+    assert_eq!(g.stats().nodes, 1);
+    assert_eq!(read(&g, &out[0].buffer), vec![4.0; 4], "still valid");
+    assert_eq!(read(&g, &next[0].buffer), vec![6.0; 4]);
+    let budget_evictions = g
+        .explain()
+        .filter(|d| {
+            matches!(
+                d.decision,
+                Decision::Evict {
+                    why: EvictReason::Budget { .. },
+                    ..
+                }
+            )
+        })
+        .count();
+    assert_eq!(budget_evictions, 0, "the budget never had to make room");
+    for step in 4..=10 {
+        let out = g.call(f, &[&counter], &[], count_up).unwrap();
+        assert_eq!(read(&g, &out[0].buffer), vec![2.0 * step as f32; 4]);
+    }
+    assert!(g.stats().replays >= 7, "{:?}", g.stats());
+}
+device_test!(
+    retired_recording_is_freed_at_once,
+    retired_recording_is_freed_at_once
+);
 
 /// The same counter when the caller's buffer moves between two addresses every step: the copy
 /// back follows the caller's buffer.

@@ -290,6 +290,8 @@ fn run_program<D: TestDevice>(dev: D, warmups: u32, ops: &[Op]) -> Result<(), Te
         for w in ranges.windows(2) {
             prop_assert!(w[0].1 <= w[1].0, "readable buffers overlap: {:x?}", w);
         }
+        // The tree's links and candidate lookup agree with its nodes.
+        prop_assert_eq!(g.check_tree(), Ok(()));
         // The memory bound: the tree's memory follows the program's need, not the sum of
         // its branches.
         let reserved = g.stats().pool.reserved;

@@ -90,12 +90,12 @@ pub struct MemoryReport {
 
 impl<D: Device, M: Clone> Graft<D, M> {
     fn info(&self, key: NodeKey, depth: usize) -> NodeInfo {
-        let n = &self.nodes[key];
-        let f = &self.functions[n.function.0];
+        let n = &self.tree[key];
+        let f = &self.functions[n.function];
         let sig = &f.sigs[n.sig];
         NodeInfo {
             id: key.id(),
-            parent: n.parent.map(NodeKey::id),
+            parent: self.tree.parent(key).map(NodeKey::id),
             depth,
             function: n.function,
             function_name: f.name.clone(),
@@ -124,16 +124,17 @@ impl<D: Device, M: Clone> Graft<D, M> {
     /// Every node, depth-first from the roots (functions in registration order, siblings in
     /// recording order).
     pub fn nodes(&self) -> Vec<NodeInfo> {
-        let mut out = Vec::with_capacity(self.nodes.len());
+        let mut out = Vec::with_capacity(self.tree.len());
         let mut stack: Vec<(NodeKey, usize)> = self
-            .roots
+            .tree
+            .roots()
             .iter()
             .rev()
             .flat_map(|r| r.iter().rev().map(|&k| (k, 0)))
             .collect();
         while let Some((key, depth)) = stack.pop() {
             out.push(self.info(key, depth));
-            let children = &self.nodes[key].children;
+            let children = self.tree.children(key);
             stack.extend(children.iter().rev().map(|&k| (k, depth + 1)));
         }
         out
@@ -255,7 +256,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
         let free_bytes: usize = free.iter().sum();
         let largest_free = free.iter().copied().max().unwrap_or(0);
         let mut held_by_node = Vec::new();
-        for (key, n) in &self.nodes {
+        for (key, n) in self.tree.iter() {
             let (mut count, mut bytes) = (0, 0);
             for o in &n.outputs {
                 if let OutputSlot::Tracked { cell, spares } = &o.slot {

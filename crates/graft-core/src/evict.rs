@@ -1,7 +1,8 @@
-//! The graph budget: evicting recorded graphs, least recently used first, and the replacement
-//! of a node by its re-recording.
+//! The graph budget: evicting recorded graphs, least recently used first, and what evicting
+//! a node means for the runtime (held outputs kept as loose memory, pins, counters); the tree
+//! itself unlinks the nodes (`Tree::remove`).
 
-use crate::device::{Device, DevicePtr};
+use crate::device::Device;
 use crate::error::FunctionId;
 use crate::graft::{Graft, lock};
 use crate::reason::{Decision, EvictReason};
@@ -18,27 +19,27 @@ impl<D: Device, M: Clone> Graft<D, M> {
         function: FunctionId,
         parent: Option<NodeKey>,
     ) -> Result<Option<D::Graph>, usize> {
-        let per_function = self.functions[function.0].spec.max_graphs;
+        let per_function = self.functions[function].spec.max_graphs;
         let overall = self.config.max_graphs;
         if per_function.is_none() && overall.is_none() {
             return Ok(None);
         }
-        let path = self.path_nodes(parent);
+        let path = self.tree.path_nodes(parent);
         let mut reuse = None;
         loop {
             let of_function = self
-                .nodes
+                .tree
                 .values()
                 .filter(|n| n.function == function)
                 .count();
             let over_function = per_function.filter(|&l| of_function >= l);
-            let over_all = overall.filter(|&l| self.nodes.len() >= l);
+            let over_all = overall.filter(|&l| self.tree.len() >= l);
             let Some(limit) = over_all.or(over_function) else {
                 return Ok(reuse);
             };
             // Over the overall budget any graph may go; over the function's only its own.
             let victim = self
-                .nodes
+                .tree
                 .iter()
                 .filter(|(k, n)| {
                     !path.contains(k) && (over_all.is_some() || n.function == function)
@@ -48,7 +49,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
             let Some(k) = victim else {
                 return Err(limit);
             };
-            let same = self.nodes[k].function == function;
+            let same = self.tree[k].function == function;
             let graph = self.evict(k, EvictReason::Budget { limit });
             if same && reuse.is_none() {
                 reuse = graph;
@@ -61,40 +62,21 @@ impl<D: Device, M: Clone> Graft<D, M> {
     /// readable until graft reuses it, invalidated before. What the removed graphs alone
     /// pinned may be unmapped from then on.
     pub(crate) fn evict(&mut self, key: NodeKey, why: EvictReason) -> Option<D::Graph> {
-        let function = self.nodes[key].function;
+        let function = self.tree.get(key)?.function;
         let _span = tracing::debug_span!(
             "evict",
-            function = %self.functions[function.0].name,
+            function = %self.functions[function].name,
             node = %key.id(),
             %why
         )
         .entered();
-        let mut doomed = vec![key];
-        let mut i = 0;
-        while let Some(&k) = doomed.get(i) {
-            doomed.extend_from_slice(&self.nodes[k].children);
-            i += 1;
-        }
-        // Unlink the subtree's root from its parent; the rest go with it.
-        let parent = self.nodes[key].parent;
-        match parent {
-            Some(p) => self.nodes[p].children.retain(|&c| c != key),
-            None => self.roots[function.0].retain(|&c| c != key),
-        }
+        let parent = self.tree.parent(key);
+        let removed = self.tree.remove(key);
+        let count = removed.len();
         let mut graph = None;
-        for &k in &doomed {
-            let Some(node) = self.nodes.remove(k) else {
-                continue;
-            };
-            let slot = (node.parent, node.function, node.sig);
-            if let Some(v) = self.slots.get_mut(&slot) {
-                v.retain(|&c| c != k);
-                if v.is_empty() {
-                    self.slots.remove(&slot);
-                }
-            }
+        for (k, node) in removed {
             if matches!(why, EvictReason::Budget { .. }) {
-                let s = &mut self.functions[node.function.0].sigs[node.sig];
+                let s = &mut self.functions[node.function].sigs[node.sig];
                 s.evictions = s.evictions.saturating_add(1);
                 s.warmups_done = 0;
             }
@@ -109,23 +91,10 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 graph = Some(node.graph);
             }
         }
-        let pins: Vec<(DevicePtr, usize)> = self
-            .nodes
-            .values()
-            .flat_map(|n| n.footprint.iter())
-            .map(|&(s, e)| (DevicePtr(s), (e - s) as usize))
-            .collect();
-        lock(&self.graph_pool).repin(&pins);
-        self.stats.evictions += doomed.len() as u64;
-        tracing::debug!(nodes = doomed.len(), "evicted");
-        self.log(
-            function,
-            parent,
-            Decision::Evict {
-                nodes: doomed.len(),
-                why,
-            },
-        );
+        lock(&self.graph_pool).repin(&self.tree.pins());
+        self.stats.evictions += count as u64;
+        tracing::debug!(nodes = count, "evicted");
+        self.log(function, parent, Decision::Evict { nodes: count, why });
         graph
     }
 }

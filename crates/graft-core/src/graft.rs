@@ -1,15 +1,12 @@
 //! The runtime: registration, and the executor of a call: validate, plan, carry the plan out.
 //!
-//! The decision is `plan.rs`'s; carrying it out is split by what a call does: `replay.rs`
-//! (the fast path, verify mode), `record.rs` (capture), `run.rs` (warmup and eager runs),
-//! `memory.rs` (the pools, restore, reset, the eager-memory API).
+//! The tree is `tree/`'s and the signatures `signature.rs`'s; the decision is `plan.rs`'s;
+//! carrying it out is split by what a call does: `replay.rs` (the fast path, verify mode),
+//! `record/` (capture), `run.rs` (warmup and eager runs), `memory.rs` (the pools, restore,
+//! reset, the eager-memory API).
 
 use std::collections::{HashMap, VecDeque};
-use std::hash::{BuildHasher, Hasher};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-
-use foldhash::fast::FixedState;
-use slotmap::SlotMap;
 
 use crate::bucket::Bucket;
 use crate::buffer::{Buffer, Cell, NodeId};
@@ -22,8 +19,9 @@ use crate::lifecycle::{Phase, transition};
 use crate::plan::{self, Action, Plan, View};
 use crate::pool::Pool;
 use crate::reason::{Decision, DecisionRecord, EagerReason, EvictReason, RecordReason};
+use crate::signature::Functions;
 use crate::stats::Stats;
-use crate::tree::{self, Node, NodeKey, Output, Slots};
+use crate::tree::{NodeKey, Output, Tree, key_of};
 
 /// What a call did.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -36,68 +34,6 @@ pub enum Outcome {
     Warmup,
     /// Ran eagerly outside the graph pool.
     Eager,
-}
-
-/// One signature of a function: input sizes and keys, and what graft learned about it.
-pub(crate) struct Signature {
-    pub(crate) sizes: Box<[usize]>,
-    pub(crate) keys: Box<[u64]>,
-    pub(crate) warmups_done: u32,
-    pub(crate) eager: Option<EagerReason>,
-    /// Copied inputs the body was found to write: recordings copy them back to the caller.
-    pub(crate) mutated: Vec<usize>,
-    /// Times the graph budget evicted this signature's recordings: each doubles the eager
-    /// calls it needs before it records again (see [`Signature::warmups_needed`]).
-    pub(crate) evictions: u32,
-}
-
-impl Signature {
-    /// Warmups before the signature records: the configured count, and after evictions by
-    /// the graph budget `max(count, 1) * 2^evictions` (at most 64 times): a signature the
-    /// budget keeps evicting runs eagerly more often instead of evicting others in turn.
-    pub(crate) fn warmups_needed(&self, configured: u32) -> u32 {
-        match self.evictions {
-            0 => configured,
-            n => configured.max(1) << n.min(6),
-        }
-    }
-}
-
-pub(crate) struct Function {
-    pub(crate) name: Arc<str>,
-    pub(crate) spec: FunctionSpec,
-    pub(crate) sigs: Vec<Signature>,
-    /// Signatures by [`shape_hash`] of their sizes and keys, so a call that switches between
-    /// many shapes (buckets) finds its signature with one lookup.
-    by_shape: HashMap<u64, Vec<usize>, FixedState>,
-    /// Has been the first call of a generation.
-    pub(crate) root_level: bool,
-    warned_signatures: bool,
-    last_sig: usize,
-}
-
-impl Function {
-    pub(crate) fn new(name: &str, spec: FunctionSpec) -> Function {
-        Function {
-            name: Arc::from(name),
-            spec,
-            sigs: Vec::new(),
-            by_shape: HashMap::default(),
-            root_level: false,
-            warned_signatures: false,
-            last_sig: 0,
-        }
-    }
-}
-
-/// A hash of a call's input sizes and keys (the signature's identity). Fixed-seeded, so the
-/// ranks of a group hash one signature alike.
-pub(crate) fn shape_hash(sizes: impl ExactSizeIterator<Item = usize>, keys: &[u64]) -> u64 {
-    let mut h = FixedState::default().build_hasher();
-    h.write_usize(sizes.len());
-    sizes.for_each(|n| h.write_usize(n));
-    keys.iter().for_each(|&k| h.write_u64(k));
-    h.finish()
 }
 
 /// Everything one call carries through the executor: what was called, on what, the body,
@@ -117,10 +53,8 @@ pub(crate) struct Frame<'c, F, M> {
 pub struct Graft<D: Device, M: Clone = ()> {
     pub(crate) device: D,
     pub(crate) config: Config,
-    pub(crate) functions: Vec<Function>,
-    pub(crate) nodes: SlotMap<NodeKey, Node<D::Graph, M>>,
-    pub(crate) roots: Vec<Vec<NodeKey>>,
-    pub(crate) slots: Slots,
+    pub(crate) functions: Functions,
+    pub(crate) tree: Tree<D::Graph, M>,
     pub(crate) phase: Phase,
     pub(crate) generation: u64,
     pub(crate) graph_pool: Arc<Mutex<Pool>>,
@@ -189,7 +123,7 @@ impl<D: Device, M: Clone> std::fmt::Debug for Graft<D, M> {
             .field("device", &self.device.describe())
             .field("phase", &self.phase)
             .field("generation", &self.generation)
-            .field("nodes", &self.nodes.len())
+            .field("nodes", &self.tree.len())
             .finish_non_exhaustive()
     }
 }
@@ -205,10 +139,8 @@ impl<D: Device, M: Clone> Graft<D, M> {
         Graft {
             device,
             config,
-            functions: Vec::new(),
-            nodes: SlotMap::with_key(),
-            roots: Vec::new(),
-            slots: Slots::default(),
+            functions: Functions::default(),
+            tree: Tree::default(),
             phase: Phase::Idle,
             generation: 1,
             graph_pool: Arc::new(Mutex::new(Pool::new(reservation))),
@@ -258,14 +190,13 @@ impl<D: Device, M: Clone> Graft<D, M> {
     /// Registers a function and returns its id. Names need not be unique; they appear in
     /// errors, logs and dumps.
     pub fn register(&mut self, name: &str, spec: FunctionSpec) -> FunctionId {
-        self.functions.push(Function::new(name, spec));
-        self.roots.push(Vec::new());
-        FunctionId(self.functions.len() - 1)
+        self.tree.add_function();
+        self.functions.register(name, spec)
     }
 
     /// The name a function was registered with.
     pub fn function_name(&self, id: FunctionId) -> Option<&str> {
-        self.functions.get(id.0).map(|f| &*f.name)
+        self.functions.get(id).map(|f| &*f.name)
     }
 
     /// The current generation (step). Starts at 1.
@@ -281,7 +212,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
     /// A snapshot of the counters, with pool statistics.
     pub fn stats(&self) -> Stats {
         Stats {
-            nodes: self.nodes.len(),
+            nodes: self.tree.len(),
             pool: lock(&self.graph_pool).stats(),
             eager_pool: lock(&self.eager_pool).stats(),
             ..self.stats
@@ -322,7 +253,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
         }
         self.decisions.push_back(DecisionRecord {
             generation: self.generation,
-            function: self.functions[function.0].name.clone(),
+            function: self.functions[function].name.clone(),
             node: node.map(NodeKey::id),
             decision,
         });
@@ -374,7 +305,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
             out,
         };
         let outcome = self.execute(plan, &mut frame)?;
-        match self.functions[function.0].spec.mode {
+        match self.functions[function].spec.mode {
             Mode::Forward => self.backward_pending = true,
             Mode::Backward => self.backward_pending = false,
             Mode::Inference => {}
@@ -390,7 +321,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
         inputs: &[&Buffer],
         keys: &[u64],
     ) -> Result<usize, CallError> {
-        let Some(f) = self.functions.get(function.0) else {
+        let Some(f) = self.functions.get(function) else {
             return Err(CallError::UnknownFunction { id: function });
         };
         if let Some(source) = self.device.take_sticky_error() {
@@ -400,8 +331,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
         self.addrs.clear();
         // One pass over the inputs: device, readability, and the sizes of the signature used
         // last (the usual case in a loop), so each input's cell is read once.
-        let last = f.sigs.get(f.last_sig);
-        let last_sizes = last.map_or(&[][..], |s| &s.sizes[..]);
+        let last_sizes = f.last_sizes();
         let mut same_sizes = last_sizes.len() == inputs.len();
         for (position, b) in inputs.iter().enumerate() {
             same_sizes &= last_sizes.get(position) == Some(&b.len());
@@ -424,28 +354,13 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 }
             }
         }
-        let same = |s: &Signature| plan::matches(&s.sizes, &s.keys, inputs, keys);
-        let sig = match last {
-            Some(s) if same_sizes && plan::same_keys(&s.keys, keys) => f.last_sig,
-            _ => {
-                let hash = shape_hash(inputs.iter().map(|b| b.len()), keys);
-                let found = f
-                    .by_shape
-                    .get(&hash)
-                    .and_then(|c| c.iter().copied().find(|&i| same(&f.sigs[i])));
-                match found {
-                    Some(i) => i,
-                    None => {
-                        let i = self.new_signature(function, inputs, keys)?;
-                        let f = &mut self.functions[function.0];
-                        f.by_shape.entry(hash).or_default().push(i);
-                        i
-                    }
-                }
-            }
-        };
-        self.functions[function.0].last_sig = sig;
-        Ok(sig)
+        let found = self
+            .functions
+            .signature(function, inputs, keys, same_sizes, &self.config)?;
+        if let Some(why) = found.new_eager {
+            self.log(function, None, Decision::Eager(why));
+        }
+        Ok(found.sig)
     }
 
     /// What the planner reads.
@@ -454,9 +369,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
             phase: self.phase,
             config: &self.config,
             functions: &self.functions,
-            nodes: &self.nodes,
-            roots: &self.roots,
-            slots: &self.slots,
+            tree: &self.tree,
             backward_pending: self.backward_pending,
             eager_pairs: &self.eager_pairs,
             rerecords: &self.rerecords,
@@ -472,16 +385,16 @@ impl<D: Device, M: Clone> Graft<D, M> {
         if plan.backward_blocked && !self.warned_backward {
             self.warned_backward = true;
             tracing::warn!(
-                function = %self.functions[function.0].name,
+                function = %self.functions[function].name,
                 "outputs from a previous step still need a backward; call mark_step_begin or run backward"
             );
         }
         if plan.new_generation {
             self.new_generation();
         }
-        let eager_signature = self.functions[function.0].sigs[frame.sig].eager.is_some();
+        let eager_signature = self.functions[function].sigs[frame.sig].eager.is_some();
         if self.phase == Phase::Idle && !eager_signature {
-            self.functions[function.0].root_level = true;
+            self.functions[function].root_level = true;
         }
         match plan.action {
             Action::Replay(key) if self.config.verify_replays => self.replay_verified(key, frame),
@@ -509,7 +422,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 new_fallback,
             } => {
                 if new_fallback {
-                    self.fall_back(function, self.phase.tip().map(crate::tree::key_of), reason);
+                    self.fall_back(function, self.phase.tip().map(key_of), reason);
                 }
                 self.run_eager(frame)
             }
@@ -528,104 +441,27 @@ impl<D: Device, M: Clone> Graft<D, M> {
         if !self.config.replace_moved_static || !moved {
             return None;
         }
-        let candidates = self.slots.get(&(parent, frame.function, frame.sig))?;
-        candidates.iter().copied().find(|&k| {
-            tree::check(&self.nodes, &self.nodes[k], &self.addrs)
-                .err()
-                .as_ref()
-                == Some(reason)
-        })
+        let candidates = self.tree.candidates(parent, frame.function, frame.sig);
+        candidates
+            .iter()
+            .copied()
+            .find(|&k| self.tree.check(k, &self.addrs).err().as_ref() == Some(reason))
     }
 
     /// The (parent, function) pair runs eagerly for good (the re-record limit was exceeded).
     fn fall_back(&mut self, function: FunctionId, parent: Option<NodeKey>, why: EagerReason) {
         let _span =
-            tracing::info_span!("fallback", function = %self.functions[function.0].name).entered();
+            tracing::info_span!("fallback", function = %self.functions[function].name).entered();
         tracing::warn!(reason = %why, "function runs eagerly from now on at this point of the tree");
         self.stats.fallbacks += 1;
         self.log(function, parent, Decision::Eager(why.clone()));
         self.eager_pairs.insert((parent, function), why);
     }
 
-    /// Adds a signature for these inputs and keys, checking the bucket of a function with
-    /// buckets (the signature of a size above the largest bucket is eager).
-    fn new_signature(
-        &mut self,
-        function: FunctionId,
-        inputs: &[&Buffer],
-        keys: &[u64],
-    ) -> Result<usize, CallError> {
-        let f = &mut self.functions[function.0];
-        let above = match (&f.spec.buckets, keys.first()) {
-            (None, _) => None,
-            (Some(_), None) => {
-                return Err(CallError::MissingBucket {
-                    function: f.name.clone(),
-                });
-            }
-            (Some(b), Some(&size)) => match usize::try_from(size).map(|s| b.pick(s)) {
-                Ok(Bucket::Padded(bucket)) if bucket as u64 == size => None,
-                Ok(Bucket::Padded(bucket)) => {
-                    return Err(CallError::NotABucket {
-                        function: f.name.clone(),
-                        size,
-                        bucket,
-                    });
-                }
-                Ok(Bucket::Above { .. }) | Err(_) => Some(EagerReason::AboveLargestBucket {
-                    size,
-                    largest: b.largest(),
-                }),
-            },
-        };
-        let eager = if above.is_some() {
-            above
-        } else if f.spec.eager_only {
-            Some(EagerReason::Registered)
-        } else if let Some(allow) = &self.config.allow_list {
-            let listed = allow.iter().any(|e| {
-                *e.function == *f.name && e.keys.as_ref().is_none_or(|k| k.as_slice() == keys)
-            });
-            (!listed).then_some(EagerReason::NotAllowListed)
-        } else {
-            None
-        };
-        if let Some(why) = &eager {
-            tracing::debug!(function = %f.name, reason = %why, "a new signature runs eagerly");
-        }
-        let logged = eager.clone();
-        f.sigs.push(Signature {
-            sizes: inputs.iter().map(|b| b.len()).collect(),
-            keys: keys.into(),
-            warmups_done: 0,
-            eager,
-            mutated: Vec::new(),
-            evictions: 0,
-        });
-        // Buckets bound the signatures by design: no warning for them.
-        let limit = match &f.spec.buckets {
-            Some(b) => self.config.signature_warn_limit.max(b.sizes().len()),
-            None => self.config.signature_warn_limit,
-        };
-        if f.sigs.len() > limit && !f.warned_signatures {
-            f.warned_signatures = true;
-            tracing::warn!(
-                function = %f.name,
-                signatures = f.sigs.len(),
-                "function called with more distinct signatures than the warn limit; pad or bucket the inputs to fewer shapes"
-            );
-        }
-        let sig = f.sigs.len() - 1;
-        if let Some(why) = logged {
-            self.log(function, None, Decision::Eager(why));
-        }
-        Ok(sig)
-    }
-
     /// The bucket a call of `function` with real size `size` runs at: pad the inputs to
     /// [`Bucket::size`] and pass it as `keys[0]`.
     pub fn bucket(&self, function: FunctionId, size: usize) -> Result<Bucket, CallError> {
-        let Some(f) = self.functions.get(function.0) else {
+        let Some(f) = self.functions.get(function) else {
             return Err(CallError::UnknownFunction { id: function });
         };
         match &f.spec.buckets {

@@ -5,7 +5,7 @@ use crate::device::Device;
 use crate::error::{CallError, FunctionId};
 use crate::graft::Graft;
 use crate::plan;
-use crate::tree::{NodeKey, key_of};
+use crate::tree::{NodeKey, TreeViolation, key_of};
 
 impl<D: Device, M: Clone> Graft<D, M> {
     /// The node a call with these inputs would replay at the current tip, running the same
@@ -16,7 +16,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
         inputs: &[&Buffer],
         keys: &[u64],
     ) -> Result<Option<NodeId>, CallError> {
-        let Some(f) = self.functions.get(function.0) else {
+        let Some(f) = self.functions.get(function) else {
             return Err(CallError::UnknownFunction { id: function });
         };
         self.addrs.clear();
@@ -28,8 +28,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
             })?;
             self.addrs.push(addr);
         }
-        let same = |s: &crate::graft::Signature| plan::matches(&s.sizes, &s.keys, inputs, keys);
-        let Some(sig) = f.sigs.iter().position(same) else {
+        let Some(sig) = f.sigs.iter().position(|s| s.matches(inputs, keys)) else {
             return Ok(None);
         };
         let tip = self.phase.tip().map(key_of);
@@ -42,23 +41,28 @@ impl<D: Device, M: Clone> Graft<D, M> {
 
     /// How often a node has been replayed.
     pub fn node_replays(&self, node: NodeId) -> Option<u64> {
-        self.nodes.get(key_of(node)).map(|n| n.replays)
+        self.tree.get(key_of(node)).map(|n| n.replays)
     }
 
     /// The nodes of the tree, in arena order.
     pub fn node_ids(&self) -> Vec<NodeId> {
-        self.nodes.keys().map(NodeKey::id).collect()
+        self.tree.iter().map(|(k, _)| k.id()).collect()
     }
 
     /// The function a node records.
     pub fn node_function(&self, node: NodeId) -> Option<FunctionId> {
-        self.nodes.get(key_of(node)).map(|n| n.function)
+        self.tree.get(key_of(node)).map(|n| n.function)
     }
 
     /// A node's parent.
     pub fn node_parent(&self, node: NodeId) -> Option<NodeId> {
-        self.nodes
-            .get(key_of(node))
-            .and_then(|n| n.parent.map(NodeKey::id))
+        let key = key_of(node);
+        self.tree.get(key)?;
+        self.tree.parent(key).map(NodeKey::id)
+    }
+
+    /// Checks that the tree's links and candidate lookup agree with its nodes.
+    pub fn check_tree(&self) -> Result<(), TreeViolation> {
+        self.tree.check_links()
     }
 }

@@ -32,6 +32,7 @@ mod reason;
 mod record;
 mod replay;
 mod run;
+mod signature;
 mod stats;
 mod tree;
 
@@ -69,4 +70,5 @@ pub mod backend {
 #[cfg(feature = "test-support")]
 pub mod testing {
     pub use crate::pool::{Backing, Block, BlockId, Checkpoint, InvariantViolation, Pool};
+    pub use crate::tree::TreeViolation;
 }

@@ -18,7 +18,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
         if self.pool_stale {
             let _span = tracing::debug_span!(
                 "divergence",
-                function = %self.functions[function.0].name,
+                function = %self.functions[function].name,
                 tip = ?self.phase.tip()
             )
             .entered();
@@ -29,7 +29,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
     /// Rebuilds the graph pool's bookkeeping from what is actually held (after replays).
     fn restore(&mut self, function: FunctionId) {
         let _span =
-            tracing::debug_span!("restore", function = %self.functions[function.0].name).entered();
+            tracing::debug_span!("restore", function = %self.functions[function].name).entered();
         let mut held: Vec<Arc<Cell>> = Vec::new();
         let mut consider = |c: &Arc<Cell>| {
             c.disown();
@@ -37,7 +37,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 held.push(c.clone());
             }
         };
-        for node in self.nodes.values() {
+        for node in self.tree.values() {
             for o in &node.outputs {
                 if let OutputSlot::Tracked { cell, spares } = &o.slot {
                     consider(cell);
@@ -157,12 +157,10 @@ impl<D: Device, M: Clone> Graft<D, M> {
         let _span = tracing::info_span!("reset").entered();
         let synced = self.device.synchronize();
         self.invalidate_graph_memory(Cell::invalidate_reset);
-        self.nodes.clear();
-        self.roots.iter_mut().for_each(Vec::clear);
-        self.slots.clear();
+        self.tree.clear();
         self.rerecords.clear();
         self.eager_pairs.clear();
-        for f in &mut self.functions {
+        for f in self.functions.iter_mut() {
             for s in &mut f.sigs {
                 s.warmups_done = 0;
             }
@@ -184,7 +182,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
     /// Invalidates every graph-pool buffer graft handed out (node outputs, their spares,
     /// warmup and intermediate cells) with `invalidate`, and forgets the loose cells.
     fn invalidate_graph_memory(&mut self, invalidate: fn(&Cell)) {
-        for node in self.nodes.values() {
+        for node in self.tree.values() {
             for o in &node.outputs {
                 if let OutputSlot::Tracked { cell, spares } = &o.slot {
                     invalidate(cell);
@@ -212,9 +210,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
             .drain(..)
             .for_each(|c| c.invalidate_dropped());
         // Graph destruction reports failures to the sticky slot: taken below.
-        self.nodes.clear();
-        self.roots.iter_mut().for_each(Vec::clear);
-        self.slots.clear();
+        self.tree.clear();
         let graph = lock(&self.graph_pool).release_all(&self.device);
         let eager = lock(&self.eager_pool).release_all(&self.device);
         let sticky = self.device.take_sticky_error();

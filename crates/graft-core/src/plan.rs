@@ -6,16 +6,13 @@
 
 use std::collections::HashMap;
 
-use slotmap::SlotMap;
-
-use crate::buffer::Buffer;
 use crate::config::Config;
 use crate::device::DevicePtr;
 use crate::error::FunctionId;
-use crate::graft::Function;
 use crate::lifecycle::Phase;
 use crate::reason::{EagerReason, RecordReason, WarmupReason};
-use crate::tree::{self, Node, NodeKey, Slots, key_of};
+use crate::signature::Functions;
+use crate::tree::{NodeKey, Tree, key_of};
 
 /// What a call will do.
 #[derive(Clone, PartialEq, Debug)]
@@ -50,10 +47,8 @@ pub(crate) enum Action {
 pub(crate) struct View<'a, G, M> {
     pub(crate) phase: Phase,
     pub(crate) config: &'a Config,
-    pub(crate) functions: &'a [Function],
-    pub(crate) nodes: &'a SlotMap<NodeKey, Node<G, M>>,
-    pub(crate) roots: &'a [Vec<NodeKey>],
-    pub(crate) slots: &'a Slots,
+    pub(crate) functions: &'a Functions,
+    pub(crate) tree: &'a Tree<G, M>,
     pub(crate) backward_pending: bool,
     pub(crate) eager_pairs: &'a HashMap<(Option<NodeKey>, FunctionId), EagerReason>,
     pub(crate) rerecords: &'a HashMap<(Option<NodeKey>, FunctionId), u32>,
@@ -67,7 +62,7 @@ pub(crate) fn plan<G, M>(
     sig: usize,
     addrs: &[DevicePtr],
 ) -> Plan {
-    let f = &view.functions[function.0];
+    let f = &view.functions[function];
     let s = &f.sigs[sig];
     let plan = |new_generation, backward_blocked, action| Plan {
         new_generation,
@@ -160,14 +155,9 @@ pub(crate) fn candidate<G, M>(
     if !warmed {
         return Err(None);
     }
-    let candidates = view
-        .slots
-        .get(&(tip, function, sig))
-        .map_or(&[][..], Vec::as_slice);
     let mut first_miss = None;
-    for &key in candidates {
-        let node = &view.nodes[key];
-        match tree::check(view.nodes, node, addrs) {
+    for &key in view.tree.candidates(tip, function, sig) {
+        match view.tree.check(key, addrs) {
             Ok(()) => return Ok(key),
             Err(reason) => {
                 first_miss.get_or_insert(reason);
@@ -177,36 +167,12 @@ pub(crate) fn candidate<G, M>(
     // No node of this signature here: a first recording, or a new signature when the
     // function has nodes here already (a miss, so the walk is off the fast path).
     Err(Some(first_miss.unwrap_or_else(|| {
-        let here = match tip {
-            Some(t) => view.nodes[t]
-                .children
-                .iter()
-                .any(|&c| view.nodes[c].function == function),
-            None => !view.roots[function.0].is_empty(),
-        };
-        if here {
+        if view.tree.has_function_at(tip, function) {
             RecordReason::NewSignature
         } else {
             RecordReason::FirstRecording
         }
     })))
-}
-
-/// Whether two key lists are equal (an element loop: slice equality calls memcmp, which costs
-/// more than the handful of integers compared here).
-#[inline]
-pub(crate) fn same_keys(a: &[u64], b: &[u64]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x == y)
-}
-
-/// Whether `inputs` match a signature: sizes and keys.
-#[inline]
-pub(crate) fn matches(sizes: &[usize], sig_keys: &[u64], inputs: &[&Buffer], keys: &[u64]) -> bool {
-    // Element loops, not slice equality: that calls memcmp, which costs more than the
-    // handful of integers compared here.
-    same_keys(sig_keys, keys)
-        && sizes.len() == inputs.len()
-        && sizes.iter().zip(inputs).all(|(&s, b)| s == b.len())
 }
 
 #[cfg(test)]
@@ -215,15 +181,13 @@ mod tests {
 
     use super::*;
     use crate::config::FunctionSpec;
-    use crate::graft::Signature;
-    use crate::tree::InputSlot;
+    use crate::signature::Signature;
+    use crate::tree::{InputSlot, Node};
 
     struct World {
         config: Config,
-        functions: Vec<Function>,
-        nodes: SlotMap<NodeKey, Node<(), ()>>,
-        roots: Vec<Vec<NodeKey>>,
-        slots: Slots,
+        functions: Functions,
+        tree: Tree<(), ()>,
         eager_pairs: HashMap<(Option<NodeKey>, FunctionId), EagerReason>,
         rerecords: HashMap<(Option<NodeKey>, FunctionId), u32>,
     }
@@ -233,8 +197,11 @@ mod tests {
 
     /// One function with one signature (one static input at `ADDR`), warmed up `warmups` times.
     fn world(warmups: u32) -> World {
-        let mut f = Function::new("f", FunctionSpec::default());
-        f.sigs.push(Signature {
+        let mut functions = Functions::default();
+        let mut tree = Tree::default();
+        tree.add_function();
+        functions.register("f", FunctionSpec::default());
+        functions[F].sigs.push(Signature {
             sizes: vec![4].into(),
             keys: Box::new([]),
             warmups_done: warmups,
@@ -244,10 +211,8 @@ mod tests {
         });
         World {
             config: Config::default(),
-            functions: vec![f],
-            nodes: SlotMap::with_key(),
-            roots: vec![Vec::new()],
-            slots: Slots::default(),
+            functions,
+            tree,
             eager_pairs: HashMap::new(),
             rerecords: HashMap::new(),
         }
@@ -256,27 +221,26 @@ mod tests {
     impl World {
         /// A node of `F` recorded with its static input at `addr`, under `parent`.
         fn node(&mut self, parent: Option<NodeKey>, addr: DevicePtr) -> NodeKey {
-            let key = self.nodes.insert(Node {
-                function: F,
-                sig: 0,
+            self.tree.insert(
                 parent,
-                children: Vec::new(),
-                graph: (),
-                inputs: vec![InputSlot::Static { addr }].into(),
-                copied: Box::new([]),
-                fixed: Box::new([addr.0]),
-                expected_dead: Box::new([]),
-                outputs: Vec::new(),
-                footprint: Box::new([]),
-                replays: 0,
-                last_used: 0,
-                retired: None,
-                recorded_generation: 1,
-                reason: RecordReason::FirstRecording,
-                summary: Default::default(),
-            });
-            tree::link(&mut self.nodes, &mut self.roots, &mut self.slots, key);
-            key
+                Node {
+                    function: F,
+                    sig: 0,
+                    graph: (),
+                    inputs: vec![InputSlot::Static { addr }].into(),
+                    copied: Box::new([]),
+                    fixed: Box::new([addr.0]),
+                    expected_dead: Box::new([]),
+                    outputs: Vec::new(),
+                    footprint: Box::new([]),
+                    replays: 0,
+                    last_used: 0,
+                    retired: None,
+                    recorded_generation: 1,
+                    reason: RecordReason::FirstRecording,
+                    summary: Default::default(),
+                },
+            )
         }
 
         fn plan(&self, phase: Phase, backward_pending: bool, addr: DevicePtr) -> Plan {
@@ -284,9 +248,7 @@ mod tests {
                 phase,
                 config: &self.config,
                 functions: &self.functions,
-                nodes: &self.nodes,
-                roots: &self.roots,
-                slots: &self.slots,
+                tree: &self.tree,
                 backward_pending,
                 eager_pairs: &self.eager_pairs,
                 rerecords: &self.rerecords,
@@ -317,7 +279,7 @@ mod tests {
     #[test]
     fn a_matching_child_replays_and_a_dead_end_starts_a_generation() {
         let mut w = world(1);
-        w.functions[0].root_level = true;
+        w.functions[F].root_level = true;
         let root = w.node(None, ADDR);
         let child = w.node(Some(root), ADDR);
         let at_root = Phase::Replaying { tip: root.id() };
@@ -375,7 +337,7 @@ mod tests {
         let p = w.plan(Phase::Warmup, false, ADDR);
         assert_eq!(p.action, Action::Warmup(WarmupReason::PathWarmingUp));
         // Root-level: it ends the warming path and replays from the roots.
-        w.functions[0].root_level = true;
+        w.functions[F].root_level = true;
         let p = w.plan(Phase::Warmup, false, ADDR);
         assert!(p.new_generation);
         assert!(matches!(p.action, Action::Replay(_)));

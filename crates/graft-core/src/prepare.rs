@@ -50,7 +50,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
         F: FnMut(&mut Graft<D, M>, usize) -> Result<Outcome, E>,
         E: From<CallError>,
     {
-        let Some(f) = self.functions.get(function.0) else {
+        let Some(f) = self.functions.get(function) else {
             return Err(CallError::UnknownFunction { id: function }.into());
         };
         let Some(buckets) = f.spec.buckets.clone() else {

@@ -229,6 +229,12 @@ pub enum EvictReason {
     /// The node was re-recorded (an address it baked in changed) and its executable updated
     /// in place for the new recording.
     Replaced,
+    /// Its first launch found that the body writes the copied input at this position: the
+    /// node never replays, so it is freed at once.
+    InputMutated {
+        /// The input position.
+        position: usize,
+    },
 }
 
 impl fmt::Display for EvictReason {
@@ -239,6 +245,10 @@ impl fmt::Display for EvictReason {
                 "graph budget of {limit} full, least recently used first; raise the budget if this repeats"
             ),
             EvictReason::Replaced => f.write_str("replaced by its re-recording"),
+            EvictReason::InputMutated { position } => write!(
+                f,
+                "the body writes input {position}: the recording never replays; the next one copies the input back"
+            ),
         }
     }
 }

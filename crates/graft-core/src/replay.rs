@@ -20,16 +20,16 @@ impl<D: Device, M: Clone> Graft<D, M> {
     ) -> Result<Outcome, CallError> {
         let _span = tracing::trace_span!("replay", node = ?key).entered();
         let id = key.id();
-        let function = self.nodes[key].function;
+        let function = self.tree[key].function;
         let fail = |graft: &Self, source| CallError::Device {
-            function: graft.functions[function.0].name.clone(),
+            function: graft.functions[function].name.clone(),
             source,
         };
         let (copied, repointed) = match self.repoint_copies(key) {
             Ok(counts) => counts,
             Err(source) => return Err(fail(self, source)),
         };
-        let node = &self.nodes[key];
+        let node = &self.tree[key];
         // Held memory the graph overwrites is invalidated first; cells nobody holds leave the
         // list (a later hand-out lists them again).
         let mut invalidated = 0;
@@ -54,7 +54,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
         self.stats.copy_sources_updated += repointed;
         self.hand_out(key, inputs, out);
         self.clock += 1;
-        let node = &mut self.nodes[key];
+        let node = &mut self.tree[key];
         node.replays += 1;
         node.last_used = self.clock;
         self.stats.replays += 1;
@@ -69,7 +69,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
     /// buffer lies in memory the graph writes. Returns the copied inputs and how many were
     /// re-pointed (or re-patched).
     fn repoint_copies(&mut self, key: NodeKey) -> Result<(u64, u64), DeviceError> {
-        let node = &mut self.nodes[key];
+        let node = &mut self.tree[key];
         let (mut copied, mut repointed) = (0, 0);
         for &i in node.copied.iter() {
             let (slot, src) = (&mut node.inputs[i], self.addrs[i]);
@@ -130,7 +130,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
         let id = key.id();
         let generation = self.generation;
         let handed = &mut self.handed;
-        let node = &mut self.nodes[key];
+        let node = &mut self.tree[key];
         for out_i in node.outputs.iter_mut() {
             let buffer = match &mut out_i.slot {
                 OutputSlot::Tracked { cell, spares } => {
@@ -143,7 +143,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
                                     cell.addr(),
                                     cell.len(),
                                     self.device.id(),
-                                    self.functions[node.function.0].name.clone(),
+                                    self.functions[node.function].name.clone(),
                                     generation,
                                     Some(Arc::downgrade(&self.graph_pool)),
                                 );
@@ -180,7 +180,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
     where
         F: FnMut(&mut Ctx<'_, D>) -> Result<Vec<Output<M>>, BodyError>,
     {
-        let name = self.functions[frame.function.0].name.clone();
+        let name = self.functions[frame.function].name.clone();
         let memory = |source: MemoryError| CallError::Verify {
             function: name.clone(),
             source,

@@ -23,13 +23,13 @@ impl<D: Device, M: Clone> Graft<D, M> {
     {
         let function = frame.function;
         let _span =
-            tracing::debug_span!("warmup", function = %self.functions[function.0].name, %reason)
+            tracing::debug_span!("warmup", function = %self.functions[function].name, %reason)
                 .entered();
         self.diverge_if_replayed(function);
         self.move_to(Phase::Warmup)?;
         self.log(function, None, Decision::Warmup(reason));
         self.run_body(frame, RunKind::Warmup)?;
-        self.functions[function.0].sigs[frame.sig].warmups_done += 1;
+        self.functions[function].sigs[frame.sig].warmups_done += 1;
         self.stats.warmups += 1;
         Ok(Outcome::Warmup)
     }
@@ -39,9 +39,8 @@ impl<D: Device, M: Clone> Graft<D, M> {
     where
         F: FnMut(&mut Ctx<'_, D>) -> Result<Vec<Output<M>>, BodyError>,
     {
-        let _span =
-            tracing::trace_span!("eager", function = %self.functions[frame.function.0].name)
-                .entered();
+        let _span = tracing::trace_span!("eager", function = %self.functions[frame.function].name)
+            .entered();
         self.run_body(frame, RunKind::Eager)?;
         self.stats.eager_runs += 1;
         Ok(Outcome::Eager)
@@ -59,7 +58,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
         F: FnMut(&mut Ctx<'_, D>) -> Result<Vec<Output<M>>, BodyError>,
     {
         let ctx_inputs: Vec<Buffer> = frame.inputs.iter().map(|b| (*b).clone()).collect();
-        let name = self.functions[frame.function.0].name.clone();
+        let name = self.functions[frame.function].name.clone();
         let warmup = kind == RunKind::Warmup;
         let (pool, sibling) = if warmup {
             (&self.graph_pool, &self.eager_pool)

@@ -1,0 +1,299 @@
+//! The capture itself: classifying the inputs (static, managed, copied into placeholders),
+//! capturing the input copies, the body and the copies back of written inputs, ending or
+//! aborting the capture, and turning the body's outputs into node output slots.
+
+use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
+use std::sync::Arc;
+
+use crate::buffer::{Buffer, Cell};
+use crate::ctx::{Ctx, Reclaim, RunKind, alloc_owned};
+use crate::device::{Device, DeviceError, DevicePtr};
+use crate::error::{BodyError, FunctionId};
+use crate::graft::{Frame, Graft};
+use crate::lifecycle::Phase;
+use crate::pool::{Checkpoint, PoolError};
+use crate::reason::Decision;
+use crate::tree::{InputSlot, NodeKey, NodeOutput, Output, OutputSlot, key_of};
+
+/// What a recording prepares before the capture begins.
+pub(super) struct Prepared {
+    /// How the node uses each input.
+    pub(super) slots: Vec<InputSlot>,
+    /// The inputs the body sees: placeholders in place of copied inputs.
+    pub(super) ctx_inputs: Vec<Buffer>,
+    /// The placeholders' cells.
+    pub(super) placeholders: Vec<Arc<Cell>>,
+    /// Memory the graph writes, so far: the placeholders.
+    pub(super) footprint: Vec<(u64, u64)>,
+}
+
+/// Why a capture failed, with the cells the body allocated before it did.
+pub(super) type CaptureFailure = (BodyError, Vec<Arc<Cell>>);
+
+/// What a successful capture produced.
+pub(super) struct Captured<G, M> {
+    pub(super) graph: G,
+    pub(super) outputs: Vec<NodeOutput<M>>,
+    /// Cells the body allocated.
+    pub(super) allocs: Vec<Arc<Cell>>,
+    /// The body's own handles, held until the caller's are made, so that no output block is
+    /// freed in between.
+    pub(super) keep: Vec<Buffer>,
+}
+
+impl<D: Device, M: Clone> Graft<D, M> {
+    /// Classifies the inputs (static: declared or marked; managed: an output of a node on the
+    /// path in this generation, of this runtime; copied: everything else) and allocates a
+    /// placeholder for each copied one. On error, returns the placeholders made so far.
+    pub(super) fn prepare_inputs<F>(
+        &mut self,
+        frame: &Frame<'_, F, M>,
+        parent: Option<NodeKey>,
+    ) -> Result<Prepared, (Vec<Arc<Cell>>, PoolError)> {
+        let function = &self.functions[frame.function];
+        let name = function.name.clone();
+        let spec_static = function.spec.static_inputs.clone();
+        let mutated = function.sigs[frame.sig].mutated.clone();
+        let generation = self.generation;
+        let path = self.tree.path_nodes(parent);
+        let n = frame.inputs.len();
+        let mut p = Prepared {
+            slots: Vec::with_capacity(n),
+            ctx_inputs: Vec::with_capacity(n),
+            placeholders: Vec::new(),
+            footprint: Vec::new(),
+        };
+        for (position, b) in frame.inputs.iter().enumerate() {
+            let addr = self.addrs[position];
+            let cell = b.cell();
+            // Identity first: node ids and generations of another runtime mean nothing here,
+            // so a buffer of another runtime's pool is never managed (it is copied).
+            let managed = cell.in_pool(&self.graph_pool)
+                && cell.generation() == generation
+                && cell.node().is_some_and(|n| path.contains(&key_of(n)))
+                && !b.is_empty();
+            let (slot, handle) = if spec_static.contains(&position) || cell.is_static() {
+                (InputSlot::Static { addr }, (*b).clone())
+            } else if managed {
+                (InputSlot::Managed { addr }, (*b).clone())
+            } else if b.is_empty() {
+                let slot = InputSlot::Copied {
+                    placeholder: DevicePtr(0),
+                    len: 0,
+                    source: addr,
+                    write_back: None,
+                    reads: None,
+                };
+                (slot, (*b).clone())
+            } else {
+                // No reclaiming here: a checkpoint is pending.
+                let placed = alloc_owned(
+                    &self.graph_pool,
+                    &self.device,
+                    b.len(),
+                    name.clone(),
+                    generation,
+                    Reclaim::Never,
+                );
+                let (cell, handle) = match placed {
+                    Ok(placed) => placed,
+                    Err(e) => return Err((p.placeholders, e)),
+                };
+                let at = cell.addr();
+                p.placeholders.push(cell);
+                p.footprint.push((at.0, at.0 + b.len() as u64));
+                let slot = InputSlot::Copied {
+                    placeholder: at,
+                    len: b.len(),
+                    source: addr,
+                    write_back: mutated.contains(&position).then_some(addr),
+                    reads: None,
+                };
+                (slot, handle)
+            };
+            p.slots.push(slot);
+            p.ctx_inputs.push(handle);
+        }
+        Ok(p)
+    }
+
+    /// Captures the body: the input copies first, then the body, then the copies back of
+    /// written inputs. On failure the capture is aborted and the error returned with what the
+    /// body allocated. A panicking body leaves graft as it was (capture aborted, pool rolled
+    /// back, phase restored), then the panic continues.
+    pub(super) fn capture<F>(
+        &mut self,
+        frame: &mut Frame<'_, F, M>,
+        prepared: &Prepared,
+        checkpoint: &Checkpoint,
+        previous: Phase,
+        reuse: &mut Option<D::Graph>,
+    ) -> Result<Captured<D::Graph, M>, CaptureFailure>
+    where
+        F: FnMut(&mut Ctx<'_, D>) -> Result<Vec<Output<M>>, BodyError>,
+    {
+        if let Err(e) = self.device.begin_capture(self.config.capture_mode) {
+            return Err((BodyError::Device(e), Vec::new()));
+        }
+        let name = self.functions[frame.function].name.clone();
+        let mut ctx = Ctx {
+            device: &self.device,
+            inputs: &prepared.ctx_inputs,
+            pool: &self.graph_pool,
+            sibling: &self.eager_pool,
+            function: &name,
+            generation: self.generation,
+            kind: RunKind::Recording,
+            allocs: Vec::new(),
+        };
+        let slots = &prepared.slots;
+        let ran = catch_unwind(AssertUnwindSafe(|| {
+            copy_inputs(ctx.device, slots)?;
+            (frame.body)(&mut ctx)
+        }));
+        let mut keep = Vec::new();
+        let captured = match ran {
+            Ok(ran) => ran
+                .and_then(|outs| classify_outputs(&mut ctx, slots, outs, &mut keep))
+                .and_then(|outs| copy_back(ctx.device, slots).map(|()| outs)),
+            Err(panic) => {
+                let allocs = std::mem::take(&mut ctx.allocs);
+                drop(ctx);
+                if let Some(member) = &self.member {
+                    member.abandon(self.subject(frame));
+                }
+                self.abort_capture();
+                // Recording may always return to the phase it began from.
+                let _ = self.move_to(previous);
+                self.undo_recording(checkpoint, &prepared.placeholders, &allocs);
+                tracing::warn!(function = %name, "the body panicked during a recording; the capture was aborted and the pool rolled back");
+                resume_unwind(panic);
+            }
+        };
+        let allocs = std::mem::take(&mut ctx.allocs);
+        drop(ctx);
+        match captured {
+            Ok(outputs) => match self.end_capture(frame.function, reuse) {
+                Ok(graph) => Ok(Captured {
+                    graph,
+                    outputs,
+                    allocs,
+                    keep,
+                }),
+                Err(e) => Err((BodyError::Device(e), allocs)),
+            },
+            Err(e) => {
+                self.abort_capture();
+                Err((e, allocs))
+            }
+        }
+    }
+
+    /// Ends a successful capture: updates the replaced node's executable in place when there
+    /// is one and the device accepts, else instantiates.
+    pub(super) fn end_capture(
+        &mut self,
+        function: FunctionId,
+        reuse: &mut Option<D::Graph>,
+    ) -> Result<D::Graph, DeviceError> {
+        let Some(mut graph) = reuse.take() else {
+            return self.device.end_capture();
+        };
+        match self.device.end_capture_into(&mut graph)? {
+            None => {
+                tracing::debug!("executable updated in place");
+                self.stats.updates_in_place += 1;
+            }
+            Some(refusal) => {
+                tracing::debug!(%refusal, "in-place update refused; instantiated instead");
+                self.stats.update_refusals += 1;
+                self.log(function, None, Decision::UpdateRefused { reason: refusal });
+            }
+        }
+        Ok(graph)
+    }
+
+    /// Ends a failed capture; an error doing so cannot be returned (another one is being
+    /// returned), so it goes to the sticky slot and the next call returns it.
+    pub(super) fn abort_capture(&self) {
+        if let Err(abort) = self.device.abort_capture() {
+            self.device.record_sticky_error(abort);
+        }
+    }
+}
+
+/// Records the input copies, the first nodes of the graph, so a replay needs no separate copy.
+fn copy_inputs<D: Device>(device: &D, slots: &[InputSlot]) -> Result<(), BodyError> {
+    for slot in slots {
+        if let InputSlot::Copied {
+            placeholder,
+            len,
+            source,
+            ..
+        } = *slot
+            && len > 0
+        {
+            device.copy(placeholder, source, len)?;
+        }
+    }
+    Ok(())
+}
+
+/// Records the copies back of inputs the body writes, the last nodes of the graph.
+fn copy_back<D: Device>(device: &D, slots: &[InputSlot]) -> Result<(), BodyError> {
+    for slot in slots {
+        if let InputSlot::Copied {
+            placeholder,
+            len,
+            write_back: Some(dst),
+            ..
+        } = *slot
+        {
+            device.copy(dst, placeholder, len)?;
+        }
+    }
+    Ok(())
+}
+
+/// Turns the body's outputs into node output slots, copying (inside the capture) any
+/// output that is not memory this body allocated, a static input, or empty.
+fn classify_outputs<D: Device, M>(
+    ctx: &mut Ctx<'_, D>,
+    slots: &[InputSlot],
+    outs: Vec<Output<M>>,
+    keep: &mut Vec<Buffer>,
+) -> Result<Vec<NodeOutput<M>>, BodyError> {
+    let mut result: Vec<NodeOutput<M>> = Vec::with_capacity(outs.len());
+    let mut seen: Vec<Arc<Cell>> = Vec::with_capacity(outs.len());
+    for o in outs {
+        let cell = o.buffer.cell().clone();
+        let slot = if o.buffer.is_empty() {
+            OutputSlot::Empty(cell.clone())
+        } else if let Some(p) = ctx.inputs.iter().enumerate().position(|(p, b)| {
+            matches!(slots[p], InputSlot::Static { .. }) && b.same_storage(&o.buffer)
+        }) {
+            OutputSlot::StaticInput(p)
+        } else if let Some(j) = seen.iter().position(|c| Arc::ptr_eq(c, &cell)) {
+            OutputSlot::Alias(j)
+        } else if ctx.allocs.iter().any(|c| Arc::ptr_eq(c, &cell)) {
+            OutputSlot::Tracked {
+                cell: cell.clone(),
+                spares: Vec::new(),
+            }
+        } else {
+            let src = o.buffer.addr()?;
+            let copy = ctx.alloc(o.buffer.len())?;
+            ctx.device.copy(copy.addr()?, src, o.buffer.len())?;
+            let slot = OutputSlot::Tracked {
+                cell: copy.cell().clone(),
+                spares: Vec::new(),
+            };
+            keep.push(copy);
+            slot
+        };
+        seen.push(cell);
+        keep.push(o.buffer);
+        result.push(NodeOutput { slot, meta: o.meta });
+    }
+    Ok(result)
+}

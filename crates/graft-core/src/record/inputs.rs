@@ -1,0 +1,110 @@
+//! What a recording's first launch reveals about its inputs: copied inputs the body writes
+//! (`catch_mutated_inputs`, which retires the node) and large read-only inputs made
+//! copy-free (`patch_inputs`).
+
+use crate::device::{CopyEnds, Device, DeviceError};
+use crate::graft::Graft;
+use crate::reason::Decision;
+use crate::tree::{self, InputSlot, NodeKey};
+
+impl<D: Device, M: Clone> Graft<D, M> {
+    /// After a recording's first launch: a copied input whose placeholder no longer equals the
+    /// caller's buffer was written by the body, and the graph left the caller's buffer as it
+    /// was. Copies the result back now (so this call behaves as an eager run), retires the
+    /// node (it never replays), and makes every later recording of the signature copy the
+    /// input back inside its graph.
+    pub(super) fn catch_mutated_inputs(
+        &mut self,
+        key: NodeKey,
+        sig: usize,
+    ) -> Result<(), DeviceError> {
+        let function = self.tree[key].function;
+        let mut found = Vec::new();
+        for (position, slot) in self.tree[key].inputs.iter().enumerate() {
+            if let InputSlot::Copied {
+                placeholder,
+                len,
+                source,
+                write_back: None,
+                ..
+            } = *slot
+                && len > 0
+            {
+                let mut now = vec![0u8; len];
+                let mut caller = vec![0u8; len];
+                self.device.read(placeholder, &mut now)?;
+                self.device.read(source, &mut caller)?;
+                if now != caller {
+                    self.device.copy(source, placeholder, len)?;
+                    found.push(position);
+                }
+            }
+        }
+        let Some(&first) = found.first() else {
+            return Ok(());
+        };
+        self.tree[key].retired = Some(first);
+        for position in found {
+            tracing::warn!(
+                function = %self.functions[function].name, position,
+                "the body writes a copied input in place; graft copies it back to the caller's buffer inside the graph from now on"
+            );
+            self.functions[function].sigs[sig].mutated.push(position);
+            self.stats.mutated_inputs += 1;
+            self.log(function, Some(key), Decision::InputMutated { position });
+        }
+        Ok(())
+    }
+
+    /// Copy-free inputs: after the first launch showed which copied inputs the body leaves
+    /// unchanged, asks the device to patch the graph to read the large ones (at least
+    /// `Config::patch_inputs_from` bytes) in the caller's buffer instead of copying them, where
+    /// that buffer lies outside the memory the graph writes. A retired node is left alone.
+    /// Warns once per input that stays copied and is larger than
+    /// `Config::large_copy_warn_bytes`.
+    pub(super) fn patch_inputs(&mut self, key: NodeKey) -> Result<(), DeviceError> {
+        let min = self.config.patch_inputs_from.unwrap_or(usize::MAX);
+        let node = &mut self.tree[key];
+        if node.retired.is_some() {
+            return Ok(());
+        }
+        for slot in node.inputs.iter_mut() {
+            if let InputSlot::Copied {
+                placeholder,
+                len,
+                source,
+                write_back: None,
+                reads,
+            } = slot
+                && *len >= min.max(1)
+                && !tree::overlaps(&node.footprint, source.0, source.0 + *len as u64)
+            {
+                let copy = CopyEnds {
+                    dst: *placeholder,
+                    src: *source,
+                };
+                if self
+                    .device
+                    .redirect(&mut node.graph, copy.dst, *len, Some(copy), Some(*source))?
+                {
+                    *reads = Some(*source);
+                    self.stats.patched_inputs += 1;
+                }
+            }
+        }
+        let warn_from = self.config.large_copy_warn_bytes;
+        for (position, slot) in node.inputs.iter().enumerate() {
+            if let InputSlot::Copied {
+                len, reads: None, ..
+            } = *slot
+                && len > warn_from
+            {
+                tracing::warn!(
+                    function = %self.functions[node.function].name, position, bytes = len,
+                    "a large input is copied on every replay; if its address is stable, declare it static"
+                );
+            }
+        }
+        Ok(())
+    }
+}
