@@ -7,9 +7,9 @@ mod common;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use common::{Runs, TestDevice, graft, host_affine, read};
+use common::{Runs, TestDevice, TestQueue, graft, host_affine, read};
 use graft::{
-    BodyError, Buffer, CallError, Config, Ctx, Destinations, Device, DevicePtr, EagerReason,
+    BodyError, Buffer, CallError, Config, Ctx, Destinations, DevicePtr, EagerReason,
     FunctionSpec, Graft, Outcome, Output,
 };
 
@@ -251,17 +251,30 @@ fn foreign_body_outputs_are_released<D: TestDevice>(device: D) {
 }
 device_test!(foreign_body_outputs, foreign_body_outputs_are_released);
 
-/// Typed framework errors come back as they were returned, with no downcast; a destination
-/// that fails is an error naming the output, and nothing is launched.
+/// Typed framework errors come back as they were returned, with no downcast: the body's in
+/// `CallError::Body`, the allocator's in `CallError::Destination` (and nothing is launched).
 fn framework_errors_come_back_typed<D: TestDevice>(device: D) {
     #[derive(Debug, thiserror::Error, PartialEq)]
     #[error("shape mismatch: {0}")]
     struct Shape(usize);
+    struct Refuses;
+    impl Destinations<u32, Shape> for Refuses {
+        fn destination(&mut self, index: usize, _: &u32, _: usize) -> Result<Buffer, Shape> {
+            Err(Shape(100 + index))
+        }
+    }
     let mut g = graft(device, Config::default());
     let f = g.register("fails", FunctionSpec::inference(Vec::<usize>::new()));
     let x = common::input(&mut g, &[1.0; 4]);
     let e = g
-        .call(f, &[&x], &[], |_: &mut Ctx<'_, D>| Err(BodyError::Framework(Shape(7))))
+        .call_owned(
+            f,
+            &[&x],
+            &[],
+            |_: &mut Ctx<'_, D>| Err(BodyError::Framework(Shape(7))),
+            &mut Refuses,
+            &mut Vec::new(),
+        )
         .unwrap_err();
     match e {
         CallError::Body {
@@ -270,6 +283,30 @@ fn framework_errors_come_back_typed<D: TestDevice>(device: D) {
         } => assert_eq!(shape, Shape(7)),
         other => panic!("{other}"),
     }
+    let runs = Runs::default();
+    for call in 0..3 {
+        let r = runs.clone();
+        let e = g
+            .call_owned(
+                f,
+                &[&x],
+                &[],
+                |ctx: &mut Ctx<'_, D>| -> Result<Vec<Output<u32>>, BodyError<Shape>> {
+                    r.hit();
+                    let y = ctx.alloc(16)?;
+                    ctx.queue().axpb_f32(&y, ctx.input(0), 1.0, 0.0, 4)?;
+                    Ok(vec![Output::new(y, 0)])
+                },
+                &mut Refuses,
+                &mut Vec::new(),
+            )
+            .unwrap_err();
+        assert!(
+            matches!(e, CallError::Destination { index: 0, error: Shape(100), .. }),
+            "call {call}: {e}"
+        );
+    }
+    assert_eq!(g.stats().replays, 0, "nothing launched without a destination");
 }
 device_test!(typed_errors, framework_errors_come_back_typed);
 

@@ -301,7 +301,7 @@ fn call_inside_another_recording_falls_back<D: TestDevice>(dev: D) {
                 let x = ctx.input(0).clone();
                 let y = inner
                     .call(h, &[&x], &[], affine(2.0, 0.0, &runs))
-                    .map_err(|e| BodyError::Framework(Box::new(e)))?;
+                    .map_err(|e| -> BodyError { BodyError::Framework(Box::new(e)) })?;
                 let out = ctx.alloc(x.len())?;
                 ctx.queue().axpb_f32(&out, &y[0].buffer, 1.0, 1.0, 4)?;
                 Ok(vec![Output::new(out, 0)])

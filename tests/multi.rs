@@ -271,7 +271,16 @@ fn one_capture_failure_makes_every_rank_eager<D: TestGroupDevice>() {
         })
         .unwrap();
     let outcomes = values_ok(results, 2);
-    assert_eq!(outcomes, vec![Outcome::Eager; WORLD]);
+    assert!(
+        matches!(
+            &outcomes[..],
+            [
+                Outcome::Eager(EagerReason::PeerCaptureFailed { rank: 1 }),
+                Outcome::Eager(EagerReason::CaptureFailed { .. })
+            ]
+        ),
+        "{outcomes:?}"
+    );
     let decisions = c
         .step(|_, r| {
             r.g.explain()
@@ -293,7 +302,10 @@ fn one_capture_failure_makes_every_rank_eager<D: TestGroupDevice>() {
     );
     for s in 3..=6 {
         let outcomes = values_ok(step(&c, s), s);
-        assert_eq!(outcomes, vec![Outcome::Eager; WORLD], "step {s}");
+        assert!(
+            outcomes.iter().all(|o| matches!(o, Outcome::Eager(_))),
+            "step {s}: {outcomes:?}"
+        );
     }
     let stats = c.step(|_, r| r.g.stats()).unwrap();
     assert_eq!(

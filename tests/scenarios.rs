@@ -10,7 +10,7 @@ use graft::{
 };
 
 fn ctx_alloc<D: TestDevice>(ctx: &mut Ctx<'_, D>, n: usize) -> Result<graft::Buffer, BodyError> {
-    ctx.alloc(n * 4)
+    Ok(ctx.alloc(n * 4)?)
 }
 
 // 1. First call warms up, second records, third replays.
@@ -206,7 +206,7 @@ fn liveness_shapes_tree<D: TestDevice>(dev: D) {
     assert_eq!(g.stats().rerecords.expected_dead_alive, 1);
     let dropped = step(&mut g, false);
     let held = step(&mut g, true);
-    let (Outcome::Replayed(a), Outcome::Replayed(b)) = (dropped[1], held[1]) else {
+    let (Outcome::Replayed(a), Outcome::Replayed(b)) = (&dropped[1], &held[1]) else {
         panic!("both patterns replay: {dropped:?} {held:?}");
     };
     assert_ne!(a, b, "each pattern has its own node");
@@ -425,7 +425,10 @@ fn static_address_change<D: TestDevice>(dev: D) {
                 Outcome::Replayed(_)
             ));
         } else {
-            assert_eq!(outcome, Outcome::Eager);
+            assert!(
+                matches!(outcome, Outcome::Eager(EagerReason::RerecordLimit { .. })),
+                "{outcome:?}"
+            );
             let last = g.explain().last().unwrap().clone();
             let Decision::Eager(EagerReason::RerecordLimit {
                 limit: 0,
@@ -577,14 +580,17 @@ fn capture_failure_falls_back<D: TestDevice>(dev: D) {
         assert_eq!(read(&g, &out[0].buffer), vec![2.0; 4]);
         held.push(out.pop().unwrap().buffer);
     }
-    assert_eq!(
-        outcomes,
-        [
-            Outcome::Warmup,
-            Outcome::Eager,
-            Outcome::Eager,
-            Outcome::Eager
-        ]
+    assert!(
+        matches!(
+            &outcomes[..],
+            [
+                Outcome::Warmup,
+                Outcome::Eager(EagerReason::CaptureFailed { .. }),
+                Outcome::Eager(EagerReason::CaptureFailed { .. }),
+                Outcome::Eager(EagerReason::CaptureFailed { .. })
+            ]
+        ),
+        "{outcomes:?}"
     );
     let s = g.stats();
     assert_eq!((s.capture_failures, s.recordings, s.nodes), (1, 0, 0));

@@ -121,7 +121,7 @@ pub(crate) struct Cell {
     /// invalidated by graft.
     external: bool,
     /// What keeps external memory allocated while a handle lives: dropped with the cell.
-    keepalive: Option<Box<dyn std::any::Any + Send + Sync>>,
+    _keepalive: Option<Box<dyn std::any::Any + Send + Sync>>,
     /// In the runtime's list of handed-out graph-pool cells (see `Graft::handed`).
     listed: AtomicBool,
     /// The pool block this cell owns, as `BlockId + 1` (0: none). Swapped out exactly once by
@@ -175,7 +175,7 @@ impl Cell {
             is_static: AtomicBool::new(false),
             in_place: AtomicBool::new(false),
             external: false,
-            keepalive: None,
+            _keepalive: None,
             listed: AtomicBool::new(false),
             owner: AtomicU64::new(0),
             pool,
@@ -191,7 +191,7 @@ impl Cell {
     ) -> Arc<Cell> {
         Arc::new(Cell {
             external: true,
-            keepalive,
+            _keepalive: keepalive,
             ..Cell::build(addr, len, device, Arc::from("external"), 0, None)
         })
     }

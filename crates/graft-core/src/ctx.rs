@@ -5,7 +5,6 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use crate::buffer::{Buffer, Cell};
 use crate::device::{Device, DeviceError, DevicePtr};
-use crate::error::BodyError;
 use crate::pool::{Pool, PoolError};
 
 /// How the body is being run.
@@ -62,8 +61,9 @@ impl<'a, D: Device> Ctx<'a, D> {
     }
 
     /// Allocates `bytes` from graft's pool for this run. Every buffer a body makes must come
-    /// from here: that is what lets graft reuse memory across the whole tree.
-    pub fn alloc(&mut self, bytes: usize) -> Result<Buffer, BodyError> {
+    /// from here: that is what lets graft reuse memory across the whole tree. Its error
+    /// converts into any [`crate::BodyError`] with `?`.
+    pub fn alloc(&mut self, bytes: usize) -> Result<Buffer, PoolError> {
         let device = self.device;
         if bytes == 0 {
             let cell = Cell::new(
@@ -96,7 +96,7 @@ impl<'a, D: Device> Ctx<'a, D> {
     }
 
     /// Allocates a buffer for `n` f32 values.
-    pub fn alloc_f32(&mut self, n: usize) -> Result<Buffer, BodyError> {
+    pub fn alloc_f32(&mut self, n: usize) -> Result<Buffer, PoolError> {
         self.alloc(n * 4)
     }
 }

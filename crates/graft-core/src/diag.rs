@@ -26,6 +26,12 @@ pub enum InputKind {
     /// Read in place by the graph, which was patched to read the caller's buffer (copy-free;
     /// see `Config::patch_inputs_from`).
     Patched,
+    /// Used in place at the caller's address (`Buffer::mark_in_place`); `follows` when the
+    /// graph is patched to each call's buffer, else it replays only at the recorded address.
+    InPlace {
+        /// Whether replays follow the caller's buffer.
+        follows: bool,
+    },
 }
 
 /// A description of one node of the tree.
@@ -109,6 +115,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
                     InputSlot::Managed { .. } => InputKind::Managed,
                     InputSlot::Copied { reads: Some(_), .. } => InputKind::Patched,
                     InputSlot::Copied { .. } => InputKind::Copied,
+                    InputSlot::InPlace { follows, .. } => InputKind::InPlace { follows: *follows },
                 })
                 .collect(),
             outputs: n.outputs.len(),
@@ -165,6 +172,8 @@ impl<D: Device, M: Clone> Graft<D, M> {
                         InputKind::Managed => "managed",
                         InputKind::Copied => "copied",
                         InputKind::Patched => "patched",
+                        InputKind::InPlace { follows: true } => "in place",
+                        InputKind::InPlace { follows: false } => "in place (fixed)",
                     };
                     format!("{size}B {k}")
                 })

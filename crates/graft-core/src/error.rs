@@ -108,14 +108,14 @@ pub enum CallError<E = AnyError> {
         source: BodyError<E>,
     },
     /// The caller's output allocator ([`crate::Destinations`]) failed; nothing was launched.
-    #[error("{function}: allocating the caller's memory for output {index} failed: {source}")]
+    #[error("{function}: allocating the caller's memory for output {index} failed: {error}")]
     Destination {
         /// Function called.
         function: Arc<str>,
         /// The output.
         index: usize,
         /// The allocator's error.
-        source: E,
+        error: E,
     },
     /// A destination ([`crate::Destinations`]) does not fit its output: another device, fewer
     /// bytes than the output, or memory of graft's own pools. Nothing was launched.
@@ -133,6 +133,20 @@ pub enum CallError<E = AnyError> {
         needed: usize,
         /// What is wrong, lowercase.
         why: &'static str,
+    },
+    /// A function called with its outputs delivered into the caller's memory
+    /// ([`crate::Graft::call_owned`]) and also without: a recording of one kind cannot serve
+    /// the other.
+    #[error(
+        "{function} was recorded {recorded} and is called {called} now; call a function either always with Graft::call_owned or never"
+    )]
+    OwnedOutputs {
+        /// Function called.
+        function: Arc<str>,
+        /// How the replayed node was recorded ("with owned outputs" or "without").
+        recorded: &'static str,
+        /// How it is called now.
+        called: &'static str,
     },
     /// An external input ([`crate::Buffer::external`]) lies inside graft's own pools: it is
     /// graft's memory, whose reuse graft tracks through its own buffers only.

@@ -13,6 +13,7 @@ use crate::buffer::{Buffer, Cell, NodeId};
 use crate::config::{Config, FunctionSpec, Mode};
 use crate::ctx::Ctx;
 use crate::device::{Device, DevicePtr};
+use crate::deliver::Destinations;
 use crate::error::{BodyError, CallError, FunctionId};
 use crate::group::Member;
 use crate::lifecycle::{Phase, transition};
@@ -24,7 +25,7 @@ use crate::stats::Stats;
 use crate::tree::{NodeKey, Output, Tree, key_of};
 
 /// What a call did.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[derive(Clone, PartialEq, Eq, Debug)]
 pub enum Outcome {
     /// Replayed this node.
     Replayed(NodeId),
@@ -32,17 +33,19 @@ pub enum Outcome {
     Recorded(NodeId),
     /// Ran eagerly from the graph pool.
     Warmup,
-    /// Ran eagerly outside the graph pool.
-    Eager,
+    /// Ran eagerly outside the graph pool, for this reason.
+    Eager(EagerReason),
 }
 
 /// Everything one call carries through the executor: what was called, on what, the body,
-/// and where the outputs go.
-pub(crate) struct Frame<'c, F, M> {
+/// and where the outputs go (with `dests`, into memory the caller gives per output: see
+/// [`Graft::call_owned`]). `E` is the framework's error type.
+pub(crate) struct Frame<'c, F, M, E> {
     pub(crate) function: FunctionId,
     pub(crate) sig: usize,
     pub(crate) inputs: &'c [&'c Buffer],
     pub(crate) body: &'c mut F,
+    pub(crate) dests: Option<&'c mut dyn Destinations<M, E>>,
     pub(crate) out: &'c mut Vec<Output<M>>,
 }
 
@@ -235,12 +238,12 @@ impl<D: Device, M: Clone> Graft<D, M> {
         self.generation += 1;
         self.stats.generations += 1;
         // Every phase may move to Idle.
-        let _ = transition(&mut self.phase, Phase::Idle);
+        let _: Result<(), CallError> = transition(&mut self.phase, Phase::Idle);
         tracing::trace!(generation = self.generation, "new generation");
     }
 
     /// Moves the lifecycle (see [`transition`]).
-    pub(crate) fn move_to(&mut self, to: Phase) -> Result<(), CallError> {
+    pub(crate) fn move_to<E>(&mut self, to: Phase) -> Result<(), CallError<E>> {
         transition(&mut self.phase, to)
     }
 
@@ -294,6 +297,48 @@ impl<D: Device, M: Clone> Graft<D, M> {
     where
         F: FnMut(&mut Ctx<'_, D>) -> Result<Vec<Output<M>>, BodyError>,
     {
+        self.call_with(function, inputs, keys, &mut body, None, out)
+    }
+
+    /// Like [`Graft::call_into`], with every output delivered into memory the caller gives
+    /// for it: before each launch (and after each eager run of the body) graft asks `dests`
+    /// for a buffer per output, usually the framework's own fresh tensor
+    /// ([`Buffer::external`]), and the graph's last copy for that output writes it. The
+    /// caller owns every output: no later replay writes it, so none is ever invalidated, and
+    /// each costs one copy, inside the graph. `out` gets `dests`' buffers with the outputs'
+    /// metadata, in order.
+    ///
+    /// `E` is the framework's own error type, which the body returns in
+    /// [`BodyError::Framework`] and `dests` on failure: it comes back as it was, in
+    /// [`CallError::Body`] or [`CallError::Destination`].
+    pub fn call_owned<F, E, S>(
+        &mut self,
+        function: FunctionId,
+        inputs: &[&Buffer],
+        keys: &[u64],
+        mut body: F,
+        dests: &mut S,
+        out: &mut Vec<Output<M>>,
+    ) -> Result<Outcome, CallError<E>>
+    where
+        F: FnMut(&mut Ctx<'_, D>) -> Result<Vec<Output<M>>, BodyError<E>>,
+        S: Destinations<M, E>,
+    {
+        self.call_with(function, inputs, keys, &mut body, Some(dests), out)
+    }
+
+    fn call_with<'c, F, E>(
+        &mut self,
+        function: FunctionId,
+        inputs: &'c [&'c Buffer],
+        keys: &[u64],
+        body: &'c mut F,
+        dests: Option<&'c mut dyn Destinations<M, E>>,
+        out: &'c mut Vec<Output<M>>,
+    ) -> Result<Outcome, CallError<E>>
+    where
+        F: FnMut(&mut Ctx<'_, D>) -> Result<Vec<Output<M>>, BodyError<E>>,
+    {
         out.clear();
         let sig = self.validate(function, inputs, keys)?;
         let plan = plan::plan(&self.view(), function, sig, &self.addrs);
@@ -301,7 +346,8 @@ impl<D: Device, M: Clone> Graft<D, M> {
             function,
             sig,
             inputs,
-            body: &mut body,
+            body,
+            dests,
             out,
         };
         let outcome = self.execute(plan, &mut frame)?;
@@ -315,12 +361,12 @@ impl<D: Device, M: Clone> Graft<D, M> {
 
     /// Checks the function and inputs (device, readability) and finds the signature; leaves
     /// the input addresses in `self.addrs`.
-    fn validate(
+    fn validate<E>(
         &mut self,
         function: FunctionId,
         inputs: &[&Buffer],
         keys: &[u64],
-    ) -> Result<usize, CallError> {
+    ) -> Result<usize, CallError<E>> {
         let Some(f) = self.functions.get(function) else {
             return Err(CallError::UnknownFunction { id: function });
         };
@@ -377,9 +423,13 @@ impl<D: Device, M: Clone> Graft<D, M> {
     }
 
     /// Carries out a plan.
-    fn execute<F>(&mut self, plan: Plan, frame: &mut Frame<'_, F, M>) -> Result<Outcome, CallError>
+    fn execute<F, E>(
+        &mut self,
+        plan: Plan,
+        frame: &mut Frame<'_, F, M, E>,
+    ) -> Result<Outcome, CallError<E>>
     where
-        F: FnMut(&mut Ctx<'_, D>) -> Result<Vec<Output<M>>, BodyError>,
+        F: FnMut(&mut Ctx<'_, D>) -> Result<Vec<Output<M>>, BodyError<E>>,
     {
         let function = frame.function;
         if plan.backward_blocked && !self.warned_backward {
@@ -398,7 +448,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
         }
         match plan.action {
             Action::Replay(key) if self.config.verify_replays => self.replay_verified(key, frame),
-            Action::Replay(key) => self.replay(key, frame.inputs, frame.out),
+            Action::Replay(key) => self.replay(key, frame),
             Action::Warmup(reason) => self.warmup(frame, reason),
             Action::Record { parent, reason } => {
                 if reason.is_unexpected() {
@@ -411,8 +461,8 @@ impl<D: Device, M: Clone> Graft<D, M> {
                     Err(limit) => {
                         let why = EagerReason::GraphBudget { limit };
                         tracing::debug!(reason = %why, "graph budget full: running eagerly");
-                        self.log(function, parent, Decision::Eager(why));
-                        return self.run_eager(frame);
+                        self.log(function, parent, Decision::Eager(why.clone()));
+                        return self.run_eager(frame, why);
                     }
                 }
                 self.record(frame, parent, reason, reuse)
@@ -422,18 +472,18 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 new_fallback,
             } => {
                 if new_fallback {
-                    self.fall_back(function, self.phase.tip().map(key_of), reason);
+                    self.fall_back(function, self.phase.tip().map(key_of), reason.clone());
                 }
-                self.run_eager(frame)
+                self.run_eager(frame, reason)
             }
         }
     }
 
     /// With [`Config::replace_moved_static`], the node a re-recording for a moved static
     /// input replaces: the candidate that failed for that reason.
-    fn replaced_by<F>(
+    fn replaced_by<F, E>(
         &self,
-        frame: &Frame<'_, F, M>,
+        frame: &Frame<'_, F, M, E>,
         parent: Option<NodeKey>,
         reason: &RecordReason,
     ) -> Option<NodeKey> {

@@ -10,6 +10,7 @@ mod buffer;
 mod config;
 mod coordinator;
 mod ctx;
+mod deliver;
 mod device;
 mod diag;
 mod error;
@@ -46,7 +47,8 @@ pub use device::{
     GraphSummary, UpdateRefusal,
 };
 pub use diag::{InputKind, MemoryReport, NodeInfo};
-pub use error::{BodyError, CallError, FunctionId, MemoryError, VerifyTarget};
+pub use deliver::Destinations;
+pub use error::{AnyError, BodyError, CallError, FunctionId, MemoryError, VerifyTarget};
 pub use graft::{Graft, Outcome};
 pub use group::{GroupError, Member};
 pub use lifecycle::Phase;

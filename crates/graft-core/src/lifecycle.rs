@@ -44,7 +44,7 @@ impl Phase {
 /// - a warmup can follow anything but a recording;
 /// - a replay can follow anything but a warmup;
 /// - `Idle` (a new generation) can follow anything.
-pub(crate) fn transition(phase: &mut Phase, to: Phase) -> Result<(), CallError> {
+pub(crate) fn transition<E>(phase: &mut Phase, to: Phase) -> Result<(), CallError<E>> {
     let allowed = match (*phase, to) {
         (_, Phase::Idle) => true,
         (Phase::Recording { .. }, Phase::Recording { .. } | Phase::Warmup) => false,
@@ -78,7 +78,7 @@ mod tests {
         for (from, to) in cases {
             let mut phase = from;
             assert!(matches!(
-                transition(&mut phase, to),
+                transition::<()>(&mut phase, to),
                 Err(CallError::State { .. })
             ));
             assert_eq!(phase, from);
@@ -99,7 +99,7 @@ mod tests {
             Phase::Warmup,
             Phase::Idle,
         ] {
-            transition(&mut phase, to).unwrap();
+            transition::<()>(&mut phase, to).unwrap();
             assert_eq!(phase, to);
         }
     }

@@ -7,7 +7,7 @@ use crate::error::{CallError, FunctionId};
 use crate::graft::{Graft, Outcome};
 
 /// What [`Graft::capture_buckets`] did for one bucket.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[derive(Clone, PartialEq, Eq, Debug)]
 pub struct BucketCapture {
     /// The bucket.
     pub bucket: usize,

@@ -57,6 +57,22 @@ pub enum RecordReason {
         /// Input position.
         position: usize,
     },
+    /// An in-place input moved, and the candidate's graph uses it in a way the device cannot
+    /// redirect (a copy or memset node touches it, a kernel whose parameters cannot be read),
+    /// so it replays only at the address it was recorded with.
+    InPlaceInputMoved {
+        /// Input position.
+        position: usize,
+        /// Address the candidate recorded.
+        recorded: DevicePtr,
+        /// Address passed now.
+        now: DevicePtr,
+    },
+    /// An in-place input lies in memory the candidate's graph writes.
+    InPlaceInputOverlapsFootprint {
+        /// Input position.
+        position: usize,
+    },
 }
 
 impl RecordReason {
@@ -83,6 +99,10 @@ impl RecordReason {
             RecordReason::InputMutated { .. } => "copied input written by the body",
             RecordReason::MutatedInputOverlapsFootprint { .. } => {
                 "written input overlaps the graph's memory"
+            }
+            RecordReason::InPlaceInputMoved { .. } => "in-place input moved",
+            RecordReason::InPlaceInputOverlapsFootprint { .. } => {
+                "in-place input overlaps the graph's memory"
             }
         }
     }
@@ -119,6 +139,18 @@ impl fmt::Display for RecordReason {
             RecordReason::MutatedInputOverlapsFootprint { position } => write!(
                 f,
                 "written input overlaps the graph's memory: input {position} lies where the candidate's graph writes, so its update cannot be copied back"
+            ),
+            RecordReason::InPlaceInputMoved {
+                position,
+                recorded,
+                now,
+            } => write!(
+                f,
+                "in-place input moved: input {position} was recorded at {recorded}, now at {now}, and the device cannot redirect every use of it in the graph (a copy or memset touches it); pass it at a stable address or as a copied input"
+            ),
+            RecordReason::InPlaceInputOverlapsFootprint { position } => write!(
+                f,
+                "in-place input overlaps the graph's memory: input {position} lies where the candidate's graph writes"
             ),
             RecordReason::ExpectedDeadAlive { node, output } => write!(
                 f,

@@ -12,12 +12,11 @@ use crate::lifecycle::Phase;
 use crate::tree::{self, InputSlot, NodeKey, Output, OutputSlot};
 
 impl<D: Device, M: Clone> Graft<D, M> {
-    pub(crate) fn replay(
+    pub(crate) fn replay<F, E>(
         &mut self,
         key: NodeKey,
-        inputs: &[&Buffer],
-        out: &mut Vec<Output<M>>,
-    ) -> Result<Outcome, CallError> {
+        frame: &mut Frame<'_, F, M, E>,
+    ) -> Result<Outcome, CallError<E>> {
         let _span = tracing::trace_span!("replay", node = ?key).entered();
         let id = key.id();
         let function = self.tree[key].function;
@@ -25,10 +24,21 @@ impl<D: Device, M: Clone> Graft<D, M> {
             function: graft.functions[function].name.clone(),
             source,
         };
+        if self.tree[key].delivers != frame.dests.is_some() {
+            let how = |owned| if owned { "with owned outputs" } else { "without owned outputs" };
+            return Err(CallError::OwnedOutputs {
+                function: self.functions[function].name.clone(),
+                recorded: how(self.tree[key].delivers),
+                called: how(frame.dests.is_some()),
+            });
+        }
         let (copied, repointed) = match self.repoint_copies(key) {
             Ok(counts) => counts,
             Err(source) => return Err(fail(self, source)),
         };
+        if let Some(dests) = frame.dests.as_deref_mut() {
+            self.deliver_into(key, dests, frame.out)?;
+        }
         let node = &self.tree[key];
         // Held memory the graph overwrites is invalidated first; cells nobody holds leave the
         // list (a later hand-out lists them again).
@@ -52,7 +62,9 @@ impl<D: Device, M: Clone> Graft<D, M> {
         self.stats.invalidations += invalidated;
         self.stats.copied_inputs += copied;
         self.stats.copy_sources_updated += repointed;
-        self.hand_out(key, inputs, out);
+        if frame.dests.is_none() {
+            self.hand_out(key, frame.inputs, frame.out);
+        }
         self.clock += 1;
         let node = &mut self.tree[key];
         node.replays += 1;
@@ -121,6 +133,29 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 copied += 1;
             }
         }
+        for &i in node.in_place.iter() {
+            if let InputSlot::InPlace {
+                recorded,
+                at,
+                len,
+                follows: true,
+            } = &mut node.inputs[i]
+                && *at != self.addrs[i]
+            {
+                let to = self.addrs[i];
+                if !self
+                    .device
+                    .redirect(&mut node.graph, *recorded, *len, None, Some(to))?
+                {
+                    return Err(DeviceError::InvalidArgument {
+                        op: crate::device::DeviceOp::GraphUpdate,
+                        what: "the device no longer redirects an in-place input it redirected when it was recorded",
+                    });
+                }
+                *at = to;
+                repointed += 1;
+            }
+        }
         Ok((copied, repointed))
     }
 
@@ -161,6 +196,8 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 OutputSlot::StaticInput(p) => (*inputs[*p]).clone(),
                 OutputSlot::Alias(j) => out[*j].buffer.clone(),
                 OutputSlot::Empty(cell) => Buffer::from_cell(cell),
+                // Handed out before the launch (`Graft::deliver_into`).
+                OutputSlot::Delivered { .. } => continue,
             };
             out.push(Output {
                 buffer,
@@ -172,13 +209,13 @@ impl<D: Device, M: Clone> Graft<D, M> {
     /// Verify mode: snapshots the inputs into scratch memory, replays, runs the body eagerly
     /// on the snapshot, and compares every output and every input afterwards (bodies may
     /// update inputs in place, like a KV cache), byte for byte.
-    pub(crate) fn replay_verified<F>(
+    pub(crate) fn replay_verified<F, E>(
         &mut self,
         key: NodeKey,
-        frame: &mut Frame<'_, F, M>,
-    ) -> Result<Outcome, CallError>
+        frame: &mut Frame<'_, F, M, E>,
+    ) -> Result<Outcome, CallError<E>>
     where
-        F: FnMut(&mut Ctx<'_, D>) -> Result<Vec<Output<M>>, BodyError>,
+        F: FnMut(&mut Ctx<'_, D>) -> Result<Vec<Output<M>>, BodyError<E>>,
     {
         let name = self.functions[frame.function].name.clone();
         let memory = |source: MemoryError| CallError::Verify {
@@ -191,7 +228,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
             .map(|b| self.copy_out(b))
             .collect::<Result<Vec<Buffer>, _>>()
             .map_err(memory)?;
-        let outcome = self.replay(key, frame.inputs, frame.out)?;
+        let outcome = self.replay(key, frame)?;
         let scratch_refs: Vec<&Buffer> = scratch.iter().collect();
         let mut eager = Vec::new();
         let mut reference = Frame {
@@ -199,6 +236,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
             sig: frame.sig,
             inputs: &scratch_refs,
             body: &mut *frame.body,
+            dests: None,
             out: &mut eager,
         };
         self.run_body(&mut reference, RunKind::Eager)?;

@@ -8,18 +8,18 @@ use crate::device::Device;
 use crate::error::{BodyError, CallError};
 use crate::graft::{Frame, Graft, Outcome};
 use crate::lifecycle::Phase;
-use crate::reason::{Decision, WarmupReason};
+use crate::reason::{Decision, EagerReason, WarmupReason};
 use crate::tree::Output;
 
 impl<D: Device, M: Clone> Graft<D, M> {
     /// Runs the body eagerly from the graph pool.
-    pub(crate) fn warmup<F>(
+    pub(crate) fn warmup<F, E>(
         &mut self,
-        frame: &mut Frame<'_, F, M>,
+        frame: &mut Frame<'_, F, M, E>,
         reason: WarmupReason,
-    ) -> Result<Outcome, CallError>
+    ) -> Result<Outcome, CallError<E>>
     where
-        F: FnMut(&mut Ctx<'_, D>) -> Result<Vec<Output<M>>, BodyError>,
+        F: FnMut(&mut Ctx<'_, D>) -> Result<Vec<Output<M>>, BodyError<E>>,
     {
         let function = frame.function;
         let _span =
@@ -35,27 +35,31 @@ impl<D: Device, M: Clone> Graft<D, M> {
     }
 
     /// Runs the body eagerly outside the graph pool.
-    pub(crate) fn run_eager<F>(&mut self, frame: &mut Frame<'_, F, M>) -> Result<Outcome, CallError>
+    pub(crate) fn run_eager<F, E>(
+        &mut self,
+        frame: &mut Frame<'_, F, M, E>,
+        reason: EagerReason,
+    ) -> Result<Outcome, CallError<E>>
     where
-        F: FnMut(&mut Ctx<'_, D>) -> Result<Vec<Output<M>>, BodyError>,
+        F: FnMut(&mut Ctx<'_, D>) -> Result<Vec<Output<M>>, BodyError<E>>,
     {
         let _span = tracing::trace_span!("eager", function = %self.functions[frame.function].name)
             .entered();
         self.run_body(frame, RunKind::Eager)?;
         self.stats.eager_runs += 1;
-        Ok(Outcome::Eager)
+        Ok(Outcome::Eager(reason))
     }
 
     /// Runs the body on the caller's inputs, allocating from the graph pool for a warmup and
     /// from the eager pool otherwise, and keeps track of every cell it allocated and still
     /// holds (also when it panics: then the panic continues afterwards).
-    pub(crate) fn run_body<F>(
+    pub(crate) fn run_body<F, E>(
         &mut self,
-        frame: &mut Frame<'_, F, M>,
+        frame: &mut Frame<'_, F, M, E>,
         kind: RunKind,
-    ) -> Result<(), CallError>
+    ) -> Result<(), CallError<E>>
     where
-        F: FnMut(&mut Ctx<'_, D>) -> Result<Vec<Output<M>>, BodyError>,
+        F: FnMut(&mut Ctx<'_, D>) -> Result<Vec<Output<M>>, BodyError<E>>,
     {
         let ctx_inputs: Vec<Buffer> = frame.inputs.iter().map(|b| (*b).clone()).collect();
         let name = self.functions[frame.function].name.clone();
@@ -92,7 +96,12 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 function: name,
                 source,
             })?;
-        frame.out.extend(outputs);
-        Ok(())
+        match frame.dests.as_deref_mut() {
+            Some(dests) => self.deliver_eagerly(dests, frame.function, outputs, frame.out),
+            None => {
+                frame.out.extend(outputs);
+                Ok(())
+            }
+        }
     }
 }

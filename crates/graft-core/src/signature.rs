@@ -119,12 +119,12 @@ impl Function {
 
     /// Adds a signature for these inputs and keys, checking the bucket of a function with
     /// buckets (the signature of a size above the largest bucket is eager).
-    fn add(
+    fn add<E>(
         &mut self,
         inputs: &[&Buffer],
         keys: &[u64],
         config: &Config,
-    ) -> Result<usize, CallError> {
+    ) -> Result<usize, CallError<E>> {
         let above = match (&self.spec.buckets, keys.first()) {
             (None, _) => None,
             (Some(_), None) => {
@@ -239,14 +239,14 @@ impl Functions {
     /// The signature of a call of `function` (registered) with these inputs and keys, found or
     /// added (see [`Function::find`]; `same_sizes` as there), and remembered as the last one.
     #[inline]
-    pub(crate) fn signature(
+    pub(crate) fn signature<E>(
         &mut self,
         function: FunctionId,
         inputs: &[&Buffer],
         keys: &[u64],
         same_sizes: bool,
         config: &Config,
-    ) -> Result<Found, CallError> {
+    ) -> Result<Found, CallError<E>> {
         let f = &mut self[function];
         let found = match f.find(inputs, keys, same_sizes) {
             Some(sig) => Found {

@@ -20,6 +20,10 @@ pub struct RerecordCounts {
     pub input_mutated: u64,
     /// A written input lay in memory the candidate's graph writes.
     pub mutated_input_overlaps_footprint: u64,
+    /// An in-place input moved where the graph could not follow it.
+    pub in_place_input_moved: u64,
+    /// An in-place input lay in memory the candidate's graph writes.
+    pub in_place_input_overlaps_footprint: u64,
 }
 
 impl RerecordCounts {
@@ -35,6 +39,10 @@ impl RerecordCounts {
             RecordReason::InputMutated { .. } => &mut self.input_mutated,
             RecordReason::MutatedInputOverlapsFootprint { .. } => {
                 &mut self.mutated_input_overlaps_footprint
+            }
+            RecordReason::InPlaceInputMoved { .. } => &mut self.in_place_input_moved,
+            RecordReason::InPlaceInputOverlapsFootprint { .. } => {
+                &mut self.in_place_input_overlaps_footprint
             }
         };
         *counter += 1;
@@ -52,10 +60,11 @@ pub struct Stats {
     pub replays: u64,
     /// Inputs copied into placeholders by replays (by the graph's own copy nodes).
     pub copied_inputs: u64,
-    /// Copied inputs that recordings made copy-free (the graph reads the caller's buffer).
+    /// Inputs whose every use the device redirects to the caller's buffer of each call: copied
+    /// inputs that recordings made copy-free, and in-place inputs the graph follows.
     pub patched_inputs: u64,
-    /// Replays that re-pointed a copy node (or re-patched a copy-free input) because the
-    /// caller's buffer moved.
+    /// Replays that re-pointed a copy node (or re-patched a copy-free or in-place input)
+    /// because the caller's buffer moved.
     pub copy_sources_updated: u64,
     /// Recordings whose outcome was agreed with the other ranks of a group.
     pub agreements: u64,

@@ -297,11 +297,11 @@ impl CudaEngine {
                     source,
                 });
             }
-            Err(CallError::Destination { source, .. }) => {
+            Err(CallError::Destination { error, .. }) => {
                 return Err(Error::Candle {
                     step: name.clone(),
                     what: "allocating an output tensor",
-                    source,
+                    source: error,
                 });
             }
             Err(CallError::Device { source, .. })

@@ -1,15 +1,15 @@
-//! The capture itself: classifying the inputs (static, managed, copied into placeholders),
-//! capturing the input copies, the body and the copies back of written inputs, ending or
-//! aborting the capture, and turning the body's outputs into node output slots.
+//! The capture itself: classifying the inputs (static, managed, in place, copied into
+//! placeholders), capturing the input copies, the body and the copies back of written inputs,
+//! ending or aborting the capture, and turning the body's outputs into node output slots.
 
 use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 use std::sync::Arc;
 
 use crate::buffer::{Buffer, Cell};
 use crate::ctx::{Ctx, Reclaim, RunKind, alloc_owned};
-use crate::device::{Device, DeviceError, DevicePtr};
-use crate::error::{BodyError, FunctionId};
-use crate::graft::{Frame, Graft};
+use crate::device::{CopyEnds, Device, DeviceError, DevicePtr};
+use crate::error::{BodyError, CallError, FunctionId};
+use crate::graft::{Frame, Graft, lock};
 use crate::lifecycle::Phase;
 use crate::pool::{Checkpoint, PoolError};
 use crate::reason::Decision;
@@ -28,7 +28,7 @@ pub(super) struct Prepared {
 }
 
 /// Why a capture failed, with the cells the body allocated before it did.
-pub(super) type CaptureFailure = (BodyError, Vec<Arc<Cell>>);
+pub(super) type CaptureFailure<E> = (BodyError<E>, Vec<Arc<Cell>>);
 
 /// What a successful capture produced.
 pub(super) struct Captured<G, M> {
@@ -43,11 +43,12 @@ pub(super) struct Captured<G, M> {
 
 impl<D: Device, M: Clone> Graft<D, M> {
     /// Classifies the inputs (static: declared or marked; managed: an output of a node on the
-    /// path in this generation, of this runtime; copied: everything else) and allocates a
-    /// placeholder for each copied one. On error, returns the placeholders made so far.
-    pub(super) fn prepare_inputs<F>(
+    /// path in this generation, of this runtime; in place: marked; copied: everything else)
+    /// and allocates a placeholder for each copied one. On error, returns the placeholders
+    /// made so far.
+    pub(super) fn prepare_inputs<F, E>(
         &mut self,
-        frame: &Frame<'_, F, M>,
+        frame: &Frame<'_, F, M, E>,
         parent: Option<NodeKey>,
     ) -> Result<Prepared, (Vec<Arc<Cell>>, PoolError)> {
         let function = &self.functions[frame.function];
@@ -76,6 +77,14 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 (InputSlot::Static { addr }, (*b).clone())
             } else if managed {
                 (InputSlot::Managed { addr }, (*b).clone())
+            } else if cell.is_in_place() {
+                let slot = InputSlot::InPlace {
+                    recorded: addr,
+                    at: addr,
+                    len: b.len(),
+                    follows: false,
+                };
+                (slot, (*b).clone())
             } else if b.is_empty() {
                 let slot = InputSlot::Copied {
                     placeholder: DevicePtr(0),
@@ -117,20 +126,36 @@ impl<D: Device, M: Clone> Graft<D, M> {
         Ok(p)
     }
 
+    /// The first external input (memory graft does not own) that lies inside one of graft's
+    /// own pools, with its address: graft's memory passed as if it were someone else's, whose
+    /// reuse graft could not see.
+    pub(super) fn external_in_pool(&self, inputs: &[&Buffer]) -> Option<(usize, DevicePtr)> {
+        let ranges = [&self.graph_pool, &self.eager_pool].map(|p| lock(p).reservation());
+        inputs.iter().enumerate().find_map(|(position, b)| {
+            let at = b.addr().ok()?;
+            let (s, e) = (at.0, at.0 + b.len() as u64);
+            let inside = ranges
+                .iter()
+                .flatten()
+                .any(|&(base, size)| s < base.0 + size as u64 && base.0 < e.max(s + 1));
+            (b.cell().is_external() && inside).then_some((position, at))
+        })
+    }
+
     /// Captures the body: the input copies first, then the body, then the copies back of
     /// written inputs. On failure the capture is aborted and the error returned with what the
     /// body allocated. A panicking body leaves graft as it was (capture aborted, pool rolled
     /// back, phase restored), then the panic continues.
-    pub(super) fn capture<F>(
+    pub(super) fn capture<F, E>(
         &mut self,
-        frame: &mut Frame<'_, F, M>,
+        frame: &mut Frame<'_, F, M, E>,
         prepared: &Prepared,
         checkpoint: &Checkpoint,
         previous: Phase,
         reuse: &mut Option<D::Graph>,
-    ) -> Result<Captured<D::Graph, M>, CaptureFailure>
+    ) -> Result<Captured<D::Graph, M>, CaptureFailure<E>>
     where
-        F: FnMut(&mut Ctx<'_, D>) -> Result<Vec<Output<M>>, BodyError>,
+        F: FnMut(&mut Ctx<'_, D>) -> Result<Vec<Output<M>>, BodyError<E>>,
     {
         if let Err(e) = self.device.begin_capture(self.config.capture_mode) {
             return Err((BodyError::Device(e), Vec::new()));
@@ -152,9 +177,10 @@ impl<D: Device, M: Clone> Graft<D, M> {
             (frame.body)(&mut ctx)
         }));
         let mut keep = Vec::new();
+        let delivers = frame.dests.is_some();
         let captured = match ran {
             Ok(ran) => ran
-                .and_then(|outs| classify_outputs(&mut ctx, slots, outs, &mut keep))
+                .and_then(|outs| classify_outputs(&mut ctx, slots, outs, delivers, &mut keep))
                 .and_then(|outs| copy_back(ctx.device, slots).map(|()| outs)),
             Err(panic) => {
                 let allocs = std::mem::take(&mut ctx.allocs);
@@ -164,7 +190,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 }
                 self.abort_capture();
                 // Recording may always return to the phase it began from.
-                let _ = self.move_to(previous);
+                let _: Result<(), CallError> = self.move_to(previous);
                 self.undo_recording(checkpoint, &prepared.placeholders, &allocs);
                 tracing::warn!(function = %name, "the body panicked during a recording; the capture was aborted and the pool rolled back");
                 resume_unwind(panic);
@@ -223,7 +249,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
 }
 
 /// Records the input copies, the first nodes of the graph, so a replay needs no separate copy.
-fn copy_inputs<D: Device>(device: &D, slots: &[InputSlot]) -> Result<(), BodyError> {
+fn copy_inputs<D: Device, E>(device: &D, slots: &[InputSlot]) -> Result<(), BodyError<E>> {
     for slot in slots {
         if let InputSlot::Copied {
             placeholder,
@@ -240,7 +266,7 @@ fn copy_inputs<D: Device>(device: &D, slots: &[InputSlot]) -> Result<(), BodyErr
 }
 
 /// Records the copies back of inputs the body writes, the last nodes of the graph.
-fn copy_back<D: Device>(device: &D, slots: &[InputSlot]) -> Result<(), BodyError> {
+fn copy_back<D: Device, E>(device: &D, slots: &[InputSlot]) -> Result<(), BodyError<E>> {
     for slot in slots {
         if let InputSlot::Copied {
             placeholder,
@@ -256,19 +282,35 @@ fn copy_back<D: Device>(device: &D, slots: &[InputSlot]) -> Result<(), BodyError
 }
 
 /// Turns the body's outputs into node output slots, copying (inside the capture) any
-/// output that is not memory this body allocated, a static input, or empty.
-fn classify_outputs<D: Device, M>(
+/// output that is not memory this body allocated, a static input, or empty. With `delivers`
+/// every non-empty output is copied, as the graph's last nodes, into a placeholder whose copy
+/// a launch re-points to the caller's memory ([`OutputSlot::Delivered`]). The body's handles
+/// to external memory (what it made through its framework) are dropped here, inside the
+/// capture, so that the framework's frees are captured too; the others are kept until the
+/// caller's handles are made.
+fn classify_outputs<D: Device, M, E>(
     ctx: &mut Ctx<'_, D>,
     slots: &[InputSlot],
     outs: Vec<Output<M>>,
+    delivers: bool,
     keep: &mut Vec<Buffer>,
-) -> Result<Vec<NodeOutput<M>>, BodyError> {
+) -> Result<Vec<NodeOutput<M>>, BodyError<E>> {
     let mut result: Vec<NodeOutput<M>> = Vec::with_capacity(outs.len());
     let mut seen: Vec<Arc<Cell>> = Vec::with_capacity(outs.len());
     for o in outs {
         let cell = o.buffer.cell().clone();
         let slot = if o.buffer.is_empty() {
             OutputSlot::Empty(cell.clone())
+        } else if delivers {
+            let src = o.buffer.addr()?;
+            let placeholder = ctx.alloc(o.buffer.len())?;
+            let dst = placeholder.addr()?;
+            ctx.device.copy(dst, src, o.buffer.len())?;
+            keep.push(placeholder);
+            OutputSlot::Delivered {
+                ends: CopyEnds { dst, src },
+                len: o.buffer.len(),
+            }
         } else if let Some(p) = ctx.inputs.iter().enumerate().position(|(p, b)| {
             matches!(slots[p], InputSlot::Static { .. }) && b.same_storage(&o.buffer)
         }) {
@@ -291,8 +333,10 @@ fn classify_outputs<D: Device, M>(
             keep.push(copy);
             slot
         };
+        if !cell.is_external() {
+            keep.push(o.buffer);
+        }
         seen.push(cell);
-        keep.push(o.buffer);
         result.push(NodeOutput { slot, meta: o.meta });
     }
     Ok(result)

@@ -1,6 +1,6 @@
 //! What a recording's first launch reveals about its inputs: copied inputs the body writes
-//! (`catch_mutated_inputs`, which retires the node) and large read-only inputs made
-//! copy-free (`patch_inputs`).
+//! (`catch_mutated_inputs`, which retires the node), large read-only inputs made copy-free
+//! (`patch_inputs`), and whether the graph can follow its in-place inputs (`follow_in_place`).
 
 use crate::device::{CopyEnds, Device, DeviceError};
 use crate::graft::Graft;
@@ -93,6 +93,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
             }
         }
         let warn_from = self.config.large_copy_warn_bytes;
+        let node = &self.tree[key];
         for (position, slot) in node.inputs.iter().enumerate() {
             if let InputSlot::Copied {
                 len, reads: None, ..
@@ -103,6 +104,40 @@ impl<D: Device, M: Clone> Graft<D, M> {
                     function = %self.functions[node.function].name, position, bytes = len,
                     "a large input is copied on every replay; if its address is stable, declare it static"
                 );
+            }
+        }
+        Ok(())
+    }
+
+    /// In-place inputs: asks the device whether it can move every use the graph makes of each
+    /// one (`Device::redirect` to where it already is). Those it can, replays point at each
+    /// call's buffer; the others, and any whose range overlaps another input's (a pointer into
+    /// the overlap could belong to either), replay only at the recorded address.
+    pub(super) fn follow_in_place(&mut self, key: NodeKey) -> Result<(), DeviceError> {
+        let node = &mut self.tree[key];
+        let sizes = &self.functions[node.function].sigs[node.sig].sizes;
+        for k in 0..node.in_place.len() {
+            let i = node.in_place[k];
+            let InputSlot::InPlace { recorded, len, .. } = node.inputs[i] else {
+                continue;
+            };
+            let (s, e) = (recorded.0, recorded.0 + len as u64);
+            let shared = node.inputs.iter().zip(sizes.iter()).enumerate().any(|(j, (other, &n))| {
+                let os = other.recorded_at().0;
+                j != i && n > 0 && os < e && s < os + n as u64
+            });
+            if shared {
+                continue;
+            }
+            if self
+                .device
+                .redirect(&mut node.graph, recorded, len, None, Some(recorded))?
+            {
+                if let InputSlot::InPlace { follows, .. } = &mut node.inputs[i] {
+                    *follows = true;
+                }
+                node.fixed[i] = tree::ANY_ADDRESS;
+                self.stats.patched_inputs += 1;
             }
         }
         Ok(())

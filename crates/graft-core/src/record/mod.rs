@@ -22,13 +22,13 @@ use capture::{Captured, Prepared};
 use vote::{Local, Pending};
 
 /// How one try at a capture failed, with the recording already undone.
-enum Failure {
+enum Failure<E> {
     /// The device ran out of memory: worth one more try after releasing unused memory.
     OutOfMemory(PoolError),
     /// The body or the device failed the capture: a fallback or an error, by its kind.
-    Capture(BodyError),
+    Capture(BodyError<E>),
     /// An error the call returns as it is.
-    Call(CallError),
+    Call(CallError<E>),
 }
 
 impl<D: Device, M: Clone> Graft<D, M> {
@@ -39,15 +39,15 @@ impl<D: Device, M: Clone> Graft<D, M> {
     /// block and no graph uses is released from both pools, and the recording is tried once
     /// more (releasing is illegal during a capture and while the pool's checkpoint is pending).
     /// In a group, the ranks then agree on the outcome before anything is launched.
-    pub(crate) fn record<F>(
+    pub(crate) fn record<F, E>(
         &mut self,
-        frame: &mut Frame<'_, F, M>,
+        frame: &mut Frame<'_, F, M, E>,
         parent: Option<NodeKey>,
         reason: RecordReason,
         mut reuse: Option<D::Graph>,
-    ) -> Result<Outcome, CallError>
+    ) -> Result<Outcome, CallError<E>>
     where
-        F: FnMut(&mut Ctx<'_, D>) -> Result<Vec<Output<M>>, BodyError>,
+        F: FnMut(&mut Ctx<'_, D>) -> Result<Vec<Output<M>>, BodyError<E>>,
     {
         let name = self.functions[frame.function].name.clone();
         let span = tracing::debug_span!("record", function = %name, reason = %reason);
@@ -99,15 +99,22 @@ impl<D: Device, M: Clone> Graft<D, M> {
 
     /// One try at a capture, leaving it pending (not attached, not launched). On failure the
     /// recording is undone.
-    fn capture_once<F>(
+    fn capture_once<F, E>(
         &mut self,
-        frame: &mut Frame<'_, F, M>,
+        frame: &mut Frame<'_, F, M, E>,
         parent: Option<NodeKey>,
         reuse: &mut Option<D::Graph>,
-    ) -> Result<Pending<D::Graph, M>, Failure>
+    ) -> Result<Pending<D::Graph, M>, Failure<E>>
     where
-        F: FnMut(&mut Ctx<'_, D>) -> Result<Vec<Output<M>>, BodyError>,
+        F: FnMut(&mut Ctx<'_, D>) -> Result<Vec<Output<M>>, BodyError<E>>,
     {
+        if let Some((position, addr)) = self.external_in_pool(frame.inputs) {
+            return Err(Failure::Call(CallError::ExternalInPool {
+                function: self.functions[frame.function].name.clone(),
+                position,
+                addr,
+            }));
+        }
         let checkpoint = lock(&self.graph_pool).checkpoint();
         let prepared = match self.prepare_inputs(frame, parent) {
             Ok(prepared) => prepared,
@@ -148,9 +155,9 @@ impl<D: Device, M: Clone> Graft<D, M> {
 
     /// Makes the captured graph a node of the tree: its footprint, the outputs of the path
     /// that must stay dead for it to replay, its outputs; the path moves to it.
-    fn attach<F>(
+    fn attach<F, E>(
         &mut self,
-        frame: &Frame<'_, F, M>,
+        frame: &Frame<'_, F, M, E>,
         parent: Option<NodeKey>,
         reason: RecordReason,
         prepared: Prepared,
@@ -190,7 +197,9 @@ impl<D: Device, M: Clone> Graft<D, M> {
             sig: frame.sig,
             graph,
             copied: tree::copied_positions(&prepared.slots),
+            in_place: tree::in_place_positions(&prepared.slots),
             fixed: tree::fixed_addresses(&prepared.slots),
+            delivers: frame.dests.is_some(),
             inputs: prepared.slots.into_boxed_slice(),
             expected_dead: expected_dead.into_boxed_slice(),
             outputs,
@@ -235,7 +244,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
         crate::graft::list_held(&mut self.handed, &loose);
         self.loose.extend(loose);
         // Recording always ends at its node.
-        let _ = self.move_to(Phase::Replaying { tip: id });
+        let _: Result<(), CallError> = self.move_to(Phase::Replaying { tip: id });
         self.stats.recordings += 1;
         self.stats.rerecords.count(&reason);
         tracing::debug!(node = %id, "recorded");
@@ -244,22 +253,26 @@ impl<D: Device, M: Clone> Graft<D, M> {
 
     /// Launches a new node once (the recording only captured the work), checks whether the
     /// body wrote a copied input, and hands out the outputs.
-    fn first_launch<F>(
+    fn first_launch<F, E>(
         &mut self,
         key: NodeKey,
-        frame: &mut Frame<'_, F, M>,
-    ) -> Result<Outcome, CallError> {
+        frame: &mut Frame<'_, F, M, E>,
+    ) -> Result<Outcome, CallError<E>> {
         let name = self.functions[frame.function].name.clone();
         let device_err = |source| CallError::Device {
             function: name.clone(),
             source,
         };
+        if let Some(dests) = frame.dests.as_deref_mut() {
+            self.deliver_into(key, dests, frame.out)?;
+        }
         self.device
             .launch(&self.tree[key].graph)
             .map_err(device_err)?;
         self.catch_mutated_inputs(key, frame.sig)
             .map_err(device_err)?;
         self.patch_inputs(key).map_err(device_err)?;
+        self.follow_in_place(key).map_err(device_err)?;
         for o in &self.tree[key].outputs {
             let buffer = match &o.slot {
                 OutputSlot::Tracked { cell, .. } => {
@@ -270,6 +283,8 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 OutputSlot::Empty(cell) => Buffer::from_cell(cell),
                 OutputSlot::StaticInput(p) => (*frame.inputs[*p]).clone(),
                 OutputSlot::Alias(j) => frame.out[*j].buffer.clone(),
+                // Handed out before the launch (`Graft::deliver_into`).
+                OutputSlot::Delivered { .. } => continue,
             };
             frame.out.push(Output {
                 buffer,
@@ -283,12 +298,12 @@ impl<D: Device, M: Clone> Graft<D, M> {
     /// and its pins released at once instead of counting against the graph budget, and the
     /// path moves back to its parent, as after an eager run. The outputs this call handed out
     /// stay valid: evicting keeps held outputs as loose memory.
-    fn free_retired(
+    fn free_retired<E>(
         &mut self,
         key: NodeKey,
         parent: Option<NodeKey>,
         position: usize,
-    ) -> Result<(), CallError> {
+    ) -> Result<(), CallError<E>> {
         drop(self.evict(key, EvictReason::InputMutated { position }));
         self.move_to(match parent {
             Some(p) => Phase::Replaying { tip: p.id() },
@@ -312,14 +327,14 @@ impl<D: Device, M: Clone> Graft<D, M> {
 
     /// A capture failed (here, or on another rank of the group): the signature runs eagerly
     /// for good, starting with this call.
-    fn capture_failed<F>(
+    fn capture_failed<F, E>(
         &mut self,
-        frame: &mut Frame<'_, F, M>,
+        frame: &mut Frame<'_, F, M, E>,
         parent: Option<NodeKey>,
         why: EagerReason,
-    ) -> Result<Outcome, CallError>
+    ) -> Result<Outcome, CallError<E>>
     where
-        F: FnMut(&mut Ctx<'_, D>) -> Result<Vec<Output<M>>, BodyError>,
+        F: FnMut(&mut Ctx<'_, D>) -> Result<Vec<Output<M>>, BodyError<E>>,
     {
         let function = frame.function;
         let name = self.functions[function].name.clone();
@@ -330,14 +345,14 @@ impl<D: Device, M: Clone> Graft<D, M> {
         }
         self.stats.fallbacks += 1;
         self.log(function, parent, Decision::Eager(why.clone()));
-        self.functions[function].sigs[frame.sig].eager = Some(why);
-        self.run_eager(frame)
+        self.functions[function].sigs[frame.sig].eager = Some(why.clone());
+        self.run_eager(frame, why)
     }
 }
 
 /// Why a failed capture makes the signature eager: a capture violation or a failed
 /// instantiation. Any other error is the call's to return.
-fn fallback_reason(error: BodyError) -> Result<EagerReason, BodyError> {
+fn fallback_reason<E>(error: BodyError<E>) -> Result<EagerReason, BodyError<E>> {
     match error {
         BodyError::Device(e) if e.op() == DeviceOp::BeginCapture => {
             Ok(EagerReason::BeginCaptureFailed { error: e })

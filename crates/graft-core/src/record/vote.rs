@@ -23,21 +23,21 @@ pub(super) struct Pending<G, M> {
 }
 
 /// How this rank's recording ended, before (and after) the group's vote.
-pub(super) enum Local<G, M> {
+pub(super) enum Local<G, M, E> {
     Captured(Pending<G, M>),
     FallBack(EagerReason),
-    Failed(CallError),
+    Failed(CallError<E>),
 }
 
 impl<D: Device, M: Clone> Graft<D, M> {
     /// In a group: votes this rank's outcome and turns it into the group's. A rank that
     /// captured but is outvoted discards its capture (the pool and the phase as they were).
     /// Alone: the outcome as it is.
-    pub(super) fn agree<F>(
+    pub(super) fn agree<F, E>(
         &mut self,
-        frame: &Frame<'_, F, M>,
-        local: Local<D::Graph, M>,
-    ) -> Local<D::Graph, M> {
+        frame: &Frame<'_, F, M, E>,
+        local: Local<D::Graph, M, E>,
+    ) -> Local<D::Graph, M, E> {
         let Some(member) = &self.member else {
             return local;
         };
@@ -70,7 +70,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
     }
 
     /// What the group votes this call records: the function and its signature's shape.
-    pub(super) fn subject<F>(&self, frame: &Frame<'_, F, M>) -> Subject {
+    pub(super) fn subject<F, E>(&self, frame: &Frame<'_, F, M, E>) -> Subject {
         let sig = &self.functions[frame.function].sigs[frame.sig];
         (
             frame.function.0,
@@ -79,7 +79,10 @@ impl<D: Device, M: Clone> Graft<D, M> {
     }
 
     /// Undoes a capture that will never be attached: phase, pool and graph as before it.
-    pub(super) fn discard(&mut self, pending: Pending<D::Graph, M>) -> Result<(), CallError> {
+    pub(super) fn discard<E>(
+        &mut self,
+        pending: Pending<D::Graph, M>,
+    ) -> Result<(), CallError<E>> {
         let Pending {
             prepared,
             captured,

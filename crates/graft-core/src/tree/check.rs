@@ -40,7 +40,8 @@ impl<G, M> Tree<G, M> {
                 return false;
             }
         }
-        node.copied.is_empty() || copied_hold(node, addrs)
+        (node.copied.is_empty() || copied_hold(node, addrs))
+            && (node.in_place.is_empty() || in_place_hold(node, addrs))
     }
 
     /// Checks the replay invariants of `node` for these inputs, cheapest first: managed input
@@ -73,14 +74,31 @@ impl<G, M> Tree<G, M> {
             }
         }
         for (position, (slot, &now)) in node.inputs.iter().zip(addrs).enumerate() {
-            if let InputSlot::Static { addr } = *slot
-                && addr != now
-            {
-                return Err(RecordReason::StaticAddressChanged {
-                    position,
-                    recorded: addr,
-                    now,
-                });
+            match *slot {
+                InputSlot::Static { addr } if addr != now => {
+                    return Err(RecordReason::StaticAddressChanged {
+                        position,
+                        recorded: addr,
+                        now,
+                    });
+                }
+                InputSlot::InPlace {
+                    recorded,
+                    follows: false,
+                    ..
+                } if recorded != now => {
+                    return Err(RecordReason::InPlaceInputMoved {
+                        position,
+                        recorded,
+                        now,
+                    });
+                }
+                InputSlot::InPlace {
+                    len, follows: true, ..
+                } if node.footprint_overlaps(now.0, now.0 + len as u64) => {
+                    return Err(RecordReason::InPlaceInputOverlapsFootprint { position });
+                }
+                _ => {}
             }
         }
         // The graph starts with the input copies, in input order: a source must not overlap its
@@ -122,6 +140,18 @@ impl<G, M> Tree<G, M> {
         }
         Ok(())
     }
+}
+
+/// The in-place invariant of [`Tree::check_each`], over the in-place inputs only: a followed
+/// input's buffer lies outside the memory the graph writes (its address is in `fixed`
+/// otherwise).
+fn in_place_hold<G, M>(node: &Node<G, M>, addrs: &[DevicePtr]) -> bool {
+    node.in_place.iter().all(|&i| match node.inputs[i] {
+        InputSlot::InPlace {
+            len, follows: true, ..
+        } => !node.footprint_overlaps(addrs[i].0, addrs[i].0 + len as u64),
+        _ => true,
+    })
 }
 
 /// The copied-input invariants of [`Tree::check_each`], over the copied inputs only.

@@ -22,7 +22,7 @@ pub use links::TreeViolation;
 pub use node::Output;
 pub(crate) use node::{
     ANY_ADDRESS, InputSlot, Node, NodeOutput, OutputSlot, copied_positions, fixed_addresses,
-    merge_ranges, overlaps,
+    in_place_positions, merge_ranges, overlaps,
 };
 
 slotmap::new_key_type! {
@@ -251,7 +251,9 @@ mod tests {
             graph: (),
             inputs: Box::new([]),
             copied: Box::new([]),
+            in_place: Box::new([]),
             fixed: Box::new([]),
+            delivers: false,
             expected_dead: Box::new([]),
             outputs: Vec::new(),
             footprint: Box::new([(0x1000, 0x2000)]),

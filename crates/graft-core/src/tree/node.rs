@@ -32,6 +32,28 @@ pub(crate) enum InputSlot {
         write_back: Option<DevicePtr>,
         reads: Option<DevicePtr>,
     },
+    /// Used in place at whatever address the caller passes (`Buffer::mark_in_place`): the body
+    /// used the caller's buffer, captured at `recorded`, and the graph's uses of it point at
+    /// `at` now. With `follows` (the device could move every use, `Device::redirect`), a
+    /// replay points them at the caller's buffer of its call; without, the node replays only
+    /// at `recorded`.
+    InPlace {
+        recorded: DevicePtr,
+        at: DevicePtr,
+        len: usize,
+        follows: bool,
+    },
+}
+
+impl InputSlot {
+    /// The address of the caller's buffer this slot was recorded with.
+    pub(crate) fn recorded_at(&self) -> DevicePtr {
+        match *self {
+            InputSlot::Static { addr } | InputSlot::Managed { addr } => addr,
+            InputSlot::Copied { source, .. } => source,
+            InputSlot::InPlace { recorded, .. } => recorded,
+        }
+    }
 }
 
 /// What one output of a node hands back.
@@ -49,6 +71,9 @@ pub(crate) enum OutputSlot {
     Alias(usize),
     /// A zero-length output: not tracked.
     Empty(Arc<Cell>),
+    /// Delivered into memory the caller gives per call (`Graft::call_owned`): a copy at the
+    /// end of the graph, with `ends` as last pointed, writes the output's `len` bytes there.
+    Delivered { ends: crate::device::CopyEnds, len: usize },
 }
 
 #[derive(Debug)]
@@ -68,9 +93,13 @@ pub(crate) struct Node<G, M> {
     /// Positions of the copied inputs (non-empty ones), so that checks and re-pointing skip
     /// the static and managed ones.
     pub(crate) copied: Box<[usize]>,
-    /// Per input, the address a static or managed input must have ([`ANY_ADDRESS`] for a
-    /// copied one): the fast path's check, dense.
+    /// Positions of the in-place inputs (non-empty ones), for the same reason.
+    pub(crate) in_place: Box<[usize]>,
+    /// Per input, the address a static, managed or unfollowed in-place input must have
+    /// ([`ANY_ADDRESS`] for the others): the fast path's check, dense.
     pub(crate) fixed: Box<[u64]>,
+    /// The outputs go into memory the caller gives per call (`Graft::call_owned`).
+    pub(crate) delivers: bool,
     /// Output slots of ancestors that were dead when this node was recorded.
     pub(crate) expected_dead: Box<[(NodeKey, u16)]>,
     pub(crate) outputs: Vec<NodeOutput<M>>,
@@ -107,7 +136,8 @@ impl<G, M> Node<G, M> {
     }
 }
 
-/// In [`Node::fixed`]: any address will do (a copied input). No device address is `u64::MAX`.
+/// In [`Node::fixed`]: any address will do (a copied input, a followed in-place one). No
+/// device address is `u64::MAX`.
 pub(crate) const ANY_ADDRESS: u64 = u64::MAX;
 
 /// [`Node::fixed`] for these slots.
@@ -116,17 +146,31 @@ pub(crate) fn fixed_addresses(slots: &[InputSlot]) -> Box<[u64]> {
         .iter()
         .map(|s| match *s {
             InputSlot::Static { addr } | InputSlot::Managed { addr } => addr.0,
-            InputSlot::Copied { .. } => ANY_ADDRESS,
+            InputSlot::InPlace {
+                recorded,
+                follows: false,
+                ..
+            } => recorded.0,
+            InputSlot::Copied { .. } | InputSlot::InPlace { .. } => ANY_ADDRESS,
         })
         .collect()
 }
 
 /// The positions of the non-empty copied inputs among `slots`.
 pub(crate) fn copied_positions(slots: &[InputSlot]) -> Box<[usize]> {
+    positions(slots, |s| matches!(s, InputSlot::Copied { len, .. } if *len > 0))
+}
+
+/// The positions of the non-empty in-place inputs among `slots`.
+pub(crate) fn in_place_positions(slots: &[InputSlot]) -> Box<[usize]> {
+    positions(slots, |s| matches!(s, InputSlot::InPlace { len, .. } if *len > 0))
+}
+
+fn positions(slots: &[InputSlot], keep: impl Fn(&InputSlot) -> bool) -> Box<[usize]> {
     slots
         .iter()
         .enumerate()
-        .filter(|(_, s)| matches!(s, InputSlot::Copied { len, .. } if *len > 0))
+        .filter(|(_, s)| keep(s))
         .map(|(i, _)| i)
         .collect()
 }

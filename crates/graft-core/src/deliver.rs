@@ -1,0 +1,138 @@
+//! Outputs delivered into memory the caller owns ([`Graft::call_owned`]): the caller's
+//! allocator, and handing each output to it, by a copy recorded as the graph's last node for
+//! that output (re-pointed before every launch), or after an eager run of the body.
+
+use crate::buffer::Buffer;
+use crate::device::{CopyEnds, Device};
+use crate::error::CallError;
+use crate::graft::Graft;
+use crate::tree::Output;
+
+/// Where a call's outputs go when the caller owns them ([`Graft::call_owned`]): typically a
+/// framework allocating its own fresh tensor per output and handing graft an external
+/// buffer over it ([`Buffer::external`]).
+pub trait Destinations<M, E> {
+    /// Memory for output `index` of this call: `bytes` long (at least), on the runtime's
+    /// device, outside graft's pools, described by `meta` (what the body returned with it).
+    /// Called before the launch of a replay or a recording, and after the body of a warmup
+    /// or an eager run; the memory must stay allocated while the call's work runs (candle's
+    /// stream-ordered frees do that by themselves). An error is returned as
+    /// [`CallError::Destination`] and nothing is launched.
+    fn destination(&mut self, index: usize, meta: &M, bytes: usize) -> Result<Buffer, E>;
+}
+
+impl<D: Device, M: Clone> Graft<D, M> {
+    /// Asks `dests` for output `index`'s memory and checks it: this device, at least `bytes`
+    /// long, not memory of graft's own pools. Returns it with its address.
+    pub(crate) fn destination<E>(
+        &self,
+        dests: &mut dyn Destinations<M, E>,
+        function: crate::error::FunctionId,
+        index: usize,
+        meta: &M,
+        bytes: usize,
+    ) -> Result<(Buffer, crate::device::DevicePtr), CallError<E>> {
+        let name = || self.functions[function].name.clone();
+        let given = dests
+            .destination(index, meta, bytes)
+            .map_err(|error| CallError::Destination {
+                function: name(),
+                index,
+                error,
+            })?;
+        let bad = |why| CallError::BadDestination {
+            function: name(),
+            index,
+            given: given.len(),
+            needed: bytes,
+            why,
+        };
+        if given.device() != self.device.id() {
+            return Err(bad("it belongs to another device"));
+        }
+        if given.len() < bytes {
+            return Err(bad("it is too short"));
+        }
+        if given.cell().in_pool(&self.graph_pool) || given.cell().in_pool(&self.eager_pool) {
+            return Err(bad("it is memory of graft's own pools"));
+        }
+        let addr = given
+            .addr()
+            .map_err(|_| bad("it can no longer be read"))?;
+        Ok((given, addr))
+    }
+
+    /// After an eager run or a warmup: copies each of the body's outputs into its destination
+    /// (on the device's stream) and hands the destinations out instead.
+    pub(crate) fn deliver_eagerly<E>(
+        &self,
+        dests: &mut dyn Destinations<M, E>,
+        function: crate::error::FunctionId,
+        produced: Vec<Output<M>>,
+        out: &mut Vec<Output<M>>,
+    ) -> Result<(), CallError<E>> {
+        for (index, o) in produced.into_iter().enumerate() {
+            let len = o.buffer.len();
+            let (dest, at) = self.destination(dests, function, index, &o.meta, len)?;
+            if len > 0 {
+                let src = o.buffer.addr().map_err(|source| CallError::InvalidInput {
+                    function: self.functions[function].name.clone(),
+                    position: index,
+                    source,
+                })?;
+                self.device
+                    .copy(at, src, len)
+                    .map_err(|source| CallError::Device {
+                        function: self.functions[function].name.clone(),
+                        source,
+                    })?;
+            }
+            out.push(Output {
+                buffer: dest,
+                meta: o.meta,
+            });
+        }
+        Ok(())
+    }
+
+    /// Before launching node `key`: points each delivered output's copy at the caller's
+    /// memory for this call and hands that memory out, in output order.
+    pub(crate) fn deliver_into<E>(
+        &mut self,
+        key: crate::tree::NodeKey,
+        dests: &mut dyn Destinations<M, E>,
+        out: &mut Vec<Output<M>>,
+    ) -> Result<(), CallError<E>> {
+        let function = self.tree[key].function;
+        for index in 0..self.tree[key].outputs.len() {
+            let (ends, len) = match &self.tree[key].outputs[index].slot {
+                crate::tree::OutputSlot::Delivered { ends, len } => (Some(*ends), *len),
+                _ => (None, 0),
+            };
+            let meta = self.tree[key].outputs[index].meta.clone();
+            let (dest, at) = self.destination(dests, function, index, &meta, len)?;
+            if let Some(ends) = ends {
+                let now = CopyEnds {
+                    dst: at,
+                    src: ends.src,
+                };
+                let node = &mut self.tree[key];
+                if ends.dst != at {
+                    self.device
+                        .repoint_copy(&mut node.graph, ends, now)
+                        .map_err(|source| CallError::Device {
+                            function: self.functions[function].name.clone(),
+                            source,
+                        })?;
+                    if let crate::tree::OutputSlot::Delivered { ends, .. } =
+                        &mut node.outputs[index].slot
+                    {
+                        *ends = now;
+                    }
+                }
+            }
+            out.push(Output { buffer: dest, meta });
+        }
+        Ok(())
+    }
+}
