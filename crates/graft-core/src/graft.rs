@@ -12,13 +12,14 @@ use foldhash::fast::FixedState;
 use slotmap::SlotMap;
 
 use crate::bucket::Bucket;
-use crate::buffer::{Buffer, Cell, NodeId};
+use crate::buffer::{Buffer, Cell};
 use crate::config::{Config, FunctionSpec, Mode};
 use crate::ctx::Ctx;
-use crate::device::{Device, DevicePtr};
+use crate::device::{CORE, Device, DevicePtr};
 use crate::error::{BodyError, CallError, FunctionId};
 use crate::group::Member;
 use crate::lifecycle::{Phase, transition};
+use crate::node_id::NodeId;
 use crate::plan::{self, Action, Plan, View};
 use crate::pool::Pool;
 use crate::reason::{Decision, DecisionRecord, EagerReason, EvictReason, RecordReason};
@@ -393,7 +394,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
         let Some(f) = self.functions.get(function.0) else {
             return Err(CallError::UnknownFunction { id: function });
         };
-        if let Some(source) = self.device.take_sticky_error() {
+        if let Some(source) = self.device.take_sticky_error(CORE) {
             return Err(CallError::Sticky { source });
         }
         let device_id = self.device.id();

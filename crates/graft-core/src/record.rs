@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use crate::buffer::{Buffer, Cell};
 use crate::ctx::{Ctx, Reclaim, RunKind, alloc_owned, release_unused};
-use crate::device::{Device, DeviceError, DeviceOp, DevicePtr};
+use crate::device::{CORE, Device, DeviceError, DeviceOp, DevicePtr};
 use crate::error::{BodyError, CallError, FunctionId};
 use crate::graft::{Frame, Graft, Outcome, lock, shape_hash};
 use crate::group::{Subject, Verdict, Vote};
@@ -343,7 +343,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
     where
         F: FnMut(&mut Ctx<'_, D>) -> Result<Vec<Output<M>>, BodyError>,
     {
-        if let Err(e) = self.device.begin_capture(self.config.capture_mode) {
+        if let Err(e) = self.device.begin_capture(CORE, self.config.capture_mode) {
             return Err((BodyError::Device(e), Vec::new()));
         }
         let name = self.functions[frame.function.0].name.clone();
@@ -408,9 +408,9 @@ impl<D: Device, M: Clone> Graft<D, M> {
         reuse: &mut Option<D::Graph>,
     ) -> Result<D::Graph, DeviceError> {
         let Some(mut graph) = reuse.take() else {
-            return self.device.end_capture();
+            return self.device.end_capture(CORE);
         };
-        match self.device.end_capture_into(&mut graph)? {
+        match self.device.end_capture_into(CORE, &mut graph)? {
             None => {
                 tracing::debug!("executable updated in place");
                 self.stats.updates_in_place += 1;
@@ -427,8 +427,8 @@ impl<D: Device, M: Clone> Graft<D, M> {
     /// Ends a failed capture; an error doing so cannot be returned (another one is being
     /// returned), so it goes to the sticky slot and the next call returns it.
     fn abort_capture(&self) {
-        if let Err(abort) = self.device.abort_capture() {
-            self.device.record_sticky_error(abort);
+        if let Err(abort) = self.device.abort_capture(CORE) {
+            self.device.record_sticky_error(CORE, abort);
         }
     }
 
@@ -547,7 +547,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
             source,
         };
         self.device
-            .launch(&self.nodes[key].graph)
+            .launch(CORE, &self.nodes[key].graph)
             .map_err(device_err)?;
         self.catch_mutated_inputs(key, frame.sig)
             .map_err(device_err)?;
@@ -591,10 +591,10 @@ impl<D: Device, M: Clone> Graft<D, M> {
             {
                 let mut now = vec![0u8; len];
                 let mut caller = vec![0u8; len];
-                self.device.read(placeholder, &mut now)?;
-                self.device.read(source, &mut caller)?;
+                self.device.read(CORE, placeholder, &mut now)?;
+                self.device.read(CORE, source, &mut caller)?;
                 if now != caller {
-                    self.device.copy(source, placeholder, len)?;
+                    self.device.copy(CORE, source, placeholder, len)?;
                     found.push(position);
                 }
             }
@@ -644,7 +644,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 };
                 if self
                     .device
-                    .redirect_reads(&mut node.graph, copy, *len, Some(*source))?
+                    .redirect_reads(CORE, &mut node.graph, copy, *len, Some(*source))?
                 {
                     *reads = Some(*source);
                     self.stats.patched_inputs += 1;
@@ -739,7 +739,7 @@ fn copy_inputs<D: Device>(device: &D, slots: &[InputSlot]) -> Result<(), BodyErr
         } = *slot
             && len > 0
         {
-            device.copy(placeholder, source, len)?;
+            device.copy(CORE, placeholder, source, len)?;
         }
     }
     Ok(())
@@ -755,7 +755,7 @@ fn copy_back<D: Device>(device: &D, slots: &[InputSlot]) -> Result<(), BodyError
             ..
         } = *slot
         {
-            device.copy(dst, placeholder, len)?;
+            device.copy(CORE, dst, placeholder, len)?;
         }
     }
     Ok(())
@@ -789,7 +789,7 @@ fn classify_outputs<D: Device, M>(
         } else {
             let src = o.buffer.addr()?;
             let copy = ctx.alloc(o.buffer.len())?;
-            ctx.device.copy(copy.addr()?, src, o.buffer.len())?;
+            ctx.device.copy(CORE, copy.addr()?, src, o.buffer.len())?;
             let slot = OutputSlot::Tracked {
                 cell: copy.cell().clone(),
                 spares: Vec::new(),

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use crate::buffer::{Buffer, Cell};
 use crate::ctx::{Ctx, RunKind};
-use crate::device::{CopyEnds, Device, DeviceError};
+use crate::device::{CORE, CopyEnds, Device, DeviceError};
 use crate::error::{BodyError, CallError, MemoryError, VerifyTarget};
 use crate::graft::{Frame, Graft, Outcome};
 use crate::lifecycle::Phase;
@@ -46,7 +46,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
             }
             i += 1;
         }
-        if let Err(source) = self.device.launch(&node.graph) {
+        if let Err(source) = self.device.launch(CORE, &node.graph) {
             return Err(fail(self, source));
         }
         self.stats.invalidations += invalidated;
@@ -91,12 +91,12 @@ impl<D: Device, M: Clone> Graft<D, M> {
                     Some(at) if at == src => continue,
                     Some(_) if tree::overlaps(&node.footprint, src.0, src.0 + *len as u64) => {
                         self.device
-                            .redirect_reads(&mut node.graph, copy, *len, None)?;
+                            .redirect_reads(CORE, &mut node.graph, copy, *len, None)?;
                         *reads = None;
                     }
                     Some(_) => {
                         self.device
-                            .redirect_reads(&mut node.graph, copy, *len, Some(src))?;
+                            .redirect_reads(CORE, &mut node.graph, copy, *len, Some(src))?;
                         *reads = Some(src);
                         repointed += 1;
                         continue;
@@ -106,7 +106,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 if *source != src {
                     let into = |src| CopyEnds { dst: ph, src };
                     self.device
-                        .repoint_copy(&mut node.graph, into(*source), into(src))?;
+                        .repoint_copy(CORE, &mut node.graph, into(*source), into(src))?;
                     *source = src;
                     repointed += 1;
                 }
@@ -115,7 +115,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 {
                     let back = |dst| CopyEnds { dst, src: ph };
                     self.device
-                        .repoint_copy(&mut node.graph, back(*dst), back(src))?;
+                        .repoint_copy(CORE, &mut node.graph, back(*dst), back(src))?;
                     *dst = src;
                 }
                 copied += 1;

@@ -5,9 +5,10 @@ use std::sync::Arc;
 
 use slotmap::{Key, KeyData, SlotMap};
 
-use crate::buffer::{Buffer, Cell, NodeId};
+use crate::buffer::{Buffer, Cell};
 use crate::device::DevicePtr;
 use crate::error::FunctionId;
+use crate::node_id::NodeId;
 use crate::reason::RecordReason;
 
 slotmap::new_key_type! {

@@ -15,27 +15,23 @@ use std::collections::{BTreeMap, HashMap};
 use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
 use std::fmt;
 use std::ptr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use cudarc::driver::sys;
-use graft_core::Buffer;
-use graft_core::backend::{
-    CaptureMode, CopyEnds, Device, DeviceError, DeviceId, DeviceOp, DevicePtr, GraphSummary,
-    StickyError, UpdateRefusal,
+use graft_core::backend::{CopyEnds, CoreOnly, StickyError};
+use graft_core::{
+    Buffer, CaptureMode, Device, DeviceError, DeviceId, DeviceOp, DevicePtr, GraphSummary,
+    UpdateRefusal,
 };
 
 use crate::blas::Blas;
 use crate::driver::{device_count, driver_ready};
-use crate::error::{INIT_OP, INSPECT_OP, check, check_alloc, is_capture_error, map};
+use crate::error::{INSPECT_OP, check, check_alloc, is_capture_error, map};
 use crate::graph::{self, CudaGraph};
 
 #[cfg(feature = "test-support")]
 const F32_BYTES: usize = std::mem::size_of::<f32>();
-
-/// Tags ids of CUDA devices so they never equal a simulator's small counters.
-const ID_TAG: u64 = 0xC0DA << 48;
-static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
 const CAPTURE_NONE: u32 = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE as u32;
 
@@ -425,9 +421,8 @@ impl CudaDevice {
     /// makes it current on this thread, creates the runtime stream (non-blocking, so it never
     /// synchronizes with the legacy default stream), and a side stream and its fork/join events.
     ///
-    /// Fails (never panics) when there is no driver, no such device, or a driver call fails.
-    /// Initialization failures are reported with `DeviceOp::ModuleLoad`, core having no
-    /// dedicated operation for them.
+    /// Fails (never panics) when there is no driver, no such device, or a driver call fails,
+    /// reported with `DeviceOp::Init`.
     pub fn new(ordinal: usize) -> Result<CudaDevice, DeviceError> {
         CudaDevice::open(ordinal, None)
     }
@@ -444,7 +439,7 @@ impl CudaDevice {
         // 0x1 and 0x2 are CU_STREAM_LEGACY and CU_STREAM_PER_THREAD.
         if raw.is_null() || raw as usize == 0x1 || raw as usize == 0x2 {
             return Err(invalid_argument(
-                INIT_OP,
+                DeviceOp::Init,
                 "the stream to adopt is a default stream, which cannot be captured; make one with new_stream (candle: Device::new_cuda_with_stream)",
             ));
         }
@@ -453,7 +448,7 @@ impl CudaDevice {
         let device = CudaDevice::open(ordinal, Some(stream))?;
         if device.queue.inner.ctx != owner_ctx {
             return Err(invalid_argument(
-                INIT_OP,
+                DeviceOp::Init,
                 "the stream to adopt belongs to a non-primary context; make it on the device's primary context (cudarc: CudaContext::new)",
             ));
         }
@@ -467,16 +462,16 @@ impl CudaDevice {
     ) -> Result<CudaDevice, DeviceError> {
         driver_ready()?;
         let ordinal_c = c_int::try_from(ordinal)
-            .map_err(|_| invalid_argument(INIT_OP, "the device ordinal exceeds i32::MAX"))?;
+            .map_err(|_| invalid_argument(DeviceOp::Init, "the device ordinal exceeds i32::MAX"))?;
         let mut cu_device: sys::CUdevice = 0;
         // SAFETY: the driver is initialized (driver_ready); `cu_device` is a valid out-pointer.
-        check(INIT_OP, unsafe {
+        check(DeviceOp::Init, unsafe {
             sys::cuDeviceGet(&mut cu_device, ordinal_c)
         })?;
 
         let mut name_buf: [c_char; 256] = [0; 256];
         // SAFETY: `name_buf` has room for the 256 bytes passed as its length.
-        check(INIT_OP, unsafe {
+        check(DeviceOp::Init, unsafe {
             sys::cuDeviceGetName(name_buf.as_mut_ptr(), name_buf.len() as c_int, cu_device)
         })?;
         name_buf[name_buf.len() - 1] = 0;
@@ -486,7 +481,7 @@ impl CudaDevice {
             .into_owned();
 
         let mut inner = Inner {
-            id: DeviceId(ID_TAG | NEXT_ID.fetch_add(1, Ordering::Relaxed)),
+            id: DeviceId::fresh(),
             ordinal,
             name,
             cu_device,
@@ -507,16 +502,16 @@ impl CudaDevice {
         let mut ctx: sys::CUcontext = ptr::null_mut();
         // SAFETY: `cu_device` is a valid device; `ctx` is a valid out-pointer. The reference is
         // released once in `Inner::drop` (which runs only if `inner.ctx` is set, below).
-        check(INIT_OP, unsafe {
+        check(DeviceOp::Init, unsafe {
             sys::cuDevicePrimaryCtxRetain(&mut ctx, cu_device)
         })?;
         inner.ctx = ctx;
-        inner.make_current(INIT_OP)?;
+        inner.make_current(DeviceOp::Init)?;
         let prop = alloc_prop(cu_device);
         let mut granularity: usize = 0;
         // SAFETY: `granularity` is a valid out-pointer; `prop` is a fully initialized property
         // struct for this device that outlives the call.
-        check(INIT_OP, unsafe {
+        check(DeviceOp::Init, unsafe {
             sys::cuMemGetAllocationGranularity(
                 &mut granularity,
                 &prop,
@@ -538,7 +533,7 @@ impl CudaDevice {
             let mut stream: sys::CUstream = ptr::null_mut();
             // SAFETY: the context is current; `stream` is a valid out-pointer. Destroyed once in
             // `Inner::drop`.
-            check(INIT_OP, unsafe {
+            check(DeviceOp::Init, unsafe {
                 sys::cuStreamCreate(&mut stream, non_blocking)
             })?;
             *slot = stream;
@@ -548,7 +543,7 @@ impl CudaDevice {
             let mut event: sys::CUevent = ptr::null_mut();
             // SAFETY: the context is current; `event` is a valid out-pointer. Destroyed once in
             // `Inner::drop`.
-            check(INIT_OP, unsafe {
+            check(DeviceOp::Init, unsafe {
                 sys::cuEventCreate(&mut event, no_timing)
             })?;
             *slot = event;
@@ -848,7 +843,7 @@ impl Device for CudaDevice {
 
     /// `cuMemAddressReserve`, aligned to the granularity, in relaxed capture mode (legal during
     /// a capture).
-    fn reserve(&self, bytes: usize) -> Result<DevicePtr, DeviceError> {
+    fn reserve(&self, _: &CoreOnly, bytes: usize) -> Result<DevicePtr, DeviceError> {
         let op = DeviceOp::Reserve;
         let inner = &self.queue.inner;
         if bytes == 0 || !bytes.is_multiple_of(inner.granularity) {
@@ -874,7 +869,12 @@ impl Device for CudaDevice {
     }
 
     /// `cuMemAddressFree` of a whole reservation with nothing mapped in it.
-    fn release_reservation(&self, addr: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
+    fn release_reservation(
+        &self,
+        _: &CoreOnly,
+        addr: DevicePtr,
+        bytes: usize,
+    ) -> Result<(), DeviceError> {
         let op = DeviceOp::ReleaseReservation;
         let inner = &self.queue.inner;
         inner.enter(op)?;
@@ -903,7 +903,7 @@ impl Device for CudaDevice {
     /// Per granule `cuMemCreate` and `cuMemMap`, then one `cuMemSetAccess` (read/write for this
     /// device) over the range, all in relaxed capture mode (legal during a capture). On failure
     /// what this call mapped is unmapped and released again.
-    fn map(&self, addr: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
+    fn map(&self, _: &CoreOnly, addr: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
         let op = DeviceOp::Map;
         let inner = &self.queue.inner;
         let gran = inner.granularity;
@@ -969,7 +969,7 @@ impl Device for CudaDevice {
     /// Synchronizes the runtime and side streams (work that may still use the memory), then
     /// `cuMemUnmap` and `cuMemRelease` per granule. Every granule is attempted; the first error
     /// is returned after all of them, and a granule that failed stays mapped.
-    fn unmap(&self, addr: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
+    fn unmap(&self, _: &CoreOnly, addr: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
         let op = DeviceOp::Unmap;
         let inner = &self.queue.inner;
         let gran = inner.granularity;
@@ -997,15 +997,21 @@ impl Device for CudaDevice {
         first
     }
 
-    fn copy(&self, dst: DevicePtr, src: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
+    fn copy(
+        &self,
+        _: &CoreOnly,
+        dst: DevicePtr,
+        src: DevicePtr,
+        bytes: usize,
+    ) -> Result<(), DeviceError> {
         self.queue.copy_raw(dst, src, bytes)
     }
 
-    fn write(&self, dst: DevicePtr, src: &[u8]) -> Result<(), DeviceError> {
+    fn write(&self, _: &CoreOnly, dst: DevicePtr, src: &[u8]) -> Result<(), DeviceError> {
         self.queue.write_raw(dst, src)
     }
 
-    fn read(&self, src: DevicePtr, dst: &mut [u8]) -> Result<(), DeviceError> {
+    fn read(&self, _: &CoreOnly, src: DevicePtr, dst: &mut [u8]) -> Result<(), DeviceError> {
         self.queue.read_raw(src, dst)
     }
 
@@ -1014,7 +1020,7 @@ impl Device for CudaDevice {
     }
 
     /// `cuStreamBeginCapture_v2` on the runtime stream with the matching `CUstreamCaptureMode`.
-    fn begin_capture(&self, mode: CaptureMode) -> Result<(), DeviceError> {
+    fn begin_capture(&self, _: &CoreOnly, mode: CaptureMode) -> Result<(), DeviceError> {
         let op = DeviceOp::BeginCapture;
         let inner = &self.queue.inner;
         inner.enter(op)?;
@@ -1042,7 +1048,7 @@ impl Device for CudaDevice {
     /// graph is destroyed and the error returned with `EndCapture`; the stream is left out of
     /// capture mode either way, so core must not call `abort_capture` after a failed
     /// `end_capture` (it would answer `CaptureState`).
-    fn end_capture(&self) -> Result<CudaGraph, DeviceError> {
+    fn end_capture(&self, _: &CoreOnly) -> Result<CudaGraph, DeviceError> {
         let graph = self.end_stream_capture()?;
         self.instantiate(graph)
     }
@@ -1051,6 +1057,7 @@ impl Device for CudaDevice {
     /// driver refuses, instantiates the capture into `target` instead.
     fn end_capture_into(
         &self,
+        _: &CoreOnly,
         target: &mut CudaGraph,
     ) -> Result<Option<UpdateRefusal>, DeviceError> {
         let graph = self.end_stream_capture()?;
@@ -1074,7 +1081,7 @@ impl Device for CudaDevice {
     /// The driver API keeps no per-thread "last error" (that is the runtime API's
     /// `cudaGetLastError`), and capture violations are not sticky context errors, so once the
     /// capture has ended there is no error state left to clear: the stream is usable eagerly.
-    fn abort_capture(&self) -> Result<(), DeviceError> {
+    fn abort_capture(&self, _: &CoreOnly) -> Result<(), DeviceError> {
         let op = DeviceOp::EndCapture;
         let inner = &self.queue.inner;
         inner.enter_capture(op)?;
@@ -1092,7 +1099,7 @@ impl Device for CudaDevice {
     }
 
     /// `cuGraphLaunch` on the runtime stream.
-    fn launch(&self, graph: &CudaGraph) -> Result<(), DeviceError> {
+    fn launch(&self, _: &CoreOnly, graph: &CudaGraph) -> Result<(), DeviceError> {
         let op = DeviceOp::GraphLaunch;
         let inner = &self.queue.inner;
         inner.enter(op)?;
@@ -1111,6 +1118,7 @@ impl Device for CudaDevice {
     /// `cuGraphExecMemcpyNodeSetParams` on the copy node writing `dst` (found once, cached).
     fn repoint_copy(
         &self,
+        _: &CoreOnly,
         graph: &mut CudaGraph,
         recorded: CopyEnds,
         now: CopyEnds,
@@ -1127,6 +1135,7 @@ impl Device for CudaDevice {
     /// Patches the executable's kernel nodes (see the `patch` module).
     fn redirect_reads(
         &self,
+        _: &CoreOnly,
         graph: &mut CudaGraph,
         copy: CopyEnds,
         len: usize,
@@ -1148,11 +1157,11 @@ impl Device for CudaDevice {
         graph::summarize(INSPECT_OP, handles.graph)
     }
 
-    fn take_sticky_error(&self) -> Option<DeviceError> {
+    fn take_sticky_error(&self, _: &CoreOnly) -> Option<DeviceError> {
         self.queue.inner.take_sticky()
     }
 
-    fn record_sticky_error(&self, error: DeviceError) {
+    fn record_sticky_error(&self, _: &CoreOnly, error: DeviceError) {
         self.queue.inner.record_sticky(error);
     }
 }

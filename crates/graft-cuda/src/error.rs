@@ -10,13 +10,6 @@ use std::sync::{Mutex, OnceLock, PoisonError};
 use cudarc::driver::sys::CUresult;
 use graft_core::{CaptureViolation, DeviceError, DeviceOp};
 
-/// The operation reported for failures while loading or initialising the driver.
-///
-/// `DeviceOp` has no variant for that yet; `ModuleLoad` ("module load") is the closest
-/// (loading the driver library is loading a module). Replace with `DeviceOp::Init` if core
-/// adds one.
-pub(crate) const INIT_OP: DeviceOp = DeviceOp::ModuleLoad;
-
 /// The operation reported for failures while inspecting a captured graph ([`crate::CudaDevice`]'s
 /// `summarize`). `DeviceOp` has no "graph inspect" variant; the graph being inspected is the one
 /// instantiation produced, so `Instantiate` is the closest.

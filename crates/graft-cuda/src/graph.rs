@@ -4,7 +4,8 @@ use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use cudarc::driver::sys;
-use graft_core::backend::{CopyEnds, DeviceError, DeviceOp, UpdateRefusal};
+use graft_core::backend::CopyEnds;
+use graft_core::{DeviceError, DeviceOp, DevicePtr, UpdateRefusal};
 
 use crate::device::Inner;
 use crate::error::check;
@@ -147,7 +148,7 @@ impl CudaGraph {
         &mut self,
         copy: CopyEnds,
         len: usize,
-        to: Option<graft_core::backend::DevicePtr>,
+        to: Option<DevicePtr>,
     ) -> Result<bool, DeviceError> {
         let h = self
             .handles

@@ -11,7 +11,8 @@
 use std::ffi::c_void;
 
 use cudarc::driver::sys;
-use graft_core::backend::{CopyEnds, DeviceError, DeviceOp, DevicePtr};
+use graft_core::backend::CopyEnds;
+use graft_core::{DeviceError, DeviceOp, DevicePtr};
 
 use crate::error::check;
 use crate::graph::{GraphHandles, node_type, nodes};
