@@ -1,4 +1,4 @@
-//! Mapping of CUDA driver results (`CUresult`) to graft's backend-neutral [`DeviceError`].
+//! The one layer between the CUDA driver and graft's errors: driver results (`CUresult`) mapped to graft's backend-neutral [`DeviceError`], and the error for arguments refused before the driver sees them.
 //!
 //! Nothing here calls the driver: the error's name comes from cudarc's `CUresult` enum (its
 //! variants are named exactly as CUDA names its codes), so mapping works, and is tested, on a
@@ -14,6 +14,11 @@ use graft_core::{CaptureViolation, DeviceError, DeviceOp};
 /// `summarize`). `DeviceOp` has no "graph inspect" variant; the graph being inspected is the one
 /// instantiation produced, so `Instantiate` is the closest.
 pub(crate) const INSPECT_OP: DeviceOp = DeviceOp::Instantiate;
+
+/// The error for arguments the backend refuses before the driver sees them.
+pub(crate) fn invalid_argument(op: DeviceOp, what: &'static str) -> DeviceError {
+    DeviceError::InvalidArgument { op, what }
+}
 
 /// Turns a driver result into `Ok(())` or the mapped error. `OutOfMemory` reports 0 bytes: use
 /// [`check_alloc`] where the size is known.

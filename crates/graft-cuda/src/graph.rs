@@ -7,7 +7,7 @@ use cudarc::driver::sys;
 use graft_core::backend::CopyEnds;
 use graft_core::{DeviceError, DeviceOp, DevicePtr, UpdateRefusal};
 
-use crate::device::Inner;
+use crate::context::Inner;
 use crate::error::check;
 
 /// The raw graph handles. Only touched under [`CudaGraph`]'s mutex, or through `&mut` in drop.

@@ -26,8 +26,9 @@ use cudarc::driver::sys;
 use cudarc::nvrtc;
 use graft_core::{Buffer, DeviceError, DeviceId, DeviceOp};
 
-use crate::device::{CudaQueue, Inner, invalid_argument};
-use crate::error::check;
+use crate::context::Inner;
+use crate::device::CudaQueue;
+use crate::error::{check, invalid_argument};
 
 /// Most kernel parameters a launch passes without allocating (a stack array).
 const STACK_ARGS: usize = 16;
