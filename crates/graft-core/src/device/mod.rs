@@ -68,6 +68,10 @@ pub use types::{CaptureMode, CopyEnds, DeviceId, DevicePtr, GraphSummary, Update
 /// order; "synchronous" methods also wait for it. Methods take `&self`: backends use interior
 /// mutability and must be callable from the thread that drives graft while buffers are dropped
 /// on others.
+///
+/// Methods that take a [`CoreOnly`] token first are graft-core's alone: only core can make
+/// one, so a framework can hold a device, bound a type by this trait and call the rest, but
+/// cannot capture, map, launch, read or write raw addresses, or touch the sticky error slot.
 pub trait Device: Send + Sync + 'static {
     /// An instantiated, uploaded, executable graph. Dropping it destroys it; a failure there
     /// goes to the sticky error slot.

@@ -23,7 +23,7 @@
 /// ```
 ///
 /// Graft's own backend tests and benchmarks drive devices directly: they get a token from
-/// [`CoreOnly::for_tests_and_benches`], which exists only with graft-core's `test-support`
+/// `CoreOnly::for_tests_and_benches`, which exists only with graft-core's `test-support`
 /// feature.
 #[derive(Debug)]
 pub struct CoreOnly(());
