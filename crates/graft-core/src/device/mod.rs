@@ -45,11 +45,7 @@
 //!
 //! # Sealed methods
 //!
-//! Every method that changes capture, memory mapping, graphs or the sticky error slot, or
-//! touches memory at raw addresses, takes a [`CoreOnly`] token first, which only graft-core can
-//! make: framework code and bodies hold the device (or its queue) but can call none of them.
-//! Backends ignore the token. The rest (`queue`, `id`, `describe`, `granularity`,
-//! `synchronize`, `summarize`) is callable by anyone.
+//! See [`Device`]: most methods take a [`CoreOnly`] token, which only core makes.
 
 mod error;
 mod seal;
@@ -69,9 +65,11 @@ pub use types::{CaptureMode, CopyEnds, DeviceId, DevicePtr, GraphSummary, Update
 /// mutability and must be callable from the thread that drives graft while buffers are dropped
 /// on others.
 ///
-/// Methods that take a [`CoreOnly`] token first are graft-core's alone: only core can make
-/// one, so a framework can hold a device, bound a type by this trait and call the rest, but
-/// cannot capture, map, launch, read or write raw addresses, or touch the sticky error slot.
+/// Every method that changes capture, memory mapping, graphs or the sticky error slot, or
+/// touches memory at raw addresses, takes a [`CoreOnly`] token first, and only graft-core can
+/// make one: framework code and bodies may hold the device (or its queue) and bound types by
+/// this trait, but can call only `queue`, `id`, `describe`, `granularity`, `synchronize` and
+/// `summarize`. Backends ignore the token.
 pub trait Device: Send + Sync + 'static {
     /// An instantiated, uploaded, executable graph. Dropping it destroys it; a failure there
     /// goes to the sticky error slot.
