@@ -3,6 +3,7 @@
 use std::hint::black_box;
 
 use criterion::{Criterion, criterion_group, criterion_main};
+use graft::backend::CoreOnly;
 use graft::testing::{Backing, Pool};
 use graft::{DeviceError, DevicePtr};
 
@@ -15,16 +16,16 @@ impl Backing for Free {
     fn granularity(&self) -> usize {
         2 * MIB
     }
-    fn reserve(&self, _bytes: usize) -> Result<DevicePtr, DeviceError> {
+    fn reserve(&self, _: &CoreOnly, _bytes: usize) -> Result<DevicePtr, DeviceError> {
         Ok(DevicePtr(1 << 40))
     }
-    fn release_reservation(&self, _: DevicePtr, _: usize) -> Result<(), DeviceError> {
+    fn release_reservation(&self, _: &CoreOnly, _: DevicePtr, _: usize) -> Result<(), DeviceError> {
         Ok(())
     }
-    fn map(&self, _: DevicePtr, _: usize) -> Result<(), DeviceError> {
+    fn map(&self, _: &CoreOnly, _: DevicePtr, _: usize) -> Result<(), DeviceError> {
         Ok(())
     }
-    fn unmap(&self, _: DevicePtr, _: usize) -> Result<(), DeviceError> {
+    fn unmap(&self, _: &CoreOnly, _: DevicePtr, _: usize) -> Result<(), DeviceError> {
         Ok(())
     }
 }

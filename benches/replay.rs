@@ -5,9 +5,13 @@
 //! static ones the chain does not read) in a tree of 1,000 recorded nodes.
 
 use criterion::{Criterion, criterion_group, criterion_main};
+use graft::backend::CoreOnly;
 use graft::sim::SimDevice;
 use graft::{BodyError, Buffer, Config, Ctx, Device, FunctionSpec, Graft, Output};
 use graft_testkit::TestQueue;
+
+/// The token of the device's sealed calls, which the raw-graph baseline makes itself.
+const CORE: &CoreOnly = &CoreOnly::for_tests_and_benches();
 
 const N: usize = 1;
 
@@ -47,8 +51,8 @@ fn bench(c: &mut Criterion) {
         let bufs: Vec<Buffer> = (0..10).map(|_| g2.alloc(N * 4).unwrap()).collect();
         let p: Vec<_> = bufs.iter().map(|b| b.addr().unwrap()).collect();
         // The graph graft records: the input copy into the placeholder, then the chain.
-        dev.begin_capture(Default::default()).unwrap();
-        dev.copy(p[7], p[9], N * 4).unwrap();
+        dev.begin_capture(CORE, Default::default()).unwrap();
+        dev.copy(CORE, p[7], p[9], N * 4).unwrap();
         let (out, placeholder) = (&bufs[8], &bufs[7]);
         dev.axpb_f32(out, placeholder, 1.0, 0.0, N).unwrap();
         for w in &bufs[..7] {
@@ -56,7 +60,7 @@ fn bench(c: &mut Criterion) {
         }
         dev.axpb_f32(out, out, 0.5, 1.0, N).unwrap();
         dev.add_f32(out, out, placeholder, N).unwrap();
-        let graph = dev.end_capture().unwrap();
+        let graph = dev.end_capture(CORE).unwrap();
         (g2, bufs, graph)
     };
 
@@ -78,7 +82,7 @@ fn bench(c: &mut Criterion) {
 
     let mut group = c.benchmark_group("replay_fast_path");
     group.bench_function("raw_graph_launch", |b| {
-        b.iter(|| dev.launch(&raw.2).unwrap())
+        b.iter(|| dev.launch(CORE, &raw.2).unwrap())
     });
     group.bench_function("graft_replay", |b| {
         b.iter(|| g.call_into(f, &refs, &[], chain, &mut out).unwrap())

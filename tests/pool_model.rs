@@ -10,6 +10,7 @@ use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet};
 
 use graft_core::PoolError;
+use graft_core::backend::CoreOnly;
 use graft_core::testing::{Backing, Block, BlockId, Checkpoint, Pool};
 use graft_core::{DeviceError, DeviceOp, DevicePtr};
 use proptest::prelude::*;
@@ -95,7 +96,7 @@ impl Backing for FakeBacking {
         self.gran
     }
 
-    fn reserve(&self, bytes: usize) -> Result<DevicePtr, DeviceError> {
+    fn reserve(&self, _: &CoreOnly, bytes: usize) -> Result<DevicePtr, DeviceError> {
         let mut st = self.state.borrow_mut();
         if st.reservation.is_some() || !bytes.is_multiple_of(self.gran) {
             st.violations.push(format!("reserve {bytes}"));
@@ -107,7 +108,12 @@ impl Backing for FakeBacking {
         Ok(DevicePtr(addr))
     }
 
-    fn release_reservation(&self, addr: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
+    fn release_reservation(
+        &self,
+        _: &CoreOnly,
+        addr: DevicePtr,
+        bytes: usize,
+    ) -> Result<(), DeviceError> {
         let mut st = self.state.borrow_mut();
         if st.reservation != Some((addr.0, bytes)) || !st.mapped.is_empty() {
             st.violations.push(format!("release {addr}+{bytes}"));
@@ -116,7 +122,7 @@ impl Backing for FakeBacking {
         Ok(())
     }
 
-    fn map(&self, addr: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
+    fn map(&self, _: &CoreOnly, addr: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
         self.check_range(DeviceOp::Map, addr, bytes)?;
         let gs = self.granules(addr, bytes);
         let mut st = self.state.borrow_mut();
@@ -134,7 +140,7 @@ impl Backing for FakeBacking {
         Ok(())
     }
 
-    fn unmap(&self, addr: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
+    fn unmap(&self, _: &CoreOnly, addr: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
         self.check_range(DeviceOp::Unmap, addr, bytes)?;
         let gs = self.granules(addr, bytes);
         let mut st = self.state.borrow_mut();

@@ -25,11 +25,17 @@ use std::io::Write;
 
 use clap::{Args, Parser, Subcommand};
 use graft_core::Device;
+use graft_core::backend::CoreOnly;
 use graft_cuda::CudaDevice;
 use graft_sim::SimDevice;
 use graft_tensor::DecoderConfig;
 
 pub use error::CliError;
+
+/// The token of the device's sealed capture, launch and copy calls, which the raw-graph
+/// baselines of `graft bench micro` and `graft bench update` make themselves: graft-core's
+/// token for benchmarks.
+const CORE: &CoreOnly = &CoreOnly::for_tests_and_benches();
 
 /// graft: CUDA graph trees for Rust tensor frameworks.
 #[derive(Parser, Debug)]

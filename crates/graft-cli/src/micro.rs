@@ -15,7 +15,7 @@ use std::io::Write;
 use graft_core::{BodyError, Buffer, Config, Ctx, Device, FunctionSpec, Graft, Output};
 use graft_tensor::{DType, Ops, Tensor, TensorError};
 
-use crate::{Backend, CliError, MicroArgs};
+use crate::{Backend, CORE, CliError, MicroArgs};
 
 /// Floats per buffer.
 pub const N: usize = 1024;
@@ -125,11 +125,11 @@ fn capture<D: Device>(
     device: &D,
     f: impl FnOnce() -> graft_tensor::Result<()>,
 ) -> Result<D::Graph, MicroError> {
-    device.begin_capture(Default::default())?;
+    device.begin_capture(CORE, Default::default())?;
     match f() {
-        Ok(()) => Ok(device.end_capture()?),
+        Ok(()) => Ok(device.end_capture(CORE)?),
         Err(e) => {
-            device.abort_capture()?;
+            device.abort_capture(CORE)?;
             Err(e.into())
         }
     }
@@ -230,15 +230,15 @@ pub fn run<D: graft_tensor::Backend>(
 
     // The graph graft records: the input copy into the placeholder, then the chain.
     let same_graph = capture(&device, || {
-        device.copy(placeholder.ptr()?, x.ptr()?, N * 4)?;
+        device.copy(CORE, placeholder.ptr()?, x.ptr()?, N * 4)?;
         chain(&k, acc, w, placeholder)
     })?;
     // The chain alone, with the input copied before each launch (how PyTorch's trees copy).
     let kernels_only = capture(&device, || chain(&k, acc, w, placeholder))?;
     let (x_at, placeholder_at) = (x.ptr()?, placeholder.ptr()?);
     let raw_copy_ns = time(&device, timing, repeats, per_block, || {
-        device.copy(placeholder_at, x_at, N * 4)?;
-        Ok(device.launch(&kernels_only)?)
+        device.copy(CORE, placeholder_at, x_at, N * 4)?;
+        Ok(device.launch(CORE, &kernels_only)?)
     })?;
 
     for _ in 8..inputs {
@@ -261,7 +261,7 @@ pub fn run<D: graft_tensor::Backend>(
         timing,
         repeats,
         per_block,
-        || Ok(device.launch(&same_graph)?),
+        || Ok(device.launch(CORE, &same_graph)?),
         || {
             g.call_into(f, &refs, &[0], |ctx| body::<D>(&k, ctx), &mut out)?;
             Ok(())

@@ -20,7 +20,7 @@ use crate::error::CliError;
 use crate::progress;
 use crate::timing::{fmt_us, median_us, timed};
 use crate::tokens::first_tokens;
-use crate::{Backend, ShapesArgs};
+use crate::{Backend, CORE, ShapesArgs};
 
 const MIB: f64 = (1 << 20) as f64;
 
@@ -342,7 +342,7 @@ fn update_on<D: graft_tensor::Backend>(
         dec.tokens_in(&mut g, &ids, bucket)?,
     ];
     let mut kept = dec.capture_open(&mut g, &states[0], &tokens[0])?;
-    let mut graph = device.end_capture()?;
+    let mut graph = device.end_capture(CORE)?;
     let (mut captures, mut updates, mut instantiations, mut refusals) =
         (Vec::new(), Vec::new(), Vec::new(), 0);
     for r in 0..=rounds {
@@ -351,7 +351,7 @@ fn update_on<D: graft_tensor::Backend>(
         let start = Instant::now();
         let now_kept = dec.capture_open(&mut g, &states[i], &tokens[i])?;
         let captured = start.elapsed();
-        let refusal = device.end_capture_into(&mut graph)?;
+        let refusal = device.end_capture_into(CORE, &mut graph)?;
         let updated = start.elapsed() - captured;
         kept = now_kept;
         refusals += usize::from(refusal.is_some());
@@ -359,7 +359,7 @@ fn update_on<D: graft_tensor::Backend>(
         let start = Instant::now();
         let fresh_kept = dec.capture_open(&mut g, &states[i], &tokens[i])?;
         let captured_again = start.elapsed();
-        let fresh = device.end_capture()?;
+        let fresh = device.end_capture(CORE)?;
         let instantiated = start.elapsed() - captured_again;
         drop((fresh, fresh_kept));
         if r > 0 {

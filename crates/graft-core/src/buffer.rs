@@ -10,87 +10,10 @@ use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, AtomicUsize, Ordering, fence};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 
+use crate::buffer_error::BufferError;
 use crate::device::{DeviceError, DeviceId, DeviceOp, DevicePtr};
+pub(crate) use crate::node_id::{NodeId, NodeLabel};
 use crate::pool::{BlockId, Pool};
-
-/// Identifies a node of the graph tree in errors, dumps and statistics.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, PartialOrd, Ord)]
-pub struct NodeId(pub(crate) u64);
-
-impl fmt::Display for NodeId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        // The low 32 bits of a slotmap key are the slot index; show that, it is what dumps show.
-        write!(f, "n{}", self.0 & 0xffff_ffff)
-    }
-}
-
-/// Why a buffer can no longer be read.
-#[derive(thiserror::Error, Clone, PartialEq, Eq, Debug)]
-pub enum BufferError {
-    /// A later warmup, recording or replay reused the buffer's memory.
-    #[error(
-        "buffer produced by {function} (node {node}, generation {generation}) was overwritten by node {overwritten_by} \
-         in a later step; copy it out with Graft::copy_out before the next step, or keep it in a buffer you own"
-    )]
-    Overwritten {
-        /// Name of the function that produced the buffer.
-        function: Arc<str>,
-        /// Node that produced it, or `-` for a warmup or eager run.
-        node: NodeLabel,
-        /// Generation (step) that produced it.
-        generation: u64,
-        /// Node whose replay or recording reused the memory (`-` for a warmup).
-        overwritten_by: NodeLabel,
-    },
-    /// The memory was reclaimed when the buffer could not be kept (a restore found it overlapping live memory).
-    #[error(
-        "buffer produced by {function} (node {node}, generation {generation}) was reclaimed by the pool; \
-         copy outputs out with Graft::copy_out before diverging from a recorded path"
-    )]
-    Reclaimed {
-        /// Name of the function that produced the buffer.
-        function: Arc<str>,
-        /// Node that produced it.
-        node: NodeLabel,
-        /// Generation that produced it.
-        generation: u64,
-    },
-    /// `Graft::reset` freed every graph and segment.
-    #[error(
-        "buffer produced by {function} (generation {generation}) was freed by Graft::reset; \
-         copy outputs out before resetting, or allocate long-lived buffers with Graft::alloc"
-    )]
-    Reset {
-        /// Name of the function that produced the buffer.
-        function: Arc<str>,
-        /// Generation that produced it.
-        generation: u64,
-    },
-    /// The `Graft` that made the buffer was dropped or closed, and its memory with it.
-    #[error(
-        "buffer made by {function} (generation {generation}) was freed when its Graft was dropped or closed; \
-         keep the runtime alive while you use its buffers, or copy them into memory you own first"
-    )]
-    Dropped {
-        /// Name of the function that produced the buffer (`alloc` for `Graft::alloc`).
-        function: Arc<str>,
-        /// Generation that produced it.
-        generation: u64,
-    },
-}
-
-/// A node id, or none (`-`) for memory made by a warmup or eager run.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub struct NodeLabel(pub Option<NodeId>);
-
-impl fmt::Display for NodeLabel {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self.0 {
-            Some(n) => write!(f, "{n}"),
-            None => f.write_str("-"),
-        }
-    }
-}
 
 const VALID: u8 = 0;
 const OVERWRITTEN: u8 = 1;

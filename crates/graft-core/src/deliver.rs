@@ -3,7 +3,7 @@
 //! that output (re-pointed before every launch), or after an eager run of the body.
 
 use crate::buffer::Buffer;
-use crate::device::{CopyEnds, Device};
+use crate::device::{CORE, CopyEnds, Device};
 use crate::error::CallError;
 use crate::graft::Graft;
 use crate::tree::Output;
@@ -81,7 +81,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
                     source,
                 })?;
                 self.device
-                    .copy(at, src, len)
+                    .copy(CORE, at, src, len)
                     .map_err(|source| CallError::Device {
                         function: self.functions[function].name.clone(),
                         source,
@@ -119,7 +119,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 let node = &mut self.tree[key];
                 if ends.dst != at {
                     self.device
-                        .repoint_copy(&mut node.graph, ends, now)
+                        .repoint_copy(CORE, &mut node.graph, ends, now)
                         .map_err(|source| CallError::Device {
                             function: self.functions[function].name.clone(),
                             source,

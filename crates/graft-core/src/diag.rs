@@ -7,10 +7,10 @@ use std::sync::Arc;
 use petgraph::dot::{Config as DotConfig, Dot};
 use petgraph::graph::{DiGraph, NodeIndex};
 
-use crate::buffer::NodeId;
 use crate::device::{Device, DevicePtr, GraphSummary};
 use crate::error::FunctionId;
 use crate::graft::Graft;
+use crate::node_id::NodeId;
 use crate::reason::RecordReason;
 use crate::tree::{InputSlot, NodeKey, OutputSlot};
 

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use crate::buffer::BufferError;
+use crate::buffer_error::BufferError;
 use crate::device::{DeviceError, DeviceId};
 use crate::pool::PoolError;
 
@@ -222,7 +222,7 @@ pub enum CallError<E = AnyError> {
         /// Function called.
         function: Arc<str>,
         /// Node replayed.
-        node: crate::buffer::NodeId,
+        node: crate::node_id::NodeId,
         /// Which buffer differs.
         what: VerifyTarget,
         /// First differing byte.

@@ -9,14 +9,15 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use crate::bucket::Bucket;
-use crate::buffer::{Buffer, Cell, NodeId};
+use crate::buffer::{Buffer, Cell};
 use crate::config::{Config, FunctionSpec, Mode};
 use crate::ctx::Ctx;
-use crate::device::{Device, DevicePtr};
 use crate::deliver::Destinations;
+use crate::device::{CORE, Device, DevicePtr};
 use crate::error::{BodyError, CallError, FunctionId};
 use crate::group::Member;
 use crate::lifecycle::{Phase, transition};
+use crate::node_id::NodeId;
 use crate::plan::{self, Action, Plan, View};
 use crate::pool::Pool;
 use crate::reason::{Decision, DecisionRecord, EagerReason, EvictReason, RecordReason};
@@ -370,7 +371,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
         let Some(f) = self.functions.get(function) else {
             return Err(CallError::UnknownFunction { id: function });
         };
-        if let Some(source) = self.device.take_sticky_error() {
+        if let Some(source) = self.device.take_sticky_error(CORE) {
             return Err(CallError::Sticky { source });
         }
         let device_id = self.device.id();

@@ -1,9 +1,10 @@
 //! Test introspection: what a call would replay, and per-node facts, without running anything.
 
-use crate::buffer::{Buffer, NodeId};
+use crate::buffer::Buffer;
 use crate::device::Device;
 use crate::error::{CallError, FunctionId};
 use crate::graft::Graft;
+use crate::node_id::NodeId;
 use crate::plan;
 use crate::tree::{NodeKey, TreeViolation, key_of};
 

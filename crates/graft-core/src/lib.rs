@@ -1,12 +1,15 @@
 //! graft-core: the backend-neutral runtime of graft (device layer, pool, buffers, the graph tree).
 //!
-//! The root holds what a framework embedding graft uses. [`backend`] holds what a backend
-//! author implements; `testing` (feature `test-support`) what graft's own tests and benches
-//! inspect.
+//! The root holds what a framework embedding graft uses, the [`Device`] trait included (as a
+//! bound: its dangerous methods are sealed to graft-core, see [`backend::CoreOnly`]).
+//! [`backend`] holds what a backend author needs beyond that; `testing` (feature
+//! `test-support`) what graft's own tests and benches inspect.
 #![forbid(unsafe_code)]
 
 mod bucket;
 mod buffer;
+mod buffer_error;
+mod buffer_io;
 mod config;
 mod coordinator;
 mod ctx;
@@ -21,6 +24,7 @@ mod group;
 mod introspect;
 mod lifecycle;
 mod memory;
+mod node_id;
 mod plan;
 mod prepare;
 // Its inspection surface (`testing`) is only reachable with the test-support feature.
@@ -38,7 +42,8 @@ mod stats;
 mod tree;
 
 pub use bucket::{Bucket, Buckets, BucketsError};
-pub use buffer::{Buffer, BufferError, NodeId, NodeLabel};
+pub use buffer::Buffer;
+pub use buffer_error::BufferError;
 pub use config::{AllowEntry, Config, FunctionSpec, Mode};
 pub use coordinator::{Coordinator, StartError, StepError};
 pub use ctx::{Ctx, RunKind};
@@ -52,20 +57,19 @@ pub use error::{AnyError, BodyError, CallError, FunctionId, MemoryError, VerifyT
 pub use graft::{Graft, Outcome};
 pub use group::{GroupError, Member};
 pub use lifecycle::Phase;
+pub use node_id::{NodeId, NodeLabel};
 pub use pool::{PoolError, PoolStats};
 pub use prepare::{BucketCapture, CaptureReport};
 pub use reason::{Decision, DecisionRecord, EagerReason, EvictReason, RecordReason, WarmupReason};
 pub use stats::{RerecordCounts, Stats};
 pub use tree::Output;
 
-/// What a backend author implements and uses: the [`Device`] trait, its
-/// capture lifecycle and memory rules (see the trait's module documentation), and the types
-/// its methods take and return.
+/// What a backend author needs beyond the crate root, where the [`Device`] trait and the types
+/// its methods take and return live: the token that seals the trait's dangerous methods to
+/// graft-core ([`CoreOnly`](backend::CoreOnly)), the ends of a recorded copy, and the sticky
+/// error slot backends embed.
 pub mod backend {
-    pub use crate::device::{
-        CaptureMode, CaptureViolation, CopyEnds, Device, DeviceError, DeviceId, DeviceOp,
-        DevicePtr, GraphSummary, StickyError, UpdateRefusal,
-    };
+    pub use crate::device::{CopyEnds, CoreOnly, StickyError};
 }
 
 /// What graft's own tests and benches inspect: the pool on its own. Not a stable interface.

@@ -1,7 +1,7 @@
 //! The capture lifecycle: where the path stands, and the one function that moves it.
 
-use crate::buffer::NodeId;
 use crate::error::CallError;
+use crate::node_id::NodeId;
 
 /// Where the path of the current generation stands. Owned by the runtime and moved only by
 /// `transition`.

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use crate::buffer::{Buffer, Cell};
 use crate::ctx::{Reclaim, alloc_owned};
-use crate::device::{Device, DevicePtr};
+use crate::device::{CORE, Device, DevicePtr};
 use crate::error::{FunctionId, MemoryError};
 use crate::graft::{Graft, lock};
 use crate::reason::Decision;
@@ -72,7 +72,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
     /// Allocates `bytes` outside the graph pool, for memory that lives across steps
     /// (weights, caches, copies). Freed when the last handle drops.
     pub fn alloc(&mut self, bytes: usize) -> Result<Buffer, MemoryError> {
-        if let Some(e) = self.device.take_sticky_error() {
+        if let Some(e) = self.device.take_sticky_error(CORE) {
             return Err(e.into());
         }
         let (cell, buffer) = alloc_owned(
@@ -105,7 +105,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
         let src = self.check_device(buffer)?;
         let copy = self.alloc(buffer.len())?;
         if !buffer.is_empty() {
-            self.device.copy(copy.addr()?, src, buffer.len())?;
+            self.device.copy(CORE, copy.addr()?, src, buffer.len())?;
         }
         Ok(copy)
     }
@@ -119,7 +119,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 buffer: buffer.len(),
             });
         }
-        Ok(self.device.read(src, dst)?)
+        Ok(self.device.read(CORE, src, dst)?)
     }
 
     /// Writes host bytes into a buffer.
@@ -131,7 +131,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 buffer: buffer.len(),
             });
         }
-        Ok(self.device.write(dst, src)?)
+        Ok(self.device.write(CORE, dst, src)?)
     }
 
     /// Reads a buffer of f32 values.
@@ -173,7 +173,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
         let released = lock(&self.graph_pool).release_all(device);
         synced?;
         released?;
-        if let Some(e) = self.device.take_sticky_error() {
+        if let Some(e) = self.device.take_sticky_error(CORE) {
             return Err(e.into());
         }
         Ok(())
@@ -213,7 +213,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
         self.tree.clear();
         let graph = lock(&self.graph_pool).release_all(&self.device);
         let eager = lock(&self.eager_pool).release_all(&self.device);
-        let sticky = self.device.take_sticky_error();
+        let sticky = self.device.take_sticky_error(CORE);
         synced?;
         graph?;
         eager?;

@@ -3,8 +3,8 @@
 
 use std::fmt;
 
-use crate::buffer::NodeId;
 use crate::device::{CaptureViolation, DeviceError, DeviceOp, DevicePtr, UpdateRefusal};
+use crate::node_id::NodeId;
 
 /// Why a call recorded a new node instead of replaying one.
 #[derive(Clone, PartialEq, Eq, Debug)]

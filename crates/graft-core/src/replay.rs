@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use crate::buffer::{Buffer, Cell};
 use crate::ctx::{Ctx, RunKind};
-use crate::device::{CopyEnds, Device, DeviceError};
+use crate::device::{CORE, CopyEnds, Device, DeviceError};
 use crate::error::{BodyError, CallError, MemoryError, VerifyTarget};
 use crate::graft::{Frame, Graft, Outcome};
 use crate::lifecycle::Phase;
@@ -56,7 +56,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
             }
             i += 1;
         }
-        if let Err(source) = self.device.launch(&node.graph) {
+        if let Err(source) = self.device.launch(CORE, &node.graph) {
             return Err(fail(self, source));
         }
         self.stats.invalidations += invalidated;
@@ -103,12 +103,12 @@ impl<D: Device, M: Clone> Graft<D, M> {
                     Some(at) if at == src => continue,
                     Some(_) if tree::overlaps(&node.footprint, src.0, src.0 + *len as u64) => {
                         self.device
-                            .redirect(&mut node.graph, ph, *len, Some(copy), None)?;
+                            .redirect(CORE, &mut node.graph, ph, *len, Some(copy), None)?;
                         *reads = None;
                     }
                     Some(_) => {
                         self.device
-                            .redirect(&mut node.graph, ph, *len, Some(copy), Some(src))?;
+                            .redirect(CORE, &mut node.graph, ph, *len, Some(copy), Some(src))?;
                         *reads = Some(src);
                         repointed += 1;
                         continue;
@@ -118,7 +118,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 if *source != src {
                     let into = |src| CopyEnds { dst: ph, src };
                     self.device
-                        .repoint_copy(&mut node.graph, into(*source), into(src))?;
+                        .repoint_copy(CORE, &mut node.graph, into(*source), into(src))?;
                     *source = src;
                     repointed += 1;
                 }
@@ -127,7 +127,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 {
                     let back = |dst| CopyEnds { dst, src: ph };
                     self.device
-                        .repoint_copy(&mut node.graph, back(*dst), back(src))?;
+                        .repoint_copy(CORE, &mut node.graph, back(*dst), back(src))?;
                     *dst = src;
                 }
                 copied += 1;
@@ -145,7 +145,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 let to = self.addrs[i];
                 if !self
                     .device
-                    .redirect(&mut node.graph, *recorded, *len, None, Some(to))?
+                    .redirect(CORE, &mut node.graph, *recorded, *len, None, Some(to))?
                 {
                     return Err(DeviceError::InvalidArgument {
                         op: crate::device::DeviceOp::GraphUpdate,

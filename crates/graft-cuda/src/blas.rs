@@ -27,7 +27,8 @@ use cudarc::cublas::sys as blas;
 use cudarc::driver::sys;
 use graft_core::{Buffer, CaptureViolation, DeviceError, DeviceOp};
 
-use crate::device::{CudaQueue, Inner};
+use crate::context::Inner;
+use crate::device::CudaQueue;
 use crate::error::check;
 
 /// Bytes of the workspace each device's cuBLAS handle gets (32 MiB, what PyTorch gives

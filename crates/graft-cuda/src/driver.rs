@@ -24,9 +24,9 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::OnceLock;
 
 use cudarc::driver::sys;
-use graft_core::DeviceError;
+use graft_core::{DeviceError, DeviceOp};
 
-use crate::error::{INIT_OP, check};
+use crate::error::check;
 
 /// Declares the driver symbols this crate calls, each with a static description for when it is
 /// missing. Names are exactly those of the functions in `cudarc::driver::sys` (the `_v2`
@@ -88,7 +88,7 @@ pub(crate) fn driver_ready() -> Result<(), DeviceError> {
         .get_or_init(|| {
             catch_unwind(AssertUnwindSafe(load_and_init)).unwrap_or(Err(
                 DeviceError::Unavailable {
-                    op: INIT_OP,
+                    op: DeviceOp::Init,
                     what: "libcuda could not be loaded (cudarc panicked opening it); reinstall the NVIDIA driver",
                 },
             ))
@@ -102,7 +102,7 @@ fn load_and_init() -> Result<(), DeviceError> {
     // SAFETY: the library and `cuInit` are present (checked above, or bound by the loader with
     // `dynamic-linking`); 0 is cuInit's only valid flag value, and calling it more than once is
     // allowed.
-    check(INIT_OP, unsafe { sys::cuInit(0) })
+    check(DeviceOp::Init, unsafe { sys::cuInit(0) })
 }
 
 /// Steps 1 and 2: libcuda can be opened and has every symbol in [`DRIVER_SYMBOLS`].
@@ -112,7 +112,7 @@ fn check_library() -> Result<(), DeviceError> {
     // handle again; it calls no driver function.
     if !unsafe { sys::is_culib_present() } {
         return Err(DeviceError::Unavailable {
-            op: INIT_OP,
+            op: DeviceOp::Init,
             what: "libcuda could not be loaded: no NVIDIA driver is installed",
         });
     }
@@ -125,7 +125,7 @@ fn check_library() -> Result<(), DeviceError> {
         let found = unsafe { lib.get::<unsafe extern "C" fn()>(symbol.as_bytes()) }.is_ok();
         if !found {
             return Err(DeviceError::Unavailable {
-                op: INIT_OP,
+                op: DeviceOp::Init,
                 what: missing,
             });
         }
@@ -138,7 +138,7 @@ pub(crate) fn device_count() -> Result<usize, DeviceError> {
     driver_ready()?;
     let mut count: c_int = 0;
     // SAFETY: the driver is loaded and initialised (driver_ready); `count` is a valid out-pointer.
-    check(INIT_OP, unsafe { sys::cuDeviceGetCount(&mut count) })?;
+    check(DeviceOp::Init, unsafe { sys::cuDeviceGetCount(&mut count) })?;
     Ok(usize::try_from(count).unwrap_or(0))
 }
 
@@ -164,7 +164,13 @@ mod tests {
         // SAFETY: `is_culib_present` only `dlopen`s candidate names and drops the handles.
         if !unsafe { sys::is_culib_present() } {
             assert!(
-                matches!(first, Err(DeviceError::Unavailable { op: INIT_OP, .. })),
+                matches!(
+                    first,
+                    Err(DeviceError::Unavailable {
+                        op: DeviceOp::Init,
+                        ..
+                    })
+                ),
                 "{first:?}"
             );
         }

@@ -1,4 +1,4 @@
-//! Mapping of CUDA driver results (`CUresult`) to graft's backend-neutral [`DeviceError`].
+//! The one layer between the CUDA driver and graft's errors: driver results (`CUresult`) mapped to graft's backend-neutral [`DeviceError`], and the error for arguments refused before the driver sees them.
 //!
 //! Nothing here calls the driver: the error's name comes from cudarc's `CUresult` enum (its
 //! variants are named exactly as CUDA names its codes), so mapping works, and is tested, on a
@@ -10,17 +10,15 @@ use std::sync::{Mutex, OnceLock, PoisonError};
 use cudarc::driver::sys::CUresult;
 use graft_core::{CaptureViolation, DeviceError, DeviceOp};
 
-/// The operation reported for failures while loading or initialising the driver.
-///
-/// `DeviceOp` has no variant for that yet; `ModuleLoad` ("module load") is the closest
-/// (loading the driver library is loading a module). Replace with `DeviceOp::Init` if core
-/// adds one.
-pub(crate) const INIT_OP: DeviceOp = DeviceOp::ModuleLoad;
-
 /// The operation reported for failures while inspecting a captured graph ([`crate::CudaDevice`]'s
 /// `summarize`). `DeviceOp` has no "graph inspect" variant; the graph being inspected is the one
 /// instantiation produced, so `Instantiate` is the closest.
 pub(crate) const INSPECT_OP: DeviceOp = DeviceOp::Instantiate;
+
+/// The error for arguments the backend refuses before the driver sees them.
+pub(crate) fn invalid_argument(op: DeviceOp, what: &'static str) -> DeviceError {
+    DeviceError::InvalidArgument { op, what }
+}
 
 /// Turns a driver result into `Ok(())` or the mapped error. `OutOfMemory` reports 0 bytes: use
 /// [`check_alloc`] where the size is known.

@@ -4,9 +4,10 @@ use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use cudarc::driver::sys;
-use graft_core::backend::{CopyEnds, DeviceError, DeviceOp, UpdateRefusal};
+use graft_core::backend::CopyEnds;
+use graft_core::{DeviceError, DeviceOp, DevicePtr, UpdateRefusal};
 
-use crate::device::Inner;
+use crate::context::Inner;
 use crate::error::check;
 
 /// The raw graph handles. Only touched under [`CudaGraph`]'s mutex, or through `&mut` in drop.
@@ -146,10 +147,10 @@ impl CudaGraph {
     /// [`crate::patch`]).
     pub(crate) fn redirect(
         &mut self,
-        from: graft_core::backend::DevicePtr,
+        from: DevicePtr,
         len: usize,
         copy: Option<CopyEnds>,
-        to: Option<graft_core::backend::DevicePtr>,
+        to: Option<DevicePtr>,
     ) -> Result<bool, DeviceError> {
         let h = self
             .handles

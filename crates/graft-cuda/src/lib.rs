@@ -44,6 +44,8 @@ compile_error!(
 compile_error!("graft-cuda: enable one of the features `dynamic-loading` or `dynamic-linking`");
 
 mod blas;
+mod capture;
+mod context;
 mod device;
 mod driver;
 mod error;
@@ -52,6 +54,10 @@ mod module;
 #[cfg(feature = "nccl")]
 mod nccl;
 mod patch;
+mod queue;
+#[cfg(feature = "test-support")]
+mod test_hooks;
+mod vmm;
 
 pub use blas::{Operand, Sgemm, WORKSPACE_BYTES};
 pub use device::{CudaDevice, CudaQueue};

@@ -26,8 +26,9 @@ use cudarc::driver::sys;
 use cudarc::nvrtc;
 use graft_core::{Buffer, DeviceError, DeviceId, DeviceOp};
 
-use crate::device::{CudaQueue, Inner, invalid_argument};
-use crate::error::check;
+use crate::context::Inner;
+use crate::device::CudaQueue;
+use crate::error::{check, invalid_argument};
 
 /// Most kernel parameters a launch passes without allocating (a stack array).
 const STACK_ARGS: usize = 16;
@@ -524,7 +525,7 @@ mod tests {
 
     #[test]
     fn args_encode_in_their_declared_size() {
-        let dev = DeviceId(1);
+        let dev = DeviceId::fresh();
         assert_eq!(KernelArg::Null.encode(dev), Ok(([0; 8], 8)));
         assert_eq!(KernelArg::U64(7).encode(dev).unwrap().1, 8);
         let (bytes, size) = KernelArg::F32(1.5).encode(dev).unwrap();
@@ -537,7 +538,7 @@ mod tests {
     #[test]
     fn encode_rejects_size_mismatches() {
         let mut slots = [[0u8; 8]; 2];
-        let dev = DeviceId(1);
+        let dev = DeviceId::fresh();
         assert!(
             encode(
                 &[KernelArg::F32(1.0), KernelArg::U64(2)],

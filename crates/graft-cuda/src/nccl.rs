@@ -10,7 +10,7 @@ use std::sync::{Mutex, PoisonError};
 
 use cudarc::nccl::sys;
 use graft_core::Buffer;
-use graft_core::backend::{DeviceError, DeviceOp};
+use graft_core::{DeviceError, DeviceOp};
 
 use crate::device::{CudaDevice, CudaQueue};
 

@@ -12,7 +12,7 @@
 use std::ffi::c_void;
 
 use cudarc::driver::sys;
-use graft_core::backend::{DeviceError, DeviceOp, DevicePtr};
+use graft_core::{DeviceError, DeviceOp, DevicePtr};
 
 use crate::error::check;
 use crate::graph::{GraphHandles, node_type, nodes};

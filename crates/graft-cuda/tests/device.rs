@@ -2,11 +2,15 @@
 //! imposes inside a capture. Every GPU test is `#[ignore]`d (CI has no GPU); run them with
 //! `--include-ignored` on a machine with one (scripts/gpu-run.sh does).
 
+use graft_core::backend::CoreOnly;
 use graft_core::{
     Buffer, CaptureMode, CaptureViolation, Config, Device, DeviceError, DeviceOp, DevicePtr, Graft,
 };
 use graft_cuda::{CudaDevice, CudaQueue};
 use graft_testkit::{CudaTestKernels, TestQueue};
+
+/// The token of the device's sealed methods, which these tests call directly.
+const CORE: &CoreOnly = &CoreOnly::for_tests_and_benches();
 
 const N: usize = 1000;
 const F32: usize = std::mem::size_of::<f32>();
@@ -40,16 +44,16 @@ fn assert_capture_err(result: Result<impl std::fmt::Debug, DeviceError>, op: Dev
 /// Pool-style memory for `bytes`: a fresh reservation of whole granules, all mapped.
 fn pool_memory(dev: &CudaDevice, bytes: usize) -> Result<DevicePtr, DeviceError> {
     let size = bytes.max(1).next_multiple_of(dev.granularity());
-    let r = dev.reserve(size)?;
-    dev.map(r, size)?;
+    let r = dev.reserve(CORE, size)?;
+    dev.map(CORE, r, size)?;
     Ok(r)
 }
 
 /// Unmaps and releases memory from [`pool_memory`].
 fn free_pool_memory(dev: &CudaDevice, ptr: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
     let size = bytes.max(1).next_multiple_of(dev.granularity());
-    dev.unmap(ptr, size)?;
-    dev.release_reservation(ptr, size)
+    dev.unmap(CORE, ptr, size)?;
+    dev.release_reservation(CORE, ptr, size)
 }
 
 /// Four graft buffers of `N` f32, for the kernels, and their addresses, for the rest.
@@ -140,10 +144,10 @@ fn capture_then_launch_reproduces_eager() {
     // Capture: recorded, not run.
     dev.fill_f32(&a.outb, N, -7.0).unwrap();
     dev.synchronize().unwrap();
-    dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
+    dev.begin_capture(CORE, CaptureMode::ThreadLocal).unwrap();
     assert!(dev.is_capturing().unwrap());
     chain(&dev, &a);
-    let graph = dev.end_capture().unwrap();
+    let graph = dev.end_capture(CORE).unwrap();
     assert!(!dev.is_capturing().unwrap());
     assert_eq!(
         dev.read_f32(a.out, N).unwrap(),
@@ -152,18 +156,18 @@ fn capture_then_launch_reproduces_eager() {
     );
 
     // Replay.
-    dev.launch(&graph).unwrap();
+    dev.launch(CORE, &graph).unwrap();
     assert_eq!(dev.read_f32(a.out, N).unwrap(), eager);
 
     // Replay reads its inputs at the recorded addresses: new inputs, new outputs.
     let x2: Vec<f32> = (0..N).map(|i| (i % 3) as f32 + 0.5).collect();
     dev.write_f32(a.x, &x2).unwrap();
-    dev.launch(&graph).unwrap();
-    dev.launch(&graph).unwrap();
+    dev.launch(CORE, &graph).unwrap();
+    dev.launch(CORE, &graph).unwrap();
     assert_eq!(dev.read_f32(a.out, N).unwrap(), expected(&x2, &y));
 
     drop(graph);
-    assert_eq!(dev.take_sticky_error(), None);
+    assert_eq!(dev.take_sticky_error(CORE), None);
 }
 
 #[test]
@@ -180,10 +184,10 @@ fn capture_modes_all_work() {
     .into_iter()
     .enumerate()
     {
-        dev.begin_capture(mode).unwrap();
+        dev.begin_capture(CORE, mode).unwrap();
         dev.fill_f32(&a.xb, N, i as f32).unwrap();
-        let graph = dev.end_capture().unwrap();
-        dev.launch(&graph).unwrap();
+        let graph = dev.end_capture(CORE).unwrap();
+        dev.launch(CORE, &graph).unwrap();
         assert_eq!(dev.read_f32(a.x, N).unwrap(), vec![i as f32; N], "{mode:?}");
     }
 }
@@ -194,20 +198,20 @@ fn synchronize_inside_capture_fails_and_abort_recovers() {
     let mut gpu = gpu();
     let a = arrays(&mut gpu);
     let dev = gpu.dev.clone();
-    dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
+    dev.begin_capture(CORE, CaptureMode::ThreadLocal).unwrap();
     dev.fill_f32(&a.xb, N, 1.0).unwrap();
     assert_capture_err(dev.synchronize(), DeviceOp::Synchronize);
-    dev.abort_capture().unwrap();
+    dev.abort_capture(CORE).unwrap();
     assert!(!dev.is_capturing().unwrap());
 
     // The stream works eagerly again...
     dev.fill_f32(&a.xb, N, 3.0).unwrap();
     assert_eq!(dev.read_f32(a.x, N).unwrap(), vec![3.0; N]);
     // ...and captures again.
-    dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
+    dev.begin_capture(CORE, CaptureMode::ThreadLocal).unwrap();
     dev.fill_f32(&a.xb, N, 4.0).unwrap();
-    let graph = dev.end_capture().unwrap();
-    dev.launch(&graph).unwrap();
+    let graph = dev.end_capture(CORE).unwrap();
+    dev.launch(CORE, &graph).unwrap();
     assert_eq!(dev.read_f32(a.x, N).unwrap(), vec![4.0; N]);
 }
 
@@ -219,17 +223,17 @@ fn host_transfers_and_query_inside_capture_fail() {
     let dev = gpu.dev.clone();
     let mut host = vec![0u8; 16];
 
-    dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
-    assert_capture_err(dev.read(a.x, &mut host), DeviceOp::Read);
-    dev.abort_capture().unwrap();
+    dev.begin_capture(CORE, CaptureMode::ThreadLocal).unwrap();
+    assert_capture_err(dev.read(CORE, a.x, &mut host), DeviceOp::Read);
+    dev.abort_capture(CORE).unwrap();
 
-    dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
-    assert_capture_err(dev.write(a.x, &host), DeviceOp::Write);
-    dev.abort_capture().unwrap();
+    dev.begin_capture(CORE, CaptureMode::ThreadLocal).unwrap();
+    assert_capture_err(dev.write(CORE, a.x, &host), DeviceOp::Write);
+    dev.abort_capture(CORE).unwrap();
 
-    dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
+    dev.begin_capture(CORE, CaptureMode::ThreadLocal).unwrap();
     assert_capture_err(dev.query(), DeviceOp::Query);
-    dev.abort_capture().unwrap();
+    dev.abort_capture(CORE).unwrap();
 
     dev.synchronize().unwrap();
     assert!(dev.query().unwrap(), "an idle stream has finished its work");
@@ -240,28 +244,28 @@ fn host_transfers_and_query_inside_capture_fail() {
 fn capture_lifecycle_misuse_is_capture_state() {
     let dev = device();
     assert!(matches!(
-        dev.end_capture(),
+        dev.end_capture(CORE),
         Err(DeviceError::CaptureState {
             op: DeviceOp::EndCapture,
             ..
         })
     ));
     assert!(matches!(
-        dev.abort_capture(),
+        dev.abort_capture(CORE),
         Err(DeviceError::CaptureState { .. })
     ));
-    dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
+    dev.begin_capture(CORE, CaptureMode::ThreadLocal).unwrap();
     assert!(matches!(
-        dev.begin_capture(CaptureMode::ThreadLocal),
+        dev.begin_capture(CORE, CaptureMode::ThreadLocal),
         Err(DeviceError::CaptureState {
             op: DeviceOp::BeginCapture,
             ..
         })
     ));
     // An empty capture instantiates and launches.
-    let graph = dev.end_capture().unwrap();
+    let graph = dev.end_capture(CORE).unwrap();
     assert_eq!(dev.summarize(&graph).unwrap(), Default::default());
-    dev.launch(&graph).unwrap();
+    dev.launch(CORE, &graph).unwrap();
     dev.synchronize().unwrap();
 }
 
@@ -272,21 +276,21 @@ fn copies_and_read_write_round_trip() {
     let a = arrays(&mut gpu);
     let dev = gpu.dev.clone();
     let bytes: Vec<u8> = (0..N * F32).map(|i| (i * 7 % 251) as u8).collect();
-    dev.write(a.x, &bytes).unwrap();
-    dev.copy(a.y, a.x, bytes.len()).unwrap();
+    dev.write(CORE, a.x, &bytes).unwrap();
+    dev.copy(CORE, a.y, a.x, bytes.len()).unwrap();
     let mut back = vec![0u8; bytes.len()];
-    dev.read(a.y, &mut back).unwrap();
+    dev.read(CORE, a.y, &mut back).unwrap();
     assert_eq!(back, bytes);
 
     // Unaligned offsets and odd lengths.
-    dev.copy(a.t.offset(3), a.x.offset(1), 1001).unwrap();
+    dev.copy(CORE, a.t.offset(3), a.x.offset(1), 1001).unwrap();
     let mut odd = vec![0u8; 1001];
-    dev.read(a.t.offset(3), &mut odd).unwrap();
+    dev.read(CORE, a.t.offset(3), &mut odd).unwrap();
     assert_eq!(odd, bytes[1..1002]);
 
     // Overlap is rejected before CUDA sees it; adjacency is fine; zero bytes is a no-op.
     assert_eq!(
-        dev.copy(a.x.offset(8), a.x, 16),
+        dev.copy(CORE, a.x.offset(8), a.x, 16),
         Err(DeviceError::OverlappingCopy {
             op: DeviceOp::Copy,
             dst: a.x.offset(8),
@@ -295,24 +299,24 @@ fn copies_and_read_write_round_trip() {
         })
     );
     assert!(matches!(
-        dev.copy(a.x, a.x, 4),
+        dev.copy(CORE, a.x, a.x, 4),
         Err(DeviceError::OverlappingCopy { .. })
     ));
-    dev.copy(a.x.offset(16), a.x, 16).unwrap();
-    dev.copy(a.x, a.y, 0).unwrap();
+    dev.copy(CORE, a.x.offset(16), a.x, 16).unwrap();
+    dev.copy(CORE, a.x, a.y, 0).unwrap();
 
     // Empty transfers work too.
-    dev.write(a.x, &[]).unwrap();
-    dev.read(a.x, &mut []).unwrap();
+    dev.write(CORE, a.x, &[]).unwrap();
+    dev.read(CORE, a.x, &mut []).unwrap();
 
     // A copy inside a capture is recorded and replayed.
     dev.write_f32(a.x, &[5.0; N]).unwrap();
     dev.fill_f32(&a.outb, N, 0.0).unwrap();
-    dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
-    dev.copy(a.out, a.x, N * F32).unwrap();
-    let graph = dev.end_capture().unwrap();
+    dev.begin_capture(CORE, CaptureMode::ThreadLocal).unwrap();
+    dev.copy(CORE, a.out, a.x, N * F32).unwrap();
+    let graph = dev.end_capture(CORE).unwrap();
     assert_eq!(dev.read_f32(a.out, N).unwrap(), vec![0.0; N]);
-    dev.launch(&graph).unwrap();
+    dev.launch(CORE, &graph).unwrap();
     assert_eq!(dev.read_f32(a.out, N).unwrap(), vec![5.0; N]);
 
     // The queue's own copies, reads and writes take graft buffers, checked before CUDA sees
@@ -345,10 +349,10 @@ fn summarize_counts_kernels_and_copies() {
     let mut gpu = gpu();
     let a = arrays(&mut gpu);
     let dev = gpu.dev.clone();
-    dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
+    dev.begin_capture(CORE, CaptureMode::ThreadLocal).unwrap();
     chain(&dev, &a);
-    dev.copy(a.y, a.out, N * F32).unwrap();
-    let graph = dev.end_capture().unwrap();
+    dev.copy(CORE, a.y, a.out, N * F32).unwrap();
+    let graph = dev.end_capture(CORE).unwrap();
     let summary = dev.summarize(&graph).unwrap();
     eprintln!("{summary:?}");
     assert_eq!(summary.kernels, 3);
@@ -363,14 +367,14 @@ fn reserve_and_map_during_capture_work() {
     let dev = gpu.dev.clone();
     let nines = filled(&mut gpu, N, 9.0);
     for mode in [CaptureMode::Global, CaptureMode::ThreadLocal] {
-        dev.begin_capture(mode).unwrap();
+        dev.begin_capture(CORE, mode).unwrap();
         let seg = pool_memory(&dev, 1 << 20).expect("reserve and map inside a capture");
         // Pool memory is not a graft buffer: a captured copy writes it.
-        dev.copy(seg, nines.addr().unwrap(), N * F32).unwrap();
+        dev.copy(CORE, seg, nines.addr().unwrap(), N * F32).unwrap();
         let graph = dev
-            .end_capture()
+            .end_capture(CORE)
             .expect("the capture survives the allocation");
-        dev.launch(&graph).unwrap();
+        dev.launch(CORE, &graph).unwrap();
         assert_eq!(dev.read_f32(seg, N).unwrap(), vec![9.0; N], "{mode:?}");
         free_pool_memory(&dev, seg, 1 << 20).unwrap();
     }
@@ -380,9 +384,9 @@ fn reserve_and_map_during_capture_work() {
 #[ignore = "needs a CUDA GPU"]
 fn raw_alloc_during_capture_fails() {
     let dev = device();
-    dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
+    dev.begin_capture(CORE, CaptureMode::ThreadLocal).unwrap();
     assert_capture_err(dev.raw_alloc(4096), DeviceOp::RawAlloc);
-    dev.abort_capture().unwrap();
+    dev.abort_capture(CORE).unwrap();
 
     let ptr = dev.raw_alloc(4096).expect("raw_alloc outside a capture");
     dev.write_f32(ptr, &[2.0; 1024]).unwrap();
@@ -396,12 +400,12 @@ fn side_stream_left_unjoined_fails_end_capture() {
     let mut gpu = gpu();
     let a = arrays(&mut gpu);
     let dev = gpu.dev.clone();
-    dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
+    dev.begin_capture(CORE, CaptureMode::ThreadLocal).unwrap();
     dev.fill_f32(&a.xb, N, 1.0).unwrap();
     gpu.kernels
         .fill_f32_on_side_stream(&dev, &a.yb, N, 2.0)
         .unwrap();
-    match dev.end_capture() {
+    match dev.end_capture(CORE) {
         Err(DeviceError::Capture {
             op: DeviceOp::EndCapture,
             violation: CaptureViolation::Unjoined,
@@ -421,15 +425,15 @@ fn side_stream_left_unjoined_fails_end_capture() {
     assert_eq!(dev.read_f32(a.y, N).unwrap(), vec![6.0; N]);
 
     // Joined, the same fork captures fine and replays both kernels.
-    dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
+    dev.begin_capture(CORE, CaptureMode::ThreadLocal).unwrap();
     dev.fill_f32(&a.xb, N, 7.0).unwrap();
     gpu.kernels
         .fill_f32_on_side_stream(&dev, &a.yb, N, 8.0)
         .unwrap();
     dev.join_side_stream().unwrap();
-    let graph = dev.end_capture().expect("joined fork captures");
+    let graph = dev.end_capture(CORE).expect("joined fork captures");
     assert_eq!(dev.summarize(&graph).unwrap().kernels, 2);
-    dev.launch(&graph).unwrap();
+    dev.launch(CORE, &graph).unwrap();
     assert_eq!(dev.read_f32(a.x, N).unwrap(), vec![7.0; N]);
     assert_eq!(dev.read_f32(a.y, N).unwrap(), vec![8.0; N]);
 }
@@ -440,26 +444,26 @@ fn graphs_launch_from_another_thread_and_drop_cleanly() {
     let mut gpu = gpu();
     let a = arrays(&mut gpu);
     let dev = gpu.dev.clone();
-    dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
+    dev.begin_capture(CORE, CaptureMode::ThreadLocal).unwrap();
     dev.fill_f32(&a.xb, N, 11.0).unwrap();
-    let graph = dev.end_capture().unwrap();
+    let graph = dev.end_capture(CORE).unwrap();
     let dev2 = dev.clone();
     std::thread::spawn(move || {
-        dev2.launch(&graph).unwrap();
+        dev2.launch(CORE, &graph).unwrap();
         dev2.synchronize().unwrap();
         drop(graph);
     })
     .join()
     .unwrap();
     assert_eq!(dev.read_f32(a.x, N).unwrap(), vec![11.0; N]);
-    assert_eq!(dev.take_sticky_error(), None);
+    assert_eq!(dev.take_sticky_error(CORE), None);
 
     // A graph of another device instance is refused.
     let other = device();
-    other.begin_capture(CaptureMode::ThreadLocal).unwrap();
-    let foreign = other.end_capture().unwrap();
+    other.begin_capture(CORE, CaptureMode::ThreadLocal).unwrap();
+    let foreign = other.end_capture(CORE).unwrap();
     assert!(matches!(
-        dev.launch(&foreign),
+        dev.launch(CORE, &foreign),
         Err(DeviceError::InvalidArgument {
             op: DeviceOp::GraphLaunch,
             ..
@@ -488,41 +492,47 @@ fn map_write_read_unmap_remap() {
     let g = dev.granularity();
     eprintln!("granularity: {g} bytes");
     assert!(g >= 512 && g.is_multiple_of(512));
-    let r = dev.reserve(64 * g).unwrap();
+    let r = dev.reserve(CORE, 64 * g).unwrap();
     // Map two granules in the middle of a large reservation; nothing else is backed.
     let at = r.offset(10 * g);
-    dev.map(at, 2 * g).unwrap();
+    dev.map(CORE, at, 2 * g).unwrap();
     let n = 2 * g / F32;
     let values: Vec<f32> = (0..n).map(|i| i as f32).collect();
     dev.write_f32(at, &values).unwrap();
     assert_eq!(dev.read_f32(at, n).unwrap(), values);
     // Unmap one granule: the other keeps its contents.
-    dev.unmap(at, g).unwrap();
+    dev.unmap(CORE, at, g).unwrap();
     assert_eq!(
         dev.read_f32(at.offset(g), g / F32).unwrap(),
         values[g / F32..]
     );
     // Remap it: new physical memory, usable again.
-    dev.map(at, g).unwrap();
+    dev.map(CORE, at, g).unwrap();
     dev.write_f32(at, &vec![3.0; g / F32]).unwrap();
     assert_eq!(dev.read_f32(at, g / F32).unwrap(), vec![3.0; g / F32]);
     // Misuse is an error, not undefined behaviour.
     let bad = |e: Result<(), DeviceError>| matches!(e, Err(DeviceError::InvalidArgument { .. }));
-    assert!(bad(dev.map(at, g)), "mapping twice");
-    assert!(bad(dev.map(at.offset(512), g)), "unaligned");
-    assert!(bad(dev.map(r.offset(64 * g), g)), "outside the reservation");
-    assert!(bad(dev.unmap(r, g)), "unmapping what is not mapped");
-    assert!(bad(dev.release_reservation(r, 64 * g)), "still mapped");
+    assert!(bad(dev.map(CORE, at, g)), "mapping twice");
+    assert!(bad(dev.map(CORE, at.offset(512), g)), "unaligned");
+    assert!(
+        bad(dev.map(CORE, r.offset(64 * g), g)),
+        "outside the reservation"
+    );
+    assert!(bad(dev.unmap(CORE, r, g)), "unmapping what is not mapped");
+    assert!(
+        bad(dev.release_reservation(CORE, r, 64 * g)),
+        "still mapped"
+    );
     // Map during a capture, after the reservation.
-    dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
-    dev.map(r, g).expect("map inside a capture");
+    dev.begin_capture(CORE, CaptureMode::ThreadLocal).unwrap();
+    dev.map(CORE, r, g).expect("map inside a capture");
     // Mapped memory is not a graft buffer: a captured copy writes it.
-    dev.copy(r, fives.addr().unwrap(), N * F32).unwrap();
-    let graph = dev.end_capture().expect("the capture survives the map");
-    dev.launch(&graph).unwrap();
+    dev.copy(CORE, r, fives.addr().unwrap(), N * F32).unwrap();
+    let graph = dev.end_capture(CORE).expect("the capture survives the map");
+    dev.launch(CORE, &graph).unwrap();
     assert_eq!(dev.read_f32(r, N).unwrap(), vec![5.0; N]);
     drop(graph);
-    dev.unmap(r, g).unwrap();
-    dev.unmap(at, 2 * g).unwrap();
-    dev.release_reservation(r, 64 * g).unwrap();
+    dev.unmap(CORE, r, g).unwrap();
+    dev.unmap(CORE, at, 2 * g).unwrap();
+    dev.release_reservation(CORE, r, 64 * g).unwrap();
 }

@@ -2,8 +2,12 @@
 //! real GPU. Every GPU test is `#[ignore]`d (CI has no GPU); run them with `--include-ignored`
 //! on a machine with one.
 
+use graft_core::backend::CoreOnly;
 use graft_core::{Buffer, CaptureMode, Config, Device, DeviceError, Graft};
 use graft_cuda::{CudaDevice, KernelArg, Operand, Sgemm};
+
+/// The token of the device's sealed methods, which these tests call directly.
+const CORE: &CoreOnly = &CoreOnly::for_tests_and_benches();
 
 const SOURCE: &str = r#"
 extern "C" __global__ void scale_add(float* out, const float* x, float a, int b, unsigned int n) {
@@ -88,7 +92,7 @@ fn module_launches_are_captured_and_replayed() {
     let n = 300usize;
     let xp = upload(&mut g, &vec![1.0; n]);
     let out = upload(&mut g, &vec![0.0; n]);
-    dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
+    dev.begin_capture(CORE, CaptureMode::ThreadLocal).unwrap();
     let args = [
         KernelArg::Buffer(&out),
         KernelArg::Buffer(&xp),
@@ -98,17 +102,17 @@ fn module_launches_are_captured_and_replayed() {
     ];
     dev.launch_function(&m, 0, (3, 1, 1), (128, 1, 1), 0, &args)
         .unwrap();
-    let graph = dev.end_capture().unwrap();
+    let graph = dev.end_capture(CORE).unwrap();
     assert_eq!(dev.summarize(&graph).unwrap().kernels, 1);
     assert_eq!(
         g.read_f32(&out).unwrap(),
         vec![0.0; n],
         "capture ran nothing"
     );
-    dev.launch(&graph).unwrap();
+    dev.launch(CORE, &graph).unwrap();
     assert_eq!(g.read_f32(&out).unwrap(), vec![4.0; n]);
     g.write_f32(&xp, &vec![2.0; n]).unwrap();
-    dev.launch(&graph).unwrap();
+    dev.launch(CORE, &graph).unwrap();
     assert_eq!(
         g.read_f32(&out).unwrap(),
         vec![7.0; n],
@@ -127,7 +131,7 @@ fn module_launches_are_captured_and_replayed() {
     );
     assert!(matches!(r, Err(DeviceError::InvalidBuffer { .. })), "{r:?}");
     drop(m);
-    assert!(dev.take_sticky_error().is_none());
+    assert!(dev.take_sticky_error(CORE).is_none());
 }
 
 /// Row-major reference: C = A[m,k] · op(B) (+ beta C).
@@ -196,12 +200,12 @@ fn sgemm_is_row_major_in_both_layouts_and_captures() {
         alpha: 1.0,
         beta: 0.0,
     };
-    dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
+    dev.begin_capture(CORE, CaptureMode::ThreadLocal).unwrap();
     dev.sgemm(&gemm).unwrap();
-    let graph = dev.end_capture().unwrap();
+    let graph = dev.end_capture(CORE).unwrap();
     let a2: Vec<f32> = a.iter().map(|v| v * 2.0).collect();
     g.write_f32(&ap, &a2).unwrap();
-    dev.launch(&graph).unwrap();
+    dev.launch(CORE, &graph).unwrap();
     let got = g.read_f32(&cp).unwrap();
     let want = host_gemm(m, n, k, &a2, &b, false);
     for (v, w) in got.iter().zip(&want) {
@@ -218,7 +222,7 @@ fn first_sgemm_inside_a_capture_is_a_capture_error() {
     // A fresh device whose handle does not exist yet: creating it would allocate.
     let (dev, mut g) = device();
     let c = upload(&mut g, &[0.0; 4]);
-    dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
+    dev.begin_capture(CORE, CaptureMode::ThreadLocal).unwrap();
     let r = dev.sgemm(&Sgemm {
         m: 2,
         n: 2,
@@ -231,6 +235,6 @@ fn first_sgemm_inside_a_capture_is_a_capture_error() {
         beta: 0.0,
     });
     assert!(matches!(r, Err(DeviceError::Capture { .. })), "{r:?}");
-    dev.abort_capture().unwrap();
+    dev.abort_capture(CORE).unwrap();
     dev.init_cublas().unwrap();
 }

@@ -11,8 +11,7 @@ use std::fmt;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use graft_core::Buffer;
-use graft_core::backend::{DeviceError, DeviceOp, DevicePtr};
+use graft_core::{Buffer, DeviceError, DeviceOp, DevicePtr};
 
 use crate::device::{SimDevice, SimQueue};
 

@@ -5,16 +5,14 @@ use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use graft_core::Buffer;
-use graft_core::backend::{
-    CaptureMode, CaptureViolation, CopyEnds, Device, DeviceError, DeviceId, DeviceOp, DevicePtr,
-    GraphSummary, StickyError, UpdateRefusal,
+use graft_core::backend::{CopyEnds, CoreOnly, StickyError};
+use graft_core::{
+    Buffer, CaptureMode, CaptureViolation, Device, DeviceError, DeviceId, DeviceOp, DevicePtr,
+    GraphSummary, UpdateRefusal,
 };
 
 use crate::graph::{self, Op, SimGraph, Tally};
 use crate::memory::{DEFAULT_MEMORY_LIMIT, GRANULARITY, SimMemory};
-
-static NEXT_DEVICE_ID: AtomicU64 = AtomicU64::new(1);
 
 thread_local! {
     /// Set while this thread runs stream work (a kernel body), during which the device is locked.
@@ -216,7 +214,7 @@ impl SimDevice {
         SimDevice {
             queue: SimQueue {
                 inner: Arc::new(Inner {
-                    id: DeviceId(NEXT_DEVICE_ID.fetch_add(1, Ordering::Relaxed)),
+                    id: DeviceId::fresh(),
                     state: Mutex::new(State {
                         mem: SimMemory::new(bytes),
                         capture: Capture::Idle,
@@ -558,7 +556,7 @@ impl Device for SimDevice {
     }
 
     /// Legal in every capture state, like the CUDA backend's relaxed-mode reservation.
-    fn reserve(&self, bytes: usize) -> Result<DevicePtr, DeviceError> {
+    fn reserve(&self, _: &CoreOnly, bytes: usize) -> Result<DevicePtr, DeviceError> {
         let mut st = self.lock(DeviceOp::Reserve)?;
         let ptr = st.mem.reserve(DeviceOp::Reserve, bytes)?;
         self.queue
@@ -569,7 +567,12 @@ impl Device for SimDevice {
         Ok(ptr)
     }
 
-    fn release_reservation(&self, addr: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
+    fn release_reservation(
+        &self,
+        _: &CoreOnly,
+        addr: DevicePtr,
+        bytes: usize,
+    ) -> Result<(), DeviceError> {
         let op = DeviceOp::ReleaseReservation;
         let mut st = self.lock(op)?;
         st.forbid_in_capture(op)?;
@@ -583,7 +586,7 @@ impl Device for SimDevice {
     }
 
     /// Legal in every capture state: CUDA backends switch to relaxed mode around it.
-    fn map(&self, addr: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
+    fn map(&self, _: &CoreOnly, addr: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
         let op = DeviceOp::Map;
         let mut st = self.lock(op)?;
         if self.map_fault_fires() {
@@ -596,7 +599,7 @@ impl Device for SimDevice {
         Ok(())
     }
 
-    fn unmap(&self, addr: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
+    fn unmap(&self, _: &CoreOnly, addr: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
         let op = DeviceOp::Unmap;
         let mut st = self.lock(op)?;
         st.forbid_in_capture(op)?;
@@ -609,15 +612,21 @@ impl Device for SimDevice {
         Ok(())
     }
 
-    fn copy(&self, dst: DevicePtr, src: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
+    fn copy(
+        &self,
+        _: &CoreOnly,
+        dst: DevicePtr,
+        src: DevicePtr,
+        bytes: usize,
+    ) -> Result<(), DeviceError> {
         self.queue.copy_raw(dst, src, bytes)
     }
 
-    fn write(&self, dst: DevicePtr, src: &[u8]) -> Result<(), DeviceError> {
+    fn write(&self, _: &CoreOnly, dst: DevicePtr, src: &[u8]) -> Result<(), DeviceError> {
         self.queue.write_raw(dst, src)
     }
 
-    fn read(&self, src: DevicePtr, dst: &mut [u8]) -> Result<(), DeviceError> {
+    fn read(&self, _: &CoreOnly, src: DevicePtr, dst: &mut [u8]) -> Result<(), DeviceError> {
         self.queue.read_raw(src, dst)
     }
 
@@ -625,7 +634,7 @@ impl Device for SimDevice {
         self.queue.synchronize()
     }
 
-    fn begin_capture(&self, mode: CaptureMode) -> Result<(), DeviceError> {
+    fn begin_capture(&self, _: &CoreOnly, mode: CaptureMode) -> Result<(), DeviceError> {
         let mut st = self.lock(DeviceOp::BeginCapture)?;
         let state = match st.capture {
             Capture::Idle => {
@@ -645,7 +654,7 @@ impl Device for SimDevice {
         })
     }
 
-    fn end_capture(&self) -> Result<SimGraph, DeviceError> {
+    fn end_capture(&self, _: &CoreOnly) -> Result<SimGraph, DeviceError> {
         let mut st = self.lock(DeviceOp::EndCapture)?;
         // Like cudaStreamEndCapture, ending leaves the stream idle whether or not it succeeds.
         let ops = match std::mem::replace(&mut st.capture, Capture::Idle) {
@@ -695,8 +704,12 @@ impl Device for SimDevice {
     /// Updates in place when the capture has `graph`'s topology (`graph::update_refusal`:
     /// the same operations in the same order, kernels by name, copies by length), as CUDA's
     /// `cuGraphExecUpdate` does; else instantiates.
-    fn end_capture_into(&self, graph: &mut SimGraph) -> Result<Option<UpdateRefusal>, DeviceError> {
-        let new = self.end_capture()?;
+    fn end_capture_into(
+        &self,
+        core: &CoreOnly,
+        graph: &mut SimGraph,
+    ) -> Result<Option<UpdateRefusal>, DeviceError> {
+        let new = self.end_capture(core)?;
         match graph::update_refusal(&graph.ops, &new.ops) {
             None => {
                 graph.ops = Arc::clone(&new.ops);
@@ -711,7 +724,7 @@ impl Device for SimDevice {
         }
     }
 
-    fn abort_capture(&self) -> Result<(), DeviceError> {
+    fn abort_capture(&self, _: &CoreOnly) -> Result<(), DeviceError> {
         let mut st = self.lock(DeviceOp::EndCapture)?;
         match std::mem::replace(&mut st.capture, Capture::Idle) {
             Capture::Idle => Err(DeviceError::CaptureState {
@@ -722,7 +735,7 @@ impl Device for SimDevice {
         }
     }
 
-    fn launch(&self, graph: &SimGraph) -> Result<(), DeviceError> {
+    fn launch(&self, _: &CoreOnly, graph: &SimGraph) -> Result<(), DeviceError> {
         if graph.owner.id != self.queue.inner.id {
             return Err(DeviceError::InvalidArgument {
                 op: DeviceOp::GraphLaunch,
@@ -775,6 +788,7 @@ impl Device for SimDevice {
     /// the simulator sees every access, so it always can.
     fn redirect(
         &self,
+        _: &CoreOnly,
         graph: &mut SimGraph,
         from: DevicePtr,
         len: usize,
@@ -793,6 +807,7 @@ impl Device for SimDevice {
 
     fn repoint_copy(
         &self,
+        _: &CoreOnly,
         graph: &mut SimGraph,
         recorded: CopyEnds,
         now: CopyEnds,
@@ -806,11 +821,11 @@ impl Device for SimDevice {
         graph.repoint_copy(recorded, now)
     }
 
-    fn take_sticky_error(&self) -> Option<DeviceError> {
+    fn take_sticky_error(&self, _: &CoreOnly) -> Option<DeviceError> {
         self.queue.inner.sticky.take()
     }
 
-    fn record_sticky_error(&self, error: DeviceError) {
+    fn record_sticky_error(&self, _: &CoreOnly, error: DeviceError) {
         self.queue.inner.sticky.record(error);
     }
 }

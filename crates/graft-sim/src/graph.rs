@@ -4,9 +4,8 @@ use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use graft_core::backend::{
-    CopyEnds, DeviceError, DeviceId, DeviceOp, DevicePtr, GraphSummary, UpdateRefusal,
-};
+use graft_core::backend::CopyEnds;
+use graft_core::{DeviceError, DeviceId, DeviceOp, DevicePtr, GraphSummary, UpdateRefusal};
 
 use crate::device::Inner;
 use crate::memory::SimMemory;

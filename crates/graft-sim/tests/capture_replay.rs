@@ -1,7 +1,11 @@
 //! Capture records, launch replays: same results as eager execution, at the recorded addresses.
 
+use graft_core::backend::CoreOnly;
 use graft_core::{CaptureMode, Device, DeviceError, DeviceOp, DevicePtr, GraphSummary};
 use graft_sim::{CaptureStatus, GRANULARITY, SimDevice};
+
+/// The token of the device's sealed methods, which these tests call directly.
+const CORE: &CoreOnly = &CoreOnly::for_tests_and_benches();
 
 const N: usize = 64;
 const BYTES: usize = N * 4;
@@ -10,8 +14,8 @@ const BYTES: usize = N * 4;
 /// during a capture.
 fn pool_memory(dev: &SimDevice, bytes: usize) -> Result<DevicePtr, DeviceError> {
     let size = bytes.next_multiple_of(GRANULARITY);
-    let r = dev.reserve(size)?;
-    dev.map(r, size)?;
+    let r = dev.reserve(CORE, size)?;
+    dev.map(CORE, r, size)?;
     Ok(r)
 }
 
@@ -37,7 +41,7 @@ fn replay_reproduces_eager_result_at_recorded_addresses() {
     let eager = dev.read_f32(other.offset(2 * BYTES), N).unwrap();
     assert_eq!(eager, vec![(2.0 + 7.0) * 7.0; N]);
 
-    dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
+    dev.begin_capture(CORE, CaptureMode::ThreadLocal).unwrap();
     assert_eq!(
         dev.capture_status().unwrap(),
         CaptureStatus::Active {
@@ -45,7 +49,7 @@ fn replay_reproduces_eager_result_at_recorded_addresses() {
         }
     );
     chain(&dev, x, y, z).unwrap();
-    let graph = dev.end_capture().unwrap();
+    let graph = dev.end_capture(CORE).unwrap();
     assert_eq!(dev.capture_status().unwrap(), CaptureStatus::Idle);
 
     // Nothing ran during the capture: z still holds poison.
@@ -64,7 +68,7 @@ fn replay_reproduces_eager_result_at_recorded_addresses() {
     );
 
     let kernels_before = dev.stats().kernels_run;
-    dev.launch(&graph).unwrap();
+    dev.launch(CORE, &graph).unwrap();
     assert_eq!(dev.read_f32(z, N).unwrap(), eager);
     assert_eq!(dev.stats().kernels_run, kernels_before + 4);
     assert_eq!(dev.stats().graph_launches, 1);
@@ -77,7 +81,7 @@ fn replay_rereads_inputs_changed_in_place() {
     let (input, out) = (seg, seg.offset(BYTES));
     dev.write_f32(input, &[1.0; N]).unwrap();
 
-    dev.begin_capture(CaptureMode::Global).unwrap();
+    dev.begin_capture(CORE, CaptureMode::Global).unwrap();
     dev.launch_kernel("axpb_f32", move |m| {
         m.map_f32(out, input, N, |v| f32::mul_add(2.0, v, 0.5))
     })
@@ -86,13 +90,13 @@ fn replay_rereads_inputs_changed_in_place() {
         m.zip_f32(out, out, input, N, |x, y| x + y)
     })
     .unwrap();
-    let graph = dev.end_capture().unwrap();
+    let graph = dev.end_capture(CORE).unwrap();
 
-    dev.launch(&graph).unwrap();
+    dev.launch(CORE, &graph).unwrap();
     assert_eq!(dev.read_f32(out, N).unwrap(), vec![3.5; N]);
 
     dev.write_f32(input, &[10.0; N]).unwrap();
-    dev.launch(&graph).unwrap();
+    dev.launch(CORE, &graph).unwrap();
     assert_eq!(dev.read_f32(out, N).unwrap(), vec![30.5; N]);
     assert_eq!(dev.stats().graph_launches, 2);
 }
@@ -104,13 +108,13 @@ fn copies_are_recorded_and_replayed() {
     let b = pool_memory(&dev, BYTES).unwrap();
     dev.write_f32(a, &[4.0; N]).unwrap();
 
-    dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
-    dev.copy(b, a, BYTES).unwrap();
+    dev.begin_capture(CORE, CaptureMode::ThreadLocal).unwrap();
+    dev.copy(CORE, b, a, BYTES).unwrap();
     dev.launch_kernel("axpb_f32", move |m| {
         m.map_f32(b, b, N, |v| f32::mul_add(1.0, v, 1.0))
     })
     .unwrap();
-    let graph = dev.end_capture().unwrap();
+    let graph = dev.end_capture(CORE).unwrap();
     assert_eq!(dev.stats().copies_run, 0, "recording does not run the copy");
     assert_eq!(
         dev.summarize(&graph).unwrap(),
@@ -121,7 +125,7 @@ fn copies_are_recorded_and_replayed() {
         }
     );
 
-    dev.launch(&graph).unwrap();
+    dev.launch(CORE, &graph).unwrap();
     assert_eq!(dev.read_f32(b, N).unwrap(), vec![5.0; N]);
     assert_eq!(dev.read_f32(a, N).unwrap(), vec![4.0; N]);
     assert_eq!(dev.stats().copies_run, 1);
@@ -131,22 +135,22 @@ fn copies_are_recorded_and_replayed() {
 fn graph_launched_inside_a_capture_becomes_a_child_graph() {
     let dev = SimDevice::new();
     let a = pool_memory(&dev, BYTES).unwrap();
-    dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
+    dev.begin_capture(CORE, CaptureMode::ThreadLocal).unwrap();
     dev.launch_kernel("fill_f32", move |m| m.fill_f32(a, N, 1.0))
         .unwrap();
-    let inner = dev.end_capture().unwrap();
+    let inner = dev.end_capture(CORE).unwrap();
 
-    dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
-    dev.launch(&inner).unwrap();
+    dev.begin_capture(CORE, CaptureMode::ThreadLocal).unwrap();
+    dev.launch(CORE, &inner).unwrap();
     dev.launch_kernel("axpb_f32", move |m| {
         m.map_f32(a, a, N, |v| f32::mul_add(2.0, v, 0.0))
     })
     .unwrap();
-    let outer = dev.end_capture().unwrap();
+    let outer = dev.end_capture(CORE).unwrap();
     assert_eq!(dev.stats().kernels_run, 0);
     assert_eq!(dev.summarize(&outer).unwrap().other, 1);
 
-    dev.launch(&outer).unwrap();
+    dev.launch(CORE, &outer).unwrap();
     assert_eq!(dev.read_f32(a, N).unwrap(), vec![2.0; N]);
     assert_eq!(dev.stats().kernels_run, 2);
 }
@@ -154,13 +158,13 @@ fn graph_launched_inside_a_capture_becomes_a_child_graph() {
 #[test]
 fn reserve_and_map_work_during_capture_and_the_capture_stays_valid() {
     let dev = SimDevice::new();
-    dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
+    dev.begin_capture(CORE, CaptureMode::ThreadLocal).unwrap();
     let seg = pool_memory(&dev, BYTES).unwrap();
     dev.launch_kernel("fill_f32", move |m| m.fill_f32(seg, N, 9.0))
         .unwrap();
-    let graph = dev.end_capture().unwrap();
+    let graph = dev.end_capture(CORE).unwrap();
     assert_eq!(dev.stats().mapped_bytes, GRANULARITY);
-    dev.launch(&graph).unwrap();
+    dev.launch(CORE, &graph).unwrap();
     assert_eq!(dev.read_f32(seg, N).unwrap(), vec![9.0; N]);
 }
 
@@ -168,18 +172,18 @@ fn reserve_and_map_work_during_capture_and_the_capture_stays_valid() {
 fn replay_after_unmap_fails_with_invalid_address() {
     let dev = SimDevice::new();
     let seg = pool_memory(&dev, BYTES).unwrap();
-    dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
+    dev.begin_capture(CORE, CaptureMode::ThreadLocal).unwrap();
     dev.launch_kernel("fill_f32", move |m| m.fill_f32(seg, N, 1.0))
         .unwrap();
-    let graph = dev.end_capture().unwrap();
-    dev.launch(&graph).unwrap();
+    let graph = dev.end_capture(CORE).unwrap();
+    dev.launch(CORE, &graph).unwrap();
 
-    dev.unmap(seg, GRANULARITY).unwrap();
+    dev.unmap(CORE, seg, GRANULARITY).unwrap();
     // New memory never lands at the unmapped address.
     let fresh = pool_memory(&dev, BYTES).unwrap();
     assert_ne!(fresh, seg);
     assert_eq!(
-        dev.launch(&graph),
+        dev.launch(CORE, &graph),
         Err(DeviceError::InvalidAddress {
             op: DeviceOp::KernelLaunch,
             addr: seg,
@@ -196,21 +200,21 @@ fn graphs_are_counted_and_bound_to_their_device() {
     assert_ne!(dev.id(), other.id());
     assert_eq!(dev.describe(), "host simulator");
 
-    dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
-    let graph = dev.end_capture().unwrap();
+    dev.begin_capture(CORE, CaptureMode::ThreadLocal).unwrap();
+    let graph = dev.end_capture(CORE).unwrap();
     assert_eq!(graph.device(), dev.id());
     assert_eq!(dev.stats().live_graphs, 1);
     assert!(matches!(
-        other.launch(&graph),
+        other.launch(CORE, &graph),
         Err(DeviceError::InvalidArgument {
             op: DeviceOp::GraphLaunch,
             ..
         })
     ));
-    dev.launch(&graph).unwrap();
+    dev.launch(CORE, &graph).unwrap();
     drop(graph);
     assert_eq!(dev.stats().live_graphs, 0);
-    assert_eq!(dev.take_sticky_error(), None);
+    assert_eq!(dev.take_sticky_error(CORE), None);
 }
 
 #[test]

@@ -1,7 +1,11 @@
 //! Everything CUDA forbids during a capture fails with the right operation and reason, and breaks the capture.
 
+use graft_core::backend::CoreOnly;
 use graft_core::{CaptureMode, CaptureViolation, Device, DeviceError, DeviceOp, DevicePtr};
 use graft_sim::{CaptureStatus, GRANULARITY, SimDevice, SimMemory};
+
+/// The token of the device's sealed methods, which these tests call directly.
+const CORE: &CoreOnly = &CoreOnly::for_tests_and_benches();
 
 const N: usize = 16;
 
@@ -21,7 +25,7 @@ fn check_forbidden(
         .unwrap();
     let kernels = dev.stats().kernels_run;
 
-    dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
+    dev.begin_capture(CORE, CaptureMode::ThreadLocal).unwrap();
     dev.launch_kernel("fill_f32", move |m| m.fill_f32(seg, N, 7.0))
         .unwrap();
     assert_eq!(
@@ -44,7 +48,7 @@ fn check_forbidden(
         ))
     );
     assert_eq!(
-        dev.copy(seg, seg.offset(N * 2), 8),
+        dev.copy(CORE, seg, seg.offset(N * 2), 8),
         Err(capture_err(DeviceOp::Copy, CaptureViolation::Invalidated))
     );
     assert_eq!(
@@ -55,7 +59,7 @@ fn check_forbidden(
         ))
     );
     assert_eq!(
-        dev.end_capture().unwrap_err(),
+        dev.end_capture(CORE).unwrap_err(),
         capture_err(DeviceOp::EndCapture, CaptureViolation::Invalidated)
     );
     // end_capture left the stream idle; it works eagerly again and nothing recorded ran.
@@ -64,11 +68,11 @@ fn check_forbidden(
     assert_eq!(dev.stats().kernels_run, kernels);
 
     // Same again, but leaving through abort_capture.
-    dev.begin_capture(CaptureMode::Global).unwrap();
+    dev.begin_capture(CORE, CaptureMode::Global).unwrap();
     dev.launch_kernel("fill_f32", move |m| m.fill_f32(seg, N, 7.0))
         .unwrap();
     assert!(forbidden(&dev, seg).is_err());
-    dev.abort_capture().unwrap();
+    dev.abort_capture(CORE).unwrap();
     assert_eq!(dev.capture_status().unwrap(), CaptureStatus::Idle);
     assert_eq!(dev.read_f32(seg, N).unwrap(), vec![1.0; N]);
     dev.launch_kernel("fill_f32", move |m| m.fill_f32(seg, N, 2.0))
@@ -84,13 +88,13 @@ fn synchronize_is_forbidden() {
 
 #[test]
 fn read_is_forbidden() {
-    check_forbidden(DeviceOp::Read, |d, p| d.read(p, &mut [0u8; 4]));
+    check_forbidden(DeviceOp::Read, |d, p| d.read(CORE, p, &mut [0u8; 4]));
     check_forbidden(DeviceOp::Read, |d, p| d.read_f32(p, 1).map(drop));
 }
 
 #[test]
 fn write_is_forbidden() {
-    check_forbidden(DeviceOp::Write, |d, p| d.write(p, &[0u8; 4]));
+    check_forbidden(DeviceOp::Write, |d, p| d.write(CORE, p, &[0u8; 4]));
     check_forbidden(DeviceOp::Write, |d, p| d.write_f32(p, &[0.0]));
 }
 
@@ -99,7 +103,7 @@ fn raw_alloc_and_free_are_forbidden() {
     check_forbidden(DeviceOp::RawAlloc, |d, _| d.raw_alloc(64).map(drop));
     let dev = SimDevice::new();
     let raw = dev.raw_alloc(64).unwrap();
-    dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
+    dev.begin_capture(CORE, CaptureMode::ThreadLocal).unwrap();
     assert_eq!(
         dev.raw_free(raw),
         Err(capture_err(
@@ -107,7 +111,7 @@ fn raw_alloc_and_free_are_forbidden() {
             CaptureViolation::Unsupported
         ))
     );
-    dev.abort_capture().unwrap();
+    dev.abort_capture(CORE).unwrap();
     dev.raw_free(raw).unwrap();
     assert_eq!(dev.stats().live_raw_allocs, 0);
 }
@@ -120,17 +124,17 @@ fn query_is_forbidden() {
 #[test]
 fn unmap_is_forbidden() {
     check_forbidden(DeviceOp::Unmap, |d, _| {
-        let extra = d.reserve(GRANULARITY)?;
-        d.map(extra, GRANULARITY)?;
-        d.unmap(extra, GRANULARITY)
+        let extra = d.reserve(CORE, GRANULARITY)?;
+        d.map(CORE, extra, GRANULARITY)?;
+        d.unmap(CORE, extra, GRANULARITY)
     });
 }
 
 #[test]
 fn releasing_a_reservation_is_forbidden() {
     check_forbidden(DeviceOp::ReleaseReservation, |d, _| {
-        let extra = d.reserve(GRANULARITY)?;
-        d.release_reservation(extra, GRANULARITY)
+        let extra = d.reserve(CORE, GRANULARITY)?;
+        d.release_reservation(CORE, extra, GRANULARITY)
     });
 }
 
@@ -146,16 +150,16 @@ fn forbidden_ops_work_outside_capture() {
         0,
         "raw allocations are not pool memory"
     );
-    dev.write(raw, &[1, 2, 3]).unwrap();
+    dev.write(CORE, raw, &[1, 2, 3]).unwrap();
     let mut back = [0u8; 4];
-    dev.read(raw, &mut back).unwrap();
+    dev.read(CORE, raw, &mut back).unwrap();
     assert_eq!(back, [1, 2, 3, 0xA5]);
     // A raw allocation is not a reservation, and the other way round.
     assert!(matches!(
-        dev.unmap(raw, GRANULARITY),
+        dev.unmap(CORE, raw, GRANULARITY),
         Err(DeviceError::InvalidArgument { .. })
     ));
-    let r = dev.reserve(GRANULARITY).unwrap();
+    let r = dev.reserve(CORE, GRANULARITY).unwrap();
     assert!(matches!(
         dev.raw_free(r),
         Err(DeviceError::InvalidAddress { .. })
@@ -174,7 +178,7 @@ fn unjoined_side_stream_fails_end_capture() {
     dev.launch_kernel("fill_f32", move |m| m.fill_f32(seg, N, 1.0))
         .unwrap();
 
-    dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
+    dev.begin_capture(CORE, CaptureMode::ThreadLocal).unwrap();
     dev.launch_kernel("fill_f32", move |m| m.fill_f32(seg, N, 5.0))
         .unwrap();
     dev.launch_kernel_on_side_stream("side", move |m: &mut SimMemory| m.fill_f32(seg, N, 6.0))
@@ -183,7 +187,7 @@ fn unjoined_side_stream_fails_end_capture() {
     dev.launch_kernel("fill_f32", move |m| m.fill_f32(seg, N, 5.0))
         .unwrap();
     assert_eq!(
-        dev.end_capture().unwrap_err(),
+        dev.end_capture(CORE).unwrap_err(),
         capture_err(DeviceOp::EndCapture, CaptureViolation::Unjoined)
     );
     assert_eq!(dev.capture_status().unwrap(), CaptureStatus::Idle);
@@ -198,12 +202,12 @@ fn unjoined_side_stream_fails_end_capture() {
 #[test]
 fn abort_discards_an_unjoined_capture() {
     let dev = SimDevice::new();
-    dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
+    dev.begin_capture(CORE, CaptureMode::ThreadLocal).unwrap();
     dev.launch_kernel_on_side_stream("side", |_| Ok(()))
         .unwrap();
-    dev.abort_capture().unwrap();
-    dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
-    dev.end_capture().unwrap();
+    dev.abort_capture(CORE).unwrap();
+    dev.begin_capture(CORE, CaptureMode::ThreadLocal).unwrap();
+    dev.end_capture(CORE).unwrap();
 }
 
 #[test]
@@ -212,11 +216,11 @@ fn abort_of_a_valid_capture_discards_recorded_work() {
     let seg = dev.raw_alloc(N * 4).unwrap();
     dev.launch_kernel("fill_f32", move |m| m.fill_f32(seg, N, 1.0))
         .unwrap();
-    dev.begin_capture(CaptureMode::Relaxed).unwrap();
+    dev.begin_capture(CORE, CaptureMode::Relaxed).unwrap();
     dev.launch_kernel("fill_f32", move |m| m.fill_f32(seg, N, 3.0))
         .unwrap();
-    dev.copy(seg.offset(32), seg, 32).unwrap();
-    dev.abort_capture().unwrap();
+    dev.copy(CORE, seg.offset(32), seg, 32).unwrap();
+    dev.abort_capture(CORE).unwrap();
     assert_eq!(dev.read_f32(seg, N).unwrap(), vec![1.0; N]);
     assert_eq!(dev.stats().copies_run, 0);
 }
@@ -225,43 +229,43 @@ fn abort_of_a_valid_capture_discards_recorded_work() {
 fn capture_state_misuse() {
     let dev = SimDevice::new();
     assert!(matches!(
-        dev.end_capture(),
+        dev.end_capture(CORE),
         Err(DeviceError::CaptureState {
             op: DeviceOp::EndCapture,
             ..
         })
     ));
     assert!(matches!(
-        dev.abort_capture(),
+        dev.abort_capture(CORE),
         Err(DeviceError::CaptureState {
             op: DeviceOp::EndCapture,
             ..
         })
     ));
-    dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
+    dev.begin_capture(CORE, CaptureMode::ThreadLocal).unwrap();
     assert!(matches!(
-        dev.begin_capture(CaptureMode::ThreadLocal),
+        dev.begin_capture(CORE, CaptureMode::ThreadLocal),
         Err(DeviceError::CaptureState {
             op: DeviceOp::BeginCapture,
             ..
         })
     ));
     // The failed begin left the first capture intact.
-    dev.end_capture().unwrap();
+    dev.end_capture(CORE).unwrap();
 
     // Begin while an invalidated capture is underway also fails.
-    dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
+    dev.begin_capture(CORE, CaptureMode::ThreadLocal).unwrap();
     dev.synchronize().unwrap_err();
     assert!(matches!(
-        dev.begin_capture(CaptureMode::ThreadLocal),
+        dev.begin_capture(CORE, CaptureMode::ThreadLocal),
         Err(DeviceError::CaptureState {
             op: DeviceOp::BeginCapture,
             ..
         })
     ));
-    dev.abort_capture().unwrap();
+    dev.abort_capture(CORE).unwrap();
     assert!(matches!(
-        dev.abort_capture(),
+        dev.abort_capture(CORE),
         Err(DeviceError::CaptureState { .. })
     ));
 }

@@ -1,12 +1,16 @@
 //! Memory rules: fixed addresses, poison, mapping, bounds, use after free or unmap, overlapping copies, limits.
 
+use graft_core::backend::CoreOnly;
 use graft_core::{CaptureMode, Device, DeviceError, DeviceOp, DevicePtr};
 use graft_sim::{ADDRESS_BASE, GRANULARITY, POISON_BYTE, SimDevice, SimMemory};
 
+/// The token of the device's sealed methods, which these tests call directly.
+const CORE: &CoreOnly = &CoreOnly::for_tests_and_benches();
+
 /// A fresh reservation of `granules` granules, all mapped.
 fn mapped(dev: &SimDevice, granules: usize) -> DevicePtr {
-    let r = dev.reserve(granules * GRANULARITY).unwrap();
-    dev.map(r, granules * GRANULARITY).unwrap();
+    let r = dev.reserve(CORE, granules * GRANULARITY).unwrap();
+    dev.map(CORE, r, granules * GRANULARITY).unwrap();
     r
 }
 
@@ -15,7 +19,7 @@ fn memory_is_placed_deterministically() {
     let place = || {
         let dev = SimDevice::new();
         let a = dev.raw_alloc(1000).unwrap();
-        let b = dev.reserve(4 * GRANULARITY).unwrap();
+        let b = dev.reserve(CORE, 4 * GRANULARITY).unwrap();
         dev.raw_free(a).unwrap();
         let c = dev.raw_alloc(1000).unwrap();
         (a, b, c)
@@ -33,7 +37,7 @@ fn fresh_memory_is_poisoned() {
     let dev = SimDevice::new();
     for a in [dev.raw_alloc(4096).unwrap(), mapped(&dev, 1)] {
         let mut buf = vec![0u8; 4096];
-        dev.read(a, &mut buf).unwrap();
+        dev.read(CORE, a, &mut buf).unwrap();
         assert!(buf.iter().all(|&b| b == POISON_BYTE));
     }
 }
@@ -52,7 +56,7 @@ fn unmap_needs_mapped_granules_of_a_reservation() {
     ] {
         assert!(
             matches!(
-                dev.unmap(ptr, bytes),
+                dev.unmap(CORE, ptr, bytes),
                 Err(DeviceError::InvalidArgument {
                     op: DeviceOp::Unmap,
                     ..
@@ -63,11 +67,11 @@ fn unmap_needs_mapped_granules_of_a_reservation() {
     }
     assert_eq!(dev.stats().mapped_bytes, 2 * g);
     assert_eq!(dev.stats().reservations, 1);
-    dev.unmap(a.offset(g), g).unwrap();
+    dev.unmap(CORE, a.offset(g), g).unwrap();
     assert_eq!(dev.stats().mapped_bytes, g);
-    assert!(dev.unmap(a.offset(g), g).is_err(), "double unmap");
-    dev.unmap(a, g).unwrap();
-    dev.release_reservation(a, 2 * g).unwrap();
+    assert!(dev.unmap(CORE, a.offset(g), g).is_err(), "double unmap");
+    dev.unmap(CORE, a, g).unwrap();
+    dev.release_reservation(CORE, a, 2 * g).unwrap();
     assert_eq!((dev.stats().mapped_bytes, dev.stats().reservations), (0, 0));
 }
 
@@ -77,7 +81,7 @@ fn use_after_unmap_is_rejected() {
     let a = mapped(&dev, 1);
     dev.launch_kernel("fill_f32", move |m| m.fill_f32(a, 16, 1.0))
         .unwrap();
-    dev.unmap(a, GRANULARITY).unwrap();
+    dev.unmap(CORE, a, GRANULARITY).unwrap();
     assert_eq!(
         dev.launch_kernel("fill_f32", move |m| m.fill_f32(a, 16, 1.0)),
         Err(DeviceError::InvalidAddress {
@@ -87,7 +91,7 @@ fn use_after_unmap_is_rejected() {
         })
     );
     assert_eq!(
-        dev.read(a, &mut [0u8; 4]),
+        dev.read(CORE, a, &mut [0u8; 4]),
         Err(DeviceError::InvalidAddress {
             op: DeviceOp::Read,
             addr: a,
@@ -95,7 +99,7 @@ fn use_after_unmap_is_rejected() {
         })
     );
     assert!(matches!(
-        dev.write(a, &[0u8; 4]),
+        dev.write(CORE, a, &[0u8; 4]),
         Err(DeviceError::InvalidAddress {
             op: DeviceOp::Write,
             ..
@@ -138,7 +142,7 @@ fn out_of_bounds_kernel_access_is_an_error() {
             .is_err()
     );
     assert!(dev.read_f32(a, usize::MAX / 2).is_err());
-    assert!(dev.copy(a, DevicePtr(u64::MAX - 4), 64).is_err());
+    assert!(dev.copy(CORE, a, DevicePtr(u64::MAX - 4), 64).is_err());
 }
 
 #[test]
@@ -151,10 +155,13 @@ fn overlapping_copy_is_rejected_eagerly() {
         src: a,
         len: 16,
     };
-    assert_eq!(dev.copy(a.offset(8), a, 16), Err(expected));
-    assert!(dev.copy(a, a, 16).is_err(), "a copy onto itself overlaps");
+    assert_eq!(dev.copy(CORE, a.offset(8), a, 16), Err(expected));
+    assert!(
+        dev.copy(CORE, a, a, 16).is_err(),
+        "a copy onto itself overlaps"
+    );
     // Adjacent ranges do not overlap.
-    dev.copy(a.offset(16), a, 16).unwrap();
+    dev.copy(CORE, a.offset(16), a, 16).unwrap();
     assert_eq!(dev.stats().copies_run, 3);
 }
 
@@ -164,13 +171,13 @@ fn overlapping_copy_is_rejected_on_replay() {
     let a = dev.raw_alloc(64).unwrap();
     dev.launch_kernel("fill_f32", move |m| m.fill_f32(a, 16, 1.0))
         .unwrap();
-    dev.begin_capture(CaptureMode::ThreadLocal).unwrap();
+    dev.begin_capture(CORE, CaptureMode::ThreadLocal).unwrap();
     dev.launch_kernel("fill_f32", move |m| m.fill_f32(a, 4, 2.0))
         .unwrap();
-    dev.copy(a, a.offset(4), 16).unwrap();
-    let graph = dev.end_capture().unwrap();
+    dev.copy(CORE, a, a.offset(4), 16).unwrap();
+    let graph = dev.end_capture(CORE).unwrap();
     assert_eq!(
-        dev.launch(&graph),
+        dev.launch(CORE, &graph),
         Err(DeviceError::OverlappingCopy {
             op: DeviceOp::Copy,
             dst: a,
@@ -202,10 +209,10 @@ fn elementwise_partial_overlap_is_rejected_in_place_is_fine() {
 fn memory_limit_gives_out_of_memory() {
     let g = GRANULARITY;
     let dev = SimDevice::with_memory_limit(2 * g);
-    let r = dev.reserve(8 * g).unwrap();
-    dev.map(r, g).unwrap();
+    let r = dev.reserve(CORE, 8 * g).unwrap();
+    dev.map(CORE, r, g).unwrap();
     assert_eq!(
-        dev.map(r.offset(g), 2 * g),
+        dev.map(CORE, r.offset(g), 2 * g),
         Err(DeviceError::OutOfMemory {
             op: DeviceOp::Map,
             bytes: 2 * g
@@ -222,8 +229,8 @@ fn memory_limit_gives_out_of_memory() {
         dev.raw_alloc(g + 1).is_err(),
         "mapped bytes count against the limit"
     );
-    dev.unmap(r, g).unwrap();
-    dev.map(r.offset(g), 2 * g).unwrap();
+    dev.unmap(CORE, r, g).unwrap();
+    dev.map(CORE, r.offset(g), 2 * g).unwrap();
 }
 
 #[test]

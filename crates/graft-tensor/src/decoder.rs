@@ -19,6 +19,7 @@ use std::borrow::Cow;
 use std::fmt;
 use std::sync::Arc;
 
+use graft_core::backend::CoreOnly;
 use graft_core::{
     BodyError, Bucket, Buckets, Buffer, CaptureMode, Ctx, Device, FunctionId, FunctionSpec, Graft,
     Outcome, Output,
@@ -31,6 +32,10 @@ use crate::collective::Collective;
 use crate::error::{Result, TensorError};
 use crate::ops;
 use crate::tensor::{Alloc, DType, EagerAlloc, Keep, Meta, Tensor};
+
+/// The token of the device's sealed capture and launch calls, which the raw-graph baseline
+/// ([`Decoder::capture_raw`]) makes itself: graft-core's token for graft's benchmarks.
+const CORE: &CoreOnly = &CoreOnly::for_tests_and_benches();
 
 /// The buckets [`Decoder::register`] uses: 1, 2, 4, 8, 16, 32.
 pub fn default_buckets() -> Buckets {
@@ -503,7 +508,7 @@ impl<D: Device> RawGraph<D> {
             });
         }
         state.check_room()?;
-        self.device.launch(&self.graph)?;
+        self.device.launch(CORE, &self.graph)?;
         state.steps += 1;
         Ok(())
     }
@@ -866,7 +871,7 @@ impl<D: Backend> Decoder<D> {
     ) -> Result<RawGraph<D>> {
         let kept = self.capture_open(alloc, state, tokens)?;
         let device = self.device.clone();
-        let graph = device.end_capture()?;
+        let graph = device.end_capture(CORE)?;
         Ok(RawGraph {
             device,
             graph,
@@ -888,17 +893,17 @@ impl<D: Backend> Decoder<D> {
     ) -> Result<Vec<Buffer>> {
         self.check_tokens(state, tokens)?;
         let device = &self.device;
-        device.begin_capture(CaptureMode::ThreadLocal)?;
+        device.begin_capture(CORE, CaptureMode::ThreadLocal)?;
         let mut keep = Keep::new(alloc);
         let body = (|| -> Result<()> {
             let next = self.forward(&mut keep, tokens, &state.pos, &self.weights, &state.kv)?;
-            device.copy(tokens.ptr()?, next.ptr()?, tokens.bytes())?;
+            device.copy(CORE, tokens.ptr()?, next.ptr()?, tokens.bytes())?;
             Ok(())
         })();
         let kept = keep.into_kept();
         if let Err(e) = body {
             // The body's error is the one to report; the abort only cleans up.
-            let _ = device.abort_capture();
+            let _ = device.abort_capture(CORE);
             return Err(e);
         }
         Ok(kept)

@@ -255,11 +255,19 @@ impl Tensor {
 
     fn read_bytes<D: Device>(&self, device: &D) -> Result<Vec<u8>> {
         let mut raw = vec![0u8; self.bytes()];
-        device.read(self.ptr()?, &mut raw)?;
+        // Memory graft reused is the buffer's own error, checked before the device sees it.
+        self.buffer.addr()?;
+        self.buffer.read_at(device, self.offset, &mut raw)?;
         // The read raced with nothing on this thread, but the buffer may have been
         // invalidated before it: check again so stale bytes are never returned.
         self.buffer.addr()?;
         Ok(raw)
+    }
+
+    fn write_bytes<D: Device>(&self, device: &D, raw: &[u8]) -> Result<()> {
+        // As in `read_bytes`: memory graft reused is the buffer's own error.
+        self.buffer.addr()?;
+        Ok(self.buffer.write_at(device, self.offset, raw)?)
     }
 
     /// Copies the tensor to the host as f32s (synchronizes the device).
@@ -287,7 +295,7 @@ impl Tensor {
         self.check_dtype("write_f32", DType::F32)?;
         self.check_len(data.len())?;
         let raw: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
-        Ok(device.write(self.ptr()?, &raw)?)
+        self.write_bytes(device, &raw)
     }
 
     /// Writes host i32s into the tensor (synchronously: not inside a captured body).
@@ -295,7 +303,7 @@ impl Tensor {
         self.check_dtype("write_i32", DType::I32)?;
         self.check_len(data.len())?;
         let raw: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
-        Ok(device.write(self.ptr()?, &raw)?)
+        self.write_bytes(device, &raw)
     }
 }
 

@@ -27,10 +27,12 @@ impl Pool {
             .ok_or(PoolError::TooLarge {
                 bytes: self.reservation_bytes,
             })?;
-        let ptr = backing.reserve(size).map_err(|source| PoolError::Reserve {
-            bytes: size,
-            source,
-        })?;
+        let ptr = backing
+            .reserve(CORE, size)
+            .map_err(|source| PoolError::Reserve {
+                bytes: size,
+                source,
+            })?;
         if !ptr.0.is_multiple_of(gran as u64) || ptr.0.checked_add(size as u64).is_none() {
             return Err(bad(ptr, size));
         }
@@ -58,9 +60,9 @@ impl Pool {
         let todo = gaps(&self.mapped, s, e);
         for (i, &(a, b)) in todo.iter().enumerate() {
             let len = (b - a) as usize;
-            if let Err(source) = backing.map(DevicePtr(a), len) {
+            if let Err(source) = backing.map(CORE, DevicePtr(a), len) {
                 for &(ua, ub) in &todo[..i] {
-                    if let Err(error) = backing.unmap(DevicePtr(ua), (ub - ua) as usize) {
+                    if let Err(error) = backing.unmap(CORE, DevicePtr(ua), (ub - ua) as usize) {
                         tracing::debug!(%error, addr = %DevicePtr(ua), "undoing a pool map failed; the memory stays mapped");
                         self.add_mapped(ua, ub);
                     }
@@ -117,7 +119,7 @@ impl Pool {
         for (&a, &b) in &self.mapped {
             let bytes = (b - a) as usize;
             tracing::debug!(addr = %DevicePtr(a), bytes, "pool memory unmapped");
-            if let Err(source) = backing.unmap(DevicePtr(a), bytes) {
+            if let Err(source) = backing.unmap(CORE, DevicePtr(a), bytes) {
                 first.get_or_insert(PoolError::Release {
                     addr: DevicePtr(a),
                     bytes,
@@ -127,7 +129,7 @@ impl Pool {
         }
         if let Some(r) = self.reservation.take() {
             tracing::debug!(addr = %DevicePtr(r.base), bytes = r.size, "pool address range released");
-            if let Err(source) = backing.release_reservation(DevicePtr(r.base), r.size) {
+            if let Err(source) = backing.release_reservation(CORE, DevicePtr(r.base), r.size) {
                 first.get_or_insert(PoolError::Release {
                     addr: DevicePtr(r.base),
                     bytes: r.size,
@@ -177,7 +179,7 @@ impl Pool {
         let mut first = None;
         for (a, b) in todo {
             let bytes = (b - a) as usize;
-            match backing.unmap(DevicePtr(a), bytes) {
+            match backing.unmap(CORE, DevicePtr(a), bytes) {
                 Ok(()) => {
                     tracing::debug!(addr = %DevicePtr(a), bytes, "unused pool memory unmapped");
                     remove_interval(&mut self.mapped, a, b);

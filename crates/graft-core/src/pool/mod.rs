@@ -11,7 +11,7 @@ use std::fmt;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::device::{Device, DeviceError, DevicePtr};
+use crate::device::{CORE, CoreOnly, Device, DeviceError, DevicePtr};
 
 mod error;
 mod intervals;
@@ -28,35 +28,46 @@ pub use layout::Checkpoint;
 pub(crate) const GRANULARITY: usize = 512;
 
 /// What the pool needs from the memory behind it: the memory calls of [`Device`] (see the
-/// device module's Memory section for their rules). Every device is one; tests use fakes.
+/// device module's Memory section for their rules), sealed to graft-core by the same token.
+/// Every device is one; tests use fakes.
 pub trait Backing {
     /// See [`Device::granularity`].
     fn granularity(&self) -> usize;
     /// See [`Device::reserve`].
-    fn reserve(&self, bytes: usize) -> Result<DevicePtr, DeviceError>;
+    fn reserve(&self, core: &CoreOnly, bytes: usize) -> Result<DevicePtr, DeviceError>;
     /// See [`Device::release_reservation`].
-    fn release_reservation(&self, addr: DevicePtr, bytes: usize) -> Result<(), DeviceError>;
+    fn release_reservation(
+        &self,
+        core: &CoreOnly,
+        addr: DevicePtr,
+        bytes: usize,
+    ) -> Result<(), DeviceError>;
     /// See [`Device::map`].
-    fn map(&self, addr: DevicePtr, bytes: usize) -> Result<(), DeviceError>;
+    fn map(&self, core: &CoreOnly, addr: DevicePtr, bytes: usize) -> Result<(), DeviceError>;
     /// See [`Device::unmap`].
-    fn unmap(&self, addr: DevicePtr, bytes: usize) -> Result<(), DeviceError>;
+    fn unmap(&self, core: &CoreOnly, addr: DevicePtr, bytes: usize) -> Result<(), DeviceError>;
 }
 
 impl<D: Device> Backing for D {
     fn granularity(&self) -> usize {
         Device::granularity(self)
     }
-    fn reserve(&self, bytes: usize) -> Result<DevicePtr, DeviceError> {
-        Device::reserve(self, bytes)
+    fn reserve(&self, core: &CoreOnly, bytes: usize) -> Result<DevicePtr, DeviceError> {
+        Device::reserve(self, core, bytes)
     }
-    fn release_reservation(&self, addr: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
-        Device::release_reservation(self, addr, bytes)
+    fn release_reservation(
+        &self,
+        core: &CoreOnly,
+        addr: DevicePtr,
+        bytes: usize,
+    ) -> Result<(), DeviceError> {
+        Device::release_reservation(self, core, addr, bytes)
     }
-    fn map(&self, addr: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
-        Device::map(self, addr, bytes)
+    fn map(&self, core: &CoreOnly, addr: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
+        Device::map(self, core, addr, bytes)
     }
-    fn unmap(&self, addr: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
-        Device::unmap(self, addr, bytes)
+    fn unmap(&self, core: &CoreOnly, addr: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
+        Device::unmap(self, core, addr, bytes)
     }
 }
 

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use crate::buffer::{Buffer, Cell};
 use crate::ctx::{Ctx, Reclaim, RunKind, alloc_owned};
-use crate::device::{CopyEnds, Device, DeviceError, DevicePtr};
+use crate::device::{CORE, CopyEnds, Device, DeviceError, DevicePtr};
 use crate::error::{BodyError, CallError, FunctionId};
 use crate::graft::{Frame, Graft, lock};
 use crate::lifecycle::Phase;
@@ -157,7 +157,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
     where
         F: FnMut(&mut Ctx<'_, D>) -> Result<Vec<Output<M>>, BodyError<E>>,
     {
-        if let Err(e) = self.device.begin_capture(self.config.capture_mode) {
+        if let Err(e) = self.device.begin_capture(CORE, self.config.capture_mode) {
             return Err((BodyError::Device(e), Vec::new()));
         }
         let name = self.functions[frame.function].name.clone();
@@ -223,9 +223,9 @@ impl<D: Device, M: Clone> Graft<D, M> {
         reuse: &mut Option<D::Graph>,
     ) -> Result<D::Graph, DeviceError> {
         let Some(mut graph) = reuse.take() else {
-            return self.device.end_capture();
+            return self.device.end_capture(CORE);
         };
-        match self.device.end_capture_into(&mut graph)? {
+        match self.device.end_capture_into(CORE, &mut graph)? {
             None => {
                 tracing::debug!("executable updated in place");
                 self.stats.updates_in_place += 1;
@@ -242,8 +242,8 @@ impl<D: Device, M: Clone> Graft<D, M> {
     /// Ends a failed capture; an error doing so cannot be returned (another one is being
     /// returned), so it goes to the sticky slot and the next call returns it.
     pub(super) fn abort_capture(&self) {
-        if let Err(abort) = self.device.abort_capture() {
-            self.device.record_sticky_error(abort);
+        if let Err(abort) = self.device.abort_capture(CORE) {
+            self.device.record_sticky_error(CORE, abort);
         }
     }
 }
@@ -259,7 +259,7 @@ fn copy_inputs<D: Device, E>(device: &D, slots: &[InputSlot]) -> Result<(), Body
         } = *slot
             && len > 0
         {
-            device.copy(placeholder, source, len)?;
+            device.copy(CORE, placeholder, source, len)?;
         }
     }
     Ok(())
@@ -275,7 +275,7 @@ fn copy_back<D: Device, E>(device: &D, slots: &[InputSlot]) -> Result<(), BodyEr
             ..
         } = *slot
         {
-            device.copy(dst, placeholder, len)?;
+            device.copy(CORE, dst, placeholder, len)?;
         }
     }
     Ok(())
@@ -305,7 +305,7 @@ fn classify_outputs<D: Device, M, E>(
             let src = o.buffer.addr()?;
             let placeholder = ctx.alloc(o.buffer.len())?;
             let dst = placeholder.addr()?;
-            ctx.device.copy(dst, src, o.buffer.len())?;
+            ctx.device.copy(CORE, dst, src, o.buffer.len())?;
             keep.push(placeholder);
             OutputSlot::Delivered {
                 ends: CopyEnds { dst, src },
@@ -325,7 +325,7 @@ fn classify_outputs<D: Device, M, E>(
         } else {
             let src = o.buffer.addr()?;
             let copy = ctx.alloc(o.buffer.len())?;
-            ctx.device.copy(copy.addr()?, src, o.buffer.len())?;
+            ctx.device.copy(CORE, copy.addr()?, src, o.buffer.len())?;
             let slot = OutputSlot::Tracked {
                 cell: copy.cell().clone(),
                 spares: Vec::new(),

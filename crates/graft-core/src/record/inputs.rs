@@ -2,7 +2,7 @@
 //! (`catch_mutated_inputs`, which retires the node), large read-only inputs made copy-free
 //! (`patch_inputs`), and whether the graph can follow its in-place inputs (`follow_in_place`).
 
-use crate::device::{CopyEnds, Device, DeviceError};
+use crate::device::{CORE, CopyEnds, Device, DeviceError};
 use crate::graft::Graft;
 use crate::reason::Decision;
 use crate::tree::{self, InputSlot, NodeKey};
@@ -32,10 +32,10 @@ impl<D: Device, M: Clone> Graft<D, M> {
             {
                 let mut now = vec![0u8; len];
                 let mut caller = vec![0u8; len];
-                self.device.read(placeholder, &mut now)?;
-                self.device.read(source, &mut caller)?;
+                self.device.read(CORE, placeholder, &mut now)?;
+                self.device.read(CORE, source, &mut caller)?;
                 if now != caller {
-                    self.device.copy(source, placeholder, len)?;
+                    self.device.copy(CORE, source, placeholder, len)?;
                     found.push(position);
                 }
             }
@@ -85,7 +85,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 };
                 if self
                     .device
-                    .redirect(&mut node.graph, copy.dst, *len, Some(copy), Some(*source))?
+                    .redirect(CORE, &mut node.graph, copy.dst, *len, Some(copy), Some(*source))?
                 {
                     *reads = Some(*source);
                     self.stats.patched_inputs += 1;
@@ -131,7 +131,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
             }
             if self
                 .device
-                .redirect(&mut node.graph, recorded, len, None, Some(recorded))?
+                .redirect(CORE, &mut node.graph, recorded, len, None, Some(recorded))?
             {
                 if let InputSlot::InPlace { follows, .. } = &mut node.inputs[i] {
                     *follows = true;

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use crate::buffer::{Buffer, Cell};
 use crate::ctx::{Ctx, release_unused};
-use crate::device::{Device, DeviceError, DeviceOp, DevicePtr};
+use crate::device::{CORE, Device, DeviceError, DeviceOp, DevicePtr};
 use crate::error::{BodyError, CallError};
 use crate::graft::{Frame, Graft, Outcome, lock};
 use crate::lifecycle::Phase;
@@ -267,7 +267,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
             self.deliver_into(key, dests, frame.out)?;
         }
         self.device
-            .launch(&self.tree[key].graph)
+            .launch(CORE, &self.tree[key].graph)
             .map_err(device_err)?;
         self.catch_mutated_inputs(key, frame.sig)
             .map_err(device_err)?;

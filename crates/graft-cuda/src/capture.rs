@@ -1,0 +1,196 @@
+//! The capture lifecycle on the runtime stream: begin, end (instantiate and upload, or update an executable in place), abort; then launching, re-pointing and patching graphs, and summarizing them.
+
+use std::ptr;
+use std::sync::Arc;
+
+use cudarc::driver::sys;
+use graft_core::backend::CopyEnds;
+use graft_core::{CaptureMode, DeviceError, DeviceOp, DevicePtr, GraphSummary, UpdateRefusal};
+
+use crate::context::{CAPTURE_NONE, Inner};
+use crate::error::{INSPECT_OP, check, invalid_argument, is_capture_error, map};
+use crate::graph::{self, CudaGraph};
+
+/// What a launch or update of another device's graph is refused with.
+const FOREIGN_GRAPH: &str = "the graph was captured on another device";
+
+impl Inner {
+    /// `cuStreamBeginCapture_v2` on the runtime stream with the matching `CUstreamCaptureMode`.
+    pub(crate) fn begin_capture(&self, mode: CaptureMode) -> Result<(), DeviceError> {
+        let op = DeviceOp::BeginCapture;
+        self.enter(op)?;
+        if self.capture_status(op)? != CAPTURE_NONE {
+            return Err(DeviceError::CaptureState {
+                op,
+                state: "a capture is already underway on the runtime stream",
+            });
+        }
+        let mode = match mode {
+            CaptureMode::Global => sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL,
+            CaptureMode::ThreadLocal => {
+                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+            }
+            CaptureMode::Relaxed => sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
+        };
+        // SAFETY: the runtime stream is live and not capturing (checked above).
+        check(op, unsafe {
+            sys::cuStreamBeginCapture_v2(self.stream, mode)
+        })
+    }
+
+    /// `cuStreamEndCapture`, `cuGraphInstantiateWithFlags` (flags 0) and `cuGraphUpload` on the
+    /// runtime stream. If the end fails (an invalidated capture, unjoined work), the partial
+    /// graph is destroyed and the error returned with `EndCapture`; the stream is left out of
+    /// capture mode either way, so core must not call `abort_capture` after a failed
+    /// `end_capture` (it would answer `CaptureState`).
+    pub(crate) fn end_capture(self: &Arc<Self>) -> Result<CudaGraph, DeviceError> {
+        let graph = self.end_stream_capture()?;
+        self.instantiate(graph)
+    }
+
+    /// Ends the capture, then `cuGraphExecUpdate`s `target`'s executable with it; when the
+    /// driver refuses, instantiates the capture into `target` instead.
+    pub(crate) fn end_capture_into(
+        self: &Arc<Self>,
+        target: &mut CudaGraph,
+    ) -> Result<Option<UpdateRefusal>, DeviceError> {
+        let graph = self.end_stream_capture()?;
+        match target.update(graph) {
+            Ok(None) => Ok(None),
+            Ok(Some(refusal)) => {
+                *target = self.instantiate(graph)?;
+                Ok(Some(refusal))
+            }
+            Err(err) => {
+                graph::destroy_orphan(self, graph, ptr::null_mut());
+                Err(err)
+            }
+        }
+    }
+
+    /// If the runtime stream is capturing (active or invalidated), ends the capture and destroys
+    /// whatever graph comes back, ignoring the capture errors the end reports (that is what
+    /// aborting a broken capture means). Errors with `CaptureState` if no capture is underway.
+    ///
+    /// The driver API keeps no per-thread "last error" (that is the runtime API's
+    /// `cudaGetLastError`), and capture violations are not sticky context errors, so once the
+    /// capture has ended there is no error state left to clear: the stream is usable eagerly.
+    pub(crate) fn abort_capture(&self) -> Result<(), DeviceError> {
+        let op = DeviceOp::EndCapture;
+        self.enter_capture(op)?;
+        let ended = self.end_and_discard();
+        if ended != sys::CUresult::CUDA_SUCCESS && !is_capture_error(ended) {
+            return Err(map(op, ended, 0));
+        }
+        if self.capture_status(op)? != CAPTURE_NONE {
+            return Err(DeviceError::CaptureState {
+                op,
+                state: "the capture could not be ended",
+            });
+        }
+        Ok(())
+    }
+
+    /// Ends the runtime stream's capture, whatever its state, and destroys any graph it returns.
+    /// Returns the raw result of `cuStreamEndCapture`.
+    pub(crate) fn end_and_discard(&self) -> sys::CUresult {
+        let mut graph: sys::CUgraph = ptr::null_mut();
+        // SAFETY: `stream` is the live runtime stream, and this thread began its capture (core
+        // drives the lifecycle from one thread); `graph` is a valid out-pointer.
+        let result = unsafe { sys::cuStreamEndCapture(self.stream, &mut graph) };
+        graph::destroy_orphan(self, graph, ptr::null_mut());
+        result
+    }
+
+    /// `cuStreamEndCapture` on the runtime stream: the captured graph. If the end fails (an
+    /// invalidated capture, unjoined work), the partial graph is destroyed and the error
+    /// returned; the stream is out of capture mode either way.
+    fn end_stream_capture(&self) -> Result<sys::CUgraph, DeviceError> {
+        let op = DeviceOp::EndCapture;
+        self.enter_capture(op)?;
+        let mut graph: sys::CUgraph = ptr::null_mut();
+        // SAFETY: the runtime stream is live and capturing (checked above), begun by this
+        // thread; `graph` is a valid out-pointer.
+        let ended = unsafe { sys::cuStreamEndCapture(self.stream, &mut graph) };
+        if ended != sys::CUresult::CUDA_SUCCESS {
+            graph::destroy_orphan(self, graph, ptr::null_mut());
+            // CUDA ends the capture even when it reports an error; make sure of it.
+            if matches!(self.capture_status(op), Ok(s) if s != CAPTURE_NONE) {
+                let _ = self.end_and_discard();
+            }
+            return Err(map(op, ended, 0));
+        }
+        Ok(graph)
+    }
+
+    /// Instantiates (flags 0) and uploads `graph`, taking ownership of it: on failure it is
+    /// destroyed.
+    fn instantiate(self: &Arc<Self>, graph: sys::CUgraph) -> Result<CudaGraph, DeviceError> {
+        let mut exec: sys::CUgraphExec = ptr::null_mut();
+        // SAFETY: `graph` is a live graph returned by cuStreamEndCapture and owned by this
+        // call; `exec` is a valid out-pointer; flags 0 requests a plain instantiation.
+        let instantiated = unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) };
+        if let Err(err) = check(DeviceOp::Instantiate, instantiated) {
+            graph::destroy_orphan(self, graph, ptr::null_mut());
+            return Err(err);
+        }
+        // SAFETY: `exec` was just instantiated in this context; the runtime stream is live.
+        let uploaded = unsafe { sys::cuGraphUpload(exec, self.stream) };
+        if let Err(err) = check(DeviceOp::Upload, uploaded) {
+            graph::destroy_orphan(self, graph, exec);
+            return Err(err);
+        }
+        Ok(CudaGraph::new(Arc::clone(self), graph, exec))
+    }
+
+    /// Enters `op` and checks that `graph` was captured on this device.
+    fn enter_own(self: &Arc<Self>, op: DeviceOp, graph: &CudaGraph) -> Result<(), DeviceError> {
+        self.enter(op)?;
+        if !Arc::ptr_eq(&graph.device, self) {
+            return Err(invalid_argument(op, FOREIGN_GRAPH));
+        }
+        Ok(())
+    }
+
+    /// `cuGraphLaunch` on the runtime stream.
+    pub(crate) fn launch(self: &Arc<Self>, graph: &CudaGraph) -> Result<(), DeviceError> {
+        let op = DeviceOp::GraphLaunch;
+        self.enter_own(op, graph)?;
+        let handles = graph.lock();
+        // SAFETY: `exec` is the live executable of `graph` (destroyed only when the graph is
+        // dropped, impossible while borrowed), instantiated in this device's context, and its
+        // use is serialized by the graph's lock; the runtime stream is live.
+        check(op, unsafe { sys::cuGraphLaunch(handles.exec, self.stream) })
+    }
+
+    /// `cuGraphExecMemcpyNodeSetParams` on the copy node writing `dst` (found once, cached).
+    pub(crate) fn repoint_copy(
+        self: &Arc<Self>,
+        graph: &mut CudaGraph,
+        recorded: CopyEnds,
+        now: CopyEnds,
+    ) -> Result<(), DeviceError> {
+        self.enter_own(DeviceOp::GraphUpdate, graph)?;
+        graph.repoint_copy(self.ctx, recorded, now)
+    }
+
+    /// Patches the executable's kernel nodes (see the `patch` module).
+    pub(crate) fn redirect(
+        self: &Arc<Self>,
+        graph: &mut CudaGraph,
+        from: DevicePtr,
+        len: usize,
+        copy: Option<CopyEnds>,
+        to: Option<DevicePtr>,
+    ) -> Result<bool, DeviceError> {
+        self.enter_own(DeviceOp::GraphUpdate, graph)?;
+        graph.redirect(from, len, copy, to)
+    }
+
+    /// `cuGraphGetNodes` and `cuGraphNodeGetType` over the captured graph.
+    pub(crate) fn summarize(&self, graph: &CudaGraph) -> Result<GraphSummary, DeviceError> {
+        self.enter(INSPECT_OP)?;
+        let handles = graph.lock();
+        graph::summarize(INSPECT_OP, handles.graph)
+    }
+}

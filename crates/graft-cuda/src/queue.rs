@@ -1,0 +1,142 @@
+//! The body-facing [`CudaQueue`] methods on the runtime stream: copies, host reads and writes (on graft buffers, checked; the raw-address versions serve core through the `Device` trait), synchronize, and what a queue says about its device.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::driver::sys;
+use graft_core::{Buffer, DeviceError, DeviceId, DeviceOp, DevicePtr};
+
+use crate::context::CAPTURE_NONE;
+use crate::device::CudaQueue;
+use crate::error::check;
+
+impl CudaQueue {
+    /// The identity of the device this queue belongs to.
+    pub fn device_id(&self) -> DeviceId {
+        self.inner.id
+    }
+
+    /// How many handles share this device: clones of the device and of its queue, loaded
+    /// modules, graphs. The device (its context, streams, cuBLAS handle and memory) is
+    /// released when the last one is dropped; a count that stays above one after a program
+    /// dropped its modules and graphs means something still holds the device.
+    pub fn handle_count(&self) -> usize {
+        Arc::strong_count(&self.inner)
+    }
+
+    /// Whether the runtime stream is capturing (an invalidated capture counts: it must still be
+    /// ended). Legal during a capture.
+    pub fn is_capturing(&self) -> Result<bool, DeviceError> {
+        self.inner.enter(DeviceOp::Query)?;
+        Ok(self.inner.capture_status(DeviceOp::Query)? != CAPTURE_NONE)
+    }
+
+    /// Copies the first `bytes` of `src` to the start of `dst` on the runtime stream (recorded
+    /// when capturing): both are checked to be this device's, still valid and at least `bytes`
+    /// long ([`Buffer::device_addr`]) before anything is enqueued (`InvalidArgument`,
+    /// `InvalidBuffer`); overlapping ranges fail with `OverlappingCopy`.
+    pub fn copy(&self, dst: &Buffer, src: &Buffer, bytes: usize) -> Result<(), DeviceError> {
+        let op = DeviceOp::Copy;
+        let dst = dst.device_addr(op, self.inner.id, 0, bytes)?;
+        let src = src.device_addr(op, self.inner.id, 0, bytes)?;
+        self.copy_raw(dst, src, bytes)
+    }
+
+    /// Writes `src` to the start of `dst`, synchronously, checked as [`Self::copy`] checks its
+    /// buffers. Fails during a capture.
+    pub fn write(&self, dst: &Buffer, src: &[u8]) -> Result<(), DeviceError> {
+        let dst = dst.device_addr(DeviceOp::Write, self.inner.id, 0, src.len())?;
+        self.write_raw(dst, src)
+    }
+
+    /// Reads the first `dst.len()` bytes of `src` into `dst`, synchronously, checked as
+    /// [`Self::copy`] checks its buffers. Fails during a capture.
+    pub fn read(&self, src: &Buffer, dst: &mut [u8]) -> Result<(), DeviceError> {
+        let src = src.device_addr(DeviceOp::Read, self.inner.id, 0, dst.len())?;
+        self.read_raw(src, dst)
+    }
+
+    /// Waits until all work on the runtime stream has finished. Fails during a capture.
+    pub fn synchronize(&self) -> Result<(), DeviceError> {
+        let op = DeviceOp::Synchronize;
+        self.inner.enter(op)?;
+        self.inner.sync(op, self.inner.stream)
+    }
+
+    /// `cuMemcpyDtoDAsync` on the runtime stream. Overlapping ranges are rejected before CUDA
+    /// sees them; a zero-byte copy does nothing. Callers: the `Device` trait's `copy` (core's
+    /// own pool addresses) and [`CudaQueue::copy`] (checked graft buffers).
+    pub(crate) fn copy_raw(
+        &self,
+        dst: DevicePtr,
+        src: DevicePtr,
+        bytes: usize,
+    ) -> Result<(), DeviceError> {
+        let op = DeviceOp::Copy;
+        self.inner.enter(op)?;
+        if bytes == 0 {
+            return Ok(());
+        }
+        let len = bytes as u64;
+        if dst.0 < src.0.saturating_add(len) && src.0 < dst.0.saturating_add(len) {
+            return Err(DeviceError::OverlappingCopy {
+                op,
+                dst,
+                src,
+                len: bytes,
+            });
+        }
+        // SAFETY: the ranges do not overlap (checked above); the addresses are device memory
+        // of this device that the caller holds (core's pool addresses, or checked graft
+        // buffers); an invalid one is an error the driver reports, not host UB; the runtime
+        // stream is live.
+        check(op, unsafe {
+            sys::cuMemcpyDtoDAsync_v2(dst.0, src.0, bytes, self.inner.stream)
+        })
+    }
+
+    /// `cuMemcpyHtoDAsync` on the runtime stream, then `cuStreamSynchronize`. During a capture
+    /// CUDA refuses one or the other, and the error is returned as it comes.
+    pub(crate) fn write_raw(&self, dst: DevicePtr, src: &[u8]) -> Result<(), DeviceError> {
+        let op = DeviceOp::Write;
+        let inner = &self.inner;
+        inner.enter(op)?;
+        if !src.is_empty() {
+            // SAFETY: `src` is a live host slice of `src.len()` bytes, borrowed until the stream
+            // synchronize below returns (so the driver's read of it has finished); `dst` is device
+            // memory the caller holds (core's pool addresses, a checked graft buffer, or a test's
+            // raw address); an invalid one is a driver error, not host UB.
+            check(op, unsafe {
+                sys::cuMemcpyHtoDAsync_v2(
+                    dst.0,
+                    src.as_ptr().cast::<c_void>(),
+                    src.len(),
+                    inner.stream,
+                )
+            })?;
+        }
+        inner.sync(op, inner.stream)
+    }
+
+    /// `cuMemcpyDtoHAsync` on the runtime stream (after its earlier work), then
+    /// `cuStreamSynchronize`. Fails during a capture, as CUDA does.
+    pub(crate) fn read_raw(&self, src: DevicePtr, dst: &mut [u8]) -> Result<(), DeviceError> {
+        let op = DeviceOp::Read;
+        let inner = &self.inner;
+        inner.enter(op)?;
+        if !dst.is_empty() {
+            // SAFETY: `dst` is a live, exclusively borrowed host buffer of `dst.len()` bytes,
+            // borrowed until the stream synchronize below returns (so the driver's write to it
+            // has finished); `src` is device memory the caller holds (as for `write_raw`).
+            check(op, unsafe {
+                sys::cuMemcpyDtoHAsync_v2(
+                    dst.as_mut_ptr().cast::<c_void>(),
+                    src.0,
+                    dst.len(),
+                    inner.stream,
+                )
+            })?;
+        }
+        inner.sync(op, inner.stream)
+    }
+}
