@@ -9,8 +9,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use common::{Runs, TestDevice, TestQueue, graft, host_affine, read};
 use graft::{
-    BodyError, Buffer, CallError, Config, Ctx, Destinations, DevicePtr, EagerReason,
-    FunctionSpec, Graft, Outcome, Output,
+    BodyError, Buffer, CallError, Config, Ctx, Destinations, DevicePtr, EagerReason, FunctionSpec,
+    Graft, Outcome, Output,
 };
 
 /// Foreign memory: a raw allocation of the device, outside graft's pools, freed on drop.
@@ -99,7 +99,11 @@ fn in_place_inputs_follow_the_caller<D: TestDevice>(device: D) {
         .count();
     assert_eq!(recorded, 1, "{outcomes:?}\n{}", g.dump_text());
     assert_eq!(replayed, 6, "{outcomes:?}");
-    assert_eq!(runs.get(), 2, "the body ran only for the warmup and the recording");
+    assert_eq!(
+        runs.get(),
+        2,
+        "the body ran only for the warmup and the recording"
+    );
     assert!(g.stats().patched_inputs >= 1, "{:?}", g.stats());
 }
 device_test!(in_place, in_place_inputs_follow_the_caller);
@@ -132,7 +136,11 @@ fn in_place_inputs_are_written_like_eager<D: TestDevice>(device: D) {
         assert_eq!(read(&g, &b.buffer()), want_b, "step {step}");
     }
     assert!(g.stats().replays >= 4, "{:?}", g.stats());
-    assert_eq!(g.stats().mutated_inputs, 0, "in place, nothing is copied back");
+    assert_eq!(
+        g.stats().mutated_inputs,
+        0,
+        "in place, nothing is copied back"
+    );
 }
 device_test!(in_place_writes, in_place_inputs_are_written_like_eager);
 
@@ -144,7 +152,12 @@ struct Fresh<D: TestDevice> {
 }
 
 impl<D: TestDevice> Destinations<u32, std::io::Error> for Fresh<D> {
-    fn destination(&mut self, _index: usize, _meta: &u32, bytes: usize) -> Result<Buffer, std::io::Error> {
+    fn destination(
+        &mut self,
+        _index: usize,
+        _meta: &u32,
+        bytes: usize,
+    ) -> Result<Buffer, std::io::Error> {
         self.asked.fetch_add(1, Ordering::Relaxed);
         let addr = self.device.queue().raw_alloc(bytes.max(4)).unwrap();
         let f = Foreign {
@@ -201,7 +214,11 @@ fn owned_outputs_are_never_overwritten<D: TestDevice>(device: D) {
             "step {step} ({outcome:?})"
         );
     }
-    assert_eq!(asked.load(Ordering::Relaxed), 6, "one destination per output per call");
+    assert_eq!(
+        asked.load(Ordering::Relaxed),
+        6,
+        "one destination per output per call"
+    );
     assert_eq!(g.stats().invalidations, 0);
     assert!(g.stats().replays >= 4, "{:?}", g.stats());
 }
@@ -245,9 +262,16 @@ fn foreign_body_outputs_are_released<D: TestDevice>(device: D) {
             &mut out,
         )
         .unwrap();
-        assert_eq!(read(&g, &out[0].buffer), host_affine(&values(step as f32, 8), 1.0, 10.0));
+        assert_eq!(
+            read(&g, &out[0].buffer),
+            host_affine(&values(step as f32, 8), 1.0, 10.0)
+        );
     }
-    assert_eq!(dropped.load(Ordering::Relaxed), 2, "dropped after the warmup and the recording");
+    assert_eq!(
+        dropped.load(Ordering::Relaxed),
+        2,
+        "dropped after the warmup and the recording"
+    );
 }
 device_test!(foreign_body_outputs, foreign_body_outputs_are_released);
 
@@ -302,11 +326,22 @@ fn framework_errors_come_back_typed<D: TestDevice>(device: D) {
             )
             .unwrap_err();
         assert!(
-            matches!(e, CallError::Destination { index: 0, error: Shape(100), .. }),
+            matches!(
+                e,
+                CallError::Destination {
+                    index: 0,
+                    error: Shape(100),
+                    ..
+                }
+            ),
             "call {call}: {e}"
         );
     }
-    assert_eq!(g.stats().replays, 0, "nothing launched without a destination");
+    assert_eq!(
+        g.stats().replays,
+        0,
+        "nothing launched without a destination"
+    );
 }
 device_test!(typed_errors, framework_errors_come_back_typed);
 
@@ -327,7 +362,10 @@ fn foreign_ranges_inside_the_pool_are_refused<D: TestDevice>(device: D) {
         }
     }
     let e = result.unwrap_err();
-    assert!(matches!(e, CallError::ExternalInPool { position: 0, .. }), "{e}");
+    assert!(
+        matches!(e, CallError::ExternalInPool { position: 0, .. }),
+        "{e}"
+    );
     assert!(e.to_string().contains("graft's own"), "{e}");
 }
 device_test!(foreign_in_pool, foreign_ranges_inside_the_pool_are_refused);
@@ -344,7 +382,67 @@ fn eager_outcomes_carry_their_reason<D: TestDevice>(device: D) {
     );
     let x = common::input(&mut g, &[1.0; 4]);
     let runs = Runs::default();
-    let out = g.call_into(f, &[&x], &[], common::affine::<D>(1.0, 0.0, &runs), &mut Vec::new());
+    let out = g.call_into(
+        f,
+        &[&x],
+        &[],
+        common::affine::<D>(1.0, 0.0, &runs),
+        &mut Vec::new(),
+    );
     assert_eq!(out.unwrap(), Outcome::Eager(EagerReason::Registered));
 }
 device_test!(eager_reasons, eager_outcomes_carry_their_reason);
+
+/// A destination of the wrong size is refused before anything is launched, and a function
+/// recorded with owned outputs cannot be replayed without them (nor the reverse).
+fn bad_destinations_and_mixed_calls_are_refused<D: TestDevice>(device: D) {
+    struct Short<D: TestDevice>(Foreign<D>);
+    impl<D: TestDevice> Destinations<u32, std::io::Error> for Short<D> {
+        fn destination(&mut self, _: usize, _: &u32, _: usize) -> Result<Buffer, std::io::Error> {
+            Ok(Buffer::external(self.0.device.id(), self.0.addr, 4, None))
+        }
+    }
+    let mut g = graft(device.clone(), Config::default());
+    let f = g.register("owned", FunctionSpec::inference(Vec::<usize>::new()));
+    let x = common::input(&mut g, &values(1.0, 8));
+    let body = |ctx: &mut Ctx<'_, D>| -> Result<Vec<Output<u32>>, BodyError<std::io::Error>> {
+        let y = ctx.alloc(32)?;
+        ctx.queue().axpb_f32(&y, ctx.input(0), 2.0, 0.0, 8)?;
+        Ok(vec![Output::new(y, 8)])
+    };
+    let short = Short(Foreign::new(&g, &[0.0]));
+    let e = g
+        .call_owned(f, &[&x], &[], body, &mut { short }, &mut Vec::new())
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            CallError::BadDestination {
+                index: 0,
+                given: 4,
+                needed: 32,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let mut dests = Fresh {
+        device,
+        made: Vec::new(),
+        asked: Arc::new(AtomicUsize::new(0)),
+    };
+    for _ in 0..3 {
+        g.call_owned(f, &[&x], &[], body, &mut dests, &mut Vec::new())
+            .unwrap();
+    }
+    let runs = Runs::default();
+    let e = g
+        .call(f, &[&x], &[], common::affine::<D>(2.0, 0.0, &runs))
+        .unwrap_err();
+    assert!(matches!(e, CallError::OwnedOutputs { .. }), "{e}");
+    assert!(e.to_string().contains("call_owned"), "{e}");
+}
+device_test!(
+    bad_destinations,
+    bad_destinations_and_mixed_calls_are_refused
+);

@@ -80,11 +80,8 @@ pub enum EagerCause {
     /// eagerly from now on.
     Uncapturable(Uncapturable),
     /// graft decided (registered eager-only, not allow-listed, re-record limit, a capture
-    /// or instantiation failure graft-core saw itself).
+    /// or instantiation failure graft-core saw itself), with graft-core's typed reason.
     Graft(graft_core::EagerReason),
-    /// graft ran the call eagerly, but its decision log (`Config::decision_log`) is off, so
-    /// the reason was not kept.
-    Unlogged,
 }
 
 impl fmt::Display for EagerCause {
@@ -96,9 +93,6 @@ impl fmt::Display for EagerCause {
             ),
             EagerCause::Uncapturable(op) => write!(f, "not capturable: {op}"),
             EagerCause::Graft(reason) => write!(f, "{reason}"),
-            EagerCause::Unlogged => f.write_str(
-                "graft ran the step eagerly; turn Config::decision_log on to keep the reason",
-            ),
         }
     }
 }

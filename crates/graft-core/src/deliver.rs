@@ -33,13 +33,14 @@ impl<D: Device, M: Clone> Graft<D, M> {
         bytes: usize,
     ) -> Result<(Buffer, crate::device::DevicePtr), CallError<E>> {
         let name = || self.functions[function].name.clone();
-        let given = dests
-            .destination(index, meta, bytes)
-            .map_err(|error| CallError::Destination {
-                function: name(),
-                index,
-                error,
-            })?;
+        let given =
+            dests
+                .destination(index, meta, bytes)
+                .map_err(|error| CallError::Destination {
+                    function: name(),
+                    index,
+                    error,
+                })?;
         let bad = |why| CallError::BadDestination {
             function: name(),
             index,
@@ -56,9 +57,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
         if given.cell().in_pool(&self.graph_pool) || given.cell().in_pool(&self.eager_pool) {
             return Err(bad("it is memory of graft's own pools"));
         }
-        let addr = given
-            .addr()
-            .map_err(|_| bad("it can no longer be read"))?;
+        let addr = given.addr().map_err(|_| bad("it can no longer be read"))?;
         Ok((given, addr))
     }
 

@@ -118,7 +118,7 @@ pub enum CallError<E = AnyError> {
         error: E,
     },
     /// A destination ([`crate::Destinations`]) does not fit its output: another device, fewer
-    /// bytes than the output, or memory of graft's own pools. Nothing was launched.
+    /// bytes than the output, or memory of graft's own pools. No graph was launched.
     #[error(
         "{function}: the destination given for output {index} ({given} bytes) cannot take its {needed} bytes: {why}; allocate {needed} bytes of the runtime's device outside graft's pools"
     )]

@@ -47,12 +47,12 @@ pub use buffer_error::BufferError;
 pub use config::{AllowEntry, Config, FunctionSpec, Mode};
 pub use coordinator::{Coordinator, StartError, StepError};
 pub use ctx::{Ctx, RunKind};
+pub use deliver::Destinations;
 pub use device::{
     CaptureMode, CaptureViolation, Device, DeviceError, DeviceId, DeviceOp, DevicePtr,
     GraphSummary, UpdateRefusal,
 };
 pub use diag::{InputKind, MemoryReport, NodeInfo};
-pub use deliver::Destinations;
 pub use error::{AnyError, BodyError, CallError, FunctionId, MemoryError, VerifyTarget};
 pub use graft::{Graft, Outcome};
 pub use group::{GroupError, Member};

@@ -25,7 +25,13 @@ impl<D: Device, M: Clone> Graft<D, M> {
             source,
         };
         if self.tree[key].delivers != frame.dests.is_some() {
-            let how = |owned| if owned { "with owned outputs" } else { "without owned outputs" };
+            let how = |owned| {
+                if owned {
+                    "with owned outputs"
+                } else {
+                    "without owned outputs"
+                }
+            };
             return Err(CallError::OwnedOutputs {
                 function: self.functions[function].name.clone(),
                 recorded: how(self.tree[key].delivers),
@@ -107,8 +113,14 @@ impl<D: Device, M: Clone> Graft<D, M> {
                         *reads = None;
                     }
                     Some(_) => {
-                        self.device
-                            .redirect(CORE, &mut node.graph, ph, *len, Some(copy), Some(src))?;
+                        self.device.redirect(
+                            CORE,
+                            &mut node.graph,
+                            ph,
+                            *len,
+                            Some(copy),
+                            Some(src),
+                        )?;
                         *reads = Some(src);
                         repointed += 1;
                         continue;

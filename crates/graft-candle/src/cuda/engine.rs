@@ -17,9 +17,8 @@ use candle_core::cuda_backend::CudaDevice as CandleCuda;
 use candle_core::cuda_backend::cudarc::driver::{CudaStream, sys};
 use candle_core::{DType, Shape, Tensor, TensorId};
 use graft_core::{
-    BodyError, Buffer, CallError, CaptureViolation, Config, Ctx, DeviceError, DeviceId,
-    DevicePtr, Destinations, EagerReason, FunctionId, FunctionSpec, Graft, Outcome, Output,
-    RunKind,
+    BodyError, Buffer, CallError, CaptureViolation, Config, Ctx, Destinations, DeviceError,
+    DeviceId, DevicePtr, EagerReason, FunctionId, FunctionSpec, Graft, Outcome, Output, RunKind,
 };
 use graft_cuda::CudaDevice as GraftCuda;
 
@@ -166,7 +165,12 @@ impl CudaEngine {
     /// while the caller passes the same tensor there (one id comparison), and gets a new
     /// external static buffer over the tensor otherwise, so graft sees the new address and
     /// never replays a graph recorded with the old one.
-    fn bind_statics(&mut self, step: usize, name: &Arc<str>, statics: &[&Tensor]) -> Result<(), Error> {
+    fn bind_statics(
+        &mut self,
+        step: usize,
+        name: &Arc<str>,
+        statics: &[&Tensor],
+    ) -> Result<(), Error> {
         let bound = &mut self.statics[step];
         bound.truncate(statics.len());
         for (position, t) in statics.iter().enumerate() {
@@ -175,7 +179,12 @@ impl CudaEngine {
             }
             let (addr, len) = checked_range(t, &self.stream, name, "static", position)?;
             // The buffer keeps the tensor, so its memory stays allocated while it is bound.
-            let buffer = Buffer::external(self.device, DevicePtr(addr), len, Some(Box::new((*t).clone())));
+            let buffer = Buffer::external(
+                self.device,
+                DevicePtr(addr),
+                len,
+                Some(Box::new((*t).clone())),
+            );
             buffer.mark_static();
             let fresh = Bound { id: t.id(), buffer };
             match bound.get_mut(position) {

@@ -59,7 +59,11 @@ impl HandmadeGraph {
     /// on the fixed token tensor, holding `first`, with the step's result copied back into
     /// that tensor as the graph's last node. `step` must return a tensor of `first`'s dtype
     /// and shape and drop every other tensor it makes before it returns.
-    pub fn capture<F>(device: &CandleCuda, first: &Tensor, mut step: F) -> Result<HandmadeGraph, Error>
+    pub fn capture<F>(
+        device: &CandleCuda,
+        first: &Tensor,
+        mut step: F,
+    ) -> Result<HandmadeGraph, Error>
     where
         F: FnMut(&Tensor) -> candle_core::Result<Tensor>,
     {

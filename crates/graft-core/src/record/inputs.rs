@@ -83,10 +83,14 @@ impl<D: Device, M: Clone> Graft<D, M> {
                     dst: *placeholder,
                     src: *source,
                 };
-                if self
-                    .device
-                    .redirect(CORE, &mut node.graph, copy.dst, *len, Some(copy), Some(*source))?
-                {
+                if self.device.redirect(
+                    CORE,
+                    &mut node.graph,
+                    copy.dst,
+                    *len,
+                    Some(copy),
+                    Some(*source),
+                )? {
                     *reads = Some(*source);
                     self.stats.patched_inputs += 1;
                 }
@@ -122,10 +126,15 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 continue;
             };
             let (s, e) = (recorded.0, recorded.0 + len as u64);
-            let shared = node.inputs.iter().zip(sizes.iter()).enumerate().any(|(j, (other, &n))| {
-                let os = other.recorded_at().0;
-                j != i && n > 0 && os < e && s < os + n as u64
-            });
+            let shared =
+                node.inputs
+                    .iter()
+                    .zip(sizes.iter())
+                    .enumerate()
+                    .any(|(j, (other, &n))| {
+                        let os = other.recorded_at().0;
+                        j != i && n > 0 && os < e && s < os + n as u64
+                    });
             if shared {
                 continue;
             }

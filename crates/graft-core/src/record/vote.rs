@@ -79,10 +79,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
     }
 
     /// Undoes a capture that will never be attached: phase, pool and graph as before it.
-    pub(super) fn discard<E>(
-        &mut self,
-        pending: Pending<D::Graph, M>,
-    ) -> Result<(), CallError<E>> {
+    pub(super) fn discard<E>(&mut self, pending: Pending<D::Graph, M>) -> Result<(), CallError<E>> {
         let Pending {
             prepared,
             captured,

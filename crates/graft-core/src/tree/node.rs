@@ -73,7 +73,10 @@ pub(crate) enum OutputSlot {
     Empty(Arc<Cell>),
     /// Delivered into memory the caller gives per call (`Graft::call_owned`): a copy at the
     /// end of the graph, with `ends` as last pointed, writes the output's `len` bytes there.
-    Delivered { ends: crate::device::CopyEnds, len: usize },
+    Delivered {
+        ends: crate::device::CopyEnds,
+        len: usize,
+    },
 }
 
 #[derive(Debug)]
@@ -158,12 +161,18 @@ pub(crate) fn fixed_addresses(slots: &[InputSlot]) -> Box<[u64]> {
 
 /// The positions of the non-empty copied inputs among `slots`.
 pub(crate) fn copied_positions(slots: &[InputSlot]) -> Box<[usize]> {
-    positions(slots, |s| matches!(s, InputSlot::Copied { len, .. } if *len > 0))
+    positions(
+        slots,
+        |s| matches!(s, InputSlot::Copied { len, .. } if *len > 0),
+    )
 }
 
 /// The positions of the non-empty in-place inputs among `slots`.
 pub(crate) fn in_place_positions(slots: &[InputSlot]) -> Box<[usize]> {
-    positions(slots, |s| matches!(s, InputSlot::InPlace { len, .. } if *len > 0))
+    positions(
+        slots,
+        |s| matches!(s, InputSlot::InPlace { len, .. } if *len > 0),
+    )
 }
 
 fn positions(slots: &[InputSlot], keep: impl Fn(&InputSlot) -> bool) -> Box<[usize]> {
