@@ -79,7 +79,7 @@ fn largest_path<D: TestDevice>(dev: D) -> (usize, usize) {
         t.step(8);
     }
     let s = t.stats();
-    (s.pool.reserved, s.pool.peak_reserved)
+    (s.pool.mapped, s.pool.peak_mapped)
 }
 
 /// Smallest to largest, then alternating small and large keys.
@@ -116,9 +116,9 @@ fn check_bounded<D: TestDevice>(
     }
     let s = t.stats();
     eprintln!(
-        "{label}: {steps} steps; graph pool reserved {} MiB (peak {} MiB), allocated peak {} MiB; largest single path alone: reserved {} MiB (peak {} MiB); {} recordings, {} replays",
-        s.pool.reserved as f64 / MIB as f64,
-        s.pool.peak_reserved as f64 / MIB as f64,
+        "{label}: {steps} steps; graph pool mapped {} MiB (peak {} MiB), allocated peak {} MiB; largest single path alone: mapped {} MiB (peak {} MiB); {} recordings, {} replays",
+        s.pool.mapped as f64 / MIB as f64,
+        s.pool.peak_mapped as f64 / MIB as f64,
         s.pool.peak_allocated as f64 / MIB as f64,
         largest as f64 / MIB as f64,
         largest_peak as f64 / MIB as f64,
@@ -128,10 +128,10 @@ fn check_bounded<D: TestDevice>(
     assert!(largest >= 32 * MIB);
     let bound = largest_peak as f64 * 1.05;
     assert!(
-        s.pool.reserved as f64 <= bound && s.pool.peak_reserved as f64 <= bound,
-        "graph pool reserved {} (peak {}) exceeds 1.05 x the largest path's {}",
-        s.pool.reserved,
-        s.pool.peak_reserved,
+        s.pool.mapped as f64 <= bound && s.pool.peak_mapped as f64 <= bound,
+        "graph pool mapped {} (peak {}) exceeds 1.05 x the largest path's {}",
+        s.pool.mapped,
+        s.pool.peak_mapped,
         largest_peak
     );
     assert_eq!(s.nodes, 9, "one root and eight branches");

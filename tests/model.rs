@@ -292,12 +292,12 @@ fn run_program<D: TestDevice>(dev: D, warmups: u32, ops: &[Op]) -> Result<(), Te
         }
         // The memory bound: the tree's memory follows the program's need, not the sum of
         // its branches.
-        let reserved = g.stats().pool.reserved;
+        let mapped = g.stats().pool.mapped;
         let bound = (2 * demand_peak).next_multiple_of(GRANULE) + GRANULE;
         prop_assert!(
-            reserved <= bound,
+            mapped <= bound,
             "the graph pool holds {} bytes, over the bound of {} (peak need {})",
-            reserved,
+            mapped,
             bound,
             demand_peak
         );

@@ -279,7 +279,7 @@ fn memory_is_largest_path<D: TestDevice>(dev: D) {
     for _ in 0..3 {
         step(&mut g, f2, 1 << 20); // 4 MiB of scratch
     }
-    let one_path = g.stats().pool.reserved;
+    let one_path = g.stats().pool.mapped;
     for _ in 0..3 {
         step(&mut g, f3, 768 << 10); // 3 MiB of scratch
     }
@@ -287,7 +287,7 @@ fn memory_is_largest_path<D: TestDevice>(dev: D) {
     let s = g.stats();
     assert_eq!(s.nodes, 3);
     assert_eq!(
-        s.pool.reserved, one_path,
+        s.pool.mapped, one_path,
         "the second path reuses the first path's memory"
     );
     let ratio = s.pool.peak_allocated as f64 / eager_peak as f64;
@@ -299,7 +299,7 @@ fn memory_is_largest_path<D: TestDevice>(dev: D) {
     drop(runs);
     g.reset().unwrap();
     let s = g.stats();
-    assert_eq!((s.pool.live_blocks, s.pool.reserved), (0, 0));
+    assert_eq!((s.pool.live_blocks, s.pool.mapped), (0, 0));
 }
 device_test!(scenario_06_memory_is_largest_path, memory_is_largest_path);
 
@@ -782,7 +782,7 @@ fn reset_invalidates<D: TestDevice>(dev: D) {
         matches!(err, CallError::InvalidInput { position: 0, .. }),
         "{err}"
     );
-    assert_eq!(g.stats().pool.reserved, 0);
+    assert_eq!(g.stats().pool.mapped, 0);
     assert_eq!(
         read(&g, &x),
         vec![1.0; 4],
