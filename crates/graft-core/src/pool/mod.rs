@@ -1,4 +1,5 @@
-//! The caching allocator ("the pool"): one reserved address range, physical memory mapped in on demand, carved into blocks, with checkpoints.
+//! The caching allocator ("the pool"): one reserved address range, physical memory mapped in
+//! on demand, carved into blocks, with checkpoints.
 //!
 //! The pool is pure bookkeeping. It talks to memory only through the [`Backing`] it is handed
 //! (every [`Device`] is one): [`Pool::alloc`] reserves the pool's address range on first use
