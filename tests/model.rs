@@ -324,11 +324,12 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
+/// `GRAFT_MODEL_CASES` programs, else 1,000 (8 under compute-sanitizer).
 fn cases() -> u32 {
     std::env::var("GRAFT_MODEL_CASES")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(1000)
+        .unwrap_or(graft_testkit::steps(1000, 8) as u32)
 }
 
 proptest! {
