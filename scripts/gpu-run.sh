@@ -4,7 +4,10 @@
 #   1. prints the GPUs (nvidia-smi -L) and the driver version;
 #   2. runs every staged test executable with --include-ignored (the GPU tests are #[ignore]d
 #      for CI) and --test-threads=1;
-#   3. with --sanitize, runs them again under compute-sanitizer, memcheck then racecheck;
+#   3. with --sanitize, runs them again under compute-sanitizer, memcheck then racecheck, with
+#      GRAFT_UNDER_SANITIZER=1 in their environment: the long GPU tests then loop only a few
+#      times (graft_testkit::steps; graft-candle's tests/gpu.rs has its own), since the
+#      sanitizer slows every launch down by orders of magnitude;
 #   4. runs each bench command given as an argument (one shell command per argument).
 # Everything runs even after a failure; the exit status is non-zero if anything failed. A
 # summary table comes last. If $OUT is set, the whole log goes to $OUT/gpu-run.log and the
@@ -27,7 +30,7 @@ while (($#)); do
         --tests) tests_re=$2; shift ;;
         --timeout) timeout_s=$2; shift ;;
         --) shift; benches+=("$@"); break ;;
-        -h | --help) sed -n '2,17p' "$0"; exit 0 ;;
+        -h | --help) sed -n '2,20p' "$0"; exit 0 ;;
         *) benches+=("$1") ;;
     esac
     shift
@@ -146,8 +149,9 @@ if ((sanitize)); then
         # violations); only memory errors and races should fail the run.
         for tool in memcheck racecheck; do
             for exe in "${tests[@]}"; do
-                run "$tool" "$(basename "$exe")" "$sanitizer" --tool "$tool" --error-exitcode 1 \
-                    --report-api-errors no "$exe" --include-ignored --test-threads=1
+                run "$tool" "$(basename "$exe")" env GRAFT_UNDER_SANITIZER=1 "$sanitizer" \
+                    --tool "$tool" --error-exitcode 1 --report-api-errors no \
+                    "$exe" --include-ignored --test-threads=1
             done
         done
     else

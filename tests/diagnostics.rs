@@ -171,7 +171,7 @@ fn memory_report_attributes_held_outputs<D: TestDevice>(dev: D) {
     let report = g.memory_report();
     assert!(!report.mapped.is_empty());
     assert_eq!(
-        report.reserved,
+        report.mapped_bytes,
         report.mapped.iter().map(|s| s.1).sum::<usize>()
     );
     let node = held[2].buffer.node().unwrap();

@@ -25,7 +25,8 @@ fn written_input_matches_eager<D: TestDevice>(dev: D) {
     let mut g = graft(dev, Config::default());
     let f = g.register("count", FunctionSpec::default());
     let counter = input(&mut g, &[0.0; 4]);
-    for step in 1..=100 {
+    let steps = graft_testkit::steps(100, 6);
+    for step in 1..=steps {
         let out = g.call(f, &[&counter], &[], count_up).unwrap();
         let want = step as f32;
         assert_eq!(
@@ -41,7 +42,7 @@ fn written_input_matches_eager<D: TestDevice>(dev: D) {
     }
     let s = g.stats();
     assert_eq!(s.mutated_inputs, 1, "detected once");
-    assert!(s.replays >= 95, "{s:?}");
+    assert!(s.replays >= steps as u64 - 5, "{s:?}");
     let logged = g
         .explain()
         .filter(|d| d.decision == Decision::InputMutated { position: 0 })
@@ -107,7 +108,7 @@ fn written_input_follows_a_moving_buffer<D: TestDevice>(dev: D) {
     let f = g.register("count", FunctionSpec::default());
     let counters = [input(&mut g, &[0.0; 4]), input(&mut g, &[10.0; 4])];
     let mut want = [0.0f32, 10.0];
-    for step in 0..40 {
+    for step in 0..graft_testkit::steps(40, 6) {
         let i = step % 2;
         g.call(f, &[&counters[i]], &[], count_up).unwrap();
         want[i] += 1.0;
@@ -131,7 +132,8 @@ fn input_written_on_one_branch<D: TestDevice>(dev: D) {
     let counter = input(&mut g, &[0.0; 4]);
     let runs = Runs::default();
     let mut want = 0.0f32;
-    for step in 0..60u64 {
+    let steps = graft_testkit::steps(60, 8) as u64;
+    for step in 0..steps {
         let key = step % 2;
         let h = g.call(root, &[&x], &[], affine(3.0, 0.0, &runs)).unwrap();
         let out = g
@@ -159,7 +161,7 @@ fn input_written_on_one_branch<D: TestDevice>(dev: D) {
         assert_eq!(read(&g, &out[0].buffer), vec![want + 3.0; 4], "step {step}");
     }
     assert_eq!(g.stats().mutated_inputs, 1);
-    assert!(g.stats().replays > 100);
+    assert!(g.stats().replays > (2 * steps).saturating_sub(20));
 }
 device_test!(input_written_on_one_branch, input_written_on_one_branch);
 
@@ -404,7 +406,7 @@ fn recording_out_of_memory_releases_idle_memory_and_retries() {
     assert_eq!(read(&g, &out[0].buffer), vec![3.0; 4]);
     assert_eq!(g.stats().recordings, 1);
     assert!(
-        g.stats().eager_pool.reserved < 12 << 20,
+        g.stats().eager_pool.mapped < 12 << 20,
         "{:?}",
         g.stats().eager_pool
     );

@@ -275,9 +275,9 @@ fn check(pool: &Pool, model: &Model, fake: &FakeBacking) -> Result<(), TestCaseE
     }
     let st = pool.stats();
     prop_assert_eq!(st.allocated, model.allocated_bytes());
-    prop_assert_eq!(st.reserved, model.mapped.len() * GRAN);
+    prop_assert_eq!(st.mapped, model.mapped.len() * GRAN);
     prop_assert_eq!(st.live_blocks, model.allocated.len());
-    prop_assert_eq!(st.peak_reserved, model.peak_mapped);
+    prop_assert_eq!(st.peak_mapped, model.peak_mapped);
     prop_assert_eq!(st.peak_allocated, model.peak_allocated);
     prop_assert_eq!(pool.reservation().map(|(a, s)| (a.0, s)), model.reservation);
     Ok(())
@@ -495,8 +495,8 @@ fn siblings_of_growing_size_reuse_the_range_in_place() {
         }
     }
     let largest = (4 * KIB + 32 * MIB + KIB).next_multiple_of(2 * MIB);
-    assert_eq!(pool.stats().reserved, largest);
-    assert_eq!(pool.stats().peak_reserved, largest);
+    assert_eq!(pool.stats().mapped, largest);
+    assert_eq!(pool.stats().peak_mapped, largest);
     assert_eq!(pool.stats().mapped_ranges, 1);
     assert_eq!(fake.state.borrow().reserves, 1);
     pool.check_invariants().unwrap();
@@ -555,7 +555,7 @@ fn release_unused_keeps_allocated_and_pinned_granules() {
     let a = pool.alloc(MIB, &fake).unwrap();
     let b = pool.alloc(6 * MIB, &fake).unwrap();
     let c = pool.alloc(MIB, &fake).unwrap();
-    assert_eq!(pool.stats().reserved, 8 * MIB);
+    assert_eq!(pool.stats().mapped, 8 * MIB);
     pool.pin(&[(c.addr, c.size)]);
     pool.free(b.id).unwrap();
     pool.free(c.id).unwrap();
@@ -571,7 +571,7 @@ fn release_unused_keeps_allocated_and_pinned_granules() {
     // Growing again maps the hole back, in place.
     let d = pool.alloc(5 * MIB, &fake).unwrap();
     assert_eq!(d.addr, a.addr.offset(MIB));
-    assert_eq!(pool.stats().reserved, 8 * MIB);
+    assert_eq!(pool.stats().mapped, 8 * MIB);
     pool.release_all(&fake).unwrap();
     assert_eq!(fake.mapped().len(), 0);
     assert!(pool.pinned().is_empty());

@@ -135,7 +135,7 @@ fn capture_buckets_shares_one_pool<D: TestDevice>(dev: D) {
             })
             .unwrap();
         assert!(matches!(report.buckets[0].outcome, Outcome::Recorded(_)));
-        g.stats().pool.peak_reserved
+        g.stats().pool.peak_mapped
     };
     let mut g = graft(dev, Config::default());
     let f = g.register("step", FunctionSpec::default().buckets(buckets.clone()));
@@ -157,7 +157,7 @@ fn capture_buckets_shares_one_pool<D: TestDevice>(dev: D) {
         assert_eq!(c.calls, 2, "one warmup, then the recording");
     }
     assert_eq!(g.stats().nodes, 6);
-    let all = g.stats().pool.peak_reserved;
+    let all = g.stats().pool.peak_mapped;
     assert!(
         all as f64 <= 1.05 * largest_alone as f64,
         "six buckets hold {all} B, the largest alone {largest_alone} B"
@@ -227,14 +227,14 @@ fn budget_evicts_lru<D: TestDevice>(dev: D) {
         ),
     };
     check_held(&g);
-    let mut reserved = Vec::new();
+    let mut mapped = Vec::new();
     for round in 0..30 {
         for k in [1, 2, 3, 4] {
             call(&mut g, k);
             check_held(&g);
         }
         g.mark_step_begin();
-        reserved.push(g.stats().pool.reserved);
+        mapped.push(g.stats().pool.mapped);
         assert!(g.stats().nodes <= 2, "round {round}: {}", g.dump_text());
     }
     // Four signatures over two slots: evicted ones back off (2, 4, 8, ... eager calls before
@@ -243,7 +243,7 @@ fn budget_evicts_lru<D: TestDevice>(dev: D) {
     assert!(s.evictions >= 4, "{s:?}");
     assert!(s.recordings < 40, "the budget thrashed: {s:?}");
     assert!(s.warmups > 20, "{s:?}");
-    assert_eq!(reserved[5], reserved[29], "pool memory grew: {reserved:?}");
+    assert_eq!(mapped[5], mapped[29], "pool memory grew: {mapped:?}");
 }
 device_test!(budget_evicts_lru, budget_evicts_lru);
 

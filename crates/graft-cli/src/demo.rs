@@ -252,11 +252,11 @@ pub fn run_on<D: graft_tensor::Backend>(
     )?;
     writeln!(
         out,
-        "pool:  reserved {}, peak reserved {}, peak allocated {} (graph pool); weights and caches {}",
-        mib(stats.pool.reserved),
-        mib(stats.pool.peak_reserved),
+        "pool:  mapped {}, peak mapped {}, peak allocated {} (graph pool); weights and caches {}",
+        mib(stats.pool.mapped),
+        mib(stats.pool.peak_mapped),
         mib(stats.pool.peak_allocated),
-        mib(stats.eager_pool.reserved)
+        mib(stats.eager_pool.mapped)
     )?;
     if let Some(path) = &args.dot {
         std::fs::write(path, g.dump_dot()).map_err(|source| CliError::WriteFile {

@@ -161,8 +161,8 @@ fn capture_on<D: graft_tensor::Backend>(
         .count();
     let mut per: Vec<Duration> = report.buckets.iter().map(|c| c.elapsed).collect();
     per.sort();
-    let alone = largest_alone.map_or(0, |p| p.peak_reserved);
-    let all = stats.pool.peak_reserved;
+    let alone = largest_alone.map_or(0, |p| p.peak_mapped);
+    let all = stats.pool.peak_mapped;
     writeln!(
         out,
         "recorded {recorded} of {} buckets in {:.3} s (per bucket: min {}, median {}, max {}; a lazy capture pays one of these on each bucket's first use)",
@@ -192,7 +192,7 @@ fn capture_on<D: graft_tensor::Backend>(
         "afterwards {replays} of {} buckets replay on first use; {} nodes, {} graph-pool bytes mapped",
         buckets.sizes().len(),
         g.stats().nodes,
-        g.stats().pool.reserved
+        g.stats().pool.mapped
     )?;
     Ok(())
 }
@@ -212,7 +212,7 @@ fn skewed(rng: &mut Xoshiro256PlusPlus, max: usize) -> usize {
 struct ServeRun {
     times: Vec<Duration>,
     stats: Option<Stats>,
-    reserved_early: usize,
+    mapped_early: usize,
 }
 
 fn serve_on<D: graft_tensor::Backend>(
@@ -248,7 +248,7 @@ fn serve_on<D: graft_tensor::Backend>(
         let mut run = ServeRun {
             times: Vec::with_capacity(steps),
             stats: None,
-            reserved_early: 0,
+            mapped_early: 0,
         };
         for (n, &size) in trace.iter().enumerate() {
             let i = lanes.index(buckets.pick(size).size());
@@ -263,7 +263,7 @@ fn serve_on<D: graft_tensor::Backend>(
             })?;
             run.times.push(dt);
             if n == steps / 10 {
-                run.reserved_early = g.stats().pool.reserved;
+                run.mapped_early = g.stats().pool.mapped;
             }
             bar.inc(1);
         }
@@ -295,8 +295,8 @@ fn serve_on<D: graft_tensor::Backend>(
                 s.evictions.to_string(),
                 format!(
                     "{:.1}/{:.1} MiB",
-                    run.reserved_early as f64 / MIB,
-                    s.pool.reserved as f64 / MIB
+                    run.mapped_early as f64 / MIB,
+                    s.pool.mapped as f64 / MIB
                 ),
             ),
             None => ("-".into(), "-".into(), "-".into()),

@@ -169,7 +169,7 @@ pub(crate) fn alloc_owned<D: Device>(
             let stats = guard.stats();
             return Err(PoolError::OutOfMemory {
                 bytes,
-                mapped: stats.reserved,
+                mapped: stats.mapped,
                 allocated: stats.allocated,
                 source,
             });

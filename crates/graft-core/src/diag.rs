@@ -76,8 +76,8 @@ pub struct MemoryReport {
     pub mapped: Vec<(DevicePtr, usize)>,
     /// Ranges recorded graphs use, kept mapped until `Graft::reset`: (address, bytes).
     pub pinned: Vec<(DevicePtr, usize)>,
-    /// Bytes of physical memory mapped into the pool.
-    pub reserved: usize,
+    /// Bytes of physical memory mapped into the pool (the sum of `mapped`'s ranges).
+    pub mapped_bytes: usize,
     /// Bytes in allocated blocks (as the bookkeeping sees them).
     pub allocated: usize,
     /// Allocated blocks.
@@ -154,11 +154,11 @@ impl<D: Device, M: Clone> Graft<D, M> {
         let stats = self.stats();
         let _ = writeln!(
             s,
-            "graft tree on {}: {} nodes, generation {}, pool reserved {} B, peak {} B",
+            "graft tree on {}: {} nodes, generation {}, pool mapped {} B, peak allocated {} B",
             self.device.describe(),
             stats.nodes,
             self.generation,
-            stats.pool.reserved,
+            stats.pool.mapped,
             stats.pool.peak_allocated
         );
         for n in self.nodes() {
@@ -290,7 +290,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
         MemoryReport {
             mapped,
             pinned,
-            reserved: stats.reserved,
+            mapped_bytes: stats.mapped,
             allocated: stats.allocated,
             live_blocks: stats.live_blocks,
             free_blocks: free.len(),

@@ -1,5 +1,6 @@
-//! Replay, the fast path: re-point moved input copies, invalidate what the graph overwrites,
-//! launch, hand out the outputs. Also verify mode and the conflict lists replays use.
+//! Replay, the fast path: re-point moved input copies (or re-patch copy-free inputs),
+//! invalidate the held cells of the `handed` list that the graph overwrites, launch, hand out
+//! the outputs. Also verify mode.
 
 use std::sync::Arc;
 

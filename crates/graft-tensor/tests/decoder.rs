@@ -9,13 +9,17 @@ use graft_tensor::{
 };
 
 const SEED: u64 = 7;
-const STEPS: usize = 20;
+
+/// Steps per run: 20, or 6 under compute-sanitizer ([`graft_testkit::steps`]).
+fn steps() -> usize {
+    graft_testkit::steps(20, 6)
+}
 
 fn first_tokens(batch: usize, vocab: usize) -> Vec<i32> {
     (0..batch).map(|i| ((i * 37 + 1) % vocab) as i32).collect()
 }
 
-/// Runs `STEPS` steps eagerly and through graft from the same first tokens; returns the
+/// Runs [`steps`] steps eagerly and through graft from the same first tokens; returns the
 /// tokens of every step of each (all rows, padding included).
 fn run_both<D: Backend>(
     g: &mut graft_core::Graft<D, Meta>,
@@ -29,7 +33,7 @@ fn run_both<D: Backend>(
     let mut eager_state = dec.new_state(g, bucket).unwrap();
     let mut t = dec.tokens(g, &ids).unwrap();
     let mut eager = Vec::new();
-    for _ in 0..STEPS {
+    for _ in 0..steps() {
         t = dec.step_eager(g, &mut eager_state, &t).unwrap();
         eager.push(t.to_vec_i32(g.device()).unwrap());
     }
@@ -37,11 +41,11 @@ fn run_both<D: Backend>(
     let mut state = dec.new_state(g, bucket).unwrap();
     let mut t = dec.tokens(g, &ids).unwrap();
     let mut grafted = Vec::new();
-    for _ in 0..STEPS {
+    for _ in 0..steps() {
         t = dec.step_graft(g, fid, &mut state, &t).unwrap();
         grafted.push(t.to_vec_i32(g.device()).unwrap());
     }
-    assert_eq!(state.steps(), STEPS);
+    assert_eq!(state.steps(), steps());
     (eager, grafted)
 }
 
@@ -63,7 +67,7 @@ fn graft_matches_eager<D: Backend>(dev: D) {
         );
     }
     let stats = g.stats();
-    assert!(stats.replays >= 2 * (STEPS as u64 - 4), "{stats:?}");
+    assert!(stats.replays >= 2 * (steps() as u64 - 4), "{stats:?}");
     // One root per bucket (1 and 4), keyed by the bucket.
     let roots: Vec<_> = g.nodes().into_iter().filter(|n| n.depth == 0).collect();
     let mut keys: Vec<Vec<u64>> = roots.iter().map(|n| n.keys.clone()).collect();
@@ -79,7 +83,7 @@ fn raw_graph_matches_eager<D: Backend>(dev: D) {
     let mut eager_state = dec.new_state(&mut g, 2).unwrap();
     let mut t = dec.tokens(&mut g, &ids).unwrap();
     let mut eager = Vec::new();
-    for _ in 0..STEPS {
+    for _ in 0..steps() {
         t = dec.step_eager(&mut g, &mut eager_state, &t).unwrap();
         eager.push(t.to_vec_i32(g.device()).unwrap());
     }
@@ -92,7 +96,7 @@ fn raw_graph_matches_eager<D: Backend>(dev: D) {
         "capture ran nothing"
     );
     let mut got = Vec::new();
-    for _ in 0..STEPS {
+    for _ in 0..steps() {
         raw.step(&mut state).unwrap();
         got.push(raw.tokens().to_vec_i32(g.device()).unwrap());
     }

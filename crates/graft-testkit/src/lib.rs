@@ -18,7 +18,17 @@
 //! launched (with [`Buffer::device_addr`]'s errors), so the kernels are safe to call.
 //!
 //! [`TestGroupDevice`] adds what multi-device tests need: several devices of one backend and
-//! an all-reduce among them ([`SimComm`] on the simulator, [`NcclComm`] on GPUs).
+//! an all-reduce among them ([`SimComm`] on the simulator, [`NcclComm`] on GPUs), and
+//! [`skip_without_cuda_gpus`] lets such a test skip itself on a machine with fewer GPUs.
+//!
+//! [`steps`] shortens long GPU test loops when `scripts/gpu-run.sh` runs the tests under
+//! compute-sanitizer (it sets [`UNDER_SANITIZER`]).
+
+mod sanitizer;
+mod skip;
+
+pub use sanitizer::{UNDER_SANITIZER, steps};
+pub use skip::skip_without_cuda_gpus;
 
 use std::sync::{Arc, Mutex, OnceLock, PoisonError, Weak};
 use std::time::Duration;
@@ -90,7 +100,8 @@ pub trait TestGroupDevice: TestDevice {
     ///
     /// # Panics
     /// If the devices cannot be had (on CUDA: fewer than `world` GPUs, or the test kernels do
-    /// not load).
+    /// not load). A CUDA test asks [`skip_without_cuda_gpus`] first, so that a machine with
+    /// fewer GPUs skips it instead.
     fn devices(world: usize) -> Vec<Self>;
 
     /// One communicator per device of `devices`, rank `i` on `devices[i]`.

@@ -16,10 +16,11 @@ pub struct GraphMemory {
     pub used_current: u64,
     /// The highest `used_current` since the last reset.
     pub used_high: u64,
-    /// Memory currently reserved for graph allocations by the driver.
-    pub reserved_current: u64,
-    /// The highest `reserved_current` since the last reset.
-    pub reserved_high: u64,
+    /// Physical memory the driver currently holds for graph allocations, used or not (CUDA
+    /// calls it reserved memory; graft's word for physical memory behind addresses is mapped).
+    pub mapped_current: u64,
+    /// The highest `mapped_current` since the last reset.
+    pub mapped_high: u64,
 }
 
 /// The graph memory figures of `device`'s GPU.
@@ -44,8 +45,8 @@ pub fn graph_memory(device: &CudaDevice) -> Result<GraphMemory, Error> {
     Ok(GraphMemory {
         used_current: get(A::CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT)?,
         used_high: get(A::CU_GRAPH_MEM_ATTR_USED_MEM_HIGH)?,
-        reserved_current: get(A::CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT)?,
-        reserved_high: get(A::CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH)?,
+        mapped_current: get(A::CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT)?,
+        mapped_high: get(A::CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH)?,
     })
 }
 

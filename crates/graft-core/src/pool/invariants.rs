@@ -114,7 +114,7 @@ impl Pool {
         if mapped as usize != self.mapped_bytes {
             return Err(broken("the mapped counter differs from the intervals", 0));
         }
-        if self.peak_allocated < self.allocated || self.peak_reserved < self.mapped_bytes {
+        if self.peak_allocated < self.allocated || self.peak_mapped < self.mapped_bytes {
             return Err(broken("a peak is below its current value", 0));
         }
         Ok(())

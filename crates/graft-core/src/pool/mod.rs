@@ -1,4 +1,5 @@
-//! The caching allocator ("the pool"): one reserved address range, physical memory mapped in on demand, carved into blocks, with checkpoints.
+//! The caching allocator ("the pool"): one reserved address range, physical memory mapped in
+//! on demand, carved into blocks, with checkpoints.
 //!
 //! The pool is pure bookkeeping. It talks to memory only through the [`Backing`] it is handed
 //! (every [`Device`] is one): [`Pool::alloc`] reserves the pool's address range on first use
@@ -108,7 +109,7 @@ pub struct Block {
     pub id: BlockId,
     /// First address.
     pub addr: DevicePtr,
-    /// Bytes reserved for the block.
+    /// The block's length in bytes.
     pub size: usize,
 }
 
@@ -116,13 +117,13 @@ pub struct Block {
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
 pub struct PoolStats {
     /// Bytes of physical memory mapped into the pool's range (what the pool holds).
-    pub reserved: usize,
+    pub mapped: usize,
     /// Bytes of all allocated blocks.
     pub allocated: usize,
     /// Highest `allocated` seen.
     pub peak_allocated: usize,
-    /// Highest `reserved` seen.
-    pub peak_reserved: usize,
+    /// Highest `mapped` seen.
+    pub peak_mapped: usize,
     /// Allocated blocks.
     pub live_blocks: usize,
     /// Maximal contiguous mapped ranges.
@@ -248,7 +249,7 @@ pub struct Pool {
     mapped_bytes: usize,
     allocated: usize,
     peak_allocated: usize,
-    peak_reserved: usize,
+    peak_mapped: usize,
 }
 
 /// Rounds a request to the granularity (0 counts as 1 byte, so it becomes 512).
@@ -280,7 +281,7 @@ impl Pool {
             mapped_bytes: 0,
             allocated: 0,
             peak_allocated: 0,
-            peak_reserved: 0,
+            peak_mapped: 0,
         }
     }
 
@@ -292,7 +293,7 @@ impl Pool {
 
     fn note_peaks(&mut self) {
         self.peak_allocated = self.peak_allocated.max(self.allocated);
-        self.peak_reserved = self.peak_reserved.max(self.mapped_bytes);
+        self.peak_mapped = self.peak_mapped.max(self.mapped_bytes);
     }
 
     /// Allocates a block of at least `bytes` (rounded up to 512; 0 counts as 512).
@@ -393,10 +394,10 @@ impl Pool {
     /// The pool's counters.
     pub fn stats(&self) -> PoolStats {
         PoolStats {
-            reserved: self.mapped_bytes,
+            mapped: self.mapped_bytes,
             allocated: self.allocated,
             peak_allocated: self.peak_allocated,
-            peak_reserved: self.peak_reserved,
+            peak_mapped: self.peak_mapped,
             live_blocks: self.ids.len(),
             mapped_ranges: self.mapped.len(),
             address_space: self.reservation.map_or(0, |r| r.size),
