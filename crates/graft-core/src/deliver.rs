@@ -3,10 +3,10 @@
 //! that output (re-pointed before every launch), or after an eager run of the body.
 
 use crate::buffer::Buffer;
-use crate::device::{CORE, CopyEnds, Device};
+use crate::device::{CORE, CopyEnds, Device, DeviceError, DeviceOp};
 use crate::error::CallError;
 use crate::graft::Graft;
-use crate::tree::Output;
+use crate::tree::{NodeKey, Output, OutputSlot};
 
 /// Where a call's outputs go when the caller owns them ([`Graft::call_owned`]): typically a
 /// framework allocating its own fresh tensor per output and handing graft an external
@@ -95,42 +95,70 @@ impl<D: Device, M: Clone> Graft<D, M> {
     }
 
     /// Before launching node `key`: points each delivered output's copy at the caller's
-    /// memory for this call and hands that memory out, in output order.
+    /// memory for this call and hands that memory out, in output order. Where the device
+    /// refuses to re-point the copy, the output is copied after the launch from then on
+    /// (`copy_after_launch`): slower by one copy, never wrong.
     pub(crate) fn deliver_into<E>(
         &mut self,
-        key: crate::tree::NodeKey,
+        key: NodeKey,
         dests: &mut dyn Destinations<M, E>,
         out: &mut Vec<Output<M>>,
     ) -> Result<(), CallError<E>> {
         let function = self.tree[key].function;
         for index in 0..self.tree[key].outputs.len() {
-            let (ends, len) = match &self.tree[key].outputs[index].slot {
-                crate::tree::OutputSlot::Delivered { ends, len } => (Some(*ends), *len),
-                _ => (None, 0),
+            let (ends, len, after) = match self.tree[key].outputs[index].slot {
+                OutputSlot::Delivered { ends, len, after } => (Some(ends), len, after),
+                _ => (None, 0, false),
             };
             let meta = self.tree[key].outputs[index].meta.clone();
             let (dest, at) = self.destination(dests, function, index, &meta, len)?;
-            if let Some(ends) = ends {
+            if let Some(ends) = ends
+                && !after
+                && ends.dst != at
+            {
                 let now = CopyEnds {
                     dst: at,
                     src: ends.src,
                 };
                 let node = &mut self.tree[key];
-                if ends.dst != at {
-                    self.device
-                        .repoint_copy(CORE, &mut node.graph, ends, now)
-                        .map_err(|source| CallError::Device {
-                            function: self.functions[function].name.clone(),
-                            source,
-                        })?;
-                    if let crate::tree::OutputSlot::Delivered { ends, .. } =
-                        &mut node.outputs[index].slot
-                    {
-                        *ends = now;
+                let repointed = self.device.repoint_copy(CORE, &mut node.graph, ends, now);
+                if let OutputSlot::Delivered { ends, after, .. } = &mut node.outputs[index].slot {
+                    match repointed {
+                        Ok(()) => *ends = now,
+                        Err(error) => {
+                            tracing::warn!(
+                                function = %self.functions[function].name, index, %error,
+                                "the graph cannot write the caller's memory for this output (the device refused to re-point its copy); graft copies it after each launch instead"
+                            );
+                            *after = true;
+                        }
                     }
                 }
             }
             out.push(Output { buffer: dest, meta });
+        }
+        Ok(())
+    }
+
+    /// After launching node `key`: copies the outputs whose copy could not be re-pointed from
+    /// their placeholders into the caller's memory handed out in `out`.
+    pub(crate) fn copy_after_launch(
+        &self,
+        key: NodeKey,
+        out: &[Output<M>],
+    ) -> Result<(), DeviceError> {
+        for (o, handed) in self.tree[key].outputs.iter().zip(out) {
+            if let OutputSlot::Delivered {
+                ends,
+                len,
+                after: true,
+            } = o.slot
+            {
+                let dst = handed
+                    .buffer
+                    .device_addr(DeviceOp::Copy, self.device.id(), 0, len)?;
+                self.device.copy(CORE, dst, ends.dst, len)?;
+            }
         }
         Ok(())
     }

@@ -66,6 +66,11 @@ impl<D: Device, M: Clone> Graft<D, M> {
         if let Err(source) = self.device.launch(CORE, &node.graph) {
             return Err(fail(self, source));
         }
+        if frame.dests.is_some()
+            && let Err(source) = self.copy_after_launch(key, frame.out)
+        {
+            return Err(fail(self, source));
+        }
         self.stats.invalidations += invalidated;
         self.stats.copied_inputs += copied;
         self.stats.copy_sources_updated += repointed;

@@ -818,6 +818,17 @@ impl Device for SimDevice {
                 what: FOREIGN_GRAPH,
             });
         }
+        let st = self.lock(DeviceOp::GraphUpdate)?;
+        let moves_kind = |a: DevicePtr, b: DevicePtr| st.mem.is_raw(a) != st.mem.is_raw(b);
+        if moves_kind(recorded.dst, now.dst) || moves_kind(recorded.src, now.src) {
+            // CUDA's `cuGraphExecMemcpyNodeSetParams` refuses operands whose mapping changed.
+            return Err(DeviceError::Driver {
+                op: DeviceOp::GraphUpdate,
+                code: 1,
+                name: "CUDA_ERROR_INVALID_VALUE",
+            });
+        }
+        drop(st);
         graph.repoint_copy(recorded, now)
     }
 

@@ -341,6 +341,23 @@ impl SimMemory {
         Ok(())
     }
 
+    /// Whether `addr` lies in a raw allocation (`raw_alloc`, CUDA's `cuMemAlloc`) rather than
+    /// a pool reservation: CUDA refuses to re-point a graph's copy from memory mapped one way
+    /// to memory mapped the other (`Device::repoint_copy`).
+    pub(crate) fn is_raw(&self, addr: DevicePtr) -> bool {
+        #[cfg(any(test, feature = "test-support"))]
+        {
+            self.regions.iter().any(|r| {
+                r.kind == Kind::Raw && addr.0 >= r.base && addr.0 < r.base + r.data.len() as u64
+            })
+        }
+        #[cfg(not(any(test, feature = "test-support")))]
+        {
+            let _ = addr;
+            false
+        }
+    }
+
     /// The region index and offset of `[ptr, ptr+len)`, which must lie in one raw allocation
     /// or in mapped granules of one reservation.
     #[inline]

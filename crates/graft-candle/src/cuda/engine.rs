@@ -323,16 +323,14 @@ impl CudaEngine {
             }
             Err(e) => return Err(Error::Call(e)),
         };
+        let outputs = allocator.made;
         let outcome = match outcome {
             Outcome::Replayed(node) => StepOutcome::Replayed(node),
             Outcome::Recorded(node) => StepOutcome::Recorded(node),
             Outcome::Warmup => StepOutcome::Warmup,
             Outcome::Eager(reason) => StepOutcome::Eager(self.eager_cause(step, reason, refusal)),
         };
-        Ok(Step {
-            outputs: allocator.made,
-            outcome,
-        })
+        Ok(Step { outputs, outcome })
     }
 
     /// Why graft ran the call eagerly: the candle operation that broke the capture when

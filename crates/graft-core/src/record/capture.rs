@@ -310,6 +310,7 @@ fn classify_outputs<D: Device, M, E>(
             OutputSlot::Delivered {
                 ends: CopyEnds { dst, src },
                 len: o.buffer.len(),
+                after: false,
             }
         } else if let Some(p) = ctx.inputs.iter().enumerate().position(|(p, b)| {
             matches!(slots[p], InputSlot::Static { .. }) && b.same_storage(&o.buffer)

@@ -269,6 +269,9 @@ impl<D: Device, M: Clone> Graft<D, M> {
         self.device
             .launch(CORE, &self.tree[key].graph)
             .map_err(device_err)?;
+        if frame.dests.is_some() {
+            self.copy_after_launch(key, frame.out).map_err(device_err)?;
+        }
         self.catch_mutated_inputs(key, frame.sig)
             .map_err(device_err)?;
         self.patch_inputs(key).map_err(device_err)?;

@@ -73,9 +73,13 @@ pub(crate) enum OutputSlot {
     Empty(Arc<Cell>),
     /// Delivered into memory the caller gives per call (`Graft::call_owned`): a copy at the
     /// end of the graph, with `ends` as last pointed, writes the output's `len` bytes there.
+    /// With `after`, the device refused to re-point that copy to the caller's memory (CUDA:
+    /// memory mapped another way than the graph's), so the copy keeps writing its
+    /// placeholder and graft copies the placeholder to the caller's memory after each launch.
     Delivered {
         ends: crate::device::CopyEnds,
         len: usize,
+        after: bool,
     },
 }
 
