@@ -18,6 +18,9 @@
 #                                 libcurand.so.10, libnvrtc.so.13 (stubs with the real sonames,
 #                                 every function cudarc declares, each aborting if ever called),
 #                                 the unversioned .so links, and libcudart.so -> the wheel's
+#     target/                     the cargo target folder of this build (GRAFT_CUDA_TARGET),
+#                                 which scripts/check-candle-cuda.sh and scripts/stage.sh
+#                                 --candle-cuda share, so candle's kernels compile once
 # where <key> changes with the pins (and, for the stubs, with cudarc's version), so a second
 # run only exports. The stubs are found through LIBRARY_PATH, i.e. by the linker only: nothing
 # puts them in an executable's RUNPATH, so on a GPU machine the loader finds the real libraries
@@ -126,13 +129,17 @@ print(next(os.path.dirname(p["manifest_path"]) for p in m["packages"] if p["name
     esac
     # Where the stubs are, for scripts that check what an executable links (scripts/stage.sh).
     export GRAFT_CUDA_STUBS=$stub_dir
+    # The target folder the scripts build this in (not set as CARGO_TARGET_DIR here, so that
+    # sourcing this leaves a shell's other builds where they were).
+    export GRAFT_CUDA_TARGET=$cache/target
 }
 
 if [[ ${BASH_SOURCE[0]} == "$0" ]]; then
     # Run, not sourced: print the environment to eval or copy.
     set -euo pipefail
     _graft_cuda_env
-    for var in CUDA_ROOT CUDA_HOME NVCC CUDA_COMPUTE_CAP PATH LIBRARY_PATH GRAFT_CUDA_STUBS; do
+    for var in CUDA_ROOT CUDA_HOME NVCC CUDA_COMPUTE_CAP PATH LIBRARY_PATH GRAFT_CUDA_STUBS \
+        GRAFT_CUDA_TARGET; do
         printf 'export %s=%q\n' "$var" "${!var}"
     done
 else

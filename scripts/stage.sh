@@ -14,9 +14,11 @@
 # With --candle-cuda (or GRAFT_STAGE_CANDLE_CUDA=1) it also builds graft-candle with its `cuda`
 # feature (candle's CUDA backend, linked against CUDA at build time) in a separate cargo
 # invocation, after sourcing scripts/cuda-build-env.sh (first run: pip wheels and stubs into
-# its cache, then nvcc compiles candle's kernels, ~15 min cold on 2 cores), and stages those
-# executables (the GPU tests, stage/tests/graft-candle_cuda.gpu, and the benchmark,
-# stage/bin/graft-candle-bench_cuda) under the package name with "_cuda", xz-compressed (each
+# its cache), in that cache's target folder (GRAFT_CUDA_TARGET, shared with CI's
+# scripts/check-candle-cuda.sh, same release profile: nvcc compiles candle's kernels once per
+# machine, ~15 min cold on 2 cores), and stages those executables (the GPU tests,
+# stage/tests/graft-candle_cuda.gpu, and the benchmark, stage/bin/graft-candle-bench_cuda)
+# under the package name with "_cuda", xz-compressed (each
 # is about 48 MiB, mostly candle's PTX, and packs to about 5 MiB; gpu-run.sh unpacks them).
 # Each is checked to carry no RUNPATH into the stub folder.
 #
@@ -28,7 +30,7 @@ candle_cuda=${GRAFT_STAGE_CANDLE_CUDA:-0}
 while (($#)); do
     case $1 in
         --candle-cuda) candle_cuda=1 ;;
-        -h | --help) sed -n '2,21p' "$0"; exit 0 ;;
+        -h | --help) sed -n '2,25p' "$0"; exit 0 ;;
         *) echo "stage.sh: unknown argument $1" >&2; exit 2 ;;
     esac
     shift
@@ -135,6 +137,9 @@ if ((candle_cuda)); then
     # shellcheck source=scripts/cuda-build-env.sh
     source scripts/cuda-build-env.sh
     [[ -n ${GRAFT_CUDA_STUBS:-} ]] || { echo "stage.sh: the CUDA build environment failed" >&2; exit 1; }
+    # The cache's target folder, where scripts/check-candle-cuda.sh (CI) checks the same build
+    # with this script's release profile (exported above): candle's kernels are compiled once.
+    export CARGO_TARGET_DIR=$GRAFT_CUDA_TARGET
     echo "== cargo build --release -p graft-candle --features cuda --bins" >&2
     cargo build --release -p graft-candle --features cuda --bins \
         --message-format=json-render-diagnostics >"$cuda_bin_json"
