@@ -60,10 +60,11 @@ pub enum Error {
         /// candle's error.
         source: candle_core::Error,
     },
-    /// graft refused or failed the call (see graft's `CallError`).
+    /// graft refused or failed the call (see graft's `CallError`), boxed: it carries candle's
+    /// error type.
     #[cfg(feature = "cuda")]
     #[error(transparent)]
-    Call(#[from] graft_core::CallError<candle_core::Error>),
+    Call(Box<graft_core::CallError<candle_core::Error>>),
     /// Launching a recorded graph failed. CUDA refuses to relaunch a graph while one of its
     /// allocations is held: a body that keeps a tensor it made (in a struct, a cache, a
     /// channel) causes this.

@@ -1,5 +1,5 @@
-//! Device addresses of candle tensors, fresh uninitialized candle tensors, and the raw
-//! device-to-device copies between candle memory and graft buffers, on candle's stream.
+//! Device addresses of candle tensors (what graft-core gets as external memory), fresh
+//! uninitialized candle tensors, and a raw device-to-device copy on candle's stream.
 
 use std::sync::Arc;
 
@@ -59,15 +59,18 @@ pub(crate) fn checked_range(
 }
 
 /// A contiguous tensor of `dtype` and `shape` on `device`, uninitialized: the caller fills
-/// all of it (with [`copy`]) before anything reads it. Allocated on candle's stream like
-/// every candle tensor (inside a capture: a graph allocation, freed when it drops).
+/// all of it before anything reads it (with [`copy`], or as the destination graft writes an
+/// output into). Allocated on candle's stream like every candle tensor (inside a capture: a
+/// graph allocation, freed when it drops).
 pub(crate) fn uninit_tensor(
     device: &CandleCuda,
     dtype: DType,
     shape: &Shape,
 ) -> candle_core::Result<Tensor> {
     // SAFETY: candle's contract for `alloc_uninit` is that the memory is written before it
-    // is read; every caller copies a full tensor's bytes into it first, on the same stream.
+    // is read; every caller has a full tensor's bytes copied into it first, on the same
+    // stream (its own copy, or graft's copy of the output this tensor receives), and hands
+    // it out only after that copy is enqueued.
     let storage = unsafe { device.alloc_uninit(shape, dtype) }?;
     Ok(Tensor::from_storage(
         Storage::Cuda(storage),
@@ -92,7 +95,7 @@ pub(crate) fn copy(
     // it) is; making it current only sets a thread-local.
     unsafe { sys::cuCtxSetCurrent(stream.context().cu_ctx()) }.result()?;
     // SAFETY: callers pass the ranges of live device memory of this context, `bytes` long
-    // each (a contiguous candle tensor from `tensor_range`, a graft buffer of that length from
-    // its `addr`), owned until the copy has run: both are freed only in stream order after it.
+    // each (contiguous candle tensors from `tensor_range`), owned until the copy has run:
+    // both are freed only in stream order after it.
     unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, stream.cu_stream()) }.result()
 }

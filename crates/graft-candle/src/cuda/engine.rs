@@ -321,7 +321,7 @@ impl CudaEngine {
                     source,
                 });
             }
-            Err(e) => return Err(Error::Call(e)),
+            Err(e) => return Err(Error::Call(Box::new(e))),
         };
         let outputs = allocator.made;
         let outcome = match outcome {
