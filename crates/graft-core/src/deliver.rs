@@ -1,25 +1,14 @@
-//! Outputs delivered into memory the caller owns ([`Graft::call_owned`]): the caller's
-//! allocator, and handing each output to it, by a copy recorded as the graph's last node for
-//! that output (re-pointed before every launch), or after an eager run of the body.
+//! Outputs delivered into memory the caller owns ([`Graft::call_owned`]): checking what the
+//! caller's allocator gives, and handing each output to it, by a copy recorded as the graph's
+//! last node for that output (re-pointed before every launch), or after an eager run of the
+//! body.
 
 use crate::buffer::Buffer;
+use crate::destinations::Destinations;
 use crate::device::{CORE, CopyEnds, Device, DeviceError, DeviceOp};
 use crate::error::CallError;
 use crate::graft::Graft;
 use crate::tree::{NodeKey, Output, OutputSlot};
-
-/// Where a call's outputs go when the caller owns them ([`Graft::call_owned`]): typically a
-/// framework allocating its own fresh tensor per output and handing graft an external
-/// buffer over it ([`Buffer::external`]).
-pub trait Destinations<M, E> {
-    /// Memory for output `index` of this call: `bytes` long (at least), on the runtime's
-    /// device, outside graft's pools, described by `meta` (what the body returned with it).
-    /// Called before the launch of a replay or a recording, and after the body of a warmup
-    /// or an eager run; the memory must stay allocated while the call's work runs (candle's
-    /// stream-ordered frees do that by themselves). An error is returned as
-    /// [`CallError::Destination`] and nothing is launched.
-    fn destination(&mut self, index: usize, meta: &M, bytes: usize) -> Result<Buffer, E>;
-}
 
 impl<D: Device, M: Clone> Graft<D, M> {
     /// Asks `dests` for output `index`'s memory and checks it: this device, at least `bytes`

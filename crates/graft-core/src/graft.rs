@@ -12,7 +12,7 @@ use crate::bucket::Bucket;
 use crate::buffer::{Buffer, Cell};
 use crate::config::{Config, FunctionSpec, Mode};
 use crate::ctx::Ctx;
-use crate::deliver::Destinations;
+use crate::destinations::Destinations;
 use crate::device::{CORE, Device, DevicePtr};
 use crate::error::{BodyError, CallError, FunctionId};
 use crate::group::Member;

@@ -14,6 +14,7 @@ mod config;
 mod coordinator;
 mod ctx;
 mod deliver;
+mod destinations;
 mod device;
 mod diag;
 mod error;
@@ -47,7 +48,7 @@ pub use buffer_error::BufferError;
 pub use config::{AllowEntry, Config, FunctionSpec, Mode};
 pub use coordinator::{Coordinator, StartError, StepError};
 pub use ctx::{Ctx, RunKind};
-pub use deliver::Destinations;
+pub use destinations::Destinations;
 pub use device::{
     CaptureMode, CaptureViolation, Device, DeviceError, DeviceId, DeviceOp, DevicePtr,
     GraphSummary, UpdateRefusal,
