@@ -3,8 +3,10 @@
 //! [`CudaDevice`] owns one non-blocking runtime stream on one GPU and implements core's capture
 //! lifecycle with stream capture (`cuStreamBeginCapture` / `cuStreamEndCapture`), instantiating
 //! and uploading each graph ([`CudaGraph`]) so that its first replay is as cheap as the rest.
-//! Pool segments come from `cuMemAlloc`, made legal inside a capture by switching the thread to
-//! relaxed capture mode around it, as PyTorch's caching allocator does. Behind the
+//! Pool memory is virtual memory (`cuMemAddressReserve`, then `cuMemCreate` and `cuMemMap` per
+//! granule: `vmm.rs`), mapped legally inside a capture by switching the thread to relaxed
+//! capture mode around the calls, as PyTorch's caching allocator does. `patch.rs` moves a
+//! recorded graph's uses of a range to other memory (copy-free and in-place inputs). Behind the
 //! `test-support` feature it offers a few calls that model what a framework's code might do
 //! wrong inside a captured body (`CudaQueue::raw_alloc`, `CudaQueue::query`,
 //! `CudaQueue::launch_function_on_side_stream`), mirroring the simulator; graft's shared
