@@ -483,3 +483,61 @@ device_test!(
     bad_destinations,
     bad_destinations_and_mixed_calls_are_refused
 );
+
+/// An in-place input the graph cannot follow replays only where it was recorded: here it
+/// overlaps another input (a pointer into the overlap could belong to either), so a moved
+/// buffer records again with `InPlaceInputMoved`, and the values stay eager's.
+fn unfollowed_in_place_inputs_replay_only_where_recorded<D: TestDevice>(device: D) {
+    let mut g = graft(device, Config::default());
+    let f = g.register("overlap", FunctionSpec::inference(Vec::<usize>::new()));
+    let n = 8;
+    let mems = [
+        Foreign::new(&g, &values(0.0, n)),
+        Foreign::new(&g, &values(10.0, n)),
+    ];
+    let runs = Runs::default();
+    for step in 0..6 {
+        let mem = &mems[usize::from(step >= 3)];
+        // The same memory twice: in place, and as a copied view of its first half.
+        let x = mem.buffer();
+        x.mark_in_place();
+        let half = Buffer::external(mem.device.id(), mem.addr, mem.len / 2, None);
+        let mut out = Vec::new();
+        let r = runs.clone();
+        let outcome = g
+            .call_into(
+                f,
+                &[&x, &half],
+                &[],
+                |ctx: &mut Ctx<'_, D>| {
+                    r.hit();
+                    let y = ctx.alloc(ctx.input(0).len())?;
+                    ctx.queue().axpb_f32(&y, ctx.input(0), 2.0, 0.0, n)?;
+                    Ok(vec![Output::new(y, 0)])
+                },
+                &mut out,
+            )
+            .unwrap();
+        let seed = if step >= 3 { 10.0 } else { 0.0 };
+        assert_eq!(
+            read(&g, &out[0].buffer),
+            host_affine(&values(seed, n), 2.0, 0.0),
+            "step {step}: {outcome:?}"
+        );
+    }
+    let kinds: Vec<_> = g.nodes().into_iter().flat_map(|n| n.inputs).collect();
+    assert!(
+        kinds.contains(&graft::InputKind::InPlace { follows: false }),
+        "{kinds:?}"
+    );
+    assert_eq!(
+        g.stats().rerecords.in_place_input_moved,
+        1,
+        "{:?}",
+        g.stats()
+    );
+}
+device_test!(
+    unfollowed_in_place,
+    unfollowed_in_place_inputs_replay_only_where_recorded
+);
