@@ -6,7 +6,7 @@
 use crate::buffer::Buffer;
 use crate::destinations::Destinations;
 use crate::device::{CORE, CopyEnds, Device, DeviceError, DeviceOp};
-use crate::error::CallError;
+use crate::error::{BodyError, CallError};
 use crate::graft::Graft;
 use crate::tree::{NodeKey, Output, OutputSlot};
 
@@ -63,10 +63,9 @@ impl<D: Device, M: Clone> Graft<D, M> {
             let len = o.buffer.len();
             let (dest, at) = self.destination(dests, function, index, &o.meta, len)?;
             if len > 0 {
-                let src = o.buffer.addr().map_err(|source| CallError::InvalidInput {
+                let src = o.buffer.addr().map_err(|source| CallError::Body {
                     function: self.functions[function].name.clone(),
-                    position: index,
-                    source,
+                    source: BodyError::Buffer(source),
                 })?;
                 self.device
                     .copy(CORE, at, src, len)
