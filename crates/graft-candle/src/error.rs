@@ -50,6 +50,13 @@ pub enum Error {
         /// candle's error.
         source: candle_core::Error,
     },
+    /// A model's host-side check refused a step before it ran (a full kv cache, a batch the
+    /// cache does not hold, tokens of the wrong rank).
+    #[error("the model refused the step: {source}")]
+    Model {
+        /// candle's error, with what to do.
+        source: candle_core::Error,
+    },
     /// candle failed outside the body (making the tensors graft-candle hands in or back).
     #[error("{step}: {what} failed: {source}")]
     Candle {
@@ -59,6 +66,19 @@ pub enum Error {
         what: &'static str,
         /// candle's error.
         source: candle_core::Error,
+    },
+    /// Recording the step failed because its body freed a tensor made outside the step: it
+    /// replaced state it keeps, and the replacement's work never ran. The call is not run
+    /// again on that state, and the step runs eagerly from now on.
+    #[cfg(feature = "cuda")]
+    #[error(
+        "{step}: recording failed: {cause}. The state the body keeps now holds tensors whose work never ran, so the call was not run again: rebuild that state (a fresh cache) and call again; the step runs eagerly from now on"
+    )]
+    StateLost {
+        /// The step called.
+        step: Arc<str>,
+        /// What broke the recording.
+        cause: crate::Uncapturable,
     },
     /// graft refused or failed the call (see graft's `CallError`), boxed: it carries candle's
     /// error type.

@@ -41,6 +41,7 @@
 mod bucket;
 mod error;
 pub mod llama;
+pub mod models;
 #[cfg(test)]
 mod reference;
 mod refusal;

@@ -33,6 +33,14 @@ pub enum Uncapturable {
         /// CUDA's error name.
         error: String,
     },
+    /// The body freed, inside the capture, a tensor made outside it: CUDA refuses such a free
+    /// (`CUDA_ERROR_INVALID_VALUE`), and cudarc raises the error at its next call. The body
+    /// replaced state it keeps (a KV cache grown with `Tensor::cat` and stored back), and the
+    /// replacement's work never ran.
+    FreedOutside {
+        /// CUDA's error name.
+        error: String,
+    },
 }
 
 #[cfg(any(test, feature = "cuda"))]
@@ -44,6 +52,7 @@ impl Uncapturable {
                 graft_core::DeviceOp::Read
             }
             Uncapturable::Upload { .. } => graft_core::DeviceOp::Write,
+            Uncapturable::FreedOutside { .. } => graft_core::DeviceOp::RawAlloc,
         }
     }
 }
@@ -62,6 +71,10 @@ impl fmt::Display for Uncapturable {
             Uncapturable::CudaCall { error } => write!(
                 f,
                 "a CUDA call refused during capture ({error}): a host read (to_vec, to_scalar), a synchronize, or work on another stream inside the step; move it out of the body"
+            ),
+            Uncapturable::FreedOutside { error } => write!(
+                f,
+                "the body freed a tensor made outside the step inside the capture ({error} from cudarc's next call): it replaced state it keeps, such as a kv cache grown with Tensor::cat and stored back; keep such state in tensors allocated once and written in place (graft_candle::models::KvCache)"
             ),
         }
     }
@@ -142,16 +155,31 @@ fn classify_message(message: &str) -> Option<Uncapturable> {
     None
 }
 
-/// A CUDA driver error of the stream-capture family, wrapped by candle.
+/// A CUDA driver error raised during a capture, wrapped by candle (see [`deferred`]).
 #[cfg(feature = "cuda")]
 fn classify_cuda(source: &(dyn std::error::Error + Send + Sync + 'static)) -> Option<Uncapturable> {
     use candle_core::cuda_backend::CudaError;
-    use candle_core::cuda_backend::cudarc::driver::sys::CUresult;
     let Some(CudaError::Cuda(driver)) = source.downcast_ref::<CudaError>() else {
         return None;
     };
+    deferred(driver.0)
+}
+
+/// What a CUDA error raised during a capture says about the body: a free of memory made
+/// outside the capture (the only invalid value a captured candle body produces: its
+/// kernels' arguments were valid when it ran eagerly), or a call the capture refused.
+#[cfg(feature = "cuda")]
+pub(crate) fn deferred(
+    code: candle_core::cuda_backend::cudarc::driver::sys::CUresult,
+) -> Option<Uncapturable> {
+    use candle_core::cuda_backend::cudarc::driver::sys::CUresult;
+    if code == CUresult::CUDA_ERROR_INVALID_VALUE {
+        return Some(Uncapturable::FreedOutside {
+            error: format!("{code:?}"),
+        });
+    }
     let capture = matches!(
-        driver.0,
+        code,
         CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
             | CUresult::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED
             | CUresult::CUDA_ERROR_STREAM_CAPTURE_MERGE
@@ -163,7 +191,7 @@ fn classify_cuda(source: &(dyn std::error::Error + Send + Sync + 'static)) -> Op
             | CUresult::CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD
     );
     capture.then(|| Uncapturable::CudaCall {
-        error: format!("{:?}", driver.0),
+        error: format!("{code:?}"),
     })
 }
 

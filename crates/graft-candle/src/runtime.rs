@@ -159,6 +159,18 @@ impl CandleGraft {
         }
     }
 
+    /// Drops state that a failed recording left invalid (`Error::StateLost`). Its tensors
+    /// made inside the abandoned capture were never allocated for real, so CUDA refuses to
+    /// free them, and cudarc would report that refusal from the next, unrelated candle call:
+    /// it is taken here instead. Any other value is simply dropped.
+    pub fn discard<T>(&self, state: T) {
+        drop(state);
+        #[cfg(feature = "cuda")]
+        if let Engine::Cuda(engine) = &self.engine {
+            engine.take_deferred_error();
+        }
+    }
+
     /// Starts a new step of graft's tree (optional for inference loops; see graft's
     /// `Graft::mark_step_begin`).
     pub fn mark_step_begin(&mut self) {

@@ -12,6 +12,12 @@ use graft_candle::{Buckets, CandleGraft, EagerCause, StepId, StepOutcome, Uncapt
 
 #[path = "../examples/guide.rs"]
 mod guide;
+#[path = "support/ports.rs"]
+mod ports;
+#[path = "gpu/ports.rs"]
+mod ports_gpu;
+#[path = "gpu/transformers.rs"]
+mod transformers;
 
 type TestResult = Result<(), Box<dyn std::error::Error>>;
 

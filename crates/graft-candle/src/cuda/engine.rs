@@ -24,7 +24,7 @@ use graft_cuda::CudaDevice as GraftCuda;
 
 use super::copy::{checked_range, uninit_tensor};
 use crate::error::Error;
-use crate::refusal::{EagerCause, Uncapturable, classify};
+use crate::refusal::{EagerCause, Uncapturable, classify, deferred};
 use crate::step::{Step, StepInfo, StepOutcome, push_shape_keys};
 
 /// What graft keeps per output of a recorded step: enough to allocate the caller's tensor
@@ -43,6 +43,9 @@ struct Bound {
     id: TensorId,
     buffer: Buffer,
 }
+
+/// The most eager signatures whose refusal [`CudaEngine`] remembers.
+const MAX_REFUSALS: usize = 64;
 
 /// graft over one candle CUDA device.
 pub(crate) struct CudaEngine {
@@ -153,6 +156,11 @@ impl CudaEngine {
         self.graft.register(name, spec)
     }
 
+    /// Takes the error cudarc deferred, if any (see [`crate::CandleGraft::discard`]).
+    pub(crate) fn take_deferred_error(&self) {
+        take_deferred_error(&self.stream);
+    }
+
     pub(crate) fn graft(&self) -> &Graft<GraftCuda, OutputMeta> {
         &self.graft
     }
@@ -247,6 +255,8 @@ impl CudaEngine {
         };
         let mut refusal: Option<Uncapturable> = None;
         let mut clear_pending = false;
+        // A failed recording whose body replaced state it keeps: the call is not re-run.
+        let mut state_lost = false;
         // candle serves its small constant uploads (kernel layout arrays) from a cache inside
         // captures while this guard lives; it also makes candle refuse host copies then.
         let cache = candle.enable_cuda_graph_htod_cache();
@@ -256,7 +266,17 @@ impl CudaEngine {
             &self.keys,
             |ctx: &mut Ctx<'_, GraftCuda>| {
                 if std::mem::take(&mut clear_pending) {
-                    clear_cudarc_error(stream);
+                    // The failed capture's leftovers are checked, not trusted: a free of a
+                    // tensor made outside the step means the body replaced state it keeps
+                    // with tensors whose work never ran, and running it again would read them.
+                    let freed = |op: &Uncapturable| matches!(op, Uncapturable::FreedOutside { .. });
+                    state_lost |= refusal.as_ref().is_some_and(freed)
+                        || take_deferred_error(stream).as_ref().is_some_and(freed);
+                }
+                if state_lost {
+                    return Err(BodyError::Framework(candle_core::Error::Msg(
+                        "not run again: the failed recording left the body's state invalid".into(),
+                    )));
                 }
                 let recording = ctx.kind() == RunKind::Recording;
                 let produced = match body(&contiguous) {
@@ -293,7 +313,22 @@ impl CudaEngine {
         drop(cache);
         self.outs.clear();
         if clear_pending {
-            clear_cudarc_error(stream);
+            take_deferred_error(stream);
+        }
+        if state_lost {
+            // The stream must have left the capture and the context must still work.
+            stream.synchronize().map_err(|source| Error::Driver {
+                what: "checking the stream after a failed recording",
+                source,
+            })?;
+            let cause = refusal.unwrap_or(Uncapturable::FreedOutside {
+                error: "CUDA_ERROR_INVALID_VALUE".to_string(),
+            });
+            self.remember_refusal(step, cause.clone());
+            return Err(Error::StateLost {
+                step: name.clone(),
+                cause,
+            });
         }
         let outcome = match result {
             Ok(outcome) => outcome,
@@ -344,15 +379,29 @@ impl CudaEngine {
         if !matches!(reason, EagerReason::CaptureFailed { .. }) {
             return EagerCause::Graft(reason);
         }
-        let key = (step, self.keys.clone());
         if let Some(op) = refused_now {
-            self.refusals.insert(key, op.clone());
+            self.remember_refusal(step, op.clone());
             return EagerCause::Uncapturable(op);
         }
-        match self.refusals.get(&key) {
+        match self.refusals.get(&(step, self.keys.clone())) {
             Some(op) => EagerCause::Uncapturable(op.clone()),
             None => EagerCause::Graft(reason),
         }
+    }
+
+    /// Keeps the operation that made the current call's signature eager, for the outcomes of
+    /// its later calls. At most [`MAX_REFUSALS`] are kept (a step whose keys change on every
+    /// call would otherwise grow the map forever); a signature whose entry was dropped still
+    /// runs eagerly, with graft-core's reason.
+    fn remember_refusal(&mut self, step: usize, op: Uncapturable) {
+        let key = (step, self.keys.clone());
+        if self.refusals.len() >= MAX_REFUSALS && !self.refusals.contains_key(&key) {
+            let victim = self.refusals.keys().next().cloned();
+            if let Some(victim) = victim {
+                self.refusals.remove(&victim);
+            }
+        }
+        self.refusals.insert(key, op);
     }
 }
 
@@ -386,9 +435,9 @@ fn external_outputs(
 /// this body's.
 fn silent_capture_failure(stream: &Arc<CudaStream>) -> Option<Uncapturable> {
     if let Err(error) = stream.context().check_err() {
-        return Some(Uncapturable::CudaCall {
+        return Some(deferred(error.0).unwrap_or(Uncapturable::CudaCall {
             error: format!("{:?}", error.0),
-        });
+        }));
     }
     let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE;
     // SAFETY: the stream is live (held by `stream`) and `status` is a valid out-pointer.
@@ -401,9 +450,12 @@ fn silent_capture_failure(stream: &Arc<CudaStream>) -> Option<Uncapturable> {
 
 /// After a capture candle's body broke, cudarc may hold an error it recorded on the way
 /// (a free or synchronize inside the invalidated capture) and would return it from the next
-/// unrelated call. That error belongs to the failed capture, which graft already handled.
-fn clear_cudarc_error(stream: &Arc<CudaStream>) {
-    if let Err(error) = stream.context().check_err() {
-        tracing::debug!(%error, "cleared cudarc's error left by the failed capture");
-    }
+/// unrelated call. That error belongs to the failed capture: it is taken here, and what it
+/// says about the body returned.
+fn take_deferred_error(stream: &Arc<CudaStream>) -> Option<Uncapturable> {
+    let error = stream.context().check_err().err()?;
+    tracing::debug!(%error, "took cudarc's error left by the failed capture");
+    Some(deferred(error.0).unwrap_or(Uncapturable::CudaCall {
+        error: format!("{:?}", error.0),
+    }))
 }
