@@ -1,4 +1,5 @@
-//! Diagnostics: dumps, explain, verify mode, the captured-graph view, the memory report.
+//! Diagnostics: dumps, explain, verify mode, the captured-graph view, the memory report, and
+//! the cause named when a function's calls never replay (`Graft::churn`).
 
 mod common;
 
@@ -7,8 +8,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use common::*;
 use graft::{
-    CallError, Config, Ctx, Decision, FunctionSpec, InputKind, Outcome, Output, RecordReason,
-    VerifyTarget,
+    Buckets, CallError, Churn, Config, Ctx, Decision, FunctionSpec, InputKind, Outcome, Output,
+    RecordReason, VerifyTarget,
 };
 
 fn three_steps<D: TestDevice>(g: &mut G<D>, f: graft::FunctionId, x: &graft::Buffer) {
@@ -215,3 +216,203 @@ fn outcome_and_node_accessors<D: TestDevice>(dev: D) {
     );
 }
 device_test!(outcome_and_node_accessors, outcome_and_node_accessors);
+
+// The user's bug: the decode position passed as `keys[0]`. Every call is a new signature; the
+// ninth is the eighth change in a row, and names the key, once, instead of blaming shapes.
+fn churn_names_a_changing_key<D: TestDevice>(dev: D) {
+    let mut named = Vec::new();
+    // Without the count, so a warning repeated on later calls (9, 10, ...) would be seen.
+    let warnings = count_warnings("keys[0] of `decode` changed on each of the last", || {
+        let mut g = graft(dev, Config::default());
+        let f = g.register("decode", FunctionSpec::inference([1]));
+        let x = input(&mut g, &[1.0; 4]);
+        let w = input(&mut g, &[0.5; 4]);
+        let runs = Runs::default();
+        for position in 0..30u64 {
+            let outcome = g
+                .call_into(f, &[&x, &w], &[position], add(&runs), &mut Vec::new())
+                .unwrap();
+            assert_eq!(outcome, Outcome::Warmup, "position {position}");
+            named.push(g.churn(f).copied());
+        }
+        assert_eq!(g.stats().replays, 0);
+    });
+    assert_eq!(warnings, 1, "warned once, on the ninth call");
+    assert!(named[..8].iter().all(Option::is_none), "{named:?}");
+    assert_eq!(named[8], Some(Churn::Key { index: 0, calls: 8 }));
+    assert_eq!(
+        named[29],
+        Some(Churn::Key {
+            index: 0,
+            calls: 29
+        })
+    );
+    assert!(
+        named[29]
+            .unwrap()
+            .to_string()
+            .starts_with("keys[0] changed on each of the last 29 calls")
+    );
+    assert!(
+        named[29]
+            .unwrap()
+            .to_string()
+            .contains("keep it on the device")
+    );
+}
+device_test!(churn_names_a_changing_key, churn_names_a_changing_key);
+
+// A key that changes on every call explains the signature count: the warning that blames
+// shapes is not given as well. Shapes used more than once still get it.
+fn churn_replaces_the_shapes_warning<D: TestDevice>(dev: D) {
+    let shapes = |dev: D, calls_per_key: u64| {
+        count_warnings("pad or bucket", || {
+            let mut g = graft(dev, Config::default());
+            let f = g.register("f", FunctionSpec::default());
+            let x = input(&mut g, &[1.0; 4]);
+            let runs = Runs::default();
+            for key in 0..12 {
+                for _ in 0..calls_per_key {
+                    g.call(f, &[&x], &[key], affine(1.0, 0.0, &runs)).unwrap();
+                }
+            }
+            assert_eq!(g.churn(f).is_some(), calls_per_key == 1);
+        })
+    };
+    assert_eq!(shapes(dev.clone(), 1), 0, "the churn is the cause");
+    assert_eq!(shapes(dev, 2), 1, "twelve shapes, each called twice");
+}
+device_test!(
+    churn_replaces_the_shapes_warning,
+    churn_replaces_the_shapes_warning
+);
+
+// An input whose size grows on every call (a sequence fed whole) is named by position.
+fn churn_names_a_changing_input_size<D: TestDevice>(dev: D) {
+    let mut churn = None;
+    let warnings = count_warnings(
+        "input 0 of `prefill` changed size on each of the last",
+        || {
+            let mut g = graft(dev, Config::default());
+            let f = g.register("prefill", FunctionSpec::default());
+            let runs = Runs::default();
+            for n in 1..=12 {
+                let x = input(&mut g, &vec![1.0; n]);
+                g.call(f, &[&x], &[], affine(2.0, 0.0, &runs)).unwrap();
+            }
+            churn = g.churn(f).copied();
+        },
+    );
+    assert_eq!(warnings, 1);
+    assert_eq!(
+        churn,
+        Some(Churn::InputSize {
+            position: 0,
+            calls: 11
+        })
+    );
+}
+device_test!(
+    churn_names_a_changing_input_size,
+    churn_names_a_changing_input_size
+);
+
+// A static input reallocated before every call re-records every call; the eighth move in a row
+// names it.
+fn churn_names_a_moving_static<D: TestDevice>(dev: D) {
+    let mut churn = None;
+    let warnings = count_warnings(
+        "input 1 (static) of `decode` moved on each of the last",
+        || {
+            let mut g = graft(dev, Config::default());
+            let f = g.register("decode", FunctionSpec::inference([1]));
+            let x = input(&mut g, &[1.0; 4]);
+            let runs = Runs::default();
+            // Every cache stays allocated, so each one lies at a new address.
+            let mut caches = Vec::new();
+            let mut outcomes = Vec::new();
+            for step in 0..14 {
+                caches.push(input(&mut g, &[step as f32; 4]));
+                let mut out = Vec::new();
+                outcomes.push(
+                    g.call_into(f, &[&x, caches.last().unwrap()], &[], add(&runs), &mut out)
+                        .unwrap(),
+                );
+                assert_eq!(read(&g, &out[0].buffer), vec![1.0 + step as f32; 4]);
+            }
+            assert_eq!(outcomes[0], Outcome::Warmup);
+            assert!(
+                outcomes[1..]
+                    .iter()
+                    .all(|o| matches!(o, Outcome::Recorded(_)))
+            );
+            assert_eq!(g.stats().rerecords.static_address_changed, 12);
+            churn = g.churn(f).copied();
+        },
+    );
+    assert_eq!(warnings, 1);
+    assert_eq!(
+        churn,
+        Some(Churn::StaticAddress {
+            position: 1,
+            calls: 12
+        })
+    );
+}
+device_test!(churn_names_a_moving_static, churn_names_a_moving_static);
+
+// What is not churn: two or three keys, sizes or statics taking turns, a key that changes every
+// other call, a static that moves every other call (replaying in between), and buckets (each
+// new once, `keys[0]` and the sizes changing together).
+fn alternating_signatures_are_not_churn<D: TestDevice>(dev: D) {
+    // Every churn warning says this, whatever it names.
+    let warnings = count_warnings("on each of the last", || {
+        let mut g = graft(dev, Config::default());
+        let runs = Runs::default();
+        let keys = g.register("keys", FunctionSpec::default());
+        let sizes = g.register("sizes", FunctionSpec::default());
+        let statics = g.register("statics", FunctionSpec::inference([0]));
+        let pairs = g.register("pairs", FunctionSpec::default());
+        let every_other = g.register("every_other", FunctionSpec::inference([0]));
+        let bucketed = g.register(
+            "bucketed",
+            FunctionSpec::default().buckets(Buckets::new(1..=16).unwrap()),
+        );
+        let xs: Vec<graft::Buffer> = (1..=16).map(|n| input(&mut g, &vec![1.0; n])).collect();
+        let ws: Vec<graft::Buffer> = (0..3).map(|_| input(&mut g, &[1.0; 4])).collect();
+        let mut moved = Vec::new();
+        for i in 0..48 {
+            let turn = i % 3;
+            g.call(keys, &[&xs[0]], &[turn as u64], affine(1.0, 0.0, &runs))
+                .unwrap();
+            g.call(sizes, &[&xs[turn % 2]], &[], affine(1.0, 0.0, &runs))
+                .unwrap();
+            g.call(statics, &[&ws[turn]], &[], affine(1.0, 0.0, &runs))
+                .unwrap();
+            moved.push(input(&mut g, &[1.0; 4]));
+            let w = if i % 2 == 0 { &ws[0] } else { &moved[i] };
+            g.call(every_other, &[w], &[], affine(1.0, 0.0, &runs))
+                .unwrap();
+            g.call(pairs, &[&xs[0]], &[i as u64 / 2], affine(1.0, 0.0, &runs))
+                .unwrap();
+            let b = i % 16;
+            g.call(
+                bucketed,
+                &[&xs[b]],
+                &[b as u64 + 1],
+                affine(1.0, 0.0, &runs),
+            )
+            .unwrap();
+        }
+        assert!(g.stats().rerecords.static_address_changed >= 20);
+        for f in [keys, sizes, statics, pairs, every_other, bucketed] {
+            assert_eq!(g.churn(f), None, "{:?}", g.function_name(f));
+        }
+        assert!(g.stats().replays > 0);
+    });
+    assert_eq!(warnings, 0);
+}
+device_test!(
+    alternating_signatures_are_not_churn,
+    alternating_signatures_are_not_churn
+);

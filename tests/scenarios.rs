@@ -622,7 +622,8 @@ device_test!(
     capture_failure_falls_back
 );
 
-// 13. Distinct signatures past the warn limit warn exactly once.
+// 13. Distinct signatures past the warn limit warn exactly once. Each shape is called twice:
+// shapes that change on every call are named as churn instead (`tests/diagnostics.rs`).
 fn signature_warning_once<D: TestDevice>(dev: D) {
     let warnings = count_warnings("pad or bucket", || {
         let mut g = graft(dev, Config::default());
@@ -630,8 +631,10 @@ fn signature_warning_once<D: TestDevice>(dev: D) {
         let runs = Runs::default();
         for n in 1..=12 {
             let x = input(&mut g, &vec![1.0; n]);
-            g.call(f, &[&x], &[n as u64], affine(1.0, 0.0, &runs))
-                .unwrap();
+            for _ in 0..2 {
+                g.call(f, &[&x], &[n as u64], affine(1.0, 0.0, &runs))
+                    .unwrap();
+            }
         }
     });
     assert_eq!(warnings, 1);

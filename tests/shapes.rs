@@ -1,6 +1,7 @@
 //! Shapes at serving scale, on every backend: bucket selection and overflow, eager capture of
 //! every bucket, the graph budget (eviction with held outputs), in-place executable updates
-//! (accepted and refused), and copy-free inputs that follow a caller's buffer as it moves.
+//! (accepted and refused), copy-free inputs that follow a caller's buffer as it moves, and the
+//! bound on signatures that never record.
 
 mod common;
 
@@ -405,4 +406,69 @@ fn patched_inputs_follow_the_caller<D: TestDevice>(dev: D) {
 device_test!(
     patched_inputs_follow_the_caller,
     patched_inputs_follow_the_caller
+);
+
+// A key that changes on every call (a position passed as a key) makes a new signature per call.
+// Past `Config::max_unrecorded_signatures` the least recently used of those that never recorded
+// are recycled: 10,000 calls hold at most 64 of them besides the one that recorded, which
+// replays after them all. A recent signature kept its warmup; a recycled one warms up anew.
+fn churning_key_keeps_signatures_bounded<D: TestDevice>(dev: D) {
+    let mut g = graft(dev, Config::default());
+    let f = g.register("decode", FunctionSpec::default());
+    let x = input(&mut g, &[1.0; 4]);
+    let runs = Runs::default();
+    let call = |g: &mut G<D>, key: u64| {
+        let mut out = Vec::new();
+        let o = g
+            .call_into(f, &[&x], &[key], affine(key as f32, 0.0, &runs), &mut out)
+            .unwrap();
+        assert_eq!(read(g, &out[0].buffer), vec![key as f32; 4], "key {key}");
+        o
+    };
+    assert_eq!(call(&mut g, 0), Outcome::Warmup);
+    assert!(matches!(call(&mut g, 0), Outcome::Recorded(_)));
+    let bound = Config::default().max_unrecorded_signatures;
+    assert_eq!(bound, 64);
+    for key in 1..=10_000 {
+        assert_eq!(call(&mut g, key), Outcome::Warmup, "key {key}");
+        assert!(g.signatures(f).unwrap() <= 1 + bound, "key {key}");
+    }
+    assert_eq!(g.signatures(f), Some(1 + bound));
+    assert!(matches!(call(&mut g, 0), Outcome::Replayed(_)));
+    assert!(matches!(call(&mut g, 10_000), Outcome::Recorded(_)));
+    assert_eq!(call(&mut g, 1), Outcome::Warmup);
+    assert_eq!(g.stats().nodes, 2);
+}
+device_test!(
+    churning_key_keeps_signatures_bounded,
+    churning_key_keeps_signatures_bounded
+);
+
+// A function with more buckets than `Config::max_unrecorded_signatures` keeps a signature per
+// bucket: buckets warming up in turn are not recycled, so each records on its second call.
+fn every_bucket_keeps_its_signature<D: TestDevice>(dev: D) {
+    let config = Config {
+        max_unrecorded_signatures: 8,
+        ..Config::default()
+    };
+    let mut g = graft(dev, config);
+    let buckets = Buckets::new(1..=20).unwrap();
+    let f = g.register("step", FunctionSpec::default().buckets(buckets));
+    let runs = Runs::default();
+    for round in 0..3 {
+        for b in 1..=20 {
+            let outcome = call_bucket(&mut g, f, b, 1.0, &runs).unwrap();
+            let expected = match round {
+                0 => outcome == Outcome::Warmup,
+                1 => matches!(outcome, Outcome::Recorded(_)),
+                _ => matches!(outcome, Outcome::Replayed(_)),
+            };
+            assert!(expected, "round {round}, bucket {b}: {outcome:?}");
+        }
+    }
+    assert_eq!(g.signatures(f), Some(20));
+}
+device_test!(
+    every_bucket_keeps_its_signature,
+    every_bucket_keeps_its_signature
 );

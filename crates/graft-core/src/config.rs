@@ -100,6 +100,15 @@ pub struct Config {
     pub rerecord_limit: u32,
     /// Distinct signatures per function before graft warns once (default 8).
     pub signature_warn_limit: usize,
+    /// Signatures per function that never recorded a graph (default 64; for a function with
+    /// buckets, at least its number of buckets): a new one past this many takes the slot of
+    /// the least recently used of them, so a key that changes on every call cannot grow a
+    /// function's signatures without bound. A signature that recorded, or that learned it must
+    /// run eagerly (a failed capture), is never recycled; nor is the one called last, so
+    /// values below 2 act as 2. A recycled signature called again is new: it warms up again,
+    /// so shapes that take turns in a cycle longer than this never finish their warmups:
+    /// raise the bound, or bucket them.
+    pub max_unrecorded_signatures: usize,
     /// Capture mode (default thread-local).
     pub capture_mode: CaptureMode,
     /// Copied inputs larger than this warn once per input (default 1 MiB).
@@ -140,6 +149,7 @@ impl Default for Config {
             warmups: 1,
             rerecord_limit: 128,
             signature_warn_limit: 8,
+            max_unrecorded_signatures: 64,
             capture_mode: CaptureMode::ThreadLocal,
             large_copy_warn_bytes: 1 << 20,
             allow_list: None,

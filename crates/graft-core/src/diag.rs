@@ -1,5 +1,6 @@
-//! Diagnostics: what the tree holds (text and DOT dumps), what each node captured, and where
-//! the pool's memory is. Everything here is built on demand, never on the call path.
+//! Diagnostics: what the tree holds (text and DOT dumps), what each node captured, where the
+//! pool's memory is, and why a function's calls never replay. Everything here is built on
+//! demand, never on the call path.
 
 use std::fmt::Write as _;
 use std::sync::Arc;
@@ -7,6 +8,7 @@ use std::sync::Arc;
 use petgraph::dot::{Config as DotConfig, Dot};
 use petgraph::graph::{DiGraph, NodeIndex};
 
+use crate::churn::Churn;
 use crate::device::{Device, DevicePtr, GraphSummary};
 use crate::error::FunctionId;
 use crate::graft::Graft;
@@ -126,6 +128,14 @@ impl<D: Device, M: Clone> Graft<D, M> {
             expects_dead: n.expected_dead.len(),
             graph: n.summary,
         }
+    }
+
+    /// Why `function`'s calls did not replay, when graft could name it: a key, an input size
+    /// or a static input's address that changed on each of 8 or more consecutive calls, each
+    /// of which was a new signature (or re-recorded because the static moved). The cause found
+    /// last, kept after the calls stop churning; graft warned once when it first found it.
+    pub fn churn(&self, function: FunctionId) -> Option<&Churn> {
+        self.functions.get(function)?.churn()
     }
 
     /// Every node, depth-first from the roots (functions in registration order, siblings in

@@ -447,11 +447,19 @@ impl<D: Device, M: Clone> Graft<D, M> {
         if self.phase == Phase::Idle && !eager_signature {
             self.functions[function].root_level = true;
         }
+        // Every call that does not replay stamps its signature (see `Function::touch`).
         match plan.action {
             Action::Replay(key) if self.config.verify_replays => self.replay_verified(key, frame),
             Action::Replay(key) => self.replay(key, frame),
-            Action::Warmup(reason) => self.warmup(frame, reason),
+            Action::Warmup(reason) => {
+                self.functions[function].touch(frame.sig);
+                self.warmup(frame, reason)
+            }
             Action::Record { parent, reason } => {
+                self.functions[function].touch(frame.sig);
+                if let RecordReason::StaticAddressChanged { position, .. } = reason {
+                    self.functions[function].moved_static(frame.sig, position);
+                }
                 if reason.is_unexpected() {
                     *self.rerecords.entry((parent, function)).or_insert(0) += 1;
                 }
@@ -472,6 +480,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 reason,
                 new_fallback,
             } => {
+                self.functions[function].touch(frame.sig);
                 if new_fallback {
                     self.fall_back(function, self.phase.tip().map(key_of), reason.clone());
                 }

@@ -40,6 +40,12 @@ impl<D: Device, M: Clone> Graft<D, M> {
         )
     }
 
+    /// How many signatures `function` holds (those that recorded, and at most
+    /// `Config::max_unrecorded_signatures` that did not).
+    pub fn signatures(&self, function: FunctionId) -> Option<usize> {
+        self.functions.get(function).map(|f| f.sigs.len())
+    }
+
     /// How often a node has been replayed.
     pub fn node_replays(&self, node: NodeId) -> Option<u64> {
         self.tree.get(key_of(node)).map(|n| n.replays)

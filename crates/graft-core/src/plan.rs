@@ -201,14 +201,9 @@ mod tests {
         let mut tree = Tree::default();
         tree.add_function();
         functions.register("f", FunctionSpec::default());
-        functions[F].sigs.push(Signature {
-            sizes: vec![4].into(),
-            keys: Box::new([]),
-            warmups_done: warmups,
-            eager: None,
-            mutated: Vec::new(),
-            evictions: 0,
-        });
+        let mut sig = Signature::new(vec![4].into(), Box::new([]), None);
+        sig.warmups_done = warmups;
+        functions[F].sigs.push(sig);
         World {
             config: Config::default(),
             functions,

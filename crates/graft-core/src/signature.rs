@@ -1,5 +1,6 @@
 //! Registered functions and their signatures: finding a call's signature by its input sizes
-//! and keys, and creating a new one (with its bucket check and its eager rules).
+//! and keys, and creating a new one (with its bucket check and its eager rules) in a new slot
+//! or in the slot of one that never recorded (see [`Function::place`]).
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hasher};
@@ -10,6 +11,7 @@ use foldhash::fast::FixedState;
 
 use crate::bucket::Bucket;
 use crate::buffer::Buffer;
+use crate::churn::{Churn, Last, Shape, Watch};
 use crate::config::{Config, FunctionSpec};
 use crate::error::{CallError, FunctionId};
 use crate::reason::EagerReason;
@@ -25,9 +27,43 @@ pub(crate) struct Signature {
     /// Times the graph budget evicted this signature's recordings: each doubles the eager
     /// calls it needs before it records again (see [`Signature::warmups_needed`]).
     pub(crate) evictions: u32,
+    /// A node of this signature was attached to the tree once: it is never recycled.
+    pub(crate) recorded: bool,
+    /// When a call last used it, by [`Function::touch`]: orders recycling.
+    used: u64,
 }
 
 impl Signature {
+    /// A signature that nothing has been learned about yet.
+    pub(crate) fn new(sizes: Box<[usize]>, keys: Box<[u64]>, eager: Option<EagerReason>) -> Self {
+        Signature {
+            sizes,
+            keys,
+            warmups_done: 0,
+            eager,
+            mutated: Vec::new(),
+            evictions: 0,
+            recorded: false,
+            used: 0,
+        }
+    }
+
+    /// Whether its slot may take another signature: it never recorded (so no node refers to
+    /// it, and it learned nothing: written inputs and evictions are learned by recording),
+    /// and it is eager, if at all, only by the rules [`Function::add`] derives from the spec.
+    /// A capture failure is learned, and kept.
+    fn recyclable(&self) -> bool {
+        !self.recorded
+            && self.eager.as_ref().is_none_or(|why| {
+                matches!(
+                    why,
+                    EagerReason::AboveLargestBucket { .. }
+                        | EagerReason::Registered
+                        | EagerReason::NotAllowListed
+                )
+            })
+    }
+
     /// Warmups before the signature records: the configured count, and after evictions by
     /// the graph budget `max(count, 1) * 2^evictions` (at most 64 times): a signature the
     /// budget keeps evicting runs eagerly more often instead of evicting others in turn.
@@ -76,7 +112,12 @@ pub(crate) struct Function {
     /// Has been the first call of a generation.
     pub(crate) root_level: bool,
     warned_signatures: bool,
-    last_sig: usize,
+    /// The signature of the last call, tagged for the watch (see [`Last`]).
+    last: Last,
+    /// Churning calls (see `churn.rs`).
+    watch: Watch,
+    /// Counts calls that did not replay: the stamps of [`Function::touch`].
+    tick: u64,
 }
 
 impl Function {
@@ -88,41 +129,77 @@ impl Function {
             by_shape: HashMap::default(),
             root_level: false,
             warned_signatures: false,
-            last_sig: 0,
+            last: Last::default(),
+            watch: Watch::default(),
+            tick: 0,
         }
     }
 
-    /// The input sizes of the signature called last (empty before the first call): the usual
-    /// signature in a loop, which a caller may compare while it reads the inputs anyway.
+    /// The input sizes of the signature called last (empty before the first call, and right
+    /// after a churning call: see [`Last`]): the usual signature in a loop, which a caller may
+    /// compare while it reads the inputs anyway.
     pub(crate) fn last_sizes(&self) -> &[usize] {
         self.sigs
-            .get(self.last_sig)
+            .get(self.last.raw())
             .map_or(&[][..], |s| &s.sizes[..])
     }
 
-    /// The signature of these inputs and keys, if the function has it. `same_sizes`: the
-    /// inputs have [`Function::last_sizes`], so only the keys are left to compare.
-    #[inline]
-    fn find(&self, inputs: &[&Buffer], keys: &[u64], same_sizes: bool) -> Option<usize> {
-        match self.sigs.get(self.last_sig) {
-            Some(s) if same_sizes && same_keys(&s.keys, keys) => Some(self.last_sig),
-            _ => {
-                let hash = shape_hash(inputs.iter().map(|b| b.len()), keys);
-                self.by_shape.get(&hash).and_then(|c| {
-                    c.iter()
-                        .copied()
-                        .find(|&i| self.sigs[i].matches(inputs, keys))
-                })
-            }
-        }
+    /// The cause the watch named last for this function's calls never replaying.
+    pub(crate) fn churn(&self) -> Option<&Churn> {
+        self.watch.churn()
     }
 
-    /// Adds a signature for these inputs and keys, checking the bucket of a function with
-    /// buckets (the signature of a size above the largest bucket is eager).
+    /// Stamps `sig` as used by a call that does not replay. A signature that never recorded
+    /// never replays, so its stamps order exactly the signatures that may be recycled.
+    pub(crate) fn touch(&mut self, sig: usize) {
+        self.tick += 1;
+        self.sigs[sig].used = self.tick;
+    }
+
+    /// This call of `sig` re-records because the static input at `position` moved: the watch
+    /// counts it (see `Watch::moved_static`).
+    pub(crate) fn moved_static(&mut self, sig: usize, position: usize) {
+        self.watch.moved_static(&self.name, position, self.last);
+        self.last = Last::churning(sig);
+    }
+
+    /// The signature of a call that is not the last one called again: found by its shape's
+    /// hash, or added. Remembered as the last one, tagged for the watch.
+    fn look_up<E>(
+        &mut self,
+        inputs: &[&Buffer],
+        keys: &[u64],
+        config: &Config,
+    ) -> Result<Found, CallError<E>> {
+        let hash = shape_hash(inputs.iter().map(|b| b.len()), keys);
+        let known = self.by_shape.get(&hash).and_then(|c| {
+            c.iter()
+                .copied()
+                .find(|&i| self.sigs[i].matches(inputs, keys))
+        });
+        if let Some(sig) = known {
+            self.last = Last::after(self.last, sig);
+            return Ok(Found {
+                sig,
+                new_eager: None,
+            });
+        }
+        let sig = self.add(inputs, keys, hash, config)?;
+        self.last = Last::churning(sig);
+        Ok(Found {
+            sig,
+            new_eager: self.sigs[sig].eager.clone(),
+        })
+    }
+
+    /// Adds a signature for these inputs and keys (`hash`: their [`shape_hash`]), checking the
+    /// bucket of a function with buckets (the signature of a size above the largest bucket is
+    /// eager), and shows it to the watch.
     fn add<E>(
         &mut self,
         inputs: &[&Buffer],
         keys: &[u64],
+        hash: u64,
         config: &Config,
     ) -> Result<usize, CallError<E>> {
         let above = match (&self.spec.buckets, keys.first()) {
@@ -163,31 +240,75 @@ impl Function {
             tracing::debug!(function = %self.name, reason = %why, "a new signature runs eagerly");
         }
         let sizes: Box<[usize]> = inputs.iter().map(|b| b.len()).collect();
-        let hash = shape_hash(sizes.iter().copied(), keys);
-        self.sigs.push(Signature {
-            sizes,
-            keys: keys.into(),
-            warmups_done: 0,
-            eager,
-            mutated: Vec::new(),
-            evictions: 0,
+        let previous = self.sigs.get(self.last.index()).map(|s| Shape {
+            sizes: &s.sizes,
+            keys: &s.keys,
         });
-        // Buckets bound the signatures by design: no warning for them.
-        let limit = match &self.spec.buckets {
-            Some(b) => config.signature_warn_limit.max(b.sizes().len()),
-            None => config.signature_warn_limit,
+        let now = Shape {
+            sizes: &sizes,
+            keys,
         };
+        let bucketed = self.spec.buckets.is_some();
+        self.watch
+            .new_signature(&self.name, previous, self.last, now, bucketed);
+        // Buckets bound the signatures by design: every bucket may keep its signature, and
+        // none warns.
+        let buckets = self.spec.buckets.as_ref().map_or(0, |b| b.sizes().len());
+        let sig = Signature::new(sizes, keys.into(), eager);
+        let sig = self.place(sig, hash, config.max_unrecorded_signatures.max(buckets));
+        let limit = config.signature_warn_limit.max(buckets);
         if self.sigs.len() > limit && !self.warned_signatures {
             self.warned_signatures = true;
-            tracing::warn!(
-                function = %self.name,
-                signatures = self.sigs.len(),
-                "function called with more distinct signatures than the warn limit; pad or bucket the inputs to fewer shapes"
-            );
+            // A key or size that changes on every call was named already: that is the cause.
+            if !self.watch.explains_signatures() {
+                tracing::warn!(
+                    function = %self.name,
+                    signatures = self.sigs.len(),
+                    "function called with more distinct signatures than the warn limit; pad or bucket the inputs to fewer shapes"
+                );
+            }
         }
-        let sig = self.sigs.len() - 1;
-        self.by_shape.entry(hash).or_default().push(sig);
         Ok(sig)
+    }
+
+    /// Stores a new signature (`hash`: its [`shape_hash`]) and returns its index. When
+    /// `bound` signatures that may be recycled exist already (see [`Signature::recyclable`]),
+    /// it takes the slot of the least recently used of them, other than the last call's; else
+    /// a new slot. Indices stay stable: a recycled index leaves `by_shape` under its old hash
+    /// and joins it under the new one, and no node refers to it.
+    fn place(&mut self, sig: Signature, hash: u64, bound: usize) -> usize {
+        let last = self.last.index();
+        let mut recyclable = 0;
+        let mut victim: Option<usize> = None;
+        for (i, s) in self.sigs.iter().enumerate() {
+            if s.recyclable() {
+                recyclable += 1;
+                if i != last && victim.is_none_or(|v| s.used < self.sigs[v].used) {
+                    victim = Some(i);
+                }
+            }
+        }
+        let index = match victim.filter(|_| recyclable >= bound) {
+            Some(v) => {
+                let old = &self.sigs[v];
+                let old_hash = shape_hash(old.sizes.iter().copied(), &old.keys);
+                if let Some(list) = self.by_shape.get_mut(&old_hash) {
+                    list.retain(|&i| i != v);
+                    if list.is_empty() {
+                        self.by_shape.remove(&old_hash);
+                    }
+                }
+                tracing::trace!(function = %self.name, signature = v, "recycled a signature that never recorded");
+                self.sigs[v] = sig;
+                v
+            }
+            None => {
+                self.sigs.push(sig);
+                self.sigs.len() - 1
+            }
+        };
+        self.by_shape.entry(hash).or_default().push(index);
+        index
     }
 }
 
@@ -237,7 +358,10 @@ impl Functions {
     }
 
     /// The signature of a call of `function` (registered) with these inputs and keys, found or
-    /// added (see [`Function::find`]; `same_sizes` as there), and remembered as the last one.
+    /// added, and remembered as the last one. `same_sizes`: the inputs have
+    /// [`Function::last_sizes`], so when the keys are the last call's too, it is the last
+    /// signature called again (the fast path, which leaves everything as it is); otherwise
+    /// see [`Function::look_up`].
     #[inline]
     pub(crate) fn signature<E>(
         &mut self,
@@ -248,20 +372,139 @@ impl Functions {
         config: &Config,
     ) -> Result<Found, CallError<E>> {
         let f = &mut self[function];
-        let found = match f.find(inputs, keys, same_sizes) {
-            Some(sig) => Found {
-                sig,
+        let last = f.last.raw();
+        match f.sigs.get(last) {
+            Some(s) if same_sizes && same_keys(&s.keys, keys) => Ok(Found {
+                sig: last,
                 new_eager: None,
-            },
-            None => {
-                let sig = f.add(inputs, keys, config)?;
-                Found {
-                    sig,
-                    new_eager: f.sigs[sig].eager.clone(),
-                }
-            }
+            }),
+            _ => f.look_up(inputs, keys, config),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Finding, adding and recycling signatures, without a device.
+
+    use super::*;
+    use crate::device::{DeviceId, DevicePtr};
+
+    const F: FunctionId = FunctionId(0);
+
+    fn functions(spec: FunctionSpec) -> Functions {
+        let mut fs = Functions::default();
+        fs.register("f", spec);
+        fs
+    }
+
+    /// A call with one input of `len` bytes, found as `Graft::validate` finds it, and stamped
+    /// as the executor stamps a call that does not replay. Returns its signature.
+    fn call(fs: &mut Functions, len: usize, keys: &[u64], config: &Config) -> usize {
+        let b = Buffer::external(DeviceId::fresh(), DevicePtr(0x1000), len, None);
+        let same_sizes = fs[F].last_sizes() == [len];
+        let sig = fs
+            .signature::<AnyErr>(F, &[&b], keys, same_sizes, config)
+            .unwrap()
+            .sig;
+        fs[F].touch(sig);
+        sig
+    }
+
+    type AnyErr = crate::error::AnyError;
+
+    /// Every signature is listed once in `by_shape`, under its own hash, and nothing else is.
+    fn assert_lookup_exact(f: &Function) {
+        let listed: usize = f.by_shape.values().map(Vec::len).sum();
+        assert_eq!(listed, f.sigs.len(), "stale or missing entries");
+        for (i, s) in f.sigs.iter().enumerate() {
+            let hash = shape_hash(s.sizes.iter().copied(), &s.keys);
+            assert_eq!(f.by_shape[&hash].iter().filter(|&&j| j == i).count(), 1);
+        }
+    }
+
+    #[test]
+    fn a_key_changing_on_every_call_recycles_unrecorded_slots_only() {
+        let config = Config {
+            max_unrecorded_signatures: 8,
+            ..Config::default()
         };
-        f.last_sig = found.sig;
-        Ok(found)
+        let mut fs = functions(FunctionSpec::default());
+        let recorded = call(&mut fs, 4, &[1_000_000], &config);
+        fs[F].sigs[recorded].recorded = true;
+        let failed = call(&mut fs, 4, &[1_000_001], &config);
+        fs[F].sigs[failed].eager = Some(EagerReason::PeerCaptureFailed { rank: 1 });
+        for key in 0..1000 {
+            call(&mut fs, 4, &[key], &config);
+            assert!(fs[F].sigs.len() <= 2 + 8, "{} signatures", fs[F].sigs.len());
+        }
+        assert_lookup_exact(&fs[F]);
+        assert_eq!(call(&mut fs, 4, &[1_000_000], &config), recorded);
+        assert_eq!(call(&mut fs, 4, &[1_000_001], &config), failed);
+        // The 8 kept are the 8 used last: 992..1000, least recently used recycled first.
+        let mut kept: Vec<u64> = fs[F]
+            .sigs
+            .iter()
+            .filter(|s| s.recyclable())
+            .map(|s| s.keys[0])
+            .collect();
+        kept.sort_unstable();
+        assert_eq!(kept, (992..1000).collect::<Vec<u64>>());
+        // A signature used again is recent again: the next new ones recycle the others.
+        let again = call(&mut fs, 4, &[992], &config);
+        for key in 2000..2007 {
+            call(&mut fs, 4, &[key], &config);
+        }
+        assert_eq!(fs[F].sigs[again].keys[..], [992]);
+    }
+
+    #[test]
+    fn the_last_call_is_never_recycled_so_the_bound_is_at_least_two() {
+        let config = Config {
+            max_unrecorded_signatures: 0,
+            ..Config::default()
+        };
+        let mut fs = functions(FunctionSpec::default());
+        for key in 0..10 {
+            let sig = call(&mut fs, 4, &[key], &config);
+            assert_eq!(fs[F].sigs[sig].keys[..], [key]);
+            assert!(fs[F].sigs.len() <= 2);
+        }
+        assert_lookup_exact(&fs[F]);
+    }
+
+    #[test]
+    fn eager_by_the_spec_is_recycled_eager_by_experience_is_not() {
+        let sig = |eager| Signature::new(Box::new([4]), Box::new([]), eager);
+        let above = EagerReason::AboveLargestBucket {
+            size: 9,
+            largest: 8,
+        };
+        for derived in [above, EagerReason::Registered, EagerReason::NotAllowListed] {
+            assert!(sig(Some(derived)).recyclable());
+        }
+        assert!(!sig(Some(EagerReason::PeerCaptureFailed { rank: 0 })).recyclable());
+        let mut recorded = sig(None);
+        recorded.recorded = true;
+        assert!(!recorded.recyclable());
+    }
+
+    #[test]
+    fn only_the_call_after_a_churning_one_leaves_the_fast_path() {
+        let config = Config::default();
+        let mut fs = functions(FunctionSpec::default());
+        let sig = call(&mut fs, 4, &[1], &config);
+        assert_eq!(fs[F].last, Last::churning(sig), "a new signature churned");
+        assert!(
+            fs[F].last_sizes().is_empty(),
+            "so the next call looks it up"
+        );
+        call(&mut fs, 4, &[1], &config);
+        assert!(fs[F].last.follows() && !fs[F].last.churned());
+        call(&mut fs, 4, &[1], &config);
+        assert_eq!(fs[F].last.raw(), sig, "untagged: the fast path from now on");
+        assert_eq!(fs[F].last_sizes(), [4]);
+        fs[F].moved_static(sig, 0);
+        assert_eq!(fs[F].last, Last::churning(sig), "a moved static churned");
     }
 }

@@ -212,6 +212,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
             summary,
         };
         let key = self.tree.insert(parent, node);
+        self.functions[frame.function].sigs[frame.sig].recorded = true;
         self.register_node(key, allocs, prepared.placeholders, reason);
         (key, keep)
     }
