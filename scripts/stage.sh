@@ -17,9 +17,9 @@
 # its cache), in that cache's target folder (GRAFT_CUDA_TARGET, shared with CI's
 # scripts/check-candle-cuda.sh, same release profile: nvcc compiles candle's kernels once per
 # machine, ~15 min cold on 2 cores), and stages those executables (the GPU tests,
-# stage/tests/graft-candle_cuda.gpu, and the benchmark, stage/bin/graft-candle-bench_cuda)
-# under the package name with "_cuda", xz-compressed (each
-# is about 48 MiB, mostly candle's PTX, and packs to about 5 MiB; gpu-run.sh unpacks them).
+# stage/tests/graft-candle_cuda.gpu, and the benchmarks, stage/bin/graft-candle-bench_cuda and
+# stage/bin/graft-candle-ports_cuda) under the package name with "_cuda", xz-compressed (each
+# is 48 to 62 MiB, mostly candle's PTX, and packs to about 5 MiB; gpu-run.sh unpacks them).
 # Each is checked to carry no RUNPATH into the stub folder.
 #
 # usage: scripts/stage.sh [--candle-cuda]       (CARGO_BUILD_JOBS etc. are honoured)

@@ -57,7 +57,7 @@ pub use candle_core;
 #[cfg(feature = "cuda")]
 pub use cuda::OutputMeta;
 pub use error::Error;
-pub use graft_core::{Bucket, Buckets};
+pub use graft_core::{Bucket, Buckets, Churn};
 pub use refusal::{EagerCause, Uncapturable};
 pub use runtime::CandleGraft;
 pub use step::{Step, StepId, StepOutcome};

@@ -171,6 +171,20 @@ impl CandleGraft {
         }
     }
 
+    /// What kept `step` from replaying, if graft found it: a key, an input's size or a
+    /// static's address that changed on each of 8 or more calls in a row (graft warns once
+    /// too). Positions count the step's inputs first, then its statics; keys are yours,
+    /// followed by the dtype and dims of each input. `None` when calls run eagerly.
+    pub fn churn(&self, step: StepId) -> Option<graft_core::Churn> {
+        #[cfg(feature = "cuda")]
+        if let Engine::Cuda(engine) = &self.engine {
+            let function = self.steps.get(step.0)?.function?;
+            return engine.graft().churn(function).copied();
+        }
+        let _ = step;
+        None
+    }
+
     /// Starts a new step of graft's tree (optional for inference loops; see graft's
     /// `Graft::mark_step_begin`).
     pub fn mark_step_begin(&mut self) {

@@ -3,7 +3,10 @@
 //! call instead (`graft_core::Device::redirect`).
 //!
 //! The kernel nodes' parameters are read once from the graph (`cuGraphKernelNodeGetParams`)
-//! with their layout (`cuFuncGetParamInfo`), so every kernel is covered, cuBLAS's included.
+//! with their layout (`cuFuncGetParamInfo`), so every kernel is covered, cuBLAS's included:
+//! those launched from a library (`CUkernel`, resolved to the context's function) and those
+//! launched with one packed parameter buffer (`extra`, cuBLAS's bf16 kernels), which are set
+//! back through `kernelParams` with the same layout.
 //! Every 8-byte-aligned word of a parameter whose value lies inside a redirected placeholder
 //! is a pointer into it and is moved by the same offset into the caller's buffer. A graph
 //! that reads the placeholder any other way (another copy, a memset, a child graph, a kernel
@@ -288,8 +291,38 @@ fn is_collective(func: sys::CUfunction) -> bool {
     name.windows(4).any(|w| w == b"nccl")
 }
 
-/// A kernel node's parameters and layout, or `None` when they cannot be read (passed through
-/// `extra`, or a function whose layout the driver does not report).
+/// The packed parameter buffer an `extra` launch array names
+/// (`CU_LAUNCH_PARAM_BUFFER_POINTER` with `CU_LAUNCH_PARAM_BUFFER_SIZE`, up to
+/// `CU_LAUNCH_PARAM_END`), or `None` for any other form.
+///
+/// # Safety
+/// `extra` must be a live, `CU_LAUNCH_PARAM_END`-terminated `extra` array whose buffer and
+/// size pointers are valid for the returned slice's lifetime.
+unsafe fn packed_buffer<'a>(extra: *mut *mut c_void) -> Option<&'a [u8]> {
+    const END: usize = 0x00;
+    const BUFFER_POINTER: usize = 0x01;
+    const BUFFER_SIZE: usize = 0x02;
+    let (mut buffer, mut size) = (None, None);
+    // A launch array holds a few key/value pairs; a longer one is not the documented form.
+    for pair in 0..8 {
+        // SAFETY: the array is END-terminated (the caller's contract) and no END was met
+        // before `2 * pair`, so both slots are inside it.
+        let (key, value) = unsafe { (*extra.add(2 * pair) as usize, *extra.add(2 * pair + 1)) };
+        match key {
+            END => break,
+            BUFFER_POINTER => buffer = Some(value.cast::<u8>().cast_const()),
+            // SAFETY: this key's value points at the buffer's size (a size_t).
+            BUFFER_SIZE => size = Some(unsafe { *value.cast::<usize>() }),
+            _ => return None,
+        }
+    }
+    let (buffer, size) = (buffer?, size?);
+    // SAFETY: the driver's buffer holds `size` bytes (the caller's contract).
+    (!buffer.is_null()).then(|| unsafe { std::slice::from_raw_parts(buffer, size) })
+}
+
+/// A kernel node's parameters and layout, or `None` when they cannot be read (an `extra`
+/// array of another form, or a function whose layout the driver does not report).
 fn read_kernel(
     node: sys::CUgraphNode,
     source: sys::CUgraphNode,
@@ -302,7 +335,26 @@ fn read_kernel(
     })?;
     // SAFETY: the call succeeded, so the driver wrote every field.
     let params = unsafe { params.assume_init() };
-    if params.func.is_null() || !params.extra.is_null() || is_collective(params.func) {
+    // A kernel launched from a library (`cuLibraryLoad*`, as cuBLAS's are) is captured with
+    // its `CUkernel` and no function: its function in the current context has the layout.
+    let func = if params.func.is_null() && !params.kern.is_null() {
+        let mut func = std::ptr::null_mut();
+        // SAFETY: `kern` is the live library kernel of a captured node; `func` is a valid
+        // out-pointer. The context current on this thread is the graph's (the caller's).
+        let r = unsafe { sys::cuKernelGetFunction(&mut func, params.kern) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            tracing::debug!(error = ?r, "a library kernel's function cannot be read: the graph is opaque to patching");
+            return Ok(None);
+        }
+        func
+    } else {
+        params.func
+    };
+    if func.is_null() || is_collective(func) {
+        tracing::debug!(
+            no_function = func.is_null(),
+            "a kernel's parameters cannot be read: the graph is opaque to patching"
+        );
         return Ok(None);
     }
     let mut layout = Vec::new();
@@ -310,26 +362,43 @@ fn read_kernel(
         let (mut offset, mut size) = (0usize, 0usize);
         // SAFETY: `func` is the live function of a captured kernel node; the out-pointers are
         // valid. An index past the last parameter answers CUDA_ERROR_INVALID_VALUE.
-        let r =
-            unsafe { sys::cuFuncGetParamInfo(params.func, layout.len(), &mut offset, &mut size) };
+        let r = unsafe { sys::cuFuncGetParamInfo(func, layout.len(), &mut offset, &mut size) };
         match r {
             sys::CUresult::CUDA_SUCCESS => layout.push((offset, size)),
             sys::CUresult::CUDA_ERROR_INVALID_VALUE => break,
-            _ => return Ok(None),
+            _ => {
+                tracing::debug!(error = ?r, "a kernel's parameter layout cannot be read: the graph is opaque to patching");
+                return Ok(None);
+            }
         }
-    }
-    if !layout.is_empty() && params.kernelParams.is_null() {
-        return Ok(None);
     }
     let total = layout.iter().map(|&(o, s)| o + s).max().unwrap_or(0);
     let mut bytes = vec![0u8; total];
-    for (i, &(offset, size)) in layout.iter().enumerate() {
-        // SAFETY: the driver returned `kernelParams` with one pointer per parameter of
-        // `func` (the layout lists them), each to `size` readable bytes, valid while the
-        // node lives; the destination range lies inside `bytes` (`total` covers it).
-        unsafe {
-            let src = (*params.kernelParams.add(i)).cast::<u8>();
-            std::ptr::copy_nonoverlapping(src, bytes[offset..].as_mut_ptr(), size);
+    if !params.extra.is_null() {
+        // Launched with one packed buffer (cuBLAS's bf16 kernels are): the same layout.
+        // SAFETY: `extra` is the captured node's `extra` array, which the driver keeps,
+        // with its buffer, while the node lives.
+        let Some(buffer) = (unsafe { packed_buffer(params.extra) }) else {
+            tracing::debug!(
+                "a kernel's packed parameters cannot be read: the graph is opaque to patching"
+            );
+            return Ok(None);
+        };
+        if buffer.len() < total {
+            return Ok(None);
+        }
+        bytes.copy_from_slice(&buffer[..total]);
+    } else if !layout.is_empty() && params.kernelParams.is_null() {
+        return Ok(None);
+    } else {
+        for (i, &(offset, size)) in layout.iter().enumerate() {
+            // SAFETY: the driver returned `kernelParams` with one pointer per parameter of
+            // `func` (the layout lists them), each to `size` readable bytes, valid while the
+            // node lives; the destination range lies inside `bytes` (`total` covers it).
+            unsafe {
+                let src = (*params.kernelParams.add(i)).cast::<u8>();
+                std::ptr::copy_nonoverlapping(src, bytes[offset..].as_mut_ptr(), size);
+            }
         }
     }
     Ok(Some(KernelNode {

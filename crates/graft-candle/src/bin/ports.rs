@@ -307,6 +307,24 @@ fn measure(
     })
 }
 
+/// How many recordings each reason made, from graft's decision log.
+fn record_reasons<D: graft_core::Device, M: Clone>(g: &graft_core::Graft<D, M>) -> String {
+    let mut counts: Vec<(&'static str, usize)> = Vec::new();
+    for d in g.explain() {
+        if let graft_core::Decision::Record(reason) = &d.decision {
+            match counts.iter_mut().find(|(name, _)| *name == reason.name()) {
+                Some((_, n)) => *n += 1,
+                None => counts.push((reason.name(), 1)),
+            }
+        }
+    }
+    let shown: Vec<String> = counts
+        .iter()
+        .map(|(name, n)| format!("{name} {n}"))
+        .collect();
+    shown.join(", ")
+}
+
 fn main() {
     if let Err(e) = run() {
         eprintln!("graft-candle-ports: {e}");
@@ -352,7 +370,12 @@ fn run() -> BenchResult<()> {
                 c.name,
                 started.elapsed().as_secs_f64()
             );
-            let mut graft = CandleGraft::new(&device)?;
+            // A decision log long enough for every non-replay of the case.
+            let config = graft_core::Config {
+                decision_log: 4096,
+                ..graft_core::Config::default()
+            };
+            let mut graft = CandleGraft::with_config(&device, config)?;
             let step = graft.register_bucketed("decode", Buckets::new(BUCKETS)?);
             let cache = c.ours.new_cache(*BUCKETS.last().unwrap_or(&1), o.max_seq)?;
             for batch in BUCKETS {
@@ -379,10 +402,15 @@ fn run() -> BenchResult<()> {
                 println!("{row}");
                 rows.push(row);
             }
-            if let Some(s) = graft.graft().map(|g| g.stats()) {
+            if let Some(g) = graft.graft() {
+                let s = g.stats();
                 println!(
-                    "  graft: {} recordings, {} replays, {} warmups, {} eager",
-                    s.recordings, s.replays, s.warmups, s.eager_runs
+                    "  graft: {} recordings, {} replays, {} warmups, {} eager; recordings by reason: {}",
+                    s.recordings,
+                    s.replays,
+                    s.warmups,
+                    s.eager_runs,
+                    record_reasons(g)
                 );
             }
         }

@@ -8,7 +8,7 @@ use candle_core::{D, DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use candle_transformers::models::llama::{Cache, Config, Llama, LlamaConfig};
 use graft_candle::models::{checkpoint, llama};
-use graft_candle::{CandleGraft, EagerCause, Error, StepOutcome, Uncapturable};
+use graft_candle::{CandleGraft, Churn, EagerCause, Error, StepOutcome, Uncapturable};
 
 use super::{TestResult, gpu};
 
@@ -142,5 +142,42 @@ fn an_uncached_parameter_upload_is_an_upload() -> TestResult {
         other => return Err(format!("want an upload refusal, got {other:?}").into()),
     }
     assert_eq!(out.outputs[0].to_vec1::<u32>()?, want);
+    Ok(())
+}
+
+/// The documented way of the report: the weights as statics and the position as a key. Every
+/// call is a new signature, so nothing records; graft names `keys[0]` as the cause (not the
+/// shapes), keeps its signatures bounded, and the tokens are candle's.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_position_passed_as_a_key_is_named_as_the_cause() -> TestResult {
+    let device = gpu();
+    let (m, cfg, weights) = model(&device)?;
+    let steps = 12;
+    let want = eager_tokens(&m, &cfg, &device, steps)?;
+    let mut graft = CandleGraft::new(&device)?;
+    let step = graft.register("candle-transformers llama");
+    let statics: Vec<&Tensor> = weights.values().collect();
+    let mut cache = Cache::new(true, DType::F32, &cfg, &device)?;
+    let mut token = Tensor::new(&[1u32], &device)?;
+    let mut got = Vec::new();
+    for pos in 0..steps {
+        let out = graft.call(step, &[&token], &statics, &[pos as u64], |inputs| {
+            Ok(vec![
+                m.forward(&inputs[0].unsqueeze(0)?, pos, &mut cache)?
+                    .argmax(D::Minus1)?,
+            ])
+        })?;
+        assert_eq!(out.outcome, StepOutcome::Warmup, "step {pos}");
+        token = out.outputs[0].clone();
+        got.push(token.to_vec1::<u32>()?[0]);
+    }
+    assert_eq!(got, want);
+    match graft.churn(step) {
+        Some(Churn::Key { index: 0, calls }) => assert!(calls >= 8, "{calls}"),
+        other => return Err(format!("want keys[0] named, got {other:?}").into()),
+    }
+    let shown = graft.churn(step).map(|c| c.to_string()).unwrap_or_default();
+    assert!(shown.contains("keep it on the device"), "{shown}");
     Ok(())
 }
