@@ -18,10 +18,9 @@ use graft_candle::cuda::HandmadeGraph;
 use graft_candle::llama::{DecodeState, Llama, LlamaConfig};
 use graft_candle::{Buckets, CandleGraft, StepId};
 
-type BenchResult<T> = Result<T, Box<dyn std::error::Error>>;
+mod common;
 
-const CHECK_STEPS: usize = 64;
-const BUCKETS: [usize; 3] = [1, 8, 32];
+use common::{BUCKETS, BenchResult, CHECK_STEPS, check_rounds, first_tokens, median};
 
 /// The benchmark's flags.
 #[derive(clap::Parser, Debug)]
@@ -46,9 +45,7 @@ struct Options {
 
 fn options() -> BenchResult<Options> {
     let o = <Options as clap::Parser>::parse();
-    if o.rounds == 0 || o.steps < o.rounds {
-        return Err("--rounds must be at least 1 and --steps at least --rounds".into());
-    }
+    check_rounds(o.steps, o.rounds)?;
     Ok(o)
 }
 
@@ -100,16 +97,6 @@ fn statics_of(model: &Llama, state: &DecodeState) -> Vec<Tensor> {
     let mut statics: Vec<Tensor> = model.weights().into_iter().cloned().collect();
     statics.extend(state.tensors().into_iter().cloned());
     statics
-}
-
-fn first_tokens(batch: usize, vocab: usize, device: &Device) -> BenchResult<Tensor> {
-    let tokens: Vec<u32> = (0..batch).map(|i| ((3 + 17 * i) % vocab) as u32).collect();
-    Ok(Tensor::new(tokens.as_slice(), device)?)
-}
-
-fn median(samples: &mut [f64]) -> f64 {
-    samples.sort_by(f64::total_cmp);
-    samples[samples.len() / 2]
 }
 
 /// What one measurement found: each runner's median step in microseconds and the first

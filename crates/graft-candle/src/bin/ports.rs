@@ -24,10 +24,9 @@ use graft_candle::models::{
 };
 use graft_candle::{Buckets, CandleGraft, StepId};
 
-type BenchResult<T> = Result<T, Box<dyn std::error::Error>>;
+mod common;
 
-const CHECK_STEPS: usize = 64;
-const BUCKETS: [usize; 3] = [1, 8, 32];
+use common::{BUCKETS, BenchResult, CHECK_STEPS, check_rounds, first_tokens, median};
 
 /// The benchmark's flags.
 #[derive(clap::Parser, Debug)]
@@ -224,16 +223,6 @@ fn case(arch: &str, big: bool, device: &Device) -> BenchResult<Case> {
     })
 }
 
-fn first_tokens(batch: usize, vocab: usize, device: &Device) -> BenchResult<Tensor> {
-    let t: Vec<u32> = (0..batch).map(|i| ((3 + 17 * i) % vocab) as u32).collect();
-    Ok(Tensor::new(t, device)?)
-}
-
-fn median(samples: &mut [f64]) -> f64 {
-    samples.sort_by(f64::total_cmp);
-    samples[samples.len() / 2]
-}
-
 /// One batch of one case: the steps on which the tokens agreed, and the two median steps.
 struct Measured {
     agreed: usize,
@@ -334,9 +323,7 @@ fn main() {
 
 fn run() -> BenchResult<()> {
     let o = <Options as clap::Parser>::parse();
-    if o.rounds == 0 || o.steps < o.rounds {
-        return Err("--rounds must be at least 1 and --steps at least --rounds".into());
-    }
+    check_rounds(o.steps, o.rounds)?;
     if o.max_seq < CHECK_STEPS.max(o.steps / o.rounds + 5) {
         return Err("--max-seq must hold the checked and the timed steps".into());
     }

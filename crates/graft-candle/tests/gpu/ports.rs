@@ -7,8 +7,19 @@ use graft_candle::models::{checkpoint, llama};
 use graft_candle::{Buckets, CandleGraft, StepOutcome};
 use graft_core::InputKind;
 
-use super::ports::{ALL, Port, llama_config, tokens_equal};
+use super::ports::{Port, llama_config, tokens_equal};
 use super::{TestResult, gpu, under_sanitizer};
+
+/// Every port (tests/ports.rs checks each on the CPU).
+const ALL: [Port; 7] = [
+    Port::Llama2,
+    Port::Llama3,
+    Port::Mistral,
+    Port::Qwen2,
+    Port::Qwen3,
+    Port::Q4K,
+    Port::Q8_0,
+];
 
 #[test]
 #[ignore = "needs a CUDA GPU"]

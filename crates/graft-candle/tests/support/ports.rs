@@ -33,16 +33,6 @@ pub(crate) enum Port {
     Q8_0,
 }
 
-pub(crate) const ALL: [Port; 7] = [
-    Port::Llama2,
-    Port::Llama3,
-    Port::Mistral,
-    Port::Qwen2,
-    Port::Qwen3,
-    Port::Q4K,
-    Port::Q8_0,
-];
-
 /// Generated tokens compared per sequence.
 pub(crate) const GENERATED: usize = 64;
 const PROMPT: usize = 4;
