@@ -155,6 +155,43 @@ device_test!(
     verify_mode_catches_host_state
 );
 
+/// A training step's shape: the body updates a static in place, and (like a framework's
+/// closure over its weights) writes the static it captured rather than the ctx's buffer.
+/// Verify mode must apply the update once per call, not once for the replay and again for
+/// the eager run, and must not report the in-place update as a difference.
+fn verify_mode_applies_in_place_updates_once<D: TestDevice>(dev: D) {
+    let mut g = graft(
+        dev,
+        Config {
+            verify_replays: true,
+            ..Config::default()
+        },
+    );
+    let f = g.register("train", FunctionSpec::inference([1]));
+    let grad = input(&mut g, &[0.5; 8]);
+    let weight = input(&mut g, &[1.0; 8]);
+    for step in 1..=5u8 {
+        let captured = weight.clone();
+        let out = g
+            .call(f, &[&grad, &weight], &[], |ctx: &mut Ctx<'_, D>| {
+                let grad = ctx.input(0).clone();
+                ctx.queue().add_f32(&captured, &captured, &grad, 8)?;
+                let loss = ctx.alloc(32)?;
+                ctx.queue().axpb_f32(&loss, &captured, 2.0, 0.0, 8)?;
+                Ok(vec![Output::new(loss, 0)])
+            })
+            .unwrap_or_else(|e| panic!("step {step}: {e}"));
+        let expected = 1.0 + 0.5 * f32::from(step);
+        assert_eq!(read(&g, &weight), vec![expected; 8], "after step {step}");
+        assert_eq!(read(&g, &out[0].buffer), vec![2.0 * expected; 8]);
+    }
+    assert_eq!(g.stats().replays, 3, "steps 3 to 5 replayed, each verified");
+}
+device_test!(
+    verify_mode_applies_in_place_updates_once,
+    verify_mode_applies_in_place_updates_once
+);
+
 fn memory_report_attributes_held_outputs<D: TestDevice>(dev: D) {
     let mut g = graft(dev, Config::default());
     let f = g.register("f", FunctionSpec::default());

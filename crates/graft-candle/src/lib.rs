@@ -42,12 +42,14 @@ mod bucket;
 mod error;
 pub mod llama;
 pub mod models;
+pub mod optim;
 #[cfg(test)]
 mod reference;
 mod refusal;
 mod rng;
 mod runtime;
 mod step;
+pub mod train;
 
 #[cfg(feature = "cuda")]
 pub mod cuda;

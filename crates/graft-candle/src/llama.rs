@@ -104,7 +104,7 @@ impl LlamaConfig {
         2 * self.vocab * d + d + self.layers * layer
     }
 
-    fn validate(&self) -> Result<()> {
+    pub(crate) fn validate(&self) -> Result<()> {
         let sizes = [
             self.layers,
             self.d_model,
@@ -130,6 +130,26 @@ impl LlamaConfig {
         }
         Ok(())
     }
+}
+
+/// The rotary tables, `[max_seq, head_dim / 2]` each in `cfg.dtype`: row p holds the cosines
+/// and sines of position p.
+pub(crate) fn rope_tables(cfg: &LlamaConfig, device: &Device) -> Result<(Tensor, Tensor)> {
+    let hd = cfg.head_dim();
+    let half = hd / 2;
+    let mut cos = Vec::with_capacity(cfg.max_seq * half);
+    let mut sin = Vec::with_capacity(cfg.max_seq * half);
+    for p in 0..cfg.max_seq {
+        for i in 0..half {
+            let inv_freq = 1.0 / cfg.rope_theta.powf(2.0 * i as f32 / hd as f32);
+            let angle = p as f32 * inv_freq;
+            cos.push(angle.cos());
+            sin.push(angle.sin());
+        }
+    }
+    let cos = Tensor::from_vec(cos, (cfg.max_seq, half), device)?.to_dtype(cfg.dtype)?;
+    let sin = Tensor::from_vec(sin, (cfg.max_seq, half), device)?.to_dtype(cfg.dtype)?;
+    Ok((cos, sin))
 }
 
 /// One transformer block's weights.
@@ -236,19 +256,7 @@ impl Llama {
         }
         let norm = Tensor::ones(d, cfg.dtype, device)?;
         let lm_head = Linear::new(matrix(cfg.vocab, d)?, None);
-        let half = hd / 2;
-        let mut cos = Vec::with_capacity(cfg.max_seq * half);
-        let mut sin = Vec::with_capacity(cfg.max_seq * half);
-        for p in 0..cfg.max_seq {
-            for i in 0..half {
-                let inv_freq = 1.0 / cfg.rope_theta.powf(2.0 * i as f32 / hd as f32);
-                let angle = p as f32 * inv_freq;
-                cos.push(angle.cos());
-                sin.push(angle.sin());
-            }
-        }
-        let cos = Tensor::from_vec(cos, (cfg.max_seq, half), device)?.to_dtype(cfg.dtype)?;
-        let sin = Tensor::from_vec(sin, (cfg.max_seq, half), device)?.to_dtype(cfg.dtype)?;
+        let (cos, sin) = rope_tables(&cfg, device)?;
         Ok(Llama {
             cfg,
             embed,

@@ -84,7 +84,15 @@ impl CandleGraft {
         self.register_with(name, spec)
     }
 
-    fn register_with(&mut self, name: &str, spec: graft_core::FunctionSpec) -> StepId {
+    /// Registers a step with a full graft spec: a training step's mode (`Mode::Forward` for a
+    /// micro-batch step whose gradients still await their update, `Mode::Backward` for the
+    /// update that consumes them: graft's pending-backward rule), warmups, buckets, a graph
+    /// limit. Static positions in the spec are ignored: pass statics to [`CandleGraft::call`].
+    pub fn register_with(&mut self, name: &str, spec: graft_core::FunctionSpec) -> StepId {
+        let spec = graft_core::FunctionSpec {
+            static_inputs: Vec::new(),
+            ..spec
+        };
         let name: Arc<str> = Arc::from(name);
         match &mut self.engine {
             Engine::Eager(_) => {

@@ -12,10 +12,16 @@ use graft_candle::{Buckets, CandleGraft, EagerCause, StepId, StepOutcome, Uncapt
 
 #[path = "../examples/guide.rs"]
 mod guide;
+#[path = "../examples/training.rs"]
+mod training_example;
 #[path = "support/ports.rs"]
 mod ports;
 #[path = "gpu/ports.rs"]
 mod ports_gpu;
+#[path = "support/training.rs"]
+mod training;
+#[path = "gpu/training.rs"]
+mod training_gpu;
 #[path = "gpu/transformers.rs"]
 mod transformers;
 
@@ -126,6 +132,13 @@ fn the_device_is_set_up_for_capture() -> TestResult {
 #[ignore = "needs a CUDA GPU"]
 fn the_guide_example_runs_on_the_gpu() -> TestResult {
     guide::main()
+}
+
+/// docs/guide.md's training example, on the GPU: one recording, every later step a replay.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn the_training_example_runs_on_the_gpu() -> TestResult {
+    training_example::main()
 }
 
 /// Buckets 1, 8 and 32 interleaved in one runtime, 64 steps each (4 under the sanitizer),

@@ -115,8 +115,10 @@ pub struct Config {
     pub large_copy_warn_bytes: usize,
     /// When set, only these functions and signatures are graphed; others run eagerly.
     pub allow_list: Option<Vec<AllowEntry>>,
-    /// Verify every replay against an eager run of the body on scratch memory (slow; for
-    /// debugging).
+    /// Verify every replay against an eager run of the body from the same starting state
+    /// (slow; for debugging). The inputs' bytes are snapshotted before the replay and
+    /// written back before the eager run, so a body that updates its inputs in place (a
+    /// training step) applies its update once; the caller keeps the eager run's result.
     pub verify_replays: bool,
     /// How many non-replay decisions `Graft::explain` keeps (default 64).
     pub decision_log: usize,

@@ -224,9 +224,13 @@ impl<D: Device, M: Clone> Graft<D, M> {
         }
     }
 
-    /// Verify mode: snapshots the inputs into scratch memory, replays, runs the body eagerly
-    /// on the snapshot, and compares every output and every input afterwards (bodies may
-    /// update inputs in place, like a KV cache), byte for byte.
+    /// Verify mode: replays, then runs the body eagerly from the same starting state and
+    /// compares every output and every input afterwards, byte for byte. Bodies may update
+    /// inputs in place (a KV cache, a training step's weights and optimizer state), and a
+    /// framework's body may write its statics directly rather than through the ctx, so the
+    /// eager run works on the caller's own buffers: their bytes are read before the replay,
+    /// read again after it (the replay's result), and written back before the eager run.
+    /// The update is applied once, and what the caller keeps is the eager run's result.
     pub(crate) fn replay_verified<F, E>(
         &mut self,
         key: NodeKey,
@@ -240,36 +244,50 @@ impl<D: Device, M: Clone> Graft<D, M> {
             function: name.clone(),
             source,
         };
-        let scratch = frame
-            .inputs
-            .iter()
-            .map(|b| self.copy_out(b))
-            .collect::<Result<Vec<Buffer>, _>>()
-            .map_err(memory)?;
+        let read_inputs = |g: &Self, inputs: &[&Buffer]| {
+            inputs
+                .iter()
+                .map(|b| g.read_bytes(b))
+                .collect::<Result<Vec<_>, _>>()
+        };
+        let before = read_inputs(self, frame.inputs).map_err(memory)?;
         let outcome = self.replay(key, frame)?;
-        let scratch_refs: Vec<&Buffer> = scratch.iter().collect();
+        // Read before the eager run: an output may be a static input the eager run rewrites.
+        let replayed_outputs = frame
+            .out
+            .iter()
+            .map(|o| self.read_bytes(&o.buffer))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(memory)?;
+        let replayed_inputs = read_inputs(self, frame.inputs).map_err(memory)?;
+        for (buffer, bytes) in frame.inputs.iter().zip(&before) {
+            self.write(buffer, bytes).map_err(memory)?;
+        }
         let mut eager = Vec::new();
         let mut reference = Frame {
             function: frame.function,
             sig: frame.sig,
-            inputs: &scratch_refs,
+            inputs: frame.inputs,
             body: &mut *frame.body,
             dests: None,
             out: &mut eager,
         };
         self.run_body(&mut reference, RunKind::Eager)?;
         let out = &*frame.out;
-        let pairs = out
+        let eager_outputs = eager
             .iter()
-            .map(|o| &o.buffer)
-            .zip(eager.iter().map(|o| &o.buffer))
-            .chain(frame.inputs.iter().copied().zip(scratch.iter()));
-        for (index, (replayed, reference)) in pairs.enumerate() {
-            let a = self.read_bytes(replayed).map_err(memory)?;
-            let b = self.read_bytes(reference).map_err(memory)?;
+            .map(|o| self.read_bytes(&o.buffer))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(memory)?;
+        let eager_inputs = read_inputs(self, frame.inputs).map_err(memory)?;
+        let pairs = replayed_outputs
+            .iter()
+            .zip(&eager_outputs)
+            .chain(replayed_inputs.iter().zip(&eager_inputs));
+        for (index, (a, b)) in pairs.enumerate() {
             if let Some(byte) = a
                 .iter()
-                .zip(&b)
+                .zip(b)
                 .position(|(x, y)| x != y)
                 .or((a.len() != b.len()).then_some(a.len().min(b.len())))
             {

@@ -19,8 +19,11 @@ use graft_candle::llama::{DecodeState, Llama, LlamaConfig};
 use graft_candle::{Buckets, CandleGraft, StepId};
 
 mod common;
+#[path = "common/decode.rs"]
+mod decode;
 
-use common::{BUCKETS, BenchResult, CHECK_STEPS, check_rounds, first_tokens, median};
+use common::{BUCKETS, BenchResult, check_rounds, median};
+use decode::{CHECK_STEPS, first_tokens};
 
 /// The benchmark's flags.
 #[derive(clap::Parser, Debug)]

@@ -25,8 +25,11 @@ use graft_candle::models::{
 use graft_candle::{Buckets, CandleGraft, StepId};
 
 mod common;
+#[path = "common/decode.rs"]
+mod decode;
 
-use common::{BUCKETS, BenchResult, CHECK_STEPS, check_rounds, first_tokens, median};
+use common::{BUCKETS, BenchResult, check_rounds, median};
+use decode::{CHECK_STEPS, first_tokens};
 
 /// The benchmark's flags.
 #[derive(clap::Parser, Debug)]

@@ -87,3 +87,77 @@ pub fn trim_graph_memory(device: &CudaDevice) -> Result<(), Error> {
     }
     Ok(())
 }
+
+/// The device's default memory pool (where candle's eager allocations come from, through
+/// `cuMemAllocAsync`): the bytes in use now and the most in use since the last
+/// [`reset_eager_high`], which is how an eager step's peak is measured.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
+pub struct EagerMemory {
+    /// Bytes of the pool in use now.
+    pub used_current: u64,
+    /// The highest `used_current` since the last reset.
+    pub used_high: u64,
+}
+
+fn default_pool(device: &CudaDevice) -> Result<sys::CUmemoryPool, Error> {
+    let cu_device = device.cuda_stream().context().cu_device();
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: `cu_device` is the device of a live context and `pool` a valid out-pointer.
+    unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, cu_device) }
+        .result()
+        .map_err(|source| Error::Driver {
+            what: "finding the device's default memory pool (cuDeviceGetDefaultMemPool)",
+            source,
+        })?;
+    Ok(pool)
+}
+
+/// The default pool's figures of `device`'s GPU.
+pub fn eager_memory(device: &CudaDevice) -> Result<EagerMemory, Error> {
+    let pool = default_pool(device)?;
+    let get = |attr: sys::CUmemPool_attribute| -> Result<u64, Error> {
+        let mut value: u64 = 0;
+        // SAFETY: `pool` is the live default pool of the device; both attributes queried
+        // here are cuuint64_t, which `value` is.
+        unsafe { sys::cuMemPoolGetAttribute(pool, attr, (&raw mut value).cast::<c_void>()) }
+            .result()
+            .map_err(|source| Error::Driver {
+                what: "reading the default memory pool's figures (cuMemPoolGetAttribute)",
+                source,
+            })?;
+        Ok(value)
+    };
+    use sys::CUmemPool_attribute as A;
+    Ok(EagerMemory {
+        used_current: get(A::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?,
+        used_high: get(A::CU_MEMPOOL_ATTR_USED_MEM_HIGH)?,
+    })
+}
+
+/// Synchronizes candle's stream and resets the default pool's high-water mark to what is in
+/// use now.
+pub fn reset_eager_high(device: &CudaDevice) -> Result<(), Error> {
+    device
+        .cuda_stream()
+        .synchronize()
+        .map_err(|source| Error::Driver {
+            what: "synchronizing candle's stream",
+            source,
+        })?;
+    let pool = default_pool(device)?;
+    let mut zero: u64 = 0;
+    // SAFETY: the high-water attribute is a cuuint64_t that may only be set to 0, which
+    // `zero` is; `pool` is the device's live default pool.
+    unsafe {
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+            (&raw mut zero).cast::<c_void>(),
+        )
+    }
+    .result()
+    .map_err(|source| Error::Driver {
+        what: "resetting the default memory pool's high-water mark (cuMemPoolSetAttribute)",
+        source,
+    })
+}

@@ -8,7 +8,9 @@ mod memory;
 
 pub use engine::OutputMeta;
 pub use handmade::HandmadeGraph;
-pub use memory::{GraphMemory, graph_memory, trim_graph_memory};
+pub use memory::{
+    EagerMemory, GraphMemory, eager_memory, graph_memory, reset_eager_high, trim_graph_memory,
+};
 
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::cuda_backend::cudarc::driver::sys::CUstream;

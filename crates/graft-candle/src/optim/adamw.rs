@@ -1,0 +1,167 @@
+//! AdamW (Loshchilov and Hutter) with its step count, bias corrections and learning rate on
+//! the device.
+
+use candle_core::{Result, Tensor, Var};
+
+use super::Gradients;
+use super::scalars::Scalars;
+
+/// AdamW's hyperparameters; the defaults are candle-nn's and PyTorch's.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamWConfig {
+    /// The initial learning rate (change it with [`AdamW::set_learning_rate`]).
+    pub lr: f64,
+    /// The first moment's decay.
+    pub beta1: f64,
+    /// The second moment's decay.
+    pub beta2: f64,
+    /// Added to the second moment's square root.
+    pub eps: f64,
+    /// Decoupled weight decay.
+    pub weight_decay: f64,
+}
+
+impl Default for AdamWConfig {
+    fn default() -> AdamWConfig {
+        AdamWConfig {
+            lr: 0.001,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.01,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Param {
+    var: Var,
+    m: Var,
+    v: Var,
+}
+
+/// AdamW whose every per-step value is a device tensor: one recording replays every step
+/// (see the [module documentation](super)).
+#[derive(Debug)]
+pub struct AdamW {
+    params: Vec<Param>,
+    cfg: AdamWConfig,
+    scalars: Scalars,
+}
+
+impl AdamW {
+    /// AdamW over `vars`, with zeroed moments. All on one device.
+    pub fn new(vars: Vec<Var>, cfg: AdamWConfig) -> Result<AdamW> {
+        for (name, beta) in [("beta1", cfg.beta1), ("beta2", cfg.beta2)] {
+            if !(0.0..1.0).contains(&beta) {
+                candle_core::bail!("adamw's {name} must be in [0, 1), got {beta}");
+            }
+        }
+        let device = match vars.first() {
+            Some(v) => v.device().clone(),
+            None => candle_core::bail!("adamw needs at least one parameter"),
+        };
+        let scalars = Scalars::new(&device, cfg.lr)?;
+        let params = vars
+            .into_iter()
+            .map(|var| {
+                let zeros = || Var::zeros(var.shape(), var.dtype(), var.device());
+                Ok(Param {
+                    m: zeros()?,
+                    v: zeros()?,
+                    var,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(AdamW {
+            params,
+            cfg,
+            scalars,
+        })
+    }
+
+    /// One update from `grads`, entirely on the device and capturable: advances the step
+    /// count, or, when a gradient is not finite, leaves every parameter and moment as it was
+    /// and counts a skipped step. Parameters without a gradient are left alone.
+    pub fn step(&mut self, grads: &impl Gradients) -> Result<()> {
+        let finite = self
+            .scalars
+            .begin_step(self.params.iter().map(|p| p.var.as_tensor()), grads)?;
+        let AdamWConfig {
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            ..
+        } = self.cfg;
+        // 1 - beta^t, from the device step count (a skipped first step gives 0; its update
+        // is discarded by the select below).
+        let t = self.scalars.applied();
+        let correction = |beta: f64| (t * beta.ln())?.exp()?.affine(-1.0, 1.0);
+        let (c1, c2) = (correction(beta1)?, correction(beta2)?);
+        let lr = self.scalars.lr();
+        let decay = (lr * weight_decay)?.affine(-1.0, 1.0)?;
+        for p in &self.params {
+            let theta = p.var.as_tensor();
+            let Some(g) = grads.gradient(theta) else {
+                continue;
+            };
+            let dtype = theta.dtype();
+            let (c1, c2, lr, decay) = (
+                c1.to_dtype(dtype)?,
+                c2.to_dtype(dtype)?,
+                lr.to_dtype(dtype)?,
+                decay.to_dtype(dtype)?,
+            );
+            let (m, v) = (p.m.as_tensor(), p.v.as_tensor());
+            let next_m = ((m * beta1)? + (g * (1.0 - beta1))?)?;
+            let next_v = ((v * beta2)? + (g.sqr()? * (1.0 - beta2))?)?;
+            let m_hat = next_m.broadcast_div(&c1)?;
+            let v_hat = next_v.broadcast_div(&c2)?;
+            let adjusted = (m_hat / (v_hat.sqrt()? + eps)?)?;
+            let next = (theta.broadcast_mul(&decay)? - adjusted.broadcast_mul(&lr)?)?;
+            p.m.set(&finite.select(&next_m, m)?)?;
+            p.v.set(&finite.select(&next_v, v)?)?;
+            p.var.set(&finite.select(&next, theta)?)?;
+        }
+        Ok(())
+    }
+
+    /// Sets the learning rate of the next steps: a write to a device tensor, between steps
+    /// (never inside a recorded step: that would be an upload). Recorded steps follow it.
+    pub fn set_learning_rate(&mut self, lr: f64) -> Result<()> {
+        self.scalars.set_lr(lr)
+    }
+
+    /// The learning rate last set.
+    pub fn learning_rate(&self) -> f64 {
+        self.scalars.lr_host()
+    }
+
+    /// Updates applied so far (AdamW's `t`; a host read, so between steps). Exact up to
+    /// 2^24 steps (the count is an f32).
+    pub fn applied_steps(&self) -> Result<u64> {
+        self.scalars.applied_steps()
+    }
+
+    /// Steps skipped because a gradient was not finite (a host read, so between steps).
+    pub fn skipped_steps(&self) -> Result<u64> {
+        self.scalars.skipped_steps()
+    }
+
+    /// The parameters, in the order given.
+    pub fn vars(&self) -> impl Iterator<Item = &Var> {
+        self.params.iter().map(|p| &p.var)
+    }
+
+    /// Every tensor a step reads or writes in place, to pass as statics of the training step:
+    /// the parameters, both moments, the learning rate and the step counts.
+    pub fn statics(&self) -> Vec<&Tensor> {
+        let mut all: Vec<&Tensor> = Vec::with_capacity(3 * self.params.len() + 3);
+        for p in &self.params {
+            all.extend([p.var.as_tensor(), p.m.as_tensor(), p.v.as_tensor()]);
+        }
+        all.extend(self.scalars.tensors());
+        all
+    }
+}
