@@ -21,7 +21,9 @@
 //! - the body drops every tensor it makes before returning (each output is copied, as the
 //!   graph's last node for it, into a tensor allocated for the caller before the launch), so
 //!   every recorded graph is self-contained: nothing it allocates outlives a launch;
-//! - outputs are tensors the caller owns: hold them as long as you like.
+//! - outputs are tensors the caller owns: hold them as long as you like;
+//! - random numbers come from [`random::DeviceRng`], whose seed and offset live on the device
+//!   (pass its state as a static): a host seed would be frozen into the recorded graph.
 //!
 //! Two builds, chosen by the `cuda` feature:
 //!
@@ -43,6 +45,7 @@ mod error;
 pub mod llama;
 pub mod models;
 pub mod optim;
+pub mod random;
 #[cfg(test)]
 mod reference;
 mod refusal;

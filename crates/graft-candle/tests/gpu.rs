@@ -1,8 +1,8 @@
 //! graft-candle on a CUDA GPU (ignored in CI; `--include-ignored` on the GPU machine, through
 //! `scripts/stage.sh --candle-cuda` and `scripts/gpu-run.sh`): tokens identical to candle
 //! eager at every bucket, outputs held across steps, the eager fallback of a body that cannot
-//! be captured, the graph memory of three buckets against the largest alone, and the guide's
-//! example.
+//! be captured, the graph memory of three buckets against the largest alone, the guide's
+//! example, and the device-side generator replayed.
 #![cfg(feature = "cuda")]
 
 use graft_candle::candle_core::{Device, Tensor};
@@ -12,14 +12,16 @@ use graft_candle::{Buckets, CandleGraft, EagerCause, StepId, StepOutcome, Uncapt
 
 #[path = "../examples/guide.rs"]
 mod guide;
-#[path = "../examples/training.rs"]
-mod training_example;
 #[path = "support/ports.rs"]
 mod ports;
 #[path = "gpu/ports.rs"]
 mod ports_gpu;
+#[path = "gpu/random.rs"]
+mod random;
 #[path = "support/training.rs"]
 mod training;
+#[path = "../examples/training.rs"]
+mod training_example;
 #[path = "gpu/training.rs"]
 mod training_gpu;
 #[path = "gpu/transformers.rs"]

@@ -7,6 +7,7 @@
 use candle_core::{DType, Device, Tensor};
 use candle_nn::Optimizer;
 use graft_candle::optim::{AdamW, GradAccumulator};
+use graft_candle::random::DeviceRng;
 use graft_candle::train::Llama;
 use graft_candle::{CandleGraft, Error, StepOutcome};
 use graft_core::{CallError, Config, FunctionSpec, Mode};
@@ -33,17 +34,23 @@ fn statics(model: &Llama, opt: &AdamW) -> Vec<Tensor> {
 }
 
 /// `n` AdamW steps on 4 batches in turn, the learning rate following [`schedule`], the loss
-/// multiplied by a `[1]` input that is infinite at step `inf_at`. Under `graft` when given
-/// (its outcomes are returned), eagerly otherwise.
+/// multiplied by a `[1]` input that is infinite at step `inf_at`, with dropout 0.1 from a
+/// [`DeviceRng`] of seed 11 when `dropout`. Under `graft` when given (its outcomes are
+/// returned), eagerly otherwise.
 fn train(
     device: &Device,
     graft: Option<&mut CandleGraft>,
     n: usize,
     inf_at: Option<usize>,
+    dropout: bool,
 ) -> Fallible<(Run, Vec<StepOutcome>)> {
     let (model, mut opt) = model_and_adamw(device)?;
     let data = batches(&config(), 4, 32, 4, device)?;
-    let fixed = statics(&model, &opt);
+    let rng = DeviceRng::new(device, 11)?;
+    let drop = |x: &Tensor| rng.dropout(x, 0.1);
+    let drop: Option<&graft_candle::train::Dropout<'_>> = dropout.then_some(&drop);
+    let mut fixed = statics(&model, &opt);
+    fixed.push(rng.state().clone());
     let fixed: Vec<&Tensor> = fixed.iter().collect();
     let mut losses = Vec::with_capacity(n);
     let mut outcomes = Vec::new();
@@ -61,7 +68,7 @@ fn train(
         };
         let scale = Tensor::new(&[scale], device)?;
         let mut body = |x: &[Tensor]| -> candle_core::Result<Vec<Tensor>> {
-            let loss = model.loss(&x[0], &x[1], None)?.broadcast_mul(&x[2])?;
+            let loss = model.loss(&x[0], &x[1], drop)?.broadcast_mul(&x[2])?;
             opt.step(&loss.backward()?)?;
             Ok(vec![loss])
         };
@@ -114,9 +121,9 @@ fn first_difference(a: &Run, b: &Run) -> String {
 fn two_hundred_training_steps_replay_and_equal_eager_bit_for_bit() -> TestResult {
     let device = gpu();
     let n = steps(200, 6);
-    let (eager, _) = train(&device, None, n, None)?;
+    let (eager, _) = train(&device, None, n, None, false)?;
     let mut graft = CandleGraft::new(&device)?;
-    let (graphed, outcomes) = train(&device, Some(&mut graft), n, None)?;
+    let (graphed, outcomes) = train(&device, Some(&mut graft), n, None, false)?;
     assert_eq!(replays(&outcomes), n - 2, "{outcomes:?}");
     assert_eq!(graft.graft().map(|g| g.stats().recordings), Some(1));
     assert!(eager == graphed, "{}", first_difference(&eager, &graphed));
@@ -131,15 +138,33 @@ fn two_hundred_training_steps_replay_and_equal_eager_bit_for_bit() -> TestResult
     Ok(())
 }
 
+/// Dropout from the device generator inside the recorded step: every replay draws new
+/// masks, and the run equals eager's with the same seed bit for bit.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn dropout_in_a_recorded_training_step_draws_like_eager() -> TestResult {
+    let device = gpu();
+    let n = steps(24, 6);
+    let (eager, _) = train(&device, None, n, None, true)?;
+    let mut graft = CandleGraft::new(&device)?;
+    let (graphed, outcomes) = train(&device, Some(&mut graft), n, None, true)?;
+    assert_eq!(replays(&outcomes), n - 2, "{outcomes:?}");
+    assert!(eager == graphed, "{}", first_difference(&eager, &graphed));
+    // The same run without dropout ends elsewhere: the masks did something.
+    let (plain, _) = train(&device, None, n, None, false)?;
+    assert_ne!(plain.losses, graphed.losses, "dropout changed nothing");
+    Ok(())
+}
+
 /// An infinite loss at step 4 (a replay): the update is skipped on the device, counted, and
 /// every parameter equals eager's run with the same injection.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn a_non_finite_step_is_skipped_on_the_device_during_a_replay() -> TestResult {
     let device = gpu();
-    let (eager, _) = train(&device, None, 8, Some(4))?;
+    let (eager, _) = train(&device, None, 8, Some(4), false)?;
     let mut graft = CandleGraft::new(&device)?;
-    let (graphed, outcomes) = train(&device, Some(&mut graft), 8, Some(4))?;
+    let (graphed, outcomes) = train(&device, Some(&mut graft), 8, Some(4), false)?;
     assert!(
         matches!(outcomes[4], StepOutcome::Replayed(_)),
         "{outcomes:?}"
@@ -156,13 +181,13 @@ fn a_non_finite_step_is_skipped_on_the_device_during_a_replay() -> TestResult {
 #[ignore = "needs a CUDA GPU"]
 fn verify_mode_checks_a_training_step_and_applies_it_once() -> TestResult {
     let device = gpu();
-    let (eager, _) = train(&device, None, 6, None)?;
+    let (eager, _) = train(&device, None, 6, None, false)?;
     let config = Config {
         verify_replays: true,
         ..Config::default()
     };
     let mut graft = CandleGraft::with_config(&device, config)?;
-    let (verified, outcomes) = train(&device, Some(&mut graft), 6, None)?;
+    let (verified, outcomes) = train(&device, Some(&mut graft), 6, None, false)?;
     assert_eq!(replays(&outcomes), 4);
     assert!(eager == verified, "{}", first_difference(&eager, &verified));
     Ok(())

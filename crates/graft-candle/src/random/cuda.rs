@@ -1,0 +1,169 @@
+//! The generator's CUDA kernels: their source, compiled with NVRTC once per process, loaded
+//! into a candle device, and launched on the device's stream with the state read through a
+//! pointer (never as a kernel parameter, which a recorded graph would freeze).
+
+use std::ops::Range;
+use std::sync::OnceLock;
+
+use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::nvrtc;
+use candle_core::cuda_backend::{CudaDevice, CudaStorage, WrapErr};
+use candle_core::{Result, bail};
+
+/// The module's name in candle's per-device table of custom modules.
+const MODULE: &str = "graft_candle_philox";
+/// Writes `n` uniforms from the state; one thread per 4-word block.
+const UNIFORM: &str = "graft_philox_uniform";
+/// Adds a block count to the state's offset; one thread.
+const ADVANCE: &str = "graft_philox_advance";
+/// Threads per CUDA block of the uniform kernel.
+const THREADS: u32 = 256;
+/// The advance kernel's launch.
+const ONE_THREAD: LaunchConfig = LaunchConfig {
+    grid_dim: (1, 1, 1),
+    block_dim: (1, 1, 1),
+    shared_mem_bytes: 0,
+};
+
+/// The kernels. The counter layout and the f32 conversion are those of `philox.rs`.
+const SOURCE: &str = r#"
+#define PHILOX_M0 0xD2511F53u
+#define PHILOX_M1 0xCD9E8D57u
+#define PHILOX_W0 0x9E3779B9u
+#define PHILOX_W1 0xBB67AE85u
+
+__device__ unsigned long long graft_offset(const unsigned int* state) {
+    return ((unsigned long long)state[3] << 32) | state[2];
+}
+
+extern "C" __global__ void graft_philox_uniform(
+    const unsigned int* state, float* out, unsigned long long n) {
+    unsigned long long block = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+    unsigned long long first = block * 4;
+    if (first >= n) {
+        return;
+    }
+    unsigned long long counter = graft_offset(state) + block;
+    unsigned int c0 = (unsigned int)counter, c1 = (unsigned int)(counter >> 32);
+    unsigned int c2 = 0, c3 = 0;
+    unsigned int k0 = state[0], k1 = state[1];
+    for (int round = 0; round < 10; ++round) {
+        if (round > 0) {
+            k0 += PHILOX_W0;
+            k1 += PHILOX_W1;
+        }
+        unsigned int hi0 = __umulhi(PHILOX_M0, c0), lo0 = PHILOX_M0 * c0;
+        unsigned int hi1 = __umulhi(PHILOX_M1, c2), lo1 = PHILOX_M1 * c2;
+        unsigned int n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
+        c0 = n0;
+        c1 = lo1;
+        c2 = n2;
+        c3 = lo0;
+    }
+    unsigned int words[4] = {c0, c1, c2, c3};
+    for (int lane = 0; lane < 4 && first + lane < n; ++lane) {
+        out[first + lane] = (float)(words[lane] >> 8) * 5.9604644775390625e-8f;
+    }
+}
+
+extern "C" __global__ void graft_philox_advance(unsigned int* state, unsigned long long blocks) {
+    unsigned long long offset = graft_offset(state) + blocks;
+    state[2] = (unsigned int)offset;
+    state[3] = (unsigned int)(offset >> 32);
+}
+"#;
+
+/// The kernels' PTX, compiled on first use and kept for the process (or NVRTC's complaint).
+fn ptx() -> Result<&'static str> {
+    static PTX: OnceLock<std::result::Result<String, String>> = OnceLock::new();
+    match PTX.get_or_init(compile) {
+        Ok(ptx) => Ok(ptx),
+        Err(message) => Err(candle_core::Error::Msg(message.clone())),
+    }
+}
+
+fn compile() -> std::result::Result<String, String> {
+    let opts = nvrtc::CompileOptions {
+        name: Some(format!("{MODULE}.cu")),
+        ..Default::default()
+    };
+    let ptx = nvrtc::compile_ptx_with_opts(SOURCE, opts).map_err(|e| match e {
+        nvrtc::CompileError::CompileError { log, .. } => format!(
+            "NVRTC could not compile the random-number kernels: {}; check the CUDA toolkit's NVRTC version",
+            log.to_string_lossy()
+        ),
+        other => format!(
+            "NVRTC failed on the random-number kernels: {other}; check that libnvrtc matches the driver"
+        ),
+    })?;
+    match ptx.as_bytes() {
+        Some(image) => {
+            let text = image.split(|&b| b == 0).next().unwrap_or_default();
+            String::from_utf8(text.to_vec()).map_err(|_| {
+                "NVRTC returned PTX that is not text; check the CUDA toolkit".to_string()
+            })
+        }
+        None => Ok(ptx.to_src()),
+    }
+}
+
+/// Compiles the kernels if this process has not yet, and loads them into `device` (a no-op
+/// when it holds them already).
+pub(super) fn load(device: &CudaDevice) -> Result<()> {
+    let ptx = ptx()?;
+    for name in [UNIFORM, ADVANCE] {
+        device.get_or_load_custom_func(name, MODULE, ptx)?;
+    }
+    Ok(())
+}
+
+/// `n` (> 0) uniforms drawn from the state words at `range` of `state`, in a new f32 tensor's
+/// storage on the same device and stream.
+pub(super) fn uniform(state: &CudaStorage, range: Range<usize>, n: usize) -> Result<CudaStorage> {
+    let device = &state.device;
+    let grid = u32::try_from(n.div_ceil(4).div_ceil(THREADS as usize));
+    let Ok(grid) = grid else {
+        bail!(
+            "a draw of {n} random numbers needs more CUDA blocks than a launch allows; draw fewer at a time"
+        );
+    };
+    // Loaded by `DeviceRng::new`: this finds the module and only looks the function up.
+    let func = device.get_or_load_custom_func(UNIFORM, MODULE, ptx()?)?;
+    let words = state.as_cuda_slice::<u32>()?.slice(range);
+    // SAFETY: the uniform kernel writes all `n` elements (threads cover ceil(n / 4) blocks of 4
+    // lanes, bounded by `n`) before anything reads them: the kernel is launched just below on
+    // the device's stream, which orders every later use of the tensor.
+    let mut out = unsafe { device.alloc::<f32>(n)? };
+    let n = n as u64;
+    let mut launch = func.builder();
+    launch.arg(&words);
+    launch.arg(&mut out);
+    launch.arg(&n);
+    let cfg = LaunchConfig {
+        grid_dim: (grid, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the arguments match `graft_philox_uniform(const unsigned int*, float*, unsigned
+    // long long)`: `words` is 4 u32 (checked by the caller's `state_range`), `out` holds `n`
+    // f32 and the kernel writes no element at or past `n`; both live until the launch is
+    // enqueued, and the stream orders the kernel after the state's last write.
+    unsafe { launch.launch(cfg) }.w()?;
+    Ok(CudaStorage::wrap_cuda_slice(out, device.clone()))
+}
+
+/// Adds `blocks` to the offset of the state words at `range` of `state`, on the device.
+pub(super) fn advance(state: &mut CudaStorage, range: Range<usize>, blocks: u64) -> Result<()> {
+    let device = state.device.clone();
+    let func = device.get_or_load_custom_func(ADVANCE, MODULE, ptx()?)?;
+    let slice = state.as_cuda_slice_mut::<u32>()?;
+    let mut words = slice.slice_mut(range);
+    let mut launch = func.builder();
+    launch.arg(&mut words);
+    launch.arg(&blocks);
+    // SAFETY: the arguments match `graft_philox_advance(unsigned int*, unsigned long long)`;
+    // `words` is the state's 4 u32 (checked by the caller's `state_range`), written by one
+    // thread; the stream orders this kernel after the draw that read the old offset.
+    unsafe { launch.launch(ONE_THREAD) }.w()?;
+    Ok(())
+}
