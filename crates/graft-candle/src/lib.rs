@@ -51,6 +51,7 @@ mod reference;
 mod refusal;
 mod rng;
 mod runtime;
+pub mod serve;
 mod step;
 pub mod train;
 

@@ -18,6 +18,12 @@ mod ports;
 mod ports_gpu;
 #[path = "gpu/random.rs"]
 mod random;
+#[path = "support/serve.rs"]
+mod serve;
+#[path = "../examples/serving.rs"]
+mod serving_example;
+#[path = "gpu/serve.rs"]
+mod serve_gpu;
 #[path = "support/training.rs"]
 mod training;
 #[path = "../examples/training.rs"]
@@ -141,6 +147,13 @@ fn the_guide_example_runs_on_the_gpu() -> TestResult {
 #[ignore = "needs a CUDA GPU"]
 fn the_training_example_runs_on_the_gpu() -> TestResult {
     training_example::main()
+}
+
+/// docs/guide.md's serving example, on the GPU, graphed.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn the_serving_example_runs_on_the_gpu() -> TestResult {
+    serving_example::main()
 }
 
 /// Buckets 1, 8 and 32 interleaved in one runtime, 64 steps each (4 under the sanitizer),

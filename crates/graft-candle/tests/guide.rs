@@ -6,6 +6,9 @@
 #[path = "../examples/guide.rs"]
 mod guide;
 #[cfg(not(feature = "cuda"))]
+#[path = "../examples/serving.rs"]
+mod serving;
+#[cfg(not(feature = "cuda"))]
 #[path = "../examples/training.rs"]
 mod training;
 
@@ -23,6 +26,32 @@ fn the_training_example_runs() {
     if let Err(e) = training::main() {
         panic!("the guide's training example failed: {e}");
     }
+}
+
+#[test]
+#[cfg(not(feature = "cuda"))]
+fn the_serving_example_runs() {
+    if let Err(e) = serving::main() {
+        panic!("the guide's serving example failed: {e}");
+    }
+}
+
+/// docs/guide.md shows examples/serving.rs character for character.
+#[test]
+fn the_guide_shows_the_serving_example_as_it_is() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let example = std::fs::read_to_string(format!("{root}/examples/serving.rs")).unwrap();
+    let guide = std::fs::read_to_string(format!("{root}/../../docs/guide.md")).unwrap();
+    let start = guide
+        .find("```rust,ignore\n//! The serving example")
+        .expect("docs/guide.md has the serving example in a rust,ignore block");
+    let body = &guide[start + "```rust,ignore\n".len()..];
+    let end = body.find("\n```").expect("the block ends");
+    assert_eq!(
+        &body[..end + 1],
+        example,
+        "update docs/guide.md's serving example to match examples/serving.rs"
+    );
 }
 
 /// docs/guide.md shows examples/training.rs character for character.

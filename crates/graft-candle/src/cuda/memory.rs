@@ -88,6 +88,23 @@ pub fn trim_graph_memory(device: &CudaDevice) -> Result<(), Error> {
     Ok(())
 }
 
+/// The device memory free and in total, in bytes (`cuMemGetInfo`), after synchronizing
+/// candle's stream (so memory freed by finished work is back).
+pub fn free_memory(device: &CudaDevice) -> Result<(u64, u64), Error> {
+    let stream = device.cuda_stream();
+    let driver = |what| move |source| Error::Driver { what, source };
+    stream
+        .synchronize()
+        .map_err(driver("synchronizing candle's stream"))?;
+    stream
+        .context()
+        .bind_to_thread()
+        .map_err(driver("binding candle's context"))?;
+    let (free, total) = candle_core::cuda_backend::cudarc::driver::result::mem_get_info()
+        .map_err(driver("reading the free memory (cuMemGetInfo)"))?;
+    Ok((free as u64, total as u64))
+}
+
 /// The device's default memory pool (where candle's eager allocations come from, through
 /// `cuMemAllocAsync`): the bytes in use now and the most in use since the last
 /// [`reset_eager_high`], which is how an eager step's peak is measured.

@@ -9,7 +9,8 @@ mod memory;
 pub use engine::OutputMeta;
 pub use handmade::HandmadeGraph;
 pub use memory::{
-    EagerMemory, GraphMemory, eager_memory, graph_memory, reset_eager_high, trim_graph_memory,
+    EagerMemory, GraphMemory, eager_memory, free_memory, graph_memory, reset_eager_high,
+    trim_graph_memory,
 };
 
 use candle_core::cuda_backend::CudaDevice;

@@ -23,9 +23,69 @@ pub struct KvCache {
     /// With a sliding window `w`, `[max_seq]` u32: `j + w` for key j (visible from positions
     /// up to it).
     reach: Option<Tensor>,
+    /// A serving cache's prefill constants (and its scratch row); `None` for a decode-only
+    /// cache.
+    prefill: Option<PrefillIndex>,
     /// The positions as the host last set and advanced them: the bound checks read these,
     /// never the device.
     host: Mutex<Vec<u32>>,
+}
+
+/// The device constants a prefill step builds its write indices from. A serving cache has
+/// one row more than its sequences: the scratch row, where the padding tokens of a prefill
+/// chunk write (every one at a place of its own, so no two writes of a chunk collide), which
+/// no decode step reads.
+#[derive(Debug)]
+struct PrefillIndex {
+    /// `[max_batch]` u32: 0, 1, ..., to pick a sequence's position by a device row.
+    rows: Tensor,
+    /// `[kv_heads, 1]` u32: `h * max_seq`, the offset of head h within a row.
+    heads: Tensor,
+    /// `[1]` u32: `kv_heads * max_seq`, the stride of one row (in `head_dim` vectors).
+    row_stride: Tensor,
+    /// `[kv_heads, max_seq]` u32: the scratch row's place `i` of head h.
+    scratch: Tensor,
+}
+
+impl PrefillIndex {
+    fn new(max_batch: usize, kv_heads: usize, seq: u32, device: &Device) -> Result<PrefillIndex> {
+        let too_large =
+            || candle_core::Error::Msg("the kv cache is too large for u32 indices".into());
+        let kv = u32::try_from(kv_heads).map_err(|_| too_large())?;
+        let batch = u32::try_from(max_batch).map_err(|_| too_large())?;
+        // The largest index is that of the scratch row's last place.
+        let places = (u64::from(batch) + 1) * u64::from(kv) * u64::from(seq);
+        if places > u64::from(u32::MAX) {
+            return Err(too_large());
+        }
+        let heads: Vec<u32> = (0..kv).map(|h| h * seq).collect();
+        let scratch: Vec<u32> = (0..kv)
+            .flat_map(|h| (0..seq).map(move |i| (batch * kv + h) * seq + i))
+            .collect();
+        Ok(PrefillIndex {
+            rows: Tensor::arange(0u32, batch, device)?,
+            heads: Tensor::from_vec(heads, (kv_heads, 1), device)?,
+            row_stride: Tensor::new(&[kv * seq], device)?,
+            scratch: Tensor::from_vec(scratch, (kv_heads, seq as usize), device)?,
+        })
+    }
+}
+
+/// Where one prefill chunk reads and writes, built on the device from the chunk's row and
+/// length (see [`KvCache::prefill_plan`]).
+#[derive(Debug)]
+pub(crate) struct PrefillPlan {
+    /// `[chunk]` u32: each token's position (0 for padding, which has none).
+    pub(crate) positions: Tensor,
+    /// `[chunk, max_seq]` f32: the additive causal mask of each token.
+    pub(crate) mask: Tensor,
+    /// `[kv_heads * chunk, head_dim]` u32: where each head's key or value of each token is
+    /// written in a layer's flat cache (`KvCache::flat`), padding in the scratch row.
+    pub(crate) write_at: Tensor,
+    /// `[1]` u32: the row.
+    pub(crate) row: Tensor,
+    /// `[1]` u32: the index of the chunk's last real token.
+    pub(crate) last: Tensor,
 }
 
 /// Errors of the cache's host-side checks, with what to do.
@@ -38,25 +98,34 @@ fn full(row: usize, max_seq: usize) -> candle_core::Error {
 
 impl KvCache {
     /// A zeroed cache of `layers` layers, every position at 0.
+    /// With `serving`, it has a scratch row for [`KvCache`]'s prefill (see `PrefillIndex`).
     pub(crate) fn new(
         layers: usize,
         shape: (usize, usize, usize, usize),
         window: Option<usize>,
+        serving: bool,
         dtype: DType,
         device: &Device,
     ) -> Result<KvCache> {
-        let (max_batch, _, max_seq, _) = shape;
+        let (max_batch, kv_heads, max_seq, head_dim) = shape;
         if max_batch == 0 || max_seq == 0 {
             candle_core::bail!("a kv cache needs at least one sequence and one position");
         }
         let seq = u32::try_from(max_seq)
             .map_err(|_| candle_core::Error::Msg("max_seq must fit in a u32".into()))?;
+        let rows = max_batch + usize::from(serving);
+        let stored = (rows, kv_heads, max_seq, head_dim);
         let mut k = Vec::with_capacity(layers);
         let mut v = Vec::with_capacity(layers);
         for _ in 0..layers {
-            k.push(Tensor::zeros(shape, dtype, device)?);
-            v.push(Tensor::zeros(shape, dtype, device)?);
+            k.push(Tensor::zeros(stored, dtype, device)?);
+            v.push(Tensor::zeros(stored, dtype, device)?);
         }
+        let prefill = if serving {
+            Some(PrefillIndex::new(max_batch, kv_heads, seq, device)?)
+        } else {
+            None
+        };
         let arange = Tensor::arange(0u32, seq, device)?;
         // A window at least as long as the cache hides nothing.
         let reach = match window.filter(|&w| w < max_seq) {
@@ -70,8 +139,20 @@ impl KvCache {
             arange,
             one: Tensor::ones(1, DType::U32, device)?,
             reach,
+            prefill,
             host: Mutex::new(vec![0; max_batch]),
         })
+    }
+
+    /// The bytes of keys and values one sequence holds (all layers).
+    pub fn row_bytes(&self) -> usize {
+        let per_layer = self.k[0].elem_count() / self.k[0].dim(0).unwrap_or(1);
+        2 * self.k.len() * per_layer * self.k[0].dtype().size_in_bytes()
+    }
+
+    /// The bytes of the whole cache's keys and values (the scratch row included).
+    pub fn bytes(&self) -> usize {
+        2 * self.k.len() * self.k[0].elem_count() * self.k[0].dtype().size_in_bytes()
     }
 
     /// How many sequences the cache holds.
@@ -90,6 +171,9 @@ impl KvCache {
         let mut all: Vec<&Tensor> = self.k.iter().chain(&self.v).collect();
         all.extend([&self.positions, &self.arange, &self.one]);
         all.extend(&self.reach);
+        if let Some(p) = &self.prefill {
+            all.extend([&p.rows, &p.heads, &p.row_stride, &p.scratch]);
+        }
         all
     }
 
@@ -159,6 +243,137 @@ impl KvCache {
             .for_each(|p| *p += 1);
     }
 
+    /// Copies sequence `from`'s keys, values and position onto sequence `to` (a device copy,
+    /// between steps): a serving loop keeps its running sequences in rows `0..n` this way
+    /// when one of them finishes.
+    pub fn move_row(&self, from: usize, to: usize) -> Result<()> {
+        let mut host = self.host_positions();
+        if from >= host.len() || to >= host.len() {
+            candle_core::bail!(
+                "move_row({from}, {to}) on a kv cache of {} sequences",
+                host.len()
+            );
+        }
+        if from == to {
+            return Ok(());
+        }
+        for t in self.k.iter().chain(&self.v) {
+            t.slice_set(&t.narrow(0, from, 1)?.copy()?, 0, to)?;
+        }
+        self.positions
+            .slice_set(&self.positions.narrow(0, from, 1)?.copy()?, 0, to)?;
+        host[to] = host[from];
+        Ok(())
+    }
+
+    /// Checks, before a prefill chunk of `len` real tokens padded to `chunk` at sequence
+    /// `row`, that the cache is a serving cache and the tokens fit in the row.
+    pub(crate) fn check_prefill(&self, row: usize, len: usize, chunk: usize) -> Result<()> {
+        let host = self.host_positions();
+        if self.prefill.is_none() {
+            candle_core::bail!(
+                "prefill needs a serving kv cache (its scratch row takes the padding): make it with Decoder::new_serving_cache"
+            );
+        }
+        if row >= host.len() {
+            candle_core::bail!(
+                "a prefill of sequence {row} on a kv cache of {} sequences",
+                host.len()
+            );
+        }
+        if len == 0 || len > chunk || chunk > self.max_seq() {
+            candle_core::bail!(
+                "a prefill chunk of {len} tokens padded to {chunk}: pass 1 to {chunk} tokens, padded to at most max_seq ({})",
+                self.max_seq()
+            );
+        }
+        let at = host[row] as usize;
+        if at + len > self.max_seq() {
+            candle_core::bail!(
+                "a prefill of {len} tokens at position {at} of sequence {row} overflows the kv cache ({} positions): shorten the prompt or make a cache with a larger max_seq",
+                self.max_seq()
+            );
+        }
+        Ok(())
+    }
+
+    /// Records that a prefill advanced sequence `row` by `len` positions.
+    pub(crate) fn advance_row(&self, row: usize, len: usize) {
+        self.host_positions()[row] += len as u32;
+    }
+
+    /// The write indices, positions and mask of a prefill chunk of `chunk` tokens for the
+    /// sequence and real length in `meta` (`[2]` u32: row, length), on the device.
+    pub(crate) fn prefill_plan(
+        &self,
+        meta: &Tensor,
+        chunk: usize,
+        head_dim: usize,
+    ) -> Result<PrefillPlan> {
+        let Some(p) = &self.prefill else {
+            candle_core::bail!("prefill needs a serving kv cache");
+        };
+        let row = meta.narrow(0, 0, 1)?;
+        let len = meta.narrow(0, 1, 1)?;
+        let start = self.positions.index_select(&row, 0)?;
+        let i = self.arange.narrow(0, 0, chunk)?;
+        let real = i.broadcast_lt(&len)?;
+        let positions = (i.broadcast_add(&start)? * real.to_dtype(DType::U32)?)?;
+        let column = positions.unsqueeze(1)?;
+        let mut visible = self.arange.unsqueeze(0)?.broadcast_le(&column)?;
+        if let Some(reach) = &self.reach {
+            visible = (visible * reach.unsqueeze(0)?.broadcast_ge(&column)?)?;
+        }
+        let mask = visible.to_dtype(DType::F32)?.affine(1e9, -1e9)?;
+        let kv = p.heads.dim(0)?;
+        let base = row.broadcast_mul(&p.row_stride)?.broadcast_add(&p.heads)?;
+        let places = base.broadcast_add(&positions.unsqueeze(0)?)?;
+        let scratch = p.scratch.narrow(1, 0, chunk)?;
+        let write_at = real
+            .unsqueeze(0)?
+            .broadcast_as((kv, chunk))?
+            .where_cond(&places, &scratch)?
+            .reshape((kv * chunk, 1))?
+            .broadcast_as((kv * chunk, head_dim))?
+            .contiguous()?;
+        Ok(PrefillPlan {
+            positions,
+            mask,
+            write_at,
+            row,
+            last: len.broadcast_sub(&self.one)?,
+        })
+    }
+
+    /// Layer `layer`'s keys and values as `[rows * kv_heads * max_seq, head_dim]` views of the
+    /// same memory, for a prefill's writes.
+    pub(crate) fn flat(&self, layer: usize) -> Result<(Tensor, Tensor)> {
+        let flat = |t: &Tensor| {
+            let hd = t.dim(3)?;
+            t.reshape((t.elem_count() / hd, hd))
+        };
+        Ok((flat(&self.k[layer])?, flat(&self.v[layer])?))
+    }
+
+    /// Sequence `row` (`[1]` u32 on the device) of layer `layer`'s keys and values: `[1,
+    /// kv_heads, max_seq, head_dim]` copies.
+    pub(crate) fn row(&self, layer: usize, row: &Tensor) -> Result<(Tensor, Tensor)> {
+        Ok((
+            self.k[layer].index_select(row, 0)?,
+            self.v[layer].index_select(row, 0)?,
+        ))
+    }
+
+    /// Advances sequence `row`'s position by `len` (both `[1]` u32), on the device.
+    pub(crate) fn step_row(&self, plan: &PrefillPlan, len: &Tensor) -> Result<()> {
+        let Some(p) = &self.prefill else {
+            candle_core::bail!("prefill needs a serving kv cache");
+        };
+        let hit = p.rows.broadcast_eq(&plan.row)?.to_dtype(DType::U32)?;
+        let next = (&self.positions + hit.broadcast_mul(len)?)?;
+        self.positions.slice_set(&next, 0, 0)
+    }
+
     /// Sequences `0..batch` of layer `layer`'s keys and values.
     pub(crate) fn layer(&self, layer: usize, batch: usize) -> Result<(Tensor, Tensor)> {
         Ok((
@@ -216,7 +431,7 @@ mod tests {
     use super::*;
 
     fn cache(window: Option<usize>) -> KvCache {
-        KvCache::new(1, (2, 1, 4, 2), window, DType::F32, &Device::Cpu).unwrap()
+        KvCache::new(1, (2, 1, 4, 2), window, false, DType::F32, &Device::Cpu).unwrap()
     }
 
     #[test]

@@ -177,6 +177,17 @@ impl Decoder {
     /// A zeroed cache for up to `max_batch` sequences of `max_seq` positions each, every
     /// position at 0. `max_seq` may not exceed the model's `max_position_embeddings`.
     pub fn new_cache(&self, max_batch: usize, max_seq: usize) -> Result<KvCache> {
+        self.cache(max_batch, max_seq, false)
+    }
+
+    /// A zeroed cache for serving: [`Decoder::new_cache`]'s, plus one scratch row that
+    /// [`Decoder::prefill`]'s padding tokens write (so a prefill chunk padded to its bucket
+    /// never writes past a sequence's real tokens).
+    pub fn new_serving_cache(&self, max_batch: usize, max_seq: usize) -> Result<KvCache> {
+        self.cache(max_batch, max_seq, true)
+    }
+
+    fn cache(&self, max_batch: usize, max_seq: usize, serving: bool) -> Result<KvCache> {
         if max_seq > self.spec.rope.max_positions {
             candle_core::bail!(
                 "a kv cache of {max_seq} positions for a model of max_position_embeddings {}: use at most that many",
@@ -185,7 +196,14 @@ impl Decoder {
         }
         let shape = (max_batch, self.spec.kv_heads, max_seq, self.spec.head_dim);
         let window = self.spec.sliding_window;
-        KvCache::new(self.spec.layers, shape, window, self.dtype, self.device())
+        KvCache::new(
+            self.spec.layers,
+            shape,
+            window,
+            serving,
+            self.dtype,
+            self.device(),
+        )
     }
 
     /// The tensors a decode step uses in place: the weights that are tensors and `cache`'s
@@ -274,6 +292,85 @@ impl Decoder {
         Ok(out)
     }
 
+    /// One eager prefill chunk of sequence `row` of a serving cache: `tokens` (`[chunk]` u32)
+    /// holds the next `len` tokens of its prompt, padded to `chunk` with any token. Writes
+    /// their keys and values at the sequence's position and advances it by `len`; returns
+    /// the token that follows the last of them (`[1]` u32, greedy).
+    pub fn prefill_forward(
+        &self,
+        cache: &KvCache,
+        row: usize,
+        tokens: &Tensor,
+        len: usize,
+    ) -> Result<Tensor> {
+        cache.check_prefill(row, len, tokens.dims1()?)?;
+        let meta = Tensor::new(&[row as u32, len as u32], self.device())?;
+        let next = self
+            .prefill_logits(cache, tokens, &meta)?
+            .argmax(D::Minus1)?;
+        cache.advance_row(row, len);
+        Ok(next)
+    }
+
+    /// [`Decoder::prefill_forward`] under graft: `tokens` and the row and length (uploaded
+    /// as a `[2]` u32 input) are the step's inputs, the weights and `cache` its statics,
+    /// `[chunk, key]` its keys: register `step` with token-count buckets and pad `tokens` to
+    /// one. One recording per bucket serves every sequence, position and length.
+    pub fn prefill(
+        &self,
+        graft: &mut CandleGraft,
+        step: StepId,
+        cache: &KvCache,
+        row: usize,
+        tokens: &Tensor,
+        len: usize,
+    ) -> std::result::Result<Step, Error> {
+        let model = |source| Error::Model { source };
+        let chunk = tokens.dims1().map_err(model)?;
+        cache.check_prefill(row, len, chunk).map_err(model)?;
+        let meta = Tensor::new(&[row as u32, len as u32], self.device()).map_err(model)?;
+        let statics = self.statics(cache);
+        let out = graft.call(
+            step,
+            &[tokens, &meta],
+            &statics,
+            &[chunk as u64, self.id],
+            |inputs| {
+                let logits = self.prefill_logits(cache, &inputs[0], &inputs[1])?;
+                Ok(vec![logits.argmax(D::Minus1)?])
+            },
+        )?;
+        cache.advance_row(row, len);
+        Ok(out)
+    }
+
+    /// The prefill itself (no host-side checks): capturable. `meta` is `[2]` u32: the row
+    /// and the number of real tokens. Returns the last real token's logits (`[1, vocab]`
+    /// f32).
+    fn prefill_logits(&self, cache: &KvCache, tokens: &Tensor, meta: &Tensor) -> Result<Tensor> {
+        let s = &self.spec;
+        let chunk = tokens.dims1()?;
+        let plan = cache.prefill_plan(meta, chunk, s.head_dim)?;
+        let (cos, sin) = self.rope.at(&plan.positions)?;
+        let (cos, sin) = (cos.squeeze(1)?, sin.squeeze(1)?);
+        let mut x = self.embed.index_select(tokens, 0)?.unsqueeze(0)?;
+        for (i, b) in self.blocks.iter().enumerate() {
+            let (q, k, v) = b.qkv(&x, s, &self.rope, &cos, &sin)?;
+            let (k_flat, v_flat) = cache.flat(i)?;
+            let rows = s.kv_heads * chunk;
+            k_flat.scatter_set(&plan.write_at, &k.reshape((rows, s.head_dim))?, 0)?;
+            v_flat.scatter_set(&plan.write_at, &v.reshape((rows, s.head_dim))?, 0)?;
+            let (k_row, v_row) = cache.row(i, &plan.row)?;
+            let o = attend_chunk(&q, &k_row, &v_row, &plan.mask, s)?;
+            x = b.finish(&x, &o, s)?;
+        }
+        let x = x.index_select(&plan.last, 1)?;
+        let x = candle_nn::ops::rms_norm(&x, &self.norm, s.eps as f32)?;
+        let logits = self.lm_head.forward(&x)?.squeeze(1)?.to_dtype(DType::F32)?;
+        cache.step_row(&plan, &meta.narrow(0, 1, 1)?)?;
+        Ok(logits)
+    }
+
     /// The step itself (no host-side checks): capturable.
     fn logits(&self, cache: &KvCache, tokens: &Tensor) -> Result<Tensor> {
         let s = &self.spec;
@@ -300,8 +397,8 @@ impl Decoder {
 }
 
 impl Block {
-    /// The rotated queries `[batch, heads, 1, hd]`, rotated keys and values `[batch, kv, 1,
-    /// hd]` of the block's input `x` `[batch, 1, hidden]`.
+    /// The rotated queries `[batch, heads, t, hd]`, rotated keys and values `[batch, kv, t,
+    /// hd]` of the block's input `x` `[batch, t, hidden]` (t = 1 for a decode step).
     fn qkv(
         &self,
         x: &Tensor,
@@ -310,10 +407,10 @@ impl Block {
         cos: &Tensor,
         sin: &Tensor,
     ) -> Result<(Tensor, Tensor, Tensor)> {
-        let batch = x.dim(0)?;
+        let (batch, len, _) = x.dims3()?;
         let h = candle_nn::ops::rms_norm(x, &self.attn_norm, s.eps as f32)?;
         let heads = |t: Tensor, n: usize| {
-            t.reshape((batch, 1, n, s.head_dim))?
+            t.reshape((batch, len, n, s.head_dim))?
                 .transpose(1, 2)?
                 .contiguous()
         };
@@ -323,7 +420,7 @@ impl Block {
         if let Some((qn, kn)) = &self.qk_norm {
             let norm = |t: &Tensor, w: &Tensor, n: usize| {
                 candle_nn::ops::rms_norm(&t.flatten(0, 2)?, w, s.eps as f32)?
-                    .reshape((batch, n, 1, s.head_dim))
+                    .reshape((batch, n, len, s.head_dim))
             };
             q = norm(&q, qn, s.heads)?;
             k = norm(&k, kn, s.kv_heads)?;
@@ -331,7 +428,7 @@ impl Block {
         Ok((rope.apply(&q, cos, sin)?, rope.apply(&k, cos, sin)?, v))
     }
 
-    /// The block's output from its input `x` and the attention result `o` (`[batch, 1,
+    /// The block's output from its input `x` and the attention result `o` (`[batch, t,
     /// heads * hd]`): the output projection and the gated MLP, each added to the residual.
     fn finish(&self, x: &Tensor, o: &Tensor, s: &DecoderSpec) -> Result<Tensor> {
         let x = (self.o.forward(o)? + x)?;
@@ -352,4 +449,32 @@ fn attend(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, s: &DecoderSpec) ->
     let scores = (q.matmul(&k.t()?)?.to_dtype(DType::F32)? / (hd as f64).sqrt())?;
     let p = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(mask)?)?.to_dtype(q.dtype())?;
     p.matmul(v)?.reshape((batch, 1, heads * hd))
+}
+
+/// Grouped-query attention of a prefill chunk of one sequence over its whole cache row: `q`
+/// `[1, heads, chunk, hd]`, the row's caches `[1, kv, max_seq, hd]`, `mask` `[chunk,
+/// max_seq]`; returns `[1, chunk, heads * hd]`.
+fn attend_chunk(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &Tensor,
+    s: &DecoderSpec,
+) -> Result<Tensor> {
+    let (_, heads, chunk, hd) = q.dims4()?;
+    let kv = s.kv_heads;
+    let group = heads / kv;
+    let max_seq = k.dim(2)?;
+    let q = q.reshape((1, kv, group * chunk, hd))?;
+    let scores = (q.matmul(&k.t()?)?.to_dtype(DType::F32)? / (hd as f64).sqrt())?;
+    let scores = scores
+        .reshape((1, kv, group, chunk, max_seq))?
+        .broadcast_add(mask)?;
+    let p = candle_nn::ops::softmax_last_dim(&scores)?
+        .to_dtype(q.dtype())?
+        .reshape((1, kv, group * chunk, max_seq))?;
+    p.matmul(v)?
+        .reshape((1, heads, chunk, hd))?
+        .transpose(1, 2)?
+        .reshape((1, chunk, heads * hd))
 }
