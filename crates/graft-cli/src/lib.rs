@@ -16,6 +16,7 @@ pub mod demo;
 mod error;
 pub mod micro;
 mod progress;
+pub mod serve;
 pub mod shapes;
 mod timing;
 mod tokens;
@@ -98,7 +99,8 @@ pub enum BenchWhat {
     Micro(MicroArgs),
     /// Capture every bucket of the decode step up front, largest first: time and memory.
     Capture(ShapesArgs),
-    /// A serving-like trace of batch sizes: a graph budget against none and against eager.
+    /// A serving-like trace of batch sizes: a graph budget against none, against eager, and
+    /// against the best fixed choice of as many buckets.
     Serve(ShapesArgs),
     /// Re-recording by in-place executable update against instantiating a new one.
     Update(ShapesArgs),
@@ -255,7 +257,7 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<(), CliError> {
             Some(BenchWhat::Decoder(args)) => bench::run(&args, out).map(|_| ()),
             Some(BenchWhat::Micro(args)) => micro::report(&args, out),
             Some(BenchWhat::Capture(args)) => shapes::capture(&args, out),
-            Some(BenchWhat::Serve(args)) => shapes::serve(&args, out),
+            Some(BenchWhat::Serve(args)) => serve::serve(&args, out),
             Some(BenchWhat::Update(args)) => shapes::update(&args, out),
             Some(BenchWhat::Inputs(args)) => shapes::inputs(&args, out),
             Some(BenchWhat::Tp(args)) => tp::run(&args, out),

@@ -2,7 +2,7 @@
 //! decoder (the GPU) or the tiny one (the simulator).
 //!
 //! - capture: every bucket recorded up front, largest first: time and graph-pool memory;
-//! - serve: a skewed trace of batch sizes, with a graph budget, without one, and eagerly;
+//! - serve: a skewed trace of batch sizes (`serve.rs`);
 //! - update: a re-recording that updates the executable in place against one that
 //!   instantiates a new one;
 //! - inputs: a 64 MiB read-only input per replay, copied against read in place (patched).
@@ -10,10 +10,8 @@
 use std::io::Write;
 use std::time::{Duration, Instant};
 
-use graft_core::{Buckets, Config, FunctionSpec, Graft, Outcome, PoolStats, Stats};
+use graft_core::{Buckets, Config, FunctionSpec, Graft, Outcome, PoolStats};
 use graft_tensor::{DType, Decoder, DecoderConfig, KvState, Meta, Tensor, ops};
-use rand::rngs::Xoshiro256PlusPlus;
-use rand::{RngExt, SeedableRng};
 
 use crate::demo::make_room;
 use crate::error::CliError;
@@ -22,7 +20,7 @@ use crate::timing::{fmt_us, median_us, timed};
 use crate::tokens::first_tokens;
 use crate::{Backend, CORE, ShapesArgs};
 
-const MIB: f64 = (1 << 20) as f64;
+pub(crate) const MIB: f64 = (1 << 20) as f64;
 
 /// `count` bucket sizes spread evenly from 1 to `max` (32 sizes from 1 to 256 by default).
 pub fn spread(count: usize, max: usize) -> Result<Buckets, CliError> {
@@ -42,14 +40,15 @@ pub fn spread(count: usize, max: usize) -> Result<Buckets, CliError> {
 /// Runs `f` on the device `args` selects, with its decoder configuration.
 macro_rules! on_backend {
     ($args:expr, $out:expr, $f:ident) => {{
-        let backend = Backend::pick($args.sim, $out)?;
+        let backend = $crate::Backend::pick($args.sim, $out)?;
         let (config, name) = backend.config();
         match backend {
-            Backend::Cuda(dev) => $f(dev, config, name, $args, $out),
-            Backend::Sim(dev) => $f(dev, config, name, $args, $out),
+            $crate::Backend::Cuda(dev) => $f(dev, config, name, $args, $out),
+            $crate::Backend::Sim(dev) => $f(dev, config, name, $args, $out),
         }
     }};
 }
+pub(crate) use on_backend;
 
 /// `graft bench capture`.
 pub fn capture(args: &ShapesArgs, out: &mut dyn Write) -> Result<(), CliError> {
@@ -57,16 +56,16 @@ pub fn capture(args: &ShapesArgs, out: &mut dyn Write) -> Result<(), CliError> {
 }
 
 /// Per-bucket states over one shared cache arena, with their first tokens.
-struct Lanes {
-    states: Vec<KvState>,
-    tokens: Vec<Tensor>,
+pub(crate) struct Lanes {
+    pub(crate) states: Vec<KvState>,
+    pub(crate) tokens: Vec<Tensor>,
     sizes: Vec<usize>,
 }
 
 /// A runtime with `cfg`, the decoder registered with `buckets`, and its lanes.
-type Setup<D> = (Graft<D, Meta>, Decoder<D>, graft_core::FunctionId, Lanes);
+pub(crate) type Setup<D> = (Graft<D, Meta>, Decoder<D>, graft_core::FunctionId, Lanes);
 
-fn setup<D: graft_tensor::Backend>(
+pub(crate) fn setup<D: graft_tensor::Backend>(
     device: &D,
     cfg: Config,
     config: DecoderConfig,
@@ -102,12 +101,12 @@ impl Lanes {
         Ok(lanes)
     }
 
-    fn index(&self, bucket: usize) -> usize {
+    pub(crate) fn index(&self, bucket: usize) -> usize {
         self.sizes.partition_point(|&s| s < bucket)
     }
 }
 
-fn header(
+pub(crate) fn header(
     out: &mut dyn Write,
     device: &str,
     name: &str,
@@ -194,121 +193,6 @@ fn capture_on<D: graft_tensor::Backend>(
         g.stats().nodes,
         g.stats().pool.mapped
     )?;
-    Ok(())
-}
-
-/// `graft bench serve`.
-pub fn serve(args: &ShapesArgs, out: &mut dyn Write) -> Result<(), CliError> {
-    on_backend!(args, out, serve_on)
-}
-
-/// A batch size from a skewed distribution over `1..=max`: most steps are small.
-fn skewed(rng: &mut Xoshiro256PlusPlus, max: usize) -> usize {
-    let u: f64 = rng.random();
-    ((u * u * u * max as f64).ceil() as usize).clamp(1, max)
-}
-
-/// One serving run's figures.
-struct ServeRun {
-    times: Vec<Duration>,
-    stats: Option<Stats>,
-    mapped_early: usize,
-}
-
-fn serve_on<D: graft_tensor::Backend>(
-    device: D,
-    config: DecoderConfig,
-    name: &str,
-    args: &ShapesArgs,
-    out: &mut dyn Write,
-) -> Result<(), CliError> {
-    header(out, &device.describe(), name, &config)?;
-    let buckets = Buckets::stepped(args.max);
-    let steps = args.steps;
-    writeln!(
-        out,
-        "trace: {steps} steps, batch sizes 1..={} drawn as ceil(max * u^3) (seed {}), padded to {} buckets (1, 2, 4, then every 8 up to 256, then every 16)",
-        args.max,
-        args.seed,
-        buckets.sizes().len()
-    )?;
-    let mut rng = Xoshiro256PlusPlus::seed_from_u64(args.seed);
-    let trace: Vec<usize> = (0..steps).map(|_| skewed(&mut rng, args.max)).collect();
-    let distinct: std::collections::BTreeSet<usize> =
-        trace.iter().map(|&s| buckets.pick(s).size()).collect();
-    writeln!(out, "the trace uses {} distinct buckets", distinct.len())?;
-    let bar = progress::bar((3 * steps) as u64);
-    let mut runs = Vec::new();
-    for budget in [None, Some(None), Some(Some(args.budget))] {
-        let config_g = Config {
-            max_graphs: budget.flatten(),
-            ..Config::default()
-        };
-        let (mut g, dec, fid, mut lanes) = setup(&device, config_g, config, args.seed, &buckets)?;
-        let mut run = ServeRun {
-            times: Vec::with_capacity(steps),
-            stats: None,
-            mapped_early: 0,
-        };
-        for (n, &size) in trace.iter().enumerate() {
-            let i = lanes.index(buckets.pick(size).size());
-            make_room(&mut lanes.states[i], &device)?;
-            let (state, tokens) = (&mut lanes.states[i], &lanes.tokens[i]);
-            let ((), dt) = timed(&device, || -> Result<(), CliError> {
-                match budget {
-                    None => drop(dec.step_eager(&mut g, state, tokens)?),
-                    Some(_) => drop(dec.step_graft(&mut g, fid, state, tokens)?),
-                }
-                Ok(())
-            })?;
-            run.times.push(dt);
-            if n == steps / 10 {
-                run.mapped_early = g.stats().pool.mapped;
-            }
-            bar.inc(1);
-        }
-        if budget.is_some() {
-            run.stats = Some(g.stats());
-        }
-        runs.push(run);
-    }
-    bar.finish_and_clear();
-    writeln!(
-        out,
-        "\n{:<22} {:>12} {:>12} {:>12} {:>11} {:>10} {:>22}",
-        "mode", "median", "mean", "p99", "recordings", "evictions", "graph pool (10%/end)"
-    )?;
-    let names = [
-        "eager".to_string(),
-        "graft, no budget".to_string(),
-        format!("graft, budget {}", args.budget),
-    ];
-    for (name, run) in names.iter().zip(&runs) {
-        let mut sorted = run.times.clone();
-        sorted.sort();
-        let mean =
-            sorted.iter().map(Duration::as_secs_f64).sum::<f64>() / sorted.len().max(1) as f64;
-        let p99 = sorted[(sorted.len() * 99 / 100).min(sorted.len() - 1)];
-        let (rec, ev, mem) = match &run.stats {
-            Some(s) => (
-                s.recordings.to_string(),
-                s.evictions.to_string(),
-                format!(
-                    "{:.1}/{:.1} MiB",
-                    run.mapped_early as f64 / MIB,
-                    s.pool.mapped as f64 / MIB
-                ),
-            ),
-            None => ("-".into(), "-".into(), "-".into()),
-        };
-        writeln!(
-            out,
-            "{name:<22} {:>12} {:>12} {:>12} {rec:>11} {ev:>10} {mem:>22}",
-            fmt_us(median_us(&sorted)),
-            fmt_us(mean * 1e6),
-            fmt_us(p99.as_secs_f64() * 1e6),
-        )?;
-    }
     Ok(())
 }
 

@@ -192,6 +192,12 @@ fn shapes_benchmarks_run_on_the_simulator() {
     assert!(capture.contains("4 of 4 buckets replay"), "{capture}");
     let serve = run("graft bench serve --sim --steps 60 --max 16 --budget 2");
     assert!(serve.contains("graft, budget 2"), "{serve}");
+    assert!(serve.contains("graft, best fixed 2"), "{serve}");
+    assert!(
+        serve.contains("budget 2 against best fixed 2, mean: "),
+        "{serve}"
+    );
+    assert!(serve.contains("budget 2 ends holding buckets "), "{serve}");
     let update = run("graft bench update --sim --repeats 3");
     assert!(update.contains("0 refusals"), "{update}");
     assert!(update.contains("3 updated in place"), "{update}");

@@ -34,8 +34,10 @@ pub struct FunctionSpec {
     /// The sizes this function is recorded at: every call passes its bucket as `keys[0]`
     /// (see [`Buckets`]).
     pub buckets: Option<Buckets>,
-    /// At most this many recorded graphs of this function; recording one more evicts the
-    /// least recently used (see [`Config::max_graphs`]).
+    /// At most this many recorded graphs of this function. When they are all there, a new
+    /// signature of the function records only if it is used clearly more often than the least
+    /// used of them, which it then evicts; otherwise it runs eagerly (see
+    /// [`Config::max_graphs`]).
     pub max_graphs: Option<usize>,
 }
 
@@ -126,12 +128,22 @@ pub struct Config {
     /// space costs no device memory; physical memory is mapped into it only as needed. It
     /// bounds the pool's live memory: raise it if an allocation reports the range exhausted.
     pub pool_reservation: usize,
-    /// At most this many recorded graphs in the whole tree (default: no limit). Recording one
-    /// more first evicts the least recently used graph not on the current path, with the
-    /// graphs recorded under it: their executables are destroyed and their pool memory
-    /// returns to the pool. Outputs a caller still holds stay readable until graft reuses
-    /// their memory, and are invalidated before it does.
+    /// At most this many recorded graphs in the whole tree (default: no limit). Graft counts
+    /// how often each signature and each graph is used, with counts that age (halved every
+    /// [`Config::budget_window`] calls). When the budget is full, a new signature records
+    /// only if it was used clearly more often (by a quarter, and by at least two calls) than
+    /// the least used graph not on the current path (ties: the least recently used); it
+    /// evicts that graph, with the graphs recorded under it: their executables are destroyed
+    /// and their pool memory returns to the pool. Otherwise the call runs eagerly
+    /// (`EagerReason::NotAdmitted`) and counts toward its signature's admission. Outputs a
+    /// caller still holds stay readable until graft reuses their memory, and are invalidated
+    /// before it does. A re-recording of a graph that is there (a static input moved) is not
+    /// refused: it evicts the least used graph.
     pub max_graphs: Option<usize>,
+    /// Calls of the runtime (replays included) after which the graph budget's use counts are
+    /// halved (default 1024): how far back the budget remembers. A longer window tells close
+    /// frequencies apart more surely; a shorter one follows a changing workload sooner.
+    pub budget_window: u64,
     /// When a static input moved, the re-recording replaces the node recorded with the old
     /// address, updating its executable in place (`cuGraphExecUpdate`; instantiating when
     /// the device refuses), instead of recording a sibling next to it (default off: a
@@ -159,6 +171,7 @@ impl Default for Config {
             decision_log: 64,
             pool_reservation: 256 << 30,
             max_graphs: None,
+            budget_window: 1024,
             replace_moved_static: false,
             patch_inputs_from: Some(64 << 10),
         }

@@ -1,24 +1,31 @@
-//! The graph budget: evicting recorded graphs, least recently used first, and what evicting
-//! a node means for the runtime (held outputs kept as loose memory, pins, counters); the tree
-//! itself unlinks the nodes (`Tree::remove`).
+//! The graph budget: making room for a recording (the least used graph first, if the
+//! recording is admitted: see `admit.rs`), and what evicting a node means for the runtime
+//! (held outputs kept as loose memory, pins, counters); the tree itself unlinks the nodes
+//! (`Tree::remove`).
 
+use crate::admit::{admits, node_uses};
 use crate::device::Device;
 use crate::error::FunctionId;
 use crate::graft::{Graft, lock};
-use crate::reason::{Decision, EvictReason};
+use crate::reason::{Decision, EagerReason, EvictReason};
 use crate::tree::{NodeKey, OutputSlot};
 
 impl<D: Device, M: Clone> Graft<D, M> {
-    /// Before recording a node of `function` under `parent`: evicts the least recently used
-    /// graphs until the function's and the tree's budgets have room for one more. Nodes on
-    /// the path to `parent` are never evicted (the recording continues from them). Returns
-    /// the graph of the first evicted node of `function`, for the recording to update in
-    /// place, or the limit that cannot be met when only path nodes are left.
+    /// Before recording a node of `function` with signature `sig` under `parent`: evicts the
+    /// least used graphs (ties: the least recently used) until the function's and the tree's
+    /// budgets have room for one more. Nodes on the path to `parent` are never evicted (the
+    /// recording continues from them). With `admission` (a new signature at this place), each
+    /// graph is evicted only if the signature is used clearly more often (see
+    /// [`admits`]). Returns the graph of the first evicted node of `function`, for the
+    /// recording to update in place, or why the call runs eagerly instead: only path nodes
+    /// are left, or the signature is not admitted. O(graphs) per evicted graph.
     pub(crate) fn make_room(
         &mut self,
         function: FunctionId,
+        sig: usize,
         parent: Option<NodeKey>,
-    ) -> Result<Option<D::Graph>, usize> {
+        admission: bool,
+    ) -> Result<Option<D::Graph>, EagerReason> {
         let per_function = self.functions[function].spec.max_graphs;
         let overall = self.config.max_graphs;
         if per_function.is_none() && overall.is_none() {
@@ -38,17 +45,27 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 return Ok(reuse);
             };
             // Over the overall budget any graph may go; over the function's only its own.
+            let functions = &self.functions;
             let victim = self
                 .tree
                 .iter()
                 .filter(|(k, n)| {
                     !path.contains(k) && (over_all.is_some() || n.function == function)
                 })
-                .min_by_key(|(_, n)| n.last_used)
-                .map(|(k, _)| k);
-            let Some(k) = victim else {
-                return Err(limit);
+                .map(|(k, n)| (k, node_uses(n, &functions[n.function].sigs[n.sig]), n))
+                .min_by_key(|&(_, uses, n)| (uses, n.last_used))
+                .map(|(k, uses, _)| (k, uses));
+            let Some((k, resident)) = victim else {
+                return Err(EagerReason::GraphBudget { limit });
             };
+            let uses = functions[function].sigs[sig].uses_now();
+            if admission && !admits(uses, resident) {
+                return Err(EagerReason::NotAdmitted {
+                    limit,
+                    uses,
+                    resident,
+                });
+            }
             let same = self.tree[k].function == function;
             let graph = self.evict(k, EvictReason::Budget { limit });
             if same && reuse.is_none() {
@@ -75,11 +92,12 @@ impl<D: Device, M: Clone> Graft<D, M> {
         let count = removed.len();
         let mut graph = None;
         for (k, node) in removed {
-            if matches!(why, EvictReason::Budget { .. }) {
-                let s = &mut self.functions[node.function].sigs[node.sig];
-                s.evictions = s.evictions.saturating_add(1);
-                s.warmups_done = 0;
-            }
+            // The calls the graph served are its signature's again: a signature evicted for
+            // a more used one keeps its count when it competes to come back.
+            let served = node.uses.estimate(node.replays);
+            self.functions[node.function].sigs[node.sig]
+                .uses
+                .add(served);
             self.rerecords.retain(|(p, _), _| *p != Some(k));
             self.eager_pairs.retain(|(p, _), _| *p != Some(k));
             for o in node.outputs {

@@ -8,6 +8,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
+use crate::admit::Ages;
 use crate::bucket::Bucket;
 use crate::buffer::{Buffer, Cell};
 use crate::config::{Config, FunctionSpec, Mode};
@@ -84,6 +85,8 @@ pub struct Graft<D: Device, M: Clone = ()> {
     decisions: VecDeque<DecisionRecord>,
     /// Counts replays and recordings: the nodes' `last_used` stamps.
     pub(crate) clock: u64,
+    /// When the graph budget's use counts were last aged (see `admit.rs`).
+    pub(crate) ages: Ages,
     /// Scratch for input addresses: reused so the fast path never allocates.
     pub(crate) addrs: Vec<DevicePtr>,
     /// This runtime's rank of a tensor-parallel group ([`Graft::join`]): recordings are
@@ -164,6 +167,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
             decisions: VecDeque::new(),
             addrs: Vec::new(),
             clock: 0,
+            ages: Ages::default(),
             member: None,
         }
     }
@@ -447,16 +451,17 @@ impl<D: Device, M: Clone> Graft<D, M> {
         if self.phase == Phase::Idle && !eager_signature {
             self.functions[function].root_level = true;
         }
-        // Every call that does not replay stamps its signature (see `Function::touch`).
+        // Every call that does not replay stamps and counts its signature (a replay is
+        // counted by its node: see `admit.rs`).
         match plan.action {
             Action::Replay(key) if self.config.verify_replays => self.replay_verified(key, frame),
             Action::Replay(key) => self.replay(key, frame),
             Action::Warmup(reason) => {
-                self.functions[function].touch(frame.sig);
+                self.count_off_replay(function, frame.sig);
                 self.warmup(frame, reason)
             }
             Action::Record { parent, reason } => {
-                self.functions[function].touch(frame.sig);
+                self.count_off_replay(function, frame.sig);
                 if let RecordReason::StaticAddressChanged { position, .. } = reason {
                     self.functions[function].moved_static(frame.sig, position);
                 }
@@ -465,11 +470,20 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 }
                 let replaced = self.replaced_by(frame, parent, &reason);
                 let mut reuse = replaced.and_then(|k| self.evict(k, EvictReason::Replaced));
-                match self.make_room(function, parent) {
+                // A new signature here must earn its place; a re-recording of a graph that
+                // is here takes one.
+                let admission = matches!(
+                    reason,
+                    RecordReason::FirstRecording | RecordReason::NewSignature
+                );
+                match self.make_room(function, frame.sig, parent, admission) {
                     Ok(evicted) => reuse = reuse.or(evicted),
-                    Err(limit) => {
-                        let why = EagerReason::GraphBudget { limit };
-                        tracing::debug!(reason = %why, "graph budget full: running eagerly");
+                    Err(why) => {
+                        tracing::debug!(
+                            function = %self.functions[function].name,
+                            reason = %why,
+                            "graph budget full: running eagerly"
+                        );
                         self.log(function, parent, Decision::Eager(why.clone()));
                         return self.run_eager(frame, why);
                     }
@@ -480,7 +494,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 reason,
                 new_fallback,
             } => {
-                self.functions[function].touch(frame.sig);
+                self.count_off_replay(function, frame.sig);
                 if new_fallback {
                     self.fall_back(function, self.phase.tip().map(key_of), reason.clone());
                 }

@@ -6,6 +6,7 @@
 //! `test-support`) what graft's own tests and benches inspect.
 #![forbid(unsafe_code)]
 
+mod admit;
 mod bucket;
 mod buffer;
 mod buffer_error;

@@ -81,7 +81,7 @@ pub(crate) fn plan<G, M>(
     let due = f.root_level;
     let may_start = due && !view.backward_pending;
     let blocked = due && view.backward_pending;
-    let needed = s.warmups_needed(f.spec.warmups.unwrap_or(view.config.warmups));
+    let needed = f.spec.warmups.unwrap_or(view.config.warmups);
     let warmed = s.warmups_done >= needed;
     let (mut new_generation, mut tip) = match view.phase {
         Phase::Warmup if may_start => (true, None),
@@ -231,6 +231,7 @@ mod tests {
                     outputs: Vec::new(),
                     footprint: Box::new([]),
                     replays: 0,
+                    uses: Default::default(),
                     last_used: 0,
                     retired: None,
                     recorded_generation: 1,

@@ -204,6 +204,17 @@ pub enum EagerReason {
         /// The limit that is full.
         limit: usize,
     },
+    /// The graph budget is full and this new signature was not used clearly more often than
+    /// the least used graph it could evict (see [`crate::Config::max_graphs`]). Not
+    /// permanent: each such call counts, and the signature records once it is used more.
+    NotAdmitted {
+        /// The limit that is full.
+        limit: usize,
+        /// The signature's recent calls (aged).
+        uses: u64,
+        /// The recent uses (aged) of the least used graph it could evict.
+        resident: u64,
+    },
     /// This (parent, function) pair re-recorded more often than the limit allows.
     RerecordLimit {
         /// The limit in force.
@@ -242,6 +253,14 @@ impl fmt::Display for EagerReason {
                 f,
                 "the graph budget ({limit}) is full and every recorded graph is on the current path; raise Config::max_graphs or FunctionSpec::max_graphs"
             ),
+            EagerReason::NotAdmitted {
+                limit,
+                uses,
+                resident,
+            } => write!(
+                f,
+                "the graph budget ({limit}) is full of graphs used more often: this signature had {uses} recent calls, the least used graph {resident}; it runs eagerly until it is used clearly more often; raise Config::max_graphs or FunctionSpec::max_graphs to graph it too"
+            ),
             EagerReason::RerecordLimit { limit, last } => write!(
                 f,
                 "re-record limit reached ({limit}): {last}; make the input static with a stable address, or drop outputs consistently"
@@ -253,7 +272,8 @@ impl fmt::Display for EagerReason {
 /// Why recorded graphs were evicted.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum EvictReason {
-    /// The graph budget was full; this was the least recently used graph off the current path.
+    /// The graph budget was full; this was the least used graph off the current path (of
+    /// those used least, the least recently used), evicted for a recording.
     Budget {
         /// The limit that was full (per function or overall).
         limit: usize,
@@ -274,7 +294,7 @@ impl fmt::Display for EvictReason {
         match self {
             EvictReason::Budget { limit } => write!(
                 f,
-                "graph budget of {limit} full, least recently used first; raise the budget if this repeats"
+                "graph budget of {limit} full, least used first; raise the budget if this repeats"
             ),
             EvictReason::Replaced => f.write_str("replaced by its re-recording"),
             EvictReason::InputMutated { position } => write!(

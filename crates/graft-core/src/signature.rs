@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 use foldhash::fast::FixedState;
 
+use crate::admit::Uses;
 use crate::bucket::Bucket;
 use crate::buffer::Buffer;
 use crate::churn::{Churn, Last, Shape, Watch};
@@ -24,13 +25,16 @@ pub(crate) struct Signature {
     pub(crate) eager: Option<EagerReason>,
     /// Copied inputs the body was found to write: recordings copy them back to the caller.
     pub(crate) mutated: Vec<usize>,
-    /// Times the graph budget evicted this signature's recordings: each doubles the eager
-    /// calls it needs before it records again (see [`Signature::warmups_needed`]).
-    pub(crate) evictions: u32,
     /// A node of this signature was attached to the tree once: it is never recycled.
     pub(crate) recorded: bool,
     /// When a call last used it, by [`Function::touch`]: orders recycling.
     used: u64,
+    /// Calls that did not replay (warmups, recordings, eager runs), by [`Function::touch`]:
+    /// the raw count of [`Signature::uses`].
+    calls: u64,
+    /// How often it was called recently without replaying, aged, plus the calls of its
+    /// evicted graphs: what the graph budget admits a new graph by (see `admit.rs`).
+    pub(crate) uses: Uses,
 }
 
 impl Signature {
@@ -42,14 +46,15 @@ impl Signature {
             warmups_done: 0,
             eager,
             mutated: Vec::new(),
-            evictions: 0,
             recorded: false,
             used: 0,
+            calls: 0,
+            uses: Uses::default(),
         }
     }
 
     /// Whether its slot may take another signature: it never recorded (so no node refers to
-    /// it, and it learned nothing: written inputs and evictions are learned by recording),
+    /// it, and it learned nothing: written inputs are learned by recording),
     /// and it is eager, if at all, only by the rules [`Function::add`] derives from the spec.
     /// A capture failure is learned, and kept.
     fn recyclable(&self) -> bool {
@@ -64,14 +69,14 @@ impl Signature {
             })
     }
 
-    /// Warmups before the signature records: the configured count, and after evictions by
-    /// the graph budget `max(count, 1) * 2^evictions` (at most 64 times): a signature the
-    /// budget keeps evicting runs eagerly more often instead of evicting others in turn.
-    pub(crate) fn warmups_needed(&self, configured: u32) -> u32 {
-        match self.evictions {
-            0 => configured,
-            n => configured.max(1) << n.min(6),
-        }
+    /// How often it was called recently without replaying (aged; see [`Uses`]).
+    pub(crate) fn uses_now(&self) -> u64 {
+        self.uses.estimate(self.calls)
+    }
+
+    /// Ages [`Signature::uses`] by `windows` windows.
+    pub(crate) fn age(&mut self, windows: u64) {
+        self.uses.age(self.calls, windows);
     }
 
     /// Whether `inputs` and `keys` are this signature's.
@@ -149,11 +154,14 @@ impl Function {
         self.watch.churn()
     }
 
-    /// Stamps `sig` as used by a call that does not replay. A signature that never recorded
-    /// never replays, so its stamps order exactly the signatures that may be recycled.
+    /// Stamps `sig` as used by a call that does not replay, and counts the call. A signature
+    /// that never recorded never replays, so its stamps order exactly the signatures that may
+    /// be recycled.
     pub(crate) fn touch(&mut self, sig: usize) {
         self.tick += 1;
-        self.sigs[sig].used = self.tick;
+        let s = &mut self.sigs[sig];
+        s.used = self.tick;
+        s.calls += 1;
     }
 
     /// This call of `sig` re-records because the static input at `position` moved: the watch

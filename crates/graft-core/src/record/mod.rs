@@ -205,6 +205,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
             outputs,
             footprint: tree::merge_ranges(footprint),
             replays: 0,
+            uses: Default::default(),
             last_used: self.clock,
             retired: None,
             recorded_generation: self.generation,

@@ -117,6 +117,11 @@ impl<G, M> Tree<G, M> {
         self.nodes.values().map(|e| &e.node)
     }
 
+    /// Every node's own state (never its place), in arena order.
+    pub(crate) fn values_mut(&mut self) -> impl Iterator<Item = &mut Node<G, M>> {
+        self.nodes.values_mut().map(|e| &mut e.node)
+    }
+
     /// A node's parent (none at the roots).
     pub(crate) fn parent(&self, key: NodeKey) -> Option<NodeKey> {
         self.nodes[key].parent
@@ -258,6 +263,7 @@ mod tests {
             outputs: Vec::new(),
             footprint: Box::new([(0x1000, 0x2000)]),
             replays: 0,
+            uses: Default::default(),
             last_used: 0,
             retired: None,
             recorded_generation: 1,

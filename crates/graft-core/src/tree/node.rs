@@ -112,9 +112,14 @@ pub(crate) struct Node<G, M> {
     pub(crate) outputs: Vec<NodeOutput<M>>,
     /// Sorted, disjoint `[start, end)` ranges this node's graph writes.
     pub(crate) footprint: Box<[(u64, u64)]>,
+    /// Replays: the raw count of [`Node::uses`], the only thing the replay path counts for
+    /// the graph budget.
     pub(crate) replays: u64,
-    /// When the node last replayed or was recorded ([`crate::Graft`]'s clock): the graph
-    /// budget evicts the smallest first.
+    /// How often it replayed recently, aged (see `admit.rs`): of the graphs the budget may
+    /// evict, the least used goes first.
+    pub(crate) uses: crate::admit::Uses,
+    /// When the node last replayed or was recorded ([`crate::Graft`]'s clock): of the least
+    /// used graphs, the budget evicts the least recently used first.
     pub(crate) last_used: u64,
     /// Set when the recording found that the body writes the copied input at this position
     /// and the graph does not copy it back: the node never replays.
