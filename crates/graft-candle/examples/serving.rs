@@ -31,7 +31,11 @@ pub(crate) fn main() -> Result<(), Box<dyn std::error::Error>> {
     engine.capture()?; // every bucket recorded before the first request
     for id in 0..3u64 {
         let prompt = (1..=20 * (id as u32 + 1)).collect(); // 20, 40 and 60 tokens
-        engine.submit(Request { id, prompt, max_new: 8 })?;
+        engine.submit(Request {
+            id,
+            prompt,
+            max_new: 8,
+        })?;
     }
     let mut tokens = vec![Vec::new(); 3];
     while engine.pending() > 0 {

@@ -20,10 +20,10 @@ mod ports_gpu;
 mod random;
 #[path = "support/serve.rs"]
 mod serve;
-#[path = "../examples/serving.rs"]
-mod serving_example;
 #[path = "gpu/serve.rs"]
 mod serve_gpu;
+#[path = "../examples/serving.rs"]
+mod serving_example;
 #[path = "support/training.rs"]
 mod training;
 #[path = "../examples/training.rs"]

@@ -194,7 +194,9 @@ fn run() -> Result<()> {
         &modes.map(|(n, r)| (n, token_times(r))),
     )?;
     println!("wrote {}", o.out.join("serve.json").display());
-    if alone_equal != checked || same_as_eager != trace.len() && dtype == DType::F32 {
+    // In f32 the padded, graphed steps must give eager's tokens; in bf16 the padding changes
+    // cuBLAS's summation order, and the counts above say how many agree.
+    if dtype == DType::F32 && (alone_equal != checked || same_as_eager != trace.len()) {
         return Err("tokens differ from eager (see above)".into());
     }
     Ok(())

@@ -257,11 +257,12 @@ impl KvCache {
         if from == to {
             return Ok(());
         }
-        for t in self.k.iter().chain(&self.v) {
-            t.slice_set(&t.narrow(0, from, 1)?.copy()?, 0, to)?;
+        // `index_select` copies the one row (`Tensor::copy` of a view would clone the whole
+        // cache's storage).
+        let row = Tensor::new(&[from as u32], self.positions.device())?;
+        for t in self.k.iter().chain(&self.v).chain([&self.positions]) {
+            t.slice_set(&t.index_select(&row, 0)?, 0, to)?;
         }
-        self.positions
-            .slice_set(&self.positions.narrow(0, from, 1)?.copy()?, 0, to)?;
         host[to] = host[from];
         Ok(())
     }

@@ -4,6 +4,11 @@
 //! bucket, and under graft every prefill bucket and every decode bucket is one recorded path
 //! of the same tree.
 //!
+//! Every call starts a step of graft's tree (`mark_step_begin`): a prefill chunk and a decode
+//! step are each a root path of the tree, so each bucket records once. Without it a call
+//! would record as the child of whichever call ran before it in the same step, one graph per
+//! pair of buckets. Nothing is invalidated by it: every output is the caller's own tensor.
+//!
 //! The running sequences live in cache rows `0..n`, in the order of [`Engine`]'s list; when
 //! one finishes, the last moves into its row (a device copy of its keys and values). The
 //! request being prefilled lives in row `n` (or above, after finishes) and joins the batch
@@ -242,6 +247,7 @@ impl<'m> Engine<'m> {
             let tokens = Tensor::zeros(bucket, DType::U32, &device).map_err(model)?;
             calls += until_recorded(|| {
                 self.cache.reset().map_err(model)?;
+                graft.mark_step_begin();
                 self.model
                     .prefill(graft, *prefill, &self.cache, 0, &tokens, bucket)
             })?;
@@ -250,6 +256,7 @@ impl<'m> Engine<'m> {
             let tokens = Tensor::zeros(bucket, DType::U32, &device).map_err(model)?;
             calls += until_recorded(|| {
                 self.cache.reset().map_err(model)?;
+                graft.mark_step_begin();
                 self.model.decode(graft, *decode, &self.cache, &tokens)
             })?;
         }
@@ -314,10 +321,12 @@ impl<'m> Engine<'m> {
             Tensor::new(padded.as_slice(), self.model.device()).map_err(|e| fail(model(e)))?;
         let next = match &mut self.runner {
             Runner::Eager => self.model.greedy(&self.cache, &tokens).map_err(model),
-            Runner::Graft { graft, decode, .. } => self
-                .model
-                .decode(graft, *decode, &self.cache, &tokens)
-                .map(|mut s| s.outputs.remove(0)),
+            Runner::Graft { graft, decode, .. } => {
+                graft.mark_step_begin();
+                self.model
+                    .decode(graft, *decode, &self.cache, &tokens)
+                    .map(|mut s| s.outputs.remove(0))
+            }
         }
         .map_err(fail)?;
         let next = next.to_vec1::<u32>().map_err(|e| fail(model(e)))?;
@@ -371,10 +380,12 @@ impl<'m> Engine<'m> {
                 .model
                 .prefill_forward(&self.cache, p.row, &tokens, len)
                 .map_err(model),
-            Runner::Graft { graft, prefill, .. } => self
-                .model
-                .prefill(graft, *prefill, &self.cache, p.row, &tokens, len)
-                .map(|mut s| s.outputs.remove(0)),
+            Runner::Graft { graft, prefill, .. } => {
+                graft.mark_step_begin();
+                self.model
+                    .prefill(graft, *prefill, &self.cache, p.row, &tokens, len)
+                    .map(|mut s| s.outputs.remove(0))
+            }
         }
         .map_err(fail)?;
         let first = next.to_vec1::<u32>().map_err(|e| fail(model(e)))?[0];

@@ -25,7 +25,7 @@ fn a_graphed_continuous_batch_gives_every_request_its_tokens_alone() -> TestResu
             // 3 prefill and 3 decode buckets, each recorded once by `capture`.
             assert_eq!(stats.recordings, 6, "{stats:?}");
             assert_eq!(stats.eager_runs, 0, "{stats:?}");
-            assert!(stats.replays > 60, "{stats:?}");
+            assert!(stats.replays >= 30, "{stats:?}");
             Ok(())
         })?;
     }
