@@ -5,8 +5,8 @@ use rand::rngs::Xoshiro256PlusPlus;
 use rand::{RngExt, SeedableRng};
 
 /// `n` requests arriving at `rate` per second on average (exponential gaps), prompts of 16
-/// to 768 tokens and outputs of 16 to 256, both log-uniform, each fitting `max_seq`: (arrival
-/// in seconds, request).
+/// to 768 tokens capped at half of `max_seq`, and outputs of 16 to 256 capped to fit it, both
+/// log-uniform: (arrival in seconds, request).
 pub(crate) fn poisson(
     seed: u64,
     n: usize,
