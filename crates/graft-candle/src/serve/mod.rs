@@ -210,20 +210,6 @@ impl<'m> Engine<'m> {
         }
     }
 
-    /// Replaces the cache (the engine must be idle). Under graft the next call of each
-    /// bucket records again against the new cache (updating its graph in place with
-    /// `Config::replace_moved_static`).
-    pub fn replace_cache(&mut self, cache: KvCache) -> Result<KvCache, Error> {
-        if self.pending() > 0 {
-            return Err(model(candle_core::Error::Msg(
-                "the kv cache was replaced while requests are pending: drain the engine first"
-                    .into(),
-            )));
-        }
-        check_fits(&cache, &self.config)?;
-        Ok(std::mem::replace(&mut self.cache, cache))
-    }
-
     /// Under graft, records every prefill and decode bucket now (with dummy tokens, from
     /// position 0), so that no request waits for a recording; then starts every sequence
     /// of the cache over. Returns the calls made. The engine must be idle.
