@@ -12,6 +12,7 @@ mod buffer;
 mod buffer_error;
 mod buffer_io;
 mod churn;
+mod conditional;
 mod config;
 mod coordinator;
 mod ctx;
@@ -48,13 +49,14 @@ pub use bucket::{Bucket, Buckets, BucketsError};
 pub use buffer::Buffer;
 pub use buffer_error::BufferError;
 pub use churn::Churn;
+pub use conditional::Branch;
 pub use config::{AllowEntry, Config, FunctionSpec, Mode};
 pub use coordinator::{Coordinator, StartError, StepError};
 pub use ctx::{Ctx, RunKind};
 pub use destinations::Destinations;
 pub use device::{
-    CaptureMode, CaptureViolation, Device, DeviceError, DeviceId, DeviceOp, DevicePtr,
-    GraphSummary, UpdateRefusal,
+    CaptureMode, CaptureViolation, Conditional, ConditionalRule, Device, DeviceError, DeviceId,
+    DeviceOp, DevicePtr, GraphSummary, UpdateRefusal,
 };
 pub use diag::{InputKind, MemoryReport, NodeInfo};
 pub use error::{AnyError, BodyError, CallError, FunctionId, MemoryError, VerifyTarget};

@@ -185,6 +185,14 @@ pub enum EagerReason {
         /// The device's error.
         error: DeviceError,
     },
+    /// The body opened a conditional node (a device-side loop or branch) that the device
+    /// cannot record: it has no conditional nodes (`DeviceError::Unavailable`), or the body
+    /// holds what a conditional body cannot (`DeviceError::Conditional`). The call runs
+    /// eagerly, its loops and branches decided on the host.
+    ConditionalRefused {
+        /// The device's error.
+        error: DeviceError,
+    },
     /// Another rank of the group could not capture this call (it falls back for one of the
     /// reasons above), so every rank runs it eagerly from now on.
     PeerCaptureFailed {
@@ -215,6 +223,14 @@ pub enum EagerReason {
         /// The recent uses (aged) of the least used graph it could evict.
         resident: u64,
     },
+    /// The recorded graph launches kernels of a random-number library whose state lives on
+    /// the host (see [`crate::GraphSummary::host_random`]): a replay would repeat or skip its
+    /// numbers. The recording's one launch drew as an eager call does; every later call runs
+    /// eagerly, so the numbers never depend on how a step ran.
+    HostRandom {
+        /// How many such kernels the graph held.
+        kernels: usize,
+    },
     /// This (parent, function) pair re-recorded more often than the limit allows.
     RerecordLimit {
         /// The limit in force.
@@ -241,6 +257,10 @@ impl fmt::Display for EagerReason {
                 "capture could not begin: {error}; a call made inside another runtime's recording runs eagerly and is recorded as part of that graph"
             ),
             EagerReason::InstantiateFailed { error } => write!(f, "graph instantiation failed: {error}"),
+            EagerReason::ConditionalRefused { error } => write!(
+                f,
+                "a device-side loop or branch cannot be recorded ({error}); it runs on the host, one step at a time"
+            ),
             EagerReason::PeerCaptureFailed { rank } => write!(
                 f,
                 "rank {rank} of the group could not capture this call (see its log), so every rank runs it eagerly"
@@ -260,6 +280,10 @@ impl fmt::Display for EagerReason {
             } => write!(
                 f,
                 "the graph budget ({limit}) is full of graphs used more often: this signature had {uses} recent calls, the least used graph {resident}; it runs eagerly until it is used clearly more often; raise Config::max_graphs or FunctionSpec::max_graphs to graph it too"
+            ),
+            EagerReason::HostRandom { kernels } => write!(
+                f,
+                "the graph launches {kernels} kernels of a random generator whose state is on the host (cuRAND, candle's rand and randn), which a replay cannot advance; draw from a generator whose seed and offset are on the device (graft_candle::random::DeviceRng) to graph it"
             ),
             EagerReason::RerecordLimit { limit, last } => write!(
                 f,
@@ -287,6 +311,9 @@ pub enum EvictReason {
         /// The input position.
         position: usize,
     },
+    /// Its graph draws from a host-side random generator ([`EagerReason::HostRandom`]): it
+    /// never replays, so it is freed after its first launch.
+    HostRandom,
 }
 
 impl fmt::Display for EvictReason {
@@ -301,6 +328,9 @@ impl fmt::Display for EvictReason {
                 f,
                 "the body writes input {position}: the recording never replays; the next one copies the input back"
             ),
+            EvictReason::HostRandom => {
+                f.write_str("the graph draws from a host-side random generator: it never replays")
+            }
         }
     }
 }

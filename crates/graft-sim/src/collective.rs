@@ -163,6 +163,9 @@ impl SimComm {
             what: "the element count overflows",
         })?;
         let at: DevicePtr = self.queue.buffer_addr(buffer, 0, bytes)?;
+        // NCCL's graph nodes include event nodes, which conditional bodies cannot hold.
+        self.queue
+            .refuse_in_conditional(OP, graft_core::ConditionalRule::Collective)?;
         let (rank, shared) = (self.rank, self.shared.clone());
         self.queue.launch_kernel("all_reduce_sum_f32", move |m| {
             let part = m.f32s(at, n)?;

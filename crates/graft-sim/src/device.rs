@@ -7,8 +7,8 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use graft_core::backend::{CopyEnds, CoreOnly, StickyError};
 use graft_core::{
-    Buffer, CaptureMode, CaptureViolation, Device, DeviceError, DeviceId, DeviceOp, DevicePtr,
-    GraphSummary, UpdateRefusal,
+    Buffer, CaptureMode, CaptureViolation, Conditional, ConditionalRule, Device, DeviceError,
+    DeviceId, DeviceOp, DevicePtr, GraphSummary, UpdateRefusal,
 };
 
 use crate::graph::{self, Op, SimGraph, Tally};
@@ -62,14 +62,31 @@ enum Capture {
     Idle,
     Recording {
         mode: CaptureMode,
+        /// Where work is recorded now: the graph's top level, or the body of the innermost
+        /// open conditional.
         ops: Vec<Op>,
         /// Work was forked onto the side stream and never joined back.
         unjoined: bool,
+        /// Open conditional nodes, innermost last.
+        open: Vec<OpenConditional>,
     },
     Invalidated {
         mode: CaptureMode,
     },
 }
+
+/// A conditional node being recorded: the work before it, and its bodies so far.
+struct OpenConditional {
+    kind: Conditional,
+    selector: DevicePtr,
+    /// The bodies already ended.
+    done: Vec<Arc<[Op]>>,
+    /// What was recorded before the node, at the level it belongs to.
+    before: Vec<Op>,
+}
+
+/// What a conditional call finds when no capture, or no conditional, is open.
+const NO_CONDITIONAL: &str = "no conditional node is open";
 
 /// Everything behind the device lock.
 struct State {
@@ -97,6 +114,8 @@ pub(crate) struct Faults {
     map_countdown: AtomicU64,
     instantiate: AtomicBool,
     launch: AtomicBool,
+    /// Conditional nodes are refused, as by a driver older than CUDA 12.4.
+    no_conditionals: AtomicBool,
     pub(crate) fail_next_graph_destroy: AtomicBool,
 }
 
@@ -262,6 +281,16 @@ impl SimDevice {
             .store(n.saturating_add(1), Ordering::Relaxed);
     }
 
+    /// From now on, refuses conditional nodes as a driver older than CUDA 12.4 would
+    /// ([`Device::supports_conditionals`] is false; opening one is `DeviceError::Unavailable`).
+    pub fn disable_conditionals(&self) {
+        self.queue
+            .inner
+            .faults
+            .no_conditionals
+            .store(true, Ordering::Relaxed);
+    }
+
     /// Makes the next [`Device::end_capture`] that gets as far as instantiating fail with
     /// `Injected { op: Instantiate }`; the capture is over after it and its graph discarded.
     /// Fires once.
@@ -364,6 +393,23 @@ impl SimQueue {
         self.run_kernel_now(&mut st, f)
     }
 
+    /// Refuses `op` inside a conditional body with `rule` (invalidating the capture), as
+    /// CUDA's instantiation would; anywhere else it is allowed.
+    pub(crate) fn refuse_in_conditional(
+        &self,
+        op: DeviceOp,
+        rule: ConditionalRule,
+    ) -> Result<(), DeviceError> {
+        let mut st = self.lock(op)?;
+        if let Capture::Recording { open, mode, .. } = &st.capture
+            && !open.is_empty()
+        {
+            st.capture = Capture::Invalidated { mode: *mode };
+            return Err(DeviceError::Conditional { op, rule });
+        }
+        Ok(())
+    }
+
     fn run_kernel_now<F>(&self, st: &mut State, f: F) -> Result<(), DeviceError>
     where
         F: Fn(&mut SimMemory) -> Result<(), DeviceError>,
@@ -392,6 +438,14 @@ impl SimQueue {
         let mut st = self.lock(DeviceOp::OtherStream)?;
         match &mut st.capture {
             Capture::Idle => {}
+            Capture::Recording { open, mode, .. } if !open.is_empty() => {
+                let mode = *mode;
+                st.capture = Capture::Invalidated { mode };
+                return Err(DeviceError::Conditional {
+                    op: DeviceOp::OtherStream,
+                    rule: ConditionalRule::Event,
+                });
+            }
             Capture::Recording { unjoined, .. } => {
                 *unjoined = true;
                 return Ok(());
@@ -642,6 +696,7 @@ impl Device for SimDevice {
                     mode,
                     ops: Vec::new(),
                     unjoined: false,
+                    open: Vec::new(),
                 };
                 return Ok(());
             }
@@ -669,6 +724,12 @@ impl Device for SimDevice {
                 return Err(DeviceError::Capture {
                     op: DeviceOp::EndCapture,
                     violation: CaptureViolation::Unjoined,
+                });
+            }
+            Capture::Recording { open, .. } if !open.is_empty() => {
+                return Err(DeviceError::CaptureState {
+                    op: DeviceOp::EndCapture,
+                    state: "a conditional node is still open",
                 });
             }
             Capture::Recording { ops, .. } => ops,
@@ -721,6 +782,110 @@ impl Device for SimDevice {
                 *graph = new;
                 Ok(Some(refusal))
             }
+        }
+    }
+
+    fn supports_conditionals(&self) -> bool {
+        !self
+            .queue
+            .inner
+            .faults
+            .no_conditionals
+            .load(Ordering::Relaxed)
+    }
+
+    fn begin_conditional(
+        &self,
+        _: &CoreOnly,
+        kind: Conditional,
+        selector: DevicePtr,
+    ) -> Result<(), DeviceError> {
+        let op = DeviceOp::Conditional;
+        if !self.supports_conditionals() {
+            return Err(DeviceError::Unavailable {
+                op,
+                what: "this simulated driver has no conditional graph nodes (as before CUDA 12.4); loop on the host instead",
+            });
+        }
+        let mut st = self.lock(op)?;
+        match &mut st.capture {
+            Capture::Recording { ops, open, .. } => {
+                open.push(OpenConditional {
+                    kind,
+                    selector,
+                    done: Vec::new(),
+                    before: std::mem::take(ops),
+                });
+                Ok(())
+            }
+            Capture::Invalidated { .. } => Err(invalidated(op)),
+            Capture::Idle => Err(DeviceError::CaptureState {
+                op,
+                state: NO_CAPTURE,
+            }),
+        }
+    }
+
+    fn next_branch(&self, _: &CoreOnly) -> Result<(), DeviceError> {
+        let op = DeviceOp::Conditional;
+        let mut st = self.lock(op)?;
+        match &mut st.capture {
+            Capture::Recording { ops, open, .. } => {
+                let Some(node) = open.last_mut() else {
+                    return Err(DeviceError::CaptureState {
+                        op,
+                        state: NO_CONDITIONAL,
+                    });
+                };
+                if node.done.len() + 1 >= node.kind.branches() {
+                    return Err(DeviceError::InvalidArgument {
+                        op,
+                        what: "the conditional node has no further body",
+                    });
+                }
+                node.done.push(std::mem::take(ops).into());
+                Ok(())
+            }
+            Capture::Invalidated { .. } => Err(invalidated(op)),
+            Capture::Idle => Err(DeviceError::CaptureState {
+                op,
+                state: NO_CAPTURE,
+            }),
+        }
+    }
+
+    fn end_conditional(&self, _: &CoreOnly) -> Result<(), DeviceError> {
+        let op = DeviceOp::Conditional;
+        let mut st = self.lock(op)?;
+        match &mut st.capture {
+            Capture::Recording { ops, open, .. } => {
+                let Some(mut node) = open.pop() else {
+                    return Err(DeviceError::CaptureState {
+                        op,
+                        state: NO_CONDITIONAL,
+                    });
+                };
+                node.done.push(std::mem::take(ops).into());
+                if node.done.len() != node.kind.branches() {
+                    open.push(node);
+                    return Err(DeviceError::InvalidArgument {
+                        op,
+                        what: "the conditional node was closed before its last body",
+                    });
+                }
+                *ops = node.before;
+                ops.push(Op::Conditional {
+                    kind: node.kind,
+                    selector: node.selector,
+                    bodies: node.done.into(),
+                });
+                Ok(())
+            }
+            Capture::Invalidated { .. } => Err(invalidated(op)),
+            Capture::Idle => Err(DeviceError::CaptureState {
+                op,
+                state: NO_CAPTURE,
+            }),
         }
     }
 

@@ -5,7 +5,9 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use graft_core::backend::CopyEnds;
-use graft_core::{DeviceError, DeviceId, DeviceOp, DevicePtr, GraphSummary, UpdateRefusal};
+use graft_core::{
+    Conditional, DeviceError, DeviceId, DeviceOp, DevicePtr, GraphSummary, UpdateRefusal,
+};
 
 use crate::device::Inner;
 use crate::memory::SimMemory;
@@ -29,6 +31,21 @@ pub(crate) enum Op {
     },
     /// A graph launched into the capture (a child graph node in CUDA).
     Child(Arc<[Op]>),
+    /// A conditional node: its bodies, run by the `u32` at `selector` when the node runs.
+    Conditional {
+        kind: Conditional,
+        selector: DevicePtr,
+        bodies: Arc<[Arc<[Op]>]>,
+    },
+}
+
+/// The most iterations a simulated loop runs before it is reported: a GPU would run for ever.
+pub(crate) const MAX_ITERATIONS: u64 = 1 << 24;
+
+/// Whether a kernel belongs to a random-number library whose state lives on the host: cuRAND
+/// names its kernels after its generator states, and the simulator models that by name.
+pub(crate) fn is_host_random(name: &str) -> bool {
+    name.to_ascii_lowercase().contains("curand")
 }
 
 impl fmt::Debug for Op {
@@ -37,6 +54,11 @@ impl fmt::Debug for Op {
             Op::Kernel { name, .. } => write!(f, "kernel {name}"),
             Op::Copy { dst, src, len } => write!(f, "copy {len} bytes {src} -> {dst}"),
             Op::Child(ops) => f.debug_list().entries(ops.iter()).finish(),
+            Op::Conditional {
+                kind,
+                selector,
+                bodies,
+            } => write!(f, "{kind} on {selector} {bodies:?}"),
         }
     }
 }
@@ -68,6 +90,31 @@ pub(crate) fn run_ops(
                 mem.copy_as(DeviceOp::Copy, *dst, *src, *len)?;
             }
             Op::Child(ops) => run_ops(mem, ops, &[], tally)?,
+            Op::Conditional {
+                kind,
+                selector,
+                bodies,
+            } => {
+                let mut iterations = 0u64;
+                loop {
+                    let mut value = [0u32];
+                    mem.read_u32(*selector, &mut value)?;
+                    let Some(i) = kind.branch(value[0]) else {
+                        break;
+                    };
+                    run_ops(mem, &bodies[i], &[], tally)?;
+                    iterations += 1;
+                    if *kind != Conditional::While {
+                        break;
+                    }
+                    if iterations == MAX_ITERATIONS {
+                        return Err(DeviceError::InvalidArgument {
+                            op: DeviceOp::GraphLaunch,
+                            what: "a device-side loop ran 2^24 iterations: its body never clears its flag",
+                        });
+                    }
+                }
+            }
         }
     }
     Ok(())
@@ -88,6 +135,8 @@ pub(crate) fn update_refusal(old: &[Op], new: &[Op]) -> Option<UpdateRefusal> {
             (a != b).then_some(UpdateRefusal::ParametersChanged)
         }
         (Op::Child(a), Op::Child(b)) => update_refusal(a, b),
+        // As graft-cuda: a graph with conditional nodes is instantiated again, not updated.
+        (Op::Conditional { .. }, Op::Conditional { .. }) => Some(UpdateRefusal::NotSupported),
         _ => Some(UpdateRefusal::NodeTypeChanged),
     })
 }
@@ -99,9 +148,32 @@ pub(crate) fn summarize(ops: &[Op]) -> GraphSummary {
             Op::Kernel { .. } => s.kernels += 1,
             Op::Copy { .. } => s.copies += 1,
             Op::Child(_) => s.other += 1,
+            Op::Conditional { .. } => s.conditionals += 1,
         }
     }
+    s.host_random = walk_kernels(ops)
+        .into_iter()
+        .filter(|name| is_host_random(name))
+        .count();
     s
+}
+
+/// The names of the kernels `ops` launch, in order, child graphs and conditional bodies
+/// flattened.
+fn walk_kernels(ops: &[Op]) -> Vec<&'static str> {
+    fn walk(ops: &[Op], out: &mut Vec<&'static str>) {
+        for op in ops {
+            match op {
+                Op::Kernel { name, .. } => out.push(name),
+                Op::Copy { .. } => {}
+                Op::Child(ops) => walk(ops, out),
+                Op::Conditional { bodies, .. } => bodies.iter().for_each(|b| walk(b, out)),
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk(ops, &mut out);
+    out
 }
 
 /// An instantiated graph of a [`crate::SimDevice`]: the operations recorded by one capture, replayed
@@ -167,20 +239,10 @@ impl SimGraph {
         self.owner.id
     }
 
-    /// The names of the kernels it launches, in launch order (child graphs flattened).
+    /// The names of the kernels it launches, in launch order (child graphs and conditional
+    /// bodies flattened, each body once).
     pub fn kernel_names(&self) -> Vec<&'static str> {
-        fn walk(ops: &[Op], out: &mut Vec<&'static str>) {
-            for op in ops {
-                match op {
-                    Op::Kernel { name, .. } => out.push(name),
-                    Op::Copy { .. } => {}
-                    Op::Child(ops) => walk(ops, out),
-                }
-            }
-        }
-        let mut out = Vec::new();
-        walk(&self.ops, &mut out);
-        out
+        walk_kernels(&self.ops)
     }
 }
 

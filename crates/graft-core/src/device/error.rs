@@ -56,6 +56,8 @@ pub enum DeviceOp {
     ModuleLoad,
     /// A collective among the devices of a group (an all-reduce), or making its communicator.
     Collective,
+    /// Opening, switching or closing a conditional node (a device-side loop or branch).
+    Conditional,
 }
 
 impl DeviceOp {
@@ -85,6 +87,7 @@ impl DeviceOp {
             DeviceOp::GraphDestroy => "graph destroy",
             DeviceOp::ModuleLoad => "module load",
             DeviceOp::Collective => "collective",
+            DeviceOp::Conditional => "conditional node",
         }
     }
 }
@@ -156,6 +159,48 @@ impl fmt::Display for CaptureViolation {
             CaptureViolation::WrongThread => "capture ended on another thread",
         };
         f.write_str(s)
+    }
+}
+
+/// What a conditional node's body may not hold (CUDA refuses these in a conditional body at
+/// instantiation; graft refuses them when the body enqueues them, or when the body ends).
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Hash)]
+pub enum ConditionalRule {
+    /// A stream-ordered allocation the body does not free before it ends (a memory node that
+    /// would outlive an iteration).
+    Allocation,
+    /// An event record or wait node, or work forked to another stream.
+    Event,
+    /// A collective (NCCL records event nodes of its own, which conditional bodies refuse).
+    Collective,
+    /// Another kind of node a conditional body cannot hold (a host callback, a semaphore, ...).
+    Node,
+}
+
+impl ConditionalRule {
+    /// What the user should do about it.
+    pub fn advice(self) -> &'static str {
+        match self {
+            ConditionalRule::Allocation => {
+                "allocate what must outlive an iteration before the loop (ctx.alloc), and drop every tensor made inside it"
+            }
+            ConditionalRule::Event => "keep the body on the runtime stream, with no events",
+            ConditionalRule::Collective => {
+                "run the collective outside the loop, or loop on the host (one replay per step)"
+            }
+            ConditionalRule::Node => "keep the body to kernels and device copies",
+        }
+    }
+}
+
+impl fmt::Display for ConditionalRule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ConditionalRule::Allocation => "an allocation that outlives the body",
+            ConditionalRule::Event => "an event or another stream",
+            ConditionalRule::Collective => "a collective",
+            ConditionalRule::Node => "a node of a kind conditional bodies cannot hold",
+        })
     }
 }
 
@@ -233,6 +278,16 @@ pub enum DeviceError {
         op: DeviceOp,
         /// Why the buffer can no longer be used.
         source: BufferError,
+    },
+    /// A conditional node's body holds what conditional bodies cannot (see
+    /// [`ConditionalRule`]). The capture is invalidated: graft runs the call eagerly (the
+    /// loop on the host) from then on.
+    #[error("{op} refused: a conditional body holds {rule}; {}", rule.advice())]
+    Conditional {
+        /// The failing operation.
+        op: DeviceOp,
+        /// What the body held.
+        rule: ConditionalRule,
     },
     /// A capture call made in the wrong state (ending with none begun, beginning twice).
     #[error("{op} called while {state}; this is a bug in the caller of the device layer")]
@@ -322,6 +377,7 @@ impl DeviceError {
             | DeviceError::InvalidAddress { op, .. }
             | DeviceError::OverlappingCopy { op, .. }
             | DeviceError::CaptureState { op, .. }
+            | DeviceError::Conditional { op, .. }
             | DeviceError::InvalidArgument { op, .. }
             | DeviceError::InvalidBuffer { op, .. }
             | DeviceError::Unavailable { op, .. }

@@ -17,6 +17,16 @@
 //!    graph and uploads it, returning a [`Device::Graph`] ready to launch.
 //!    On failure core calls [`Device::abort_capture`] instead, which ends the capture whatever
 //!    its state and discards the partial graph; after it the stream is usable eagerly again.
+//!
+//!    Inside step 2 the body may open conditional nodes (device-side loops and branches,
+//!    [`Conditional`]): [`Device::begin_conditional`] ends the work captured so far at a
+//!    conditional node whose selector is read from device memory, and captures what follows
+//!    into its first body; [`Device::next_branch`] moves to its next body;
+//!    [`Device::end_conditional`] closes the node (for a loop, after re-reading the selector at
+//!    the end of the body), and capture goes on after it. They nest. Core calls them only
+//!    during a capture, `next_branch` exactly `branches() - 1` times, and
+//!    `end_conditional` once per `begin_conditional` unless the capture is aborted, which
+//!    discards open conditionals with the rest.
 //! 4. [`Device::launch`] replays the graph on the runtime stream: every operation runs again at
 //!    the addresses it was recorded with. Dropping the graph destroys it; errors from that go to
 //!    the sticky error slot.
@@ -52,11 +62,13 @@ mod seal;
 mod sticky;
 mod types;
 
-pub use error::{CaptureViolation, DeviceError, DeviceOp};
+pub use error::{CaptureViolation, ConditionalRule, DeviceError, DeviceOp};
 pub(crate) use seal::CORE;
 pub use seal::CoreOnly;
 pub use sticky::StickyError;
-pub use types::{CaptureMode, CopyEnds, DeviceId, DevicePtr, GraphSummary, UpdateRefusal};
+pub use types::{
+    CaptureMode, Conditional, CopyEnds, DeviceId, DevicePtr, GraphSummary, UpdateRefusal,
+};
 
 /// The hardware layer core is written against.
 ///
@@ -163,6 +175,50 @@ pub trait Device: Send + Sync + 'static {
     ) -> Result<Option<UpdateRefusal>, DeviceError> {
         *graph = self.end_capture(core)?;
         Ok(Some(UpdateRefusal::NotSupported))
+    }
+
+    /// Whether captures may hold conditional nodes ([`Device::begin_conditional`]). A
+    /// framework asks before choosing a device-side loop over one replay per step.
+    fn supports_conditionals(&self) -> bool {
+        false
+    }
+
+    /// Opens a conditional node of kind `kind` at this point of the capture, whose selector is
+    /// the `u32` at `selector` (read on the device when the node runs), and starts capturing
+    /// its first body (see the module's capture lifecycle). The default refuses: the device
+    /// has no conditional nodes.
+    fn begin_conditional(
+        &self,
+        core: &CoreOnly,
+        kind: Conditional,
+        selector: DevicePtr,
+    ) -> Result<(), DeviceError> {
+        let _ = (core, kind, selector);
+        Err(DeviceError::Unavailable {
+            op: DeviceOp::Conditional,
+            what: "this device has no conditional graph nodes (CUDA 12.4 or later has them); loop on the host instead",
+        })
+    }
+
+    /// Ends the body being captured and starts capturing the next body of the open
+    /// conditional node.
+    fn next_branch(&self, core: &CoreOnly) -> Result<(), DeviceError> {
+        let _ = core;
+        Err(DeviceError::CaptureState {
+            op: DeviceOp::Conditional,
+            state: "no conditional node is open",
+        })
+    }
+
+    /// Ends the last body of the open conditional node (a loop's re-reads the selector as its
+    /// last work) and goes on capturing after the node. Refuses a body that holds what
+    /// conditional bodies cannot ([`DeviceError::Conditional`]).
+    fn end_conditional(&self, core: &CoreOnly) -> Result<(), DeviceError> {
+        let _ = core;
+        Err(DeviceError::CaptureState {
+            op: DeviceOp::Conditional,
+            state: "no conditional node is open",
+        })
     }
 
     /// Step 3 on failure: ends the capture in whatever state it is and discards it.

@@ -1,4 +1,4 @@
-//! The plain values the device layer passes: addresses, device identities, capture modes, copy ends, graph summaries and update refusals.
+//! The plain values the device layer passes: addresses, device identities, capture modes, conditional kinds, copy ends, graph summaries and update refusals.
 
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -120,12 +120,67 @@ pub struct CopyEnds {
 /// How many nodes of each kind a captured graph holds.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
 pub struct GraphSummary {
-    /// Kernel nodes.
+    /// Kernel nodes (of the graph itself, not of its conditional bodies).
     pub kernels: usize,
     /// Memory copy nodes.
     pub copies: usize,
     /// Memset nodes.
     pub memsets: usize,
+    /// Conditional nodes (loops and branches, see [`Conditional`]).
+    pub conditionals: usize,
     /// Every other node kind.
     pub other: usize,
+    /// Kernels, anywhere in the graph, of a random-number library whose generator state lives
+    /// on the host (cuRAND's host API, which candle's `rand` and `randn` use): the host
+    /// advances that state when the kernel is enqueued, so a replay would draw numbers out of
+    /// step with eager execution. Graft launches such a graph once and never replays it.
+    pub host_random: usize,
+}
+
+/// A conditional node of a graph: work the device runs, repeats or skips by a `u32` it reads
+/// from device memory when the node runs (the *selector*), so that the host never waits for
+/// it. CUDA 12.4's conditional nodes; the selector's value is set on the device by a kernel
+/// just before the node (and, for a loop, again at the end of every iteration).
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Hash)]
+pub enum Conditional {
+    /// One body, run again and again while the selector is not 0 (tested before every
+    /// iteration, the first included).
+    While,
+    /// One body, run once if the selector is not 0.
+    If,
+    /// Two bodies: the first if the selector is not 0, else the second.
+    IfElse,
+    /// `n` bodies: body `selector` if it is below `n`, else none.
+    Switch(u32),
+}
+
+impl Conditional {
+    /// How many bodies the node has.
+    pub fn branches(self) -> usize {
+        match self {
+            Conditional::While | Conditional::If => 1,
+            Conditional::IfElse => 2,
+            Conditional::Switch(n) => n as usize,
+        }
+    }
+
+    /// Which body runs for `selector`, if any; a loop's body runs while this is `Some`.
+    pub fn branch(self, selector: u32) -> Option<usize> {
+        match self {
+            Conditional::While | Conditional::If => (selector != 0).then_some(0),
+            Conditional::IfElse => Some(usize::from(selector == 0)),
+            Conditional::Switch(n) => (selector < n).then_some(selector as usize),
+        }
+    }
+}
+
+impl fmt::Display for Conditional {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Conditional::While => f.write_str("while loop"),
+            Conditional::If => f.write_str("if"),
+            Conditional::IfElse => f.write_str("if-else"),
+            Conditional::Switch(n) => write!(f, "switch of {n}"),
+        }
+    }
 }

@@ -87,8 +87,14 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 let (key, keep) = self.attach(frame, parent, reason, prepared, captured);
                 let outcome = self.first_launch(key, frame);
                 drop(keep);
-                if let Some(position) = self.tree[key].retired {
-                    self.free_retired(key, parent, position)?;
+                let kernels = self.tree[key].summary.host_random;
+                if kernels > 0 {
+                    let why = EagerReason::HostRandom { kernels };
+                    tracing::warn!(function = %name, reason = %why, "the recording never replays; the signature runs eagerly from now on");
+                    self.functions[frame.function].sigs[frame.sig].eager = Some(why);
+                    self.free_retired(key, parent, EvictReason::HostRandom)?;
+                } else if let Some(position) = self.tree[key].retired {
+                    self.free_retired(key, parent, EvictReason::InputMutated { position })?;
                 }
                 outcome
             }
@@ -307,9 +313,9 @@ impl<D: Device, M: Clone> Graft<D, M> {
         &mut self,
         key: NodeKey,
         parent: Option<NodeKey>,
-        position: usize,
+        why: EvictReason,
     ) -> Result<(), CallError<E>> {
-        drop(self.evict(key, EvictReason::InputMutated { position }));
+        drop(self.evict(key, why));
         self.move_to(match parent {
             Some(p) => Phase::Replaying { tip: p.id() },
             None => Phase::Idle,
@@ -364,6 +370,14 @@ fn fallback_reason<E>(error: BodyError<E>) -> Result<EagerReason, BodyError<E>> 
         }
         BodyError::Device(DeviceError::Capture { op, violation }) => {
             Ok(EagerReason::CaptureFailed { op, violation })
+        }
+        BodyError::Device(error @ DeviceError::Conditional { .. }) => {
+            Ok(EagerReason::ConditionalRefused { error })
+        }
+        BodyError::Device(error @ DeviceError::Unavailable { .. })
+            if error.op() == DeviceOp::Conditional =>
+        {
+            Ok(EagerReason::ConditionalRefused { error })
         }
         BodyError::Device(e)
             if matches!(
