@@ -43,6 +43,7 @@
 mod bucket;
 mod error;
 pub mod llama;
+mod looping;
 pub mod models;
 pub mod optim;
 pub mod random;
@@ -64,6 +65,7 @@ pub use candle_core;
 pub use cuda::OutputMeta;
 pub use error::Error;
 pub use graft_core::{Bucket, Buckets, Churn};
+pub use looping::Loops;
 pub use refusal::{EagerCause, Uncapturable};
 pub use runtime::CandleGraft;
 pub use step::{Step, StepId, StepOutcome};

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use candle_core::{Device, Tensor};
 
 use crate::error::Error;
+use crate::looping::{How, Loops};
 use crate::refusal::EagerCause;
 use crate::step::{Step, StepId, StepInfo, StepOutcome};
 
@@ -137,10 +138,28 @@ impl CandleGraft {
         inputs: &[&Tensor],
         statics: &[&Tensor],
         keys: &[u64],
-        body: F,
+        mut body: F,
     ) -> Result<Step, Error>
     where
         F: FnMut(&[Tensor]) -> candle_core::Result<Vec<Tensor>>,
+    {
+        self.call_looping(step, inputs, statics, keys, |inputs, _| body(inputs))
+    }
+
+    /// [`CandleGraft::call`] whose body may loop on the device: it also gets [`Loops`], whose
+    /// `while_loop` is recorded as one CUDA conditional node (a replay runs every iteration
+    /// with no host round trip) and runs on the host when the step runs eagerly. See
+    /// [`Loops::while_loop`] for what a loop's body may do.
+    pub fn call_looping<F>(
+        &mut self,
+        step: StepId,
+        inputs: &[&Tensor],
+        statics: &[&Tensor],
+        keys: &[u64],
+        body: F,
+    ) -> Result<Step, Error>
+    where
+        F: FnMut(&[Tensor], &mut Loops<'_>) -> candle_core::Result<Vec<Tensor>>,
     {
         let info = self
             .steps
@@ -152,7 +171,10 @@ impl CandleGraft {
             Engine::Eager(why) => {
                 let mut body = body;
                 let owned: Vec<Tensor> = inputs.iter().map(|&t| t.clone()).collect();
-                let outputs = body(&owned).map_err(|source| Error::Body {
+                let mut loops = Loops {
+                    how: How::Host(std::marker::PhantomData),
+                };
+                let outputs = body(&owned, &mut loops).map_err(|source| Error::Body {
                     step: info.name.clone(),
                     source,
                 })?;

@@ -10,6 +10,10 @@ use graft_candle::cuda::{GraphMemory, graph_memory, trim_graph_memory};
 use graft_candle::llama::{DecodeState, Llama, LlamaConfig};
 use graft_candle::{Buckets, CandleGraft, EagerCause, StepId, StepOutcome, Uncapturable};
 
+#[path = "support/generate.rs"]
+mod generate;
+#[path = "gpu/generate.rs"]
+mod generate_gpu;
 #[path = "../examples/guide.rs"]
 mod guide;
 #[path = "support/ports.rs"]

@@ -35,7 +35,9 @@ impl Inner {
         // SAFETY: the runtime stream is live and not capturing (checked above).
         check(op, unsafe {
             sys::cuStreamBeginCapture_v2(self.stream, mode)
-        })
+        })?;
+        self.reset_conditionals(mode);
+        Ok(())
     }
 
     /// `cuStreamEndCapture`, `cuGraphInstantiateWithFlags` (flags 0) and `cuGraphUpload` on the
@@ -44,8 +46,8 @@ impl Inner {
     /// capture mode either way, so core must not call `abort_capture` after a failed
     /// `end_capture` (it would answer `CaptureState`).
     pub(crate) fn end_capture(self: &Arc<Self>) -> Result<CudaGraph, DeviceError> {
-        let graph = self.end_stream_capture()?;
-        self.instantiate(graph)
+        let (graph, bodies) = self.end_stream_capture()?;
+        self.instantiate(graph, bodies)
     }
 
     /// Ends the capture, then `cuGraphExecUpdate`s `target`'s executable with it; when the
@@ -54,11 +56,16 @@ impl Inner {
         self: &Arc<Self>,
         target: &mut CudaGraph,
     ) -> Result<Option<UpdateRefusal>, DeviceError> {
-        let graph = self.end_stream_capture()?;
+        let (graph, bodies) = self.end_stream_capture()?;
+        if bodies.any || target.lock().bodies.any {
+            // Conditional nodes (and the memory their bodies own) are not updated in place.
+            *target = self.instantiate(graph, bodies)?;
+            return Ok(Some(UpdateRefusal::NotSupported));
+        }
         match target.update(graph) {
             Ok(None) => Ok(None),
             Ok(Some(refusal)) => {
-                *target = self.instantiate(graph)?;
+                *target = self.instantiate(graph, bodies)?;
                 Ok(Some(refusal))
             }
             Err(err) => {
@@ -77,7 +84,15 @@ impl Inner {
     /// capture has ended there is no error state left to clear: the stream is usable eagerly.
     pub(crate) fn abort_capture(&self) -> Result<(), DeviceError> {
         let op = DeviceOp::EndCapture;
+        self.enter(op)?;
+        let open = !self.conditionals().open_is_empty();
+        if open && !self.stream_capturing() {
+            // Failed between a body's capture and the next: nothing runs on the stream.
+            self.discard_conditionals();
+            return Ok(());
+        }
         self.enter_capture(op)?;
+        self.discard_conditionals();
         let ended = self.end_and_discard();
         if ended != sys::CUresult::CUDA_SUCCESS && !is_capture_error(ended) {
             return Err(map(op, ended, 0));
@@ -105,9 +120,18 @@ impl Inner {
     /// `cuStreamEndCapture` on the runtime stream: the captured graph. If the end fails (an
     /// invalidated capture, unjoined work), the partial graph is destroyed and the error
     /// returned; the stream is out of capture mode either way.
-    fn end_stream_capture(&self) -> Result<sys::CUgraph, DeviceError> {
+    fn end_stream_capture(
+        &self,
+    ) -> Result<(sys::CUgraph, crate::conditional::Finished), DeviceError> {
         let op = DeviceOp::EndCapture;
         self.enter_capture(op)?;
+        if !self.conditionals().open_is_empty() {
+            return Err(DeviceError::CaptureState {
+                op,
+                state: "a conditional node is still open",
+            });
+        }
+        let bodies = self.conditionals().take_finished();
         let mut graph: sys::CUgraph = ptr::null_mut();
         // SAFETY: the runtime stream is live and capturing (checked above), begun by this
         // thread; `graph` is a valid out-pointer.
@@ -118,29 +142,36 @@ impl Inner {
             if matches!(self.capture_status(op), Ok(s) if s != CAPTURE_NONE) {
                 let _ = self.end_and_discard();
             }
+            crate::conditional::free_scratch(self, bodies.scratch);
             return Err(map(op, ended, 0));
         }
-        Ok(graph)
+        Ok((graph, bodies))
     }
 
     /// Instantiates (flags 0) and uploads `graph`, taking ownership of it: on failure it is
     /// destroyed.
-    fn instantiate(self: &Arc<Self>, graph: sys::CUgraph) -> Result<CudaGraph, DeviceError> {
+    fn instantiate(
+        self: &Arc<Self>,
+        graph: sys::CUgraph,
+        bodies: crate::conditional::Finished,
+    ) -> Result<CudaGraph, DeviceError> {
         let mut exec: sys::CUgraphExec = ptr::null_mut();
         // SAFETY: `graph` is a live graph returned by cuStreamEndCapture and owned by this
         // call; `exec` is a valid out-pointer; flags 0 requests a plain instantiation.
         let instantiated = unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) };
         if let Err(err) = check(DeviceOp::Instantiate, instantiated) {
             graph::destroy_orphan(self, graph, ptr::null_mut());
+            crate::conditional::free_scratch(self, bodies.scratch);
             return Err(err);
         }
         // SAFETY: `exec` was just instantiated in this context; the runtime stream is live.
         let uploaded = unsafe { sys::cuGraphUpload(exec, self.stream) };
         if let Err(err) = check(DeviceOp::Upload, uploaded) {
             graph::destroy_orphan(self, graph, exec);
+            crate::conditional::free_scratch(self, bodies.scratch);
             return Err(err);
         }
-        Ok(CudaGraph::new(Arc::clone(self), graph, exec))
+        Ok(CudaGraph::new(Arc::clone(self), graph, exec, bodies))
     }
 
     /// Enters `op` and checks that `graph` was captured on this device.
@@ -191,6 +222,8 @@ impl Inner {
     pub(crate) fn summarize(&self, graph: &CudaGraph) -> Result<GraphSummary, DeviceError> {
         self.enter(INSPECT_OP)?;
         let handles = graph.lock();
-        graph::summarize(INSPECT_OP, handles.graph)
+        let mut summary = graph::summarize(INSPECT_OP, handles.graph)?;
+        summary.host_random += handles.bodies.host_random;
+        Ok(summary)
     }
 }

@@ -48,6 +48,10 @@ pub(crate) struct Inner {
     pub(crate) granularity: usize,
     /// Reservations and mapped granules, for validation and teardown.
     pub(crate) vmm: Mutex<Vmm>,
+    /// The capture's conditional nodes (see the `conditional` module).
+    pub(crate) conditional: Mutex<crate::conditional::ConditionalState>,
+    /// The kernel that sets a conditional node's handle, loaded on first use.
+    pub(crate) set_conditional: OnceLock<crate::conditional::SetConditional>,
 }
 
 // SAFETY: the raw handles in `Inner` (context, streams, events, the cuBLAS handle) are CUDA
@@ -107,6 +111,8 @@ impl Inner {
             sticky_pending: AtomicBool::new(false),
             granularity: 0,
             vmm: Mutex::new(Vmm::default()),
+            conditional: Mutex::default(),
+            set_conditional: OnceLock::new(),
         };
         // From here on, an early return drops `inner`, which releases what was created.
         let mut ctx: sys::CUcontext = ptr::null_mut();
@@ -276,6 +282,8 @@ impl Drop for Inner {
         }
         #[cfg(feature = "test-support")]
         self.side.release();
+        self.discard_conditionals();
+        self.unload_set_conditional();
         if let Some(mut blas) = self.blas.take() {
             // The stream is synchronized above, so no GEMM still uses the workspace.
             let _ = blas.destroy();

@@ -20,7 +20,8 @@ use std::sync::Arc;
 
 use graft_core::backend::{CopyEnds, CoreOnly};
 use graft_core::{
-    CaptureMode, Device, DeviceError, DeviceId, DeviceOp, DevicePtr, GraphSummary, UpdateRefusal,
+    CaptureMode, Conditional, Device, DeviceError, DeviceId, DeviceOp, DevicePtr, GraphSummary,
+    UpdateRefusal,
 };
 
 use crate::context::Inner;
@@ -235,6 +236,28 @@ impl Device for CudaDevice {
 
     fn abort_capture(&self, _: &CoreOnly) -> Result<(), DeviceError> {
         self.queue.inner.abort_capture()
+    }
+
+    /// CUDA 12.8 drivers and later (every kind of conditional node).
+    fn supports_conditionals(&self) -> bool {
+        self.queue.inner.supports_conditionals()
+    }
+
+    fn begin_conditional(
+        &self,
+        _: &CoreOnly,
+        kind: Conditional,
+        selector: DevicePtr,
+    ) -> Result<(), DeviceError> {
+        self.queue.inner.begin_conditional(kind, selector)
+    }
+
+    fn next_branch(&self, _: &CoreOnly) -> Result<(), DeviceError> {
+        self.queue.inner.next_branch()
+    }
+
+    fn end_conditional(&self, _: &CoreOnly) -> Result<(), DeviceError> {
+        self.queue.inner.end_conditional()
     }
 
     fn launch(&self, _: &CoreOnly, graph: &CudaGraph) -> Result<(), DeviceError> {

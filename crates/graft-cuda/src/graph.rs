@@ -27,6 +27,9 @@ pub(crate) struct GraphHandles {
     /// the captured graph's nodes no longer show). Found on first use by scanning the graph,
     /// then updated in place.
     copies: Vec<(sys::CUgraphNode, sys::CUDA_MEMCPY3D)>,
+    /// What its conditional bodies left: the memory their allocations moved to (freed with
+    /// the graph) and their host-side random kernels (see `crate::relocate`).
+    pub(crate) bodies: crate::conditional::Finished,
 }
 
 // SAFETY: CUDA graph handles are plain driver handles, usable from any thread while their
@@ -49,7 +52,12 @@ pub struct CudaGraph {
 
 impl CudaGraph {
     /// Takes ownership of `graph` and `exec`, both created in `device`'s context.
-    pub(crate) fn new(device: Arc<Inner>, graph: sys::CUgraph, exec: sys::CUgraphExec) -> Self {
+    pub(crate) fn new(
+        device: Arc<Inner>,
+        graph: sys::CUgraph,
+        exec: sys::CUgraphExec,
+        bodies: crate::conditional::Finished,
+    ) -> Self {
         CudaGraph {
             handles: Mutex::new(GraphHandles {
                 graph,
@@ -57,6 +65,7 @@ impl CudaGraph {
                 updated_from: std::ptr::null_mut(),
                 patches: Default::default(),
                 copies: Vec::new(),
+                bodies,
             }),
             device,
         }
@@ -270,6 +279,9 @@ impl Drop for CudaGraph {
                 device.record_sticky(err);
             }
         }
+        // The executable is gone (the driver defers it past running launches, and cuMemFree
+        // waits for the device): its bodies' memory can go.
+        crate::conditional::free_scratch(device, std::mem::take(&mut h.bodies.scratch));
         destroy_graph(
             device,
             std::mem::replace(&mut h.updated_from, std::ptr::null_mut()),
@@ -387,7 +399,46 @@ pub(crate) fn node_type(op: DeviceOp, node: sys::CUgraphNode) -> Result<u32, Dev
     Ok(kind)
 }
 
-/// Counting helper for `summarize`, kept here with the other graph-handle code.
+/// The name of a kernel node's function (mangled as compiled), if the driver tells it.
+pub(crate) fn kernel_name(node: sys::CUgraphNode) -> Option<String> {
+    let mut params = std::mem::MaybeUninit::<sys::CUDA_KERNEL_NODE_PARAMS>::zeroed();
+    // SAFETY: `node` is a kernel node of a live graph (callers check the type) and `params`
+    // a valid out-pointer of the type the driver writes.
+    let r = unsafe { sys::cuGraphKernelNodeGetParams_v2(node, params.as_mut_ptr()) };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        return None;
+    }
+    // SAFETY: the call succeeded, so the driver wrote every field.
+    let params = unsafe { params.assume_init() };
+    let mut func = params.func;
+    if func.is_null() && !params.kern.is_null() {
+        // SAFETY: `kern` is the live library kernel of the node; `func` a valid out-pointer.
+        let r = unsafe { sys::cuKernelGetFunction(&mut func, params.kern) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return None;
+        }
+    }
+    if func.is_null() {
+        return None;
+    }
+    let mut name: *const std::ffi::c_char = std::ptr::null();
+    // SAFETY: `func` is a live function; `name` a valid out-pointer, set to a string the
+    // driver owns while the module is loaded.
+    let r = unsafe { sys::cuFuncGetName(&mut name, func) };
+    if r != sys::CUresult::CUDA_SUCCESS || name.is_null() {
+        return None;
+    }
+    // SAFETY: the call succeeded: `name` is NUL-terminated and valid for this read.
+    Some(
+        unsafe { std::ffi::CStr::from_ptr(name) }
+            .to_string_lossy()
+            .into_owned(),
+    )
+}
+
+/// Counting helper for `summarize`, kept here with the other graph-handle code. Kernels of
+/// cuRAND's host-API generators (their names hold their state types, `curandState...`) are
+/// counted as host-side random kernels, at the top level and inside child graphs.
 pub(crate) fn summarize(
     op: DeviceOp,
     graph: sys::CUgraph,
@@ -396,7 +447,23 @@ pub(crate) fn summarize(
     for node in nodes(op, graph)? {
         match node_type(op, node)? {
             k if k == sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL as u32 => {
-                summary.kernels += 1
+                summary.kernels += 1;
+                if kernel_name(node).is_some_and(|n| n.to_ascii_lowercase().contains("curand")) {
+                    summary.host_random += 1;
+                }
+            }
+            k if k == sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_CONDITIONAL as u32 => {
+                summary.conditionals += 1
+            }
+            k if k == sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_GRAPH as u32 => {
+                summary.other += 1;
+                let mut child: sys::CUgraph = std::ptr::null_mut();
+                // SAFETY: `node` is a child graph node of a live graph; `child` a valid
+                // out-pointer to the graph the node owns (not ours to destroy).
+                check(op, unsafe {
+                    sys::cuGraphChildGraphNodeGetGraph(node, &mut child)
+                })?;
+                summary.host_random += summarize(op, child)?.host_random;
             }
             k if k == sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEMCPY as u32 => summary.copies += 1,
             k if k == sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEMSET as u32 => {

@@ -47,6 +47,7 @@ compile_error!("graft-cuda: enable one of the features `dynamic-loading` or `dyn
 
 mod blas;
 mod capture;
+mod conditional;
 mod context;
 mod device;
 mod driver;
@@ -57,6 +58,7 @@ mod module;
 mod nccl;
 mod patch;
 mod queue;
+mod relocate;
 #[cfg(feature = "test-support")]
 mod test_hooks;
 mod vmm;

@@ -178,6 +178,14 @@ impl NcclComm {
         let inner = &self.queue.inner;
         let at = buffer.device_addr(OP, inner.id, 0, bytes)?;
         inner.make_current(OP)?;
+        if !inner.conditionals().open_is_empty() {
+            // NCCL records event nodes (and, with graph mixing, host-side bookkeeping), which
+            // a conditional body cannot hold: refused here, before NCCL enqueues anything.
+            return Err(DeviceError::Conditional {
+                op: OP,
+                rule: graft_core::ConditionalRule::Collective,
+            });
+        }
         let comm = self.comm.lock().unwrap_or_else(PoisonError::into_inner);
         let at = at.0 as usize as *mut std::ffi::c_void;
         // SAFETY: `at` is `bytes` of live memory on this communicator's device (checked

@@ -10,7 +10,8 @@
 //! Every 8-byte-aligned word of a parameter whose value lies inside a redirected placeholder
 //! is a pointer into it and is moved by the same offset into the caller's buffer. A graph
 //! that reads the placeholder any other way (another copy, a memset, a child graph, a kernel
-//! whose parameters cannot be read, an NCCL kernel) is refused: it keeps copying.
+//! whose parameters cannot be read, an NCCL kernel, a conditional node) is refused: it keeps
+//! copying.
 
 use std::ffi::c_void;
 
@@ -25,17 +26,18 @@ const KERNEL: u32 = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL as u32;
 const MEMCPY: u32 = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEMCPY as u32;
 const MEMSET: u32 = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEMSET as u32;
 const GRAPH: u32 = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_GRAPH as u32;
+const CONDITIONAL: u32 = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_CONDITIONAL as u32;
 
 /// One kernel node as captured: its parameter block, flattened, and where each parameter sits.
 pub(crate) struct KernelNode {
     /// The node of the graph the executable was instantiated from.
     node: sys::CUgraphNode,
     /// Its launch parameters as captured (`kernelParams` is replaced at each set).
-    params: sys::CUDA_KERNEL_NODE_PARAMS,
+    pub(crate) params: sys::CUDA_KERNEL_NODE_PARAMS,
     /// `(offset, size)` of each parameter in `bytes`.
-    layout: Vec<(usize, usize)>,
+    pub(crate) layout: Vec<(usize, usize)>,
     /// The parameter values as captured.
-    bytes: Vec<u8>,
+    pub(crate) bytes: Vec<u8>,
     /// The values as last set: `bytes` with the active redirects applied.
     current: Vec<u8>,
 }
@@ -186,7 +188,7 @@ fn repatch(
 
 /// The 8-byte-aligned words of parameters laid out as `layout` in `bytes`, as
 /// `(byte offset, value)`.
-fn words<'a>(
+pub(crate) fn words<'a>(
     bytes: &'a [u8],
     layout: &'a [(usize, usize)],
 ) -> impl Iterator<Item = (usize, u64)> + 'a {
@@ -265,7 +267,7 @@ fn read_graph(h: &mut GraphHandles) -> Result<(), DeviceError> {
                 let bytes = p.pitch as u64 * (p.height.max(1) as u64 - 1) + row;
                 h.patches.others.push((node, p.dst, p.dst + bytes));
             }
-            GRAPH => h.patches.opaque = true,
+            GRAPH | CONDITIONAL => h.patches.opaque = true,
             // Events, host nodes, allocations and frees read no device memory of graft's.
             _ => {}
         }
@@ -277,7 +279,7 @@ fn read_graph(h: &mut GraphHandles) -> Result<(), DeviceError> {
 /// Whether `func` is one of NCCL's kernels, which find their buffers through work descriptors
 /// of their own, not only through their parameters: a placeholder such a kernel reads cannot
 /// be redirected by patching parameters. A function whose name cannot be read counts as one.
-fn is_collective(func: sys::CUfunction) -> bool {
+pub(crate) fn is_collective(func: sys::CUfunction) -> bool {
     let mut name: *const std::ffi::c_char = std::ptr::null();
     // SAFETY: `func` is the live function of a captured kernel node; `name` is a valid
     // out-pointer, set to a NUL-terminated string the driver owns while the module is loaded.
@@ -323,7 +325,7 @@ unsafe fn packed_buffer<'a>(extra: *mut *mut c_void) -> Option<&'a [u8]> {
 
 /// A kernel node's parameters and layout, or `None` when they cannot be read (an `extra`
 /// array of another form, or a function whose layout the driver does not report).
-fn read_kernel(
+pub(crate) fn read_kernel(
     node: sys::CUgraphNode,
     source: sys::CUgraphNode,
 ) -> Result<Option<KernelNode>, DeviceError> {

@@ -23,7 +23,9 @@ use graft_core::{
 use graft_cuda::CudaDevice as GraftCuda;
 
 use super::copy::{checked_range, uninit_tensor};
+use super::looping::GraftLoops;
 use crate::error::Error;
+use crate::looping::{How, Loops};
 use crate::refusal::{EagerCause, Uncapturable, classify, deferred};
 use crate::step::{Step, StepInfo, StepOutcome, push_shape_keys};
 
@@ -213,7 +215,7 @@ impl CudaEngine {
         mut body: F,
     ) -> Result<Step, Error>
     where
-        F: FnMut(&[Tensor]) -> candle_core::Result<Vec<Tensor>>,
+        F: FnMut(&[Tensor], &mut Loops<'_>) -> candle_core::Result<Vec<Tensor>>,
     {
         let name = &info.name;
         let function = info.function.ok_or(Error::UnknownStep { id: step })?;
@@ -279,7 +281,26 @@ impl CudaEngine {
                     )));
                 }
                 let recording = ctx.kind() == RunKind::Recording;
-                let produced = match body(&contiguous) {
+                let mut failed = None;
+                let ran = body(
+                    &contiguous,
+                    &mut Loops {
+                        how: How::Graft(&mut GraftLoops {
+                            ctx,
+                            stream,
+                            device,
+                            step: name,
+                            failed: &mut failed,
+                        }),
+                    },
+                );
+                if ran.is_err()
+                    && let Some(error) = failed
+                {
+                    // A loop the device refused: graft-core falls back with the reason.
+                    return Err(BodyError::Device(error));
+                }
+                let produced = match ran {
                     Ok(produced) => produced,
                     Err(error) => {
                         if recording && let Some(op) = classify(&error) {

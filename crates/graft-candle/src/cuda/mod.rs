@@ -4,6 +4,7 @@
 pub(crate) mod copy;
 pub(crate) mod engine;
 mod handmade;
+pub(crate) mod looping;
 mod memory;
 
 pub use engine::OutputMeta;

@@ -372,7 +372,7 @@ impl Decoder {
     }
 
     /// The step itself (no host-side checks): capturable.
-    fn logits(&self, cache: &KvCache, tokens: &Tensor) -> Result<Tensor> {
+    pub(crate) fn logits(&self, cache: &KvCache, tokens: &Tensor) -> Result<Tensor> {
         let s = &self.spec;
         let batch = tokens.dims1()?;
         let positions = cache.positions_of(batch)?;

@@ -34,6 +34,7 @@
 mod cache;
 pub mod checkpoint;
 mod decoder;
+mod generate;
 pub mod llama;
 pub mod mistral;
 pub mod quantized_llama;
@@ -44,4 +45,5 @@ mod spec;
 
 pub use cache::KvCache;
 pub use decoder::Decoder;
+pub use generate::{GenerateSpec, Generation, Sampling};
 pub use spec::{Arch, DecoderSpec, Llama3Scaling, RopeSpec, RopeStyle};
