@@ -127,6 +127,24 @@ pub enum TensorError {
         /// What is wrong.
         what: &'static str,
     },
+    /// A sampling temperature that is negative or not a number.
+    #[error(
+        "sampling temperature {temperature} is negative or not finite; pass 0 for greedy decoding or a positive finite temperature"
+    )]
+    Temperature {
+        /// The temperature passed.
+        temperature: f32,
+    },
+    /// A token loop asked for no tokens, or for more than a launch can hold.
+    #[error(
+        "a token loop of {max_tokens} tokens per launch cannot run; pass max_tokens from 1 to {max}"
+    )]
+    LoopLength {
+        /// Tokens per launch asked for.
+        max_tokens: usize,
+        /// The most a launch of this batch can hold.
+        max: usize,
+    },
     /// A graft call returned no output where one was expected.
     #[error(
         "{function} returned {found} outputs, expected {expected}; this is a bug in graft-tensor"
