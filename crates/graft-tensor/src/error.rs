@@ -145,6 +145,26 @@ pub enum TensorError {
         /// The most a launch of this batch can hold.
         max: usize,
     },
+    /// An end token outside the vocabulary.
+    #[error(
+        "end token {eos} is outside the vocabulary 0..{vocab}; pass a token id of the vocabulary, or none"
+    )]
+    EosOutOfRange {
+        /// The end token.
+        eos: i32,
+        /// Vocabulary size.
+        vocab: usize,
+    },
+    /// More token limits than rows.
+    #[error(
+        "{found} token limits were passed for a state of {bucket} rows; pass one limit per real row"
+    )]
+    Limits {
+        /// Limits passed.
+        found: usize,
+        /// Rows of the state.
+        bucket: usize,
+    },
     /// A graft call returned no output where one was expected.
     #[error(
         "{function} returned {found} outputs, expected {expected}; this is a bug in graft-tensor"

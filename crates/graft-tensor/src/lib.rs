@@ -18,6 +18,10 @@
 //!   eagerly ([`Decoder::step_eager`]) or as one raw graph ([`Decoder::capture_raw`]); on one
 //!   device, or one rank of it split tensor-parallel ([`Decoder::new_sharded`]) with the
 //!   all-reduces of a [`Collective`] (NCCL on CUDA, an in-process one on the simulator).
+//! - Many tokens per launch: [`Decoder::generate_graft`] loops K steps on the device in one
+//!   graft call ([`LoopSpec`]: K, end token, [`Sampling`]), [`Decoder::generate_per_step`] is
+//!   the same with one call and one host read per token; tokens are picked greedily or
+//!   sampled (temperature, top-k) with [`philox`] draws from a generator state on the device.
 //!
 //! On one backend, graft replay and eager execution run the same kernels on the same data, so
 //! they produce identical tokens; the simulator and CUDA agree closely but not bitwise.
@@ -40,7 +44,9 @@ pub use backend::{
 };
 pub use collective::Collective;
 pub use cuda::{CudaOps, KERNEL_NAMES, KERNELS_CU};
-pub use decoder::{Decoder, DecoderConfig, KvState, RawGraph, default_buckets};
+pub use decoder::{
+    Decoder, DecoderConfig, Generated, KvState, LoopSpec, RawGraph, default_buckets,
+};
 pub use error::{Result, TensorError};
 pub use ops::PAD;
 pub use sampling::Sampling;
