@@ -11,6 +11,7 @@ use std::fmt;
 use graft_core::{Device, DeviceError};
 
 use crate::error::Result;
+use crate::sampling::Sampling;
 use crate::tensor::Tensor;
 
 /// Sizes of a layer norm over the last axis.
@@ -159,6 +160,51 @@ pub struct ArgmaxArgs<'a> {
     pub pos: &'a Tensor,
 }
 
+/// Operands of [`Ops::sample_step`].
+#[derive(Clone, Copy, Debug)]
+pub struct SampleArgs<'a> {
+    /// Out: `[rows]` i32.
+    pub out: &'a Tensor,
+    /// `[rows, cols]` logits.
+    pub x: &'a Tensor,
+    /// `[cols]`, added to every row first.
+    pub bias: Option<&'a Tensor>,
+    /// The i32 device position, incremented.
+    pub pos: &'a Tensor,
+    /// `[4]` u32 generator state (key lo, key hi, offset lo, offset hi; see
+    /// [`crate::philox`]): row `r` draws from counter (offset, r), then the offset advances.
+    pub rng: &'a Tensor,
+}
+
+/// Sizes and constants of a token loop's bookkeeping ([`Ops::loop_begin`],
+/// [`Ops::loop_record`]).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct LoopDims {
+    /// Rows (sequences).
+    pub rows: usize,
+    /// Iterations at most (tokens per row per launch).
+    pub steps: usize,
+    /// The context: the loop stops once the device position reaches it.
+    pub ctx: i32,
+    /// The end token, or -1 for none.
+    pub eos: i32,
+}
+
+/// The device state of a token loop, made before it ([`crate::ops::loop_begin`]).
+#[derive(Clone, Debug)]
+pub struct LoopArgs<'a> {
+    /// `[steps, rows]` i32: iteration `i`'s token of row `r`, or [`crate::PAD`].
+    pub out: &'a Tensor,
+    /// `[rows]` i32: the tokens the next iteration decodes from.
+    pub cur: &'a Tensor,
+    /// `[rows]` i32: tokens each row may still emit (0: stopped).
+    pub left: &'a Tensor,
+    /// `[2]` u32: the loop's flag (non-zero: run another iteration), then the iteration.
+    pub ctl: &'a Tensor,
+    /// The i32 device position (read only).
+    pub pos: &'a Tensor,
+}
+
 /// A device whose kernels graft-tensor can run: [`Backend::load_ops`] makes the value that
 /// holds them for one device.
 pub trait Backend: Device + Clone {
@@ -197,4 +243,34 @@ pub trait Ops: Send + Sync + fmt::Debug + 'static {
     /// Row argmax of `x + bias` as i32 (first index on ties; NaNs never win), then
     /// `pos = min(pos + 1, limit)` (the end of a decode step; see [`ArgmaxArgs`]).
     fn argmax_step(&self, a: ArgmaxArgs<'_>, rows: usize, cols: usize, limit: i32) -> Result<()>;
+
+    /// Picks each row's token from `x + bias` as `s` says ([`crate::sampling`]: greedy is
+    /// [`Ops::argmax_step`]'s pick), row `r` with the uniform of counter (offset, r) of the
+    /// generator state `rng`; then `offset += 1` and `pos = min(pos + 1, limit)` (see
+    /// [`SampleArgs`]). The offset advances for greedy steps too.
+    fn sample_step(
+        &self,
+        a: SampleArgs<'_>,
+        rows: usize,
+        cols: usize,
+        limit: i32,
+        s: Sampling,
+    ) -> Result<()>;
+
+    /// Starts a token loop (see [`LoopArgs`]): `out` all [`crate::PAD`], `cur = tokens`,
+    /// `left = limits`, iteration 0, and the flag set if `d.steps > 0`, the position is below
+    /// `d.ctx` and some row has a limit above 0.
+    fn loop_begin(
+        &self,
+        a: &LoopArgs<'_>,
+        tokens: &Tensor,
+        limits: &Tensor,
+        d: LoopDims,
+    ) -> Result<()>;
+
+    /// Ends iteration `i` (the device's count) of a token loop: each row with tokens left
+    /// writes `next` into row `i` of `out` and has one fewer left (none after `d.eos`);
+    /// `cur = next` for every row; the iteration becomes `i + 1`; the flag stays set while
+    /// `i + 1 < d.steps`, the position is below `d.ctx` and some row has tokens left.
+    fn loop_record(&self, a: &LoopArgs<'_>, next: &Tensor, d: LoopDims) -> Result<()>;
 }

@@ -14,16 +14,17 @@ use graft_cuda::{CudaDevice, CudaModule, CudaQueue, KernelArg, Operand, Sgemm};
 
 use crate::backend::{
     AddNormArgs, ArgmaxArgs, AttentionArgs, AttnDims, Backend, EmbedDims, EmbedNormArgs,
-    LinearArgs, MatmulDims, NormDims, Ops,
+    LinearArgs, LoopArgs, LoopDims, MatmulDims, NormDims, Ops, SampleArgs,
 };
 use crate::error::Result;
+use crate::sampling::Sampling;
 use crate::tensor::Tensor;
 
 /// CUDA C++ source of the kernels.
 pub const KERNELS_CU: &str = include_str!("kernels.cu");
 
 /// The kernels, in the order of their indices in the loaded module.
-pub const KERNEL_NAMES: [&str; 7] = [
+pub const KERNEL_NAMES: [&str; 11] = [
     "gt_add",
     "gt_increment",
     "gt_embed_norm",
@@ -31,6 +32,10 @@ pub const KERNEL_NAMES: [&str; 7] = [
     "gt_attention_step",
     "gt_argmax_step",
     "gt_add_norm",
+    "gt_sample_step",
+    "gt_sample_advance",
+    "gt_loop_begin",
+    "gt_loop_record",
 ];
 
 const ADD: usize = 0;
@@ -40,8 +45,12 @@ const EPILOGUE: usize = 3;
 const ATTENTION_STEP: usize = 4;
 const ARGMAX_STEP: usize = 5;
 const ADD_NORM: usize = 6;
+const SAMPLE_STEP: usize = 7;
+const SAMPLE_ADVANCE: usize = 8;
+const LOOP_BEGIN: usize = 9;
+const LOOP_RECORD: usize = 10;
 
-/// Threads per block of `gt_argmax_step`.
+/// Threads per block of `gt_argmax_step` and `gt_sample_step`.
 const ARGMAX_BLOCK: u32 = 1024;
 
 /// Threads per block (the reductions in `kernels.cu` assume exactly this).
@@ -80,6 +89,13 @@ impl CudaOps {
         Ok(self
             .queue
             .launch_function(&self.module, kernel, grid, (BLOCK, 1, 1), 0, args)?)
+    }
+
+    /// Launches `kernel` on one block of [`BLOCK`] threads.
+    fn one_block(&self, kernel: usize, args: &[KernelArg]) -> Result<()> {
+        Ok(self
+            .queue
+            .launch_function(&self.module, kernel, (1, 1, 1), (BLOCK, 1, 1), 0, args)?)
     }
 
     /// Launches a grid-stride `kernel` over `n` elements.
@@ -126,6 +142,11 @@ fn arg(t: &Tensor) -> KernelArg<'_> {
 /// An optional operand: a null pointer when absent (the kernels check).
 fn opt(t: Option<&Tensor>) -> KernelArg<'_> {
     t.map_or(KernelArg::Null, arg)
+}
+
+/// The token-loop kernels' leading arguments: out, cur, left, ctl, pos.
+fn loop_args<'t>(a: &LoopArgs<'t>) -> [KernelArg<'t>; 5] {
+    [arg(a.out), arg(a.cur), arg(a.left), arg(a.ctl), arg(a.pos)]
 }
 
 /// `t` as a GEMM operand (checked against the matrix's size by `sgemm`).
@@ -282,6 +303,88 @@ impl Ops for CudaOps {
             0,
             &args,
         )?)
+    }
+
+    fn sample_step(
+        &self,
+        a: SampleArgs<'_>,
+        rows: usize,
+        cols: usize,
+        limit: i32,
+        s: Sampling,
+    ) -> Result<()> {
+        if rows > 0 {
+            let args = [
+                arg(a.out),
+                arg(a.x),
+                opt(a.bias),
+                KernelArg::U32(u32_of(cols)?),
+                arg(a.rng),
+                KernelArg::F32(s.temperature),
+                KernelArg::U32(s.top_k),
+            ];
+            self.queue.launch_function(
+                &self.module,
+                SAMPLE_STEP,
+                (u32_of(rows)?, 1, 1),
+                (ARGMAX_BLOCK, 1, 1),
+                0,
+                &args,
+            )?;
+        }
+        let args = [arg(a.rng), arg(a.pos), KernelArg::I32(limit)];
+        Ok(self.queue.launch_function(
+            &self.module,
+            SAMPLE_ADVANCE,
+            (1, 1, 1),
+            (1, 1, 1),
+            0,
+            &args,
+        )?)
+    }
+
+    fn loop_begin(
+        &self,
+        a: &LoopArgs<'_>,
+        tokens: &Tensor,
+        limits: &Tensor,
+        d: LoopDims,
+    ) -> Result<()> {
+        let [out, cur, left, ctl, pos] = loop_args(a);
+        self.one_block(
+            LOOP_BEGIN,
+            &[
+                out,
+                cur,
+                left,
+                ctl,
+                pos,
+                arg(tokens),
+                arg(limits),
+                KernelArg::U32(u32_of(d.rows)?),
+                KernelArg::U32(u32_of(d.steps)?),
+                KernelArg::I32(d.ctx),
+            ],
+        )
+    }
+
+    fn loop_record(&self, a: &LoopArgs<'_>, next: &Tensor, d: LoopDims) -> Result<()> {
+        let [out, cur, left, ctl, pos] = loop_args(a);
+        self.one_block(
+            LOOP_RECORD,
+            &[
+                out,
+                cur,
+                left,
+                ctl,
+                pos,
+                arg(next),
+                KernelArg::U32(u32_of(d.rows)?),
+                KernelArg::U32(u32_of(d.steps)?),
+                KernelArg::I32(d.ctx),
+                KernelArg::I32(d.eos),
+            ],
+        )
     }
 }
 

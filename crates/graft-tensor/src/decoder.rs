@@ -13,7 +13,9 @@
 //! [`Decoder::cache_for`]) and is its own signature key, hence its own branch of graft's tree. The same step runs three ways:
 //! [`Decoder::step_graft`] (one registered function per step, body = the whole step),
 //! [`Decoder::step_eager`] (the same ops, no graft), and [`Decoder::capture_raw`] (the same
-//! step captured once as a plain graph with the device's capture calls, no tree).
+//! step captured once as a plain graph with the device's capture calls, no tree). Sampled
+//! steps and many tokens per launch (a device-side loop, [`Decoder::generate_graft`]) are in
+//! `decoder/generate.rs`.
 
 use std::borrow::Cow;
 use std::fmt;
@@ -31,7 +33,13 @@ use crate::backend::Backend;
 use crate::collective::Collective;
 use crate::error::{Result, TensorError};
 use crate::ops;
+use crate::philox::{RNG_WORDS, rng_parts, rng_words};
+use crate::sampling::Sampling;
 use crate::tensor::{Alloc, DType, EagerAlloc, Keep, Meta, Tensor};
+
+mod generate;
+
+pub use generate::{Generated, LoopSpec};
 
 /// The token of the device's sealed capture and launch calls, which the raw-graph baseline
 /// ([`Decoder::capture_raw`]) makes itself: graft-core's token for graft's benchmarks.
@@ -380,10 +388,17 @@ impl<D: Backend> fmt::Debug for Decoder<D> {
 }
 
 /// The per-bucket decoding state: the KV caches (static, `[layers, 2, bucket, ctx, d]` in one
-/// arena) and the position (an i32 device scalar), plus the host's count of steps taken.
+/// arena), the position (an i32 device scalar) and the sampling generator's state (`[4]` u32,
+/// see [`crate::philox`]), plus the host's count of steps taken.
 pub struct KvState {
     bucket: usize,
     pos: Tensor,
+    /// The generator's key and offset (static): sampled steps draw from it and advance it.
+    rng: Tensor,
+    /// `[bucket]` i32 (static): each row's token limit, the input of a token loop.
+    limits: Tensor,
+    /// What `limits` holds, so that a launch writes it only when it changes.
+    limits_host: Vec<i32>,
     cache: Tensor,
     /// (K, V) views per layer, each `[bucket, ctx, d]`.
     kv: Vec<(Tensor, Tensor)>,
@@ -422,6 +437,27 @@ impl KvState {
     /// The position tensor (`[1]` i32 on the device).
     pub fn position(&self) -> &Tensor {
         &self.pos
+    }
+
+    /// The sampling generator's state (`[4]` u32 on the device: key lo, key hi, offset lo,
+    /// offset hi; see [`crate::philox`]).
+    pub fn rng(&self) -> &Tensor {
+        &self.rng
+    }
+
+    /// Seeds the sampling generator: key `seed`, offset 0 (written synchronously; not inside
+    /// a capture). Sampled steps then draw the same numbers however they run (eagerly,
+    /// replayed, or in a device loop). A new state starts seeded with 0.
+    pub fn seed<D: Device>(&mut self, device: &D, seed: u64) -> Result<()> {
+        self.rng.write_u32(device, &rng_words(seed, 0))
+    }
+
+    /// The generator's seed and its next step's offset, read from the device.
+    pub fn rng_state<D: Device>(&self, device: &D) -> Result<(u64, u64)> {
+        let v = self.rng.to_vec_u32(device)?;
+        let mut words = [0u32; RNG_WORDS];
+        words.copy_from_slice(&v);
+        Ok(rng_parts(words))
     }
 
     /// Starts a new sequence: position 0 (written synchronously; not inside a capture). The
@@ -683,10 +719,18 @@ impl<D: Backend> Decoder<D> {
         let cache = arena.view(0, &shape)?;
         let pos = Tensor::from_i32(alloc, &[1], &[0])?;
         pos.buffer().mark_static();
+        let rng = Tensor::from_u32(alloc, &[RNG_WORDS], &rng_words(0, 0))?;
+        rng.buffer().mark_static();
+        let limits_host = vec![0; bucket];
+        let limits = Tensor::from_i32(alloc, &[bucket], &limits_host)?;
+        limits.buffer().mark_static();
         let kv = kv_views(&cache)?;
         Ok(KvState {
             bucket,
             pos,
+            rng,
+            limits,
+            limits_host,
             cache,
             kv,
             steps: 0,
@@ -785,6 +829,38 @@ impl<D: Backend> Decoder<D> {
         state: &mut KvState,
         tokens: &Tensor,
     ) -> Result<(Tensor, Outcome)> {
+        self.check_call(state, tokens)?;
+        let mut outs = std::mem::take(&mut state.outs);
+        let st: &KvState = state;
+        let inputs = [
+            tokens.buffer(),
+            st.pos.buffer(),
+            self.arena.buffer(),
+            st.cache.buffer(),
+        ];
+        let called = graft.call_into(
+            fid,
+            &inputs,
+            &[st.bucket as u64],
+            |ctx: &mut Ctx<'_, D>| -> Result<Vec<Output<Meta>>, BodyError> {
+                let ins = self.body_inputs(st, ctx.inputs())?;
+                let next = self.forward(ctx, &ins.tokens, &ins.pos, &ins.weights, &ins.kv)?;
+                Ok(vec![next.into_output()])
+            },
+            &mut outs,
+        );
+        let result = check_outputs(called, &outs, "decode_step", 1)
+            .and_then(|outcome| Ok((Tensor::from_output(outs[0].clone())?, outcome)));
+        outs.clear();
+        state.outs = outs;
+        let (next, outcome) = result?;
+        state.steps += 1;
+        Ok((next, outcome))
+    }
+
+    /// Checks what every graft entry point checks of its tokens and state: the tokens are
+    /// the state's bucket's, a whole buffer, and the state has room for a step.
+    fn check_call(&self, state: &KvState, tokens: &Tensor) -> Result<()> {
         self.check_tokens(state, tokens)?;
         state.check_room()?;
         if !tokens.is_whole_buffer() {
@@ -795,52 +871,24 @@ impl<D: Backend> Decoder<D> {
                 buffer: tokens.buffer().len(),
             });
         }
-        let mut outs = std::mem::take(&mut state.outs);
-        let st: &KvState = state;
-        let inputs = [
-            tokens.buffer(),
-            st.pos.buffer(),
-            self.arena.buffer(),
-            st.cache.buffer(),
-        ];
-        let bucket = st.bucket;
-        let called = graft.call_into(
-            fid,
-            &inputs,
-            &[bucket as u64],
-            |ctx: &mut Ctx<'_, D>| -> Result<Vec<Output<Meta>>, BodyError> {
-                let ins = ctx.inputs();
-                let tokens = Tensor::from_buffer(ins[0].clone(), &[bucket], DType::I32)?;
-                let pos = Tensor::from_buffer(ins[1].clone(), &[1], DType::I32)?;
-                let weights = if ins[2].same_storage(self.arena.buffer()) {
-                    Cow::Borrowed(&self.weights)
-                } else {
-                    let arena =
-                        Tensor::from_buffer(ins[2].clone(), &[self.layout.total], DType::F32)?;
-                    Cow::Owned(Weights::views(&arena, &self.layout, self.config.layers)?)
-                };
-                let kv = st.views_for(&ins[3])?;
-                let next = self.forward(ctx, &tokens, &pos, &weights, &kv)?;
-                Ok(vec![next.into_output()])
-            },
-            &mut outs,
-        );
-        let result = called.map_err(TensorError::from).and_then(|outcome| {
-            let found = outs.len();
-            match outs.pop() {
-                Some(o) if found == 1 => Tensor::from_output(o).map(|t| (t, outcome)),
-                _ => Err(TensorError::Outputs {
-                    function: "decode_step",
-                    expected: 1,
-                    found,
-                }),
-            }
-        });
-        outs.clear();
-        state.outs = outs;
-        let next = result?;
-        state.steps += 1;
-        Ok(next)
+        Ok(())
+    }
+
+    /// The tensors of a body's inputs: tokens, position, weights and caches (the first four
+    /// inputs of every registered decode function), as views of the buffers the body got.
+    fn body_inputs<'s>(&'s self, st: &'s KvState, ins: &[Buffer]) -> Result<BodyInputs<'s>> {
+        let weights = if ins[2].same_storage(self.arena.buffer()) {
+            Cow::Borrowed(&self.weights)
+        } else {
+            let arena = Tensor::from_buffer(ins[2].clone(), &[self.layout.total], DType::F32)?;
+            Cow::Owned(Weights::views(&arena, &self.layout, self.config.layers)?)
+        };
+        Ok(BodyInputs {
+            tokens: Tensor::from_buffer(ins[0].clone(), &[st.bucket], DType::I32)?,
+            pos: Tensor::from_buffer(ins[1].clone(), &[1], DType::I32)?,
+            weights,
+            kv: st.views_for(&ins[3])?,
+        })
     }
 
     /// One step eagerly, without graft: the same ops, allocating from `alloc` (e.g. a
@@ -926,6 +974,50 @@ impl<D: Backend> Decoder<D> {
         w: &Weights,
         kv: &[(Tensor, Tensor)],
     ) -> Result<Tensor> {
+        let logits = self.logits(cx, tokens, pos, w, kv)?;
+        ops::argmax_step(
+            &self.kernels,
+            cx,
+            &logits,
+            Some(&w.lm_b),
+            pos,
+            self.config.ctx as i32,
+        )
+    }
+
+    /// The step, picking the next tokens as `sampling` says: greedy is [`Decoder::forward`]'s
+    /// argmax (which leaves the generator `rng` as it is), otherwise a sampling step drawing
+    /// from `rng` and advancing it. Position + 1 either way.
+    #[allow(clippy::too_many_arguments)]
+    fn forward_sampled<A: Alloc<D> + ?Sized>(
+        &self,
+        cx: &mut A,
+        tokens: &Tensor,
+        pos: &Tensor,
+        w: &Weights,
+        kv: &[(Tensor, Tensor)],
+        rng: &Tensor,
+        sampling: Sampling,
+    ) -> Result<Tensor> {
+        if sampling.is_greedy() {
+            return self.forward(cx, tokens, pos, w, kv);
+        }
+        let logits = self.logits(cx, tokens, pos, w, kv)?;
+        let limit = self.config.ctx as i32;
+        let k = &self.kernels;
+        ops::sample_step(k, cx, &logits, Some(&w.lm_b), pos, rng, limit, sampling)
+    }
+
+    /// Embed, blocks, final norm and the LM head's product: the logits `[bucket, vocab]`
+    /// (without the LM head's bias, which the token pick adds).
+    fn logits<A: Alloc<D> + ?Sized>(
+        &self,
+        cx: &mut A,
+        tokens: &Tensor,
+        pos: &Tensor,
+        w: &Weights,
+        kv: &[(Tensor, Tensor)],
+    ) -> Result<Tensor> {
         let c = &self.config;
         let k = &self.kernels;
         let (_, heads) = self.local_dims();
@@ -960,9 +1052,33 @@ impl<D: Backend> Decoder<D> {
             (x, h) = ops::add_norm(k, cx, &x1, &f, Some(&l.b2), gamma, beta, c.eps)?;
         }
         drop(x);
-        let logits = ops::linear(k, cx, &h, &w.lm_w, None, None, false)?;
-        drop(h);
-        let next = ops::argmax_step(k, cx, &logits, Some(&w.lm_b), pos, c.ctx as i32)?;
-        Ok(next)
+        ops::linear(k, cx, &h, &w.lm_w, None, None, false)
     }
+}
+
+/// What a decode body reads from its inputs ([`Decoder::body_inputs`]).
+struct BodyInputs<'s> {
+    tokens: Tensor,
+    pos: Tensor,
+    weights: Cow<'s, Weights>,
+    kv: Cow<'s, [(Tensor, Tensor)]>,
+}
+
+/// What graft did in a call that should have returned `expected` outputs (in `outs`), or why
+/// it failed.
+fn check_outputs(
+    called: Result<Outcome, graft_core::CallError>,
+    outs: &[Output<Meta>],
+    function: &'static str,
+    expected: usize,
+) -> Result<Outcome> {
+    let outcome = called?;
+    if outs.len() != expected {
+        return Err(TensorError::Outputs {
+            function,
+            expected,
+            found: outs.len(),
+        });
+    }
+    Ok(outcome)
 }

@@ -127,6 +127,44 @@ pub enum TensorError {
         /// What is wrong.
         what: &'static str,
     },
+    /// A sampling temperature that is negative or not a number.
+    #[error(
+        "sampling temperature {temperature} is negative or not finite; pass 0 for greedy decoding or a positive finite temperature"
+    )]
+    Temperature {
+        /// The temperature passed.
+        temperature: f32,
+    },
+    /// A token loop asked for no tokens, or for more than a launch can hold.
+    #[error(
+        "a token loop of {max_tokens} tokens per launch cannot run; pass max_tokens from 1 to {max}"
+    )]
+    LoopLength {
+        /// Tokens per launch asked for.
+        max_tokens: usize,
+        /// The most a launch of this batch can hold.
+        max: usize,
+    },
+    /// An end token outside the vocabulary.
+    #[error(
+        "end token {eos} is outside the vocabulary 0..{vocab}; pass a token id of the vocabulary, or none"
+    )]
+    EosOutOfRange {
+        /// The end token.
+        eos: i32,
+        /// Vocabulary size.
+        vocab: usize,
+    },
+    /// More token limits than rows.
+    #[error(
+        "{found} token limits were passed for a state of {bucket} rows; pass one limit per real row"
+    )]
+    Limits {
+        /// Limits passed.
+        found: usize,
+        /// Rows of the state.
+        bucket: usize,
+    },
     /// A graft call returned no output where one was expected.
     #[error(
         "{function} returned {found} outputs, expected {expected}; this is a bug in graft-tensor"

@@ -310,16 +310,15 @@ __device__ __forceinline__ bool gt_better(float v, unsigned int i, float bv, uns
     return v > bv || (v == bv && i < bi);
 }
 
-// grid: rows, block: any multiple of 32 up to 1024. First index of the maximum of row r of
-// x + bias (bias optional; NaNs never win, all-NaN gives 0); then block 0 advances the position:
-// pos = min(pos + 1, limit) (nothing before it in this kernel reads pos). The winner is the
-// same whatever order entries are visited in (a total order: value, then lower index).
+// Block-wide first index of the maximum of row + bias (bias optional; NaNs never win): every
+// thread gets it (0xffffffff when every entry is NaN) and its value in *best. The winner is the
+// same whatever order entries are visited in (a total order: value, then lower index). Block:
+// any multiple of 32 up to 1024.
 #define GT_ARGMAX_UNROLL 8
-extern "C" __global__ void gt_argmax_step(int* out, const float* x, const float* bias,
-                                          unsigned int cols, int* pos, int limit) {
+__device__ unsigned int gt_row_argmax(const float* row, const float* bias, unsigned int cols,
+                                      float* best_value) {
     __shared__ float bv[32];
     __shared__ unsigned int bi[32];
-    const float* row = x + (unsigned long long)blockIdx.x * cols;
     float best = GT_NEG_INF;
     unsigned int idx = 0xffffffffu;
     for (unsigned int base = 0; base < cols; base += blockDim.x * GT_ARGMAX_UNROLL) {
@@ -352,18 +351,273 @@ extern "C" __global__ void gt_argmax_step(int* out, const float* x, const float*
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-        best = bv[0];
-        idx = bi[0];
         for (unsigned int w = 1; w < blockDim.x / 32; ++w) {
-            if (gt_better(bv[w], bi[w], best, idx)) {
-                best = bv[w];
-                idx = bi[w];
+            if (gt_better(bv[w], bi[w], bv[0], bi[0])) {
+                bv[0] = bv[w];
+                bi[0] = bi[w];
             }
         }
+    }
+    __syncthreads();
+    *best_value = bv[0];
+    idx = bi[0];
+    __syncthreads();
+    return idx;
+}
+
+// grid: rows, block: any multiple of 32 up to 1024. First index of the maximum of row r of
+// x + bias (gt_row_argmax; all-NaN gives 0); then block 0 advances the position:
+// pos = min(pos + 1, limit) (nothing before it in this kernel reads pos).
+extern "C" __global__ void gt_argmax_step(int* out, const float* x, const float* bias,
+                                          unsigned int cols, int* pos, int limit) {
+    float best;
+    unsigned int idx = gt_row_argmax(x + (unsigned long long)blockIdx.x * cols, bias, cols, &best);
+    if (threadIdx.x == 0) {
         out[blockIdx.x] = idx == 0xffffffffu ? 0 : (int)idx;
         if (blockIdx.x == 0 && pos) {
             int p = *pos;
             *pos = p < limit ? p + 1 : limit;
         }
+    }
+}
+
+// ---- Sampling (the rule of sampling.rs, the generator of philox.rs) ----
+
+// Philox4x32-10 under key (k0, k1): the first word of block (c0, c1, c2, c3).
+__device__ unsigned int gt_philox_first(unsigned int k0, unsigned int k1, unsigned int c0,
+                                        unsigned int c1, unsigned int c2, unsigned int c3) {
+#pragma unroll
+    for (int round = 0; round < 10; ++round) {
+        if (round > 0) {
+            k0 += 0x9E3779B9u;
+            k1 += 0xBB67AE85u;
+        }
+        unsigned int hi0 = __umulhi(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
+        unsigned int hi1 = __umulhi(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
+        c0 = hi1 ^ c1 ^ k0;
+        c1 = lo1;
+        c2 = hi0 ^ c3 ^ k1;
+        c3 = lo0;
+    }
+    return c0;
+}
+
+// A total order on f32 bits (sampling.rs's order_key): NaN is 0, below everything.
+__device__ __forceinline__ unsigned int gt_order_key(float v) {
+    if (v != v) return 0u;
+    unsigned int b = __float_as_uint(v);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+// Adds 1 to hist[digit] for every lane of the warp that is `active`, with one shared atomic
+// per distinct digit (lanes of a digit found by ballots over its 8 bits). Every lane of the
+// warp must call it.
+__device__ __forceinline__ void gt_warp_count(unsigned int* hist, unsigned int digit,
+                                              bool active) {
+    unsigned int peers = __ballot_sync(0xffffffffu, active);
+#pragma unroll
+    for (int b = 0; b < 8; ++b) {
+        unsigned int one = (digit >> b) & 1u;
+        unsigned int bit = __ballot_sync(0xffffffffu, one);
+        peers &= one ? bit : ~bit;
+    }
+    if (active && (threadIdx.x & 31u) == (unsigned int)(__ffs(peers) - 1)) {
+        atomicAdd(&hist[digit], (unsigned int)__popc(peers));
+    }
+}
+
+// The order key of the k-th largest entry of row + bias (1 <= k <= cols), by a radix select
+// over the keys' bytes, most significant first. Integer counts only, so exact. Block: a
+// multiple of 32, at least 256.
+__device__ unsigned int gt_kth_key(const float* row, const float* bias, unsigned int cols,
+                                   unsigned int k, unsigned int* hist, unsigned int* sel) {
+    unsigned int prefix = 0u, mask = 0u;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (unsigned int i = threadIdx.x; i < 256u; i += blockDim.x) hist[i] = 0u;
+        __syncthreads();
+        for (unsigned int base = 0; base < cols; base += blockDim.x) {
+            unsigned int c = base + threadIdx.x;
+            unsigned int key = c < cols ? gt_order_key(row[c] + (bias ? bias[c] : 0.0f)) : 0u;
+            gt_warp_count(hist, (key >> shift) & 255u, c < cols && (key & mask) == prefix);
+        }
+        __syncthreads();
+        if (threadIdx.x < 32) {
+            // Lane l counts digits 255 - 8l down to 248 - 8l; exactly one lane holds the k-th.
+            unsigned int lane = threadIdx.x, top = 255u - 8u * lane, s = 0u;
+            for (unsigned int d = 0; d < 8u; ++d) s += hist[top - d];
+            unsigned int incl = s;
+            for (int o = 1; o < 32; o <<= 1) {
+                unsigned int n = __shfl_up_sync(0xffffffffu, incl, o);
+                if ((int)lane >= o) incl += n;
+            }
+            unsigned int run = incl - s;
+            if (run < k && k <= incl) {
+                for (unsigned int d = 0; d < 8u; ++d) {
+                    unsigned int h = hist[top - d];
+                    if (run + h >= k) {
+                        sel[0] = top - d;
+                        sel[1] = k - run;
+                        break;
+                    }
+                    run += h;
+                }
+            }
+        }
+        __syncthreads();
+        prefix |= sel[0] << shift;
+        mask |= 255u << shift;
+        k = sel[1];
+        __syncthreads();
+    }
+    return prefix;
+}
+
+// Inclusive block scan of v in thread order (a fixed pattern: Hillis-Steele within warps,
+// then over the warps' totals); *total gets the last thread's result. wsum: 33 floats.
+__device__ float gt_block_scan(float v, float* wsum, float* total) {
+    unsigned int lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+    for (int o = 1; o < 32; o <<= 1) {
+        float n = __shfl_up_sync(0xffffffffu, v, o);
+        if ((int)lane >= o) v += n;
+    }
+    if (lane == 31u) wsum[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        float t = lane < blockDim.x / 32 ? wsum[lane] : 0.0f;
+        for (int o = 1; o < 32; o <<= 1) {
+            float n = __shfl_up_sync(0xffffffffu, t, o);
+            if ((int)lane >= o) t += n;
+        }
+        wsum[lane] = t;
+    }
+    __syncthreads();
+    float r = (warp > 0 ? wsum[warp - 1] : 0.0f) + v;
+    if (threadIdx.x == blockDim.x - 1) wsum[32] = r;
+    __syncthreads();
+    *total = wsum[32];
+    __syncthreads();
+    return r;
+}
+
+// The running sums of the kept entries' weights exp((v - m) / temp) (kept: order key at
+// least thr, not NaN) in index order, a block-wide chunk at a time. Returns the total; with
+// target >= 0, stops at the first chunk where a running sum exceeds target and puts the
+// lowest such index in *pick (shared, preset to 0xffffffff by the caller).
+__device__ float gt_weight_scan(const float* row, const float* bias, unsigned int cols, float m,
+                                float temp, unsigned int thr, float target, float* wsum,
+                                unsigned int* pick) {
+    float running = 0.0f;
+    for (unsigned int base = 0; base < cols; base += blockDim.x) {
+        unsigned int c = base + threadIdx.x;
+        float w = 0.0f;
+        if (c < cols) {
+            float v = row[c] + (bias ? bias[c] : 0.0f);
+            unsigned int key = gt_order_key(v);
+            if (key != 0u && key >= thr) w = expf((v - m) / temp);
+        }
+        float chunk;
+        float cum = running + gt_block_scan(w, wsum, &chunk);
+        if (target >= 0.0f) {
+            bool hit = c < cols && cum > target;
+            if (__syncthreads_or(hit)) {
+                if (hit) atomicMin(pick, c);
+                __syncthreads();
+                return running;
+            }
+        }
+        running = running + chunk;
+    }
+    return running;
+}
+
+// grid: rows, block: 1024 (a multiple of 32, at least 256). Row r's token from x + bias as
+// sampling.rs's sample_row picks it, with the uniform of Philox counter (offset, r) under the
+// key of rng = (key lo, key hi, offset lo, offset hi). Reads rng only: gt_sample_advance moves
+// it on after every row has drawn.
+extern "C" __global__ void gt_sample_step(int* out, const float* x, const float* bias,
+                                          unsigned int cols, const unsigned int* rng, float temp,
+                                          unsigned int top_k) {
+    __shared__ unsigned int hist[256];
+    __shared__ unsigned int sel[2];
+    __shared__ float wsum[33];
+    __shared__ unsigned int pick;
+    const float* row = x + (unsigned long long)blockIdx.x * cols;
+    float m;
+    unsigned int best = gt_row_argmax(row, bias, cols, &m);
+    bool infinite = (__float_as_uint(m) & 0x7fffffffu) == 0x7f800000u;
+    if (best == 0xffffffffu || temp == 0.0f || infinite) {
+        if (threadIdx.x == 0) out[blockIdx.x] = best == 0xffffffffu ? 0 : (int)best;
+        return;
+    }
+    unsigned int thr = 1u;
+    if (top_k > 0u && top_k < cols) thr = gt_kth_key(row, bias, cols, top_k, hist, sel);
+    float u = (float)(gt_philox_first(rng[0], rng[1], rng[2], rng[3], blockIdx.x, 0u) >> 8) *
+              (1.0f / 16777216.0f);
+    if (threadIdx.x == 0) pick = 0xffffffffu;
+    float total = gt_weight_scan(row, bias, cols, m, temp, thr, -1.0f, wsum, &pick);
+    gt_weight_scan(row, bias, cols, m, temp, thr, u * total, wsum, &pick);
+    __syncthreads();
+    if (threadIdx.x == 0) out[blockIdx.x] = pick == 0xffffffffu ? (int)best : (int)pick;
+}
+
+// One thread: the generator's offset += 1 (64-bit) and pos = min(pos + 1, limit): the end of a
+// sampling step, after gt_sample_step.
+extern "C" __global__ void gt_sample_advance(unsigned int* rng, int* pos, int limit) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        unsigned int lo = rng[2] + 1u;
+        rng[2] = lo;
+        if (lo == 0u) rng[3] += 1u;
+        int p = *pos;
+        *pos = p < limit ? p + 1 : limit;
+    }
+}
+
+// ---- Token loops (generate.rs): one block ----
+
+// out[0 .. steps * rows) = -1 (PAD), cur = tokens, left = limits, ctl = (flag, iteration 0):
+// the flag is set if steps > 0, *pos < ctx and some row has a limit above 0.
+extern "C" __global__ void gt_loop_begin(int* out, int* cur, int* left, unsigned int* ctl,
+                                         const int* pos, const int* tokens, const int* limits,
+                                         unsigned int rows, unsigned int steps, int ctx) {
+    int active = 0;
+    for (unsigned int r = threadIdx.x; r < rows; r += blockDim.x) {
+        cur[r] = tokens[r];
+        int l = limits[r];
+        left[r] = l;
+        active |= l > 0;
+    }
+    unsigned long long n = (unsigned long long)steps * rows;
+    for (unsigned long long i = threadIdx.x; i < n; i += blockDim.x) out[i] = -1;
+    int any = __syncthreads_or(active);
+    if (threadIdx.x == 0) {
+        ctl[0] = (any && steps > 0u && *pos < ctx) ? 1u : 0u;
+        ctl[1] = 0u;
+    }
+}
+
+// The end of iteration i = ctl[1]: each row with tokens left writes next into out[i] and has
+// one fewer left (none after eos); cur = next; ctl = (flag, i + 1), the flag set while
+// i + 1 < steps, *pos < ctx and some row has tokens left.
+extern "C" __global__ void gt_loop_record(int* out, int* cur, int* left, unsigned int* ctl,
+                                          const int* pos, const int* next, unsigned int rows,
+                                          unsigned int steps, int ctx, int eos) {
+    unsigned int i = ctl[1];
+    int active = 0;
+    for (unsigned int r = threadIdx.x; r < rows; r += blockDim.x) {
+        int t = next[r];
+        int l = left[r];
+        if (l > 0 && i < steps) {
+            out[(unsigned long long)i * rows + r] = t;
+            l = t == eos ? 0 : l - 1;
+            left[r] = l;
+        }
+        cur[r] = t;
+        active |= l > 0;
+    }
+    // Also orders every thread's read of ctl[1] before thread 0 writes it.
+    int any = __syncthreads_or(active);
+    if (threadIdx.x == 0) {
+        ctl[0] = (any && i + 1u < steps && *pos < ctx) ? 1u : 0u;
+        ctl[1] = i + 1u;
     }
 }

@@ -12,12 +12,16 @@
 //!   and cuBLAS, through graft-cuda's safe API).
 //! - [`ops`]: the tensor operations the decoder uses (fused embedding + norm, linear with
 //!   bias, GELU and residual, residual add + norm, single-token attention over a KV cache at
-//!   a device-held position, argmax + position increment) and an elementwise add,
-//!   shape-checked, on any backend.
+//!   a device-held position, argmax + position increment, sampling + position increment, a
+//!   token loop's bookkeeping) and an elementwise add, shape-checked, on any backend.
 //! - [`Decoder`]: the benchmark decoder, stepped through graft ([`Decoder::step_graft`]),
 //!   eagerly ([`Decoder::step_eager`]) or as one raw graph ([`Decoder::capture_raw`]); on one
 //!   device, or one rank of it split tensor-parallel ([`Decoder::new_sharded`]) with the
 //!   all-reduces of a [`Collective`] (NCCL on CUDA, an in-process one on the simulator).
+//! - Many tokens per launch: [`Decoder::generate_graft`] loops K steps on the device in one
+//!   graft call ([`LoopSpec`]: K, end token, [`Sampling`]), [`Decoder::generate_per_step`] is
+//!   the same with one call and one host read per token; tokens are picked greedily or
+//!   sampled (temperature, top-k) with [`philox`] draws from a generator state on the device.
 //!
 //! On one backend, graft replay and eager execution run the same kernels on the same data, so
 //! they produce identical tokens; the simulator and CUDA agree closely but not bitwise.
@@ -29,17 +33,23 @@ mod cuda;
 mod decoder;
 mod error;
 pub mod ops;
+pub mod philox;
+pub mod sampling;
 mod sim;
 mod tensor;
 
 pub use backend::{
     AddNormArgs, ArgmaxArgs, AttentionArgs, AttnDims, Backend, EmbedDims, EmbedNormArgs,
-    LinearArgs, MatmulDims, NormDims, Ops,
+    LinearArgs, LoopArgs, LoopDims, MatmulDims, NormDims, Ops, SampleArgs,
 };
 pub use collective::Collective;
 pub use cuda::{CudaOps, KERNEL_NAMES, KERNELS_CU};
-pub use decoder::{Decoder, DecoderConfig, KvState, RawGraph, default_buckets};
+pub use decoder::{
+    Decoder, DecoderConfig, Generated, KvState, LoopSpec, RawGraph, default_buckets,
+};
 pub use error::{Result, TensorError};
+pub use ops::PAD;
+pub use sampling::Sampling;
 pub use sim::SimOps;
 pub use tensor::{Alloc, DType, EagerAlloc, Keep, Meta, Tensor, numel};
 

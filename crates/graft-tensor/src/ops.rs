@@ -4,11 +4,17 @@
 //!
 //! Nothing here reads device memory on the host, so every op is legal inside a captured body.
 
+mod token_loop;
+
+pub use token_loop::{PAD, TokenLoop, loop_begin, loop_record};
+
 use crate::backend::{
     AddNormArgs, ArgmaxArgs, AttentionArgs, AttnDims, Backend, EmbedDims, EmbedNormArgs,
-    LinearArgs, MatmulDims, NormDims, Ops,
+    LinearArgs, MatmulDims, NormDims, Ops, SampleArgs,
 };
 use crate::error::{Result, TensorError};
+use crate::philox::RNG_WORDS;
+use crate::sampling::Sampling;
 use crate::tensor::{Alloc, DType, Tensor};
 
 fn shape_is(op: &'static str, operand: &'static str, t: &Tensor, want: &[usize]) -> Result<()> {
@@ -289,6 +295,65 @@ pub fn attention_step<D: Backend, A: Alloc<D> + ?Sized>(
     Ok(out)
 }
 
+/// Logits `x` `[rows, cols]` f32 whose columns index an i32 and rows a u32 (the pickers'
+/// counters); returns `(rows, cols)`.
+fn logits_dims(op: &'static str, x: &Tensor) -> Result<(usize, usize)> {
+    dtype_is(op, "x", x, DType::F32)?;
+    let (rows, cols) = matrix(op, "x", x)?;
+    if cols == 0 || i32::try_from(cols).is_err() || u32::try_from(rows).is_err() {
+        return Err(TensorError::Shape {
+            op,
+            operand: "x",
+            expected: vec![
+                rows.min(u32::MAX as usize),
+                cols.clamp(1, i32::MAX as usize),
+            ],
+            found: x.shape().to_vec(),
+        });
+    }
+    Ok((rows, cols))
+}
+
+/// Each row's next token from `x + bias` (`x` `[rows, cols]` f32, `bias` `[cols]` optional) as
+/// `sampling` says ([`crate::sampling`]: greedy picks what [`argmax_step`] picks), row `r`
+/// drawing the uniform of counter (offset, r) of the generator state `rng` (`[4]` u32, see
+/// [`crate::philox`]); then, on the device, the offset advances by one and
+/// `pos = min(pos + 1, limit)`. Returns the tokens, `[rows]` i32.
+#[allow(clippy::too_many_arguments)]
+pub fn sample_step<D: Backend, A: Alloc<D> + ?Sized>(
+    k: &D::Ops,
+    cx: &mut A,
+    x: &Tensor,
+    bias: Option<&Tensor>,
+    pos: &Tensor,
+    rng: &Tensor,
+    limit: i32,
+    sampling: Sampling,
+) -> Result<Tensor> {
+    const OP: &str = "sample_step";
+    sampling.check()?;
+    let (rows, cols) = logits_dims(OP, x)?;
+    position(OP, pos)?;
+    dtype_is(OP, "rng", rng, DType::U32)?;
+    shape_is(OP, "rng", rng, &[RNG_WORDS])?;
+    let bias = vector(OP, "bias", bias, cols)?;
+    let out = Tensor::empty(cx, &[rows], DType::I32)?;
+    k.sample_step(
+        SampleArgs {
+            out: &out,
+            x,
+            bias,
+            pos,
+            rng,
+        },
+        rows,
+        cols,
+        limit,
+        sampling,
+    )?;
+    Ok(out)
+}
+
 /// The row-wise argmax of `x + bias` (`bias` `[cols]`, optional), then `pos = min(pos + 1, limit)` on the device: the end
 /// of a decode step, in one op.
 pub fn argmax_step<D: Backend, A: Alloc<D> + ?Sized>(
@@ -300,17 +365,8 @@ pub fn argmax_step<D: Backend, A: Alloc<D> + ?Sized>(
     limit: i32,
 ) -> Result<Tensor> {
     const OP: &str = "argmax_step";
-    dtype_is(OP, "x", x, DType::F32)?;
+    let (rows, cols) = logits_dims(OP, x)?;
     position(OP, pos)?;
-    let (rows, cols) = matrix(OP, "x", x)?;
-    if cols == 0 || i32::try_from(cols).is_err() {
-        return Err(TensorError::Shape {
-            op: OP,
-            operand: "x",
-            expected: vec![rows, cols.clamp(1, i32::MAX as usize)],
-            found: x.shape().to_vec(),
-        });
-    }
     let bias = vector(OP, "bias", bias, cols)?;
     let out = Tensor::empty(cx, &[rows], DType::I32)?;
     k.argmax_step(

@@ -10,9 +10,11 @@ use graft_sim::{SimDevice, SimMemory, SimQueue};
 
 use crate::backend::{
     AddNormArgs, ArgmaxArgs, AttentionArgs, AttnDims, Backend, EmbedDims, EmbedNormArgs,
-    LinearArgs, MatmulDims, NormDims, Ops,
+    LinearArgs, LoopArgs, LoopDims, MatmulDims, NormDims, Ops, SampleArgs,
 };
 use crate::error::Result;
+use crate::philox::{self, RNG_WORDS};
+use crate::sampling::{self, Sampling};
 use crate::tensor::Tensor;
 
 fn f32s(m: &SimMemory, p: DevicePtr, n: usize) -> std::result::Result<Vec<f32>, DeviceError> {
@@ -72,24 +74,29 @@ fn host_linear(xs: &[f32], ws: &[f32], bias: Option<&[f32]>, d: MatmulDims) -> V
     o
 }
 
-/// Index of the largest entry of each row (first on ties, NaNs never win, all-NaN gives 0).
-fn argmax_rows(v: &[f32], rows: usize, cols: usize) -> Vec<i32> {
-    v.chunks_exact(cols.max(1))
-        .take(rows)
-        .map(|row| {
-            let mut best = 0usize;
-            let mut best_v = f32::NEG_INFINITY;
-            let mut found = false;
-            for (j, &x) in row.iter().enumerate() {
-                if !x.is_nan() && (!found || x > best_v) {
-                    best = j;
-                    best_v = x;
-                    found = true;
-                }
-            }
-            best as i32
-        })
-        .collect()
+/// `x + bias` (`bias` optional, `[cols]`) for `rows` rows.
+fn logits(
+    m: &SimMemory,
+    x: DevicePtr,
+    bias: Option<DevicePtr>,
+    rows: usize,
+    cols: usize,
+) -> std::result::Result<Vec<f32>, DeviceError> {
+    let mut v = f32s(m, x, rows * cols)?;
+    if let Some(b) = bias {
+        let bs = f32s(m, b, cols)?;
+        for row in v.chunks_exact_mut(cols.max(1)) {
+            row.iter_mut().zip(&bs).for_each(|(v, b)| *v += b);
+        }
+    }
+    Ok(v)
+}
+
+/// The device position's raw value.
+fn position_value(m: &SimMemory, pos: DevicePtr) -> std::result::Result<i32, DeviceError> {
+    let mut p = [0i32];
+    m.read_i32(pos, &mut p)?;
+    Ok(p[0])
 }
 
 fn increment_at(
@@ -97,9 +104,8 @@ fn increment_at(
     pos: DevicePtr,
     limit: i32,
 ) -> std::result::Result<(), DeviceError> {
-    let mut p = [0i32];
-    m.read_i32(pos, &mut p)?;
-    m.write_i32(pos, &[p[0].saturating_add(1).min(limit)])
+    let p = position_value(m, pos)?;
+    m.write_i32(pos, &[p.saturating_add(1).min(limit)])
 }
 
 /// The decoder's kernels on a simulated device: host loops launched on its queue.
@@ -120,6 +126,20 @@ impl SimOps {
     /// buffer still owns.
     fn at(&self, t: &Tensor) -> Result<DevicePtr> {
         Ok(self.queue.buffer_addr(t.buffer(), t.offset(), t.bytes())?)
+    }
+
+    /// The addresses of a token loop's state: out, cur, left, ctl, pos.
+    fn loop_ptrs(
+        &self,
+        a: &LoopArgs<'_>,
+    ) -> Result<(DevicePtr, DevicePtr, DevicePtr, DevicePtr, DevicePtr)> {
+        Ok((
+            self.at(a.out)?,
+            self.at(a.cur)?,
+            self.at(a.left)?,
+            self.at(a.ctl)?,
+            self.at(a.pos)?,
+        ))
     }
 
     /// The address of `t`'s first element, if there is a `t`.
@@ -275,15 +295,84 @@ impl Ops for SimOps {
             self.at(a.pos)?,
         );
         Ok(self.queue.launch_kernel("argmax_step", move |m| {
-            let mut v = f32s(m, x, rows * cols)?;
-            if let Some(b) = bias {
-                let bs = f32s(m, b, cols)?;
-                for row in v.chunks_exact_mut(cols.max(1)) {
-                    row.iter_mut().zip(&bs).for_each(|(v, b)| *v += b);
+            let v = logits(m, x, bias, rows, cols)?;
+            let top: Vec<i32> = v
+                .chunks_exact(cols.max(1))
+                .take(rows)
+                .map(|row| sampling::argmax(row).unwrap_or(0) as i32)
+                .collect();
+            m.write_i32(out, &top)?;
+            increment_at(m, pos, limit)
+        })?)
+    }
+
+    fn sample_step(
+        &self,
+        a: SampleArgs<'_>,
+        rows: usize,
+        cols: usize,
+        limit: i32,
+        s: Sampling,
+    ) -> Result<()> {
+        let (out, x, bias) = (self.at(a.out)?, self.at(a.x)?, self.opt(a.bias)?);
+        let (pos, rng) = (self.at(a.pos)?, self.at(a.rng)?);
+        Ok(self.queue.launch_kernel("sample_step", move |m| {
+            let v = logits(m, x, bias, rows, cols)?;
+            let mut words = [0u32; RNG_WORDS];
+            m.read_u32(rng, &mut words)?;
+            let (seed, offset) = philox::rng_parts(words);
+            let picks: Vec<i32> = v
+                .chunks_exact(cols.max(1))
+                .take(rows)
+                .enumerate()
+                .map(|(r, row)| sampling::sample_row(row, s, philox::draw(seed, offset, r as u32)))
+                .collect();
+            m.write_i32(out, &picks)?;
+            m.write_u32(rng, &philox::rng_words(seed, offset.wrapping_add(1)))?;
+            increment_at(m, pos, limit)
+        })?)
+    }
+
+    fn loop_begin(
+        &self,
+        a: &LoopArgs<'_>,
+        tokens: &Tensor,
+        limits: &Tensor,
+        d: LoopDims,
+    ) -> Result<()> {
+        let (out, cur, left, ctl, pos) = self.loop_ptrs(a)?;
+        let (tokens, limits) = (self.at(tokens)?, self.at(limits)?);
+        Ok(self.queue.launch_kernel("loop_begin", move |m| {
+            let lim = i32s(m, limits, d.rows)?;
+            let toks = i32s(m, tokens, d.rows)?;
+            m.write_i32(out, &vec![crate::PAD; d.steps * d.rows])?;
+            m.write_i32(cur, &toks)?;
+            m.write_i32(left, &lim)?;
+            let run = d.steps > 0 && position_value(m, pos)? < d.ctx && lim.iter().any(|&l| l > 0);
+            m.write_u32(ctl, &[u32::from(run), 0])
+        })?)
+    }
+
+    fn loop_record(&self, a: &LoopArgs<'_>, next: &Tensor, d: LoopDims) -> Result<()> {
+        let (out, cur, left, ctl, pos) = self.loop_ptrs(a)?;
+        let next = self.at(next)?;
+        Ok(self.queue.launch_kernel("loop_record", move |m| {
+            let mut c = [0u32; 2];
+            m.read_u32(ctl, &mut c)?;
+            let i = c[1] as usize;
+            let tokens = i32s(m, next, d.rows)?;
+            let mut lefts = i32s(m, left, d.rows)?;
+            for (r, (&t, l)) in tokens.iter().zip(lefts.iter_mut()).enumerate() {
+                if *l > 0 && i < d.steps {
+                    m.write_i32(out.offset((i * d.rows + r) * 4), &[t])?;
+                    *l = if t == d.eos { 0 } else { *l - 1 };
                 }
             }
-            m.write_i32(out, &argmax_rows(&v, rows, cols))?;
-            increment_at(m, pos, limit)
+            m.write_i32(left, &lefts)?;
+            m.write_i32(cur, &tokens)?;
+            let run =
+                i + 1 < d.steps && position_value(m, pos)? < d.ctx && lefts.iter().any(|&l| l > 0);
+            m.write_u32(ctl, &[u32::from(run), c[1].wrapping_add(1)])
         })?)
     }
 }

@@ -15,6 +15,8 @@ pub enum DType {
     F32,
     /// 32-bit signed integer (token ids, positions).
     I32,
+    /// 32-bit unsigned integer (random generator state, loop flags).
+    U32,
 }
 
 impl DType {
@@ -29,6 +31,7 @@ impl fmt::Display for DType {
         f.write_str(match self {
             DType::F32 => "f32",
             DType::I32 => "i32",
+            DType::U32 => "u32",
         })
     }
 }
@@ -151,6 +154,17 @@ impl Tensor {
     ) -> Result<Tensor> {
         let t = Tensor::empty(alloc, shape, DType::I32)?;
         t.write_i32(alloc.device(), data)?;
+        Ok(t)
+    }
+
+    /// A new u32 tensor holding `data` (written synchronously: not inside a captured body).
+    pub fn from_u32<D: Device, A: EagerAlloc<D> + ?Sized>(
+        alloc: &mut A,
+        shape: &[usize],
+        data: &[u32],
+    ) -> Result<Tensor> {
+        let t = Tensor::empty(alloc, shape, DType::U32)?;
+        t.write_u32(alloc.device(), data)?;
         Ok(t)
     }
 
@@ -290,6 +304,16 @@ impl Tensor {
             .collect())
     }
 
+    /// Copies the tensor to the host as u32s (synchronizes the device).
+    pub fn to_vec_u32<D: Device>(&self, device: &D) -> Result<Vec<u32>> {
+        self.check_dtype("to_vec_u32", DType::U32)?;
+        Ok(self
+            .read_bytes(device)?
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect())
+    }
+
     /// Writes host f32s into the tensor (synchronously: not inside a captured body).
     pub fn write_f32<D: Device>(&self, device: &D, data: &[f32]) -> Result<()> {
         self.check_dtype("write_f32", DType::F32)?;
@@ -301,6 +325,14 @@ impl Tensor {
     /// Writes host i32s into the tensor (synchronously: not inside a captured body).
     pub fn write_i32<D: Device>(&self, device: &D, data: &[i32]) -> Result<()> {
         self.check_dtype("write_i32", DType::I32)?;
+        self.check_len(data.len())?;
+        let raw: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
+        self.write_bytes(device, &raw)
+    }
+
+    /// Writes host u32s into the tensor (synchronously: not inside a captured body).
+    pub fn write_u32<D: Device>(&self, device: &D, data: &[u32]) -> Result<()> {
+        self.check_dtype("write_u32", DType::U32)?;
         self.check_len(data.len())?;
         let raw: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
         self.write_bytes(device, &raw)
