@@ -55,6 +55,21 @@ pub struct ConfigJson {
     pub ctx: usize,
 }
 
+impl ConfigJson {
+    /// `config`, named `name`.
+    pub fn of(name: &str, config: &DecoderConfig) -> ConfigJson {
+        ConfigJson {
+            name: name.to_string(),
+            layers: config.layers,
+            d_model: config.d_model,
+            heads: config.heads,
+            ffn: config.ffn,
+            vocab: config.vocab,
+            ctx: config.ctx,
+        }
+    }
+}
+
 /// All results, as written to JSON.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct BenchReport {
@@ -238,15 +253,7 @@ pub fn run_on<D: graft_tensor::Backend>(
     let report = BenchReport {
         device: describe,
         simulator,
-        config: ConfigJson {
-            name: config_name.to_string(),
-            layers: config.layers,
-            d_model: config.d_model,
-            heads: config.heads,
-            ffn: config.ffn,
-            vocab: config.vocab,
-            ctx: config.ctx,
-        },
+        config: ConfigJson::of(config_name, &config),
         steps: args.steps,
         warmup: args.warmup,
         method,

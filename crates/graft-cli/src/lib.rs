@@ -6,7 +6,8 @@
 //!   without the tree), as a table and as JSON. `graft bench decoder` is the same; further
 //!   benchmarks go beside it as `graft bench <what>` ([`BenchWhat`]), among them `graft bench
 //!   tp`, the decoder split tensor-parallel over several GPUs (NCCL), or over simulated
-//!   devices when there are not enough.
+//!   devices when there are not enough, and `graft bench loop`, K tokens per launch in a
+//!   device-side loop against one launch and one host read per token.
 //!
 //! Both use the GPU when [`graft_cuda::CudaDevice::is_available`] (the benchmark config),
 //! else the simulator (the tiny config), and say which.
@@ -14,6 +15,7 @@
 pub mod bench;
 pub mod demo;
 mod error;
+pub mod loop_bench;
 pub mod micro;
 mod progress;
 pub mod serve;
@@ -109,6 +111,39 @@ pub enum BenchWhat {
     /// The decoder split tensor-parallel over several devices (NCCL on GPUs): tokens of graft
     /// against eager and raw graphs, and per-step times against one device.
     Tp(TpArgs),
+    /// K tokens per launch in a device-side loop against one launch and one host read per
+    /// token, per token, with the step's own time as the floor.
+    Loop(LoopBenchArgs),
+}
+
+/// Arguments of `graft bench loop`. Lists left out take the backend's defaults: on a GPU
+/// batches 1,8,32, K 8,32,128 and 9 repeats; on the simulator batches 1,4, K 8,32 and 3.
+#[derive(Args, Debug, Clone, Default)]
+pub struct LoopBenchArgs {
+    /// Batch sizes, comma-separated (buckets of the decoder: 1, 2, 4, 8, 16, 32).
+    #[arg(long, value_delimiter = ',')]
+    pub batches: Vec<usize>,
+    /// K values (tokens per sequence per launch), comma-separated; K = 32 is the headline.
+    #[arg(long, value_delimiter = ',')]
+    pub tokens: Vec<usize>,
+    /// Timed repeats per path, batch size and K; medians are reported.
+    #[arg(long)]
+    pub repeats: Option<usize>,
+    /// Sampling temperature (0: greedy).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Top-k cut of sampling (0: none).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: u32,
+    /// Write the results as JSON to this file.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<std::path::PathBuf>,
+    /// Use the simulator even when a GPU is available.
+    #[arg(long)]
+    pub sim: bool,
+    /// Seed of the random weights.
+    #[arg(long, default_value_t = 7)]
+    pub seed: u64,
 }
 
 /// Arguments of `graft bench tp`.
@@ -261,6 +296,7 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<(), CliError> {
             Some(BenchWhat::Update(args)) => shapes::update(&args, out),
             Some(BenchWhat::Inputs(args)) => shapes::inputs(&args, out),
             Some(BenchWhat::Tp(args)) => tp::run(&args, out),
+            Some(BenchWhat::Loop(args)) => loop_bench::run(&args, out).map(|_| ()),
         },
     }
 }

@@ -206,6 +206,57 @@ fn shapes_benchmarks_run_on_the_simulator() {
     assert!(!inputs.contains("refused"), "{inputs}");
 }
 
+/// The loop benchmark runs on the simulator, checks the loop's tokens against one launch per
+/// token, reports the four figures per batch size and K, and refuses what cannot run.
+#[test]
+fn loop_benchmark_runs_on_the_simulator() {
+    let json = std::env::temp_dir().join(format!("graft-cli-loop-{}.json", std::process::id()));
+    let line = format!(
+        "graft bench loop --sim --batches 1,3 --tokens 4,32 --repeats 1 --temperature 0.9 --top-k 8 --json {}",
+        json.display()
+    );
+    let cli = Cli::try_parse_from(line.split_whitespace()).expect("the command line parses");
+    let mut out = Vec::new();
+    graft_cli::run(cli, &mut out).unwrap_or_else(|e| panic!("{line}: {e}"));
+    let report = String::from_utf8(out).unwrap();
+    assert!(
+        report.contains("sampling: temperature 0.9, top-k 8"),
+        "{report}"
+    );
+    assert!(report.contains("tokens:   identical"), "{report}");
+    assert!(report.contains("headline: batch 3, K = 32"), "{report}");
+    assert!(!report.contains("ran eagerly"), "{report}");
+    let parsed: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let rows = parsed["results"].as_array().unwrap();
+    assert_eq!(rows.len(), 4);
+    assert_eq!(
+        (rows[3]["batch"].as_u64(), rows[3]["bucket"].as_u64()),
+        (Some(3), Some(4))
+    );
+    for r in rows {
+        assert_eq!(r["loop_replayed"], true, "{r}");
+        for f in ["per_step_us", "loop_us", "floor_us", "speedup"] {
+            assert!(r[f].as_f64().unwrap() > 0.0, "{f}: {r}");
+        }
+    }
+    let _ = std::fs::remove_file(json);
+    for bad in [
+        "graft bench loop --sim --tokens 0",
+        "graft bench loop --sim --tokens 100000",
+        "graft bench loop --sim --temperature=-1",
+        "graft bench loop --sim --repeats 0",
+        "graft bench loop --sim --batches 33",
+    ] {
+        let cli = Cli::try_parse_from(bad.split_whitespace()).unwrap();
+        let r = graft_cli::run(cli, &mut Vec::new());
+        assert!(
+            matches!(r, Err(CliError::BadArgument { .. })),
+            "{bad}: {r:?}"
+        );
+    }
+}
+
 /// The tensor-parallel benchmark runs on simulated devices: graft, eager and the raw graph
 /// agree on every rank, and the table has a row per batch size and timing.
 #[test]
