@@ -14,7 +14,9 @@ use std::io::Write;
 use std::time::Instant;
 
 use graft_core::{Config, Graft, Outcome};
-use graft_tensor::{Decoder, DecoderConfig, Generated, KvState, LoopSpec, Meta, Sampling, Tensor};
+use graft_tensor::{
+    Decoder, DecoderConfig, Generated, KvState, LoopSpec, Meta, PAD, Sampling, Tensor,
+};
 use serde::Serialize;
 
 use crate::bench::ConfigJson;
@@ -145,9 +147,11 @@ impl Plan {
     }
 
     /// The benchmark's decoder: `config`, its context raised to the largest K on the
-    /// simulator (whose tiny config is short); every K must fit it.
+    /// simulator (whose tiny config is short), up to the benchmark config's; every K must fit
+    /// it.
     fn decoder(&self, config: DecoderConfig, simulator: bool) -> Result<DecoderConfig, CliError> {
         let longest = self.ks.iter().copied().max().unwrap_or(1);
+        let longest = longest.min(DecoderConfig::bench().ctx);
         let config = if simulator && config.ctx < longest {
             DecoderConfig {
                 ctx: longest,
@@ -244,10 +248,16 @@ impl<D: graft_tensor::Backend> Bench<'_, D> {
     }
 }
 
-/// A launch's tokens step by step (each step's tokens of the real rows).
+/// A launch's tokens step by step (each step's tokens of the real rows, [`PAD`] for a row
+/// that had stopped).
 fn by_step(r: &Generated) -> Vec<Vec<i32>> {
     (0..r.steps)
-        .map(|i| r.emitted.iter().map(|row| row[i]).collect())
+        .map(|i| {
+            r.emitted
+                .iter()
+                .map(|row| row.get(i).copied().unwrap_or(PAD))
+                .collect()
+        })
         .collect()
 }
 
@@ -288,14 +298,19 @@ pub fn run_on<D: graft_tensor::Backend>(
     );
     writeln!(out, "method:   {method}")?;
 
-    let mut g: Graft<D, Meta> = Graft::new(device.clone(), Config::default());
+    let cases = plan.batches.len() * plan.ks.len();
+    // One loop signature per batch size and K, by design: no warning for that many.
+    let config_g = Config {
+        signature_warn_limit: cases.max(Config::default().signature_warn_limit),
+        ..Config::default()
+    };
+    let mut g: Graft<D, Meta> = Graft::new(device.clone(), config_g);
     let dec = Decoder::new(&mut g, config, args.seed)?;
     let bench = Bench {
         dec: &dec,
         step: dec.register_sampled(&mut g),
         looped: dec.register_loop(&mut g),
     };
-    let cases = plan.batches.len() * plan.ks.len();
     let bar = progress::bar((cases * (plan.repeats + WARMUP)) as u64);
     bar.suspend(|| {
         writeln!(

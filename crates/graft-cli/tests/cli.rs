@@ -244,7 +244,7 @@ fn loop_benchmark_runs_on_the_simulator() {
     for bad in [
         "graft bench loop --sim --tokens 0",
         "graft bench loop --sim --tokens 100000",
-        "graft bench loop --sim --temperature -1",
+        "graft bench loop --sim --temperature=-1",
         "graft bench loop --sim --repeats 0",
         "graft bench loop --sim --batches 33",
     ] {

@@ -205,10 +205,14 @@ fn a_held_token_buffer_is_never_overwritten<D: Backend>(dev: D) {
         outcomes.push(r.outcome.unwrap());
         tokens = r.next;
     }
-    assert!(matches!(
-        outcomes[..3],
-        [Outcome::Warmup, Outcome::Recorded(_), _]
-    ));
+    // Recorded on a device with conditional nodes; run eagerly (its loop on the host) on one
+    // without, where the held buffers are the eager pool's and stay valid.
+    if g.device().supports_conditionals() {
+        assert!(matches!(
+            outcomes[..3],
+            [Outcome::Warmup, Outcome::Recorded(_), Outcome::Replayed(_)]
+        ));
+    }
     for (i, (buffer, seen)) in held.iter().enumerate() {
         match buffer.to_vec_i32(g.device()) {
             Ok(now) => assert_eq!(&now, seen, "held buffer {i} changed under its holder"),
