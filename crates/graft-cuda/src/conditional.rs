@@ -226,9 +226,9 @@ impl Inner {
         })
     }
 
-    /// Ends the runtime stream's capture and returns its graph, with the capture's current
-    /// dependencies (the nodes the next work would follow).
-    fn suspend(&self) -> Result<(sys::CUgraph, Vec<sys::CUgraphNode>), DeviceError> {
+    /// The graph the runtime stream is capturing into and the capture's current dependencies
+    /// (the nodes the next work would follow); an invalidated capture is an error.
+    fn capture_info(&self) -> Result<(sys::CUgraph, Vec<sys::CUgraphNode>), DeviceError> {
         let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
         let mut id: sys::cuuint64_t = 0;
         let mut graph: sys::CUgraph = ptr::null_mut();
@@ -260,6 +260,13 @@ impl Inner {
             // next call on the stream; they are copied out at once.
             unsafe { std::slice::from_raw_parts(deps, count) }.to_vec()
         };
+        Ok((graph, deps))
+    }
+
+    /// Ends the runtime stream's capture and returns its graph, with the capture's current
+    /// dependencies.
+    fn suspend(&self) -> Result<(sys::CUgraph, Vec<sys::CUgraphNode>), DeviceError> {
+        let (_, deps) = self.capture_info()?;
         let mut ended: sys::CUgraph = ptr::null_mut();
         // SAFETY: the stream is capturing (checked above), begun on this thread.
         check(OP, unsafe {
@@ -320,35 +327,10 @@ impl Inner {
         }
         let mut state = self.conditionals();
         let Some(mode) = state.mode else {
-            return Err(DeviceError::CaptureState {
-                op: OP,
-                state: "no capture is underway on the runtime stream",
-            });
+            return Err(no_capture());
         };
         // The handle belongs to the graph being captured: read it while the capture is on.
-        let mut graph: sys::CUgraph = ptr::null_mut();
-        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-        let mut id: sys::cuuint64_t = 0;
-        let mut count: usize = 0;
-        let mut deps: *const sys::CUgraphNode = ptr::null();
-        // SAFETY: as in `suspend`.
-        check(OP, unsafe {
-            sys::cuStreamGetCaptureInfo_v3(
-                self.stream,
-                &mut status,
-                &mut id,
-                &mut graph,
-                &mut deps,
-                ptr::null_mut(),
-                &mut count,
-            )
-        })?;
-        if status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE {
-            return Err(DeviceError::Capture {
-                op: OP,
-                violation: graft_core::CaptureViolation::Invalidated,
-            });
-        }
+        let (graph, _) = self.capture_info()?;
         let mut handle: sys::CUgraphConditionalHandle = 0;
         // SAFETY: `graph` is the live graph of the stream's capture, in this context (current);
         // default value 0, no flags; `handle` is a valid out-pointer.
@@ -471,10 +453,7 @@ impl Inner {
     pub(crate) fn next_branch(&self) -> Result<(), DeviceError> {
         self.enter(OP)?;
         let mut state = self.conditionals();
-        let mode = state.mode.ok_or(DeviceError::CaptureState {
-            op: OP,
-            state: "no capture is underway on the runtime stream",
-        })?;
+        let mode = state.mode.ok_or_else(no_capture)?;
         match state.open.last() {
             Some(o) if o.branch + 1 < o.bodies.len() => {}
             Some(_) => {
@@ -502,10 +481,7 @@ impl Inner {
     pub(crate) fn end_conditional(&self) -> Result<(), DeviceError> {
         self.enter(OP)?;
         let mut state = self.conditionals();
-        let mode = state.mode.ok_or(DeviceError::CaptureState {
-            op: OP,
-            state: "no capture is underway on the runtime stream",
-        })?;
+        let mode = state.mode.ok_or_else(no_capture)?;
         let Some(open) = state.open.last() else {
             return Err(DeviceError::CaptureState {
                 op: OP,
@@ -568,6 +544,14 @@ pub(crate) fn free_scratch(device: &Inner, scratch: Vec<u64>) {
         if let Err(e) = check(DeviceOp::GraphDestroy, unsafe { sys::cuMemFree_v2(ptr) }) {
             device.record_sticky(e);
         }
+    }
+}
+
+/// What a conditional call finds outside a capture.
+fn no_capture() -> DeviceError {
+    DeviceError::CaptureState {
+        op: OP,
+        state: "no capture is underway on the runtime stream",
     }
 }
 

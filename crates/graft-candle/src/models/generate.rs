@@ -195,20 +195,24 @@ impl Decoder {
         g.flag.slice_set(&(room * running)?, 0, 0)
     }
 
-    /// The statics (the model's, the generation's, the generator's) and keys of a launch.
+    /// Starts a launch from `tokens` (after checking that it fits in the cache) and returns
+    /// its statics (the model's, the generation's, the generator's) and keys.
     fn launch<'a>(
         &'a self,
         cache: &'a KvCache,
         g: &'a Generation,
         rng: Option<&'a DeviceRng>,
-    ) -> (Vec<&'a Tensor>, [u64; 3]) {
+        tokens: &Tensor,
+    ) -> Result<(Vec<&'a Tensor>, [u64; 3])> {
+        self.check_generation(cache, g)?;
+        g.start(tokens)?;
         let mut statics = self.statics(cache);
         statics.extend(g.statics());
         statics.extend(rng.map(DeviceRng::state));
-        (
+        Ok((
             statics,
             [g.batch as u64, self.key(), g.spec.max_tokens as u64],
-        )
+        ))
     }
 
     /// Checks that every sequence of the batch has `max_tokens` positions left.
@@ -244,9 +248,7 @@ impl Decoder {
         tokens: &Tensor,
     ) -> std::result::Result<(Vec<Vec<u32>>, Step), Error> {
         let model = |source| Error::Model { source };
-        self.check_generation(cache, g).map_err(model)?;
-        g.start(tokens).map_err(model)?;
-        let (statics, keys) = self.launch(cache, g, rng);
+        let (statics, keys) = self.launch(cache, g, rng, tokens).map_err(model)?;
         let ran = graft.call_looping(step, &[], &statics, &keys, |_, loops| {
             loops.while_loop(&g.flag, || self.generate_step(cache, g, rng))?;
             Ok(Vec::new())
@@ -269,9 +271,7 @@ impl Decoder {
         tokens: &Tensor,
     ) -> std::result::Result<Vec<Vec<u32>>, Error> {
         let model = |source| Error::Model { source };
-        self.check_generation(cache, g).map_err(model)?;
-        g.start(tokens).map_err(model)?;
-        let (statics, keys) = self.launch(cache, g, rng);
+        let (statics, keys) = self.launch(cache, g, rng, tokens).map_err(model)?;
         let mut out = Vec::new();
         loop {
             graft.call(step, &[], &statics, &keys, |_| {
@@ -301,9 +301,7 @@ impl Decoder {
         tokens: &Tensor,
     ) -> std::result::Result<(), Error> {
         let model = |source| Error::Model { source };
-        self.check_generation(cache, g).map_err(model)?;
-        g.start(tokens).map_err(model)?;
-        let (statics, keys) = self.launch(cache, g, rng);
+        let (statics, keys) = self.launch(cache, g, rng, tokens).map_err(model)?;
         for _ in 0..g.spec.max_tokens {
             graft.call(step, &[], &statics, &keys, |_| {
                 self.generate_step(cache, g, rng)?;
