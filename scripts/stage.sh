@@ -20,17 +20,21 @@
 # stage/tests/graft-candle_cuda.gpu, and the benchmarks, stage/bin/graft-candle-bench_cuda and
 # stage/bin/graft-candle-ports_cuda) under the package name with "_cuda", xz-compressed (each
 # is 48 to 62 MiB, mostly candle's PTX, and packs to about 5 MiB; gpu-run.sh unpacks them).
-# Each is checked to carry no RUNPATH into the stub folder.
+# Each is checked to carry no RUNPATH into the stub folder. Every candle binary at once packs
+# to more than a device run carries beside the rest: --candle-bins NAMES (comma-separated
+# binary names, or GRAFT_STAGE_CANDLE_BINS) stages only those.
 #
-# usage: scripts/stage.sh [--candle-cuda]       (CARGO_BUILD_JOBS etc. are honoured)
+# usage: scripts/stage.sh [--candle-cuda] [--candle-bins NAMES]   (CARGO_BUILD_JOBS etc. are honoured)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 candle_cuda=${GRAFT_STAGE_CANDLE_CUDA:-0}
+candle_bins=${GRAFT_STAGE_CANDLE_BINS:-}
 while (($#)); do
     case $1 in
         --candle-cuda) candle_cuda=1 ;;
-        -h | --help) sed -n '2,25p' "$0"; exit 0 ;;
+        --candle-bins) candle_bins=$2; candle_cuda=1; shift ;;
+        -h | --help) sed -n '2,28p' "$0"; exit 0 ;;
         *) echo "stage.sh: unknown argument $1" >&2; exit 2 ;;
     esac
     shift
@@ -140,8 +144,14 @@ if ((candle_cuda)); then
     # The cache's target folder, where scripts/check-candle-cuda.sh (CI) checks the same build
     # with this script's release profile (exported above): candle's kernels are compiled once.
     export CARGO_TARGET_DIR=$GRAFT_CUDA_TARGET
-    echo "== cargo build --release -p graft-candle --features cuda --bins" >&2
-    cargo build --release -p graft-candle --features cuda --bins \
+    bins=(--bins)
+    if [[ -n $candle_bins ]]; then
+        bins=()
+        IFS=, read -ra names <<<"$candle_bins"
+        for name in "${names[@]}"; do bins+=(--bin "$name"); done
+    fi
+    echo "== cargo build --release -p graft-candle --features cuda ${bins[*]}" >&2
+    cargo build --release -p graft-candle --features cuda "${bins[@]}" \
         --message-format=json-render-diagnostics >"$cuda_bin_json"
     # Only the GPU tests (tests/gpu.rs, which also runs the guide's example): the crate's other
     # test executables run on the CPU in CI, and each CUDA executable carries ~40 MiB of

@@ -144,6 +144,10 @@ pub struct LoopBenchArgs {
     /// Seed of the random weights.
     #[arg(long, default_value_t = 7)]
     pub seed: u64,
+    /// Transformer blocks of the decoder, instead of its config's (fewer layers make a
+    /// cheaper step, where the host round trip the loop saves weighs more).
+    #[arg(long)]
+    pub layers: Option<usize>,
 }
 
 /// Arguments of `graft bench tp`.

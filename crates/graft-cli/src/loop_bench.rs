@@ -273,6 +273,16 @@ pub fn run_on<D: graft_tensor::Backend>(
 ) -> Result<LoopReport, CliError> {
     let plan = Plan::of(args, simulator)?;
     let config = plan.decoder(config, simulator)?;
+    let config = match args.layers {
+        Some(0) => {
+            return Err(CliError::BadArgument {
+                flag: "--layers",
+                why: "a decoder needs at least one layer; pass --layers 1 or more".into(),
+            });
+        }
+        Some(layers) => DecoderConfig { layers, ..config },
+        None => config,
+    };
     let describe = device.describe();
     writeln!(out, "device:   {describe}")?;
     if simulator {

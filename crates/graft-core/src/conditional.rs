@@ -17,6 +17,8 @@ impl<'a, D: Device> Ctx<'a, D> {
     /// the host before each iteration, so both run the same iterations. The body runs once
     /// during the recording, and the device repeats it. Work that must outlive an iteration
     /// lives in buffers made before the loop; what the body allocates is its own iteration's.
+    /// A conditional inside another's body is refused when recording
+    /// (`ConditionalRule::Nested`): the call then runs eagerly, every level on the host.
     ///
     /// Nothing bounds the iterations: a body that never clears `flag` loops for ever, on the
     /// device as on the host. Count iterations in the condition (as a decoder's token limit

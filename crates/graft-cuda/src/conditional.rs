@@ -329,6 +329,14 @@ impl Inner {
         let Some(mode) = state.mode else {
             return Err(no_capture());
         };
+        if !state.open.is_empty() {
+            // The enclosing body is being captured as a graph of its own, which is copied
+            // node by node into its node's body (`relocate`): a conditional node cannot be.
+            return Err(DeviceError::Conditional {
+                op: OP,
+                rule: graft_core::ConditionalRule::Nested,
+            });
+        }
         // The handle belongs to the graph being captured: read it while the capture is on.
         let (graph, _) = self.capture_info()?;
         let mut handle: sys::CUgraphConditionalHandle = 0;
@@ -429,22 +437,20 @@ impl Inner {
             destroy_orphan(self, body, ptr::null_mut());
             return Err(crate::error::map(OP, ended, 0));
         }
-        let done = relocate::finish(self, body);
-        let done = done.and_then(
-            |Body {
-                 scratch,
-                 host_random,
-             }| {
-                state.finished.scratch.extend(scratch);
+        let done = relocate::finish(self, body, target);
+        match &done {
+            Ok(Body {
+                scratch,
+                host_random,
+            }) => {
+                state.finished.scratch.extend(*scratch);
                 state.finished.host_random += host_random;
-                let mut child: sys::CUgraphNode = ptr::null_mut();
-                // SAFETY: `target` is a live body graph of the open node; `body` a live graph of
-                // the same context, cloned into the child node (ours to destroy after).
-                check(OP, unsafe {
-                    sys::cuGraphAddChildGraphNode(&mut child, target, ptr::null(), 0, body)
-                })
-            },
-        );
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, nodes = ?node_kinds(body), "a conditional body was refused");
+            }
+        }
+        let done = done.map(|_| ());
         destroy_orphan(self, body, ptr::null_mut());
         done
     }
@@ -548,6 +554,19 @@ pub(crate) fn free_scratch(device: &Inner, scratch: Vec<u64>) {
 }
 
 /// What a conditional call finds outside a capture.
+/// How many nodes of each type (`CUgraphNodeType`) `graph` has, for diagnostics.
+fn node_kinds(graph: sys::CUgraph) -> Vec<(u32, usize)> {
+    let mut kinds: Vec<(u32, usize)> = Vec::new();
+    for node in crate::graph::nodes(OP, graph).unwrap_or_default() {
+        let kind = crate::graph::node_type(OP, node).unwrap_or(u32::MAX);
+        match kinds.iter_mut().find(|(k, _)| *k == kind) {
+            Some((_, n)) => *n += 1,
+            None => kinds.push((kind, 1)),
+        }
+    }
+    kinds
+}
+
 fn no_capture() -> DeviceError {
     DeviceError::CaptureState {
         op: OP,

@@ -1,14 +1,18 @@
-//! A conditional body made fit for its node: what bodies cannot hold becomes a typed error, and the body's stream-ordered allocations (candle's tensors) move into device memory the graph owns.
+//! A conditional body made fit for its node: what bodies cannot hold becomes a typed error, and the body is rebuilt in the node's body graph with its stream-ordered allocations (candle's tensors) moved into device memory the graph owns.
 //!
 //! CUDA refuses memory nodes in a conditional body, and every tensor a framework such as
 //! candle makes during a capture is one (`cuMemAllocAsync` becomes an allocation node, the
-//! drop a free node). A body's allocations are its iteration's own: each is freed inside
-//! the body, so its bytes can live at a fixed place for the graph's whole life. `finish`
-//! gives each its own range of one `cuMemAlloc`, moves every use (kernel parameters, copy
-//! and memset ends) by the same offset, and removes the memory nodes, joining what came
-//! before each to what came after. A body that keeps an allocation past its end, frees memory
-//! it did not allocate, or uses an allocation where graft cannot see it (a kernel whose
-//! parameters cannot be read) is refused.
+//! drop a free node). Nor can the captured graph be cleaned in place (the driver deletes no
+//! node of a graph that holds memory nodes) and then added as a child graph (a child graph
+//! may not hold a conditional node). So `finish` copies the body into the node's body graph
+//! node by node, in dependency order: kernels, copies, memsets and empty nodes, each with its
+//! edges; the memory nodes are left out, what came before each joined to what came after.
+//! A body's allocations are its iteration's own: each is freed inside the body, so its bytes
+//! can live at a fixed place for the graph's whole life. Each gets its own range of one
+//! `cuMemAlloc`, and every use (kernel parameters, copy and memset ends) moves by the same
+//! offset. A body that keeps an allocation past its end, frees memory it did not allocate,
+//! uses an allocation where graft cannot see it (a kernel whose parameters cannot be read),
+//! or holds a node of another kind (a child graph, an event) is refused.
 
 use std::ffi::c_void;
 use std::ptr;
@@ -36,6 +40,7 @@ pub(crate) struct Body {
 
 /// One allocation of the body: where CUDA put it, its size, its place in the scratch.
 struct Allocation {
+    node: sys::CUgraphNode,
     at: u64,
     bytes: u64,
     offset: u64,
@@ -45,19 +50,23 @@ fn refuse(op: DeviceOp, rule: ConditionalRule) -> DeviceError {
     DeviceError::Conditional { op, rule }
 }
 
-/// Checks `body` (a graph just captured, owned by the caller) and moves its allocations.
-pub(crate) fn finish(device: &Inner, body: sys::CUgraph) -> Result<Body, DeviceError> {
+/// Checks `body` (a graph just captured, owned by the caller) and copies it into `target`
+/// (a body graph of an open conditional node), its allocations moved.
+pub(crate) fn finish(
+    device: &Inner,
+    body: sys::CUgraph,
+    target: sys::CUgraph,
+) -> Result<Body, DeviceError> {
     use sys::CUgraphNodeType as T;
+    let all = nodes(OP, body)?;
+    let mut kinds = Vec::with_capacity(all.len());
     let mut allocations: Vec<Allocation> = Vec::new();
     let mut frees: Vec<(sys::CUgraphNode, u64)> = Vec::new();
-    let mut memory_nodes = Vec::new();
-    let mut kernels = Vec::new();
-    let mut copies = Vec::new();
-    let mut memsets = Vec::new();
     let mut host_random = 0;
     let mut end = 0u64;
-    for node in nodes(OP, body)? {
-        match node_type(OP, node)? {
+    for &node in &all {
+        let kind = node_type(OP, node)?;
+        match kind {
             k if k == T::CU_GRAPH_NODE_TYPE_KERNEL as u32 => {
                 let name = kernel_name(node).unwrap_or_default();
                 if name.contains("nccl") {
@@ -66,10 +75,10 @@ pub(crate) fn finish(device: &Inner, body: sys::CUgraph) -> Result<Body, DeviceE
                 if name.to_ascii_lowercase().contains("curand") {
                     host_random += 1;
                 }
-                kernels.push(node);
             }
-            k if k == T::CU_GRAPH_NODE_TYPE_MEMCPY as u32 => copies.push(node),
-            k if k == T::CU_GRAPH_NODE_TYPE_MEMSET as u32 => memsets.push(node),
+            k if k == T::CU_GRAPH_NODE_TYPE_MEMCPY as u32
+                || k == T::CU_GRAPH_NODE_TYPE_MEMSET as u32
+                || k == T::CU_GRAPH_NODE_TYPE_EMPTY as u32 => {}
             k if k == T::CU_GRAPH_NODE_TYPE_MEM_ALLOC as u32 => {
                 let mut p = std::mem::MaybeUninit::<sys::CUDA_MEM_ALLOC_NODE_PARAMS>::zeroed();
                 // SAFETY: `node` is an allocation node of the live graph `body`; `p` is a
@@ -81,12 +90,12 @@ pub(crate) fn finish(device: &Inner, body: sys::CUgraph) -> Result<Body, DeviceE
                 let p = unsafe { p.assume_init() };
                 let bytes = p.bytesize as u64;
                 allocations.push(Allocation {
+                    node,
                     at: p.dptr,
                     bytes,
                     offset: end,
                 });
                 end += bytes.div_ceil(ALIGN) * ALIGN;
-                memory_nodes.push(node);
             }
             k if k == T::CU_GRAPH_NODE_TYPE_MEM_FREE as u32 => {
                 let mut at: sys::CUdeviceptr = 0;
@@ -95,18 +104,18 @@ pub(crate) fn finish(device: &Inner, body: sys::CUgraph) -> Result<Body, DeviceE
                     sys::cuGraphMemFreeNodeGetParams(node, &mut at)
                 })?;
                 frees.push((node, at));
-                memory_nodes.push(node);
             }
-            k if k == T::CU_GRAPH_NODE_TYPE_GRAPH as u32
-                || k == T::CU_GRAPH_NODE_TYPE_EMPTY as u32
-                || k == T::CU_GRAPH_NODE_TYPE_CONDITIONAL as u32 => {}
             k if k == T::CU_GRAPH_NODE_TYPE_WAIT_EVENT as u32
                 || k == T::CU_GRAPH_NODE_TYPE_EVENT_RECORD as u32 =>
             {
                 return Err(refuse(DeviceOp::Event, ConditionalRule::Event));
             }
+            k if k == T::CU_GRAPH_NODE_TYPE_CONDITIONAL as u32 => {
+                return Err(refuse(OP, ConditionalRule::Nested));
+            }
             _ => return Err(refuse(OP, ConditionalRule::Node)),
         }
+        kinds.push(kind);
     }
     // Every allocation must be freed inside the body, and every free be of one of them.
     if frees.len() != allocations.len()
@@ -116,61 +125,166 @@ pub(crate) fn finish(device: &Inner, body: sys::CUgraph) -> Result<Body, DeviceE
     {
         return Err(refuse(DeviceOp::RawAlloc, ConditionalRule::Allocation));
     }
-    if allocations.is_empty() {
-        return Ok(Body {
-            scratch: None,
-            host_random,
-        });
-    }
-    let scratch = device.alloc_relaxed(DeviceOp::RawAlloc, end as usize)?;
-    let moved = move_uses(&allocations, scratch, &kernels, &copies, &memsets)
-        .and_then(|()| remove_memory_nodes(body, &memory_nodes));
-    if let Err(e) = moved {
-        crate::conditional::free_scratch(device, vec![scratch]);
+    let scratch = if allocations.is_empty() {
+        None
+    } else {
+        Some(device.alloc_relaxed(DeviceOp::RawAlloc, end as usize)?)
+    };
+    let place = Place {
+        allocations: &allocations,
+        frees: &frees,
+        scratch: scratch.unwrap_or(0),
+        ctx: device.ctx,
+    };
+    if let Err(e) = copy_nodes(&place, &all, &kinds, target) {
+        crate::conditional::free_scratch(device, scratch.into_iter().collect());
         return Err(e);
     }
-    tracing::debug!(
-        allocations = allocations.len(),
-        bytes = end,
-        "a conditional body's allocations moved into memory its graph owns"
-    );
+    if scratch.is_some() {
+        tracing::debug!(
+            allocations = allocations.len(),
+            bytes = end,
+            "a conditional body's allocations moved into memory its graph owns"
+        );
+    }
     Ok(Body {
-        scratch: Some(scratch),
+        scratch,
         host_random,
     })
 }
 
-/// Where `value` moves to, if it points into one of `allocations`.
-fn moved(allocations: &[Allocation], scratch: u64, value: u64) -> Option<u64> {
-    allocations
-        .iter()
-        .find(|a| value >= a.at && value < a.at + a.bytes.max(1))
-        .map(|a| scratch + a.offset + (value - a.at))
+/// Where a body's allocations move to, and its context.
+struct Place<'a> {
+    allocations: &'a [Allocation],
+    /// The free nodes, with the address each frees.
+    frees: &'a [(sys::CUgraphNode, u64)],
+    scratch: u64,
+    ctx: sys::CUcontext,
 }
 
-/// Rewrites every use of the allocations: kernel parameters, copy ends, memset targets.
-fn move_uses(
-    allocations: &[Allocation],
-    scratch: u64,
-    kernels: &[sys::CUgraphNode],
-    copies: &[sys::CUgraphNode],
-    memsets: &[sys::CUgraphNode],
+impl Place<'_> {
+    /// Where `value` moves to, if it points into one of the `live` allocations (indices
+    /// into `allocations`). Only the live ones: CUDA gives an allocation made after another's
+    /// free the same addresses, so an address alone does not name an allocation.
+    fn moved(&self, live: &[usize], value: u64) -> Option<u64> {
+        live.iter()
+            .map(|&i| &self.allocations[i])
+            .find(|a| value >= a.at && value < a.at + a.bytes.max(1))
+            .map(|a| self.scratch + a.offset + (value - a.at))
+    }
+}
+
+/// Copies the nodes of a body (`all`, of types `kinds`) into `target` in dependency order,
+/// leaving the memory nodes out: a node depends on the copies of its dependencies, and on
+/// what a left-out dependency depended on.
+fn copy_nodes(
+    place: &Place<'_>,
+    all: &[sys::CUgraphNode],
+    kinds: &[u32],
+    target: sys::CUgraph,
 ) -> Result<(), DeviceError> {
-    for &node in kernels {
+    use sys::CUgraphNodeType as T;
+    let index = |n: sys::CUgraphNode| all.iter().position(|&m| m == n);
+    let mut deps: Vec<Vec<usize>> = Vec::with_capacity(all.len());
+    for &node in all {
+        let mut d = Vec::new();
+        for dep in edges(node)? {
+            d.push(index(dep).ok_or_else(|| {
+                crate::error::invalid_argument(OP, "a body node depends on a node of another graph")
+            })?);
+        }
+        deps.push(d);
+    }
+    // What each node stands for in `target`: its copy, or (a memory node) its dependencies'.
+    let mut stands_for: Vec<Option<Vec<sys::CUgraphNode>>> = vec![None; all.len()];
+    // The allocations made and not yet freed, in the order nodes are copied (one stream's
+    // order: a body holds no events, so its nodes form one chain).
+    let mut live: Vec<usize> = Vec::new();
+    let mut left = all.len();
+    while left > 0 {
+        let before = left;
+        for i in 0..all.len() {
+            if stands_for[i].is_some() || deps[i].iter().any(|&d| stands_for[d].is_none()) {
+                continue;
+            }
+            let mut after: Vec<sys::CUgraphNode> = Vec::new();
+            for &d in &deps[i] {
+                for &n in stands_for[d].iter().flatten() {
+                    if !after.contains(&n) {
+                        after.push(n);
+                    }
+                }
+            }
+            let kind = kinds[i];
+            stands_for[i] = Some(if kind == T::CU_GRAPH_NODE_TYPE_MEM_ALLOC as u32 {
+                live.extend(place.allocations.iter().position(|a| a.node == all[i]));
+                after
+            } else if kind == T::CU_GRAPH_NODE_TYPE_MEM_FREE as u32 {
+                if let Some(&(_, at)) = place.frees.iter().find(|(n, _)| *n == all[i]) {
+                    live.retain(|&a| place.allocations[a].at != at);
+                }
+                after
+            } else {
+                vec![copy_node(place, &live, all[i], kind, target, &after)?]
+            });
+            left -= 1;
+        }
+        if left == before {
+            return Err(crate::error::invalid_argument(
+                OP,
+                "a body's dependencies form a cycle",
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Adds a copy of `node` (of type `kind`) to `target` after `after`, its uses of the body's
+/// allocations moved.
+fn copy_node(
+    place: &Place<'_>,
+    live: &[usize],
+    node: sys::CUgraphNode,
+    kind: u32,
+    target: sys::CUgraph,
+    after: &[sys::CUgraphNode],
+) -> Result<sys::CUgraphNode, DeviceError> {
+    use sys::CUgraphNodeType as T;
+    let mut new: sys::CUgraphNode = ptr::null_mut();
+    let (deps, n) = (
+        if after.is_empty() {
+            ptr::null()
+        } else {
+            after.as_ptr()
+        },
+        after.len(),
+    );
+    if kind == T::CU_GRAPH_NODE_TYPE_KERNEL as u32 {
         let Some(k) = read_kernel(node, node)? else {
-            // Its parameters cannot be read: a use of an allocation could hide there.
-            return Err(refuse(DeviceOp::KernelLaunch, ConditionalRule::Allocation));
+            if !place.allocations.is_empty() {
+                // Its parameters cannot be read: a use of an allocation could hide there.
+                return Err(refuse(DeviceOp::KernelLaunch, ConditionalRule::Allocation));
+            }
+            let mut p = std::mem::MaybeUninit::<sys::CUDA_KERNEL_NODE_PARAMS>::zeroed();
+            // SAFETY: `node` is a kernel node of the live body graph; `p` a valid out-pointer.
+            check(OP, unsafe {
+                sys::cuGraphKernelNodeGetParams_v2(node, p.as_mut_ptr())
+            })?;
+            // SAFETY: the call succeeded, so the driver wrote every field; its parameter
+            // array is the driver's, alive while `node` is (the body outlives this call).
+            let p = unsafe { p.assume_init() };
+            // SAFETY: `target` is a live body graph, `after` nodes of it; `p` is `node`'s own
+            // block, which the call copies.
+            check(OP, unsafe {
+                sys::cuGraphAddKernelNode_v2(&mut new, target, deps, n, &p)
+            })?;
+            return copy_attributes(new, node);
         };
         let mut bytes = k.bytes.clone();
-        let mut changed = false;
         for (at, value) in words(&k.bytes, &k.layout) {
-            if let Some(to) = moved(allocations, scratch, value) {
+            if let Some(to) = place.moved(live, value) {
                 bytes[at..at + 8].copy_from_slice(&to.to_le_bytes());
-                changed = true;
             }
-        }
-        if !changed {
-            continue;
         }
         let mut pointers: Vec<*mut c_void> = k
             .layout
@@ -180,14 +294,15 @@ fn move_uses(
         let mut params = k.params;
         params.kernelParams = pointers.as_mut_ptr();
         params.extra = ptr::null_mut();
-        // SAFETY: `node` is a kernel node of the live body graph; `params` is its own block
-        // with `kernelParams` pointing at one pointer per parameter into `bytes`, laid out as
-        // `cuFuncGetParamInfo` reported; both outlive the call, which copies them.
+        // SAFETY: `target` is a live body graph and `after` nodes of it; `params` is `node`'s
+        // own block with `kernelParams` pointing at one pointer per parameter into `bytes`,
+        // laid out as `cuFuncGetParamInfo` reported; both outlive the call, which copies them.
         check(OP, unsafe {
-            sys::cuGraphKernelNodeSetParams_v2(node, &params)
+            sys::cuGraphAddKernelNode_v2(&mut new, target, deps, n, &params)
         })?;
+        return copy_attributes(new, node);
     }
-    for &node in copies {
+    if kind == T::CU_GRAPH_NODE_TYPE_MEMCPY as u32 {
         let mut p = std::mem::MaybeUninit::<sys::CUDA_MEMCPY3D>::zeroed();
         // SAFETY: `node` is a memcpy node of the live graph; `p` a valid out-pointer.
         check(OP, unsafe {
@@ -195,20 +310,17 @@ fn move_uses(
         })?;
         // SAFETY: the call succeeded, so the driver wrote every field.
         let mut p = unsafe { p.assume_init() };
-        let (src, dst) = (
-            moved(allocations, scratch, p.srcDevice),
-            moved(allocations, scratch, p.dstDevice),
-        );
-        if src.is_none() && dst.is_none() {
-            continue;
-        }
-        p.srcDevice = src.unwrap_or(p.srcDevice);
-        p.dstDevice = dst.unwrap_or(p.dstDevice);
-        // SAFETY: `p` is the node's own block with device addresses moved within memory of
-        // the same size.
-        check(OP, unsafe { sys::cuGraphMemcpyNodeSetParams(node, &p) })?;
+        p.srcDevice = place.moved(live, p.srcDevice).unwrap_or(p.srcDevice);
+        p.dstDevice = place.moved(live, p.dstDevice).unwrap_or(p.dstDevice);
+        // SAFETY: `target` is a live body graph of this context and `after` nodes of it;
+        // `p` is the node's own block with device addresses moved within memory of the
+        // same size.
+        check(OP, unsafe {
+            sys::cuGraphAddMemcpyNode(&mut new, target, deps, n, &p, place.ctx)
+        })?;
+        return Ok(new);
     }
-    for &node in memsets {
+    if kind == T::CU_GRAPH_NODE_TYPE_MEMSET as u32 {
         let mut p = std::mem::MaybeUninit::<sys::CUDA_MEMSET_NODE_PARAMS>::zeroed();
         // SAFETY: `node` is a memset node of the live graph; `p` a valid out-pointer.
         check(OP, unsafe {
@@ -216,47 +328,39 @@ fn move_uses(
         })?;
         // SAFETY: the call succeeded, so the driver wrote every field.
         let mut p = unsafe { p.assume_init() };
-        if let Some(to) = moved(allocations, scratch, p.dst) {
-            p.dst = to;
-            // SAFETY: as for copies.
-            check(OP, unsafe { sys::cuGraphMemsetNodeSetParams(node, &p) })?;
-        }
+        p.dst = place.moved(live, p.dst).unwrap_or(p.dst);
+        // SAFETY: as for copies.
+        check(OP, unsafe {
+            sys::cuGraphAddMemsetNode(&mut new, target, deps, n, &p, place.ctx)
+        })?;
+        return Ok(new);
     }
-    Ok(())
+    // An empty node (the only other kind `finish` lets through).
+    // SAFETY: `target` is a live body graph and `after` nodes of it.
+    check(OP, unsafe {
+        sys::cuGraphAddEmptyNode(&mut new, target, deps, n)
+    })?;
+    Ok(new)
 }
 
-/// Removes each memory node, making what it followed precede what followed it.
-fn remove_memory_nodes(body: sys::CUgraph, memory: &[sys::CUgraphNode]) -> Result<(), DeviceError> {
-    for &node in memory {
-        let before = edges(node, true)?;
-        let after = edges(node, false)?;
-        // SAFETY: `node` is a node of the live graph `body`, removed once with its edges.
-        check(OP, unsafe { sys::cuGraphDestroyNode(node) })?;
-        for &from in &before {
-            for &to in &after {
-                // SAFETY: both are live nodes of `body` (memory nodes are removed one at a time,
-                // so neither is one already destroyed); edge data null (a plain dependency).
-                check(OP, unsafe {
-                    sys::cuGraphAddDependencies_v2(body, &from, &to, ptr::null(), 1)
-                })?;
-            }
-        }
-    }
-    Ok(())
+/// Gives the kernel node `new` the launch attributes of `node`; `new`.
+fn copy_attributes(
+    new: sys::CUgraphNode,
+    node: sys::CUgraphNode,
+) -> Result<sys::CUgraphNode, DeviceError> {
+    // SAFETY: both are live kernel nodes of graphs of the same context.
+    check(OP, unsafe {
+        sys::cuGraphKernelNodeCopyAttributes(new, node)
+    })?;
+    Ok(new)
 }
 
-/// A node's dependencies (`before`) or dependents.
-fn edges(node: sys::CUgraphNode, before: bool) -> Result<Vec<sys::CUgraphNode>, DeviceError> {
+/// A node's dependencies.
+fn edges(node: sys::CUgraphNode) -> Result<Vec<sys::CUgraphNode>, DeviceError> {
     let get = |out: *mut sys::CUgraphNode, n: &mut usize| {
         // SAFETY: `node` is a live node; `out` is null (count only) or has room for `n`
         // handles; edge data is not asked for.
-        unsafe {
-            if before {
-                sys::cuGraphNodeGetDependencies_v2(node, out, ptr::null_mut(), n)
-            } else {
-                sys::cuGraphNodeGetDependentNodes_v2(node, out, ptr::null_mut(), n)
-            }
-        }
+        unsafe { sys::cuGraphNodeGetDependencies_v2(node, out, ptr::null_mut(), n) }
     };
     let mut count = 0usize;
     check(OP, get(ptr::null_mut(), &mut count))?;

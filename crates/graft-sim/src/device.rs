@@ -807,6 +807,9 @@ impl Device for SimDevice {
                 what: "this simulated driver has no conditional graph nodes (as before CUDA 12.4); loop on the host instead",
             });
         }
+        // CUDA's rule as graft-cuda meets it: a body is captured as a graph of its own and
+        // copied into its node, which a conditional node cannot be.
+        self.refuse_in_conditional(op, ConditionalRule::Nested)?;
         let mut st = self.lock(op)?;
         match &mut st.capture {
             Capture::Recording { ops, open, .. } => {

@@ -173,8 +173,12 @@ pub enum ConditionalRule {
     Event,
     /// A collective (NCCL records event nodes of its own, which conditional bodies refuse).
     Collective,
-    /// Another kind of node a conditional body cannot hold (a host callback, a semaphore, ...).
+    /// Another kind of node a conditional body cannot hold (a host callback, a semaphore, a
+    /// child graph, ...).
     Node,
+    /// A conditional opened inside another's body (CUDA's bodies are captured as graphs of
+    /// their own, and a graph holding a conditional node cannot be placed in another body).
+    Nested,
 }
 
 impl ConditionalRule {
@@ -189,6 +193,9 @@ impl ConditionalRule {
                 "run the collective outside the loop, or loop on the host (one replay per step)"
             }
             ConditionalRule::Node => "keep the body to kernels and device copies",
+            ConditionalRule::Nested => {
+                "keep one level of device conditionals: move the inner loop or branch out of the body, or run it as straight-line work"
+            }
         }
     }
 }
@@ -200,6 +207,7 @@ impl fmt::Display for ConditionalRule {
             ConditionalRule::Event => "an event or another stream",
             ConditionalRule::Collective => "a collective",
             ConditionalRule::Node => "a node of a kind conditional bodies cannot hold",
+            ConditionalRule::Nested => "a conditional inside another conditional's body",
         })
     }
 }
