@@ -68,8 +68,8 @@ pub use node_id::{NodeId, NodeLabel};
 pub use pool::{PoolError, PoolStats};
 pub use prepare::{BucketCapture, CaptureReport};
 pub use process::{
-    ENV_VARS, ExchangeError, JoinError, ProcessGroup, ProcessGroupError, Rendezvous, TcpBallotBox,
-    VOTE_TAG,
+    ENV_VARS, ExchangeError, JoinError, LaunchError, ProcessGroup, ProcessGroupError, RankExit,
+    Rendezvous, TcpBallotBox, VOTE_TAG, free_port, launch_local,
 };
 pub use reason::{Decision, DecisionRecord, EagerReason, EvictReason, RecordReason, WarmupReason};
 pub use stats::{RerecordCounts, Stats};

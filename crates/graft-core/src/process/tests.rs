@@ -2,7 +2,6 @@
 //! exchanges, and every way they fail, each within its deadline.
 
 use std::io::ErrorKind;
-use std::net::TcpListener;
 use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
@@ -13,13 +12,8 @@ use crate::group::{BallotBox, GroupError};
 const DEADLINE: Duration = Duration::from_secs(10);
 const SHORT: Duration = Duration::from_millis(300);
 
-/// A port no one listens on now (bound, then released).
 fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    super::free_port().unwrap()
 }
 
 fn place(rank: usize, world: usize, port: u16) -> ProcessGroup {
