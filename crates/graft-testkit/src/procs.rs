@@ -61,7 +61,7 @@ pub fn spawn_ranks(
     let exe = std::env::current_exe().unwrap_or_else(|e| panic!("no path to this test: {e}"));
     let mut env = vec![(SCENARIO_VAR, scenario.to_owned())];
     env.extend(extra.iter().cloned());
-    launch_local(&exe, &[] as &[&str], world, ranks, &env, deadline)
+    launch_local(&exe, &[] as &[&str], world, ranks, &env, deadline, false)
         .unwrap_or_else(|e| panic!("the ranks of {scenario} did not start: {e}"))
 }
 

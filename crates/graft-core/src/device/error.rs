@@ -360,6 +360,19 @@ pub enum DeviceError {
         /// How long it waited.
         waited: std::time::Duration,
     },
+    /// A collective lost its connection to another rank (its process ended, or the network
+    /// failed); the communicator was aborted.
+    #[error(
+        "{op} on rank {rank} lost rank {peer}: its process ended or the network failed; the communicator is now aborted: make new communicators (and new processes)"
+    )]
+    CollectivePeerLost {
+        /// The failing operation.
+        op: DeviceOp,
+        /// The rank that noticed.
+        rank: usize,
+        /// The rank it lost.
+        peer: usize,
+    },
     /// The communicator was aborted after an earlier failure; no collective runs on it again.
     #[error("{op} refused: the communicator was aborted after an earlier failure; make a new one")]
     CollectiveAborted {
@@ -399,6 +412,7 @@ impl DeviceError {
             | DeviceError::Library { op, .. }
             | DeviceError::CollectiveTimeout { op, .. }
             | DeviceError::CollectiveUnanswered { op, .. }
+            | DeviceError::CollectivePeerLost { op, .. }
             | DeviceError::CollectiveAborted { op }
             | DeviceError::Driver { op, .. } => *op,
         }

@@ -123,6 +123,13 @@ impl ProcessGroup {
                     expected: "a whole number",
                 })
         };
+        // In the order of ENV_VARS, so that the first missing one is named first.
+        let (rank, world, local_rank) = (
+            number("RANK")?,
+            number("WORLD_SIZE")?,
+            number("LOCAL_RANK")?,
+        );
+        let master_addr = text("MASTER_ADDR")?;
         let port = text("MASTER_PORT")?;
         let master_port = port
             .trim()
@@ -132,13 +139,7 @@ impl ProcessGroup {
                 value: port,
                 expected: "a port number (0 to 65535)",
             })?;
-        ProcessGroup::new(
-            number("RANK")?,
-            number("WORLD_SIZE")?,
-            number("LOCAL_RANK")?,
-            text("MASTER_ADDR")?.trim(),
-            master_port,
-        )
+        ProcessGroup::new(rank, world, local_rank, master_addr.trim(), master_port)
     }
 
     /// The environment variables that place a process at `rank` of this job, on its host's
@@ -227,6 +228,14 @@ mod tests {
         assert_eq!(
             g.env_for(0, 0).map(|(_, v)| v),
             ["0", "2", "0", "127.0.0.1", "29500"].map(str::to_owned)
+        );
+    }
+
+    #[test]
+    fn the_first_missing_variable_is_named() {
+        assert_eq!(
+            ProcessGroup::from_vars(|_| None),
+            Err(ProcessGroupError::Missing { var: "RANK" })
         );
     }
 

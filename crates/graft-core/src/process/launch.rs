@@ -153,7 +153,9 @@ impl Running {
 /// Starts `ranks` (a subset of `0..world`, usually all) of a job of `world` ranks on this host,
 /// each `program` with `args`, the job's variables for its rank (on a free loopback port:
 /// `LOCAL_RANK` is the rank) and `env`; waits for every one at most `deadline`, killing those
-/// still running then. Returns how each ended, in the order of `ranks`.
+/// still running then. With `fail_fast`, a rank that exits with a failure gets the others
+/// killed at once (the job cannot finish without it). Returns how each ended, in the order of
+/// `ranks`.
 pub fn launch_local<A: AsRef<OsStr>>(
     program: &Path,
     args: &[A],
@@ -161,6 +163,7 @@ pub fn launch_local<A: AsRef<OsStr>>(
     ranks: &[usize],
     env: &[(&str, String)],
     deadline: Duration,
+    fail_fast: bool,
 ) -> Result<Vec<RankExit>, LaunchError> {
     let job = ProcessGroup::new(0, world, 0, "127.0.0.1", free_port()?)?;
     if let Some(&rank) = ranks.iter().find(|&&r| r >= world) {
@@ -193,7 +196,11 @@ pub fn launch_local<A: AsRef<OsStr>>(
     }
     let mut ended: Vec<Option<RankExit>> = running.iter().map(|_| None).collect();
     while ended.iter().any(Option::is_none) {
-        let overdue = start.elapsed() >= deadline;
+        let failed = ended
+            .iter()
+            .flatten()
+            .any(|e| !e.status.is_some_and(|s| s.success()));
+        let overdue = start.elapsed() >= deadline || fail_fast && failed;
         for (i, r) in running.iter_mut().enumerate() {
             if ended[i].is_some() {
                 continue;
@@ -222,15 +229,17 @@ pub fn launch_local<A: AsRef<OsStr>>(
 mod tests {
     use super::*;
 
-    fn sh(script: &str, world: usize, deadline: Duration) -> Vec<RankExit> {
+    fn sh(script: &str, world: usize, deadline: Duration, fail_fast: bool) -> Vec<RankExit> {
         let ranks: Vec<usize> = (0..world).collect();
+        let args = ["-c", script];
         launch_local(
             Path::new("/bin/sh"),
-            &["-c", script],
+            &args,
             world,
             &ranks,
             &[],
             deadline,
+            fail_fast,
         )
         .unwrap()
     }
@@ -241,6 +250,7 @@ mod tests {
             "echo $RANK/$WORLD_SIZE/$LOCAL_RANK@$MASTER_ADDR; exit $RANK",
             2,
             Duration::from_secs(20),
+            false,
         );
         for (rank, e) in exits.iter().enumerate() {
             assert_eq!(e.rank, rank);
@@ -259,10 +269,21 @@ mod tests {
             "if [ $RANK = 1 ]; then sleep 30; fi",
             2,
             Duration::from_millis(300),
+            false,
         );
         assert!(start.elapsed() < Duration::from_secs(10));
         assert_eq!(exits[0].code(), Some(0));
         assert!(exits[1].status.is_none(), "{:?}", exits[1]);
+    }
+
+    #[test]
+    fn fail_fast_kills_the_others_when_a_rank_fails() {
+        let start = Instant::now();
+        let script = "if [ $RANK = 1 ]; then exit 4; fi; sleep 30";
+        let exits = sh(script, 2, Duration::from_secs(60), true);
+        assert!(start.elapsed() < Duration::from_secs(10));
+        assert_eq!(exits[1].code(), Some(4));
+        assert!(exits[0].status.is_none(), "{:?}", exits[0]);
     }
 
     #[test]
@@ -274,6 +295,7 @@ mod tests {
             &[0],
             &[],
             Duration::from_secs(1),
+            false,
         )
         .unwrap_err();
         assert!(matches!(err, LaunchError::Spawn { rank: 0, .. }), "{err}");
