@@ -462,9 +462,9 @@ fn a_rank_that_skips_a_call_times_out_its_peer<D: TestGroupDevice>() {
             matches!(
                 err,
                 CallError::Group {
-                    source: GroupError::Broken { timed_out: 0 },
+                    source: GroupError::Broken { rank: r, cause },
                     ..
-                }
+                } if *r == rank && matches!(**cause, GroupError::Timeout { rank: 0, .. })
             ),
             "rank {rank}: {err}"
         );

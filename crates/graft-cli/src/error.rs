@@ -83,6 +83,54 @@ pub enum CliError {
     Step(#[from] graft_core::StepError),
     #[error("could not write the report: {0}")]
     Output(#[from] std::io::Error),
+    /// `--procs`: the ranks' processes could not be started.
+    #[error(transparent)]
+    Launch(#[from] graft_core::LaunchError),
+    /// `--procs`: this program's own path is unknown, so it cannot start its ranks.
+    #[error("cannot find this program's own path to start the ranks: {source}")]
+    OwnPath {
+        /// The system's error.
+        source: std::io::Error,
+    },
+    /// A rank's place in the job (its environment variables) is missing or wrong.
+    #[error(transparent)]
+    Place(#[from] graft_core::ProcessGroupError),
+    /// A rank could not join the job's rendezvous.
+    #[error(transparent)]
+    Join(#[from] graft_core::JoinError),
+    /// A rank could not receive NCCL's unique id from rank 0.
+    #[error(transparent)]
+    Exchange(#[from] graft_core::ExchangeError),
+    /// `--procs`: a rank failed; its last lines of stderr say why.
+    #[error("rank {rank} of the job failed (exit code {code:?}); its stderr ends with:\n{stderr}")]
+    RankFailed {
+        /// The rank.
+        rank: usize,
+        /// Its exit code (`None`: ended by a signal).
+        code: Option<i32>,
+        /// The last lines it wrote to stderr.
+        stderr: String,
+    },
+    /// `--procs`: a rank was still running at the deadline and was killed.
+    #[error(
+        "rank {rank} of the job was still running after {waited:?} and was killed; raise --procs-timeout, or see why it hung (RUST_LOG=graft_core=debug)"
+    )]
+    RankTimedOut {
+        /// The rank.
+        rank: usize,
+        /// How long it ran.
+        waited: std::time::Duration,
+    },
+    /// `--procs`: a rank's stdout is not the report `--as-rank` writes.
+    #[error(
+        "rank {rank}'s report is not the JSON a rank of `graft bench tp --procs` writes ({source}); run this program's own build for every rank"
+    )]
+    RankReport {
+        /// The rank.
+        rank: usize,
+        /// Why it does not parse.
+        source: serde_json::Error,
+    },
     /// Serializing JSON failed.
     #[error("could not serialize the results as JSON: {0}")]
     Json(#[from] serde_json::Error),

@@ -23,6 +23,7 @@ pub mod shapes;
 mod timing;
 mod tokens;
 pub mod tp;
+mod tp_procs;
 
 use std::io::Write;
 
@@ -174,7 +175,22 @@ pub struct TpArgs {
     /// Use simulated devices even when GPUs are available.
     #[arg(long)]
     pub sim: bool,
+    /// Run the ranks as N processes, one per GPU (or simulated device), started like a
+    /// distributed job (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), their votes over
+    /// NCCL (over TCP on the simulator), and compare them with N threads of one process.
+    #[arg(long, value_name = "N", conflicts_with = "world")]
+    pub procs: Option<usize>,
+    /// With --procs: seconds the ranks may run before they are killed.
+    #[arg(long, value_name = "SECONDS", default_value_t = PROCS_TIMEOUT_S)]
+    pub procs_timeout: u64,
+    /// Run as one rank of a --procs job (its place from the environment), writing its
+    /// results as JSON to stdout: what --procs starts.
+    #[arg(long, hide = true)]
+    pub as_rank: bool,
 }
+
+/// The default of `graft bench tp --procs-timeout`, in seconds.
+pub const PROCS_TIMEOUT_S: u64 = 900;
 
 /// Arguments of `graft bench capture`, `serve`, `update` and `inputs`.
 #[derive(Args, Debug, Clone)]

@@ -12,41 +12,54 @@ use graft_core::{Config, Coordinator, Device, DeviceError, FunctionId, Graft, Me
 use graft_cuda::{CudaDevice, NcclComm};
 use graft_sim::{SimComm, SimDevice};
 use graft_tensor::{Backend, Collective, Decoder, DecoderConfig, KvState, Meta, Tensor};
+use serde::{Deserialize, Serialize};
 
-use crate::TpArgs;
 use crate::error::CliError;
 use crate::timing::{fmt_us, median, median_us};
 use crate::tokens::{compare, first_tokens};
+use crate::{PROCS_TIMEOUT_S, TpArgs};
+
+/// How long a rank waits for the others at a recording's vote.
+pub(crate) const AGREEMENT: Duration = Duration::from_secs(120);
+/// How long a simulated all-reduce waits for the other ranks.
+pub(crate) const SIM_COLLECTIVE: Duration = Duration::from_secs(30);
 
 /// One rank's state. Field order is drop order: the runtime (and its graphs) before the
 /// decoder, whose communicator NCCL wants destroyed after the graphs that captured it.
-struct Rank<D: Backend> {
+pub(crate) struct Rank<D: Backend> {
     graft: Graft<D, Meta>,
     decoder: Decoder<D>,
     fid: FunctionId,
 }
 
 /// Per-step times of one mode at one batch size, in microseconds.
-#[derive(Clone, Copy, Debug, Default)]
-struct Times {
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize)]
+pub(crate) struct Times {
     /// Median of steps each followed by a synchronize.
-    synced: f64,
+    pub(crate) synced: f64,
     /// Steps enqueued back to back, one synchronize at the end, per step.
-    pipelined: f64,
+    pub(crate) pipelined: f64,
 }
 
 /// What one rank measured at one batch size.
-#[derive(Clone, Debug, Default)]
-struct RankReport {
-    eager: Times,
-    graft: Times,
-    raw: Times,
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub(crate) struct RankReport {
+    pub(crate) eager: Times,
+    pub(crate) graft: Times,
+    pub(crate) raw: Times,
     /// The tokens of the checked steps (eager's; graft's and the raw graph's equal them).
-    tokens: Vec<Vec<i32>>,
+    pub(crate) tokens: Vec<Vec<i32>>,
 }
 
-/// `graft bench tp`.
+/// `graft bench tp`: the ranks as threads of this process, or with `--procs` as processes
+/// (`tp_procs`), or one rank of such a job (`--as-rank`, what `--procs` starts).
 pub fn run(args: &TpArgs, out: &mut dyn Write) -> Result<(), CliError> {
+    if args.as_rank {
+        return crate::tp_procs::as_rank(args, out);
+    }
+    if let Some(procs) = args.procs {
+        return crate::tp_procs::run(args, procs, out);
+    }
     run_with(args, false, out)
 }
 
@@ -61,6 +74,9 @@ pub(crate) fn demo(sim: bool, out: &mut dyn Write) -> Result<(), CliError> {
         rounds: 3,
         seed: 7,
         sim,
+        procs: None,
+        procs_timeout: PROCS_TIMEOUT_S,
+        as_rank: false,
     };
     run_with(&args, true, out)
 }
@@ -74,11 +90,7 @@ fn run_with(args: &TpArgs, sim_if_unavailable: bool, out: &mut dyn Write) -> Res
             why: "tensor parallelism needs at least 2 ranks".into(),
         });
     }
-    let gpus = if !args.sim && CudaDevice::is_available() {
-        CudaDevice::device_count().unwrap_or(0)
-    } else {
-        0
-    };
+    let gpus = usable_gpus(args.sim);
     if gpus >= args.world {
         let devices = (0..args.world)
             .map(CudaDevice::new)
@@ -87,12 +99,8 @@ fn run_with(args: &TpArgs, sim_if_unavailable: bool, out: &mut dyn Write) -> Res
         match comms {
             Ok(((major, minor, patch), comms)) => {
                 writeln!(out, "NCCL {major}.{minor}.{patch}")?;
-                let comms = comms
-                    .into_iter()
-                    .map(|c| Arc::new(c) as Arc<dyn Collective>)
-                    .collect();
                 let config = DecoderConfig::tensor_parallel();
-                return run_on(devices, comms, config, "tp", args, out);
+                return run_on(devices, collectives(comms), config, "tp", args, out);
             }
             Err(e @ DeviceError::Unavailable { .. }) if sim_if_unavailable => {
                 writeln!(out, "note: {e}; running on simulated devices")?;
@@ -106,12 +114,32 @@ fn run_with(args: &TpArgs, sim_if_unavailable: bool, out: &mut dyn Write) -> Res
             args.world
         )?;
     }
-    let devices: Vec<SimDevice> = (0..args.world).map(|_| SimDevice::new()).collect();
-    let comms = SimComm::group(&devices, Duration::from_secs(30))
+    let (devices, comms) = sim_group(args.world);
+    run_on(devices, comms, DecoderConfig::tiny(), "tiny", args, out)
+}
+
+/// The CUDA GPUs a run may use: none with `--sim`, or without a driver.
+pub(crate) fn usable_gpus(sim: bool) -> usize {
+    if !sim && CudaDevice::is_available() {
+        CudaDevice::device_count().unwrap_or(0)
+    } else {
+        0
+    }
+}
+
+/// `world` simulated devices and their in-process all-reduce.
+pub(crate) fn sim_group(world: usize) -> (Vec<SimDevice>, Vec<Arc<dyn Collective>>) {
+    let devices: Vec<SimDevice> = (0..world).map(|_| SimDevice::new()).collect();
+    let comms = collectives(SimComm::group(&devices, SIM_COLLECTIVE));
+    (devices, comms)
+}
+
+/// Communicators as the decoder's collectives.
+pub(crate) fn collectives<C: Collective>(comms: Vec<C>) -> Vec<Arc<dyn Collective>> {
+    comms
         .into_iter()
         .map(|c| Arc::new(c) as Arc<dyn Collective>)
-        .collect();
-    run_on(devices, comms, DecoderConfig::tiny(), "tiny", args, out)
+        .collect()
 }
 
 fn run_on<D: Backend>(
@@ -122,16 +150,7 @@ fn run_on<D: Backend>(
     args: &TpArgs,
     out: &mut dyn Write,
 ) -> Result<(), CliError> {
-    if args.steps == 0 || 2 * args.steps + 2 > config.ctx || args.check > config.ctx {
-        return Err(CliError::BadArgument {
-            flag: "--steps",
-            why: format!(
-                "--steps must be 1..={} and --check at most {} (the context)",
-                (config.ctx - 2) / 2,
-                config.ctx
-            ),
-        });
-    }
+    check_steps(&config, args)?;
     writeln!(
         out,
         "tensor-parallel decoder ({name}: {config}) on {} ranks: {}",
@@ -139,54 +158,7 @@ fn run_on<D: Backend>(
         devices[0].describe()
     )?;
     let first = devices[0].clone();
-    let seed = args.seed;
-    let start = Instant::now();
-    let seeds: Vec<(D, Arc<dyn Collective>)> = devices.into_iter().zip(comms).collect();
-    let ranks = Coordinator::start(
-        seeds,
-        Duration::from_secs(120),
-        move |(device, comm): (D, Arc<dyn Collective>), member: Member| {
-            let mut graft = Graft::new(device, Config::default());
-            graft.join(member);
-            let decoder = Decoder::new_sharded(&mut graft, config, seed, comm)?;
-            let fid = decoder.register(&mut graft);
-            Ok::<_, CliError>(Rank {
-                graft,
-                decoder,
-                fid,
-            })
-        },
-    )
-    .map_err(|e| CliError::Ranks(Box::new(e)))?;
-    writeln!(out, "ranks built in {:.1} s", start.elapsed().as_secs_f64())?;
-    let mut empty = Vec::with_capacity(200);
-    for _ in 0..200 {
-        let t = Instant::now();
-        ranks.step(|_, _| ())?;
-        empty.push(t.elapsed());
-    }
-    writeln!(
-        out,
-        "coordinator: an empty step on every rank takes {} (median of 200)",
-        fmt_us(median_us(&empty))
-    )?;
-
-    let mut rows = Vec::new();
-    for &batch in &args.batches {
-        let (check, steps, rounds) = (args.check, args.steps, args.rounds);
-        let reports = ranks
-            .step(move |_, rank: &mut Rank<D>| measure_tp(rank, batch, check, steps, rounds))?;
-        let reports = reports.into_iter().collect::<Result<Vec<_>, _>>()?;
-        for r in &reports[1..] {
-            compare(
-                batch,
-                ("rank 0", &reports[0].tokens),
-                ("another rank", &r.tokens),
-            )?;
-        }
-        rows.push((batch, reports));
-    }
-    drop(ranks);
+    let rows = threads(devices, comms, config, args, out)?;
     writeln!(
         out,
         "tokens: graft = eager = raw graph on every rank, and every rank the same, over {} steps at B={}",
@@ -245,6 +217,98 @@ fn run_on<D: Backend>(
         "\none-device runtime: {} recordings, {} replays",
         stats.recordings, stats.replays
     )?;
+    Ok(())
+}
+
+/// Refuses `--steps` and `--check` the decoder's context cannot hold.
+pub(crate) fn check_steps(config: &DecoderConfig, args: &TpArgs) -> Result<(), CliError> {
+    if args.steps == 0 || 2 * args.steps + 2 > config.ctx || args.check > config.ctx {
+        return Err(CliError::BadArgument {
+            flag: "--steps",
+            why: format!(
+                "--steps must be 1..={} and --check at most {} (the context)",
+                (config.ctx - 2) / 2,
+                config.ctx
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// One rank's state on `device`: its runtime joined to the group through `member`, and its
+/// shard of the decoder, whose all-reduces run on `comm`.
+pub(crate) fn rank<D: Backend>(
+    device: D,
+    comm: Arc<dyn Collective>,
+    member: Member,
+    config: DecoderConfig,
+    seed: u64,
+) -> Result<Rank<D>, CliError> {
+    let mut graft = Graft::new(device, Config::default());
+    graft.join(member);
+    let decoder = Decoder::new_sharded(&mut graft, config, seed, comm)?;
+    let fid = decoder.register(&mut graft);
+    Ok(Rank {
+        graft,
+        decoder,
+        fid,
+    })
+}
+
+/// The ranks as threads of this process (a [`Coordinator`]): builds them, times an empty step,
+/// measures every batch size of `args` on every rank, and checks every rank decoded the same
+/// tokens. Returns each batch size with its ranks' reports, in rank order.
+pub(crate) fn threads<D: Backend>(
+    devices: Vec<D>,
+    comms: Vec<Arc<dyn Collective>>,
+    config: DecoderConfig,
+    args: &TpArgs,
+    out: &mut dyn Write,
+) -> Result<Vec<(usize, Vec<RankReport>)>, CliError> {
+    let seed = args.seed;
+    let start = Instant::now();
+    let seeds: Vec<(D, Arc<dyn Collective>)> = devices.into_iter().zip(comms).collect();
+    let ranks = Coordinator::start(
+        seeds,
+        AGREEMENT,
+        move |(device, comm): (D, Arc<dyn Collective>), member: Member| {
+            rank(device, comm, member, config, seed)
+        },
+    )
+    .map_err(|e| CliError::Ranks(Box::new(e)))?;
+    writeln!(out, "ranks built in {:.1} s", start.elapsed().as_secs_f64())?;
+    let mut empty = Vec::with_capacity(200);
+    for _ in 0..200 {
+        let t = Instant::now();
+        ranks.step(|_, _| ())?;
+        empty.push(t.elapsed());
+    }
+    writeln!(
+        out,
+        "coordinator: an empty step on every rank takes {} (median of 200)",
+        fmt_us(median_us(&empty))
+    )?;
+    let mut rows = Vec::new();
+    for &batch in &args.batches {
+        let (check, steps, rounds) = (args.check, args.steps, args.rounds);
+        let reports = ranks
+            .step(move |_, rank: &mut Rank<D>| measure_tp(rank, batch, check, steps, rounds))?;
+        let reports = reports.into_iter().collect::<Result<Vec<_>, _>>()?;
+        same_tokens(batch, &reports)?;
+        rows.push((batch, reports));
+    }
+    Ok(rows)
+}
+
+/// Checks every rank's tokens at `batch` equal rank 0's.
+pub(crate) fn same_tokens(batch: usize, reports: &[RankReport]) -> Result<(), CliError> {
+    for r in &reports[1..] {
+        compare(
+            batch,
+            ("rank 0", &reports[0].tokens),
+            ("another rank", &r.tokens),
+        )?;
+    }
     Ok(())
 }
 
@@ -326,7 +390,7 @@ fn median_times(rounds: &[Times]) -> Times {
 
 /// One rank at one batch size: the tokens of `check` steps eagerly, through graft and as a
 /// raw graph (which must agree), then the times of each mode, interleaved over `rounds`.
-fn measure_tp<D: Backend>(
+pub(crate) fn measure_tp<D: Backend>(
     rank: &mut Rank<D>,
     batch: usize,
     check: usize,

@@ -281,3 +281,56 @@ fn tensor_parallel_benchmark_runs_on_simulated_devices() {
         })
     ));
 }
+
+/// `graft bench tp --procs 2 --sim`: the real binary starts two copies of itself as the ranks
+/// of a job (votes and all-reduces over TCP), gathers their reports, and checks their tokens
+/// against the same ranks as threads.
+#[test]
+fn tensor_parallel_benchmark_runs_as_processes_on_simulated_devices() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_graft"))
+        .args(["bench", "tp", "--procs", "2", "--sim", "--batches", "1,8"])
+        .args(["--check", "6", "--steps", "2", "--rounds", "1"])
+        .args(["--procs-timeout", "120"])
+        .output()
+        .expect("the graft binary runs");
+    let report = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{report}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        report.contains("as 2 processes, one per simulated device, voting over TCP"),
+        "{report}"
+    );
+    assert!(
+        report.contains("tokens: every process = every thread = eager = raw graph"),
+        "{report}"
+    );
+    assert!(report.contains("| 8 | pipelined |"), "{report}");
+    let one = Cli::try_parse_from(["graft", "bench", "tp", "--sim", "--procs", "1"]).unwrap();
+    assert!(matches!(
+        graft_cli::run(one, &mut Vec::new()),
+        Err(CliError::BadArgument {
+            flag: "--procs",
+            ..
+        })
+    ));
+    assert!(Cli::try_parse_from(["graft", "bench", "tp", "--procs", "2", "--world", "2"]).is_err());
+}
+
+/// A rank started outside a job (no RANK in its environment) says which variable is missing.
+#[test]
+fn a_rank_outside_a_job_names_the_missing_variable() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_graft"))
+        .args(["bench", "tp", "--as-rank", "--sim"])
+        .env_remove("RANK")
+        .output()
+        .expect("the graft binary runs");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("the environment variable RANK is not set"),
+        "{err}"
+    );
+}

@@ -26,9 +26,10 @@
 //! time instead, as candle's CUDA backend requires (graft-candle's `cuda` build); its programs
 //! need those libraries to start. Exactly one of the two must be on.
 //!
-//! With the `nccl` feature, `NcclComm` adds NCCL communicators for several GPUs of one
-//! process, whose all-reduces run on each device's runtime stream and so are captured into
-//! graft's graphs.
+//! With the `nccl` feature, `NcclComm` adds NCCL communicators, for several GPUs of one
+//! process (`init_all`) or one GPU per process (`init_rank`, non-blocking, every wait
+//! bounded), whose all-reduces run on each device's runtime stream and so are captured into
+//! graft's graphs; `NcclBallotBox` carries a group's votes over the same communicator.
 //!
 //! This is graft's only crate with `unsafe` besides graft-candle's CUDA module: every block
 //! names the invariant it relies on.
@@ -68,7 +69,7 @@ pub use device::{CudaDevice, CudaQueue};
 pub use graph::CudaGraph;
 pub use module::{CudaModule, KernelArg, compile_ptx};
 #[cfg(feature = "nccl")]
-pub use nccl::NcclComm;
+pub use nccl::{NcclBallotBox, NcclComm, UNIQUE_ID_BYTES};
 
 #[cfg(test)]
 mod tests {

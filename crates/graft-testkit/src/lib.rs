@@ -24,6 +24,7 @@
 //! [`steps`] shortens long GPU test loops when `scripts/gpu-run.sh` runs the tests under
 //! compute-sanitizer (it sets [`UNDER_SANITIZER`]).
 
+pub mod procs;
 mod sanitizer;
 mod skip;
 

@@ -354,6 +354,33 @@ pub enum DeviceError {
         /// The ranks that did not join.
         missing: Vec<usize>,
     },
+    /// A collective (or a communicator's setup) waited past its deadline for peers the
+    /// library cannot name (NCCL reports only that the operation has not completed); the
+    /// communicator was aborted.
+    #[error(
+        "{op} on rank {rank} waited {waited:?} for its peers, and not all came (the library cannot tell which ranks are missing); the communicator is now aborted: drive every rank with the same calls, then make new communicators (and new processes where ranks are processes)"
+    )]
+    CollectiveUnanswered {
+        /// The failing operation.
+        op: DeviceOp,
+        /// The rank that waited.
+        rank: usize,
+        /// How long it waited.
+        waited: std::time::Duration,
+    },
+    /// A collective lost its connection to another rank (its process ended, or the network
+    /// failed); the communicator was aborted.
+    #[error(
+        "{op} on rank {rank} lost rank {peer}: its process ended or the network failed; the communicator is now aborted: make new communicators (and new processes)"
+    )]
+    CollectivePeerLost {
+        /// The failing operation.
+        op: DeviceOp,
+        /// The rank that noticed.
+        rank: usize,
+        /// The rank it lost.
+        peer: usize,
+    },
     /// The communicator was aborted after an earlier failure; no collective runs on it again.
     #[error("{op} refused: the communicator was aborted after an earlier failure; make a new one")]
     CollectiveAborted {
@@ -392,6 +419,8 @@ impl DeviceError {
             | DeviceError::Compile { op, .. }
             | DeviceError::Library { op, .. }
             | DeviceError::CollectiveTimeout { op, .. }
+            | DeviceError::CollectiveUnanswered { op, .. }
+            | DeviceError::CollectivePeerLost { op, .. }
             | DeviceError::CollectiveAborted { op }
             | DeviceError::Driver { op, .. } => *op,
         }

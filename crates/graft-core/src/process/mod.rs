@@ -1,0 +1,24 @@
+//! Ranks as processes: a job's configuration ([`ProcessGroup`], from the environment variables
+//! launchers set), its TCP rendezvous ([`Rendezvous`]: rank 0 at the centre of a star, with a
+//! broadcast from rank 0 and an all-gather through it, every wait bounded), and a group's
+//! votes carried over it ([`TcpBallotBox`]), and a launcher of such a job on this host
+//! ([`launch_local`], with a watchdog). Pure std: what a device transport needs first
+//! (NCCL's unique id travels by [`Rendezvous::broadcast`]) and what the simulator uses in place
+//! of one.
+
+mod config;
+mod error;
+mod exchange;
+mod launch;
+mod rendezvous;
+mod tcp_box;
+mod wire;
+
+pub use config::{ENV_VARS, ProcessGroup, ProcessGroupError};
+pub use error::{ExchangeError, JoinError};
+pub use launch::{LaunchError, RankExit, free_port, launch_local};
+pub use rendezvous::Rendezvous;
+pub use tcp_box::{TcpBallotBox, VOTE_TAG};
+
+#[cfg(test)]
+mod tests;

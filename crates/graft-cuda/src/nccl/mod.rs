@@ -1,0 +1,158 @@
+//! `NcclComm`: NCCL communicators over graft devices, with all-reduces enqueued on each
+//! device's runtime stream, so that a body's collective is captured into its graph and
+//! replayed with it (feature `nccl`; libnccl is loaded at run time like the rest of CUDA), and
+//! `NcclBallotBox`, a group's votes carried by a tiny all-reduce on the same communicator.
+//!
+//! `init.rs` makes communicators (all ranks of a process at once, or one rank of a job of one
+//! process per GPU, non-blocking with a bounded init); `all_reduce.rs` the data all-reduce;
+//! `vote.rs` the ballot box; `status.rs` NCCL's results and the bounded poll of a
+//! non-blocking communicator.
+
+mod all_reduce;
+mod init;
+mod status;
+mod vote;
+
+use std::fmt;
+use std::ptr;
+use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use cudarc::nccl::sys;
+use graft_core::DeviceError;
+
+use crate::device::CudaQueue;
+use status::{MISSING, OP, check, nccl_present};
+
+pub use init::UNIQUE_ID_BYTES;
+pub use vote::NcclBallotBox;
+
+/// One rank's NCCL communicator, bound to one [`CudaDevice`](crate::CudaDevice) and its
+/// runtime stream.
+///
+/// Made for all ranks of one process at once by [`NcclComm::init_all`], or for one rank of a
+/// job of one process per GPU by [`NcclComm::init_rank`] (non-blocking: every wait on it is
+/// bounded). Destroy it after the graphs that captured its collectives (drop the rank's
+/// `Graft` first). NCCL allows one thread at a time per communicator, which a lock inside
+/// guarantees.
+pub struct NcclComm {
+    /// The handle; null once aborted.
+    comm: Mutex<sys::ncclComm_t>,
+    queue: CudaQueue,
+    rank: usize,
+    world: usize,
+    /// For a non-blocking communicator, how long an operation may stay in progress before the
+    /// communicator is aborted; `None` for a blocking one.
+    deadline: Option<Duration>,
+}
+
+// SAFETY: an `ncclComm_t` is a heap handle NCCL lets any thread use, one at a time; every use
+// here goes through the mutex, and the handle is destroyed once (nulled under the mutex by an
+// abort, or in `Drop`).
+unsafe impl Send for NcclComm {}
+// SAFETY: as for `Send`: shared references reach the handle only through the mutex.
+unsafe impl Sync for NcclComm {}
+
+impl fmt::Debug for NcclComm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("NcclComm")
+            .field("rank", &self.rank)
+            .field("world", &self.world)
+            .field("device", &self.queue.inner.id)
+            .field("non_blocking", &self.deadline.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl NcclComm {
+    /// The version of the loaded libnccl as (major, minor, patch).
+    pub fn version() -> Result<(u32, u32, u32), DeviceError> {
+        if !nccl_present() {
+            return Err(DeviceError::Unavailable {
+                op: OP,
+                what: MISSING,
+            });
+        }
+        let mut v: std::ffi::c_int = 0;
+        // SAFETY: `v` is a valid out-pointer; the library is present (checked above).
+        check(unsafe { sys::ncclGetVersion(&mut v) })?;
+        let v = u32::try_from(v).unwrap_or(0);
+        // NCCL_VERSION(X,Y,Z) is X*10000 + Y*100 + Z since 2.9.
+        Ok((v / 10000, v / 100 % 100, v % 100))
+    }
+
+    /// This communicator's rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The number of ranks.
+    pub fn world(&self) -> usize {
+        self.world
+    }
+
+    /// The handle, locked: null once aborted.
+    fn lock(&self) -> MutexGuard<'_, sys::ncclComm_t> {
+        // The guarded value is a plain pointer, replaced whole: never torn by a panic.
+        self.comm.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Aborts the communicator (`ncclCommAbort`, which aborts its uncompleted operations, and
+    /// makes its kernels return): every later operation on it fails with
+    /// [`DeviceError::CollectiveAborted`]. Use it when a peer failed after collectives were
+    /// enqueued, then make new communicators. Aborting twice does nothing.
+    pub fn abort(&self) -> Result<(), DeviceError> {
+        let handle = std::mem::replace(&mut *self.lock(), ptr::null_mut());
+        if handle.is_null() {
+            return Ok(());
+        }
+        // SAFETY: the handle was live and is taken out of the lock (nulled there), so neither
+        // another operation nor `Drop` uses it again.
+        check(unsafe { sys::ncclCommAbort(handle) })
+    }
+
+    /// Aborts after a failure that is being returned: an error aborting cannot be returned
+    /// too, so it goes to the device's sticky slot and the next graft call returns it.
+    fn abort_after_failure(&self) {
+        if let Err(e) = self.abort() {
+            self.queue.inner.record_sticky(e);
+        }
+    }
+}
+
+impl Drop for NcclComm {
+    /// Destroys the communicator. A non-blocking one is finalized first (its operations
+    /// flushed), at most for its deadline; past that (a peer is gone) it is aborted instead,
+    /// so that dropping never hangs.
+    fn drop(&mut self) {
+        if self.lock().is_null() {
+            return;
+        }
+        if let Some(limit) = self.deadline
+            && !self.finalize(limit)
+        {
+            self.abort_after_failure();
+            return;
+        }
+        let comm = std::mem::replace(&mut *self.lock(), ptr::null_mut());
+        // SAFETY: the handle was live (not aborted) and is taken out of the lock: this is its
+        // only destruction.
+        if let Err(e) = check(unsafe { sys::ncclCommDestroy(comm) }) {
+            self.queue.inner.record_sticky(e);
+        }
+    }
+}
+
+impl NcclComm {
+    /// Finalizes a non-blocking communicator (`ncclCommFinalize`, then polls until done):
+    /// whether it finished within `limit`.
+    fn finalize(&self, limit: Duration) -> bool {
+        let started = {
+            let comm = self.lock();
+            // SAFETY: the handle is live (checked non-null by the caller, and only `Drop`, which
+            // holds `&mut self`, runs) and used by this thread alone under the lock.
+            check(unsafe { sys::ncclCommFinalize(*comm) })
+        };
+        started.is_ok() && self.settle(std::time::Instant::now() + limit).is_ok()
+    }
+}
