@@ -282,12 +282,25 @@ fn tensor_parallel_benchmark_runs_on_simulated_devices() {
     ));
 }
 
+/// The `graft` binary: cargo's build of it, or, for a staged test executable run on another
+/// machine (`scripts/stage.sh`: `stage/tests/` beside `stage/bin/`), the staged one.
+fn graft_binary() -> std::path::PathBuf {
+    let built = std::path::PathBuf::from(env!("CARGO_BIN_EXE_graft"));
+    if built.exists() {
+        return built;
+    }
+    std::env::current_exe()
+        .ok()
+        .and_then(|exe| Some(exe.parent()?.parent()?.join("bin").join("graft")))
+        .unwrap_or(built)
+}
+
 /// `graft bench tp --procs 2 --sim`: the real binary starts two copies of itself as the ranks
 /// of a job (votes and all-reduces over TCP), gathers their reports, and checks their tokens
 /// against the same ranks as threads.
 #[test]
 fn tensor_parallel_benchmark_runs_as_processes_on_simulated_devices() {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_graft"))
+    let out = std::process::Command::new(graft_binary())
         .args(["bench", "tp", "--procs", "2", "--sim", "--batches", "1,8"])
         .args(["--check", "6", "--steps", "2", "--rounds", "1"])
         .args(["--procs-timeout", "120"])
@@ -322,7 +335,7 @@ fn tensor_parallel_benchmark_runs_as_processes_on_simulated_devices() {
 /// A rank started outside a job (no RANK in its environment) says which variable is missing.
 #[test]
 fn a_rank_outside_a_job_names_the_missing_variable() {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_graft"))
+    let out = std::process::Command::new(graft_binary())
         .args(["bench", "tp", "--as-rank", "--sim"])
         .env_remove("RANK")
         .output()
