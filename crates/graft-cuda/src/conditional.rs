@@ -553,7 +553,6 @@ pub(crate) fn free_scratch(device: &Inner, scratch: Vec<u64>) {
     }
 }
 
-/// What a conditional call finds outside a capture.
 /// How many nodes of each type (`CUgraphNodeType`) `graph` has, for diagnostics.
 fn node_kinds(graph: sys::CUgraph) -> Vec<(u32, usize)> {
     let mut kinds: Vec<(u32, usize)> = Vec::new();
@@ -567,6 +566,7 @@ fn node_kinds(graph: sys::CUgraph) -> Vec<(u32, usize)> {
     kinds
 }
 
+/// What a conditional call finds outside a capture.
 fn no_capture() -> DeviceError {
     DeviceError::CaptureState {
         op: OP,
