@@ -1,5 +1,5 @@
-//! cuBLAS on the runtime stream: one handle per device, made once, and [`CudaQueue::sgemm`],
-//! a row-major f32 matrix product.
+//! cuBLAS on the runtime stream: [`Blas`], one handle per device, made once, and the GEMM
+//! behind [`CudaQueue::sgemm`](crate::CudaQueue::sgemm), a row-major f32 matrix product.
 //!
 //! # Why a fixed workspace
 //! cuBLAS needs scratch memory for some GEMM algorithms. Left to itself it allocates that
@@ -8,7 +8,7 @@
 //! the graph that cuBLAS may free later. So the handle is given its own workspace once, at
 //! creation, with `cublasSetWorkspace_v2`: [`WORKSPACE_BYTES`] from the device's own
 //! segment allocation (`cuMemAlloc`, outside graft's pool), freed only when the device is
-//! dropped. The handle is created outside any capture ([`CudaQueue::init_cublas`], or the
+//! dropped. The handle is created outside any capture ([`CudaQueue::init_cublas`](crate::CudaQueue::init_cublas), or the
 //! first `sgemm` when the stream is not capturing); an `sgemm` that would have to create it
 //! during a capture fails with a capture error instead, which graft turns into an eager
 //! fallback.
@@ -22,30 +22,46 @@
 use std::ffi::{c_int, c_void};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::ptr;
+use std::sync::{Mutex, OnceLock, PoisonError};
 
 use cudarc::cublas::sys as blas;
-use cudarc::driver::sys;
-use graft_core::{Buffer, CaptureViolation, DeviceError, DeviceOp};
+use graft_core::{Buffer, CaptureViolation, DeviceError, DeviceId, DeviceOp};
 
-use crate::context::Inner;
-use crate::device::CudaQueue;
-use crate::error::check;
+use crate::context::Context;
+use crate::driver;
+use crate::driver::stream::CAPTURE_NONE;
 
 /// Bytes of the workspace each device's cuBLAS handle gets (32 MiB, what PyTorch gives
 /// Hopper GPUs).
 pub const WORKSPACE_BYTES: usize = 32 << 20;
 
-/// A device's cuBLAS handle and its workspace. Destroyed by the device's `Drop`, after the
-/// stream is synchronized.
+/// A device's cuBLAS: its handle, made once (see [`Blas::handle`]), and the lock that
+/// serializes making it.
+#[derive(Default)]
 pub(crate) struct Blas {
-    handle: blas::cublasHandle_t,
-    workspace: sys::CUdeviceptr,
+    made: OnceLock<Handle>,
+    init: Mutex<()>,
 }
 
-impl Blas {
-    /// Creates the handle on `inner`'s runtime stream with a fixed workspace. The context
+/// A cuBLAS handle and its workspace. Destroyed by the device's `Drop`, after the stream is
+/// synchronized.
+struct Handle {
+    handle: blas::cublasHandle_t,
+    workspace: u64,
+}
+
+// SAFETY: the cuBLAS handle is created once (under `Blas::init`) and only read after, and
+// cuBLAS allows one handle to be used from several host threads once the owning context is
+// current (every use makes it current first); the workspace is device memory graft never
+// dereferences on the host. Destroyed only in the device's `Drop`, with exclusive access.
+unsafe impl Send for Handle {}
+// SAFETY: as for `Send`.
+unsafe impl Sync for Handle {}
+
+impl Handle {
+    /// Creates the handle on `cx`'s runtime stream with a fixed workspace. The context
     /// must be current and the stream not capturing.
-    fn create(inner: &Inner) -> Result<Blas, DeviceError> {
+    fn create(cx: &Context) -> Result<Handle, DeviceError> {
         let op = DeviceOp::ModuleLoad;
         // SAFETY: only `dlopen`s candidate names of libcublas and drops each handle. (Linked
         // with `dynamic-linking`: the loader already found it.)
@@ -56,13 +72,13 @@ impl Blas {
                 what: "libcublas could not be loaded; install the CUDA toolkit's cuBLAS or add it to LD_LIBRARY_PATH",
             });
         }
-        let mut b = Blas {
+        let mut b = Handle {
             handle: ptr::null_mut(),
             workspace: 0,
         };
         // cudarc panics when a cuBLAS symbol is missing; report that as an error instead.
         let made =
-            catch_unwind(AssertUnwindSafe(|| b.setup(inner))).unwrap_or(Err(
+            catch_unwind(AssertUnwindSafe(|| b.setup(cx))).unwrap_or(Err(
                 DeviceError::Unavailable {
                     op,
                     what: "libcublas lacks a function graft calls (cudarc panicked calling it); install cuBLAS 12 or later",
@@ -78,7 +94,7 @@ impl Blas {
         }
     }
 
-    fn setup(&mut self, inner: &Inner) -> Result<(), DeviceError> {
+    fn setup(&mut self, cx: &Context) -> Result<(), DeviceError> {
         let op = DeviceOp::ModuleLoad;
         let mut handle: blas::cublasHandle_t = ptr::null_mut();
         // SAFETY: `handle` is a valid out-pointer; the device's primary context is current, so
@@ -88,9 +104,9 @@ impl Blas {
         // SAFETY: the handle was just created; the runtime stream is a live stream of the
         // context the handle is bound to (a driver CUstream is a runtime cudaStream_t).
         blas_check(op, unsafe {
-            blas::cublasSetStream_v2(handle, inner.stream.cast())
+            blas::cublasSetStream_v2(handle, cx.stream.cast())
         })?;
-        self.workspace = inner.alloc_relaxed(DeviceOp::RawAlloc, WORKSPACE_BYTES)?;
+        self.workspace = cx.alloc_relaxed(DeviceOp::RawAlloc, WORKSPACE_BYTES)?;
         // SAFETY: the workspace is WORKSPACE_BYTES of device memory of this context, 256-byte
         // aligned (cuMemAlloc), owned by this handle until `destroy` frees it after the handle.
         blas_check(op, unsafe {
@@ -112,7 +128,7 @@ impl Blas {
 
     /// Destroys the handle, then frees the workspace. The context must be current and the
     /// stream idle (synchronized). Idempotent.
-    pub(crate) fn destroy(&mut self) -> Result<(), DeviceError> {
+    fn destroy(&mut self) -> Result<(), DeviceError> {
         let mut first = Ok(());
         let handle = std::mem::replace(&mut self.handle, ptr::null_mut());
         if !handle.is_null() {
@@ -126,9 +142,9 @@ impl Blas {
         }
         let workspace = std::mem::replace(&mut self.workspace, 0);
         if workspace != 0 {
-            // SAFETY: allocated by cuMemAlloc in `setup`, no longer referenced (the handle that
-            // used it is destroyed), freed exactly once (swapped out).
-            let r = check(DeviceOp::RawAlloc, unsafe { sys::cuMemFree_v2(workspace) });
+            // Allocated by cuMemAlloc in `setup`, no longer referenced (the handle that used it
+            // is destroyed), freed exactly once (swapped out).
+            let r = driver::memory::free(DeviceOp::RawAlloc, workspace);
             if first.is_ok() {
                 first = r;
             }
@@ -213,8 +229,8 @@ impl<'a> Operand<'a> {
         Operand { buffer, offset }
     }
 
-    /// The device address of a `rows * cols` f32 matrix here, checked for this device.
-    fn resolve(self, q: &CudaQueue, rows: usize, cols: usize) -> Result<u64, DeviceError> {
+    /// The device address of a `rows * cols` f32 matrix here, checked for device `device`.
+    fn resolve(self, device: DeviceId, rows: usize, cols: usize) -> Result<u64, DeviceError> {
         let op = DeviceOp::KernelLaunch;
         let bytes = rows
             .checked_mul(cols)
@@ -223,70 +239,50 @@ impl<'a> Operand<'a> {
                 op,
                 what: "a matrix's byte size overflows usize",
             })?;
-        Ok(self
-            .buffer
-            .device_addr(op, q.device_id(), self.offset, bytes)?
-            .0)
+        Ok(self.buffer.device_addr(op, device, self.offset, bytes)?.0)
     }
 }
 
-impl CudaQueue {
-    /// Creates this device's cuBLAS handle (once; later calls do nothing): bound to the
-    /// runtime stream, with a fixed [`WORKSPACE_BYTES`] workspace, default (fp32) math.
-    /// Call it before capturing anything that uses [`CudaQueue::sgemm`]; the first `sgemm`
-    /// outside a capture does it too. Fails during a capture (`Capture { Unsupported }`).
-    pub fn init_cublas(&self) -> Result<(), DeviceError> {
-        self.blas().map(|_| ())
-    }
-
-    fn blas(&self) -> Result<blas::cublasHandle_t, DeviceError> {
-        let inner = &self.inner;
-        if let Some(b) = inner.blas.get() {
+impl Blas {
+    /// The handle, created on first use (once; see [`Handle::create`]). Fails during a capture
+    /// when it does not exist yet (`Capture { Unsupported }`).
+    pub(crate) fn handle(&self, cx: &Context) -> Result<blas::cublasHandle_t, DeviceError> {
+        if let Some(b) = self.made.get() {
             return Ok(b.handle);
         }
-        let _guard = inner
-            .blas_init
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Some(b) = inner.blas.get() {
+        let _guard = self.init.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(b) = self.made.get() {
             return Ok(b.handle);
         }
-        inner.make_current(DeviceOp::ModuleLoad)?;
-        if self.is_capturing()? {
+        cx.make_current(DeviceOp::ModuleLoad)?;
+        cx.enter(DeviceOp::Query)?;
+        if cx.capture_status(DeviceOp::Query)? != CAPTURE_NONE {
             return Err(DeviceError::Capture {
                 op: DeviceOp::RawAlloc,
                 violation: CaptureViolation::Unsupported,
             });
         }
-        let b = Blas::create(inner)?;
+        let b = Handle::create(cx)?;
         let handle = b.handle;
-        if let Err(mut lost) = inner.blas.set(b) {
+        if let Err(mut lost) = self.made.set(b) {
             // Unreachable under the lock; release the spare rather than leak it.
             let _ = lost.destroy();
         }
         Ok(handle)
     }
 
-    /// Enqueues `C = alpha * A · op(B) + beta * C` (row-major, see [`Sgemm`]) on the runtime
-    /// stream through `cublasSgemm_v2` (captured when capturing).
-    ///
-    /// cuBLAS is column-major; a row-major `[r, c]` matrix is its column-major transpose. So
-    /// the call computes `Cᵀ = op(B)ᵀ · Aᵀ`: cuBLAS's first operand is `B` (transposed when
-    /// `b_transposed`), its second `A`, with `m` and `n` swapped and leading dimensions equal
-    /// to the row lengths (`n` for `B` stored `[k, n]`, `k` for `B` stored `[n, k]`, `k` for
-    /// `A`, `n` for `C`). Sizes of zero do nothing; sizes past `i32::MAX`, an operand of
-    /// another device or smaller than its matrix are refused (`InvalidArgument`), an operand
-    /// graft reused with `InvalidBuffer`.
-    pub fn sgemm(&self, g: &Sgemm<'_>) -> Result<(), DeviceError> {
+    /// Enqueues `C = alpha * A · op(B) + beta * C` (row-major, see [`Sgemm`]) on `cx`'s
+    /// runtime stream: see [`CudaQueue::sgemm`](crate::CudaQueue::sgemm).
+    pub(crate) fn sgemm(&self, cx: &Context, g: &Sgemm<'_>) -> Result<(), DeviceError> {
         let op = DeviceOp::KernelLaunch;
-        self.inner.make_current(op)?;
+        cx.make_current(op)?;
         if g.m == 0 || g.n == 0 {
             return Ok(());
         }
-        let a = g.a.resolve(self, g.m, g.k)?;
-        let b = g.b.resolve(self, g.k, g.n)?;
-        let c = g.c.resolve(self, g.m, g.n)?;
-        let handle = self.blas()?;
+        let a = g.a.resolve(cx.id, g.m, g.k)?;
+        let b = g.b.resolve(cx.id, g.k, g.n)?;
+        let c = g.c.resolve(cx.id, g.m, g.n)?;
+        let handle = self.handle(cx)?;
         let dim = |x: usize| {
             c_int::try_from(x).map_err(|_| DeviceError::InvalidArgument {
                 op,
@@ -324,6 +320,14 @@ impl CudaQueue {
                 n,
             )
         })
+    }
+
+    /// Destroys the handle and frees its workspace, if made (teardown: the context current,
+    /// the stream idle). Errors are ignored: they have nowhere to go.
+    pub(crate) fn destroy(&mut self) {
+        if let Some(mut b) = self.made.take() {
+            let _ = b.destroy();
+        }
     }
 }
 

@@ -7,9 +7,12 @@ use cudarc::driver::sys;
 use graft_core::backend::CopyEnds;
 use graft_core::{CaptureMode, DeviceError, DeviceOp, DevicePtr, GraphSummary, UpdateRefusal};
 
-use crate::context::{CAPTURE_NONE, Inner};
-use crate::error::{INSPECT_OP, check, invalid_argument, is_capture_error, map};
+use crate::conditional::Finished;
+use crate::driver;
+use crate::driver::stream::CAPTURE_NONE;
+use crate::error::{INSPECT_OP, invalid_argument};
 use crate::graph::{self, CudaGraph};
+use crate::inner::Inner;
 
 /// What a launch or update of another device's graph is refused with.
 const FOREIGN_GRAPH: &str = "the graph was captured on another device";
@@ -32,11 +35,9 @@ impl Inner {
             }
             CaptureMode::Relaxed => sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
         };
-        // SAFETY: the runtime stream is live and not capturing (checked above).
-        check(op, unsafe {
-            sys::cuStreamBeginCapture_v2(self.stream, mode)
-        })?;
-        self.reset_conditionals(mode);
+        // The runtime stream is not capturing (checked above).
+        driver::stream::begin_capture(op, self.stream, mode)?;
+        self.conditionals.reset(mode);
         Ok(())
     }
 
@@ -69,7 +70,7 @@ impl Inner {
                 Ok(Some(refusal))
             }
             Err(err) => {
-                graph::destroy_orphan(self, graph, ptr::null_mut());
+                self.destroy_orphan(graph, ptr::null_mut());
                 Err(err)
             }
         }
@@ -85,18 +86,15 @@ impl Inner {
     pub(crate) fn abort_capture(&self) -> Result<(), DeviceError> {
         let op = DeviceOp::EndCapture;
         self.enter(op)?;
-        let open = !self.conditionals().open_is_empty();
-        if open && !self.stream_capturing() {
+        let open = !self.conditionals.lock().open_is_empty();
+        if open && !self.stream_capturing(DeviceOp::Conditional) {
             // Failed between a body's capture and the next: nothing runs on the stream.
-            self.discard_conditionals();
+            self.conditionals.discard(&self.context);
             return Ok(());
         }
         self.enter_capture(op)?;
-        self.discard_conditionals();
-        let ended = self.end_and_discard();
-        if ended != sys::CUresult::CUDA_SUCCESS && !is_capture_error(ended) {
-            return Err(map(op, ended, 0));
-        }
+        self.conditionals.discard(&self.context);
+        self.end_and_discard(op)?;
         if self.capture_status(op)? != CAPTURE_NONE {
             return Err(DeviceError::CaptureState {
                 op,
@@ -106,44 +104,29 @@ impl Inner {
         Ok(())
     }
 
-    /// Ends the runtime stream's capture, whatever its state, and destroys any graph it returns.
-    /// Returns the raw result of `cuStreamEndCapture`.
-    pub(crate) fn end_and_discard(&self) -> sys::CUresult {
-        let mut graph: sys::CUgraph = ptr::null_mut();
-        // SAFETY: `stream` is the live runtime stream, and this thread began its capture (core
-        // drives the lifecycle from one thread); `graph` is a valid out-pointer.
-        let result = unsafe { sys::cuStreamEndCapture(self.stream, &mut graph) };
-        graph::destroy_orphan(self, graph, ptr::null_mut());
-        result
-    }
-
     /// `cuStreamEndCapture` on the runtime stream: the captured graph. If the end fails (an
     /// invalidated capture, unjoined work), the partial graph is destroyed and the error
     /// returned; the stream is out of capture mode either way.
-    fn end_stream_capture(
-        &self,
-    ) -> Result<(sys::CUgraph, crate::conditional::Finished), DeviceError> {
+    fn end_stream_capture(&self) -> Result<(sys::CUgraph, Finished), DeviceError> {
         let op = DeviceOp::EndCapture;
         self.enter_capture(op)?;
-        if !self.conditionals().open_is_empty() {
+        if !self.conditionals.lock().open_is_empty() {
             return Err(DeviceError::CaptureState {
                 op,
                 state: "a conditional node is still open",
             });
         }
-        let bodies = self.conditionals().take_finished();
-        let mut graph: sys::CUgraph = ptr::null_mut();
-        // SAFETY: the runtime stream is live and capturing (checked above), begun by this
-        // thread; `graph` is a valid out-pointer.
-        let ended = unsafe { sys::cuStreamEndCapture(self.stream, &mut graph) };
-        if ended != sys::CUresult::CUDA_SUCCESS {
-            graph::destroy_orphan(self, graph, ptr::null_mut());
+        let bodies = self.conditionals.lock().take_finished();
+        // The runtime stream is capturing (checked above), begun by this thread.
+        let (graph, ended) = driver::stream::end_capture(op, self.stream);
+        if let Err(err) = ended {
+            self.destroy_orphan(graph, ptr::null_mut());
             // CUDA ends the capture even when it reports an error; make sure of it.
-            if matches!(self.capture_status(op), Ok(s) if s != CAPTURE_NONE) {
-                let _ = self.end_and_discard();
+            if self.stream_capturing(op) {
+                let _ = self.end_and_discard(op);
             }
-            crate::conditional::free_scratch(self, bodies.scratch);
-            return Err(map(op, ended, 0));
+            self.free_scratch(bodies.scratch);
+            return Err(err);
         }
         Ok((graph, bodies))
     }
@@ -153,22 +136,19 @@ impl Inner {
     fn instantiate(
         self: &Arc<Self>,
         graph: sys::CUgraph,
-        bodies: crate::conditional::Finished,
+        bodies: Finished,
     ) -> Result<CudaGraph, DeviceError> {
-        let mut exec: sys::CUgraphExec = ptr::null_mut();
-        // SAFETY: `graph` is a live graph returned by cuStreamEndCapture and owned by this
-        // call; `exec` is a valid out-pointer; flags 0 requests a plain instantiation.
-        let instantiated = unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) };
-        if let Err(err) = check(DeviceOp::Instantiate, instantiated) {
-            graph::destroy_orphan(self, graph, ptr::null_mut());
-            crate::conditional::free_scratch(self, bodies.scratch);
-            return Err(err);
-        }
-        // SAFETY: `exec` was just instantiated in this context; the runtime stream is live.
-        let uploaded = unsafe { sys::cuGraphUpload(exec, self.stream) };
-        if let Err(err) = check(DeviceOp::Upload, uploaded) {
-            graph::destroy_orphan(self, graph, exec);
-            crate::conditional::free_scratch(self, bodies.scratch);
+        let exec = match driver::graph::instantiate(DeviceOp::Instantiate, graph) {
+            Ok(exec) => exec,
+            Err(err) => {
+                self.destroy_orphan(graph, ptr::null_mut());
+                self.free_scratch(bodies.scratch);
+                return Err(err);
+            }
+        };
+        if let Err(err) = driver::graph::upload(DeviceOp::Upload, exec, self.stream) {
+            self.destroy_orphan(graph, exec);
+            self.free_scratch(bodies.scratch);
             return Err(err);
         }
         Ok(CudaGraph::new(Arc::clone(self), graph, exec, bodies))
@@ -188,10 +168,10 @@ impl Inner {
         let op = DeviceOp::GraphLaunch;
         self.enter_own(op, graph)?;
         let handles = graph.lock();
-        // SAFETY: `exec` is the live executable of `graph` (destroyed only when the graph is
-        // dropped, impossible while borrowed), instantiated in this device's context, and its
-        // use is serialized by the graph's lock; the runtime stream is live.
-        check(op, unsafe { sys::cuGraphLaunch(handles.exec, self.stream) })
+        // `exec` is the live executable of `graph` (destroyed only when the graph is dropped,
+        // impossible while borrowed), instantiated in this device's context, and its use is
+        // serialized by the graph's lock.
+        driver::graph::launch(op, handles.exec, self.stream)
     }
 
     /// `cuGraphExecMemcpyNodeSetParams` on the copy node writing `dst` (found once, cached).

@@ -6,20 +6,23 @@
 //! again as the body's last work. The runtime stream stays the one stream of the capture
 //! (frameworks such as candle launch on a stream they own): opening a node ends the stream's
 //! capture (the graph so far is kept), adds the node after the work captured so far, and
-//! begins a fresh capture for the body; closing it ends that capture, checks and cleans the
-//! body ([`crate::relocate`]), puts it into the node's body graph as a child graph, and
-//! resumes capturing into the outer graph after the node (`cuStreamBeginCaptureToGraph`).
+//! begins a fresh capture for the body; closing it ends that capture, checks the body and
+//! copies it node by node into the node's body graph, its stream-ordered allocations moved
+//! into memory the graph owns ([`crate::relocate`]: the H100's driver refused both adding the
+//! body as a child graph and deleting its memory nodes in place), and resumes capturing into
+//! the outer graph after the node (`cuStreamBeginCaptureToGraph`). [`Conditionals`] holds one
+//! device's conditional state and its loaded set-conditional kernel.
 
 use std::ffi::{CStr, c_int, c_void};
 use std::ptr;
-use std::sync::{MutexGuard, OnceLock, PoisonError};
+use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
 
 use cudarc::driver::sys;
 use graft_core::{Conditional, DeviceError, DeviceOp, DevicePtr};
 
-use crate::context::{CAPTURE_NONE, Inner};
-use crate::error::{check, invalid_argument};
-use crate::graph::destroy_orphan;
+use crate::context::Context;
+use crate::driver;
+use crate::error::invalid_argument;
 use crate::relocate::{self, Body};
 
 const OP: DeviceOp = DeviceOp::Conditional;
@@ -65,14 +68,14 @@ const SET_CONDITIONAL_PTX: &CStr = c"
 ";
 
 /// The loaded `graft_set_conditional` kernel of one device.
-pub(crate) struct SetConditional {
+struct SetConditional {
     module: sys::CUmodule,
     function: sys::CUfunction,
 }
 
 // SAFETY: a module and its function are driver handles usable from any thread once their
 // context is current (every use enters the device first); they are unloaded only in
-// `Inner::drop`, with exclusive access.
+// `Conditionals::unload` (the device's teardown), with exclusive access.
 unsafe impl Send for SetConditional {}
 // SAFETY: as for `Send`: launching a function is thread-safe in the driver.
 unsafe impl Sync for SetConditional {}
@@ -130,68 +133,56 @@ impl ConditionalState {
     }
 }
 
-impl Inner {
+/// One device's conditional nodes: the state of the capture underway, and the kernel that sets
+/// a conditional node's handle, loaded on first use.
+#[derive(Default)]
+pub(crate) struct Conditionals {
+    state: Mutex<ConditionalState>,
+    set_conditional: OnceLock<SetConditional>,
+}
+
+impl Conditionals {
     /// The conditional state, locked.
-    pub(crate) fn conditionals(&self) -> MutexGuard<'_, ConditionalState> {
-        self.conditional
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
+    pub(crate) fn lock(&self) -> MutexGuard<'_, ConditionalState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Whether the driver has every kind of conditional node (CUDA 12.8 or later).
-    pub(crate) fn supports_conditionals(&self) -> bool {
+    pub(crate) fn supported() -> bool {
         static VERSION: OnceLock<c_int> = OnceLock::new();
-        let version = *VERSION.get_or_init(|| {
-            let mut v: c_int = 0;
-            // SAFETY: `v` is a valid out-pointer; the driver is loaded (a device is open).
-            let r = unsafe { sys::cuDriverGetVersion(&mut v) };
-            if r == sys::CUresult::CUDA_SUCCESS {
-                v
-            } else {
-                0
-            }
-        });
+        let version = *VERSION.get_or_init(|| driver::device::driver_version().unwrap_or(0));
         version >= MIN_DRIVER
     }
 
     /// Starts a capture's conditional state (at `begin_capture`).
-    pub(crate) fn reset_conditionals(&self, mode: sys::CUstreamCaptureMode) {
-        *self.conditionals() = ConditionalState {
+    pub(crate) fn reset(&self, mode: sys::CUstreamCaptureMode) {
+        *self.lock() = ConditionalState {
             mode: Some(mode),
             ..Default::default()
         };
     }
 
     /// Loads the set-conditional kernel once.
-    fn set_conditional_kernel(&self) -> Result<sys::CUfunction, DeviceError> {
+    fn set_conditional_kernel(&self, cx: &Context) -> Result<sys::CUfunction, DeviceError> {
         if let Some(k) = self.set_conditional.get() {
             return Ok(k.function);
         }
         let op = DeviceOp::ModuleLoad;
-        let loaded = self.with_relaxed(op, || {
-            let mut module: sys::CUmodule = ptr::null_mut();
-            // SAFETY: the context is current; the image is a NUL-terminated PTX string that
-            // outlives the call; `module` is a valid out-pointer.
-            check(op, unsafe {
-                sys::cuModuleLoadData(&mut module, SET_CONDITIONAL_PTX.as_ptr().cast())
-            })?;
-            let mut function: sys::CUfunction = ptr::null_mut();
-            // SAFETY: `module` was just loaded; the name is NUL-terminated; `function` is a
-            // valid out-pointer.
-            let got = check(op, unsafe {
-                sys::cuModuleGetFunction(&mut function, module, c"graft_set_conditional".as_ptr())
-            });
-            if let Err(e) = got {
-                // SAFETY: `module` was loaded above and is unloaded once, here.
-                let _ = unsafe { sys::cuModuleUnload(module) };
-                return Err(e);
+        let loaded = cx.with_relaxed(op, || {
+            let module = driver::function::load(op, SET_CONDITIONAL_PTX.to_bytes_with_nul())?;
+            match driver::function::get(op, module, c"graft_set_conditional") {
+                Ok(function) => Ok(SetConditional { module, function }),
+                Err(e) => {
+                    // Loaded above and unloaded once, here.
+                    let _ = driver::function::unload(op, module);
+                    Err(e)
+                }
             }
-            Ok(SetConditional { module, function })
         })?;
         let function = loaded.function;
         if let Err(extra) = self.set_conditional.set(loaded) {
-            // SAFETY: this module lost the race, was never shared, and is unloaded once.
-            let _ = unsafe { sys::cuModuleUnload(extra.module) };
+            // This module lost the race, was never shared, and is unloaded once.
+            let _ = driver::function::unload(op, extra.module);
             return Ok(self.set_conditional.get().map_or(function, |k| k.function));
         }
         Ok(function)
@@ -200,120 +191,62 @@ impl Inner {
     /// Enqueues `graft_set_conditional(handle, selector)` on the runtime stream (captured).
     fn launch_set_conditional(
         &self,
+        cx: &Context,
         handle: sys::CUgraphConditionalHandle,
         selector: u64,
     ) -> Result<(), DeviceError> {
-        let function = self.set_conditional_kernel()?;
+        let function = self.set_conditional_kernel(cx)?;
         let (mut h, mut s) = (handle, selector);
         let mut args = [(&raw mut h).cast::<c_void>(), (&raw mut s).cast::<c_void>()];
-        // SAFETY: `function` takes two 8-byte parameters (the PTX above); `args` points at one
-        // pointer per parameter, each to a live 8-byte value, for the call's duration; one
-        // thread of one block; the runtime stream is live.
-        check(DeviceOp::KernelLaunch, unsafe {
-            sys::cuLaunchKernel(
+        // SAFETY: `function` (of the module loaded in this context, current) takes two 8-byte
+        // parameters (the PTX above); `args` points at one pointer per parameter, each to a
+        // live 8-byte value, for the call's duration; one thread of one block; the runtime
+        // stream is live.
+        unsafe {
+            driver::function::launch(
+                DeviceOp::KernelLaunch,
                 function,
-                1,
-                1,
-                1,
-                1,
-                1,
-                1,
+                (1, 1, 1),
+                (1, 1, 1),
                 0,
-                self.stream,
-                args.as_mut_ptr(),
-                ptr::null_mut(),
+                cx.stream,
+                &mut args,
             )
-        })
-    }
-
-    /// The graph the runtime stream is capturing into and the capture's current dependencies
-    /// (the nodes the next work would follow); an invalidated capture is an error.
-    fn capture_info(&self) -> Result<(sys::CUgraph, Vec<sys::CUgraphNode>), DeviceError> {
-        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-        let mut id: sys::cuuint64_t = 0;
-        let mut graph: sys::CUgraph = ptr::null_mut();
-        let mut deps: *const sys::CUgraphNode = ptr::null();
-        let mut count: usize = 0;
-        // SAFETY: the runtime stream is live; every out-pointer is valid; edge data is not
-        // asked for (null).
-        check(OP, unsafe {
-            sys::cuStreamGetCaptureInfo_v3(
-                self.stream,
-                &mut status,
-                &mut id,
-                &mut graph,
-                &mut deps,
-                ptr::null_mut(),
-                &mut count,
-            )
-        })?;
-        if status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE {
-            return Err(DeviceError::Capture {
-                op: OP,
-                violation: graft_core::CaptureViolation::Invalidated,
-            });
         }
-        let deps: Vec<sys::CUgraphNode> = if count == 0 || deps.is_null() {
-            Vec::new()
-        } else {
-            // SAFETY: the driver returned `count` node handles at `deps`, valid until the
-            // next call on the stream; they are copied out at once.
-            unsafe { std::slice::from_raw_parts(deps, count) }.to_vec()
-        };
-        Ok((graph, deps))
     }
 
     /// Ends the runtime stream's capture and returns its graph, with the capture's current
     /// dependencies.
-    fn suspend(&self) -> Result<(sys::CUgraph, Vec<sys::CUgraphNode>), DeviceError> {
-        let (_, deps) = self.capture_info()?;
-        let mut ended: sys::CUgraph = ptr::null_mut();
-        // SAFETY: the stream is capturing (checked above), begun on this thread.
-        check(OP, unsafe {
-            sys::cuStreamEndCapture(self.stream, &mut ended)
-        })?;
+    fn suspend(&self, cx: &Context) -> Result<(sys::CUgraph, Vec<sys::CUgraphNode>), DeviceError> {
+        let (_, deps) = driver::stream::capture_info(OP, cx.stream)?;
+        let (ended, result) = driver::stream::end_capture(OP, cx.stream);
+        result?;
         Ok((ended, deps))
     }
 
     /// Begins capturing into `graph` after `deps` (none: a fresh graph of its own).
     fn capture_into(
         &self,
+        cx: &Context,
         graph: Option<sys::CUgraph>,
         deps: &[sys::CUgraphNode],
         mode: sys::CUstreamCaptureMode,
     ) -> Result<(), DeviceError> {
         match graph {
-            // SAFETY: the stream is live and not capturing; `graph` is a live graph of this
-            // context owned by the caller; `deps` are nodes of it (edge data null).
-            Some(graph) => check(OP, unsafe {
-                sys::cuStreamBeginCaptureToGraph(
-                    self.stream,
-                    graph,
-                    if deps.is_empty() {
-                        ptr::null()
-                    } else {
-                        deps.as_ptr()
-                    },
-                    ptr::null(),
-                    deps.len(),
-                    mode,
-                )
-            }),
-            // SAFETY: the stream is live and not capturing.
-            None => check(OP, unsafe {
-                sys::cuStreamBeginCapture_v2(self.stream, mode)
-            }),
+            Some(graph) => driver::stream::begin_capture_to_graph(OP, cx.stream, graph, deps, mode),
+            None => driver::stream::begin_capture(OP, cx.stream, mode),
         }
     }
 
     /// Opens a conditional node (see the module documentation).
-    pub(crate) fn begin_conditional(
+    pub(crate) fn begin(
         &self,
+        cx: &Context,
         kind: Conditional,
         selector: DevicePtr,
     ) -> Result<(), DeviceError> {
-        self.enter(OP)?;
-        if !self.supports_conditionals() {
+        cx.enter(OP)?;
+        if !Conditionals::supported() {
             return Err(DeviceError::Unavailable {
                 op: OP,
                 what: "the CUDA driver is older than 12.8, which has every kind of conditional graph node; update the driver, or loop on the host",
@@ -325,7 +258,7 @@ impl Inner {
                 "a conditional's selector must be 4-byte aligned",
             ));
         }
-        let mut state = self.conditionals();
+        let mut state = self.lock();
         let Some(mode) = state.mode else {
             return Err(no_capture());
         };
@@ -338,17 +271,10 @@ impl Inner {
             });
         }
         // The handle belongs to the graph being captured: read it while the capture is on.
-        let (graph, _) = self.capture_info()?;
-        let mut handle: sys::CUgraphConditionalHandle = 0;
-        // SAFETY: `graph` is the live graph of the stream's capture, in this context (current);
-        // default value 0, no flags; `handle` is a valid out-pointer.
-        check(OP, unsafe {
-            sys::cuGraphConditionalHandleCreate(&mut handle, graph, self.ctx, 0, 0)
-        })?;
-        self.launch_set_conditional(handle, selector.0)?;
-        let (outer, deps) = self.suspend()?;
-        let mut params: sys::CUgraphNodeParams = zeroed_params();
-        params.type_ = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_CONDITIONAL;
+        let (graph, _) = driver::stream::capture_info(OP, cx.stream)?;
+        let handle = driver::graph::conditional_handle(OP, graph, cx.ctx)?;
+        self.launch_set_conditional(cx, handle, selector.0)?;
+        let (outer, deps) = self.suspend(cx)?;
         let cond_type = match kind {
             Conditional::While => sys::CUgraphConditionalNodeType::CU_GRAPH_COND_TYPE_WHILE,
             Conditional::If | Conditional::IfElse => {
@@ -356,43 +282,17 @@ impl Inner {
             }
             Conditional::Switch(_) => sys::CUgraphConditionalNodeType::CU_GRAPH_COND_TYPE_SWITCH,
         };
-        let branches = kind.branches();
-        params.__bindgen_anon_1.conditional = sys::CUDA_CONDITIONAL_NODE_PARAMS {
+        let added = driver::graph::add_conditional_node(
+            OP,
+            outer,
+            &deps,
             handle,
-            type_: cond_type,
-            size: branches as u32,
-            phGraph_out: ptr::null_mut(),
-            ctx: self.ctx,
-        };
-        let mut node: sys::CUgraphNode = ptr::null_mut();
-        // SAFETY: `outer` is the live graph just ended (ours now); `deps` are its nodes;
-        // `params` is a zeroed conditional node block with the handle created in `outer`.
-        let added = check(OP, unsafe {
-            sys::cuGraphAddNode_v2(
-                &mut node,
-                outer,
-                if deps.is_empty() {
-                    ptr::null()
-                } else {
-                    deps.as_ptr()
-                },
-                ptr::null(),
-                deps.len(),
-                &mut params,
-            )
-        });
-        let bodies = added.and_then(|()| {
-            // SAFETY: the call succeeded, so the driver set `phGraph_out` to an array of
-            // `size` body graphs, owned by the node.
-            let out = unsafe { params.__bindgen_anon_1.conditional.phGraph_out };
-            if out.is_null() {
-                return Err(invalid_argument(OP, "the driver returned no body graphs"));
-            }
-            // SAFETY: as above: `branches` graph handles at `out`.
-            Ok(unsafe { std::slice::from_raw_parts(out, branches) }.to_vec())
-        });
-        let bodies = match bodies {
-            Ok(b) => b,
+            cond_type,
+            kind.branches(),
+            cx.ctx,
+        );
+        let (node, bodies) = match added {
+            Ok(added) => added,
             Err(e) => {
                 // Nothing owns `outer` yet but this frame: keep it for the abort to destroy.
                 state.open.push(Open {
@@ -417,11 +317,11 @@ impl Inner {
             selector: selector.0,
             branch: 0,
         });
-        self.capture_into(None, &[], mode)
+        self.capture_into(cx, None, &[], mode)
     }
 
-    /// Ends the body being captured and puts it into the open node's current body graph.
-    fn close_body(&self, state: &mut ConditionalState) -> Result<(), DeviceError> {
+    /// Ends the body being captured and copies it into the open node's current body graph.
+    fn close_body(&self, cx: &Context, state: &mut ConditionalState) -> Result<(), DeviceError> {
         let Some(open) = state.open.last() else {
             return Err(DeviceError::CaptureState {
                 op: OP,
@@ -429,15 +329,13 @@ impl Inner {
             });
         };
         let target = open.bodies[open.branch];
-        let mut body: sys::CUgraph = ptr::null_mut();
-        // SAFETY: the stream is capturing the body (begun by `begin_conditional` or
-        // `next_branch` on this thread); `body` is a valid out-pointer.
-        let ended = unsafe { sys::cuStreamEndCapture(self.stream, &mut body) };
-        if ended != sys::CUresult::CUDA_SUCCESS {
-            destroy_orphan(self, body, ptr::null_mut());
-            return Err(crate::error::map(OP, ended, 0));
+        // The stream is capturing the body (begun by `begin` or `next_branch` on this thread).
+        let (body, ended) = driver::stream::end_capture(OP, cx.stream);
+        if let Err(e) = ended {
+            cx.destroy_orphan(body, ptr::null_mut());
+            return Err(e);
         }
-        let done = relocate::finish(self, body, target);
+        let done = relocate::finish(cx, body, target);
         match &done {
             Ok(Body {
                 scratch,
@@ -451,14 +349,14 @@ impl Inner {
             }
         }
         let done = done.map(|_| ());
-        destroy_orphan(self, body, ptr::null_mut());
+        cx.destroy_orphan(body, ptr::null_mut());
         done
     }
 
     /// Moves the capture to the open node's next body.
-    pub(crate) fn next_branch(&self) -> Result<(), DeviceError> {
-        self.enter(OP)?;
-        let mut state = self.conditionals();
+    pub(crate) fn next_branch(&self, cx: &Context) -> Result<(), DeviceError> {
+        cx.enter(OP)?;
+        let mut state = self.lock();
         let mode = state.mode.ok_or_else(no_capture)?;
         match state.open.last() {
             Some(o) if o.branch + 1 < o.bodies.len() => {}
@@ -475,18 +373,18 @@ impl Inner {
                 });
             }
         }
-        self.close_body(&mut state)?;
+        self.close_body(cx, &mut state)?;
         if let Some(o) = state.open.last_mut() {
             o.branch += 1;
         }
-        self.capture_into(None, &[], mode)
+        self.capture_into(cx, None, &[], mode)
     }
 
     /// Closes the open node (a loop's body first re-reads its selector) and resumes the
     /// capture after it.
-    pub(crate) fn end_conditional(&self) -> Result<(), DeviceError> {
-        self.enter(OP)?;
-        let mut state = self.conditionals();
+    pub(crate) fn end(&self, cx: &Context) -> Result<(), DeviceError> {
+        cx.enter(OP)?;
+        let mut state = self.lock();
         let mode = state.mode.ok_or_else(no_capture)?;
         let Some(open) = state.open.last() else {
             return Err(DeviceError::CaptureState {
@@ -502,13 +400,13 @@ impl Inner {
         }
         if open.kind == Conditional::While {
             let (handle, selector) = (open.handle, open.selector);
-            self.launch_set_conditional(handle, selector)?;
+            self.launch_set_conditional(cx, handle, selector)?;
         }
-        self.close_body(&mut state)?;
+        self.close_body(cx, &mut state)?;
         let Some(open) = state.open.pop() else {
             return Err(invalid_argument(OP, "the conditional node vanished"));
         };
-        if let Err(e) = self.capture_into(Some(open.outer), &[open.node], mode) {
+        if let Err(e) = self.capture_into(cx, Some(open.outer), &[open.node], mode) {
             state.open.push(open);
             return Err(e);
         }
@@ -518,37 +416,20 @@ impl Inner {
     /// Discards what open conditional nodes hold (an aborted capture): each one's outer
     /// graph (the capture's graph, or a body's), and the scratch memory of finished bodies.
     /// The stream's own capture is ended by the caller.
-    pub(crate) fn discard_conditionals(&self) {
-        let state = std::mem::take(&mut *self.conditionals());
+    pub(crate) fn discard(&self, cx: &Context) {
+        let state = std::mem::take(&mut *self.lock());
         for open in state.open {
-            destroy_orphan(self, open.outer, ptr::null_mut());
+            cx.destroy_orphan(open.outer, ptr::null_mut());
         }
-        free_scratch(self, state.finished.scratch);
+        cx.free_scratch(state.finished.scratch);
     }
 
-    /// Whether the stream is capturing now (a body, or the graph around it).
-    pub(crate) fn stream_capturing(&self) -> bool {
-        matches!(self.capture_status(OP), Ok(s) if s != CAPTURE_NONE)
-    }
-
-    /// Unloads the set-conditional kernel (teardown).
-    pub(crate) fn unload_set_conditional(&mut self) {
+    /// Unloads the set-conditional kernel (teardown, the context current).
+    pub(crate) fn unload(&mut self) {
         if let Some(k) = self.set_conditional.take() {
-            // SAFETY: the module was loaded once in this context (current) and is unloaded
-            // once, here, with no graph left that launches it (every graph holds the device).
-            let _ = unsafe { sys::cuModuleUnload(k.module) };
-        }
-    }
-}
-
-/// Frees scratch memory made by [`relocate::finish`]; failures go to the sticky slot.
-pub(crate) fn free_scratch(device: &Inner, scratch: Vec<u64>) {
-    for ptr in scratch {
-        // SAFETY: `ptr` came from cuMemAlloc in `relocate::finish`, owned by one graph (or a
-        // discarded capture) alone, and is freed once here; no launch that uses it is pending
-        // (the graph that used it is destroyed, and the driver defers until launches end).
-        if let Err(e) = check(DeviceOp::GraphDestroy, unsafe { sys::cuMemFree_v2(ptr) }) {
-            device.record_sticky(e);
+            // Loaded once in this context and unloaded once, here, with no graph left that
+            // launches it (every graph holds the device).
+            let _ = driver::function::unload(DeviceOp::ModuleLoad, k.module);
         }
     }
 }
@@ -556,8 +437,8 @@ pub(crate) fn free_scratch(device: &Inner, scratch: Vec<u64>) {
 /// How many nodes of each type (`CUgraphNodeType`) `graph` has, for diagnostics.
 fn node_kinds(graph: sys::CUgraph) -> Vec<(u32, usize)> {
     let mut kinds: Vec<(u32, usize)> = Vec::new();
-    for node in crate::graph::nodes(OP, graph).unwrap_or_default() {
-        let kind = crate::graph::node_type(OP, node).unwrap_or(u32::MAX);
+    for node in driver::graph::nodes(OP, graph).unwrap_or_default() {
+        let kind = driver::graph::node_type(OP, node).unwrap_or(u32::MAX);
         match kinds.iter_mut().find(|(k, _)| *k == kind) {
             Some((_, n)) => *n += 1,
             None => kinds.push((kind, 1)),
@@ -572,11 +453,4 @@ fn no_capture() -> DeviceError {
         op: OP,
         state: "no capture is underway on the runtime stream",
     }
-}
-
-/// A zeroed node parameter block.
-fn zeroed_params() -> sys::CUgraphNodeParams {
-    // SAFETY: `CUgraphNodeParams` is a plain C struct of integers, pointers and a union of
-    // such; all-zero bytes is a valid value of every field.
-    unsafe { std::mem::zeroed() }
 }

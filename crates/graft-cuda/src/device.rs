@@ -3,10 +3,12 @@
 //! One device owns one primary-context reference and one non-blocking *runtime stream*
 //! (everything graft does is enqueued there, and captured from there); with the `test-support`
 //! feature also a *side stream* (for tests that model work on another stream) and two events to
-//! fork and join it. Where the work is done: `context` (the shared state, opening and
-//! releasing it, entering an operation), `vmm` (pool memory), `capture` (the capture
-//! lifecycle and graphs), `queue` (the body-facing copies, reads and writes), `test_hooks`
-//! (the `test-support` calls); every driver result becomes a typed error in `error`.
+//! fork and join it. Where the work is done: `inner` (the device composed of its parts),
+//! `context` (the primary context and runtime stream, entering an operation, the sticky
+//! slot), `vmm` (pool memory), `capture` (the capture lifecycle and graphs), `conditional`
+//! (conditional nodes), `queue` (the body-facing copies, reads, writes and GEMMs), `side` and
+//! `test_hooks` (the `test-support` calls); every driver call goes through the `driver`
+//! floor, which turns its result into a typed error (`error`).
 //!
 //! cudarc's safe layer (`CudaSlice`, `CudaStream`) is deliberately not used: it records events
 //! per buffer to order its own streams, and those event waits cross the capture boundary and
@@ -24,10 +26,12 @@ use graft_core::{
     UpdateRefusal,
 };
 
-use crate::context::Inner;
-use crate::driver::device_count;
+use crate::conditional::Conditionals;
+use crate::driver::stream::CAPTURE_INVALIDATED;
+use crate::driver::{self, device_count};
 use crate::error::invalid_argument;
 use crate::graph::CudaGraph;
+use crate::inner::Inner;
 
 /// graft's CUDA backend: one runtime stream on one device. See the [crate docs](crate).
 ///
@@ -146,6 +150,27 @@ impl CudaDevice {
     pub fn name(&self) -> &str {
         &self.queue.inner.name
     }
+
+    /// Gives the device's unused graph memory back (`cuDeviceGraphMemTrim`): what graph
+    /// allocation nodes (a framework's stream-ordered allocations captured into graphs) keep
+    /// cached after their graphs freed it. Failures are reported with `DeviceOp::GraphDestroy`.
+    pub fn trim_graph_memory(&self) -> Result<(), DeviceError> {
+        let op = DeviceOp::GraphDestroy;
+        let inner = &self.queue.inner;
+        inner.enter(op)?;
+        driver::device::trim_graph_memory(op, inner.cu_device)
+    }
+
+    /// Whether the runtime stream's capture has been invalidated (`cuStreamIsCapturing`
+    /// reports `CU_STREAM_CAPTURE_STATUS_INVALIDATED`): a capture is underway but a call inside
+    /// it broke it, and ending it will fail. False when no capture is underway or it is
+    /// active. Legal during a capture; failures are reported with `DeviceOp::Query`.
+    pub fn capture_invalidated(&self) -> Result<bool, DeviceError> {
+        let op = DeviceOp::Query;
+        let inner = &self.queue.inner;
+        inner.enter(op)?;
+        Ok(inner.capture_status(op)? == CAPTURE_INVALIDATED)
+    }
 }
 
 /// Every method makes the device's context current on the calling thread first. Errors from
@@ -172,11 +197,12 @@ impl Device for CudaDevice {
 
     /// The driver's recommended granularity for pinned device memory (2 MiB on an H100).
     fn granularity(&self) -> usize {
-        self.queue.inner.granularity
+        self.queue.inner.vmm.granularity()
     }
 
     fn reserve(&self, _: &CoreOnly, bytes: usize) -> Result<DevicePtr, DeviceError> {
-        self.queue.inner.reserve(bytes)
+        let inner = &self.queue.inner;
+        inner.vmm.reserve(&inner.context, bytes)
     }
 
     fn release_reservation(
@@ -185,11 +211,13 @@ impl Device for CudaDevice {
         addr: DevicePtr,
         bytes: usize,
     ) -> Result<(), DeviceError> {
-        self.queue.inner.release_reservation(addr, bytes)
+        let inner = &self.queue.inner;
+        inner.vmm.release_reservation(&inner.context, addr, bytes)
     }
 
     fn map(&self, _: &CoreOnly, addr: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
-        self.queue.inner.map(addr, bytes)
+        let inner = &self.queue.inner;
+        inner.vmm.map(&inner.context, addr, bytes)
     }
 
     fn unmap(&self, _: &CoreOnly, addr: DevicePtr, bytes: usize) -> Result<(), DeviceError> {
@@ -240,7 +268,7 @@ impl Device for CudaDevice {
 
     /// CUDA 12.8 drivers and later (every kind of conditional node).
     fn supports_conditionals(&self) -> bool {
-        self.queue.inner.supports_conditionals()
+        Conditionals::supported()
     }
 
     fn begin_conditional(
@@ -249,15 +277,18 @@ impl Device for CudaDevice {
         kind: Conditional,
         selector: DevicePtr,
     ) -> Result<(), DeviceError> {
-        self.queue.inner.begin_conditional(kind, selector)
+        let inner = &self.queue.inner;
+        inner.conditionals.begin(&inner.context, kind, selector)
     }
 
     fn next_branch(&self, _: &CoreOnly) -> Result<(), DeviceError> {
-        self.queue.inner.next_branch()
+        let inner = &self.queue.inner;
+        inner.conditionals.next_branch(&inner.context)
     }
 
     fn end_conditional(&self, _: &CoreOnly) -> Result<(), DeviceError> {
-        self.queue.inner.end_conditional()
+        let inner = &self.queue.inner;
+        inner.conditionals.end(&inner.context)
     }
 
     fn launch(&self, _: &CoreOnly, graph: &CudaGraph) -> Result<(), DeviceError> {

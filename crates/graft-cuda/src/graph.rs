@@ -7,8 +7,10 @@ use cudarc::driver::sys;
 use graft_core::backend::CopyEnds;
 use graft_core::{DeviceError, DeviceOp, DevicePtr, UpdateRefusal};
 
-use crate::context::Inner;
-use crate::error::check;
+use crate::conditional::Finished;
+use crate::driver::graph::{self as dg, kernel_name, node_type, nodes};
+use crate::inner::Inner;
+use crate::patch::{Graphs, Patches};
 
 /// The raw graph handles. Only touched under [`CudaGraph`]'s mutex, or through `&mut` in drop.
 pub(crate) struct GraphHandles {
@@ -22,14 +24,14 @@ pub(crate) struct GraphHandles {
     /// are this graph's nodes', paired in creation order.
     updated_from: sys::CUgraph,
     /// Copy-free inputs patched into the executable.
-    pub(crate) patches: crate::patch::Patches,
+    pub(crate) patches: Patches,
     /// Copy nodes re-pointed so far, with their current parameters (the executable's, which
     /// the captured graph's nodes no longer show). Found on first use by scanning the graph,
     /// then updated in place.
     copies: Vec<(sys::CUgraphNode, sys::CUDA_MEMCPY3D)>,
     /// What its conditional bodies left: the memory their allocations moved to (freed with
     /// the graph) and their host-side random kernels (see `crate::relocate`).
-    pub(crate) bodies: crate::conditional::Finished,
+    pub(crate) bodies: Finished,
 }
 
 // SAFETY: CUDA graph handles are plain driver handles, usable from any thread while their
@@ -56,7 +58,7 @@ impl CudaGraph {
         device: Arc<Inner>,
         graph: sys::CUgraph,
         exec: sys::CUgraphExec,
-        bodies: crate::conditional::Finished,
+        bodies: Finished,
     ) -> Self {
         CudaGraph {
             handles: Mutex::new(GraphHandles {
@@ -91,35 +93,24 @@ impl CudaGraph {
             .handles
             .get_mut()
             .unwrap_or_else(PoisonError::into_inner);
-        let mut info = std::mem::MaybeUninit::<sys::CUgraphExecUpdateResultInfo>::zeroed();
-        // SAFETY: `exec` is this graph's live executable (destroyed only in Drop, impossible
-        // while `&mut self` is held) and `captured` a live graph of the same context, just
-        // returned by cuStreamEndCapture on this thread, whose context is current; `info` is a
-        // valid out-pointer for the result record.
-        let result = unsafe { sys::cuGraphExecUpdate_v2(h.exec, captured, info.as_mut_ptr()) };
-        match result {
-            sys::CUresult::CUDA_SUCCESS => {
+        // `exec` is this graph's live executable (destroyed only in Drop, impossible while
+        // `&mut self` is held) and `captured` a live graph of the same context, just returned
+        // by cuStreamEndCapture on this thread, whose context is current.
+        match dg::update_exec(op, h.exec, captured)? {
+            None => {
                 let previous = std::mem::replace(&mut h.updated_from, captured);
                 destroy_graph(&self.device, previous);
                 // The copies' parameters are now the new capture's, and its kernels read
                 // what it captured: no input is patched, every copy runs.
                 h.copies.clear();
                 for copy in h.patches.take_active() {
-                    // SAFETY: `exec` is live and `copy` a memcpy node of the graph it was
-                    // instantiated from, turned off by a redirect.
-                    check(op, unsafe { sys::cuGraphNodeSetEnabled(h.exec, copy, 1) })?;
+                    // A memcpy node of the graph `exec` was instantiated from, turned off by a
+                    // redirect.
+                    dg::set_node_enabled(op, h.exec, copy, true)?;
                 }
                 Ok(None)
             }
-            sys::CUresult::CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE => {
-                // The result code is read as a plain number: a newer driver may report one
-                // cudarc's enum lacks (see `node_type`).
-                // SAFETY: the record was zeroed, and the driver fills it on this error; its
-                // first field is the 4-byte result code at offset 0 of a repr(C) struct.
-                let code = unsafe { info.as_ptr().cast::<u32>().read() };
-                Ok(Some(refusal(code)))
-            }
-            other => Err(crate::error::map(op, other, 0)),
+            Some(code) => Ok(Some(refusal(code))),
         }
     }
 
@@ -140,14 +131,12 @@ impl CudaGraph {
         let (node, params) = &mut h.copies[index];
         params.dstDevice = now.dst.0;
         params.srcDevice = now.src.0;
-        // SAFETY: `exec` is the live executable instantiated from `graph` (both destroyed only
-        // in Drop, impossible while `&mut self` is held); `node` is a memcpy node of `graph`,
+        // `exec` is the live executable instantiated from `graph` (both destroyed only in
+        // Drop, impossible while `&mut self` is held); `node` is a memcpy node of `graph`,
         // found by `find_copy`; `params` is the node's own 1-D device-to-device parameter
         // block read from the driver, with only the two addresses changed; `ctx` is the
         // context both were created in, current on this thread.
-        check(op, unsafe {
-            sys::cuGraphExecMemcpyNodeSetParams(h.exec, *node, params, ctx)
-        })
+        dg::set_exec_memcpy_params(op, h.exec, *node, params, ctx)
     }
 }
 
@@ -172,7 +161,12 @@ impl CudaGraph {
             }
             None => None,
         };
-        crate::patch::redirect(h, from, len, copy_node, to)
+        let graphs = Graphs {
+            exec: h.exec,
+            graph: h.graph,
+            current: h.current_graph(),
+        };
+        crate::patch::redirect(&mut h.patches, graphs, from, len, copy_node, to)
     }
 }
 
@@ -195,7 +189,7 @@ impl GraphHandles {
     }
 
     /// The graph whose nodes hold the executable's current parameters.
-    pub(crate) fn current_graph(&self) -> sys::CUgraph {
+    fn current_graph(&self) -> sys::CUgraph {
         if self.updated_from.is_null() {
             self.graph
         } else {
@@ -228,15 +222,8 @@ fn find_copy(
         {
             continue;
         }
-        let mut params = std::mem::MaybeUninit::<sys::CUDA_MEMCPY3D>::uninit();
-        // SAFETY: `source` is a memcpy node of a live graph (type checked above) and
-        // `params` is a valid, aligned out-pointer of the type the driver writes.
-        check(op, unsafe {
-            sys::cuGraphMemcpyNodeGetParams(source, params.as_mut_ptr())
-        })?;
-        // SAFETY: cuGraphMemcpyNodeGetParams succeeded, so the driver wrote every field of
-        // `params` (its memory types are the driver's own valid values).
-        let params = unsafe { params.assume_init() };
+        // A memcpy node of a live graph (type checked above).
+        let params = dg::memcpy_params(op, source)?;
         if has_ends(&params, ends) {
             return Ok((node, params));
         }
@@ -265,54 +252,32 @@ impl Drop for CudaGraph {
             .get_mut()
             .unwrap_or_else(PoisonError::into_inner);
         let device = &self.device;
-        if let Err(err) = device.make_current(DeviceOp::GraphDestroy) {
-            device.record_sticky(err);
-        }
-        if !h.exec.is_null() {
-            let exec = std::mem::replace(&mut h.exec, std::ptr::null_mut());
-            // SAFETY: `exec` came from cuGraphInstantiateWithFlags in end_capture, is owned by
-            // this graph alone, and is destroyed exactly once (swapped out above). CUDA defers
-            // the release of an executable still running until it completes.
-            if let Err(err) = check(DeviceOp::GraphDestroy, unsafe {
-                sys::cuGraphExecDestroy(exec)
-            }) {
-                device.record_sticky(err);
-            }
-        }
+        device.sticky_on_error(device.make_current(DeviceOp::GraphDestroy));
+        // `exec` came from cuGraphInstantiateWithFlags in end_capture, is owned by this graph
+        // alone, and is destroyed exactly once (swapped out). CUDA defers the release of an
+        // executable still running until it completes.
+        let exec = std::mem::replace(&mut h.exec, std::ptr::null_mut());
+        device.sticky_on_error(dg::destroy_exec(DeviceOp::GraphDestroy, exec));
         // The executable is gone (the driver defers it past running launches, and cuMemFree
         // waits for the device): its bodies' memory can go.
-        crate::conditional::free_scratch(device, std::mem::take(&mut h.bodies.scratch));
+        device.free_scratch(std::mem::take(&mut h.bodies.scratch));
         destroy_graph(
             device,
             std::mem::replace(&mut h.updated_from, std::ptr::null_mut()),
         );
-        if !h.graph.is_null() {
-            let graph = std::mem::replace(&mut h.graph, std::ptr::null_mut());
-            // SAFETY: `graph` came from cuStreamEndCapture in end_capture, is owned by this
-            // graph alone, and is destroyed exactly once (swapped out above); its executable,
-            // instantiated from it, no longer depends on it.
-            if let Err(err) = check(DeviceOp::GraphDestroy, unsafe {
-                sys::cuGraphDestroy(graph)
-            }) {
-                device.record_sticky(err);
-            }
-        }
+        // `graph` came from cuStreamEndCapture in end_capture, is owned by this graph alone,
+        // and is destroyed exactly once (swapped out); its executable no longer depends on it.
+        destroy_graph(
+            device,
+            std::mem::replace(&mut h.graph, std::ptr::null_mut()),
+        );
     }
 }
 
 /// Destroys a captured graph owned by the caller alone (null: nothing); a failure goes to the
 /// sticky slot.
 fn destroy_graph(device: &Inner, graph: sys::CUgraph) {
-    if graph.is_null() {
-        return;
-    }
-    // SAFETY: `graph` came from cuStreamEndCapture, is owned by the caller alone (swapped out
-    // of its handles), and is destroyed exactly once here; no executable depends on it.
-    if let Err(err) = check(DeviceOp::GraphDestroy, unsafe {
-        sys::cuGraphDestroy(graph)
-    }) {
-        device.record_sticky(err);
-    }
+    device.sticky_on_error(dg::destroy(DeviceOp::GraphDestroy, graph));
 }
 
 /// The refusal for a `CUgraphExecUpdateResult` code.
@@ -341,101 +306,6 @@ fn refusal(code: u32) -> UpdateRefusal {
     }
 }
 
-/// Destroys a graph that never made it into a [`CudaGraph`] (a failed end, instantiate or
-/// upload). Failures go to the sticky slot: the caller is already returning another error.
-pub(crate) fn destroy_orphan(device: &Inner, graph: sys::CUgraph, exec: sys::CUgraphExec) {
-    if !exec.is_null() {
-        // SAFETY: `exec` was instantiated by the caller moments ago, was never shared, and is
-        // destroyed exactly once here.
-        if let Err(err) = check(DeviceOp::GraphDestroy, unsafe {
-            sys::cuGraphExecDestroy(exec)
-        }) {
-            device.record_sticky(err);
-        }
-    }
-    if !graph.is_null() {
-        // SAFETY: `graph` was returned by cuStreamEndCapture to the caller, was never shared,
-        // and is destroyed exactly once here.
-        if let Err(err) = check(DeviceOp::GraphDestroy, unsafe {
-            sys::cuGraphDestroy(graph)
-        }) {
-            device.record_sticky(err);
-        }
-    }
-}
-
-/// The nodes of a live graph (the caller holds the CudaGraph's lock or `&mut` to it).
-pub(crate) fn nodes(
-    op: DeviceOp,
-    graph: sys::CUgraph,
-) -> Result<Vec<sys::CUgraphNode>, DeviceError> {
-    let mut count: usize = 0;
-    // SAFETY: `graph` is a live graph (see above); a null node array asks only for the count,
-    // written into a valid out-pointer.
-    check(op, unsafe {
-        sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut count)
-    })?;
-    let mut nodes: Vec<sys::CUgraphNode> = vec![std::ptr::null_mut(); count];
-    let mut filled = count;
-    if count > 0 {
-        // SAFETY: `nodes` has room for `filled` handles, and the driver writes at most that many.
-        check(op, unsafe {
-            sys::cuGraphGetNodes(graph, nodes.as_mut_ptr(), &mut filled)
-        })?;
-    }
-    nodes.truncate(filled.min(count));
-    Ok(nodes)
-}
-
-/// A node's type as a plain number: a newer driver may report a node type that cudarc's enum
-/// (CUDA 12.8's list) lacks, and an unknown discriminant in a Rust enum is UB.
-pub(crate) fn node_type(op: DeviceOp, node: sys::CUgraphNode) -> Result<u32, DeviceError> {
-    let mut kind: u32 = u32::MAX;
-    // SAFETY: `node` is a node of a live graph, just returned by cuGraphGetNodes; `kind` is a
-    // valid, 4-byte-aligned out-pointer for the 4-byte `CUgraphNodeType` (repr(u32)).
-    check(op, unsafe {
-        sys::cuGraphNodeGetType(node, (&raw mut kind).cast::<sys::CUgraphNodeType>())
-    })?;
-    Ok(kind)
-}
-
-/// The name of a kernel node's function (mangled as compiled), if the driver tells it.
-pub(crate) fn kernel_name(node: sys::CUgraphNode) -> Option<String> {
-    let mut params = std::mem::MaybeUninit::<sys::CUDA_KERNEL_NODE_PARAMS>::zeroed();
-    // SAFETY: `node` is a kernel node of a live graph (callers check the type) and `params`
-    // a valid out-pointer of the type the driver writes.
-    let r = unsafe { sys::cuGraphKernelNodeGetParams_v2(node, params.as_mut_ptr()) };
-    if r != sys::CUresult::CUDA_SUCCESS {
-        return None;
-    }
-    // SAFETY: the call succeeded, so the driver wrote every field.
-    let params = unsafe { params.assume_init() };
-    let mut func = params.func;
-    if func.is_null() && !params.kern.is_null() {
-        // SAFETY: `kern` is the live library kernel of the node; `func` a valid out-pointer.
-        let r = unsafe { sys::cuKernelGetFunction(&mut func, params.kern) };
-        if r != sys::CUresult::CUDA_SUCCESS {
-            return None;
-        }
-    }
-    if func.is_null() {
-        return None;
-    }
-    let mut name: *const std::ffi::c_char = std::ptr::null();
-    // SAFETY: `func` is a live function; `name` a valid out-pointer, set to a string the
-    // driver owns while the module is loaded.
-    let r = unsafe { sys::cuFuncGetName(&mut name, func) };
-    if r != sys::CUresult::CUDA_SUCCESS || name.is_null() {
-        return None;
-    }
-    // SAFETY: the call succeeded: `name` is NUL-terminated and valid for this read.
-    Some(
-        unsafe { std::ffi::CStr::from_ptr(name) }
-            .to_string_lossy()
-            .into_owned(),
-    )
-}
-
 /// Counting helper for `summarize`, kept here with the other graph-handle code. Kernels of
 /// cuRAND's host-API generators (their names hold their state types, `curandState...`) are
 /// counted as host-side random kernels, at the top level and inside child graphs.
@@ -457,12 +327,7 @@ pub(crate) fn summarize(
             }
             k if k == sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_GRAPH as u32 => {
                 summary.other += 1;
-                let mut child: sys::CUgraph = std::ptr::null_mut();
-                // SAFETY: `node` is a child graph node of a live graph; `child` a valid
-                // out-pointer to the graph the node owns (not ours to destroy).
-                check(op, unsafe {
-                    sys::cuGraphChildGraphNodeGetGraph(node, &mut child)
-                })?;
+                let child = dg::child_graph(op, node)?;
                 summary.host_random += summarize(op, child)?.host_random;
             }
             k if k == sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEMCPY as u32 => summary.copies += 1,

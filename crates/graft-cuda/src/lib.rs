@@ -54,12 +54,15 @@ mod device;
 mod driver;
 mod error;
 mod graph;
+mod inner;
 mod module;
 #[cfg(feature = "nccl")]
 mod nccl;
 mod patch;
 mod queue;
 mod relocate;
+#[cfg(feature = "test-support")]
+mod side;
 #[cfg(feature = "test-support")]
 mod test_hooks;
 mod vmm;

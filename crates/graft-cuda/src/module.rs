@@ -16,7 +16,7 @@
 //! does with its pointers (indexing past a buffer's end) is the kernel's contract, reported
 //! by the driver as a device fault, never host memory written through a stray pointer.
 
-use std::ffi::{CStr, CString, c_uint, c_void};
+use std::ffi::{CString, c_void};
 use std::fmt;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::ptr;
@@ -26,9 +26,10 @@ use cudarc::driver::sys;
 use cudarc::nvrtc;
 use graft_core::{Buffer, DeviceError, DeviceId, DeviceOp};
 
-use crate::context::Inner;
 use crate::device::CudaQueue;
-use crate::error::{check, invalid_argument};
+use crate::driver;
+use crate::error::invalid_argument;
+use crate::inner::Inner;
 
 /// Most kernel parameters a launch passes without allocating (a stack array).
 const STACK_ARGS: usize = 16;
@@ -161,12 +162,11 @@ impl Drop for CudaModule {
             self.device.record_sticky(err);
             return;
         }
-        // SAFETY: `module` came from cuModuleLoadData in `load_module`, is owned by this value
-        // alone, and is unloaded exactly once (swapped out above); its function handles die
-        // with it and are not used afterwards.
-        if let Err(err) = check(DeviceOp::ModuleLoad, unsafe { sys::cuModuleUnload(module) }) {
-            self.device.record_sticky(err);
-        }
+        // `module` came from cuModuleLoadData in `load_module`, is owned by this value alone,
+        // and is unloaded exactly once (swapped out above); its function handles die with it
+        // and are not used afterwards.
+        self.device
+            .sticky_on_error(driver::function::unload(DeviceOp::ModuleLoad, module));
     }
 }
 
@@ -233,48 +233,17 @@ fn compile_source(source: &str, name: &str) -> Result<Vec<u8>, DeviceError> {
     Ok(image)
 }
 
-fn function(module: sys::CUmodule, name: &CStr) -> Result<sys::CUfunction, DeviceError> {
-    let mut f: sys::CUfunction = ptr::null_mut();
-    // SAFETY: `module` is a loaded module (`load_module`), `name` is NUL-terminated, and `f` is a
-    // valid out-pointer. The function handle lives as long as the module.
-    check(DeviceOp::ModuleLoad, unsafe {
-        sys::cuModuleGetFunction(&mut f, module, name.as_ptr())
-    })?;
-    Ok(f)
-}
-
 /// What a driver without `cuFuncGetParamInfo` is reported with.
 const NO_PARAM_INFO: &str = "libcuda has no cuFuncGetParamInfo, which checked launches need; update the NVIDIA driver to CUDA 12.4 or later";
-
-/// Whether the driver exports `cuFuncGetParamInfo` (CUDA 12.4+), which checked launches need.
-#[cfg(feature = "dynamic-loading")]
-fn param_info_available() -> bool {
-    // SAFETY: the driver library is loaded (every constructor of a device ran driver_ready),
-    // so `culib` returns it without panicking; the symbol is only looked up, never called here.
-    let lib = unsafe { sys::culib() };
-    // SAFETY: looking a symbol up does not call it; the fn-pointer type is pointer-sized.
-    unsafe { lib.get::<unsafe extern "C" fn()>(b"cuFuncGetParamInfo") }.is_ok()
-}
-
-/// With `dynamic-linking` the loader bound `cuFuncGetParamInfo` before `main` (or the program
-/// did not start).
-#[cfg(not(feature = "dynamic-loading"))]
-fn param_info_available() -> bool {
-    true
-}
 
 /// The byte size of each parameter of `f`.
 fn param_sizes(f: sys::CUfunction) -> Result<Box<[usize]>, DeviceError> {
     let mut sizes = Vec::new();
     loop {
-        let (mut offset, mut size) = (0usize, 0usize);
-        // SAFETY: `f` is a function of a loaded module (looked up just before); the out-pointers
-        // are valid. An index past the last parameter returns CUDA_ERROR_INVALID_VALUE.
-        let r = unsafe { sys::cuFuncGetParamInfo(f, sizes.len(), &mut offset, &mut size) };
-        match r {
-            sys::CUresult::CUDA_SUCCESS => sizes.push(size),
-            sys::CUresult::CUDA_ERROR_INVALID_VALUE => return Ok(sizes.into_boxed_slice()),
-            other => return Err(crate::error::map(DeviceOp::ModuleLoad, other, 0)),
+        // `f` is a function of a loaded module (looked up just before).
+        match driver::function::param_info(DeviceOp::ModuleLoad, f, sizes.len())? {
+            Some((_, size)) => sizes.push(size),
+            None => return Ok(sizes.into_boxed_slice()),
         }
         if sizes.len() > MAX_PARAMS {
             return Err(DeviceError::Unavailable {
@@ -304,7 +273,7 @@ impl CudaQueue {
         let op = DeviceOp::ModuleLoad;
         let inner = &self.inner;
         inner.make_current(op)?;
-        if !param_info_available() {
+        if !driver::function::param_info_available() {
             return Err(DeviceError::Unavailable {
                 op,
                 what: NO_PARAM_INFO,
@@ -324,17 +293,13 @@ impl CudaQueue {
             module: ptr::null_mut(),
             kernels: Vec::with_capacity(names.len()),
         };
-        let mut handle: sys::CUmodule = ptr::null_mut();
-        // SAFETY: `image` is a NUL-terminated PTX image that outlives the call (the driver
-        // copies it); the device's context is current; `handle` is a valid out-pointer. The
+        // `image` is NUL-terminated (`compile_source`); the device's context is current. The
         // module is owned by `module` from here and unloaded in its Drop (also on the error
         // paths below).
-        check(op, unsafe {
-            sys::cuModuleLoadData(&mut handle, image.as_ptr().cast::<c_void>())
-        })?;
+        let handle = driver::function::load(op, &image)?;
         module.module = handle;
         for (name, cname) in kernel_names.iter().zip(&names) {
-            let f = function(handle, cname)?;
+            let f = driver::function::get(op, handle, cname)?;
             // cudarc panics if the symbol is missing despite the check above; never unwind.
             let sizes = catch_unwind(AssertUnwindSafe(|| param_sizes(f))).unwrap_or(Err(
                 DeviceError::Unavailable {
@@ -398,7 +363,7 @@ impl CudaQueue {
         args: &[KernelArg],
     ) -> Result<(), DeviceError> {
         self.inner.make_current(DeviceOp::OtherStream)?;
-        let stream = self.inner.fork_side_stream()?;
+        let stream = self.inner.side.fork(&self.inner.context)?;
         self.launch_on(stream, m, kernel, grid, block, shared_bytes, args)
     }
 
@@ -481,7 +446,7 @@ fn encode(
     Ok(())
 }
 
-/// `cuLaunchKernel` on `stream`.
+/// `cuLaunchKernel` of `k` on `stream`.
 ///
 /// # Safety
 /// `params` must hold at least `k.param_sizes.len()` pointers, the `i`-th pointing at
@@ -499,24 +464,19 @@ unsafe fn raw_launch(
 ) -> Result<(), DeviceError> {
     // SAFETY: the caller guarantees the parameter pointers (count and sizes checked against
     // the driver's own parameter layout, so the driver reads only bytes of the slots), that
-    // the device pointers among them are null or live memory of this device, and that the
-    // function belongs to this context; cuLaunchKernel copies the values before returning;
-    // `extra` is null; the caller guarantees `stream` is live.
-    check(DeviceOp::KernelLaunch, unsafe {
-        sys::cuLaunchKernel(
+    // the device pointers among them are null or live memory of this device, that the
+    // function belongs to this context, and that `stream` is live.
+    unsafe {
+        driver::function::launch(
+            DeviceOp::KernelLaunch,
             k.function,
-            grid.0 as c_uint,
-            grid.1 as c_uint,
-            grid.2 as c_uint,
-            block.0 as c_uint,
-            block.1 as c_uint,
-            block.2 as c_uint,
-            shared_bytes as c_uint,
+            grid,
+            block,
+            shared_bytes,
             stream,
-            params.as_mut_ptr(),
-            ptr::null_mut(),
+            params,
         )
-    })
+    }
 }
 
 #[cfg(test)]

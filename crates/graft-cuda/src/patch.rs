@@ -18,8 +18,8 @@ use std::ffi::c_void;
 use cudarc::driver::sys;
 use graft_core::{DeviceError, DeviceOp, DevicePtr};
 
-use crate::error::check;
-use crate::graph::{GraphHandles, node_type, nodes};
+use crate::driver::function as df;
+use crate::driver::graph::{self as dg, node_type, nodes};
 
 const OP: DeviceOp = DeviceOp::GraphUpdate;
 const KERNEL: u32 = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL as u32;
@@ -88,6 +88,16 @@ impl Patches {
     }
 }
 
+/// The graphs of one executable: the executable, the graph it was instantiated from (whose
+/// node handles name the executable's nodes), and the graph whose nodes hold its current
+/// parameters (the same graph, or the capture it was last updated with).
+#[derive(Clone, Copy)]
+pub(crate) struct Graphs {
+    pub(crate) exec: sys::CUgraphExec,
+    pub(crate) graph: sys::CUgraph,
+    pub(crate) current: sys::CUgraph,
+}
+
 /// `Device::redirect` on one executable: the kernels with a pointer into `[from, + len)` (as
 /// captured) point the same offsets into `to`; `copy_node`, the input's copy (found by the
 /// caller, see `CudaGraph::repoint_copy`), is turned off while the redirect is in force.
@@ -95,31 +105,31 @@ impl Patches {
 /// cannot follow (another copy or a memset touches it, a child graph, a kernel whose
 /// parameters cannot be read).
 pub(crate) fn redirect(
-    h: &mut GraphHandles,
+    patches: &mut Patches,
+    graphs: Graphs,
     from: DevicePtr,
     len: usize,
     copy_node: Option<sys::CUgraphNode>,
     to: Option<DevicePtr>,
 ) -> Result<bool, DeviceError> {
     let (start, end) = (from.0, from.0 + len as u64);
-    if h.patches.kernels.is_none() {
-        read_graph(h)?;
+    if patches.kernels.is_none() {
+        read_graph(patches, graphs)?;
     }
-    let touched_elsewhere = h
-        .patches
+    let touched_elsewhere = patches
         .others
         .iter()
         .any(|&(n, s, e)| Some(n) != copy_node && s < end && start < e);
-    if to.is_some() && (h.patches.opaque || touched_elsewhere) {
+    if to.is_some() && (patches.opaque || touched_elsewhere) {
         return Ok(false);
     }
-    let exec = h.exec;
+    let exec = graphs.exec;
     let Patches {
         kernels,
         active,
         pointers,
         ..
-    } = &mut h.patches;
+    } = patches;
     let kernels = kernels.as_deref_mut().unwrap_or_default();
     let at = active.iter().position(|r| r.start == start);
     match (at, to) {
@@ -160,11 +170,9 @@ pub(crate) fn redirect(
         (None, None) => return Ok(true),
     }
     if let Some(copy_node) = copy_node {
-        // SAFETY: `exec` is the live executable and `copy_node` a memcpy node of the graph it
-        // was instantiated from (found by the caller); both are used under the graph's lock.
-        check(OP, unsafe {
-            sys::cuGraphNodeSetEnabled(exec, copy_node, u32::from(to.is_none()))
-        })?;
+        // `copy_node` is a memcpy node of the graph `exec` was instantiated from (found by
+        // the caller); both are used under the graph's lock.
+        dg::set_node_enabled(OP, exec, copy_node, to.is_none())?;
     }
     Ok(true)
 }
@@ -209,70 +217,54 @@ fn set_params(
     k: &mut KernelNode,
     pointers: &mut Vec<*mut c_void>,
 ) -> Result<(), DeviceError> {
-    pointers.clear();
-    let bytes = &mut k.current;
-    for &(offset, _) in &k.layout {
-        pointers.push(bytes[offset..].as_mut_ptr().cast::<c_void>());
-    }
-    let mut params = k.params;
-    params.kernelParams = pointers.as_mut_ptr();
-    params.extra = std::ptr::null_mut();
-    // SAFETY: `exec` is the live executable and `k.node` a kernel node of the graph it was
-    // instantiated from; `params` is the node's own captured block with `kernelParams`
-    // pointing at one pointer per parameter, each into `k.current`, which holds every parameter
-    // at its offset with its size (the layout `cuFuncGetParamInfo` reported); both outlive
-    // the call, which copies them.
-    check(OP, unsafe {
-        sys::cuGraphExecKernelNodeSetParams_v2(exec, k.node, &params)
-    })
+    // `exec` is the live executable and `k.node` a kernel node of the graph it was
+    // instantiated from; `k.layout` is its function's own layout.
+    dg::set_exec_kernel_params(
+        OP,
+        exec,
+        k.node,
+        &k.params,
+        &k.layout,
+        &mut k.current,
+        pointers,
+    )
 }
 
 /// Reads every node of the graph: kernels with their parameters, and the ranges copies and
 /// memsets touch.
-fn read_graph(h: &mut GraphHandles) -> Result<(), DeviceError> {
-    let current = h.current_graph();
+fn read_graph(patches: &mut Patches, graphs: Graphs) -> Result<(), DeviceError> {
     let mut kernels = Vec::new();
-    for (node, source) in nodes(OP, h.graph)?.into_iter().zip(nodes(OP, current)?) {
+    for (node, source) in nodes(OP, graphs.graph)?
+        .into_iter()
+        .zip(nodes(OP, graphs.current)?)
+    {
         match node_type(OP, source)? {
             KERNEL => match read_kernel(node, source)? {
                 Some(k) => kernels.push(k),
-                None => h.patches.opaque = true,
+                None => patches.opaque = true,
             },
             MEMCPY => {
-                let mut p = std::mem::MaybeUninit::<sys::CUDA_MEMCPY3D>::uninit();
-                // SAFETY: `source` is a memcpy node of a live graph (type checked) and `p` a
-                // valid out-pointer of the type the driver writes.
-                check(OP, unsafe {
-                    sys::cuGraphMemcpyNodeGetParams(source, p.as_mut_ptr())
-                })?;
-                // SAFETY: the call succeeded, so the driver wrote every field.
-                let p = unsafe { p.assume_init() };
+                let p = dg::memcpy_params(OP, source)?;
                 let bytes = (p.WidthInBytes * p.Height.max(1) * p.Depth.max(1)) as u64;
-                h.patches
+                patches
                     .others
                     .push((node, p.srcDevice, p.srcDevice + bytes));
-                h.patches
+                patches
                     .others
                     .push((node, p.dstDevice, p.dstDevice + bytes));
             }
             MEMSET => {
-                let mut p = std::mem::MaybeUninit::<sys::CUDA_MEMSET_NODE_PARAMS>::uninit();
-                // SAFETY: as above, for a memset node.
-                check(OP, unsafe {
-                    sys::cuGraphMemsetNodeGetParams(source, p.as_mut_ptr())
-                })?;
-                // SAFETY: the call succeeded, so the driver wrote every field.
-                let p = unsafe { p.assume_init() };
+                let p = dg::memset_params(OP, source)?;
                 let row = p.width as u64 * u64::from(p.elementSize);
                 let bytes = p.pitch as u64 * (p.height.max(1) as u64 - 1) + row;
-                h.patches.others.push((node, p.dst, p.dst + bytes));
+                patches.others.push((node, p.dst, p.dst + bytes));
             }
-            GRAPH | CONDITIONAL => h.patches.opaque = true,
+            GRAPH | CONDITIONAL => patches.opaque = true,
             // Events, host nodes, allocations and frees read no device memory of graft's.
             _ => {}
         }
     }
-    h.patches.kernels = Some(kernels);
+    patches.kernels = Some(kernels);
     Ok(())
 }
 
@@ -280,47 +272,8 @@ fn read_graph(h: &mut GraphHandles) -> Result<(), DeviceError> {
 /// of their own, not only through their parameters: a placeholder such a kernel reads cannot
 /// be redirected by patching parameters. A function whose name cannot be read counts as one.
 pub(crate) fn is_collective(func: sys::CUfunction) -> bool {
-    let mut name: *const std::ffi::c_char = std::ptr::null();
-    // SAFETY: `func` is the live function of a captured kernel node; `name` is a valid
-    // out-pointer, set to a NUL-terminated string the driver owns while the module is loaded.
-    let r = unsafe { sys::cuFuncGetName(&mut name, func) };
-    if r != sys::CUresult::CUDA_SUCCESS || name.is_null() {
-        return true;
-    }
-    // SAFETY: the call succeeded, so `name` is a NUL-terminated string valid for this read.
-    let name = unsafe { std::ffi::CStr::from_ptr(name) }.to_bytes();
     // Mangled or not (`_Z..ncclDevKernel_AllReduce..`), the name holds "nccl".
-    name.windows(4).any(|w| w == b"nccl")
-}
-
-/// The packed parameter buffer an `extra` launch array names
-/// (`CU_LAUNCH_PARAM_BUFFER_POINTER` with `CU_LAUNCH_PARAM_BUFFER_SIZE`, up to
-/// `CU_LAUNCH_PARAM_END`), or `None` for any other form.
-///
-/// # Safety
-/// `extra` must be a live, `CU_LAUNCH_PARAM_END`-terminated `extra` array whose buffer and
-/// size pointers are valid for the returned slice's lifetime.
-unsafe fn packed_buffer<'a>(extra: *mut *mut c_void) -> Option<&'a [u8]> {
-    const END: usize = 0x00;
-    const BUFFER_POINTER: usize = 0x01;
-    const BUFFER_SIZE: usize = 0x02;
-    let (mut buffer, mut size) = (None, None);
-    // A launch array holds a few key/value pairs; a longer one is not the documented form.
-    for pair in 0..8 {
-        // SAFETY: the array is END-terminated (the caller's contract) and no END was met
-        // before `2 * pair`, so both slots are inside it.
-        let (key, value) = unsafe { (*extra.add(2 * pair) as usize, *extra.add(2 * pair + 1)) };
-        match key {
-            END => break,
-            BUFFER_POINTER => buffer = Some(value.cast::<u8>().cast_const()),
-            // SAFETY: this key's value points at the buffer's size (a size_t).
-            BUFFER_SIZE => size = Some(unsafe { *value.cast::<usize>() }),
-            _ => return None,
-        }
-    }
-    let (buffer, size) = (buffer?, size?);
-    // SAFETY: the driver's buffer holds `size` bytes (the caller's contract).
-    (!buffer.is_null()).then(|| unsafe { std::slice::from_raw_parts(buffer, size) })
+    df::name(func).is_none_or(|name| name.windows(4).any(|w| w == b"nccl"))
 }
 
 /// A kernel node's parameters and layout, or `None` when they cannot be read (an `extra`
@@ -329,26 +282,18 @@ pub(crate) fn read_kernel(
     node: sys::CUgraphNode,
     source: sys::CUgraphNode,
 ) -> Result<Option<KernelNode>, DeviceError> {
-    let mut params = std::mem::MaybeUninit::<sys::CUDA_KERNEL_NODE_PARAMS>::zeroed();
-    // SAFETY: `source` is a kernel node of a live graph (type checked by the caller) and
-    // `params` a valid out-pointer of the type the driver writes.
-    check(OP, unsafe {
-        sys::cuGraphKernelNodeGetParams_v2(source, params.as_mut_ptr())
-    })?;
-    // SAFETY: the call succeeded, so the driver wrote every field.
-    let params = unsafe { params.assume_init() };
+    let params = dg::kernel_params(OP, source)?;
     // A kernel launched from a library (`cuLibraryLoad*`, as cuBLAS's are) is captured with
     // its `CUkernel` and no function: its function in the current context has the layout.
     let func = if params.func.is_null() && !params.kern.is_null() {
-        let mut func = std::ptr::null_mut();
-        // SAFETY: `kern` is the live library kernel of a captured node; `func` is a valid
-        // out-pointer. The context current on this thread is the graph's (the caller's).
-        let r = unsafe { sys::cuKernelGetFunction(&mut func, params.kern) };
-        if r != sys::CUresult::CUDA_SUCCESS {
-            tracing::debug!(error = ?r, "a library kernel's function cannot be read: the graph is opaque to patching");
-            return Ok(None);
+        // The context current on this thread is the graph's (the caller's).
+        match df::kernel_function(OP, params.kern) {
+            Ok(func) => func,
+            Err(error) => {
+                tracing::debug!(%error, "a library kernel's function cannot be read: the graph is opaque to patching");
+                return Ok(None);
+            }
         }
-        func
     } else {
         params.func
     };
@@ -361,48 +306,18 @@ pub(crate) fn read_kernel(
     }
     let mut layout = Vec::new();
     loop {
-        let (mut offset, mut size) = (0usize, 0usize);
-        // SAFETY: `func` is the live function of a captured kernel node; the out-pointers are
-        // valid. An index past the last parameter answers CUDA_ERROR_INVALID_VALUE.
-        let r = unsafe { sys::cuFuncGetParamInfo(func, layout.len(), &mut offset, &mut size) };
-        match r {
-            sys::CUresult::CUDA_SUCCESS => layout.push((offset, size)),
-            sys::CUresult::CUDA_ERROR_INVALID_VALUE => break,
-            _ => {
-                tracing::debug!(error = ?r, "a kernel's parameter layout cannot be read: the graph is opaque to patching");
+        match df::param_info(OP, func, layout.len()) {
+            Ok(Some(param)) => layout.push(param),
+            Ok(None) => break,
+            Err(error) => {
+                tracing::debug!(%error, "a kernel's parameter layout cannot be read: the graph is opaque to patching");
                 return Ok(None);
             }
         }
     }
-    let total = layout.iter().map(|&(o, s)| o + s).max().unwrap_or(0);
-    let mut bytes = vec![0u8; total];
-    if !params.extra.is_null() {
-        // Launched with one packed buffer (cuBLAS's bf16 kernels are): the same layout.
-        // SAFETY: `extra` is the captured node's `extra` array, which the driver keeps,
-        // with its buffer, while the node lives.
-        let Some(buffer) = (unsafe { packed_buffer(params.extra) }) else {
-            tracing::debug!(
-                "a kernel's packed parameters cannot be read: the graph is opaque to patching"
-            );
-            return Ok(None);
-        };
-        if buffer.len() < total {
-            return Ok(None);
-        }
-        bytes.copy_from_slice(&buffer[..total]);
-    } else if !layout.is_empty() && params.kernelParams.is_null() {
+    let Some(bytes) = dg::kernel_param_bytes(&params, &layout) else {
         return Ok(None);
-    } else {
-        for (i, &(offset, size)) in layout.iter().enumerate() {
-            // SAFETY: the driver returned `kernelParams` with one pointer per parameter of
-            // `func` (the layout lists them), each to `size` readable bytes, valid while the
-            // node lives; the destination range lies inside `bytes` (`total` covers it).
-            unsafe {
-                let src = (*params.kernelParams.add(i)).cast::<u8>();
-                std::ptr::copy_nonoverlapping(src, bytes[offset..].as_mut_ptr(), size);
-            }
-        }
-    }
+    };
     Ok(Some(KernelNode {
         node,
         params,

@@ -1,14 +1,13 @@
-//! The body-facing [`CudaQueue`] methods on the runtime stream: copies, host reads and writes (on graft buffers, checked; the raw-address versions serve core through the `Device` trait), synchronize, and what a queue says about its device.
+//! The body-facing [`CudaQueue`] methods on the runtime stream: copies, host reads and writes (on graft buffers, checked; the raw-address versions serve core through the `Device` trait), cuBLAS GEMMs (over the `blas` module), synchronize, and what a queue says about its device.
 
-use std::ffi::c_void;
 use std::sync::Arc;
 
-use cudarc::driver::sys;
 use graft_core::{Buffer, DeviceError, DeviceId, DeviceOp, DevicePtr};
 
-use crate::context::CAPTURE_NONE;
+use crate::blas::Sgemm;
 use crate::device::CudaQueue;
-use crate::error::check;
+use crate::driver;
+use crate::driver::stream::CAPTURE_NONE;
 
 impl CudaQueue {
     /// The identity of the device this queue belongs to.
@@ -60,7 +59,29 @@ impl CudaQueue {
     pub fn synchronize(&self) -> Result<(), DeviceError> {
         let op = DeviceOp::Synchronize;
         self.inner.enter(op)?;
-        self.inner.sync(op, self.inner.stream)
+        self.inner.sync(op)
+    }
+
+    /// Creates this device's cuBLAS handle (once; later calls do nothing): bound to the
+    /// runtime stream, with a fixed [`WORKSPACE_BYTES`] workspace, default (fp32) math.
+    /// Call it before capturing anything that uses [`CudaQueue::sgemm`]; the first `sgemm`
+    /// outside a capture does it too. Fails during a capture (`Capture { Unsupported }`).
+    pub fn init_cublas(&self) -> Result<(), DeviceError> {
+        self.inner.blas.handle(&self.inner.context).map(|_| ())
+    }
+
+    /// Enqueues `C = alpha * A · op(B) + beta * C` (row-major, see [`Sgemm`]) on the runtime
+    /// stream through `cublasSgemm_v2` (captured when capturing).
+    ///
+    /// cuBLAS is column-major; a row-major `[r, c]` matrix is its column-major transpose. So
+    /// the call computes `Cᵀ = op(B)ᵀ · Aᵀ`: cuBLAS's first operand is `B` (transposed when
+    /// `b_transposed`), its second `A`, with `m` and `n` swapped and leading dimensions equal
+    /// to the row lengths (`n` for `B` stored `[k, n]`, `k` for `B` stored `[n, k]`, `k` for
+    /// `A`, `n` for `C`). Sizes of zero do nothing; sizes past `i32::MAX`, an operand of
+    /// another device or smaller than its matrix are refused (`InvalidArgument`), an operand
+    /// graft reused with `InvalidBuffer`.
+    pub fn sgemm(&self, g: &Sgemm<'_>) -> Result<(), DeviceError> {
+        self.inner.blas.sgemm(&self.inner.context, g)
     }
 
     /// `cuMemcpyDtoDAsync` on the runtime stream. Overlapping ranges are rejected before CUDA
@@ -86,13 +107,9 @@ impl CudaQueue {
                 len: bytes,
             });
         }
-        // SAFETY: the ranges do not overlap (checked above); the addresses are device memory
-        // of this device that the caller holds (core's pool addresses, or checked graft
-        // buffers); an invalid one is an error the driver reports, not host UB; the runtime
-        // stream is live.
-        check(op, unsafe {
-            sys::cuMemcpyDtoDAsync_v2(dst.0, src.0, bytes, self.inner.stream)
-        })
+        // The ranges do not overlap (checked above); the addresses are device memory of this
+        // device that the caller holds (core's pool addresses, or checked graft buffers).
+        driver::memory::copy_dtod_async(op, dst.0, src.0, bytes, self.inner.stream)
     }
 
     /// `cuMemcpyHtoDAsync` on the runtime stream, then `cuStreamSynchronize`. During a capture
@@ -101,21 +118,9 @@ impl CudaQueue {
         let op = DeviceOp::Write;
         let inner = &self.inner;
         inner.enter(op)?;
-        if !src.is_empty() {
-            // SAFETY: `src` is a live host slice of `src.len()` bytes, borrowed until the stream
-            // synchronize below returns (so the driver's read of it has finished); `dst` is device
-            // memory the caller holds (core's pool addresses, a checked graft buffer, or a test's
-            // raw address); an invalid one is a driver error, not host UB.
-            check(op, unsafe {
-                sys::cuMemcpyHtoDAsync_v2(
-                    dst.0,
-                    src.as_ptr().cast::<c_void>(),
-                    src.len(),
-                    inner.stream,
-                )
-            })?;
-        }
-        inner.sync(op, inner.stream)
+        // `dst` is device memory the caller holds (core's pool addresses, a checked graft
+        // buffer, or a test's raw address); an invalid one is a driver error, not host UB.
+        driver::memory::write_sync(op, dst.0, src, inner.stream)
     }
 
     /// `cuMemcpyDtoHAsync` on the runtime stream (after its earlier work), then
@@ -124,19 +129,7 @@ impl CudaQueue {
         let op = DeviceOp::Read;
         let inner = &self.inner;
         inner.enter(op)?;
-        if !dst.is_empty() {
-            // SAFETY: `dst` is a live, exclusively borrowed host buffer of `dst.len()` bytes,
-            // borrowed until the stream synchronize below returns (so the driver's write to it
-            // has finished); `src` is device memory the caller holds (as for `write_raw`).
-            check(op, unsafe {
-                sys::cuMemcpyDtoHAsync_v2(
-                    dst.as_mut_ptr().cast::<c_void>(),
-                    src.0,
-                    dst.len(),
-                    inner.stream,
-                )
-            })?;
-        }
-        inner.sync(op, inner.stream)
+        // `src` is device memory the caller holds (as for `write_raw`).
+        driver::memory::read_sync(op, src.0, dst, inner.stream)
     }
 }

@@ -14,15 +14,11 @@
 //! uses an allocation where graft cannot see it (a kernel whose parameters cannot be read),
 //! or holds a node of another kind (a child graph, an event) is refused.
 
-use std::ffi::c_void;
-use std::ptr;
-
 use cudarc::driver::sys;
 use graft_core::{ConditionalRule, DeviceError, DeviceOp};
 
-use crate::context::Inner;
-use crate::error::check;
-use crate::graph::{kernel_name, node_type, nodes};
+use crate::context::Context;
+use crate::driver::graph::{self as dg, kernel_name, node_type, nodes};
 use crate::patch::{read_kernel, words};
 
 const OP: DeviceOp = DeviceOp::Conditional;
@@ -53,7 +49,7 @@ fn refuse(op: DeviceOp, rule: ConditionalRule) -> DeviceError {
 /// Checks `body` (a graph just captured, owned by the caller) and copies it into `target`
 /// (a body graph of an open conditional node), its allocations moved.
 pub(crate) fn finish(
-    device: &Inner,
+    device: &Context,
     body: sys::CUgraph,
     target: sys::CUgraph,
 ) -> Result<Body, DeviceError> {
@@ -80,30 +76,18 @@ pub(crate) fn finish(
                 || k == T::CU_GRAPH_NODE_TYPE_MEMSET as u32
                 || k == T::CU_GRAPH_NODE_TYPE_EMPTY as u32 => {}
             k if k == T::CU_GRAPH_NODE_TYPE_MEM_ALLOC as u32 => {
-                let mut p = std::mem::MaybeUninit::<sys::CUDA_MEM_ALLOC_NODE_PARAMS>::zeroed();
-                // SAFETY: `node` is an allocation node of the live graph `body`; `p` is a
-                // valid out-pointer of the type the driver writes.
-                check(OP, unsafe {
-                    sys::cuGraphMemAllocNodeGetParams(node, p.as_mut_ptr())
-                })?;
-                // SAFETY: the call succeeded, so the driver wrote the block.
-                let p = unsafe { p.assume_init() };
-                let bytes = p.bytesize as u64;
+                let (at, bytes) = dg::mem_alloc_params(OP, node)?;
+                let bytes = bytes as u64;
                 allocations.push(Allocation {
                     node,
-                    at: p.dptr,
+                    at,
                     bytes,
                     offset: end,
                 });
                 end += bytes.div_ceil(ALIGN) * ALIGN;
             }
             k if k == T::CU_GRAPH_NODE_TYPE_MEM_FREE as u32 => {
-                let mut at: sys::CUdeviceptr = 0;
-                // SAFETY: `node` is a free node of the live graph; `at` a valid out-pointer.
-                check(OP, unsafe {
-                    sys::cuGraphMemFreeNodeGetParams(node, &mut at)
-                })?;
-                frees.push((node, at));
+                frees.push((node, dg::mem_free_params(OP, node)?));
             }
             k if k == T::CU_GRAPH_NODE_TYPE_WAIT_EVENT as u32
                 || k == T::CU_GRAPH_NODE_TYPE_EVENT_RECORD as u32 =>
@@ -137,7 +121,7 @@ pub(crate) fn finish(
         ctx: device.ctx,
     };
     if let Err(e) = copy_nodes(&place, &all, &kinds, target) {
-        crate::conditional::free_scratch(device, scratch.into_iter().collect());
+        device.free_scratch(scratch.into_iter().collect());
         return Err(e);
     }
     if scratch.is_some() {
@@ -188,7 +172,7 @@ fn copy_nodes(
     let mut deps: Vec<Vec<usize>> = Vec::with_capacity(all.len());
     for &node in all {
         let mut d = Vec::new();
-        for dep in edges(node)? {
+        for dep in dg::dependencies(OP, node)? {
             d.push(index(dep).ok_or_else(|| {
                 crate::error::invalid_argument(OP, "a body node depends on a node of another graph")
             })?);
@@ -250,34 +234,16 @@ fn copy_node(
     after: &[sys::CUgraphNode],
 ) -> Result<sys::CUgraphNode, DeviceError> {
     use sys::CUgraphNodeType as T;
-    let mut new: sys::CUgraphNode = ptr::null_mut();
-    let (deps, n) = (
-        if after.is_empty() {
-            ptr::null()
-        } else {
-            after.as_ptr()
-        },
-        after.len(),
-    );
     if kind == T::CU_GRAPH_NODE_TYPE_KERNEL as u32 {
         let Some(k) = read_kernel(node, node)? else {
             if !place.allocations.is_empty() {
                 // Its parameters cannot be read: a use of an allocation could hide there.
                 return Err(refuse(DeviceOp::KernelLaunch, ConditionalRule::Allocation));
             }
-            let mut p = std::mem::MaybeUninit::<sys::CUDA_KERNEL_NODE_PARAMS>::zeroed();
-            // SAFETY: `node` is a kernel node of the live body graph; `p` a valid out-pointer.
-            check(OP, unsafe {
-                sys::cuGraphKernelNodeGetParams_v2(node, p.as_mut_ptr())
-            })?;
-            // SAFETY: the call succeeded, so the driver wrote every field; its parameter
-            // array is the driver's, alive while `node` is (the body outlives this call).
-            let p = unsafe { p.assume_init() };
-            // SAFETY: `target` is a live body graph, `after` nodes of it; `p` is `node`'s own
-            // block, which the call copies.
-            check(OP, unsafe {
-                sys::cuGraphAddKernelNode_v2(&mut new, target, deps, n, &p)
-            })?;
+            // `node`'s own block, whose parameter arrays the driver keeps while the body
+            // (which outlives this call) lives.
+            let p = dg::kernel_params(OP, node)?;
+            let new = dg::add_kernel_node_as(OP, target, after, &p)?;
             return copy_attributes(new, node);
         };
         let mut bytes = k.bytes.clone();
@@ -286,61 +252,22 @@ fn copy_node(
                 bytes[at..at + 8].copy_from_slice(&to.to_le_bytes());
             }
         }
-        let mut pointers: Vec<*mut c_void> = k
-            .layout
-            .iter()
-            .map(|&(offset, _)| bytes[offset..].as_mut_ptr().cast::<c_void>())
-            .collect();
-        let mut params = k.params;
-        params.kernelParams = pointers.as_mut_ptr();
-        params.extra = ptr::null_mut();
-        // SAFETY: `target` is a live body graph and `after` nodes of it; `params` is `node`'s
-        // own block with `kernelParams` pointing at one pointer per parameter into `bytes`,
-        // laid out as `cuFuncGetParamInfo` reported; both outlive the call, which copies them.
-        check(OP, unsafe {
-            sys::cuGraphAddKernelNode_v2(&mut new, target, deps, n, &params)
-        })?;
+        let new = dg::add_kernel_node(OP, target, after, &k.params, &k.layout, &mut bytes)?;
         return copy_attributes(new, node);
     }
     if kind == T::CU_GRAPH_NODE_TYPE_MEMCPY as u32 {
-        let mut p = std::mem::MaybeUninit::<sys::CUDA_MEMCPY3D>::zeroed();
-        // SAFETY: `node` is a memcpy node of the live graph; `p` a valid out-pointer.
-        check(OP, unsafe {
-            sys::cuGraphMemcpyNodeGetParams(node, p.as_mut_ptr())
-        })?;
-        // SAFETY: the call succeeded, so the driver wrote every field.
-        let mut p = unsafe { p.assume_init() };
+        let mut p = dg::memcpy_params(OP, node)?;
         p.srcDevice = place.moved(live, p.srcDevice).unwrap_or(p.srcDevice);
         p.dstDevice = place.moved(live, p.dstDevice).unwrap_or(p.dstDevice);
-        // SAFETY: `target` is a live body graph of this context and `after` nodes of it;
-        // `p` is the node's own block with device addresses moved within memory of the
-        // same size.
-        check(OP, unsafe {
-            sys::cuGraphAddMemcpyNode(&mut new, target, deps, n, &p, place.ctx)
-        })?;
-        return Ok(new);
+        return dg::add_memcpy_node(OP, target, after, &p, place.ctx);
     }
     if kind == T::CU_GRAPH_NODE_TYPE_MEMSET as u32 {
-        let mut p = std::mem::MaybeUninit::<sys::CUDA_MEMSET_NODE_PARAMS>::zeroed();
-        // SAFETY: `node` is a memset node of the live graph; `p` a valid out-pointer.
-        check(OP, unsafe {
-            sys::cuGraphMemsetNodeGetParams(node, p.as_mut_ptr())
-        })?;
-        // SAFETY: the call succeeded, so the driver wrote every field.
-        let mut p = unsafe { p.assume_init() };
+        let mut p = dg::memset_params(OP, node)?;
         p.dst = place.moved(live, p.dst).unwrap_or(p.dst);
-        // SAFETY: as for copies.
-        check(OP, unsafe {
-            sys::cuGraphAddMemsetNode(&mut new, target, deps, n, &p, place.ctx)
-        })?;
-        return Ok(new);
+        return dg::add_memset_node(OP, target, after, &p, place.ctx);
     }
     // An empty node (the only other kind `finish` lets through).
-    // SAFETY: `target` is a live body graph and `after` nodes of it.
-    check(OP, unsafe {
-        sys::cuGraphAddEmptyNode(&mut new, target, deps, n)
-    })?;
-    Ok(new)
+    dg::add_empty_node(OP, target, after)
 }
 
 /// Gives the kernel node `new` the launch attributes of `node`; `new`.
@@ -348,27 +275,6 @@ fn copy_attributes(
     new: sys::CUgraphNode,
     node: sys::CUgraphNode,
 ) -> Result<sys::CUgraphNode, DeviceError> {
-    // SAFETY: both are live kernel nodes of graphs of the same context.
-    check(OP, unsafe {
-        sys::cuGraphKernelNodeCopyAttributes(new, node)
-    })?;
+    dg::copy_kernel_attributes(OP, new, node)?;
     Ok(new)
-}
-
-/// A node's dependencies.
-fn edges(node: sys::CUgraphNode) -> Result<Vec<sys::CUgraphNode>, DeviceError> {
-    let get = |out: *mut sys::CUgraphNode, n: &mut usize| {
-        // SAFETY: `node` is a live node; `out` is null (count only) or has room for `n`
-        // handles; edge data is not asked for.
-        unsafe { sys::cuGraphNodeGetDependencies_v2(node, out, ptr::null_mut(), n) }
-    };
-    let mut count = 0usize;
-    check(OP, get(ptr::null_mut(), &mut count))?;
-    let mut out = vec![ptr::null_mut(); count];
-    if count > 0 {
-        let mut filled = count;
-        check(OP, get(out.as_mut_ptr(), &mut filled))?;
-        out.truncate(filled.min(count));
-    }
-    Ok(out)
 }

@@ -1,86 +1,11 @@
-//! The `test-support` hooks, compiled only with that feature: the side stream with its fork and join events, raw allocations, stream queries and raw-address f32 reads and writes, modelling what a framework's code might do wrong inside a captured body.
+//! The `test-support` hooks on [`CudaQueue`], compiled only with that feature: joining the side stream (`side.rs`) back, raw allocations, stream queries and raw-address f32 reads and writes, modelling what a framework's code might do wrong inside a captured body.
 
-use std::ffi::c_uint;
-use std::ptr;
-
-use cudarc::driver::sys;
 use graft_core::{DeviceError, DeviceOp, DevicePtr};
 
-use crate::context::{Inner, create_stream, destroy_stream};
 use crate::device::CudaQueue;
-use crate::error::{check, check_alloc, map};
+use crate::driver;
 
 const F32_BYTES: usize = std::mem::size_of::<f32>();
-
-/// A second stream of the device and two events to fork it from the runtime stream and join
-/// it back. Null until [`SideStream::create`]; released by [`SideStream::release`].
-pub(crate) struct SideStream {
-    pub(crate) stream: sys::CUstream,
-    fork: sys::CUevent,
-    join: sys::CUevent,
-}
-
-impl Default for SideStream {
-    fn default() -> Self {
-        SideStream {
-            stream: ptr::null_mut(),
-            fork: ptr::null_mut(),
-            join: ptr::null_mut(),
-        }
-    }
-}
-
-impl SideStream {
-    /// Creates the stream and the events in the current context (the device's, being opened).
-    /// On failure what was created stays set, and [`SideStream::release`] destroys it.
-    pub(crate) fn create(&mut self) -> Result<(), DeviceError> {
-        let op = DeviceOp::Init;
-        self.stream = create_stream(op)?;
-        let no_timing = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as c_uint;
-        for slot in [&mut self.fork, &mut self.join] {
-            // SAFETY: the context is current; `slot` is a valid out-pointer. Destroyed once in
-            // `release`.
-            check(op, unsafe { sys::cuEventCreate(slot, no_timing) })?;
-        }
-        Ok(())
-    }
-
-    /// Waits for the side stream, then destroys the events and the stream (each once). Errors
-    /// are ignored: this only runs when the device is dropped, with its context current.
-    pub(crate) fn release(&mut self) {
-        if !self.stream.is_null() {
-            // SAFETY: the side stream is live until destroyed below.
-            let _ = unsafe { sys::cuStreamSynchronize(self.stream) };
-        }
-        for slot in [&mut self.fork, &mut self.join] {
-            let event = std::mem::replace(slot, ptr::null_mut());
-            if !event.is_null() {
-                // SAFETY: created by cuEventCreate in `create`, destroyed exactly once (swapped
-                // out).
-                let _ = unsafe { sys::cuEventDestroy_v2(event) };
-            }
-        }
-        destroy_stream(&mut self.stream);
-    }
-}
-
-impl Inner {
-    /// Makes the side stream wait for the runtime stream's work so far (an event recorded on
-    /// the runtime stream, waited on by the side stream) and returns it. During a capture this
-    /// pulls the side stream into the capture.
-    pub(crate) fn fork_side_stream(&self) -> Result<sys::CUstream, DeviceError> {
-        // SAFETY: the fork event and both streams are live handles of this device's context,
-        // which is current (callers `enter` first).
-        check(DeviceOp::Event, unsafe {
-            sys::cuEventRecord(self.side.fork, self.stream)
-        })?;
-        // SAFETY: as above; flags 0 is CU_EVENT_WAIT_DEFAULT.
-        check(DeviceOp::Event, unsafe {
-            sys::cuStreamWaitEvent(self.side.stream, self.side.fork, 0)
-        })?;
-        Ok(self.side.stream)
-    }
-}
 
 impl CudaQueue {
     /// A raw `cuMemAlloc`, as framework code that calls cudaMalloc directly would make.
@@ -89,11 +14,8 @@ impl CudaQueue {
     pub fn raw_alloc(&self, bytes: usize) -> Result<DevicePtr, DeviceError> {
         let op = DeviceOp::RawAlloc;
         self.inner.enter(op)?;
-        let mut ptr: sys::CUdeviceptr = 0;
-        // SAFETY: the context is current; `ptr` is a valid out-pointer. The caller owns the
-        // memory and returns it with `raw_free`.
-        check_alloc(op, unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes) }, bytes)?;
-        Ok(DevicePtr(ptr))
+        // The caller owns the memory and returns it with `raw_free`.
+        Ok(DevicePtr(driver::memory::alloc(op, bytes)?))
     }
 
     /// Frees memory from [`CudaQueue::raw_alloc`] (reported as `DeviceOp::RawAlloc`: core has
@@ -101,9 +23,8 @@ impl CudaQueue {
     pub fn raw_free(&self, ptr: DevicePtr) -> Result<(), DeviceError> {
         let op = DeviceOp::RawAlloc;
         self.inner.enter(op)?;
-        // SAFETY: the caller passes a pointer from `raw_alloc` that it has not freed; the driver
-        // validates the address and reports an error for anything it did not allocate.
-        check(op, unsafe { sys::cuMemFree_v2(ptr.0) })
+        // The driver reports an error for anything it did not allocate.
+        driver::memory::free(op, ptr.0)
     }
 
     /// Whether all work enqueued on the runtime stream has finished (`cuStreamQuery`). Fails
@@ -111,12 +32,7 @@ impl CudaQueue {
     pub fn query(&self) -> Result<bool, DeviceError> {
         let op = DeviceOp::Query;
         self.inner.enter(op)?;
-        // SAFETY: `stream` is the live runtime stream.
-        match unsafe { sys::cuStreamQuery(self.inner.stream) } {
-            sys::CUresult::CUDA_SUCCESS => Ok(true),
-            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
-            other => Err(map(op, other, 0)),
-        }
+        driver::stream::query(op, self.inner.stream)
     }
 
     /// Reads `n` f32s from the device at a raw address, synchronously. Same signature as the
@@ -149,13 +65,6 @@ impl CudaQueue {
     pub fn join_side_stream(&self) -> Result<(), DeviceError> {
         let inner = &self.inner;
         inner.enter(DeviceOp::Event)?;
-        // SAFETY: the join event and both streams are live handles of this device's context.
-        check(DeviceOp::Event, unsafe {
-            sys::cuEventRecord(inner.side.join, inner.side.stream)
-        })?;
-        // SAFETY: as above; flags 0 is CU_EVENT_WAIT_DEFAULT.
-        check(DeviceOp::Event, unsafe {
-            sys::cuStreamWaitEvent(inner.stream, inner.side.join, 0)
-        })
+        inner.side.join(&inner.context)
     }
 }

@@ -24,7 +24,7 @@ impl NcclComm {
         let inner = &self.queue.inner;
         let at = buffer.device_addr(OP, inner.id, 0, bytes)?;
         inner.make_current(OP)?;
-        if !inner.conditionals().open_is_empty() {
+        if !inner.conditionals.lock().open_is_empty() {
             // NCCL records event nodes (and, with graph mixing, host-side bookkeeping), which
             // a conditional body cannot hold: refused here, before NCCL enqueues anything.
             return Err(DeviceError::Conditional {

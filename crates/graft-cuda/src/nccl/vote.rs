@@ -4,7 +4,7 @@
 //! polled (an event query and the communicator's asynchronous state) until it completes or
 //! the deadline passes, when the communicator is aborted.
 
-use std::ffi::{c_uint, c_void};
+use std::ffi::c_void;
 use std::fmt;
 use std::ptr;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -16,8 +16,8 @@ use graft_core::{Ballot, BallotBox, DeviceError, GroupError};
 
 use super::NcclComm;
 use super::status::OP;
-use crate::context::CAPTURE_NONE;
-use crate::error::{check as check_cu, check_alloc};
+use crate::driver;
+use crate::driver::stream::CAPTURE_NONE;
 
 const WORD: usize = std::mem::size_of::<u64>();
 
@@ -92,16 +92,10 @@ impl NcclBallotBox {
         inner.make_current(OP)?;
         let mut b = vote.lock();
         b.device = inner.alloc_relaxed(OP, words * WORD)?;
-        let mut host: *mut c_void = ptr::null_mut();
-        let bytes = 2 * words * WORD;
-        // SAFETY: the context is current; `host` is a valid out-pointer. Freed once, in `Drop`.
-        let pinned = unsafe { cu::cuMemAllocHost_v2(&mut host, bytes) };
-        check_alloc(OP, pinned, bytes)?;
-        b.host = host.cast();
-        let no_timing = cu::CUevent_flags::CU_EVENT_DISABLE_TIMING as c_uint;
-        // SAFETY: the context is current; `b.done` is a valid out-pointer. Destroyed once, in
-        // `Drop`.
-        check_cu(OP, unsafe { cu::cuEventCreate(&mut b.done, no_timing) })?;
+        // Freed once, in `Drop`.
+        b.host = driver::memory::alloc_host(OP, 2 * words * WORD)?.cast();
+        // Destroyed once, in `Drop`.
+        b.done = driver::stream::create_event(OP)?;
         drop(b);
         Ok(vote)
     }
@@ -139,10 +133,17 @@ impl NcclBallotBox {
         let stream = inner.stream;
         b.flight = Flight::Unmarked;
         // SAFETY: the first `words` pinned words stay untouched until the vote completes
-        // (`flight`); `device` holds `words` words; the stream is the live runtime stream.
-        check_cu(OP, unsafe {
-            cu::cuMemcpyHtoDAsync_v2(b.device, b.host.cast::<c_void>(), words * WORD, stream)
-        })?;
+        // (`flight`, cleared only once the event recorded after the copies completed);
+        // `device` holds `words` words; the stream is the live runtime stream.
+        unsafe {
+            driver::memory::copy_htod_async(
+                OP,
+                b.device,
+                b.host.cast::<c_void>(),
+                words * WORD,
+                stream,
+            )
+        }?;
         let at = b.device as usize as *mut c_void;
         self.comm.enqueue(|comm| {
             // SAFETY: `at` is `words` u64s of this device's memory, kept until `Drop`; the
@@ -161,18 +162,18 @@ impl NcclBallotBox {
             }
         })?;
         self.comm.settle_or_abort(start, deadline)?;
-        // SAFETY: the second `words` pinned words receive the sum; they are read only once
-        // the event below has completed.
-        check_cu(OP, unsafe {
-            cu::cuMemcpyDtoHAsync_v2(
+        // SAFETY: the second `words` pinned words (inside the `2 * words` allocated in `new`)
+        // receive the sum; they are read only once the event below has completed.
+        unsafe {
+            driver::memory::copy_dtoh_async(
+                OP,
                 b.host.add(words).cast::<c_void>(),
                 b.device,
                 words * WORD,
                 stream,
             )
-        })?;
-        // SAFETY: the event and the stream are live handles of the current context.
-        check_cu(OP, unsafe { cu::cuEventRecord(b.done, stream) })?;
+        }?;
+        driver::stream::record_event(OP, b.done, stream)?;
         b.flight = Flight::Marked;
         Ok(())
     }
@@ -187,14 +188,14 @@ impl NcclBallotBox {
         };
         let mut pause = Duration::from_micros(10);
         loop {
-            // SAFETY: the event is live (made in `new`, destroyed in `Drop`).
-            match unsafe { cu::cuEventQuery(b.done) } {
-                cu::CUresult::CUDA_SUCCESS => {
+            // The event is live (made in `new`, destroyed in `Drop`).
+            match driver::stream::query_event(OP, b.done) {
+                Ok(true) => {
                     b.flight = Flight::Idle;
                     return Ok(());
                 }
-                cu::CUresult::CUDA_ERROR_NOT_READY => {}
-                other => return Err(failed(crate::error::map(OP, other, 0))),
+                Ok(false) => {}
+                Err(e) => return Err(failed(e)),
             }
             match self.comm.async_state() {
                 Ok(sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress) => {}
@@ -274,11 +275,8 @@ impl Drop for NcclBallotBox {
         let done = match b.flight {
             Flight::Idle => true,
             Flight::Unmarked => false,
-            Flight::Marked => {
-                // SAFETY: the event is live (made in `new`) and was recorded after the copies.
-                let query = unsafe { cu::cuEventQuery(b.done) };
-                query == cu::CUresult::CUDA_SUCCESS
-            }
+            // The event is live (made in `new`) and was recorded after the copies.
+            Flight::Marked => matches!(driver::stream::query_event(OP, b.done), Ok(true)),
         };
         if !done {
             tracing::warn!(
@@ -287,21 +285,18 @@ impl Drop for NcclBallotBox {
             );
             return;
         }
-        let mut first_error = None;
-        if !b.done.is_null() {
-            // SAFETY: made in `new`, destroyed exactly once here.
-            first_error = check_cu(OP, unsafe { cu::cuEventDestroy_v2(b.done) }).err();
-        }
+        // Made in `new`, destroyed exactly once here (null: nothing).
+        let mut first_error = driver::stream::destroy_event(OP, &mut b.done).err();
         if !b.host.is_null() {
-            // SAFETY: pinned memory from `cuMemAllocHost` in `new`, no copy in flight (`done`
-            // above), freed exactly once here.
-            let freed = check_cu(OP, unsafe { cu::cuMemFreeHost(b.host.cast()) });
+            // Pinned memory from `cuMemAllocHost` in `new`, no copy in flight (`done` above),
+            // freed exactly once here.
+            let freed = driver::memory::free_host(OP, b.host.cast());
             first_error = first_error.or(freed.err());
         }
         if b.device != 0 {
-            // SAFETY: device memory from `cuMemAlloc` in `new`, no work in flight on it,
-            // freed exactly once here.
-            let freed = check_cu(OP, unsafe { cu::cuMemFree_v2(b.device) });
+            // Device memory from `cuMemAlloc` in `new`, no work in flight on it, freed exactly
+            // once here.
+            let freed = driver::memory::free(OP, b.device);
             first_error = first_error.or(freed.err());
         }
         if let Some(e) = first_error {

@@ -1,4 +1,18 @@
-//! Loading the CUDA driver library without ever panicking.
+//! The driver floor: every CUDA driver call graft-cuda makes, each wrapped once, with its
+//! `unsafe`, the invariant it relies on (`// SAFETY:`), and its `CUresult` turned into a typed
+//! [`DeviceError`] (`crate::error`). The subsystems above (`context`, `vmm`, `capture`,
+//! `conditional`, `relocate`, `patch`, `graph`, `module`, the test hooks, NCCL's votes) call
+//! these functions and never `cudarc::driver::sys` itself. Handles passed in (streams,
+//! graphs, nodes, modules) must be live handles of the device whose context is current: the
+//! callers own them and keep them alive, and the driver reports a stale one as an error.
+//!
+//! - [`device`]: devices, primary contexts, the driver version, graph-memory trimming;
+//! - [`stream`]: streams, events and stream capture;
+//! - [`memory`]: allocations, copies, and virtual memory management (the pools);
+//! - [`graph`]: graphs, executables and their nodes;
+//! - [`function`]: modules, functions and kernel launches.
+//!
+//! # Loading the CUDA driver library without ever panicking
 //!
 //! With the `dynamic-loading` feature (the default) cudarc opens libcuda on first use, and every driver
 //! function is looked up by name on its first call. Both panic when the library or a symbol is
@@ -28,6 +42,12 @@ use graft_core::{DeviceError, DeviceOp};
 
 use crate::error::check;
 
+pub(crate) mod device;
+pub(crate) mod function;
+pub(crate) mod graph;
+pub(crate) mod memory;
+pub(crate) mod stream;
+
 /// Declares the driver symbols this crate calls, each with a static description for when it is
 /// missing. Names are exactly those of the functions in `cudarc::driver::sys` (the `_v2`
 /// suffixes included): cudarc looks each up by its Rust function name.
@@ -45,6 +65,7 @@ pub(crate) const DRIVER_SYMBOLS: &[(&str, &str)] = driver_symbols![
     "cuDeviceGetCount",
     "cuDeviceGet",
     "cuDeviceGetName",
+    "cuDeviceGraphMemTrim",
     "cuDevicePrimaryCtxRetain",
     "cuDevicePrimaryCtxRelease_v2",
     "cuCtxSetCurrent",
