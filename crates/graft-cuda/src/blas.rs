@@ -19,16 +19,16 @@
 //! was captured with), atomics not allowed: results are deterministic for one problem size and
 //! match the simulator's fp32 loops closely (not bitwise: the summation order differs).
 
-use std::ffi::{c_int, c_void};
+use std::ffi::c_int;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::ptr;
 use std::sync::{Mutex, OnceLock, PoisonError};
 
-use cudarc::cublas::sys as blas;
 use graft_core::{Buffer, CaptureViolation, DeviceError, DeviceId, DeviceOp};
 
 use crate::context::Context;
 use crate::driver;
+use crate::driver::cublas;
 use crate::driver::stream::CAPTURE_NONE;
 
 /// Bytes of the workspace each device's cuBLAS handle gets (32 MiB, what PyTorch gives
@@ -46,7 +46,7 @@ pub(crate) struct Blas {
 /// A cuBLAS handle and its workspace. Destroyed by the device's `Drop`, after the stream is
 /// synchronized.
 struct Handle {
-    handle: blas::cublasHandle_t,
+    handle: cublas::Handle,
     workspace: u64,
 }
 
@@ -63,10 +63,7 @@ impl Handle {
     /// must be current and the stream not capturing.
     fn create(cx: &Context) -> Result<Handle, DeviceError> {
         let op = DeviceOp::ModuleLoad;
-        // SAFETY: only `dlopen`s candidate names of libcublas and drops each handle. (Linked
-        // with `dynamic-linking`: the loader already found it.)
-        #[cfg(feature = "dynamic-loading")]
-        if !unsafe { blas::is_culib_present() } {
+        if !cublas::library_present() {
             return Err(DeviceError::Unavailable {
                 op,
                 what: "libcublas could not be loaded; install the CUDA toolkit's cuBLAS or add it to LD_LIBRARY_PATH",
@@ -96,34 +93,14 @@ impl Handle {
 
     fn setup(&mut self, cx: &Context) -> Result<(), DeviceError> {
         let op = DeviceOp::ModuleLoad;
-        let mut handle: blas::cublasHandle_t = ptr::null_mut();
-        // SAFETY: `handle` is a valid out-pointer; the device's primary context is current, so
-        // cuBLAS (through the runtime API) binds the handle to it. Destroyed in `destroy`.
-        blas_check(op, unsafe { blas::cublasCreate_v2(&mut handle) })?;
+        // Bound to the device's primary context, current; destroyed in `destroy`.
+        let handle = cublas::create(op)?;
         self.handle = handle;
-        // SAFETY: the handle was just created; the runtime stream is a live stream of the
-        // context the handle is bound to (a driver CUstream is a runtime cudaStream_t).
-        blas_check(op, unsafe {
-            blas::cublasSetStream_v2(handle, cx.stream.cast())
-        })?;
+        cublas::set_stream(op, handle, cx.stream)?;
         self.workspace = cx.alloc_relaxed(DeviceOp::RawAlloc, WORKSPACE_BYTES)?;
-        // SAFETY: the workspace is WORKSPACE_BYTES of device memory of this context, 256-byte
-        // aligned (cuMemAlloc), owned by this handle until `destroy` frees it after the handle.
-        blas_check(op, unsafe {
-            blas::cublasSetWorkspace_v2(handle, self.workspace as *mut c_void, WORKSPACE_BYTES)
-        })?;
-        // SAFETY: a live handle and valid enum values.
-        blas_check(op, unsafe {
-            blas::cublasSetMathMode(handle, blas::cublasMath_t::CUBLAS_DEFAULT_MATH)
-        })?;
-        // SAFETY: as above.
-        blas_check(op, unsafe {
-            blas::cublasSetPointerMode_v2(
-                handle,
-                blas::cublasPointerMode_t::CUBLAS_POINTER_MODE_HOST,
-            )
-        })?;
-        Ok(())
+        // Owned by this handle until `destroy` frees it after the handle.
+        cublas::set_workspace(op, handle, self.workspace, WORKSPACE_BYTES)?;
+        cublas::set_modes(op, handle)
     }
 
     /// Destroys the handle, then frees the workspace. The context must be current and the
@@ -132,13 +109,8 @@ impl Handle {
         let mut first = Ok(());
         let handle = std::mem::replace(&mut self.handle, ptr::null_mut());
         if !handle.is_null() {
-            // SAFETY: created by cublasCreate_v2 in `setup`, destroyed exactly once (swapped out).
-            let r = catch_unwind(AssertUnwindSafe(|| unsafe {
-                blas::cublasDestroy_v2(handle)
-            }));
-            if let Ok(status) = r {
-                first = blas_check(DeviceOp::GraphDestroy, status);
-            }
+            // Created in `setup`, destroyed exactly once (swapped out).
+            first = cublas::destroy(DeviceOp::GraphDestroy, handle);
         }
         let workspace = std::mem::replace(&mut self.workspace, 0);
         if workspace != 0 {
@@ -151,31 +123,6 @@ impl Handle {
         }
         first
     }
-}
-
-/// Maps a cuBLAS status to a device error named after it (`Library`, or `OutOfMemory`).
-fn blas_check(op: DeviceOp, status: blas::cublasStatus_t) -> Result<(), DeviceError> {
-    use blas::cublasStatus_t as S;
-    let name = match status {
-        S::CUBLAS_STATUS_SUCCESS => return Ok(()),
-        S::CUBLAS_STATUS_ALLOC_FAILED => {
-            return Err(DeviceError::OutOfMemory { op, bytes: 0 });
-        }
-        S::CUBLAS_STATUS_NOT_INITIALIZED => "CUBLAS_STATUS_NOT_INITIALIZED",
-        S::CUBLAS_STATUS_INVALID_VALUE => "CUBLAS_STATUS_INVALID_VALUE",
-        S::CUBLAS_STATUS_ARCH_MISMATCH => "CUBLAS_STATUS_ARCH_MISMATCH",
-        S::CUBLAS_STATUS_MAPPING_ERROR => "CUBLAS_STATUS_MAPPING_ERROR",
-        S::CUBLAS_STATUS_EXECUTION_FAILED => "CUBLAS_STATUS_EXECUTION_FAILED",
-        S::CUBLAS_STATUS_INTERNAL_ERROR => "CUBLAS_STATUS_INTERNAL_ERROR",
-        S::CUBLAS_STATUS_NOT_SUPPORTED => "CUBLAS_STATUS_NOT_SUPPORTED",
-        S::CUBLAS_STATUS_LICENSE_ERROR => "CUBLAS_STATUS_LICENSE_ERROR",
-    };
-    Err(DeviceError::Library {
-        op,
-        library: "cuBLAS",
-        code: status as u32,
-        name,
-    })
 }
 
 /// One row-major f32 matrix product for [`CudaQueue::sgemm`]:
@@ -246,7 +193,7 @@ impl<'a> Operand<'a> {
 impl Blas {
     /// The handle, created on first use (once; see [`Handle::create`]). Fails during a capture
     /// when it does not exist yet (`Capture { Unsupported }`).
-    pub(crate) fn handle(&self, cx: &Context) -> Result<blas::cublasHandle_t, DeviceError> {
+    pub(crate) fn handle(&self, cx: &Context) -> Result<cublas::Handle, DeviceError> {
         if let Some(b) = self.made.get() {
             return Ok(b.handle);
         }
@@ -291,35 +238,22 @@ impl Blas {
         };
         let (m, n, k) = (dim(g.m)?, dim(g.n)?, dim(g.k.max(1))?);
         let k_real = dim(g.k)?;
-        let (trans_b, ldb) = if g.b_transposed {
-            (blas::cublasOperation_t::CUBLAS_OP_T, k)
-        } else {
-            (blas::cublasOperation_t::CUBLAS_OP_N, n)
-        };
-        let (alpha, beta) = (g.alpha, g.beta);
-        // SAFETY: the handle is live (destroyed only in the device's Drop) and bound to the
-        // runtime stream; alpha and beta are host values read during the call (pointer mode
-        // host); the leading dimensions are at least the row lengths they describe and at
+        let ldb = if g.b_transposed { k } else { n };
+        // The handle is live (destroyed only in the device's Drop) and bound to the runtime
+        // stream; the leading dimensions are at least the row lengths they describe and at
         // least 1; A, B and C are live graft buffers of this device holding at least the
         // `m * k`, `k * n` and `m * n` f32s the call reads and writes (checked by `resolve`).
-        blas_check(op, unsafe {
-            blas::cublasSgemm_v2(
-                handle,
-                trans_b,
-                blas::cublasOperation_t::CUBLAS_OP_N,
-                n,
-                m,
-                k_real,
-                &alpha,
-                b as *const f32,
-                ldb,
-                a as *const f32,
-                k,
-                &beta,
-                c as *mut f32,
-                n,
-            )
-        })
+        cublas::sgemm(
+            op,
+            handle,
+            g.b_transposed,
+            (n, m, k_real),
+            g.alpha,
+            (b, ldb),
+            (a, k),
+            g.beta,
+            (c, n),
+        )
     }
 
     /// Destroys the handle and frees its workspace, if made (teardown: the context current,
@@ -328,32 +262,5 @@ impl Blas {
         if let Some(mut b) = self.made.take() {
             let _ = b.destroy();
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn statuses_map_to_library_errors() {
-        let op = DeviceOp::KernelLaunch;
-        assert_eq!(
-            blas_check(op, blas::cublasStatus_t::CUBLAS_STATUS_SUCCESS),
-            Ok(())
-        );
-        assert_eq!(
-            blas_check(op, blas::cublasStatus_t::CUBLAS_STATUS_INVALID_VALUE),
-            Err(DeviceError::Library {
-                op,
-                library: "cuBLAS",
-                code: blas::cublasStatus_t::CUBLAS_STATUS_INVALID_VALUE as u32,
-                name: "CUBLAS_STATUS_INVALID_VALUE",
-            })
-        );
-        assert_eq!(
-            blas_check(op, blas::cublasStatus_t::CUBLAS_STATUS_ALLOC_FAILED),
-            Err(DeviceError::OutOfMemory { op, bytes: 0 })
-        );
     }
 }

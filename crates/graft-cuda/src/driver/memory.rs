@@ -30,11 +30,8 @@ pub(crate) fn free(op: DeviceOp, ptr: u64) -> Result<(), DeviceError> {
 pub(crate) fn alloc_host(op: DeviceOp, bytes: usize) -> Result<*mut c_void, DeviceError> {
     let mut host: *mut c_void = ptr::null_mut();
     // SAFETY: the caller made the context current; `host` is a valid out-pointer.
-    check_alloc(
-        op,
-        unsafe { sys::cuMemAllocHost_v2(&mut host, bytes) },
-        bytes,
-    )?;
+    let r = unsafe { sys::cuMemAllocHost_v2(&mut host, bytes) };
+    check_alloc(op, r, bytes)?;
     Ok(host)
 }
 

@@ -10,7 +10,8 @@
 //! - [`stream`]: streams, events and stream capture;
 //! - [`memory`]: allocations, copies, and virtual memory management (the pools);
 //! - [`graph`]: graphs, executables and their nodes;
-//! - [`function`]: modules, functions and kernel launches.
+//! - [`function`]: modules, functions and kernel launches;
+//! - [`cublas`]: the cuBLAS handle and its GEMM (cuBLAS's statuses map to `Library` errors).
 //!
 //! # Loading the CUDA driver library without ever panicking
 //!
@@ -42,6 +43,7 @@ use graft_core::{DeviceError, DeviceOp};
 
 use crate::error::check;
 
+pub(crate) mod cublas;
 pub(crate) mod device;
 pub(crate) mod function;
 pub(crate) mod graph;
