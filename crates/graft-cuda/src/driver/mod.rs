@@ -11,7 +11,9 @@
 //! - [`memory`]: allocations, copies, and virtual memory management (the pools);
 //! - [`graph`]: graphs, executables and their nodes;
 //! - [`function`]: modules, functions and kernel launches;
-//! - [`cublas`]: the cuBLAS handle and its GEMM (cuBLAS's statuses map to `Library` errors).
+//! - [`cublas`]: the cuBLAS handle and its GEMM (cuBLAS's statuses map to `Library` errors);
+//! - `nccl` (feature `nccl`): communicators and their all-reduce (NCCL's results map to
+//!   `Library` errors).
 //!
 //! # Loading the CUDA driver library without ever panicking
 //!
@@ -48,6 +50,8 @@ pub(crate) mod device;
 pub(crate) mod function;
 pub(crate) mod graph;
 pub(crate) mod memory;
+#[cfg(feature = "nccl")]
+pub(crate) mod nccl;
 pub(crate) mod stream;
 
 /// Declares the driver symbols this crate calls, each with a static description for when it is

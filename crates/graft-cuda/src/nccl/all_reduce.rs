@@ -7,7 +7,8 @@ use cudarc::nccl::sys;
 use graft_core::{Buffer, DeviceError};
 
 use super::NcclComm;
-use super::status::{OP, check};
+use super::status::OP;
+use crate::driver::nccl as dn;
 
 impl NcclComm {
     /// Enqueues an in-place all-reduce (sum) of the first `n` `f32`s of `buffer` on the
@@ -33,38 +34,33 @@ impl NcclComm {
             });
         }
         let start = Instant::now();
-        let at = at.0 as usize as *mut std::ffi::c_void;
         self.enqueue(|comm| {
-            // SAFETY: `at` is `bytes` of live memory on this communicator's device (checked
-            // above; graft keeps a buffer's memory while it is held, and the caller holds it
-            // until the stream has run the collective), the stream is that device's runtime
-            // stream, and the handle is live and used by this thread alone (`enqueue`).
-            unsafe {
-                sys::ncclAllReduce(
-                    at,
-                    at,
-                    n,
-                    sys::ncclDataType_t::ncclFloat32,
-                    sys::ncclRedOp_t::ncclSum,
-                    comm,
-                    inner.stream.cast(),
-                )
-            }
+            // `at` is `bytes` of live memory on this communicator's device (checked above;
+            // graft keeps a buffer's memory while it is held, and the caller holds it until the
+            // stream has run the collective), the stream is that device's runtime stream, and
+            // the handle is live and used by this thread alone (`enqueue`).
+            dn::all_reduce_sum(
+                comm,
+                at.0,
+                n,
+                sys::ncclDataType_t::ncclFloat32,
+                inner.stream,
+            )
         })?;
         self.settle_enqueue(start)
     }
 
     /// Calls `op` with the live handle, under the lock (NCCL allows one thread at a time per
-    /// communicator), and maps its result; an aborted communicator refuses.
+    /// communicator); an aborted communicator refuses.
     pub(super) fn enqueue(
         &self,
-        op: impl FnOnce(sys::ncclComm_t) -> sys::ncclResult_t,
+        op: impl FnOnce(sys::ncclComm_t) -> Result<(), DeviceError>,
     ) -> Result<(), DeviceError> {
         let comm = self.lock();
         if comm.is_null() {
             return Err(DeviceError::CollectiveAborted { op: OP });
         }
-        check(op(*comm))
+        op(*comm)
     }
 
     /// After an enqueue started at `start`: on a non-blocking communicator, waits (at most its

@@ -3,7 +3,6 @@
 //! non-blocking, its setup polled until a deadline).
 
 use std::ffi::{c_char, c_int};
-use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::ptr;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -12,8 +11,9 @@ use cudarc::nccl::sys;
 use graft_core::DeviceError;
 
 use super::NcclComm;
-use super::status::{LAZY_CONNECT, MISSING, OP, check, nccl_present};
+use super::status::{LAZY_CONNECT, OP};
 use crate::device::CudaDevice;
+use crate::driver::nccl::{self as dn, MISSING};
 
 /// The bytes of an NCCL unique id (`NCCL_UNIQUE_ID_BYTES`).
 pub const UNIQUE_ID_BYTES: usize = 128;
@@ -55,7 +55,7 @@ fn non_blocking_config() -> sys::ncclConfig_t {
 
 /// Refuses to start without libnccl, or with NCCL's lazy connection on.
 fn ready() -> Result<(), DeviceError> {
-    if !nccl_present() {
+    if !dn::present() {
         return Err(DeviceError::Unavailable {
             op: OP,
             what: MISSING,
@@ -96,18 +96,7 @@ impl NcclComm {
             }
             ordinals.push(ordinal);
         }
-        let n = as_c_int(devices.len(), "too many devices")?;
-        let mut comms: Vec<sys::ncclComm_t> = vec![ptr::null_mut(); devices.len()];
-        let made = catch_unwind(AssertUnwindSafe(|| {
-            // SAFETY: `comms` has room for `n` handles and `ordinals` holds `n` distinct device
-            // ordinals; NCCL writes one handle per device.
-            unsafe { sys::ncclCommInitAll(comms.as_mut_ptr(), n, ordinals.as_ptr()) }
-        }))
-        .map_err(|_| DeviceError::Unavailable {
-            op: OP,
-            what: MISSING,
-        })?;
-        check(made)?;
+        let comms = dn::init_all(&ordinals)?;
         Ok(comms
             .into_iter()
             .zip(devices)
@@ -126,24 +115,13 @@ impl NcclComm {
     /// (graft's [`Rendezvous::broadcast`](graft_core::Rendezvous::broadcast)) before they all
     /// call [`NcclComm::init_rank`] with it.
     pub fn unique_id() -> Result<[u8; UNIQUE_ID_BYTES], DeviceError> {
-        if !nccl_present() {
+        if !dn::present() {
             return Err(DeviceError::Unavailable {
                 op: OP,
                 what: MISSING,
             });
         }
-        let mut id = sys::ncclUniqueId {
-            internal: [0; UNIQUE_ID_BYTES],
-        };
-        let made = catch_unwind(AssertUnwindSafe(|| {
-            // SAFETY: `id` is a valid out-pointer to a whole `ncclUniqueId`.
-            unsafe { sys::ncclGetUniqueId(&mut id) }
-        }))
-        .map_err(|_| DeviceError::Unavailable {
-            op: OP,
-            what: MISSING,
-        })?;
-        check(made)?;
+        let id = dn::unique_id()?;
         Ok(id.internal.map(|b| b as u8))
     }
 
@@ -177,17 +155,13 @@ impl NcclComm {
             internal: id.map(|b| b as c_char),
         };
         let mut config = non_blocking_config();
-        let mut handle: sys::ncclComm_t = ptr::null_mut();
-        let started = catch_unwind(AssertUnwindSafe(|| {
-            // SAFETY: `handle` and `config` are valid pointers for the call (NCCL copies the
-            // config, reading at most `config.size` bytes, which is its real size); the id is
-            // passed by value; rank and world were checked above.
-            unsafe { sys::ncclCommInitRankConfig(&mut handle, n, unique, r, &mut config) }
-        }))
-        .map_err(|_| DeviceError::Unavailable {
-            op: OP,
-            what: MISSING,
-        })?;
+        let (handle, started) = dn::init_rank(unique, r, n, &mut config);
+        if handle.is_null()
+            && let Err(e) = started
+        {
+            // No handle: nothing to abort or release.
+            return Err(e);
+        }
         let comm = NcclComm {
             comm: Mutex::new(handle),
             queue: (**device).clone(),
@@ -195,8 +169,8 @@ impl NcclComm {
             world,
             deadline: Some(deadline),
         };
-        if let Err(e) = check(started) {
-            // A handle NCCL made before failing is aborted; a null one is nothing to release.
+        if let Err(e) = started {
+            // A handle NCCL made before failing is aborted.
             comm.abort_after_failure();
             return Err(e);
         }

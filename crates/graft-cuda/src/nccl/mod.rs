@@ -5,8 +5,8 @@
 //!
 //! `init.rs` makes communicators (all ranks of a process at once, or one rank of a job of one
 //! process per GPU, non-blocking with a bounded init); `all_reduce.rs` the data all-reduce;
-//! `vote.rs` the ballot box; `status.rs` NCCL's results and the bounded poll of a
-//! non-blocking communicator.
+//! `vote.rs` the ballot box; `status.rs` the bounded poll of a non-blocking communicator.
+//! Every NCCL call goes through the floor (`driver::nccl`), which maps NCCL's results.
 
 mod all_reduce;
 mod init;
@@ -22,7 +22,8 @@ use cudarc::nccl::sys;
 use graft_core::DeviceError;
 
 use crate::device::CudaQueue;
-use status::{MISSING, OP, check, nccl_present};
+use crate::driver::nccl::{self as dn, MISSING};
+use status::OP;
 
 pub use init::UNIQUE_ID_BYTES;
 pub use vote::NcclBallotBox;
@@ -67,16 +68,13 @@ impl fmt::Debug for NcclComm {
 impl NcclComm {
     /// The version of the loaded libnccl as (major, minor, patch).
     pub fn version() -> Result<(u32, u32, u32), DeviceError> {
-        if !nccl_present() {
+        if !dn::present() {
             return Err(DeviceError::Unavailable {
                 op: OP,
                 what: MISSING,
             });
         }
-        let mut v: std::ffi::c_int = 0;
-        // SAFETY: `v` is a valid out-pointer; the library is present (checked above).
-        check(unsafe { sys::ncclGetVersion(&mut v) })?;
-        let v = u32::try_from(v).unwrap_or(0);
+        let v = u32::try_from(dn::version()?).unwrap_or(0);
         // NCCL_VERSION(X,Y,Z) is X*10000 + Y*100 + Z since 2.9.
         Ok((v / 10000, v / 100 % 100, v % 100))
     }
@@ -106,9 +104,9 @@ impl NcclComm {
         if handle.is_null() {
             return Ok(());
         }
-        // SAFETY: the handle was live and is taken out of the lock (nulled there), so neither
-        // another operation nor `Drop` uses it again.
-        check(unsafe { sys::ncclCommAbort(handle) })
+        // The handle was live and is taken out of the lock (nulled there), so neither another
+        // operation nor `Drop` uses it again.
+        dn::abort(handle)
     }
 
     /// Aborts after a failure that is being returned: an error aborting cannot be returned
@@ -135,11 +133,9 @@ impl Drop for NcclComm {
             return;
         }
         let comm = std::mem::replace(&mut *self.lock(), ptr::null_mut());
-        // SAFETY: the handle was live (not aborted) and is taken out of the lock: this is its
-        // only destruction.
-        if let Err(e) = check(unsafe { sys::ncclCommDestroy(comm) }) {
-            self.queue.inner.record_sticky(e);
-        }
+        // The handle was live (not aborted) and is taken out of the lock: this is its only
+        // destruction.
+        self.queue.inner.sticky_on_error(dn::destroy(comm));
     }
 }
 
@@ -149,9 +145,9 @@ impl NcclComm {
     fn finalize(&self, limit: Duration) -> bool {
         let started = {
             let comm = self.lock();
-            // SAFETY: the handle is live (checked non-null by the caller, and only `Drop`, which
-            // holds `&mut self`, runs) and used by this thread alone under the lock.
-            check(unsafe { sys::ncclCommFinalize(*comm) })
+            // The handle is live (checked non-null by the caller, and only `Drop`, which holds
+            // `&mut self`, runs) and used by this thread alone under the lock.
+            dn::finalize(*comm)
         };
         started.is_ok() && self.settle(std::time::Instant::now() + limit).is_ok()
     }

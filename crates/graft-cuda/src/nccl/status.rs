@@ -1,52 +1,21 @@
-//! NCCL's results as core's errors, whether libnccl can be loaded, and the bounded wait on a
-//! non-blocking communicator: polling `ncclCommGetAsyncError` until an operation leaves
-//! `ncclInProgress`, at most until a deadline.
+//! The bounded wait on a non-blocking communicator: polling `ncclCommGetAsyncError` until an
+//! operation leaves `ncclInProgress`, at most until a deadline. (NCCL's results become core's
+//! errors in the floor, `driver::nccl`.)
 
-use std::panic::catch_unwind;
 use std::time::{Duration, Instant};
 
 use cudarc::nccl::sys;
 use graft_core::{DeviceError, DeviceOp};
 
 use super::NcclComm;
+use crate::driver::nccl::{self as dn, check};
 
 pub(super) const OP: DeviceOp = DeviceOp::Collective;
-
-pub(super) const MISSING: &str = "libnccl cannot be loaded: install NCCL (pip: nvidia-nccl-cu12 or -cu13) and put a libnccl.so (a link to its libnccl.so.2) on LD_LIBRARY_PATH";
 
 pub(super) const LAZY_CONNECT: &str = "NCCL_RUNTIME_CONNECT is not 0: NCCL would connect ranks at their first collective, which blocks until every rank gets there, so a rank whose recording failed before its collective would leave its peers stuck inside theirs; set NCCL_RUNTIME_CONNECT=0 in the environment before the program starts";
 
 /// The longest sleep between two polls of a communicator's state.
 const MAX_POLL: Duration = Duration::from_millis(1);
-
-/// NCCL's error as core's [`DeviceError::Library`]; `ncclInProgress` is not an error (a
-/// non-blocking communicator's operation under way: see [`NcclComm::settle`]).
-pub(super) fn check(result: sys::ncclResult_t) -> Result<(), DeviceError> {
-    use sys::ncclResult_t as R;
-    let name = match result {
-        R::ncclSuccess | R::ncclInProgress => return Ok(()),
-        R::ncclUnhandledCudaError => "ncclUnhandledCudaError",
-        R::ncclSystemError => "ncclSystemError",
-        R::ncclInternalError => "ncclInternalError",
-        R::ncclInvalidArgument => "ncclInvalidArgument",
-        R::ncclInvalidUsage => "ncclInvalidUsage",
-        R::ncclRemoteError => "ncclRemoteError",
-        R::ncclTimeout => "ncclTimeout",
-        R::ncclNumResults => "ncclNumResults",
-    };
-    Err(DeviceError::Library {
-        op: OP,
-        library: "NCCL",
-        code: result as u32,
-        name,
-    })
-}
-
-/// Whether libnccl can be opened, without panicking when it cannot.
-pub(super) fn nccl_present() -> bool {
-    // SAFETY: `is_culib_present` only `dlopen`s the candidate names and drops the handles.
-    catch_unwind(|| unsafe { sys::is_culib_present() }).unwrap_or(false)
-}
 
 /// Why [`NcclComm::settle`] gave up.
 #[derive(Debug)]
@@ -65,12 +34,9 @@ impl NcclComm {
         if comm.is_null() {
             return Err(DeviceError::CollectiveAborted { op: OP });
         }
-        let mut state = sys::ncclResult_t::ncclSuccess;
-        // SAFETY: the handle is live (not null: aborted and destroyed handles are nulled under
-        // this lock) and used by this thread alone while the lock is held; `state` is a valid
-        // out-pointer.
-        check(unsafe { sys::ncclCommGetAsyncError(*comm, &mut state) })?;
-        Ok(state)
+        // The handle is live (not null: aborted and destroyed handles are nulled under this
+        // lock) and used by this thread alone while the lock is held.
+        dn::async_error(*comm)
     }
 
     /// Polls the communicator until its last operation is no longer in progress: `Ok` when it
@@ -111,24 +77,5 @@ impl NcclComm {
             },
             Unsettled::Failed(e) => e,
         })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn in_progress_is_not_an_error_and_remote_errors_are_named() {
-        assert_eq!(check(sys::ncclResult_t::ncclInProgress), Ok(()));
-        assert_eq!(
-            check(sys::ncclResult_t::ncclRemoteError),
-            Err(DeviceError::Library {
-                op: OP,
-                library: "NCCL",
-                code: 6,
-                name: "ncclRemoteError"
-            })
-        );
     }
 }

@@ -17,6 +17,7 @@ use graft_core::{Ballot, BallotBox, DeviceError, GroupError};
 use super::NcclComm;
 use super::status::OP;
 use crate::driver;
+use crate::driver::nccl as dn;
 use crate::driver::stream::CAPTURE_NONE;
 
 const WORD: usize = std::mem::size_of::<u64>();
@@ -144,22 +145,12 @@ impl NcclBallotBox {
                 stream,
             )
         }?;
-        let at = b.device as usize as *mut c_void;
+        let at = b.device;
         self.comm.enqueue(|comm| {
-            // SAFETY: `at` is `words` u64s of this device's memory, kept until `Drop`; the
-            // stream is the device's runtime stream (not capturing: checked above); the handle
-            // is live and used by this thread alone (`enqueue`).
-            unsafe {
-                sys::ncclAllReduce(
-                    at,
-                    at,
-                    words,
-                    sys::ncclDataType_t::ncclUint64,
-                    sys::ncclRedOp_t::ncclSum,
-                    comm,
-                    stream.cast(),
-                )
-            }
+            // `at` is `words` u64s of this device's memory, kept until `Drop`; the stream is the
+            // device's runtime stream (not capturing: checked above); the handle is live and
+            // used by this thread alone (`enqueue`).
+            dn::all_reduce_sum(comm, at, words, sys::ncclDataType_t::ncclUint64, stream)
         })?;
         self.comm.settle_or_abort(start, deadline)?;
         // SAFETY: the second `words` pinned words (inside the `2 * words` allocated in `new`)
@@ -200,7 +191,7 @@ impl NcclBallotBox {
             match self.comm.async_state() {
                 Ok(sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress) => {}
                 Ok(state) => {
-                    let e = super::status::check(state).err();
+                    let e = dn::check(state).err();
                     return Err(failed(
                         e.unwrap_or(DeviceError::CollectiveAborted { op: OP }),
                     ));
