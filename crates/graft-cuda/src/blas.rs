@@ -125,7 +125,7 @@ impl Handle {
     }
 }
 
-/// One row-major f32 matrix product for [`CudaQueue::sgemm`]:
+/// One row-major f32 matrix product for [`CudaQueue::sgemm`](crate::CudaQueue::sgemm):
 /// `C[m, n] = alpha * A[m, k] · op(B) + beta * C[m, n]`, all matrices dense and row-major.
 ///
 /// `op(B)` is `B` stored as `[k, n]` when `b_transposed` is false, and `Bᵀ` of a `B` stored as

@@ -7,11 +7,12 @@
 //! (frameworks such as candle launch on a stream they own): opening a node ends the stream's
 //! capture (the graph so far is kept), adds the node after the work captured so far, and
 //! begins a fresh capture for the body; closing it ends that capture, checks the body and
-//! copies it node by node into the node's body graph, its stream-ordered allocations moved
-//! into memory the graph owns ([`crate::relocate`]: the H100's driver refused both adding the
-//! body as a child graph and deleting its memory nodes in place), and resumes capturing into
-//! the outer graph after the node (`cuStreamBeginCaptureToGraph`). [`Conditionals`] holds one
-//! device's conditional state and its loaded set-conditional kernel.
+//! copies it node by node into the node's body graph, leaving its memory nodes out and moving
+//! its stream-ordered allocations into memory the graph owns ([`crate::relocate`]; it is not
+//! added as a child graph: the H100's driver refused child graphs in a conditional node's
+//! body, and deleting the memory nodes of a captured graph in place), and resumes capturing
+//! into the outer graph after the node (`cuStreamBeginCaptureToGraph`). [`Conditionals`] holds
+//! one device's conditional state and its loaded set-conditional kernel.
 
 use std::ffi::{CStr, c_int, c_void};
 use std::ptr;

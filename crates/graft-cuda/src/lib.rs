@@ -6,7 +6,8 @@
 //! Pool memory is virtual memory (`cuMemAddressReserve`, then `cuMemCreate` and `cuMemMap` per
 //! granule: `vmm.rs`), mapped legally inside a capture by switching the thread to relaxed
 //! capture mode around the calls, as PyTorch's caching allocator does. `patch.rs` moves a
-//! recorded graph's uses of a range to other memory (copy-free and in-place inputs). Behind the
+//! recorded graph's uses of a range to other memory (copy-free and in-place inputs);
+//! `conditional.rs` and `relocate.rs` build conditional nodes inside a capture. Behind the
 //! `test-support` feature it offers a few calls that model what a framework's code might do
 //! wrong inside a captured body (`CudaQueue::raw_alloc`, `CudaQueue::query`,
 //! `CudaQueue::launch_function_on_side_stream`), mirroring the simulator; graft's shared
@@ -31,12 +32,27 @@
 //! bounded), whose all-reduces run on each device's runtime stream and so are captured into
 //! graft's graphs; `NcclBallotBox` carries a group's votes over the same communicator.
 //!
-//! This is graft's only crate with `unsafe` besides graft-candle's CUDA module: every block
-//! names the invariant it relies on.
-//! Driver errors map to core's [`DeviceError`](graft_core::DeviceError): out of memory, the
-//! stream-capture family (as `Capture` with the violation), and everything else as `Driver`
-//! with CUDA's code and name. Errors from `Drop` (destroying a graph) go to the device's sticky
-//! error slot.
+//! # Layers
+//! At the bottom, the `driver` floor (`src/driver/`, like cudarc's `result` layer under its
+//! `safe` one) wraps every call graft-cuda makes into libcuda, cuBLAS and NCCL once, with its
+//! `unsafe`, the invariant it relies on, and its result mapped to a typed error. Above it,
+//! `context.rs` holds the primary context, the runtime stream and the sticky error slot, and
+//! each subsystem owns its own state (`vmm.rs` the pool's mappings, `blas.rs` the cuBLAS
+//! handle, `conditional.rs` the capture's conditional nodes, `side.rs` the test side stream);
+//! `inner.rs` composes them into one device, which `device.rs` exposes.
+//!
+//! graft-core, graft-sim and graft-tensor forbid `unsafe`; graft-candle has its own. In this
+//! crate every `unsafe` block names the invariant it relies on, and all of them are in the
+//! floor except: launching kernels whose arguments were checked against the kernel's
+//! parameters (`module.rs`, and the set-conditional kernel in `conditional.rs`: a launch is
+//! only sound when the arguments match the kernel, which the floor cannot know), the pinned
+//! host buffers of NCCL's votes (`nccl/vote.rs`: whether a copy still runs on them is the
+//! vote's state), and the `Send`/`Sync` impls of the types that hold raw handles.
+//!
+//! Driver errors map to core's [`DeviceError`](graft_core::DeviceError) (`error.rs`): out of
+//! memory, the stream-capture family (as `Capture` with the violation), and everything else as
+//! `Driver` with CUDA's code and name; cuBLAS's and NCCL's statuses become `Library` errors.
+//! Errors from `Drop` (destroying a graph) go to the device's sticky error slot.
 
 #[cfg(all(feature = "dynamic-loading", feature = "dynamic-linking"))]
 compile_error!(

@@ -191,10 +191,7 @@ fn compile_source(source: &str, name: &str) -> Result<Vec<u8>, DeviceError> {
             what: "the CUDA source or its name contains a NUL byte",
         });
     }
-    // SAFETY: `is_culib_present` only `dlopen`s candidate names of libnvrtc and drops each
-    // handle; it runs no NVRTC code. (Linked with `dynamic-linking`: the loader found it.)
-    #[cfg(feature = "dynamic-loading")]
-    if !unsafe { nvrtc::sys::is_culib_present() } {
+    if !driver::function::nvrtc_present() {
         return Err(DeviceError::Unavailable {
             op,
             what: "libnvrtc could not be loaded; install the CUDA toolkit's NVRTC or add it to LD_LIBRARY_PATH",
@@ -525,8 +522,7 @@ mod tests {
                 ..
             })
         ));
-        // SAFETY: `is_culib_present` only `dlopen`s candidate names and drops the handles.
-        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        if !driver::function::nvrtc_present() {
             assert!(matches!(
                 compile_ptx(GOOD, "k.cu"),
                 Err(DeviceError::Unavailable { .. })

@@ -63,7 +63,7 @@ impl CudaQueue {
     }
 
     /// Creates this device's cuBLAS handle (once; later calls do nothing): bound to the
-    /// runtime stream, with a fixed [`WORKSPACE_BYTES`] workspace, default (fp32) math.
+    /// runtime stream, with a fixed [`WORKSPACE_BYTES`](crate::WORKSPACE_BYTES) workspace, default (fp32) math.
     /// Call it before capturing anything that uses [`CudaQueue::sgemm`]; the first `sgemm`
     /// outside a capture does it too. Fails during a capture (`Capture { Unsupported }`).
     pub fn init_cublas(&self) -> Result<(), DeviceError> {

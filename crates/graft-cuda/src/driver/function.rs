@@ -1,4 +1,4 @@
-//! Modules, functions and launches: loading and unloading a PTX module, looking up its functions, a function's name and parameter layout, a library kernel's function, and `cuLaunchKernel`.
+//! Modules, functions and launches: loading and unloading a PTX module, looking up its functions, a function's name and parameter layout, a library kernel's function, `cuLaunchKernel`, and whether libnvrtc (which compiles modules) loads.
 
 use std::ffi::{CStr, c_uint, c_void};
 use std::ptr;
@@ -103,6 +103,19 @@ pub(crate) fn param_info_available() -> bool {
 /// did not start).
 #[cfg(not(feature = "dynamic-loading"))]
 pub(crate) fn param_info_available() -> bool {
+    true
+}
+
+/// Whether libnvrtc can be loaded (NVRTC compiles graft's kernels; with `dynamic-linking` the
+/// loader already found it).
+pub(crate) fn nvrtc_present() -> bool {
+    #[cfg(feature = "dynamic-loading")]
+    {
+        // SAFETY: `is_culib_present` only `dlopen`s candidate names of libnvrtc and drops each
+        // handle; it runs no NVRTC code.
+        unsafe { cudarc::nvrtc::sys::is_culib_present() }
+    }
+    #[cfg(not(feature = "dynamic-loading"))]
     true
 }
 

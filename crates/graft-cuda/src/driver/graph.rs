@@ -231,9 +231,9 @@ unsafe fn packed_buffer<'a>(extra: *mut *mut c_void) -> Option<&'a [u8]> {
     (!buffer.is_null()).then(|| unsafe { std::slice::from_raw_parts(buffer, size) })
 }
 
-/// The parameter values of a kernel node, flattened: `total` bytes with each parameter of
-/// `layout` (`(offset, size)`, its function's layout from
-/// [`super::function::param_layout`]) at its offset, read from `params` (the node's own,
+/// The parameter values of a kernel node, flattened: as many bytes as `layout` spans, each
+/// parameter of `layout` (`(offset, size)`, its function's layout read with
+/// [`super::function::param_info`]) at its offset, read from `params` (the node's own,
 /// from [`kernel_params`], its node still alive). `None` when they cannot be read: an `extra`
 /// array of another form than one packed buffer, or too short a buffer, or no parameter
 /// array for a function that has parameters.

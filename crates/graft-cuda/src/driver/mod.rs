@@ -1,10 +1,12 @@
-//! The driver floor: every CUDA driver call graft-cuda makes, each wrapped once, with its
-//! `unsafe`, the invariant it relies on (`// SAFETY:`), and its `CUresult` turned into a typed
-//! [`DeviceError`] (`crate::error`). The subsystems above (`context`, `vmm`, `capture`,
-//! `conditional`, `relocate`, `patch`, `graph`, `module`, the test hooks, NCCL's votes) call
-//! these functions and never `cudarc::driver::sys` itself. Handles passed in (streams,
-//! graphs, nodes, modules) must be live handles of the device whose context is current: the
-//! callers own them and keep them alive, and the driver reports a stale one as an error.
+//! The driver floor: every CUDA driver, cuBLAS and NCCL call graft-cuda makes, each wrapped
+//! once, with its `unsafe`, the invariant it relies on (`// SAFETY:`), and its result turned
+//! into a typed [`DeviceError`] (`CUresult` through `crate::error`; cuBLAS's and NCCL's
+//! statuses here). The subsystems above (`context`, `vmm`, `blas`, `capture`, `conditional`,
+//! `relocate`, `patch`, `graph`, `module`, `side`, the test hooks, `nccl`) call these
+//! functions and never cudarc's `sys` modules themselves. Handles passed in (streams, graphs,
+//! nodes, modules, communicators) must be live handles of the device whose context is
+//! current: the callers own them and keep them alive. The floor decides nothing: which errors
+//! a caller tolerates, and the order of calls, stay with the caller.
 //!
 //! - [`device`]: devices, primary contexts, the driver version, graph-memory trimming;
 //! - [`stream`]: streams, events and stream capture;

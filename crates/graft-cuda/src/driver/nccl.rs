@@ -14,7 +14,7 @@ const OP: DeviceOp = DeviceOp::Collective;
 pub(crate) const MISSING: &str = "libnccl cannot be loaded: install NCCL (pip: nvidia-nccl-cu12 or -cu13) and put a libnccl.so (a link to its libnccl.so.2) on LD_LIBRARY_PATH";
 
 /// NCCL's error as core's [`DeviceError::Library`]; `ncclInProgress` is not an error (a
-/// non-blocking communicator's operation under way: see [`NcclComm::settle`]).
+/// non-blocking communicator's operation under way: see `NcclComm::settle`).
 pub(crate) fn check(result: sys::ncclResult_t) -> Result<(), DeviceError> {
     use sys::ncclResult_t as R;
     let name = match result {
