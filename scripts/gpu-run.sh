@@ -32,7 +32,7 @@ while (($#)); do
         --tests) tests_re=$2; shift ;;
         --timeout) timeout_s=$2; shift ;;
         --) shift; benches+=("$@"); break ;;
-        -h | --help) sed -n '2,22p' "$0"; exit 0 ;;
+        -h | --help) sed -n '2,21p' "$0"; exit 0 ;;
         *) benches+=("$1") ;;
     esac
     shift

@@ -1,4 +1,6 @@
-//! `SimDevice`: one simulated device with one stream, its capture state machine, counters and fault injection.
+//! `SimDevice`: one simulated device with one stream (its queue, `queue.rs`) and a memory
+//! limit, its counters (`SimStats`), capture status and fault injection; its
+//! `graft_core::Device` implementation is `device_impl.rs`.
 
 use std::fmt;
 use std::sync::atomic::Ordering;
