@@ -17,6 +17,8 @@
 #   --tests REGEX    only test executables whose name matches (default: all)
 #   --timeout SECS   per executable and per bench command (default 300)
 # e.g.   scripts/gpu-run.sh --sanitize --tests 'graft-cuda' 'stage/bin/graft bench --quick'
+#        scripts/gpu-run.sh --tests 'graft-cli' 'stage/bin/graft-baselines bench micro'
+# (stage/bin/graft-baselines: `graft` with the raw-graph baselines, staged by stage.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -30,7 +32,7 @@ while (($#)); do
         --tests) tests_re=$2; shift ;;
         --timeout) timeout_s=$2; shift ;;
         --) shift; benches+=("$@"); break ;;
-        -h | --help) sed -n '2,20p' "$0"; exit 0 ;;
+        -h | --help) sed -n '2,21p' "$0"; exit 0 ;;
         *) benches+=("$1") ;;
     esac
     shift

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Builds what the GPU machine runs (it has no Rust toolchain) into stage/ (git-ignored):
 #   stage/bin/<binary>           every binary target of the workspace, release
+#   stage/bin/graft-baselines    graft-cli's bench target: `graft` with the raw-graph
+#                                baselines (graft-core's token for tests and benchmarks)
 #   stage/tests/<pkg>.<target>   every test executable of the workspace, release
 #                                (<pkg>.lib = a library's unit tests, <pkg>.bin-<name> = a
 #                                binary's unit tests, <pkg>.<name> = tests/<name>.rs)
@@ -34,7 +36,7 @@ while (($#)); do
     case $1 in
         --candle-cuda) candle_cuda=1 ;;
         --candle-bins) candle_bins=$2; candle_cuda=1; shift ;;
-        -h | --help) sed -n '2,28p' "$0"; exit 0 ;;
+        -h | --help) sed -n '2,29p' "$0"; exit 0 ;;
         *) echo "stage.sh: unknown argument $1" >&2; exit 2 ;;
     esac
     shift
@@ -48,10 +50,12 @@ rm -rf stage
 mkdir -p stage/bin stage/tests
 bin_json=$(mktemp)
 test_json=$(mktemp)
+bench_json=$(mktemp)
 cuda_bin_json=$(mktemp)
 cuda_test_json=$(mktemp)
+bench_json=$(mktemp)
 stager=$(mktemp)
-trap 'rm -f "$bin_json" "$test_json" "$cuda_bin_json" "$cuda_test_json" "$stager"' EXIT
+trap 'rm -f "$bin_json" "$test_json" "$bench_json" "$cuda_bin_json" "$cuda_test_json" "$stager"' EXIT
 
 echo "== cargo build --release --workspace --bins" >&2
 cargo build --release --workspace --bins --message-format=json-render-diagnostics >"$bin_json"
@@ -60,6 +64,11 @@ cargo build --release --workspace --bins --message-format=json-render-diagnostic
 echo "== cargo test --release --workspace --exclude graft-candle --no-run" >&2
 cargo test --release --workspace --exclude graft-candle --no-run \
     --message-format=json-render-diagnostics >"$test_json"
+# The raw-graph baselines live only where graft-core's token for tests and benchmarks may be
+# made: graft-cli's bench target (bench profile = release).
+echo "== cargo bench -p graft-cli --bench graft-baselines --no-run" >&2
+cargo bench -p graft-cli --bench graft-baselines --no-run \
+    --message-format=json-render-diagnostics >"$bench_json"
 
 # Package names by manifest path, so executables are named after their package.
 metadata=$(cargo metadata --no-deps --format-version 1)
@@ -127,6 +136,24 @@ print(f"staged {len(staged)} executables", file=sys.stderr)
 PY
 plain_staged=$(mktemp)
 python3 "$stager" "$bin_json" "$test_json" "$metadata" "" "$plain_staged"
+# graft-baselines beside the binaries (its --procs ranks are copies of itself).
+python3 - "$bench_json" "$plain_staged" <<'PY'
+import json
+import os
+import shutil
+import sys
+
+for line in open(sys.argv[1]):
+    msg = json.loads(line) if line.startswith("{") else {}
+    if msg.get("reason") == "compiler-artifact" and msg.get("executable") \
+            and "bench" in msg["target"]["kind"]:
+        dst = os.path.join("stage/bin", msg["target"]["name"])
+        shutil.copy2(msg["executable"], dst)
+        with open("stage/MANIFEST", "a") as f:
+            f.write(f"{dst} {os.path.getsize(dst)}\n")
+        with open(sys.argv[2], "a") as f:
+            f.write(dst + "\n")
+PY
 # Every executable is xz-packed (about 4x smaller; gpu-run.sh unpacks them on the GPU machine),
 # so that the workspace's ~50 MiB of executables and candle's CUDA build fit in one carry.
 while IFS= read -r exe; do

@@ -1,11 +1,14 @@
 //! `graft bench` (decoder): the decoder step at each batch size, three ways on one device:
 //! eager (the same ops, no graph), graft (warmed up and recorded, then timed on replays), and
-//! a raw graph of the same step captured once without the tree. Medians of per-step wall times
-//! after a device synchronize, warmup steps first; all three must produce the same tokens.
+//! a raw graph of the same step captured once without the tree (only with graft-core's token:
+//! graft-cli's `graft-baselines` bench; the `graft` binary leaves it out and says so). Medians
+//! of per-step wall times after a device synchronize, warmup steps first; every mode must
+//! produce the same tokens.
 
 use std::io::Write;
 use std::time::Duration;
 
+use graft_core::backend::CoreOnly;
 use graft_core::{Config, Device, Graft};
 use graft_tensor::{Decoder, DecoderConfig, Meta, Tensor};
 use serde::Serialize;
@@ -15,7 +18,7 @@ use crate::error::CliError;
 use crate::progress;
 use crate::timing::{fmt_us, median_us, timed};
 use crate::tokens::{compare, first_tokens};
-use crate::{Backend, DecoderBenchArgs};
+use crate::{Backend, DecoderBenchArgs, NO_RAW};
 
 /// One batch size's medians.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -28,10 +31,10 @@ pub struct BenchRow {
     pub eager_us: f64,
     /// Graft replay step, microseconds.
     pub graft_us: f64,
-    /// Raw graph step, microseconds.
-    pub raw_us: f64,
+    /// Raw graph step, microseconds (`None`: not measured, no token).
+    pub raw_us: Option<f64>,
     /// `graft_us / raw_us`: what the tree costs over a bare graph launch.
-    pub graft_over_raw: f64,
+    pub graft_over_raw: Option<f64>,
     /// `eager_us / graft_us`: graft's speedup over eager.
     pub speedup_over_eager: f64,
 }
@@ -89,13 +92,18 @@ pub struct BenchReport {
     pub results: Vec<BenchRow>,
 }
 
-/// Runs the decoder benchmark on the backend `args` selects.
-pub fn run(args: &DecoderBenchArgs, out: &mut dyn Write) -> Result<BenchReport, CliError> {
+/// Runs the decoder benchmark on the backend `args` selects; with graft-core's token `raw`,
+/// the raw graph too.
+pub fn run(
+    args: &DecoderBenchArgs,
+    raw: Option<&CoreOnly>,
+    out: &mut dyn Write,
+) -> Result<BenchReport, CliError> {
     let backend = Backend::pick(args.sim, out)?;
     let (config, name) = backend.config();
     match backend {
-        Backend::Cuda(dev) => run_on(dev, config, name, false, args, out),
-        Backend::Sim(dev) => run_on(dev, config, name, true, args, out),
+        Backend::Cuda(dev) => run_on(dev, config, name, false, args, raw, out),
+        Backend::Sim(dev) => run_on(dev, config, name, true, args, raw, out),
     }
 }
 
@@ -118,13 +126,14 @@ impl Run {
     }
 }
 
-/// Runs the decoder benchmark on `device` with `config`.
+/// Runs the decoder benchmark on `device` with `config` (and the raw graph with `raw`).
 pub fn run_on<D: graft_tensor::Backend>(
     device: D,
     config: DecoderConfig,
     config_name: &str,
     simulator: bool,
     args: &DecoderBenchArgs,
+    raw: Option<&CoreOnly>,
     out: &mut dyn Write,
 ) -> Result<BenchReport, CliError> {
     check_batches(&args.batches)?;
@@ -160,7 +169,8 @@ pub fn run_on<D: graft_tensor::Backend>(
     let mut g: Graft<D, Meta> = Graft::new(device.clone(), Config::default());
     let dec = Decoder::new(&mut g, config, args.seed)?;
     let fid = dec.register(&mut g);
-    let bar = progress::bar((args.batches.len() * total * 3) as u64);
+    let modes = if raw.is_some() { 3 } else { 2 };
+    let bar = progress::bar((args.batches.len() * total * modes) as u64);
     bar.suspend(|| {
         writeln!(
             out,
@@ -200,55 +210,64 @@ pub fn run_on<D: graft_tensor::Backend>(
         }
         drop((state, t));
 
-        let mut raw = Run::with_capacity(total);
-        let mut state = dec.new_state(&mut g, bucket)?;
-        let tokens = dec.tokens(&mut g, &ids)?;
-        let graph = dec.capture_raw(&mut g, &state, &tokens)?;
-        for _ in 0..total {
-            make_room(&mut state, &device)?;
-            let ((), dt) = timed(&device, || graph.step(&mut state))?;
-            raw.times.push(dt);
-            raw.tokens.push(rows(graph.tokens(), &device, batch)?);
-            bar.inc(1);
-        }
-        drop((graph, state, tokens));
-
         compare(batch, ("eager", &eager.tokens), ("graft", &grafted.tokens))?;
-        compare(batch, ("eager", &eager.tokens), ("raw graph", &raw.tokens))?;
-        let (e, gr, r) = (
-            eager.median(args.warmup),
-            grafted.median(args.warmup),
-            raw.median(args.warmup),
-        );
+        let raw_us = match raw {
+            Some(core) => {
+                let mut raw = Run::with_capacity(total);
+                let mut state = dec.new_state(&mut g, bucket)?;
+                let tokens = dec.tokens(&mut g, &ids)?;
+                let graph = dec.capture_raw(core, &mut g, &state, &tokens)?;
+                for _ in 0..total {
+                    make_room(&mut state, &device)?;
+                    let ((), dt) = timed(&device, || graph.step(core, &mut state))?;
+                    raw.times.push(dt);
+                    raw.tokens.push(rows(graph.tokens(), &device, batch)?);
+                    bar.inc(1);
+                }
+                drop((graph, state, tokens));
+                compare(batch, ("eager", &eager.tokens), ("raw graph", &raw.tokens))?;
+                Some(raw.median(args.warmup))
+            }
+            None => None,
+        };
+        let (e, gr) = (eager.median(args.warmup), grafted.median(args.warmup));
         let row = BenchRow {
             batch,
             bucket,
             eager_us: e,
             graft_us: gr,
-            raw_us: r,
-            graft_over_raw: gr / r.max(f64::MIN_POSITIVE),
+            raw_us,
+            graft_over_raw: raw_us.map(|r| gr / r.max(f64::MIN_POSITIVE)),
             speedup_over_eager: e / gr.max(f64::MIN_POSITIVE),
         };
         bar.suspend(|| {
             writeln!(
                 out,
-                "{:>5} {:>6} {:>12} {:>12} {:>12} {:>10.3} {:>9.2}x",
+                "{:>5} {:>6} {:>12} {:>12} {:>12} {:>10} {:>9.2}x",
                 row.batch,
                 row.bucket,
                 fmt_us(row.eager_us),
                 fmt_us(row.graft_us),
-                fmt_us(row.raw_us),
-                row.graft_over_raw,
+                row.raw_us.map_or("-".into(), fmt_us),
+                row.graft_over_raw.map_or("-".into(), |r| format!("{r:.3}")),
                 row.speedup_over_eager
             )
         })?;
         results.push(row);
     }
     bar.finish_and_clear();
-    writeln!(
-        out,
-        "tokens:  identical across eager, graft and the raw graph at every batch size"
-    )?;
+    if raw.is_some() {
+        writeln!(
+            out,
+            "tokens:  identical across eager, graft and the raw graph at every batch size"
+        )?;
+    } else {
+        writeln!(
+            out,
+            "tokens:  identical across eager and graft at every batch size"
+        )?;
+        writeln!(out, "{NO_RAW}")?;
+    }
 
     let report = BenchReport {
         device: describe,

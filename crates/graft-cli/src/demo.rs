@@ -4,6 +4,7 @@
 use std::io::Write;
 use std::time::Duration;
 
+use graft_core::backend::CoreOnly;
 use graft_core::{Config, Device, Graft, Stats};
 use graft_tensor::{Decoder, DecoderConfig, KvState, Meta, default_buckets};
 
@@ -65,8 +66,13 @@ pub(crate) fn check_batches(batches: &[usize]) -> Result<(), CliError> {
 }
 
 /// Runs the demo on the backend `args` selects, then the candle model (see the `candle`
-/// module), then the decoder split over two ranks (two GPUs, or simulated devices).
-pub fn run(args: &DemoArgs, out: &mut dyn Write) -> Result<DemoReport, CliError> {
+/// module), then the decoder split over two ranks (two GPUs, or simulated devices; their raw
+/// graphs too with graft-core's token `raw`).
+pub fn run(
+    args: &DemoArgs,
+    raw: Option<&'static CoreOnly>,
+    out: &mut dyn Write,
+) -> Result<DemoReport, CliError> {
     let backend = Backend::pick(args.sim, out)?;
     let (config, name) = backend.config();
     let report = match backend {
@@ -88,7 +94,7 @@ pub fn run(args: &DemoArgs, out: &mut dyn Write) -> Result<DemoReport, CliError>
         out,
         "\ntensor parallel, 2 ranks (a short `graft bench tp`):"
     )?;
-    crate::tp::demo(args.sim, out)?;
+    crate::tp::demo(args.sim, raw, out)?;
     Ok(report)
 }
 

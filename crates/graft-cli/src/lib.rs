@@ -11,6 +11,13 @@
 //!
 //! Both use the GPU when [`graft_cuda::CudaDevice::is_available`] (the benchmark config),
 //! else the simulator (the tiny config), and say which.
+//!
+//! The raw-graph baselines (the same work captured as a plain graph with the device's sealed
+//! capture calls and launched raw, what graft's replay is compared against) need graft-core's
+//! token ([`CoreOnly`]), which only graft's tests and benchmarks can make (graft-core's
+//! `test-support` feature, which no normal dependency enables). The `graft` binary runs
+//! without one ([`run`]) and says what it left out; graft-cli's `graft-baselines` bench target
+//! (`benches/baselines.rs`) is the same command line with the token ([`run_with`], [`main`]).
 
 pub mod bench;
 pub mod demo;
@@ -26,6 +33,7 @@ pub mod tp;
 mod tp_procs;
 
 use std::io::Write;
+use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
 use graft_core::Device;
@@ -36,10 +44,9 @@ use graft_tensor::DecoderConfig;
 
 pub use error::CliError;
 
-/// The token of the device's sealed capture, launch and copy calls, which the raw-graph
-/// baselines of `graft bench micro` and `graft bench update` make themselves: graft-core's
-/// token for benchmarks.
-const CORE: &CoreOnly = &CoreOnly::for_tests_and_benches();
+/// What a benchmark prints in place of its raw-graph baseline when it runs without
+/// graft-core's token (the `graft` binary).
+pub(crate) const NO_RAW: &str = "raw graph: not measured: the raw-graph baseline captures with the device's sealed calls, which only graft's benchmarks may make; run the same command line as `cargo bench -p graft-cli --bench graft-baselines -- ARGS` (staged: stage/bin/graft-baselines ARGS)";
 
 /// graft: CUDA graph trees for Rust tensor frameworks.
 #[derive(Parser, Debug)]
@@ -303,20 +310,61 @@ impl Backend {
     }
 }
 
-/// Runs a parsed command line, writing the report to `out`.
+/// Runs a parsed command line, writing the report to `out`, without the raw-graph baselines
+/// (what the `graft` binary does).
 pub fn run(cli: Cli, out: &mut dyn Write) -> Result<(), CliError> {
+    run_with(cli, None, out)
+}
+
+/// Runs a parsed command line, writing the report to `out`; with graft-core's token `raw` (a
+/// `const`, as `CoreOnly::for_tests_and_benches` makes it: the ranks of `bench tp` are threads),
+/// the benchmarks also measure their raw-graph baselines (`graft bench`, `bench micro`,
+/// `bench update`, `bench tp` and the demo's tensor-parallel part).
+pub fn run_with(
+    cli: Cli,
+    raw: Option<&'static CoreOnly>,
+    out: &mut dyn Write,
+) -> Result<(), CliError> {
     match cli.command {
-        Command::Demo(args) => demo::run(&args, out).map(|_| ()),
+        Command::Demo(args) => demo::run(&args, raw, out).map(|_| ()),
         Command::Bench(cmd) => match cmd.what {
-            None => bench::run(&cmd.decoder, out).map(|_| ()),
-            Some(BenchWhat::Decoder(args)) => bench::run(&args, out).map(|_| ()),
-            Some(BenchWhat::Micro(args)) => micro::report(&args, out),
+            None => bench::run(&cmd.decoder, raw, out).map(|_| ()),
+            Some(BenchWhat::Decoder(args)) => bench::run(&args, raw, out).map(|_| ()),
+            Some(BenchWhat::Micro(args)) => micro::report(&args, raw, out),
             Some(BenchWhat::Capture(args)) => shapes::capture(&args, out),
             Some(BenchWhat::Serve(args)) => serve::serve(&args, out),
-            Some(BenchWhat::Update(args)) => shapes::update(&args, out),
+            Some(BenchWhat::Update(args)) => shapes::update(&args, raw, out),
             Some(BenchWhat::Inputs(args)) => shapes::inputs(&args, out),
-            Some(BenchWhat::Tp(args)) => tp::run(&args, out),
+            Some(BenchWhat::Tp(args)) if args.as_rank => tp_procs::as_rank(&args, raw, out),
+            Some(BenchWhat::Tp(args)) => match args.procs {
+                Some(procs) => tp_procs::run(&args, procs, raw, out),
+                None => tp::run(&args, raw, out),
+            },
             Some(BenchWhat::Loop(args)) => loop_bench::run(&args, out).map(|_| ()),
         },
+    }
+}
+
+/// The whole program: sets up logging (`RUST_LOG`, default `warn`, on stderr), parses `args`
+/// (the program name first), runs the command with `raw` ([`run_with`]) and reports an error
+/// on stderr. The `graft` binary calls it without a token, the `graft-baselines` bench with
+/// one.
+pub fn main(args: impl IntoIterator<Item = String>, raw: Option<&'static CoreOnly>) -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse_from(args);
+    let mut out = std::io::stdout().lock();
+    match run_with(cli, raw, &mut out) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            drop(out);
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
     }
 }

@@ -3,7 +3,9 @@
 //! Ten elementwise kernels over 1,024 floats and 8 inputs (7 static, 1 copied), timed per
 //! call in one run four ways: eager launches; a raw launch of the same graph graft records
 //! (the input's copy node, then the ten kernels); the ten-kernel graph launched after a
-//! separate input copy (how PyTorch's trees copy inputs); and graft's tree replay.
+//! separate input copy (how PyTorch's trees copy inputs); and graft's tree replay. The two raw
+//! launches need graft-core's token (graft-cli's `graft-baselines` bench); without it (the
+//! `graft` binary) only eager launches and the tree replay are timed.
 //!
 //! At scale (`--inputs`, `--tree`): more static inputs per call (passed and checked, not read
 //! by the chain), and more recorded nodes in the tree (siblings of other signatures).
@@ -12,10 +14,11 @@ use std::time::Instant;
 
 use std::io::Write;
 
+use graft_core::backend::CoreOnly;
 use graft_core::{BodyError, Buffer, Config, Ctx, Device, FunctionSpec, Graft, Output};
 use graft_tensor::{DType, Ops, Tensor, TensorError};
 
-use crate::{Backend, CORE, CliError, MicroArgs};
+use crate::{Backend, CliError, MicroArgs, NO_RAW};
 
 /// Floats per buffer.
 pub const N: usize = 1024;
@@ -65,13 +68,20 @@ pub enum MicroError {
 pub struct MicroResult {
     /// Ten eager kernel launches.
     pub eager_ns: f64,
+    /// One tree replay through `Graft::call_into`.
+    pub tree_ns: f64,
+    /// The raw launches, when measured (with graft-core's token).
+    pub raw: Option<RawResult>,
+}
+
+/// Per-call times of the raw launches in nanoseconds (medians over repeats).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RawResult {
     /// One raw graph launch of the graph graft records (the input copy node, then the chain).
     pub raw_ns: f64,
     /// One input copy, then a raw launch of the chain alone: copying outside the graph, as
     /// PyTorch's trees do.
     pub raw_copy_ns: f64,
-    /// One tree replay through `Graft::call_into`.
-    pub tree_ns: f64,
     /// Tree replay over raw launch: the median of the ratios of blocks timed back to back
     /// (raw, then tree, in every repeat), so that drift of the machine cancels out.
     pub tree_over_raw: f64,
@@ -122,14 +132,15 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 /// Captures what `f` enqueues into one graph.
 fn capture<D: Device>(
+    core: &CoreOnly,
     device: &D,
     f: impl FnOnce() -> graft_tensor::Result<()>,
 ) -> Result<D::Graph, MicroError> {
-    device.begin_capture(CORE, Default::default())?;
+    device.begin_capture(core, Default::default())?;
     match f() {
-        Ok(()) => Ok(device.end_capture(CORE)?),
+        Ok(()) => Ok(device.end_capture(core)?),
         Err(e) => {
-            device.abort_capture(CORE)?;
+            device.abort_capture(core)?;
             Err(e.into())
         }
     }
@@ -204,13 +215,15 @@ pub struct Scale {
     pub nodes: usize,
 }
 
-/// Runs the four measurements on `device`.
+/// Runs the four measurements on `device` (the two raw launches only with graft-core's token
+/// `raw`).
 pub fn run<D: graft_tensor::Backend>(
     device: D,
     timing: Timing,
     repeats: usize,
     per_block: usize,
     scale: Scale,
+    raw: Option<&CoreOnly>,
 ) -> Result<MicroResult, MicroError> {
     let k = device.load_ops()?;
     let mut g: Graft<D, ()> = Graft::new(device.clone(), Config::default());
@@ -228,18 +241,24 @@ pub fn run<D: graft_tensor::Backend>(
         Ok(chain(&k, acc, w, x)?)
     })?;
 
-    // The graph graft records: the input copy into the placeholder, then the chain.
-    let same_graph = capture(&device, || {
-        device.copy(CORE, placeholder.ptr()?, x.ptr()?, N * 4)?;
-        chain(&k, acc, w, placeholder)
-    })?;
-    // The chain alone, with the input copied before each launch (how PyTorch's trees copy).
-    let kernels_only = capture(&device, || chain(&k, acc, w, placeholder))?;
-    let (x_at, placeholder_at) = (x.ptr()?, placeholder.ptr()?);
-    let raw_copy_ns = time(&device, timing, repeats, per_block, || {
-        device.copy(CORE, placeholder_at, x_at, N * 4)?;
-        Ok(device.launch(CORE, &kernels_only)?)
-    })?;
+    // The graph graft records: the input copy into the placeholder, then the chain; and the
+    // chain alone, with the input copied before each launch (how PyTorch's trees copy).
+    let raw_graphs = match raw {
+        Some(core) => {
+            let same_graph = capture(core, &device, || {
+                device.copy(core, placeholder.ptr()?, x.ptr()?, N * 4)?;
+                chain(&k, acc, w, placeholder)
+            })?;
+            let kernels_only = capture(core, &device, || chain(&k, acc, w, placeholder))?;
+            let (x_at, placeholder_at) = (x.ptr()?, placeholder.ptr()?);
+            let raw_copy_ns = time(&device, timing, repeats, per_block, || {
+                device.copy(core, placeholder_at, x_at, N * 4)?;
+                Ok(device.launch(core, &kernels_only)?)
+            })?;
+            Some((core, same_graph, raw_copy_ns))
+        }
+        None => None,
+    };
 
     for _ in 8..inputs {
         bufs.push(g.alloc(N * 4)?);
@@ -255,18 +274,25 @@ pub fn run<D: graft_tensor::Backend>(
         g.call_into(f, &refs, &[0], |ctx| body::<D>(&k, ctx), &mut out)?;
     }
     let replays_before = g.stats().replays;
-    // Raw launch and tree replay of the same graph, in alternating blocks.
-    let (raw_ns, tree_ns, tree_over_raw) = time_pair(
-        &device,
-        timing,
-        repeats,
-        per_block,
-        || Ok(device.launch(CORE, &same_graph)?),
-        || {
-            g.call_into(f, &refs, &[0], |ctx| body::<D>(&k, ctx), &mut out)?;
-            Ok(())
-        },
-    )?;
+    let replay = || {
+        g.call_into(f, &refs, &[0], |ctx| body::<D>(&k, ctx), &mut out)?;
+        Ok(())
+    };
+    // Raw launch and tree replay of the same graph, in alternating blocks; or the tree alone.
+    let (tree_ns, raw) = match raw_graphs {
+        Some((core, same_graph, raw_copy_ns)) => {
+            let launch = || Ok(device.launch(core, &same_graph)?);
+            let (raw_ns, tree_ns, tree_over_raw) =
+                time_pair(&device, timing, repeats, per_block, launch, replay)?;
+            let raw = RawResult {
+                raw_ns,
+                raw_copy_ns,
+                tree_over_raw,
+            };
+            (tree_ns, Some(raw))
+        }
+        None => (time(&device, timing, repeats, per_block, replay)?, None),
+    };
     let replayed = g.stats().replays - replays_before;
     let calls = ((repeats + 1) * per_block) as u64;
     if replayed != calls {
@@ -293,15 +319,18 @@ pub fn run<D: graft_tensor::Backend>(
     }
     Ok(MicroResult {
         eager_ns,
-        raw_ns,
-        raw_copy_ns,
         tree_ns,
-        tree_over_raw,
+        raw,
     })
 }
 
-/// `graft bench micro`: runs both timings on the picked backend and prints a table.
-pub fn report(args: &MicroArgs, out: &mut dyn Write) -> Result<(), CliError> {
+/// `graft bench micro`: runs both timings on the picked backend and prints a table (the raw
+/// launches' columns only with graft-core's token `raw`).
+pub fn report(
+    args: &MicroArgs,
+    raw: Option<&CoreOnly>,
+    out: &mut dyn Write,
+) -> Result<(), CliError> {
     let backend = Backend::pick(args.sim, out)?;
     let name = backend.describe();
     let scale = Scale {
@@ -320,19 +349,31 @@ pub fn report(args: &MicroArgs, out: &mut dyn Write) -> Result<(), CliError> {
     )?;
     for timing in [Timing::Latency, Timing::Throughput] {
         let r = match &backend {
-            Backend::Cuda(d) => run(d.clone(), timing, args.repeats, args.calls, scale),
-            Backend::Sim(d) => run(d.clone(), timing, args.repeats, args.calls, scale),
+            Backend::Cuda(d) => run(d.clone(), timing, args.repeats, args.calls, scale, raw),
+            Backend::Sim(d) => run(d.clone(), timing, args.repeats, args.calls, scale, raw),
         }?;
+        let us = |ns: f64| format!("{:.2}us", ns / 1e3);
+        let (raw_us, raw_copy_us, tree_over_raw) = match r.raw {
+            Some(raw) => (
+                us(raw.raw_ns),
+                us(raw.raw_copy_ns),
+                format!("{:.3}", raw.tree_over_raw),
+            ),
+            None => ("-".into(), "-".into(), "-".into()),
+        };
         writeln!(
             out,
-            "{:<11} {:>8.2}us {:>8.2}us {:>12.2}us {:>8.2}us {:>9.3}",
+            "{:<11} {:>10} {:>10} {:>14} {:>10} {:>9}",
             format!("{timing:?}").to_lowercase(),
-            r.eager_ns / 1e3,
-            r.raw_ns / 1e3,
-            r.raw_copy_ns / 1e3,
-            r.tree_ns / 1e3,
-            r.tree_over_raw
+            us(r.eager_ns),
+            raw_us,
+            raw_copy_us,
+            us(r.tree_ns),
+            tree_over_raw
         )?;
+    }
+    if raw.is_none() {
+        writeln!(out, "{NO_RAW}")?;
     }
     Ok(())
 }

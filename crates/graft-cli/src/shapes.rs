@@ -4,12 +4,14 @@
 //! - capture: every bucket recorded up front, largest first: time and graph-pool memory;
 //! - serve: a skewed trace of batch sizes (`serve.rs`);
 //! - update: a re-recording that updates the executable in place against one that
-//!   instantiates a new one;
+//!   instantiates a new one (through graft, and for a raw graph of the step with
+//!   graft-core's token: graft-cli's `graft-baselines` bench);
 //! - inputs: a 64 MiB read-only input per replay, copied against read in place (patched).
 
 use std::io::Write;
 use std::time::{Duration, Instant};
 
+use graft_core::backend::CoreOnly;
 use graft_core::{Buckets, Config, FunctionSpec, Graft, Outcome, PoolStats};
 use graft_tensor::{DType, Decoder, DecoderConfig, KvState, Meta, Tensor, ops};
 
@@ -18,7 +20,7 @@ use crate::error::CliError;
 use crate::progress;
 use crate::timing::{fmt_us, median_us, timed};
 use crate::tokens::first_tokens;
-use crate::{Backend, CORE, ShapesArgs};
+use crate::{Backend, NO_RAW, ShapesArgs};
 
 pub(crate) const MIB: f64 = (1 << 20) as f64;
 
@@ -196,9 +198,18 @@ fn capture_on<D: graft_tensor::Backend>(
     Ok(())
 }
 
-/// `graft bench update`.
-pub fn update(args: &ShapesArgs, out: &mut dyn Write) -> Result<(), CliError> {
-    on_backend!(args, out, update_on)
+/// `graft bench update` (the raw graph's part only with graft-core's token `raw`).
+pub fn update(
+    args: &ShapesArgs,
+    raw: Option<&CoreOnly>,
+    out: &mut dyn Write,
+) -> Result<(), CliError> {
+    let backend = Backend::pick(args.sim, out)?;
+    let (config, name) = backend.config();
+    match backend {
+        Backend::Cuda(dev) => update_on(dev, config, name, args, raw, out),
+        Backend::Sim(dev) => update_on(dev, config, name, args, raw, out),
+    }
 }
 
 fn update_on<D: graft_tensor::Backend>(
@@ -206,44 +217,63 @@ fn update_on<D: graft_tensor::Backend>(
     config: DecoderConfig,
     name: &str,
     args: &ShapesArgs,
+    raw: Option<&CoreOnly>,
     out: &mut dyn Write,
 ) -> Result<(), CliError> {
     header(out, &device.describe(), name, &config)?;
     let bucket = 8;
     let rounds = args.repeats.max(3);
-    let mut g: Graft<D, Meta> = Graft::new(device.clone(), Config::default());
-    let dec = Decoder::new(&mut g, config, args.seed)?;
     let ids = first_tokens(bucket, config.vocab);
-    // The raw graph alone: capture the step for another state (other cache and position
-    // addresses), then finish it by updating the executable in place, or by instantiating
-    // (and uploading) a new one; the capture and the finish are timed apart.
+    match raw {
+        Some(core) => raw_update(core, &device, config, args.seed, bucket, rounds, &ids, out)?,
+        None => writeln!(out, "{NO_RAW}")?,
+    }
+    graft_update(&device, config, args.seed, bucket, rounds, &ids, out)
+}
+
+/// The raw graph alone: capture the step for another state (other cache and position
+/// addresses), then finish it by updating the executable in place, or by instantiating (and
+/// uploading) a new one; the capture and the finish are timed apart.
+#[allow(clippy::too_many_arguments)]
+fn raw_update<D: graft_tensor::Backend>(
+    core: &CoreOnly,
+    device: &D,
+    config: DecoderConfig,
+    seed: u64,
+    bucket: usize,
+    rounds: usize,
+    ids: &[i32],
+    out: &mut dyn Write,
+) -> Result<(), CliError> {
+    let mut g: Graft<D, Meta> = Graft::new(device.clone(), Config::default());
+    let dec = Decoder::new(&mut g, config, seed)?;
     let states = [
         dec.new_state(&mut g, bucket)?,
         dec.new_state(&mut g, bucket)?,
     ];
     let tokens = [
-        dec.tokens_in(&mut g, &ids, bucket)?,
-        dec.tokens_in(&mut g, &ids, bucket)?,
+        dec.tokens_in(&mut g, ids, bucket)?,
+        dec.tokens_in(&mut g, ids, bucket)?,
     ];
-    let mut kept = dec.capture_open(&mut g, &states[0], &tokens[0])?;
-    let mut graph = device.end_capture(CORE)?;
+    let mut kept = dec.capture_open(core, &mut g, &states[0], &tokens[0])?;
+    let mut graph = device.end_capture(core)?;
     let (mut captures, mut updates, mut instantiations, mut refusals) =
         (Vec::new(), Vec::new(), Vec::new(), 0);
     for r in 0..=rounds {
         let i = (r + 1) % 2;
         device.synchronize()?;
         let start = Instant::now();
-        let now_kept = dec.capture_open(&mut g, &states[i], &tokens[i])?;
+        let now_kept = dec.capture_open(core, &mut g, &states[i], &tokens[i])?;
         let captured = start.elapsed();
-        let refusal = device.end_capture_into(CORE, &mut graph)?;
+        let refusal = device.end_capture_into(core, &mut graph)?;
         let updated = start.elapsed() - captured;
         kept = now_kept;
         refusals += usize::from(refusal.is_some());
         device.synchronize()?;
         let start = Instant::now();
-        let fresh_kept = dec.capture_open(&mut g, &states[i], &tokens[i])?;
+        let fresh_kept = dec.capture_open(core, &mut g, &states[i], &tokens[i])?;
         let captured_again = start.elapsed();
-        let fresh = device.end_capture(CORE)?;
+        let fresh = device.end_capture(core)?;
         let instantiated = start.elapsed() - captured_again;
         drop((fresh, fresh_kept));
         if r > 0 {
@@ -267,10 +297,21 @@ fn update_on<D: graft_tensor::Backend>(
         n / u.max(1e-9),
         (c + n) / (c + u).max(1e-9)
     )?;
+    Ok(())
+}
 
-    // Through graft: the decode step's KV cache (a static input) moves to a new state every
-    // round; with replace_moved_static the re-recording updates the node's executable,
-    // without it a sibling is instantiated.
+/// Through graft: the decode step's KV cache (a static input) moves to a new state every
+/// round; with replace_moved_static the re-recording updates the node's executable, without
+/// it a sibling is instantiated.
+fn graft_update<D: graft_tensor::Backend>(
+    device: &D,
+    config: DecoderConfig,
+    seed: u64,
+    bucket: usize,
+    rounds: usize,
+    ids: &[i32],
+    out: &mut dyn Write,
+) -> Result<(), CliError> {
     let mut medians = Vec::new();
     for replace in [true, false] {
         let cfg = Config {
@@ -278,15 +319,15 @@ fn update_on<D: graft_tensor::Backend>(
             ..Config::default()
         };
         let mut g: Graft<D, Meta> = Graft::new(device.clone(), cfg);
-        let dec = Decoder::new(&mut g, config, args.seed)?;
+        let dec = Decoder::new(&mut g, config, seed)?;
         let fid = dec.register(&mut g);
-        let t = dec.tokens_in(&mut g, &ids, bucket)?;
+        let t = dec.tokens_in(&mut g, ids, bucket)?;
         let mut kept = Vec::new();
         let mut times = Vec::new();
         for r in 0..=rounds + 1 {
             let mut state = dec.new_state(&mut g, bucket)?;
             device.synchronize()?;
-            let ((_, outcome), dt) = timed(&device, || {
+            let ((_, outcome), dt) = timed(device, || {
                 dec.step_graft_outcome(&mut g, fid, &mut state, &t)
             })?;
             if r >= 2 && matches!(outcome, Outcome::Recorded(_)) {

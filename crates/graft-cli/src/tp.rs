@@ -2,12 +2,15 @@
 //! on GPUs, the in-process all-reduce on the simulator), one rank per thread under a
 //! [`Coordinator`]: tokens of graft against eager and a raw graph per rank, then per-step
 //! times of eager, graft and raw-graph tensor parallelism against the whole model on one
-//! device.
+//! device. The raw graph needs graft-core's token (graft-cli's `graft-baselines` bench);
+//! without it (the `graft` binary) its tokens and times are left out. With `--procs` the ranks
+//! are processes instead (`tp_procs.rs`).
 
 use std::io::Write;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use graft_core::backend::CoreOnly;
 use graft_core::{Config, Coordinator, Device, DeviceError, FunctionId, Graft, Member};
 use graft_cuda::{CudaDevice, NcclComm};
 use graft_sim::{SimComm, SimDevice};
@@ -17,7 +20,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::CliError;
 use crate::timing::{fmt_us, median, median_us};
 use crate::tokens::{compare, first_tokens};
-use crate::{PROCS_TIMEOUT_S, TpArgs};
+use crate::{NO_RAW, PROCS_TIMEOUT_S, TpArgs};
 
 /// How long a rank waits for the others at a recording's vote.
 pub(crate) const AGREEMENT: Duration = Duration::from_secs(120);
@@ -46,26 +49,29 @@ pub(crate) struct Times {
 pub(crate) struct RankReport {
     pub(crate) eager: Times,
     pub(crate) graft: Times,
-    pub(crate) raw: Times,
+    /// `None`: not measured (no token).
+    pub(crate) raw: Option<Times>,
     /// The tokens of the checked steps (eager's; graft's and the raw graph's equal them).
     pub(crate) tokens: Vec<Vec<i32>>,
 }
 
-/// `graft bench tp`: the ranks as threads of this process, or with `--procs` as processes
-/// (`tp_procs`), or one rank of such a job (`--as-rank`, what `--procs` starts).
-pub fn run(args: &TpArgs, out: &mut dyn Write) -> Result<(), CliError> {
-    if args.as_rank {
-        return crate::tp_procs::as_rank(args, out);
-    }
-    if let Some(procs) = args.procs {
-        return crate::tp_procs::run(args, procs, out);
-    }
-    run_with(args, false, out)
+/// `graft bench tp` with the ranks as threads of this process (`--procs` and `--as-rank` are
+/// `tp_procs.rs`'s); the raw graph too with graft-core's token `raw`.
+pub fn run(
+    args: &TpArgs,
+    raw: Option<&'static CoreOnly>,
+    out: &mut dyn Write,
+) -> Result<(), CliError> {
+    run_with(args, false, raw, out)
 }
 
 /// The tensor-parallel part of `graft demo`: a short run of the benchmark, on simulated
 /// devices when there are not two GPUs or NCCL cannot be used here (with a note saying why).
-pub(crate) fn demo(sim: bool, out: &mut dyn Write) -> Result<(), CliError> {
+pub(crate) fn demo(
+    sim: bool,
+    raw: Option<&'static CoreOnly>,
+    out: &mut dyn Write,
+) -> Result<(), CliError> {
     let args = TpArgs {
         world: 2,
         batches: vec![1, 8],
@@ -78,12 +84,17 @@ pub(crate) fn demo(sim: bool, out: &mut dyn Write) -> Result<(), CliError> {
         procs_timeout: PROCS_TIMEOUT_S,
         as_rank: false,
     };
-    run_with(&args, true, out)
+    run_with(&args, true, raw, out)
 }
 
 /// [`run`]; with `sim_if_unavailable`, NCCL being unusable (not installed, or
 /// `NCCL_RUNTIME_CONNECT` not 0) falls back to simulated devices instead of failing.
-fn run_with(args: &TpArgs, sim_if_unavailable: bool, out: &mut dyn Write) -> Result<(), CliError> {
+fn run_with(
+    args: &TpArgs,
+    sim_if_unavailable: bool,
+    raw: Option<&'static CoreOnly>,
+    out: &mut dyn Write,
+) -> Result<(), CliError> {
     if args.world < 2 {
         return Err(CliError::BadArgument {
             flag: "--world",
@@ -100,7 +111,7 @@ fn run_with(args: &TpArgs, sim_if_unavailable: bool, out: &mut dyn Write) -> Res
             Ok(((major, minor, patch), comms)) => {
                 writeln!(out, "NCCL {major}.{minor}.{patch}")?;
                 let config = DecoderConfig::tensor_parallel();
-                return run_on(devices, collectives(comms), config, "tp", args, out);
+                return run_on(devices, collectives(comms), config, "tp", args, raw, out);
             }
             Err(e @ DeviceError::Unavailable { .. }) if sim_if_unavailable => {
                 writeln!(out, "note: {e}; running on simulated devices")?;
@@ -115,7 +126,15 @@ fn run_with(args: &TpArgs, sim_if_unavailable: bool, out: &mut dyn Write) -> Res
         )?;
     }
     let (devices, comms) = sim_group(args.world);
-    run_on(devices, comms, DecoderConfig::tiny(), "tiny", args, out)
+    run_on(
+        devices,
+        comms,
+        DecoderConfig::tiny(),
+        "tiny",
+        args,
+        raw,
+        out,
+    )
 }
 
 /// The CUDA GPUs a run may use: none with `--sim`, or without a driver.
@@ -148,6 +167,7 @@ fn run_on<D: Backend>(
     config: DecoderConfig,
     name: &str,
     args: &TpArgs,
+    raw: Option<&'static CoreOnly>,
     out: &mut dyn Write,
 ) -> Result<(), CliError> {
     check_steps(&config, args)?;
@@ -158,10 +178,11 @@ fn run_on<D: Backend>(
         devices[0].describe()
     )?;
     let first = devices[0].clone();
-    let rows = threads(devices, comms, config, args, out)?;
+    let rows = threads(devices, comms, config, args, raw, out)?;
     writeln!(
         out,
-        "tokens: graft = eager = raw graph on every rank, and every rank the same, over {} steps at B={}",
+        "tokens: graft = eager{} on every rank, and every rank the same, over {} steps at B={}",
+        if raw.is_some() { " = raw graph" } else { "" },
         args.check,
         args.batches
             .iter()
@@ -169,6 +190,9 @@ fn run_on<D: Backend>(
             .collect::<Vec<_>>()
             .join(", ")
     )?;
+    if raw.is_none() {
+        writeln!(out, "{NO_RAW}")?;
+    }
 
     let mut one = Graft::<D, Meta>::new(first, Config::default());
     let whole = Decoder::new(&mut one, config, args.seed)?;
@@ -193,10 +217,7 @@ fn run_on<D: Backend>(
             ("pipelined", |t: &Times| t.pipelined),
         ] {
             let r0 = &reports[0];
-            let ratios: Vec<String> = reports
-                .iter()
-                .map(|r| format!("{:.3}", pick(&r.graft) / pick(&r.raw)))
-                .collect();
+            let ratios: Vec<String> = reports.iter().map(|r| graft_over_raw(r, pick)).collect();
             writeln!(
                 out,
                 "| {batch} | {label} | {} | {} | {} | {} | {} | {} | {:.2}x | {:.2}x |",
@@ -204,7 +225,7 @@ fn run_on<D: Backend>(
                 fmt_us(pick(&single.graft)),
                 fmt_us(pick(&r0.eager)),
                 fmt_us(pick(&r0.graft)),
-                fmt_us(pick(&r0.raw)),
+                r0.raw.as_ref().map_or("-".into(), |t| fmt_us(pick(t))),
                 ratios.join(" / "),
                 pick(&single.graft) / pick(&r0.graft),
                 pick(&r0.eager) / pick(&r0.graft),
@@ -218,6 +239,13 @@ fn run_on<D: Backend>(
         stats.recordings, stats.replays
     )?;
     Ok(())
+}
+
+/// A rank's graft time over its raw graph's, as a table cell ("-" when not measured).
+pub(crate) fn graft_over_raw(r: &RankReport, pick: fn(&Times) -> f64) -> String {
+    r.raw.as_ref().map_or("-".into(), |raw| {
+        format!("{:.3}", pick(&r.graft) / pick(raw))
+    })
 }
 
 /// Refuses `--steps` and `--check` the decoder's context cannot hold.
@@ -263,6 +291,7 @@ pub(crate) fn threads<D: Backend>(
     comms: Vec<Arc<dyn Collective>>,
     config: DecoderConfig,
     args: &TpArgs,
+    raw: Option<&'static CoreOnly>,
     out: &mut dyn Write,
 ) -> Result<Vec<(usize, Vec<RankReport>)>, CliError> {
     let seed = args.seed;
@@ -291,8 +320,9 @@ pub(crate) fn threads<D: Backend>(
     let mut rows = Vec::new();
     for &batch in &args.batches {
         let (check, steps, rounds) = (args.check, args.steps, args.rounds);
-        let reports = ranks
-            .step(move |_, rank: &mut Rank<D>| measure_tp(rank, batch, check, steps, rounds))?;
+        let reports = ranks.step(move |_, rank: &mut Rank<D>| {
+            measure_tp(rank, batch, check, steps, rounds, raw)
+        })?;
         let reports = reports.into_iter().collect::<Result<Vec<_>, _>>()?;
         same_tokens(batch, &reports)?;
         rows.push((batch, reports));
@@ -388,14 +418,16 @@ fn median_times(rounds: &[Times]) -> Times {
     }
 }
 
-/// One rank at one batch size: the tokens of `check` steps eagerly, through graft and as a
-/// raw graph (which must agree), then the times of each mode, interleaved over `rounds`.
+/// One rank at one batch size: the tokens of `check` steps eagerly, through graft and (with
+/// graft-core's token `raw`) as a raw graph, which must agree, then the times of each mode,
+/// interleaved over `rounds`.
 pub(crate) fn measure_tp<D: Backend>(
     rank: &mut Rank<D>,
     batch: usize,
     check: usize,
     steps: usize,
     rounds: usize,
+    raw: Option<&CoreOnly>,
 ) -> Result<RankReport, CliError> {
     let Rank {
         graft,
@@ -420,25 +452,35 @@ pub(crate) fn measure_tp<D: Backend>(
     })?;
     compare(batch, ("eager", &eager), ("graft", &graphed))?;
     state.reset(&device)?;
-    let raw_tokens = decoder.tokens(graft, &ids)?;
-    let raw = decoder.capture_raw(graft, &state, &raw_tokens)?;
-    let replayed = run_steps(&device, &mut state, check, |s| {
-        raw.step(s)?;
-        Ok(raw.tokens().clone())
-    })?;
-    compare(batch, ("eager", &eager), ("raw graph", &replayed))?;
+    let raw = match raw {
+        Some(core) => {
+            let raw_tokens = decoder.tokens(graft, &ids)?;
+            let graph = decoder.capture_raw(core, graft, &state, &raw_tokens)?;
+            let replayed = run_steps(&device, &mut state, check, |s| {
+                graph.step(core, s)?;
+                Ok(graph.tokens().clone())
+            })?;
+            compare(batch, ("eager", &eager), ("raw graph", &replayed))?;
+            Some((core, graph))
+        }
+        None => None,
+    };
 
     let mut times = [Vec::new(), Vec::new(), Vec::new()];
     for _ in 0..rounds {
         let [eager, graphed] = time_round(graft, decoder, *fid, &mut state, &start, steps)?;
         times[0].push(eager);
         times[1].push(graphed);
-        times[2].push(time_mode(&device, &mut state, steps, |s| Ok(raw.step(s)?))?);
+        if let Some((core, graph)) = &raw {
+            times[2].push(time_mode(&device, &mut state, steps, |s| {
+                Ok(graph.step(core, s)?)
+            })?);
+        }
     }
     Ok(RankReport {
         eager: median_times(&times[0]),
         graft: median_times(&times[1]),
-        raw: median_times(&times[2]),
+        raw: raw.map(|_| median_times(&times[2])),
         tokens: eager,
     })
 }

@@ -9,26 +9,29 @@
 //! has no NCCL). Each rank writes its results as JSON to stdout; the parent gathers them, runs
 //! the same benchmark with the ranks as threads of one process, checks the tokens are the
 //! same, and prints each rank's graft / raw graph and the processes' step time against the
-//! threads'.
+//! threads'. The ranks are copies of the running executable, so they measure the raw graph
+//! exactly when it does (graft-cli's `graft-baselines` bench, which holds graft-core's token;
+//! not the `graft` binary).
 
 use std::io::Write;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use graft_core::backend::CoreOnly;
 use graft_core::{Member, ProcessGroup, RankExit, Rendezvous, TcpBallotBox, launch_local};
 use graft_cuda::{CudaDevice, NcclBallotBox, NcclComm, UNIQUE_ID_BYTES};
 use graft_sim::{SimComm, SimDevice};
 use graft_tensor::{Backend, Collective, DecoderConfig};
 use serde::{Deserialize, Serialize};
 
-use crate::TpArgs;
 use crate::error::CliError;
 use crate::timing::fmt_us;
 use crate::tokens::compare;
 use crate::tp::{
-    AGREEMENT, RankReport, SIM_COLLECTIVE, Times, check_steps, collectives, measure_tp, rank,
-    sim_group, threads, usable_gpus,
+    AGREEMENT, RankReport, SIM_COLLECTIVE, Times, check_steps, collectives, graft_over_raw,
+    measure_tp, rank, sim_group, threads, usable_gpus,
 };
+use crate::{NO_RAW, TpArgs};
 
 /// How long a rank may take to join the job (and to set up NCCL).
 const JOIN: Duration = Duration::from_secs(120);
@@ -46,8 +49,12 @@ struct ProcReport {
 }
 
 /// One rank of a `--procs` job, its place from the environment: its results as JSON on
-/// `out`.
-pub(crate) fn as_rank(args: &TpArgs, out: &mut dyn Write) -> Result<(), CliError> {
+/// `out` (the raw graph's too with graft-core's token `raw`).
+pub(crate) fn as_rank(
+    args: &TpArgs,
+    raw: Option<&CoreOnly>,
+    out: &mut dyn Write,
+) -> Result<(), CliError> {
     let place = ProcessGroup::from_env()?;
     let mut rv = Rendezvous::join(&place, JOIN)?;
     let report = if args.sim {
@@ -62,6 +69,7 @@ pub(crate) fn as_rank(args: &TpArgs, out: &mut dyn Write) -> Result<(), CliError
             DecoderConfig::tiny(),
             &place,
             args,
+            raw,
         )?
     } else {
         let device = CudaDevice::new(place.local_rank())?;
@@ -74,7 +82,7 @@ pub(crate) fn as_rank(args: &TpArgs, out: &mut dyn Write) -> Result<(), CliError
         let comm = Arc::new(comm);
         let member = Member::new(Arc::new(NcclBallotBox::new(comm.clone())?), AGREEMENT);
         let config = DecoderConfig::tensor_parallel();
-        measure_rank(device, comm, member, config, &place, args)?
+        measure_rank(device, comm, member, config, &place, args, raw)?
     };
     serde_json::to_writer(&mut *out, &report)?;
     writeln!(out)?;
@@ -89,6 +97,7 @@ fn measure_rank<D: Backend>(
     config: DecoderConfig,
     place: &ProcessGroup,
     args: &TpArgs,
+    raw: Option<&CoreOnly>,
 ) -> Result<ProcReport, CliError> {
     check_steps(&config, args)?;
     let description = device.describe();
@@ -99,7 +108,7 @@ fn measure_rank<D: Backend>(
         .map(|&b| {
             Ok((
                 b,
-                measure_tp(&mut r, b, args.check, args.steps, args.rounds)?,
+                measure_tp(&mut r, b, args.check, args.steps, args.rounds, raw)?,
             ))
         })
         .collect::<Result<_, CliError>>()?;
@@ -166,7 +175,12 @@ fn gather(exits: Vec<RankExit>) -> Result<Vec<ProcReport>, CliError> {
 }
 
 /// `graft bench tp --procs N`.
-pub(crate) fn run(args: &TpArgs, procs: usize, out: &mut dyn Write) -> Result<(), CliError> {
+pub(crate) fn run(
+    args: &TpArgs,
+    procs: usize,
+    raw: Option<&'static CoreOnly>,
+    out: &mut dyn Write,
+) -> Result<(), CliError> {
     if procs < 2 {
         return Err(CliError::BadArgument {
             flag: "--procs",
@@ -212,13 +226,13 @@ pub(crate) fn run(args: &TpArgs, procs: usize, out: &mut dyn Write) -> Result<()
     )?;
     let rows = if sim {
         let (devices, comms) = sim_group(procs);
-        threads(devices, comms, config, args, out)?
+        threads(devices, comms, config, args, raw, out)?
     } else {
         let devices = (0..procs)
             .map(CudaDevice::new)
             .collect::<Result<Vec<_>, _>>()?;
         let comms = collectives(NcclComm::init_all(&devices)?);
-        threads(devices, comms, config, args, out)?
+        threads(devices, comms, config, args, raw, out)?
     };
     for (i, (batch, threaded)) in rows.iter().enumerate() {
         for p in &reports {
@@ -231,9 +245,13 @@ pub(crate) fn run(args: &TpArgs, procs: usize, out: &mut dyn Write) -> Result<()
     }
     writeln!(
         out,
-        "tokens: every process = every thread = eager = raw graph, over {} steps at each batch size",
+        "tokens: every process = every thread = eager{}, over {} steps at each batch size",
+        if raw.is_some() { " = raw graph" } else { "" },
         args.check
     )?;
+    if raw.is_none() {
+        writeln!(out, "{NO_RAW}")?;
+    }
     table(&rows, &reports, args, out)
 }
 
@@ -256,7 +274,7 @@ fn table(
     )?;
     writeln!(out, "| --- | --- | --- | --- | --- | --- | --- |")?;
     let ratios = |rs: &mut dyn Iterator<Item = &RankReport>, pick: fn(&Times) -> f64| {
-        rs.map(|r| format!("{:.3}", pick(&r.graft) / pick(&r.raw)))
+        rs.map(|r| graft_over_raw(r, pick))
             .collect::<Vec<_>>()
             .join(" / ")
     };

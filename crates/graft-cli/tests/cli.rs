@@ -1,9 +1,16 @@
-//! The demo and the decoder benchmark on the simulator, and the command-line parsing.
+//! The demo and the decoder benchmark on the simulator, and the command-line parsing. The
+//! benchmarks run with graft-core's token (as graft-cli's `graft-baselines` bench does), so
+//! they measure the raw-graph baselines too, except where a test checks what the `graft`
+//! binary, without it, leaves out.
 
 use clap::Parser;
 use graft_cli::{BenchWhat, Cli, CliError, Command, DecoderBenchArgs, DemoArgs, bench, demo};
+use graft_core::backend::CoreOnly;
 use graft_sim::SimDevice;
 use graft_tensor::DecoderConfig;
+
+/// The token of the raw-graph baselines' sealed capture and launch calls.
+const CORE: &CoreOnly = &CoreOnly::for_tests_and_benches();
 
 fn demo_args(tokens: usize, batches: &[usize]) -> DemoArgs {
     DemoArgs {
@@ -53,7 +60,7 @@ fn demo_on_the_simulator_matches_tokens_and_reports_the_tree() {
 #[test]
 fn demo_run_picks_the_simulator_when_asked() {
     let mut out = Vec::new();
-    let report = demo::run(&demo_args(4, &[2]), &mut out).unwrap();
+    let report = demo::run(&demo_args(4, &[2]), Some(CORE), &mut out).unwrap();
     assert_eq!(report.device, "host simulator");
     assert_eq!(report.config, DecoderConfig::tiny());
     let text = String::from_utf8(out).unwrap();
@@ -110,7 +117,7 @@ fn bench_on_the_simulator_writes_json() {
         seed: 7,
     };
     let mut out = Vec::new();
-    let report = bench::run(&args, &mut out).unwrap();
+    let report = bench::run(&args, Some(CORE), &mut out).unwrap();
     let text = String::from_utf8(out).unwrap();
     assert!(
         text.contains("host simulator") && text.contains("tiny config"),
@@ -121,7 +128,7 @@ fn bench_on_the_simulator_writes_json() {
     assert_eq!(report.results[1].bucket, 8);
     for r in &report.results {
         assert!(
-            r.eager_us > 0.0 && r.graft_us > 0.0 && r.raw_us > 0.0,
+            r.eager_us > 0.0 && r.graft_us > 0.0 && r.raw_us.is_some_and(|raw| raw > 0.0),
             "{r:?}"
         );
     }
@@ -177,13 +184,39 @@ fn command_line_parses() {
     assert!(Cli::try_parse_from(["graft", "bench", "--steps", "3", "decoder"]).is_err());
 }
 
+/// Without graft-core's token (the `graft` binary) the decoder benchmark and the micro
+/// benchmark leave the raw graph out and say how to measure it.
+#[test]
+fn without_the_token_the_raw_graphs_are_left_out() {
+    let args = DecoderBenchArgs {
+        batches: vec![1],
+        steps: 2,
+        warmup: 0,
+        json: None,
+        sim: true,
+        seed: 7,
+    };
+    let mut out = Vec::new();
+    let report = bench::run(&args, None, &mut out).unwrap();
+    let text = String::from_utf8(out).unwrap();
+    assert!(report.results.iter().all(|r| r.raw_us.is_none()), "{text}");
+    assert!(text.contains("identical across eager and graft"), "{text}");
+    assert!(text.contains("--bench graft-baselines"), "{text}");
+    let line = "graft bench micro --sim --repeats 1 --calls 2";
+    let cli = Cli::try_parse_from(line.split_whitespace()).unwrap();
+    let mut out = Vec::new();
+    graft_cli::run(cli, &mut out).unwrap_or_else(|e| panic!("{line}: {e}"));
+    let text = String::from_utf8(out).unwrap();
+    assert!(text.contains("raw graph: not measured"), "{text}");
+}
+
 /// The shapes benchmarks run end to end on the simulator, small, and report what they measure.
 #[test]
 fn shapes_benchmarks_run_on_the_simulator() {
     let run = |line: &str| -> String {
         let cli = Cli::try_parse_from(line.split_whitespace()).expect("the command line parses");
         let mut out = Vec::new();
-        graft_cli::run(cli, &mut out).unwrap_or_else(|e| panic!("{line}: {e}"));
+        graft_cli::run_with(cli, Some(CORE), &mut out).unwrap_or_else(|e| panic!("{line}: {e}"));
         String::from_utf8(out).unwrap()
     };
     let capture = run("graft bench capture --sim --buckets 4 --max 16");
@@ -264,7 +297,7 @@ fn tensor_parallel_benchmark_runs_on_simulated_devices() {
     let line = "graft bench tp --sim --batches 1,8 --check 8 --steps 3 --rounds 1";
     let cli = Cli::try_parse_from(line.split_whitespace()).expect("the command line parses");
     let mut out = Vec::new();
-    graft_cli::run(cli, &mut out).unwrap_or_else(|e| panic!("{line}: {e}"));
+    graft_cli::run_with(cli, Some(CORE), &mut out).unwrap_or_else(|e| panic!("{line}: {e}"));
     let report = String::from_utf8(out).unwrap();
     assert!(report.contains("on 2 ranks"), "{report}");
     assert!(
@@ -297,7 +330,8 @@ fn graft_binary() -> std::path::PathBuf {
 
 /// `graft bench tp --procs 2 --sim`: the real binary starts two copies of itself as the ranks
 /// of a job (votes and all-reduces over TCP), gathers their reports, and checks their tokens
-/// against the same ranks as threads.
+/// against the same ranks as threads. The binary has no token: the raw graphs are left out
+/// (tests/procs_baselines.rs runs the job with them).
 #[test]
 fn tensor_parallel_benchmark_runs_as_processes_on_simulated_devices() {
     let out = std::process::Command::new(graft_binary())
@@ -317,9 +351,10 @@ fn tensor_parallel_benchmark_runs_as_processes_on_simulated_devices() {
         "{report}"
     );
     assert!(
-        report.contains("tokens: every process = every thread = eager = raw graph"),
+        report.contains("tokens: every process = every thread = eager, over"),
         "{report}"
     );
+    assert!(report.contains("raw graph: not measured"), "{report}");
     assert!(report.contains("| 8 | pipelined |"), "{report}");
     let one = Cli::try_parse_from(["graft", "bench", "tp", "--sim", "--procs", "1"]).unwrap();
     assert!(matches!(

@@ -51,10 +51,16 @@
 
 mod collective;
 mod device;
+mod device_impl;
 mod graph;
 mod memory;
+mod ops;
+mod queue;
+mod state;
 
 pub use collective::SimComm;
-pub use device::{CaptureStatus, SimDevice, SimQueue, SimStats};
-pub use graph::{KernelFn, SimGraph};
+pub use device::{CaptureStatus, SimDevice, SimStats};
+pub use graph::SimGraph;
 pub use memory::{ADDRESS_BASE, DEFAULT_MEMORY_LIMIT, GRANULARITY, POISON_BYTE, SimMemory};
+pub use ops::KernelFn;
+pub use queue::SimQueue;

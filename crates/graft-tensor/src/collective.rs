@@ -6,8 +6,9 @@ use std::fmt;
 use graft_cuda::NcclComm;
 use graft_sim::SimComm;
 
+use crate::dtype::DType;
 use crate::error::{Result, TensorError};
-use crate::tensor::{DType, Tensor};
+use crate::tensor::Tensor;
 
 /// One rank's end of a communicator: an in-place sum over the ranks, enqueued on the rank's
 /// runtime stream (so a body's all-reduce is recorded into its graph and replayed with it).

@@ -3,7 +3,7 @@
 use graft_core::PoolError;
 use graft_core::{BodyError, BufferError, CallError, DeviceError, MemoryError};
 
-use crate::tensor::DType;
+use crate::dtype::DType;
 
 /// Errors of tensor operations and of the decoder.
 ///

@@ -15,7 +15,8 @@
 //!   a device-held position, argmax + position increment, sampling + position increment, a
 //!   token loop's bookkeeping) and an elementwise add, shape-checked, on any backend.
 //! - [`Decoder`]: the benchmark decoder, stepped through graft ([`Decoder::step_graft`]),
-//!   eagerly ([`Decoder::step_eager`]) or as one raw graph ([`Decoder::capture_raw`]); on one
+//!   eagerly ([`Decoder::step_eager`]) or as one raw graph ([`Decoder::capture_raw`], which
+//!   takes graft-core's token: graft's tests and benchmarks only); on one
 //!   device, or one rank of it split tensor-parallel ([`Decoder::new_sharded`]) with the
 //!   all-reduces of a [`Collective`] (NCCL on CUDA, an in-process one on the simulator).
 //! - Many tokens per launch: [`Decoder::generate_graft`] loops K steps on the device in one
@@ -31,6 +32,7 @@ mod backend;
 mod collective;
 mod cuda;
 mod decoder;
+mod dtype;
 mod error;
 pub mod ops;
 pub mod philox;
@@ -47,11 +49,12 @@ pub use cuda::{CudaOps, KERNEL_NAMES, KERNELS_CU};
 pub use decoder::{
     Decoder, DecoderConfig, Generated, KvState, LoopSpec, RawGraph, default_buckets,
 };
+pub use dtype::DType;
 pub use error::{Result, TensorError};
 pub use ops::PAD;
 pub use sampling::Sampling;
 pub use sim::SimOps;
-pub use tensor::{Alloc, DType, EagerAlloc, Keep, Meta, Tensor, numel};
+pub use tensor::{Alloc, EagerAlloc, Keep, Meta, Tensor, numel};
 
 /// GELU with the tanh approximation on the host, as the kernels compute it (for references).
 pub fn gelu_tanh(x: f32) -> f32 {

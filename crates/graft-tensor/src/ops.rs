@@ -12,10 +12,11 @@ use crate::backend::{
     AddNormArgs, ArgmaxArgs, AttentionArgs, AttnDims, Backend, EmbedDims, EmbedNormArgs,
     LinearArgs, MatmulDims, NormDims, Ops, SampleArgs,
 };
+use crate::dtype::DType;
 use crate::error::{Result, TensorError};
 use crate::philox::RNG_WORDS;
 use crate::sampling::Sampling;
-use crate::tensor::{Alloc, DType, Tensor};
+use crate::tensor::{Alloc, Tensor};
 
 fn shape_is(op: &'static str, operand: &'static str, t: &Tensor, want: &[usize]) -> Result<()> {
     if t.shape() != want {

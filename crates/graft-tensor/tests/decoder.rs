@@ -4,11 +4,15 @@
 mod common;
 
 use common::graft;
+use graft_core::backend::CoreOnly;
 use graft_tensor::{
     Backend, Decoder, DecoderConfig, KvState, Meta, Tensor, TensorError, default_buckets,
 };
 
 const SEED: u64 = 7;
+
+/// The token of the raw-graph baseline's sealed capture and launch calls.
+const CORE: &CoreOnly = &CoreOnly::for_tests_and_benches();
 
 /// Steps per run: 20, or 6 under compute-sanitizer ([`graft_testkit::steps`]).
 fn steps() -> usize {
@@ -89,7 +93,7 @@ fn raw_graph_matches_eager<D: Backend>(dev: D) {
     }
     let mut state = dec.new_state(&mut g, 2).unwrap();
     let tokens = dec.tokens(&mut g, &ids).unwrap();
-    let raw = dec.capture_raw(&mut g, &state, &tokens).unwrap();
+    let raw = dec.capture_raw(CORE, &mut g, &state, &tokens).unwrap();
     assert_eq!(
         state.position().to_vec_i32(g.device()).unwrap(),
         vec![0],
@@ -97,7 +101,7 @@ fn raw_graph_matches_eager<D: Backend>(dev: D) {
     );
     let mut got = Vec::new();
     for _ in 0..steps() {
-        raw.step(&mut state).unwrap();
+        raw.step(CORE, &mut state).unwrap();
         got.push(raw.tokens().to_vec_i32(g.device()).unwrap());
     }
     assert_eq!(eager, got);

@@ -18,7 +18,8 @@ use std::time::Duration;
 
 use graft_core::{Buffer, DeviceError, DeviceOp, DevicePtr, Rendezvous};
 
-use crate::device::{SimDevice, SimQueue};
+use crate::device::SimDevice;
+use crate::queue::SimQueue;
 
 const OP: DeviceOp = DeviceOp::Collective;
 

@@ -14,7 +14,9 @@
 
 use graft_core::{BodyError, Ctx, FunctionId, FunctionSpec, Graft, Outcome, Output};
 
-use super::{Decoder, KvState, check_outputs, default_buckets};
+use super::config::default_buckets;
+use super::model::{Decoder, check_outputs};
+use super::state::KvState;
 use crate::backend::Backend;
 use crate::error::{Result, TensorError};
 use crate::ops::{self, PAD};

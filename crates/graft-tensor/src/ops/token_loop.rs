@@ -7,8 +7,9 @@ use graft_core::Buffer;
 
 use super::{dtype_is, position, shape_is};
 use crate::backend::{Backend, LoopArgs, LoopDims, Ops};
+use crate::dtype::DType;
 use crate::error::{Result, TensorError};
-use crate::tensor::{Alloc, DType, Tensor};
+use crate::tensor::{Alloc, Tensor};
 
 /// What a token loop's buffer holds where a row had stopped, or where an iteration did not
 /// run (token ids are never negative).

@@ -1,0 +1,286 @@
+//! `SimQueue`: the body-facing handle of a simulated device, its one stream's kernels,
+//! copies, host reads and writes (and the `test-support` hooks), under the device lock.
+
+use std::cell::Cell;
+use std::fmt;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, MutexGuard, PoisonError};
+
+use graft_core::{Buffer, ConditionalRule, DeviceError, DeviceOp, DevicePtr};
+
+use crate::memory::SimMemory;
+use crate::ops::Op;
+use crate::state::{Capture, Inner, ON_STREAM, State, StreamGuard, invalidated};
+
+/// The body-facing handle of a [`SimDevice`] ([`graft_core::Device::Queue`]): kernels, copies,
+/// host reads and writes, synchronize, on the device's one stream. There is no way from it
+/// back to the device's capture, mapping, graph or error-slot operations.
+#[derive(Clone)]
+pub struct SimQueue {
+    pub(crate) inner: Arc<Inner>,
+}
+
+impl fmt::Debug for SimQueue {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SimQueue")
+            .field("device", &self.inner.id)
+            .finish()
+    }
+}
+
+impl SimQueue {
+    /// Locks the device. Calls made from inside a kernel body (which runs under the lock) fail
+    /// like CUDA calls made from a host callback (the driver's real `CUDA_ERROR_NOT_PERMITTED`),
+    /// instead of deadlocking.
+    pub(crate) fn lock(&self, op: DeviceOp) -> Result<MutexGuard<'_, State>, DeviceError> {
+        if ON_STREAM.with(Cell::get) {
+            return Err(DeviceError::Driver {
+                op,
+                code: 800,
+                name: "CUDA_ERROR_NOT_PERMITTED",
+            });
+        }
+        Ok(self
+            .inner
+            .state
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner))
+    }
+
+    /// The address `offset` bytes into `buffer`, for a kernel touching `extent` bytes from
+    /// there: checked as CUDA's typed launches check their buffer arguments
+    /// ([`Buffer::device_addr`]: this device's, still valid, in bounds). Kernel closures
+    /// capture what it returns.
+    pub fn buffer_addr(
+        &self,
+        buffer: &Buffer,
+        offset: usize,
+        extent: usize,
+    ) -> Result<DevicePtr, DeviceError> {
+        buffer.device_addr(DeviceOp::KernelLaunch, self.inner.id, offset, extent)
+    }
+
+    /// Enqueues a kernel on the runtime stream: run now when idle (the stream runs in program
+    /// order), recorded when capturing. Bad memory accesses inside it are errors it returns.
+    ///
+    /// The body must not call back into the device (it runs with the device locked); such
+    /// calls fail with a `CUDA_ERROR_NOT_PERMITTED` driver error.
+    pub fn launch_kernel<F>(&self, name: &'static str, f: F) -> Result<(), DeviceError>
+    where
+        F: Fn(&mut SimMemory) -> Result<(), DeviceError> + Send + Sync + 'static,
+    {
+        let mut st = self.lock(DeviceOp::KernelLaunch)?;
+        match &mut st.capture {
+            Capture::Idle => {}
+            Capture::Recording { ops, .. } => {
+                ops.push(Op::Kernel {
+                    name,
+                    f: Arc::new(f),
+                });
+                return Ok(());
+            }
+            Capture::Invalidated { .. } => return Err(invalidated(DeviceOp::KernelLaunch)),
+        }
+        self.run_kernel_now(&mut st, f)
+    }
+
+    /// Refuses `op` inside a conditional body with `rule` (invalidating the capture), as
+    /// CUDA's instantiation would; anywhere else it is allowed.
+    pub(crate) fn refuse_in_conditional(
+        &self,
+        op: DeviceOp,
+        rule: ConditionalRule,
+    ) -> Result<(), DeviceError> {
+        let mut st = self.lock(op)?;
+        if let Capture::Recording { open, mode, .. } = &st.capture
+            && !open.is_empty()
+        {
+            st.capture = Capture::Invalidated { mode: *mode };
+            return Err(DeviceError::Conditional { op, rule });
+        }
+        Ok(())
+    }
+
+    pub(crate) fn run_kernel_now<F>(&self, st: &mut State, f: F) -> Result<(), DeviceError>
+    where
+        F: Fn(&mut SimMemory) -> Result<(), DeviceError>,
+    {
+        let _guard = StreamGuard::enter();
+        self.inner
+            .counters
+            .kernels_run
+            .fetch_add(1, Ordering::Relaxed);
+        f(&mut st.mem)
+    }
+
+    /// Enqueues a kernel on a second stream. When idle it runs now. During a capture it forks
+    /// work off the capture that this simulator never joins back, so the capture's
+    /// [`Device::end_capture`] fails with [`CaptureViolation::Unjoined`].
+    #[cfg(feature = "test-support")]
+    pub fn launch_kernel_on_side_stream<F>(
+        &self,
+        name: &'static str,
+        f: F,
+    ) -> Result<(), DeviceError>
+    where
+        F: Fn(&mut SimMemory) -> Result<(), DeviceError> + Send + Sync + 'static,
+    {
+        let _ = name;
+        let mut st = self.lock(DeviceOp::OtherStream)?;
+        match &mut st.capture {
+            Capture::Idle => {}
+            Capture::Recording { open, mode, .. } if !open.is_empty() => {
+                let mode = *mode;
+                st.capture = Capture::Invalidated { mode };
+                return Err(DeviceError::Conditional {
+                    op: DeviceOp::OtherStream,
+                    rule: ConditionalRule::Event,
+                });
+            }
+            Capture::Recording { unjoined, .. } => {
+                *unjoined = true;
+                return Ok(());
+            }
+            Capture::Invalidated { .. } => return Err(invalidated(DeviceOp::OtherStream)),
+        }
+        self.run_kernel_now(&mut st, f)
+    }
+
+    /// A device allocation made by user code (`cudaMalloc`), outside graft's pool. Fails during
+    /// a capture with [`CaptureViolation::Unsupported`] and invalidates it.
+    #[cfg(feature = "test-support")]
+    pub fn raw_alloc(&self, bytes: usize) -> Result<DevicePtr, DeviceError> {
+        let mut st = self.lock(DeviceOp::RawAlloc)?;
+        st.forbid_in_capture(DeviceOp::RawAlloc)?;
+        let ptr = st.mem.alloc_raw(DeviceOp::RawAlloc, bytes)?;
+        self.inner
+            .counters
+            .live_raw_allocs
+            .fetch_add(1, Ordering::Relaxed);
+        Ok(ptr)
+    }
+
+    /// Frees a [`SimQueue::raw_alloc`] allocation (`cudaFree`); `ptr` must be its start. Fails
+    /// during a capture like [`SimQueue::raw_alloc`] (reported as [`DeviceOp::RawAlloc`]).
+    #[cfg(feature = "test-support")]
+    pub fn raw_free(&self, ptr: DevicePtr) -> Result<(), DeviceError> {
+        let mut st = self.lock(DeviceOp::RawAlloc)?;
+        st.forbid_in_capture(DeviceOp::RawAlloc)?;
+        st.mem.free_raw(DeviceOp::RawAlloc, ptr)?;
+        self.inner
+            .counters
+            .live_raw_allocs
+            .fetch_sub(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Whether all work on the stream has finished (`cudaStreamQuery`); always true here, since
+    /// work runs when enqueued. Fails during a capture and invalidates it.
+    #[cfg(feature = "test-support")]
+    pub fn query(&self) -> Result<bool, DeviceError> {
+        let mut st = self.lock(DeviceOp::Query)?;
+        st.forbid_in_capture(DeviceOp::Query)?;
+        Ok(true)
+    }
+
+    /// Reads `n` `f32`s from the device, synchronously (a [`Device::read`]).
+    #[cfg(feature = "test-support")]
+    pub fn read_f32(&self, src: DevicePtr, n: usize) -> Result<Vec<f32>, DeviceError> {
+        let mut st = self.lock(DeviceOp::Read)?;
+        st.forbid_in_capture(DeviceOp::Read)?;
+        // Check the range before allocating the result, so that a huge `n` is an error.
+        let bytes = n.checked_mul(4).ok_or(DeviceError::InvalidAddress {
+            op: DeviceOp::Read,
+            addr: src,
+            len: usize::MAX,
+        })?;
+        st.mem.range(DeviceOp::Read, src, bytes)?;
+        let mut out = vec![0.0; n];
+        st.mem.read_f32_as(DeviceOp::Read, src, &mut out)?;
+        Ok(out)
+    }
+
+    /// Writes `values` to the device as `f32`s, synchronously (a [`Device::write`]).
+    #[cfg(feature = "test-support")]
+    pub fn write_f32(&self, dst: DevicePtr, values: &[f32]) -> Result<(), DeviceError> {
+        let mut st = self.lock(DeviceOp::Write)?;
+        st.forbid_in_capture(DeviceOp::Write)?;
+        st.mem.write_f32_as(DeviceOp::Write, dst, values)
+    }
+
+    /// [`Device::copy`] of the first `bytes` of `src` to the start of `dst`, on graft buffers
+    /// checked first as graft-cuda's `CudaQueue::copy` checks them ([`Buffer::device_addr`]:
+    /// this device's, still valid, long enough). Overlapping ranges fail.
+    pub fn copy(&self, dst: &Buffer, src: &Buffer, bytes: usize) -> Result<(), DeviceError> {
+        let at = |b: &Buffer| b.device_addr(DeviceOp::Copy, self.inner.id, 0, bytes);
+        self.copy_raw(at(dst)?, at(src)?, bytes)
+    }
+
+    /// [`Device::write`] of `src` to the start of `dst`, checked as [`SimQueue::copy`] checks.
+    pub fn write(&self, dst: &Buffer, src: &[u8]) -> Result<(), DeviceError> {
+        self.write_raw(
+            dst.device_addr(DeviceOp::Write, self.inner.id, 0, src.len())?,
+            src,
+        )
+    }
+
+    /// [`Device::read`] of the first `dst.len()` bytes of `src`, checked as [`SimQueue::copy`]
+    /// checks.
+    pub fn read(&self, src: &Buffer, dst: &mut [u8]) -> Result<(), DeviceError> {
+        self.read_raw(
+            src.device_addr(DeviceOp::Read, self.inner.id, 0, dst.len())?,
+            dst,
+        )
+    }
+
+    /// Enqueues a device-to-device copy (recorded when capturing); overlapping ranges fail.
+    pub(crate) fn copy_raw(
+        &self,
+        dst: DevicePtr,
+        src: DevicePtr,
+        bytes: usize,
+    ) -> Result<(), DeviceError> {
+        let mut st = self.lock(DeviceOp::Copy)?;
+        match &mut st.capture {
+            Capture::Idle => {}
+            Capture::Recording { ops, .. } => {
+                ops.push(Op::Copy {
+                    dst,
+                    src,
+                    len: bytes,
+                });
+                return Ok(());
+            }
+            Capture::Invalidated { .. } => return Err(invalidated(DeviceOp::Copy)),
+        }
+        self.inner
+            .counters
+            .copies_run
+            .fetch_add(1, Ordering::Relaxed);
+        st.mem.copy_as(DeviceOp::Copy, dst, src, bytes)
+    }
+
+    /// Copies host bytes to the device, synchronously. Fails during a capture.
+    pub(crate) fn write_raw(&self, dst: DevicePtr, src: &[u8]) -> Result<(), DeviceError> {
+        let mut st = self.lock(DeviceOp::Write)?;
+        st.forbid_in_capture(DeviceOp::Write)?;
+        st.mem
+            .range_mut(DeviceOp::Write, dst, src.len())?
+            .copy_from_slice(src);
+        Ok(())
+    }
+
+    /// Copies device bytes to the host, synchronously. Fails during a capture.
+    pub(crate) fn read_raw(&self, src: DevicePtr, dst: &mut [u8]) -> Result<(), DeviceError> {
+        let mut st = self.lock(DeviceOp::Read)?;
+        st.forbid_in_capture(DeviceOp::Read)?;
+        dst.copy_from_slice(st.mem.range(DeviceOp::Read, src, dst.len())?);
+        Ok(())
+    }
+
+    /// Waits for the stream (a no-op when idle). Fails during a capture.
+    pub fn synchronize(&self) -> Result<(), DeviceError> {
+        let mut st = self.lock(DeviceOp::Synchronize)?;
+        st.forbid_in_capture(DeviceOp::Synchronize)
+    }
+}
