@@ -30,6 +30,7 @@ mod lifecycle;
 mod memory;
 mod node_id;
 mod plan;
+mod policy;
 mod prepare;
 mod process;
 // Its inspection surface (`testing`) is only reachable with the test-support feature.
@@ -45,6 +46,8 @@ mod run;
 mod signature;
 mod stats;
 mod tree;
+mod uses;
+mod view;
 
 pub use bucket::{Bucket, Buckets, BucketsError};
 pub use buffer::Buffer;

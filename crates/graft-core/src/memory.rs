@@ -158,8 +158,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
         let synced = self.device.synchronize();
         self.invalidate_graph_memory(Cell::invalidate_reset);
         self.tree.clear();
-        self.rerecords.clear();
-        self.eager_pairs.clear();
+        self.policy.clear_places();
         for f in self.functions.iter_mut() {
             for s in &mut f.sigs {
                 s.warmups_done = 0;

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use crate::buffer::{Buffer, Cell};
 use crate::ctx::{Ctx, RunKind};
-use crate::device::{CORE, CopyEnds, Device, DeviceError};
+use crate::device::{CORE, CopyEnds, Device, DeviceError, DevicePtr};
 use crate::error::{BodyError, CallError, MemoryError, VerifyTarget};
 use crate::graft::{Frame, Graft, Outcome};
 use crate::lifecycle::Phase;
@@ -39,7 +39,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 called: how(frame.dests.is_some()),
             });
         }
-        let (copied, repointed) = match self.repoint_copies(key) {
+        let (copied, repointed) = match self.repoint_copies(key, frame.addrs) {
             Ok(counts) => counts,
             Err(source) => return Err(fail(self, source)),
         };
@@ -92,11 +92,15 @@ impl<D: Device, M: Clone> Graft<D, M> {
     /// input is re-patched to the caller's new buffer instead, or copied again when that
     /// buffer lies in memory the graph writes. Returns the copied inputs and how many were
     /// re-pointed (or re-patched).
-    fn repoint_copies(&mut self, key: NodeKey) -> Result<(u64, u64), DeviceError> {
+    fn repoint_copies(
+        &mut self,
+        key: NodeKey,
+        addrs: &[DevicePtr],
+    ) -> Result<(u64, u64), DeviceError> {
         let node = &mut self.tree[key];
         let (mut copied, mut repointed) = (0, 0);
         for &i in node.copied.iter() {
-            let (slot, src) = (&mut node.inputs[i], self.addrs[i]);
+            let (slot, src) = (&mut node.inputs[i], addrs[i]);
             if let InputSlot::Copied {
                 placeholder,
                 len,
@@ -158,9 +162,9 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 len,
                 follows: true,
             } = &mut node.inputs[i]
-                && *at != self.addrs[i]
+                && *at != addrs[i]
             {
-                let to = self.addrs[i];
+                let to = addrs[i];
                 if !self
                     .device
                     .redirect(CORE, &mut node.graph, *recorded, *len, None, Some(to))?
@@ -268,6 +272,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
             function: frame.function,
             sig: frame.sig,
             inputs: frame.inputs,
+            addrs: frame.addrs,
             body: &mut *frame.body,
             dests: None,
             out: &mut eager,

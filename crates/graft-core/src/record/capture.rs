@@ -65,7 +65,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
             footprint: Vec::new(),
         };
         for (position, b) in frame.inputs.iter().enumerate() {
-            let addr = self.addrs[position];
+            let addr = frame.addrs[position];
             let cell = b.cell();
             // Identity first: node ids and generations of another runtime mean nothing here,
             // so a buffer of another runtime's pool is never managed (it is copied).
