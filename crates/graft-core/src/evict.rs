@@ -4,7 +4,8 @@
 
 use crate::device::Device;
 use crate::error::FunctionId;
-use crate::graft::{Graft, lock};
+use crate::graft::Graft;
+use crate::pools::lock;
 use crate::reason::{Decision, EvictReason};
 use crate::tree::{NodeKey, OutputSlot};
 
@@ -55,14 +56,14 @@ impl<D: Device, M: Clone> Graft<D, M> {
             self.policy.forget(k);
             for o in node.outputs {
                 if let OutputSlot::Tracked { cell, spares } = o.slot {
-                    self.loose.extend(std::iter::once(cell).chain(spares));
+                    self.pools.keep_loose(std::iter::once(cell).chain(spares));
                 }
             }
             if k == key {
                 graph = Some(node.graph);
             }
         }
-        lock(&self.graph_pool).repin(&self.tree.pins());
+        lock(self.pools.graph()).repin(&self.tree.pins());
         self.stats.evictions += count as u64;
         tracing::debug!(nodes = count, "evicted");
         self.log(function, parent, Decision::Evict { nodes: count, why });

@@ -5,10 +5,8 @@
 //! `record/` (capture), `run.rs` (warmup and eager runs), `memory.rs` (the pools, restore,
 //! reset, the eager-memory API).
 
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-
 use crate::bucket::Bucket;
-use crate::buffer::{Buffer, Cell};
+use crate::buffer::Buffer;
 use crate::config::{Config, FunctionSpec, Mode};
 use crate::ctx::Ctx;
 use crate::destinations::Destinations;
@@ -19,7 +17,7 @@ use crate::lifecycle::{Phase, Refused, transition};
 use crate::node_id::NodeId;
 use crate::plan::{self, Action, Plan};
 use crate::policy::Policy;
-use crate::pool::Pool;
+use crate::pools::{Pools, lock};
 use crate::reason::{Decision, DecisionRecord, EagerReason, RecordReason};
 use crate::signature::Functions;
 use crate::stats::Stats;
@@ -65,21 +63,8 @@ pub struct Graft<D: Device, M: Clone = ()> {
     pub(crate) tree: Tree<D::Graph, M>,
     pub(crate) phase: Phase,
     pub(crate) generation: u64,
-    pub(crate) graph_pool: Arc<Mutex<Pool>>,
-    pub(crate) eager_pool: Arc<Mutex<Pool>>,
-    /// After a replay the pool bookkeeping describes the last recording, not the memory in
-    /// use: it must be restored before anything allocates from it.
-    pub(crate) pool_stale: bool,
-    /// Cells of graph-pool memory not owned by a node output slot (warmup outputs, held
-    /// intermediates, placeholders handed to bodies). Pruned of unheld cells now and then.
-    pub(crate) loose: Registry,
-    /// Cells of eager-pool memory, so `Drop` can invalidate them.
-    pub(crate) eager_cells: Registry,
-    /// Graph-pool cells handed to callers or kept by bodies that may still be held: what a
-    /// replay must invalidate when its graph overwrites them. Each cell appears once; cells
-    /// nobody holds are dropped from the list by the next replay's scan, so a replay costs
-    /// the number of held cells, however large the tree.
-    pub(crate) handed: Vec<Arc<Cell>>,
+    /// The pools and the cells out of them.
+    pub(crate) pools: Pools,
     backward_pending: bool,
     warned_backward: bool,
     /// Re-recordings, fallbacks, the use counts' aging, the decision log.
@@ -95,36 +80,6 @@ pub struct Graft<D: Device, M: Clone = ()> {
     pub(crate) member: Option<Member>,
 }
 
-/// Adds the held ones of `cells` not yet listed to `handed` (see [`Graft::handed`]).
-pub(crate) fn list_held<'a>(
-    handed: &mut Vec<Arc<Cell>>,
-    cells: impl IntoIterator<Item = &'a Arc<Cell>>,
-) {
-    for c in cells {
-        if c.is_held() && c.mark_listed() {
-            handed.push(Arc::clone(c));
-        }
-    }
-}
-
-/// Cells graft must be able to invalidate, pruned of unheld ones once the list has doubled.
-#[derive(Default)]
-pub(crate) struct Registry {
-    pub(crate) cells: Vec<Arc<Cell>>,
-    pruned_at: usize,
-}
-
-impl Registry {
-    /// Adds the held ones of `cells`.
-    pub(crate) fn extend(&mut self, cells: impl IntoIterator<Item = Arc<Cell>>) {
-        self.cells.extend(cells.into_iter().filter(|c| c.is_held()));
-        if self.cells.len() >= 2 * self.pruned_at.max(32) {
-            self.cells.retain(|c| c.is_held());
-            self.pruned_at = self.cells.len();
-        }
-    }
-}
-
 impl<D: Device, M: Clone> std::fmt::Debug for Graft<D, M> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Graft")
@@ -134,10 +89,6 @@ impl<D: Device, M: Clone> std::fmt::Debug for Graft<D, M> {
             .field("nodes", &self.tree.len())
             .finish_non_exhaustive()
     }
-}
-
-pub(crate) fn lock(pool: &Mutex<Pool>) -> MutexGuard<'_, Pool> {
-    pool.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl<D: Device, M: Clone> Graft<D, M> {
@@ -152,12 +103,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
             tree: Tree::default(),
             phase: Phase::Idle,
             generation: 1,
-            graph_pool: Arc::new(Mutex::new(Pool::new(reservation))),
-            eager_pool: Arc::new(Mutex::new(Pool::new(reservation))),
-            pool_stale: false,
-            loose: Registry::default(),
-            eager_cells: Registry::default(),
-            handed: Vec::new(),
+            pools: Pools::new(reservation),
             backward_pending: false,
             warned_backward: false,
             policy,
@@ -220,8 +166,8 @@ impl<D: Device, M: Clone> Graft<D, M> {
     pub fn stats(&self) -> Stats {
         Stats {
             nodes: self.tree.len(),
-            pool: lock(&self.graph_pool).stats(),
-            eager_pool: lock(&self.eager_pool).stats(),
+            pool: lock(self.pools.graph()).stats(),
+            eager_pool: lock(self.pools.eager()).stats(),
             ..self.stats
         }
     }

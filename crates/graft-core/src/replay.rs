@@ -49,20 +49,9 @@ impl<D: Device, M: Clone> Graft<D, M> {
         let node = &self.tree[key];
         // Held memory the graph overwrites is invalidated first; cells nobody holds leave the
         // list (a later hand-out lists them again).
-        let mut invalidated = 0;
-        let mut i = 0;
-        while let Some(cell) = self.handed.get(i) {
-            if !cell.is_held() {
-                cell.unlist();
-                self.handed.swap_remove(i);
-                continue;
-            }
-            if cell.is_valid() && node.footprint_overlaps(cell.addr().0, cell.end()) {
-                cell.invalidate_overwritten(Some(id));
-                invalidated += 1;
-            }
-            i += 1;
-        }
+        let invalidated = self
+            .pools
+            .invalidate_overwritten(id, |start, end| node.footprint_overlaps(start, end));
         if let Err(source) = self.device.launch(CORE, &node.graph) {
             return Err(fail(self, source));
         }
@@ -82,7 +71,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
         node.replays += 1;
         node.last_used = self.clock;
         self.stats.replays += 1;
-        self.pool_stale = true;
+        self.pools.replayed();
         self.move_to(Phase::Replaying { tip: id })?;
         Ok(Outcome::Replayed(id))
     }
@@ -186,7 +175,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
     fn hand_out(&mut self, key: NodeKey, inputs: &[&Buffer], out: &mut Vec<Output<M>>) {
         let id = key.id();
         let generation = self.generation;
-        let handed = &mut self.handed;
+        let pools = &mut self.pools;
         let node = &mut self.tree[key];
         for out_i in node.outputs.iter_mut() {
             let buffer = match &mut out_i.slot {
@@ -202,7 +191,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
                                     self.device.id(),
                                     self.functions[node.function].name.clone(),
                                     generation,
-                                    Some(Arc::downgrade(&self.graph_pool)),
+                                    Some(Arc::downgrade(pools.graph())),
                                 );
                                 c.set_node(id);
                                 c
@@ -212,7 +201,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
                     }
                     cell.recycle(generation);
                     let buffer = Buffer::from_cell(cell);
-                    crate::graft::list_held(handed, [&*cell]);
+                    pools.list_held([&*cell]);
                     buffer
                 }
                 OutputSlot::StaticInput(p) => (*inputs[*p]).clone(),
