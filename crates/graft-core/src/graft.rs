@@ -1,9 +1,11 @@
 //! The runtime: registration, and the executor of a call: validate, plan, carry the plan out.
 //!
-//! The tree is `tree/`'s and the signatures `signature.rs`'s; the decision is `plan.rs`'s;
-//! carrying it out is split by what a call does: `replay.rs` (the fast path, verify mode),
-//! `record/` (capture), `run.rs` (warmup and eager runs), `memory.rs` (the pools, restore,
-//! reset, the eager-memory API).
+//! `Graft` owns its parts: the tree (`tree/`), the signatures (`signature.rs`), the pools and
+//! the cells out of them (`pools.rs`), what the runtime learned about its calls
+//! (`policy.rs`). The decision is `plan.rs`'s (with the graph budget's, `admit.rs`), made
+//! over a read-only `View`; carrying it out is split by what a call does: `replay.rs` (the
+//! fast path, verify mode), `record/` (capture), `run.rs` (warmup and eager runs),
+//! `evict.rs` (the budget's evictions), `memory.rs` (restore, reset, the eager-memory API).
 
 use crate::bucket::Bucket;
 use crate::buffer::Buffer;
@@ -72,8 +74,9 @@ pub struct Graft<D: Device, M: Clone = ()> {
     pub(crate) stats: Stats,
     /// Counts replays and recordings: the nodes' `last_used` stamps.
     pub(crate) clock: u64,
-    /// Capacity for a call's input addresses, lent to the call (its [`Frame`]) and taken
-    /// back, so the fast path never allocates. Holds nothing between calls.
+    /// Capacity for a call's input addresses: lent to each call, which reads the addresses
+    /// into it and carries them in its [`Frame`], and taken back, so the fast path never
+    /// allocates. What it holds between calls is never read.
     scratch: Vec<DevicePtr>,
     /// This runtime's rank of a tensor-parallel group ([`Graft::join`]): recordings are
     /// agreed with the other ranks.
@@ -290,38 +293,32 @@ impl<D: Device, M: Clone> Graft<D, M> {
         out.clear();
         let mut addrs = std::mem::take(&mut self.scratch);
         addrs.clear();
-        let called = self.call_at(function, inputs, &mut addrs, keys, body, dests, out);
+        let called = self
+            .validate(function, inputs, &mut addrs, keys)
+            .and_then(|sig| {
+                let mut frame = Frame {
+                    function,
+                    sig,
+                    inputs,
+                    addrs: &addrs,
+                    body,
+                    dests: dests.map(|d| d as &mut dyn Destinations<M, E>),
+                    out,
+                };
+                self.call_frame(&mut frame)
+            });
         self.scratch = addrs;
         called
     }
 
-    /// A call, with `addrs` to read the input addresses into.
-    #[allow(clippy::too_many_arguments)]
-    fn call_at<F, E>(
-        &mut self,
-        function: FunctionId,
-        inputs: &[&Buffer],
-        addrs: &mut Vec<DevicePtr>,
-        keys: &[u64],
-        body: &mut F,
-        dests: Option<&mut dyn Destinations<M, E>>,
-        out: &mut Vec<Output<M>>,
-    ) -> Result<Outcome, CallError<E>>
+    /// A validated call: plans it and carries the plan out.
+    fn call_frame<F, E>(&mut self, frame: &mut Frame<'_, F, M, E>) -> Result<Outcome, CallError<E>>
     where
         F: FnMut(&mut Ctx<'_, D>) -> Result<Vec<Output<M>>, BodyError<E>>,
     {
-        let sig = self.validate(function, inputs, addrs, keys)?;
-        let plan = plan::plan(&self.view(), function, sig, addrs);
-        let mut frame = Frame {
-            function,
-            sig,
-            inputs,
-            addrs,
-            body,
-            dests: dests.map(|d| d as &mut dyn Destinations<M, E>),
-            out,
-        };
-        let outcome = self.execute(plan, &mut frame)?;
+        let function = frame.function;
+        let plan = plan::plan(&self.view(), function, frame.sig, frame.addrs);
+        let outcome = self.execute(plan, frame)?;
         match self.functions[function].spec.mode {
             Mode::Forward => self.backward_pending = true,
             Mode::Backward => self.backward_pending = false,

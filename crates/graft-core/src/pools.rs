@@ -5,6 +5,7 @@
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use crate::buffer::Cell;
+use crate::node_id::NodeId;
 use crate::pool::Pool;
 
 /// Locks a pool; a poisoned lock is taken as it is (the pool's bookkeeping is updated whole
@@ -97,7 +98,11 @@ impl Pools {
 
     /// Adds the held ones of `cells` not yet listed to the handed-out list.
     pub(crate) fn list_held<'a>(&mut self, cells: impl IntoIterator<Item = &'a Arc<Cell>>) {
-        list_held(&mut self.handed, cells);
+        for c in cells {
+            if c.is_held() && c.mark_listed() {
+                self.handed.push(Arc::clone(c));
+            }
+        }
     }
 
     /// Keeps graph-pool cells no node output slot owns (their held ones).
@@ -139,7 +144,7 @@ impl Pools {
     #[inline]
     pub(crate) fn invalidate_overwritten(
         &mut self,
-        node: crate::node_id::NodeId,
+        node: NodeId,
         overwrites: impl Fn(u64, u64) -> bool,
     ) -> u64 {
         let mut invalidated = 0;
@@ -157,17 +162,5 @@ impl Pools {
             i += 1;
         }
         invalidated
-    }
-}
-
-/// Adds the held ones of `cells` not yet listed to `handed`.
-pub(crate) fn list_held<'a>(
-    handed: &mut Vec<Arc<Cell>>,
-    cells: impl IntoIterator<Item = &'a Arc<Cell>>,
-) {
-    for c in cells {
-        if c.is_held() && c.mark_listed() {
-            handed.push(Arc::clone(c));
-        }
     }
 }
