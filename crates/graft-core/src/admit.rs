@@ -1,53 +1,21 @@
-//! Admission to the graph budget: how often each signature and each graph is used (counts
-//! that age), and whether a new signature may take the place of the least used graph.
+//! Admission to the graph budget, decided by the planner: which graphs a recording evicts,
+//! or why it runs eagerly instead.
 //!
 //! Every call is counted exactly once, without adding anything to the replay path: a replay
 //! by its node's `replays` (which the replay path increments anyway), any other call
-//! (warmup, recording, eager run) by its signature's `calls`, here. Both raw counts only grow;
-//! [`Uses`] keeps the aged estimate next to them, and ages them all together once per
+//! (warmup, recording, eager run) by its signature's `calls` (`Function::touch`). Both raw
+//! counts only grow; [`Uses`](crate::uses::Uses) keeps the aged estimate next to them, and
+//! the runtime ages them all together once per
 //! [`Config::budget_window`](crate::Config::budget_window) calls, on a call that does not
-//! replay.
+//! replay (`Policy::count_off_replay`). [`room`] decides with the counts as they will be once
+//! the call is counted, so the executor carries its decision out as it is.
 
-use crate::device::Device;
+use std::collections::HashSet;
+
 use crate::error::FunctionId;
-use crate::graft::Graft;
-use crate::signature::Signature;
-use crate::tree::Node;
-
-/// How often a graph or a signature was used recently: the calls counted since the last
-/// aging at full weight, and those before halved once per window since. The raw count it ages
-/// lives with its owner and only grows.
-#[derive(Clone, Copy, Default, Debug, PartialEq, Eq)]
-pub(crate) struct Uses {
-    /// The aged count as of the last aging.
-    aged: u64,
-    /// The raw count at the last aging.
-    seen: u64,
-}
-
-impl Uses {
-    /// The aged count now, given the raw count `raw`.
-    pub(crate) fn estimate(self, raw: u64) -> u64 {
-        self.aged + (raw - self.seen)
-    }
-
-    /// Ages the count by `windows` (at least one) windows that passed since the last aging.
-    /// The calls counted since then are taken as spread evenly over those windows (replays
-    /// between two calls that do not replay are not told apart in time): each window's share
-    /// is halved once for every window that ended after it, so a graph replayed steadily
-    /// through a long stretch without other calls keeps the estimate of its rate.
-    pub(crate) fn age(&mut self, raw: u64, windows: u64) {
-        let halvings = windows.min(63) as u32;
-        let share = (raw - self.seen) / windows;
-        self.aged = (self.aged >> halvings) + share - (share >> halvings);
-        self.seen = raw;
-    }
-
-    /// Adds aged calls: those an evicted graph served, handed back to its signature.
-    pub(crate) fn add(&mut self, calls: u64) {
-        self.aged += calls;
-    }
-}
+use crate::reason::{EagerReason, EvictReason};
+use crate::tree::NodeKey;
+use crate::view::View;
 
 /// Whether a signature used `candidate` times (aged) may take the place of a graph used
 /// `resident` times: only if it is used clearly more often, by a quarter more and by at least
@@ -56,77 +24,120 @@ pub(crate) fn admits(candidate: u64, resident: u64) -> bool {
     candidate >= resident + (resident / 4).max(2)
 }
 
-/// When the counts were last aged, and the calls that did not replay (the replays are
-/// `Stats::replays`): together, the runtime's calls.
-#[derive(Default, Debug)]
-pub(crate) struct Ages {
-    off_replay: u64,
-    aged_at: u64,
+/// The graph budget's decision for a recording.
+#[derive(Clone, PartialEq, Debug, Default)]
+pub(crate) struct Room {
+    /// The nodes to evict first, in order (each with every node under it).
+    pub(crate) evicts: Vec<(NodeKey, EvictReason)>,
+    /// Why the recording runs eagerly instead, after those evictions; `None`: it records.
+    pub(crate) refused: Option<EagerReason>,
 }
 
-/// How often calls of a graph's signature use it: the replays it served, and the calls of its
-/// signature that no graph served (those it would serve at its place in the tree).
-pub(crate) fn node_uses<G, M>(node: &Node<G, M>, sig: &Signature) -> u64 {
-    node.uses.estimate(node.replays) + sig.uses_now()
-}
-
-impl<D: Device, M: Clone> Graft<D, M> {
-    /// Counts a call of `function` with signature `sig` that does not replay (and stamps it:
-    /// `Function::touch`), first aging every count if a window ended: O(graphs +
-    /// signatures), at most once per window.
-    pub(crate) fn count_off_replay(&mut self, function: FunctionId, sig: usize) {
-        self.ages.off_replay += 1;
-        let now = self.stats.replays + self.ages.off_replay;
-        let window = self.config.budget_window.max(1);
-        let windows = (now - self.ages.aged_at) / window;
-        if windows > 0 {
-            self.ages.aged_at += windows * window;
-            for f in self.functions.iter_mut() {
-                f.sigs.iter_mut().for_each(|s| s.age(windows));
-            }
-            for n in self.tree.values_mut() {
-                n.uses.age(n.replays, windows);
-            }
-            tracing::trace!(windows, "aged the graph budget's use counts");
+/// Before recording a node of `function` with signature `sig` under `parent`, once
+/// `replaces` (the node the recording replaces, if any) is evicted: the least used graphs
+/// (ties: the least recently used) to evict until the function's and the tree's budgets have
+/// room for one more. Nodes on the path to `parent` are never evicted (the recording
+/// continues from them). With `admission` (a new signature at this place), each graph is
+/// evicted only if the signature is used clearly more often (see [`admits`]). Refused when
+/// only path nodes are left, or the signature is not admitted. The counts are those the
+/// call sees once counted: aged if it ends a window, its signature's calls plus one, the
+/// calls of the graphs evicted before handed back to their signatures. O(graphs) per evicted
+/// graph.
+pub(crate) fn room<G, M>(
+    view: &View<'_, G, M>,
+    function: FunctionId,
+    sig: usize,
+    parent: Option<NodeKey>,
+    replaces: Option<NodeKey>,
+    admission: bool,
+) -> Room {
+    let mut room = Room::default();
+    if let Some(k) = replaces {
+        room.evicts.push((k, EvictReason::Replaced));
+    }
+    let per_function = view.functions[function].spec.max_graphs;
+    let overall = view.config.max_graphs;
+    if per_function.is_none() && overall.is_none() {
+        return room;
+    }
+    let windows = view
+        .policy
+        .windows_due(view.replays, view.config.budget_window);
+    let tree = view.tree;
+    // The nodes evicted so far, and the calls they served, handed back to their signatures.
+    let mut gone: HashSet<NodeKey> = HashSet::new();
+    let mut credit: Vec<((FunctionId, usize), u64)> = Vec::new();
+    if let Some(k) = replaces {
+        evict(view, k, windows, &mut gone, &mut credit);
+    }
+    let path = tree.path_nodes(parent);
+    loop {
+        let sig_uses = |f: FunctionId, s: usize| {
+            let own = u64::from((f, s) == (function, sig));
+            let handed_back = credit
+                .iter()
+                .find(|(at, _)| *at == (f, s))
+                .map_or(0, |&(_, c)| c);
+            view.functions[f].sigs[s].uses_aged(windows) + own + handed_back
+        };
+        let live = || tree.iter().filter(|(k, _)| !gone.contains(k));
+        let of_function = live().filter(|(_, n)| n.function == function).count();
+        let over_function = per_function.filter(|&l| of_function >= l);
+        let over_all = overall.filter(|&l| tree.len() - gone.len() >= l);
+        let Some(limit) = over_all.or(over_function) else {
+            return room;
+        };
+        // Over the overall budget any graph may go; over the function's only its own.
+        let victim = live()
+            .filter(|(k, n)| !path.contains(k) && (over_all.is_some() || n.function == function))
+            .map(|(k, n)| {
+                let uses = n.uses.estimate_aged(n.replays, windows) + sig_uses(n.function, n.sig);
+                (k, uses, n.last_used)
+            })
+            .min_by_key(|&(_, uses, last_used)| (uses, last_used));
+        let Some((k, resident, _)) = victim else {
+            room.refused = Some(EagerReason::GraphBudget { limit });
+            return room;
+        };
+        let uses = sig_uses(function, sig);
+        if admission && !admits(uses, resident) {
+            room.refused = Some(EagerReason::NotAdmitted {
+                limit,
+                uses,
+                resident,
+            });
+            return room;
         }
-        self.functions[function].touch(sig);
+        room.evicts.push((k, EvictReason::Budget { limit }));
+        evict(view, k, windows, &mut gone, &mut credit);
+    }
+}
+
+/// Counts `k` and every node under it as evicted: the calls each served go back to its
+/// signature, as `Graft::evict` does.
+fn evict<G, M>(
+    view: &View<'_, G, M>,
+    k: NodeKey,
+    windows: u64,
+    gone: &mut HashSet<NodeKey>,
+    credit: &mut Vec<((FunctionId, usize), u64)>,
+) {
+    for k in view.tree.subtree(k) {
+        let n = &view.tree[k];
+        let served = n.uses.estimate_aged(n.replays, windows);
+        match credit.iter_mut().find(|(s, _)| *s == (n.function, n.sig)) {
+            Some((_, c)) => *c += served,
+            None => credit.push(((n.function, n.sig), served)),
+        }
+        gone.insert(k);
     }
 }
 
 #[cfg(test)]
 mod tests {
-    //! The aged counts and the admission margin, without a runtime.
+    //! The admission margin, without a runtime (the budget's decisions: `plan.rs`' tests).
 
     use super::*;
-
-    #[test]
-    fn counts_halve_once_per_window() {
-        let mut u = Uses::default();
-        assert_eq!(u.estimate(10), 10);
-        u.age(10, 1);
-        assert_eq!(u.estimate(10), 5);
-        assert_eq!(u.estimate(16), 11, "new calls count in full");
-        u.age(16, 1);
-        assert_eq!(u.estimate(16), 5, "(5 + 6) / 2");
-        u.age(16, 3);
-        assert_eq!(u.estimate(16), 0);
-        u.add(7);
-        assert_eq!(u.estimate(16), 7);
-    }
-
-    #[test]
-    fn a_steady_rate_keeps_its_estimate_however_late_the_aging() {
-        // 100 calls per window, aged every window or after 8 windows at once.
-        let (mut each, mut late) = (Uses::default(), Uses::default());
-        for w in 1..=32u64 {
-            each.age(100 * w, 1);
-            if w % 8 == 0 {
-                late.age(100 * w, 8);
-            }
-        }
-        assert_eq!(each.estimate(3200), 99);
-        assert!((95..=100).contains(&late.estimate(3200)), "{late:?}");
-    }
 
     #[test]
     fn admission_needs_a_margin() {

@@ -45,7 +45,7 @@ pub(crate) struct Cell {
     external: bool,
     /// What keeps external memory allocated while a handle lives: dropped with the cell.
     _keepalive: Option<Box<dyn std::any::Any + Send + Sync>>,
-    /// In the runtime's list of handed-out graph-pool cells (see `Graft::handed`).
+    /// In the runtime's list of handed-out graph-pool cells (see `Pools`, `pools.rs`).
     listed: AtomicBool,
     /// The pool block this cell owns, as `BlockId + 1` (0: none). Swapped out exactly once by
     /// whoever frees it: the last handle's drop, or a restore that rebuilds the bookkeeping.

@@ -43,7 +43,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
         if given.len() < bytes {
             return Err(bad("it is too short"));
         }
-        if given.cell().in_pool(&self.graph_pool) || given.cell().in_pool(&self.eager_pool) {
+        if self.pools.owns(given.cell()) {
             return Err(bad("it is memory of graft's own pools"));
         }
         let addr = given.addr().map_err(|_| bad("it can no longer be read"))?;

@@ -250,10 +250,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
 
     /// Mapped memory, blocks and fragmentation of the graph pool, and who holds its memory.
     pub fn memory_report(&self) -> MemoryReport {
-        let pool = self
-            .graph_pool
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let pool = crate::pools::lock(self.pools.graph());
         let stats = pool.stats();
         let blocks = pool.blocks();
         let mapped = pool.mapped();
@@ -292,8 +289,8 @@ impl<D: Device, M: Clone> Graft<D, M> {
             }
         }
         let outside = self
-            .loose
-            .cells
+            .pools
+            .loose()
             .iter()
             .filter(|c| c.is_readable_by_someone())
             .fold((0, 0), |(n, b), c| (n + 1, b + c.len()));

@@ -1,30 +1,30 @@
 //! The runtime: registration, and the executor of a call: validate, plan, carry the plan out.
 //!
-//! The tree is `tree/`'s and the signatures `signature.rs`'s; the decision is `plan.rs`'s;
-//! carrying it out is split by what a call does: `replay.rs` (the fast path, verify mode),
-//! `record/` (capture), `run.rs` (warmup and eager runs), `memory.rs` (the pools, restore,
-//! reset, the eager-memory API).
+//! `Graft` owns its parts: the tree (`tree/`), the signatures (`signature.rs`), the pools and
+//! the cells out of them (`pools.rs`), what the runtime learned about its calls
+//! (`policy.rs`). The decision is `plan.rs`'s (with the graph budget's, `admit.rs`), made
+//! over a read-only `View`; carrying it out is split by what a call does: `replay.rs` (the
+//! fast path, verify mode), `record/` (capture), `run.rs` (warmup and eager runs),
+//! `evict.rs` (the budget's evictions), `memory.rs` (restore, reset, the eager-memory API).
 
-use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-
-use crate::admit::Ages;
 use crate::bucket::Bucket;
-use crate::buffer::{Buffer, Cell};
+use crate::buffer::Buffer;
 use crate::config::{Config, FunctionSpec, Mode};
 use crate::ctx::Ctx;
 use crate::destinations::Destinations;
 use crate::device::{CORE, Device, DevicePtr};
 use crate::error::{BodyError, CallError, FunctionId};
 use crate::group::Member;
-use crate::lifecycle::{Phase, transition};
+use crate::lifecycle::{Phase, Refused, transition};
 use crate::node_id::NodeId;
-use crate::plan::{self, Action, Plan, View};
-use crate::pool::Pool;
-use crate::reason::{Decision, DecisionRecord, EagerReason, EvictReason, RecordReason};
+use crate::plan::{self, Action, Plan};
+use crate::policy::Policy;
+use crate::pools::{Pools, lock};
+use crate::reason::{Decision, DecisionRecord, EagerReason, RecordReason};
 use crate::signature::Functions;
 use crate::stats::Stats;
 use crate::tree::{NodeKey, Output, Tree, key_of};
+use crate::view::View;
 
 /// What a call did.
 #[derive(Clone, PartialEq, Eq, Debug)]
@@ -39,13 +39,16 @@ pub enum Outcome {
     Eager(EagerReason),
 }
 
-/// Everything one call carries through the executor: what was called, on what, the body,
-/// and where the outputs go (with `dests`, into memory the caller gives per output: see
+/// Everything one call carries through the executor: what was called, on what (the input
+/// buffers and their addresses, read once by `Graft::validate`), the body, and where the
+/// outputs go (with `dests`, into memory the caller gives per output: see
 /// [`Graft::call_owned`]). `E` is the framework's error type.
 pub(crate) struct Frame<'c, F, M, E> {
     pub(crate) function: FunctionId,
     pub(crate) sig: usize,
     pub(crate) inputs: &'c [&'c Buffer],
+    /// The inputs' addresses, in order.
+    pub(crate) addrs: &'c [DevicePtr],
     pub(crate) body: &'c mut F,
     pub(crate) dests: Option<&'c mut dyn Destinations<M, E>>,
     pub(crate) out: &'c mut Vec<Output<M>>,
@@ -62,66 +65,22 @@ pub struct Graft<D: Device, M: Clone = ()> {
     pub(crate) tree: Tree<D::Graph, M>,
     pub(crate) phase: Phase,
     pub(crate) generation: u64,
-    pub(crate) graph_pool: Arc<Mutex<Pool>>,
-    pub(crate) eager_pool: Arc<Mutex<Pool>>,
-    /// After a replay the pool bookkeeping describes the last recording, not the memory in
-    /// use: it must be restored before anything allocates from it.
-    pub(crate) pool_stale: bool,
-    /// Cells of graph-pool memory not owned by a node output slot (warmup outputs, held
-    /// intermediates, placeholders handed to bodies). Pruned of unheld cells now and then.
-    pub(crate) loose: Registry,
-    /// Cells of eager-pool memory, so `Drop` can invalidate them.
-    pub(crate) eager_cells: Registry,
-    /// Graph-pool cells handed to callers or kept by bodies that may still be held: what a
-    /// replay must invalidate when its graph overwrites them. Each cell appears once; cells
-    /// nobody holds are dropped from the list by the next replay's scan, so a replay costs
-    /// the number of held cells, however large the tree.
-    pub(crate) handed: Vec<Arc<Cell>>,
+    /// The pools and the cells out of them.
+    pub(crate) pools: Pools,
     backward_pending: bool,
     warned_backward: bool,
-    pub(crate) rerecords: HashMap<(Option<NodeKey>, FunctionId), u32>,
-    pub(crate) eager_pairs: HashMap<(Option<NodeKey>, FunctionId), EagerReason>,
+    /// Re-recordings, fallbacks, the use counts' aging, the decision log.
+    pub(crate) policy: Policy,
     pub(crate) stats: Stats,
-    decisions: VecDeque<DecisionRecord>,
     /// Counts replays and recordings: the nodes' `last_used` stamps.
     pub(crate) clock: u64,
-    /// When the graph budget's use counts were last aged (see `admit.rs`).
-    pub(crate) ages: Ages,
-    /// Scratch for input addresses: reused so the fast path never allocates.
-    pub(crate) addrs: Vec<DevicePtr>,
+    /// Capacity for a call's input addresses: lent to each call, which reads the addresses
+    /// into it and carries them in its [`Frame`], and taken back, so the fast path never
+    /// allocates. What it holds between calls is never read.
+    scratch: Vec<DevicePtr>,
     /// This runtime's rank of a tensor-parallel group ([`Graft::join`]): recordings are
     /// agreed with the other ranks.
     pub(crate) member: Option<Member>,
-}
-
-/// Adds the held ones of `cells` not yet listed to `handed` (see [`Graft::handed`]).
-pub(crate) fn list_held<'a>(
-    handed: &mut Vec<Arc<Cell>>,
-    cells: impl IntoIterator<Item = &'a Arc<Cell>>,
-) {
-    for c in cells {
-        if c.is_held() && c.mark_listed() {
-            handed.push(Arc::clone(c));
-        }
-    }
-}
-
-/// Cells graft must be able to invalidate, pruned of unheld ones once the list has doubled.
-#[derive(Default)]
-pub(crate) struct Registry {
-    pub(crate) cells: Vec<Arc<Cell>>,
-    pruned_at: usize,
-}
-
-impl Registry {
-    /// Adds the held ones of `cells`.
-    pub(crate) fn extend(&mut self, cells: impl IntoIterator<Item = Arc<Cell>>) {
-        self.cells.extend(cells.into_iter().filter(|c| c.is_held()));
-        if self.cells.len() >= 2 * self.pruned_at.max(32) {
-            self.cells.retain(|c| c.is_held());
-            self.pruned_at = self.cells.len();
-        }
-    }
 }
 
 impl<D: Device, M: Clone> std::fmt::Debug for Graft<D, M> {
@@ -135,14 +94,11 @@ impl<D: Device, M: Clone> std::fmt::Debug for Graft<D, M> {
     }
 }
 
-pub(crate) fn lock(pool: &Mutex<Pool>) -> MutexGuard<'_, Pool> {
-    pool.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
 impl<D: Device, M: Clone> Graft<D, M> {
     /// A runtime over `device` with `config`.
     pub fn new(device: D, config: Config) -> Graft<D, M> {
         let reservation = config.pool_reservation;
+        let policy = Policy::new(config.decision_log);
         Graft {
             device,
             config,
@@ -150,24 +106,16 @@ impl<D: Device, M: Clone> Graft<D, M> {
             tree: Tree::default(),
             phase: Phase::Idle,
             generation: 1,
-            graph_pool: Arc::new(Mutex::new(Pool::new(reservation))),
-            eager_pool: Arc::new(Mutex::new(Pool::new(reservation))),
-            pool_stale: false,
-            loose: Registry::default(),
-            eager_cells: Registry::default(),
-            handed: Vec::new(),
+            pools: Pools::new(reservation),
             backward_pending: false,
             warned_backward: false,
-            rerecords: HashMap::new(),
-            eager_pairs: HashMap::new(),
+            policy,
             stats: Stats {
                 generations: 1,
                 ..Stats::default()
             },
-            decisions: VecDeque::new(),
-            addrs: Vec::new(),
+            scratch: Vec::new(),
             clock: 0,
-            ages: Ages::default(),
             member: None,
         }
     }
@@ -221,15 +169,15 @@ impl<D: Device, M: Clone> Graft<D, M> {
     pub fn stats(&self) -> Stats {
         Stats {
             nodes: self.tree.len(),
-            pool: lock(&self.graph_pool).stats(),
-            eager_pool: lock(&self.eager_pool).stats(),
+            pool: lock(self.pools.graph()).stats(),
+            eager_pool: lock(self.pools.eager()).stats(),
             ..self.stats
         }
     }
 
     /// The last non-replay decisions, oldest first (at most `Config::decision_log`).
     pub fn explain(&self) -> impl Iterator<Item = &DecisionRecord> {
-        self.decisions.iter()
+        self.policy.decisions()
     }
 
     /// Starts a new generation: outputs of earlier steps become stale. They stay readable
@@ -243,23 +191,21 @@ impl<D: Device, M: Clone> Graft<D, M> {
         self.generation += 1;
         self.stats.generations += 1;
         // Every phase may move to Idle.
-        let _: Result<(), CallError> = transition(&mut self.phase, Phase::Idle);
+        let _: Result<(), Refused> = transition(&mut self.phase, Phase::Idle);
         tracing::trace!(generation = self.generation, "new generation");
     }
 
     /// Moves the lifecycle (see [`transition`]).
     pub(crate) fn move_to<E>(&mut self, to: Phase) -> Result<(), CallError<E>> {
         transition(&mut self.phase, to)
+            .map_err(|Refused { from, to }| CallError::State { from, to })
     }
 
     pub(crate) fn log(&mut self, function: FunctionId, node: Option<NodeKey>, decision: Decision) {
-        if self.config.decision_log == 0 {
+        if !self.policy.logs() {
             return;
         }
-        if self.decisions.len() == self.config.decision_log {
-            self.decisions.pop_front();
-        }
-        self.decisions.push_back(DecisionRecord {
+        self.policy.log(DecisionRecord {
             generation: self.generation,
             function: self.functions[function].name.clone(),
             node: node.map(NodeKey::id),
@@ -332,30 +278,47 @@ impl<D: Device, M: Clone> Graft<D, M> {
         self.call_with(function, inputs, keys, &mut body, Some(dests), out)
     }
 
-    fn call_with<'c, F, E>(
+    fn call_with<F, E>(
         &mut self,
         function: FunctionId,
-        inputs: &'c [&'c Buffer],
+        inputs: &[&Buffer],
         keys: &[u64],
-        body: &'c mut F,
-        dests: Option<&'c mut dyn Destinations<M, E>>,
-        out: &'c mut Vec<Output<M>>,
+        body: &mut F,
+        dests: Option<&mut dyn Destinations<M, E>>,
+        out: &mut Vec<Output<M>>,
     ) -> Result<Outcome, CallError<E>>
     where
         F: FnMut(&mut Ctx<'_, D>) -> Result<Vec<Output<M>>, BodyError<E>>,
     {
         out.clear();
-        let sig = self.validate(function, inputs, keys)?;
-        let plan = plan::plan(&self.view(), function, sig, &self.addrs);
-        let mut frame = Frame {
-            function,
-            sig,
-            inputs,
-            body,
-            dests,
-            out,
-        };
-        let outcome = self.execute(plan, &mut frame)?;
+        let mut addrs = std::mem::take(&mut self.scratch);
+        addrs.clear();
+        let called = self
+            .validate(function, inputs, &mut addrs, keys)
+            .and_then(|sig| {
+                let mut frame = Frame {
+                    function,
+                    sig,
+                    inputs,
+                    addrs: &addrs,
+                    body,
+                    dests: dests.map(|d| d as &mut dyn Destinations<M, E>),
+                    out,
+                };
+                self.call_frame(&mut frame)
+            });
+        self.scratch = addrs;
+        called
+    }
+
+    /// A validated call: plans it and carries the plan out.
+    fn call_frame<F, E>(&mut self, frame: &mut Frame<'_, F, M, E>) -> Result<Outcome, CallError<E>>
+    where
+        F: FnMut(&mut Ctx<'_, D>) -> Result<Vec<Output<M>>, BodyError<E>>,
+    {
+        let function = frame.function;
+        let plan = plan::plan(&self.view(), function, frame.sig, frame.addrs);
+        let outcome = self.execute(plan, frame)?;
         match self.functions[function].spec.mode {
             Mode::Forward => self.backward_pending = true,
             Mode::Backward => self.backward_pending = false,
@@ -364,12 +327,13 @@ impl<D: Device, M: Clone> Graft<D, M> {
         Ok(outcome)
     }
 
-    /// Checks the function and inputs (device, readability) and finds the signature; leaves
-    /// the input addresses in `self.addrs`.
+    /// Checks the function and inputs (device, readability) and finds the signature; pushes
+    /// the input addresses onto `addrs`.
     fn validate<E>(
         &mut self,
         function: FunctionId,
         inputs: &[&Buffer],
+        addrs: &mut Vec<DevicePtr>,
         keys: &[u64],
     ) -> Result<usize, CallError<E>> {
         let Some(f) = self.functions.get(function) else {
@@ -379,7 +343,6 @@ impl<D: Device, M: Clone> Graft<D, M> {
             return Err(CallError::Sticky { source });
         }
         let device_id = self.device.id();
-        self.addrs.clear();
         // One pass over the inputs: device, readability, and the sizes of the signature used
         // last (the usual case in a loop), so each input's cell is read once.
         let last_sizes = f.last_sizes();
@@ -395,7 +358,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 });
             }
             match b.addr() {
-                Ok(a) => self.addrs.push(a),
+                Ok(a) => addrs.push(a),
                 Err(source) => {
                     return Err(CallError::InvalidInput {
                         function: f.name.clone(),
@@ -421,9 +384,9 @@ impl<D: Device, M: Clone> Graft<D, M> {
             config: &self.config,
             functions: &self.functions,
             tree: &self.tree,
+            policy: &self.policy,
             backward_pending: self.backward_pending,
-            eager_pairs: &self.eager_pairs,
-            rerecords: &self.rerecords,
+            replays: self.stats.replays,
         }
     }
 
@@ -460,35 +423,32 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 self.count_off_replay(function, frame.sig);
                 self.warmup(frame, reason)
             }
-            Action::Record { parent, reason } => {
+            Action::Record {
+                parent,
+                reason,
+                evicts,
+            } => {
                 self.count_off_replay(function, frame.sig);
-                if let RecordReason::StaticAddressChanged { position, .. } = reason {
-                    self.functions[function].moved_static(frame.sig, position);
-                }
-                if reason.is_unexpected() {
-                    *self.rerecords.entry((parent, function)).or_insert(0) += 1;
-                }
-                let replaced = self.replaced_by(frame, parent, &reason);
-                let mut reuse = replaced.and_then(|k| self.evict(k, EvictReason::Replaced));
-                // A new signature here must earn its place; a re-recording of a graph that
-                // is here takes one.
-                let admission = matches!(
-                    reason,
-                    RecordReason::FirstRecording | RecordReason::NewSignature
-                );
-                match self.make_room(function, frame.sig, parent, admission) {
-                    Ok(evicted) => reuse = reuse.or(evicted),
-                    Err(why) => {
-                        tracing::debug!(
-                            function = %self.functions[function].name,
-                            reason = %why,
-                            "graph budget full: running eagerly"
-                        );
-                        self.log(function, parent, Decision::Eager(why.clone()));
-                        return self.run_eager(frame, why);
-                    }
-                }
+                self.count_miss(function, frame.sig, parent, &reason);
+                let reuse = self.make_room(function, &evicts);
                 self.record(frame, parent, reason, reuse)
+            }
+            Action::OverBudget {
+                parent,
+                reason,
+                evicts,
+                why,
+            } => {
+                self.count_off_replay(function, frame.sig);
+                self.count_miss(function, frame.sig, parent, &reason);
+                drop(self.make_room(function, &evicts));
+                tracing::debug!(
+                    function = %self.functions[function].name,
+                    reason = %why,
+                    "graph budget full: running eagerly"
+                );
+                self.log(function, parent, Decision::Eager(why.clone()));
+                self.run_eager(frame, why)
             }
             Action::Eager {
                 reason,
@@ -503,23 +463,40 @@ impl<D: Device, M: Clone> Graft<D, M> {
         }
     }
 
-    /// With [`Config::replace_moved_static`], the node a re-recording for a moved static
-    /// input replaces: the candidate that failed for that reason.
-    fn replaced_by<F, E>(
-        &self,
-        frame: &Frame<'_, F, M, E>,
+    /// Counts a call that does not replay (and stamps its signature: `Function::touch`),
+    /// first aging every use count if a window ended (see `admit.rs`): O(graphs +
+    /// signatures), at most once per window.
+    fn count_off_replay(&mut self, function: FunctionId, sig: usize) {
+        let windows = self
+            .policy
+            .count_off_replay(self.stats.replays, self.config.budget_window);
+        if windows > 0 {
+            for f in self.functions.iter_mut() {
+                f.sigs.iter_mut().for_each(|s| s.age(windows));
+            }
+            for n in self.tree.values_mut() {
+                n.uses.age(n.replays, windows);
+            }
+            tracing::trace!(windows, "aged the graph budget's use counts");
+        }
+        self.functions[function].touch(sig);
+    }
+
+    /// A recording is due for `reason`: the watch hears of a moved static input, and the
+    /// re-record limit counts an unexpected miss.
+    fn count_miss(
+        &mut self,
+        function: FunctionId,
+        sig: usize,
         parent: Option<NodeKey>,
         reason: &RecordReason,
-    ) -> Option<NodeKey> {
-        let moved = matches!(reason, RecordReason::StaticAddressChanged { .. });
-        if !self.config.replace_moved_static || !moved {
-            return None;
+    ) {
+        if let RecordReason::StaticAddressChanged { position, .. } = reason {
+            self.functions[function].moved_static(sig, *position);
         }
-        let candidates = self.tree.candidates(parent, frame.function, frame.sig);
-        candidates
-            .iter()
-            .copied()
-            .find(|&k| self.tree.check(k, &self.addrs).err().as_ref() == Some(reason))
+        if reason.is_unexpected() {
+            self.policy.count_rerecord(parent, function);
+        }
     }
 
     /// The (parent, function) pair runs eagerly for good (the re-record limit was exceeded).
@@ -529,7 +506,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
         tracing::warn!(reason = %why, "function runs eagerly from now on at this point of the tree");
         self.stats.fallbacks += 1;
         self.log(function, parent, Decision::Eager(why.clone()));
-        self.eager_pairs.insert((parent, function), why);
+        self.policy.fall_back(parent, function, why);
     }
 
     /// The bucket a call of `function` with real size `size` runs at: pad the inputs to

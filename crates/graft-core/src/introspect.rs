@@ -20,21 +20,21 @@ impl<D: Device, M: Clone> Graft<D, M> {
         let Some(f) = self.functions.get(function) else {
             return Err(CallError::UnknownFunction { id: function });
         };
-        self.addrs.clear();
+        let mut addrs = Vec::with_capacity(inputs.len());
         for (position, b) in inputs.iter().enumerate() {
             let addr = b.addr().map_err(|source| CallError::InvalidInput {
                 function: f.name.clone(),
                 position,
                 source,
             })?;
-            self.addrs.push(addr);
+            addrs.push(addr);
         }
         let Some(sig) = f.sigs.iter().position(|s| s.matches(inputs, keys)) else {
             return Ok(None);
         };
         let tip = self.phase.tip().map(key_of);
         Ok(
-            plan::candidate(&self.view(), tip, function, sig, &self.addrs, true)
+            plan::candidate(&self.view(), tip, function, sig, &addrs, true)
                 .ok()
                 .map(NodeKey::id),
         )

@@ -30,14 +30,11 @@ mod lifecycle;
 mod memory;
 mod node_id;
 mod plan;
+mod policy;
+mod pool;
+mod pools;
 mod prepare;
 mod process;
-// Its inspection surface (`testing`) is only reachable with the test-support feature.
-#[cfg_attr(
-    not(feature = "test-support"),
-    allow(unreachable_pub, dead_code, unused_imports)
-)]
-mod pool;
 mod reason;
 mod record;
 mod replay;
@@ -45,6 +42,8 @@ mod run;
 mod signature;
 mod stats;
 mod tree;
+mod uses;
+mod view;
 
 pub use bucket::{Bucket, Buckets, BucketsError};
 pub use buffer::Buffer;

@@ -7,7 +7,8 @@ use crate::buffer::{Buffer, Cell};
 use crate::ctx::{Reclaim, alloc_owned};
 use crate::device::{CORE, Device, DevicePtr};
 use crate::error::{FunctionId, MemoryError};
-use crate::graft::{Graft, lock};
+use crate::graft::Graft;
+use crate::pools::lock;
 use crate::reason::Decision;
 use crate::tree::{OutputSlot, key_of};
 
@@ -15,7 +16,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
     /// Before a warmup or recording: if replays ran since the bookkeeping was last true, the
     /// path diverged from the recorded tree here, and the pool is restored.
     pub(crate) fn diverge_if_replayed(&mut self, function: FunctionId) {
-        if self.pool_stale {
+        if self.pools.is_stale() {
             let _span = tracing::debug_span!(
                 "divergence",
                 function = %self.functions[function].name,
@@ -45,9 +46,9 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 }
             }
         }
-        self.loose.cells.iter().for_each(&mut consider);
+        self.pools.loose().iter().for_each(&mut consider);
         let live: Vec<(DevicePtr, usize)> = held.iter().map(|c| (c.addr(), c.len())).collect();
-        let mut pool = lock(&self.graph_pool);
+        let mut pool = lock(self.pools.graph());
         let placed = pool.restore(&live);
         let mut invalidated = 0;
         for (cell, block) in held.iter().zip(&placed) {
@@ -60,7 +61,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
             }
         }
         drop(pool);
-        self.pool_stale = false;
+        self.pools.restored();
         self.stats.restores += 1;
         self.stats.invalidations += invalidated as u64;
         let kept = held.len() - invalidated;
@@ -76,16 +77,16 @@ impl<D: Device, M: Clone> Graft<D, M> {
             return Err(e.into());
         }
         let (cell, buffer) = alloc_owned(
-            &self.eager_pool,
+            self.pools.eager(),
             &self.device,
             bytes,
             Arc::from("alloc"),
             self.generation,
             Reclaim::Unused {
-                sibling: &self.graph_pool,
+                sibling: self.pools.graph(),
             },
         )?;
-        self.eager_cells.extend([cell]);
+        self.pools.keep_eager([cell]);
         Ok(buffer)
     }
 
@@ -158,19 +159,18 @@ impl<D: Device, M: Clone> Graft<D, M> {
         let synced = self.device.synchronize();
         self.invalidate_graph_memory(Cell::invalidate_reset);
         self.tree.clear();
-        self.rerecords.clear();
-        self.eager_pairs.clear();
+        self.policy.clear_places();
         for f in self.functions.iter_mut() {
             for s in &mut f.sigs {
                 s.warmups_done = 0;
             }
             f.root_level = false;
         }
-        self.pool_stale = false;
-        self.handed.drain(..).for_each(|c| c.unlist());
+        self.pools.restored();
+        self.pools.unlist_all();
         self.new_generation();
         let device = &self.device;
-        let released = lock(&self.graph_pool).release_all(device);
+        let released = lock(self.pools.graph()).release_all(device);
         synced?;
         released?;
         if let Some(e) = self.device.take_sticky_error(CORE) {
@@ -190,7 +190,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 }
             }
         }
-        self.loose.cells.drain(..).for_each(|c| invalidate(&c));
+        self.pools.forget_loose(invalidate);
     }
 
     /// Closes the runtime: waits for the device, invalidates every buffer it handed out
@@ -205,14 +205,11 @@ impl<D: Device, M: Clone> Graft<D, M> {
     fn teardown(&mut self) -> Result<(), MemoryError> {
         let synced = self.device.synchronize();
         self.invalidate_graph_memory(Cell::invalidate_dropped);
-        self.eager_cells
-            .cells
-            .drain(..)
-            .for_each(|c| c.invalidate_dropped());
+        self.pools.forget_eager();
         // Graph destruction reports failures to the sticky slot: taken below.
         self.tree.clear();
-        let graph = lock(&self.graph_pool).release_all(&self.device);
-        let eager = lock(&self.eager_pool).release_all(&self.device);
+        let graph = lock(self.pools.graph()).release_all(&self.device);
+        let eager = lock(self.pools.eager()).release_all(&self.device);
         let sticky = self.device.take_sticky_error(CORE);
         synced?;
         graph?;

@@ -1,18 +1,17 @@
 //! The decision of a call, as a pure function of the tree, the path and the call's signature.
 //!
 //! [`plan`] reads a [`View`] of the runtime (no device, nothing mutable) and returns a
-//! [`Plan`]; the executor in `graft.rs` carries it out. The order of the rules is the call
-//! algorithm of docs/architecture.md.
+//! [`Plan`]; the executor in `graft.rs` carries it out as it is, the graph budget's
+//! decision included (`admit.rs`). The order of the rules is the call algorithm of
+//! docs/architecture.md.
 
-use std::collections::HashMap;
-
-use crate::config::Config;
+use crate::admit::{Room, room};
 use crate::device::DevicePtr;
 use crate::error::FunctionId;
 use crate::lifecycle::Phase;
-use crate::reason::{EagerReason, RecordReason, WarmupReason};
-use crate::signature::Functions;
-use crate::tree::{NodeKey, Tree, key_of};
+use crate::reason::{EagerReason, EvictReason, RecordReason, WarmupReason};
+use crate::tree::{NodeKey, key_of};
+use crate::view::View;
 
 /// What a call will do.
 #[derive(Clone, PartialEq, Debug)]
@@ -30,10 +29,22 @@ pub(crate) enum Action {
     Replay(NodeKey),
     /// Run the body eagerly from the graph pool.
     Warmup(WarmupReason),
-    /// Capture the body under `parent` (a root when none).
+    /// Evict `evicts` (in order, each with the nodes under it), then capture the body under
+    /// `parent` (a root when none). The first evicted node of the function, if any, lends
+    /// its graph for the recording to update in place.
     Record {
         parent: Option<NodeKey>,
         reason: RecordReason,
+        evicts: Vec<(NodeKey, EvictReason)>,
+    },
+    /// A recording was due (for `reason`, under `parent`) but the graph budget refuses it:
+    /// evict `evicts` all the same (the node the recording would replace, graphs evicted
+    /// before the refusal), then run the body eagerly outside the graph pool, this time.
+    OverBudget {
+        parent: Option<NodeKey>,
+        reason: RecordReason,
+        evicts: Vec<(NodeKey, EvictReason)>,
+        why: EagerReason,
     },
     /// Run the body eagerly outside the graph pool. `new_fallback`: the (parent, function)
     /// pair falls back for good from now on (the re-record limit was just exceeded).
@@ -41,17 +52,6 @@ pub(crate) enum Action {
         reason: EagerReason,
         new_fallback: bool,
     },
-}
-
-/// What the planner may read.
-pub(crate) struct View<'a, G, M> {
-    pub(crate) phase: Phase,
-    pub(crate) config: &'a Config,
-    pub(crate) functions: &'a Functions,
-    pub(crate) tree: &'a Tree<G, M>,
-    pub(crate) backward_pending: bool,
-    pub(crate) eager_pairs: &'a HashMap<(Option<NodeKey>, FunctionId), EagerReason>,
-    pub(crate) rerecords: &'a HashMap<(Option<NodeKey>, FunctionId), u32>,
 }
 
 /// The decision for a call of `function` with signature `sig` and input addresses `addrs`.
@@ -111,7 +111,7 @@ pub(crate) fn plan<G, M>(
         let action = Action::Warmup(WarmupReason::FirstCalls { done, needed });
         return plan(new_generation, blocked, action);
     };
-    if let Some(reason) = view.eager_pairs.get(&(tip, function)) {
+    if let Some(reason) = view.policy.eager_pair(tip, function) {
         let action = Action::Eager {
             reason: reason.clone(),
             new_fallback: false,
@@ -120,7 +120,7 @@ pub(crate) fn plan<G, M>(
     }
     if reason.is_unexpected() {
         let limit = f.spec.rerecord_limit.unwrap_or(view.config.rerecord_limit);
-        let count = view.rerecords.get(&(tip, function)).copied().unwrap_or(0);
+        let count = view.policy.rerecords(tip, function);
         if count >= limit {
             let reason = EagerReason::RerecordLimit {
                 limit,
@@ -133,11 +133,64 @@ pub(crate) fn plan<G, M>(
             return plan(new_generation, blocked, action);
         }
     }
-    let action = Action::Record {
-        parent: tip,
+    plan(
+        new_generation,
+        blocked,
+        record(view, function, sig, tip, reason, addrs),
+    )
+}
+
+/// A recording under `parent` for `reason`, as the graph budget has room for it (see
+/// [`room`]): a new signature here must earn its place; a re-recording of a graph that is
+/// here takes one.
+fn record<G, M>(
+    view: &View<'_, G, M>,
+    function: FunctionId,
+    sig: usize,
+    parent: Option<NodeKey>,
+    reason: RecordReason,
+    addrs: &[DevicePtr],
+) -> Action {
+    let replaces = replaced(view, function, sig, parent, &reason, addrs);
+    let admission = matches!(
         reason,
-    };
-    plan(new_generation, blocked, action)
+        RecordReason::FirstRecording | RecordReason::NewSignature
+    );
+    let Room { evicts, refused } = room(view, function, sig, parent, replaces, admission);
+    match refused {
+        None => Action::Record {
+            parent,
+            reason,
+            evicts,
+        },
+        Some(why) => Action::OverBudget {
+            parent,
+            reason,
+            evicts,
+            why,
+        },
+    }
+}
+
+/// With [`Config::replace_moved_static`](crate::Config::replace_moved_static), the node a
+/// re-recording for a moved static input replaces: the candidate that failed for that reason.
+fn replaced<G, M>(
+    view: &View<'_, G, M>,
+    function: FunctionId,
+    sig: usize,
+    parent: Option<NodeKey>,
+    reason: &RecordReason,
+    addrs: &[DevicePtr],
+) -> Option<NodeKey> {
+    let moved = matches!(reason, RecordReason::StaticAddressChanged { .. });
+    if !view.config.replace_moved_static || !moved {
+        return None;
+    }
+    let tree = view.tree;
+    tree.candidates(parent, function, sig)
+        .iter()
+        .copied()
+        .find(|&k| tree.check(k, addrs).err().as_ref() == Some(reason))
 }
 
 /// The first node at `tip` (the roots when none) that may replay for this call, or the reason
@@ -180,16 +233,16 @@ mod tests {
     //! The planner without a device: a tree of nodes with `()` graphs.
 
     use super::*;
-    use crate::config::FunctionSpec;
-    use crate::signature::Signature;
-    use crate::tree::{InputSlot, Node};
+    use crate::config::{Config, FunctionSpec};
+    use crate::policy::Policy;
+    use crate::signature::{Functions, Signature};
+    use crate::tree::{InputSlot, Node, Tree};
 
     struct World {
         config: Config,
         functions: Functions,
         tree: Tree<(), ()>,
-        eager_pairs: HashMap<(Option<NodeKey>, FunctionId), EagerReason>,
-        rerecords: HashMap<(Option<NodeKey>, FunctionId), u32>,
+        policy: Policy,
     }
 
     const F: FunctionId = FunctionId(0);
@@ -208,8 +261,7 @@ mod tests {
             config: Config::default(),
             functions,
             tree,
-            eager_pairs: HashMap::new(),
-            rerecords: HashMap::new(),
+            policy: Policy::new(0),
         }
     }
 
@@ -242,16 +294,26 @@ mod tests {
         }
 
         fn plan(&self, phase: Phase, backward_pending: bool, addr: DevicePtr) -> Plan {
+            self.plan_sig(phase, backward_pending, 0, addr)
+        }
+
+        fn plan_sig(
+            &self,
+            phase: Phase,
+            backward_pending: bool,
+            sig: usize,
+            addr: DevicePtr,
+        ) -> Plan {
             let view = View {
                 phase,
                 config: &self.config,
                 functions: &self.functions,
                 tree: &self.tree,
+                policy: &self.policy,
                 backward_pending,
-                eager_pairs: &self.eager_pairs,
-                rerecords: &self.rerecords,
+                replays: 0,
             };
-            plan(&view, F, 0, &[addr])
+            plan(&view, F, sig, &[addr])
         }
     }
 
@@ -269,7 +331,8 @@ mod tests {
             p.action,
             Action::Record {
                 parent: None,
-                reason: RecordReason::FirstRecording
+                reason: RecordReason::FirstRecording,
+                evicts: Vec::new(),
             }
         );
     }
@@ -294,7 +357,8 @@ mod tests {
             p.action,
             Action::Record {
                 parent: Some(child),
-                reason: RecordReason::FirstRecording
+                reason: RecordReason::FirstRecording,
+                evicts: Vec::new(),
             }
         );
     }
@@ -313,11 +377,14 @@ mod tests {
             w.plan(Phase::Idle, false, moved).action,
             Action::Record {
                 parent: None,
-                reason: miss.clone()
+                reason: miss.clone(),
+                evicts: Vec::new(),
             }
         );
         let limit = w.config.rerecord_limit;
-        w.rerecords.insert((None, F), limit);
+        for _ in 0..limit {
+            w.policy.count_rerecord(None, F);
+        }
         assert_eq!(
             w.plan(Phase::Idle, false, moved).action,
             Action::Eager {
@@ -339,5 +406,135 @@ mod tests {
         let p = w.plan(Phase::Warmup, false, ADDR);
         assert!(p.new_generation);
         assert!(matches!(p.action, Action::Replay(_)));
+    }
+
+    /// The static input moved from `ADDR`: the miss a call at `MOVED` records for.
+    const MOVED: DevicePtr = DevicePtr(0x2000);
+    const MISS: RecordReason = RecordReason::StaticAddressChanged {
+        position: 0,
+        recorded: ADDR,
+        now: MOVED,
+    };
+
+    #[test]
+    fn a_full_budget_evicts_the_least_used_graph_first() {
+        let mut w = world(1);
+        w.config.max_graphs = Some(1);
+        let old = w.node(None, ADDR);
+        assert_eq!(
+            w.plan(Phase::Idle, false, MOVED).action,
+            Action::Record {
+                parent: None,
+                reason: MISS,
+                evicts: vec![(old, EvictReason::Budget { limit: 1 })],
+            }
+        );
+    }
+
+    #[test]
+    fn a_moved_static_input_replaces_its_graph() {
+        let mut w = world(1);
+        w.config.replace_moved_static = true;
+        let old = w.node(None, ADDR);
+        assert_eq!(
+            w.plan(Phase::Idle, false, MOVED).action,
+            Action::Record {
+                parent: None,
+                reason: MISS,
+                evicts: vec![(old, EvictReason::Replaced)],
+            }
+        );
+    }
+
+    #[test]
+    fn a_budget_of_path_nodes_only_runs_eagerly() {
+        let mut w = world(1);
+        w.config.max_graphs = Some(1);
+        let root = w.node(None, ADDR);
+        let at_root = Phase::Replaying { tip: root.id() };
+        assert_eq!(
+            w.plan(at_root, false, ADDR).action,
+            Action::OverBudget {
+                parent: Some(root),
+                reason: RecordReason::FirstRecording,
+                evicts: Vec::new(),
+                why: EagerReason::GraphBudget { limit: 1 },
+            }
+        );
+    }
+
+    #[test]
+    fn a_new_signature_used_less_than_the_resident_graph_is_not_admitted() {
+        let mut w = world(1);
+        w.config.max_graphs = Some(1);
+        let mut other = Signature::new(vec![8].into(), Box::new([]), None);
+        other.warmups_done = 1;
+        w.functions[F].sigs.push(other);
+        let resident = w.node(None, ADDR);
+        w.tree[resident].replays = 10;
+        assert_eq!(
+            w.plan_sig(Phase::Idle, false, 1, ADDR).action,
+            Action::OverBudget {
+                parent: None,
+                reason: RecordReason::NewSignature,
+                evicts: Vec::new(),
+                why: EagerReason::NotAdmitted {
+                    limit: 1,
+                    uses: 1,
+                    resident: 10,
+                },
+            }
+        );
+        // One call is no margin over an unused graph; two calls are.
+        w.tree[resident].replays = 0;
+        assert!(matches!(
+            w.plan_sig(Phase::Idle, false, 1, ADDR).action,
+            Action::OverBudget { .. }
+        ));
+        w.functions[F].touch(1);
+        assert_eq!(
+            w.plan_sig(Phase::Idle, false, 1, ADDR).action,
+            Action::Record {
+                parent: None,
+                reason: RecordReason::NewSignature,
+                evicts: vec![(resident, EvictReason::Budget { limit: 1 })],
+            }
+        );
+    }
+
+    #[test]
+    fn an_eager_signature_runs_eagerly() {
+        let mut w = world(1);
+        w.functions[F].sigs[0].eager = Some(EagerReason::Registered);
+        assert_eq!(
+            w.plan(Phase::Idle, false, ADDR).action,
+            Action::Eager {
+                reason: EagerReason::Registered,
+                new_fallback: false
+            }
+        );
+    }
+
+    #[test]
+    fn a_place_that_fell_back_runs_eagerly_on_a_miss() {
+        let mut w = world(1);
+        w.node(None, ADDR);
+        let why = EagerReason::RerecordLimit {
+            limit: 1,
+            last: MISS,
+        };
+        w.policy.fall_back(None, F, why.clone());
+        assert_eq!(
+            w.plan(Phase::Idle, false, MOVED).action,
+            Action::Eager {
+                reason: why,
+                new_fallback: false
+            }
+        );
+        // A hit still replays.
+        assert!(matches!(
+            w.plan(Phase::Idle, false, ADDR).action,
+            Action::Replay(_)
+        ));
     }
 }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use crate::buffer::{Buffer, Cell};
 use crate::ctx::{Ctx, RunKind};
-use crate::device::{CORE, CopyEnds, Device, DeviceError};
+use crate::device::{CORE, CopyEnds, Device, DeviceError, DevicePtr};
 use crate::error::{BodyError, CallError, MemoryError, VerifyTarget};
 use crate::graft::{Frame, Graft, Outcome};
 use crate::lifecycle::Phase;
@@ -39,7 +39,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 called: how(frame.dests.is_some()),
             });
         }
-        let (copied, repointed) = match self.repoint_copies(key) {
+        let (copied, repointed) = match self.repoint_copies(key, frame.addrs) {
             Ok(counts) => counts,
             Err(source) => return Err(fail(self, source)),
         };
@@ -49,20 +49,9 @@ impl<D: Device, M: Clone> Graft<D, M> {
         let node = &self.tree[key];
         // Held memory the graph overwrites is invalidated first; cells nobody holds leave the
         // list (a later hand-out lists them again).
-        let mut invalidated = 0;
-        let mut i = 0;
-        while let Some(cell) = self.handed.get(i) {
-            if !cell.is_held() {
-                cell.unlist();
-                self.handed.swap_remove(i);
-                continue;
-            }
-            if cell.is_valid() && node.footprint_overlaps(cell.addr().0, cell.end()) {
-                cell.invalidate_overwritten(Some(id));
-                invalidated += 1;
-            }
-            i += 1;
-        }
+        let invalidated = self
+            .pools
+            .invalidate_overwritten(id, |start, end| node.footprint_overlaps(start, end));
         if let Err(source) = self.device.launch(CORE, &node.graph) {
             return Err(fail(self, source));
         }
@@ -82,7 +71,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
         node.replays += 1;
         node.last_used = self.clock;
         self.stats.replays += 1;
-        self.pool_stale = true;
+        self.pools.replayed();
         self.move_to(Phase::Replaying { tip: id })?;
         Ok(Outcome::Replayed(id))
     }
@@ -92,11 +81,15 @@ impl<D: Device, M: Clone> Graft<D, M> {
     /// input is re-patched to the caller's new buffer instead, or copied again when that
     /// buffer lies in memory the graph writes. Returns the copied inputs and how many were
     /// re-pointed (or re-patched).
-    fn repoint_copies(&mut self, key: NodeKey) -> Result<(u64, u64), DeviceError> {
+    fn repoint_copies(
+        &mut self,
+        key: NodeKey,
+        addrs: &[DevicePtr],
+    ) -> Result<(u64, u64), DeviceError> {
         let node = &mut self.tree[key];
         let (mut copied, mut repointed) = (0, 0);
         for &i in node.copied.iter() {
-            let (slot, src) = (&mut node.inputs[i], self.addrs[i]);
+            let (slot, src) = (&mut node.inputs[i], addrs[i]);
             if let InputSlot::Copied {
                 placeholder,
                 len,
@@ -158,9 +151,9 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 len,
                 follows: true,
             } = &mut node.inputs[i]
-                && *at != self.addrs[i]
+                && *at != addrs[i]
             {
-                let to = self.addrs[i];
+                let to = addrs[i];
                 if !self
                     .device
                     .redirect(CORE, &mut node.graph, *recorded, *len, None, Some(to))?
@@ -182,7 +175,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
     fn hand_out(&mut self, key: NodeKey, inputs: &[&Buffer], out: &mut Vec<Output<M>>) {
         let id = key.id();
         let generation = self.generation;
-        let handed = &mut self.handed;
+        let pools = &mut self.pools;
         let node = &mut self.tree[key];
         for out_i in node.outputs.iter_mut() {
             let buffer = match &mut out_i.slot {
@@ -198,7 +191,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
                                     self.device.id(),
                                     self.functions[node.function].name.clone(),
                                     generation,
-                                    Some(Arc::downgrade(&self.graph_pool)),
+                                    Some(Arc::downgrade(pools.graph())),
                                 );
                                 c.set_node(id);
                                 c
@@ -208,7 +201,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
                     }
                     cell.recycle(generation);
                     let buffer = Buffer::from_cell(cell);
-                    crate::graft::list_held(handed, [&*cell]);
+                    pools.list_held([&*cell]);
                     buffer
                 }
                 OutputSlot::StaticInput(p) => (*inputs[*p]).clone(),
@@ -268,6 +261,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
             function: frame.function,
             sig: frame.sig,
             inputs: frame.inputs,
+            addrs: frame.addrs,
             body: &mut *frame.body,
             dests: None,
             out: &mut eager,

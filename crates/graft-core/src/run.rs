@@ -65,9 +65,9 @@ impl<D: Device, M: Clone> Graft<D, M> {
         let name = self.functions[frame.function].name.clone();
         let warmup = kind == RunKind::Warmup;
         let (pool, sibling) = if warmup {
-            (&self.graph_pool, &self.eager_pool)
+            (self.pools.graph(), self.pools.eager())
         } else {
-            (&self.eager_pool, &self.graph_pool)
+            (self.pools.eager(), self.pools.graph())
         };
         let mut ctx = Ctx {
             device: &self.device,
@@ -81,15 +81,12 @@ impl<D: Device, M: Clone> Graft<D, M> {
         };
         let result = catch_unwind(AssertUnwindSafe(|| (frame.body)(&mut ctx)));
         let allocs = std::mem::take(&mut ctx.allocs);
-        let registry = if warmup {
-            &mut self.loose
-        } else {
-            &mut self.eager_cells
-        };
         if warmup {
-            crate::graft::list_held(&mut self.handed, &allocs);
+            self.pools.list_held(&allocs);
+            self.pools.keep_loose(allocs);
+        } else {
+            self.pools.keep_eager(allocs);
         }
-        registry.extend(allocs);
         let outputs = result
             .unwrap_or_else(|panic| resume_unwind(panic))
             .map_err(|source| CallError::Body {

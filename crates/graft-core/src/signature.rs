@@ -9,13 +9,13 @@ use std::sync::Arc;
 
 use foldhash::fast::FixedState;
 
-use crate::admit::Uses;
 use crate::bucket::Bucket;
 use crate::buffer::Buffer;
 use crate::churn::{Churn, Last, Shape, Watch};
 use crate::config::{Config, FunctionSpec};
 use crate::error::{CallError, FunctionId};
 use crate::reason::EagerReason;
+use crate::uses::Uses;
 
 /// One signature of a function: input sizes and keys, and what graft learned about it.
 pub(crate) struct Signature {
@@ -69,9 +69,10 @@ impl Signature {
             })
     }
 
-    /// How often it was called recently without replaying (aged; see [`Uses`]).
-    pub(crate) fn uses_now(&self) -> u64 {
-        self.uses.estimate(self.calls)
+    /// How often it was called recently without replaying (see [`Uses`]), once aged by
+    /// `windows` windows (none: now).
+    pub(crate) fn uses_aged(&self, windows: u64) -> u64 {
+        self.uses.estimate_aged(self.calls, windows)
     }
 
     /// Ages [`Signature::uses`] by `windows` windows.

@@ -7,6 +7,7 @@ use super::*;
 /// An exact snapshot of a pool's block layout (allocated ids, addresses, sizes), taken with
 /// [`Pool::checkpoint`] and applied with [`Pool::rollback`]. It holds no device memory.
 #[derive(Debug, Clone)]
+#[cfg_attr(not(feature = "test-support"), allow(unreachable_pub))]
 pub struct Checkpoint {
     pool: u64,
     /// Serial of the reservation it was taken in (`None`: no reservation).
@@ -17,6 +18,7 @@ pub struct Checkpoint {
 
 impl Checkpoint {
     /// Allocated blocks in the snapshot, address order.
+    #[cfg(feature = "test-support")]
     pub fn allocated(&self) -> impl Iterator<Item = Block> + '_ {
         self.allocated.iter().map(|&(addr, size, id)| Block {
             id,
@@ -26,6 +28,7 @@ impl Checkpoint {
     }
 }
 
+#[cfg_attr(not(feature = "test-support"), allow(unreachable_pub))]
 impl Pool {
     /// An exact snapshot of the block layout: allocated ids, addresses and sizes. O(n) in the
     /// number of blocks, one allocation.
@@ -69,6 +72,7 @@ impl Pool {
 
     /// [`Pool::rollback`] that first checks `cp` is this pool's and that every allocated block
     /// it describes lies over memory that is still mapped; on error the pool is unchanged.
+    #[cfg(feature = "test-support")]
     pub fn try_rollback(&mut self, cp: &Checkpoint) -> Result<(), PoolError> {
         if cp.pool != self.uid {
             return Err(PoolError::ForeignCheckpoint);

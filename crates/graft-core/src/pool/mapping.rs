@@ -2,6 +2,7 @@
 
 use super::*;
 
+#[cfg_attr(not(feature = "test-support"), allow(unreachable_pub))]
 impl Pool {
     /// Reserves the range if the pool has none yet.
     pub(super) fn ensure_reserved(

@@ -16,13 +16,17 @@ use crate::device::{CORE, CoreOnly, Device, DeviceError, DevicePtr};
 
 mod error;
 mod intervals;
+#[cfg(feature = "test-support")]
 mod invariants;
 mod layout;
 mod mapping;
 
 pub use error::PoolError;
 use intervals::{Intervals, covered, covers, gaps, insert_interval, remove_interval};
+// The pool's own surface is public for the `testing` module alone (feature test-support).
+#[cfg(feature = "test-support")]
 pub use invariants::InvariantViolation;
+#[cfg_attr(not(feature = "test-support"), allow(unreachable_pub))]
 pub use layout::Checkpoint;
 
 /// Every block address and size is a multiple of this many bytes.
@@ -31,6 +35,7 @@ pub(crate) const GRANULARITY: usize = 512;
 /// What the pool needs from the memory behind it: the memory calls of [`Device`] (see the
 /// device module's Memory section for their rules), sealed to graft-core by the same token.
 /// Every device is one; tests use fakes.
+#[cfg_attr(not(feature = "test-support"), allow(unreachable_pub))]
 pub trait Backing {
     /// See [`Device::granularity`].
     fn granularity(&self) -> usize;
@@ -104,6 +109,7 @@ impl fmt::Display for BlockId {
 /// A block of the pool's range. For an allocated block, `size` is the request rounded up to
 /// [`GRANULARITY`].
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[cfg_attr(not(feature = "test-support"), allow(unreachable_pub))]
 pub struct Block {
     /// The block's id ([`BlockId::FREE`] for a free block in [`Pool::blocks`]).
     pub id: BlockId,
@@ -235,6 +241,7 @@ type IdMap = HashMap<BlockId, u64, BuildHasherDefault<IdHasher>>;
 /// Both leave [`PoolStats`] consistent (`allocated` is the sum of allocated block sizes) and make
 /// every previously issued id that is not allocated afterwards stale.
 #[derive(Debug)]
+#[cfg_attr(not(feature = "test-support"), allow(unreachable_pub))]
 pub struct Pool {
     uid: u64,
     reservation_bytes: usize,
@@ -262,6 +269,7 @@ fn end_of(addr: u64, len: usize) -> u64 {
     addr.saturating_add(len as u64)
 }
 
+#[cfg_attr(not(feature = "test-support"), allow(unreachable_pub))]
 impl Pool {
     /// An empty pool that will reserve `reservation_bytes` of address space (rounded up to the
     /// backing's granularity) on its first allocation. No single allocation, nor all live
@@ -381,6 +389,7 @@ impl Pool {
     }
 
     /// The allocated block with this id, if it is allocated.
+    #[cfg(feature = "test-support")]
     pub fn block(&self, id: BlockId) -> Option<Block> {
         let addr = *self.ids.get(&id)?;
         let slot = self.blocks.get(&addr)?;

@@ -9,9 +9,10 @@ use crate::buffer::{Buffer, Cell};
 use crate::ctx::{Ctx, Reclaim, RunKind, alloc_owned};
 use crate::device::{CORE, CopyEnds, Device, DeviceError, DevicePtr};
 use crate::error::{BodyError, CallError, FunctionId};
-use crate::graft::{Frame, Graft, lock};
+use crate::graft::{Frame, Graft};
 use crate::lifecycle::Phase;
 use crate::pool::{Checkpoint, PoolError};
+use crate::pools::lock;
 use crate::reason::Decision;
 use crate::tree::{InputSlot, NodeKey, NodeOutput, Output, OutputSlot, key_of};
 
@@ -65,11 +66,11 @@ impl<D: Device, M: Clone> Graft<D, M> {
             footprint: Vec::new(),
         };
         for (position, b) in frame.inputs.iter().enumerate() {
-            let addr = self.addrs[position];
+            let addr = frame.addrs[position];
             let cell = b.cell();
             // Identity first: node ids and generations of another runtime mean nothing here,
             // so a buffer of another runtime's pool is never managed (it is copied).
-            let managed = cell.in_pool(&self.graph_pool)
+            let managed = cell.in_pool(self.pools.graph())
                 && cell.generation() == generation
                 && cell.node().is_some_and(|n| path.contains(&key_of(n)))
                 && !b.is_empty();
@@ -97,7 +98,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
             } else {
                 // No reclaiming here: a checkpoint is pending.
                 let placed = alloc_owned(
-                    &self.graph_pool,
+                    self.pools.graph(),
                     &self.device,
                     b.len(),
                     name.clone(),
@@ -130,7 +131,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
     /// own pools, with its address: graft's memory passed as if it were someone else's, whose
     /// reuse graft could not see.
     pub(super) fn external_in_pool(&self, inputs: &[&Buffer]) -> Option<(usize, DevicePtr)> {
-        let ranges = [&self.graph_pool, &self.eager_pool].map(|p| lock(p).reservation());
+        let ranges = [self.pools.graph(), self.pools.eager()].map(|p| lock(p).reservation());
         inputs.iter().enumerate().find_map(|(position, b)| {
             let at = b.addr().ok()?;
             let (s, e) = (at.0, at.0 + b.len() as u64);
@@ -164,8 +165,8 @@ impl<D: Device, M: Clone> Graft<D, M> {
         let mut ctx = Ctx {
             device: &self.device,
             inputs: &prepared.ctx_inputs,
-            pool: &self.graph_pool,
-            sibling: &self.eager_pool,
+            pool: self.pools.graph(),
+            sibling: self.pools.eager(),
             function: &name,
             generation: self.generation,
             kind: RunKind::Recording,

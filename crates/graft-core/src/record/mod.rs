@@ -12,9 +12,10 @@ use crate::buffer::{Buffer, Cell};
 use crate::ctx::{Ctx, release_unused};
 use crate::device::{CORE, Device, DeviceError, DeviceOp, DevicePtr};
 use crate::error::{BodyError, CallError};
-use crate::graft::{Frame, Graft, Outcome, lock};
+use crate::graft::{Frame, Graft, Outcome};
 use crate::lifecycle::Phase;
 use crate::pool::{Checkpoint, PoolError};
+use crate::pools::lock;
 use crate::reason::{Decision, EagerReason, EvictReason, RecordReason};
 use crate::tree::{self, Node, NodeKey, Output, OutputSlot};
 
@@ -55,8 +56,8 @@ impl<D: Device, M: Clone> Graft<D, M> {
         self.diverge_if_replayed(frame.function);
         let attempt = match self.capture_once(frame, parent, &mut reuse) {
             Err(Failure::OutOfMemory(_)) => {
-                let released = release_unused(&mut lock(&self.graph_pool), &self.device)
-                    + release_unused(&mut lock(&self.eager_pool), &self.device);
+                let released = release_unused(&mut lock(self.pools.graph()), &self.device)
+                    + release_unused(&mut lock(self.pools.eager()), &self.device);
                 tracing::debug!(
                     released,
                     "out of device memory while recording: released unused pool memory, retrying"
@@ -87,14 +88,14 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 let (key, keep) = self.attach(frame, parent, reason, prepared, captured);
                 let outcome = self.first_launch(key, frame);
                 drop(keep);
-                let kernels = self.tree[key].summary.host_random;
-                if kernels > 0 {
-                    let why = EagerReason::HostRandom { kernels };
-                    tracing::warn!(function = %name, reason = %why, "the recording never replays; the signature runs eagerly from now on");
-                    self.functions[frame.function].sigs[frame.sig].eager = Some(why);
-                    self.free_retired(key, parent, EvictReason::HostRandom)?;
-                } else if let Some(position) = self.tree[key].retired {
-                    self.free_retired(key, parent, EvictReason::InputMutated { position })?;
+                match after_first_launch(&self.tree[key]) {
+                    Afterwards::Kept => {}
+                    Afterwards::Retired(why) => self.free_retired(key, parent, why)?,
+                    Afterwards::Eager(why) => {
+                        tracing::warn!(function = %name, reason = %why, "the recording never replays; the signature runs eagerly from now on");
+                        self.functions[frame.function].sigs[frame.sig].eager = Some(why);
+                        self.free_retired(key, parent, EvictReason::HostRandom)?;
+                    }
                 }
                 outcome
             }
@@ -121,7 +122,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 addr,
             }));
         }
-        let checkpoint = lock(&self.graph_pool).checkpoint();
+        let checkpoint = lock(self.pools.graph()).checkpoint();
         let prepared = match self.prepare_inputs(frame, parent) {
             Ok(prepared) => prepared,
             Err((placeholders, source)) => {
@@ -236,7 +237,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
         let function = self.tree[key].function;
         // What a graph reads or writes stays mapped as long as the graph exists.
         let pins: Vec<(DevicePtr, usize)> = self.tree[key].pins().collect();
-        lock(&self.graph_pool).pin(&pins);
+        lock(self.pools.graph()).pin(&pins);
         let mut output_cells: Vec<*const Cell> = Vec::new();
         for o in &self.tree[key].outputs {
             if let OutputSlot::Tracked { cell, .. } = &o.slot {
@@ -249,8 +250,8 @@ impl<D: Device, M: Clone> Graft<D, M> {
             .chain(placeholders)
             .filter(|c| !output_cells.contains(&Arc::as_ptr(c)))
             .collect();
-        crate::graft::list_held(&mut self.handed, &loose);
-        self.loose.extend(loose);
+        self.pools.list_held(&loose);
+        self.pools.keep_loose(loose);
         // Recording always ends at its node.
         let _: Result<(), CallError> = self.move_to(Phase::Replaying { tip: id });
         self.stats.recordings += 1;
@@ -288,7 +289,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
             let buffer = match &o.slot {
                 OutputSlot::Tracked { cell, .. } => {
                     let buffer = Buffer::from_cell(cell);
-                    crate::graft::list_held(&mut self.handed, [cell]);
+                    self.pools.list_held([cell]);
                     buffer
                 }
                 OutputSlot::Empty(cell) => Buffer::from_cell(cell),
@@ -333,7 +334,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
             c.disown();
             c.invalidate_reclaimed();
         }
-        lock(&self.graph_pool).rollback(checkpoint);
+        lock(self.pools.graph()).rollback(checkpoint);
     }
 
     /// A capture failed (here, or on another rank of the group): the signature runs eagerly
@@ -358,6 +359,32 @@ impl<D: Device, M: Clone> Graft<D, M> {
         self.log(function, parent, Decision::Eager(why.clone()));
         self.functions[function].sigs[frame.sig].eager = Some(why.clone());
         self.run_eager(frame, why)
+    }
+}
+
+/// What becomes of a new node once its first launch showed what its graph does: decided by
+/// [`after_first_launch`], carried out by [`Graft::record`].
+#[derive(Debug, PartialEq)]
+enum Afterwards {
+    /// It stays in the tree, to replay.
+    Kept,
+    /// It never replays (its first launch retired it: a copied input it reads was written):
+    /// freed at once.
+    Retired(EvictReason),
+    /// It never replays and neither would a re-recording (its graph draws random numbers on
+    /// the host): freed at once, and its signature runs eagerly for good.
+    Eager(EagerReason),
+}
+
+/// The decision [`Afterwards`] for a node after its first launch.
+fn after_first_launch<G, M>(node: &Node<G, M>) -> Afterwards {
+    let kernels = node.summary.host_random;
+    if kernels > 0 {
+        Afterwards::Eager(EagerReason::HostRandom { kernels })
+    } else if let Some(position) = node.retired {
+        Afterwards::Retired(EvictReason::InputMutated { position })
+    } else {
+        Afterwards::Kept
     }
 }
 

@@ -192,6 +192,18 @@ impl<G, M> Tree<G, M> {
         path
     }
 
+    /// `key` and every node under it, `key` first, then the rest breadth first (the order in
+    /// which [`Tree::remove`] returns them).
+    pub(crate) fn subtree(&self, key: NodeKey) -> Vec<NodeKey> {
+        let mut all = vec![key];
+        let mut i = 0;
+        while let Some(&k) = all.get(i) {
+            i += 1;
+            all.extend_from_slice(&self.nodes[k].children);
+        }
+        all
+    }
+
     /// Removes `key` and every node under it: unlinked from the parent (or the roots) and
     /// from the candidate lookup. Returns the removed nodes, `key` first, then the rest
     /// breadth first; nothing when `key` is not in the tree.

@@ -117,7 +117,7 @@ pub(crate) struct Node<G, M> {
     pub(crate) replays: u64,
     /// How often it replayed recently, aged (see `admit.rs`): of the graphs the budget may
     /// evict, the least used goes first.
-    pub(crate) uses: crate::admit::Uses,
+    pub(crate) uses: crate::uses::Uses,
     /// When the node last replayed or was recorded ([`crate::Graft`]'s clock): of the least
     /// used graphs, the budget evicts the least recently used first.
     pub(crate) last_used: u64,
