@@ -19,6 +19,9 @@ use crate::vmm::{self, Vmm};
 /// `CU_STREAM_CAPTURE_STATUS_NONE` as the number [`Inner::capture_status`] returns.
 pub(crate) const CAPTURE_NONE: u32 =
     sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE as u32;
+/// `CU_STREAM_CAPTURE_STATUS_INVALIDATED` as the number [`Inner::capture_status`] returns.
+pub(crate) const CAPTURE_INVALIDATED: u32 =
+    sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_INVALIDATED as u32;
 
 /// The shared state of a device. Handles are null until created, so a partly built `Inner`
 /// (a failing [`Inner::open`]) releases exactly what it got.

@@ -24,9 +24,11 @@ use graft_core::{
     UpdateRefusal,
 };
 
-use crate::context::Inner;
+use cudarc::driver::sys;
+
+use crate::context::{CAPTURE_INVALIDATED, Inner};
 use crate::driver::device_count;
-use crate::error::invalid_argument;
+use crate::error::{check, invalid_argument};
 use crate::graph::CudaGraph;
 
 /// graft's CUDA backend: one runtime stream on one device. See the [crate docs](crate).
@@ -145,6 +147,29 @@ impl CudaDevice {
     /// The device's name as the driver reports it, e.g. "NVIDIA H100 80GB HBM3".
     pub fn name(&self) -> &str {
         &self.queue.inner.name
+    }
+
+    /// Gives the device's graph memory that no graph uses back to the OS
+    /// (`cuDeviceGraphMemTrim`): the memory of graphs that are executing or scheduled stays.
+    /// Failures are reported with `DeviceOp::Unmap`.
+    pub fn trim_graph_memory(&self) -> Result<(), DeviceError> {
+        let inner = &self.queue.inner;
+        inner.enter(DeviceOp::Unmap)?;
+        // SAFETY: `cu_device` is the device of the primary context `inner` keeps retained;
+        // trimming only releases graph memory no graph uses.
+        check(DeviceOp::Unmap, unsafe {
+            sys::cuDeviceGraphMemTrim(inner.cu_device)
+        })
+    }
+
+    /// Whether the runtime stream's capture is invalidated
+    /// (`CU_STREAM_CAPTURE_STATUS_INVALIDATED`): a call inside it failed, and ending it will
+    /// fail. False when no capture is underway or the capture is active. Failures are
+    /// reported with `DeviceOp::Query`.
+    pub fn capture_invalidated(&self) -> Result<bool, DeviceError> {
+        let inner = &self.queue.inner;
+        inner.enter(DeviceOp::Query)?;
+        Ok(inner.capture_status(DeviceOp::Query)? == CAPTURE_INVALIDATED)
     }
 }
 

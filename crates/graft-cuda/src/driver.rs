@@ -45,6 +45,7 @@ pub(crate) const DRIVER_SYMBOLS: &[(&str, &str)] = driver_symbols![
     "cuDeviceGetCount",
     "cuDeviceGet",
     "cuDeviceGetName",
+    "cuDeviceGraphMemTrim",
     "cuDevicePrimaryCtxRetain",
     "cuDevicePrimaryCtxRelease_v2",
     "cuCtxSetCurrent",
