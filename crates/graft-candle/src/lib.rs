@@ -25,10 +25,13 @@
 //! - random numbers come from [`random::DeviceRng`], whose seed and offset live on the device
 //!   (pass its state as a static): a host seed would be frozen into the recorded graph.
 //!
-//! Two builds, chosen by the `cuda` feature:
+//! Two builds, chosen by the `cuda` feature, with one API: every public type and function
+//! exists in both, and the feature only chooses the backend behind them (in this file, and for
+//! the random-number kernels in [`random`]):
 //!
 //! - Default (the workspace build, CI): candle-core and candle-nn on the CPU only. No CUDA
-//!   toolkit is needed; [`device`] returns [`Device::Cpu`] and steps run eagerly.
+//!   toolkit is needed; [`device`] returns [`Device::Cpu`], steps run eagerly, and the CUDA
+//!   figures of [`cuda`] refuse with [`Error::NoCuda`].
 //! - `cuda`: candle's CUDA backend plus graft-cuda, both with cudarc's `dynamic-linking`
 //!   (candle-core requires it). Built in its own invocation, never together with the workspace,
 //!   because cargo unifies cudarc's features over one build and the rest of graft loads CUDA

@@ -13,16 +13,16 @@ pub struct Loops<'c> {
 /// What [`Loops`] calls when graft runs the body (the CUDA engine's loop context).
 pub(crate) trait LoopCtx {
     /// graft-core's `Ctx::while_loop` over `flag`, with `body` as each iteration.
-    fn while_loop(
-        &mut self,
-        flag: &Tensor,
-        body: &mut dyn FnMut() -> Result<()>,
-    ) -> Result<()>;
+    fn while_loop(&mut self, flag: &Tensor, body: &mut dyn FnMut() -> Result<()>) -> Result<()>;
 }
 
 impl std::fmt::Debug for Loops<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let how = if self.graft.is_some() { "graft" } else { "host" };
+        let how = if self.graft.is_some() {
+            "graft"
+        } else {
+            "host"
+        };
         f.debug_struct("Loops").field("how", &how).finish()
     }
 }

@@ -117,6 +117,10 @@ mod tests {
         assert!(eager_memory(&device).is_err());
         assert!(reset_eager_high(&device).is_err());
         assert!(capture_stream(&device).is_null());
-        assert!(GraphEngine::open(&Device::Cpu, Config::default()).unwrap().is_none());
+        assert!(
+            GraphEngine::open(&Device::Cpu, Config::default())
+                .unwrap()
+                .is_none()
+        );
     }
 }

@@ -247,6 +247,8 @@ mod tests {
         ));
         assert_eq!(out.outputs[0].to_vec1::<f32>().unwrap(), [2., 4., 6.]);
         g.mark_step_begin();
+        assert!(g.graft().is_none());
+        assert!(g.churn(step).is_none());
     }
 
     #[test]

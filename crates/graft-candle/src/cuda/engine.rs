@@ -206,8 +206,7 @@ impl CudaEngine {
         self.statics.bind(step, statics, |position, t| {
             let (addr, len) = checked_range(t, stream, name, "static", position)?;
             // The buffer keeps the tensor, so its memory stays allocated while it is bound.
-            let buffer =
-                Buffer::external(device, DevicePtr(addr), len, Some(Box::new(t.clone())));
+            let buffer = Buffer::external(device, DevicePtr(addr), len, Some(Box::new(t.clone())));
             buffer.mark_static();
             Ok::<_, Error>(buffer)
         })?;
@@ -242,7 +241,9 @@ impl CudaEngine {
             function,
             &all,
             &self.keys,
-            |ctx: &mut Ctx<'_, GraftCuda>| run_body(ctx, &mut attempt, &mut body, &contiguous, &env),
+            |ctx: &mut Ctx<'_, GraftCuda>| {
+                run_body(ctx, &mut attempt, &mut body, &contiguous, &env)
+            },
             &mut allocator,
             &mut self.outs,
         );
@@ -255,9 +256,9 @@ impl CudaEngine {
         }
         if let Attempt::StateLost { cause } = attempt {
             // The stream must have left the capture and the context must still work.
-            stream
-                .synchronize()
-                .map_err(super::driver("checking the stream after a failed recording"))?;
+            stream.synchronize().map_err(super::driver(
+                "checking the stream after a failed recording",
+            ))?;
             self.refusals.remember(step, &self.keys, cause.clone());
             return Err(Error::StateLost {
                 step: name.clone(),

@@ -24,7 +24,9 @@ pub fn graph_memory(device: &CudaDevice) -> Result<GraphMemory, Error> {
             sys::cuDeviceGetGraphMemAttribute(cu_device, attr, (&raw mut value).cast::<c_void>())
         }
         .result()
-        .map_err(driver("reading the graph memory figures (cuDeviceGetGraphMemAttribute)"))?;
+        .map_err(driver(
+            "reading the graph memory figures (cuDeviceGetGraphMemAttribute)",
+        ))?;
         Ok(value)
     };
     use sys::CUgraphMem_attribute as A;
@@ -63,7 +65,9 @@ pub fn trim_graph_memory(device: &CudaDevice) -> Result<(), Error> {
             sys::cuDeviceSetGraphMemAttribute(cu_device, attr, (&raw mut zero).cast::<c_void>())
         }
         .result()
-        .map_err(driver("resetting the graph memory high-water marks (cuDeviceSetGraphMemAttribute)"))?;
+        .map_err(driver(
+            "resetting the graph memory high-water marks (cuDeviceSetGraphMemAttribute)",
+        ))?;
     }
     Ok(())
 }
@@ -90,7 +94,9 @@ fn default_pool(device: &CudaDevice) -> Result<sys::CUmemoryPool, Error> {
     // SAFETY: `cu_device` is the device of a live context and `pool` a valid out-pointer.
     unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, cu_device) }
         .result()
-        .map_err(driver("finding the device's default memory pool (cuDeviceGetDefaultMemPool)"))?;
+        .map_err(driver(
+            "finding the device's default memory pool (cuDeviceGetDefaultMemPool)",
+        ))?;
     Ok(pool)
 }
 
@@ -103,7 +109,9 @@ pub fn eager_memory(device: &CudaDevice) -> Result<EagerMemory, Error> {
         // here are cuuint64_t, which `value` is.
         unsafe { sys::cuMemPoolGetAttribute(pool, attr, (&raw mut value).cast::<c_void>()) }
             .result()
-            .map_err(driver("reading the default memory pool's figures (cuMemPoolGetAttribute)"))?;
+            .map_err(driver(
+                "reading the default memory pool's figures (cuMemPoolGetAttribute)",
+            ))?;
         Ok(value)
     };
     use sys::CUmemPool_attribute as A;
@@ -132,5 +140,7 @@ pub fn reset_eager_high(device: &CudaDevice) -> Result<(), Error> {
         )
     }
     .result()
-    .map_err(driver("resetting the default memory pool's high-water mark (cuMemPoolSetAttribute)"))
+    .map_err(driver(
+        "resetting the default memory pool's high-water mark (cuMemPoolSetAttribute)",
+    ))
 }

@@ -27,12 +27,10 @@ pub(crate) fn call_error(step: &Arc<str>, error: CallError<candle_core::Error>) 
             what: "allocating an output tensor",
             source: error,
         },
-        CallError::Device { source, .. } if source.op() == DeviceOp::GraphLaunch => {
-            Error::Launch {
-                step: step.clone(),
-                source,
-            }
-        }
+        CallError::Device { source, .. } if source.op() == DeviceOp::GraphLaunch => Error::Launch {
+            step: step.clone(),
+            source,
+        },
         other => Error::Call(Box::new(other)),
     }
 }
@@ -67,7 +65,10 @@ mod tests {
             source: BodyError::Framework(candle_core::Error::Msg("shape mismatch".into())),
         };
         let e = call_error(&step(), body);
-        assert!(matches!(&e, Error::Body { step, .. } if &**step == "decode"), "{e}");
+        assert!(
+            matches!(&e, Error::Body { step, .. } if &**step == "decode"),
+            "{e}"
+        );
         assert!(e.to_string().contains("shape mismatch"), "{e}");
         let alloc = CallError::Destination {
             function: step(),

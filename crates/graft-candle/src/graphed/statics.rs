@@ -92,13 +92,22 @@ mod tests {
             Ok((position, made))
         };
         statics.bind(1, &[&a, &b], &mut bind).unwrap();
-        assert_eq!(statics.buffers(1).copied().collect::<Vec<_>>(), [(0, 1), (1, 2)]);
+        assert_eq!(
+            statics.buffers(1).copied().collect::<Vec<_>>(),
+            [(0, 1), (1, 2)]
+        );
         // Same tensors: nothing is bound again.
         statics.bind(1, &[&a, &b], &mut bind).unwrap();
-        assert_eq!(statics.buffers(1).copied().collect::<Vec<_>>(), [(0, 1), (1, 2)]);
+        assert_eq!(
+            statics.buffers(1).copied().collect::<Vec<_>>(),
+            [(0, 1), (1, 2)]
+        );
         // Another tensor at position 1: only that position is bound anew.
         statics.bind(1, &[&a, &c], &mut bind).unwrap();
-        assert_eq!(statics.buffers(1).copied().collect::<Vec<_>>(), [(0, 1), (1, 3)]);
+        assert_eq!(
+            statics.buffers(1).copied().collect::<Vec<_>>(),
+            [(0, 1), (1, 3)]
+        );
         // Fewer statics: the positions past them are unbound.
         statics.bind(1, &[&a], &mut bind).unwrap();
         assert_eq!(statics.buffers(1).copied().collect::<Vec<_>>(), [(0, 1)]);
@@ -111,7 +120,10 @@ mod tests {
         let mut statics = Statics::default();
         statics.add_step();
         statics.bind(0, &[&a], |_, _| Ok::<_, ()>(1)).unwrap();
-        assert_eq!(statics.bind(0, &[&b], |_, _| Err("no address")), Err("no address"));
+        assert_eq!(
+            statics.bind(0, &[&b], |_, _| Err("no address")),
+            Err("no address")
+        );
         assert_eq!(statics.buffers(0).copied().collect::<Vec<_>>(), [1]);
         // The old tensor is still the one bound: passing it binds nothing.
         statics.bind(0, &[&a], |_, _| Err("bound again")).unwrap();

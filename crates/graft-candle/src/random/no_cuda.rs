@@ -12,11 +12,19 @@ pub(super) fn load(_device: &CudaDevice) -> Result<()> {
 }
 
 /// Refuses: there are no CUDA tensors in this build.
-pub(super) fn uniform(_state: &CudaStorage, _range: Range<usize>, _n: usize) -> Result<CudaStorage> {
-    bail!("drawing random numbers on CUDA needs graft-candle's cuda feature; build it with --features cuda")
+pub(super) fn uniform(
+    _state: &CudaStorage,
+    _range: Range<usize>,
+    _n: usize,
+) -> Result<CudaStorage> {
+    bail!(
+        "drawing random numbers on CUDA needs graft-candle's cuda feature; build it with --features cuda"
+    )
 }
 
 /// Refuses: there are no CUDA tensors in this build.
 pub(super) fn advance(_state: &mut CudaStorage, _range: Range<usize>, _blocks: u64) -> Result<()> {
-    bail!("drawing random numbers on CUDA needs graft-candle's cuda feature; build it with --features cuda")
+    bail!(
+        "drawing random numbers on CUDA needs graft-candle's cuda feature; build it with --features cuda"
+    )
 }
