@@ -70,7 +70,6 @@ pub enum Error {
     /// Recording the step failed because its body freed a tensor made outside the step: it
     /// replaced state it keeps, and the replacement's work never ran. The call is not run
     /// again on that state, and the step runs eagerly from now on.
-    #[cfg(feature = "cuda")]
     #[error(
         "{step}: recording failed: {cause}. The state the body keeps now holds tensors whose work never ran, so the call was not run again: rebuild that state (a fresh cache) and call again; the step runs eagerly from now on"
     )]
@@ -82,13 +81,11 @@ pub enum Error {
     },
     /// graft refused or failed the call (see graft's `CallError`), boxed: it carries candle's
     /// error type.
-    #[cfg(feature = "cuda")]
     #[error(transparent)]
     Call(Box<graft_core::CallError<candle_core::Error>>),
     /// Launching a recorded graph failed. CUDA refuses to relaunch a graph while one of its
     /// allocations is held: a body that keeps a tensor it made (in a struct, a cache, a
     /// channel) causes this.
-    #[cfg(feature = "cuda")]
     #[error(
         "{step}: launching its recorded graph failed: {source}; if the body keeps a tensor it made (in a struct, a cache, a channel), CUDA refuses to relaunch the graph until that tensor is dropped: a step must drop everything it makes"
     )]
@@ -99,7 +96,6 @@ pub enum Error {
         source: graft_core::DeviceError,
     },
     /// Opening graft's CUDA device on candle's stream failed, or a driver query failed.
-    #[cfg(feature = "cuda")]
     #[error("{what}: {source}")]
     Device {
         /// What was being done.
@@ -109,12 +105,24 @@ pub enum Error {
     },
     /// A CUDA driver call graft-candle makes itself (copies between candle tensors and graft
     /// buffers, graph memory queries) failed.
-    #[cfg(feature = "cuda")]
-    #[error("{what} failed: {source}; the CUDA context may be broken, restart the process")]
+    #[error(
+        "{what} failed with CUDA error {name} ({code}); the CUDA context may be broken, restart the process"
+    )]
     Driver {
         /// What was being done.
         what: &'static str,
-        /// CUDA's error.
-        source: candle_core::cuda_backend::cudarc::driver::DriverError,
+        /// CUDA's numeric error code.
+        code: u32,
+        /// CUDA's name of the error.
+        name: String,
+    },
+    /// A CUDA-only operation was called in a build of graft-candle without its `cuda`
+    /// feature.
+    #[error(
+        "{what} needs CUDA, but graft-candle was built without its cuda feature; build it with --features cuda (see scripts/cuda-build-env.sh)"
+    )]
+    NoCuda {
+        /// The operation called.
+        what: &'static str,
     },
 }

@@ -25,10 +25,13 @@
 //! - random numbers come from [`random::DeviceRng`], whose seed and offset live on the device
 //!   (pass its state as a static): a host seed would be frozen into the recorded graph.
 //!
-//! Two builds, chosen by the `cuda` feature:
+//! Two builds, chosen by the `cuda` feature, with one API: every public type and function
+//! exists in both, and the feature only chooses the backend behind them (in this file, and for
+//! the random-number kernels in [`random`]):
 //!
 //! - Default (the workspace build, CI): candle-core and candle-nn on the CPU only. No CUDA
-//!   toolkit is needed; [`device`] returns [`Device::Cpu`] and steps run eagerly.
+//!   toolkit is needed; [`device`] returns [`Device::Cpu`], steps run eagerly, and the CUDA
+//!   figures of [`cuda`] refuse with [`Error::NoCuda`].
 //! - `cuda`: candle's CUDA backend plus graft-cuda, both with cudarc's `dynamic-linking`
 //!   (candle-core requires it). Built in its own invocation, never together with the workspace,
 //!   because cargo unifies cudarc's features over one build and the rest of graft loads CUDA
@@ -41,9 +44,13 @@
 //!   ```
 
 mod bucket;
+mod diagnostics;
 mod error;
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+mod graphed;
 pub mod llama;
 mod looping;
+mod memory;
 pub mod models;
 pub mod optim;
 pub mod random;
@@ -56,19 +63,26 @@ pub mod serve;
 mod step;
 pub mod train;
 
+// The backend, chosen here (and, for the random-number kernels, in `random`): with the `cuda`
+// feature, graft over candle's CUDA stream; without it, a stand-in with the same items whose
+// engine never opens (every runtime runs eagerly) and whose CUDA figures refuse with
+// `Error::NoCuda`. The parts of a graphed call that need no CUDA (`graphed`, above) are
+// compiled and tested in both builds and used only by the CUDA engine, hence its `allow`.
 #[cfg(feature = "cuda")]
+pub mod cuda;
+#[cfg(not(feature = "cuda"))]
+#[path = "no_cuda.rs"]
 pub mod cuda;
 
 pub use bucket::pad;
 pub use candle_core;
-#[cfg(feature = "cuda")]
-pub use cuda::OutputMeta;
+pub use diagnostics::Diagnostics;
 pub use error::Error;
 pub use graft_core::{Bucket, Buckets, Churn};
 pub use looping::Loops;
 pub use refusal::{EagerCause, Uncapturable};
 pub use runtime::CandleGraft;
-pub use step::{Step, StepId, StepOutcome};
+pub use step::{OutputMeta, Step, StepId, StepOutcome};
 
 use candle_core::{Device, Result};
 
@@ -81,17 +95,7 @@ use candle_core::{Device, Result};
 ///
 /// Without it: [`Device::Cpu`], whatever the ordinal.
 pub fn device(ordinal: usize) -> Result<Device> {
-    #[cfg(feature = "cuda")]
-    {
-        let device = Device::new_cuda_with_stream(ordinal)?;
-        cuda::prepare(device.as_cuda_device()?);
-        Ok(device)
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = ordinal;
-        Ok(Device::Cpu)
-    }
+    cuda::device(ordinal)
 }
 
 #[cfg(all(test, not(feature = "cuda")))]

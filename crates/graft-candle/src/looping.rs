@@ -5,24 +5,23 @@ use candle_core::{Result, Tensor};
 /// Handed to the body of [`crate::CandleGraft::call_looping`]: `while_loop` runs its closure
 /// while a `u32` flag tensor is not 0.
 pub struct Loops<'c> {
-    pub(crate) how: How<'c>,
+    /// Through graft's context (recorded as a conditional node, or on the host in a warmup)
+    /// when graft runs the body; `None` on the host (an eager run, any device).
+    pub(crate) graft: Option<&'c mut dyn LoopCtx>,
 }
 
-/// How this run of the body loops.
-pub(crate) enum How<'c> {
-    /// On the host: read the flag before each iteration (an eager run, any device).
-    Host(std::marker::PhantomData<&'c ()>),
-    /// Through graft's context: recorded as a conditional node, or on the host in a warmup.
-    #[cfg(feature = "cuda")]
-    Graft(&'c mut dyn crate::cuda::looping::LoopCtx),
+/// What [`Loops`] calls when graft runs the body (the CUDA engine's loop context).
+pub(crate) trait LoopCtx {
+    /// graft-core's `Ctx::while_loop` over `flag`, with `body` as each iteration.
+    fn while_loop(&mut self, flag: &Tensor, body: &mut dyn FnMut() -> Result<()>) -> Result<()>;
 }
 
 impl std::fmt::Debug for Loops<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let how = match self.how {
-            How::Host(_) => "host",
-            #[cfg(feature = "cuda")]
-            How::Graft(_) => "graft",
+        let how = if self.graft.is_some() {
+            "graft"
+        } else {
+            "host"
         };
         f.debug_struct("Loops").field("how", &how).finish()
     }
@@ -45,15 +44,14 @@ impl Loops<'_> {
         flag: &Tensor,
         mut body: impl FnMut() -> Result<()>,
     ) -> Result<()> {
-        match &mut self.how {
-            How::Host(_) => loop {
+        match &mut self.graft {
+            None => loop {
                 if flag.flatten_all()?.get(0)?.to_scalar::<u32>()? == 0 {
                     return Ok(());
                 }
                 body()?;
             },
-            #[cfg(feature = "cuda")]
-            How::Graft(ctx) => ctx.while_loop(flag, &mut body),
+            Some(ctx) => ctx.while_loop(flag, &mut body),
         }
     }
 }

@@ -6,19 +6,21 @@ use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
 
+use crate::cuda::GraphEngine;
+use crate::diagnostics::Diagnostics;
 use crate::error::Error;
-use crate::looping::{How, Loops};
+use crate::looping::Loops;
 use crate::refusal::EagerCause;
 use crate::step::{Step, StepId, StepInfo, StepOutcome};
 
-/// Where calls run.
+/// Where calls run: the two backends behind [`CandleGraft`].
 #[derive(Debug)]
 enum Engine {
-    /// Not a CUDA device: every call runs the body directly.
+    /// Not a CUDA device (or a build without the `cuda` feature): every call runs the body
+    /// directly.
     Eager(EagerCause),
     /// graft over candle's CUDA stream.
-    #[cfg(feature = "cuda")]
-    Cuda(Box<crate::cuda::engine::CudaEngine>),
+    Graphed(Box<GraphEngine>),
 }
 
 /// graft for candle: runs registered step functions of candle tensors under graft's graph
@@ -40,21 +42,15 @@ impl CandleGraft {
 
     /// A runtime for `device` with `config` (warmups, re-record limit, allow-list, ...).
     pub fn with_config(device: &Device, config: graft_core::Config) -> Result<CandleGraft, Error> {
-        #[cfg(feature = "cuda")]
-        if let Device::Cuda(cuda) = device {
-            let engine = crate::cuda::engine::CudaEngine::new(cuda, config)?;
-            return Ok(CandleGraft {
-                device: device.clone(),
-                engine: Engine::Cuda(Box::new(engine)),
-                steps: Vec::new(),
-            });
-        }
-        let _ = config;
-        Ok(CandleGraft {
-            device: device.clone(),
-            engine: Engine::Eager(EagerCause::NotCuda {
+        let engine = match GraphEngine::open(device, config)? {
+            Some(engine) => Engine::Graphed(Box::new(engine)),
+            None => Engine::Eager(EagerCause::NotCuda {
                 location: format!("{:?}", device.location()),
             }),
+        };
+        Ok(CandleGraft {
+            device: device.clone(),
+            engine,
             steps: Vec::new(),
         })
     }
@@ -95,24 +91,11 @@ impl CandleGraft {
             ..spec
         };
         let name: Arc<str> = Arc::from(name);
-        match &mut self.engine {
-            Engine::Eager(_) => {
-                let _ = spec;
-                self.steps.push(StepInfo {
-                    name,
-                    #[cfg(feature = "cuda")]
-                    function: None,
-                })
-            }
-            #[cfg(feature = "cuda")]
-            Engine::Cuda(engine) => {
-                let function = engine.register(&name, spec);
-                self.steps.push(StepInfo {
-                    name,
-                    function: Some(function),
-                });
-            }
-        }
+        let function = match &mut self.engine {
+            Engine::Eager(_) => None,
+            Engine::Graphed(engine) => Some(engine.register(&name, spec)),
+        };
+        self.steps.push(StepInfo { name, function });
         StepId(self.steps.len() - 1)
     }
 
@@ -171,9 +154,7 @@ impl CandleGraft {
             Engine::Eager(why) => {
                 let mut body = body;
                 let owned: Vec<Tensor> = inputs.iter().map(|&t| t.clone()).collect();
-                let mut loops = Loops {
-                    how: How::Host(std::marker::PhantomData),
-                };
+                let mut loops = Loops { graft: None };
                 let outputs = body(&owned, &mut loops).map_err(|source| Error::Body {
                     step: info.name.clone(),
                     source,
@@ -184,8 +165,7 @@ impl CandleGraft {
                     outcome: StepOutcome::Eager(why.clone()),
                 })
             }
-            #[cfg(feature = "cuda")]
-            Engine::Cuda(engine) => engine.call(step.0, info, inputs, statics, keys, body),
+            Engine::Graphed(engine) => engine.call(step.0, info, inputs, statics, keys, body),
         }
     }
 
@@ -195,8 +175,7 @@ impl CandleGraft {
     /// it is taken here instead. Any other value is simply dropped.
     pub fn discard<T>(&self, state: T) {
         drop(state);
-        #[cfg(feature = "cuda")]
-        if let Engine::Cuda(engine) = &self.engine {
+        if let Engine::Graphed(engine) = &self.engine {
             engine.take_deferred_error();
         }
     }
@@ -206,30 +185,23 @@ impl CandleGraft {
     /// too). Positions count the step's inputs first, then its statics; keys are yours,
     /// followed by the dtype and dims of each input. `None` when calls run eagerly.
     pub fn churn(&self, step: StepId) -> Option<graft_core::Churn> {
-        #[cfg(feature = "cuda")]
-        if let Engine::Cuda(engine) = &self.engine {
-            let function = self.steps.get(step.0)?.function?;
-            return engine.graft().churn(function).copied();
-        }
-        let _ = step;
-        None
+        let function = self.steps.get(step.0)?.function?;
+        self.graft()?.churn(function)
     }
 
     /// Starts a new step of graft's tree (optional for inference loops; see graft's
     /// `Graft::mark_step_begin`).
     pub fn mark_step_begin(&mut self) {
-        #[cfg(feature = "cuda")]
-        if let Engine::Cuda(engine) = &mut self.engine {
-            engine.graft_mut().mark_step_begin();
+        if let Engine::Graphed(engine) = &mut self.engine {
+            engine.mark_step_begin();
         }
     }
 
-    /// The graft runtime underneath, for diagnostics (`explain`, `stats`, `dump_text`,
-    /// `memory_report`); `None` when calls run eagerly.
-    #[cfg(feature = "cuda")]
-    pub fn graft(&self) -> Option<&graft_core::Graft<graft_cuda::CudaDevice, crate::OutputMeta>> {
+    /// The diagnostics of the graft runtime underneath (`explain`, `stats`, `dump_text`,
+    /// `nodes`, `memory_report`); `None` when calls run eagerly.
+    pub fn graft(&self) -> Option<Diagnostics<'_>> {
         match &self.engine {
-            Engine::Cuda(engine) => Some(engine.graft()),
+            Engine::Graphed(engine) => Some(Diagnostics::new(engine.inspect())),
             Engine::Eager(_) => None,
         }
     }
@@ -275,6 +247,8 @@ mod tests {
         ));
         assert_eq!(out.outputs[0].to_vec1::<f32>().unwrap(), [2., 4., 6.]);
         g.mark_step_begin();
+        assert!(g.graft().is_none());
+        assert!(g.churn(step).is_none());
     }
 
     #[test]

@@ -1,11 +1,9 @@
-//! What a call of a step is and returns: the step's id, its outcome, its outputs, and the
-//! keys a call's inputs add to graft's signature.
+//! What a call of a step is and returns: the step's id, its outcome, its outputs, and what
+//! graft keeps per output of a recorded step.
 
 use std::sync::Arc;
 
-#[cfg(any(test, feature = "cuda"))]
-use candle_core::DType;
-use candle_core::Tensor;
+use candle_core::{DType, Shape, Tensor};
 
 use crate::refusal::EagerCause;
 
@@ -41,60 +39,15 @@ pub struct Step {
 pub(crate) struct StepInfo {
     pub(crate) name: Arc<str>,
     /// graft's function (`None` when calls run eagerly).
-    #[cfg(feature = "cuda")]
     pub(crate) function: Option<graft_core::FunctionId>,
 }
 
-/// A stable number for a dtype, for signature keys.
-#[cfg(any(test, feature = "cuda"))]
-pub(crate) fn dtype_key(dtype: DType) -> u64 {
-    DTYPES
-        .iter()
-        .position(|&d| d == dtype)
-        .map_or(u64::MAX, |i| i as u64)
-}
-
-#[cfg(any(test, feature = "cuda"))]
-const DTYPES: [DType; 10] = [
-    DType::U8,
-    DType::U32,
-    DType::I16,
-    DType::I32,
-    DType::I64,
-    DType::BF16,
-    DType::F16,
-    DType::F32,
-    DType::F64,
-    DType::F8E4M3,
-];
-
-/// Appends what of `t` the signature depends on: dtype, rank, dims.
-#[cfg(any(test, feature = "cuda"))]
-pub(crate) fn push_shape_keys(keys: &mut Vec<u64>, t: &Tensor) {
-    keys.push(dtype_key(t.dtype()));
-    keys.push(t.rank() as u64);
-    keys.extend(t.dims().iter().map(|&d| d as u64));
-}
-
-#[cfg(test)]
-mod tests {
-    use candle_core::Device;
-
-    use super::*;
-
-    #[test]
-    fn shape_keys_tell_shapes_of_equal_size_apart() {
-        let a = Tensor::zeros(8, DType::U32, &Device::Cpu).unwrap();
-        let b = Tensor::zeros((2, 4), DType::U32, &Device::Cpu).unwrap();
-        let c = Tensor::zeros(8, DType::F32, &Device::Cpu).unwrap();
-        let keys = |t: &Tensor| {
-            let mut k = Vec::new();
-            push_shape_keys(&mut k, t);
-            k
-        };
-        assert_eq!(keys(&a), vec![dtype_key(DType::U32), 1, 8]);
-        assert_ne!(keys(&a), keys(&b));
-        assert_ne!(keys(&a), keys(&c));
-        assert!(DTYPES.iter().all(|&d| dtype_key(d) != u64::MAX));
-    }
+/// What graft keeps per output of a recorded step: enough to allocate the caller's tensor
+/// on a replay, without running the body.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub struct OutputMeta {
+    /// The output's dtype.
+    pub dtype: DType,
+    /// The output's shape.
+    pub shape: Shape,
 }

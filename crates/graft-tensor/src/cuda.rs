@@ -21,7 +21,7 @@ use crate::sampling::Sampling;
 use crate::tensor::Tensor;
 
 /// CUDA C++ source of the kernels.
-pub const KERNELS_CU: &str = include_str!("kernels.cu");
+pub const KERNELS_CU: &str = concat!(graft_philox::philox_cu!(), include_str!("kernels.cu"));
 
 /// The kernels, in the order of their indices in the loaded module.
 pub const KERNEL_NAMES: [&str; 11] = [

@@ -381,26 +381,8 @@ extern "C" __global__ void gt_argmax_step(int* out, const float* x, const float*
     }
 }
 
-// ---- Sampling (the rule of sampling.rs, the generator of philox.rs) ----
-
-// Philox4x32-10 under key (k0, k1): the first word of block (c0, c1, c2, c3).
-__device__ unsigned int gt_philox_first(unsigned int k0, unsigned int k1, unsigned int c0,
-                                        unsigned int c1, unsigned int c2, unsigned int c3) {
-#pragma unroll
-    for (int round = 0; round < 10; ++round) {
-        if (round > 0) {
-            k0 += 0x9E3779B9u;
-            k1 += 0xBB67AE85u;
-        }
-        unsigned int hi0 = __umulhi(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
-        unsigned int hi1 = __umulhi(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
-        c0 = hi1 ^ c1 ^ k0;
-        c1 = lo1;
-        c2 = hi0 ^ c3 ^ k1;
-        c3 = lo0;
-    }
-    return c0;
-}
+// ---- Sampling (the rule of sampling.rs; the generator, graft_philox4x32_10, comes first in
+// KERNELS_CU, from graft-philox) ----
 
 // A total order on f32 bits (sampling.rs's order_key): NaN is 0, below everything.
 __device__ __forceinline__ unsigned int gt_order_key(float v) {
@@ -551,8 +533,9 @@ extern "C" __global__ void gt_sample_step(int* out, const float* x, const float*
     }
     unsigned int thr = 1u;
     if (top_k > 0u && top_k < cols) thr = gt_kth_key(row, bias, cols, top_k, hist, sel);
-    float u = (float)(gt_philox_first(rng[0], rng[1], rng[2], rng[3], blockIdx.x, 0u) >> 8) *
-              (1.0f / 16777216.0f);
+    unsigned int c[4] = {rng[2], rng[3], blockIdx.x, 0u};
+    graft_philox4x32_10(c, rng[0], rng[1]);
+    float u = graft_philox_unit(c[0]);
     if (threadIdx.x == 0) pick = 0xffffffffu;
     float total = gt_weight_scan(row, bias, cols, m, temp, thr, -1.0f, wsum, &pick);
     gt_weight_scan(row, bias, cols, m, temp, thr, u * total, wsum, &pick);

@@ -300,7 +300,7 @@ fn measure(
 }
 
 /// How many recordings each reason made, from graft's decision log.
-fn record_reasons<D: graft_core::Device, M: Clone>(g: &graft_core::Graft<D, M>) -> String {
+fn record_reasons(g: &graft_candle::Diagnostics<'_>) -> String {
     let mut counts: Vec<(&'static str, usize)> = Vec::new();
     for d in g.explain() {
         if let graft_core::Decision::Record(reason) = &d.decision {
@@ -400,7 +400,7 @@ fn run() -> BenchResult<()> {
                     s.replays,
                     s.warmups,
                     s.eager_runs,
-                    record_reasons(g)
+                    record_reasons(&g)
                 );
             }
         }

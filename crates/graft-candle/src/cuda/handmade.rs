@@ -45,7 +45,7 @@ fn candle(what: &'static str) -> impl Fn(candle_core::Error) -> Error {
 fn driver(
     what: &'static str,
 ) -> impl Fn(candle_core::cuda_backend::cudarc::driver::DriverError) -> Error {
-    move |source| Error::Driver { what, source }
+    super::driver(what)
 }
 
 /// The device range of a contiguous tensor.

@@ -6,18 +6,10 @@ use candle_core::Tensor;
 use candle_core::cuda_backend::cudarc::driver::CudaStream;
 use graft_core::{BodyError, Buffer, Ctx, DeviceError, DeviceId, DevicePtr};
 
-use super::copy::checked_range;
 use graft_cuda::CudaDevice as GraftCuda;
 
-/// What [`crate::Loops`] calls when graft runs the body.
-pub(crate) trait LoopCtx {
-    /// `Ctx::while_loop` over `flag`, with `body` as each iteration.
-    fn while_loop(
-        &mut self,
-        flag: &Tensor,
-        body: &mut dyn FnMut() -> candle_core::Result<()>,
-    ) -> candle_core::Result<()>;
-}
+use super::copy::checked_range;
+use crate::looping::LoopCtx;
 
 /// The loop context of one run of a body.
 pub(crate) struct GraftLoops<'x, 'a> {

@@ -1,27 +1,16 @@
 //! CUDA's graph memory pool, where candle's allocations inside a recorded step live: what it
-//! holds (`cuDeviceGetGraphMemAttribute`) and giving its unused memory back
-//! (`cuDeviceGraphMemTrim`).
+//! holds (`cuDeviceGetGraphMemAttribute`) and giving its unused memory back (graft-cuda's
+//! `CudaDevice::trim_graph_memory`); and the default pool of candle's eager allocations.
 
 use std::ffi::c_void;
 
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::cuda_backend::cudarc::driver::sys;
+use graft_cuda::CudaDevice as GraftCuda;
 
+use super::driver;
 use crate::error::Error;
-
-/// The device's graph memory figures, in bytes (CUDA's `CU_GRAPH_MEM_ATTR_*`).
-#[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
-pub struct GraphMemory {
-    /// Memory currently associated with graphs (their allocations' physical backing).
-    pub used_current: u64,
-    /// The highest `used_current` since the last reset.
-    pub used_high: u64,
-    /// Physical memory the driver currently holds for graph allocations, used or not (CUDA
-    /// calls it reserved memory; graft's word for physical memory behind addresses is mapped).
-    pub mapped_current: u64,
-    /// The highest `mapped_current` since the last reset.
-    pub mapped_high: u64,
-}
+use crate::memory::{EagerMemory, GraphMemory};
 
 /// The graph memory figures of `device`'s GPU.
 pub fn graph_memory(device: &CudaDevice) -> Result<GraphMemory, Error> {
@@ -35,10 +24,9 @@ pub fn graph_memory(device: &CudaDevice) -> Result<GraphMemory, Error> {
             sys::cuDeviceGetGraphMemAttribute(cu_device, attr, (&raw mut value).cast::<c_void>())
         }
         .result()
-        .map_err(|source| Error::Driver {
-            what: "reading the graph memory figures (cuDeviceGetGraphMemAttribute)",
-            source,
-        })?;
+        .map_err(driver(
+            "reading the graph memory figures (cuDeviceGetGraphMemAttribute)",
+        ))?;
         Ok(value)
     };
     use sys::CUgraphMem_attribute as A;
@@ -51,21 +39,18 @@ pub fn graph_memory(device: &CudaDevice) -> Result<GraphMemory, Error> {
 }
 
 /// Synchronizes candle's stream, then gives the graph memory no graph uses back to the OS
-/// (`cuDeviceGraphMemTrim`) and resets the two high-water marks, so the next figures
+/// (graft-cuda's `CudaDevice::trim_graph_memory`) and resets the two high-water marks, so the next figures
 /// describe what the live graphs hold.
 pub fn trim_graph_memory(device: &CudaDevice) -> Result<(), Error> {
     let stream = device.cuda_stream();
-    stream.synchronize().map_err(|source| Error::Driver {
-        what: "synchronizing candle's stream",
-        source,
-    })?;
+    stream
+        .synchronize()
+        .map_err(driver("synchronizing candle's stream"))?;
     let cu_device = stream.context().cu_device();
-    // SAFETY: `cu_device` is the device of a live context; trimming only releases memory no
-    // graph allocation uses.
-    unsafe { sys::cuDeviceGraphMemTrim(cu_device) }
-        .result()
-        .map_err(|source| Error::Driver {
-            what: "trimming graph memory (cuDeviceGraphMemTrim)",
+    GraftCuda::from_stream(stream)
+        .and_then(|graft| graft.trim_graph_memory())
+        .map_err(|source| Error::Device {
+            what: "trimming graph memory (cuDeviceGraphMemTrim through graft-cuda)",
             source,
         })?;
     use sys::CUgraphMem_attribute as A;
@@ -80,10 +65,9 @@ pub fn trim_graph_memory(device: &CudaDevice) -> Result<(), Error> {
             sys::cuDeviceSetGraphMemAttribute(cu_device, attr, (&raw mut zero).cast::<c_void>())
         }
         .result()
-        .map_err(|source| Error::Driver {
-            what: "resetting the graph memory high-water marks (cuDeviceSetGraphMemAttribute)",
-            source,
-        })?;
+        .map_err(driver(
+            "resetting the graph memory high-water marks (cuDeviceSetGraphMemAttribute)",
+        ))?;
     }
     Ok(())
 }
@@ -92,7 +76,6 @@ pub fn trim_graph_memory(device: &CudaDevice) -> Result<(), Error> {
 /// candle's stream (so memory freed by finished work is back).
 pub fn free_memory(device: &CudaDevice) -> Result<(u64, u64), Error> {
     let stream = device.cuda_stream();
-    let driver = |what| move |source| Error::Driver { what, source };
     stream
         .synchronize()
         .map_err(driver("synchronizing candle's stream"))?;
@@ -105,27 +88,15 @@ pub fn free_memory(device: &CudaDevice) -> Result<(u64, u64), Error> {
     Ok((free as u64, total as u64))
 }
 
-/// The device's default memory pool (where candle's eager allocations come from, through
-/// `cuMemAllocAsync`): the bytes in use now and the most in use since the last
-/// [`reset_eager_high`], which is how an eager step's peak is measured.
-#[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
-pub struct EagerMemory {
-    /// Bytes of the pool in use now.
-    pub used_current: u64,
-    /// The highest `used_current` since the last reset.
-    pub used_high: u64,
-}
-
 fn default_pool(device: &CudaDevice) -> Result<sys::CUmemoryPool, Error> {
     let cu_device = device.cuda_stream().context().cu_device();
     let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
     // SAFETY: `cu_device` is the device of a live context and `pool` a valid out-pointer.
     unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, cu_device) }
         .result()
-        .map_err(|source| Error::Driver {
-            what: "finding the device's default memory pool (cuDeviceGetDefaultMemPool)",
-            source,
-        })?;
+        .map_err(driver(
+            "finding the device's default memory pool (cuDeviceGetDefaultMemPool)",
+        ))?;
     Ok(pool)
 }
 
@@ -138,10 +109,9 @@ pub fn eager_memory(device: &CudaDevice) -> Result<EagerMemory, Error> {
         // here are cuuint64_t, which `value` is.
         unsafe { sys::cuMemPoolGetAttribute(pool, attr, (&raw mut value).cast::<c_void>()) }
             .result()
-            .map_err(|source| Error::Driver {
-                what: "reading the default memory pool's figures (cuMemPoolGetAttribute)",
-                source,
-            })?;
+            .map_err(driver(
+                "reading the default memory pool's figures (cuMemPoolGetAttribute)",
+            ))?;
         Ok(value)
     };
     use sys::CUmemPool_attribute as A;
@@ -157,10 +127,7 @@ pub fn reset_eager_high(device: &CudaDevice) -> Result<(), Error> {
     device
         .cuda_stream()
         .synchronize()
-        .map_err(|source| Error::Driver {
-            what: "synchronizing candle's stream",
-            source,
-        })?;
+        .map_err(driver("synchronizing candle's stream"))?;
     let pool = default_pool(device)?;
     let mut zero: u64 = 0;
     // SAFETY: the high-water attribute is a cuuint64_t that may only be set to 0, which
@@ -173,8 +140,7 @@ pub fn reset_eager_high(device: &CudaDevice) -> Result<(), Error> {
         )
     }
     .result()
-    .map_err(|source| Error::Driver {
-        what: "resetting the default memory pool's high-water mark (cuMemPoolSetAttribute)",
-        source,
-    })
+    .map_err(driver(
+        "resetting the default memory pool's high-water mark (cuMemPoolSetAttribute)",
+    ))
 }

@@ -25,13 +25,11 @@ const ONE_THREAD: LaunchConfig = LaunchConfig {
     shared_mem_bytes: 0,
 };
 
-/// The kernels. The counter layout and the f32 conversion are those of `philox.rs`.
-const SOURCE: &str = r#"
-#define PHILOX_M0 0xD2511F53u
-#define PHILOX_M1 0xCD9E8D57u
-#define PHILOX_W0 0x9E3779B9u
-#define PHILOX_W1 0xBB67AE85u
-
+/// The kernels: graft-philox's generator, then the counter layout and the f32 conversion of
+/// `philox.rs`.
+const SOURCE: &str = concat!(
+    graft_philox::philox_cu!(),
+    r#"
 __device__ unsigned long long graft_offset(const unsigned int* state) {
     return ((unsigned long long)state[3] << 32) | state[2];
 }
@@ -44,25 +42,10 @@ extern "C" __global__ void graft_philox_uniform(
         return;
     }
     unsigned long long counter = graft_offset(state) + block;
-    unsigned int c0 = (unsigned int)counter, c1 = (unsigned int)(counter >> 32);
-    unsigned int c2 = 0, c3 = 0;
-    unsigned int k0 = state[0], k1 = state[1];
-    for (int round = 0; round < 10; ++round) {
-        if (round > 0) {
-            k0 += PHILOX_W0;
-            k1 += PHILOX_W1;
-        }
-        unsigned int hi0 = __umulhi(PHILOX_M0, c0), lo0 = PHILOX_M0 * c0;
-        unsigned int hi1 = __umulhi(PHILOX_M1, c2), lo1 = PHILOX_M1 * c2;
-        unsigned int n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
-        c0 = n0;
-        c1 = lo1;
-        c2 = n2;
-        c3 = lo0;
-    }
-    unsigned int words[4] = {c0, c1, c2, c3};
+    unsigned int words[4] = {(unsigned int)counter, (unsigned int)(counter >> 32), 0u, 0u};
+    graft_philox4x32_10(words, state[0], state[1]);
     for (int lane = 0; lane < 4 && first + lane < n; ++lane) {
-        out[first + lane] = (float)(words[lane] >> 8) * 5.9604644775390625e-8f;
+        out[first + lane] = graft_philox_unit(words[lane]);
     }
 }
 
@@ -71,7 +54,8 @@ extern "C" __global__ void graft_philox_advance(unsigned int* state, unsigned lo
     state[2] = (unsigned int)offset;
     state[3] = (unsigned int)(offset >> 32);
 }
-"#;
+"#
+);
 
 /// The kernels' PTX, compiled on first use and kept for the process (or NVRTC's complaint).
 fn ptx() -> Result<&'static str> {

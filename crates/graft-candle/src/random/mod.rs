@@ -59,7 +59,12 @@
 
 mod philox;
 
+// The kernels' backend: NVRTC and candle's CUDA device with the `cuda` feature, a stand-in
+// that refuses without it (no CUDA tensor can exist in that build).
 #[cfg(feature = "cuda")]
+mod cuda;
+#[cfg(not(feature = "cuda"))]
+#[path = "no_cuda.rs"]
 mod cuda;
 
 use std::ops::Range;
@@ -80,7 +85,6 @@ impl DeviceRng {
     /// per process) and loads the kernels, so no draw loads a module, inside a capture or not;
     /// it fails if NVRTC cannot compile them or the device cannot load them.
     pub fn new(device: &Device, seed: u64) -> Result<DeviceRng> {
-        #[cfg(feature = "cuda")]
         if let Device::Cuda(cuda) = device {
             cuda::load(cuda)?;
         }
@@ -223,7 +227,6 @@ impl CustomOp1 for Uniform {
         Ok((CpuStorage::F32(out), self.shape.clone()))
     }
 
-    #[cfg(feature = "cuda")]
     fn cuda_fwd(
         &self,
         storage: &candle_core::CudaStorage,
@@ -259,7 +262,6 @@ impl InplaceOp1 for Advance {
         Ok(())
     }
 
-    #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, storage: &mut candle_core::CudaStorage, layout: &Layout) -> Result<()> {
         let range = state_range(layout)?;
         cuda::advance(storage, range, self.blocks)

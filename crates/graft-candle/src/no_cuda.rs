@@ -1,0 +1,126 @@
+//! The `cuda` module of a build without the `cuda` feature (chosen in `lib.rs`): the same
+//! items as the CUDA build's, with no CUDA behind them. The graph engine never opens, so every
+//! [`CandleGraft`](crate::CandleGraft) runs eagerly; the CUDA figures refuse with
+//! [`Error::NoCuda`] (no CUDA device can exist in this build: candle's `CudaDevice` is a
+//! stand-in there too).
+
+use std::ffi::c_void;
+
+use candle_core::{CudaDevice, Device, Tensor};
+use graft_core::{Config, FunctionId, FunctionSpec};
+
+use crate::diagnostics::Inspect;
+use crate::error::Error;
+use crate::looping::Loops;
+pub use crate::memory::{EagerMemory, GraphMemory};
+use crate::step::{Step, StepInfo};
+
+/// The graph engine of this build: none (an enum with no values).
+#[derive(Debug)]
+pub(crate) enum GraphEngine {}
+
+impl GraphEngine {
+    /// No engine, on any device: calls run eagerly.
+    pub(crate) fn open(_device: &Device, _config: Config) -> Result<Option<GraphEngine>, Error> {
+        Ok(None)
+    }
+
+    pub(crate) fn register(&mut self, _name: &str, _spec: FunctionSpec) -> FunctionId {
+        match *self {}
+    }
+
+    pub(crate) fn call<F>(
+        &mut self,
+        _step: usize,
+        _info: &StepInfo,
+        _inputs: &[&Tensor],
+        _statics: &[&Tensor],
+        _keys: &[u64],
+        _body: F,
+    ) -> Result<Step, Error>
+    where
+        F: FnMut(&[Tensor], &mut Loops<'_>) -> candle_core::Result<Vec<Tensor>>,
+    {
+        match *self {}
+    }
+
+    pub(crate) fn take_deferred_error(&self) {
+        match *self {}
+    }
+
+    pub(crate) fn mark_step_begin(&mut self) {
+        match *self {}
+    }
+
+    pub(crate) fn inspect(&self) -> &dyn Inspect {
+        match *self {}
+    }
+}
+
+/// [`Device::Cpu`], whatever the ordinal (see [`crate::device`]).
+pub(crate) fn device(_ordinal: usize) -> candle_core::Result<Device> {
+    Ok(Device::Cpu)
+}
+
+/// A null stream: there is no CUDA stream in this build.
+pub fn capture_stream(_device: &CudaDevice) -> *mut c_void {
+    std::ptr::null_mut()
+}
+
+/// Refuses with [`Error::NoCuda`].
+pub fn graph_memory(_device: &CudaDevice) -> Result<GraphMemory, Error> {
+    Err(Error::NoCuda {
+        what: "reading the graph memory figures",
+    })
+}
+
+/// Refuses with [`Error::NoCuda`].
+pub fn trim_graph_memory(_device: &CudaDevice) -> Result<(), Error> {
+    Err(Error::NoCuda {
+        what: "trimming graph memory",
+    })
+}
+
+/// Refuses with [`Error::NoCuda`].
+pub fn free_memory(_device: &CudaDevice) -> Result<(u64, u64), Error> {
+    Err(Error::NoCuda {
+        what: "reading the free device memory",
+    })
+}
+
+/// Refuses with [`Error::NoCuda`].
+pub fn eager_memory(_device: &CudaDevice) -> Result<EagerMemory, Error> {
+    Err(Error::NoCuda {
+        what: "reading the default memory pool's figures",
+    })
+}
+
+/// Refuses with [`Error::NoCuda`].
+pub fn reset_eager_high(_device: &CudaDevice) -> Result<(), Error> {
+    Err(Error::NoCuda {
+        what: "resetting the default memory pool's high-water mark",
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_cuda_figures_refuse_and_say_how_to_build_with_cuda() {
+        let device = CudaDevice;
+        let e = graph_memory(&device).unwrap_err();
+        assert!(matches!(e, Error::NoCuda { .. }), "{e}");
+        assert!(e.to_string().contains("--features cuda"), "{e}");
+        assert!(trim_graph_memory(&device).is_err());
+        assert!(free_memory(&device).is_err());
+        assert!(eager_memory(&device).is_err());
+        assert!(reset_eager_high(&device).is_err());
+        assert!(capture_stream(&device).is_null());
+        assert!(
+            GraphEngine::open(&Device::Cpu, Config::default())
+                .unwrap()
+                .is_none()
+        );
+    }
+}
