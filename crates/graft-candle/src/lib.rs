@@ -1,4 +1,7 @@
-//! graft-candle: CUDA graph trees for candle models (candle 0.11).
+//! graft-candle: CUDA graph trees for candle models (candle 0.11). This crate is the adapter
+//! only: a candle step function under graft, the candle device set up for capture, and the
+//! device-side generator. The graph-ready model ports and the serving engine are in
+//! graft-candle-models, training in graft-candle-train, the benchmarks in graft-candle-bench.
 //!
 //! A candle user registers a step function (a decode step) and calls it through
 //! [`CandleGraft`]: candle tensors go in, candle tensors come out, and the body is ordinary
@@ -16,7 +19,7 @@
 //!   captures and uses in place (weights, KV caches, a device-side position) as `statics`:
 //!   their addresses are part of the signature;
 //! - no host reads and no changing host values inside the body: keep positions on the
-//!   device (see [`llama`]); a body that reads to the host or uploads uncached host data runs
+//!   device (graft-candle-models' decoder does); a body that reads to the host or uploads uncached host data runs
 //!   eagerly from then on, with the operation named ([`Uncapturable`]);
 //! - the body drops every tensor it makes before returning (each output is copied, as the
 //!   graph's last node for it, into a tensor allocated for the caller before the launch), so
@@ -42,19 +45,11 @@
 
 mod bucket;
 mod error;
-pub mod llama;
 mod looping;
-pub mod models;
-pub mod optim;
 pub mod random;
-#[cfg(test)]
-mod reference;
 mod refusal;
-mod rng;
 mod runtime;
-pub mod serve;
 mod step;
-pub mod train;
 
 #[cfg(feature = "cuda")]
 pub mod cuda;

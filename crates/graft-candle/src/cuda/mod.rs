@@ -1,14 +1,13 @@
 //! The CUDA side: the candle device set up for capture, graft's engine over candle's stream,
-//! the graph memory figures, and a hand-made single graph for comparison.
+//! the graph memory figures, and the raw copies of candle tensors' device memory.
 
 pub(crate) mod copy;
 pub(crate) mod engine;
-mod handmade;
 pub(crate) mod looping;
 mod memory;
 
 pub use engine::OutputMeta;
-pub use handmade::HandmadeGraph;
+pub use copy::{copy, tensor_range, uninit_tensor};
 pub use memory::{
     EagerMemory, GraphMemory, eager_memory, free_memory, graph_memory, reset_eager_high,
     trim_graph_memory,
