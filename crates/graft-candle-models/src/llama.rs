@@ -184,7 +184,9 @@ mod tests {
             kv_heads: 3,
             ..Sizes::TINY
         };
-        let e = random(&odd, 1, DType::F32, &device).unwrap_err().to_string();
+        let e = random(&odd, 1, DType::F32, &device)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("multiple of num_key_value_heads"), "{e}");
         let model = random(&Sizes::TINY, 1, DType::F32, &device).unwrap();
         let cache = model.new_cache(2, 16).unwrap();

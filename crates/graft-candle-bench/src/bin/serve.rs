@@ -22,9 +22,9 @@ use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
 use candle_transformers::models as ct;
 use clap::Parser;
-use graft_candle_models::{Decoder, checkpoint, llama};
-use graft_candle_models::serve::{Engine, Event, Request, ServeConfig};
 use graft_candle::{Buckets, CandleGraft};
+use graft_candle_models::serve::{Engine, Event, Request, ServeConfig};
+use graft_candle_models::{Decoder, checkpoint, llama};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 

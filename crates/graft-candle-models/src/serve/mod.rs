@@ -427,7 +427,9 @@ fn check_fits(cache: &KvCache, config: &ServeConfig) -> Result<(), Error> {
 
 /// Calls `call` until it records or replays (at most 4 calls: warmups first); returns the
 /// calls made.
-fn until_recorded(mut call: impl FnMut() -> Result<graft_candle::Step, Error>) -> Result<usize, Error> {
+fn until_recorded(
+    mut call: impl FnMut() -> Result<graft_candle::Step, Error>,
+) -> Result<usize, Error> {
     for calls in 1..=4 {
         let step = call()?;
         if matches!(

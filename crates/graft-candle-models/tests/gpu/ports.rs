@@ -3,8 +3,8 @@
 
 use candle_core::{DType, Tensor};
 use candle_nn::VarBuilder;
-use graft_candle_models::{checkpoint, llama};
 use graft_candle::{Buckets, CandleGraft, StepOutcome};
+use graft_candle_models::{checkpoint, llama};
 use graft_core::InputKind;
 
 use super::ports::{Port, llama_config, tokens_equal};

@@ -4,8 +4,8 @@
 //! cache all the memory left but its margin.
 
 use candle_core::{DType, Tensor};
-use graft_candle_models::serve::{self as engine, Engine};
 use graft_candle::{CandleGraft, cuda};
+use graft_candle_models::serve::{self as engine, Engine};
 
 use super::serve::{self, MAX_SEQ};
 use super::{TestResult, gpu, under_sanitizer};

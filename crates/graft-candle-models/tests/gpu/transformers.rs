@@ -7,8 +7,8 @@ use std::collections::HashMap;
 use candle_core::{D, DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use candle_transformers::models::llama::{Cache, Config, Llama, LlamaConfig};
-use graft_candle_models::{checkpoint, llama};
 use graft_candle::{CandleGraft, Churn, EagerCause, Error, StepOutcome, Uncapturable};
+use graft_candle_models::{checkpoint, llama};
 
 use super::{TestResult, gpu};
 

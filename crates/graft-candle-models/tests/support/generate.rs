@@ -7,9 +7,9 @@ use std::path::Path;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use candle_transformers::models as ct;
-use graft_candle_models::{Decoder, GenerateSpec, Generation, Sampling, checkpoint, llama};
 use graft_candle::random::DeviceRng;
 use graft_candle::{CandleGraft, StepOutcome};
+use graft_candle_models::{Decoder, GenerateSpec, Generation, Sampling, checkpoint, llama};
 
 pub(crate) type TestResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
 

@@ -12,10 +12,10 @@ use candle_core::quantized::{GgmlDType, gguf_file};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use candle_transformers::models as ct;
+use graft_candle::{Buckets, CandleGraft, StepOutcome};
 use graft_candle_models::{
     Decoder, DecoderSpec, checkpoint, llama, mistral, quantized_llama, qwen2, qwen3,
 };
-use graft_candle::{Buckets, CandleGraft, StepOutcome};
 
 pub(crate) type TestResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
 

@@ -8,9 +8,9 @@ use std::path::Path;
 use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
 use candle_transformers::models as ct;
-use graft_candle_models::{Decoder, checkpoint, llama, mistral};
-use graft_candle_models::serve::{Engine, Event, Refused, Rejected, Request, ServeConfig};
 use graft_candle::{Buckets, CandleGraft};
+use graft_candle_models::serve::{Engine, Event, Refused, Rejected, Request, ServeConfig};
+use graft_candle_models::{Decoder, checkpoint, llama, mistral};
 
 pub(crate) type TestResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
 

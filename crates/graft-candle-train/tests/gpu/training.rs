@@ -6,10 +6,10 @@
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::Optimizer;
-use graft_candle_train::Trainable;
-use graft_candle_train::optim::{AdamW, GradAccumulator};
 use graft_candle::random::DeviceRng;
 use graft_candle::{CandleGraft, Error, StepOutcome};
+use graft_candle_train::Trainable;
+use graft_candle_train::optim::{AdamW, GradAccumulator};
 use graft_core::{CallError, Config, FunctionSpec, Mode};
 
 use super::training::{adamw_step, batches, config, model_and_adamw, parameters, schedule};

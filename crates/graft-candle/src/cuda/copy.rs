@@ -82,12 +82,7 @@ pub fn uninit_tensor(
 
 /// Enqueues a copy of `bytes` from device address `src` to `dst` on `stream` (nothing for 0
 /// bytes). Inside a capture it becomes a memcpy node.
-pub fn copy(
-    dst: u64,
-    src: u64,
-    bytes: usize,
-    stream: &Arc<CudaStream>,
-) -> Result<(), DriverError> {
+pub fn copy(dst: u64, src: u64, bytes: usize, stream: &Arc<CudaStream>) -> Result<(), DriverError> {
     if bytes == 0 {
         return Ok(());
     }

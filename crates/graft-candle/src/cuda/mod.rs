@@ -6,8 +6,8 @@ pub(crate) mod engine;
 pub(crate) mod looping;
 mod memory;
 
-pub use engine::OutputMeta;
 pub use copy::{copy, tensor_range, uninit_tensor};
+pub use engine::OutputMeta;
 pub use memory::{
     EagerMemory, GraphMemory, eager_memory, free_memory, graph_memory, reset_eager_high,
     trim_graph_memory,
