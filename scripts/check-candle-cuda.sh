@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Type-checks graft-candle's `cuda` feature (crates/graft-candle/src/cuda, its GPU tests and
-# its benchmark, over candle's CUDA backend) with clippy, on a machine with no CUDA toolkit and
-# no GPU; .ci/run runs it after the workspace clippy. The toolkit pieces come from
+# Type-checks the `cuda` feature of every candle crate (graft-candle's src/cuda, the models,
+# training and their GPU tests, graft-candle-bench's binaries, over candle's CUDA backend) with
+# clippy, in one cargo invocation, on a machine with no CUDA toolkit and no GPU; .ci/run runs
+# it after the workspace clippy. The toolkit pieces come from
 # scripts/cuda-build-env.sh (pinned nvcc wheels and link stubs in a cache outside the clone).
 #
 # Its own cargo invocation: candle's CUDA backend needs cudarc's dynamic-linking, the rest of
@@ -22,6 +23,7 @@ export CARGO_TARGET_DIR=$GRAFT_CUDA_TARGET
 # scripts/stage.sh's release profile.
 export CARGO_PROFILE_RELEASE_DEBUG=0
 export CARGO_PROFILE_RELEASE_STRIP=debuginfo
-cargo clippy -p graft-candle --features cuda --all-targets --release -- -D warnings
-echo "check-candle-cuda: clippy of graft-candle --features cuda took $(($(date +%s) - start)) s" \
+cargo clippy -p graft-candle -p graft-candle-models -p graft-candle-train -p graft-candle-bench \
+    --features cuda --all-targets --release -- -D warnings
+echo "check-candle-cuda: clippy of the candle crates --features cuda took $(($(date +%s) - start)) s" \
     "(target folder $CARGO_TARGET_DIR)"

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The build environment for graft-candle's `cuda` feature (candle's CUDA backend) on a machine
+# The build environment for the candle crates' `cuda` feature (candle's CUDA backend) on a machine
 # with no CUDA toolkit, no driver and no GPU, such as CI or the staging machine:
 #   source scripts/cuda-build-env.sh
-#   cargo build -p graft-candle --features cuda
+#   cargo build -p graft-candle-bench --features cuda
 # Run (not sourced) it prints the environment as `export` lines instead.
 #
 # candle-core's `cuda` feature needs, at build time:

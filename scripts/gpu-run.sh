@@ -6,7 +6,7 @@
 #      for CI) and --test-threads=1;
 #   3. with --sanitize, runs them again under compute-sanitizer, memcheck then racecheck, with
 #      GRAFT_UNDER_SANITIZER=1 in their environment: the long GPU tests then loop only a few
-#      times (graft_testkit::steps; graft-candle's tests/gpu.rs has its own), since the
+#      times (graft_testkit::steps; the candle crates' tests/gpu.rs have their own), since the
 #      sanitizer slows every launch down by orders of magnitude;
 #   4. runs each bench command given as an argument (one shell command per argument).
 # Everything runs even after a failure; the exit status is non-zero if anything failed. A
@@ -115,7 +115,7 @@ fi
 say "libnvrtc: $( (ldconfig -p 2>/dev/null | grep -o 'libnvrtc\.so[^ ]*' | sort -u | tr '\n' ' ') || true)"
 say "libnccl: ${nccl_so:-NOT FOUND} (NCCL_NVLS_ENABLE=$NCCL_NVLS_ENABLE NCCL_RUNTIME_CONNECT=$NCCL_RUNTIME_CONNECT)"
 say "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
-# graft-candle's CUDA executables (stage.sh --candle-cuda) link these by soname (CUDA 13).
+# The candle crates' CUDA executables (stage.sh --candle-cuda) link these by soname (CUDA 13).
 if compgen -G 'stage/*/*_cuda*' >/dev/null; then
     for lib in libcuda.so.1 libcublas.so.13 libcublasLt.so.13 libcurand.so.10 libcudart.so.13; do
         where=$( (IFS=:; for dir in ${LD_LIBRARY_PATH:-}; do [[ -e $dir/$lib ]] && echo "$dir" && break; done) )

@@ -13,14 +13,16 @@
 # 64 MiB a device run may carry. Then, on the GPU machine: scripts/gpu-run.sh
 # (with "stage" in the run's carry list).
 #
-# With --candle-cuda (or GRAFT_STAGE_CANDLE_CUDA=1) it also builds graft-candle with its `cuda`
+# With --candle-cuda (or GRAFT_STAGE_CANDLE_CUDA=1) it also builds the candle crates
+# (graft-candle, graft-candle-models, graft-candle-train, graft-candle-bench) with their `cuda`
 # feature (candle's CUDA backend, linked against CUDA at build time) in a separate cargo
 # invocation, after sourcing scripts/cuda-build-env.sh (first run: pip wheels and stubs into
 # its cache), in that cache's target folder (GRAFT_CUDA_TARGET, shared with CI's
 # scripts/check-candle-cuda.sh, same release profile: nvcc compiles candle's kernels once per
-# machine, ~15 min cold on 2 cores), and stages those executables (the GPU tests,
-# stage/tests/graft-candle_cuda.gpu, and the benchmarks, stage/bin/graft-candle-bench_cuda and
-# stage/bin/graft-candle-ports_cuda) under the package name with "_cuda", xz-compressed (each
+# machine, ~15 min cold on 2 cores), and stages those executables (the GPU tests of each crate,
+# stage/tests/graft-candle_cuda.gpu, graft-candle-models_cuda.gpu and
+# graft-candle-train_cuda.gpu, and graft-candle-bench's binaries, stage/bin/graft-candle-bench_cuda,
+# stage/bin/graft-candle-ports_cuda and so on) with "_cuda" added, xz-compressed (each
 # is 48 to 62 MiB, mostly candle's PTX, and packs to about 5 MiB; gpu-run.sh unpacks them).
 # Each is checked to carry no RUNPATH into the stub folder. Every candle binary at once packs
 # to more than a device run carries beside the rest: --candle-bins NAMES (comma-separated
@@ -59,10 +61,13 @@ trap 'rm -f "$bin_json" "$test_json" "$bench_json" "$cuda_bin_json" "$cuda_test_
 
 echo "== cargo build --release --workspace --bins" >&2
 cargo build --release --workspace --bins --message-format=json-render-diagnostics >"$bin_json"
-# graft-candle's plain build is candle on the CPU, tested by CI: nothing in it needs a GPU (its
-# GPU tests are the --candle-cuda build's), and its executables would only add megabytes.
-echo "== cargo test --release --workspace --exclude graft-candle --no-run" >&2
-cargo test --release --workspace --exclude graft-candle --no-run \
+# The candle crates' plain build is candle on the CPU, tested by CI: nothing in it needs a GPU
+# (their GPU tests are the --candle-cuda build's), and its executables would only add megabytes.
+candle_crates=(graft-candle graft-candle-models graft-candle-train graft-candle-bench)
+excluded=()
+for crate in "${candle_crates[@]}"; do excluded+=(--exclude "$crate"); done
+echo "== cargo test --release --workspace ${excluded[*]} --no-run" >&2
+cargo test --release --workspace "${excluded[@]}" --no-run \
     --message-format=json-render-diagnostics >"$test_json"
 # The raw-graph baselines live only where graft-core's token for tests and benchmarks may be
 # made: graft-cli's bench target (bench profile = release).
@@ -177,14 +182,15 @@ if ((candle_cuda)); then
         IFS=, read -ra names <<<"$candle_bins"
         for name in "${names[@]}"; do bins+=(--bin "$name"); done
     fi
-    echo "== cargo build --release -p graft-candle --features cuda ${bins[*]}" >&2
-    cargo build --release -p graft-candle --features cuda "${bins[@]}" \
+    echo "== cargo build --release -p graft-candle-bench --features cuda ${bins[*]}" >&2
+    cargo build --release -p graft-candle-bench --features cuda "${bins[@]}" \
         --message-format=json-render-diagnostics >"$cuda_bin_json"
-    # Only the GPU tests (tests/gpu.rs, which also runs the guide's example): the crate's other
-    # test executables run on the CPU in CI, and each CUDA executable carries ~40 MiB of
-    # candle's PTX.
-    echo "== cargo test --release -p graft-candle --features cuda --test gpu --no-run" >&2
-    cargo test --release -p graft-candle --features cuda --test gpu --no-run \
+    # Only the GPU tests (each crate's tests/gpu.rs, which also run the guide's examples): the
+    # crates' other test executables run on the CPU in CI, and each CUDA executable carries
+    # ~40 MiB of candle's PTX.
+    tested=(-p graft-candle -p graft-candle-models -p graft-candle-train)
+    echo "== cargo test --release ${tested[*]} --features cuda --test gpu --no-run" >&2
+    cargo test --release "${tested[@]}" --features cuda --test gpu --no-run \
         --message-format=json-render-diagnostics >"$cuda_test_json"
     cuda_staged=$(mktemp)
     python3 "$stager" "$cuda_bin_json" "$cuda_test_json" "$metadata" "_cuda" "$cuda_staged"

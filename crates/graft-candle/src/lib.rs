@@ -48,20 +48,12 @@ mod diagnostics;
 mod error;
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 mod graphed;
-pub mod llama;
 mod looping;
 mod memory;
-pub mod models;
-pub mod optim;
 pub mod random;
-#[cfg(test)]
-mod reference;
 mod refusal;
-mod rng;
 mod runtime;
-pub mod serve;
 mod step;
-pub mod train;
 
 // The backend, chosen here (and, for the random-number kernels, in `random`): with the `cuda`
 // feature, graft over candle's CUDA stream; without it, a stand-in with the same items whose

@@ -14,7 +14,7 @@ use crate::error::Error;
 /// The device address of `t`'s first element (its storage plus its layout's start offset)
 /// and the bytes of its elements; `None` when `t` is not a CUDA tensor or its dtype is one of
 /// candle's raw-byte dummy types. For a contiguous tensor the range is exactly its data.
-pub(crate) fn tensor_range(t: &Tensor, stream: &Arc<CudaStream>) -> Option<(u64, usize)> {
+pub fn tensor_range(t: &Tensor, stream: &Arc<CudaStream>) -> Option<(u64, usize)> {
     let (storage, layout) = t.storage_and_layout();
     let Storage::Cuda(cuda) = &*storage else {
         return None;
@@ -62,7 +62,7 @@ pub(crate) fn checked_range(
 /// all of it before anything reads it (with [`copy`], or as the destination graft writes an
 /// output into). Allocated on candle's stream like every candle tensor (inside a capture: a
 /// graph allocation, freed when it drops).
-pub(crate) fn uninit_tensor(
+pub fn uninit_tensor(
     device: &CandleCuda,
     dtype: DType,
     shape: &Shape,
@@ -82,12 +82,7 @@ pub(crate) fn uninit_tensor(
 
 /// Enqueues a copy of `bytes` from device address `src` to `dst` on `stream` (nothing for 0
 /// bytes). Inside a capture it becomes a memcpy node.
-pub(crate) fn copy(
-    dst: u64,
-    src: u64,
-    bytes: usize,
-    stream: &Arc<CudaStream>,
-) -> Result<(), DriverError> {
+pub fn copy(dst: u64, src: u64, bytes: usize, stream: &Arc<CudaStream>) -> Result<(), DriverError> {
     if bytes == 0 {
         return Ok(());
     }

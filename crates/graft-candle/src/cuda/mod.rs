@@ -1,16 +1,17 @@
 //! The CUDA backend (chosen in `lib.rs` by the `cuda` feature; `no_cuda.rs` has the same
 //! items without CUDA): the candle device set up for capture, graft's engine over candle's
-//! stream, the graph memory figures, and a hand-made single graph for comparison.
+//! stream, the graph memory figures, and raw access to candle tensors' device memory for the
+//! benchmarks' hand-made graph (these three exist only in the CUDA build: their types are
+//! candle's CUDA types).
 
 pub(crate) mod copy;
 mod deferred;
 pub(crate) mod engine;
-mod handmade;
 pub(crate) mod looping;
 mod memory;
 
 pub(crate) use engine::CudaEngine as GraphEngine;
-pub use handmade::HandmadeGraph;
+pub use copy::{copy, tensor_range, uninit_tensor};
 pub use memory::{eager_memory, free_memory, graph_memory, reset_eager_high, trim_graph_memory};
 
 pub use crate::memory::{EagerMemory, GraphMemory};

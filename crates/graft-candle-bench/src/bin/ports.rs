@@ -1,0 +1,407 @@
+//! graft-candle-ports: the speedup of graft-candle's ports over candle-transformers' own eager
+//! models, per decode step at batch 1, 8 and 32, for a small and a ~1B config of each
+//! architecture (bf16; Q4_K for the GGUF Llama), all in one run on one GPU.
+//!
+//! Both load the same random checkpoint (safetensors tensors through one `VarBuilder`, or
+//! one GGUF file). Each (architecture, size, batch) first decodes 64 greedy steps with both
+//! from the same tokens and reports how many steps agree (in bf16 the two add in other orders,
+//! so tokens may part; tests/gpu.rs checks equality in f32). Then both are timed from
+//! position 0: each step is one call and a synchronize of candle's stream, timed on the host;
+//! the two alternate in rounds; the figure is the median step. candle's models attend over
+//! the positions so far, the port over its whole static cache (`--max-seq`, 256).
+//!
+//! usage: graft-candle-ports [--steps N] [--rounds R] [--only NAME] [--skip-1b] [--json PATH]
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use candle_core::quantized::{GgmlDType, gguf_file};
+use candle_core::{D, DType, Device, Tensor};
+use candle_nn::VarBuilder;
+use candle_transformers::models as ct;
+use graft_candle::{Buckets, CandleGraft, StepId};
+use graft_candle_bench::common::{BUCKETS, BenchResult, Timing, median};
+use graft_candle_bench::decode::{CHECK_STEPS, first_tokens};
+use graft_candle_models::{
+    Decoder, DecoderSpec, KvCache, checkpoint, llama, mistral, quantized_llama, qwen2, qwen3,
+};
+
+/// The benchmark's flags.
+#[derive(clap::Parser, Debug)]
+#[command(
+    name = "graft-candle-ports",
+    about = "graft-candle's ports against candle-transformers' eager models"
+)]
+struct Options {
+    /// Timed steps per variant and batch (split over the rounds).
+    #[arg(long, default_value_t = 150)]
+    steps: usize,
+    #[command(flatten)]
+    timing: Timing,
+    /// Positions of the port's static cache.
+    #[arg(long, default_value_t = 256)]
+    max_seq: usize,
+    /// Only the architectures whose name contains this (llama, mistral, qwen2, qwen3, q4k).
+    #[arg(long)]
+    only: Option<String>,
+    /// Leave out the ~1B configs.
+    #[arg(long)]
+    skip_1b: bool,
+}
+
+/// candle-transformers' own model, eager.
+enum Theirs {
+    Llama(
+        ct::llama::Llama,
+        ct::llama::Config,
+        Option<ct::llama::Cache>,
+    ),
+    Mistral(ct::mistral::Model),
+    Qwen2(ct::qwen2::ModelForCausalLM),
+    Qwen3(ct::qwen3::ModelForCausalLM),
+    Quantized(ct::quantized_llama::ModelWeights),
+}
+
+impl Theirs {
+    /// Forgets every sequence (the next step is at position 0).
+    fn reset(&mut self, dtype: DType, device: &Device) -> BenchResult<()> {
+        match self {
+            Theirs::Llama(_, cfg, cache) => {
+                *cache = Some(ct::llama::Cache::new(true, dtype, cfg, device)?)
+            }
+            Theirs::Mistral(m) => m.clear_kv_cache(),
+            Theirs::Qwen2(m) => m.clear_kv_cache(),
+            Theirs::Qwen3(m) => m.clear_kv_cache(),
+            // Its step at position 0 starts over.
+            Theirs::Quantized(_) => {}
+        }
+        Ok(())
+    }
+
+    /// One greedy step: `tokens` `[batch]` in, the next tokens out.
+    fn step(&mut self, tokens: &Tensor, pos: usize) -> BenchResult<Tensor> {
+        let x = tokens.unsqueeze(1)?;
+        let logits = match self {
+            Theirs::Llama(m, _, cache) => {
+                m.forward(&x, pos, cache.as_mut().ok_or("reset first")?)?
+            }
+            Theirs::Mistral(m) => m.forward(&x, pos)?,
+            Theirs::Qwen2(m) => m.forward(&x, pos)?,
+            Theirs::Qwen3(m) => m.forward(&x, pos)?,
+            Theirs::Quantized(m) => m.forward(&x, pos)?,
+        };
+        Ok(logits.flatten_from(1)?.argmax(D::Minus1)?)
+    }
+}
+
+/// An architecture at one size.
+struct Case {
+    name: String,
+    theirs: Theirs,
+    ours: Decoder,
+    dtype: DType,
+}
+
+fn json_config<T: serde::de::DeserializeOwned>(json: &str) -> BenchResult<T> {
+    Ok(serde_json::from_str(json)?)
+}
+
+/// `spec`'s random weights on `device` as one `VarBuilder` both models load from.
+fn weights(spec: &DecoderSpec, dtype: DType, device: &Device) -> BenchResult<VarBuilder<'static>> {
+    let w: HashMap<String, Tensor> = checkpoint::random_weights(spec, 11, dtype, device)?;
+    Ok(VarBuilder::from_tensors(w, dtype, device))
+}
+
+/// Sizes: (hidden, intermediate, layers, heads, kv_heads, vocab).
+fn sizes(big: bool) -> (usize, usize, usize, usize, usize, usize) {
+    if big {
+        (2048, 8192, 16, 32, 8, 32_000)
+    } else {
+        (512, 1536, 4, 8, 4, 8192)
+    }
+}
+
+fn case(arch: &str, big: bool, device: &Device) -> BenchResult<Case> {
+    let (d, f, layers, heads, kv, vocab) = sizes(big);
+    let common = format!(
+        r#""hidden_size": {d}, "intermediate_size": {f}, "vocab_size": {vocab}, "num_hidden_layers": {layers},
+           "num_attention_heads": {heads}, "num_key_value_heads": {kv}, "max_position_embeddings": 4096"#
+    );
+    let size = if big { "~1B" } else { "small" };
+    let bf16 = DType::BF16;
+    let (theirs, ours, dtype) = match arch {
+        "llama" => {
+            let cfg: ct::llama::LlamaConfig = json_config(&format!(
+                r#"{{{common}, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": true,
+                    "rope_scaling": {{"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 8192, "rope_type": "llama3"}}}}"#
+            ))?;
+            let cfg = cfg.into_config(false);
+            let vb = weights(&llama::spec(&cfg), bf16, device)?;
+            let theirs =
+                Theirs::Llama(ct::llama::Llama::load(vb.clone(), &cfg)?, cfg.clone(), None);
+            (theirs, llama::load(vb, &cfg)?, bf16)
+        }
+        "mistral" => {
+            let cfg: ct::mistral::Config = json_config(&format!(
+                r#"{{{common}, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "sliding_window": 4096}}"#
+            ))?;
+            let vb = weights(&mistral::spec(&cfg), bf16, device)?;
+            (
+                Theirs::Mistral(ct::mistral::Model::new(&cfg, vb.clone())?),
+                mistral::load(vb, &cfg)?,
+                bf16,
+            )
+        }
+        "qwen2" => {
+            let cfg: ct::qwen2::Config = json_config(&format!(
+                r#"{{{common}, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "sliding_window": 4096,
+                    "max_window_layers": {layers}, "tie_word_embeddings": true, "use_sliding_window": false,
+                    "hidden_act": "silu"}}"#
+            ))?;
+            let vb = weights(&qwen2::spec(&cfg, true), bf16, device)?;
+            (
+                Theirs::Qwen2(ct::qwen2::ModelForCausalLM::new(&cfg, vb.clone())?),
+                qwen2::load(vb, &cfg)?,
+                bf16,
+            )
+        }
+        "qwen3" => {
+            let cfg: ct::qwen3::Config = json_config(&format!(
+                r#"{{{common}, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "sliding_window": null,
+                    "max_window_layers": {layers}, "tie_word_embeddings": true, "use_sliding_window": false,
+                    "hidden_act": "silu", "head_dim": {}, "attention_bias": false}}"#,
+                d / heads
+            ))?;
+            let vb = weights(&qwen3::spec(&cfg), bf16, device)?;
+            (
+                Theirs::Qwen3(ct::qwen3::ModelForCausalLM::new(&cfg, vb.clone())?),
+                qwen3::load(vb, &cfg)?,
+                bf16,
+            )
+        }
+        "q4k" => {
+            let cfg: ct::llama::LlamaConfig = json_config(&format!(
+                r#"{{{common}, "rms_norm_eps": 1e-5, "rope_theta": 10000.0}}"#
+            ))?;
+            let spec = llama::spec(&cfg.into_config(false));
+            let w = checkpoint::random_weights(&spec, 11, DType::F32, &Device::Cpu)?;
+            let dir = std::env::temp_dir().join(format!("graft-ports-{}", std::process::id()));
+            std::fs::create_dir_all(&dir)?;
+            let path = dir.join(format!("{size}.gguf"));
+            checkpoint::write_gguf(&spec, &w, GgmlDType::Q4K, &path)?;
+            drop(w);
+            let mut file = std::fs::File::open(&path)?;
+            let theirs = ct::quantized_llama::ModelWeights::from_gguf(
+                gguf_file::Content::read(&mut file)?,
+                &mut file,
+                device,
+            )?;
+            let mut file = std::fs::File::open(&path)?;
+            let ours =
+                quantized_llama::load(&gguf_file::Content::read(&mut file)?, &mut file, device)?;
+            std::fs::remove_dir_all(&dir)?;
+            (Theirs::Quantized(theirs), ours, DType::F32)
+        }
+        other => return Err(format!("unknown architecture {other}").into()),
+    };
+    let params = ours.spec().parameters() as f64 / 1e6;
+    Ok(Case {
+        name: format!(
+            "{arch} {size} ({params:.0} M parameters{})",
+            if arch == "q4k" { ", Q4_K" } else { ", bf16" }
+        ),
+        theirs,
+        ours,
+        dtype,
+    })
+}
+
+/// One batch of one case: the steps on which the tokens agreed, and the two median steps.
+struct Measured {
+    agreed: usize,
+    eager_us: f64,
+    graft_us: f64,
+}
+
+fn ours_step(
+    c: &Case,
+    graft: &mut CandleGraft,
+    step: StepId,
+    cache: &KvCache,
+    t: &Tensor,
+) -> BenchResult<Tensor> {
+    Ok(c.ours.decode(graft, step, cache, t)?.outputs.remove(0))
+}
+
+fn measure(
+    c: &mut Case,
+    graft: &mut CandleGraft,
+    step: StepId,
+    cache: &KvCache,
+    batch: usize,
+    o: &Options,
+    device: &Device,
+) -> BenchResult<Measured> {
+    let vocab = c.ours.spec().vocab;
+    c.theirs.reset(c.dtype, device)?;
+    cache.reset()?;
+    let (mut a, mut b) = (
+        first_tokens(batch, vocab, device)?,
+        first_tokens(batch, vocab, device)?,
+    );
+    let mut agreed = 0;
+    for pos in 0..CHECK_STEPS {
+        a = c.theirs.step(&a, pos)?;
+        b = ours_step(c, graft, step, cache, &b)?;
+        if a.to_vec1::<u32>()? != b.to_vec1::<u32>()? {
+            break;
+        }
+        agreed += 1;
+    }
+    let per_round = o.timing.per_round(o.steps)?;
+    let (mut eager, mut ours) = (Vec::new(), Vec::new());
+    for _ in 0..o.timing.rounds {
+        c.theirs.reset(c.dtype, device)?;
+        let mut t = first_tokens(batch, vocab, device)?;
+        for pos in 0..per_round + 5 {
+            let start = Instant::now();
+            t = c.theirs.step(&t, pos)?;
+            device.synchronize()?;
+            if pos >= 5 {
+                eager.push(start.elapsed().as_secs_f64() * 1e6);
+            }
+        }
+        cache.reset()?;
+        let mut t = first_tokens(batch, vocab, device)?;
+        for i in 0..per_round + 5 {
+            let start = Instant::now();
+            t = ours_step(c, graft, step, cache, &t)?;
+            device.synchronize()?;
+            if i >= 5 {
+                ours.push(start.elapsed().as_secs_f64() * 1e6);
+            }
+        }
+    }
+    Ok(Measured {
+        agreed,
+        eager_us: median(&mut eager),
+        graft_us: median(&mut ours),
+    })
+}
+
+/// How many recordings each reason made, from graft's decision log.
+fn record_reasons(g: &graft_candle::Diagnostics<'_>) -> String {
+    let mut counts: Vec<(&'static str, usize)> = Vec::new();
+    for d in g.explain() {
+        if let graft_core::Decision::Record(reason) = &d.decision {
+            match counts.iter_mut().find(|(name, _)| *name == reason.name()) {
+                Some((_, n)) => *n += 1,
+                None => counts.push((reason.name(), 1)),
+            }
+        }
+    }
+    let shown: Vec<String> = counts
+        .iter()
+        .map(|(name, n)| format!("{name} {n}"))
+        .collect();
+    shown.join(", ")
+}
+
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("graft-candle-ports: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run() -> BenchResult<()> {
+    let o = <Options as clap::Parser>::parse();
+    if o.max_seq < CHECK_STEPS.max(o.timing.per_round(o.steps)? + 5) {
+        return Err("--max-seq must hold the checked and the timed steps".into());
+    }
+    let device = graft_candle::device(0).map_err(|e| format!("no CUDA GPU: {e}"))?;
+    let (mut rows, mut json) = (Vec::new(), Vec::new());
+    let mut failed = false;
+    println!(
+        "decode step, candle-transformers eager against graft-candle's port; {} timed steps per variant in {} rounds, median; port cache {} positions",
+        o.steps, o.timing.rounds, o.max_seq
+    );
+    for big in [false, true] {
+        if big && o.skip_1b {
+            continue;
+        }
+        for arch in ["llama", "mistral", "qwen2", "qwen3", "q4k"] {
+            if o.only.as_deref().is_some_and(|only| !arch.contains(only)) {
+                continue;
+            }
+            let started = Instant::now();
+            let mut c = match case(arch, big, &device) {
+                Ok(c) => c,
+                Err(e) => {
+                    failed = true;
+                    rows.push(format!("{arch} big={big}: loading failed: {e}"));
+                    println!("{}", rows.last().map_or("", String::as_str));
+                    continue;
+                }
+            };
+            println!(
+                "{} (loaded in {:.1} s)",
+                c.name,
+                started.elapsed().as_secs_f64()
+            );
+            // A decision log long enough for every non-replay of the case.
+            let config = graft_core::Config {
+                decision_log: 4096,
+                ..graft_core::Config::default()
+            };
+            let mut graft = CandleGraft::with_config(&device, config)?;
+            let step = graft.register_bucketed("decode", Buckets::new(BUCKETS)?);
+            let cache = c.ours.new_cache(*BUCKETS.last().unwrap_or(&1), o.max_seq)?;
+            for batch in BUCKETS {
+                let row = match measure(&mut c, &mut graft, step, &cache, batch, &o, &device) {
+                    Ok(m) => {
+                        json.push(format!(
+                            "{{\"model\":\"{}\",\"batch\":{batch},\"eager_us\":{:.1},\"graft_us\":{:.1},\"speedup\":{:.3},\"tokens_agreed\":{}}}",
+                            c.name, m.eager_us, m.graft_us, m.eager_us / m.graft_us, m.agreed
+                        ));
+                        format!(
+                            "{:<44} B={batch:<3} eager {:9.1} us   graft-candle {:9.1} us   eager/graft {:5.2}x   tokens agree {}/{CHECK_STEPS} steps",
+                            c.name,
+                            m.eager_us,
+                            m.graft_us,
+                            m.eager_us / m.graft_us,
+                            m.agreed
+                        )
+                    }
+                    Err(e) => {
+                        failed = true;
+                        format!("{} B={batch}: failed: {e}", c.name)
+                    }
+                };
+                println!("{row}");
+                rows.push(row);
+            }
+            if let Some(g) = graft.graft() {
+                let s = g.stats();
+                println!(
+                    "  graft: {} recordings, {} replays, {} warmups, {} eager; recordings by reason: {}",
+                    s.recordings,
+                    s.replays,
+                    s.warmups,
+                    s.eager_runs,
+                    record_reasons(&g)
+                );
+            }
+        }
+    }
+    println!("\nsummary:");
+    for row in &rows {
+        println!("  {row}");
+    }
+    o.timing.write_json(&json)?;
+    if failed {
+        return Err("a case failed (see above)".into());
+    }
+    Ok(())
+}

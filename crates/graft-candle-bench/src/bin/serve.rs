@@ -1,0 +1,376 @@
+//! `graft-candle-serve`: a continuous-batching serving engine over one of the ported models
+//! (Llama, random weights), candle eager against graft-candle on the same seeded trace:
+//! requests arrive as a Poisson process, join and leave the batch at every step, and are
+//! padded to buckets over a slotted static kv cache. Reports throughput, time to first
+//! token and inter-token latency (p50, p99), the capture time, the graph memory and the kv
+//! cache the memory plan gave (GPU), checks that every request's tokens equal those of
+//! running it alone eagerly, and writes `serve.json`, `itl.svg` (inter-token latency of both
+//! modes) and `throughput.svg` (tokens per second over the trace) to `--out`.
+//!
+//! usage: graft-candle-serve [--model small|1b] [--requests N] [--rate R] [--seed S]
+//!        [--max-seq N] [--margin-mib M] [--check-alone N] [--out DIR]
+
+#[path = "serve/plot.rs"]
+mod plot;
+#[path = "serve/trace.rs"]
+mod trace;
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use candle_core::{DType, Device};
+use candle_nn::VarBuilder;
+use candle_transformers::models as ct;
+use clap::Parser;
+use graft_candle::{Buckets, CandleGraft};
+use graft_candle_models::serve::{Engine, Event, Request, ServeConfig};
+use graft_candle_models::{Decoder, checkpoint, llama};
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::json;
+
+type Result<T> = std::result::Result<T, Box<dyn std::error::Error>>;
+
+#[derive(Parser, Debug)]
+#[command(about = "a continuous-batching engine: candle eager against graft-candle")]
+struct Opts {
+    /// `small` (f32, 4 layers) or `1b` (bf16, Llama-style ~1B).
+    #[arg(long, default_value = "small")]
+    model: String,
+    /// Requests in the trace.
+    #[arg(long, default_value_t = 200)]
+    requests: usize,
+    /// Mean arrivals per second (Poisson).
+    #[arg(long, default_value_t = 40.0)]
+    rate: f64,
+    /// Seed of the trace.
+    #[arg(long, default_value_t = 7)]
+    seed: u64,
+    /// Positions per sequence of the kv cache.
+    #[arg(long, default_value_t = 1024)]
+    max_seq: usize,
+    /// Memory kept free by the plan (GPU), MiB.
+    #[arg(long, default_value_t = 1024)]
+    margin_mib: u64,
+    /// Most sequences decoding at once (the kv cache's sequences on the CPU).
+    #[arg(long, default_value_t = 32)]
+    max_batch: usize,
+    /// Requests checked against running them alone, eagerly (the first N).
+    #[arg(long, default_value_t = 16)]
+    check_alone: usize,
+    /// Where serve.json and the SVGs go.
+    #[arg(long, default_value = "serve-out")]
+    out: std::path::PathBuf,
+}
+
+/// What one mode measured.
+struct Run {
+    tokens: HashMap<u64, Vec<u32>>,
+    /// Per request: arrival, then each token's time (seconds from the start).
+    times: HashMap<u64, Vec<f64>>,
+    arrivals: HashMap<u64, f64>,
+    wall_s: f64,
+}
+
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("graft-candle-serve: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run() -> Result<()> {
+    let o = Opts::parse();
+    let device = graft_candle::device(0)?;
+    let (model, dtype) = load(&o.model, &device)?;
+    let trace = trace::poisson(o.seed, o.requests, o.rate, o.max_seq)?;
+    let config = ServeConfig {
+        decode_buckets: Buckets::new(
+            [1, 2, 4, 8, 16, 32]
+                .into_iter()
+                .filter(|&b| b <= o.max_batch),
+        )?,
+        prefill_buckets: Buckets::new(
+            [16, 32, 64, 128, 256, 512]
+                .into_iter()
+                .filter(|&b| b <= o.max_seq),
+        )?,
+        eos: None,
+        max_running: Some(o.max_batch),
+    };
+    std::fs::create_dir_all(&o.out)?;
+    println!(
+        "graft-candle-serve: {} model ({dtype:?}), {} requests at {} per second (seed {}), kv cache of {} positions per sequence, on {:?}",
+        o.model,
+        o.requests,
+        o.rate,
+        o.seed,
+        o.max_seq,
+        device.location()
+    );
+
+    // graft-candle first: its plan sizes the cache from the memory left after recording.
+    let graft_config = graft_core::Config {
+        replace_moved_static: true,
+        ..graft_core::Config::default()
+    };
+    let graft = CandleGraft::with_config(&device, graft_config)?;
+    let capture_cache = model.new_serving_cache(config.decode_buckets.largest(), o.max_seq)?;
+    let mut graphed = Engine::graphed(&model, capture_cache, graft, config.clone())?;
+    let plan = plan(&mut graphed, o.margin_mib << 20)?;
+    let sequences = graphed.cache().max_batch();
+    let graft_run = serve(&mut graphed, &trace, "graft-candle")?;
+    let recordings = recordings(&graphed);
+    drop(graphed);
+
+    let cache = model.new_serving_cache(sequences, o.max_seq)?;
+    let mut eager = Engine::eager(&model, cache, config.clone())?;
+    let eager_run = serve(&mut eager, &trace, "candle eager")?;
+    drop(eager);
+
+    // The tokens: graft-candle's equal eager's batch, and the first requests' equal running
+    // them alone.
+    let same_as_eager = trace
+        .iter()
+        .filter(|(_, r)| graft_run.tokens.get(&r.id) == eager_run.tokens.get(&r.id))
+        .count();
+    let mut alone_equal = 0;
+    let checked = o.check_alone.min(trace.len());
+    for (_, r) in trace.iter().take(checked) {
+        let cache = model.new_serving_cache(1, o.max_seq)?;
+        let single = ServeConfig {
+            decode_buckets: Buckets::new([1])?,
+            ..config.clone()
+        };
+        let mut alone = Engine::eager(&model, cache, single)?;
+        alone.submit(r.clone()).map_err(|e| e.to_string())?;
+        let mut tokens = Vec::new();
+        while alone.pending() > 0 {
+            for e in alone.step()? {
+                if let Event::Token { token, .. } = e {
+                    tokens.push(token);
+                }
+            }
+        }
+        alone_equal += usize::from(graft_run.tokens.get(&r.id) == Some(&tokens));
+    }
+
+    let modes = [("candle eager", &eager_run), ("graft-candle", &graft_run)];
+    let mut report = Vec::new();
+    println!(
+        "\n| mode | throughput | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | wall |\n| --- | --- | --- | --- | --- | --- | --- |"
+    );
+    for (name, r) in modes {
+        let s = stats(r);
+        println!(
+            "| {name} | {:.0} tok/s | {:.2} ms | {:.2} ms | {:.3} ms | {:.3} ms | {:.2} s |",
+            s["throughput_tok_s"].as_f64().unwrap_or(0.0),
+            s["ttft_p50_ms"].as_f64().unwrap_or(0.0),
+            s["ttft_p99_ms"].as_f64().unwrap_or(0.0),
+            s["itl_p50_ms"].as_f64().unwrap_or(0.0),
+            s["itl_p99_ms"].as_f64().unwrap_or(0.0),
+            r.wall_s
+        );
+        report.push(json!({"mode": name, "stats": s}));
+    }
+    println!(
+        "\ntokens: graft-candle equals the eager batch for {same_as_eager}/{} requests, and running alone eagerly for {alone_equal}/{checked}",
+        trace.len()
+    );
+    println!("recordings: {recordings}; memory plan: {plan}");
+    let json = json!({
+        "model": o.model, "dtype": format!("{dtype:?}"), "requests": o.requests, "rate": o.rate,
+        "seed": o.seed, "max_seq": o.max_seq, "device": format!("{:?}", device.location()),
+        "modes": report, "plan": plan, "kv_sequences": sequences, "recordings": recordings,
+        "tokens_equal_eager_batch": same_as_eager, "tokens_equal_alone": alone_equal,
+        "alone_checked": checked,
+    });
+    std::fs::write(
+        o.out.join("serve.json"),
+        serde_json::to_string_pretty(&json)?,
+    )?;
+    plot::itl(&o.out.join("itl.svg"), &modes.map(|(n, r)| (n, itls(r))))?;
+    plot::throughput(
+        &o.out.join("throughput.svg"),
+        &modes.map(|(n, r)| (n, token_times(r))),
+    )?;
+    println!("wrote {}", o.out.join("serve.json").display());
+    // In f32 the padded, graphed steps must give eager's tokens; in bf16 the padding changes
+    // cuBLAS's summation order, and the counts above say how many agree.
+    if dtype == DType::F32 && (alone_equal != checked || same_as_eager != trace.len()) {
+        return Err("tokens differ from eager (see above)".into());
+    }
+    Ok(())
+}
+
+/// The model: random weights in the Llama checkpoint layout, loaded by the Llama port.
+fn load(size: &str, device: &Device) -> Result<(Decoder, DType)> {
+    let (d, f, layers, heads, kv, vocab, dtype) = match size {
+        "small" => (512, 1536, 4, 8, 4, 8192, DType::F32),
+        "1b" => (2048, 8192, 16, 32, 8, 32_000, DType::BF16),
+        other => return Err(format!("--model {other}: use small or 1b").into()),
+    };
+    let cfg: ct::llama::LlamaConfig = serde_json::from_str(&format!(
+        r#"{{"hidden_size": {d}, "intermediate_size": {f}, "vocab_size": {vocab},
+            "num_hidden_layers": {layers}, "num_attention_heads": {heads},
+            "num_key_value_heads": {kv}, "max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": true}}"#
+    ))?;
+    let cfg = cfg.into_config(false);
+    let weights = checkpoint::random_weights(&llama::spec(&cfg), 11, dtype, device)?;
+    let vb = VarBuilder::from_tensors(weights, dtype, device);
+    Ok((llama::load(vb, &cfg)?, dtype))
+}
+
+/// The memory plan on a GPU (recording every bucket first); on the CPU, the recordings of
+/// nothing and a cache of the largest bucket.
+fn plan(engine: &mut Engine<'_>, margin: u64) -> Result<serde_json::Value> {
+    #[cfg(feature = "cuda")]
+    if engine.graft().is_some_and(CandleGraft::is_graphed) {
+        let p = graft_candle_models::serve::plan(engine, margin)?;
+        println!(
+            "recorded every bucket in {:.3} s ({} calls); graphs hold {:.1} MiB (driver) + {:.1} MiB (graft's pool); {:.2} GiB were free, the kv cache got {} sequences, {:.2} GiB ({:.1} MiB per sequence), {:.2} GiB stay free (margin {} MiB); recording again against it took {:.3} s, graphs then hold {:.1} MiB",
+            p.capture_s,
+            p.capture_calls,
+            mib(p.graph_driver),
+            mib(p.graph_pool),
+            gib(p.free_for_cache),
+            p.sequences,
+            gib(p.cache_bytes),
+            mib(p.row_bytes),
+            gib(p.free_after),
+            margin >> 20,
+            p.repoint_s,
+            mib(p.graph_driver_after),
+        );
+        return Ok(json!({
+            "capture_s": p.capture_s, "capture_calls": p.capture_calls,
+            "graph_driver_bytes": p.graph_driver, "graph_pool_bytes": p.graph_pool,
+            "free_for_cache_bytes": p.free_for_cache, "margin_bytes": p.margin,
+            "row_bytes": p.row_bytes, "kv_sequences": p.sequences, "kv_bytes": p.cache_bytes,
+            "repoint_s": p.repoint_s, "graph_driver_after_bytes": p.graph_driver_after,
+            "free_after_bytes": p.free_after,
+        }));
+    }
+    let _ = margin;
+    let started = Instant::now();
+    let calls = engine.capture()?;
+    Ok(json!({"capture_s": started.elapsed().as_secs_f64(), "capture_calls": calls}))
+}
+
+#[cfg(feature = "cuda")]
+fn mib(bytes: u64) -> f64 {
+    bytes as f64 / (1u64 << 20) as f64
+}
+
+#[cfg(feature = "cuda")]
+fn gib(bytes: u64) -> f64 {
+    bytes as f64 / (1u64 << 30) as f64
+}
+
+/// Recordings graft made, per step.
+fn recordings(engine: &Engine<'_>) -> String {
+    #[cfg(feature = "cuda")]
+    if let Some(g) = engine.graft().and_then(CandleGraft::graft) {
+        let s = g.stats();
+        return format!(
+            "{} recorded, {} replays, {} eager calls",
+            s.recordings, s.replays, s.eager_runs
+        );
+    }
+    let _ = engine;
+    "none (not a CUDA device: every step ran eagerly)".into()
+}
+
+/// Runs the trace in real time: each request is submitted once the clock passes its
+/// arrival; the engine steps while anything is pending.
+fn serve(engine: &mut Engine<'_>, trace: &[(f64, Request)], name: &str) -> Result<Run> {
+    let bar = ProgressBar::new(trace.len() as u64);
+    if let Ok(style) =
+        ProgressStyle::with_template("{prefix:>13} {bar:40} {pos}/{len} requests {msg}")
+    {
+        bar.set_style(style);
+    }
+    bar.set_prefix(name.to_string());
+    let mut run = Run {
+        tokens: HashMap::new(),
+        times: HashMap::new(),
+        arrivals: HashMap::new(),
+        wall_s: 0.0,
+    };
+    let start = Instant::now();
+    let mut next = 0;
+    let mut done = 0;
+    while done < trace.len() {
+        let now = start.elapsed().as_secs_f64();
+        while next < trace.len() && trace[next].0 <= now {
+            let (at, r) = &trace[next];
+            run.arrivals.insert(r.id, *at);
+            engine.submit(r.clone()).map_err(|e| e.to_string())?;
+            next += 1;
+        }
+        if engine.pending() == 0 {
+            let wait = trace[next].0 - now;
+            std::thread::sleep(Duration::from_secs_f64(wait.max(0.0)));
+            continue;
+        }
+        let events = engine.step()?;
+        let t = start.elapsed().as_secs_f64();
+        for e in events {
+            match e {
+                Event::Token { id, token, .. } => {
+                    run.tokens.entry(id).or_default().push(token);
+                    run.times.entry(id).or_default().push(t);
+                }
+                Event::Finished { .. } => {
+                    done += 1;
+                    bar.inc(1);
+                }
+            }
+        }
+        bar.set_message(format!("{} running", engine.running()));
+    }
+    run.wall_s = start.elapsed().as_secs_f64();
+    bar.finish_and_clear();
+    Ok(run)
+}
+
+/// Inter-token latencies of every request, seconds.
+fn itls(r: &Run) -> Vec<f64> {
+    r.times
+        .values()
+        .flat_map(|t| t.windows(2).map(|w| w[1] - w[0]))
+        .collect()
+}
+
+/// Every token's time, seconds from the start.
+fn token_times(r: &Run) -> Vec<f64> {
+    r.times.values().flatten().copied().collect()
+}
+
+fn percentile(samples: &mut [f64], p: f64) -> f64 {
+    if samples.is_empty() {
+        return 0.0;
+    }
+    samples.sort_by(f64::total_cmp);
+    samples[((samples.len() - 1) as f64 * p).round() as usize]
+}
+
+fn stats(r: &Run) -> serde_json::Value {
+    let mut ttft: Vec<f64> = r
+        .times
+        .iter()
+        .map(|(id, t)| t[0] - r.arrivals.get(id).copied().unwrap_or(0.0))
+        .collect();
+    let mut itl = itls(r);
+    let tokens: usize = r.tokens.values().map(Vec::len).sum();
+    json!({
+        "tokens": tokens,
+        "wall_s": r.wall_s,
+        "throughput_tok_s": tokens as f64 / r.wall_s,
+        "ttft_p50_ms": 1e3 * percentile(&mut ttft, 0.5),
+        "ttft_p99_ms": 1e3 * percentile(&mut ttft, 0.99),
+        "itl_p50_ms": 1e3 * percentile(&mut itl, 0.5),
+        "itl_p99_ms": 1e3 * percentile(&mut itl, 0.99),
+        "itl_mean_ms": 1e3 * itl.iter().sum::<f64>() / itl.len().max(1) as f64,
+    })
+}

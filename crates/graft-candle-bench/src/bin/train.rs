@@ -1,0 +1,382 @@
+//! graft-candle-train: the Llama port's training step (forward, backward, AdamW) on the
+//! GPU, at batch 1, 8 and 32 and sequence 128, in one run: candle eager, graft-candle with
+//! one graph per step, graft-candle with the step as a path of two nodes (forward and
+//! backward into gradient sums, then the update), and a hand-made single graph of the step.
+//!
+//! Before timing, 3 steps of graft-candle from a fresh model are checked equal to eager's
+//! bit for bit (losses and parameters). Memory: eager's peak above what the model and its
+//! optimizer hold (the default pool's high-water mark), against the graph memory each graphed
+//! variant adds (the driver's graph memory, plus graft's pool). Each timed step is one call
+//! and a synchronize, variants alternate in rounds, and the figure is the median.
+//!
+//! usage: graft-candle-train [--steps N] [--rounds R] [--seq S] [--large] [--json PATH]
+
+use std::time::Instant;
+
+use graft_candle::candle_core::{DType, Device, Tensor};
+use graft_candle::cuda::{eager_memory, graph_memory, reset_eager_high, trim_graph_memory};
+use graft_candle::{CandleGraft, StepId};
+use graft_candle_bench::HandmadeGraph;
+use graft_candle_bench::common::{BUCKETS, BenchResult, Timing, median};
+use graft_candle_models::llama::Sizes;
+use graft_candle_train::Trainable;
+use graft_candle_train::optim::{AdamW, AdamWConfig, GradAccumulator};
+use graft_core::{FunctionSpec, Mode};
+
+/// The benchmark's flags.
+#[derive(clap::Parser, Debug)]
+#[command(
+    name = "graft-candle-train",
+    about = "A candle training step: eager, graft-candle (one graph or a path), a hand-made graph"
+)]
+struct Options {
+    /// Timed steps per variant (split over the rounds).
+    #[arg(long, default_value_t = 60)]
+    steps: usize,
+    #[command(flatten)]
+    timing: Timing,
+    /// Sequence length.
+    #[arg(long, default_value_t = 128)]
+    seq: usize,
+    /// Also measure the larger model (8 layers at d=1024, ~150M parameters).
+    #[arg(long)]
+    large: bool,
+}
+
+/// The larger model: where launch overhead matters less.
+fn large(seq: usize) -> Sizes {
+    Sizes {
+        layers: 8,
+        hidden: 1024,
+        heads: 16,
+        kv_heads: 8,
+        intermediate: 2816,
+        vocab: 16384,
+        max_positions: seq,
+        ..Sizes::BENCH
+    }
+}
+
+/// One way of running a training step on the shared model and optimizer.
+enum Variant {
+    Eager,
+    Graph(StepId),
+    Path(StepId, StepId),
+    Handmade(HandmadeGraph),
+}
+
+const NAMES: [&str; 4] = [
+    "eager",
+    "graft (one graph)",
+    "graft (path)",
+    "hand-made graph",
+];
+
+/// The model, its optimizer and accumulator, and the runtime the graphed variants share.
+struct Trainer {
+    model: Trainable,
+    opt: AdamW,
+    acc: GradAccumulator,
+    graft: CandleGraft,
+    statics: Vec<Tensor>,
+}
+
+impl Trainer {
+    fn new(sizes: Sizes, device: &Device) -> BenchResult<Trainer> {
+        let model = Trainable::random(&sizes.config(), 1234, DType::F32, device)?;
+        let opt = AdamW::new(model.vars().to_vec(), AdamWConfig::default())?;
+        let acc = GradAccumulator::new(model.vars())?;
+        let mut statics: Vec<Tensor> = opt.statics().into_iter().cloned().collect();
+        statics.extend(model.constants().into_iter().cloned());
+        statics.extend(acc.statics().into_iter().cloned());
+        Ok(Trainer {
+            model,
+            opt,
+            acc,
+            graft: CandleGraft::new(device)?,
+            statics,
+        })
+    }
+
+    /// One step of `variant` on `data` (`[batch, seq + 1]` u32); the loss, when it has one.
+    fn step(&mut self, variant: &Variant, data: &Tensor) -> BenchResult<Option<Tensor>> {
+        let Trainer {
+            model,
+            opt,
+            acc,
+            graft,
+            statics,
+        } = self;
+        let statics: Vec<&Tensor> = statics.iter().collect();
+        let (tokens, targets) = split(data)?;
+        Ok(match variant {
+            Variant::Eager => Some(full_step(model, opt, &tokens, &targets)?),
+            Variant::Graph(id) => {
+                let out = graft.call(*id, &[&tokens, &targets], &statics, &[], |x| {
+                    Ok(vec![full_step(model, opt, &x[0], &x[1])?])
+                })?;
+                out.outputs.into_iter().next()
+            }
+            Variant::Path(micro, update) => {
+                let out = graft.call(*micro, &[&tokens, &targets], &statics, &[], |x| {
+                    let loss = model.loss(&x[0], &x[1], None)?;
+                    acc.accumulate(&loss.backward()?)?;
+                    Ok(vec![loss])
+                })?;
+                graft.call(*update, &[], &statics, &[], |_| {
+                    opt.step(acc)?;
+                    acc.zero()?;
+                    Ok(vec![])
+                })?;
+                out.outputs.into_iter().next()
+            }
+            Variant::Handmade(graph) => {
+                graph.launch()?;
+                None
+            }
+        })
+    }
+}
+
+fn split(data: &Tensor) -> graft_candle::candle_core::Result<(Tensor, Tensor)> {
+    let seq = data.dim(1)? - 1;
+    Ok((
+        data.narrow(1, 0, seq)?.contiguous()?,
+        data.narrow(1, 1, seq)?.contiguous()?,
+    ))
+}
+
+fn full_step(
+    model: &Trainable,
+    opt: &mut AdamW,
+    tokens: &Tensor,
+    targets: &Tensor,
+) -> graft_candle::candle_core::Result<Tensor> {
+    let loss = model.loss(tokens, targets, None)?;
+    opt.step(&loss.backward()?)?;
+    Ok(loss)
+}
+
+/// Random `[batch, seq + 1]` tokens below `vocab`.
+fn data(batch: usize, seq: usize, vocab: usize, device: &Device) -> BenchResult<Tensor> {
+    let mut state = 0x2545_F491_4F6C_DD1D_u64 ^ batch as u64;
+    let values: Vec<u32> = (0..batch * (seq + 1))
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state % vocab as u64) as u32
+        })
+        .collect();
+    Ok(Tensor::from_vec(values, (batch, seq + 1), device)?)
+}
+
+/// 3 steps of graft-candle (one graph) from a fresh model equal eager's bit for bit.
+fn check(sizes: Sizes, data: &Tensor, device: &Device) -> BenchResult<bool> {
+    let mut eager = Trainer::new(sizes, device)?;
+    let mut graphed = Trainer::new(sizes, device)?;
+    let id = graphed.graft.register("check");
+    let mut same = true;
+    for _ in 0..3 {
+        let a = eager.step(&Variant::Eager, data)?.ok_or("no loss")?;
+        let b = graphed.step(&Variant::Graph(id), data)?.ok_or("no loss")?;
+        same &= a.to_vec1::<f32>()? == b.to_vec1::<f32>()?;
+    }
+    for (a, b) in eager.model.vars().iter().zip(graphed.model.vars()) {
+        let diff = (a.as_tensor() - b.as_tensor())?
+            .abs()?
+            .max_all()?
+            .to_scalar::<f32>()?;
+        same &= diff == 0.0;
+    }
+    Ok(same)
+}
+
+/// Graph memory the driver and graft hold now, in bytes.
+fn graph_bytes(t: &Trainer, device: &Device) -> BenchResult<u64> {
+    let driver = graph_memory(device.as_cuda_device()?)?.mapped_current;
+    let pool = t
+        .graft
+        .graft()
+        .map_or(0, |g| g.memory_report().mapped_bytes);
+    Ok(driver + pool as u64)
+}
+
+struct Row {
+    model: &'static str,
+    batch: usize,
+    us: [f64; 4],
+    memory: [u64; 4],
+    kernels: usize,
+    identical: bool,
+}
+
+fn measure(
+    name: &'static str,
+    sizes: Sizes,
+    batch: usize,
+    o: &Options,
+    device: &Device,
+) -> BenchResult<Row> {
+    let data = data(batch, o.seq, sizes.vocab, device)?;
+    let identical = check(sizes, &data, device)?;
+    let cuda = device.as_cuda_device()?.clone();
+    trim_graph_memory(&cuda)?;
+    let mut t = Trainer::new(sizes, device)?;
+    let mut memory = [0u64; 4];
+    // Eager: the default pool's peak above what the model and optimizer hold.
+    reset_eager_high(&cuda)?;
+    let before = eager_memory(&cuda)?.used_current;
+    for _ in 0..2 {
+        t.step(&Variant::Eager, &data)?;
+    }
+    reset_eager_high(&cuda)?;
+    t.step(&Variant::Eager, &data)?;
+    device.synchronize()?;
+    memory[0] = eager_memory(&cuda)?.used_high - before;
+    // Each graphed variant: the graph memory it adds once recorded.
+    let mut variants = vec![Variant::Eager];
+    let one = t.graft.register("train");
+    let micro = t
+        .graft
+        .register_with("micro", FunctionSpec::default().mode(Mode::Forward));
+    let update = t
+        .graft
+        .register_with("update", FunctionSpec::default().mode(Mode::Backward));
+    for (i, v) in [Variant::Graph(one), Variant::Path(micro, update)]
+        .into_iter()
+        .enumerate()
+    {
+        let base = graph_bytes(&t, device)?;
+        for _ in 0..3 {
+            t.step(&v, &data)?;
+        }
+        device.synchronize()?;
+        memory[i + 1] = graph_bytes(&t, device)? - base;
+        variants.push(v);
+    }
+    let base = graph_bytes(&t, device)?;
+    let handmade = {
+        let Trainer { model, opt, .. } = &mut t;
+        HandmadeGraph::capture(&cuda, &data, |d| {
+            let (tokens, targets) = split(d)?;
+            drop(full_step(model, opt, &tokens, &targets)?);
+            d.copy()
+        })?
+    };
+    handmade.launch()?;
+    device.synchronize()?;
+    memory[3] = graph_bytes(&t, device)? - base;
+    variants.push(Variant::Handmade(handmade));
+    let kernels = t
+        .graft
+        .graft()
+        .and_then(|g| g.nodes().into_iter().find(|n| &*n.function_name == "train"))
+        .map_or(0, |n| n.graph.kernels);
+
+    let per_round = o.timing.per_round(o.steps)?;
+    let mut samples = vec![Vec::with_capacity(o.steps); variants.len()];
+    for _ in 0..o.timing.rounds {
+        for (v, times) in variants.iter().zip(samples.iter_mut()) {
+            for _ in 0..2 {
+                t.step(v, &data)?;
+            }
+            device.synchronize()?;
+            for _ in 0..per_round {
+                let start = Instant::now();
+                t.step(v, &data)?;
+                device.synchronize()?;
+                times.push(start.elapsed().as_secs_f64() * 1e6);
+            }
+        }
+    }
+    let mut us = [0.0; 4];
+    for (u, s) in us.iter_mut().zip(samples.iter_mut()) {
+        *u = median(s);
+    }
+    Ok(Row {
+        model: name,
+        batch,
+        us,
+        memory,
+        kernels,
+        identical,
+    })
+}
+
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("graft-candle-train: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run() -> BenchResult<()> {
+    let o = <Options as clap::Parser>::parse();
+    o.timing.per_round(o.steps)?;
+    let device =
+        graft_candle::device(0).map_err(|e| format!("no CUDA GPU for the benchmark: {e}"))?;
+    let mut models = vec![(
+        "bench",
+        Sizes {
+            max_positions: o.seq,
+            ..Sizes::BENCH
+        },
+    )];
+    if o.large {
+        models.push(("large", large(o.seq)));
+    }
+    println!(
+        "training step (forward, backward, AdamW), sequence {}; {} timed steps per variant in {} rounds, median",
+        o.seq, o.steps, o.timing.rounds
+    );
+    let mut json = Vec::new();
+    let mut failed = false;
+    for (name, sizes) in models {
+        println!("{name}: {sizes}, F32");
+        for batch in BUCKETS {
+            let r = match measure(name, sizes, batch, &o, &device) {
+                Ok(r) => r,
+                Err(e) => {
+                    failed = true;
+                    println!("  B={batch:<3} failed: {e}");
+                    continue;
+                }
+            };
+            failed |= !r.identical;
+            let mib = |b: u64| b as f64 / (1 << 20) as f64;
+            println!(
+                "  B={batch:<3} {}: {:.1} / {:.1} / {:.1} / {:.1} us   eager/graft {:.2}x   path/graft {:.3}   graft/hand-made {:.3}   {} kernels   memory eager peak {:.1} MiB, graph {:.1} MiB ({:.3}x), path {:.1} MiB, hand-made {:.1} MiB   {}",
+                NAMES.join(" / "),
+                r.us[0],
+                r.us[1],
+                r.us[2],
+                r.us[3],
+                r.us[0] / r.us[1],
+                r.us[2] / r.us[1],
+                r.us[1] / r.us[3],
+                r.kernels,
+                mib(r.memory[0]),
+                mib(r.memory[1]),
+                r.memory[1] as f64 / r.memory[0] as f64,
+                mib(r.memory[2]),
+                mib(r.memory[3]),
+                if r.identical {
+                    "bit-identical to eager"
+                } else {
+                    "DIFFERS FROM EAGER"
+                },
+            );
+            json.push(format!(
+                "{{\"model\":\"{}\",\"batch\":{},\"seq\":{},\"eager_us\":{:.1},\"graft_us\":{:.1},\"path_us\":{:.1},\"handmade_us\":{:.1},\"kernels\":{},\"eager_peak_bytes\":{},\"graft_graph_bytes\":{},\"path_graph_bytes\":{},\"handmade_graph_bytes\":{},\"identical\":{}}}",
+                r.model, r.batch, o.seq, r.us[0], r.us[1], r.us[2], r.us[3], r.kernels,
+                r.memory[0], r.memory[1], r.memory[2], r.memory[3], r.identical
+            ));
+        }
+    }
+    o.timing.write_json(&json)?;
+    if failed {
+        return Err("a variant failed or differed from eager (see above)".into());
+    }
+    Ok(())
+}

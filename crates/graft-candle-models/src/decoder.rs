@@ -1,0 +1,486 @@
+//! The decoder every port builds: embedding, blocks of grouped-query attention over the
+//! shared [`KvCache`] and a gated MLP, a final norm and the output projection. One decode
+//! step reads the positions on the device, rotates and masks at them, writes the new keys and
+//! values in place, and advances the positions on the device: no host value that changes
+//! between steps reaches a kernel, so a recorded step replays correctly at every position.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use candle_core::quantized::QMatMul;
+use candle_core::{D, DType, Device, Module, Result, Tensor};
+use candle_nn::{Linear, VarBuilder};
+
+use super::cache::KvCache;
+use super::rope::Rope;
+use super::spec::DecoderSpec;
+use graft_candle::{CandleGraft, Error, Step, StepId};
+
+/// A projection: dense (a candle-nn `Linear`, as candle's models load it) or quantized.
+#[derive(Debug)]
+pub(crate) enum Proj {
+    Dense(Linear),
+    Quant(QMatMul),
+}
+
+impl Proj {
+    pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Proj::Dense(l) => l.forward(x),
+            Proj::Quant(q) => q.forward(x),
+        }
+    }
+
+    /// The tensors it reads (none for a block-quantized weight, which is not a `Tensor`).
+    fn tensors(&self) -> Vec<&Tensor> {
+        match self {
+            Proj::Dense(l) => std::iter::once(l.weight()).chain(l.bias()).collect(),
+            Proj::Quant(QMatMul::Tensor(t) | QMatMul::TensorF16(t)) => vec![t],
+            Proj::Quant(QMatMul::QTensor(_)) => Vec::new(),
+        }
+    }
+}
+
+/// One transformer block.
+#[derive(Debug)]
+pub(crate) struct Block {
+    pub(crate) attn_norm: Tensor,
+    pub(crate) q: Proj,
+    pub(crate) k: Proj,
+    pub(crate) v: Proj,
+    pub(crate) o: Proj,
+    /// Per-head norms of queries and keys (Qwen3).
+    pub(crate) qk_norm: Option<(Tensor, Tensor)>,
+    pub(crate) mlp_norm: Tensor,
+    pub(crate) gate: Proj,
+    pub(crate) up: Proj,
+    pub(crate) down: Proj,
+}
+
+/// A graph-ready decoder ported from one of candle-transformers' models (see
+/// [the crate's docs](crate)): load it with the port's `load`, make a cache with
+/// [`Decoder::new_cache`], and step it under graft with [`Decoder::decode`].
+#[derive(Debug)]
+pub struct Decoder {
+    pub(crate) spec: DecoderSpec,
+    pub(crate) embed: Tensor,
+    pub(crate) blocks: Vec<Block>,
+    pub(crate) norm: Tensor,
+    pub(crate) lm_head: Proj,
+    pub(crate) rope: Rope,
+    /// The dtype of activations and of the cache.
+    dtype: DType,
+    /// Unique per decoder in this process: a signature key, so that a graph recorded for one
+    /// decoder never replays for another (block-quantized weights cannot be statics).
+    id: u64,
+}
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+/// A dense projection of `vb`'s `weight` (`[out, inp]`) and, with `bias`, its `bias`.
+pub(crate) fn dense(vb: &VarBuilder, out: usize, inp: usize, bias: bool) -> Result<Proj> {
+    let w = vb.get((out, inp), "weight")?;
+    let b = if bias {
+        Some(vb.get(out, "bias")?)
+    } else {
+        None
+    };
+    Ok(Proj::Dense(Linear::new(w, b)))
+}
+
+impl Decoder {
+    /// A decoder from its parts (the ports' loaders call this).
+    pub(crate) fn from_parts(
+        spec: DecoderSpec,
+        embed: Tensor,
+        blocks: Vec<Block>,
+        norm: Tensor,
+        lm_head: Proj,
+        device: &Device,
+    ) -> Result<Decoder> {
+        let dtype = embed.dtype();
+        let rope = Rope::new(&spec.rope, spec.head_dim, dtype, device)?;
+        Ok(Decoder {
+            spec,
+            embed,
+            blocks,
+            norm,
+            lm_head,
+            rope,
+            dtype,
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+        })
+    }
+
+    /// Loads a decoder of `spec` from a checkpoint in the Hugging Face layout (the tensor
+    /// names [`DecoderSpec::checkpoint_tensors`] lists), in `vb`'s dtype.
+    pub(crate) fn load_hf(spec: DecoderSpec, vb: &VarBuilder) -> Result<Decoder> {
+        spec.validate()?;
+        let (d, f, hd) = (spec.hidden, spec.intermediate, spec.head_dim);
+        let (q, kv) = (spec.heads * hd, spec.kv_heads * hd);
+        let embed = vb.get((spec.vocab, d), "model.embed_tokens.weight")?;
+        let mut blocks = Vec::with_capacity(spec.layers);
+        for i in 0..spec.layers {
+            let l = vb.pp(format!("model.layers.{i}"));
+            let attn = l.pp("self_attn");
+            let mlp = l.pp("mlp");
+            let qk_norm = if spec.qk_norm {
+                Some((
+                    attn.get(hd, "q_norm.weight")?,
+                    attn.get(hd, "k_norm.weight")?,
+                ))
+            } else {
+                None
+            };
+            blocks.push(Block {
+                attn_norm: l.get(d, "input_layernorm.weight")?,
+                q: dense(&attn.pp("q_proj"), q, d, spec.qkv_bias)?,
+                k: dense(&attn.pp("k_proj"), kv, d, spec.qkv_bias)?,
+                v: dense(&attn.pp("v_proj"), kv, d, spec.qkv_bias)?,
+                o: dense(&attn.pp("o_proj"), d, q, spec.o_bias)?,
+                qk_norm,
+                mlp_norm: l.get(d, "post_attention_layernorm.weight")?,
+                gate: dense(&mlp.pp("gate_proj"), f, d, false)?,
+                up: dense(&mlp.pp("up_proj"), f, d, false)?,
+                down: dense(&mlp.pp("down_proj"), d, f, false)?,
+            });
+        }
+        let norm = vb.get(d, "model.norm.weight")?;
+        let lm_head = if spec.tied_embeddings {
+            Proj::Dense(Linear::new(embed.clone(), None))
+        } else {
+            dense(&vb.pp("lm_head"), spec.vocab, d, false)?
+        };
+        Decoder::from_parts(spec, embed, blocks, norm, lm_head, vb.device())
+    }
+
+    /// The rotary tables, cosines and sines, `[max_position_embeddings, head_dim / 2]` each:
+    /// statics of any step that runs [`Decoder::sequence_logits`].
+    pub fn rope_tables(&self) -> [&Tensor; 2] {
+        [&self.rope.cos, &self.rope.sin]
+    }
+
+    /// What the decoder is.
+    pub fn spec(&self) -> &DecoderSpec {
+        &self.spec
+    }
+
+    /// The device its weights live on.
+    pub fn device(&self) -> &Device {
+        self.embed.device()
+    }
+
+    /// The dtype of its activations and cache.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// A key unique to this decoder in this process; [`Decoder::decode`] passes it as
+    /// `keys[1]`.
+    pub fn key(&self) -> u64 {
+        self.id
+    }
+
+    /// A zeroed cache for up to `max_batch` sequences of `max_seq` positions each, every
+    /// position at 0. `max_seq` may not exceed the model's `max_position_embeddings`.
+    pub fn new_cache(&self, max_batch: usize, max_seq: usize) -> Result<KvCache> {
+        self.cache(max_batch, max_seq, false)
+    }
+
+    /// A zeroed cache for serving: [`Decoder::new_cache`]'s, plus one scratch row that
+    /// [`Decoder::prefill`]'s padding tokens write (so a prefill chunk padded to its bucket
+    /// never writes past a sequence's real tokens).
+    pub fn new_serving_cache(&self, max_batch: usize, max_seq: usize) -> Result<KvCache> {
+        self.cache(max_batch, max_seq, true)
+    }
+
+    fn cache(&self, max_batch: usize, max_seq: usize, serving: bool) -> Result<KvCache> {
+        if max_seq > self.spec.rope.max_positions {
+            candle_core::bail!(
+                "a kv cache of {max_seq} positions for a model of max_position_embeddings {}: use at most that many",
+                self.spec.rope.max_positions
+            );
+        }
+        let shape = (max_batch, self.spec.kv_heads, max_seq, self.spec.head_dim);
+        let window = self.spec.sliding_window;
+        KvCache::new(
+            self.spec.layers,
+            shape,
+            window,
+            serving,
+            self.dtype,
+            self.device(),
+        )
+    }
+
+    /// The tensors a decode step uses in place: the weights that are tensors and `cache`'s
+    /// tensors. Pass them as the step's statics ([`Decoder::decode`] does).
+    pub fn statics<'a>(&'a self, cache: &'a KvCache) -> Vec<&'a Tensor> {
+        let mut all = vec![&self.embed, &self.norm, &self.rope.cos, &self.rope.sin];
+        all.extend(self.lm_head.tensors());
+        for b in &self.blocks {
+            all.extend([&b.attn_norm, &b.mlp_norm]);
+            if let Some((qn, kn)) = &b.qk_norm {
+                all.extend([qn, kn]);
+            }
+            for p in [&b.q, &b.k, &b.v, &b.o, &b.gate, &b.up, &b.down] {
+                all.extend(p.tensors());
+            }
+        }
+        all.extend(cache.tensors());
+        all
+    }
+
+    /// One eager decode step: `tokens` (`[batch]` u32, the token at each sequence's position)
+    /// in, the logits (`[batch, vocab]` f32) out; writes sequences `0..batch` of `cache` and
+    /// advances their positions.
+    pub fn forward(&self, cache: &KvCache, tokens: &Tensor) -> Result<Tensor> {
+        let batch = tokens.dims1()?;
+        cache.check_room(batch)?;
+        let logits = self.logits(cache, tokens)?;
+        cache.advance(batch);
+        Ok(logits)
+    }
+
+    /// One eager greedy decode step: the next token of every sequence (`[batch]` u32).
+    pub fn greedy(&self, cache: &KvCache, tokens: &Tensor) -> Result<Tensor> {
+        self.forward(cache, tokens)?.argmax(D::Minus1)
+    }
+
+    /// One greedy decode step under graft: `tokens` (`[batch]` u32) is the step's input, the
+    /// weights and `cache` its statics, and `[batch, key]` its keys, so `step` may be
+    /// registered with buckets (`batch` is then the bucket: pad the tokens to it). The output
+    /// is the next token of every sequence. Records once per bucket and cache, then replays
+    /// at every position.
+    pub fn decode(
+        &self,
+        graft: &mut CandleGraft,
+        step: StepId,
+        cache: &KvCache,
+        tokens: &Tensor,
+    ) -> std::result::Result<Step, Error> {
+        self.decode_with(graft, step, cache, tokens, |logits| {
+            logits.argmax(D::Minus1)
+        })
+    }
+
+    /// [`Decoder::decode`] with the logits (`[batch, vocab]` f32) as the output.
+    pub fn decode_logits(
+        &self,
+        graft: &mut CandleGraft,
+        step: StepId,
+        cache: &KvCache,
+        tokens: &Tensor,
+    ) -> std::result::Result<Step, Error> {
+        self.decode_with(graft, step, cache, tokens, |logits| Ok(logits.clone()))
+    }
+
+    fn decode_with(
+        &self,
+        graft: &mut CandleGraft,
+        step: StepId,
+        cache: &KvCache,
+        tokens: &Tensor,
+        head: impl Fn(&Tensor) -> Result<Tensor>,
+    ) -> std::result::Result<Step, Error> {
+        let batch = tokens
+            .dims1()
+            .and_then(|b| cache.check_room(b).map(|()| b))
+            .map_err(|source| Error::Model { source })?;
+        let statics = self.statics(cache);
+        let out = graft.call(
+            step,
+            &[tokens],
+            &statics,
+            &[batch as u64, self.id],
+            |inputs| Ok(vec![head(&self.logits(cache, &inputs[0])?)?]),
+        )?;
+        cache.advance(batch);
+        Ok(out)
+    }
+
+    /// One eager prefill chunk of sequence `row` of a serving cache: `tokens` (`[chunk]` u32)
+    /// holds the next `len` tokens of its prompt, padded to `chunk` with any token. Writes
+    /// their keys and values at the sequence's position and advances it by `len`; returns
+    /// the token that follows the last of them (`[1]` u32, greedy).
+    pub fn prefill_forward(
+        &self,
+        cache: &KvCache,
+        row: usize,
+        tokens: &Tensor,
+        len: usize,
+    ) -> Result<Tensor> {
+        cache.check_prefill(row, len, tokens.dims1()?)?;
+        let meta = Tensor::new(&[row as u32, len as u32], self.device())?;
+        let next = self
+            .prefill_logits(cache, tokens, &meta)?
+            .argmax(D::Minus1)?;
+        cache.advance_row(row, len);
+        Ok(next)
+    }
+
+    /// [`Decoder::prefill_forward`] under graft: `tokens` and the row and length (uploaded
+    /// as a `[2]` u32 input) are the step's inputs, the weights and `cache` its statics,
+    /// `[chunk, key]` its keys: register `step` with token-count buckets and pad `tokens` to
+    /// one. One recording per bucket serves every sequence, position and length.
+    pub fn prefill(
+        &self,
+        graft: &mut CandleGraft,
+        step: StepId,
+        cache: &KvCache,
+        row: usize,
+        tokens: &Tensor,
+        len: usize,
+    ) -> std::result::Result<Step, Error> {
+        let model = |source| Error::Model { source };
+        let chunk = tokens.dims1().map_err(model)?;
+        cache.check_prefill(row, len, chunk).map_err(model)?;
+        let meta = Tensor::new(&[row as u32, len as u32], self.device()).map_err(model)?;
+        let statics = self.statics(cache);
+        let out = graft.call(
+            step,
+            &[tokens, &meta],
+            &statics,
+            &[chunk as u64, self.id],
+            |inputs| {
+                let logits = self.prefill_logits(cache, &inputs[0], &inputs[1])?;
+                Ok(vec![logits.argmax(D::Minus1)?])
+            },
+        )?;
+        cache.advance_row(row, len);
+        Ok(out)
+    }
+
+    /// The prefill itself (no host-side checks): capturable. `meta` is `[2]` u32: the row
+    /// and the number of real tokens. Returns the last real token's logits (`[1, vocab]`
+    /// f32).
+    fn prefill_logits(&self, cache: &KvCache, tokens: &Tensor, meta: &Tensor) -> Result<Tensor> {
+        let s = &self.spec;
+        let chunk = tokens.dims1()?;
+        let plan = cache.prefill_plan(meta, chunk, s.head_dim)?;
+        let (cos, sin) = self.rope.at(&plan.positions)?;
+        let (cos, sin) = (cos.squeeze(1)?, sin.squeeze(1)?);
+        let mut x = self.embed.index_select(tokens, 0)?.unsqueeze(0)?;
+        for (i, b) in self.blocks.iter().enumerate() {
+            let (q, k, v) = b.qkv(&x, s, &self.rope, &cos, &sin)?;
+            let (k_flat, v_flat) = cache.flat(i)?;
+            let rows = s.kv_heads * chunk;
+            k_flat.scatter_set(&plan.write_at, &k.reshape((rows, s.head_dim))?, 0)?;
+            v_flat.scatter_set(&plan.write_at, &v.reshape((rows, s.head_dim))?, 0)?;
+            let (k_row, v_row) = cache.row(i, &plan.row)?;
+            let o = attend_chunk(&q, &k_row, &v_row, &plan.mask, s)?;
+            x = b.finish(&x, &o, s)?;
+        }
+        let x = x.index_select(&plan.last, 1)?;
+        let x = candle_nn::ops::rms_norm(&x, &self.norm, s.eps as f32)?;
+        let logits = self.lm_head.forward(&x)?.squeeze(1)?.to_dtype(DType::F32)?;
+        cache.step_row(&plan, &meta.narrow(0, 1, 1)?)?;
+        Ok(logits)
+    }
+
+    /// The step itself (no host-side checks): capturable.
+    pub(crate) fn logits(&self, cache: &KvCache, tokens: &Tensor) -> Result<Tensor> {
+        let s = &self.spec;
+        let batch = tokens.dims1()?;
+        let positions = cache.positions_of(batch)?;
+        let (cos, sin) = self.rope.at(&positions)?;
+        let mask = cache.mask(batch)?;
+        let write_at = cache.write_index(batch, s.kv_heads, s.head_dim)?;
+        // [batch, 1, hidden]: one new position per sequence, shaped as candle's models do.
+        let mut x = self.embed.index_select(tokens, 0)?.unsqueeze(1)?;
+        for (i, b) in self.blocks.iter().enumerate() {
+            let (k_cache, v_cache) = cache.layer(i, batch)?;
+            let (q, k, v) = b.qkv(&x, s, &self.rope, &cos, &sin)?;
+            k_cache.scatter_set(&write_at, &k, 2)?;
+            v_cache.scatter_set(&write_at, &v, 2)?;
+            let o = attend(&q, &k_cache, &v_cache, &mask, s)?;
+            x = b.finish(&x, &o, s)?;
+        }
+        let x = candle_nn::ops::rms_norm(&x, &self.norm, s.eps as f32)?;
+        let logits = self.lm_head.forward(&x)?.squeeze(1)?.to_dtype(DType::F32)?;
+        cache.step_positions(batch)?;
+        Ok(logits)
+    }
+}
+
+impl Block {
+    /// The rotated queries `[batch, heads, t, hd]`, rotated keys and values `[batch, kv, t,
+    /// hd]` of the block's input `x` `[batch, t, hidden]` (t = 1 for a decode step).
+    fn qkv(
+        &self,
+        x: &Tensor,
+        s: &DecoderSpec,
+        rope: &Rope,
+        cos: &Tensor,
+        sin: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let (batch, len, _) = x.dims3()?;
+        let h = candle_nn::ops::rms_norm(x, &self.attn_norm, s.eps as f32)?;
+        let heads = |t: Tensor, n: usize| {
+            t.reshape((batch, len, n, s.head_dim))?
+                .transpose(1, 2)?
+                .contiguous()
+        };
+        let mut q = heads(self.q.forward(&h)?, s.heads)?;
+        let mut k = heads(self.k.forward(&h)?, s.kv_heads)?;
+        let v = heads(self.v.forward(&h)?, s.kv_heads)?;
+        if let Some((qn, kn)) = &self.qk_norm {
+            let norm = |t: &Tensor, w: &Tensor, n: usize| {
+                candle_nn::ops::rms_norm(&t.flatten(0, 2)?, w, s.eps as f32)?
+                    .reshape((batch, n, len, s.head_dim))
+            };
+            q = norm(&q, qn, s.heads)?;
+            k = norm(&k, kn, s.kv_heads)?;
+        }
+        Ok((rope.apply(&q, cos, sin)?, rope.apply(&k, cos, sin)?, v))
+    }
+
+    /// The block's output from its input `x` and the attention result `o` (`[batch, t,
+    /// heads * hd]`): the output projection and the gated MLP, each added to the residual.
+    fn finish(&self, x: &Tensor, o: &Tensor, s: &DecoderSpec) -> Result<Tensor> {
+        let x = (self.o.forward(o)? + x)?;
+        let h = candle_nn::ops::rms_norm(&x, &self.mlp_norm, s.eps as f32)?;
+        let gated = (self.gate.forward(&h)?.apply(&s.act)? * self.up.forward(&h)?)?;
+        self.down.forward(&gated)? + x
+    }
+}
+
+/// Grouped-query attention of one new position per sequence over the whole cache: `q`
+/// `[batch, heads, 1, hd]`, caches `[batch, kv, max_seq, hd]`, `mask` `[batch, 1, 1,
+/// max_seq]` (added to the scores, which are f32); returns `[batch, 1, heads * hd]`.
+fn attend(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, s: &DecoderSpec) -> Result<Tensor> {
+    let batch = q.dim(0)?;
+    let (heads, kv, hd) = (s.heads, s.kv_heads, s.head_dim);
+    // The query heads of one KV head side by side: one matmul per KV head, no repeated cache.
+    let q = q.reshape((batch, kv, heads / kv, hd))?;
+    let scores = (q.matmul(&k.t()?)?.to_dtype(DType::F32)? / (hd as f64).sqrt())?;
+    let p = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(mask)?)?.to_dtype(q.dtype())?;
+    p.matmul(v)?.reshape((batch, 1, heads * hd))
+}
+
+/// Grouped-query attention of a prefill chunk of one sequence over its whole cache row: `q`
+/// `[1, heads, chunk, hd]`, the row's caches `[1, kv, max_seq, hd]`, `mask` `[chunk,
+/// max_seq]`; returns `[1, chunk, heads * hd]`.
+fn attend_chunk(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &Tensor,
+    s: &DecoderSpec,
+) -> Result<Tensor> {
+    let (_, heads, chunk, hd) = q.dims4()?;
+    let kv = s.kv_heads;
+    let group = heads / kv;
+    let max_seq = k.dim(2)?;
+    let q = q.reshape((1, kv, group * chunk, hd))?;
+    let scores = (q.matmul(&k.t()?)?.to_dtype(DType::F32)? / (hd as f64).sqrt())?;
+    let scores = scores
+        .reshape((1, kv, group, chunk, max_seq))?
+        .broadcast_add(mask)?;
+    let p = candle_nn::ops::softmax_last_dim(&scores)?
+        .to_dtype(q.dtype())?
+        .reshape((1, kv, group * chunk, max_seq))?;
+    p.matmul(v)?
+        .reshape((1, heads, chunk, hd))?
+        .transpose(1, 2)?
+        .reshape((1, chunk, heads * hd))
+}

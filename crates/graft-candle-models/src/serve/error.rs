@@ -1,0 +1,57 @@
+//! Why the serving engine refused a request or failed a step.
+
+use graft_candle::Error;
+
+/// Why [`crate::serve::Engine::submit`] refused a request. The request comes back in the
+/// error, so nothing is lost; every other request is unaffected.
+#[derive(Debug, thiserror::Error)]
+pub enum Rejected {
+    /// The prompt has no tokens.
+    #[error("request {id} has an empty prompt: send at least one token")]
+    EmptyPrompt { id: u64 },
+    /// The request asks for no tokens.
+    #[error("request {id} asks for 0 new tokens: ask for at least one")]
+    NothingToGenerate { id: u64 },
+    /// Prompt and output together need more positions than a sequence of the kv cache has.
+    #[error(
+        "request {id} needs {needed} positions ({prompt} prompt + {max_new} new tokens) but a sequence of the kv cache holds {max_seq}: shorten it, or plan the cache with a larger max_seq"
+    )]
+    TooLong {
+        id: u64,
+        prompt: usize,
+        max_new: usize,
+        needed: usize,
+        max_seq: usize,
+    },
+}
+
+/// A refused request, given back with the reason.
+#[derive(Debug, thiserror::Error)]
+#[error("{why}")]
+pub struct Refused {
+    /// Why.
+    #[source]
+    pub why: Rejected,
+    /// The request, unchanged.
+    pub request: crate::serve::Request,
+}
+
+/// Why a step of the engine failed. The engine's state is unchanged by a failed step's
+/// bookkeeping: requests stay where they were.
+#[derive(Debug, thiserror::Error)]
+pub enum StepError {
+    /// A prefill chunk failed.
+    #[error("the prefill of request {id} failed: {source}")]
+    Prefill {
+        id: u64,
+        #[source]
+        source: Error,
+    },
+    /// A decode step of `batch` sequences failed.
+    #[error("a decode step of {batch} sequences failed: {source}")]
+    Decode {
+        batch: usize,
+        #[source]
+        source: Error,
+    },
+}

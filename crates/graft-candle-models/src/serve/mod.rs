@@ -1,0 +1,443 @@
+//! A continuous-batching serving loop over one ported [`Decoder`] and its serving
+//! [`KvCache`]: requests join and leave at every step, prompts are prefilled in chunks padded
+//! to token-count buckets, running sequences decode together in a batch padded to a batch
+//! bucket, and under graft every prefill bucket and every decode bucket is one recorded path
+//! of the same tree.
+//!
+//! Every call starts a step of graft's tree (`mark_step_begin`): a prefill chunk and a decode
+//! step are each a root path of the tree, so each bucket records once. Without it a call
+//! would record as the child of whichever call ran before it in the same step, one graph per
+//! pair of buckets. Nothing is invalidated by it: every output is the caller's own tensor.
+//!
+//! The running sequences live in cache rows `0..n`, in the order of [`Engine`]'s list; when
+//! one finishes, the last moves into its row (a device copy of its keys and values). The
+//! request being prefilled lives in row `n` (or above, after finishes) and joins the batch
+//! when its last chunk gives its first token. A padded decode step also steps the idle rows
+//! above `n`: their keys and values are never read, and the prefilling row's position is
+//! set back before its next chunk.
+
+mod error;
+mod plan;
+
+use std::collections::VecDeque;
+
+use candle_core::{DType, Tensor};
+
+use graft_candle::{Buckets, CandleGraft, Error, StepId, StepOutcome};
+
+use crate::{Decoder, KvCache};
+
+pub use error::{Refused, Rejected, StepError};
+#[cfg(feature = "cuda")]
+pub use plan::plan;
+pub use plan::{MemoryPlan, kv_rows};
+
+/// A request: generate up to `max_new` tokens (greedy) after `prompt`.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub struct Request {
+    /// Yours; events name it.
+    pub id: u64,
+    /// The prompt's tokens.
+    pub prompt: Vec<u32>,
+    /// How many tokens to generate at most (the end token, when configured, stops sooner).
+    pub max_new: usize,
+}
+
+/// What the engine does with requests.
+#[derive(Clone, Debug)]
+pub struct ServeConfig {
+    /// Batch sizes decode steps are padded to; a batch above the largest runs eagerly at its
+    /// real size (graft's `AboveLargestBucket`). At most the cache's sequences.
+    pub decode_buckets: Buckets,
+    /// Token counts prefill chunks are padded to; a longer prompt is prefilled in chunks of
+    /// the largest. At most the cache's `max_seq`.
+    pub prefill_buckets: Buckets,
+    /// A token that ends a sequence (`None`: sequences end at their `max_new`).
+    pub eos: Option<u32>,
+    /// At most this many sequences decode at once (`None`: as many as the cache holds).
+    /// Requests beyond wait in the queue.
+    pub max_running: Option<usize>,
+}
+
+/// What a step produced.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Event {
+    /// Request `id`'s token number `index` (0 is the first, from its prefill).
+    Token { id: u64, token: u32, index: usize },
+    /// Request `id` is done; its row is free.
+    Finished { id: u64 },
+}
+
+/// How steps run.
+#[derive(Debug)]
+enum Runner {
+    /// candle eager at the real sizes: no padding.
+    Eager,
+    /// graft-candle, padded to the buckets.
+    Graft {
+        graft: Box<CandleGraft>,
+        prefill: StepId,
+        decode: StepId,
+    },
+}
+
+#[derive(Debug)]
+struct Prefilling {
+    request: Request,
+    row: usize,
+    done: usize,
+}
+
+#[derive(Debug)]
+struct Running {
+    id: u64,
+    last: u32,
+    generated: usize,
+    max_new: usize,
+}
+
+/// A continuous-batching engine (see the module documentation).
+#[derive(Debug)]
+pub struct Engine<'m> {
+    model: &'m Decoder,
+    cache: KvCache,
+    runner: Runner,
+    config: ServeConfig,
+    waiting: VecDeque<Request>,
+    prefilling: Option<Prefilling>,
+    running: Vec<Running>,
+}
+
+/// Wraps a candle error from the engine's own bookkeeping.
+fn model(source: candle_core::Error) -> Error {
+    Error::Model { source }
+}
+
+impl<'m> Engine<'m> {
+    /// An engine that runs every step with candle eagerly, at the real batch and chunk sizes.
+    pub fn eager(
+        model: &'m Decoder,
+        cache: KvCache,
+        config: ServeConfig,
+    ) -> Result<Engine<'m>, Error> {
+        Engine::new(model, cache, Runner::Eager, config)
+    }
+
+    /// An engine that runs every step under `graft`, padded to the buckets: it registers a
+    /// `prefill` and a `decode` step.
+    pub fn graphed(
+        model: &'m Decoder,
+        cache: KvCache,
+        mut graft: CandleGraft,
+        config: ServeConfig,
+    ) -> Result<Engine<'m>, Error> {
+        let prefill = graft.register_bucketed("prefill", config.prefill_buckets.clone());
+        let decode = graft.register_bucketed("decode", config.decode_buckets.clone());
+        let runner = Runner::Graft {
+            graft: Box::new(graft),
+            prefill,
+            decode,
+        };
+        Engine::new(model, cache, runner, config)
+    }
+
+    fn new(
+        model: &'m Decoder,
+        cache: KvCache,
+        runner: Runner,
+        config: ServeConfig,
+    ) -> Result<Engine<'m>, Error> {
+        check_fits(&cache, &config)?;
+        Ok(Engine {
+            model,
+            cache,
+            runner,
+            config,
+            waiting: VecDeque::new(),
+            prefilling: None,
+            running: Vec::new(),
+        })
+    }
+
+    /// The cache.
+    pub fn cache(&self) -> &KvCache {
+        &self.cache
+    }
+
+    /// graft-candle underneath (`None` for an eager engine).
+    pub fn graft(&self) -> Option<&CandleGraft> {
+        match &self.runner {
+            Runner::Graft { graft, .. } => Some(graft),
+            Runner::Eager => None,
+        }
+    }
+
+    /// Requests not finished: waiting, being prefilled or running.
+    pub fn pending(&self) -> usize {
+        self.waiting.len() + usize::from(self.prefilling.is_some()) + self.running.len()
+    }
+
+    /// Sequences decoding now.
+    pub fn running(&self) -> usize {
+        self.running.len()
+    }
+
+    /// Queues `request`, or gives it back with the reason it can never be served.
+    pub fn submit(&mut self, request: Request) -> Result<(), Box<Refused>> {
+        let max_seq = self.cache.max_seq();
+        let (id, prompt, max_new) = (request.id, request.prompt.len(), request.max_new);
+        let why = if prompt == 0 {
+            Some(Rejected::EmptyPrompt { id })
+        } else if max_new == 0 {
+            Some(Rejected::NothingToGenerate { id })
+        } else if prompt + max_new > max_seq {
+            // The last token generated is never written to the cache: it needs one less.
+            (prompt + max_new - 1 > max_seq).then_some(Rejected::TooLong {
+                id,
+                prompt,
+                max_new,
+                needed: prompt + max_new - 1,
+                max_seq,
+            })
+        } else {
+            None
+        };
+        match why {
+            Some(why) => Err(Box::new(Refused { why, request })),
+            None => {
+                self.waiting.push_back(request);
+                Ok(())
+            }
+        }
+    }
+
+    /// Under graft, records every prefill and decode bucket now (with dummy tokens, from
+    /// position 0), so that no request waits for a recording; then starts every sequence
+    /// of the cache over. Returns the calls made. The engine must be idle.
+    pub fn capture(&mut self) -> Result<usize, Error> {
+        if self.pending() > 0 {
+            return Err(model(candle_core::Error::Msg(
+                "capture while requests are pending: capture before serving".into(),
+            )));
+        }
+        let Runner::Graft {
+            graft,
+            prefill,
+            decode,
+        } = &mut self.runner
+        else {
+            return Ok(0);
+        };
+        let device = self.model.device().clone();
+        let mut calls = 0;
+        for &bucket in self.config.prefill_buckets.sizes() {
+            let tokens = Tensor::zeros(bucket, DType::U32, &device).map_err(model)?;
+            calls += until_recorded(|| {
+                self.cache.reset().map_err(model)?;
+                graft.mark_step_begin();
+                self.model
+                    .prefill(graft, *prefill, &self.cache, 0, &tokens, bucket)
+            })?;
+        }
+        for &bucket in self.config.decode_buckets.sizes() {
+            let tokens = Tensor::zeros(bucket, DType::U32, &device).map_err(model)?;
+            calls += until_recorded(|| {
+                self.cache.reset().map_err(model)?;
+                graft.mark_step_begin();
+                self.model.decode(graft, *decode, &self.cache, &tokens)
+            })?;
+        }
+        self.cache.reset().map_err(model)?;
+        Ok(calls)
+    }
+
+    /// One step: a decode step of the running sequences (if any), then one prefill chunk of
+    /// the request at the head of the queue (if a row is free). Returns the tokens made and
+    /// the requests finished.
+    pub fn step(&mut self) -> Result<Vec<Event>, StepError> {
+        let mut events = Vec::new();
+        let limit = self
+            .config
+            .max_running
+            .map_or(self.cache.max_batch(), |m| m.min(self.cache.max_batch()));
+        if self.prefilling.is_none()
+            && self.running.len() < limit
+            && let Some(request) = self.waiting.pop_front()
+        {
+            let row = self.running.len();
+            self.prefilling = Some(Prefilling {
+                request,
+                row,
+                done: 0,
+            });
+        }
+        if !self.running.is_empty() {
+            self.decode(&mut events)?;
+        }
+        if self.prefilling.is_some() {
+            self.prefill_chunk(&mut events)?;
+        }
+        Ok(events)
+    }
+
+    fn decode(&mut self, events: &mut Vec<Event>) -> Result<(), StepError> {
+        let n = self.running.len();
+        let rows: Vec<u32> = self.running.iter().map(|r| r.last).collect();
+        let (batch, padded) = match &self.runner {
+            Runner::Eager => (n, rows),
+            Runner::Graft { .. } => graft_candle::pad(&self.config.decode_buckets, &rows, 0),
+        };
+        let fail = |source| StepError::Decode { batch, source };
+        // Idle rows a padded step covers advance with it: start any that would overflow over.
+        let max_seq = self.cache.max_seq() as u32;
+        for (row, &p) in self
+            .cache
+            .positions()
+            .iter()
+            .enumerate()
+            .take(batch)
+            .skip(n)
+        {
+            if p + 1 >= max_seq {
+                self.cache
+                    .set_position(row, 0)
+                    .map_err(|e| fail(model(e)))?;
+            }
+        }
+        let tokens =
+            Tensor::new(padded.as_slice(), self.model.device()).map_err(|e| fail(model(e)))?;
+        let next = match &mut self.runner {
+            Runner::Eager => self.model.greedy(&self.cache, &tokens).map_err(model),
+            Runner::Graft { graft, decode, .. } => {
+                graft.mark_step_begin();
+                self.model
+                    .decode(graft, *decode, &self.cache, &tokens)
+                    .map(|mut s| s.outputs.remove(0))
+            }
+        }
+        .map_err(fail)?;
+        let next = next.to_vec1::<u32>().map_err(|e| fail(model(e)))?;
+        for (r, &token) in self.running.iter_mut().zip(&next) {
+            events.push(Event::Token {
+                id: r.id,
+                token,
+                index: r.generated,
+            });
+            r.generated += 1;
+            r.last = token;
+        }
+        // Finished sequences leave; the last running row fills each hole (highest first, so
+        // a moved row is never one that still has to leave).
+        for row in (0..n).rev() {
+            let r = &self.running[row];
+            if r.generated >= r.max_new || Some(r.last) == self.config.eos {
+                events.push(Event::Finished { id: r.id });
+                let last = self.running.len() - 1;
+                self.cache.move_row(last, row).map_err(|e| fail(model(e)))?;
+                self.running.swap_remove(row);
+            }
+        }
+        Ok(())
+    }
+
+    fn prefill_chunk(&mut self, events: &mut Vec<Event>) -> Result<(), StepError> {
+        let Some(p) = &self.prefilling else {
+            return Ok(());
+        };
+        let id = p.request.id;
+        let fail = |source| StepError::Prefill { id, source };
+        let largest = self.config.prefill_buckets.largest();
+        let len = (p.request.prompt.len() - p.done).min(largest);
+        let chunk = &p.request.prompt[p.done..p.done + len];
+        let (size, padded) = match &self.runner {
+            Runner::Eager => (len, chunk.to_vec()),
+            Runner::Graft { .. } => graft_candle::pad(&self.config.prefill_buckets, chunk, 0),
+        };
+        // A padded decode step may have stepped this row: put it back where the chunk goes.
+        if self.cache.positions()[p.row] as usize != p.done {
+            self.cache
+                .set_position(p.row, p.done as u32)
+                .map_err(|e| fail(model(e)))?;
+        }
+        let tokens =
+            Tensor::new(padded.as_slice(), self.model.device()).map_err(|e| fail(model(e)))?;
+        debug_assert_eq!(tokens.elem_count(), size);
+        let next = match &mut self.runner {
+            Runner::Eager => self
+                .model
+                .prefill_forward(&self.cache, p.row, &tokens, len)
+                .map_err(model),
+            Runner::Graft { graft, prefill, .. } => {
+                graft.mark_step_begin();
+                self.model
+                    .prefill(graft, *prefill, &self.cache, p.row, &tokens, len)
+                    .map(|mut s| s.outputs.remove(0))
+            }
+        }
+        .map_err(fail)?;
+        let first = next.to_vec1::<u32>().map_err(|e| fail(model(e)))?[0];
+        let Some(mut p) = self.prefilling.take() else {
+            return Ok(());
+        };
+        p.done += len;
+        if p.done < p.request.prompt.len() {
+            self.prefilling = Some(p);
+            return Ok(());
+        }
+        events.push(Event::Token {
+            id,
+            token: first,
+            index: 0,
+        });
+        if p.request.max_new == 1 || Some(first) == self.config.eos {
+            events.push(Event::Finished { id });
+            return Ok(());
+        }
+        let row = self.running.len();
+        self.cache
+            .move_row(p.row, row)
+            .map_err(|e| fail(model(e)))?;
+        self.running.push(Running {
+            id,
+            last: first,
+            generated: 1,
+            max_new: p.request.max_new,
+        });
+        Ok(())
+    }
+}
+
+/// The buckets must fit the cache.
+fn check_fits(cache: &KvCache, config: &ServeConfig) -> Result<(), Error> {
+    let (rows, max_seq) = (cache.max_batch(), cache.max_seq());
+    if config.decode_buckets.largest() > rows {
+        return Err(model(candle_core::Error::Msg(format!(
+            "the largest decode bucket ({}) exceeds the kv cache's {rows} sequences: lower it or plan a larger cache",
+            config.decode_buckets.largest()
+        ))));
+    }
+    if config.prefill_buckets.largest() > max_seq {
+        return Err(model(candle_core::Error::Msg(format!(
+            "the largest prefill bucket ({}) exceeds the kv cache's max_seq ({max_seq}): lower it",
+            config.prefill_buckets.largest()
+        ))));
+    }
+    Ok(())
+}
+
+/// Calls `call` until it records or replays (at most 4 calls: warmups first); returns the
+/// calls made.
+fn until_recorded(
+    mut call: impl FnMut() -> Result<graft_candle::Step, Error>,
+) -> Result<usize, Error> {
+    for calls in 1..=4 {
+        let step = call()?;
+        if matches!(
+            step.outcome,
+            StepOutcome::Recorded(_) | StepOutcome::Replayed(_) | StepOutcome::Eager(_)
+        ) {
+            return Ok(calls);
+        }
+    }
+    Ok(4)
+}

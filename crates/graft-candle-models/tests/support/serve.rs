@@ -1,0 +1,216 @@
+//! The serving checks shared by the CPU tests (tests/serve.rs, in CI) and the GPU tests
+//! (tests/gpu/serve.rs): requests that join and leave a continuous batch, prefilled in
+//! padded chunks, produce the tokens of each request run alone, eagerly.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::{DType, Device};
+use candle_nn::VarBuilder;
+use candle_transformers::models as ct;
+use graft_candle::{Buckets, CandleGraft};
+use graft_candle_models::serve::{Engine, Event, Refused, Rejected, Request, ServeConfig};
+use graft_candle_models::{Decoder, checkpoint, llama, mistral};
+
+pub(crate) type TestResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
+
+/// Positions per sequence of the test caches.
+pub(crate) const MAX_SEQ: usize = 64;
+
+type Loader = dyn Fn(VarBuilder) -> candle_core::Result<Decoder>;
+
+/// A small Llama (`window: None`) or Mistral with a sliding window of `window`, random
+/// weights written to and loaded from `dir`.
+pub(crate) fn model(window: Option<usize>, device: &Device, dir: &Path) -> TestResult<Decoder> {
+    let base = r#""vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 128, "rms_norm_eps": 1e-5"#;
+    let (spec, load): (_, Box<Loader>) = match window {
+        None => {
+            let cfg: ct::llama::LlamaConfig = serde_json::from_str(&format!("{{{base}}}"))?;
+            let cfg = cfg.into_config(false);
+            (llama::spec(&cfg), Box::new(move |vb| llama::load(vb, &cfg)))
+        }
+        Some(w) => {
+            let cfg: ct::mistral::Config = serde_json::from_str(&format!(
+                "{{{base}, \"rope_theta\": 10000.0, \"sliding_window\": {w}, \"head_dim\": 16}}"
+            ))?;
+            (
+                mistral::spec(&cfg),
+                Box::new(move |vb| mistral::load(vb, &cfg)),
+            )
+        }
+    };
+    let weights = checkpoint::random_weights(&spec, 11, DType::F32, &Device::Cpu)?;
+    let path = dir.join("model.safetensors");
+    checkpoint::write_safetensors(&weights, &path)?;
+    // SAFETY: the file is this test's own, written above and never modified while mapped.
+    let vb = unsafe { VarBuilder::from_mmaped_safetensors(&[path], DType::F32, device)? };
+    Ok(load(vb)?)
+}
+
+pub(crate) fn config() -> TestResult<ServeConfig> {
+    Ok(ServeConfig {
+        decode_buckets: Buckets::new([1, 2, 4])?,
+        prefill_buckets: Buckets::new([4, 8, 16])?,
+        eos: None,
+        max_running: None,
+    })
+}
+
+/// Requests whose prompts span one token to several chunks, arriving at staggered steps.
+pub(crate) fn trace() -> Vec<(usize, Request)> {
+    let lengths = [
+        (5, 9),
+        (1, 6),
+        (23, 4),
+        (16, 12),
+        (3, 1),
+        (40, 7),
+        (9, 15),
+        (2, 3),
+    ];
+    lengths
+        .iter()
+        .enumerate()
+        .map(|(i, &(prompt, max_new))| {
+            let prompt = (0..prompt)
+                .map(|t| ((t * 37 + i * 11) % 251) as u32 + 1)
+                .collect();
+            let request = Request {
+                id: i as u64,
+                prompt,
+                max_new,
+            };
+            (i * 3 % 7 + i, request)
+        })
+        .collect()
+}
+
+/// Runs `requests` (each submitted at its step) to the end; every request's tokens.
+pub(crate) fn run(
+    engine: &mut Engine<'_>,
+    requests: &[(usize, Request)],
+) -> TestResult<HashMap<u64, Vec<u32>>> {
+    let mut out: HashMap<u64, Vec<u32>> = HashMap::new();
+    let mut finished = 0;
+    for step in 0.. {
+        for (_, r) in requests.iter().filter(|(at, _)| *at == step) {
+            engine.submit(r.clone())?;
+        }
+        for event in engine.step()? {
+            match event {
+                Event::Token { id, token, index } => {
+                    let tokens = out.entry(id).or_default();
+                    assert_eq!(tokens.len(), index, "request {id}'s tokens come in order");
+                    tokens.push(token);
+                }
+                Event::Finished { .. } => finished += 1,
+            }
+        }
+        if finished == requests.len() {
+            break;
+        }
+        assert!(step < 10_000, "the engine never finished");
+    }
+    Ok(out)
+}
+
+/// Each request of the trace alone, eagerly, from a fresh cache.
+pub(crate) fn alone(model: &Decoder, request: &Request) -> TestResult<Vec<u32>> {
+    let cache = model.new_serving_cache(1, MAX_SEQ)?;
+    let config = ServeConfig {
+        decode_buckets: Buckets::new([1])?,
+        ..config()?
+    };
+    let mut engine = Engine::eager(model, cache, config)?;
+    let out = run(&mut engine, &[(0, request.clone())])?;
+    Ok(out.get(&request.id).cloned().unwrap_or_default())
+}
+
+/// The continuous batch under graft-candle (graphed on a CUDA device, padded everywhere)
+/// and eagerly (unpadded) give every request the tokens it gets alone. `inspect` sees the
+/// graphed engine after its run (the GPU test checks its recordings and replays).
+pub(crate) fn batch_equals_alone(
+    model: &Decoder,
+    inspect: impl FnOnce(&Engine<'_>) -> TestResult,
+) -> TestResult {
+    let requests = trace();
+    let graft = CandleGraft::new(model.device())?;
+    let cache = model.new_serving_cache(4, MAX_SEQ)?;
+    let mut graphed = Engine::graphed(model, cache, graft, config()?)?;
+    graphed.capture()?;
+    let batched = run(&mut graphed, &requests)?;
+    let cache = model.new_serving_cache(4, MAX_SEQ)?;
+    let mut eager = Engine::eager(model, cache, config()?)?;
+    let eager_batched = run(&mut eager, &requests)?;
+    for (_, r) in &requests {
+        let want = alone(model, r)?;
+        assert_eq!(want.len(), r.max_new, "request {} alone", r.id);
+        assert_eq!(batched[&r.id], want, "request {} under graft-candle", r.id);
+        assert_eq!(
+            eager_batched[&r.id], want,
+            "request {} in the eager batch",
+            r.id
+        );
+    }
+    inspect(&graphed)
+}
+
+/// Requests that can never be served come back with a typed reason; the others are
+/// served as if they had not been sent.
+pub(crate) fn bad_requests_are_refused_and_nothing_else_changes(model: &Decoder) -> TestResult {
+    let cache = model.new_serving_cache(4, MAX_SEQ)?;
+    let mut engine = Engine::graphed(model, cache, CandleGraft::new(model.device())?, config()?)?;
+    let bad = [
+        (
+            Request {
+                id: 100,
+                prompt: vec![],
+                max_new: 3,
+            },
+            "empty prompt",
+        ),
+        (
+            Request {
+                id: 101,
+                prompt: vec![1],
+                max_new: 0,
+            },
+            "0 new tokens",
+        ),
+        (
+            Request {
+                id: 102,
+                prompt: vec![1; MAX_SEQ],
+                max_new: 2,
+            },
+            "needs 65 positions",
+        ),
+    ];
+    for (request, message) in bad {
+        let refused: Box<Refused> = engine.submit(request.clone()).unwrap_err();
+        assert_eq!(refused.request, request, "the request comes back unchanged");
+        assert!(refused.to_string().contains(message), "{refused}");
+        assert!(matches!(
+            refused.why,
+            Rejected::EmptyPrompt { .. }
+                | Rejected::NothingToGenerate { .. }
+                | Rejected::TooLong { .. }
+        ));
+    }
+    // Exactly full: a prompt of MAX_SEQ - 1 tokens and 2 new ones fits.
+    let full = Request {
+        id: 200,
+        prompt: vec![3; MAX_SEQ - 1],
+        max_new: 2,
+    };
+    let good = trace();
+    let mut all = good.clone();
+    all.push((0, full.clone()));
+    let out = run(&mut engine, &all)?;
+    for (_, r) in &all {
+        assert_eq!(out[&r.id], alone(model, r)?, "request {}", r.id);
+    }
+    Ok(())
+}

@@ -1,0 +1,234 @@
+//! Capturable optimizers and the trainable model on the CPU: the same updates as candle-nn's
+//! AdamW and PyTorch's SGD, a non-finite gradient skipped, accumulation equal to one large
+//! batch, and a model that learns (tests/gpu.rs runs them graphed and compares with eager).
+
+#[path = "support/training.rs"]
+mod training;
+
+use candle_core::{DType, Device, Result, Tensor, Var};
+use candle_nn::Optimizer;
+use graft_candle_train::optim::{AdamW, AdamWConfig, GradAccumulator, Gradients, Sgd, SgdConfig};
+use training::{adamw_step, batches, config, model_and_adamw, parameters, schedule};
+
+fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+    a.iter()
+        .flatten()
+        .zip(b.iter().flatten())
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+/// Gradients given by hand.
+struct Given(Vec<(Tensor, Tensor)>);
+
+impl Gradients for Given {
+    fn gradient(&self, param: &Tensor) -> Option<&Tensor> {
+        self.0
+            .iter()
+            .find(|(p, _)| p.id() == param.id())
+            .map(|(_, g)| g)
+    }
+}
+
+#[test]
+fn adamw_matches_candle_nn_adamw() -> Result<()> {
+    let device = Device::Cpu;
+    let (model, mut ours) = model_and_adamw(&device)?;
+    let (reference, _) = model_and_adamw(&device)?;
+    let mut theirs = candle_nn::AdamW::new(
+        reference.vars().to_vec(),
+        candle_nn::ParamsAdamW {
+            lr: 3e-3,
+            ..Default::default()
+        },
+    )?;
+    // One batch, seen 20 times: the model memorizes it.
+    let (tokens, targets) = &batches(&config(), 2, 16, 1, &device)?[0];
+    let mut losses = Vec::new();
+    for step in 0..20 {
+        ours.set_learning_rate(schedule(step))?;
+        theirs.set_learning_rate(schedule(step));
+        let loss = adamw_step(&model, &mut ours, tokens, targets)?;
+        let loss_ref = reference.loss(tokens, targets, None)?;
+        theirs.backward_step(&loss_ref)?;
+        losses.push(loss.to_vec1::<f32>()?[0]);
+    }
+    // The bias corrections differ in rounding only (ours in f32 from the device step count,
+    // candle-nn's in f64 on the host).
+    let diff = max_diff(&parameters(&model)?, &parameters(&reference)?);
+    assert!(
+        diff < 1e-4,
+        "parameters differ from candle-nn's adamw by {diff}"
+    );
+    assert_eq!((ours.applied_steps()?, ours.skipped_steps()?), (20, 0));
+    assert!(losses[19] < losses[0] - 0.5, "the model learns: {losses:?}");
+    Ok(())
+}
+
+#[test]
+fn sgd_with_momentum_follows_pytorch() -> Result<()> {
+    let device = Device::Cpu;
+    let w = Var::new(&[1.0f32, -2.0, 3.0], &device)?;
+    let mut sgd = Sgd::new(
+        vec![w.clone()],
+        SgdConfig {
+            lr: 0.1,
+            momentum: 0.9,
+            weight_decay: 0.01,
+        },
+    )?;
+    let (mut theta, mut buf) = ([1.0f32, -2.0, 3.0], [0.0f32; 3]);
+    for step in 0..5 {
+        let g = [0.5f32, -1.0, 0.25 * step as f32];
+        sgd.step(&Given(vec![(
+            w.as_tensor().clone(),
+            Tensor::new(&g, &device)?,
+        )]))?;
+        for i in 0..3 {
+            let gi = g[i] + 0.01 * theta[i];
+            buf[i] = 0.9 * buf[i] + gi;
+            theta[i] -= 0.1 * buf[i];
+        }
+        let got = w.as_tensor().to_vec1::<f32>()?;
+        for (a, b) in got.iter().zip(&theta) {
+            assert!(
+                (a - b).abs() < 1e-6,
+                "step {step}: {got:?} against {theta:?}"
+            );
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn a_step_with_a_non_finite_gradient_is_skipped_on_the_device() -> Result<()> {
+    let device = Device::Cpu;
+    let w = Var::new(&[1.0f32, 2.0], &device)?;
+    let mut opt = AdamW::new(vec![w.clone()], AdamWConfig::default())?;
+    let grad = |g: [f32; 2]| -> Result<Given> {
+        Ok(Given(vec![(
+            w.as_tensor().clone(),
+            Tensor::new(&g, &device)?,
+        )]))
+    };
+    opt.step(&grad([0.5, 0.5])?)?;
+    let after_one = w.as_tensor().to_vec1::<f32>()?;
+    for bad in [f32::INFINITY, f32::NAN, f32::NEG_INFINITY] {
+        opt.step(&grad([0.5, bad])?)?;
+        assert_eq!(w.as_tensor().to_vec1::<f32>()?, after_one, "{bad} applied");
+    }
+    assert_eq!((opt.applied_steps()?, opt.skipped_steps()?), (1, 3));
+    // The next finite step is AdamW's second (its bias corrections use t = 2).
+    let twin_w = Var::new(&[1.0f32, 2.0], &device)?;
+    let mut twin = AdamW::new(vec![twin_w.clone()], AdamWConfig::default())?;
+    for _ in 0..2 {
+        twin.step(&Given(vec![(
+            twin_w.as_tensor().clone(),
+            Tensor::new(&[0.5f32, 0.5], &device)?,
+        )]))?;
+    }
+    opt.step(&grad([0.5, 0.5])?)?;
+    assert_eq!(
+        w.as_tensor().to_vec1::<f32>()?,
+        twin_w.as_tensor().to_vec1::<f32>()?
+    );
+    Ok(())
+}
+
+#[test]
+fn the_learning_rate_is_read_from_the_device_at_every_step() -> Result<()> {
+    let device = Device::Cpu;
+    let w = Var::new(&[1.0f32], &device)?;
+    let mut sgd = Sgd::new(
+        vec![w.clone()],
+        SgdConfig {
+            lr: 0.5,
+            momentum: 0.0,
+            weight_decay: 0.0,
+        },
+    )?;
+    let g = Given(vec![(
+        w.as_tensor().clone(),
+        Tensor::new(&[1.0f32], &device)?,
+    )]);
+    sgd.step(&g)?;
+    sgd.set_learning_rate(0.25)?;
+    sgd.step(&g)?;
+    assert_eq!(w.as_tensor().to_vec1::<f32>()?, vec![0.25]);
+    assert_eq!(sgd.learning_rate(), 0.25);
+    assert!(sgd.set_learning_rate(f64::NAN).is_err());
+    assert!(sgd.set_learning_rate(-1.0).is_err());
+    Ok(())
+}
+
+#[test]
+fn accumulated_micro_batches_equal_one_large_batch() -> Result<()> {
+    let device = Device::Cpu;
+    let (model, mut opt) = model_and_adamw(&device)?;
+    let (reference, mut ref_opt) = model_and_adamw(&device)?;
+    let acc = GradAccumulator::new(model.vars())?;
+    let data = batches(&config(), 4, 16, 2, &device)?;
+    for (tokens, targets) in &data {
+        // Two micro-batches of 2 rows, each loss scaled by 1/2.
+        for half in 0..2 {
+            let (t, y) = (
+                tokens.narrow(0, 2 * half, 2)?,
+                targets.narrow(0, 2 * half, 2)?,
+            );
+            let loss = (model.loss(&t, &y, None)? * 0.5)?;
+            acc.accumulate(&loss.backward()?)?;
+        }
+        opt.step(&acc)?;
+        acc.zero()?;
+        adamw_step(&reference, &mut ref_opt, tokens, targets)?;
+    }
+    let diff = max_diff(&parameters(&model)?, &parameters(&reference)?);
+    assert!(
+        diff < 1e-5,
+        "accumulation differs from the large batch by {diff}"
+    );
+    let zeros: f32 = acc
+        .statics()
+        .iter()
+        .map(|t| t.abs()?.sum_all()?.to_scalar::<f32>())
+        .sum::<Result<f32>>()?;
+    assert_eq!(zeros, 0.0, "the update zeroes the sums");
+    Ok(())
+}
+
+#[test]
+fn optimizers_refuse_bad_configurations() {
+    let w = Var::new(&[1.0f32], &Device::Cpu).unwrap();
+    let bad = AdamWConfig {
+        beta1: 1.0,
+        ..AdamWConfig::default()
+    };
+    assert!(AdamW::new(vec![w.clone()], bad).is_err());
+    assert!(AdamW::new(vec![], AdamWConfig::default()).is_err());
+    let sgd = SgdConfig {
+        lr: 0.1,
+        momentum: 1.5,
+        weight_decay: 0.0,
+    };
+    assert!(Sgd::new(vec![w], sgd).is_err());
+    // No gradient for any parameter: an error, not a silent no-op.
+    let v = Var::new(&[1.0f32], &Device::Cpu).unwrap();
+    let mut opt = AdamW::new(vec![v], AdamWConfig::default()).unwrap();
+    assert!(opt.step(&GradStoreless).is_err());
+}
+
+struct GradStoreless;
+
+impl Gradients for GradStoreless {
+    fn gradient(&self, _: &Tensor) -> Option<&Tensor> {
+        None
+    }
+}
+
+#[test]
+fn the_model_refuses_a_sequence_longer_than_max_seq() -> Result<()> {
+    let model = graft_candle_train::Trainable::random(&config(), 1, DType::F32, &Device::Cpu)?;
+    let tokens = Tensor::zeros((1, 33), DType::U32, &Device::Cpu)?;
+    assert!(model.forward(&tokens, None).is_err());
+    Ok(())
+}
