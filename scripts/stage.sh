@@ -55,7 +55,6 @@ test_json=$(mktemp)
 bench_json=$(mktemp)
 cuda_bin_json=$(mktemp)
 cuda_test_json=$(mktemp)
-bench_json=$(mktemp)
 stager=$(mktemp)
 trap 'rm -f "$bin_json" "$test_json" "$bench_json" "$cuda_bin_json" "$cuda_test_json" "$stager"' EXIT
 

@@ -15,7 +15,7 @@ use candle_core::cuda_backend::CudaDevice as CandleCuda;
 use candle_core::cuda_backend::cudarc::driver::{CudaGraph, CudaStream, sys};
 
 use graft_candle::Error;
-use graft_candle::cuda::{copy, tensor_range, uninit_tensor};
+use graft_candle::cuda::{copy, driver, tensor_range, uninit_tensor};
 
 const NAME: &str = "hand-made graph";
 
@@ -40,12 +40,6 @@ fn candle(what: &'static str) -> impl Fn(candle_core::Error) -> Error {
         what,
         source,
     }
-}
-
-fn driver(
-    what: &'static str,
-) -> impl Fn(candle_core::cuda_backend::cudarc::driver::DriverError) -> Error {
-    super::driver(what)
 }
 
 /// The device range of a contiguous tensor, or the error naming it when its dtype has none.

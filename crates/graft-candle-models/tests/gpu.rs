@@ -30,34 +30,14 @@ mod serving_example;
 #[path = "gpu/transformers.rs"]
 mod transformers;
 
-type TestResult = Result<(), Box<dyn std::error::Error>>;
+#[path = "../../graft-candle/tests/support/gpu.rs"]
+mod common;
+use common::*;
 
 const BUCKETS: [usize; 3] = [1, 8, 32];
 
 /// The positions of every cache the tests make.
 const MAX_SEQ: usize = 96;
-
-/// Whether compute-sanitizer runs this test (`scripts/gpu-run.sh --sanitize` announces it
-/// with `GRAFT_UNDER_SANITIZER=1`): the sanitizer slows every launch by orders of magnitude
-/// (racecheck made 64 token steps of the bench model take over 560 s on an H100), so long
-/// tests run a smaller case. graft_testkit's helper for this crate, which cannot depend on
-/// graft-testkit (it links graft-cuda with dynamic-loading, this build with dynamic-linking).
-fn under_sanitizer() -> bool {
-    matches!(std::env::var_os("GRAFT_UNDER_SANITIZER"), Some(v) if !v.is_empty() && v != "0")
-}
-
-/// How many times a long loop runs: `full`, or `few` under compute-sanitizer.
-fn steps(full: usize, few: usize) -> usize {
-    if under_sanitizer() {
-        full.min(few)
-    } else {
-        full
-    }
-}
-
-fn gpu() -> Device {
-    graft_candle::device(0).expect("a CUDA GPU (candle, dynamically linked libcuda)")
-}
 
 fn first_tokens(batch: usize, vocab: usize) -> Vec<u32> {
     (0..batch).map(|i| ((3 + 17 * i) % vocab) as u32).collect()
@@ -78,17 +58,6 @@ fn decode(
         .next()
         .ok_or("the step returned no output")?;
     Ok((tokens, out.outcome))
-}
-
-/// graft's decision log and tree, for assertion messages.
-fn diagnostics(graft: &CandleGraft) -> String {
-    match graft.graft() {
-        Some(g) => {
-            let log: Vec<String> = g.explain().map(|d| d.to_string()).collect();
-            format!("decisions:\n{}\ntree:\n{}", log.join("\n"), g.dump_text())
-        }
-        None => "not graphed".to_string(),
-    }
 }
 
 /// docs/guide.md's candle example, on the GPU: warmup, recording, replays, held outputs.

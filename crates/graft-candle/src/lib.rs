@@ -36,7 +36,7 @@
 //!   (candle-core requires it). Built in its own invocation, never together with the workspace,
 //!   because cargo unifies cudarc's features over one build and the rest of graft loads CUDA
 //!   at run time (`dynamic-loading`); the two cannot be mixed. See "Building for candle on
-//!   CUDA" in docs/architecture.md:
+//!   CUDA" in docs/design-notes.md:
 //!
 //!   ```sh
 //!   source scripts/cuda-build-env.sh

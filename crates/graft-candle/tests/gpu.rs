@@ -4,27 +4,14 @@
 #![cfg(feature = "cuda")]
 
 use graft_candle::CandleGraft;
-use graft_candle::candle_core::{Device, Tensor};
+use graft_candle::candle_core::Tensor;
 
 #[path = "gpu/random.rs"]
 mod random;
 
-type TestResult = Result<(), Box<dyn std::error::Error>>;
-
-fn gpu() -> Device {
-    graft_candle::device(0).expect("a CUDA GPU (candle, dynamically linked libcuda)")
-}
-
-/// graft's decision log and tree, for assertion messages.
-fn diagnostics(graft: &CandleGraft) -> String {
-    match graft.graft() {
-        Some(g) => {
-            let log: Vec<String> = g.explain().map(|d| d.to_string()).collect();
-            format!("decisions:\n{}\ntree:\n{}", log.join("\n"), g.dump_text())
-        }
-        None => "not graphed".to_string(),
-    }
-}
+#[path = "support/gpu.rs"]
+mod common;
+use common::*;
 
 /// graft-cuda adopts candle's stream, and refuses the default streams, which cannot be
 /// captured.

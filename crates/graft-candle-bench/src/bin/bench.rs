@@ -74,10 +74,13 @@ impl Runner<'_> {
     }
 }
 
-/// What one measurement found: each runner's median step in microseconds and the first
-/// step at which its tokens differed from eager's, if any.
+/// What one measurement found: each runner's median step in microseconds, the median host
+/// time of its call alone (until the call returns, before the synchronize: what the host
+/// spends before the GPU can start, for a graph its launch and everything graft-candle does
+/// around it), and the first step at which its tokens differed from eager's, if any.
 struct Measured {
     us: Vec<f64>,
+    host_us: Vec<f64>,
     differs: Vec<Option<usize>>,
 }
 
@@ -119,11 +122,13 @@ fn measure(
     }
     let per_round = o.timing.per_round(o.steps)?;
     let mut samples = vec![Vec::with_capacity(o.steps); runners.len()];
+    let mut host = vec![Vec::with_capacity(o.steps); runners.len()];
     for _ in 0..o.timing.rounds {
-        for (((runner, state), t), times) in runners
+        for ((((runner, state), t), times), host) in runners
             .iter_mut()
             .zip(tokens.iter_mut())
             .zip(samples.iter_mut())
+            .zip(host.iter_mut())
         {
             state.reset()?;
             // A few untimed steps to settle after the switch.
@@ -134,13 +139,19 @@ fn measure(
             for _ in 0..per_round {
                 let start = Instant::now();
                 *t = runner.step(model, state, t)?;
+                host.push(start.elapsed().as_secs_f64() * 1e6);
                 device.synchronize()?;
                 times.push(start.elapsed().as_secs_f64() * 1e6);
             }
         }
     }
     let us = samples.iter_mut().map(|s| median(s)).collect();
-    Ok(Measured { us, differs })
+    let host_us = host.iter_mut().map(|s| median(s)).collect();
+    Ok(Measured {
+        us,
+        host_us,
+        differs,
+    })
 }
 
 /// "identical" or where the tokens first differed, for each runner after the first.
@@ -208,14 +219,15 @@ fn run() -> BenchResult<()> {
         };
         failed |= m.differs.iter().any(Option::is_some);
         let (eager, hand, ours) = (m.us[0], m.us[1], m.us[2]);
+        let (hand_host, ours_host) = (m.host_us[1], m.host_us[2]);
         rows.push(format!(
-            "B={batch:<3} eager {eager:8.1} us   hand-made graph {hand:8.1} us   graft-candle {ours:8.1} us   eager/graft {:.2}x   graft/hand-made {:.3}   {}",
+            "B={batch:<3} eager {eager:8.1} us   hand-made graph {hand:8.1} us   graft-candle {ours:8.1} us   eager/graft {:.2}x   graft/hand-made {:.3}   host per call: hand-made {hand_host:.1} us, graft-candle {ours_host:.1} us   {}",
             eager / ours,
             ours / hand,
             tokens_note(&m)
         ));
         json.push(format!(
-            "{{\"model\":\"bench\",\"batch\":{batch},\"eager_us\":{eager:.1},\"handmade_us\":{hand:.1},\"graft_us\":{ours:.1},\"tokens_identical\":{}}}",
+            "{{\"model\":\"bench\",\"batch\":{batch},\"eager_us\":{eager:.1},\"handmade_us\":{hand:.1},\"graft_us\":{ours:.1},\"handmade_host_us\":{hand_host:.1},\"graft_host_us\":{ours_host:.1},\"tokens_identical\":{}}}",
             m.differs.iter().all(Option::is_none)
         ));
         println!("{}", rows.last().map_or("", String::as_str));

@@ -224,7 +224,6 @@ fn load(size: &str, device: &Device) -> Result<(Decoder, DType)> {
 /// The memory plan on a GPU (recording every bucket first); on the CPU, the recordings of
 /// nothing and a cache of the largest bucket.
 fn plan(engine: &mut Engine<'_>, margin: u64) -> Result<serde_json::Value> {
-    #[cfg(feature = "cuda")]
     if engine.graft().is_some_and(CandleGraft::is_graphed) {
         let p = graft_candle_models::serve::plan(engine, margin)?;
         println!(
@@ -257,19 +256,16 @@ fn plan(engine: &mut Engine<'_>, margin: u64) -> Result<serde_json::Value> {
     Ok(json!({"capture_s": started.elapsed().as_secs_f64(), "capture_calls": calls}))
 }
 
-#[cfg(feature = "cuda")]
 fn mib(bytes: u64) -> f64 {
     bytes as f64 / (1u64 << 20) as f64
 }
 
-#[cfg(feature = "cuda")]
 fn gib(bytes: u64) -> f64 {
     bytes as f64 / (1u64 << 30) as f64
 }
 
 /// Recordings graft made, per step.
 fn recordings(engine: &Engine<'_>) -> String {
-    #[cfg(feature = "cuda")]
     if let Some(g) = engine.graft().and_then(CandleGraft::graft) {
         let s = g.stats();
         return format!(
@@ -277,7 +273,6 @@ fn recordings(engine: &Engine<'_>) -> String {
             s.recordings, s.replays, s.eager_runs
         );
     }
-    let _ = engine;
     "none (not a CUDA device: every step ran eagerly)".into()
 }
 

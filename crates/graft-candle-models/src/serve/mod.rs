@@ -28,7 +28,6 @@ use graft_candle::{Buckets, CandleGraft, Error, StepId, StepOutcome};
 use crate::{Decoder, KvCache};
 
 pub use error::{Refused, Rejected, StepError};
-#[cfg(feature = "cuda")]
 pub use plan::plan;
 pub use plan::{MemoryPlan, kv_rows};
 

@@ -1,12 +1,9 @@
 //! Memory planning for serving: record every bucket first, measure what the graphs hold,
 //! then give the kv cache all the memory left but a stated margin.
 
-#[cfg(feature = "cuda")]
 use std::time::Instant;
 
-#[cfg(feature = "cuda")]
 use super::{Engine, model};
-#[cfg(feature = "cuda")]
 use graft_candle::Error;
 
 /// The sequences a serving cache of `row_bytes` per sequence can hold in `free` bytes,
@@ -54,7 +51,6 @@ pub struct MemoryPlan {
 /// fits in the memory left but `margin`, and records every bucket again against it (with
 /// `Config::replace_moved_static` each graph is updated in place). Fails, before any
 /// allocation that could fail, when the cache would not hold the largest decode bucket.
-#[cfg(feature = "cuda")]
 pub fn plan(engine: &mut Engine<'_>, margin: u64) -> Result<MemoryPlan, Error> {
     let device = engine
         .model

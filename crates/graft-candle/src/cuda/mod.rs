@@ -10,8 +10,8 @@ pub(crate) mod engine;
 pub(crate) mod looping;
 mod memory;
 
-pub(crate) use engine::CudaEngine as GraphEngine;
 pub use copy::{copy, tensor_range, uninit_tensor};
+pub(crate) use engine::CudaEngine as GraphEngine;
 pub use memory::{eager_memory, free_memory, graph_memory, reset_eager_high, trim_graph_memory};
 
 pub use crate::memory::{EagerMemory, GraphMemory};
@@ -49,7 +49,7 @@ pub(crate) fn prepare(device: &CudaDevice) {
 }
 
 /// graft-candle's error for a CUDA driver call of its own that failed while doing `what`.
-pub(crate) fn driver(what: &'static str) -> impl Fn(DriverError) -> Error {
+pub fn driver(what: &'static str) -> impl Fn(DriverError) -> Error {
     move |source| Error::Driver {
         what,
         code: source.0 as u32,
