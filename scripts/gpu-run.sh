@@ -13,9 +13,10 @@
 # summary table comes last. If $OUT is set, the whole log goes to $OUT/gpu-run.log and the
 # summary to $OUT/summary.txt.
 #
-# usage: scripts/gpu-run.sh [--sanitize] [--tests REGEX] [--timeout SECS] [BENCH_COMMAND...]
+# usage: scripts/gpu-run.sh [--sanitize] [--tests REGEX] [--timeout SECS] [--skip NAME] [BENCH_COMMAND...]
 #   --tests REGEX    only test executables whose name matches (default: all)
 #   --timeout SECS   per executable and per bench command (default 300)
+#   --skip NAME      passed to every test executable as libtest's --skip (repeatable)
 # e.g.   scripts/gpu-run.sh --sanitize --tests 'graft-cuda' 'stage/bin/graft bench --quick'
 #        scripts/gpu-run.sh --tests 'graft-cli' 'stage/bin/graft-baselines bench micro'
 # (stage/bin/graft-baselines: `graft` with the raw-graph baselines, staged by stage.sh)
@@ -25,14 +26,16 @@ cd "$(dirname "$0")/.."
 sanitize=0
 tests_re='.'
 timeout_s=300
+skips=()
 benches=()
 while (($#)); do
     case $1 in
         --sanitize) sanitize=1 ;;
         --tests) tests_re=$2; shift ;;
         --timeout) timeout_s=$2; shift ;;
+        --skip) skips+=(--skip "$2"); shift ;;
         --) shift; benches+=("$@"); break ;;
-        -h | --help) sed -n '2,21p' "$0"; exit 0 ;;
+        -h | --help) sed -n '2,22p' "$0"; exit 0 ;;
         *) benches+=("$1") ;;
     esac
     shift
@@ -142,7 +145,7 @@ if ((${#tests[@]} == 0)); then
 fi
 
 for exe in "${tests[@]}"; do
-    run test "$(basename "$exe")" "$exe" --include-ignored --test-threads=1
+    run test "$(basename "$exe")" "$exe" --include-ignored --test-threads=1 "${skips[@]}"
 done
 
 if ((sanitize)); then
@@ -153,7 +156,7 @@ if ((sanitize)); then
             for exe in "${tests[@]}"; do
                 run "$tool" "$(basename "$exe")" env GRAFT_UNDER_SANITIZER=1 "$sanitizer" \
                     --tool "$tool" --error-exitcode 1 --report-api-errors no \
-                    "$exe" --include-ignored --test-threads=1
+                    "$exe" --include-ignored --test-threads=1 "${skips[@]}"
             done
         done
     else

@@ -52,7 +52,7 @@ impl fmt::Display for Uncapturable {
             ),
             Uncapturable::FreedOutside { error } => write!(
                 f,
-                "the body freed a tensor made outside the step inside the capture ({error} from cudarc's next call): it replaced state it keeps, such as a kv cache grown with Tensor::cat and stored back; keep such state in tensors allocated once and written in place (graft_candle::models::KvCache)"
+                "the body freed a tensor made outside the step inside the capture ({error} from cudarc's next call): it replaced state it keeps, such as a kv cache grown with Tensor::cat and stored back; keep such state in tensors allocated once and written in place (graft_candle_models::KvCache)"
             ),
         }
     }
