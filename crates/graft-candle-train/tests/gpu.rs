@@ -3,7 +3,6 @@
 //! against eager, and the guide's training example.
 #![cfg(feature = "cuda")]
 
-
 #[path = "support/training.rs"]
 mod training;
 #[path = "../examples/training.rs"]
