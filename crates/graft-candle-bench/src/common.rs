@@ -1,7 +1,23 @@
 //! What graft-candle's benchmarks share: the buckets, the flags every timed benchmark takes
 //! (rounds, JSON output) and the median.
 
+use graft_candle::candle_core::Device;
+
 pub type BenchResult<T> = Result<T, Box<dyn std::error::Error>>;
+
+/// A benchmark binary's `main`: runs `run`, and on failure prints the error after the
+/// binary's `name` and exits with status 1.
+pub fn exit_on_error(name: &str, run: impl FnOnce() -> BenchResult<()>) {
+    if let Err(e) = run() {
+        eprintln!("{name}: {e}");
+        std::process::exit(1);
+    }
+}
+
+/// The GPU a benchmark runs on: graft-candle's device 0, or an error saying there is none.
+pub fn gpu() -> BenchResult<Device> {
+    graft_candle::device(0).map_err(|e| format!("no CUDA GPU for the benchmark: {e}").into())
+}
 
 /// The batch sizes measured (and, for decoding, the buckets the step is registered with).
 pub const BUCKETS: [usize; 3] = [1, 8, 32];

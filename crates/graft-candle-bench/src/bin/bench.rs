@@ -170,17 +170,13 @@ fn tokens_note(m: &Measured) -> String {
 }
 
 fn main() {
-    if let Err(e) = run() {
-        eprintln!("graft-candle-bench: {e}");
-        std::process::exit(1);
-    }
+    graft_candle_bench::common::exit_on_error("graft-candle-bench", run);
 }
 
 fn run() -> BenchResult<()> {
     let o = <Options as clap::Parser>::parse();
     o.timing.per_round(o.steps)?;
-    let device =
-        graft_candle::device(0).map_err(|e| format!("no CUDA GPU for the benchmark: {e}"))?;
+    let device = graft_candle_bench::common::gpu()?;
     let cuda = device.as_cuda_device()?.clone();
     let mut rows = Vec::new();
     let mut json = Vec::new();

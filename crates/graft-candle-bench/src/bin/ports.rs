@@ -309,10 +309,7 @@ fn record_reasons(g: &graft_candle::Diagnostics<'_>) -> String {
 }
 
 fn main() {
-    if let Err(e) = run() {
-        eprintln!("graft-candle-ports: {e}");
-        std::process::exit(1);
-    }
+    graft_candle_bench::common::exit_on_error("graft-candle-ports", run);
 }
 
 fn run() -> BenchResult<()> {
@@ -320,7 +317,7 @@ fn run() -> BenchResult<()> {
     if o.max_seq < CHECK_STEPS.max(o.timing.per_round(o.steps)? + 5) {
         return Err("--max-seq must hold the checked and the timed steps".into());
     }
-    let device = graft_candle::device(0).map_err(|e| format!("no CUDA GPU: {e}"))?;
+    let device = graft_candle_bench::common::gpu()?;
     let (mut rows, mut json) = (Vec::new(), Vec::new());
     let mut failed = false;
     println!(

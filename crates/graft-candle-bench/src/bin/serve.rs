@@ -72,10 +72,7 @@ struct Run {
 }
 
 fn main() {
-    if let Err(e) = run() {
-        eprintln!("graft-candle-serve: {e}");
-        std::process::exit(1);
-    }
+    graft_candle_bench::common::exit_on_error("graft-candle-serve", run);
 }
 
 fn run() -> Result<()> {

@@ -305,17 +305,13 @@ fn measure(
 }
 
 fn main() {
-    if let Err(e) = run() {
-        eprintln!("graft-candle-train: {e}");
-        std::process::exit(1);
-    }
+    graft_candle_bench::common::exit_on_error("graft-candle-train", run);
 }
 
 fn run() -> BenchResult<()> {
     let o = <Options as clap::Parser>::parse();
     o.timing.per_round(o.steps)?;
-    let device =
-        graft_candle::device(0).map_err(|e| format!("no CUDA GPU for the benchmark: {e}"))?;
+    let device = graft_candle_bench::common::gpu()?;
     let mut models = vec![(
         "bench",
         Sizes {
