@@ -100,9 +100,10 @@ impl CandleGraft {
     }
 
     /// Calls step `step`: `inputs` are the tensors that change from call to call (tokens);
-    /// `body` gets them (made contiguous) and uses them in place, as an eager call would: on
-    /// a replay graft patches the recorded graph's kernels to the tensors of this call, so an
-    /// input costs no copy. `statics` are the tensors `body` captures by reference and reads
+    /// `body` gets them and uses them in place, as an eager call would: on a replay graft
+    /// patches the recorded graph's kernels to the tensors of this call, so an input costs no
+    /// copy (on a CUDA device a non-contiguous input is first made contiguous, by an eager
+    /// copy outside the graph; run eagerly, the body gets the caller's tensors as they are). `statics` are the tensors `body` captures by reference and reads
     /// or writes in place (weights, KV caches, positions): graft binds them once per
     /// position and checks per call only that the same tensors are passed (a tensor id
     /// comparison); another tensor at a position means a new recording, never a stale
