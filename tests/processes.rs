@@ -2,8 +2,11 @@
 //! from `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`), each with one device
 //! and a `Graft` joined to the job's group. The same vote as in-process groups
 //! (`tests/multi.rs`) decides: both fall back together, both see a divergence, and a rank that
-//! dies, fails or never comes is a typed error on the other within its timeout. A watchdog
-//! kills any rank that outlives its deadline, so no scenario can hang.
+//! dies, fails, stops or never comes is a typed error on the other within a bound: each rank
+//! runs graft's [`Watchdog`] on its peers, which breaks the group and aborts the communicator
+//! when a peer's link closes or falls silent, wherever the survivor waits (a vote, an eager
+//! collective, a replay's recorded all-reduce). The launcher kills any rank that outlives its
+//! deadline, so no scenario can hang.
 //!
 //! Each scenario runs on two backends. `sim`: simulated devices, the votes over the job's TCP
 //! rendezvous (what CI runs; the bodies have no collective, since the simulator's all-reduce
@@ -14,6 +17,8 @@
 //! Built with `harness = false`: graft-testkit's `procs::main` runs the scenarios as tests,
 //! and dispatches a copy started as a rank to its scenario's child part.
 
+use std::os::unix::process::ExitStatusExt;
+use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -21,8 +26,8 @@ use graft::cuda::{CudaDevice, NcclBallotBox, NcclComm};
 use graft::sim::SimDevice;
 use graft::{
     BodyError, Buffer, CallError, Config, Ctx, DeviceError, EagerReason, FunctionId, FunctionSpec,
-    Graft, GroupError, JoinError, Member, Outcome, Output, ProcessGroup, Rendezvous, RunKind,
-    TcpBallotBox,
+    Graft, GroupError, JoinError, Member, MemoryError, Outcome, Output, ProcessGroup, Rendezvous,
+    RunKind, TcpBallotBox, Watchdog,
 };
 use graft_testkit::procs::{self, Scenario};
 use graft_testkit::{CudaTestKernels, TestDevice, TestQueue};
@@ -36,8 +41,13 @@ const B: f32 = 1.0;
 const JOIN: Duration = Duration::from_secs(30);
 /// The watchdog: every rank of a scenario ends well before this.
 const WATCHDOG: Duration = Duration::from_secs(90);
-/// The exit code of a rank that kills itself on purpose.
+/// The exit code of a rank that ends itself on purpose.
 const KILLED: i32 = 3;
+/// How long a peer may stay silent before the watchdog counts it as lost.
+const BOUND: Duration = Duration::from_secs(2);
+/// How long after a peer's loss a survivor may take to return: the watchdog's bound, the
+/// communicator's bounded abort (2 s) and a margin.
+const RETURNS: Duration = Duration::from_secs(6);
 
 /// One device per process and what carries its votes (and its all-reduces).
 trait Backend: 'static {
@@ -46,20 +56,16 @@ trait Backend: 'static {
     type Extra;
     /// How long a rank waits for the others at a vote.
     const VOTE: Duration;
-    /// How long a rank may take to notice a peer that died (a vote's failure).
-    const LOSS_NOTICED: Duration;
 
-    /// This process's device, its member of the job's group, and what else it keeps.
-    fn open(place: &ProcessGroup) -> (Self::D, Member, Self::Extra);
+    /// This process's device, its member of the job's group (watched by a [`Watchdog`] that
+    /// aborts the communicator on a loss), and what else it keeps.
+    fn open(place: &ProcessGroup) -> (Self::D, Member, Self::Extra, Watchdog, Shared);
 
     /// The body's collective over `out` (`n` f32s).
     fn all_reduce(extra: &Self::Extra, out: &Buffer, n: usize) -> Result<(), DeviceError>;
 
     /// What rank `rank` reads after a step whose `n` inputs are `x(r)` on rank `r`.
     fn expected(rank: usize, n: usize, x: impl Fn(usize) -> Vec<f32>) -> Vec<f32>;
-
-    /// Whether `err` is how rank `rank`'s vote reports that `peer` died.
-    fn lost(err: &GroupError, rank: usize, peer: usize) -> bool;
 }
 
 /// Simulated devices, votes over TCP, no collective in the bodies.
@@ -69,12 +75,16 @@ impl Backend for Sim {
     type D = SimDevice;
     type Extra = ();
     const VOTE: Duration = Duration::from_secs(3);
-    const LOSS_NOTICED: Duration = Self::VOTE;
 
-    fn open(place: &ProcessGroup) -> (SimDevice, Member, ()) {
-        let rv = Rendezvous::join(place, JOIN).expect("every rank joins");
-        let transport = Arc::new(TcpBallotBox::new(Arc::new(Mutex::new(rv))));
-        (SimDevice::new(), Member::new(transport, Self::VOTE), ())
+    fn open(place: &ProcessGroup) -> (SimDevice, Member, (), Watchdog, Shared) {
+        let rv = Arc::new(Mutex::new(
+            Rendezvous::join(place, JOIN).expect("every rank joins"),
+        ));
+        let member = Member::new(Arc::new(TcpBallotBox::new(rv.clone())), Self::VOTE);
+        let watchdog =
+            Watchdog::start(&mut rv.lock().unwrap(), place, JOIN, BOUND, &member, |_| {})
+                .expect("the watchdog starts");
+        (SimDevice::new(), member, (), watchdog, rv)
     }
 
     fn all_reduce(_: &(), _: &Buffer, _: usize) -> Result<(), DeviceError> {
@@ -83,10 +93,6 @@ impl Backend for Sim {
 
     fn expected(rank: usize, _: usize, x: impl Fn(usize) -> Vec<f32>) -> Vec<f32> {
         x(rank).iter().map(|v| A.mul_add(*v, B)).collect()
-    }
-
-    fn lost(err: &GroupError, rank: usize, peer: usize) -> bool {
-        matches!(err, GroupError::PeerLost { rank: r, peer: p, .. } if *r == rank && *p == peer)
     }
 }
 
@@ -97,17 +103,27 @@ impl Backend for Cuda {
     type D = CudaDevice;
     /// Field order is drop order: the communicator after the runtime's graphs.
     type Extra = (Arc<NcclComm>, CudaTestKernels);
+    /// Longer than the watchdog's bound: a stopped peer is the watchdog's to find, not the
+    /// vote's (NCCL cannot tell which rank is missing).
     const VOTE: Duration = Duration::from_secs(5);
-    /// NCCL may notice a dead peer only at the vote's deadline (within a host it often
-    /// reports nothing), so the bound is the deadline and a margin.
-    const LOSS_NOTICED: Duration = Duration::from_secs(8);
 
-    fn open(place: &ProcessGroup) -> (CudaDevice, Member, Self::Extra) {
-        let (dev, comm, kernels) = nccl_rank(place);
+    fn open(place: &ProcessGroup) -> (CudaDevice, Member, Self::Extra, Watchdog, Shared) {
+        let (dev, comm, kernels, mut rv) = nccl_rank(place);
         let comm = Arc::new(comm);
         let ballots = NcclBallotBox::new(comm.clone()).expect("the vote's memory");
         let member = Member::new(Arc::new(ballots), Self::VOTE);
-        (dev, member, (comm, kernels))
+        let aborted = comm.clone();
+        let watchdog = Watchdog::start(&mut rv, place, JOIN, BOUND, &member, move |_| {
+            aborted.abort().expect("the communicator aborts");
+        })
+        .expect("the watchdog starts");
+        (
+            dev,
+            member,
+            (comm, kernels),
+            watchdog,
+            Arc::new(Mutex::new(rv)),
+        )
     }
 
     fn all_reduce(extra: &Self::Extra, out: &Buffer, n: usize) -> Result<(), DeviceError> {
@@ -119,26 +135,44 @@ impl Backend for Cuda {
             .map(|i| (0..WORLD).map(|r| A.mul_add(x(r)[i], B)).sum())
             .collect()
     }
-
-    fn lost(err: &GroupError, rank: usize, _: usize) -> bool {
-        matches!(err,
-            GroupError::Device { rank: r, .. } | GroupError::Unanswered { rank: r, .. } if *r == rank)
-    }
 }
 
-/// The GPU of this process (its `LOCAL_RANK`) with the test kernels, and its NCCL
-/// communicator: rank 0 makes the unique id, the rendezvous broadcasts it.
-fn nccl_rank(place: &ProcessGroup) -> (CudaDevice, NcclComm, CudaTestKernels) {
+/// The job's rendezvous, for the tests' own barrier (shared with the simulator's votes).
+type Shared = Arc<Mutex<Rendezvous>>;
+
+/// The all-gather tag of the tests' barrier.
+const BARRIER: u32 = 0x6261_7272;
+
+/// Waits until every rank got here: a rank that then leaves cannot be taken for gone by a
+/// peer still reading the step before (a read is refused once the group broke).
+fn barrier<K: Backend>(r: &Rank<K>) {
+    r.rv.lock()
+        .unwrap()
+        .all_gather(BARRIER, &[0], JOIN)
+        .expect("every rank reaches the barrier");
+}
+
+/// Whether `err` is how rank `rank` learns that `peer` is gone: its watchdog's finding, or
+/// (over TCP) its vote's lost connection, whichever came first.
+fn lost(err: &GroupError, rank: usize, peer: usize) -> bool {
+    matches!(err,
+        GroupError::Watchdog { rank: r, peer: p, .. } | GroupError::PeerLost { rank: r, peer: p, .. }
+            if *r == rank && *p == peer)
+}
+
+/// The GPU of this process (its `LOCAL_RANK`) with the test kernels, its NCCL communicator
+/// (rank 0 makes the unique id, the rendezvous broadcasts it), and the rendezvous.
+fn nccl_rank(place: &ProcessGroup) -> (CudaDevice, NcclComm, CudaTestKernels, Rendezvous) {
     let dev = CudaDevice::new(place.local_rank()).expect("this rank's GPU");
     let kernels = CudaTestKernels::load(&dev).expect("the test kernels load");
-    let id = nccl_id(place);
+    let (id, rv) = nccl_id(place);
     let comm = NcclComm::init_rank(&dev, &id, place.rank(), place.world(), JOIN)
         .expect("the NCCL communicator");
-    (dev, comm, kernels)
+    (dev, comm, kernels, rv)
 }
 
-/// Rank 0's NCCL unique id, on every rank.
-fn nccl_id(place: &ProcessGroup) -> [u8; graft::cuda::UNIQUE_ID_BYTES] {
+/// Rank 0's NCCL unique id on every rank, and the job's rendezvous.
+fn nccl_id(place: &ProcessGroup) -> ([u8; graft::cuda::UNIQUE_ID_BYTES], Rendezvous) {
     let mut rv = Rendezvous::join(place, JOIN).expect("every rank joins");
     let mut id = if place.rank() == 0 {
         NcclComm::unique_id().expect("an NCCL unique id")
@@ -147,14 +181,16 @@ fn nccl_id(place: &ProcessGroup) -> [u8; graft::cuda::UNIQUE_ID_BYTES] {
     };
     rv.broadcast(&mut id, JOIN)
         .expect("the id reaches every rank");
-    id
+    (id, rv)
 }
 
 /// One rank's runtime, joined to the job's group. `g` is declared first so that its graphs
-/// go before the communicator in `extra`.
+/// go before the communicator in `extra`; the watchdog goes last.
 struct Rank<K: Backend> {
     g: Graft<K::D, u32>,
     extra: K::Extra,
+    _watchdog: Watchdog,
+    rv: Shared,
     rank: usize,
     f: FunctionId,
     x: Buffer,
@@ -168,7 +204,7 @@ fn place() -> ProcessGroup {
 
 fn join<K: Backend>(config: Config) -> Rank<K> {
     let place = place();
-    let (device, member, extra) = K::open(&place);
+    let (device, member, extra, watchdog, rv) = K::open(&place);
     let mut g = Graft::new(device, config);
     g.join(member);
     let f = g.register("step", FunctionSpec::default());
@@ -177,6 +213,8 @@ fn join<K: Backend>(config: Config) -> Rank<K> {
     Rank {
         g,
         extra,
+        _watchdog: watchdog,
+        rv,
         rank: place.rank(),
         f,
         x,
@@ -213,7 +251,7 @@ fn call<K: Backend>(
     step: usize,
     long: bool,
     fault: Fault,
-) -> Result<Outcome, CallError> {
+) -> Result<Outcome, Failed> {
     let (x, n) = if long {
         (r.long.clone(), 2 * N)
     } else {
@@ -245,11 +283,25 @@ fn call<K: Backend>(
     )?;
     let expected = K::expected(r.rank, n, |rank| x_of(rank, step, n));
     assert_eq!(
-        r.g.read_f32(&out[0].buffer).unwrap(),
+        r.g.read_f32(&out[0].buffer).map_err(Failed::Read)?,
         expected,
         "step {step}"
     );
     Ok(outcome)
+}
+
+/// How a step failed: its call, or the read of its output (refused once the group broke,
+/// since the collective it waited on may have been aborted).
+#[derive(Debug)]
+enum Failed {
+    Call(CallError),
+    Read(MemoryError),
+}
+
+impl From<CallError> for Failed {
+    fn from(e: CallError) -> Failed {
+        Failed::Call(e)
+    }
 }
 
 fn recorded(o: &Outcome) -> bool {
@@ -260,11 +312,21 @@ fn replayed(o: &Outcome) -> bool {
     matches!(o, Outcome::Replayed(_))
 }
 
-/// The group error a failed call returned.
-fn group_error(result: Result<Outcome, CallError>) -> GroupError {
+/// The group error a failed step returned (its call's, or its read's).
+fn group_error(result: Result<Outcome, Failed>) -> GroupError {
     match result {
-        Err(CallError::Group { source, .. }) => source,
+        Err(Failed::Call(CallError::Group { source, .. }))
+        | Err(Failed::Read(MemoryError::Group { source })) => source,
         other => panic!("expected a group error, got {other:?}"),
+    }
+}
+
+/// The loss a failed step reports. The watchdog may break the group between two calls, and
+/// then the next call is refused as `Broken`, naming the loss as its cause.
+fn loss(result: Result<Outcome, Failed>) -> GroupError {
+    match group_error(result) {
+        GroupError::Broken { cause, .. } => *cause,
+        err => err,
     }
 }
 
@@ -274,14 +336,18 @@ fn skip(backend: &str) -> bool {
     backend == "cuda" && graft_testkit::skip_without_cuda_gpus(WORLD)
 }
 
-/// Starts both ranks of `name` and checks their exit codes (`KILLED` for a rank that kills
-/// itself, 0 for the others).
+/// Starts both ranks of `name` and checks how they ended: the rank that ends itself with
+/// `KILLED` or by SIGKILL, the others with 0.
 fn both(name: &str, killed: Option<usize>) {
     if skip(name.rsplit("::").next().unwrap_or_default()) {
         return;
     }
     let exits = procs::spawn_ranks(name, WORLD, &[0, 1], &[], WATCHDOG);
     for e in &exits {
+        let sigkilled = e.status.and_then(|s| s.signal()) == Some(9);
+        if Some(e.rank) == killed && sigkilled {
+            continue;
+        }
         procs::expect_code(e, if Some(e.rank) == killed { KILLED } else { 0 });
     }
 }
@@ -344,8 +410,9 @@ fn divergence<K: Backend>() {
     assert!(replayed(&call(&mut r, 3, false, Fault::None).unwrap()));
 }
 
-// --- Rank 1's process ends inside its recording: rank 0's vote fails (at once over TCP;
-// over NCCL at the latest at the vote's deadline), and the group stays broken.
+// --- Rank 1's process ends inside its recording: rank 0's vote fails at once (its watchdog
+// finds the link closed and aborts the communicator under the vote), and the group stays
+// broken.
 
 fn killed_while_recording<K: Backend>() {
     let mut r = join::<K>(Config::default());
@@ -353,16 +420,17 @@ fn killed_while_recording<K: Backend>() {
         call(&mut r, 1, false, Fault::None).unwrap(),
         Outcome::Warmup
     );
+    barrier(&r);
     let fault = if r.rank == 1 {
         Fault::Exit
     } else {
         Fault::None
     };
     let start = Instant::now();
-    let err = group_error(call(&mut r, 2, false, fault));
+    let err = loss(call(&mut r, 2, false, fault));
     let took = start.elapsed();
-    assert!(took < K::LOSS_NOTICED, "noticed after {took:?}");
-    assert!(K::lost(&err, 0, 1), "{err}");
+    assert!(took < RETURNS, "noticed after {took:?}");
+    assert!(lost(&err, 0, 1), "{err}");
     assert!(r.g.member().unwrap().is_broken());
     let later = group_error(call(&mut r, 3, false, Fault::None));
     assert!(
@@ -379,19 +447,111 @@ fn killed_between_steps<K: Backend>() {
         call(&mut r, 1, false, Fault::None).unwrap(),
         Outcome::Warmup
     );
+    barrier(&r);
     if r.rank == 0 {
         std::process::exit(KILLED);
     }
     let start = Instant::now();
-    let err = group_error(call(&mut r, 2, false, Fault::None));
+    let err = loss(call(&mut r, 2, false, Fault::None));
     let took = start.elapsed();
-    assert!(took < K::LOSS_NOTICED, "noticed after {took:?}");
-    assert!(K::lost(&err, 1, 0), "{err}");
+    assert!(took < RETURNS, "noticed after {took:?}");
+    assert!(lost(&err, 1, 0), "{err}");
     let later = group_error(call(&mut r, 3, false, Fault::None));
     assert!(
         matches!(&later, GroupError::Broken { rank: 1, cause } if **cause == err),
         "{later}"
     );
+}
+
+// --- Rank 1 goes at `at` while rank 0 waits on it: killed (SIGKILL) or stopped (SIGSTOP,
+// continued after rank 0 is done). At step 1 rank 0 waits in a warmup's eager all-reduce, at
+// step 4 in a replay's recorded one (steps 2 and 3 recorded and replayed). Rank 0's watchdog
+// finds the link closed, or silent for its bound, breaks the group and aborts the
+// communicator, so the all-reduce returns and the read of its output is refused. (On the
+// simulator the bodies have no collective: rank 0's steps go on until the watchdog or the
+// next vote finds rank 1 gone.)
+
+/// How rank 1 goes.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Leave {
+    Kill,
+    Stop,
+}
+
+fn gone_at<K: Backend>(at: usize, how: Leave) {
+    let mut r = join::<K>(Config::default());
+    for step in 1..at {
+        let o = call(&mut r, step, false, Fault::None).unwrap();
+        let expected = match step {
+            1 => matches!(o, Outcome::Warmup),
+            2 => recorded(&o),
+            _ => replayed(&o),
+        };
+        assert!(expected, "step {step}: {o:?}");
+    }
+    barrier(&r);
+    if r.rank == 1 {
+        leave(how);
+    }
+    let start = Instant::now();
+    let mut step = at;
+    let err = loop {
+        match call(&mut r, step, false, Fault::None) {
+            Ok(_) => {
+                assert!(
+                    start.elapsed() < RETURNS,
+                    "rank 1 not found gone after {:?}",
+                    start.elapsed()
+                );
+                step += 1;
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            failed => break loss(failed),
+        }
+    };
+    let took = start.elapsed();
+    assert!(took < RETURNS, "returned after {took:?}");
+    assert!(lost(&err, 0, 1), "{err}");
+    eprintln!("rank 0 returned {took:?} after rank 1 went ({how:?} at step {at}): {err}");
+    let later = group_error(call(&mut r, step + 1, false, Fault::None));
+    assert!(
+        matches!(&later, GroupError::Broken { rank: 0, cause } if **cause == err),
+        "{later}"
+    );
+}
+
+/// Ends this process (SIGKILL), or stops it (SIGSTOP) until well after its peer is done and
+/// then ends it.
+fn leave(how: Leave) -> ! {
+    let pid = std::process::id().to_string();
+    if how == Leave::Stop {
+        Command::new("sh")
+            .args(["-c", &format!("sleep 15; kill -CONT {pid}")])
+            .spawn()
+            .expect("sh starts");
+        Command::new("kill")
+            .args(["-STOP", &pid])
+            .status()
+            .expect("kill runs");
+        std::process::exit(KILLED);
+    }
+    Command::new("kill")
+        .args(["-KILL", &pid])
+        .status()
+        .expect("kill runs");
+    unreachable!("SIGKILL ends the process");
+}
+
+fn killed_in_an_eager_collective<K: Backend>() {
+    gone_at::<K>(1, Leave::Kill);
+}
+
+fn killed_in_a_replay<K: Backend>() {
+    gone_at::<K>(4, Leave::Kill);
+}
+
+fn stopped_in_a_replay<K: Backend>() {
+    gone_at::<K>(4, Leave::Stop);
 }
 
 // --- Rank 1's body fails while recording: its error on rank 1, `PeerFailed` on rank 0; the
@@ -409,7 +569,8 @@ fn body_fails<K: Backend>() {
         Fault::None
     };
     match (r.rank, call(&mut r, 2, false, fault)) {
-        (0, Err(CallError::PeerFailed { rank: 1, .. })) | (1, Err(CallError::Body { .. })) => {}
+        (0, Err(Failed::Call(CallError::PeerFailed { rank: 1, .. })))
+        | (1, Err(Failed::Call(CallError::Body { .. }))) => {}
         (rank, other) => panic!("rank {rank}: {other:?}"),
     }
     assert!(recorded(&call(&mut r, 3, false, Fault::None).unwrap()));
@@ -451,7 +612,7 @@ const NCCL_INIT: Duration = Duration::from_secs(5);
 fn never_joins_cuda() {
     let place = place();
     let dev = CudaDevice::new(place.local_rank()).expect("this rank's GPU");
-    let id = nccl_id(&place);
+    let (id, _rv) = nccl_id(&place);
     if place.rank() == 1 {
         // Joined the rendezvous, never makes its communicator.
         std::thread::sleep(NCCL_INIT * 2);
@@ -501,6 +662,13 @@ fn main() {
         ),
         on_both!("a_rank_killed_between_steps", killed_between_steps, Some(0)),
         on_both!("a_body_failing_on_one_rank", body_fails, None),
+        on_both!(
+            "a_rank_killed_in_an_eager_collective",
+            killed_in_an_eager_collective,
+            Some(1)
+        ),
+        on_both!("a_rank_killed_in_a_replay", killed_in_a_replay, Some(1)),
+        on_both!("a_rank_stopped_in_a_replay", stopped_in_a_replay, Some(1)),
         [
             Scenario {
                 name: "a_rank_that_never_joins::sim",

@@ -101,6 +101,9 @@ pub enum CliError {
     /// A rank could not receive NCCL's unique id from rank 0.
     #[error(transparent)]
     Exchange(#[from] graft_core::ExchangeError),
+    /// `--procs`: a rank's watchdog could not start.
+    #[error(transparent)]
+    Watchdog(#[from] graft_core::WatchdogError),
     /// `--procs`: a rank failed; its last lines of stderr say why.
     #[error("rank {rank} of the job failed (exit code {code:?}); its stderr ends with:\n{stderr}")]
     RankFailed {

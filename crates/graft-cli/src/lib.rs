@@ -194,6 +194,20 @@ pub struct TpArgs {
     /// results as JSON to stdout: what --procs starts.
     #[arg(long, hide = true)]
     pub as_rank: bool,
+    /// With --procs: this rank kills itself (SIGKILL) during the first attempt of the job, at
+    /// the graphed step --at-step of the first batch size (a fault to recover from).
+    #[arg(long, value_name = "RANK")]
+    pub kill_rank: Option<usize>,
+    /// With --kill-rank: the graphed step (from 1) at which that rank dies.
+    #[arg(long, value_name = "STEP", default_value_t = 40)]
+    pub at_step: usize,
+    /// With --procs: how many times a failed job is started again (new processes, a new
+    /// rendezvous, new communicators), as torchrun's --max-restarts.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub max_restarts: usize,
+    /// Which start of the job a rank belongs to (0: the first): what --procs passes.
+    #[arg(long, hide = true, default_value_t = 0)]
+    pub attempt: usize,
 }
 
 /// The default of `graft bench tp --procs-timeout`, in seconds.

@@ -83,6 +83,10 @@ pub(crate) fn demo(
         procs: None,
         procs_timeout: PROCS_TIMEOUT_S,
         as_rank: false,
+        kill_rank: None,
+        at_step: 40,
+        max_restarts: 0,
+        attempt: 0,
     };
     run_with(&args, true, raw, out)
 }
@@ -321,7 +325,7 @@ pub(crate) fn threads<D: Backend>(
     for &batch in &args.batches {
         let (check, steps, rounds) = (args.check, args.steps, args.rounds);
         let reports = ranks.step(move |_, rank: &mut Rank<D>| {
-            measure_tp(rank, batch, check, steps, rounds, raw)
+            measure_tp(rank, batch, check, steps, rounds, raw, None)
         })?;
         let reports = reports.into_iter().collect::<Result<Vec<_>, _>>()?;
         same_tokens(batch, &reports)?;
@@ -420,7 +424,8 @@ fn median_times(rounds: &[Times]) -> Times {
 
 /// One rank at one batch size: the tokens of `check` steps eagerly, through graft and (with
 /// graft-core's token `raw`) as a raw graph, which must agree, then the times of each mode,
-/// interleaved over `rounds`.
+/// interleaved over `rounds`. With `die_at`, the process kills itself at that graphed step
+/// (`--kill-rank`'s fault).
 pub(crate) fn measure_tp<D: Backend>(
     rank: &mut Rank<D>,
     batch: usize,
@@ -428,6 +433,7 @@ pub(crate) fn measure_tp<D: Backend>(
     steps: usize,
     rounds: usize,
     raw: Option<&CoreOnly>,
+    die_at: Option<usize>,
 ) -> Result<RankReport, CliError> {
     let Rank {
         graft,
@@ -446,7 +452,12 @@ pub(crate) fn measure_tp<D: Backend>(
     })?;
     state.reset(&device)?;
     let mut tokens = start.clone();
+    let mut graphed_steps = 0;
     let graphed = run_steps(&device, &mut state, check, |s| {
+        graphed_steps += 1;
+        if die_at == Some(graphed_steps) {
+            crate::tp_procs::die();
+        }
         tokens = decoder.step_graft(graft, *fid, s, &tokens)?;
         Ok(tokens.clone())
     })?;

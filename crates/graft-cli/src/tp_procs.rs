@@ -14,11 +14,14 @@
 //! not the `graft` binary).
 
 use std::io::Write;
+use std::os::unix::process::ExitStatusExt;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use graft_core::backend::CoreOnly;
-use graft_core::{Member, ProcessGroup, RankExit, Rendezvous, TcpBallotBox, launch_local};
+use graft_core::{
+    Member, ProcessGroup, RankExit, Rendezvous, TcpBallotBox, Watchdog, launch_local,
+};
 use graft_cuda::{CudaDevice, NcclBallotBox, NcclComm, UNIQUE_ID_BYTES};
 use graft_sim::{SimComm, SimDevice};
 use graft_tensor::{Backend, Collective, DecoderConfig};
@@ -57,11 +60,22 @@ pub(crate) fn as_rank(
 ) -> Result<(), CliError> {
     let place = ProcessGroup::from_env()?;
     let mut rv = Rendezvous::join(&place, JOIN)?;
+    // Declared before the runtimes: dropped after them, saying goodbye once the rank is done.
+    let _watchdog: Watchdog;
     let report = if args.sim {
         let device = SimDevice::new();
         let rv = Arc::new(Mutex::new(rv));
         let comm = SimComm::over_rendezvous(&device, rv.clone(), SIM_COLLECTIVE);
-        let member = Member::new(Arc::new(TcpBallotBox::new(rv)), AGREEMENT);
+        let member = Member::new(Arc::new(TcpBallotBox::new(rv.clone())), AGREEMENT);
+        // The simulator's all-reduce travels over the rendezvous and finds a lost peer itself.
+        _watchdog = Watchdog::start(
+            &mut rv.lock().unwrap_or_else(std::sync::PoisonError::into_inner),
+            &place,
+            JOIN,
+            Watchdog::DEFAULT_BOUND,
+            &member,
+            |_| {},
+        )?;
         measure_rank(
             device,
             Arc::new(comm),
@@ -81,6 +95,19 @@ pub(crate) fn as_rank(
         let comm = NcclComm::init_rank(&device, &id, place.rank(), place.world(), JOIN)?;
         let comm = Arc::new(comm);
         let member = Member::new(Arc::new(NcclBallotBox::new(comm.clone())?), AGREEMENT);
+        let aborted = comm.clone();
+        _watchdog = Watchdog::start(
+            &mut rv,
+            &place,
+            JOIN,
+            Watchdog::DEFAULT_BOUND,
+            &member,
+            move |_| {
+                if let Err(error) = aborted.abort() {
+                    tracing::warn!(%error, "aborting the NCCL communicator after a loss failed");
+                }
+            },
+        )?;
         let config = DecoderConfig::tensor_parallel();
         measure_rank(device, comm, member, config, &place, args, raw)?
     };
@@ -102,14 +129,15 @@ fn measure_rank<D: Backend>(
     check_steps(&config, args)?;
     let description = device.describe();
     let mut r = rank(device, comm, member, config, args.seed)?;
+    let dies = args.attempt == 0 && args.kill_rank == Some(place.rank());
     let batches = args
         .batches
         .iter()
-        .map(|&b| {
-            Ok((
-                b,
-                measure_tp(&mut r, b, args.check, args.steps, args.rounds, raw)?,
-            ))
+        .enumerate()
+        .map(|(i, &b)| {
+            let die_at = (dies && i == 0).then_some(args.at_step);
+            let (check, steps, rounds) = (args.check, args.steps, args.rounds);
+            Ok((b, measure_tp(&mut r, b, check, steps, rounds, raw, die_at)?))
         })
         .collect::<Result<_, CliError>>()?;
     Ok(ProcReport {
@@ -120,9 +148,19 @@ fn measure_rank<D: Backend>(
     })
 }
 
-/// The arguments of a rank of this benchmark: the same measurements, on simulated devices
-/// when `sim`.
-fn rank_args(args: &TpArgs, sim: bool) -> Vec<String> {
+/// Kills this process (SIGKILL), as `--kill-rank` asks: a rank that dies without a word.
+pub(crate) fn die() -> ! {
+    let pid = std::process::id().to_string();
+    // If `kill` cannot run, aborting still ends the process without cleanup.
+    let _ = std::process::Command::new("kill")
+        .args(["-KILL", &pid])
+        .status();
+    std::process::abort()
+}
+
+/// The arguments of a rank of this benchmark at start `attempt` of the job: the same
+/// measurements, on simulated devices when `sim`.
+fn rank_args(args: &TpArgs, sim: bool, attempt: usize) -> Vec<String> {
     let list = |v: &[usize]| v.iter().map(usize::to_string).collect::<Vec<_>>().join(",");
     let mut a: Vec<String> = ["bench", "tp", "--as-rank", "--batches"]
         .map(str::to_owned)
@@ -133,9 +171,15 @@ fn rank_args(args: &TpArgs, sim: bool) -> Vec<String> {
         ("--steps", args.steps.to_string()),
         ("--rounds", args.rounds.to_string()),
         ("--seed", args.seed.to_string()),
+        ("--attempt", attempt.to_string()),
+        ("--at-step", args.at_step.to_string()),
     ] {
         a.push(flag.to_owned());
         a.push(value);
+    }
+    if let Some(rank) = args.kill_rank {
+        a.push("--kill-rank".to_owned());
+        a.push(rank.to_string());
     }
     if sim {
         a.push("--sim".to_owned());
@@ -174,6 +218,39 @@ fn gather(exits: Vec<RankExit>) -> Result<Vec<ProcReport>, CliError> {
         .collect()
 }
 
+/// How the ranks of a job with a killed rank ended: each survivor's exit and how long after
+/// the killed rank's death it returned (its watchdog's doing). A survivor still running at
+/// the deadline is the error: its wait was not bounded.
+fn survivors(
+    exits: &[RankExit],
+    killed: Option<usize>,
+    out: &mut dyn Write,
+) -> Result<(), CliError> {
+    let Some(dead) = exits
+        .iter()
+        .find(|e| Some(e.rank) == killed && e.status.and_then(|s| s.signal()) == Some(9))
+    else {
+        return Ok(());
+    };
+    for e in exits.iter().filter(|e| Some(e.rank) != killed) {
+        if e.status.is_none() {
+            return Err(CliError::RankTimedOut {
+                rank: e.rank,
+                waited: e.took,
+            });
+        }
+        writeln!(
+            out,
+            "rank {} killed itself; rank {} returned {:.2} s later with exit code {:?}",
+            dead.rank,
+            e.rank,
+            e.took.saturating_sub(dead.took).as_secs_f64(),
+            e.code()
+        )?;
+    }
+    Ok(())
+}
+
 /// `graft bench tp --procs N`.
 pub(crate) fn run(
     args: &TpArgs,
@@ -206,19 +283,45 @@ pub(crate) fn run(
         out,
         "tensor-parallel decoder ({name}: {config}) as {procs} processes, one per {per}, voting over {votes}"
     )?;
+    if args.kill_rank.is_some_and(|r| r >= procs) {
+        return Err(CliError::BadArgument {
+            flag: "--kill-rank",
+            why: format!("the job has ranks 0..{procs}"),
+        });
+    }
     let start = Instant::now();
     let ranks: Vec<usize> = (0..procs).collect();
     let deadline = Duration::from_secs(args.procs_timeout);
-    let exits = launch_local(
-        &program,
-        &rank_args(args, sim),
-        procs,
-        &ranks,
-        &[],
-        deadline,
-        true,
-    )?;
-    let reports = gather(exits)?;
+    let mut attempt = 0;
+    let reports = loop {
+        // A job with a rank that dies on purpose lets the others find it gone on their own
+        // (their watchdogs); otherwise the first failure ends the job at once.
+        let fault = attempt == 0 && args.kill_rank.is_some();
+        let exits = launch_local(
+            &program,
+            &rank_args(args, sim, attempt),
+            procs,
+            &ranks,
+            &[],
+            deadline,
+            !fault,
+        )?;
+        if fault {
+            survivors(&exits, args.kill_rank, out)?;
+        }
+        match gather(exits) {
+            Ok(reports) => break reports,
+            Err(e) if attempt < args.max_restarts => {
+                attempt += 1;
+                writeln!(
+                    out,
+                    "the job failed ({e}); starting it again (restart {attempt} of {})",
+                    args.max_restarts
+                )?;
+            }
+            Err(e) => return Err(e),
+        }
+    };
     writeln!(
         out,
         "{procs} processes ran in {:.1} s; the same ranks as threads of this process, for comparison:",
@@ -302,7 +405,6 @@ fn table(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::os::unix::process::ExitStatusExt;
     use std::process::ExitStatus;
 
     fn exit(rank: usize, status: Option<ExitStatus>, stdout: &str, stderr: &str) -> RankExit {
@@ -383,11 +485,15 @@ mod tests {
             procs: Some(2),
             procs_timeout: 5,
             as_rank: false,
+            kill_rank: None,
+            at_step: 40,
+            max_restarts: 0,
+            attempt: 0,
         };
         assert_eq!(
-            rank_args(&args, true).join(" "),
-            "bench tp --as-rank --batches 1,8 --check 4 --steps 2 --rounds 1 --seed 9 --sim"
+            rank_args(&args, true, 1).join(" "),
+            "bench tp --as-rank --batches 1,8 --check 4 --steps 2 --rounds 1 --seed 9 --attempt 1 --at-step 40 --sim"
         );
-        assert!(!rank_args(&args, false).contains(&"--sim".to_owned()));
+        assert!(!rank_args(&args, false, 0).contains(&"--sim".to_owned()));
     }
 }

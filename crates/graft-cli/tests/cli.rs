@@ -368,6 +368,52 @@ fn tensor_parallel_benchmark_runs_as_processes_on_simulated_devices() {
 }
 
 /// A rank started outside a job (no RANK in its environment) says which variable is missing.
+/// `--kill-rank 1 --at-step 4 --max-restarts 1`: rank 1 kills itself (SIGKILL) in the first
+/// start of the job; rank 0's watchdog finds it gone and rank 0 returns with an error on its
+/// own (the launcher does not kill it); the job starts again and finishes with the tokens of an
+/// uninterrupted run (checked against the ranks as threads).
+#[test]
+fn a_killed_rank_restarts_the_job_which_then_finishes() {
+    let out = std::process::Command::new(graft_binary())
+        .args(["bench", "tp", "--procs", "2", "--sim", "--batches", "1"])
+        .args(["--check", "6", "--steps", "2", "--rounds", "1"])
+        .args(["--kill-rank", "1", "--at-step", "4", "--max-restarts", "1"])
+        .args(["--procs-timeout", "120"])
+        .output()
+        .expect("the graft binary runs");
+    let report = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{report}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        report.contains("rank 1 killed itself; rank 0 returned"),
+        "{report}"
+    );
+    assert!(report.contains("restart 1 of 1"), "{report}");
+    assert!(
+        report.contains("tokens: every process = every thread = eager, over 6 steps"),
+        "{report}"
+    );
+}
+
+/// Without restarts, the killed rank's job fails with the survivor's error.
+#[test]
+fn a_killed_rank_without_restarts_fails_the_job() {
+    let out = std::process::Command::new(graft_binary())
+        .args(["bench", "tp", "--procs", "2", "--sim", "--batches", "1"])
+        .args(["--check", "6", "--steps", "2", "--rounds", "1"])
+        .args(["--kill-rank", "1", "--at-step", "4"])
+        .args(["--procs-timeout", "120"])
+        .output()
+        .expect("the graft binary runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains("rank 0 of the job failed"), "{stderr}");
+    assert!(stderr.contains("lost rank 1"), "{stderr}");
+}
+
 #[test]
 fn a_rank_outside_a_job_names_the_missing_variable() {
     let out = std::process::Command::new(graft_binary())

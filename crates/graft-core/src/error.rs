@@ -286,4 +286,11 @@ pub enum MemoryError {
         /// The buffer's device.
         found: DeviceId,
     },
+    /// The runtime's group is broken: what was read may come from collectives that a lost peer
+    /// never completed, so it is not handed out.
+    #[error("the read is refused: {source}")]
+    Group {
+        /// Why the group is broken.
+        source: crate::group::GroupError,
+    },
 }

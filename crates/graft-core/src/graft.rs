@@ -342,6 +342,17 @@ impl<D: Device, M: Clone> Graft<D, M> {
         if let Some(source) = self.device.take_sticky_error(CORE) {
             return Err(CallError::Sticky { source });
         }
+        // A broken group refuses every call, replays included: their collectives would wait on
+        // a lost peer, or run on an aborted communicator.
+        if let Some(m) = &self.member
+            && m.is_broken()
+            && let Some(source) = m.refuse()
+        {
+            return Err(CallError::Group {
+                function: f.name.clone(),
+                source,
+            });
+        }
         let device_id = self.device.id();
         // One pass over the inputs: device, readability, and the sizes of the signature used
         // last (the usual case in a loop), so each input's cell is read once.

@@ -61,14 +61,14 @@ pub use device::{
 pub use diag::{InputKind, MemoryReport, NodeInfo};
 pub use error::{AnyError, BodyError, CallError, FunctionId, MemoryError, VerifyTarget};
 pub use graft::{Graft, Outcome};
-pub use group::{Ballot, BallotBox, GroupError, Member};
+pub use group::{Ballot, BallotBox, Gone, GroupError, Member};
 pub use lifecycle::Phase;
 pub use node_id::{NodeId, NodeLabel};
 pub use pool::{PoolError, PoolStats};
 pub use prepare::{BucketCapture, CaptureReport};
 pub use process::{
     ENV_VARS, ExchangeError, JoinError, LaunchError, ProcessGroup, ProcessGroupError, RankExit,
-    Rendezvous, TcpBallotBox, VOTE_TAG, free_port, launch_local,
+    Rendezvous, TcpBallotBox, VOTE_TAG, Watchdog, WatchdogError, free_port, launch_local,
 };
 pub use reason::{Decision, DecisionRecord, EagerReason, EvictReason, RecordReason, WarmupReason};
 pub use stats::{RerecordCounts, Stats};

@@ -8,6 +8,7 @@ use crate::ctx::{Reclaim, alloc_owned};
 use crate::device::{CORE, Device, DevicePtr};
 use crate::error::{FunctionId, MemoryError};
 use crate::graft::Graft;
+use crate::group::Member;
 use crate::pools::lock;
 use crate::reason::Decision;
 use crate::tree::{OutputSlot, key_of};
@@ -120,7 +121,18 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 buffer: buffer.len(),
             });
         }
-        Ok(self.device.read(CORE, src, dst)?)
+        self.device.read(CORE, src, dst)?;
+        // Checked after the copy: a peer lost while the copy waited on its collectives aborted
+        // them, so the bytes may be what an unfinished collective left.
+        if let Some(source) = self
+            .member
+            .as_ref()
+            .filter(|m| m.is_broken())
+            .and_then(Member::refuse)
+        {
+            return Err(MemoryError::Group { source });
+        }
+        Ok(())
     }
 
     /// Writes host bytes into a buffer.

@@ -4,6 +4,27 @@ use std::time::Duration;
 
 use crate::device::DeviceError;
 
+/// How a [`Watchdog`](crate::Watchdog) found a peer gone.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Gone {
+    /// The connection to it closed or failed: its process ended (killed, crashed, exited).
+    Closed(std::io::ErrorKind),
+    /// Nothing came from it for this long, past the watchdog's bound: it is stopped or hung.
+    Silent(Duration),
+    /// Rank 0's watchdog found it gone (this rank's own link is to rank 0 only) and said so.
+    Reported,
+}
+
+impl std::fmt::Display for Gone {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Gone::Closed(kind) => write!(f, "its connection closed: {kind}"),
+            Gone::Silent(waited) => write!(f, "silent for {waited:?}: stopped or hung"),
+            Gone::Reported => write!(f, "rank 0's watchdog reported it gone"),
+        }
+    }
+}
+
 /// Errors of a group's agreement. Each ends the recording on every rank that sees it, before
 /// anything is launched. All but [`GroupError::Diverged`] and [`GroupError::Empty`] break the
 /// group: every later recording fails at once with [`GroupError::Broken`].
@@ -93,6 +114,21 @@ pub enum GroupError {
         got: usize,
         /// The ranks of the group.
         world: usize,
+    },
+    /// This rank's [`Watchdog`](crate::Watchdog) found a peer gone: its connection closed (the
+    /// process ended) or it fell silent past the watchdog's bound (stopped or hung). The
+    /// communicators were aborted, so collectives waiting on the peer returned and what they
+    /// computed is invalid.
+    #[error(
+        "rank {rank}'s watchdog found rank {peer} gone ({gone}): collectives with it were aborted, so what they computed is invalid and nothing more runs; the group is broken: exit, and start the job again (new processes and communicators)"
+    )]
+    Watchdog {
+        /// The rank whose watchdog noticed.
+        rank: usize,
+        /// The rank that is gone.
+        peer: usize,
+        /// How it was found gone.
+        gone: Gone,
     },
     /// An earlier vote broke the group (`cause`), so no later vote can be trusted to complete.
     #[error("rank {rank} cannot vote: the group broke at an earlier vote ({cause})")]

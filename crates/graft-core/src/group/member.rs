@@ -1,6 +1,7 @@
 //! `Member`: one rank's membership of a group, the vote's state machine over any
 //! [`BallotBox`]: cast, combine, and stay broken once a round failed.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -28,6 +29,9 @@ pub struct Member {
     /// What broke the group, once something did. Shared by the members of one in-process
     /// group, so that a timeout on one rank breaks every rank at once.
     broken: Arc<Mutex<Option<GroupError>>>,
+    /// Whether `broken` holds a cause: what every call reads (one atomic load), since a broken
+    /// group refuses every call, replays included.
+    is_broken: Arc<AtomicBool>,
 }
 
 impl Member {
@@ -38,12 +42,14 @@ impl Member {
             return Err(GroupError::Empty);
         }
         let broken = Arc::new(Mutex::new(None));
+        let is_broken = Arc::new(AtomicBool::new(false));
         Ok(LocalBallotBox::group(world)
             .into_iter()
             .map(|b| Member {
                 transport: Arc::new(b),
                 timeout,
                 broken: broken.clone(),
+                is_broken: is_broken.clone(),
             })
             .collect())
     }
@@ -56,6 +62,7 @@ impl Member {
             transport,
             timeout,
             broken: Arc::new(Mutex::new(None)),
+            is_broken: Arc::new(AtomicBool::new(false)),
         }
     }
 
@@ -69,9 +76,10 @@ impl Member {
         self.transport.world()
     }
 
-    /// Whether a vote failed, so that every later recording fails.
+    /// Whether the group is broken (a vote failed, or a [`Watchdog`](crate::Watchdog) found a
+    /// peer gone), so that every later call and read fails.
     pub fn is_broken(&self) -> bool {
-        self.lock_broken().is_some()
+        self.is_broken.load(Ordering::Acquire)
     }
 
     fn lock_broken(&self) -> std::sync::MutexGuard<'_, Option<GroupError>> {
@@ -79,8 +87,8 @@ impl Member {
         self.broken.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// The error of a vote on a broken group, or `None` when the group is whole.
-    fn refuse(&self) -> Option<GroupError> {
+    /// The error of a call (or a vote) on a broken group, or `None` when the group is whole.
+    pub(crate) fn refuse(&self) -> Option<GroupError> {
         self.lock_broken().as_ref().map(|cause| GroupError::Broken {
             rank: self.rank(),
             cause: Box::new(cause.clone()),
@@ -89,7 +97,7 @@ impl Member {
 
     /// Remembers what broke the group (the first cause only; a `Broken` learned from another
     /// rank is remembered as its cause).
-    fn note(&self, error: &GroupError) {
+    pub(crate) fn note(&self, error: &GroupError) {
         if !error.breaks_the_group() {
             return;
         }
@@ -98,6 +106,7 @@ impl Member {
             other => other.clone(),
         };
         self.lock_broken().get_or_insert(cause);
+        self.is_broken.store(true, Ordering::Release);
     }
 
     /// Votes and waits for the others: the group's verdict, the same on every rank.
@@ -119,14 +128,22 @@ impl Member {
                 }
                 combine(&ballots)
             });
-        match &verdict {
-            Ok(v) => tracing::debug!(?vote, agreed = ?v.vote, by = v.rank, "vote"),
+        match verdict {
+            Ok(v) => {
+                tracing::debug!(?vote, agreed = ?v.vote, by = v.rank, "vote");
+                Ok(v)
+            }
             Err(e) => {
                 tracing::debug!(?vote, error = %e, "vote failed");
-                self.note(e);
+                self.note(&e);
+                // A watchdog that found a peer gone aborted the transport under the vote: its
+                // finding, which names the peer, is the error, not the aborted transport's.
+                match &*self.lock_broken() {
+                    Some(found @ GroupError::Watchdog { .. }) => Err(found.clone()),
+                    _ => Err(e),
+                }
             }
         }
-        verdict
     }
 
     /// Votes [`Vote::Failed`] for a rank whose body panicked while recording: its peers learn

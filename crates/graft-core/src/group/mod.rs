@@ -14,7 +14,7 @@ mod local;
 mod member;
 
 pub use ballot::{Ballot, BallotBox};
-pub use error::GroupError;
+pub use error::{Gone, GroupError};
 pub use member::Member;
 
 /// How one rank's recording ended, as it votes. Ordered: the worst vote of a round wins.

@@ -92,6 +92,14 @@ impl ProcessGroup {
         })
     }
 
+    /// The same place with rank 0 listening on `port` instead.
+    pub(super) fn with_port(&self, port: u16) -> ProcessGroup {
+        ProcessGroup {
+            master_port: port,
+            ..self.clone()
+        }
+    }
+
     /// This process's place, from `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR` and
     /// `MASTER_PORT` ([`ENV_VARS`]).
     pub fn from_env() -> Result<ProcessGroup, ProcessGroupError> {

@@ -2,7 +2,7 @@
 //! launchers set), its TCP rendezvous ([`Rendezvous`]: rank 0 at the centre of a star, with a
 //! broadcast from rank 0 and an all-gather through it, every wait bounded), and a group's
 //! votes carried over it ([`TcpBallotBox`]), and a launcher of such a job on this host
-//! ([`launch_local`], with a watchdog). Pure std: what a device transport needs first
+//! ([`launch_local`], with a watchdog), and each rank's [`Watchdog`] on its peers. Pure std: what a device transport needs first
 //! (NCCL's unique id travels by [`Rendezvous::broadcast`]) and what the simulator uses in place
 //! of one.
 
@@ -12,6 +12,7 @@ mod exchange;
 mod launch;
 mod rendezvous;
 mod tcp_box;
+mod watchdog;
 mod wire;
 
 pub use config::{ENV_VARS, ProcessGroup, ProcessGroupError};
@@ -19,6 +20,7 @@ pub use error::{ExchangeError, JoinError};
 pub use launch::{LaunchError, RankExit, free_port, launch_local};
 pub use rendezvous::Rendezvous;
 pub use tcp_box::{TcpBallotBox, VOTE_TAG};
+pub use watchdog::{Watchdog, WatchdogError};
 
 #[cfg(test)]
 mod tests;

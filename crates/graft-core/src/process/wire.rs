@@ -34,10 +34,16 @@ pub(super) enum Kind {
     Gathered,
     /// Rank 0's all-gather failed: payload why.
     Aborted,
+    /// A watchdog's heartbeat: its rank is alive.
+    Beat,
+    /// A watchdog leaves on purpose (its rank finished): not a loss.
+    Bye,
+    /// Rank 0's watchdog found a rank gone (the frame's word: that rank).
+    Gone,
 }
 
 impl Kind {
-    const ALL: [Kind; 8] = [
+    const ALL: [Kind; 11] = [
         Kind::Hello,
         Kind::Welcome,
         Kind::Rejected,
@@ -46,6 +52,9 @@ impl Kind {
         Kind::Part,
         Kind::Gathered,
         Kind::Aborted,
+        Kind::Beat,
+        Kind::Bye,
+        Kind::Gone,
     ];
 }
 

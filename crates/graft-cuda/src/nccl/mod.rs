@@ -15,7 +15,7 @@ mod vote;
 
 use std::fmt;
 use std::ptr;
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{Mutex, MutexGuard, PoisonError, mpsc};
 use std::time::Duration;
 
 use cudarc::nccl::sys;
@@ -99,14 +99,44 @@ impl NcclComm {
     /// makes its kernels return): every later operation on it fails with
     /// [`DeviceError::CollectiveAborted`]. Use it when a peer failed after collectives were
     /// enqueued, then make new communicators. Aborting twice does nothing.
+    ///
+    /// Bounded: NCCL's abort first tells its kernels and threads to quit (so collectives
+    /// waiting on a lost peer return), then frees the communicator, which within a host can
+    /// wait on the lost peer forever. The abort runs on a thread of its own; after 2 s this
+    /// returns, and the communicator's resources are left to the
+    /// process's exit.
     pub fn abort(&self) -> Result<(), DeviceError> {
         let handle = std::mem::replace(&mut *self.lock(), ptr::null_mut());
         if handle.is_null() {
             return Ok(());
         }
-        // The handle was live and is taken out of the lock (nulled there), so neither another
-        // operation nor `Drop` uses it again.
-        dn::abort(handle)
+        let handle = Taken(handle);
+        let (done, finished) = mpsc::channel();
+        let spawned = std::thread::Builder::new()
+            .name("graft-nccl-abort".to_owned())
+            .spawn(move || {
+                let handle = handle;
+                // The handle was live and is taken out of the lock (nulled there), so neither
+                // another operation nor `Drop` uses it again.
+                let _ = done.send(dn::abort(handle.0));
+            });
+        if spawned.is_err() {
+            return Err(DeviceError::Unavailable {
+                op: OP,
+                what: "no thread could be started to abort the NCCL communicator; the system is out of threads or memory",
+            });
+        }
+        match finished.recv_timeout(ABORT_WAIT) {
+            Ok(result) => result,
+            Err(_) => {
+                tracing::warn!(
+                    rank = self.rank,
+                    waited = ?ABORT_WAIT,
+                    "NCCL's abort told its kernels to quit but has not freed the communicator (it waits on a lost peer): its resources are left to the process's exit"
+                );
+                Ok(())
+            }
+        }
     }
 
     /// Aborts after a failure that is being returned: an error aborting cannot be returned
@@ -117,6 +147,16 @@ impl NcclComm {
         }
     }
 }
+
+/// How long [`NcclComm::abort`] waits for NCCL's abort to return.
+const ABORT_WAIT: Duration = Duration::from_secs(2);
+
+/// A communicator handle taken out of its `NcclComm`, sent to the thread that aborts it.
+struct Taken(sys::ncclComm_t);
+
+// SAFETY: the handle was taken out of its communicator's lock, so the aborting thread is its
+// only user; NCCL lets any thread abort a communicator.
+unsafe impl Send for Taken {}
 
 impl Drop for NcclComm {
     /// Destroys the communicator. A non-blocking one is finalized first (its operations
