@@ -34,13 +34,9 @@ use graft_candle_bench::decode::CHECK_STEPS;
 use graft_candle_models::llama::{self, Sizes};
 use graft_core::{RankExit, launch_local};
 
-use measure::{Timed, Tokens};
+use measure::{CHECK, SEED, Timed, Tokens};
 use rank::RankReport;
 
-/// The seed of every model's random weights.
-const SEED: u64 = 1234;
-/// The f32 model whose tokens are checked (its heads divide over up to 4 ranks).
-const CHECK: Sizes = Sizes::BENCH;
 /// The lines of a failed rank's stderr an error quotes.
 const STDERR_LINES: usize = 20;
 
@@ -107,7 +103,14 @@ fn run() -> BenchResult<()> {
     let o = <Options as clap::Parser>::parse();
     o.timing.per_round(o.steps)?;
     if o.as_rank {
-        return rank::run(&o, &mut std::io::stdout().lock());
+        let models: Vec<Sizes> = o.models.iter().map(|m| m.sizes()).collect();
+        return rank::run(
+            &models,
+            &o.batches,
+            o.steps,
+            &o.timing,
+            &mut std::io::stdout().lock(),
+        );
     }
     if o.procs < 2 {
         return Err("--procs: tensor parallelism needs at least 2 processes".into());

@@ -48,7 +48,7 @@ fn run(
             let (next, outcome) = decode(graft, step, model, &cache, &t)?;
             if i >= 2 && graft.is_graphed() {
                 assert!(
-                    matches!(outcome, StepOutcome::Replayed),
+                    matches!(outcome, StepOutcome::Replayed(_)),
                     "step {i} at B={batch}: {outcome:?}"
                 );
             }

@@ -1,6 +1,6 @@
 //! What a rank and the one-GPU run both measure on a decoder (whole or one rank's part): the
 //! tokens of greedy decode steps under graft-candle, and graft-candle's step time against a
-//! hand-made single CUDA graph of the same step.
+//! hand-made single CUDA graph of the same step; and the models both build.
 
 use std::time::Instant;
 
@@ -9,7 +9,13 @@ use graft_candle_bench::HandmadeGraph;
 use graft_candle_bench::common::{BenchResult, Timing, median};
 use graft_candle_bench::decode::first_tokens;
 use graft_candle_models::Decoder;
+use graft_candle_models::llama::Sizes;
 use serde::{Deserialize, Serialize};
+
+/// The seed of every model's random weights (one GPU and every rank: the same weights).
+pub(crate) const SEED: u64 = 1234;
+/// The f32 model whose tokens are checked (its heads divide over up to 4 ranks).
+pub(crate) const CHECK: Sizes = Sizes::BENCH;
 
 /// Untimed steps after each switch of variant.
 const SETTLE: usize = 5;

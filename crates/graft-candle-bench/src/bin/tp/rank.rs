@@ -11,14 +11,14 @@ use std::time::Duration;
 use graft_candle::candle_core::DType;
 use graft_candle::cuda::TpComm;
 use graft_candle::{Buckets, CandleGraft};
-use graft_candle_bench::common::BenchResult;
+use graft_candle_bench::common::{BenchResult, Timing};
+use graft_candle_bench::decode::CHECK_STEPS;
 use graft_candle_models::llama::{self, Sizes};
 use graft_candle_models::{Collective, Decoder, Shard};
 use graft_core::{ProcessGroup, Rendezvous};
 use serde::{Deserialize, Serialize};
 
-use super::measure::{self, Timed, Tokens};
-use super::{CHECK, CHECK_STEPS, Options, SEED};
+use super::measure::{self, CHECK, SEED, Timed, Tokens};
 
 /// How long a rank may take to join the job and to set up NCCL.
 const JOIN: Duration = Duration::from_secs(120);
@@ -32,7 +32,7 @@ pub(crate) struct RankReport {
     pub(crate) world: usize,
     /// The f32 check model's tokens: per batch, per step.
     pub(crate) tokens: Tokens,
-    /// Per model (in `--models` order), per batch (in `--batches` order).
+    /// Per model, per batch size (in the order given).
     pub(crate) timed: Vec<Vec<Timed>>,
 }
 
@@ -49,8 +49,16 @@ fn joined(
     Ok((graft, step))
 }
 
-/// Runs this process's rank of the job and writes its report to `out`.
-pub(crate) fn run(o: &Options, out: &mut dyn Write) -> BenchResult<()> {
+/// Runs this process's rank of the job and writes its report to `out`: the check model's
+/// tokens at `batches`, then each of `models` in bf16 timed at `batches` (`steps` timed steps
+/// per variant, as `timing` splits them).
+pub(crate) fn run(
+    models: &[Sizes],
+    batches: &[usize],
+    steps: usize,
+    timing: &Timing,
+    out: &mut dyn Write,
+) -> BenchResult<()> {
     let place = ProcessGroup::from_env()?;
     let mut rendezvous = Rendezvous::join(&place, JOIN)?;
     let device = graft_candle::device(place.local_rank())?;
@@ -60,20 +68,19 @@ pub(crate) fn run(o: &Options, out: &mut dyn Write) -> BenchResult<()> {
     let part = |sizes: &Sizes, dtype| llama::random_sharded(sizes, SEED, dtype, &device, shard()?);
 
     let model = part(&CHECK, DType::F32)?;
-    let (mut graft, step) = joined(&model, &comm, &o.batches)?;
-    let tokens = measure::tokens(&model, &mut graft, step, &o.batches, CHECK_STEPS)?;
+    let (mut graft, step) = joined(&model, &comm, batches)?;
+    let tokens = measure::tokens(&model, &mut graft, step, batches, CHECK_STEPS)?;
     // The graphs go before the model's tensors and the communicator they captured.
     drop(graft);
     drop(model);
 
     let mut timed = Vec::new();
-    for m in &o.models {
-        let model = part(&m.sizes(), DType::BF16)?;
-        let (mut graft, step) = joined(&model, &comm, &o.batches)?;
-        let per_batch = o
-            .batches
+    for sizes in models {
+        let model = part(sizes, DType::BF16)?;
+        let (mut graft, step) = joined(&model, &comm, batches)?;
+        let per_batch = batches
             .iter()
-            .map(|&b| measure::time_step(&model, &mut graft, step, b, o.steps, &o.timing))
+            .map(|&b| measure::time_step(&model, &mut graft, step, b, steps, timing))
             .collect::<BenchResult<Vec<_>>>()?;
         timed.push(per_batch);
         drop(graft);
