@@ -35,7 +35,7 @@ use graft_candle_models::llama::{self, Sizes};
 use graft_core::{RankExit, launch_local};
 
 use measure::{CHECK, SEED, Timed, Tokens};
-use rank::RankReport;
+use rank::{REPORT, RankReport};
 
 /// The lines of a failed rank's stderr an error quotes.
 const STDERR_LINES: usize = 20;
@@ -246,7 +246,14 @@ fn gather(exits: &[RankExit]) -> BenchResult<Vec<RankReport>> {
     }
     exits
         .iter()
-        .map(|e| Ok(serde_json::from_slice(&e.stdout)?))
+        .map(|e| {
+            let stdout = String::from_utf8_lossy(&e.stdout);
+            let line = stdout
+                .lines()
+                .find_map(|l| l.strip_prefix(REPORT))
+                .ok_or_else(|| format!("rank {} wrote no report; its stdout:\n{stdout}", e.rank))?;
+            Ok(serde_json::from_str(line)?)
+        })
         .collect()
 }
 

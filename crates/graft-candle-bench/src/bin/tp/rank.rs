@@ -2,7 +2,7 @@
 //! `launch_local`): its GPU is `LOCAL_RANK`; it makes its NCCL communicator on candle's stream
 //! (rank 0's unique id over the job's rendezvous), builds its part of each Llama, joins each
 //! `CandleGraft` to the group (votes over NCCL), measures, and writes its report as one JSON
-//! line on stdout.
+//! line on stdout, after [`REPORT`].
 
 use std::io::Write;
 use std::sync::Arc;
@@ -24,6 +24,10 @@ use super::measure::{self, CHECK, SEED, Timed, Tokens};
 const JOIN: Duration = Duration::from_secs(120);
 /// How long a recording's vote may wait for the other ranks.
 const AGREEMENT: Duration = Duration::from_secs(120);
+
+/// The start of the stdout line a rank's report is on (JSON after it): anything else a
+/// library prints to stdout (NCCL's messages go there) is left aside.
+pub(crate) const REPORT: &str = "graft-candle-tp report: ";
 
 /// What one rank reports.
 #[derive(Debug, Serialize, Deserialize)]
@@ -91,6 +95,7 @@ pub(crate) fn run(
         tokens,
         timed,
     };
+    write!(out, "{REPORT}")?;
     serde_json::to_writer(&mut *out, &report)?;
     writeln!(out)?;
     device.synchronize()?;
