@@ -132,6 +132,8 @@ impl Decoder {
         shard: Option<Shard>,
     ) -> Result<Decoder> {
         spec.validate()?;
+        // The rank's spec, checked before any weight is split.
+        let local = shard.as_ref().map(|sh| sh.local(&spec)).transpose()?;
         let (d, f, hd) = (spec.hidden, spec.intermediate, spec.head_dim);
         let (q, kv) = (spec.heads * hd, spec.kv_heads * hd);
         // Splits a projection's weight (and bias) along `dim`, 0 for rows, 1 for columns.
@@ -175,10 +177,7 @@ impl Decoder {
         } else {
             dense(&vb.pp("lm_head"), spec.vocab, d, false)?
         };
-        let spec = match &shard {
-            Some(sh) => sh.local(&spec)?,
-            None => spec,
-        };
+        let spec = local.unwrap_or(spec);
         let mut decoder = Decoder::from_parts(spec, embed, blocks, norm, lm_head, vb.device())?;
         decoder.shard = shard;
         Ok(decoder)
