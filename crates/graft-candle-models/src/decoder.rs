@@ -12,6 +12,7 @@ use candle_nn::{Linear, VarBuilder};
 
 use super::cache::KvCache;
 use super::rope::Rope;
+use super::shard::Shard;
 use super::spec::DecoderSpec;
 use graft_candle::{CandleGraft, Error, Step, StepId};
 
@@ -69,6 +70,9 @@ pub struct Decoder {
     pub(crate) rope: Rope,
     /// The dtype of activations and of the cache.
     dtype: DType,
+    /// This rank's place when the decoder is one part of a tensor-parallel model: its
+    /// blocks then sum their attention and MLP outputs over the ranks. `None`: the whole.
+    shard: Option<Shard>,
     /// Unique per decoder in this process: a signature key, so that a graph recorded for one
     /// decoder never replays for another (block-quantized weights cannot be statics).
     id: u64,
@@ -107,6 +111,7 @@ impl Decoder {
             lm_head,
             rope,
             dtype,
+            shard: None,
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
         })
     }
@@ -114,9 +119,31 @@ impl Decoder {
     /// Loads a decoder of `spec` from a checkpoint in the Hugging Face layout (the tensor
     /// names [`DecoderSpec::checkpoint_tensors`] lists), in `vb`'s dtype.
     pub(crate) fn load_hf(spec: DecoderSpec, vb: &VarBuilder) -> Result<Decoder> {
+        Decoder::load_hf_part(spec, vb, None)
+    }
+
+    /// [`Decoder::load_hf`] of rank `shard`'s part of the decoder (see [`Shard`]): the split
+    /// weights narrowed to the rank's rows or columns of the whole checkpoint's, the rest
+    /// whole. The decoder's spec is then the rank's (its heads, key/value heads and MLP
+    /// width divided by the world), and so is its cache's.
+    pub(crate) fn load_hf_part(
+        spec: DecoderSpec,
+        vb: &VarBuilder,
+        shard: Option<Shard>,
+    ) -> Result<Decoder> {
         spec.validate()?;
+        // The rank's spec, checked before any weight is split.
+        let local = shard.as_ref().map(|sh| sh.local(&spec)).transpose()?;
         let (d, f, hd) = (spec.hidden, spec.intermediate, spec.head_dim);
         let (q, kv) = (spec.heads * hd, spec.kv_heads * hd);
+        // Splits a projection's weight (and bias) along `dim`, 0 for rows, 1 for columns.
+        let split = |p: Proj, dim: usize| -> Result<Proj> {
+            let (Some(sh), Proj::Dense(l)) = (&shard, &p) else {
+                return Ok(p);
+            };
+            let bias = l.bias().map(|b| sh.part(b, 0)).transpose()?;
+            Ok(Proj::Dense(Linear::new(sh.part(l.weight(), dim)?, bias)))
+        };
         let embed = vb.get((spec.vocab, d), "model.embed_tokens.weight")?;
         let mut blocks = Vec::with_capacity(spec.layers);
         for i in 0..spec.layers {
@@ -133,15 +160,15 @@ impl Decoder {
             };
             blocks.push(Block {
                 attn_norm: l.get(d, "input_layernorm.weight")?,
-                q: dense(&attn.pp("q_proj"), q, d, spec.qkv_bias)?,
-                k: dense(&attn.pp("k_proj"), kv, d, spec.qkv_bias)?,
-                v: dense(&attn.pp("v_proj"), kv, d, spec.qkv_bias)?,
-                o: dense(&attn.pp("o_proj"), d, q, spec.o_bias)?,
+                q: split(dense(&attn.pp("q_proj"), q, d, spec.qkv_bias)?, 0)?,
+                k: split(dense(&attn.pp("k_proj"), kv, d, spec.qkv_bias)?, 0)?,
+                v: split(dense(&attn.pp("v_proj"), kv, d, spec.qkv_bias)?, 0)?,
+                o: split(dense(&attn.pp("o_proj"), d, q, spec.o_bias)?, 1)?,
                 qk_norm,
                 mlp_norm: l.get(d, "post_attention_layernorm.weight")?,
-                gate: dense(&mlp.pp("gate_proj"), f, d, false)?,
-                up: dense(&mlp.pp("up_proj"), f, d, false)?,
-                down: dense(&mlp.pp("down_proj"), d, f, false)?,
+                gate: split(dense(&mlp.pp("gate_proj"), f, d, false)?, 0)?,
+                up: split(dense(&mlp.pp("up_proj"), f, d, false)?, 0)?,
+                down: split(dense(&mlp.pp("down_proj"), d, f, false)?, 1)?,
             });
         }
         let norm = vb.get(d, "model.norm.weight")?;
@@ -150,7 +177,10 @@ impl Decoder {
         } else {
             dense(&vb.pp("lm_head"), spec.vocab, d, false)?
         };
-        Decoder::from_parts(spec, embed, blocks, norm, lm_head, vb.device())
+        let spec = local.unwrap_or(spec);
+        let mut decoder = Decoder::from_parts(spec, embed, blocks, norm, lm_head, vb.device())?;
+        decoder.shard = shard;
+        Ok(decoder)
     }
 
     /// The rotary tables, cosines and sines, `[max_position_embeddings, head_dim / 2]` each:
@@ -159,7 +189,8 @@ impl Decoder {
         [&self.rope.cos, &self.rope.sin]
     }
 
-    /// What the decoder is.
+    /// What the decoder is (for one rank's part of a tensor-parallel model, that part: see
+    /// [`Shard`]).
     pub fn spec(&self) -> &DecoderSpec {
         &self.spec
     }
@@ -368,7 +399,7 @@ impl Decoder {
             v_flat.scatter_set(&plan.write_at, &v.reshape((rows, s.head_dim))?, 0)?;
             let (k_row, v_row) = cache.row(i, &plan.row)?;
             let o = attend_chunk(&q, &k_row, &v_row, &plan.mask, s)?;
-            x = b.finish(&x, &o, s)?;
+            x = b.finish(&x, &o, s, self.shard.as_ref())?;
         }
         let x = x.index_select(&plan.last, 1)?;
         let x = candle_nn::ops::rms_norm(&x, &self.norm, s.eps as f32)?;
@@ -393,7 +424,7 @@ impl Decoder {
             k_cache.scatter_set(&write_at, &k, 2)?;
             v_cache.scatter_set(&write_at, &v, 2)?;
             let o = attend(&q, &k_cache, &v_cache, &mask, s)?;
-            x = b.finish(&x, &o, s)?;
+            x = b.finish(&x, &o, s, self.shard.as_ref())?;
         }
         let x = candle_nn::ops::rms_norm(&x, &self.norm, s.eps as f32)?;
         let logits = self.lm_head.forward(&x)?.squeeze(1)?.to_dtype(DType::F32)?;
@@ -436,11 +467,22 @@ impl Block {
 
     /// The block's output from its input `x` and the attention result `o` (`[batch, t,
     /// heads * hd]`): the output projection and the gated MLP, each added to the residual.
-    fn finish(&self, x: &Tensor, o: &Tensor, s: &DecoderSpec) -> Result<Tensor> {
-        let x = (self.o.forward(o)? + x)?;
+    /// On a rank of a tensor-parallel model each of the two is summed over the ranks first.
+    fn finish(
+        &self,
+        x: &Tensor,
+        o: &Tensor,
+        s: &DecoderSpec,
+        shard: Option<&Shard>,
+    ) -> Result<Tensor> {
+        let whole = |partial: Tensor| match shard {
+            Some(sh) => sh.reduce(partial),
+            None => Ok(partial),
+        };
+        let x = (whole(self.o.forward(o)?)? + x)?;
         let h = candle_nn::ops::rms_norm(&x, &self.mlp_norm, s.eps as f32)?;
         let gated = (self.gate.forward(&h)?.apply(&s.act)? * self.up.forward(&h)?)?;
-        self.down.forward(&gated)? + x
+        whole(self.down.forward(&gated)?)? + x
     }
 }
 

@@ -2,7 +2,8 @@
 //! graft-candle, with their static KV cache, generation on the device and a serving engine.
 //! The ports load candle-transformers' own configs and checkpoints: [`llama`] (Llama 2 and
 //! 3), [`mistral`], [`qwen2`], [`qwen3`] and [`quantized_llama`] (GGUF); [`serve`] is a
-//! continuous-batching engine over any of them.
+//! continuous-batching engine over any of them. A Llama also splits over several GPUs,
+//! one process each ([`Shard`], [`llama::load_sharded`]: tensor parallelism).
 //!
 //! candle-transformers' models keep their KV cache as tensors that grow with `Tensor::cat`
 //! and are replaced every step, and take the position as a host `usize` that cuts the rotary
@@ -46,10 +47,12 @@ mod rng;
 mod rope;
 mod sequence;
 pub mod serve;
+mod shard;
 mod spec;
 
 pub use cache::KvCache;
 pub use decoder::Decoder;
 pub use generate::{GenerateSpec, Generation, Sampling};
 pub use sequence::Dropout;
+pub use shard::{Collective, Shard};
 pub use spec::{Arch, DecoderSpec, Llama3Scaling, RopeSpec, RopeStyle};

@@ -10,6 +10,7 @@ pub use candle_transformers::models::llama::{Config, Llama3RopeType, LlamaConfig
 
 use super::checkpoint;
 use super::decoder::Decoder;
+use super::shard::Shard;
 use super::spec::{Arch, DecoderSpec, Llama3Scaling, RopeSpec, RopeStyle};
 
 /// The decoder `cfg` describes (`use_flash_attn` is ignored: attention runs over the static
@@ -54,6 +55,14 @@ pub fn spec(cfg: &Config) -> DecoderSpec {
 /// reads), in `vb`'s dtype.
 pub fn load(vb: VarBuilder, cfg: &Config) -> Result<Decoder> {
     Decoder::load_hf(spec(cfg), &vb)
+}
+
+/// Loads rank `shard`'s part of the checkpoint `vb` holds, for tensor parallelism (see
+/// [`Shard`]): the attention heads and the MLP split over the ranks, the embedding, norms and
+/// output head whole on every rank. Fails unless the world divides the query heads, the
+/// key/value heads and the MLP width.
+pub fn load_sharded(vb: VarBuilder, cfg: &Config, shard: Shard) -> Result<Decoder> {
+    Decoder::load_hf_part(spec(cfg), &vb, Some(shard))
 }
 
 /// The sizes of a Llama built in code (Llama 2 style: no rope scaling, an output projection of
@@ -118,6 +127,19 @@ impl Sizes {
         rope_theta: 500_000.0,
     };
 
+    /// Llama-3-8B's shapes (8.0B parameters): 32 layers, d=4096, 32 heads over 8 KV heads,
+    /// ffn 14336, vocab 128256; 512 positions.
+    pub const EIGHT_B: Sizes = Sizes {
+        layers: 32,
+        hidden: 4096,
+        heads: 32,
+        kv_heads: 8,
+        intermediate: 14_336,
+        vocab: 128_256,
+        max_positions: 512,
+        rope_theta: 500_000.0,
+    };
+
     /// candle-transformers' config of these sizes (RMSNorm epsilon 1e-5).
     pub fn config(&self) -> Config {
         Config {
@@ -164,6 +186,24 @@ pub fn random(sizes: &Sizes, seed: u64, dtype: DType, device: &Device) -> Result
     load(VarBuilder::from_tensors(weights, dtype, device), &cfg)
 }
 
+/// Rank `shard`'s part of [`random`]'s Llama of the same `sizes` and `seed`: exactly the
+/// rows and columns of those weights that [`load_sharded`] takes.
+pub fn random_sharded(
+    sizes: &Sizes,
+    seed: u64,
+    dtype: DType,
+    device: &Device,
+    shard: Shard,
+) -> Result<Decoder> {
+    let cfg = sizes.config();
+    let weights = checkpoint::random_weights(&spec(&cfg), seed, dtype, device)?;
+    load_sharded(
+        VarBuilder::from_tensors(weights, dtype, device),
+        &cfg,
+        shard,
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -172,6 +212,8 @@ mod tests {
     fn sizes_have_the_documented_parameters() {
         let one_b = spec(&Sizes::ONE_B.config()).parameters() as f64;
         assert!((1.0e9..1.2e9).contains(&one_b), "{one_b}");
+        let eight_b = spec(&Sizes::EIGHT_B.config()).parameters() as f64;
+        assert!((7.9e9..8.1e9).contains(&eight_b), "{eight_b}");
         assert_eq!(spec(&Sizes::BENCH.config()).head_dim, 64);
         let shown = Sizes::BENCH.to_string();
         assert!(shown.starts_with("4 layers, d=512"), "{shown}");

@@ -2,7 +2,8 @@
 //! through `scripts/stage.sh --candle-cuda` and `scripts/gpu-run.sh`): tokens identical to
 //! candle eager at every bucket, outputs held across steps, the eager fallback of a body that
 //! cannot be captured, the graph memory of three buckets against the largest alone, the
-//! ports, generation and serving graphed, and the guide's examples.
+//! ports, generation and serving graphed, the guide's examples, and the Llama split over 2
+//! GPUs in 2 processes (tensor parallelism, `tp`).
 #![cfg(feature = "cuda")]
 
 use graft_candle::candle_core::{DType, Device, Tensor};
@@ -27,6 +28,8 @@ mod serve;
 mod serve_gpu;
 #[path = "../examples/serving.rs"]
 mod serving_example;
+#[path = "gpu/tp.rs"]
+mod tp;
 #[path = "gpu/transformers.rs"]
 mod transformers;
 

@@ -116,6 +116,30 @@ pub enum Error {
         /// CUDA's name of the error.
         name: String,
     },
+    /// A CUDA-only operation was given a device or tensor that is not on CUDA.
+    #[error("{what} needs a CUDA device made by graft_candle::device, but got one on {location}")]
+    NotCuda {
+        /// The operation called.
+        what: &'static str,
+        /// The device it got.
+        location: String,
+    },
+    /// Sending NCCL's unique id over a tensor-parallel job's rendezvous failed.
+    #[error(
+        "sharing NCCL's unique id over the job's rendezvous failed: {source}; check that every rank started and reached the same point"
+    )]
+    Rendezvous {
+        /// The rendezvous' error.
+        source: graft_core::ExchangeError,
+    },
+    /// A collective refused its tensor (dtype, device, layout).
+    #[error("{op}: {why}")]
+    Collective {
+        /// The operation called.
+        op: &'static str,
+        /// Why, with what to do.
+        why: &'static str,
+    },
     /// A CUDA-only operation was called in a build of graft-candle without its `cuda`
     /// feature.
     #[error(

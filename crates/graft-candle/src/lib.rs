@@ -25,13 +25,19 @@
 //! - random numbers come from [`random::DeviceRng`], whose seed and offset live on the device
 //!   (pass its state as a static): a host seed would be frozen into the recorded graph.
 //!
+//! Tensor parallelism (one process per GPU): [`cuda::TpComm`] makes a rank's NCCL
+//! communicator on candle's stream and sums candle tensors over the ranks in place (captured
+//! into the step's graph like any kernel); [`CandleGraft::join`] makes the runtime vote with
+//! the other ranks on every recording. graft-candle-models' `Shard` splits a Llama this way.
+//!
 //! Two builds, chosen by the `cuda` feature, with one API: every public type and function
 //! exists in both, and the feature only chooses the backend behind them (in this file, and for
 //! the random-number kernels in [`random`]):
 //!
 //! - Default (the workspace build, CI): candle-core and candle-nn on the CPU only. No CUDA
 //!   toolkit is needed; [`device`] returns [`Device::Cpu`], steps run eagerly, and the CUDA
-//!   figures of [`cuda`] refuse with [`Error::NoCuda`].
+//!   figures of [`cuda`] and `TpComm::init_rank` refuse with [`Error::NoCuda`] (so no
+//!   `TpComm` exists in this build).
 //! - `cuda`: candle's CUDA backend plus graft-cuda, both with cudarc's `dynamic-linking`
 //!   (candle-core requires it). Built in its own invocation, never together with the workspace,
 //!   because cargo unifies cudarc's features over one build and the rest of graft loads CUDA

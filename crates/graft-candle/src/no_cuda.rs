@@ -5,9 +5,10 @@
 //! stand-in there too).
 
 use std::ffi::c_void;
+use std::time::Duration;
 
 use candle_core::{CudaDevice, Device, Tensor};
-use graft_core::{Config, FunctionId, FunctionSpec};
+use graft_core::{Config, FunctionId, FunctionSpec, Member, ProcessGroup, Rendezvous};
 
 use crate::diagnostics::Inspect;
 use crate::error::Error;
@@ -41,6 +42,10 @@ impl GraphEngine {
     where
         F: FnMut(&[Tensor], &mut Loops<'_>) -> candle_core::Result<Vec<Tensor>>,
     {
+        match *self {}
+    }
+
+    pub(crate) fn join(&mut self, _member: graft_core::Member) {
         match *self {}
     }
 
@@ -102,6 +107,52 @@ pub fn reset_eager_high(_device: &CudaDevice) -> Result<(), Error> {
     })
 }
 
+/// One rank's NCCL communicator: none can exist in this build (CPU candle has no NCCL);
+/// [`TpComm::init_rank`] refuses with [`Error::NoCuda`], so the other methods are never
+/// reached.
+#[derive(Clone, Debug)]
+pub struct TpComm {
+    never: Never,
+}
+
+/// No values: a [`TpComm`] cannot be made in this build.
+#[derive(Clone, Copy, Debug)]
+enum Never {}
+
+impl TpComm {
+    /// Refuses with [`Error::NoCuda`].
+    pub fn init_rank(
+        _device: &Device,
+        _place: &ProcessGroup,
+        _rendezvous: &mut Rendezvous,
+        _timeout: Duration,
+    ) -> Result<TpComm, Error> {
+        Err(Error::NoCuda {
+            what: "making an NCCL communicator",
+        })
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        match self.never {}
+    }
+
+    /// The number of ranks.
+    pub fn world(&self) -> usize {
+        match self.never {}
+    }
+
+    /// Sums `t` over all ranks, in place.
+    pub fn all_reduce_sum(&self, _t: &Tensor) -> Result<(), Error> {
+        match self.never {}
+    }
+
+    /// A group membership whose votes travel over this communicator.
+    pub fn member(&self, _timeout: Duration) -> Result<Member, Error> {
+        match self.never {}
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -117,6 +168,11 @@ mod tests {
         assert!(eager_memory(&device).is_err());
         assert!(reset_eager_high(&device).is_err());
         assert!(capture_stream(&device).is_null());
+        let place = ProcessGroup::new(0, 1, 0, "127.0.0.1", 1).unwrap();
+        let mut rv = Rendezvous::join(&place, Duration::from_secs(1)).unwrap();
+        let e =
+            TpComm::init_rank(&Device::Cpu, &place, &mut rv, Duration::from_secs(1)).unwrap_err();
+        assert!(matches!(e, Error::NoCuda { .. }), "{e}");
         assert!(
             GraphEngine::open(&Device::Cpu, Config::default())
                 .unwrap()

@@ -65,6 +65,18 @@ impl CandleGraft {
         !matches!(self.engine, Engine::Eager(_))
     }
 
+    /// Makes this runtime one rank of a tensor-parallel group (graft-core's `Graft::join`):
+    /// every recording then ends with a vote of all ranks, so that all keep it, all fall
+    /// back to eager, or all fail, before any rank launches it (make the member with
+    /// [`crate::cuda::TpComm::member`]). Join before the first call. A runtime that runs
+    /// eagerly (not a CUDA device, or a build without `cuda`) records nothing to agree on
+    /// and drops the member.
+    pub fn join(&mut self, member: graft_core::Member) {
+        if let Engine::Graphed(engine) = &mut self.engine {
+            engine.join(member);
+        }
+    }
+
     /// Registers a step (an inference function) and returns its id. Names appear in errors,
     /// logs and graft's diagnostics.
     pub fn register(&mut self, name: &str) -> StepId {

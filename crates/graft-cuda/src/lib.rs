@@ -88,7 +88,7 @@ pub use device::{CudaDevice, CudaQueue};
 pub use graph::CudaGraph;
 pub use module::{CudaModule, KernelArg, compile_ptx};
 #[cfg(feature = "nccl")]
-pub use nccl::{NcclBallotBox, NcclComm, UNIQUE_ID_BYTES};
+pub use nccl::{NcclBallotBox, NcclComm, NcclDtype, UNIQUE_ID_BYTES};
 
 #[cfg(test)]
 mod tests {

@@ -154,6 +154,11 @@ impl CudaEngine {
         })
     }
 
+    /// Makes graft one rank of a tensor-parallel group (graft-core's `Graft::join`).
+    pub(crate) fn join(&mut self, member: graft_core::Member) {
+        self.graft.join(member);
+    }
+
     pub(crate) fn register(&mut self, name: &str, spec: FunctionSpec) -> FunctionId {
         self.statics.add_step();
         self.graft.register(name, spec)

@@ -36,10 +36,16 @@ pub(crate) fn check(result: sys::ncclResult_t) -> Result<(), DeviceError> {
     })
 }
 
-/// Whether libnccl can be opened, without panicking when it cannot.
+/// Whether libnccl can be opened, without panicking when it cannot (with `dynamic-linking`
+/// the loader already found it).
 pub(crate) fn present() -> bool {
-    // SAFETY: `is_culib_present` only `dlopen`s the candidate names and drops the handles.
-    catch_unwind(|| unsafe { sys::is_culib_present() }).unwrap_or(false)
+    #[cfg(feature = "dynamic-loading")]
+    {
+        // SAFETY: `is_culib_present` only `dlopen`s the candidate names and drops the handles.
+        catch_unwind(|| unsafe { sys::is_culib_present() }).unwrap_or(false)
+    }
+    #[cfg(not(feature = "dynamic-loading"))]
+    true
 }
 
 /// Runs an NCCL call, a panic inside cudarc (a missing symbol) becoming [`MISSING`].

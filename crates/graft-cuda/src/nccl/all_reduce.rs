@@ -1,5 +1,6 @@
 //! The data all-reduce a tensor-parallel body runs: an in-place sum on the device's runtime
-//! stream, captured when the stream is capturing.
+//! stream, captured when the stream is capturing, of a graft buffer (f32) or of a raw device
+//! range of f32, bf16 or f16 (another library's tensors).
 
 use std::time::Instant;
 
@@ -9,6 +10,35 @@ use graft_core::{Buffer, DeviceError};
 use super::NcclComm;
 use super::status::OP;
 use crate::driver::nccl as dn;
+
+/// The element types [`NcclComm::all_reduce_sum_raw`] reduces.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum NcclDtype {
+    /// 32-bit float (`ncclFloat32`).
+    F32,
+    /// bfloat16 (`ncclBfloat16`).
+    Bf16,
+    /// IEEE half (`ncclFloat16`).
+    F16,
+}
+
+impl NcclDtype {
+    /// The bytes of one element.
+    pub fn size(self) -> usize {
+        match self {
+            NcclDtype::F32 => 4,
+            NcclDtype::Bf16 | NcclDtype::F16 => 2,
+        }
+    }
+
+    fn raw(self) -> sys::ncclDataType_t {
+        match self {
+            NcclDtype::F32 => sys::ncclDataType_t::ncclFloat32,
+            NcclDtype::Bf16 => sys::ncclDataType_t::ncclBfloat16,
+            NcclDtype::F16 => sys::ncclDataType_t::ncclFloat16,
+        }
+    }
+}
 
 impl NcclComm {
     /// Enqueues an in-place all-reduce (sum) of the first `n` `f32`s of `buffer` on the
@@ -22,8 +52,31 @@ impl NcclComm {
             op: OP,
             what: "the element count overflows",
         })?;
+        let at = buffer.device_addr(OP, self.queue.inner.id, 0, bytes)?;
+        // SAFETY: `at` is `bytes` of live memory on this communicator's device (checked
+        // above; graft keeps a buffer's memory while it is held, and the caller holds it until
+        // the stream has run the collective).
+        unsafe { self.all_reduce_sum_raw(at.0, n, NcclDtype::F32) }
+    }
+
+    /// Enqueues an in-place all-reduce (sum) of `count` elements of `dtype` at device address
+    /// `at` on the device's runtime stream, as [`NcclComm::all_reduce_sum_f32`] does for a
+    /// graft buffer: for memory graft does not own (another library's tensors on the same
+    /// stream). Refused inside an open conditional body, and on an aborted communicator.
+    ///
+    /// # Safety
+    ///
+    /// `at` must be the start of `count * dtype.size()` bytes of device memory of this
+    /// communicator's device (allocated in its primary context), and that memory must stay
+    /// allocated, and be neither read nor written by anything else, until the runtime stream
+    /// has run the collective (work enqueued later on the same stream is ordered after it).
+    pub unsafe fn all_reduce_sum_raw(
+        &self,
+        at: u64,
+        count: usize,
+        dtype: NcclDtype,
+    ) -> Result<(), DeviceError> {
         let inner = &self.queue.inner;
-        let at = buffer.device_addr(OP, inner.id, 0, bytes)?;
         inner.make_current(OP)?;
         if !inner.conditionals.lock().open_is_empty() {
             // NCCL records event nodes (and, with graph mixing, host-side bookkeeping), which
@@ -35,17 +88,10 @@ impl NcclComm {
         }
         let start = Instant::now();
         self.enqueue(|comm| {
-            // `at` is `bytes` of live memory on this communicator's device (checked above;
-            // graft keeps a buffer's memory while it is held, and the caller holds it until the
-            // stream has run the collective), the stream is that device's runtime stream, and
-            // the handle is live and used by this thread alone (`enqueue`).
-            dn::all_reduce_sum(
-                comm,
-                at.0,
-                n,
-                sys::ncclDataType_t::ncclFloat32,
-                inner.stream,
-            )
+            // `at` is `count` elements of `dtype` of live memory on this communicator's device
+            // (the caller's contract), the stream is that device's runtime stream, and the
+            // handle is live and used by this thread alone (`enqueue`).
+            dn::all_reduce_sum(comm, at, count, dtype.raw(), inner.stream)
         })?;
         self.settle_enqueue(start)
     }

@@ -25,6 +25,7 @@ use crate::device::CudaQueue;
 use crate::driver::nccl::{self as dn, MISSING};
 use status::OP;
 
+pub use all_reduce::NcclDtype;
 pub use init::UNIQUE_ID_BYTES;
 pub use vote::NcclBallotBox;
 
