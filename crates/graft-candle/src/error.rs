@@ -132,6 +132,12 @@ pub enum Error {
         /// The rendezvous' error.
         source: graft_core::ExchangeError,
     },
+    /// The rank's watchdog on its peers could not start.
+    #[error("starting this rank's watchdog failed: {source}")]
+    Watchdog {
+        /// The watchdog's error.
+        source: graft_core::WatchdogError,
+    },
     /// A collective refused its tensor (dtype, device, layout).
     #[error("{op}: {why}")]
     Collective {

@@ -147,6 +147,18 @@ impl TpComm {
         match self.never {}
     }
 
+    /// This rank's watchdog on its peers.
+    pub fn watchdog(
+        &self,
+        _rendezvous: &mut Rendezvous,
+        _place: &ProcessGroup,
+        _timeout: Duration,
+        _bound: Duration,
+        _member: &Member,
+    ) -> Result<graft_core::Watchdog, Error> {
+        match self.never {}
+    }
+
     /// A group membership whose votes travel over this communicator.
     pub fn member(&self, _timeout: Duration) -> Result<Member, Error> {
         match self.never {}

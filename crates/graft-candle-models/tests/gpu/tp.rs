@@ -15,7 +15,7 @@ use graft_candle::cuda::TpComm;
 use graft_candle::{Buckets, CandleGraft, StepOutcome};
 use graft_candle_models::llama::{self, Sizes};
 use graft_candle_models::{Collective, Decoder, Shard};
-use graft_core::{ProcessGroup, Rendezvous, launch_local};
+use graft_core::{ProcessGroup, Rendezvous, Watchdog, launch_local};
 
 use super::{TestResult, decode, first_tokens, gpu, steps};
 
@@ -69,8 +69,16 @@ fn rank(steps: usize) -> TestResult {
     let collective: Arc<dyn Collective> = Arc::new(comm.clone());
     let shard = Shard::new(place.rank(), place.world(), collective.clone())?;
     let model = llama::random_sharded(&Sizes::BENCH, SEED, DType::F32, &device, shard)?;
+    let member = comm.member(WAIT)?;
+    let _watchdog = comm.watchdog(
+        &mut rendezvous,
+        &place,
+        WAIT,
+        Watchdog::DEFAULT_BOUND,
+        &member,
+    )?;
     let mut graft = CandleGraft::new(&device)?;
-    graft.join(comm.member(WAIT)?);
+    graft.join(member);
     let tokens = run(&model, &mut graft, steps)?;
     println!("{MARK}{}", serde_json::to_string(&tokens)?);
     // The graphs before the communicator they captured.

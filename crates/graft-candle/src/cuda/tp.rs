@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use candle_core::cuda_backend::cudarc::driver::CudaStream;
 use candle_core::{DType, Device, Tensor};
-use graft_core::{Member, ProcessGroup, Rendezvous};
+use graft_core::{Member, ProcessGroup, Rendezvous, Watchdog};
 use graft_cuda::{CudaDevice as GraftCuda, NcclBallotBox, NcclComm, NcclDtype, UNIQUE_ID_BYTES};
 
 use super::copy::tensor_range;
@@ -139,5 +139,31 @@ impl TpComm {
             source,
         })?;
         Ok(Member::new(Arc::new(ballots), timeout))
+    }
+
+    /// Starts this rank's [`Watchdog`] on its peers (every rank at the same point, after
+    /// [`TpComm::init_rank`], with the same rendezvous): a peer whose process ends, or that
+    /// stays silent for `bound`, breaks `member`'s group (every later call refuses) and
+    /// aborts this communicator, so that a replay or an eager step whose all-reduce waits on
+    /// the peer returns. Keep it for the job's life; drop it after the runtimes.
+    ///
+    /// Tensors a step wrote before the loss was found are the caller's: read them, then ask
+    /// `member.is_broken()` (a broken group means an all-reduce may have been cut short, so
+    /// discard them).
+    pub fn watchdog(
+        &self,
+        rendezvous: &mut Rendezvous,
+        place: &ProcessGroup,
+        timeout: Duration,
+        bound: Duration,
+        member: &Member,
+    ) -> Result<Watchdog, Error> {
+        let comm = self.comm.clone();
+        Watchdog::start(rendezvous, place, timeout, bound, member, move |_| {
+            if let Err(error) = comm.abort() {
+                tracing::warn!(%error, "aborting the NCCL communicator after a loss failed");
+            }
+        })
+        .map_err(|source| Error::Watchdog { source })
     }
 }

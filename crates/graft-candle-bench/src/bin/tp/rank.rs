@@ -15,7 +15,7 @@ use graft_candle_bench::common::{BenchResult, Timing};
 use graft_candle_bench::decode::CHECK_STEPS;
 use graft_candle_models::llama::{self, Sizes};
 use graft_candle_models::{Collective, Decoder, Shard};
-use graft_core::{ProcessGroup, Rendezvous};
+use graft_core::{Member, ProcessGroup, Rendezvous, Watchdog};
 use serde::{Deserialize, Serialize};
 
 use super::measure::{self, CHECK, SEED, Timed, Tokens};
@@ -44,11 +44,11 @@ pub(crate) struct RankReport {
 /// `batches`.
 fn joined(
     part: &Decoder,
-    comm: &TpComm,
+    member: &Member,
     batches: &[usize],
 ) -> BenchResult<(CandleGraft, graft_candle::StepId)> {
     let mut graft = CandleGraft::new(part.device())?;
-    graft.join(comm.member(AGREEMENT)?);
+    graft.join(member.clone());
     let step = graft.register_bucketed("decode", Buckets::new(batches.iter().copied())?);
     Ok((graft, step))
 }
@@ -67,12 +67,22 @@ pub(crate) fn run(
     let mut rendezvous = Rendezvous::join(&place, JOIN)?;
     let device = graft_candle::device(place.local_rank())?;
     let comm = TpComm::init_rank(&device, &place, &mut rendezvous, JOIN)?;
+    // One membership for every runtime of this rank, watched: a lost peer breaks them all and
+    // aborts the communicator.
+    let member = comm.member(AGREEMENT)?;
+    let _watchdog = comm.watchdog(
+        &mut rendezvous,
+        &place,
+        JOIN,
+        Watchdog::DEFAULT_BOUND,
+        &member,
+    )?;
     let collective: Arc<dyn Collective> = Arc::new(comm.clone());
     let shard = || Shard::new(place.rank(), place.world(), collective.clone());
     let part = |sizes: &Sizes, dtype| llama::random_sharded(sizes, SEED, dtype, &device, shard()?);
 
     let model = part(&CHECK, DType::F32)?;
-    let (mut graft, step) = joined(&model, &comm, batches)?;
+    let (mut graft, step) = joined(&model, &member, batches)?;
     let tokens = measure::tokens(&model, &mut graft, step, batches, CHECK_STEPS)?;
     // The graphs go before the model's tensors and the communicator they captured.
     drop(graft);
@@ -81,7 +91,7 @@ pub(crate) fn run(
     let mut timed = Vec::new();
     for sizes in models {
         let model = part(sizes, DType::BF16)?;
-        let (mut graft, step) = joined(&model, &comm, batches)?;
+        let (mut graft, step) = joined(&model, &member, batches)?;
         let per_batch = batches
             .iter()
             .map(|&b| measure::time_step(&model, &mut graft, step, b, steps, timing))
