@@ -521,7 +521,7 @@ fn gone_at<K: Backend>(at: usize, how: Leave) {
 }
 
 /// Ends this process (SIGKILL), or stops it (SIGSTOP) until well after its peer is done and
-/// then ends it.
+/// then ends it so.
 fn leave(how: Leave) -> ! {
     let pid = std::process::id().to_string();
     if how == Leave::Stop {
@@ -533,7 +533,8 @@ fn leave(how: Leave) -> ! {
             .args(["-STOP", &pid])
             .status()
             .expect("kill runs");
-        std::process::exit(KILLED);
+        // Continued: the peer is gone, and this rank's NCCL threads find it so; end without
+        // running the process's exit handlers over them.
     }
     Command::new("kill")
         .args(["-KILL", &pid])

@@ -101,6 +101,9 @@ pub enum CliError {
     /// A rank could not receive NCCL's unique id from rank 0.
     #[error(transparent)]
     Exchange(#[from] graft_core::ExchangeError),
+    /// `--procs`: a timed vote failed.
+    #[error(transparent)]
+    Group(#[from] graft_core::GroupError),
     /// `--procs`: a rank's watchdog could not start.
     #[error(transparent)]
     Watchdog(#[from] graft_core::WatchdogError),

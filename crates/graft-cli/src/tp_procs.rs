@@ -20,7 +20,8 @@ use std::time::{Duration, Instant};
 
 use graft_core::backend::CoreOnly;
 use graft_core::{
-    Member, ProcessGroup, RankExit, Rendezvous, TcpBallotBox, Watchdog, launch_local,
+    Ballot, BallotBox, Member, ProcessGroup, RankExit, Rendezvous, TcpBallotBox, Watchdog,
+    launch_local,
 };
 use graft_cuda::{CudaDevice, NcclBallotBox, NcclComm, UNIQUE_ID_BYTES};
 use graft_sim::{SimComm, SimDevice};
@@ -28,7 +29,7 @@ use graft_tensor::{Backend, Collective, DecoderConfig};
 use serde::{Deserialize, Serialize};
 
 use crate::error::CliError;
-use crate::timing::fmt_us;
+use crate::timing::{fmt_us, median_us};
 use crate::tokens::compare;
 use crate::tp::{
     AGREEMENT, RankReport, SIM_COLLECTIVE, Times, check_steps, collectives, graft_over_raw,
@@ -49,6 +50,25 @@ struct ProcReport {
     device: String,
     /// Each batch size with what the rank measured at it.
     batches: Vec<(usize, RankReport)>,
+    /// The median time of one vote on this rank's transport, in µs.
+    #[serde(default)]
+    vote_us: f64,
+}
+
+/// Votes timed per rank.
+const VOTES: usize = 200;
+
+/// The median time of one vote (a recorded ballot on function 0) over `ballots`, in µs: what a
+/// recording pays to agree with the other ranks.
+fn time_votes(ballots: &dyn BallotBox) -> Result<f64, CliError> {
+    let ballot = Ballot::from_words([1, 0, 0]).expect("[1, 0, 0] is a recorded ballot");
+    let mut took = Vec::with_capacity(VOTES);
+    for _ in 0..VOTES {
+        let t = Instant::now();
+        ballots.exchange(ballot, AGREEMENT)?;
+        took.push(t.elapsed());
+    }
+    Ok(median_us(&took))
 }
 
 /// One rank of a `--procs` job, its place from the environment: its results as JSON on
@@ -62,11 +82,14 @@ pub(crate) fn as_rank(
     let mut rv = Rendezvous::join(&place, JOIN)?;
     // Declared before the runtimes: dropped after them, saying goodbye once the rank is done.
     let _watchdog: Watchdog;
+    let vote_us;
     let report = if args.sim {
         let device = SimDevice::new();
         let rv = Arc::new(Mutex::new(rv));
         let comm = SimComm::over_rendezvous(&device, rv.clone(), SIM_COLLECTIVE);
-        let member = Member::new(Arc::new(TcpBallotBox::new(rv.clone())), AGREEMENT);
+        let ballots = Arc::new(TcpBallotBox::new(rv.clone()));
+        vote_us = time_votes(&*ballots)?;
+        let member = Member::new(ballots, AGREEMENT);
         // The simulator's all-reduce travels over the rendezvous and finds a lost peer itself.
         _watchdog = Watchdog::start(
             &mut rv.lock().unwrap_or_else(std::sync::PoisonError::into_inner),
@@ -94,7 +117,9 @@ pub(crate) fn as_rank(
         rv.broadcast(&mut id, JOIN)?;
         let comm = NcclComm::init_rank(&device, &id, place.rank(), place.world(), JOIN)?;
         let comm = Arc::new(comm);
-        let member = Member::new(Arc::new(NcclBallotBox::new(comm.clone())?), AGREEMENT);
+        let ballots = Arc::new(NcclBallotBox::new(comm.clone())?);
+        vote_us = time_votes(&*ballots)?;
+        let member = Member::new(ballots, AGREEMENT);
         let aborted = comm.clone();
         _watchdog = Watchdog::start(
             &mut rv,
@@ -111,6 +136,7 @@ pub(crate) fn as_rank(
         let config = DecoderConfig::tensor_parallel();
         measure_rank(device, comm, member, config, &place, args, raw)?
     };
+    let report = ProcReport { vote_us, ..report };
     serde_json::to_writer(&mut *out, &report)?;
     writeln!(out)?;
     Ok(())
@@ -145,6 +171,7 @@ fn measure_rank<D: Backend>(
         world: place.world(),
         device: description,
         batches,
+        vote_us: 0.0,
     })
 }
 
@@ -366,6 +393,12 @@ fn table(
     args: &TpArgs,
     out: &mut dyn Write,
 ) -> Result<(), CliError> {
+    let votes: Vec<String> = reports.iter().map(|r| fmt_us(r.vote_us)).collect();
+    writeln!(
+        out,
+        "\none vote (what each recording pays to agree), median of {VOTES} per rank: {}",
+        votes.join(" / ")
+    )?;
     writeln!(
         out,
         "\nper step, median of {} rounds of {} steps; processes on {}",
@@ -462,6 +495,7 @@ mod tests {
                 world: 2,
                 device: "host simulator".into(),
                 batches: vec![(1, RankReport::default())],
+                vote_us: 0.0,
             })
             .unwrap()
         };

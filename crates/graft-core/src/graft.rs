@@ -318,7 +318,9 @@ impl<D: Device, M: Clone> Graft<D, M> {
     {
         let function = frame.function;
         let plan = plan::plan(&self.view(), function, frame.sig, frame.addrs);
-        let outcome = self.execute(plan, frame)?;
+        let outcome = self
+            .execute(plan, frame)
+            .map_err(|e| self.blame_group(function, e))?;
         match self.functions[function].spec.mode {
             Mode::Forward => self.backward_pending = true,
             Mode::Backward => self.backward_pending = false,
@@ -386,6 +388,19 @@ impl<D: Device, M: Clone> Graft<D, M> {
             self.log(function, None, Decision::Eager(why));
         }
         Ok(found.sig)
+    }
+
+    /// A call that failed while its group broke (a watchdog found a peer gone and aborted the
+    /// communicator under the body's collective) reports the group's error, which names the
+    /// lost rank, rather than the aborted collective's.
+    fn blame_group<E>(&self, function: FunctionId, error: CallError<E>) -> CallError<E> {
+        match (&error, self.member.as_ref().and_then(Member::refuse)) {
+            (CallError::Group { .. }, _) | (_, None) => error,
+            (_, Some(source)) => CallError::Group {
+                function: self.functions[function].name.clone(),
+                source,
+            },
+        }
     }
 
     /// What the planner reads.

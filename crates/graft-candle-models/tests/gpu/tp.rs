@@ -42,10 +42,14 @@ fn run(
     let mut all = Vec::new();
     for batch in BATCHES {
         let cache = model.new_cache(batch, 96)?;
-        let mut t = Tensor::new(first_tokens(batch, model.spec().vocab), model.device())?;
+        let t = Tensor::new(first_tokens(batch, model.spec().vocab), model.device())?;
         let mut per_step = Vec::new();
         for i in 0..steps {
             let (next, outcome) = decode(graft, step, model, &cache, &t)?;
+            // Fed back at one address: a graph holding NCCL kernels is opaque to graft-cuda's
+            // patching (they find their buffers through work descriptors of their own), so an
+            // input that moved would be recorded again, not followed.
+            t.slice_set(&next, 0, 0)?;
             if i >= 2 && graft.is_graphed() {
                 assert!(
                     matches!(outcome, StepOutcome::Replayed(_)),
@@ -53,7 +57,6 @@ fn run(
                 );
             }
             per_step.push(next.to_vec1::<u32>()?);
-            t = next;
         }
         all.push(per_step);
     }

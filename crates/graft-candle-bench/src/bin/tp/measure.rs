@@ -49,16 +49,20 @@ pub(crate) fn tokens(
         .iter()
         .map(|&batch| {
             let cache = model.new_cache(batch, model.spec().rope.max_positions)?;
-            let mut t = first_tokens(batch, model.spec().vocab, device)?;
+            let t = first_tokens(batch, model.spec().vocab, device)?;
             (0..steps)
                 .map(|_| {
-                    t = model
+                    let next = model
                         .decode(graft, step, &cache, &t)?
                         .outputs
                         .into_iter()
                         .next()
                         .ok_or("the step returned no output")?;
-                    Ok(t.to_vec1::<u32>()?)
+                    // Fed back at one address: a graph holding NCCL kernels is opaque to
+                    // graft-cuda's patching (they find their buffers through work descriptors
+                    // of their own), so an input that moved would be recorded again.
+                    t.slice_set(&next, 0, 0)?;
+                    Ok(next.to_vec1::<u32>()?)
                 })
                 .collect()
         })
@@ -92,11 +96,11 @@ pub(crate) fn time_step(
     let raw = HandmadeGraph::capture(device.as_cuda_device()?, &example, |t| {
         model.greedy(&raw_cache, t)
     })?;
-    let mut t = first_tokens(batch, vocab, device)?;
+    let t = first_tokens(batch, vocab, device)?;
     let (mut graft_us, mut host_us, mut raw_us) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..timing.rounds {
         graft_cache.reset()?;
-        t = first_tokens(batch, vocab, device)?;
+        t.slice_set(&example, 0, 0)?;
         device.synchronize()?;
         for i in 0..SETTLE + per_round {
             let start = Instant::now();
@@ -107,11 +111,13 @@ pub(crate) fn time_step(
                 host_us.push(host);
                 graft_us.push(start.elapsed().as_secs_f64() * 1e6);
             }
-            t = out
+            let next = out
                 .outputs
                 .into_iter()
                 .next()
                 .ok_or("the step returned no output")?;
+            // At one address, as in `tokens`.
+            t.slice_set(&next, 0, 0)?;
         }
         raw_cache.reset()?;
         raw.set_tokens(&example)?;
