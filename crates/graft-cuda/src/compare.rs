@@ -50,7 +50,8 @@ impl Inner {
         {
             match kind {
                 k if k == T::CU_GRAPH_NODE_TYPE_KERNEL as u32 => {
-                    if !compare_kernel(node, (handle, a), b, &mut out)? {
+                    let readable = compare_kernel(node, (handle, a), b, &mut out)?;
+                    if !readable {
                         return Ok(None);
                     }
                 }

@@ -191,7 +191,10 @@ impl GraphHandles {
     /// The current parameters of copy node `node` (of `graph`), when it was re-pointed (the
     /// captured node no longer shows them).
     pub(crate) fn copy_params(&self, node: sys::CUgraphNode) -> Option<sys::CUDA_MEMCPY3D> {
-        self.copies.iter().find(|(n, _)| *n == node).map(|(_, p)| *p)
+        self.copies
+            .iter()
+            .find(|(n, _)| *n == node)
+            .map(|(_, p)| *p)
     }
 
     /// The graph whose nodes hold the executable's current parameters.
