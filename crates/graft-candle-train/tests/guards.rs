@@ -21,7 +21,7 @@ fn candle_nn_optimizers_with_a_schedule_run_eagerly_on_the_cpu() -> Fallible<()>
     let mut graft = CandleGraft::with_config(&device, guarded())?;
     let graphed = train(&device, Some(&mut graft), 200, sgd)?;
     let eager = train(&device, None, 200, sgd)?;
-    assert_eq!(graphed, eager);
+    assert_eq!(graphed.max_diff(&eager), 0.0);
     assert!(eager.losses[199] < eager.losses[0], "{:?}", eager.losses);
     Ok(())
 }
