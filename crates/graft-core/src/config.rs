@@ -166,8 +166,10 @@ pub struct Config {
     /// `Graft::guard_findings`), and every later call of the signature captures again. The
     /// body's host code runs once per guarded call, as on any call that records. A guarded
     /// call costs a capture and an instantiation; the others nothing but a compare. Guards are
-    /// off in a group (`Graft::join`) and on a device that cannot compare graphs
-    /// (`Device::compare`). `Graft::guard_next_call` guards one call on demand.
+    /// off in a group (`Graft::join`), in verify mode (every replay is verified instead), and
+    /// on a device that cannot compare graphs (`Device::compare`). A replacement evicts the
+    /// recordings made under the replaced one. `Graft::guard_next_call` guards one call on
+    /// demand.
     pub guards: Option<Guards>,
 }
 
