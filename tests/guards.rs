@@ -19,51 +19,12 @@ fn guarded() -> Config {
     }
 }
 
-/// out = a * x + 1, with `a` read on the host from `scale` when the body runs: what an
-/// optimizer's bias correction or a schedule does.
-fn scaled<D: TestDevice>(scale: &Arc<AtomicU32>, runs: &Runs) -> Body<'static, D> {
-    let (scale, runs) = (scale.clone(), runs.clone());
-    Box::new(move |ctx: &mut Ctx<'_, D>| {
-        runs.hit();
-        let a = f32::from_bits(scale.load(Ordering::Relaxed));
-        let x = ctx.input(0).clone();
-        let n = x.len() / 4;
-        let out = ctx.alloc(x.len())?;
-        ctx.queue().axpb_f32(&out, &x, a, 1.0, n)?;
-        Ok(vec![Output::new(out, n as u32)])
-    })
-}
-
-/// Calls `step` `calls` times with `a = value(i)` on call `i`; returns what each call did
-/// and whether its output was `a * x + 1`.
-fn run<D: TestDevice>(
-    g: &mut G<D>,
-    calls: u32,
-    value: impl Fn(u32) -> f32,
-    runs: &Runs,
-) -> Vec<(Outcome, bool)> {
-    let f = g.register("step", FunctionSpec::default());
-    let x = input(g, &[1.0, 2.0, 3.0, 4.0]);
-    let scale = Arc::new(AtomicU32::new(0));
-    let mut body = scaled::<D>(&scale, runs);
-    let mut out = Vec::new();
-    (0..calls)
-        .map(|i| {
-            scale.store(value(i).to_bits(), Ordering::Relaxed);
-            let o = g.call_into(f, &[&x], &[], &mut body, &mut out).unwrap();
-            let right =
-                read(g, &out[0].buffer) == host_affine(&[1.0, 2.0, 3.0, 4.0], value(i), 1.0);
-            (o, right)
-        })
-        .collect()
-}
-
 // Call 0 warms up, call 1 records, call 2 is the first guard (the call right after the
 // recording): it finds `a` changed, runs the new capture, and every later call captures.
 fn changes_every_call<D: TestDevice>(dev: D) {
     let mut g = graft(dev, guarded());
     let runs = Runs::default();
-    let calls = run(&mut g, 40, |i| i as f32, &runs);
+    let calls = run_scaled(&mut g, 40, |i| i as f32, &runs);
     assert!(calls.iter().all(|(_, right)| *right), "{calls:?}");
     assert!(matches!(calls[1].0, Outcome::Recorded(_)));
     assert!(
@@ -115,7 +76,7 @@ device_test!(
 fn changes_once<D: TestDevice>(dev: D) {
     let mut g = graft(dev, guarded());
     let runs = Runs::default();
-    let calls = run(&mut g, 40, |i| if i < 11 { 3.0 } else { 5.0 }, &runs);
+    let calls = run_scaled(&mut g, 40, |i| if i < 11 { 3.0 } else { 5.0 }, &runs);
     let wrong: Vec<usize> = (0..40).filter(|&i| !calls[i].1).collect();
     assert_eq!(wrong, (11..17).collect::<Vec<_>>());
     assert!(matches!(calls[17].0, Outcome::Recorded(_)));
@@ -142,7 +103,7 @@ device_test!(
 fn never_changes<D: TestDevice>(dev: D) {
     let mut g = graft(dev, guarded());
     let runs = Runs::default();
-    let calls = run(&mut g, 100, |_| 2.5, &runs);
+    let calls = run_scaled(&mut g, 100, |_| 2.5, &runs);
     assert!(calls.iter().all(|(_, right)| *right));
     assert!(
         calls[2..]
@@ -247,7 +208,7 @@ device_test!(guard_next_call_guards_one_call, on_demand);
 fn the_difference_is_warned_once() {
     let warnings = count_warnings("argument 2 changed", || {
         let mut g = graft(sim(), guarded());
-        run(&mut g, 20, |i| i as f32, &Runs::default());
+        run_scaled(&mut g, 20, |i| i as f32, &Runs::default());
     });
     assert_eq!(warnings, 1);
 }
