@@ -4,11 +4,11 @@
 #![allow(dead_code, unreachable_pub)]
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 
 use graft::cuda::CudaDevice;
 use graft::sim::SimDevice;
-use graft::{BodyError, Buffer, Config, Ctx, Graft, Output};
+use graft::{BodyError, Buffer, Config, Ctx, FunctionSpec, Graft, Outcome, Output};
 use graft_testkit::CudaTestKernels;
 pub use graft_testkit::{TestDevice, TestQueue};
 
@@ -103,6 +103,45 @@ pub fn add<D: TestDevice>(runs: &Runs) -> Body<'static, D> {
         ctx.queue().add_f32(&out, &x, &y, x.len() / 4)?;
         Ok(vec![Output::new(out, 0)])
     })
+}
+
+/// out = a * x + 1, with `a` read on the host from `scale` when the body runs: what an
+/// optimizer's bias correction or a schedule does.
+pub fn scaled<D: TestDevice>(scale: &Arc<AtomicU32>, runs: &Runs) -> Body<'static, D> {
+    let (scale, runs) = (scale.clone(), runs.clone());
+    Box::new(move |ctx: &mut Ctx<'_, D>| {
+        runs.hit();
+        let a = f32::from_bits(scale.load(Ordering::Relaxed));
+        let x = ctx.input(0).clone();
+        let n = x.len() / 4;
+        let out = ctx.alloc(x.len())?;
+        ctx.queue().axpb_f32(&out, &x, a, 1.0, n)?;
+        Ok(vec![Output::new(out, n as u32)])
+    })
+}
+
+/// Registers `step` and calls it `calls` times, with the body [`scaled`], with `a = value(i)` on call `i`; returns what each call did
+/// and whether its output was `a * x + 1`.
+pub fn run_scaled<D: TestDevice>(
+    g: &mut G<D>,
+    calls: u32,
+    value: impl Fn(u32) -> f32,
+    runs: &Runs,
+) -> Vec<(Outcome, bool)> {
+    let f = g.register("step", FunctionSpec::default());
+    let x = input(g, &[1.0, 2.0, 3.0, 4.0]);
+    let scale = Arc::new(AtomicU32::new(0));
+    let mut body = scaled::<D>(&scale, runs);
+    let mut out = Vec::new();
+    (0..calls)
+        .map(|i| {
+            scale.store(value(i).to_bits(), Ordering::Relaxed);
+            let o = g.call_into(f, &[&x], &[], &mut body, &mut out).unwrap();
+            let right =
+                read(g, &out[0].buffer) == host_affine(&[1.0, 2.0, 3.0, 4.0], value(i), 1.0);
+            (o, right)
+        })
+        .collect()
 }
 
 /// out = a*x + b computed on the host, for expectations (the kernels are exact for these values).

@@ -3,6 +3,10 @@
 //! against eager, and the guide's training example.
 #![cfg(feature = "cuda")]
 
+#[path = "support/guards.rs"]
+mod guards;
+#[path = "gpu/guards.rs"]
+mod guards_gpu;
 #[path = "support/training.rs"]
 mod training;
 #[path = "../examples/training.rs"]

@@ -1,7 +1,9 @@
 //! [`Diagnostics`]: graft's decision log, tree, statistics and memory figures of a graphed
 //! [`CandleGraft`](crate::CandleGraft), whatever device type graft runs on underneath.
 
-use graft_core::{Churn, DecisionRecord, FunctionId, Graft, MemoryReport, NodeInfo, Stats};
+use graft_core::{
+    Churn, DecisionRecord, FunctionId, Graft, GuardFinding, MemoryReport, NodeInfo, Stats,
+};
 
 use crate::step::OutputMeta;
 
@@ -49,6 +51,12 @@ impl<'g> Diagnostics<'g> {
         self.graft.memory_report()
     }
 
+    /// The host values guards found baked into recordings, each once
+    /// (`Graft::guard_findings`; turn guards on with `Config::guards`).
+    pub fn guard_findings(&self) -> &'g [GuardFinding] {
+        self.graft.guard_findings()
+    }
+
     /// What kept `function` from replaying, if graft found it (`Graft::churn`).
     pub(crate) fn churn(&self, function: FunctionId) -> Option<Churn> {
         self.graft.churn(function)
@@ -63,6 +71,7 @@ pub(crate) trait Inspect {
     fn nodes(&self) -> Vec<NodeInfo>;
     fn memory_report(&self) -> MemoryReport;
     fn churn(&self, function: FunctionId) -> Option<Churn>;
+    fn guard_findings(&self) -> &[GuardFinding];
 }
 
 impl<D: graft_core::Device> Inspect for Graft<D, OutputMeta> {
@@ -88,5 +97,9 @@ impl<D: graft_core::Device> Inspect for Graft<D, OutputMeta> {
 
     fn churn(&self, function: FunctionId) -> Option<Churn> {
         Graft::churn(self, function).copied()
+    }
+
+    fn guard_findings(&self) -> &[GuardFinding] {
+        Graft::guard_findings(self)
     }
 }

@@ -2,6 +2,7 @@
 
 use crate::bucket::Buckets;
 use crate::device::CaptureMode;
+use crate::guard::Guards;
 
 /// What a registered function computes, which decides when generations start.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
@@ -155,6 +156,21 @@ pub struct Config {
     /// the graph's kernels are patched to read the caller's buffer (default 64 KiB; `None`
     /// turns patching off). Smaller inputs keep their copy node, which costs little.
     pub patch_inputs_from: Option<usize>,
+    /// Guards against host values baked into a recording (default off: `None`). When set, a
+    /// recording's calls at the [`Guards`] schedule (calls 1, 2, 4, ... after it, then every
+    /// `max_interval` calls) capture the body again instead of replaying and compare the
+    /// capture with the recording node by node: kernels, launch configurations, every kernel
+    /// argument's bytes (addresses as graft expects them to move), copies. Equal: the
+    /// recording replays and the capture is dropped. Different: the call runs the new
+    /// capture, which replaces the recording, the difference is reported once (a warning and
+    /// `Graft::guard_findings`), and every later call of the signature captures again. The
+    /// body's host code runs once per guarded call, as on any call that records. A guarded
+    /// call costs a capture and an instantiation; the others nothing but a compare. Guards are
+    /// off in a group (`Graft::join`), in verify mode (every replay is verified instead), and
+    /// on a device that cannot compare graphs (`Device::compare`). A replacement evicts the
+    /// recordings made under the replaced one. `Graft::guard_next_call` guards one call on
+    /// demand.
+    pub guards: Option<Guards>,
 }
 
 impl Default for Config {
@@ -174,6 +190,7 @@ impl Default for Config {
             budget_window: 1024,
             replace_moved_static: false,
             patch_inputs_from: Some(64 << 10),
+            guards: None,
         }
     }
 }

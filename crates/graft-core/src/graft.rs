@@ -15,6 +15,7 @@ use crate::destinations::Destinations;
 use crate::device::{CORE, Device, DevicePtr};
 use crate::error::{BodyError, CallError, FunctionId};
 use crate::group::Member;
+use crate::guard::GuardFinding;
 use crate::lifecycle::{Phase, Refused, transition};
 use crate::node_id::NodeId;
 use crate::plan::{self, Action, Plan};
@@ -81,6 +82,10 @@ pub struct Graft<D: Device, M: Clone = ()> {
     /// This runtime's rank of a tensor-parallel group ([`Graft::join`]): recordings are
     /// agreed with the other ranks.
     pub(crate) member: Option<Member>,
+    /// The next call that would replay is guarded ([`Graft::guard_next_call`]).
+    pub(crate) guard_requested: bool,
+    /// What guards found, each value once ([`Graft::guard_findings`]).
+    pub(crate) guard_findings: Vec<GuardFinding>,
 }
 
 impl<D: Device, M: Clone> std::fmt::Debug for Graft<D, M> {
@@ -117,6 +122,8 @@ impl<D: Device, M: Clone> Graft<D, M> {
             scratch: Vec::new(),
             clock: 0,
             member: None,
+            guard_requested: false,
+            guard_findings: Vec::new(),
         }
     }
 
@@ -173,6 +180,19 @@ impl<D: Device, M: Clone> Graft<D, M> {
             eager_pool: lock(self.pools.eager()).stats(),
             ..self.stats
         }
+    }
+
+    /// Guards the next call that would replay (outside a group): it captures the body again
+    /// and compares the capture with the recording, as a scheduled guard does (see
+    /// [`Config::guards`]), whether or not guards are on.
+    pub fn guard_next_call(&mut self) {
+        self.guard_requested = true;
+    }
+
+    /// The host values guards found baked into recordings, each once, oldest first (see
+    /// [`Config::guards`]).
+    pub fn guard_findings(&self) -> &[GuardFinding] {
+        &self.guard_findings
     }
 
     /// The last non-replay decisions, oldest first (at most `Config::decision_log`).
@@ -444,6 +464,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
         // counted by its node: see `admit.rs`).
         match plan.action {
             Action::Replay(key) if self.config.verify_replays => self.replay_verified(key, frame),
+            Action::Replay(key) if self.guard_due(key) => self.guard(key, frame),
             Action::Replay(key) => self.replay(key, frame),
             Action::Warmup(reason) => {
                 self.count_off_replay(function, frame.sig);
@@ -487,6 +508,13 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 self.run_eager(frame, reason)
             }
         }
+    }
+
+    /// Whether the call that would replay `key` is guarded: a flag and one compare.
+    #[inline]
+    fn guard_due(&self, key: NodeKey) -> bool {
+        let node = &self.tree[key];
+        (self.guard_requested && self.member.is_none()) || node.guard.due(node.replays)
     }
 
     /// Counts a call that does not replay (and stamps its signature: `Function::touch`),

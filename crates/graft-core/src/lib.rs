@@ -24,6 +24,7 @@ mod error;
 mod evict;
 mod graft;
 mod group;
+mod guard;
 #[cfg(feature = "test-support")]
 mod introspect;
 mod lifecycle;
@@ -56,12 +57,13 @@ pub use ctx::{Ctx, RunKind};
 pub use destinations::Destinations;
 pub use device::{
     CaptureMode, CaptureViolation, Conditional, ConditionalRule, Device, DeviceError, DeviceId,
-    DeviceOp, DevicePtr, GraphSummary, UpdateRefusal,
+    DeviceOp, DevicePtr, GraphDifference, GraphSummary, UpdateRefusal,
 };
 pub use diag::{InputKind, MemoryReport, NodeInfo};
 pub use error::{AnyError, BodyError, CallError, FunctionId, MemoryError, VerifyTarget};
 pub use graft::{Graft, Outcome};
 pub use group::{Ballot, BallotBox, Gone, GroupError, Member};
+pub use guard::{GuardFinding, Guards};
 pub use lifecycle::Phase;
 pub use node_id::{NodeId, NodeLabel};
 pub use pool::{PoolError, PoolStats};

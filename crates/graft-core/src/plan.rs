@@ -284,6 +284,8 @@ mod tests {
                     footprint: Box::new([]),
                     replays: 0,
                     uses: Default::default(),
+                    guard: crate::guard::Guard::Off,
+                    allocated: Box::new([]),
                     last_used: 0,
                     retired: None,
                     recorded_generation: 1,

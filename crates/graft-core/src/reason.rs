@@ -73,6 +73,9 @@ pub enum RecordReason {
         /// Input position.
         position: usize,
     },
+    /// A guard's new capture of the body differed from the recording (a host value baked
+    /// into it changed: see `Config::guards`); the capture replaced the recording.
+    HostValueChanged,
 }
 
 impl RecordReason {
@@ -84,6 +87,7 @@ impl RecordReason {
             RecordReason::FirstRecording
                 | RecordReason::NewSignature
                 | RecordReason::InputMutated { .. }
+                | RecordReason::HostValueChanged
         )
     }
 
@@ -104,6 +108,7 @@ impl RecordReason {
             RecordReason::InPlaceInputOverlapsFootprint { .. } => {
                 "in-place input overlaps the graph's memory"
             }
+            RecordReason::HostValueChanged => "a guard found a host value baked in",
         }
     }
 }
@@ -111,7 +116,9 @@ impl RecordReason {
 impl fmt::Display for RecordReason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            RecordReason::FirstRecording | RecordReason::NewSignature => f.write_str(self.name()),
+            RecordReason::FirstRecording
+            | RecordReason::NewSignature
+            | RecordReason::HostValueChanged => f.write_str(self.name()),
             RecordReason::StaticAddressChanged {
                 position,
                 recorded,

@@ -24,6 +24,8 @@ pub struct RerecordCounts {
     pub in_place_input_moved: u64,
     /// An in-place input lay in memory the candidate's graph writes.
     pub in_place_input_overlaps_footprint: u64,
+    /// A guard found a host value baked into the recording (see `Config::guards`).
+    pub host_value_changed: u64,
 }
 
 impl RerecordCounts {
@@ -44,6 +46,7 @@ impl RerecordCounts {
             RecordReason::InPlaceInputOverlapsFootprint { .. } => {
                 &mut self.in_place_input_overlaps_footprint
             }
+            RecordReason::HostValueChanged => &mut self.host_value_changed,
         };
         *counter += 1;
     }
@@ -90,6 +93,10 @@ pub struct Stats {
     pub updates_in_place: u64,
     /// Re-recordings whose in-place update the device refused (instantiated instead).
     pub update_refusals: u64,
+    /// Guarded calls: captures compared with their recording (see `Config::guards`).
+    pub guards: u64,
+    /// Guarded calls that found a difference (their capture replaced the recording).
+    pub guard_differences: u64,
     /// Buffers invalidated because their memory was reused.
     pub invalidations: u64,
     /// The graph pool.

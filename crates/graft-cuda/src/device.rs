@@ -22,8 +22,8 @@ use std::sync::Arc;
 
 use graft_core::backend::{CopyEnds, CoreOnly};
 use graft_core::{
-    CaptureMode, Conditional, Device, DeviceError, DeviceId, DeviceOp, DevicePtr, GraphSummary,
-    UpdateRefusal,
+    CaptureMode, Conditional, Device, DeviceError, DeviceId, DeviceOp, DevicePtr, GraphDifference,
+    GraphSummary, UpdateRefusal,
 };
 
 use crate::conditional::Conditionals;
@@ -316,6 +316,14 @@ impl Device for CudaDevice {
         to: Option<DevicePtr>,
     ) -> Result<bool, DeviceError> {
         self.queue.inner.redirect(graph, from, len, copy, to)
+    }
+
+    fn compare(
+        &self,
+        recorded: &CudaGraph,
+        now: &CudaGraph,
+    ) -> Result<Option<Vec<GraphDifference>>, DeviceError> {
+        self.queue.inner.compare(recorded, now)
     }
 
     fn summarize(&self, graph: &CudaGraph) -> Result<GraphSummary, DeviceError> {

@@ -188,8 +188,17 @@ impl GraphHandles {
         Ok(self.copies.len() - 1)
     }
 
+    /// The current parameters of copy node `node` (of `graph`), when it was re-pointed (the
+    /// captured node no longer shows them).
+    pub(crate) fn copy_params(&self, node: sys::CUgraphNode) -> Option<sys::CUDA_MEMCPY3D> {
+        self.copies
+            .iter()
+            .find(|(n, _)| *n == node)
+            .map(|(_, p)| *p)
+    }
+
     /// The graph whose nodes hold the executable's current parameters.
-    fn current_graph(&self) -> sys::CUgraph {
+    pub(crate) fn current_graph(&self) -> sys::CUgraph {
         if self.updated_from.is_null() {
             self.graph
         } else {

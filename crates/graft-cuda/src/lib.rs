@@ -64,6 +64,7 @@ compile_error!("graft-cuda: enable one of the features `dynamic-loading` or `dyn
 
 mod blas;
 mod capture;
+mod compare;
 mod conditional;
 mod context;
 mod device;

@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 use graft_core::backend::{CopyEnds, CoreOnly};
 use graft_core::{
     CaptureMode, CaptureViolation, Conditional, ConditionalRule, Device, DeviceError, DeviceId,
-    DeviceOp, DevicePtr, GraphSummary, UpdateRefusal,
+    DeviceOp, DevicePtr, GraphDifference, GraphSummary, UpdateRefusal,
 };
 
 use crate::device::SimDevice;
@@ -377,6 +377,16 @@ impl Device for SimDevice {
             c.graph_launches.fetch_add(1, Ordering::Relaxed);
         }
         result
+    }
+
+    /// Compares the recorded operations: kernel names, the arguments declared with
+    /// [`SimQueue::launch_kernel_with_args`], copies, conditional selectors.
+    fn compare(
+        &self,
+        recorded: &SimGraph,
+        now: &SimGraph,
+    ) -> Result<Option<Vec<GraphDifference>>, DeviceError> {
+        Ok(Some(crate::compare::compare(&recorded.ops, &now.ops)))
     }
 
     fn summarize(&self, graph: &SimGraph) -> Result<GraphSummary, DeviceError> {

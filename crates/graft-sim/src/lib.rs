@@ -50,6 +50,7 @@
 #![forbid(unsafe_code)]
 
 mod collective;
+mod compare;
 mod device;
 mod device_impl;
 mod graph;

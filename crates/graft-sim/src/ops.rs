@@ -18,6 +18,9 @@ pub(crate) enum Op {
     /// A kernel launch.
     Kernel {
         name: &'static str,
+        /// The arguments' bytes as the launch passed them (scalars and addresses alike):
+        /// what `Device::compare` compares; the body `f` has them baked in.
+        args: Arc<[Box<[u8]>]>,
         f: Arc<KernelFn>,
     },
     /// A device-to-device copy.

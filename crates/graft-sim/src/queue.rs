@@ -69,12 +69,30 @@ impl SimQueue {
     where
         F: Fn(&mut SimMemory) -> Result<(), DeviceError> + Send + Sync + 'static,
     {
+        self.launch_kernel_with_args(name, &[], f)
+    }
+
+    /// Like [`SimQueue::launch_kernel`], declaring the kernel's arguments as a CUDA launch
+    /// passes them (each argument's bytes: a scalar's value, an address as a little-endian
+    /// `u64`). `f` must use the same values, which it captures; a capture records the
+    /// arguments with the kernel, as CUDA's kernel node parameters do, and
+    /// `Device::compare` compares them.
+    pub fn launch_kernel_with_args<F>(
+        &self,
+        name: &'static str,
+        args: &[&[u8]],
+        f: F,
+    ) -> Result<(), DeviceError>
+    where
+        F: Fn(&mut SimMemory) -> Result<(), DeviceError> + Send + Sync + 'static,
+    {
         let mut st = self.lock(DeviceOp::KernelLaunch)?;
         match &mut st.capture {
             Capture::Idle => {}
             Capture::Recording { ops, .. } => {
                 ops.push(Op::Kernel {
                     name,
+                    args: args.iter().map(|a| Box::<[u8]>::from(*a)).collect(),
                     f: Arc::new(f),
                 });
                 return Ok(());

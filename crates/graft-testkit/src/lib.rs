@@ -209,14 +209,25 @@ fn sim_binary(
         queue.buffer_addr(a, 0, bytes)?,
         queue.buffer_addr(b, 0, bytes)?,
     );
-    queue.launch_kernel(name, move |m| m.zip_f32(dst, a, b, n, f))
+    let args = [addr(dst), addr(a), addr(b), (n as u64).to_le_bytes()];
+    queue.launch_kernel_with_args(name, &args.each_ref().map(|a| &a[..]), move |m| {
+        m.zip_f32(dst, a, b, n, f)
+    })
+}
+
+/// An address as a kernel argument's bytes.
+fn addr(at: DevicePtr) -> [u8; 8] {
+    at.0.to_le_bytes()
 }
 
 impl TestQueue for SimQueue {
     fn fill_f32(&self, dst: &Buffer, n: usize, value: f32) -> Result<(), DeviceError> {
         let bytes = f32_bytes(n)?;
         let dst = self.buffer_addr(dst, 0, bytes)?;
-        self.launch_kernel("fill_f32", move |m| m.fill_f32(dst, n, value))
+        let (at, count, v) = (addr(dst), (n as u64).to_le_bytes(), value.to_le_bytes());
+        self.launch_kernel_with_args("fill_f32", &[&at, &count, &v], move |m| {
+            m.fill_f32(dst, n, value)
+        })
     }
 
     fn add_f32(&self, dst: &Buffer, a: &Buffer, b: &Buffer, n: usize) -> Result<(), DeviceError> {
@@ -240,7 +251,15 @@ impl TestQueue for SimQueue {
             self.buffer_addr(dst, 0, bytes)?,
             self.buffer_addr(x, 0, bytes)?,
         );
-        self.launch_kernel("axpb_f32", move |m| {
+        // As the CUDA kernel's: (dst, x, a, b, n).
+        let args = [
+            &addr(dst)[..],
+            &addr(x),
+            &a.to_le_bytes(),
+            &b.to_le_bytes(),
+            &(n as u64).to_le_bytes(),
+        ];
+        self.launch_kernel_with_args("axpb_f32", &args, move |m| {
             m.map_f32(dst, x, n, |v| a.mul_add(v, b))
         })
     }

@@ -57,11 +57,13 @@
 //!
 //! See [`Device`]: most methods take a [`CoreOnly`] token, which only core makes.
 
+mod difference;
 mod error;
 mod seal;
 mod sticky;
 mod types;
 
+pub use difference::GraphDifference;
 pub use error::{CaptureViolation, ConditionalRule, DeviceError, DeviceOp};
 pub(crate) use seal::CORE;
 pub use seal::CoreOnly;
@@ -269,6 +271,23 @@ pub trait Device: Send + Sync + 'static {
     ) -> Result<bool, DeviceError> {
         let _ = (core, graph, from, len, copy);
         Ok(to.is_none())
+    }
+
+    /// Compares a recorded graph with a new capture of the same body node by node (a
+    /// guard: see `Config::guards`) and returns every difference, raw: kernel functions,
+    /// launch configurations, the bytes of every kernel argument, copy and memset
+    /// parameters. Addresses are reported as they are; core knows which ones it expects to
+    /// differ. `Ok(None)` means the backend cannot compare: core then turns guards off for
+    /// the graph and says so. It changes nothing.
+    ///
+    /// The default cannot compare.
+    fn compare(
+        &self,
+        recorded: &Self::Graph,
+        now: &Self::Graph,
+    ) -> Result<Option<Vec<GraphDifference>>, DeviceError> {
+        let _ = (recorded, now);
+        Ok(None)
     }
 
     /// Counts the nodes of a graph by kind.

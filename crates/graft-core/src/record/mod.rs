@@ -3,6 +3,7 @@
 //! it once; a failed capture rolls everything back and falls back to eager.
 
 mod capture;
+mod guard;
 mod inputs;
 mod vote;
 
@@ -13,6 +14,7 @@ use crate::ctx::{Ctx, release_unused};
 use crate::device::{CORE, Device, DeviceError, DeviceOp, DevicePtr};
 use crate::error::{BodyError, CallError};
 use crate::graft::{Frame, Graft, Outcome};
+use crate::guard::Guard;
 use crate::lifecycle::Phase;
 use crate::pool::{Checkpoint, PoolError};
 use crate::pools::lock;
@@ -82,26 +84,38 @@ impl<D: Device, M: Clone> Graft<D, M> {
             Err(Failure::Call(error)) => Local::Failed(error),
         };
         match self.agree(frame, local) {
-            Local::Captured(Pending {
-                prepared, captured, ..
-            }) => {
-                let (key, keep) = self.attach(frame, parent, reason, prepared, captured);
-                let outcome = self.first_launch(key, frame);
-                drop(keep);
-                match after_first_launch(&self.tree[key]) {
-                    Afterwards::Kept => {}
-                    Afterwards::Retired(why) => self.free_retired(key, parent, why)?,
-                    Afterwards::Eager(why) => {
-                        tracing::warn!(function = %name, reason = %why, "the recording never replays; the signature runs eagerly from now on");
-                        self.functions[frame.function].sigs[frame.sig].eager = Some(why);
-                        self.free_retired(key, parent, EvictReason::HostRandom)?;
-                    }
-                }
-                outcome
-            }
+            Local::Captured(pending) => self.keep_capture(frame, parent, reason, pending),
             Local::FallBack(why) => self.capture_failed(frame, parent, why),
             Local::Failed(error) => Err(error),
         }
+    }
+
+    /// Attaches a capture to the tree and launches it once; frees it again when that launch
+    /// shows it never replays.
+    fn keep_capture<F, E>(
+        &mut self,
+        frame: &mut Frame<'_, F, M, E>,
+        parent: Option<NodeKey>,
+        reason: RecordReason,
+        pending: Pending<D::Graph, M>,
+    ) -> Result<Outcome, CallError<E>> {
+        let Pending {
+            prepared, captured, ..
+        } = pending;
+        let (key, keep) = self.attach(frame, parent, reason, prepared, captured);
+        let outcome = self.first_launch(key, frame);
+        drop(keep);
+        match after_first_launch(&self.tree[key]) {
+            Afterwards::Kept => {}
+            Afterwards::Retired(why) => self.free_retired(key, parent, why)?,
+            Afterwards::Eager(why) => {
+                let name = &self.functions[frame.function].name;
+                tracing::warn!(function = %name, reason = %why, "the recording never replays; the signature runs eagerly from now on");
+                self.functions[frame.function].sigs[frame.sig].eager = Some(why);
+                self.free_retired(key, parent, EvictReason::HostRandom)?;
+            }
+        }
+        outcome
     }
 
     /// One try at a capture, leaving it pending (not attached, not launched). On failure the
@@ -176,6 +190,11 @@ impl<D: Device, M: Clone> Graft<D, M> {
             allocs,
             keep,
         } = captured;
+        let allocated: Box<[(DevicePtr, usize)]> = allocs
+            .iter()
+            .chain(&prepared.placeholders)
+            .map(|c| (c.addr(), c.len()))
+            .collect();
         let mut footprint = prepared.footprint;
         footprint.extend(
             allocs
@@ -213,6 +232,8 @@ impl<D: Device, M: Clone> Graft<D, M> {
             footprint: tree::merge_ranges(footprint),
             replays: 0,
             uses: Default::default(),
+            guard: Guard::start(self.config.guards.filter(|_| self.member.is_none())),
+            allocated,
             last_used: self.clock,
             retired: None,
             recorded_generation: self.generation,

@@ -276,6 +276,8 @@ mod tests {
             footprint: Box::new([(0x1000, 0x2000)]),
             replays: 0,
             uses: Default::default(),
+            guard: crate::guard::Guard::Off,
+            allocated: Box::new([]),
             last_used: 0,
             retired: None,
             recorded_generation: 1,

@@ -118,6 +118,12 @@ pub(crate) struct Node<G, M> {
     /// How often it replayed recently, aged (see `admit.rs`): of the graphs the budget may
     /// evict, the least used goes first.
     pub(crate) uses: crate::uses::Uses,
+    /// When its calls are guarded (see `guard.rs`).
+    pub(crate) guard: crate::guard::Guard,
+    /// What the recording allocated, in order (the body's allocations, then the copied
+    /// inputs' placeholders): a guard's new capture allocates the same sequence, and an
+    /// address inside the i-th range is expected at the same offset of the capture's i-th.
+    pub(crate) allocated: Box<[(DevicePtr, usize)]>,
     /// When the node last replayed or was recorded ([`crate::Graft`]'s clock): of the least
     /// used graphs, the budget evicts the least recently used first.
     pub(crate) last_used: u64,

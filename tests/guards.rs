@@ -1,0 +1,216 @@
+//! Guards against host values baked into a recording (`Config::guards`): a scalar the body
+//! passes to a kernel that changes on every call is found at the first guard and every later
+//! call is right; one that changes once is found at the next scheduled guard; one that never
+//! changes is never flagged and replays as before; addresses that move as graft predicts
+//! (copied and in-place inputs, held outputs) are no difference.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use common::*;
+use graft::{Config, Ctx, FunctionSpec, GraphDifference, Guards, Outcome, Output, RecordReason};
+
+fn guarded() -> Config {
+    Config {
+        guards: Some(Guards::default()),
+        ..Config::default()
+    }
+}
+
+// Call 0 warms up, call 1 records, call 2 is the first guard (the call right after the
+// recording): it finds `a` changed, runs the new capture, and every later call captures.
+fn changes_every_call<D: TestDevice>(dev: D) {
+    let mut g = graft(dev, guarded());
+    let runs = Runs::default();
+    let calls = run_scaled(&mut g, 40, |i| i as f32, &runs);
+    assert!(calls.iter().all(|(_, right)| *right), "{calls:?}");
+    assert!(matches!(calls[1].0, Outcome::Recorded(_)));
+    assert!(
+        calls[2..]
+            .iter()
+            .all(|(o, _)| matches!(o, Outcome::Recorded(_)))
+    );
+    assert_eq!(runs.get(), 40, "the body runs once per call");
+    let findings = g.guard_findings();
+    assert_eq!(findings.len(), 1, "reported once: {findings:?}");
+    let GraphDifference::Argument {
+        kernel,
+        index,
+        recorded,
+        now,
+        ..
+    } = &findings[0].difference
+    else {
+        panic!("{findings:?}");
+    };
+    // `axpb_f32` on the simulator, `graft_axpb_f32` on CUDA; its arguments (dst, x, a, b, n).
+    assert!(kernel.ends_with("axpb_f32"), "{kernel}");
+    assert_eq!(*index, 2);
+    assert_eq!(**recorded, 1.0f32.to_le_bytes());
+    assert_eq!(**now, 2.0f32.to_le_bytes());
+    assert_eq!(findings[0].call, 1);
+    let message = findings[0].to_string();
+    assert!(
+        message.contains("axpb_f32` argument 2 changed"),
+        "{message}"
+    );
+    assert!(
+        message.contains("hold it in a device tensor or declare it a key"),
+        "{message}"
+    );
+    let stats = g.stats();
+    assert_eq!(stats.guards, 38);
+    assert_eq!(stats.guard_differences, 38);
+    assert_eq!(stats.rerecords.host_value_changed, 38);
+    assert_eq!(stats.replays, 0);
+    assert_eq!(stats.nodes, 1);
+}
+device_test!(
+    a_scalar_that_changes_every_call_is_found_at_the_first_guard,
+    changes_every_call
+);
+
+// `a` changes at call 11 (the 10th call after the recording at call 1). Guards run at calls
+// 1, 2, 4, 8, 16 after the recording (global calls 2, 3, 5, 9, 17): calls 11 to 16 replay
+// the stale value, call 17 finds it, and every call from there on is right.
+fn changes_once<D: TestDevice>(dev: D) {
+    let mut g = graft(dev, guarded());
+    let runs = Runs::default();
+    let calls = run_scaled(&mut g, 40, |i| if i < 11 { 3.0 } else { 5.0 }, &runs);
+    let wrong: Vec<usize> = (0..40).filter(|&i| !calls[i].1).collect();
+    assert_eq!(wrong, (11..17).collect::<Vec<_>>());
+    assert!(matches!(calls[17].0, Outcome::Recorded(_)));
+    assert_eq!(g.guard_findings().len(), 1);
+    assert_eq!(g.guard_findings()[0].call, 16);
+    // Calls 2, 3, 5, 9 and 17 guard on the schedule; from call 17 on every call captures
+    // (and replays when the capture is equal).
+    assert_eq!(g.stats().guard_differences, 1);
+    assert_eq!(g.stats().guards, 4 + 23);
+    assert!(
+        calls[..11]
+            .iter()
+            .skip(2)
+            .all(|(o, _)| matches!(o, Outcome::Replayed(_)))
+    );
+}
+device_test!(
+    a_scalar_that_changes_once_is_found_at_the_next_guard,
+    changes_once
+);
+
+// A scalar that never changes: never flagged, every call after the recording replays (the
+// guarded ones too), and the body runs only on the guarded calls.
+fn never_changes<D: TestDevice>(dev: D) {
+    let mut g = graft(dev, guarded());
+    let runs = Runs::default();
+    let calls = run_scaled(&mut g, 100, |_| 2.5, &runs);
+    assert!(calls.iter().all(|(_, right)| *right));
+    assert!(
+        calls[2..]
+            .iter()
+            .all(|(o, _)| matches!(o, Outcome::Replayed(_)))
+    );
+    assert!(g.guard_findings().is_empty());
+    let stats = g.stats();
+    // Guards at calls 1, 2, 4, 8, 16, 32, 64 after the recording.
+    assert_eq!(stats.guards, 7);
+    assert_eq!(stats.replays, 98);
+    assert_eq!(stats.recordings, 1);
+    assert_eq!(runs.get(), 2 + 7);
+}
+device_test!(a_scalar_that_never_changes_is_never_flagged, never_changes);
+
+// Addresses move as graft predicts: the copied input alternates between two buffers, an
+// in-place input moves every call, and the outputs of earlier calls stay held, so the
+// guard's capture allocates elsewhere than the recording. None of it is a difference.
+fn moved_addresses<D: TestDevice>(dev: D) {
+    let mut g = graft(dev, guarded());
+    let f = g.register("step", FunctionSpec::default());
+    let xs = [input(&mut g, &[1.0; 4]), input(&mut g, &[2.0; 4])];
+    let runs = Runs::default();
+    let mut body = {
+        let runs = runs.clone();
+        move |ctx: &mut Ctx<'_, D>| {
+            runs.hit();
+            let (x, y) = (ctx.input(0).clone(), ctx.input(1).clone());
+            let out = ctx.alloc(16)?;
+            ctx.queue().add_f32(&out, &x, &y, 4)?;
+            ctx.queue().axpb_f32(&out, &out, 2.0, 0.0, 4)?;
+            Ok(vec![Output::new(out, 4)])
+        }
+    };
+    let mut held = Vec::new();
+    for i in 0..70 {
+        let y = input(&mut g, &[i as f32; 4]);
+        y.mark_in_place();
+        let x = &xs[i % 2];
+        let out = g.call(f, &[x, &y], &[], &mut body).unwrap();
+        let expected = 2.0 * ((i % 2 + 1) as f32 + i as f32);
+        assert_eq!(read(&g, &out[0].buffer), vec![expected; 4], "call {i}");
+        held.push(out);
+        if held.len() > 3 {
+            held.remove(0);
+        }
+    }
+    assert!(g.guard_findings().is_empty(), "{:?}", g.guard_findings());
+    let stats = g.stats();
+    assert_eq!(stats.guards, 7);
+    assert_eq!(stats.guard_differences, 0);
+    assert_eq!(stats.recordings, 1);
+}
+device_test!(
+    addresses_that_move_as_predicted_are_no_difference,
+    moved_addresses
+);
+
+// With guards off, `guard_next_call` guards one call on demand; the replacement is not
+// guarded again unless asked.
+fn on_demand<D: TestDevice>(dev: D) {
+    let mut g = graft(dev, Config::default());
+    let f = g.register("step", FunctionSpec::default());
+    let x = input(&mut g, &[1.0; 4]);
+    let scale = Arc::new(AtomicU32::new(0));
+    let runs = Runs::default();
+    let mut body = scaled::<D>(&scale, &runs);
+    let mut out = Vec::new();
+    let mut call = |g: &mut G<D>, a: f32| {
+        scale.store(a.to_bits(), Ordering::Relaxed);
+        let o = g.call_into(f, &[&x], &[], &mut body, &mut out).unwrap();
+        (o, read(g, &out[0].buffer)[0])
+    };
+    call(&mut g, 1.0);
+    call(&mut g, 1.0);
+    assert!(
+        matches!(call(&mut g, 4.0), (Outcome::Replayed(_), 2.0)),
+        "unguarded: stale"
+    );
+    g.guard_next_call();
+    let (o, v) = call(&mut g, 4.0);
+    assert!(matches!(o, Outcome::Recorded(_)));
+    assert_eq!(v, 5.0);
+    assert_eq!(g.guard_findings().len(), 1);
+    let (o, v) = call(&mut g, 4.0);
+    assert!(matches!(o, Outcome::Replayed(_)));
+    assert_eq!(v, 5.0);
+    assert_eq!(g.stats().guards, 1);
+    let replaced = g.explain().any(|d| {
+        matches!(
+            &d.decision,
+            graft::Decision::Record(RecordReason::HostValueChanged)
+        )
+    });
+    assert!(replaced);
+}
+device_test!(guard_next_call_guards_one_call, on_demand);
+
+// The warning names the kernel once, however many calls find the value again.
+#[test]
+fn the_difference_is_warned_once() {
+    let warnings = count_warnings("argument 2 changed", || {
+        let mut g = graft(sim(), guarded());
+        run_scaled(&mut g, 20, |i| i as f32, &Runs::default());
+    });
+    assert_eq!(warnings, 1);
+}
