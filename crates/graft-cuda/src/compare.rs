@@ -2,6 +2,10 @@
 //! driver's node listing and parameter reads: kernel functions, launch configurations, every
 //! parameter's bytes (laid out by `cuFuncGetParamInfo`), copy and memset parameters. The
 //! recording is compared as it runs now: its re-pointed copies with their current ends.
+//! Addresses inside the graphs' own allocations (allocation nodes, as candle's stream-ordered
+//! tensors are captured) are placed by the driver anew in each capture: a pointer into the
+//! recording's i-th allocation at some offset matches one into the capture's i-th at the same
+//! offset.
 
 use cudarc::driver::sys;
 use graft_core::backend::CopyEnds;
@@ -44,13 +48,23 @@ impl Inner {
                 now: new_nodes.len(),
             }]));
         }
+        let mut owned = Owned(Vec::new());
+        for (&(_, a), &b) in old_nodes.iter().zip(&new_nodes) {
+            if node_type(op, a)? == T::CU_GRAPH_NODE_TYPE_MEM_ALLOC as u32 {
+                let ((from, len), (to, now_len)) =
+                    (dg::mem_alloc_params(op, a)?, dg::mem_alloc_params(op, b)?);
+                if len == now_len {
+                    owned.0.push((from, len as u64, to));
+                }
+            }
+        }
         let mut out = Vec::new();
         for (node, ((&(handle, a), &b), &(kind, _))) in
             old_nodes.iter().zip(&new_nodes).zip(&kinds).enumerate()
         {
             match kind {
                 k if k == T::CU_GRAPH_NODE_TYPE_KERNEL as u32 => {
-                    let readable = compare_kernel(node, (handle, a), b, &mut out)?;
+                    let readable = compare_kernel(node, (handle, a), b, &owned, &mut out)?;
                     if !readable {
                         return Ok(None);
                     }
@@ -68,7 +82,10 @@ impl Inner {
                         };
                         (e, p.WidthInBytes * p.Height.max(1) * p.Depth.max(1))
                     };
-                    if ends(&p) != ends(&q) {
+                    let ((e, n), (f, m)) = (ends(&p), ends(&q));
+                    let same =
+                        n == m && owned.same(e.dst.0, f.dst.0) && owned.same(e.src.0, f.src.0);
+                    if !same {
                         out.push(GraphDifference::Copy {
                             node,
                             recorded: ends(&p),
@@ -81,7 +98,7 @@ impl Inner {
                     let shape = |p: &sys::CUDA_MEMSET_NODE_PARAMS| {
                         (p.value, p.elementSize, p.width, p.height, p.pitch)
                     };
-                    if p.dst != q.dst || shape(&p) != shape(&q) {
+                    if !owned.same(p.dst, q.dst) || shape(&p) != shape(&q) {
                         out.push(GraphDifference::Memset {
                             node,
                             recorded: DevicePtr(p.dst),
@@ -102,12 +119,43 @@ impl Inner {
     }
 }
 
+/// The graphs' own allocations paired in order: `(recording's start, length, capture's
+/// start)`.
+struct Owned(Vec<(u64, u64, u64)>);
+
+impl Owned {
+    /// Whether address `old` of the recording and `now` of the capture are the same place:
+    /// equal, or at one offset into paired allocations.
+    fn same(&self, old: u64, now: u64) -> bool {
+        old == now
+            || self
+                .0
+                .iter()
+                .any(|&(from, len, to)| old >= from && old - from < len && now == to + (old - from))
+    }
+
+    /// Whether two parameters' bytes are the same up to pointers into paired allocations
+    /// (compared by 8-byte word, as pointers sit in kernel parameters).
+    fn same_bytes(&self, x: &[u8], y: &[u8]) -> bool {
+        if x == y {
+            return true;
+        }
+        let word = |c: &[u8]| u64::from_le_bytes(c.try_into().unwrap_or([0; 8]));
+        x.len() == y.len()
+            && x.len().is_multiple_of(8)
+            && x.chunks_exact(8)
+                .zip(y.chunks_exact(8))
+                .all(|(p, q)| self.same(word(p), word(q)))
+    }
+}
+
 /// Compares kernel node `a` (the recording's, `handle` its instantiated node) with `b`;
 /// `false` when their parameters cannot be read.
 fn compare_kernel(
     node: usize,
     (handle, a): (sys::CUgraphNode, sys::CUgraphNode),
     b: sys::CUgraphNode,
+    owned: &Owned,
     out: &mut Vec<GraphDifference>,
 ) -> Result<bool, DeviceError> {
     let name = kernel_name(a).unwrap_or_else(|| format!("kernel node {node}"));
@@ -139,7 +187,7 @@ fn compare_kernel(
             &p.bytes[offset..offset + size],
             &q.bytes[offset..offset + size],
         );
-        if x != y {
+        if !owned.same_bytes(x, y) {
             out.push(GraphDifference::Argument {
                 node,
                 kernel: name.clone(),

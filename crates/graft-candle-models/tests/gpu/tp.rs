@@ -133,7 +133,8 @@ fn two_processes_decode_the_same_tokens_as_one_gpu() -> TestResult {
         );
         let line = stdout
             .lines()
-            .find_map(|l| l.strip_prefix(MARK))
+            // libtest's "test NAME ... " comes first on the line.
+            .find_map(|l| l.split_once(MARK).map(|(_, tokens)| tokens))
             .ok_or_else(|| format!("rank {} printed no tokens; stdout:\n{stdout}", e.rank))?;
         let got: Vec<Vec<Vec<u32>>> = serde_json::from_str(line)?;
         for ((batch, want), got) in BATCHES.iter().zip(&want).zip(&got) {
