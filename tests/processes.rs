@@ -344,6 +344,10 @@ fn both(name: &str, killed: Option<usize>) {
     }
     let exits = procs::spawn_ranks(name, WORLD, &[0, 1], &[], WATCHDOG);
     for e in &exits {
+        // How long a survivor took to return, as it reports it.
+        for line in e.stderr.lines().filter(|l| l.contains(" returned ")) {
+            println!("{name}: {line}");
+        }
         let sigkilled = e.status.and_then(|s| s.signal()) == Some(9);
         if Some(e.rank) == killed && sigkilled {
             continue;
@@ -431,6 +435,7 @@ fn killed_while_recording<K: Backend>() {
     let took = start.elapsed();
     assert!(took < RETURNS, "noticed after {took:?}");
     assert!(lost(&err, 0, 1), "{err}");
+    eprintln!("rank 0 returned {took:?} after rank 1 ended inside its recording: {err}");
     assert!(r.g.member().unwrap().is_broken());
     let later = group_error(call(&mut r, 3, false, Fault::None));
     assert!(
@@ -456,6 +461,7 @@ fn killed_between_steps<K: Backend>() {
     let took = start.elapsed();
     assert!(took < RETURNS, "noticed after {took:?}");
     assert!(lost(&err, 1, 0), "{err}");
+    eprintln!("rank 1 returned {took:?} after rank 0 ended between steps: {err}");
     let later = group_error(call(&mut r, 3, false, Fault::None));
     assert!(
         matches!(&later, GroupError::Broken { rank: 1, cause } if **cause == err),
