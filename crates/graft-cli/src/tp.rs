@@ -422,6 +422,16 @@ fn median_times(rounds: &[Times]) -> Times {
     }
 }
 
+/// Kills this process (SIGKILL), as `--kill-rank` asks: a rank that dies without a word.
+fn die() -> ! {
+    let pid = std::process::id().to_string();
+    // If `kill` cannot run, aborting still ends the process without cleanup.
+    let _ = std::process::Command::new("kill")
+        .args(["-KILL", &pid])
+        .status();
+    std::process::abort()
+}
+
 /// One rank at one batch size: the tokens of `check` steps eagerly, through graft and (with
 /// graft-core's token `raw`) as a raw graph, which must agree, then the times of each mode,
 /// interleaved over `rounds`. With `die_at`, the process kills itself at that graphed step
@@ -456,7 +466,7 @@ pub(crate) fn measure_tp<D: Backend>(
     let graphed = run_steps(&device, &mut state, check, |s| {
         graphed_steps += 1;
         if die_at == Some(graphed_steps) {
-            crate::tp_procs::die();
+            die();
         }
         tokens = decoder.step_graft(graft, *fid, s, &tokens)?;
         Ok(tokens.clone())

@@ -175,16 +175,6 @@ fn measure_rank<D: Backend>(
     })
 }
 
-/// Kills this process (SIGKILL), as `--kill-rank` asks: a rank that dies without a word.
-pub(crate) fn die() -> ! {
-    let pid = std::process::id().to_string();
-    // If `kill` cannot run, aborting still ends the process without cleanup.
-    let _ = std::process::Command::new("kill")
-        .args(["-KILL", &pid])
-        .status();
-    std::process::abort()
-}
-
 /// The arguments of a rank of this benchmark at start `attempt` of the job: the same
 /// measurements, on simulated devices when `sim`.
 fn rank_args(args: &TpArgs, sim: bool, attempt: usize) -> Vec<String> {
