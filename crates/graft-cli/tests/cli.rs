@@ -328,18 +328,24 @@ fn graft_binary() -> std::path::PathBuf {
         .unwrap_or(built)
 }
 
+/// `graft bench tp --procs 2 --sim` with short runs and `extra` flags, through the real binary.
+fn tp_procs_on_the_simulator(extra: &[&str]) -> std::process::Output {
+    std::process::Command::new(graft_binary())
+        .args(["bench", "tp", "--procs", "2", "--sim"])
+        .args(["--check", "6", "--steps", "2", "--rounds", "1"])
+        .args(["--procs-timeout", "120"])
+        .args(extra)
+        .output()
+        .expect("the graft binary runs")
+}
+
 /// `graft bench tp --procs 2 --sim`: the real binary starts two copies of itself as the ranks
 /// of a job (votes and all-reduces over TCP), gathers their reports, and checks their tokens
 /// against the same ranks as threads. The binary has no token: the raw graphs are left out
 /// (tests/procs_baselines.rs runs the job with them).
 #[test]
 fn tensor_parallel_benchmark_runs_as_processes_on_simulated_devices() {
-    let out = std::process::Command::new(graft_binary())
-        .args(["bench", "tp", "--procs", "2", "--sim", "--batches", "1,8"])
-        .args(["--check", "6", "--steps", "2", "--rounds", "1"])
-        .args(["--procs-timeout", "120"])
-        .output()
-        .expect("the graft binary runs");
+    let out = tp_procs_on_the_simulator(&["--batches", "1,8"]);
     let report = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
@@ -374,13 +380,16 @@ fn tensor_parallel_benchmark_runs_as_processes_on_simulated_devices() {
 /// uninterrupted run (checked against the ranks as threads).
 #[test]
 fn a_killed_rank_restarts_the_job_which_then_finishes() {
-    let out = std::process::Command::new(graft_binary())
-        .args(["bench", "tp", "--procs", "2", "--sim", "--batches", "1"])
-        .args(["--check", "6", "--steps", "2", "--rounds", "1"])
-        .args(["--kill-rank", "1", "--at-step", "4", "--max-restarts", "1"])
-        .args(["--procs-timeout", "120"])
-        .output()
-        .expect("the graft binary runs");
+    let out = tp_procs_on_the_simulator(&[
+        "--batches",
+        "1",
+        "--kill-rank",
+        "1",
+        "--at-step",
+        "4",
+        "--max-restarts",
+        "1",
+    ]);
     let report = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
@@ -401,13 +410,7 @@ fn a_killed_rank_restarts_the_job_which_then_finishes() {
 /// Without restarts, the killed rank's job fails with the survivor's error.
 #[test]
 fn a_killed_rank_without_restarts_fails_the_job() {
-    let out = std::process::Command::new(graft_binary())
-        .args(["bench", "tp", "--procs", "2", "--sim", "--batches", "1"])
-        .args(["--check", "6", "--steps", "2", "--rounds", "1"])
-        .args(["--kill-rank", "1", "--at-step", "4"])
-        .args(["--procs-timeout", "120"])
-        .output()
-        .expect("the graft binary runs");
+    let out = tp_procs_on_the_simulator(&["--batches", "1", "--kill-rank", "1", "--at-step", "4"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(stderr.contains("rank 0 of the job failed"), "{stderr}");
