@@ -67,11 +67,9 @@ impl Backend for Cuda {
         let comm = Arc::new(comm);
         let ballots = NcclBallotBox::new(comm.clone()).expect("the vote's memory");
         let member = Member::new(Arc::new(ballots), Self::VOTE);
-        let aborted = comm.clone();
-        let watchdog = Watchdog::start(&mut rv, place, JOIN, BOUND, &member, move |_| {
-            aborted.abort().expect("the communicator aborts");
-        })
-        .expect("the watchdog starts");
+        let watchdog = comm
+            .watchdog(&mut rv, place, JOIN, BOUND, &member)
+            .expect("the watchdog starts");
         (
             dev,
             member,

@@ -120,19 +120,7 @@ pub(crate) fn as_rank(
         let ballots = Arc::new(NcclBallotBox::new(comm.clone())?);
         vote_us = time_votes(&*ballots)?;
         let member = Member::new(ballots, AGREEMENT);
-        let aborted = comm.clone();
-        _watchdog = Watchdog::start(
-            &mut rv,
-            &place,
-            JOIN,
-            Watchdog::DEFAULT_BOUND,
-            &member,
-            move |_| {
-                if let Err(error) = aborted.abort() {
-                    tracing::warn!(%error, "aborting the NCCL communicator after a loss failed");
-                }
-            },
-        )?;
+        _watchdog = comm.watchdog(&mut rv, &place, JOIN, Watchdog::DEFAULT_BOUND, &member)?;
         let config = DecoderConfig::tensor_parallel();
         measure_rank(device, comm, member, config, &place, args, raw)?
     };

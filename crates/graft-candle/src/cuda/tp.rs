@@ -158,12 +158,8 @@ impl TpComm {
         bound: Duration,
         member: &Member,
     ) -> Result<Watchdog, Error> {
-        let comm = self.comm.clone();
-        Watchdog::start(rendezvous, place, timeout, bound, member, move |_| {
-            if let Err(error) = comm.abort() {
-                tracing::warn!(%error, "aborting the NCCL communicator after a loss failed");
-            }
-        })
-        .map_err(|source| Error::Watchdog { source })
+        self.comm
+            .watchdog(rendezvous, place, timeout, bound, member)
+            .map_err(|source| Error::Watchdog { source })
     }
 }

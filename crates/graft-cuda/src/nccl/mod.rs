@@ -15,11 +15,11 @@ mod vote;
 
 use std::fmt;
 use std::ptr;
-use std::sync::{Mutex, MutexGuard, PoisonError, mpsc};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, mpsc};
 use std::time::Duration;
 
 use cudarc::nccl::sys;
-use graft_core::DeviceError;
+use graft_core::{DeviceError, Member, ProcessGroup, Rendezvous, Watchdog, WatchdogError};
 
 use crate::device::CudaQueue;
 use crate::driver::nccl::{self as dn, MISSING};
@@ -138,6 +138,28 @@ impl NcclComm {
                 Ok(())
             }
         }
+    }
+
+    /// Starts this rank's [`Watchdog`] on its peers (every rank at the same point, over the
+    /// job's rendezvous) with this communicator as what it aborts: a peer whose process ends,
+    /// or that stays silent for `bound`, breaks `member`'s group and then aborts the
+    /// communicator, so that collectives waiting on the peer (a vote, an eager all-reduce, a
+    /// replay's recorded one) return. An error aborting is logged: the group is broken
+    /// already.
+    pub fn watchdog(
+        self: &Arc<Self>,
+        rendezvous: &mut Rendezvous,
+        place: &ProcessGroup,
+        join: Duration,
+        bound: Duration,
+        member: &Member,
+    ) -> Result<Watchdog, WatchdogError> {
+        let comm = self.clone();
+        Watchdog::start(rendezvous, place, join, bound, member, move |_| {
+            if let Err(error) = comm.abort() {
+                tracing::warn!(%error, "aborting the NCCL communicator after a loss failed");
+            }
+        })
     }
 
     /// Aborts after a failure that is being returned: an error aborting cannot be returned
