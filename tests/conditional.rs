@@ -34,7 +34,7 @@ fn repeat_add<D: TestDevice>(runs: &Runs) -> Body<'static, D> {
 
 // The number of iterations is data: every replay runs as many as its input asks for.
 fn while_loop_runs_the_iterations_its_input_asks_for<D: TestDevice>(dev: D) {
-    let mut g = graft(dev, Config::default());
+    let mut g = graft(dev, unguarded());
     let f = g.register("loop", FunctionSpec::default());
     let x = input(&mut g, &[1.0, 2.0]);
     let runs = Runs::default();

@@ -7,7 +7,7 @@ mod common;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use common::{Runs, TestDevice, TestQueue, graft, host_affine, read};
+use common::{Runs, TestDevice, TestQueue, graft, host_affine, read, unguarded};
 use graft::{
     BodyError, Buffer, CallError, Config, Ctx, Destinations, DevicePtr, EagerReason, FunctionSpec,
     Graft, Outcome, Output,
@@ -50,7 +50,7 @@ fn values(seed: f32, n: usize) -> Vec<f32> {
 /// static weight added: every call equals eager, replays follow the input without a
 /// re-recording.
 fn in_place_inputs_follow_the_caller<D: TestDevice>(device: D) {
-    let mut g = graft(device, Config::default());
+    let mut g = graft(device, unguarded());
     let f = g.register("axpb+w", FunctionSpec::inference(Vec::<usize>::new()));
     let n = 64;
     let weight = Foreign::new(&g, &values(100.0, n));
@@ -271,7 +271,7 @@ fn foreign_body_outputs_are_released<D: TestDevice>(device: D) {
             self.0.fetch_add(1, Ordering::Relaxed);
         }
     }
-    let mut g = graft(device.clone(), Config::default());
+    let mut g = graft(device.clone(), unguarded());
     let f = g.register("made", FunctionSpec::inference(Vec::<usize>::new()));
     let dropped = Arc::new(AtomicUsize::new(0));
     let mut dests = Fresh {

@@ -168,7 +168,7 @@ device_test!(
 // With guards off, `guard_next_call` guards one call on demand; the replacement is not
 // guarded again unless asked.
 fn on_demand<D: TestDevice>(dev: D) {
-    let mut g = graft(dev, Config::default());
+    let mut g = graft(dev, unguarded());
     let f = g.register("step", FunctionSpec::default());
     let x = input(&mut g, &[1.0; 4]);
     let scale = Arc::new(AtomicU32::new(0));

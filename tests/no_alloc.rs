@@ -60,7 +60,7 @@ fn allocations_of_1000_replays(g: &mut G<SimDevice>) -> u64 {
 
 #[test]
 fn replay_fast_path_does_not_allocate() {
-    let mut g: G<SimDevice> = graft(SimDevice::new(), Config::default());
+    let mut g: G<SimDevice> = graft(SimDevice::new(), unguarded());
     let per_call = allocations_of_1000_replays(&mut g) as f64 / 1000.0;
     assert_eq!(
         per_call, 0.0,
@@ -73,7 +73,7 @@ fn replay_fast_path_does_not_allocate() {
 /// and the candidates by their (parent, function, signature) slot: still no allocation.
 #[test]
 fn switching_buckets_in_a_large_tree_does_not_allocate() {
-    let mut g: G<SimDevice> = graft(SimDevice::new(), Config::default());
+    let mut g: G<SimDevice> = graft(SimDevice::new(), unguarded());
     let statics: Vec<usize> = (1..64).collect();
     let buckets = graft::Buckets::new(1..=1000).unwrap();
     let f = g.register(
@@ -109,6 +109,37 @@ fn switching_buckets_in_a_large_tree_does_not_allocate() {
     assert_eq!(
         per_call, 0.0,
         "the replay path allocated {per_call} times per call"
+    );
+}
+
+/// With guards on (the default), the calls between two scheduled guards are plain replays
+/// and allocate nothing either: calls 513 to 1023 after the recording (guards at 512 and 1024).
+#[test]
+fn replays_between_guards_do_not_allocate() {
+    let mut g: G<SimDevice> = graft(SimDevice::new(), Config::default());
+    let f = g.register("step", FunctionSpec::inference([0]));
+    let w = input(&mut g, &[0.5; 64]);
+    let mut x = input(&mut g, &[1.0; 64]);
+    let runs = Runs::default();
+    let mut body = add::<SimDevice>(&runs);
+    let mut out = Vec::with_capacity(1);
+    // A warmup, the recording, then calls 1 to 512 after it (the last one guarded).
+    for _ in 0..514 {
+        g.call_into(f, &[&w, &x], &[], &mut body, &mut out).unwrap();
+        x = out.pop().unwrap().buffer;
+    }
+    assert_eq!(g.stats().guards, 10, "guards at calls 1, 2, 4, ..., 512");
+    let before = allocations();
+    for _ in 513..1024 {
+        let outcome = g.call_into(f, &[&w, &x], &[], &mut body, &mut out).unwrap();
+        assert!(matches!(outcome, Outcome::Replayed(_)));
+        x = out.pop().unwrap().buffer;
+    }
+    let allocated = allocations() - before;
+    assert_eq!(g.stats().guards, 10, "no guard between 512 and 1024");
+    assert_eq!(
+        allocated, 0,
+        "replays between guards allocated {allocated} times"
     );
 }
 

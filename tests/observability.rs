@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use common::*;
 use graft::sim::SimDevice;
-use graft::{Config, Ctx, FunctionSpec, Output};
+use graft::{Ctx, FunctionSpec, Output};
 use tracing_subscriber::layer::{Context, SubscriberExt};
 
 #[derive(Clone, Default)]
@@ -46,7 +46,7 @@ fn spans_name_every_decision_and_replays_stay_at_trace() {
     let seen = Seen::default();
     let subscriber = tracing_subscriber::registry().with(seen.clone());
     tracing::subscriber::with_default(subscriber, || {
-        let mut g: G<SimDevice> = graft(SimDevice::new(), Config::default());
+        let mut g: G<SimDevice> = graft(SimDevice::new(), unguarded());
         let fs = ["f1", "f2", "f3"].map(|n| g.register(n, FunctionSpec::default()));
         let x = input(&mut g, &[1.0; 4]);
         let runs = Runs::default();

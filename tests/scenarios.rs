@@ -15,7 +15,7 @@ fn ctx_alloc<D: TestDevice>(ctx: &mut Ctx<'_, D>, n: usize) -> Result<graft::Buf
 
 // 1. First call warms up, second records, third replays.
 fn first_warmup_then_record_then_replay<D: TestDevice>(dev: D) {
-    let mut g = graft(dev, Config::default());
+    let mut g = graft(dev, unguarded());
     let f = g.register("f", FunctionSpec::default());
     let x = input(&mut g, &[1.0, 2.0, 3.0, 4.0]);
     let runs = Runs::default();
@@ -43,7 +43,7 @@ device_test!(
 
 // 2. One function, two input sizes: two root nodes.
 fn two_sizes_two_roots<D: TestDevice>(dev: D) {
-    let mut g = graft(dev, Config::default());
+    let mut g = graft(dev, unguarded());
     let f = g.register("f", FunctionSpec::default());
     let small = input(&mut g, &[1.0; 4]);
     let large = input(&mut g, &[1.0; 8]);
@@ -138,7 +138,7 @@ device_test!(scenario_03_branches_replay_only, branches_replay_only);
 
 // 4. Divergence while replaying restores once, warms up, and runs the rest eagerly.
 fn divergence_restores_once<D: TestDevice>(dev: D) {
-    let mut g = graft(dev, Config::default());
+    let mut g = graft(dev, unguarded());
     let fs = branch_functions(&mut g);
     let x = input(&mut g, &[1.0, 2.0, 3.0, 4.0]);
     let runs = Runs::default();
@@ -357,7 +357,7 @@ device_test!(
 // 8. Autoregressive feedback across generations: 1,000 steps (a few under the sanitizer), same
 // values as eager.
 fn autoregressive_feedback<D: TestDevice>(dev: D) {
-    let mut g = graft(dev.clone(), Config::default());
+    let mut g = graft(dev.clone(), unguarded());
     let f = g.register("step", FunctionSpec::default());
     let start: Vec<f32> = (0..256).map(|i| i as f32 * 0.25).collect();
     let mut x = input(&mut g, &start);

@@ -357,7 +357,7 @@ fn update_in_place<D: TestDevice>(dev: D) {
     for grow in [false, true] {
         let config = Config {
             replace_moved_static: true,
-            ..Config::default()
+            ..unguarded()
         };
         let mut g = graft(dev.clone(), config);
         let f = g.register("f", FunctionSpec::inference([0]).warmups(0));

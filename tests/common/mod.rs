@@ -54,6 +54,17 @@ pub fn graft<D: TestDevice>(device: D, config: Config) -> G<D> {
     Graft::new(device, config)
 }
 
+/// graft's defaults without guards: for tests that count body runs, outcomes, spans or
+/// allocations of calls a guard would capture instead of replaying (tests/guards.rs covers
+/// guards; every other test runs with them on).
+#[allow(dead_code)]
+pub fn unguarded() -> Config {
+    Config {
+        guards: None,
+        ..Config::default()
+    }
+}
+
 /// A buffer outside the graph pool holding `values`.
 pub fn input<D: TestDevice>(g: &mut G<D>, values: &[f32]) -> Buffer {
     let b = g.alloc(values.len() * 4).unwrap();

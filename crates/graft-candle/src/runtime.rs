@@ -210,6 +210,15 @@ impl CandleGraft {
         }
     }
 
+    /// Guards the next call that would replay: graft captures the step again and compares the
+    /// capture with its recording (see graft's `Graft::guard_next_call` and `Config::guards`).
+    /// Nothing when calls run eagerly.
+    pub fn guard_next_call(&mut self) {
+        if let Engine::Graphed(engine) = &mut self.engine {
+            engine.guard_next_call();
+        }
+    }
+
     /// The diagnostics of the graft runtime underneath (`explain`, `stats`, `dump_text`,
     /// `nodes`, `memory_report`); `None` when calls run eagerly.
     pub fn graft(&self) -> Option<Diagnostics<'_>> {

@@ -22,6 +22,7 @@
 pub mod bench;
 pub mod demo;
 mod error;
+pub mod guard_bench;
 pub mod loop_bench;
 pub mod micro;
 mod progress;
@@ -122,6 +123,30 @@ pub enum BenchWhat {
     /// K tokens per launch in a device-side loop against one launch and one host read per
     /// token, per token, with the step's own time as the floor.
     Loop(LoopBenchArgs),
+    /// Guards against baked host values on the decoder step: a guarded call against a
+    /// replay and eager, and their amortised cost at the default schedule.
+    Guard(GuardBenchArgs),
+}
+
+/// Arguments of `graft bench guard`.
+#[derive(Args, Debug, Clone)]
+pub struct GuardBenchArgs {
+    /// Batch size.
+    #[arg(long, default_value_t = 1)]
+    pub batch: usize,
+    /// Timed steps of eager, replay and guarded calls.
+    #[arg(long, default_value_t = 50)]
+    pub steps: usize,
+    /// Calls after a recording over which the default schedule is amortised (the first two
+    /// warm up and record).
+    #[arg(long, default_value_t = 1002)]
+    pub calls: usize,
+    /// Seed of the random weights.
+    #[arg(long, default_value_t = 7)]
+    pub seed: u64,
+    /// Use the simulator even when a GPU is available.
+    #[arg(long)]
+    pub sim: bool,
 }
 
 /// Arguments of `graft bench loop`. Lists left out take the backend's defaults: on a GPU
@@ -355,6 +380,7 @@ pub fn run_with(
                 None => tp::run(&args, raw, out),
             },
             Some(BenchWhat::Loop(args)) => loop_bench::run(&args, out).map(|_| ()),
+            Some(BenchWhat::Guard(args)) => guard_bench::run(&args, out).map(|_| ()),
         },
     }
 }

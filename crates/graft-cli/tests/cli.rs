@@ -290,6 +290,37 @@ fn loop_benchmark_runs_on_the_simulator() {
     }
 }
 
+/// The guard benchmark on the simulator: tokens agree, the default schedule guards calls
+/// 1, 2, 4, ..., 512 of the 1,000 after a recording, and every figure is measured.
+#[test]
+fn guard_benchmark_runs_on_the_simulator() {
+    let line = "graft bench guard --sim --steps 3";
+    let cli = Cli::try_parse_from(line.split_whitespace()).expect("the command line parses");
+    let Command::Bench(cmd) = cli.command else {
+        panic!("{line}: not a bench");
+    };
+    let Some(BenchWhat::Guard(args)) = cmd.what else {
+        panic!("{line}: not the guard bench");
+    };
+    let mut out = Vec::new();
+    let r = graft_cli::guard_bench::run(&args, &mut out).unwrap_or_else(|e| panic!("{line}: {e}"));
+    let report = String::from_utf8(out).unwrap();
+    assert!(report.contains("tokens:  identical"), "{report}");
+    assert_eq!(r.guards, 10, "{report}");
+    for v in [
+        r.eager_us,
+        r.replay_us,
+        r.guarded_us,
+        r.amortised_us,
+        r.unguarded_us,
+    ] {
+        assert!(v > 0.0, "{r:?}");
+    }
+    let cli = Cli::try_parse_from("graft bench guard --sim --calls 2".split_whitespace()).unwrap();
+    let r = graft_cli::run(cli, &mut Vec::new());
+    assert!(matches!(r, Err(CliError::BadArgument { .. })), "{r:?}");
+}
+
 /// The tensor-parallel benchmark runs on simulated devices: graft, eager and the raw graph
 /// agree on every rank, and the table has a row per batch size and timing.
 #[test]

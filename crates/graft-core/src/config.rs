@@ -156,9 +156,9 @@ pub struct Config {
     /// the graph's kernels are patched to read the caller's buffer (default 64 KiB; `None`
     /// turns patching off). Smaller inputs keep their copy node, which costs little.
     pub patch_inputs_from: Option<usize>,
-    /// Guards against host values baked into a recording (default off: `None`). When set, a
-    /// recording's calls at the [`Guards`] schedule (calls 1, 2, 4, ... after it, then every
-    /// `max_interval` calls) capture the body again instead of replaying and compare the
+    /// Guards against host values baked into a recording (default on: `Guards::default()`;
+    /// `None` turns them off). A recording's calls at the [`Guards`] schedule (calls 1, 2,
+    /// 4, ... after it, then every `max_interval` calls) capture the body again instead of replaying and compare the
     /// capture with the recording node by node: kernels, launch configurations, every kernel
     /// argument's bytes (addresses as graft expects them to move), copies. Equal: the
     /// recording replays and the capture is dropped. Different: the call runs the new
@@ -190,7 +190,7 @@ impl Default for Config {
             budget_window: 1024,
             replace_moved_static: false,
             patch_inputs_from: Some(64 << 10),
-            guards: None,
+            guards: Some(Guards::default()),
         }
     }
 }

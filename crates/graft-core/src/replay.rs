@@ -13,6 +13,31 @@ use crate::lifecycle::Phase;
 use crate::tree::{self, InputSlot, NodeKey, Output, OutputSlot};
 
 impl<D: Device, M: Clone> Graft<D, M> {
+    /// A call of `key` gives destinations for its outputs exactly when its recording
+    /// delivers them (`Graft::call_owned` against `Graft::call`): checked before a replay and
+    /// before a guard, which would otherwise capture the body either way.
+    pub(crate) fn check_owned_outputs<F, E>(
+        &self,
+        key: NodeKey,
+        frame: &Frame<'_, F, M, E>,
+    ) -> Result<(), CallError<E>> {
+        if self.tree[key].delivers == frame.dests.is_some() {
+            return Ok(());
+        }
+        let how = |owned| {
+            if owned {
+                "with owned outputs"
+            } else {
+                "without owned outputs"
+            }
+        };
+        Err(CallError::OwnedOutputs {
+            function: self.functions[self.tree[key].function].name.clone(),
+            recorded: how(self.tree[key].delivers),
+            called: how(frame.dests.is_some()),
+        })
+    }
+
     pub(crate) fn replay<F, E>(
         &mut self,
         key: NodeKey,
@@ -25,20 +50,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
             function: graft.functions[function].name.clone(),
             source,
         };
-        if self.tree[key].delivers != frame.dests.is_some() {
-            let how = |owned| {
-                if owned {
-                    "with owned outputs"
-                } else {
-                    "without owned outputs"
-                }
-            };
-            return Err(CallError::OwnedOutputs {
-                function: self.functions[function].name.clone(),
-                recorded: how(self.tree[key].delivers),
-                called: how(frame.dests.is_some()),
-            });
-        }
+        self.check_owned_outputs(key, frame)?;
         let (copied, repointed) = match self.repoint_copies(key, frame.addrs) {
             Ok(counts) => counts,
             Err(source) => return Err(fail(self, source)),

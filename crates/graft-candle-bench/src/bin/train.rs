@@ -9,9 +9,11 @@
 //! variant adds (the driver's graph memory, plus graft's pool). Each timed step is one call
 //! and a synchronize, variants alternate in rounds, and the figure is the median.
 //!
-//! usage: graft-candle-train [--steps N] [--rounds R] [--seq S] [--large] [--json PATH]
+//! usage: graft-candle-train [--steps N] [--rounds R] [--seq S] [--large] [--guards] [--json PATH]
 
 use std::time::Instant;
+
+use candle_nn::Optimizer;
 
 use graft_candle::candle_core::{DType, Device, Tensor};
 use graft_candle::cuda::{eager_memory, graph_memory, reset_eager_high, trim_graph_memory};
@@ -41,6 +43,11 @@ struct Options {
     /// Also measure the larger model (8 layers at d=1024, ~150M parameters).
     #[arg(long)]
     large: bool,
+    /// Also measure guards on the benchmark model: a guarded call of the step against its
+    /// replay, and candle-nn's AdamW (host bias corrections and rate, so every call of it
+    /// captures once a guard found them) under graft-candle against eager.
+    #[arg(long)]
+    guards: bool,
 }
 
 /// The larger model: where launch overhead matters less.
@@ -304,6 +311,109 @@ fn measure(
     })
 }
 
+/// Per-step medians of the guard measurement.
+struct GuardRow {
+    replay: f64,
+    guarded: f64,
+    nn_eager: f64,
+    nn_graft: f64,
+    nn_same: bool,
+    found: usize,
+}
+
+/// A guarded call of the step (`guard_next_call` before each) against its replay, and
+/// candle-nn's AdamW with a schedule eagerly against under graft-candle (default guards),
+/// whose losses must agree (to 1e-5 relative: graft reruns the same kernels).
+fn measure_guards(
+    sizes: Sizes,
+    batch: usize,
+    o: &Options,
+    device: &Device,
+) -> BenchResult<GuardRow> {
+    let data = data(batch, o.seq, sizes.vocab, device)?;
+    let mut t = Trainer::new(sizes, device)?;
+    let one = t.graft.register("train");
+    let per_round = o.timing.per_round(o.steps)?;
+    let (mut replay, mut guarded) = (Vec::new(), Vec::new());
+    for _ in 0..3 {
+        t.step(&Variant::Graph(one), &data)?;
+    }
+    for _ in 0..o.timing.rounds {
+        for (guard, times) in [(false, &mut replay), (true, &mut guarded)] {
+            for _ in 0..per_round {
+                if guard {
+                    t.graft.guard_next_call();
+                }
+                device.synchronize()?;
+                let start = Instant::now();
+                t.step(&Variant::Graph(one), &data)?;
+                device.synchronize()?;
+                times.push(start.elapsed().as_secs_f64() * 1e6);
+            }
+        }
+    }
+    let differences = t.graft.graft().map_or(0, |g| g.stats().guard_differences);
+    if differences != 0 {
+        return Err(format!("graft-candle-train's AdamW was flagged {differences} times").into());
+    }
+    // candle-nn's AdamW on two fresh copies of the model, eager and under graft-candle.
+    let run = |graphed: bool| -> BenchResult<(Vec<f64>, Vec<f32>, usize)> {
+        let model = Trainable::random(&sizes.config(), 1234, DType::F32, device)?;
+        let mut nn =
+            candle_nn::AdamW::new(model.vars().to_vec(), candle_nn::ParamsAdamW::default())?;
+        let mut graft = CandleGraft::new(device)?;
+        let id = graft.register("candle-nn");
+        let statics: Vec<Tensor> = model
+            .vars()
+            .iter()
+            .map(|v| v.as_tensor().clone())
+            .chain(model.constants().into_iter().cloned())
+            .collect();
+        let statics: Vec<&Tensor> = statics.iter().collect();
+        let (tokens, targets) = split(&data)?;
+        let (mut times, mut losses) = (Vec::new(), Vec::new());
+        for step in 0..o.steps + 3 {
+            nn.set_learning_rate(1e-3 / (1.0 + step as f64 / 10.0));
+            let mut body = |x: &[Tensor]| -> graft_candle::candle_core::Result<Vec<Tensor>> {
+                let loss = model.loss(&x[0], &x[1], None)?;
+                nn.backward_step(&loss)?;
+                Ok(vec![loss])
+            };
+            device.synchronize()?;
+            let start = Instant::now();
+            let loss = if graphed {
+                graft
+                    .call(id, &[&tokens, &targets], &statics, &[], body)?
+                    .outputs
+                    .remove(0)
+            } else {
+                body(&[tokens.clone(), targets.clone()])?.remove(0)
+            };
+            device.synchronize()?;
+            if step >= 3 {
+                times.push(start.elapsed().as_secs_f64() * 1e6);
+            }
+            losses.push(loss.to_vec1::<f32>()?[0]);
+        }
+        let found = graft.graft().map_or(0, |g| g.guard_findings().len());
+        Ok((times, losses, found))
+    };
+    let (mut nn_eager, eager_losses, _) = run(false)?;
+    let (mut nn_graft, graft_losses, found) = run(true)?;
+    let nn_same = eager_losses
+        .iter()
+        .zip(&graft_losses)
+        .all(|(a, b)| (a - b).abs() <= 1e-5 * a.abs().max(1.0));
+    Ok(GuardRow {
+        replay: median(&mut replay),
+        guarded: median(&mut guarded),
+        nn_eager: median(&mut nn_eager),
+        nn_graft: median(&mut nn_graft),
+        nn_same,
+        found,
+    })
+}
+
 fn main() {
     graft_candle_bench::common::exit_on_error("graft-candle-train", run);
 }
@@ -367,6 +477,36 @@ fn run() -> BenchResult<()> {
                 "{{\"model\":\"{}\",\"batch\":{},\"seq\":{},\"eager_us\":{:.1},\"graft_us\":{:.1},\"path_us\":{:.1},\"handmade_us\":{:.1},\"kernels\":{},\"eager_peak_bytes\":{},\"graft_graph_bytes\":{},\"path_graph_bytes\":{},\"handmade_graph_bytes\":{},\"identical\":{}}}",
                 r.model, r.batch, o.seq, r.us[0], r.us[1], r.us[2], r.us[3], r.kernels,
                 r.memory[0], r.memory[1], r.memory[2], r.memory[3], r.identical
+            ));
+        }
+    }
+    if o.guards {
+        let sizes = Sizes {
+            max_positions: o.seq,
+            ..Sizes::BENCH
+        };
+        println!("guards, bench model: per step, median");
+        for batch in BUCKETS {
+            let r = measure_guards(sizes, batch, &o, &device)?;
+            failed |= !r.nn_same || r.found == 0;
+            println!(
+                "  B={batch:<3} replay {:.1} us, guarded call {:.1} us ({:.1}x); candle-nn AdamW eager {:.1} us, under graft-candle {:.1} us (eager/graft {:.2}x), {} findings, losses {}",
+                r.replay,
+                r.guarded,
+                r.guarded / r.replay,
+                r.nn_eager,
+                r.nn_graft,
+                r.nn_eager / r.nn_graft,
+                r.found,
+                if r.nn_same {
+                    "equal to eager"
+                } else {
+                    "DIFFER FROM EAGER"
+                },
+            );
+            json.push(format!(
+                "{{\"guards\":true,\"batch\":{batch},\"replay_us\":{:.1},\"guarded_us\":{:.1},\"nn_eager_us\":{:.1},\"nn_graft_us\":{:.1},\"nn_same\":{},\"findings\":{}}}",
+                r.replay, r.guarded, r.nn_eager, r.nn_graft, r.nn_same, r.found
             ));
         }
     }

@@ -117,3 +117,32 @@ fn a_step_dependent_affine_is_found_and_every_call_is_right() -> TestResult {
     assert!(names_affine(&graft), "{}", diagnostics(&graft));
     Ok(())
 }
+
+/// A decode step that takes its position as a host `usize` (`narrow` at the position: the
+/// kernel reads the cache at an address the host computed, a pointer into a static): found
+/// at the first guard, and every step reads its own row.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_host_position_in_a_decode_step_is_found_and_every_step_is_right() -> TestResult {
+    let device = gpu();
+    let cache = Tensor::arange(0f32, 64., &device)?.reshape((16, 4))?;
+    let x = Tensor::ones(4, candle_core::DType::F32, &device)?;
+    let mut graft = CandleGraft::with_config(&device, guarded())?;
+    let id = graft.register("decode");
+    for pos in 0..16usize {
+        let out = graft.call(id, &[&x], &[&cache], &[], |t| {
+            Ok(vec![(cache.narrow(0, pos, 1)?.squeeze(0)? + &t[0])?])
+        })?;
+        let want: Vec<f32> = (0..4).map(|j| (pos * 4 + j) as f32 + 1.0).collect();
+        assert_eq!(out.outputs[0].to_vec1::<f32>()?, want, "position {pos}");
+    }
+    let g = graft.graft().ok_or("not graphed")?;
+    assert!(
+        g.guard_findings()
+            .iter()
+            .any(|f| matches!(f.difference, GraphDifference::Argument { .. })),
+        "{}",
+        diagnostics(&graft)
+    );
+    Ok(())
+}

@@ -179,6 +179,11 @@ impl CudaEngine {
         self.graft.mark_step_begin();
     }
 
+    /// Guards the next call that would replay.
+    pub(crate) fn guard_next_call(&mut self) {
+        self.graft.guard_next_call();
+    }
+
     pub(crate) fn call<F>(
         &mut self,
         step: usize,

@@ -26,6 +26,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
     where
         F: FnMut(&mut Ctx<'_, D>) -> Result<Vec<Output<M>>, BodyError<E>>,
     {
+        self.check_owned_outputs(key, frame)?;
         self.guard_requested = false;
         let name = self.functions[frame.function].name.clone();
         let _span = tracing::debug_span!("guard", function = %name, node = %key.id()).entered();
