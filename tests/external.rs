@@ -247,6 +247,10 @@ fn owned_outputs_are_never_overwritten<D: TestDevice>(device: D) {
         6,
         "one destination per output per call"
     );
+    assert_eq!(
+        stats.guard_differences, 0,
+        "guards see no host value here: {stats:?}"
+    );
     assert_eq!(warned, 1, "raw memory: copied after each launch, said once");
     assert_eq!(stats.invalidations, 0);
     assert!(stats.replays >= 4, "{stats:?}");

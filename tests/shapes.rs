@@ -424,6 +424,8 @@ fn patched_inputs_follow_the_caller<D: TestDevice>(dev: D) {
     assert!(s.copy_sources_updated >= 5, "{s:?}");
     let node = g.nodes().pop().unwrap();
     assert_eq!(node.inputs, vec![InputKind::Patched]);
+    assert_eq!(s.guard_differences, 0, "{:?}", g.guard_findings());
+    assert!(s.guards > 0, "{s:?}");
 
     // Feed the output back: it lies in the graph's own footprint, so this replay copies.
     let mut y = out.pop().unwrap().buffer;

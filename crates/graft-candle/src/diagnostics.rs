@@ -52,7 +52,7 @@ impl<'g> Diagnostics<'g> {
     }
 
     /// The host values guards found baked into recordings, each once
-    /// (`Graft::guard_findings`; turn guards on with `Config::guards`).
+    /// (`Graft::guard_findings`; guards are on by default, see `Config::guards`).
     pub fn guard_findings(&self) -> &'g [GuardFinding] {
         self.graft.guard_findings()
     }

@@ -128,7 +128,8 @@ impl CudaGraph {
             .get_mut()
             .unwrap_or_else(PoisonError::into_inner);
         let index = h.copy_index(recorded)?;
-        let (node, params) = &mut h.copies[index];
+        let (node, kept) = h.copies[index];
+        let mut params = kept;
         params.dstDevice = now.dst.0;
         params.srcDevice = now.src.0;
         // `exec` is the live executable instantiated from `graph` (both destroyed only in
@@ -136,7 +137,12 @@ impl CudaGraph {
         // found by `find_copy`; `params` is the node's own 1-D device-to-device parameter
         // block read from the driver, with only the two addresses changed; `ctx` is the
         // context both were created in, current on this thread.
-        dg::set_exec_memcpy_params(op, h.exec, *node, params, ctx)
+        dg::set_exec_memcpy_params(op, h.exec, node, &params, ctx)?;
+        // Only a copy the driver re-pointed changes what the table says it writes: a refused
+        // one keeps writing its old ends (graft copies after the launch instead), and a
+        // guard's comparison reads them here.
+        h.copies[index].1 = params;
+        Ok(())
     }
 }
 

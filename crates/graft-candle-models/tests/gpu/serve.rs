@@ -17,13 +17,13 @@ fn a_graphed_continuous_batch_gives_every_request_its_tokens_alone() -> TestResu
         let dir = tempfile::tempdir()?;
         let model = serve::model(window, &gpu(), dir.path())?;
         serve::batch_equals_alone(&model, |graphed| {
-            let stats = graphed
+            let g = graphed
                 .graft()
                 .and_then(CandleGraft::graft)
-                .ok_or("graft-candle runs graphed on a GPU")?
-                .stats();
+                .ok_or("graft-candle runs graphed on a GPU")?;
+            let stats = g.stats();
             // 3 prefill and 3 decode buckets, each recorded once by `capture`.
-            assert_eq!(stats.recordings, 6, "{stats:?}");
+            assert_eq!(stats.recordings, 6, "{stats:?}\n{:?}", g.guard_findings());
             assert_eq!(stats.eager_runs, 0, "{stats:?}");
             assert!(stats.replays >= 30, "{stats:?}");
             Ok(())
@@ -90,12 +90,17 @@ fn the_memory_plan_at_near_full_memory_records_first_and_gives_the_cache_the_res
     for (_, r) in &requests {
         assert_eq!(out[&r.id], serve::alone(&model, r)?, "request {}", r.id);
     }
-    let stats = graphed
+    let g = graphed
         .graft()
         .and_then(CandleGraft::graft)
-        .ok_or("graphed")?
-        .stats();
-    assert_eq!(stats.recordings, recorded, "{stats:?}");
+        .ok_or("graphed")?;
+    let stats = g.stats();
+    assert_eq!(
+        stats.recordings,
+        recorded,
+        "{stats:?}\n{:?}",
+        g.guard_findings()
+    );
     drop(graphed);
     drop(ballast);
     Ok(())

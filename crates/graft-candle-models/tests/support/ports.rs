@@ -167,6 +167,8 @@ pub(crate) struct Compared {
     /// Teacher-forced ports: tokens on which the two chose differently, each where candle's
     /// top two logits were within the tolerance.
     pub(crate) near_ties: usize,
+    /// What graft's guards found (none expected: the ports keep no host value in a kernel).
+    pub(crate) findings: Vec<String>,
 }
 
 /// The margin of a row's best logit over its second best.
@@ -238,6 +240,7 @@ pub(crate) fn tokens_equal(
         calls: 0,
         max_logit_diff: 0.0,
         near_ties: 0,
+        findings: Vec::new(),
     };
     let forced = port.teacher_forced();
     for t in 0..PROMPT + GENERATED - 1 {
@@ -312,6 +315,9 @@ pub(crate) fn tokens_equal(
         cache.positions()[..batch],
         vec![(PROMPT + GENERATED - 1) as u32; batch]
     );
+    if let Some(g) = graft.graft() {
+        compared.findings = g.guard_findings().iter().map(|f| f.to_string()).collect();
+    }
     if dtype == DType::F32 && compared.max_logit_diff > port.logit_tolerance() {
         return Err(format!(
             "{port:?} (batch {batch}): the logits differ from candle-transformers' model by up to {}",

@@ -195,7 +195,7 @@ fn verify_mode_checks_a_training_step_and_applies_it_once() -> TestResult {
 
 /// candle-nn's AdamW computes its bias corrections and reads its learning rate on the host:
 /// a replay repeats the recorded step's values. Verify mode flags the first replay; without
-/// it the parameters silently leave eager's.
+/// it and without guards the parameters silently leave eager's.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn verify_mode_flags_candle_nns_adamw() -> TestResult {
@@ -223,7 +223,13 @@ fn verify_mode_flags_candle_nns_adamw() -> TestResult {
         Ok(parameters(&model)?)
     };
     let eager = run(None)?;
-    let mut plain = CandleGraft::new(&device)?;
+    // Guards off (they are on by default and would find the bias corrections): replays
+    // alone repeat them in silence.
+    let unguarded = Config {
+        guards: None,
+        ..Config::default()
+    };
+    let mut plain = CandleGraft::with_config(&device, unguarded)?;
     let silent = run(Some(&mut plain))?;
     assert_ne!(
         eager, silent,

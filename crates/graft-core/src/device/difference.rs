@@ -68,17 +68,6 @@ pub enum GraphDifference {
     },
 }
 
-impl GraphDifference {
-    /// The argument's value as an address, when it is one pointer wide.
-    pub(crate) fn as_addresses(&self) -> Option<(u64, u64)> {
-        let GraphDifference::Argument { recorded, now, .. } = self else {
-            return None;
-        };
-        let word = |b: &[u8]| Some(u64::from_le_bytes(b.try_into().ok()?));
-        Some((word(recorded)?, word(now)?))
-    }
-}
-
 impl fmt::Display for GraphDifference {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {

@@ -190,31 +190,37 @@ impl Expected {
         Expected { moves }
     }
 
-    /// Where graft expects the recorded address `addr` in the new capture.
-    fn predict(&self, addr: u64) -> Option<u64> {
-        self.moves
-            .iter()
-            .find(|&&(start, len, _)| addr >= start && addr < start + len.max(1))
-            .map(|&(start, _, now)| now + (addr - start))
+    /// Whether graft expects the recorded address `recorded` at `now` in the new capture:
+    /// the same address, or one offset into a range that moved. Any range may explain it: an
+    /// address the pool reused within the recording lies in several allocations, and the
+    /// capture may not reuse it the same way.
+    fn moved(&self, recorded: u64, now: u64) -> bool {
+        recorded == now
+            || self.moves.iter().any(|&(start, len, to)| {
+                recorded >= start && recorded - start < len.max(1) && now == to + (recorded - start)
+            })
     }
 
-    fn moved(&self, recorded: DevicePtr, now: DevicePtr) -> bool {
-        recorded == now || self.predict(recorded.0) == Some(now.0)
-    }
-
-    /// Whether graft's bookkeeping predicts this difference (an address that moved as
-    /// expected).
+    /// Whether graft's bookkeeping predicts this difference (addresses that moved as
+    /// expected). A kernel argument is compared by 8-byte word, as pointers sit in kernel
+    /// parameters (one pointer, or a parameter struct such as a library kernel's).
     fn explains(&self, difference: &GraphDifference) -> bool {
+        let word = |c: &[u8]| u64::from_le_bytes(c.try_into().unwrap_or([0; 8]));
         match difference {
-            GraphDifference::Argument { .. } => difference
-                .as_addresses()
-                .is_some_and(|(recorded, now)| self.predict(recorded) == Some(now)),
+            GraphDifference::Argument { recorded, now, .. } => {
+                recorded.len() == now.len()
+                    && recorded.len().is_multiple_of(8)
+                    && recorded
+                        .chunks_exact(8)
+                        .zip(now.chunks_exact(8))
+                        .all(|(a, b)| self.moved(word(a), word(b)))
+            }
             GraphDifference::Copy { recorded, now, .. } => {
                 recorded.1 == now.1
-                    && self.moved(recorded.0.dst, now.0.dst)
-                    && self.moved(recorded.0.src, now.0.src)
+                    && self.moved(recorded.0.dst.0, now.0.dst.0)
+                    && self.moved(recorded.0.src.0, now.0.src.0)
             }
-            GraphDifference::Memset { recorded, now, .. } => self.moved(*recorded, *now),
+            GraphDifference::Memset { recorded, now, .. } => self.moved(recorded.0, now.0),
             GraphDifference::Shape { .. }
             | GraphDifference::Function { .. }
             | GraphDifference::Launch { .. } => false,
@@ -238,4 +244,60 @@ fn delivered_moves<'a, M>(
             ) => Some((ends.dst.0, *len as u64, fresh.dst.0)),
             _ => None,
         })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn argument(recorded: &[u64], now: &[u64]) -> GraphDifference {
+        let bytes = |w: &[u64]| -> Box<[u8]> { w.iter().flat_map(|x| x.to_le_bytes()).collect() };
+        GraphDifference::Argument {
+            node: 0,
+            kernel: "k".into(),
+            index: 0,
+            recorded: bytes(recorded),
+            now: bytes(now),
+        }
+    }
+
+    // The pool reused 0x1000 within the recording (two allocations there); the capture put
+    // them at 0x5000 and 0x6000.
+    fn expected() -> Expected {
+        Expected {
+            moves: vec![(0x1000, 0x100, 0x5000), (0x1000, 0x100, 0x6000)],
+        }
+    }
+
+    #[test]
+    fn a_parameter_struct_with_moved_pointers_is_explained_word_by_word() {
+        let e = expected();
+        // A library kernel's parameter struct: two pointers and a count.
+        assert!(e.explains(&argument(&[0x1010, 0x9999, 7], &[0x5010, 0x9999, 7])));
+        assert!(e.explains(&argument(&[0x1010, 0x1020], &[0x5010, 0x6020])));
+        // A host value inside the struct is a difference.
+        assert!(!e.explains(&argument(&[0x1010, 7], &[0x5010, 8])));
+        // A pointer that moved where graft does not expect it is one too.
+        assert!(!e.explains(&argument(&[0x1010], &[0x7010])));
+        // A value that is not whole words cannot be read as addresses.
+        let odd = GraphDifference::Argument {
+            node: 0,
+            kernel: "k".into(),
+            index: 0,
+            recorded: Box::new([1, 2, 3, 4]),
+            now: Box::new([1, 2, 3, 5]),
+        };
+        assert!(!e.explains(&odd));
+    }
+
+    #[test]
+    fn an_address_reused_within_the_recording_may_move_to_either_allocation() {
+        let e = expected();
+        assert!(e.explains(&argument(&[0x10f0], &[0x50f0])));
+        assert!(e.explains(&argument(&[0x10f0], &[0x60f0])));
+        assert!(
+            !e.explains(&argument(&[0x1100], &[0x5100])),
+            "one past the end"
+        );
+    }
 }
