@@ -112,10 +112,7 @@ impl CustomOp3 for AddRmsNorm {
         w: &candle_core::CudaStorage,
         wl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let device = x.device.clone();
-        let slice = cuda::AddRmsNorm { eps: self.eps }
-            .map(&x.slice, xl, &r.slice, rl, &w.slice, wl, &device)?;
-        Ok((candle_core::CudaStorage { slice, device }, packed_shape(xl)))
+        cuda::forward(self.eps, x, xl, r, rl, w, wl)
     }
 }
 

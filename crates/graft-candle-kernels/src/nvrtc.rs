@@ -5,10 +5,9 @@
 
 use std::sync::OnceLock;
 
-use candle_core::cuda_backend::CudaDType;
-use candle_core::cuda_backend::cudarc::driver::CudaView;
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView};
 use candle_core::cuda_backend::cudarc::nvrtc;
-use candle_core::{CudaStorage, Layout, Result};
+use candle_core::{Layout, Result};
 
 use crate::KernelError;
 
@@ -126,16 +125,16 @@ fn compile(module: &'static str, source: &str) -> std::result::Result<String, Ke
     }
 }
 
-/// The elements of the contiguous tensor (`storage`, `layout`) as a typed device view (its
-/// start offset applied).
-pub(crate) fn view<'a, T: CudaDType>(
+/// The elements of the contiguous tensor (`slice`, `layout`) as a device view (its start
+/// offset applied).
+pub(crate) fn view<'a, T>(
     op: &'static str,
     input: &'static str,
-    storage: &'a CudaStorage,
+    slice: &'a CudaSlice<T>,
     layout: &Layout,
 ) -> Result<CudaView<'a, T>> {
     let Some((start, end)) = layout.contiguous_offsets() else {
         return Err(KernelError::NotContiguous { op, input }.into());
     };
-    Ok(storage.as_cuda_slice::<T>()?.slice(start..end))
+    Ok(slice.slice(start..end))
 }

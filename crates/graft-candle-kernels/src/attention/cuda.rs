@@ -210,7 +210,7 @@ pub(super) fn forward(
         }
         .into());
     };
-    let positions = view::<u32>(OP, "positions", positions, pl)?;
+    let positions = view(OP, "positions", positions.as_cuda_slice::<u32>()?, pl)?;
     let device = q.device.clone();
     let launch = Launch {
         op,

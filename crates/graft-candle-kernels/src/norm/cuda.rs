@@ -5,9 +5,9 @@ use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
 use candle_core::cuda_backend::{CudaDevice, Map3, WrapErr};
-use candle_core::{Layout, Result, WithDType};
+use candle_core::{CudaStorage, Layout, Result, Shape, WithDType};
 
-use super::OP;
+use super::{OP, packed_shape};
 use crate::check;
 use crate::nvrtc::{Kernels, view};
 
@@ -64,9 +64,24 @@ GRAFT_FOR_DTYPES(GRAFT_ADD_RMS_NORM)
 "#,
 );
 
+/// The op's packed output `[2, ...x's shape]` on CUDA.
+pub(super) fn forward(
+    eps: f32,
+    x: &CudaStorage,
+    xl: &Layout,
+    r: &CudaStorage,
+    rl: &Layout,
+    w: &CudaStorage,
+    wl: &Layout,
+) -> Result<(CudaStorage, Shape)> {
+    let device = x.device.clone();
+    let slice = AddRmsNorm { eps }.map(&x.slice, xl, &r.slice, rl, &w.slice, wl, &device)?;
+    Ok((CudaStorage { slice, device }, packed_shape(xl)))
+}
+
 /// The kernel's launch over candle's dtype dispatch.
-pub(super) struct AddRmsNorm {
-    pub(super) eps: f32,
+struct AddRmsNorm {
+    eps: f32,
 }
 
 impl Map3 for AddRmsNorm {
