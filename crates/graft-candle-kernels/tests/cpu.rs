@@ -110,6 +110,22 @@ fn decode_attention_refuses_bad_inputs() {
     ));
     assert!(err.contains("64 query heads per key/value head"), "{err}");
 
+    let empty = Tensor::zeros((2, 4, 0, 64), DType::F32, dev).unwrap();
+    let err = message(decode_attention(&q, &empty, &empty, &pos, 1.0, None));
+    assert!(err.contains("the KV cache has no positions"), "{err}");
+
+    let wide_batch = Tensor::zeros((65536, 1, 1, 1), DType::F32, dev).unwrap();
+    let wide_pos = Tensor::zeros(65536, DType::U32, dev).unwrap();
+    let err = message(decode_attention(
+        &wide_batch,
+        &wide_batch,
+        &wide_batch,
+        &wide_pos,
+        1.0,
+        None,
+    ));
+    assert!(err.contains("the batch is 65536"), "{err}");
+
     let ints = Tensor::zeros((2, 8, 1, 64), DType::U32, dev).unwrap();
     let err = message(decode_attention(&ints, &k, &k, &pos, 1.0, None));
     assert!(err.contains("supports f32, bf16 and f16"), "{err}");
