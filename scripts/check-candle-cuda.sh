@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Type-checks the `cuda` feature of every candle crate (graft-candle's src/cuda, the models,
-# training and their GPU tests, graft-candle-bench's binaries, over candle's CUDA backend) with
+# training, the fused kernels (graft-candle-kernels) and their GPU tests, graft-candle-bench's
+# binaries, over candle's CUDA backend) with
 # clippy, in one cargo invocation, on a machine with no CUDA toolkit and no GPU; .ci/run runs
 # it after the workspace clippy. The toolkit pieces come from
 # scripts/cuda-build-env.sh (pinned nvcc wheels and link stubs in a cache outside the clone).
@@ -24,6 +25,7 @@ export CARGO_TARGET_DIR=$GRAFT_CUDA_TARGET
 export CARGO_PROFILE_RELEASE_DEBUG=0
 export CARGO_PROFILE_RELEASE_STRIP=debuginfo
 cargo clippy -p graft-candle -p graft-candle-models -p graft-candle-train -p graft-candle-bench \
+    -p graft-candle-kernels \
     --features cuda --all-targets --release -- -D warnings
 echo "check-candle-cuda: clippy of the candle crates --features cuda took $(($(date +%s) - start)) s" \
     "(target folder $CARGO_TARGET_DIR)"

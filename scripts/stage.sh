@@ -14,14 +14,15 @@
 # (with "stage" in the run's carry list).
 #
 # With --candle-cuda (or GRAFT_STAGE_CANDLE_CUDA=1) it also builds the candle crates
-# (graft-candle, graft-candle-models, graft-candle-train, graft-candle-bench) with their `cuda`
+# (graft-candle, graft-candle-models, graft-candle-train, graft-candle-bench,
+# graft-candle-kernels) with their `cuda`
 # feature (candle's CUDA backend, linked against CUDA at build time) in a separate cargo
 # invocation, after sourcing scripts/cuda-build-env.sh (first run: pip wheels and stubs into
 # its cache), in that cache's target folder (GRAFT_CUDA_TARGET, shared with CI's
 # scripts/check-candle-cuda.sh, same release profile: nvcc compiles candle's kernels once per
 # machine, ~15 min cold on 2 cores), and stages those executables (the GPU tests of each crate,
-# stage/tests/graft-candle_cuda.gpu, graft-candle-models_cuda.gpu and
-# graft-candle-train_cuda.gpu, and graft-candle-bench's binaries, stage/bin/graft-candle-bench_cuda,
+# stage/tests/graft-candle_cuda.gpu, graft-candle-models_cuda.gpu, graft-candle-train_cuda.gpu
+# and graft-candle-kernels_cuda.gpu, and graft-candle-bench's binaries, stage/bin/graft-candle-bench_cuda,
 # stage/bin/graft-candle-ports_cuda and so on) with "_cuda" added, xz-compressed (each
 # is 48 to 62 MiB, mostly candle's PTX, and packs to about 5 MiB; gpu-run.sh unpacks them).
 # Each is checked to carry no RUNPATH into the stub folder. Every candle binary at once packs
@@ -62,7 +63,7 @@ echo "== cargo build --release --workspace --bins" >&2
 cargo build --release --workspace --bins --message-format=json-render-diagnostics >"$bin_json"
 # The candle crates' plain build is candle on the CPU, tested by CI: nothing in it needs a GPU
 # (their GPU tests are the --candle-cuda build's), and its executables would only add megabytes.
-candle_crates=(graft-candle graft-candle-models graft-candle-train graft-candle-bench)
+candle_crates=(graft-candle graft-candle-models graft-candle-train graft-candle-bench graft-candle-kernels)
 excluded=()
 for crate in "${candle_crates[@]}"; do excluded+=(--exclude "$crate"); done
 echo "== cargo test --release --workspace ${excluded[*]} --no-run" >&2
@@ -187,7 +188,7 @@ if ((candle_cuda)); then
     # Only the GPU tests (each crate's tests/gpu.rs, which also run the guide's examples): the
     # crates' other test executables run on the CPU in CI, and each CUDA executable carries
     # ~40 MiB of candle's PTX.
-    tested=(-p graft-candle -p graft-candle-models -p graft-candle-train)
+    tested=(-p graft-candle -p graft-candle-models -p graft-candle-train -p graft-candle-kernels)
     echo "== cargo test --release ${tested[*]} --features cuda --test gpu --no-run" >&2
     cargo test --release "${tested[@]}" --features cuda --test gpu --no-run \
         --message-format=json-render-diagnostics >"$cuda_test_json"

@@ -1,0 +1,258 @@
+//! `decode_attention`: one decode step of grouped-query attention over a static KV cache,
+//! reading keys and values only up to each sequence's position.
+//!
+//! On CUDA it is split over the cache ("flash-decoding"): a first kernel has one block per
+//! (chunk of [`CHUNK`] cache positions, KV head, sequence) that scores all the query heads of
+//! its KV head against the visible positions of its chunk (each key and value row loaded once
+//! for the group) and writes an unnormalised partial (output, running max, sum) in f32
+//! scratch; a block whose chunk holds no visible position reads nothing and writes an empty
+//! partial (max -inf, sum 0). A second kernel combines the partials of each (sequence, head)
+//! and writes the output. The grid depends only on shapes, so one CUDA-graph recording serves
+//! every position. On the CPU it is plain loops over the visible positions.
+//!
+//! Candle's custom ops take at most three tensors: the op holds `positions` (a clone, sharing
+//! its storage) and reaches its storage inside the forward (`storage_and_layout` on CUDA,
+//! `to_vec1` on the CPU).
+
+mod cpu;
+#[cfg(feature = "cuda")]
+mod cuda;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
+
+use crate::{KernelError, check};
+
+const OP: &str = "decode_attention";
+
+/// Cache positions a block of the split kernel covers. 64 keeps enough blocks in flight at
+/// batch 1 with few KV heads (a 4096-position cache is 64 chunks per KV head) while the
+/// per-chunk work (64 key rows scored, 64 value rows summed per thread) still amortises the
+/// block's setup and the partial it writes, and a group's scores fit in shared memory beside
+/// its queries (see [`KernelError::GroupTooLarge`]).
+pub const CHUNK: usize = 64;
+/// The largest head dim: a warp holds one key row in 8 registers per lane.
+const MAX_HEAD_DIM: usize = 256;
+/// Shared memory a block of the split kernel may use (the default limit, no opt-in):
+/// the group's queries and scores in f32.
+const SHARED_LIMIT: usize = 48 * 1024;
+/// CUDA's limit on the grid's y and z dimensions (KV heads and sequences).
+const GRID_YZ_LIMIT: usize = 65535;
+
+/// Attention of one new token per sequence over its KV cache row.
+///
+/// - `q`: `[batch, heads, 1, head_dim]`, contiguous;
+/// - `k_cache`, `v_cache`: `[batch, kv_heads, max_seq, head_dim]`, each contiguous (a view
+///   with a start offset, such as `narrow(0, 0, batch)` of a bigger cache, is fine);
+/// - `positions`: `[batch]` u32 on q's device: the cache position the new token of each
+///   sequence was written at;
+/// - query head `h` uses KV head `h / (heads / kv_heads)` (grouped-query attention; K and V
+///   are never repeated); `head_dim` is at most 256;
+/// - position `j` is visible to sequence `b` when `j <= positions[b]` and, with
+///   `window = Some(w)`, `j + w >= positions[b]`.
+///
+/// Returns `[batch, 1, heads * head_dim]` in q's dtype (f32, bf16 or f16; k and v share it):
+/// per sequence and head, the softmax over visible positions of `q·k_j * scale`, times the
+/// values, with scores, softmax and sums in f32. Only visible cache positions are read. A
+/// position at or past `max_seq` is an error on the CPU; the CUDA kernel clamps it to
+/// `max_seq - 1` (it cannot report data) and never reads outside the cache.
+pub fn decode_attention(
+    q: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    positions: &Tensor,
+    scale: f32,
+    window: Option<usize>,
+) -> Result<Tensor> {
+    let dims = Dims::of(q, k_cache, v_cache, positions)?;
+    if dims.batch == 0 {
+        return Tensor::zeros(dims.out_shape(), q.dtype(), q.device());
+    }
+    let op = DecodeAttention {
+        positions: positions.clone(),
+        dims,
+        scale,
+        reach: window.map_or(dims.max_seq, |w| w.min(dims.max_seq)),
+    };
+    q.apply_op3_no_bwd(k_cache, v_cache, &op)
+}
+
+/// The attention's sizes, checked.
+#[derive(Debug, Clone, Copy)]
+struct Dims {
+    batch: usize,
+    heads: usize,
+    kv_heads: usize,
+    max_seq: usize,
+    head_dim: usize,
+}
+
+impl Dims {
+    fn of(q: &Tensor, k: &Tensor, v: &Tensor, positions: &Tensor) -> Result<Self> {
+        check::float(OP, "q", q)?;
+        check::like(OP, "k_cache", k, "q", q)?;
+        check::like(OP, "v_cache", v, "q", q)?;
+        if positions.dtype() != DType::U32 {
+            return Err(KernelError::PositionsDType {
+                got: positions.dtype(),
+            }
+            .into());
+        }
+        if !positions.device().same_device(q.device()) {
+            return Err(KernelError::Device {
+                op: OP,
+                input: "positions",
+            }
+            .into());
+        }
+        let &[batch, heads, 1, head_dim] = q.dims() else {
+            return Err(shape("q", q, "[batch, heads, 1, head_dim]"));
+        };
+        let &[kb, kv_heads, max_seq, khd] = k.dims() else {
+            return Err(shape("k_cache", k, "[batch, kv_heads, max_seq, head_dim]"));
+        };
+        if kb != batch || khd != head_dim {
+            return Err(shape("k_cache", k, "[batch, kv_heads, max_seq, head_dim]"));
+        }
+        if v.dims() != k.dims() {
+            return Err(shape("v_cache", v, "k_cache's shape"));
+        }
+        if positions.dims() != [batch] {
+            return Err(shape("positions", positions, "[batch]"));
+        }
+        if kv_heads == 0 || heads % kv_heads != 0 {
+            return Err(KernelError::Heads { heads, kv_heads }.into());
+        }
+        if head_dim == 0 || head_dim > MAX_HEAD_DIM {
+            return Err(KernelError::HeadDim { head_dim }.into());
+        }
+        if max_seq == 0 {
+            return Err(KernelError::EmptyCache.into());
+        }
+        let dims = Self {
+            batch,
+            heads,
+            kv_heads,
+            max_seq,
+            head_dim,
+        };
+        let bytes = dims.shared_bytes();
+        if bytes > SHARED_LIMIT {
+            return Err(KernelError::GroupTooLarge {
+                group: dims.group(),
+                head_dim,
+                bytes,
+                limit: SHARED_LIMIT,
+            }
+            .into());
+        }
+        for (what, size, limit) in [
+            ("the batch", batch, GRID_YZ_LIMIT),
+            ("the KV head count", kv_heads, GRID_YZ_LIMIT),
+            ("the query head count", heads, GRID_YZ_LIMIT),
+            ("max_seq", max_seq, u32::MAX as usize - CHUNK),
+        ] {
+            if size > limit {
+                return Err(KernelError::TooLarge { op: OP, what, size }.into());
+            }
+        }
+        check::contiguous(OP, "q", q)?;
+        check::contiguous(OP, "k_cache", k)?;
+        check::contiguous(OP, "v_cache", v)?;
+        check::contiguous(OP, "positions", positions)?;
+        Ok(dims)
+    }
+
+    /// Query heads per KV head.
+    fn group(&self) -> usize {
+        self.heads / self.kv_heads
+    }
+
+    /// Chunks of [`CHUNK`] positions per cache row: the split kernel's grid x.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    fn splits(&self) -> usize {
+        self.max_seq.div_ceil(CHUNK)
+    }
+
+    /// Dynamic shared memory of a split-kernel block: the group's queries and its scores
+    /// over one chunk, in f32.
+    fn shared_bytes(&self) -> usize {
+        self.group() * (self.head_dim + CHUNK) * size_of::<f32>()
+    }
+
+    /// `[batch, 1, heads * head_dim]`.
+    fn out_shape(&self) -> Shape {
+        Shape::from_dims(&[self.batch, 1, self.heads * self.head_dim])
+    }
+}
+
+fn shape(input: &'static str, t: &Tensor, expected: &'static str) -> candle_core::Error {
+    KernelError::Shape {
+        op: OP,
+        input,
+        got: t.dims().to_vec(),
+        expected,
+    }
+    .into()
+}
+
+/// The custom op over (q, k_cache, v_cache); the wrapper has checked everything about them.
+struct DecodeAttention {
+    /// `[batch]` u32 on q's device (a clone of the caller's tensor: the same storage).
+    positions: Tensor,
+    dims: Dims,
+    scale: f32,
+    /// Positions `pos - reach ..= pos` are visible (`max_seq` without a window: all of
+    /// `0..=pos`).
+    reach: usize,
+}
+
+impl CustomOp3 for DecodeAttention {
+    fn name(&self) -> &'static str {
+        OP
+    }
+
+    fn cpu_fwd(
+        &self,
+        q: &CpuStorage,
+        ql: &Layout,
+        k: &CpuStorage,
+        kl: &Layout,
+        v: &CpuStorage,
+        vl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let out = match (q, k, v) {
+            (CpuStorage::F32(q), CpuStorage::F32(k), CpuStorage::F32(v)) => {
+                cpu::forward(self, q, ql, k, kl, v, vl)?
+            }
+            (CpuStorage::BF16(q), CpuStorage::BF16(k), CpuStorage::BF16(v)) => {
+                cpu::forward(self, q, ql, k, kl, v, vl)?
+            }
+            (CpuStorage::F16(q), CpuStorage::F16(k), CpuStorage::F16(v)) => {
+                cpu::forward(self, q, ql, k, kl, v, vl)?
+            }
+            _ => {
+                return Err(KernelError::UnsupportedDType {
+                    op: OP,
+                    input: "q",
+                    got: q.dtype(),
+                }
+                .into());
+            }
+        };
+        Ok((out, self.dims.out_shape()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        q: &candle_core::CudaStorage,
+        ql: &Layout,
+        k: &candle_core::CudaStorage,
+        kl: &Layout,
+        v: &candle_core::CudaStorage,
+        vl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        cuda::forward(self, q, ql, k, kl, v, vl)
+    }
+}

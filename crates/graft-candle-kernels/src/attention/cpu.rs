@@ -1,0 +1,68 @@
+//! The CPU decode attention: loops over each sequence's visible cache positions only.
+
+use candle_core::{CpuStorage, Layout, Result, WithDType};
+
+use super::{DecodeAttention, OP};
+use crate::{KernelError, check};
+
+/// The output `[batch, 1, heads * head_dim]` of `op` over contiguous q, k and v.
+pub(super) fn forward<T: WithDType>(
+    op: &DecodeAttention,
+    q: &[T],
+    ql: &Layout,
+    k: &[T],
+    kl: &Layout,
+    v: &[T],
+    vl: &Layout,
+) -> Result<CpuStorage> {
+    let q = check::cpu_slice(OP, "q", q, ql)?;
+    let k = check::cpu_slice(OP, "k_cache", k, kl)?;
+    let v = check::cpu_slice(OP, "v_cache", v, vl)?;
+    let positions = op.positions.to_vec1::<u32>()?;
+    let d = op.dims;
+    let (hd, group) = (d.head_dim, d.group());
+    let mut out = Vec::with_capacity(d.batch * d.heads * hd);
+    let mut weights = Vec::with_capacity(d.max_seq);
+    let mut acc = vec![0f32; hd];
+    for (b, &position) in positions.iter().enumerate() {
+        let pos = position as usize;
+        if pos >= d.max_seq {
+            return Err(KernelError::PositionPastCache {
+                sequence: b,
+                position,
+                max_seq: d.max_seq,
+            }
+            .into());
+        }
+        let visible = pos.saturating_sub(op.reach)..pos + 1;
+        for h in 0..d.heads {
+            let row = (b * d.kv_heads + h / group) * d.max_seq;
+            let qh = &q[(b * d.heads + h) * hd..][..hd];
+            weights.clear();
+            weights.extend(visible.clone().map(|j| {
+                let kj = &k[(row + j) * hd..][..hd];
+                let dot: f32 = qh
+                    .iter()
+                    .zip(kj)
+                    .map(|(&a, &b)| check::f32_of(a) * check::f32_of(b))
+                    .sum();
+                dot * op.scale
+            }));
+            let max = weights.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0.0;
+            for w in &mut weights {
+                *w = (*w - max).exp();
+                sum += *w;
+            }
+            acc.fill(0.0);
+            for (j, &w) in visible.clone().zip(&weights) {
+                let vj = &v[(row + j) * hd..][..hd];
+                for (a, &x) in acc.iter_mut().zip(vj) {
+                    *a += w * check::f32_of(x);
+                }
+            }
+            out.extend(acc.iter().map(|&a| T::from_f64(f64::from(a / sum))));
+        }
+    }
+    Ok(T::to_cpu_storage_owned(out))
+}

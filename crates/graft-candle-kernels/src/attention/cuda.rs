@@ -1,0 +1,334 @@
+//! The split-KV decode attention kernels and their launches.
+//!
+//! - `graft_decode_attention_partial_<dtype>`: grid (splits, kv_heads, batch), 128 threads
+//!   (4 warps), `group * (head_dim + CHUNK) * 4` bytes of dynamic shared memory (the group's
+//!   queries and its scores over the chunk). Scores: one warp per key row (lanes stride the
+//!   row, coalesced; a lane holds its 8 elements in registers), reduced per query head with
+//!   shuffles. Softmax partial: one warp per query head. Values: one thread per head-dim
+//!   element (coalesced over a value row), summing for 8 query heads at a time in registers.
+//! - `graft_decode_attention_combine_<dtype>`: grid (heads, batch), `head_dim` rounded up to
+//!   a warp threads, one per head-dim element, merging the non-empty partials online.
+
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+};
+use candle_core::cuda_backend::{CudaDevice, Map3, WrapErr};
+use candle_core::{CudaStorage, Layout, Result, Shape, Storage, WithDType};
+
+use super::{CHUNK, DecodeAttention, OP};
+use crate::KernelError;
+use crate::check;
+use crate::nvrtc::{Kernels, view};
+
+/// Threads of a split-kernel block.
+const THREADS: u32 = 128;
+
+static KERNELS: Kernels = Kernels::new(
+    "graft_kernels_decode_attention",
+    r#"
+// The partial of query heads first .. first + group (first = b * heads + kvh * group) over the
+// visible positions start .. end of chunk `split`, at index (head * splits + split).
+template <typename T>
+__device__ void graft_decode_attention_partial(
+    const T* q, const T* k, const T* v, const unsigned int* positions, float* part_o,
+    float* part_ml, unsigned int heads, unsigned int kv_heads, unsigned int max_seq,
+    unsigned int hd, unsigned int chunk, unsigned int reach, float scale) {
+    extern __shared__ float graft_smem[];
+    const unsigned int split = blockIdx.x;
+    const unsigned int kvh = blockIdx.y;
+    const unsigned int b = blockIdx.z;
+    const unsigned int splits = gridDim.x;
+    const unsigned int group = heads / kv_heads;
+    const unsigned long long first =
+        (unsigned long long)b * heads + (unsigned long long)kvh * group;
+
+    unsigned int pos = positions[b];
+    if (pos >= max_seq) {
+        pos = max_seq - 1u;  // never read outside the cache row
+    }
+    const unsigned int lo = pos > reach ? pos - reach : 0u;
+    const unsigned int c0 = split * chunk;
+    const unsigned int start = lo > c0 ? lo : c0;
+    const unsigned int end = pos + 1u < c0 + chunk ? pos + 1u : c0 + chunk;
+    if (start >= end) {
+        // Nothing visible in this chunk: an empty partial, and no K/V read.
+        for (unsigned int g = threadIdx.x; g < group; g += blockDim.x) {
+            const unsigned long long p = (first + g) * splits + split;
+            part_ml[2 * p] = GRAFT_NEG_INF;
+            part_ml[2 * p + 1] = 0.0f;
+        }
+        return;
+    }
+
+    float* qs = graft_smem;               // [group][hd]
+    float* ps = graft_smem + group * hd;  // [group][chunk]
+    const T* qg = q + first * hd;
+    for (unsigned int i = threadIdx.x; i < group * hd; i += blockDim.x) {
+        qs[i] = graft_to_f32(qg[i]);
+    }
+    __syncthreads();
+
+    const unsigned int lane = threadIdx.x & 31u;
+    const unsigned int warp = threadIdx.x >> 5;
+    const unsigned int warps = blockDim.x >> 5;
+    const unsigned long long row0 = ((unsigned long long)b * kv_heads + kvh) * max_seq;
+
+    // Scores: one warp per key row, the row loaded once for the whole group.
+    for (unsigned int j = start + warp; j < end; j += warps) {
+        const T* kr = k + (row0 + j) * hd;
+        float kj[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const unsigned int d = lane + 32u * i;
+            kj[i] = d < hd ? graft_to_f32(kr[d]) : 0.0f;
+        }
+        for (unsigned int g = 0; g < group; ++g) {
+            float s = 0.0f;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const unsigned int d = lane + 32u * i;
+                if (d < hd) {
+                    s += qs[g * hd + d] * kj[i];
+                }
+            }
+            s = graft_warp_sum(s);
+            if (lane == 0) {
+                ps[g * chunk + (j - c0)] = s * scale;
+            }
+        }
+    }
+    __syncthreads();
+
+    // Softmax partial: one warp per query head; scores become exp(score - max).
+    for (unsigned int g = warp; g < group; g += warps) {
+        float* pg = ps + g * chunk;
+        float m = GRAFT_NEG_INF;
+        for (unsigned int j = start + lane; j < end; j += 32u) {
+            m = fmaxf(m, pg[j - c0]);
+        }
+        m = graft_warp_max(m);
+        float l = 0.0f;
+        for (unsigned int j = start + lane; j < end; j += 32u) {
+            const float e = expf(pg[j - c0] - m);
+            pg[j - c0] = e;
+            l += e;
+        }
+        l = graft_warp_sum(l);
+        if (lane == 0) {
+            const unsigned long long p = (first + g) * splits + split;
+            part_ml[2 * p] = m;
+            part_ml[2 * p + 1] = l;
+        }
+    }
+    __syncthreads();
+
+    // Values: one thread per head-dim element, 8 query heads at a time.
+    for (unsigned int d = threadIdx.x; d < hd; d += blockDim.x) {
+        for (unsigned int g0 = 0; g0 < group; g0 += 8u) {
+            float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+            for (unsigned int j = start; j < end; ++j) {
+                const float x = graft_to_f32(v[(row0 + j) * hd + d]);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    if (g0 + i < group) {
+                        acc[i] += ps[(g0 + i) * chunk + (j - c0)] * x;
+                    }
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                if (g0 + i < group) {
+                    part_o[((first + g0 + i) * splits + split) * hd + d] = acc[i];
+                }
+            }
+        }
+    }
+}
+
+// out[(b * heads + h) * hd + d]: the partials of (b, h) merged; empty ones (max -inf) skipped
+// (their outputs were never written).
+template <typename T>
+__device__ void graft_decode_attention_combine(
+    const float* part_o, const float* part_ml, T* out, unsigned int heads, unsigned int hd,
+    unsigned int splits) {
+    const unsigned int d = threadIdx.x;
+    if (d >= hd) {
+        return;
+    }
+    const unsigned long long bh = (unsigned long long)blockIdx.y * heads + blockIdx.x;
+    float m_all = GRAFT_NEG_INF;
+    float l_all = 0.0f;
+    float acc = 0.0f;
+    for (unsigned int s = 0; s < splits; ++s) {
+        const unsigned long long p = bh * splits + s;
+        const float m = part_ml[2 * p];
+        if (m == GRAFT_NEG_INF) {
+            continue;
+        }
+        const float m_new = fmaxf(m_all, m);
+        const float old_scale = expf(m_all - m_new);
+        const float new_scale = expf(m - m_new);
+        l_all = l_all * old_scale + part_ml[2 * p + 1] * new_scale;
+        acc = acc * old_scale + part_o[p * hd + d] * new_scale;
+        m_all = m_new;
+    }
+    out[bh * hd + d] = graft_from_f32<T>(acc / l_all);
+}
+
+#define GRAFT_DECODE_ATTENTION(suffix, T)                                                    \
+    extern "C" __global__ void graft_decode_attention_partial_##suffix(                      \
+        const T* q, const T* k, const T* v, const unsigned int* positions, float* part_o,    \
+        float* part_ml, unsigned int heads, unsigned int kv_heads, unsigned int max_seq,     \
+        unsigned int hd, unsigned int chunk, unsigned int reach, float scale) {              \
+        graft_decode_attention_partial<T>(q, k, v, positions, part_o, part_ml, heads,        \
+                                          kv_heads, max_seq, hd, chunk, reach, scale);       \
+    }                                                                                        \
+    extern "C" __global__ void graft_decode_attention_combine_##suffix(                      \
+        const float* part_o, const float* part_ml, T* out, unsigned int heads,               \
+        unsigned int hd, unsigned int splits) {                                              \
+        graft_decode_attention_combine<T>(part_o, part_ml, out, heads, hd, splits);          \
+    }
+GRAFT_FOR_DTYPES(GRAFT_DECODE_ATTENTION)
+"#,
+);
+
+/// The op's output on CUDA: the split kernel into f32 scratch, then the combine kernel.
+pub(super) fn forward(
+    op: &DecodeAttention,
+    q: &CudaStorage,
+    ql: &Layout,
+    k: &CudaStorage,
+    kl: &Layout,
+    v: &CudaStorage,
+    vl: &Layout,
+) -> Result<(CudaStorage, Shape)> {
+    let (positions, pl) = op.positions.storage_and_layout();
+    let Storage::Cuda(positions) = &*positions else {
+        return Err(KernelError::Device {
+            op: OP,
+            input: "positions",
+        }
+        .into());
+    };
+    let positions = view(OP, "positions", positions.as_cuda_slice::<u32>()?, pl)?;
+    let device = q.device.clone();
+    let launch = Launch {
+        op,
+        positions: &positions,
+    };
+    let slice = launch.map(&q.slice, ql, &k.slice, kl, &v.slice, vl, &device)?;
+    Ok((CudaStorage { slice, device }, op.dims.out_shape()))
+}
+
+/// The two launches over candle's dtype dispatch, with the positions beside.
+struct Launch<'a> {
+    op: &'a DecodeAttention,
+    positions: &'a CudaView<'a, u32>,
+}
+
+impl Map3 for Launch<'_> {
+    fn f<T: DeviceRepr + WithDType + ValidAsZeroBits>(
+        &self,
+        q: &CudaSlice<T>,
+        ql: &Layout,
+        k: &CudaSlice<T>,
+        kl: &Layout,
+        v: &CudaSlice<T>,
+        vl: &Layout,
+        device: &CudaDevice,
+    ) -> Result<CudaSlice<T>> {
+        let d = self.op.dims;
+        let q = view(OP, "q", q, ql)?;
+        let k = view(OP, "k_cache", k, kl)?;
+        let v = view(OP, "v_cache", v, vl)?;
+        let splits = d.splits();
+        let partials = d.batch * d.heads * splits;
+        // SAFETY: the split kernel writes the max and sum of every partial (each block writes
+        // those of its group's heads, empty or not, and the grid covers every (split, KV
+        // head, sequence)); it writes the outputs of every non-empty partial, and the combine
+        // kernel reads outputs only of partials whose max is not -inf, which are non-empty.
+        // Both run on the device's stream in order, before the scratch is freed.
+        let mut part_o = unsafe { device.alloc::<f32>(partials * d.head_dim)? };
+        // SAFETY: as above: every element is written by the split kernel before the combine
+        // kernel reads it.
+        let mut part_ml = unsafe { device.alloc::<f32>(partials * 2)? };
+        // SAFETY: the combine kernel writes every element (one block per (head, sequence),
+        // one thread per head-dim element) before anything reads them, on the device's stream.
+        let mut out = unsafe { device.alloc::<T>(d.batch * d.heads * d.head_dim)? };
+
+        let dtype = T::DTYPE.as_str();
+        let (module, ptx) = (KERNELS.module(), KERNELS.ptx()?);
+        let partial = device.get_or_load_custom_func(
+            &format!("graft_decode_attention_partial_{dtype}"),
+            module,
+            ptx,
+        )?;
+        let combine = device.get_or_load_custom_func(
+            &format!("graft_decode_attention_combine_{dtype}"),
+            module,
+            ptx,
+        )?;
+
+        let u32_of = |what, size| check::u32_of(OP, what, size);
+        let heads = u32_of("the query head count", d.heads)?;
+        let kv_heads = u32_of("the KV head count", d.kv_heads)?;
+        let batch = u32_of("the batch", d.batch)?;
+        let max_seq = u32_of("max_seq", d.max_seq)?;
+        let head_dim = u32_of("the head dim", d.head_dim)?;
+        let chunk = u32_of("the chunk", CHUNK)?;
+        let reach = u32_of("the window", self.op.reach)?;
+        let splits = u32_of("the chunk count", splits)?;
+        let shared = u32_of("the shared memory", d.shared_bytes())?;
+
+        let mut launch = partial.builder();
+        launch.arg(&q);
+        launch.arg(&k);
+        launch.arg(&v);
+        launch.arg(self.positions);
+        launch.arg(&mut part_o);
+        launch.arg(&mut part_ml);
+        launch.arg(&heads);
+        launch.arg(&kv_heads);
+        launch.arg(&max_seq);
+        launch.arg(&head_dim);
+        launch.arg(&chunk);
+        launch.arg(&reach);
+        launch.arg(&self.op.scale);
+        let cfg = LaunchConfig {
+            grid_dim: (splits, kv_heads, batch),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: shared,
+        };
+        // SAFETY: the arguments match `graft_decode_attention_partial_<dtype>(const T*, const
+        // T*, const T*, const unsigned int*, float*, float*, unsigned int x6, float)` with T the
+        // storage's dtype. The wrapper checked the shapes: q holds batch * heads * head_dim
+        // elements, k and v batch * kv_heads * max_seq * head_dim, positions batch; the kernel
+        // clamps each position below max_seq and reads only rows start..end within it;
+        // head_dim <= 256 (8 registers a lane); heads % kv_heads == 0; the scratch holds
+        // batch * heads * splits partials, indexed by (head * splits + split) < that; the
+        // dynamic shared memory is group * (head_dim + chunk) f32 (at most 48 KiB, checked),
+        // exactly what the kernel indexes; the block is 4 whole warps. All live until the
+        // launch is enqueued on the device's stream.
+        unsafe { launch.launch(cfg) }.w()?;
+
+        let mut launch = combine.builder();
+        launch.arg(&part_o);
+        launch.arg(&part_ml);
+        launch.arg(&mut out);
+        launch.arg(&heads);
+        launch.arg(&head_dim);
+        launch.arg(&splits);
+        let cfg = LaunchConfig {
+            grid_dim: (heads, batch, 1),
+            block_dim: (head_dim.next_multiple_of(32), 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the arguments match `graft_decode_attention_combine_<dtype>(const float*,
+        // const float*, T*, unsigned int, unsigned int, unsigned int)`: the scratch written by
+        // the split kernel just before on the same stream, `out` batch * heads * head_dim
+        // elements, indexed by ((b * heads + h) * head_dim + d) with d < head_dim <= 256
+        // threads; all live until the launch is enqueued on the device's stream.
+        unsafe { launch.launch(cfg) }.w()?;
+        Ok(out)
+    }
+}

@@ -1,0 +1,118 @@
+//! The ops' errors: what was wrong with the inputs (or the kernels' compilation), and what to do.
+
+use candle_core::DType;
+
+/// Why a fused op refused its inputs or could not run its kernel. Returned inside
+/// `candle_core::Error::Wrapped`.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum KernelError {
+    /// An input's dtype is not one the kernels compute in.
+    #[error(
+        "{op}: {input} is {got:?}, but {op} supports f32, bf16 and f16; convert it with to_dtype first"
+    )]
+    UnsupportedDType {
+        op: &'static str,
+        input: &'static str,
+        got: DType,
+    },
+    /// Two inputs that must share a dtype do not.
+    #[error("{op}: {input} is {got:?} but {reference} is {expected:?}; give the inputs one dtype")]
+    DTypeMismatch {
+        op: &'static str,
+        input: &'static str,
+        got: DType,
+        reference: &'static str,
+        expected: DType,
+    },
+    /// An input's shape does not fit the op.
+    #[error("{op}: {input} has shape {got:?}, expected {expected}; pass a tensor of that shape")]
+    Shape {
+        op: &'static str,
+        input: &'static str,
+        got: Vec<usize>,
+        expected: &'static str,
+    },
+    /// An input is not contiguous in memory (a start offset is fine).
+    #[error(
+        "{op}: {input} is not contiguous; call .contiguous() on it first (a narrow along the first dimension of a contiguous tensor stays contiguous)"
+    )]
+    NotContiguous {
+        op: &'static str,
+        input: &'static str,
+    },
+    /// An input lives on another device than the first input.
+    #[error("{op}: {input} is on another device than the other inputs; move it there first")]
+    Device {
+        op: &'static str,
+        input: &'static str,
+    },
+    /// The query heads are not a whole multiple of the key/value heads.
+    #[error(
+        "decode_attention: {heads} query heads are not a multiple of {kv_heads} key/value heads; check the model's head counts"
+    )]
+    Heads { heads: usize, kv_heads: usize },
+    /// The head dimension is outside what the attention kernel holds per key row.
+    #[error(
+        "decode_attention: head dim {head_dim} is outside 1..=256; use the unfused attention for this model"
+    )]
+    HeadDim { head_dim: usize },
+    /// The query heads of one key/value head need more shared memory than the kernel may use.
+    #[error(
+        "decode_attention: {group} query heads per key/value head at head dim {head_dim} need {bytes} bytes of shared memory, over the kernel's {limit}; use the unfused attention for this model"
+    )]
+    GroupTooLarge {
+        group: usize,
+        head_dim: usize,
+        bytes: usize,
+        limit: usize,
+    },
+    /// The positions are not u32.
+    #[error("decode_attention: positions are {got:?}; pass them as u32")]
+    PositionsDType { got: DType },
+    /// The KV cache has no positions at all.
+    #[error(
+        "decode_attention: the KV cache has no positions (max_seq 0); allocate a cache of at least one position"
+    )]
+    EmptyCache,
+    /// A sequence's position is past the end of its cache row (found on the CPU; the CUDA
+    /// kernel clamps it to the last position instead, since it cannot report data).
+    #[error(
+        "decode_attention: sequence {sequence} is at position {position}, past the cache's {max_seq} positions; keep positions below max_seq"
+    )]
+    PositionPastCache {
+        sequence: usize,
+        position: u32,
+        max_seq: usize,
+    },
+    /// A size does not fit the kernels' 32-bit indexing or launch limits.
+    #[error(
+        "{op}: {what} is {size}, more than the kernel's launch allows; split the work into smaller calls"
+    )]
+    TooLarge {
+        op: &'static str,
+        what: &'static str,
+        size: usize,
+    },
+    /// NVRTC rejected a module's CUDA source.
+    #[error(
+        "NVRTC could not compile the {module} kernels: {log}; check the CUDA toolkit's NVRTC version"
+    )]
+    Compile { module: &'static str, log: String },
+    /// NVRTC itself failed (not the source).
+    #[error(
+        "NVRTC failed on the {module} kernels: {reason}; check that libnvrtc matches the driver"
+    )]
+    Nvrtc {
+        module: &'static str,
+        reason: String,
+    },
+    /// NVRTC returned PTX that is not text.
+    #[error("NVRTC returned PTX for the {module} kernels that is not text; check the CUDA toolkit")]
+    PtxNotText { module: &'static str },
+}
+
+impl From<KernelError> for candle_core::Error {
+    fn from(err: KernelError) -> Self {
+        candle_core::Error::wrap(err)
+    }
+}

@@ -1,0 +1,140 @@
+//! The add + RMS norm kernel: one block per row, `min(1024, row length rounded up to a warp)`
+//! threads, each striding over the row; a warp-then-block reduction of the squares.
+
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+};
+use candle_core::cuda_backend::{CudaDevice, Map3, WrapErr};
+use candle_core::{CudaStorage, Layout, Result, Shape, WithDType};
+
+use super::{OP, packed_shape};
+use crate::check;
+use crate::nvrtc::{Kernels, view};
+
+/// The most threads a block of this kernel has.
+const MAX_THREADS: usize = 1024;
+
+static KERNELS: Kernels = Kernels::new(
+    "graft_kernels_add_rms_norm",
+    r#"
+// out[0 .. rows * cols] = x + residual (rounded to T), out[rows * cols ..] = its RMS norm.
+template <typename T>
+__device__ void graft_add_rms_norm(const T* x, const T* residual, const T* weight, T* out,
+                                   unsigned int cols, unsigned long long total, float eps) {
+    __shared__ float warp_sums[32];
+    const unsigned long long row = (unsigned long long)blockIdx.x * cols;
+    T* sum = out + row;
+    T* normed = out + total + row;
+    float squares = 0.0f;
+    for (unsigned int i = threadIdx.x; i < cols; i += blockDim.x) {
+        T s = graft_from_f32<T>(graft_to_f32(x[row + i]) + graft_to_f32(residual[row + i]));
+        sum[i] = s;
+        float f = graft_to_f32(s);
+        squares += f * f;
+    }
+    squares = graft_warp_sum(squares);
+    const unsigned int lane = threadIdx.x & 31u;
+    const unsigned int warp = threadIdx.x >> 5;
+    if (lane == 0) {
+        warp_sums[warp] = squares;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        float v = lane < (blockDim.x >> 5) ? warp_sums[lane] : 0.0f;
+        v = graft_warp_sum(v);
+        if (lane == 0) {
+            warp_sums[0] = v;
+        }
+    }
+    __syncthreads();
+    const float m = sqrtf(warp_sums[0] / (float)cols + eps);
+    // Each thread reads back only the sums it wrote itself.
+    for (unsigned int i = threadIdx.x; i < cols; i += blockDim.x) {
+        normed[i] = graft_from_f32<T>(graft_to_f32(sum[i]) / m * graft_to_f32(weight[i]));
+    }
+}
+
+#define GRAFT_ADD_RMS_NORM(suffix, T)                                                        \
+    extern "C" __global__ void graft_add_rms_norm_##suffix(                                  \
+        const T* x, const T* residual, const T* weight, T* out, unsigned int cols,           \
+        unsigned long long total, float eps) {                                               \
+        graft_add_rms_norm<T>(x, residual, weight, out, cols, total, eps);                   \
+    }
+GRAFT_FOR_DTYPES(GRAFT_ADD_RMS_NORM)
+"#,
+);
+
+/// The op's packed output `[2, ...x's shape]` on CUDA.
+pub(super) fn forward(
+    eps: f32,
+    x: &CudaStorage,
+    xl: &Layout,
+    r: &CudaStorage,
+    rl: &Layout,
+    w: &CudaStorage,
+    wl: &Layout,
+) -> Result<(CudaStorage, Shape)> {
+    let device = x.device.clone();
+    let slice = AddRmsNorm { eps }.map(&x.slice, xl, &r.slice, rl, &w.slice, wl, &device)?;
+    Ok((CudaStorage { slice, device }, packed_shape(xl)))
+}
+
+/// The kernel's launch over candle's dtype dispatch.
+struct AddRmsNorm {
+    eps: f32,
+}
+
+impl Map3 for AddRmsNorm {
+    fn f<T: DeviceRepr + WithDType + ValidAsZeroBits>(
+        &self,
+        x: &CudaSlice<T>,
+        xl: &Layout,
+        r: &CudaSlice<T>,
+        rl: &Layout,
+        w: &CudaSlice<T>,
+        wl: &Layout,
+        device: &CudaDevice,
+    ) -> Result<CudaSlice<T>> {
+        let total = xl.shape().elem_count();
+        let cols = wl.shape().elem_count();
+        let x = view(OP, "x", x, xl)?;
+        let r = view(OP, "residual", r, rl)?;
+        let w = view(OP, "weight", w, wl)?;
+        let rows = check::u32_of(OP, "the row count", total / cols)?;
+        let threads = check::u32_of(
+            OP,
+            "the block size",
+            cols.next_multiple_of(32).min(MAX_THREADS),
+        )?;
+        // SAFETY: the kernel writes all `2 * total` elements (block `row` writes the sum and
+        // the normed sum of its `cols` elements, the grid has one block per row) before
+        // anything reads them: it is launched below on the device's stream, which orders every
+        // later use of the output.
+        let mut out = unsafe { device.alloc::<T>(2 * total)? };
+        let name = format!("graft_add_rms_norm_{}", T::DTYPE.as_str());
+        let func = device.get_or_load_custom_func(&name, KERNELS.module(), KERNELS.ptx()?)?;
+        let cols = check::u32_of(OP, "the row length", cols)?;
+        let total = total as u64;
+        let mut launch = func.builder();
+        launch.arg(&x);
+        launch.arg(&r);
+        launch.arg(&w);
+        launch.arg(&mut out);
+        launch.arg(&cols);
+        launch.arg(&total);
+        launch.arg(&self.eps);
+        let cfg = LaunchConfig {
+            grid_dim: (rows, 1, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the arguments match `graft_add_rms_norm_<dtype>(const T*, const T*, const
+        // T*, T*, unsigned int, unsigned long long, float)` with T the storage's dtype: `x` and
+        // `residual` hold `total` = rows * cols elements, `weight` `cols` (checked by the
+        // wrapper), `out` `2 * total`; the block is a whole number of warps (the shuffles use
+        // all 32 lanes) and at most 1024 threads (32 warp sums); all live until the launch is
+        // enqueued on the device's stream.
+        unsafe { launch.launch(cfg) }.w()?;
+        Ok(out)
+    }
+}

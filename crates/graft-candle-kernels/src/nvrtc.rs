@@ -1,0 +1,140 @@
+//! The CUDA plumbing the ops share: a module's source compiled with NVRTC once per process and
+//! loaded into a candle device (candle keeps it per device by module name), the CUDA C prelude
+//! every module starts with (dtype conversions by hand, warp reductions; no headers), and the
+//! typed device view of a contiguous input.
+
+use std::sync::OnceLock;
+
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView};
+use candle_core::cuda_backend::cudarc::nvrtc;
+use candle_core::{Layout, Result};
+
+use crate::KernelError;
+
+/// The start of every module's source: 16-bit floats as structs of their bits (so a kernel
+/// argument is a plain pointer), conversions to and from f32 (bf16 by shifting and
+/// round-to-nearest-even; f16 by the PTX `cvt` instructions, what cuda_fp16.h does), and warp
+/// reductions over all 32 lanes (every block of these kernels is a whole number of warps).
+const PRELUDE: &str = r#"
+struct GraftBf16 { unsigned short bits; };
+struct GraftF16 { unsigned short bits; };
+
+__device__ __forceinline__ float graft_to_f32(float x) { return x; }
+__device__ __forceinline__ float graft_to_f32(GraftBf16 x) {
+    return __uint_as_float(((unsigned int)x.bits) << 16);
+}
+__device__ __forceinline__ float graft_to_f32(GraftF16 x) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
+    return f;
+}
+
+template <typename T> __device__ __forceinline__ T graft_from_f32(float x);
+template <> __device__ __forceinline__ float graft_from_f32<float>(float x) { return x; }
+template <> __device__ __forceinline__ GraftBf16 graft_from_f32<GraftBf16>(float x) {
+    unsigned int u = __float_as_uint(x);
+    GraftBf16 r;
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        r.bits = (unsigned short)((u >> 16) | 0x40u);
+        return r;
+    }
+    u += 0x7fffu + ((u >> 16) & 1u);
+    r.bits = (unsigned short)(u >> 16);
+    return r;
+}
+template <> __device__ __forceinline__ GraftF16 graft_from_f32<GraftF16>(float x) {
+    GraftF16 r;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.bits) : "f"(x));
+    return r;
+}
+
+#define GRAFT_NEG_INF __uint_as_float(0xff800000u)
+
+__device__ __forceinline__ float graft_warp_sum(float v) {
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        v += __shfl_xor_sync(0xffffffffu, v, offset);
+    }
+    return v;
+}
+__device__ __forceinline__ float graft_warp_max(float v) {
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+    }
+    return v;
+}
+
+// X(suffix, type) for every dtype the kernels take: the extern "C" names end in the suffix.
+#define GRAFT_FOR_DTYPES(X) X(f32, float) X(bf16, GraftBf16) X(f16, GraftF16)
+"#;
+
+/// One op's CUDA module: its name in candle's per-device table, its source (after the
+/// prelude) and its PTX, compiled on first use and kept for the process (or NVRTC's error).
+#[derive(Debug)]
+pub(crate) struct Kernels {
+    module: &'static str,
+    source: &'static str,
+    ptx: OnceLock<std::result::Result<String, KernelError>>,
+}
+
+impl Kernels {
+    pub(crate) const fn new(module: &'static str, source: &'static str) -> Self {
+        Self {
+            module,
+            source,
+            ptx: OnceLock::new(),
+        }
+    }
+
+    /// The module's name in candle's per-device table of custom modules.
+    pub(crate) fn module(&self) -> &'static str {
+        self.module
+    }
+
+    /// The module's PTX, compiled if this process has not yet; pass it with [`Self::module`]
+    /// to `CudaDevice::get_or_load_custom_func`, which loads it into a device only once.
+    pub(crate) fn ptx(&self) -> Result<&str> {
+        match self.ptx.get_or_init(|| compile(self.module, self.source)) {
+            Ok(ptx) => Ok(ptx),
+            Err(err) => Err(candle_core::Error::wrap(err.clone())),
+        }
+    }
+}
+
+fn compile(module: &'static str, source: &str) -> std::result::Result<String, KernelError> {
+    let opts = nvrtc::CompileOptions {
+        name: Some(format!("{module}.cu")),
+        ..Default::default()
+    };
+    let ptx =
+        nvrtc::compile_ptx_with_opts([PRELUDE, source].concat(), opts).map_err(|e| match e {
+            nvrtc::CompileError::CompileError { log, .. } => KernelError::Compile {
+                module,
+                log: log.to_string_lossy().into_owned(),
+            },
+            other => KernelError::Nvrtc {
+                module,
+                reason: other.to_string(),
+            },
+        })?;
+    match ptx.as_bytes() {
+        Some(image) => {
+            let text = image.split(|&b| b == 0).next().unwrap_or_default();
+            String::from_utf8(text.to_vec()).map_err(|_| KernelError::PtxNotText { module })
+        }
+        None => Ok(ptx.to_src()),
+    }
+}
+
+/// The elements of the contiguous tensor (`slice`, `layout`) as a device view (its start
+/// offset applied).
+pub(crate) fn view<'a, T>(
+    op: &'static str,
+    input: &'static str,
+    slice: &'a CudaSlice<T>,
+    layout: &Layout,
+) -> Result<CudaView<'a, T>> {
+    let Some((start, end)) = layout.contiguous_offsets() else {
+        return Err(KernelError::NotContiguous { op, input }.into());
+    };
+    Ok(slice.slice(start..end))
+}

@@ -1,0 +1,89 @@
+//! The SwiGLU kernel: one thread per element, 256 threads a block.
+
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+};
+use candle_core::cuda_backend::{CudaDevice, Map2, WrapErr};
+use candle_core::{CudaStorage, Layout, Result, Shape, WithDType};
+
+use super::OP;
+use crate::check;
+use crate::nvrtc::{Kernels, view};
+
+/// Threads per block.
+const THREADS: u32 = 256;
+
+static KERNELS: Kernels = Kernels::new(
+    "graft_kernels_swiglu",
+    r#"
+template <typename T>
+__device__ void graft_swiglu(const T* gate, const T* up, T* out, unsigned long long n) {
+    unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) {
+        return;
+    }
+    float g = graft_to_f32(gate[i]);
+    float u = graft_to_f32(up[i]);
+    out[i] = graft_from_f32<T>(g / (1.0f + expf(-g)) * u);
+}
+
+#define GRAFT_SWIGLU(suffix, T)                                                              \
+    extern "C" __global__ void graft_swiglu_##suffix(                                        \
+        const T* gate, const T* up, T* out, unsigned long long n) {                          \
+        graft_swiglu<T>(gate, up, out, n);                                                   \
+    }
+GRAFT_FOR_DTYPES(GRAFT_SWIGLU)
+"#,
+);
+
+pub(super) fn forward(
+    gate: &CudaStorage,
+    gl: &Layout,
+    up: &CudaStorage,
+    ul: &Layout,
+) -> Result<(CudaStorage, Shape)> {
+    let device = gate.device.clone();
+    let slice = Swiglu.map(&gate.slice, gl, &up.slice, ul, &device)?;
+    Ok((CudaStorage { slice, device }, gl.shape().clone()))
+}
+
+struct Swiglu;
+
+impl Map2 for Swiglu {
+    fn f<T: DeviceRepr + WithDType + ValidAsZeroBits>(
+        &self,
+        gate: &CudaSlice<T>,
+        gl: &Layout,
+        up: &CudaSlice<T>,
+        ul: &Layout,
+        device: &CudaDevice,
+    ) -> Result<CudaSlice<T>> {
+        let n = gl.shape().elem_count();
+        let gate = view(OP, "gate", gate, gl)?;
+        let up = view(OP, "up", up, ul)?;
+        // SAFETY: the kernel writes all `n` elements (one thread each, the grid covers `n`)
+        // before anything reads them: it is launched below on the device's stream, which
+        // orders every later use of the output.
+        let mut out = unsafe { device.alloc::<T>(n)? };
+        let name = format!("graft_swiglu_{}", T::DTYPE.as_str());
+        let func = device.get_or_load_custom_func(&name, KERNELS.module(), KERNELS.ptx()?)?;
+        let blocks = check::u32_of(OP, "the element count / 256", n.div_ceil(THREADS as usize))?;
+        let n = n as u64;
+        let mut launch = func.builder();
+        launch.arg(&gate);
+        launch.arg(&up);
+        launch.arg(&mut out);
+        launch.arg(&n);
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the arguments match `graft_swiglu_<dtype>(const T*, const T*, T*, unsigned
+        // long long)` with T the storage's dtype: `gate` and `up` hold `n` elements each (one
+        // shape, checked by the wrapper), `out` holds `n`, and no thread touches an index at or
+        // past `n`; all live until the launch is enqueued on the device's stream.
+        unsafe { launch.launch(cfg) }.w()?;
+        Ok(out)
+    }
+}

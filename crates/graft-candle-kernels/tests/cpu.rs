@@ -1,0 +1,169 @@
+//! The fused ops on the CPU (CI): each against the unfused candle composition over random
+//! shapes and dtypes, decode attention's reading of visible positions only, and the errors.
+
+mod common;
+
+use candle_core::{DType, Device, Tensor};
+use common::*;
+use graft_candle_kernels::{add_rms_norm, decode_attention, swiglu};
+use proptest::prelude::*;
+
+const DTYPES: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    #[test]
+    fn decode_attention_matches_unfused(case in attention_cases()) {
+        for dtype in DTYPES {
+            check_attention(&Device::Cpu, &case, dtype).unwrap();
+        }
+    }
+
+    #[test]
+    fn add_rms_norm_matches_unfused((lead, hidden, seed) in norm_cases()) {
+        for dtype in DTYPES {
+            check_add_rms_norm(&Device::Cpu, &lead, hidden, seed, dtype).unwrap();
+        }
+    }
+
+    #[test]
+    fn swiglu_matches_unfused((mut shape, hidden, seed) in norm_cases()) {
+        shape.push(hidden);
+        for dtype in DTYPES {
+            check_swiglu(&Device::Cpu, &shape, seed, dtype).unwrap();
+        }
+    }
+}
+
+#[test]
+fn decode_attention_reads_only_visible_positions() {
+    for dtype in DTYPES {
+        check_attention_reads_only_visible(&Device::Cpu, dtype).unwrap();
+    }
+}
+
+/// The error's message (candle wraps the `KernelError` as its Display).
+fn message<T: std::fmt::Debug>(result: candle_core::Result<T>) -> String {
+    result.unwrap_err().to_string()
+}
+
+#[test]
+fn decode_attention_refuses_bad_inputs() {
+    let dev = &Device::Cpu;
+    let q = Tensor::zeros((2, 6, 1, 64), DType::F32, dev).unwrap();
+    let k = Tensor::zeros((2, 4, 16, 64), DType::F32, dev).unwrap();
+    let pos = Tensor::new(&[1u32, 2], dev).unwrap();
+    let err = message(decode_attention(&q, &k, &k, &pos, 1.0, None));
+    assert!(err.contains("not a multiple of 4 key/value heads"), "{err}");
+
+    let q = Tensor::zeros((2, 8, 1, 64), DType::F32, dev).unwrap();
+    let err = message(decode_attention(
+        &q,
+        &k,
+        &k,
+        &pos.to_dtype(DType::F32).unwrap(),
+        1.0,
+        None,
+    ));
+    assert!(err.contains("pass them as u32"), "{err}");
+
+    let err = message(decode_attention(
+        &q,
+        &k.to_dtype(DType::BF16).unwrap(),
+        &k,
+        &pos,
+        1.0,
+        None,
+    ));
+    assert!(err.contains("k_cache is BF16 but q is F32"), "{err}");
+
+    let strided = k.transpose(1, 2).unwrap().transpose(1, 2).unwrap();
+    let wide = Tensor::zeros((2, 4, 64, 16), DType::F32, dev)
+        .unwrap()
+        .transpose(2, 3)
+        .unwrap();
+    let err = message(decode_attention(&q, &wide, &strided, &pos, 1.0, None));
+    assert!(err.contains("k_cache is not contiguous"), "{err}");
+
+    let big = Tensor::zeros((2, 4, 1, 320), DType::F32, dev).unwrap();
+    let kbig = Tensor::zeros((2, 4, 16, 320), DType::F32, dev).unwrap();
+    let err = message(decode_attention(&big, &kbig, &kbig, &pos, 1.0, None));
+    assert!(err.contains("head dim 320"), "{err}");
+
+    let past = Tensor::new(&[1u32, 16], dev).unwrap();
+    let err = message(decode_attention(&q, &k, &k, &past, 1.0, None));
+    assert!(
+        err.contains("sequence 1 is at position 16, past the cache's 16"),
+        "{err}"
+    );
+
+    let many = Tensor::zeros((1, 64, 1, 256), DType::F32, dev).unwrap();
+    let one = Tensor::zeros((1, 1, 16, 256), DType::F32, dev).unwrap();
+    let err = message(decode_attention(
+        &many,
+        &one,
+        &one,
+        &pos.narrow(0, 0, 1).unwrap(),
+        1.0,
+        None,
+    ));
+    assert!(err.contains("64 query heads per key/value head"), "{err}");
+
+    let empty = Tensor::zeros((2, 4, 0, 64), DType::F32, dev).unwrap();
+    let err = message(decode_attention(&q, &empty, &empty, &pos, 1.0, None));
+    assert!(err.contains("the KV cache has no positions"), "{err}");
+
+    let wide_batch = Tensor::zeros((65536, 1, 1, 1), DType::F32, dev).unwrap();
+    let wide_pos = Tensor::zeros(65536, DType::U32, dev).unwrap();
+    let err = message(decode_attention(
+        &wide_batch,
+        &wide_batch,
+        &wide_batch,
+        &wide_pos,
+        1.0,
+        None,
+    ));
+    assert!(err.contains("the batch is 65536"), "{err}");
+
+    let ints = Tensor::zeros((2, 8, 1, 64), DType::U32, dev).unwrap();
+    let err = message(decode_attention(&ints, &k, &k, &pos, 1.0, None));
+    assert!(err.contains("supports f32, bf16 and f16"), "{err}");
+}
+
+#[test]
+fn decode_attention_of_an_empty_batch_is_empty() {
+    let dev = &Device::Cpu;
+    let q = Tensor::zeros((0, 8, 1, 64), DType::F32, dev).unwrap();
+    let k = Tensor::zeros((0, 4, 16, 64), DType::F32, dev).unwrap();
+    let pos = Tensor::zeros(0, DType::U32, dev).unwrap();
+    let out = decode_attention(&q, &k, &k, &pos, 1.0, None).unwrap();
+    assert_eq!(out.dims(), [0, 1, 512]);
+}
+
+#[test]
+fn add_rms_norm_and_swiglu_refuse_bad_inputs() {
+    let dev = &Device::Cpu;
+    let x = Tensor::zeros((3, 8), DType::F32, dev).unwrap();
+    let w = Tensor::zeros(7, DType::F32, dev).unwrap();
+    let err = message(add_rms_norm(&x, &x, &w, 1e-5));
+    assert!(
+        err.contains("weight has shape [7], expected [x's last dimension]"),
+        "{err}"
+    );
+    let t = Tensor::zeros((8, 3), DType::F32, dev).unwrap().t().unwrap();
+    let err = message(add_rms_norm(
+        &t,
+        &x,
+        &w.pad_with_zeros(0, 0, 1).unwrap(),
+        1e-5,
+    ));
+    assert!(err.contains("x is not contiguous"), "{err}");
+    let err = message(swiglu(&x, &x.narrow(1, 0, 4).unwrap()));
+    assert!(
+        err.contains("up has shape [3, 4], expected gate's shape"),
+        "{err}"
+    );
+    let err = message(swiglu(&x, &x.to_dtype(DType::F16).unwrap()));
+    assert!(err.contains("up is F16 but gate is F32"), "{err}");
+}

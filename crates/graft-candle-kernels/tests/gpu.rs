@@ -1,0 +1,58 @@
+//! The fused ops on a CUDA GPU (ignored in CI; `--include-ignored` on the GPU machine, through
+//! `scripts/stage.sh --candle-cuda` and `scripts/gpu-run.sh`): the CPU tests' bodies on
+//! `Device::new_cuda(0)`, each op against the unfused candle composition on the same GPU, and
+//! decode attention's reading of visible positions only (NaN elsewhere changes nothing).
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use candle_core::{DType, Device};
+use common::*;
+use proptest::prelude::*;
+
+const DTYPES: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
+
+fn gpu() -> Device {
+    Device::new_cuda(0).expect("a CUDA GPU")
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_decode_attention_matches_unfused(case in attention_cases()) {
+        let dev = gpu();
+        for dtype in DTYPES {
+            check_attention(&dev, &case, dtype).unwrap();
+        }
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_add_rms_norm_matches_unfused((lead, hidden, seed) in norm_cases()) {
+        let dev = gpu();
+        for dtype in DTYPES {
+            check_add_rms_norm(&dev, &lead, hidden, seed, dtype).unwrap();
+        }
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_swiglu_matches_unfused((mut shape, hidden, seed) in norm_cases()) {
+        shape.push(hidden);
+        let dev = gpu();
+        for dtype in DTYPES {
+            check_swiglu(&dev, &shape, seed, dtype).unwrap();
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_decode_attention_reads_only_visible_positions() {
+    let dev = gpu();
+    for dtype in DTYPES {
+        check_attention_reads_only_visible(&dev, dtype).unwrap();
+    }
+}
