@@ -14,6 +14,10 @@ position stays below 256, whatever the cache length) outside the timed region.
 Modes: eager (plain calls) and reduce_overhead (torch.compile(mode="reduce-overhead"):
 Inductor and CUDAGraph Trees, cudagraph_mark_step_begin before each step).
 
+The bandwidth floor: a device-to-device copy of as many bytes as the model's parameters,
+timed with CUDA events (median of 20): a decode step at batch 1 must read every weight once,
+so half the copy's time (it reads and writes) is the floor of one step.
+
 Timing per (mode, cache, batch): --warmup steps (compilation and recording happen there),
 then --steps steps, each between a pair of CUDA events; the median is reported. TF32 is
 off. Prints one line per measurement and writes --json if given.
@@ -98,6 +102,22 @@ def measure(model, cfg, mode, batch, length, args):
     return statistics.median(times)
 
 
+def floor_us(nbytes):
+    """Half the median time of a device-to-device copy of `nbytes` (the read of one step)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(25):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0)
+    return statistics.median(times[5:]) / 2
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batches", default="1,8,32")
@@ -115,7 +135,10 @@ def main():
     cfg = config(max(lengths))
     with torch.device("cuda"):
         model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
-    rows = []
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    floor = floor_us(nbytes)
+    print(f"floor: {nbytes / 1e9:.3f} GB of parameters, read in {floor:.1f} us (half a device copy)", flush=True)
+    rows = [{"mode": "floor", "bytes": nbytes, "us": floor}]
     for mode in args.modes.split(","):
         for length in lengths:
             for batch in [int(b) for b in args.batches.split(",")]:

@@ -77,6 +77,38 @@ pub fn decode_attention(
     q.apply_op3_no_bwd(k_cache, v_cache, &op)
 }
 
+/// Whether [`decode_attention`] takes a model of these head counts and head dim (`Err` says
+/// why not): a model decides once, at load, between it and the unfused attention.
+pub fn decode_attention_fits(
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+) -> std::result::Result<(), KernelError> {
+    if kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
+        return Err(KernelError::Heads { heads, kv_heads });
+    }
+    if head_dim == 0 || head_dim > MAX_HEAD_DIM {
+        return Err(KernelError::HeadDim { head_dim });
+    }
+    let group = heads / kv_heads;
+    let bytes = shared_bytes(group, head_dim);
+    if bytes > SHARED_LIMIT {
+        return Err(KernelError::GroupTooLarge {
+            group,
+            head_dim,
+            bytes,
+            limit: SHARED_LIMIT,
+        });
+    }
+    Ok(())
+}
+
+/// Dynamic shared memory of a split-kernel block: the group's queries and its scores over
+/// one chunk, in f32.
+fn shared_bytes(group: usize, head_dim: usize) -> usize {
+    group * (head_dim + CHUNK) * size_of::<f32>()
+}
+
 /// The attention's sizes, checked.
 #[derive(Debug, Clone, Copy)]
 struct Dims {
@@ -120,12 +152,7 @@ impl Dims {
         if positions.dims() != [batch] {
             return Err(shape("positions", positions, "[batch]"));
         }
-        if kv_heads == 0 || heads % kv_heads != 0 {
-            return Err(KernelError::Heads { heads, kv_heads }.into());
-        }
-        if head_dim == 0 || head_dim > MAX_HEAD_DIM {
-            return Err(KernelError::HeadDim { head_dim }.into());
-        }
+        decode_attention_fits(heads, kv_heads, head_dim)?;
         if max_seq == 0 {
             return Err(KernelError::EmptyCache.into());
         }
@@ -136,16 +163,6 @@ impl Dims {
             max_seq,
             head_dim,
         };
-        let bytes = dims.shared_bytes();
-        if bytes > SHARED_LIMIT {
-            return Err(KernelError::GroupTooLarge {
-                group: dims.group(),
-                head_dim,
-                bytes,
-                limit: SHARED_LIMIT,
-            }
-            .into());
-        }
         for (what, size, limit) in [
             ("the batch", batch, GRID_YZ_LIMIT),
             ("the KV head count", kv_heads, GRID_YZ_LIMIT),
@@ -174,10 +191,10 @@ impl Dims {
         self.max_seq.div_ceil(CHUNK)
     }
 
-    /// Dynamic shared memory of a split-kernel block: the group's queries and its scores
-    /// over one chunk, in f32.
+    /// Dynamic shared memory of a split-kernel block.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     fn shared_bytes(&self) -> usize {
-        self.group() * (self.head_dim + CHUNK) * size_of::<f32>()
+        shared_bytes(self.group(), self.head_dim)
     }
 
     /// `[batch, 1, heads * head_dim]`.

@@ -24,7 +24,7 @@ mod norm;
 mod nvrtc;
 mod swiglu;
 
-pub use attention::{CHUNK, decode_attention};
+pub use attention::{CHUNK, decode_attention, decode_attention_fits};
 pub use error::KernelError;
 pub use norm::add_rms_norm;
 pub use swiglu::swiglu;

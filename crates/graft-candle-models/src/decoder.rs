@@ -8,7 +8,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use candle_core::quantized::QMatMul;
 use candle_core::{D, DType, Device, Module, Result, Tensor};
-use candle_nn::{Linear, VarBuilder};
+use candle_nn::{Activation, Linear, VarBuilder};
+use graft_candle_kernels::{add_rms_norm, decode_attention, decode_attention_fits, swiglu};
 
 use super::cache::KvCache;
 use super::rope::Rope;
@@ -70,6 +71,10 @@ pub struct Decoder {
     pub(crate) rope: Rope,
     /// The dtype of activations and of the cache.
     dtype: DType,
+    /// A decode step attends with graft-candle-kernels' `decode_attention` (reading the cache
+    /// only up to each position); `false` when the heads do not fit it (the unfused attention
+    /// over the whole row, masked, then).
+    fused_attention: bool,
     /// This rank's place when the decoder is one part of a tensor-parallel model: its
     /// blocks then sum their attention and MLP outputs over the ranks. `None`: the whole.
     shard: Option<Shard>,
@@ -103,6 +108,14 @@ impl Decoder {
     ) -> Result<Decoder> {
         let dtype = embed.dtype();
         let rope = Rope::new(&spec.rope, spec.head_dim, dtype, device)?;
+        let fused_attention = match decode_attention_fits(spec.heads, spec.kv_heads, spec.head_dim)
+        {
+            Ok(()) => true,
+            Err(why) => {
+                tracing::debug!(%why, "decode steps attend unfused");
+                false
+            }
+        };
         Ok(Decoder {
             spec,
             embed,
@@ -111,6 +124,7 @@ impl Decoder {
             lm_head,
             rope,
             dtype,
+            fused_attention,
             shard: None,
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
         })
@@ -391,19 +405,20 @@ impl Decoder {
         let (cos, sin) = self.rope.at(&plan.positions)?;
         let (cos, sin) = (cos.squeeze(1)?, sin.squeeze(1)?);
         let mut x = self.embed.index_select(tokens, 0)?.unsqueeze(0)?;
+        let mut h = self.first_norm(&x)?;
         for (i, b) in self.blocks.iter().enumerate() {
-            let (q, k, v) = b.qkv(&x, s, &self.rope, &cos, &sin)?;
+            let (q, k, v) = b.qkv(&h, s, &self.rope, &cos, &sin)?;
             let (k_flat, v_flat) = cache.flat(i)?;
             let rows = s.kv_heads * chunk;
             k_flat.scatter_set(&plan.write_at, &k.reshape((rows, s.head_dim))?, 0)?;
             v_flat.scatter_set(&plan.write_at, &v.reshape((rows, s.head_dim))?, 0)?;
             let (k_row, v_row) = cache.row(i, &plan.row)?;
             let o = attend_chunk(&q, &k_row, &v_row, &plan.mask, s)?;
-            x = b.finish(&x, &o, s, self.shard.as_ref())?;
+            (x, h) = b.finish(&x, &o, self.norm_after(i), s, self.shard.as_ref())?;
         }
-        let x = x.index_select(&plan.last, 1)?;
-        let x = candle_nn::ops::rms_norm(&x, &self.norm, s.eps as f32)?;
-        let logits = self.lm_head.forward(&x)?.squeeze(1)?.to_dtype(DType::F32)?;
+        // `h` is the final norm of every position: the last real one's logits.
+        let h = h.index_select(&plan.last, 1)?;
+        let logits = self.lm_head.forward(&h)?.squeeze(1)?.to_dtype(DType::F32)?;
         cache.step_row(&plan, &meta.narrow(0, 1, 1)?)?;
         Ok(logits)
     }
@@ -414,46 +429,75 @@ impl Decoder {
         let batch = tokens.dims1()?;
         let positions = cache.positions_of(batch)?;
         let (cos, sin) = self.rope.at(&positions)?;
-        let mask = cache.mask(batch)?;
+        let mask = if self.fused_attention {
+            None
+        } else {
+            Some(cache.mask(batch)?)
+        };
         let write_at = cache.write_index(batch, s.kv_heads, s.head_dim)?;
         // [batch, 1, hidden]: one new position per sequence, shaped as candle's models do.
         let mut x = self.embed.index_select(tokens, 0)?.unsqueeze(1)?;
+        let mut h = self.first_norm(&x)?;
         for (i, b) in self.blocks.iter().enumerate() {
             let (k_cache, v_cache) = cache.layer(i, batch)?;
-            let (q, k, v) = b.qkv(&x, s, &self.rope, &cos, &sin)?;
+            let (q, k, v) = b.qkv(&h, s, &self.rope, &cos, &sin)?;
             k_cache.scatter_set(&write_at, &k, 2)?;
             v_cache.scatter_set(&write_at, &v, 2)?;
-            let o = attend(&q, &k_cache, &v_cache, &mask, s)?;
-            x = b.finish(&x, &o, s, self.shard.as_ref())?;
+            let o = match &mask {
+                None => {
+                    let scale = 1.0 / (s.head_dim as f32).sqrt();
+                    decode_attention(&q, &k_cache, &v_cache, &positions, scale, s.sliding_window)?
+                }
+                Some(mask) => attend(&q, &k_cache, &v_cache, mask, s)?,
+            };
+            (x, h) = b.finish(&x, &o, self.norm_after(i), s, self.shard.as_ref())?;
         }
-        let x = candle_nn::ops::rms_norm(&x, &self.norm, s.eps as f32)?;
-        let logits = self.lm_head.forward(&x)?.squeeze(1)?.to_dtype(DType::F32)?;
+        let logits = self.lm_head.forward(&h)?.squeeze(1)?.to_dtype(DType::F32)?;
         cache.step_positions(batch)?;
         Ok(logits)
     }
 }
 
+impl Decoder {
+    /// The first block's input norm of the residual stream `x` (the final norm without
+    /// blocks); every later norm comes fused with the residual add before it.
+    fn first_norm(&self, x: &Tensor) -> Result<Tensor> {
+        let w = self.blocks.first().map_or(&self.norm, |b| &b.attn_norm);
+        candle_nn::ops::rms_norm(x, w, self.spec.eps as f32)
+    }
+
+    /// The norm that follows block `i`: the next block's input norm, or the final one.
+    fn norm_after(&self, i: usize) -> &Tensor {
+        self.blocks.get(i + 1).map_or(&self.norm, |b| &b.attn_norm)
+    }
+}
+
 impl Block {
     /// The rotated queries `[batch, heads, t, hd]`, rotated keys and values `[batch, kv, t,
-    /// hd]` of the block's input `x` `[batch, t, hidden]` (t = 1 for a decode step).
+    /// hd]` of the block's normed input `h` `[batch, t, hidden]` (t = 1 for a decode step).
     fn qkv(
         &self,
-        x: &Tensor,
+        h: &Tensor,
         s: &DecoderSpec,
         rope: &Rope,
         cos: &Tensor,
         sin: &Tensor,
     ) -> Result<(Tensor, Tensor, Tensor)> {
-        let (batch, len, _) = x.dims3()?;
-        let h = candle_nn::ops::rms_norm(x, &self.attn_norm, s.eps as f32)?;
+        let (batch, len, _) = h.dims3()?;
         let heads = |t: Tensor, n: usize| {
-            t.reshape((batch, len, n, s.head_dim))?
-                .transpose(1, 2)?
-                .contiguous()
+            if len == 1 {
+                // One position: `[batch, 1, n, hd]` and `[batch, n, 1, hd]` are the same
+                // memory, so no transpose copy.
+                t.reshape((batch, n, 1, s.head_dim))
+            } else {
+                t.reshape((batch, len, n, s.head_dim))?
+                    .transpose(1, 2)?
+                    .contiguous()
+            }
         };
-        let mut q = heads(self.q.forward(&h)?, s.heads)?;
-        let mut k = heads(self.k.forward(&h)?, s.kv_heads)?;
-        let v = heads(self.v.forward(&h)?, s.kv_heads)?;
+        let mut q = heads(self.q.forward(h)?, s.heads)?;
+        let mut k = heads(self.k.forward(h)?, s.kv_heads)?;
+        let v = heads(self.v.forward(h)?, s.kv_heads)?;
         if let Some((qn, kn)) = &self.qk_norm {
             let norm = |t: &Tensor, w: &Tensor, n: usize| {
                 candle_nn::ops::rms_norm(&t.flatten(0, 2)?, w, s.eps as f32)?
@@ -466,23 +510,31 @@ impl Block {
     }
 
     /// The block's output from its input `x` and the attention result `o` (`[batch, t,
-    /// heads * hd]`): the output projection and the gated MLP, each added to the residual.
-    /// On a rank of a tensor-parallel model each of the two is summed over the ranks first.
+    /// heads * hd]`): the output projection and the gated MLP, each added to the residual
+    /// stream, with the norm that follows each add in the same launch (`add_rms_norm`): the
+    /// MLP's own, then `next_norm` (the next block's input norm, or the final one). Returns
+    /// the residual stream and its `next_norm`. On a rank of a tensor-parallel model each of
+    /// the two is summed over the ranks first.
     fn finish(
         &self,
         x: &Tensor,
         o: &Tensor,
+        next_norm: &Tensor,
         s: &DecoderSpec,
         shard: Option<&Shard>,
-    ) -> Result<Tensor> {
+    ) -> Result<(Tensor, Tensor)> {
         let whole = |partial: Tensor| match shard {
             Some(sh) => sh.reduce(partial),
             None => Ok(partial),
         };
-        let x = (whole(self.o.forward(o)?)? + x)?;
-        let h = candle_nn::ops::rms_norm(&x, &self.mlp_norm, s.eps as f32)?;
-        let gated = (self.gate.forward(&h)?.apply(&s.act)? * self.up.forward(&h)?)?;
-        whole(self.down.forward(&gated)?)? + x
+        let eps = s.eps as f32;
+        let (x, h) = add_rms_norm(&whole(self.o.forward(o)?)?, x, &self.mlp_norm, eps)?;
+        let (gate, up) = (self.gate.forward(&h)?, self.up.forward(&h)?);
+        let gated = match s.act {
+            Activation::Silu => swiglu(&gate, &up)?,
+            act => (gate.apply(&act)? * up)?,
+        };
+        add_rms_norm(&whole(self.down.forward(&gated)?)?, &x, next_norm, eps)
     }
 }
 
