@@ -1,7 +1,7 @@
 //! Guards against a model: any sequence of values of a host scalar the body passes to a
 //! kernel (runs of repeats, changes at any call) under any schedule: each call replays or
 //! not, and is right or stale, exactly as a model of the schedule written apart from graft's
-//! says.
+//! says (a found value makes the signature eager for good: every later call is right).
 
 mod common;
 
@@ -14,19 +14,24 @@ use proptest::prelude::*;
 /// model of the schedule and the outcome, written apart from graft's.
 fn model(values: &[u8], guards: Guards) -> Vec<(bool, bool)> {
     let mut out = vec![(false, true); values.len().min(2)];
-    let (mut recorded, mut replays) = (values.get(1).copied(), 0u64);
-    let (mut next, mut always) = (Some(guards.first), false);
+    let (recorded, mut replays) = (values.get(1).copied(), 0u64);
+    let (mut next, mut eager) = (guards.first, false);
     for &v in values.iter().skip(2) {
-        let call = replays + 1;
-        let due = always || next.is_some_and(|n| call >= n);
-        if due && recorded != Some(v) {
-            // Replaced: a new recording, guarded on every call from now on.
-            (recorded, replays, always) = (Some(v), 0, true);
+        if eager {
+            // Found: every later call runs eagerly, and is right.
             out.push((false, true));
             continue;
         }
-        if due && !always {
-            next = Some(call + call.min(guards.max_interval));
+        let call = replays + 1;
+        let due = call >= next;
+        if due && recorded != Some(v) {
+            // Found: this call runs the new capture (right), the signature eagerly after it.
+            eager = true;
+            out.push((false, true));
+            continue;
+        }
+        if due {
+            next = call + call.min(guards.max_interval);
         }
         replays += 1;
         out.push((true, recorded == Some(v)));

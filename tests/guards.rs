@@ -10,7 +10,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use common::*;
-use graft::{Config, Ctx, FunctionSpec, GraphDifference, Guards, Outcome, Output, RecordReason};
+use graft::{
+    Config, Ctx, EagerReason, FunctionSpec, GraphDifference, Guards, Outcome, Output, RecordReason,
+};
 
 fn guarded() -> Config {
     Config {
@@ -20,17 +22,18 @@ fn guarded() -> Config {
 }
 
 // Call 0 warms up, call 1 records, call 2 is the first guard (the call right after the
-// recording): it finds `a` changed, runs the new capture, and every later call captures.
+// recording): it finds `a` changed, runs the new capture, and every later call runs eagerly.
 fn changes_every_call<D: TestDevice>(dev: D) {
     let mut g = graft(dev, guarded());
     let runs = Runs::default();
     let calls = run_scaled(&mut g, 40, |i| i as f32, &runs);
     assert!(calls.iter().all(|(_, right)| *right), "{calls:?}");
     assert!(matches!(calls[1].0, Outcome::Recorded(_)));
+    assert!(matches!(calls[2].0, Outcome::Recorded(_)));
     assert!(
-        calls[2..]
+        calls[3..]
             .iter()
-            .all(|(o, _)| matches!(o, Outcome::Recorded(_)))
+            .all(|(o, _)| matches!(o, Outcome::Eager(EagerReason::HostValueBaked { .. })))
     );
     assert_eq!(runs.get(), 40, "the body runs once per call");
     let findings = g.guard_findings();
@@ -61,11 +64,16 @@ fn changes_every_call<D: TestDevice>(dev: D) {
         "{message}"
     );
     let stats = g.stats();
-    assert_eq!(stats.guards, 38);
-    assert_eq!(stats.guard_differences, 38);
-    assert_eq!(stats.rerecords.host_value_changed, 38);
+    assert_eq!(stats.guards, 1);
+    assert_eq!(stats.guard_differences, 1);
+    assert_eq!(stats.rerecords.host_value_changed, 1);
     assert_eq!(stats.replays, 0);
-    assert_eq!(stats.nodes, 1);
+    assert_eq!(stats.fallbacks, 1);
+    assert_eq!(stats.eager_runs, 37);
+    assert_eq!(
+        stats.nodes, 0,
+        "the capture that found it is freed after its launch"
+    );
 }
 device_test!(
     a_scalar_that_changes_every_call_is_found_at_the_first_guard,
@@ -74,7 +82,8 @@ device_test!(
 
 // `a` changes at call 11 (the 10th call after the recording at call 1). Guards run at calls
 // 1, 2, 4, 8, 16 after the recording (global calls 2, 3, 5, 9, 17): calls 11 to 16 replay
-// the stale value, call 17 finds it, and every call from there on is right.
+// the stale value, call 17 finds it and runs its new capture, and every call from there on
+// runs eagerly and is right.
 fn changes_once<D: TestDevice>(dev: D) {
     let mut g = graft(dev, guarded());
     let runs = Runs::default();
@@ -84,10 +93,14 @@ fn changes_once<D: TestDevice>(dev: D) {
     assert!(matches!(calls[17].0, Outcome::Recorded(_)));
     assert_eq!(g.guard_findings().len(), 1);
     assert_eq!(g.guard_findings()[0].call, 16);
-    // Calls 2, 3, 5, 9 and 17 guard on the schedule; from call 17 on every call captures
-    // (and replays when the capture is equal).
+    // Calls 2, 3, 5, 9 and 17 guard on the schedule; from call 18 on every call runs eagerly.
     assert_eq!(g.stats().guard_differences, 1);
-    assert_eq!(g.stats().guards, 4 + 23);
+    assert_eq!(g.stats().guards, 5);
+    assert!(
+        calls[18..]
+            .iter()
+            .all(|(o, _)| matches!(o, Outcome::Eager(EagerReason::HostValueBaked { .. })))
+    );
     assert!(
         calls[..11]
             .iter()
@@ -165,8 +178,8 @@ device_test!(
     moved_addresses
 );
 
-// With guards off, `guard_next_call` guards one call on demand; the replacement is not
-// guarded again unless asked.
+// With guards off, `guard_next_call` guards one call on demand; what it finds makes the
+// signature eager as a scheduled guard's finding does.
 fn on_demand<D: TestDevice>(dev: D) {
     let mut g = graft(dev, unguarded());
     let f = g.register("step", FunctionSpec::default());
@@ -191,9 +204,12 @@ fn on_demand<D: TestDevice>(dev: D) {
     assert!(matches!(o, Outcome::Recorded(_)));
     assert_eq!(v, 5.0);
     assert_eq!(g.guard_findings().len(), 1);
-    let (o, v) = call(&mut g, 4.0);
-    assert!(matches!(o, Outcome::Replayed(_)));
-    assert_eq!(v, 5.0);
+    let (o, v) = call(&mut g, 6.0);
+    assert!(matches!(
+        o,
+        Outcome::Eager(EagerReason::HostValueBaked { .. })
+    ));
+    assert_eq!(v, 7.0);
     assert_eq!(g.stats().guards, 1);
     let replaced = g.explain().any(|d| {
         matches!(

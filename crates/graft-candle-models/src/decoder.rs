@@ -1,8 +1,12 @@
 //! The decoder every port builds: embedding, blocks of grouped-query attention over the
 //! shared [`KvCache`] and a gated MLP, a final norm and the output projection. One decode
-//! step reads the positions on the device, rotates and masks at them, writes the new keys and
-//! values in place, and advances the positions on the device: no host value that changes
-//! between steps reaches a kernel, so a recorded step replays correctly at every position.
+//! step reads the positions on the device, rotates at them, writes the new keys and values in
+//! place, attends up to them (graft-candle-kernels' `decode_attention`, which reads the cache
+//! only that far; the masked attention over the whole row where the heads do not fit it), and
+//! advances the positions on the device: no host value that changes between steps reaches a
+//! kernel, so a recorded step replays correctly at every position. Each residual add runs in
+//! one launch with the norm after it (`add_rms_norm`), and a SiLU-gated MLP's gate with
+//! `swiglu`.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 

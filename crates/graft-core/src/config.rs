@@ -162,8 +162,9 @@ pub struct Config {
     /// capture with the recording node by node: kernels, launch configurations, every kernel
     /// argument's bytes (addresses as graft expects them to move), copies. Equal: the
     /// recording replays and the capture is dropped. Different: the call runs the new
-    /// capture, which replaces the recording, the difference is reported once (a warning and
-    /// `Graft::guard_findings`), and every later call of the signature captures again. The
+    /// capture in the recording's place, the difference is reported once (a warning and
+    /// `Graft::guard_findings`), and every later call of the signature runs eagerly
+    /// (`EagerReason::HostValueBaked`). The
     /// body's host code runs once per guarded call, as on any call that records. A guarded
     /// call costs a capture and an instantiation; the others nothing but a compare. Guards are
     /// off in a group (`Graft::join`), in verify mode (every replay is verified instead), and

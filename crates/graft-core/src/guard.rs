@@ -32,13 +32,12 @@ impl Default for Guards {
     }
 }
 
-/// A node's guard state. Only [`transition`] changes it.
+/// A node's guard state. Only [`transition`] changes it. (A guard that finds a difference
+/// ends the node: its signature runs eagerly, see `EagerReason::HostValueBaked`.)
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub(crate) enum Guard {
     /// The call that makes the node's replay count `next` is guarded.
     Scheduled { next: u64 },
-    /// A guard found a difference: every call captures the body and replaces the recording.
-    Always,
     /// Not guarded (guards off, in a group, or the device cannot compare).
     Off,
 }
@@ -48,8 +47,6 @@ pub(crate) enum Guard {
 pub(crate) enum Found {
     /// The capture equals the recording; `call` is the guarded call's number (replays + 1).
     Equal { call: u64 },
-    /// The capture differs.
-    Different,
     /// The device cannot compare, or the capture failed.
     CannotCompare,
 }
@@ -77,7 +74,6 @@ impl Guard {
     pub(crate) fn due(self, replays: u64) -> bool {
         match self {
             Guard::Scheduled { next } => replays + 1 >= next,
-            Guard::Always => true,
             Guard::Off => false,
         }
     }
@@ -97,7 +93,6 @@ pub(crate) fn transition(
             });
         }
         (_, Found::CannotCompare) => Guard::Off,
-        (_, Found::Different) | (Guard::Always, Found::Equal { .. }) => Guard::Always,
         (Guard::Scheduled { .. }, Found::Equal { call }) => Guard::Scheduled {
             next: call + call.clamp(1, guards.max_interval.max(1)),
         },
@@ -109,7 +104,8 @@ pub(crate) fn transition(
 /// A difference a guard found between a recording and a new capture of its body: a value
 /// the body computes on the host and passes to the device (a step counter, a learning rate,
 /// a position) was baked into the recording. The call that found it ran the new capture, so
-/// its result is right; from then on every call of the signature captures again.
+/// its result is right; from then on the signature runs eagerly
+/// (`EagerReason::HostValueBaked`).
 #[derive(Clone, PartialEq, Eq, Debug)]
 pub struct GuardFinding {
     /// The function called.
@@ -190,18 +186,13 @@ mod tests {
     }
 
     #[test]
-    fn a_difference_guards_every_call_and_cannot_compare_turns_off() {
+    fn cannot_compare_turns_guards_off_for_good() {
         let g = Guards::default();
         let mut s = Guard::start(Some(g));
-        transition(&mut s, Found::Different, g).unwrap();
-        assert_eq!(s, Guard::Always);
-        assert!(s.due(1000));
-        transition(&mut s, Found::Equal { call: 3 }, g).unwrap();
-        assert_eq!(s, Guard::Always);
         transition(&mut s, Found::CannotCompare, g).unwrap();
         assert_eq!(s, Guard::Off);
         assert!(!s.due(0));
-        let refused = transition(&mut s, Found::Different, g).unwrap_err();
+        let refused = transition(&mut s, Found::Equal { call: 1 }, g).unwrap_err();
         assert_eq!(refused.from, Guard::Off);
         assert_eq!(s, Guard::Off);
         assert_eq!(Guard::start(None), Guard::Off);

@@ -4,6 +4,7 @@
 use std::fmt;
 
 use crate::device::{CaptureViolation, DeviceError, DeviceOp, DevicePtr, UpdateRefusal};
+use crate::guard::GuardFinding;
 use crate::node_id::NodeId;
 
 /// Why a call recorded a new node instead of replaying one.
@@ -238,6 +239,14 @@ pub enum EagerReason {
         /// How many such kernels the graph held.
         kernels: usize,
     },
+    /// A guard found a host value baked into the recording (see [`crate::Config::guards`]):
+    /// the call that found it ran its new capture; every later call runs eagerly, which costs
+    /// less than capturing the body on every call.
+    HostValueBaked {
+        /// The first difference the guard found (all of them are in
+        /// `Graft::guard_findings`).
+        finding: Box<GuardFinding>,
+    },
     /// This (parent, function) pair re-recorded more often than the limit allows.
     RerecordLimit {
         /// The limit in force.
@@ -292,6 +301,7 @@ impl fmt::Display for EagerReason {
                 f,
                 "the graph launches {kernels} kernels of a random generator whose state is on the host (cuRAND, candle's rand and randn), which a replay cannot advance; draw from a generator whose seed and offset are on the device (graft_candle::random::DeviceRng) to graph it"
             ),
+            EagerReason::HostValueBaked { finding } => write!(f, "{finding}"),
             EagerReason::RerecordLimit { limit, last } => write!(
                 f,
                 "re-record limit reached ({limit}): {last}; make the input static with a stable address, or drop outputs consistently"
@@ -321,6 +331,9 @@ pub enum EvictReason {
     /// Its graph draws from a host-side random generator ([`EagerReason::HostRandom`]): it
     /// never replays, so it is freed after its first launch.
     HostRandom,
+    /// A guard's capture that found a host value baked in ([`EagerReason::HostValueBaked`]):
+    /// it ran once in the recording's place, and its signature runs eagerly from then on.
+    HostValueBaked,
 }
 
 impl fmt::Display for EvictReason {
@@ -338,6 +351,9 @@ impl fmt::Display for EvictReason {
             EvictReason::HostRandom => {
                 f.write_str("the graph draws from a host-side random generator: it never replays")
             }
+            EvictReason::HostValueBaked => f.write_str(
+                "a host value is baked into the graph: its signature runs eagerly from now on",
+            ),
         }
     }
 }

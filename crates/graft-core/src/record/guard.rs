@@ -1,15 +1,15 @@
 //! A guarded call (see `guard.rs` for the schedule): the body is captured again, the device
 //! compares the capture with the recording node by node, and core keeps the differences its
 //! own address bookkeeping does not predict. None: the recording replays and the capture is
-//! dropped. Some: the capture replaces the recording and runs (this call's result is right),
-//! and the difference is reported.
+//! dropped. Some: the capture runs in the recording's place (this call's result is right),
+//! the difference is reported, and the signature runs eagerly from then on.
 
 use crate::ctx::Ctx;
 use crate::device::{Device, DevicePtr, GraphDifference};
 use crate::error::{BodyError, CallError};
 use crate::graft::{Frame, Graft, Outcome};
-use crate::guard::{Found, Guard, GuardFinding, transition};
-use crate::reason::{EvictReason, RecordReason};
+use crate::guard::{Found, GuardFinding, transition};
+use crate::reason::{EagerReason, EvictReason, RecordReason};
 use crate::tree::{InputSlot, Node, NodeKey, NodeOutput, Output, OutputSlot, key_of};
 
 use super::vote::Pending;
@@ -87,28 +87,37 @@ impl<D: Device, M: Clone> Graft<D, M> {
             return self.replay(key, frame);
         }
         self.stats.guard_differences += 1;
-        let first = self.tree[key].guard != Guard::Always;
-        for difference in found {
-            let finding = GuardFinding {
-                function: name.to_string(),
-                node: key.id(),
-                call,
-                difference,
-            };
-            if self.guard_findings.iter().any(|f| same_place(f, &finding)) {
-                continue;
+        let mut findings = found.into_iter().map(|difference| GuardFinding {
+            function: name.to_string(),
+            node: key.id(),
+            call,
+            difference,
+        });
+        // The first difference names the fallback; every new one is kept, each value once.
+        let first = findings.next();
+        for finding in first.iter().cloned().chain(findings) {
+            if !self.guard_findings.iter().any(|f| same_place(f, &finding)) {
+                self.guard_findings.push(finding);
             }
-            if first {
-                tracing::warn!("{finding}");
-            }
-            self.guard_findings.push(finding);
         }
         drop(self.evict(key, EvictReason::Replaced));
+        // This call runs the new capture (the body ran once, in it: its result is right);
+        // every later call of the signature runs eagerly, which costs less than capturing on
+        // every call (see docs/benchmarks.md), and the capture is freed after its launch.
         let outcome = self.keep_capture(frame, parent, RecordReason::HostValueChanged, pending)?;
+        if let Some(finding) = first {
+            let why = EagerReason::HostValueBaked {
+                finding: Box::new(finding),
+            };
+            let _span = tracing::info_span!("fallback", function = %name).entered();
+            tracing::warn!(reason = %why, "a guard found a host value baked into the recording; the signature runs eagerly from now on");
+            self.stats.fallbacks += 1;
+            self.functions[frame.function].sigs[frame.sig].eager = Some(why);
+        }
         if let Outcome::Recorded(id) = outcome
             && self.tree.get(key_of(id)).is_some()
         {
-            self.move_guard(key_of(id), Found::Different);
+            self.free_retired(key_of(id), parent, EvictReason::HostValueBaked)?;
         }
         Ok(outcome)
     }
