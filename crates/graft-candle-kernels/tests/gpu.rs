@@ -16,8 +16,18 @@ fn gpu() -> Device {
     Device::new_cuda(0).expect("a CUDA GPU")
 }
 
+/// 64 cases per op; 6 under compute-sanitizer (`GRAFT_UNDER_SANITIZER`, set by
+/// scripts/gpu-run.sh), which slows every launch by orders of magnitude.
+fn cases() -> u32 {
+    if std::env::var_os("GRAFT_UNDER_SANITIZER").is_some() {
+        6
+    } else {
+        64
+    }
+}
+
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(64))]
+    #![proptest_config(ProptestConfig::with_cases(cases()))]
 
     #[test]
     #[ignore = "needs a CUDA GPU"]
