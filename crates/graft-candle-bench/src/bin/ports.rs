@@ -389,6 +389,13 @@ fn run() -> BenchResult<()> {
                     s.eager_runs,
                     record_reasons(&g)
                 );
+                // Kernels of each recorded step, by bucket (`keys[0]`).
+                let kernels: Vec<String> = g
+                    .nodes()
+                    .iter()
+                    .map(|n| format!("B={}: {}", n.keys.first().unwrap_or(&0), n.graph.kernels))
+                    .collect();
+                println!("  kernels per step: {}", kernels.join(", "));
             }
         }
     }
