@@ -290,7 +290,7 @@ pub fn run_on<D: graft_tensor::Backend>(
 }
 
 /// The first `batch` tokens of `t` (the real rows).
-fn rows<D: Device>(t: &Tensor, device: &D, batch: usize) -> Result<Vec<i32>, CliError> {
+pub(crate) fn rows<D: Device>(t: &Tensor, device: &D, batch: usize) -> Result<Vec<i32>, CliError> {
     let mut v = t.to_vec_i32(device)?;
     v.truncate(batch);
     Ok(v)

@@ -11,9 +11,10 @@ use std::io::Write;
 use std::time::Duration;
 
 use graft_core::{Config, FunctionId, Graft, Guards};
-use graft_tensor::{Backend as TensorBackend, Tensor};
-use graft_tensor::{Decoder, DecoderConfig, KvState, Meta};
+use graft_tensor::Backend as TensorBackend;
+use graft_tensor::{Decoder, DecoderConfig, Meta};
 
+use crate::bench::rows;
 use crate::demo::make_room;
 use crate::timing::{fmt_us, median_us, timed};
 use crate::tokens::{compare, first_tokens};
@@ -62,14 +63,13 @@ impl<D: TensorBackend> Runtime<D> {
         Ok(Runtime { graft, dec, fid })
     }
 
-    /// `n` steps of a fresh sequence through the step (on a fresh runtime the first call
-    /// warms up and the second records): per-step times and tokens. `before` runs before
-    /// every step from the third on.
+    /// `n` steps of a fresh sequence (on a fresh runtime the first graphed call warms up and
+    /// the second records): per-step times and tokens.
     fn steps(
         &mut self,
         args: &GuardBenchArgs,
         n: usize,
-        mut before: impl FnMut(&mut Graft<D, Meta>),
+        how: How,
     ) -> Result<(Vec<Duration>, Vec<Vec<i32>>), CliError> {
         let Runtime { graft, dec, fid } = self;
         let fid = *fid;
@@ -80,10 +80,13 @@ impl<D: TensorBackend> Runtime<D> {
         let (mut times, mut tokens) = (Vec::with_capacity(n), Vec::with_capacity(n));
         for i in 0..n {
             make_room(&mut state, &device)?;
-            if i >= 2 {
-                before(graft);
+            if how == How::GuardEach && i >= 2 {
+                graft.guard_next_call();
             }
-            let (next, dt) = timed(&device, || dec.step_graft(graft, fid, &mut state, &t))?;
+            let (next, dt) = timed(&device, || match how {
+                How::Eager => dec.step_eager(graft, &mut state, &t),
+                How::Graft | How::GuardEach => dec.step_graft(graft, fid, &mut state, &t),
+            })?;
             t = next;
             times.push(dt);
             tokens.push(rows(&t, &device, args.batch)?);
@@ -92,32 +95,15 @@ impl<D: TensorBackend> Runtime<D> {
     }
 }
 
-/// Eager steps of a fresh sequence.
-fn eager<D: TensorBackend>(
-    rt: &mut Runtime<D>,
-    args: &GuardBenchArgs,
-    n: usize,
-) -> Result<(Vec<Duration>, Vec<Vec<i32>>), CliError> {
-    let Runtime { graft, dec, fid } = rt;
-    let device = dec.device().clone();
-    let bucket = graft.bucket(*fid, args.batch)?.size();
-    let mut state: KvState = dec.new_state(graft, bucket)?;
-    let mut t = dec.tokens(graft, &first_tokens(args.batch, dec.config().vocab))?;
-    let (mut times, mut tokens) = (Vec::with_capacity(n), Vec::with_capacity(n));
-    for _ in 0..n {
-        make_room(&mut state, &device)?;
-        let (next, dt) = timed(&device, || dec.step_eager(graft, &mut state, &t))?;
-        t = next;
-        times.push(dt);
-        tokens.push(rows(&t, &device, args.batch)?);
-    }
-    Ok((times, tokens))
-}
-
-fn rows<D: TensorBackend>(t: &Tensor, device: &D, batch: usize) -> Result<Vec<i32>, CliError> {
-    let mut v = t.to_vec_i32(device)?;
-    v.truncate(batch);
-    Ok(v)
+/// How [`Runtime::steps`] runs each step.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum How {
+    /// Eager launches.
+    Eager,
+    /// Through graft, on its schedule.
+    Graft,
+    /// Through graft, every call from the third on guarded (`Graft::guard_next_call`).
+    GuardEach,
 }
 
 fn mean_us(times: &[Duration]) -> f64 {
@@ -156,15 +142,15 @@ fn run_on<D: TensorBackend>(
     let runtime = |config: &Config| Runtime::new(&device, config.clone(), model, args.seed);
     let n = args.steps + 2;
     let mut replaying = runtime(&off)?;
-    let (eager_t, eager_tokens) = eager(&mut replaying, args, n)?;
-    let (replay_t, replay_tokens) = replaying.steps(args, n, |_| {})?;
+    let (eager_t, eager_tokens) = replaying.steps(args, n, How::Eager)?;
+    let (replay_t, replay_tokens) = replaying.steps(args, n, How::Graft)?;
     drop(replaying);
-    let (guard_t, guard_tokens) = runtime(&off)?.steps(args, n, |g| g.guard_next_call())?;
+    let (guard_t, guard_tokens) = runtime(&off)?.steps(args, n, How::GuardEach)?;
     let mut amortised = runtime(&on)?;
-    let (amortised_t, amortised_tokens) = amortised.steps(args, args.calls, |_| {})?;
+    let (amortised_t, amortised_tokens) = amortised.steps(args, args.calls, How::Graft)?;
     let guards = amortised.graft.stats().guards;
     drop(amortised);
-    let (unguarded_t, _) = runtime(&off)?.steps(args, args.calls, |_| {})?;
+    let (unguarded_t, _) = runtime(&off)?.steps(args, args.calls, How::Graft)?;
     compare(
         args.batch,
         ("eager", &eager_tokens),

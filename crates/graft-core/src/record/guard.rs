@@ -80,24 +80,23 @@ impl<D: Device, M: Clone> Graft<D, M> {
             .into_iter()
             .filter(|d| !expected.explains(d))
             .collect();
-        if found.is_empty() {
+        let Some(first) = found.first().cloned() else {
             tracing::trace!(call, "guard: the capture equals the recording");
             self.discard(pending)?;
             self.move_guard(key, Found::Equal { call });
             return self.replay(key, frame);
-        }
+        };
         self.stats.guard_differences += 1;
-        let mut findings = found.into_iter().map(|difference| GuardFinding {
+        let finding = |difference| GuardFinding {
             function: name.to_string(),
             node: key.id(),
             call,
             difference,
-        });
-        // The first difference names the fallback; every new one is kept, each value once.
-        let first = findings.next();
-        for finding in first.iter().cloned().chain(findings) {
-            if !self.guard_findings.iter().any(|f| same_place(f, &finding)) {
-                self.guard_findings.push(finding);
+        };
+        // Every new difference is kept, each value once; the first names the fallback.
+        for f in found.into_iter().map(finding) {
+            if !self.guard_findings.iter().any(|g| same_place(g, &f)) {
+                self.guard_findings.push(f);
             }
         }
         drop(self.evict(key, EvictReason::Replaced));
@@ -105,15 +104,13 @@ impl<D: Device, M: Clone> Graft<D, M> {
         // every later call of the signature runs eagerly, which costs less than capturing on
         // every call (see docs/benchmarks.md), and the capture is freed after its launch.
         let outcome = self.keep_capture(frame, parent, RecordReason::HostValueChanged, pending)?;
-        if let Some(finding) = first {
-            let why = EagerReason::HostValueBaked {
-                finding: Box::new(finding),
-            };
-            let _span = tracing::info_span!("fallback", function = %name).entered();
-            tracing::warn!(reason = %why, "a guard found a host value baked into the recording; the signature runs eagerly from now on");
-            self.stats.fallbacks += 1;
-            self.functions[frame.function].sigs[frame.sig].eager = Some(why);
-        }
+        let why = EagerReason::HostValueBaked {
+            finding: Box::new(finding(first)),
+        };
+        let _span = tracing::info_span!("fallback", function = %name).entered();
+        tracing::warn!(reason = %why, "a guard found a host value baked into the recording; the signature runs eagerly from now on");
+        self.stats.fallbacks += 1;
+        self.functions[frame.function].sigs[frame.sig].eager = Some(why);
         if let Outcome::Recorded(id) = outcome
             && self.tree.get(key_of(id)).is_some()
         {
