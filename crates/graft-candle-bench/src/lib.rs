@@ -6,6 +6,8 @@ pub mod common;
 pub mod decode;
 #[cfg(feature = "cuda")]
 mod handmade;
+#[cfg(feature = "cuda")]
+pub mod profiler;
 
 #[cfg(feature = "cuda")]
 pub use handmade::HandmadeGraph;

@@ -19,7 +19,7 @@ mod cpu;
 mod cuda;
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 
 use crate::{KernelError, check};
 
@@ -46,6 +46,9 @@ const GRID_YZ_LIMIT: usize = 65535;
 ///   with a start offset, such as `narrow(0, 0, batch)` of a bigger cache, is fine);
 /// - `positions`: `[batch]` u32 on q's device: the cache position the new token of each
 ///   sequence was written at;
+/// - `rows`: `None`, each query `b` reads cache row `b` (the caches' batch is q's); or
+///   `[batch]` u32, the cache row each query reads (the caches may then have any number of
+///   rows: a prefill chunk is a batch of queries of one row, each at its own position);
 /// - query head `h` uses KV head `h / (heads / kv_heads)` (grouped-query attention; K and V
 ///   are never repeated); `head_dim` is at most 256;
 /// - position `j` is visible to sequence `b` when `j <= positions[b]` and, with
@@ -61,15 +64,17 @@ pub fn decode_attention(
     k_cache: &Tensor,
     v_cache: &Tensor,
     positions: &Tensor,
+    rows: Option<&Tensor>,
     scale: f32,
     window: Option<usize>,
 ) -> Result<Tensor> {
-    let dims = Dims::of(q, k_cache, v_cache, positions)?;
+    let dims = Dims::of(q, k_cache, v_cache, positions, rows)?;
     if dims.batch == 0 {
         return Tensor::zeros(dims.out_shape(), q.dtype(), q.device());
     }
     let op = DecodeAttention {
         positions: positions.clone(),
+        rows: rows.cloned(),
         dims,
         scale,
         reach: window.map_or(dims.max_seq, |w| w.min(dims.max_seq)),
@@ -113,6 +118,8 @@ fn shared_bytes(group: usize, head_dim: usize) -> usize {
 #[derive(Debug, Clone, Copy)]
 struct Dims {
     batch: usize,
+    /// The caches' rows (`batch` without `rows`).
+    cache_rows: usize,
     heads: usize,
     kv_heads: usize,
     max_seq: usize,
@@ -120,37 +127,47 @@ struct Dims {
 }
 
 impl Dims {
-    fn of(q: &Tensor, k: &Tensor, v: &Tensor, positions: &Tensor) -> Result<Self> {
+    fn of(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        positions: &Tensor,
+        rows: Option<&Tensor>,
+    ) -> Result<Self> {
         check::float(OP, "q", q)?;
         check::like(OP, "k_cache", k, "q", q)?;
         check::like(OP, "v_cache", v, "q", q)?;
-        if positions.dtype() != DType::U32 {
-            return Err(KernelError::PositionsDType {
-                got: positions.dtype(),
-            }
-            .into());
-        }
-        if !positions.device().same_device(q.device()) {
-            return Err(KernelError::Device {
-                op: OP,
-                input: "positions",
-            }
-            .into());
+        check::indices(OP, "positions", positions, q)?;
+        if let Some(r) = rows {
+            check::indices(OP, "rows", r, q)?;
         }
         let &[batch, heads, 1, head_dim] = q.dims() else {
-            return Err(shape("q", q, "[batch, heads, 1, head_dim]"));
+            return Err(check::shape(OP, "q", q, "[batch, heads, 1, head_dim]"));
         };
         let &[kb, kv_heads, max_seq, khd] = k.dims() else {
-            return Err(shape("k_cache", k, "[batch, kv_heads, max_seq, head_dim]"));
+            return Err(check::shape(
+                OP,
+                "k_cache",
+                k,
+                "[batch, kv_heads, max_seq, head_dim]",
+            ));
         };
-        if kb != batch || khd != head_dim {
-            return Err(shape("k_cache", k, "[batch, kv_heads, max_seq, head_dim]"));
+        if (rows.is_none() && kb != batch) || (rows.is_some() && kb == 0) || khd != head_dim {
+            return Err(check::shape(
+                OP,
+                "k_cache",
+                k,
+                "[batch (or any rows, with rows), kv_heads, max_seq, head_dim]",
+            ));
         }
         if v.dims() != k.dims() {
-            return Err(shape("v_cache", v, "k_cache's shape"));
+            return Err(check::shape(OP, "v_cache", v, "k_cache's shape"));
         }
         if positions.dims() != [batch] {
-            return Err(shape("positions", positions, "[batch]"));
+            return Err(check::shape(OP, "positions", positions, "[batch]"));
+        }
+        if let Some(r) = rows.filter(|r| r.dims() != [batch]) {
+            return Err(check::shape(OP, "rows", r, "[batch]"));
         }
         decode_attention_fits(heads, kv_heads, head_dim)?;
         if max_seq == 0 {
@@ -158,6 +175,7 @@ impl Dims {
         }
         let dims = Self {
             batch,
+            cache_rows: kb,
             heads,
             kv_heads,
             max_seq,
@@ -177,6 +195,9 @@ impl Dims {
         check::contiguous(OP, "k_cache", k)?;
         check::contiguous(OP, "v_cache", v)?;
         check::contiguous(OP, "positions", positions)?;
+        if let Some(r) = rows {
+            check::contiguous(OP, "rows", r)?;
+        }
         Ok(dims)
     }
 
@@ -203,20 +224,12 @@ impl Dims {
     }
 }
 
-fn shape(input: &'static str, t: &Tensor, expected: &'static str) -> candle_core::Error {
-    KernelError::Shape {
-        op: OP,
-        input,
-        got: t.dims().to_vec(),
-        expected,
-    }
-    .into()
-}
-
 /// The custom op over (q, k_cache, v_cache); the wrapper has checked everything about them.
 struct DecodeAttention {
     /// `[batch]` u32 on q's device (a clone of the caller's tensor: the same storage).
     positions: Tensor,
+    /// `[batch]` u32: each query's cache row (`None`: its own).
+    rows: Option<Tensor>,
     dims: Dims,
     scale: f32,
     /// Positions `pos - reach ..= pos` are visible (`max_seq` without a window: all of

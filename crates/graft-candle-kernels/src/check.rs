@@ -37,6 +37,43 @@ pub(crate) fn like(
     Ok(())
 }
 
+/// Checks that `t` is u32 on `reference`'s device (positions, rows).
+pub(crate) fn indices(
+    op: &'static str,
+    input: &'static str,
+    t: &Tensor,
+    reference: &Tensor,
+) -> Result<()> {
+    if t.dtype() != DType::U32 {
+        return Err(KernelError::IndexDType {
+            op,
+            input,
+            got: t.dtype(),
+        }
+        .into());
+    }
+    if !t.device().same_device(reference.device()) {
+        return Err(KernelError::Device { op, input }.into());
+    }
+    Ok(())
+}
+
+/// The error of input `t` of `op` whose shape is not `expected`.
+pub(crate) fn shape(
+    op: &'static str,
+    input: &'static str,
+    t: &Tensor,
+    expected: &'static str,
+) -> candle_core::Error {
+    KernelError::Shape {
+        op,
+        input,
+        got: t.dims().to_vec(),
+        expected,
+    }
+    .into()
+}
+
 /// Checks that `t` is contiguous (a start offset is allowed).
 pub(crate) fn contiguous(op: &'static str, input: &'static str, t: &Tensor) -> Result<()> {
     if t.is_contiguous() {

@@ -66,9 +66,16 @@ pub enum KernelError {
         bytes: usize,
         limit: usize,
     },
-    /// The positions are not u32.
-    #[error("decode_attention: positions are {got:?}; pass them as u32")]
-    PositionsDType { got: DType },
+    /// A grouped projection got no weights or more than it takes.
+    #[error("linear_cat: {got} weights, but it takes 1 to {max}; split the projection")]
+    Parts { got: usize, max: usize },
+    /// Positions or rows are not u32.
+    #[error("{op}: {input} are {got:?}; pass them as u32")]
+    IndexDType {
+        op: &'static str,
+        input: &'static str,
+        got: DType,
+    },
     /// The KV cache has no positions at all.
     #[error(
         "decode_attention: the KV cache has no positions (max_seq 0); allocate a cache of at least one position"
@@ -83,6 +90,17 @@ pub enum KernelError {
         sequence: usize,
         position: u32,
         max_seq: usize,
+    },
+    /// A query's cache row is past the cache (found on the CPU; the CUDA kernels clamp it to
+    /// the last row instead).
+    #[error(
+        "{op}: query {query} reads cache row {row}, but the cache has {rows} rows; pass rows below that"
+    )]
+    RowPastCache {
+        op: &'static str,
+        query: usize,
+        row: u32,
+        rows: usize,
     },
     /// A size does not fit the kernels' 32-bit indexing or launch limits.
     #[error(

@@ -11,20 +11,35 @@
 //! - [`decode_attention`]: one decode step of grouped-query attention over a static KV cache,
 //!   split over the cache ("flash-decoding"), reading keys and values only up to each
 //!   sequence's position (and from its sliding window);
+//! - [`rope_store`]: the rotary embedding of a decode step's queries and keys at each
+//!   sequence's device position (after Qwen3's per-head norms), with the keys and values
+//!   written into the cache, in one launch;
 //! - [`add_rms_norm`]: the residual add and the RMS norm of a decoder layer in one launch;
-//! - [`swiglu`]: `silu(gate) * up` in one launch.
+//! - [`swiglu`]: `silu(gate) * up` in one launch;
+//! - [`argmax_last`]: a greedy step's token choice (the first largest of each row) in one
+//!   launch;
+//! - [`linear`], [`linear_cat`] and [`linear_swiglu`]: a decode step's few rows through one
+//!   weight, through up to three side by side (query, key and value), or through a gate and an
+//!   up weight with SwiGLU, each in one matrix-vector kernel that reads the weights in place
+//!   once, the biases or SwiGLU in the same launch; candle's matmul for more rows.
 //!
 //! Errors are [`KernelError`]s inside `candle_core::Error::Wrapped`.
 
+mod argmax;
 mod attention;
 mod check;
 mod error;
+mod linear;
 mod norm;
 #[cfg(feature = "cuda")]
 mod nvrtc;
+mod rope;
 mod swiglu;
 
+pub use argmax::argmax_last;
 pub use attention::{CHUNK, decode_attention, decode_attention_fits};
 pub use error::KernelError;
+pub use linear::{MATVEC_ROWS, MAX_PARTS, linear, linear_cat, linear_swiglu};
 pub use norm::add_rms_norm;
+pub use rope::{QkNorm, RopeStyle, rope_store};
 pub use swiglu::swiglu;

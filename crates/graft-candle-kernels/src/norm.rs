@@ -30,13 +30,13 @@ pub fn add_rms_norm(
     check::like(OP, "residual", residual, "x", x)?;
     check::like(OP, "weight", weight, "x", x)?;
     let Some(&cols) = x.dims().last() else {
-        return Err(shape("x", x, "at least one dimension"));
+        return Err(check::shape(OP, "x", x, "at least one dimension"));
     };
     if residual.dims() != x.dims() {
-        return Err(shape("residual", residual, "x's shape"));
+        return Err(check::shape(OP, "residual", residual, "x's shape"));
     }
     if weight.dims() != [cols] {
-        return Err(shape("weight", weight, "[x's last dimension]"));
+        return Err(check::shape(OP, "weight", weight, "[x's last dimension]"));
     }
     check::contiguous(OP, "x", x)?;
     check::contiguous(OP, "residual", residual)?;
@@ -48,16 +48,6 @@ pub fn add_rms_norm(
     check::u32_of(OP, "the row count", x.elem_count() / cols)?;
     let packed = x.apply_op3_no_bwd(residual, weight, &AddRmsNorm { eps })?;
     Ok((packed.get(0)?, packed.get(1)?))
-}
-
-fn shape(input: &'static str, t: &Tensor, expected: &'static str) -> candle_core::Error {
-    KernelError::Shape {
-        op: OP,
-        input,
-        got: t.dims().to_vec(),
-        expected,
-    }
-    .into()
 }
 
 /// The custom op over (x, residual, weight); the wrapper has checked shapes, dtypes and

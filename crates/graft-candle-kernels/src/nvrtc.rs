@@ -1,13 +1,14 @@
 //! The CUDA plumbing the ops share: a module's source compiled with NVRTC once per process and
 //! loaded into a candle device (candle keeps it per device by module name), the CUDA C prelude
-//! every module starts with (dtype conversions by hand, warp reductions; no headers), and the
-//! typed device view of a contiguous input.
+//! every module starts with (dtype conversions by hand, warp reductions; no headers), the
+//! typed device view of a contiguous input, and the device address of a tensor an op holds.
 
 use std::sync::OnceLock;
 
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DevicePtr};
 use candle_core::cuda_backend::cudarc::nvrtc;
-use candle_core::{Layout, Result};
+use candle_core::cuda_backend::{CudaDevice, CudaStorageSlice};
+use candle_core::{Layout, Result, Storage, Tensor};
 
 use crate::KernelError;
 
@@ -137,4 +138,36 @@ pub(crate) fn view<'a, T>(
         return Err(KernelError::NotContiguous { op, input }.into());
     };
     Ok(slice.slice(start..end))
+}
+
+/// The device address of the first element of `t` (f32, bf16, f16 or u32, on a CUDA device), for
+/// a kernel argument: an op holds a clone of each tensor it reaches this way (candle's custom
+/// ops take at most three typed inputs), which keeps the storage alive until the launch is
+/// enqueued; candle's stream orders the launch after every earlier use of the storage.
+pub(crate) fn address(
+    op: &'static str,
+    t: &Tensor,
+    input: &'static str,
+    device: &CudaDevice,
+) -> Result<u64> {
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cuda(cuda) = &*storage else {
+        return Err(KernelError::Device { op, input }.into());
+    };
+    let stream = device.cuda_stream();
+    let base = match &cuda.slice {
+        CudaStorageSlice::U32(s) => s.device_ptr(&stream).0,
+        CudaStorageSlice::BF16(s) => s.device_ptr(&stream).0,
+        CudaStorageSlice::F16(s) => s.device_ptr(&stream).0,
+        CudaStorageSlice::F32(s) => s.device_ptr(&stream).0,
+        _ => {
+            return Err(KernelError::UnsupportedDType {
+                op,
+                input,
+                got: t.dtype(),
+            }
+            .into());
+        }
+    };
+    Ok(base + (layout.start_offset() * t.dtype().size_in_bytes()) as u64)
 }

@@ -28,6 +28,27 @@ proptest! {
     }
 
     #[test]
+    fn linear_matches_matmul(case in linear_cases()) {
+        for dtype in DTYPES {
+            check_linear(&Device::Cpu, &case, dtype).unwrap();
+        }
+    }
+
+    #[test]
+    fn rope_store_matches_unfused(case in rope_cases()) {
+        for dtype in DTYPES {
+            check_rope_store(&Device::Cpu, &case, dtype).unwrap();
+        }
+    }
+
+    #[test]
+    fn argmax_matches_the_first_largest(rows in 1usize..=5, n in prop_oneof![1usize..=40, Just(1025usize), Just(32000)], seed in any::<u64>()) {
+        for dtype in DTYPES {
+            check_argmax(&Device::Cpu, rows, n, seed, dtype).unwrap();
+        }
+    }
+
+    #[test]
     fn swiglu_matches_unfused((mut shape, hidden, seed) in norm_cases()) {
         shape.push(hidden);
         for dtype in DTYPES {
@@ -54,7 +75,7 @@ fn decode_attention_refuses_bad_inputs() {
     let q = Tensor::zeros((2, 6, 1, 64), DType::F32, dev).unwrap();
     let k = Tensor::zeros((2, 4, 16, 64), DType::F32, dev).unwrap();
     let pos = Tensor::new(&[1u32, 2], dev).unwrap();
-    let err = message(decode_attention(&q, &k, &k, &pos, 1.0, None));
+    let err = message(decode_attention(&q, &k, &k, &pos, None, 1.0, None));
     assert!(err.contains("not a multiple of 4 key/value heads"), "{err}");
 
     let q = Tensor::zeros((2, 8, 1, 64), DType::F32, dev).unwrap();
@@ -63,6 +84,7 @@ fn decode_attention_refuses_bad_inputs() {
         &k,
         &k,
         &pos.to_dtype(DType::F32).unwrap(),
+        None,
         1.0,
         None,
     ));
@@ -73,6 +95,7 @@ fn decode_attention_refuses_bad_inputs() {
         &k.to_dtype(DType::BF16).unwrap(),
         &k,
         &pos,
+        None,
         1.0,
         None,
     ));
@@ -83,16 +106,16 @@ fn decode_attention_refuses_bad_inputs() {
         .unwrap()
         .transpose(2, 3)
         .unwrap();
-    let err = message(decode_attention(&q, &wide, &strided, &pos, 1.0, None));
+    let err = message(decode_attention(&q, &wide, &strided, &pos, None, 1.0, None));
     assert!(err.contains("k_cache is not contiguous"), "{err}");
 
     let big = Tensor::zeros((2, 4, 1, 320), DType::F32, dev).unwrap();
     let kbig = Tensor::zeros((2, 4, 16, 320), DType::F32, dev).unwrap();
-    let err = message(decode_attention(&big, &kbig, &kbig, &pos, 1.0, None));
+    let err = message(decode_attention(&big, &kbig, &kbig, &pos, None, 1.0, None));
     assert!(err.contains("head dim 320"), "{err}");
 
     let past = Tensor::new(&[1u32, 16], dev).unwrap();
-    let err = message(decode_attention(&q, &k, &k, &past, 1.0, None));
+    let err = message(decode_attention(&q, &k, &k, &past, None, 1.0, None));
     assert!(
         err.contains("sequence 1 is at position 16, past the cache's 16"),
         "{err}"
@@ -105,13 +128,14 @@ fn decode_attention_refuses_bad_inputs() {
         &one,
         &one,
         &pos.narrow(0, 0, 1).unwrap(),
+        None,
         1.0,
         None,
     ));
     assert!(err.contains("64 query heads per key/value head"), "{err}");
 
     let empty = Tensor::zeros((2, 4, 0, 64), DType::F32, dev).unwrap();
-    let err = message(decode_attention(&q, &empty, &empty, &pos, 1.0, None));
+    let err = message(decode_attention(&q, &empty, &empty, &pos, None, 1.0, None));
     assert!(err.contains("the KV cache has no positions"), "{err}");
 
     let wide_batch = Tensor::zeros((65536, 1, 1, 1), DType::F32, dev).unwrap();
@@ -121,13 +145,14 @@ fn decode_attention_refuses_bad_inputs() {
         &wide_batch,
         &wide_batch,
         &wide_pos,
+        None,
         1.0,
         None,
     ));
     assert!(err.contains("the batch is 65536"), "{err}");
 
     let ints = Tensor::zeros((2, 8, 1, 64), DType::U32, dev).unwrap();
-    let err = message(decode_attention(&ints, &k, &k, &pos, 1.0, None));
+    let err = message(decode_attention(&ints, &k, &k, &pos, None, 1.0, None));
     assert!(err.contains("supports f32, bf16 and f16"), "{err}");
 }
 
@@ -137,7 +162,7 @@ fn decode_attention_of_an_empty_batch_is_empty() {
     let q = Tensor::zeros((0, 8, 1, 64), DType::F32, dev).unwrap();
     let k = Tensor::zeros((0, 4, 16, 64), DType::F32, dev).unwrap();
     let pos = Tensor::zeros(0, DType::U32, dev).unwrap();
-    let out = decode_attention(&q, &k, &k, &pos, 1.0, None).unwrap();
+    let out = decode_attention(&q, &k, &k, &pos, None, 1.0, None).unwrap();
     assert_eq!(out.dims(), [0, 1, 512]);
 }
 
@@ -166,4 +191,87 @@ fn add_rms_norm_and_swiglu_refuse_bad_inputs() {
     );
     let err = message(swiglu(&x, &x.to_dtype(DType::F16).unwrap()));
     assert!(err.contains("up is F16 but gate is F32"), "{err}");
+}
+
+#[test]
+fn linear_and_rope_store_refuse_bad_inputs() {
+    let dev = &Device::Cpu;
+    let x = Tensor::zeros((2, 8), DType::F32, dev).unwrap();
+    let w = Tensor::zeros((4, 7), DType::F32, dev).unwrap();
+    let err = message(graft_candle_kernels::linear(&x, &w, None));
+    assert!(
+        err.contains("x has shape [2, 8], expected [..., k]"),
+        "{err}"
+    );
+    let (gate, up) = (
+        Tensor::zeros((3, 8), DType::F32, dev).unwrap(),
+        Tensor::zeros((4, 8), DType::F32, dev).unwrap(),
+    );
+    let err = message(graft_candle_kernels::linear_swiglu(&x, &gate, &up));
+    assert!(
+        err.contains("up has shape [4, 8], expected gate's shape"),
+        "{err}"
+    );
+    let err = message(graft_candle_kernels::linear_cat(&x, &[(&gate, None); 4]));
+    assert!(err.contains("4 weights, but it takes 1 to 3"), "{err}");
+    let bias = Tensor::zeros(4, DType::F32, dev).unwrap();
+    let err = message(graft_candle_kernels::linear(&x, &gate, Some(&bias)));
+    assert!(err.contains("bias has shape [4], expected [n]"), "{err}");
+
+    let qkv = Tensor::zeros((2, (4 + 2 * 2) * 8), DType::F32, dev).unwrap();
+    let table = Tensor::zeros((16, 4), DType::F32, dev).unwrap();
+    let cache = Tensor::zeros((2, 2, 16, 8), DType::F32, dev).unwrap();
+    let style = graft_candle_kernels::RopeStyle::Half;
+    let rope = |qkv: &Tensor, pos: &Tensor, heads| {
+        graft_candle_kernels::rope_store(
+            qkv,
+            &table,
+            &table,
+            pos,
+            None,
+            (&cache, &cache),
+            heads,
+            style,
+            None,
+        )
+    };
+    let pos = Tensor::new(&[1u32, 16], dev).unwrap();
+    let err = message(rope(&qkv, &pos, 4));
+    assert!(err.contains("sequence 1 is at position 16"), "{err}");
+    let pos = Tensor::new(&[1u32, 2], dev).unwrap();
+    let err = message(rope(&qkv, &pos, 3));
+    assert!(err.contains("qkv has shape [2, 64]"), "{err}");
+    let err = message(rope(&qkv, &pos.to_dtype(DType::F32).unwrap(), 4));
+    assert!(err.contains("positions are F32; pass them as u32"), "{err}");
+    assert_eq!(rope(&qkv, &pos, 4).unwrap().dims(), [2, 4, 1, 8]);
+    let rows = Tensor::new(&[0u32, 2], dev).unwrap();
+    let err = message(graft_candle_kernels::rope_store(
+        &qkv,
+        &table,
+        &table,
+        &pos,
+        Some(&rows),
+        (&cache, &cache),
+        4,
+        style,
+        None,
+    ));
+    assert!(
+        err.contains("query 1 reads cache row 2, but the cache has 2 rows"),
+        "{err}"
+    );
+    let q = Tensor::zeros((2, 4, 1, 8), DType::F32, dev).unwrap();
+    let err = message(decode_attention(
+        &q,
+        &cache,
+        &cache,
+        &pos,
+        Some(&rows),
+        1.0,
+        None,
+    ));
+    assert!(
+        err.contains("query 1 reads cache row 2, but the cache has 2 rows"),
+        "{err}"
+    );
 }

@@ -49,6 +49,33 @@ proptest! {
 
     #[test]
     #[ignore = "needs a CUDA GPU"]
+    fn gpu_linear_matches_matmul(case in linear_cases()) {
+        let dev = gpu();
+        for dtype in DTYPES {
+            check_linear(&dev, &case, dtype).unwrap();
+        }
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_rope_store_matches_unfused(case in rope_cases()) {
+        let dev = gpu();
+        for dtype in DTYPES {
+            check_rope_store(&dev, &case, dtype).unwrap();
+        }
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_argmax_matches_the_first_largest(rows in 1usize..=5, n in prop_oneof![1usize..=40, Just(1025usize), Just(32000)], seed in any::<u64>()) {
+        let dev = gpu();
+        for dtype in DTYPES {
+            check_argmax(&dev, rows, n, seed, dtype).unwrap();
+        }
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
     fn gpu_swiglu_matches_unfused((mut shape, hidden, seed) in norm_cases()) {
         shape.push(hidden);
         let dev = gpu();

@@ -45,6 +45,8 @@ struct PrefillIndex {
     row_stride: Tensor,
     /// `[kv_heads, max_seq]` u32: the scratch row's place `i` of head h.
     scratch: Tensor,
+    /// `[1]` u32: the scratch row's index (`max_batch`).
+    scratch_row: Tensor,
 }
 
 impl PrefillIndex {
@@ -67,6 +69,7 @@ impl PrefillIndex {
             heads: Tensor::from_vec(heads, (kv_heads, 1), device)?,
             row_stride: Tensor::new(&[kv * seq], device)?,
             scratch: Tensor::from_vec(scratch, (kv_heads, seq as usize), device)?,
+            scratch_row: Tensor::new(&[batch], device)?,
         })
     }
 }
@@ -75,8 +78,11 @@ impl PrefillIndex {
 /// length (see [`KvCache::prefill_plan`]).
 #[derive(Debug)]
 pub(crate) struct PrefillPlan {
-    /// `[chunk]` u32: each token's position (0 for padding, which has none).
+    /// `[chunk]` u32: each token's position (padding token i's is i, in the scratch row).
     pub(crate) positions: Tensor,
+    /// `[chunk]` u32: each token's cache row: the sequence's, or the scratch row's for
+    /// padding.
+    pub(crate) rows: Tensor,
     /// `[chunk, max_seq]` f32: the additive causal mask of each token.
     pub(crate) mask: Tensor,
     /// `[kv_heads * chunk, head_dim]` u32: where each head's key or value of each token is
@@ -172,7 +178,7 @@ impl KvCache {
         all.extend([&self.positions, &self.arange, &self.one]);
         all.extend(&self.reach);
         if let Some(p) = &self.prefill {
-            all.extend([&p.rows, &p.heads, &p.row_stride, &p.scratch]);
+            all.extend([&p.rows, &p.heads, &p.row_stride, &p.scratch, &p.scratch_row]);
         }
         all
     }
@@ -319,7 +325,11 @@ impl KvCache {
         let start = self.positions.index_select(&row, 0)?;
         let i = self.arange.narrow(0, 0, chunk)?;
         let real = i.broadcast_lt(&len)?;
-        let positions = (i.broadcast_add(&start)? * real.to_dtype(DType::U32)?)?;
+        let positions = real.where_cond(&i.broadcast_add(&start)?, &i)?;
+        let rows = real.where_cond(
+            &row.broadcast_as(chunk)?,
+            &p.scratch_row.broadcast_as(chunk)?,
+        )?;
         let column = positions.unsqueeze(1)?;
         let mut visible = self.arange.unsqueeze(0)?.broadcast_le(&column)?;
         if let Some(reach) = &self.reach {
@@ -339,6 +349,7 @@ impl KvCache {
             .contiguous()?;
         Ok(PrefillPlan {
             positions,
+            rows,
             mask,
             write_at,
             row,
@@ -375,6 +386,11 @@ impl KvCache {
         self.positions.slice_set(&next, 0, 0)
     }
 
+    /// Layer `layer`'s keys and values of every row (the scratch row included).
+    pub(crate) fn layer_all(&self, layer: usize) -> Result<(Tensor, Tensor)> {
+        Ok((self.k[layer].clone(), self.v[layer].clone()))
+    }
+
     /// Sequences `0..batch` of layer `layer`'s keys and values.
     pub(crate) fn layer(&self, layer: usize, batch: usize) -> Result<(Tensor, Tensor)> {
         Ok((
@@ -403,20 +419,6 @@ impl KvCache {
             .to_dtype(DType::F32)?
             .affine(1e9, -1e9)?
             .reshape((batch, 1, 1, self.max_seq()))
-    }
-
-    /// Where sequences `0..batch` write their new key/value: `[batch, kv_heads, 1, head_dim]`
-    /// u32 of each sequence's position, for `scatter_set` along the positions.
-    pub(crate) fn write_index(
-        &self,
-        batch: usize,
-        kv_heads: usize,
-        head_dim: usize,
-    ) -> Result<Tensor> {
-        self.positions_of(batch)?
-            .reshape((batch, 1, 1, 1))?
-            .broadcast_as((batch, kv_heads, 1, head_dim))?
-            .contiguous()
     }
 
     /// Advances the positions of sequences `0..batch` by one, on the device.

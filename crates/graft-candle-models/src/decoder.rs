@@ -13,9 +13,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use candle_core::quantized::QMatMul;
 use candle_core::{D, DType, Device, Module, Result, Tensor};
 use candle_nn::{Activation, Linear, VarBuilder};
-use graft_candle_kernels::{add_rms_norm, decode_attention, decode_attention_fits, swiglu};
+use graft_candle_kernels::{
+    QkNorm, add_rms_norm, argmax_last, decode_attention, decode_attention_fits, linear, linear_cat,
+    linear_swiglu, rope_store, swiglu,
+};
 
-use super::cache::KvCache;
+use super::cache::{KvCache, PrefillPlan};
 use super::rope::Rope;
 use super::shard::Shard;
 use super::spec::DecoderSpec;
@@ -29,10 +32,27 @@ pub(crate) enum Proj {
 }
 
 impl Proj {
+    /// candle's own projection (differentiable: what training and prefill run).
     pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match self {
             Proj::Dense(l) => l.forward(x),
             Proj::Quant(q) => q.forward(x),
+        }
+    }
+
+    /// A decode step's projection: graft-candle-kernels' `linear` for a dense weight (one
+    /// matrix-vector launch with the bias, for a few rows), candle's for a quantized one.
+    fn decode(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Proj::Dense(l) => linear(x, l.weight(), l.bias()),
+            Proj::Quant(q) => q.forward(x),
+        }
+    }
+
+    fn dense(&self) -> Option<&Linear> {
+        match self {
+            Proj::Dense(l) => Some(l),
+            Proj::Quant(_) => None,
         }
     }
 
@@ -292,7 +312,7 @@ impl Decoder {
 
     /// One eager greedy decode step: the next token of every sequence (`[batch]` u32).
     pub fn greedy(&self, cache: &KvCache, tokens: &Tensor) -> Result<Tensor> {
-        self.forward(cache, tokens)?.argmax(D::Minus1)
+        argmax_last(&self.forward(cache, tokens)?)
     }
 
     /// One greedy decode step under graft: `tokens` (`[batch]` u32) is the step's input, the
@@ -307,9 +327,7 @@ impl Decoder {
         cache: &KvCache,
         tokens: &Tensor,
     ) -> std::result::Result<Step, Error> {
-        self.decode_with(graft, step, cache, tokens, |logits| {
-            logits.argmax(D::Minus1)
-        })
+        self.decode_with(graft, step, cache, tokens, argmax_last)
     }
 
     /// [`Decoder::decode`] with the logits (`[batch, vocab]` f32) as the output.
@@ -360,9 +378,7 @@ impl Decoder {
     ) -> Result<Tensor> {
         cache.check_prefill(row, len, tokens.dims1()?)?;
         let meta = Tensor::new(&[row as u32, len as u32], self.device())?;
-        let next = self
-            .prefill_logits(cache, tokens, &meta)?
-            .argmax(D::Minus1)?;
+        let next = argmax_last(&self.prefill_logits(cache, tokens, &meta)?)?;
         cache.advance_row(row, len);
         Ok(next)
     }
@@ -392,7 +408,7 @@ impl Decoder {
             &[chunk as u64, self.id],
             |inputs| {
                 let logits = self.prefill_logits(cache, &inputs[0], &inputs[1])?;
-                Ok(vec![logits.argmax(D::Minus1)?])
+                Ok(vec![argmax_last(&logits)?])
             },
         )?;
         cache.advance_row(row, len);
@@ -401,11 +417,41 @@ impl Decoder {
 
     /// The prefill itself (no host-side checks): capturable. `meta` is `[2]` u32: the row
     /// and the number of real tokens. Returns the last real token's logits (`[1, vocab]`
-    /// f32).
+    /// f32). With the fused attention the chunk is a batch of tokens of one cache row, each
+    /// at its own position (padding in the scratch row), through the decode step's kernels.
     fn prefill_logits(&self, cache: &KvCache, tokens: &Tensor, meta: &Tensor) -> Result<Tensor> {
         let s = &self.spec;
         let chunk = tokens.dims1()?;
         let plan = cache.prefill_plan(meta, chunk, s.head_dim)?;
+        let h = if self.fused_attention {
+            // [chunk, 1, hidden]: the decode step's shape, one token per "sequence".
+            let x = self.embed.index_select(tokens, 0)?.unsqueeze(1)?;
+            let at = Slots {
+                positions: &plan.positions,
+                rows: Some(&plan.rows),
+                mask: None,
+            };
+            self.blocks_at(x, &at, |i| cache.layer_all(i))?
+                .index_select(&plan.last, 0)?
+        } else {
+            self.prefill_unfused(cache, tokens, &plan)?
+        };
+        let logits = self.lm_head.decode(&h)?.squeeze(1)?.to_dtype(DType::F32)?;
+        cache.step_row(&plan, &meta.narrow(0, 1, 1)?)?;
+        Ok(logits)
+    }
+
+    /// The prefill's blocks for heads the fused attention does not take: the chunk as one
+    /// sequence, its keys and values scattered into the cache, attention over the whole row
+    /// masked. Returns the last real token's final norm (`[1, 1, hidden]`).
+    fn prefill_unfused(
+        &self,
+        cache: &KvCache,
+        tokens: &Tensor,
+        plan: &PrefillPlan,
+    ) -> Result<Tensor> {
+        let s = &self.spec;
+        let chunk = tokens.dims1()?;
         let (cos, sin) = self.rope.at(&plan.positions)?;
         let (cos, sin) = (cos.squeeze(1)?, sin.squeeze(1)?);
         let mut x = self.embed.index_select(tokens, 0)?.unsqueeze(0)?;
@@ -420,46 +466,98 @@ impl Decoder {
             let o = attend_chunk(&q, &k_row, &v_row, &plan.mask, s)?;
             (x, h) = b.finish(&x, &o, self.norm_after(i), s, self.shard.as_ref())?;
         }
-        // `h` is the final norm of every position: the last real one's logits.
-        let h = h.index_select(&plan.last, 1)?;
-        let logits = self.lm_head.forward(&h)?.squeeze(1)?.to_dtype(DType::F32)?;
-        cache.step_row(&plan, &meta.narrow(0, 1, 1)?)?;
-        Ok(logits)
+        // `h` is the final norm of every position: the last real one's.
+        h.index_select(&plan.last, 1)
     }
 
     /// The step itself (no host-side checks): capturable.
     pub(crate) fn logits(&self, cache: &KvCache, tokens: &Tensor) -> Result<Tensor> {
-        let s = &self.spec;
         let batch = tokens.dims1()?;
         let positions = cache.positions_of(batch)?;
-        let (cos, sin) = self.rope.at(&positions)?;
         let mask = if self.fused_attention {
             None
         } else {
             Some(cache.mask(batch)?)
         };
-        let write_at = cache.write_index(batch, s.kv_heads, s.head_dim)?;
         // [batch, 1, hidden]: one new position per sequence, shaped as candle's models do.
-        let mut x = self.embed.index_select(tokens, 0)?.unsqueeze(1)?;
+        let x = self.embed.index_select(tokens, 0)?.unsqueeze(1)?;
+        let at = Slots {
+            positions: &positions,
+            rows: None,
+            mask: mask.as_ref(),
+        };
+        let h = self.blocks_at(x, &at, |i| cache.layer(i, batch))?;
+        let logits = self.lm_head.decode(&h)?.squeeze(1)?.to_dtype(DType::F32)?;
+        cache.step_positions(batch)?;
+        Ok(logits)
+    }
+
+    /// The blocks over `x` (`[n, 1, hidden]`, n tokens each at its own cache slot `at`), with
+    /// `layer(i)` the caches of layer i that `at`'s rows index (the rows `0..n` without
+    /// rows). Each block: one launch for the query, key and value projections, one for the
+    /// rotary embedding and the cache writes, the attention, the output projection, the
+    /// residual add with the MLP's norm, one launch for the gate, up and SwiGLU, the down
+    /// projection, and the add with the next norm. Returns the final norm (`[n, 1,
+    /// hidden]`).
+    fn blocks_at(
+        &self,
+        mut x: Tensor,
+        at: &Slots<'_>,
+        layer: impl Fn(usize) -> Result<(Tensor, Tensor)>,
+    ) -> Result<Tensor> {
+        let s = &self.spec;
+        let n = x.dim(0)?;
         let mut h = self.first_norm(&x)?;
         for (i, b) in self.blocks.iter().enumerate() {
-            let (k_cache, v_cache) = cache.layer(i, batch)?;
-            let (q, k, v) = b.qkv(&h, s, &self.rope, &cos, &sin)?;
-            k_cache.scatter_set(&write_at, &k, 2)?;
-            v_cache.scatter_set(&write_at, &v, 2)?;
-            let o = match &mask {
+            let (k_cache, v_cache) = layer(i)?;
+            let qkv = b.qkv_decode(&h)?.reshape((n, ()))?;
+            let norm = b.qk_norm.as_ref().map(|(q, k)| QkNorm {
+                q,
+                k,
+                eps: s.eps as f32,
+            });
+            // The rotated queries; the rotated keys and the values written at the slots.
+            let q = rope_store(
+                &qkv,
+                &self.rope.cos,
+                &self.rope.sin,
+                at.positions,
+                at.rows,
+                (&k_cache, &v_cache),
+                s.heads,
+                self.rope.style(),
+                norm,
+            )?;
+            let o = match at.mask {
                 None => {
                     let scale = 1.0 / (s.head_dim as f32).sqrt();
-                    decode_attention(&q, &k_cache, &v_cache, &positions, scale, s.sliding_window)?
+                    decode_attention(
+                        &q,
+                        &k_cache,
+                        &v_cache,
+                        at.positions,
+                        at.rows,
+                        scale,
+                        s.sliding_window,
+                    )?
                 }
                 Some(mask) => attend(&q, &k_cache, &v_cache, mask, s)?,
             };
             (x, h) = b.finish(&x, &o, self.norm_after(i), s, self.shard.as_ref())?;
         }
-        let logits = self.lm_head.forward(&h)?.squeeze(1)?.to_dtype(DType::F32)?;
-        cache.step_positions(batch)?;
-        Ok(logits)
+        Ok(h)
     }
+}
+
+/// Where a step's tokens are in the cache, for [`Decoder::blocks_at`].
+struct Slots<'a> {
+    /// `[n]` u32: each token's position.
+    positions: &'a Tensor,
+    /// `[n]` u32: each token's cache row; `None`: token b's is row b.
+    rows: Option<&'a Tensor>,
+    /// The unfused attention's mask (`[n, 1, 1, max_seq]`), where the heads do not fit the
+    /// fused one (decode only: a prefill then runs `prefill_unfused`).
+    mask: Option<&'a Tensor>,
 }
 
 impl Decoder {
@@ -477,6 +575,26 @@ impl Decoder {
 }
 
 impl Block {
+    /// A decode step's query, key and value projections side by side, `[batch, 1, (heads +
+    /// 2 kv_heads) * head_dim]`: one matrix-vector launch over the three dense weights in
+    /// place; a quantized block's three projections, concatenated.
+    fn qkv_decode(&self, h: &Tensor) -> Result<Tensor> {
+        match (self.q.dense(), self.k.dense(), self.v.dense()) {
+            (Some(q), Some(k), Some(v)) => linear_cat(
+                h,
+                &[
+                    (q.weight(), q.bias()),
+                    (k.weight(), k.bias()),
+                    (v.weight(), v.bias()),
+                ],
+            ),
+            _ => Tensor::cat(
+                &[self.q.decode(h)?, self.k.decode(h)?, self.v.decode(h)?],
+                D::Minus1,
+            ),
+        }
+    }
+
     /// The rotated queries `[batch, heads, t, hd]`, rotated keys and values `[batch, kv, t,
     /// hd]` of the block's normed input `h` `[batch, t, hidden]` (t = 1 for a decode step).
     fn qkv(
@@ -518,7 +636,9 @@ impl Block {
     /// stream, with the norm that follows each add in the same launch (`add_rms_norm`): the
     /// MLP's own, then `next_norm` (the next block's input norm, or the final one). Returns
     /// the residual stream and its `next_norm`. On a rank of a tensor-parallel model each of
-    /// the two is summed over the ranks first.
+    /// the two is summed over the ranks first. The projections are graft-candle-kernels'
+    /// (a matrix-vector kernel for a few rows; a SiLU-gated MLP's gate and up in one launch
+    /// with the SwiGLU).
     fn finish(
         &self,
         x: &Tensor,
@@ -532,13 +652,20 @@ impl Block {
             None => Ok(partial),
         };
         let eps = s.eps as f32;
-        let (x, h) = add_rms_norm(&whole(self.o.forward(o)?)?, x, &self.mlp_norm, eps)?;
-        let (gate, up) = (self.gate.forward(&h)?, self.up.forward(&h)?);
-        let gated = match s.act {
-            Activation::Silu => swiglu(&gate, &up)?,
-            act => (gate.apply(&act)? * up)?,
+        let (x, h) = add_rms_norm(&whole(self.o.decode(o)?)?, x, &self.mlp_norm, eps)?;
+        let gated = match (s.act, self.gate.dense(), self.up.dense()) {
+            (Activation::Silu, Some(g), Some(u)) if g.bias().is_none() => {
+                linear_swiglu(&h, g.weight(), u.weight())?
+            }
+            (act, ..) => {
+                let (gate, up) = (self.gate.decode(&h)?, self.up.decode(&h)?);
+                match act {
+                    Activation::Silu => swiglu(&gate, &up)?,
+                    act => (gate.apply(&act)? * up)?,
+                }
+            }
         };
-        add_rms_norm(&whole(self.down.forward(&gated)?)?, &x, next_norm, eps)
+        add_rms_norm(&whole(self.down.decode(&gated)?)?, &x, next_norm, eps)
     }
 }
 

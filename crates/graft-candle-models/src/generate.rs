@@ -12,6 +12,7 @@ use candle_core::{D, DType, Device, IndexOp, Result, Tensor, bail};
 use super::{Decoder, KvCache};
 use graft_candle::random::DeviceRng;
 use graft_candle::{CandleGraft, Error, Step, StepId};
+use graft_candle_kernels::argmax_last;
 
 /// How the next token is picked from the logits.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -124,7 +125,7 @@ impl Generation {
 /// Picks each row's next token from `logits` (`[batch, vocab]`).
 fn sample(logits: &Tensor, sampling: Sampling, rng: Option<&DeviceRng>) -> Result<Tensor> {
     let (temperature, top_k) = match sampling {
-        Sampling::Greedy => return logits.argmax(D::Minus1),
+        Sampling::Greedy => return argmax_last(logits),
         Sampling::Sample { temperature, top_k } => (temperature, top_k),
     };
     let Some(rng) = rng else {
@@ -148,7 +149,7 @@ fn sample(logits: &Tensor, sampling: Sampling, rng: Option<&DeviceRng>) -> Resul
     // Gumbel-max: argmax(l + g), g = -ln(-ln u), draws from softmax(l).
     let u = rng.uniform(scaled.shape())?;
     let gumbel = u.log()?.neg()?.log()?.neg()?;
-    (scaled + gumbel)?.argmax(D::Minus1)
+    argmax_last(&(scaled + gumbel)?)
 }
 
 impl Decoder {

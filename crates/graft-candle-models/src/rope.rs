@@ -85,7 +85,15 @@ impl Rope {
         }
     }
 
-    /// `x` (`[batch, heads, 1, head_dim]`, contiguous) rotated by the rows `at` returned.
+    /// How the kernels pair a head's dims.
+    pub(crate) fn style(&self) -> graft_candle_kernels::RopeStyle {
+        match self.style {
+            RopeStyle::Half => graft_candle_kernels::RopeStyle::Half,
+            RopeStyle::Interleaved => graft_candle_kernels::RopeStyle::Interleaved,
+        }
+    }
+
+    /// `x` (`[batch, heads, t, head_dim]`, contiguous) rotated by the rows `at` returned.
     pub(crate) fn apply(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         match self.style {
             RopeStyle::Half => candle_nn::rotary_emb::rope(x, cos, sin),

@@ -5,7 +5,7 @@
 #[path = "support/serve.rs"]
 mod serve;
 
-use candle_core::Device;
+use candle_core::{D, DType, Device, Tensor};
 
 #[test]
 fn a_continuous_batch_gives_every_request_its_tokens_alone() -> serve::TestResult {
@@ -22,4 +22,59 @@ fn bad_requests_are_refused_and_the_others_are_served() -> serve::TestResult {
     let dir = tempfile::tempdir()?;
     let model = serve::model(None, &Device::Cpu, dir.path())?;
     serve::bad_requests_are_refused_and_nothing_else_changes(&model)
+}
+
+/// A prompt prefilled in padded chunks (the fused path: the chunk's tokens as a batch of one
+/// cache row at their own positions, padding in the scratch row) writes the cache that
+/// decoding it token by token writes, and picks the same next token.
+#[test]
+fn a_prefill_writes_what_decoding_the_prompt_writes() -> serve::TestResult {
+    let dev = &Device::Cpu;
+    for window in [None, Some(8)] {
+        let dir = tempfile::tempdir()?;
+        let model = serve::model(window, dev, dir.path())?;
+        let prompt: Vec<u32> = (0..21u32).map(|i| (i * 37 + 5) % 256).collect();
+        let decoded = model.new_serving_cache(1, serve::MAX_SEQ)?;
+        let mut logits = None;
+        for &t in &prompt {
+            logits = Some(model.forward(&decoded, &Tensor::new(&[t], dev)?)?);
+        }
+        let want = logits
+            .ok_or("no prompt")?
+            .argmax(D::Minus1)?
+            .to_vec1::<u32>()?;
+        let prefilled = model.new_serving_cache(1, serve::MAX_SEQ)?;
+        let mut next = Vec::new();
+        for part in prompt.chunks(8) {
+            let mut padded = part.to_vec();
+            padded.resize(8, 255);
+            let tokens = Tensor::new(padded.as_slice(), dev)?;
+            next = model
+                .prefill_forward(&prefilled, 0, &tokens, part.len())?
+                .to_vec1::<u32>()?;
+        }
+        assert_eq!(next, want, "window {window:?}: the next token");
+        assert_eq!(prefilled.positions(), decoded.positions());
+        let layers = 2 * model.spec().layers;
+        for (i, (a, b)) in prefilled
+            .tensors()
+            .iter()
+            .zip(decoded.tensors())
+            .take(layers)
+            .enumerate()
+        {
+            // Row 0 (the scratch row holds the padding's keys and values).
+            let diff = (a.get(0)? - b.get(0)?)?
+                .abs()?
+                .to_dtype(DType::F32)?
+                .flatten_all()?
+                .max(0)?
+                .to_scalar::<f32>()?;
+            assert!(
+                diff < 1e-4,
+                "window {window:?}: cache tensor {i} differs by {diff}"
+            );
+        }
+    }
+    Ok(())
 }

@@ -10,7 +10,8 @@
 //! the two alternate in rounds; the figure is the median step. candle's models attend over
 //! the positions so far, the port over its whole static cache (`--max-seq`, 256).
 //!
-//! usage: graft-candle-ports [--steps N] [--rounds R] [--only NAME] [--skip-1b] [--json PATH]
+//! usage: graft-candle-ports [--steps N] [--rounds R] [--only NAME] [--skip-1b] [--max-seq S]
+//!                           [--profile-steps N] [--json PATH]
 
 use std::collections::HashMap;
 use std::time::Instant;
@@ -47,6 +48,10 @@ struct Options {
     /// Leave out the ~1B configs.
     #[arg(long)]
     skip_1b: bool,
+    /// After each batch's timing, this many more graft steps (from position 0) inside a CUDA
+    /// profiler range, for `ncu --profile-from-start off`: the replayed step's kernels alone.
+    #[arg(long, default_value_t = 0)]
+    profile_steps: usize,
 }
 
 /// candle-transformers' own model, eager.
@@ -282,6 +287,16 @@ fn measure(
                 ours.push(start.elapsed().as_secs_f64() * 1e6);
             }
         }
+    }
+    if o.profile_steps > 0 {
+        cache.reset()?;
+        let mut t = first_tokens(batch, vocab, device)?;
+        graft_candle_bench::profiler::profiled(|| {
+            for _ in 0..o.profile_steps {
+                t = ours_step(c, graft, step, cache, &t)?;
+            }
+            Ok(device.synchronize()?)
+        })?;
     }
     Ok(Measured {
         agreed,

@@ -19,6 +19,7 @@ pub(super) fn forward<T: WithDType>(
     let k = check::cpu_slice(OP, "k_cache", k, kl)?;
     let v = check::cpu_slice(OP, "v_cache", v, vl)?;
     let positions = op.positions.to_vec1::<u32>()?;
+    let rows = op.rows.as_ref().map(|r| r.to_vec1::<u32>()).transpose()?;
     let d = op.dims;
     let (hd, group) = (d.head_dim, d.group());
     let mut out = Vec::with_capacity(d.batch * d.heads * hd);
@@ -34,9 +35,22 @@ pub(super) fn forward<T: WithDType>(
             }
             .into());
         }
+        let cache_row = match &rows {
+            Some(rows) if rows[b] as usize >= d.cache_rows => {
+                return Err(KernelError::RowPastCache {
+                    op: OP,
+                    query: b,
+                    row: rows[b],
+                    rows: d.cache_rows,
+                }
+                .into());
+            }
+            Some(rows) => rows[b] as usize,
+            None => b,
+        };
         let visible = pos.saturating_sub(op.reach)..pos + 1;
         for h in 0..d.heads {
-            let row = (b * d.kv_heads + h / group) * d.max_seq;
+            let row = (cache_row * d.kv_heads + h / group) * d.max_seq;
             let qh = &q[(b * d.heads + h) * hd..][..hd];
             weights.clear();
             weights.extend(visible.clone().map(|j| {

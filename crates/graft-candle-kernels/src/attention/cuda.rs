@@ -18,7 +18,7 @@ use candle_core::{CudaStorage, Layout, Result, Shape, Storage, WithDType};
 use super::{CHUNK, DecodeAttention, OP};
 use crate::KernelError;
 use crate::check;
-use crate::nvrtc::{Kernels, view};
+use crate::nvrtc::{Kernels, address, view};
 
 /// Threads of a split-kernel block.
 const THREADS: u32 = 128;
@@ -30,9 +30,10 @@ static KERNELS: Kernels = Kernels::new(
 // visible positions start .. end of chunk `split`, at index (head * splits + split).
 template <typename T>
 __device__ void graft_decode_attention_partial(
-    const T* q, const T* k, const T* v, const unsigned int* positions, float* part_o,
-    float* part_ml, unsigned int heads, unsigned int kv_heads, unsigned int max_seq,
-    unsigned int hd, unsigned int chunk, unsigned int reach, float scale) {
+    const T* q, const T* k, const T* v, const unsigned int* positions,
+    const unsigned int* rows, unsigned int cache_rows, float* part_o, float* part_ml,
+    unsigned int heads, unsigned int kv_heads, unsigned int max_seq, unsigned int hd,
+    unsigned int chunk, unsigned int reach, float scale) {
     extern __shared__ float graft_smem[];
     const unsigned int split = blockIdx.x;
     const unsigned int kvh = blockIdx.y;
@@ -71,7 +72,12 @@ __device__ void graft_decode_attention_partial(
     const unsigned int lane = threadIdx.x & 31u;
     const unsigned int warp = threadIdx.x >> 5;
     const unsigned int warps = blockDim.x >> 5;
-    const unsigned long long row0 = ((unsigned long long)b * kv_heads + kvh) * max_seq;
+    // The cache row query b reads: its own, or rows[b] (never past the cache).
+    unsigned int row = b;
+    if (rows) {
+        row = rows[b] < cache_rows ? rows[b] : cache_rows - 1u;
+    }
+    const unsigned long long row0 = ((unsigned long long)row * kv_heads + kvh) * max_seq;
 
     // Scores: one warp per key row, the row loaded once for the whole group.
     for (unsigned int j = start + warp; j < end; j += warps) {
@@ -177,11 +183,13 @@ __device__ void graft_decode_attention_combine(
 
 #define GRAFT_DECODE_ATTENTION(suffix, T)                                                    \
     extern "C" __global__ void graft_decode_attention_partial_##suffix(                      \
-        const T* q, const T* k, const T* v, const unsigned int* positions, float* part_o,    \
-        float* part_ml, unsigned int heads, unsigned int kv_heads, unsigned int max_seq,     \
-        unsigned int hd, unsigned int chunk, unsigned int reach, float scale) {              \
-        graft_decode_attention_partial<T>(q, k, v, positions, part_o, part_ml, heads,        \
-                                          kv_heads, max_seq, hd, chunk, reach, scale);       \
+        const T* q, const T* k, const T* v, const unsigned int* positions,                   \
+        const unsigned int* rows, unsigned int cache_rows, float* part_o, float* part_ml,    \
+        unsigned int heads, unsigned int kv_heads, unsigned int max_seq, unsigned int hd,    \
+        unsigned int chunk, unsigned int reach, float scale) {                               \
+        graft_decode_attention_partial<T>(q, k, v, positions, rows, cache_rows, part_o,      \
+                                          part_ml, heads, kv_heads, max_seq, hd, chunk,      \
+                                          reach, scale);                                     \
     }                                                                                        \
     extern "C" __global__ void graft_decode_attention_combine_##suffix(                      \
         const float* part_o, const float* part_ml, T* out, unsigned int heads,               \
@@ -274,6 +282,12 @@ impl Map3 for Launch<'_> {
         let kv_heads = u32_of("the KV head count", d.kv_heads)?;
         let batch = u32_of("the batch", d.batch)?;
         let max_seq = u32_of("max_seq", d.max_seq)?;
+        let cache_rows = u32_of("the cache's rows", d.cache_rows)?;
+        // Null without rows: each query reads its own row.
+        let rows = match &self.op.rows {
+            Some(r) => address(OP, r, "rows", device)?,
+            None => 0u64,
+        };
         let head_dim = u32_of("the head dim", d.head_dim)?;
         let chunk = u32_of("the chunk", CHUNK)?;
         let reach = u32_of("the window", self.op.reach)?;
@@ -285,6 +299,8 @@ impl Map3 for Launch<'_> {
         launch.arg(&k);
         launch.arg(&v);
         launch.arg(self.positions);
+        launch.arg(&rows);
+        launch.arg(&cache_rows);
         launch.arg(&mut part_o);
         launch.arg(&mut part_ml);
         launch.arg(&heads);
@@ -300,10 +316,13 @@ impl Map3 for Launch<'_> {
             shared_mem_bytes: shared,
         };
         // SAFETY: the arguments match `graft_decode_attention_partial_<dtype>(const T*, const
-        // T*, const T*, const unsigned int*, float*, float*, unsigned int x6, float)` with T the
-        // storage's dtype. The wrapper checked the shapes: q holds batch * heads * head_dim
-        // elements, k and v batch * kv_heads * max_seq * head_dim, positions batch; the kernel
-        // clamps each position below max_seq and reads only rows start..end within it;
+        // T*, const T*, const unsigned int*, const unsigned int*, unsigned int, float*, float*,
+        // unsigned int x6, float)` with T the storage's dtype, the rows by address (null
+        // without). The wrapper checked the shapes: q holds batch * heads * head_dim elements,
+        // k and v cache_rows * kv_heads * max_seq * head_dim, positions batch, rows (when
+        // given, held by the op) batch; the kernel clamps each row below cache_rows (it is
+        // the query's own, b < batch = cache_rows, without rows) and each position below
+        // max_seq, and reads only positions start..end within it;
         // head_dim <= 256 (8 registers a lane); heads % kv_heads == 0; the scratch holds
         // batch * heads * splits partials, indexed by (head * splits + split) < that; the
         // dynamic shared memory is group * (head_dim + chunk) f32 (at most 48 KiB, checked),

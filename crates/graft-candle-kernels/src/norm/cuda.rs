@@ -1,5 +1,7 @@
-//! The add + RMS norm kernel: one block per row, `min(1024, row length rounded up to a warp)`
-//! threads, each striding over the row; a warp-then-block reduction of the squares.
+//! The add + RMS norm kernel: one block per row, enough whole warps for 8 elements a thread (at
+//! most 1,024 threads), each holding its elements in registers (striding over longer rows); a
+//! warp-then-block reduction of the squares; every load of a thread is issued before its first
+//! store.
 
 use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
@@ -18,6 +20,8 @@ static KERNELS: Kernels = Kernels::new(
     "graft_kernels_add_rms_norm",
     r#"
 // out[0 .. rows * cols] = x + residual (rounded to T), out[rows * cols ..] = its RMS norm.
+// A row of at most 8 elements per thread is held in registers (the weight loaded with x and
+// the residual), so the row crosses global memory once; longer rows stride and read back.
 template <typename T>
 __device__ void graft_add_rms_norm(const T* x, const T* residual, const T* weight, T* out,
                                    unsigned int cols, unsigned long long total, float eps) {
@@ -25,12 +29,38 @@ __device__ void graft_add_rms_norm(const T* x, const T* residual, const T* weigh
     const unsigned long long row = (unsigned long long)blockIdx.x * cols;
     T* sum = out + row;
     T* normed = out + total + row;
+    const bool held = cols <= blockDim.x * 8u;
+    float v[8];
+    float w[8];
     float squares = 0.0f;
-    for (unsigned int i = threadIdx.x; i < cols; i += blockDim.x) {
-        T s = graft_from_f32<T>(graft_to_f32(x[row + i]) + graft_to_f32(residual[row + i]));
-        sum[i] = s;
-        float f = graft_to_f32(s);
-        squares += f * f;
+    if (held) {
+        // Every load issued before any store (the stores could alias them for the compiler).
+        float a[8];
+        float b[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            const unsigned int i = threadIdx.x + u * blockDim.x;
+            a[u] = i < cols ? graft_to_f32(x[row + i]) : 0.0f;
+            b[u] = i < cols ? graft_to_f32(residual[row + i]) : 0.0f;
+            w[u] = i < cols ? graft_to_f32(weight[i]) : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            const unsigned int i = threadIdx.x + u * blockDim.x;
+            const T s = graft_from_f32<T>(a[u] + b[u]);
+            v[u] = graft_to_f32(s);
+            if (i < cols) {
+                sum[i] = s;
+                squares += v[u] * v[u];
+            }
+        }
+    } else {
+        for (unsigned int i = threadIdx.x; i < cols; i += blockDim.x) {
+            T s = graft_from_f32<T>(graft_to_f32(x[row + i]) + graft_to_f32(residual[row + i]));
+            sum[i] = s;
+            float f = graft_to_f32(s);
+            squares += f * f;
+        }
     }
     squares = graft_warp_sum(squares);
     const unsigned int lane = threadIdx.x & 31u;
@@ -40,17 +70,27 @@ __device__ void graft_add_rms_norm(const T* x, const T* residual, const T* weigh
     }
     __syncthreads();
     if (warp == 0) {
-        float v = lane < (blockDim.x >> 5) ? warp_sums[lane] : 0.0f;
-        v = graft_warp_sum(v);
+        float s = lane < (blockDim.x >> 5) ? warp_sums[lane] : 0.0f;
+        s = graft_warp_sum(s);
         if (lane == 0) {
-            warp_sums[0] = v;
+            warp_sums[0] = s;
         }
     }
     __syncthreads();
     const float m = sqrtf(warp_sums[0] / (float)cols + eps);
-    // Each thread reads back only the sums it wrote itself.
-    for (unsigned int i = threadIdx.x; i < cols; i += blockDim.x) {
-        normed[i] = graft_from_f32<T>(graft_to_f32(sum[i]) / m * graft_to_f32(weight[i]));
+    if (held) {
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            const unsigned int i = threadIdx.x + u * blockDim.x;
+            if (i < cols) {
+                normed[i] = graft_from_f32<T>(v[u] / m * w[u]);
+            }
+        }
+    } else {
+        // Each thread reads back only the sums it wrote itself.
+        for (unsigned int i = threadIdx.x; i < cols; i += blockDim.x) {
+            normed[i] = graft_from_f32<T>(graft_to_f32(sum[i]) / m * graft_to_f32(weight[i]));
+        }
     }
 }
 
@@ -101,10 +141,11 @@ impl Map3 for AddRmsNorm {
         let r = view(OP, "residual", r, rl)?;
         let w = view(OP, "weight", w, wl)?;
         let rows = check::u32_of(OP, "the row count", total / cols)?;
+        // Up to 8 elements a thread (held in registers), in whole warps.
         let threads = check::u32_of(
             OP,
             "the block size",
-            cols.next_multiple_of(32).min(MAX_THREADS),
+            cols.div_ceil(8).next_multiple_of(32).min(MAX_THREADS),
         )?;
         // SAFETY: the kernel writes all `2 * total` elements (block `row` writes the sum and
         // the normed sum of its `cols` elements, the grid has one block per row) before

@@ -4,7 +4,10 @@
 #![allow(dead_code, unreachable_pub)]
 
 use candle_core::{D, DType, Device, Result, Tensor};
-use graft_candle_kernels::{add_rms_norm, decode_attention, swiglu};
+use graft_candle_kernels::{
+    MATVEC_ROWS, QkNorm, RopeStyle, add_rms_norm, argmax_last, decode_attention, linear,
+    linear_cat, linear_swiglu, rope_store, swiglu,
+};
 use proptest::prelude::*;
 
 /// `n` values uniform in `[-scale, scale)` from `seed` (SplitMix64).
@@ -65,7 +68,8 @@ pub fn assert_close(
 }
 
 /// One decode-attention case: the cache is a view of rows `offset .. offset + batch` of a
-/// cache of `batch + extra` rows.
+/// cache of `batch + extra` rows; with `indexed`, the whole cache with each query's row given
+/// (`rows`), all of them reading the same row (a prefill chunk's queries).
 #[derive(Debug, Clone)]
 pub struct AttentionCase {
     pub batch: usize,
@@ -77,6 +81,7 @@ pub struct AttentionCase {
     pub window: Option<usize>,
     pub extra: usize,
     pub offset: usize,
+    pub indexed: bool,
     pub seed: u64,
 }
 
@@ -88,29 +93,38 @@ pub fn attention_cases() -> impl Strategy<Value = AttentionCase> {
         prop_oneof![Just(40usize), Just(64), Just(128), Just(256)],
         prop_oneof![1usize..=10, 60usize..=70, 120usize..=200],
         0usize..=2,
+        any::<bool>(),
         any::<u64>(),
     )
-        .prop_flat_map(|(batch, kv_heads, group, head_dim, max_seq, extra, seed)| {
-            let position = prop_oneof![Just(0u32), Just(max_seq as u32 - 1), 0..max_seq as u32];
-            let window = prop_oneof![Just(None), (0..max_seq + 3).prop_map(Some)];
-            (
-                proptest::collection::vec(position, batch),
-                window,
-                0..=extra,
-            )
-                .prop_map(move |(positions, window, offset)| AttentionCase {
-                    batch,
-                    kv_heads,
-                    group,
-                    head_dim,
-                    max_seq,
-                    positions,
+        .prop_flat_map(
+            |(batch, kv_heads, group, head_dim, max_seq, extra, indexed, seed)| {
+                let position = prop_oneof![Just(0u32), Just(max_seq as u32 - 1), 0..max_seq as u32];
+                let window = prop_oneof![Just(None), (0..max_seq + 3).prop_map(Some)];
+                (
+                    proptest::collection::vec(position, batch),
                     window,
-                    extra,
-                    offset,
-                    seed,
-                })
-        })
+                    0..=extra,
+                )
+                    .prop_map(move |(positions, window, offset)| AttentionCase {
+                        batch,
+                        kv_heads,
+                        group,
+                        head_dim,
+                        max_seq,
+                        positions,
+                        window,
+                        extra,
+                        offset,
+                        indexed,
+                        seed,
+                    })
+            },
+        )
+}
+
+/// The case's cache rows: with `indexed`, every query reads row `offset` of the whole cache.
+pub fn case_rows(case: &AttentionCase) -> Option<Vec<u32>> {
+    case.indexed.then(|| vec![case.offset as u32; case.batch])
 }
 
 /// Whether cache position `j` is visible from `pos`.
@@ -156,7 +170,7 @@ pub fn reference_attention(
 }
 
 /// The case's q, k view and v view (k and v with `poison` NaN at the positions each row must
-/// not read, when set).
+/// not read, when set): rows `offset .. offset + batch`, or the whole cache when `indexed`.
 pub fn attention_inputs(
     case: &AttentionCase,
     dtype: DType,
@@ -171,22 +185,35 @@ pub fn attention_inputs(
         let mut data = values(seed, rows * c.kv_heads * c.max_seq * c.head_dim, 1.0);
         if poison {
             for (b, &pos) in c.positions.iter().enumerate() {
+                let row = if c.indexed { c.offset } else { c.offset + b };
                 for h in 0..c.kv_heads {
                     for j in (0..c.max_seq).filter(|&j| !visible(j, pos as usize, c.window)) {
-                        let at = (((c.offset + b) * c.kv_heads + h) * c.max_seq + j) * c.head_dim;
-                        data[at..at + c.head_dim].fill(f32::NAN);
+                        // An indexed row is read up to each query's position: poison only
+                        // what no query sees.
+                        let seen = c.indexed
+                            && c.positions
+                                .iter()
+                                .any(|&p| visible(j, p as usize, c.window));
+                        if !seen {
+                            let at = ((row * c.kv_heads + h) * c.max_seq + j) * c.head_dim;
+                            data[at..at + c.head_dim].fill(f32::NAN);
+                        }
                     }
                 }
             }
         }
-        Tensor::from_vec(
+        let cache = Tensor::from_vec(
             data,
             (rows, c.kv_heads, c.max_seq, c.head_dim),
             &Device::Cpu,
         )?
         .to_dtype(dtype)?
-        .to_device(device)?
-        .narrow(0, c.offset, c.batch)
+        .to_device(device)?;
+        if c.indexed {
+            Ok(cache)
+        } else {
+            cache.narrow(0, c.offset, c.batch)
+        }
     };
     Ok((q, cache(c.seed ^ 1)?, cache(c.seed ^ 2)?))
 }
@@ -196,8 +223,16 @@ pub fn check_attention(device: &Device, case: &AttentionCase, dtype: DType) -> R
     let (q, k, v) = attention_inputs(case, dtype, device, false)?;
     let positions = Tensor::new(case.positions.as_slice(), device)?;
     let scale = 1.0 / (case.head_dim as f32).sqrt();
-    let got = decode_attention(&q, &k, &v, &positions, scale, case.window)?;
+    let rows = case_rows(case)
+        .map(|r| Tensor::new(r, device))
+        .transpose()?;
+    let got = decode_attention(&q, &k, &v, &positions, rows.as_ref(), scale, case.window)?;
     assert_eq!(got.dtype(), dtype);
+    // The reference reads each query's row as its own.
+    let (k, v) = match &rows {
+        Some(r) => (k.index_select(r, 0)?, v.index_select(r, 0)?),
+        None => (k, v),
+    };
     let want = reference_attention(&q, &k, &v, &case.positions, scale, case.window)?;
     assert_close("decode_attention", &got, &want, tolerance(dtype))
 }
@@ -215,13 +250,14 @@ pub fn check_attention_reads_only_visible(device: &Device, dtype: DType) -> Resu
             window,
             extra: 1,
             offset: 1,
+            indexed: false,
             seed: 7,
         };
         let positions = Tensor::new(case.positions.as_slice(), device)?;
         let (q, k, v) = attention_inputs(&case, dtype, device, false)?;
         let (_, k_nan, v_nan) = attention_inputs(&case, dtype, device, true)?;
-        let clean = decode_attention(&q, &k, &v, &positions, 0.125, window)?;
-        let poisoned = decode_attention(&q, &k_nan, &v_nan, &positions, 0.125, window)?;
+        let clean = decode_attention(&q, &k, &v, &positions, None, 0.125, window)?;
+        let poisoned = decode_attention(&q, &k_nan, &v_nan, &positions, None, 0.125, window)?;
         let poisoned_values = poisoned
             .flatten_all()?
             .to_dtype(DType::F32)?
@@ -246,7 +282,8 @@ pub fn norm_cases() -> impl Strategy<Value = (Vec<usize>, usize, u64)> {
             Just(333usize),
             Just(1024),
             Just(1500),
-            Just(4096)
+            Just(4096),
+            Just(9000)
         ],
         any::<u64>(),
     )
@@ -293,4 +330,313 @@ pub fn check_swiglu(device: &Device, shape: &[usize], seed: u64, dtype: DType) -
     let want = (gate.to_dtype(DType::F32)?.silu()? * up.to_dtype(DType::F32)?)?.to_dtype(dtype)?;
     let (atol, rtol) = tolerance(dtype);
     assert_close("swiglu", &got, &want, (atol, rtol))
+}
+
+/// One projection case: the rows' shape (rows = its product), `k` columns, each weight's rows
+/// (1 to 3 weights), a bias or not, and a start offset of `x` and the weights inside bigger
+/// tensors (misaligning the 16-byte loads when odd).
+#[derive(Debug, Clone)]
+pub struct LinearCase {
+    pub lead: Vec<usize>,
+    pub k: usize,
+    pub ns: Vec<usize>,
+    pub bias: bool,
+    pub offset: usize,
+    pub seed: u64,
+}
+
+pub fn linear_cases() -> impl Strategy<Value = LinearCase> {
+    (
+        prop_oneof![
+            proptest::collection::vec(1usize..=3, 1..=2),
+            Just(vec![MATVEC_ROWS]),
+            Just(vec![MATVEC_ROWS + 1]),
+            Just(vec![2, 1, 4]),
+        ],
+        prop_oneof![1usize..=40, Just(64), Just(256), Just(1000), Just(2048)],
+        proptest::collection::vec(prop_oneof![1usize..=20, Just(64), Just(333)], 1..=3),
+        any::<bool>(),
+        prop_oneof![Just(0usize), Just(1), Just(8)],
+        any::<u64>(),
+    )
+        .prop_map(|(lead, k, ns, bias, offset, seed)| LinearCase {
+            lead,
+            k,
+            ns,
+            bias,
+            offset,
+            seed,
+        })
+}
+
+/// A `shape` tensor of values in `[-scale, scale)` at `offset` elements into a bigger one (so
+/// not 16-byte aligned when the offset is odd).
+fn offset_random(
+    seed: u64,
+    shape: &[usize],
+    offset: usize,
+    scale: f32,
+    dtype: DType,
+    device: &Device,
+) -> Result<Tensor> {
+    let n: usize = shape.iter().product();
+    random(seed, &[n + offset], scale, dtype, device)?
+        .narrow(0, offset, n)?
+        .reshape(shape)
+}
+
+/// `linear_cat` (and `linear` for one weight) and `linear_swiglu` of the case's first weight
+/// and a second of its shape, against f32 matmuls of the same inputs rounded once (the
+/// matrix-vector kernel up to MATVEC_ROWS rows, candle's matmul above).
+pub fn check_linear(device: &Device, c: &LinearCase, dtype: DType) -> Result<()> {
+    let rows: usize = c.lead.iter().product();
+    let mut shape = c.lead.clone();
+    shape.push(c.k);
+    // Scaled so that every output is of order 1.
+    let scale = 2.0 / (c.k as f32).sqrt();
+    let x = offset_random(c.seed, &shape, c.offset, scale, dtype, device)?;
+    let x2 = x.reshape((rows, c.k))?.to_dtype(DType::F32)?;
+    let mut parts = Vec::new();
+    for (i, &n) in c.ns.iter().enumerate() {
+        let seed = c.seed ^ (i as u64 + 1) << 8;
+        let w = offset_random(seed, &[n, c.k], c.offset, 1.0, dtype, device)?;
+        let b = random(seed ^ 1, &[n], 1.0, dtype, device)?;
+        parts.push((w, c.bias.then_some(b)));
+    }
+    let refs: Vec<(&Tensor, Option<&Tensor>)> =
+        parts.iter().map(|(w, b)| (w, b.as_ref())).collect();
+    let project = |w: &Tensor, b: Option<&Tensor>| -> Result<Tensor> {
+        let y = x2.matmul(&w.to_dtype(DType::F32)?.t()?)?;
+        match b {
+            Some(b) => y.broadcast_add(&b.to_dtype(DType::F32)?),
+            None => Ok(y),
+        }
+    };
+    let want = Tensor::cat(
+        &refs
+            .iter()
+            .map(|&(w, b)| project(w, b))
+            .collect::<Result<Vec<_>>>()?,
+        1,
+    )?;
+    let got = if refs.len() == 1 {
+        linear(&x, refs[0].0, refs[0].1)?
+    } else {
+        linear_cat(&x, &refs)?
+    };
+    let total: usize = c.ns.iter().sum();
+    let mut out = c.lead.clone();
+    out.push(total);
+    assert_eq!(got.dims(), out.as_slice());
+    // Sums of k products in another order (cuBLAS's, or the kernel's lanes), then one
+    // rounding.
+    let (atol, rtol) = tolerance(dtype);
+    let tol = (atol * 4.0, rtol * 4.0);
+    let want_d = want.to_dtype(dtype)?;
+    assert_close("linear", &got.reshape((rows, total))?, &want_d, tol)?;
+    // SwiGLU of the first weight (gate) and a second of its shape (up).
+    let gate = refs[0].0;
+    let up = offset_random(c.seed ^ 77, gate.dims(), c.offset, 1.0, dtype, device)?;
+    let want = (project(gate, None)?.silu()? * project(&up, None)?)?.to_dtype(dtype)?;
+    let got = linear_swiglu(&x, gate, &up)?;
+    out.pop();
+    out.push(c.ns[0]);
+    assert_eq!(got.dims(), out.as_slice());
+    assert_close("linear_swiglu", &got.reshape((rows, c.ns[0]))?, &want, tol)
+}
+
+/// One rope_store case.
+#[derive(Debug, Clone)]
+pub struct RopeCase {
+    pub batch: usize,
+    pub kv_heads: usize,
+    pub group: usize,
+    pub head_dim: usize,
+    pub max_seq: usize,
+    pub positions: Vec<u32>,
+    pub interleaved: bool,
+    pub norm: bool,
+    /// Write every token into this row of a cache of `batch + 2` rows (at distinct
+    /// positions, as a prefill chunk does) instead of its own row.
+    pub row: Option<usize>,
+    pub seed: u64,
+}
+
+pub fn rope_cases() -> impl Strategy<Value = RopeCase> {
+    (
+        1usize..=4,
+        1usize..=3,
+        prop_oneof![Just(1usize), Just(2), Just(4)],
+        prop_oneof![Just(2usize), Just(40), Just(64), Just(128), Just(96)],
+        1usize..=40,
+        any::<bool>(),
+        any::<bool>(),
+        proptest::option::of(0usize..=5),
+        any::<u64>(),
+    )
+        .prop_flat_map(
+            |(batch, kv_heads, group, head_dim, max_seq, interleaved, norm, row, seed)| {
+                let max_seq = max_seq.max(batch);
+                (
+                    proptest::collection::vec(0..max_seq as u32, batch),
+                    0..max_seq as u32,
+                )
+                    .prop_map(move |(mut positions, start)| {
+                        if row.is_some() {
+                            // Distinct positions in the one row.
+                            for (i, p) in positions.iter_mut().enumerate() {
+                                *p = (start + i as u32) % max_seq as u32;
+                            }
+                        }
+                        RopeCase {
+                            batch,
+                            kv_heads,
+                            group,
+                            head_dim,
+                            max_seq,
+                            positions,
+                            interleaved,
+                            norm,
+                            row: row.map(|r| r % (batch + 2)),
+                            seed,
+                        }
+                    })
+            },
+        )
+}
+
+/// rope_store against the unfused decoder step: candle-nn's rms_norm and rope (or rope_i) at
+/// the positions' table rows, and the cache rows written with scatter_set.
+pub fn check_rope_store(device: &Device, c: &RopeCase, dtype: DType) -> Result<()> {
+    let (b, kv, hd) = (c.batch, c.kv_heads, c.head_dim);
+    let heads = kv * c.group;
+    let table = c.max_seq + 3;
+    let qkv = random(c.seed, &[b, (heads + 2 * kv) * hd], 2.0, dtype, device)?;
+    let cos = random(c.seed ^ 1, &[table, hd / 2], 1.0, dtype, device)?;
+    let sin = random(c.seed ^ 2, &[table, hd / 2], 1.0, dtype, device)?;
+    let qn = random(c.seed ^ 3, &[hd], 1.5, dtype, device)?;
+    let kn = random(c.seed ^ 4, &[hd], 1.5, dtype, device)?;
+    let cache_rows = if c.row.is_some() { b + 2 } else { b };
+    let cache = |seed| random(seed, &[cache_rows, kv, c.max_seq, hd], 1.0, dtype, device);
+    let rows = c
+        .row
+        .map(|r| Tensor::new(vec![r as u32; b], device))
+        .transpose()?;
+    let (k_cache, v_cache) = (cache(c.seed ^ 5)?, cache(c.seed ^ 6)?);
+    let (k_want, v_want) = (k_cache.copy()?, v_cache.copy()?);
+    let positions = Tensor::new(c.positions.as_slice(), device)?;
+    let style = if c.interleaved {
+        RopeStyle::Interleaved
+    } else {
+        RopeStyle::Half
+    };
+    let eps = 1e-6;
+    let norm = c.norm.then_some(QkNorm {
+        q: &qn,
+        k: &kn,
+        eps,
+    });
+    let q = rope_store(
+        &qkv,
+        &cos,
+        &sin,
+        &positions,
+        rows.as_ref(),
+        (&k_cache, &v_cache),
+        heads,
+        style,
+        norm,
+    )?;
+    // The unfused step.
+    let split = qkv.reshape((b, heads + 2 * kv, 1, hd))?;
+    let part = |from, n| -> Result<Tensor> { split.narrow(1, from, n)?.contiguous() };
+    let normed = |t: Tensor, w: &Tensor, n: usize| -> Result<Tensor> {
+        if c.norm {
+            candle_nn_free_rms_norm(&t, w, eps)?.reshape((b, n, 1, hd))
+        } else {
+            Ok(t)
+        }
+    };
+    let (cos_at, sin_at) = (
+        cos.index_select(&positions, 0)?.unsqueeze(1)?,
+        sin.index_select(&positions, 0)?.unsqueeze(1)?,
+    );
+    let rotate = |t: &Tensor| -> Result<Tensor> {
+        let t = t.to_dtype(DType::F32)?;
+        let (c32, s32) = (cos_at.to_dtype(DType::F32)?, sin_at.to_dtype(DType::F32)?);
+        let (x1, x2) = if c.interleaved {
+            let pairs = t.reshape((b, (), 1, hd / 2, 2))?;
+            (
+                pairs.narrow(4, 0, 1)?.squeeze(4)?,
+                pairs.narrow(4, 1, 1)?.squeeze(4)?,
+            )
+        } else {
+            (t.narrow(3, 0, hd / 2)?, t.narrow(3, hd / 2, hd / 2)?)
+        };
+        let (c32, s32) = (c32.unsqueeze(1)?, s32.unsqueeze(1)?);
+        let o1 = (x1.broadcast_mul(&c32)? - x2.broadcast_mul(&s32)?)?;
+        let o2 = (x1.broadcast_mul(&s32)? + x2.broadcast_mul(&c32)?)?;
+        let out = if c.interleaved {
+            Tensor::stack(&[o1, o2], 4)?.reshape(t.dims())?
+        } else {
+            Tensor::cat(&[o1, o2], 3)?
+        };
+        out.to_dtype(dtype)
+    };
+    let q_want = rotate(&normed(part(0, heads)?, &qn, heads)?)?;
+    let k_new = rotate(&normed(part(heads, kv)?, &kn, kv)?)?;
+    let v_new = part(heads + kv, kv)?;
+    // Each token's row and position, written one at a time.
+    for (i, &p) in c.positions.iter().enumerate() {
+        let row = c.row.unwrap_or(i);
+        for (want, new) in [(&k_want, &k_new), (&v_want, &v_new)] {
+            let src = new.narrow(0, i, 1)?.reshape((1, kv, 1, hd))?.contiguous()?;
+            want.narrow(0, row, 1)?.slice_set(&src, 2, p as usize)?;
+        }
+    }
+    let tol = tolerance(dtype);
+    // One rounding apart at most (the reference rounds the rotation's products in f32).
+    let tol = (tol.0.max(1e-5) * 2.0, tol.1);
+    assert_close("rope_store queries", &q, &q_want, tol)?;
+    assert_close("rope_store keys", &k_cache, &k_want, tol)?;
+    assert_close("rope_store values", &v_cache, &v_want, (0.0, 0.0))
+}
+
+/// The per-head RMS norm of the last dim in f32, rounded to the dtype (candle-nn's
+/// `rms_norm`, which this crate does not depend on).
+fn candle_nn_free_rms_norm(t: &Tensor, w: &Tensor, eps: f32) -> Result<Tensor> {
+    let x = t.to_dtype(DType::F32)?;
+    let rms = (x.sqr()?.mean_keepdim(D::Minus1)? + f64::from(eps))?.sqrt()?;
+    x.broadcast_div(&rms)?
+        .broadcast_mul(&w.to_dtype(DType::F32)?)?
+        .to_dtype(t.dtype())
+}
+
+/// argmax_last against the first largest element of each row found on the host, with ties
+/// (repeated maxima) and -inf in the rows.
+pub fn check_argmax(device: &Device, rows: usize, n: usize, seed: u64, dtype: DType) -> Result<()> {
+    let mut data = values(seed, rows * n, 4.0);
+    for (r, row) in data.chunks_mut(n).enumerate() {
+        // A repeated maximum in every other row, the later copy first found by no one.
+        if r % 2 == 0 && n > 2 {
+            let (a, b) = ((seed as usize + r) % n, (seed as usize + 3 * r + 1) % n);
+            row[a] = 9.0;
+            row[b] = 9.0;
+        }
+        if r % 3 == 0 {
+            row[0] = f32::NEG_INFINITY;
+        }
+    }
+    let x = Tensor::from_vec(data, (rows, n), &Device::Cpu)?.to_dtype(dtype)?;
+    let host = x.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+    let want: Vec<u32> = host
+        .iter()
+        .map(|row| {
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            row.iter().position(|&v| v == max).unwrap_or(0) as u32
+        })
+        .collect();
+    let got = argmax_last(&x.to_device(device)?)?.to_vec1::<u32>()?;
+    assert_eq!(got, want, "argmax_last of {rows} rows of {n}");
+    Ok(())
 }

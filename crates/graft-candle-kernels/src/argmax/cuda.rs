@@ -1,0 +1,126 @@
+//! The argmax kernel: one block of 1,024 threads per row; each thread keeps the first largest
+//! of its strided elements, then warps and the block reduce (value, index) pairs, the smaller
+//! index winning ties.
+
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+};
+use candle_core::cuda_backend::{CudaDevice, CudaStorageSlice, Map1Any, WrapErr};
+use candle_core::{CudaStorage, Layout, Result, Shape, WithDType};
+
+use super::OP;
+use crate::check;
+use crate::nvrtc::{Kernels, view};
+
+/// Threads per block.
+const THREADS: u32 = 1024;
+
+static KERNELS: Kernels = Kernels::new(
+    "graft_kernels_argmax",
+    r#"
+// Whether (v, i) beats (w, j): larger, or equal with the smaller index. NaN never beats.
+__device__ __forceinline__ bool graft_beats(float v, unsigned int i, float w, unsigned int j) {
+    return v > w || (v == w && i < j);
+}
+
+// The winning (v, i) over the warp, in every lane.
+__device__ __forceinline__ void graft_warp_argmax(float& v, unsigned int& i) {
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        const float w = __shfl_xor_sync(0xffffffffu, v, offset);
+        const unsigned int j = __shfl_xor_sync(0xffffffffu, i, offset);
+        if (graft_beats(w, j, v, i)) {
+            v = w;
+            i = j;
+        }
+    }
+}
+
+template <typename T>
+__device__ void graft_argmax(const T* x, unsigned int* out, unsigned int n) {
+    __shared__ float best_v[32];
+    __shared__ unsigned int best_i[32];
+    const T* row = x + (unsigned long long)blockIdx.x * n;
+    float v = GRAFT_NEG_INF;
+    unsigned int i = 0xffffffffu;
+    for (unsigned int c = threadIdx.x; c < n; c += blockDim.x) {
+        const float f = graft_to_f32(row[c]);
+        if (graft_beats(f, c, v, i)) {
+            v = f;
+            i = c;
+        }
+    }
+    graft_warp_argmax(v, i);
+    const unsigned int lane = threadIdx.x & 31u;
+    const unsigned int warp = threadIdx.x >> 5;
+    if (lane == 0) {
+        best_v[warp] = v;
+        best_i[warp] = i;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        const bool has = lane < (blockDim.x >> 5);
+        v = has ? best_v[lane] : GRAFT_NEG_INF;
+        i = has ? best_i[lane] : 0xffffffffu;
+        graft_warp_argmax(v, i);
+        if (lane == 0) {
+            // A row of NaN (or -inf only) found nothing beating the start: index 0.
+            out[blockIdx.x] = i < n ? i : 0u;
+        }
+    }
+}
+
+#define GRAFT_ARGMAX(suffix, T)                                                              \
+    extern "C" __global__ void graft_argmax_##suffix(const T* x, unsigned int* out,          \
+                                                     unsigned int n) {                       \
+        graft_argmax<T>(x, out, n);                                                          \
+    }
+GRAFT_FOR_DTYPES(GRAFT_ARGMAX)
+"#,
+);
+
+/// The `[rows]` u32 output on CUDA.
+pub(super) fn forward(n: usize, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+    let device = s.device.clone();
+    let slice = Argmax { n }.map(&s.slice, &device, l)?;
+    let rows = l.shape().elem_count() / n;
+    Ok((CudaStorage { slice, device }, Shape::from_dims(&[rows])))
+}
+
+struct Argmax {
+    n: usize,
+}
+
+impl Map1Any for Argmax {
+    fn f<T: DeviceRepr + WithDType + ValidAsZeroBits, W: Fn(CudaSlice<T>) -> CudaStorageSlice>(
+        &self,
+        x: &CudaSlice<T>,
+        device: &CudaDevice,
+        l: &Layout,
+        _wrap: W,
+    ) -> Result<CudaStorageSlice> {
+        let x = view(OP, "x", x, l)?;
+        let rows = l.shape().elem_count() / self.n;
+        // SAFETY: the kernel writes all `rows` indices (one block per row, lane 0 of its
+        // first warp) before anything reads them: it is launched below on the device's stream.
+        let mut out = unsafe { device.alloc::<u32>(rows)? };
+        let name = format!("graft_argmax_{}", T::DTYPE.as_str());
+        let func = device.get_or_load_custom_func(&name, KERNELS.module(), KERNELS.ptx()?)?;
+        let grid = check::u32_of(OP, "the row count", rows)?;
+        let n = check::u32_of(OP, "the row length", self.n)?;
+        let mut launch = func.builder();
+        launch.arg(&x);
+        launch.arg(&mut out);
+        launch.arg(&n);
+        let cfg = LaunchConfig {
+            grid_dim: (grid, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the arguments match `graft_argmax_<dtype>(const T*, unsigned int*, unsigned
+        // int)` with T the storage's dtype: `x` holds rows * n elements (contiguous), `out`
+        // rows u32; block r reads only row r's n elements; the block is 32 whole warps (32
+        // warp results in shared memory); all live until the launch is enqueued.
+        unsafe { launch.launch(cfg) }.w()?;
+        Ok(CudaStorageSlice::U32(out))
+    }
+}

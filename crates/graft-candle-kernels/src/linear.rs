@@ -1,0 +1,251 @@
+//! `linear`, `linear_cat` and `linear_swiglu`: projections of a decode step's few rows through
+//! one weight, through up to three weights side by side (a layer's query, key and value
+//! projections), or through a gate and an up weight with SwiGLU of the two.
+//!
+//! Up to [`MATVEC_ROWS`] rows each call is one matrix-vector kernel that reads every weight
+//! once for all rows, in place (the weights are never copied or packed, so weights that are
+//! trained in place stay the ones used), with 16-byte loads where the shapes and addresses
+//! allow, one warp per output (per gate-and-up pair for SwiGLU), sums in f32, and the bias or
+//! SwiGLU applied before the single rounding to the dtype. Above it they run candle's matmul
+//! (cuBLAS on CUDA) per weight. Which path runs depends only on the shapes, so eager and graphed
+//! calls of one shape run the same kernels.
+
+#[cfg(feature = "cuda")]
+mod cuda;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor, WithDType};
+
+use crate::{KernelError, check, swiglu};
+
+const OP: &str = "linear";
+
+/// The most rows the matrix-vector kernel takes; more go to candle's matmul. Each row's input
+/// is read once per output from L1: at 8 rows that was 8 times the weight's bytes, and the
+/// kernel ran at a fifth of the bandwidth, below cuBLAS (H200, docs/benchmarks.md).
+pub const MATVEC_ROWS: usize = 2;
+
+/// The most weights [`linear_cat`] takes.
+pub const MAX_PARTS: usize = 3;
+
+/// `x · wᵀ + bias`: `x` `[..., k]`, `w` `[n, k]`, `bias` `[n]`; returns `[..., n]` in `x`'s
+/// dtype (f32, bf16 or f16, shared by all). `w` and `bias` are contiguous; `x` is too on the
+/// matrix-vector path (at most [`MATVEC_ROWS`] rows).
+pub fn linear(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    linear_cat(x, &[(w, bias)])
+}
+
+/// The projections of `x` through each of `parts` (1 to [`MAX_PARTS`] weights `[n_i, k]`, each
+/// with an optional bias `[n_i]`), concatenated along the last dim: `[..., n_0 + n_1 + ...]`.
+pub fn linear_cat(x: &Tensor, parts: &[(&Tensor, Option<&Tensor>)]) -> Result<Tensor> {
+    let dims = Dims::of(x, parts, false)?;
+    if dims.rows > MATVEC_ROWS {
+        let outs = parts
+            .iter()
+            .map(|&(w, bias)| {
+                let y = matmul(x, w, dims)?;
+                match bias {
+                    Some(b) => y.broadcast_add(b),
+                    None => Ok(y),
+                }
+            })
+            .collect::<Result<Vec<_>>>()?;
+        return Tensor::cat(&outs, candle_core::D::Minus1);
+    }
+    matvec(x, parts, dims, false)
+}
+
+/// `silu(x · gateᵀ) * (x · upᵀ)`: `gate` and `up` `[n, k]`; returns `[..., n]` in `x`'s dtype.
+pub fn linear_swiglu(x: &Tensor, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    let parts = [(gate, None), (up, None)];
+    let dims = Dims::of(x, &parts, true)?;
+    if dims.rows > MATVEC_ROWS {
+        return swiglu(&matmul(x, gate, dims)?, &matmul(x, up, dims)?);
+    }
+    matvec(x, &parts, dims, true)
+}
+
+/// candle's matmul of `x`'s rows as one `[rows, k]` matrix (no weight broadcast over leading
+/// dims, which would read it once per batch entry): `[..., w's rows]`.
+fn matmul(x: &Tensor, w: &Tensor, dims: Dims) -> Result<Tensor> {
+    let mut out = x.dims().to_vec();
+    if let Some(last) = out.last_mut() {
+        *last = w.dim(0)?;
+    }
+    x.reshape((dims.rows, dims.k))?
+        .matmul(&w.t()?)?
+        .reshape(out)
+}
+
+fn matvec(
+    x: &Tensor,
+    parts: &[(&Tensor, Option<&Tensor>)],
+    dims: Dims,
+    pair: bool,
+) -> Result<Tensor> {
+    check::contiguous(OP, "x", x)?;
+    let mut out = x.dims().to_vec();
+    if let Some(last) = out.last_mut() {
+        *last = dims.n();
+    }
+    if dims.rows == 0 {
+        return Tensor::zeros(out, x.dtype(), x.device());
+    }
+    let op = Matvec {
+        parts: parts
+            .iter()
+            .map(|&(w, b)| (w.clone(), b.cloned()))
+            .collect(),
+        dims,
+        pair,
+    };
+    x.apply_op1_no_bwd(&op)?.reshape(out)
+}
+
+/// The projection's sizes, checked.
+#[derive(Debug, Clone, Copy)]
+struct Dims {
+    rows: usize,
+    k: usize,
+    /// Each weight's rows (0 past the last weight).
+    ns: [usize; MAX_PARTS],
+    pair: bool,
+}
+
+impl Dims {
+    fn of(x: &Tensor, parts: &[(&Tensor, Option<&Tensor>)], pair: bool) -> Result<Self> {
+        check::float(OP, "x", x)?;
+        if parts.is_empty() || parts.len() > MAX_PARTS {
+            return Err(KernelError::Parts {
+                got: parts.len(),
+                max: MAX_PARTS,
+            }
+            .into());
+        }
+        let k = x.dims().last().copied().unwrap_or(0);
+        let mut ns = [0; MAX_PARTS];
+        for (i, &(w, bias)) in parts.iter().enumerate() {
+            check::like(OP, "w", w, "x", x)?;
+            let &[n, wk] = w.dims() else {
+                return Err(check::shape(OP, "w", w, "[n, k]"));
+            };
+            if wk != k || x.rank() == 0 {
+                return Err(check::shape(
+                    OP,
+                    "x",
+                    x,
+                    "[..., k] with k each weight's columns",
+                ));
+            }
+            check::contiguous(OP, "w", w)?;
+            if let Some(b) = bias {
+                check::like(OP, "bias", b, "x", x)?;
+                if b.dims() != [n] {
+                    return Err(check::shape(OP, "bias", b, "[n], its weight's rows"));
+                }
+                check::contiguous(OP, "bias", b)?;
+            }
+            ns[i] = n;
+        }
+        if pair && ns[0] != ns[1] {
+            return Err(check::shape(OP, "up", parts[1].0, "gate's shape"));
+        }
+        let rows = x.elem_count().checked_div(k).unwrap_or(0);
+        let dims = Self { rows, k, ns, pair };
+        check::u32_of(OP, "the weights' columns", k)?;
+        check::u32_of(OP, "the outputs per row", ns.iter().sum())?;
+        Ok(dims)
+    }
+
+    /// Outputs per row.
+    fn n(&self) -> usize {
+        if self.pair {
+            self.ns[0]
+        } else {
+            self.ns.iter().sum()
+        }
+    }
+}
+
+/// The custom op over `x`, holding clones (the same storage) of the weights and biases; the
+/// wrappers have checked everything. Its output is `[rows, n]`.
+struct Matvec {
+    parts: Vec<(Tensor, Option<Tensor>)>,
+    dims: Dims,
+    /// SwiGLU of the two weights' outputs.
+    pair: bool,
+}
+
+impl Matvec {
+    fn out_shape(&self) -> Shape {
+        Shape::from_dims(&[self.dims.rows, self.dims.n()])
+    }
+}
+
+impl CustomOp1 for Matvec {
+    fn name(&self) -> &'static str {
+        OP
+    }
+
+    fn cpu_fwd(&self, x: &CpuStorage, xl: &Layout) -> Result<(CpuStorage, Shape)> {
+        let out = match x {
+            CpuStorage::F32(x) => self.cpu(x, xl)?,
+            CpuStorage::BF16(x) => self.cpu(x, xl)?,
+            CpuStorage::F16(x) => self.cpu(x, xl)?,
+            _ => {
+                return Err(KernelError::UnsupportedDType {
+                    op: OP,
+                    input: "x",
+                    got: x.dtype(),
+                }
+                .into());
+            }
+        };
+        Ok((out, self.out_shape()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        xl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        cuda::forward(self, x, xl)
+    }
+}
+
+impl Matvec {
+    /// The CPU projection: each output a dot product summed in f32 in index order.
+    fn cpu<T: WithDType>(&self, x: &[T], xl: &Layout) -> Result<CpuStorage> {
+        let x = check::cpu_slice(OP, "x", x, xl)?;
+        let f32s = |t: &Tensor| t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>();
+        let parts = self
+            .parts
+            .iter()
+            .map(|(w, b)| Ok((f32s(w)?, b.as_ref().map(f32s).transpose()?)))
+            .collect::<Result<Vec<_>>>()?;
+        let Dims { rows, k, ns, .. } = self.dims;
+        let dot = |r: usize, (w, b): &(Vec<f32>, Option<Vec<f32>>), j: usize| -> f32 {
+            let sum: f32 = x[r * k..][..k]
+                .iter()
+                .zip(&w[j * k..][..k])
+                .map(|(&a, &b)| check::f32_of(a) * b)
+                .sum();
+            sum + b.as_ref().map_or(0.0, |b| b[j])
+        };
+        let mut out = Vec::with_capacity(rows * self.dims.n());
+        for r in 0..rows {
+            if self.pair {
+                for j in 0..ns[0] {
+                    let (g, u) = (dot(r, &parts[0], j), dot(r, &parts[1], j));
+                    out.push(T::from_f64(f64::from(g / (1.0 + (-g).exp()) * u)));
+                }
+            } else {
+                for (part, &n) in parts.iter().zip(&ns) {
+                    out.extend((0..n).map(|j| T::from_f64(f64::from(dot(r, part, j)))));
+                }
+            }
+        }
+        Ok(T::to_cpu_storage_owned(out))
+    }
+}
