@@ -18,7 +18,7 @@ use graft_candle_kernels::{
     linear_swiglu, rope_store, swiglu,
 };
 
-use super::cache::{KvCache, PrefillPlan};
+use super::cache::KvCache;
 use super::rope::Rope;
 use super::shard::Shard;
 use super::spec::DecoderSpec;
@@ -42,7 +42,7 @@ impl Proj {
 
     /// A decode step's projection: graft-candle-kernels' `linear` for a dense weight (one
     /// matrix-vector launch with the bias, for a few rows), candle's for a quantized one.
-    fn decode(&self, x: &Tensor) -> Result<Tensor> {
+    pub(crate) fn decode(&self, x: &Tensor) -> Result<Tensor> {
         match self {
             Proj::Dense(l) => linear(x, l.weight(), l.bias()),
             Proj::Quant(q) => q.forward(x),
@@ -98,10 +98,10 @@ pub struct Decoder {
     /// A decode step attends with graft-candle-kernels' `decode_attention` (reading the cache
     /// only up to each position); `false` when the heads do not fit it (the unfused attention
     /// over the whole row, masked, then).
-    fused_attention: bool,
+    pub(crate) fused_attention: bool,
     /// This rank's place when the decoder is one part of a tensor-parallel model: its
     /// blocks then sum their attention and MLP outputs over the ranks. `None`: the whole.
-    shard: Option<Shard>,
+    pub(crate) shard: Option<Shard>,
     /// Unique per decoder in this process: a signature key, so that a graph recorded for one
     /// decoder never replays for another (block-quantized weights cannot be statics).
     id: u64,
@@ -365,111 +365,6 @@ impl Decoder {
         Ok(out)
     }
 
-    /// One eager prefill chunk of sequence `row` of a serving cache: `tokens` (`[chunk]` u32)
-    /// holds the next `len` tokens of its prompt, padded to `chunk` with any token. Writes
-    /// their keys and values at the sequence's position and advances it by `len`; returns
-    /// the token that follows the last of them (`[1]` u32, greedy).
-    pub fn prefill_forward(
-        &self,
-        cache: &KvCache,
-        row: usize,
-        tokens: &Tensor,
-        len: usize,
-    ) -> Result<Tensor> {
-        cache.check_prefill(row, len, tokens.dims1()?)?;
-        let meta = Tensor::new(&[row as u32, len as u32], self.device())?;
-        let next = argmax_last(&self.prefill_logits(cache, tokens, &meta)?)?;
-        cache.advance_row(row, len);
-        Ok(next)
-    }
-
-    /// [`Decoder::prefill_forward`] under graft: `tokens` and the row and length (uploaded
-    /// as a `[2]` u32 input) are the step's inputs, the weights and `cache` its statics,
-    /// `[chunk, key]` its keys: register `step` with token-count buckets and pad `tokens` to
-    /// one. One recording per bucket serves every sequence, position and length.
-    pub fn prefill(
-        &self,
-        graft: &mut CandleGraft,
-        step: StepId,
-        cache: &KvCache,
-        row: usize,
-        tokens: &Tensor,
-        len: usize,
-    ) -> std::result::Result<Step, Error> {
-        let model = |source| Error::Model { source };
-        let chunk = tokens.dims1().map_err(model)?;
-        cache.check_prefill(row, len, chunk).map_err(model)?;
-        let meta = Tensor::new(&[row as u32, len as u32], self.device()).map_err(model)?;
-        let statics = self.statics(cache);
-        let out = graft.call(
-            step,
-            &[tokens, &meta],
-            &statics,
-            &[chunk as u64, self.id],
-            |inputs| {
-                let logits = self.prefill_logits(cache, &inputs[0], &inputs[1])?;
-                Ok(vec![argmax_last(&logits)?])
-            },
-        )?;
-        cache.advance_row(row, len);
-        Ok(out)
-    }
-
-    /// The prefill itself (no host-side checks): capturable. `meta` is `[2]` u32: the row
-    /// and the number of real tokens. Returns the last real token's logits (`[1, vocab]`
-    /// f32). With the fused attention the chunk is a batch of tokens of one cache row, each
-    /// at its own position (padding in the scratch row), through the decode step's kernels.
-    fn prefill_logits(&self, cache: &KvCache, tokens: &Tensor, meta: &Tensor) -> Result<Tensor> {
-        let s = &self.spec;
-        let chunk = tokens.dims1()?;
-        let plan = cache.prefill_plan(meta, chunk, s.head_dim)?;
-        let h = if self.fused_attention {
-            // [chunk, 1, hidden]: the decode step's shape, one token per "sequence".
-            let x = self.embed.index_select(tokens, 0)?.unsqueeze(1)?;
-            let at = Slots {
-                positions: &plan.positions,
-                rows: Some(&plan.rows),
-                mask: None,
-            };
-            self.blocks_at(x, &at, |i| cache.layer_all(i))?
-                .index_select(&plan.last, 0)?
-        } else {
-            self.prefill_unfused(cache, tokens, &plan)?
-        };
-        let logits = self.lm_head.decode(&h)?.squeeze(1)?.to_dtype(DType::F32)?;
-        cache.step_row(&plan, &meta.narrow(0, 1, 1)?)?;
-        Ok(logits)
-    }
-
-    /// The prefill's blocks for heads the fused attention does not take: the chunk as one
-    /// sequence, its keys and values scattered into the cache, attention over the whole row
-    /// masked. Returns the last real token's final norm (`[1, 1, hidden]`).
-    fn prefill_unfused(
-        &self,
-        cache: &KvCache,
-        tokens: &Tensor,
-        plan: &PrefillPlan,
-    ) -> Result<Tensor> {
-        let s = &self.spec;
-        let chunk = tokens.dims1()?;
-        let (cos, sin) = self.rope.at(&plan.positions)?;
-        let (cos, sin) = (cos.squeeze(1)?, sin.squeeze(1)?);
-        let mut x = self.embed.index_select(tokens, 0)?.unsqueeze(0)?;
-        let mut h = self.first_norm(&x)?;
-        for (i, b) in self.blocks.iter().enumerate() {
-            let (q, k, v) = b.qkv(&h, s, &self.rope, &cos, &sin)?;
-            let (k_flat, v_flat) = cache.flat(i)?;
-            let rows = s.kv_heads * chunk;
-            k_flat.scatter_set(&plan.write_at, &k.reshape((rows, s.head_dim))?, 0)?;
-            v_flat.scatter_set(&plan.write_at, &v.reshape((rows, s.head_dim))?, 0)?;
-            let (k_row, v_row) = cache.row(i, &plan.row)?;
-            let o = attend_chunk(&q, &k_row, &v_row, &plan.mask, s)?;
-            (x, h) = b.finish(&x, &o, self.norm_after(i), s, self.shard.as_ref())?;
-        }
-        // `h` is the final norm of every position: the last real one's.
-        h.index_select(&plan.last, 1)
-    }
-
     /// The step itself (no host-side checks): capturable.
     pub(crate) fn logits(&self, cache: &KvCache, tokens: &Tensor) -> Result<Tensor> {
         let batch = tokens.dims1()?;
@@ -499,7 +394,7 @@ impl Decoder {
     /// residual add with the MLP's norm, one launch for the gate, up and SwiGLU, the down
     /// projection, and the add with the next norm. Returns the final norm (`[n, 1,
     /// hidden]`).
-    fn blocks_at(
+    pub(crate) fn blocks_at(
         &self,
         mut x: Tensor,
         at: &Slots<'_>,
@@ -550,26 +445,26 @@ impl Decoder {
 }
 
 /// Where a step's tokens are in the cache, for [`Decoder::blocks_at`].
-struct Slots<'a> {
+pub(crate) struct Slots<'a> {
     /// `[n]` u32: each token's position.
-    positions: &'a Tensor,
+    pub(crate) positions: &'a Tensor,
     /// `[n]` u32: each token's cache row; `None`: token b's is row b.
-    rows: Option<&'a Tensor>,
+    pub(crate) rows: Option<&'a Tensor>,
     /// The unfused attention's mask (`[n, 1, 1, max_seq]`), where the heads do not fit the
     /// fused one (decode only: a prefill then runs `prefill_unfused`).
-    mask: Option<&'a Tensor>,
+    pub(crate) mask: Option<&'a Tensor>,
 }
 
 impl Decoder {
     /// The first block's input norm of the residual stream `x` (the final norm without
     /// blocks); every later norm comes fused with the residual add before it.
-    fn first_norm(&self, x: &Tensor) -> Result<Tensor> {
+    pub(crate) fn first_norm(&self, x: &Tensor) -> Result<Tensor> {
         let w = self.blocks.first().map_or(&self.norm, |b| &b.attn_norm);
         candle_nn::ops::rms_norm(x, w, self.spec.eps as f32)
     }
 
     /// The norm that follows block `i`: the next block's input norm, or the final one.
-    fn norm_after(&self, i: usize) -> &Tensor {
+    pub(crate) fn norm_after(&self, i: usize) -> &Tensor {
         self.blocks.get(i + 1).map_or(&self.norm, |b| &b.attn_norm)
     }
 }
@@ -597,7 +492,7 @@ impl Block {
 
     /// The rotated queries `[batch, heads, t, hd]`, rotated keys and values `[batch, kv, t,
     /// hd]` of the block's normed input `h` `[batch, t, hidden]` (t = 1 for a decode step).
-    fn qkv(
+    pub(crate) fn qkv(
         &self,
         h: &Tensor,
         s: &DecoderSpec,
@@ -639,7 +534,7 @@ impl Block {
     /// the two is summed over the ranks first. The projections are graft-candle-kernels'
     /// (a matrix-vector kernel for a few rows; a SiLU-gated MLP's gate and up in one launch
     /// with the SwiGLU).
-    fn finish(
+    pub(crate) fn finish(
         &self,
         x: &Tensor,
         o: &Tensor,
@@ -680,32 +575,4 @@ fn attend(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, s: &DecoderSpec) ->
     let scores = (q.matmul(&k.t()?)?.to_dtype(DType::F32)? / (hd as f64).sqrt())?;
     let p = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(mask)?)?.to_dtype(q.dtype())?;
     p.matmul(v)?.reshape((batch, 1, heads * hd))
-}
-
-/// Grouped-query attention of a prefill chunk of one sequence over its whole cache row: `q`
-/// `[1, heads, chunk, hd]`, the row's caches `[1, kv, max_seq, hd]`, `mask` `[chunk,
-/// max_seq]`; returns `[1, chunk, heads * hd]`.
-fn attend_chunk(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    mask: &Tensor,
-    s: &DecoderSpec,
-) -> Result<Tensor> {
-    let (_, heads, chunk, hd) = q.dims4()?;
-    let kv = s.kv_heads;
-    let group = heads / kv;
-    let max_seq = k.dim(2)?;
-    let q = q.reshape((1, kv, group * chunk, hd))?;
-    let scores = (q.matmul(&k.t()?)?.to_dtype(DType::F32)? / (hd as f64).sqrt())?;
-    let scores = scores
-        .reshape((1, kv, group, chunk, max_seq))?
-        .broadcast_add(mask)?;
-    let p = candle_nn::ops::softmax_last_dim(&scores)?
-        .to_dtype(q.dtype())?
-        .reshape((1, kv, group * chunk, max_seq))?;
-    p.matmul(v)?
-        .reshape((1, heads, chunk, hd))?
-        .transpose(1, 2)?
-        .reshape((1, chunk, heads * hd))
 }

@@ -40,6 +40,7 @@ mod decoder;
 mod generate;
 pub mod llama;
 pub mod mistral;
+mod prefill;
 pub mod quantized_llama;
 pub mod qwen2;
 pub mod qwen3;
