@@ -14,7 +14,7 @@
 mod cuda;
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor, WithDType};
+use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Storage, Tensor, WithDType};
 
 use crate::{KernelError, check, swiglu};
 
@@ -218,20 +218,35 @@ impl Matvec {
     /// The CPU projection: each output a dot product summed in f32 in index order.
     fn cpu<T: WithDType>(&self, x: &[T], xl: &Layout) -> Result<CpuStorage> {
         let x = check::cpu_slice(OP, "x", x, xl)?;
-        let f32s = |t: &Tensor| t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>();
-        let parts = self
+        // The weights and biases read in place (their storage read-locked for the call).
+        let guards: Vec<_> = self
             .parts
             .iter()
-            .map(|(w, b)| Ok((f32s(w)?, b.as_ref().map(f32s).transpose()?)))
+            .map(|(w, b)| {
+                (
+                    w.storage_and_layout(),
+                    b.as_ref().map(Tensor::storage_and_layout),
+                )
+            })
+            .collect();
+        let parts = guards
+            .iter()
+            .map(|((w, wl), b)| {
+                let bias = b
+                    .as_ref()
+                    .map(|(s, l)| in_place(s, l, "bias"))
+                    .transpose()?;
+                Ok((in_place(w, wl, "w")?, bias))
+            })
             .collect::<Result<Vec<_>>>()?;
         let Dims { rows, k, ns, .. } = self.dims;
-        let dot = |r: usize, (w, b): &(Vec<f32>, Option<Vec<f32>>), j: usize| -> f32 {
+        let dot = |r: usize, (w, b): &(&[T], Option<&[T]>), j: usize| -> f32 {
             let sum: f32 = x[r * k..][..k]
                 .iter()
                 .zip(&w[j * k..][..k])
-                .map(|(&a, &b)| check::f32_of(a) * b)
+                .map(|(&a, &b)| check::f32_of(a) * check::f32_of(b))
                 .sum();
-            sum + b.as_ref().map_or(0.0, |b| b[j])
+            sum + b.map_or(0.0, |b| check::f32_of(b[j]))
         };
         let mut out = Vec::with_capacity(rows * self.dims.n());
         for r in 0..rows {
@@ -247,5 +262,17 @@ impl Matvec {
             }
         }
         Ok(T::to_cpu_storage_owned(out))
+    }
+}
+
+/// A CPU tensor's elements (its storage and layout) in place, as `T`.
+fn in_place<'a, T: WithDType>(
+    storage: &'a Storage,
+    layout: &Layout,
+    input: &'static str,
+) -> Result<&'a [T]> {
+    match storage {
+        Storage::Cpu(c) => check::cpu_slice(OP, input, T::cpu_storage_as_slice(c)?, layout),
+        _ => Err(KernelError::Device { op: OP, input }.into()),
     }
 }
