@@ -5,8 +5,8 @@
 //! Up to [`MATVEC_ROWS`] rows each call is one matrix-vector kernel that reads every weight
 //! once for all rows, in place (the weights are never copied or packed, so weights that are
 //! trained in place stay the ones used), with 16-byte loads where the shapes and addresses
-//! allow, one warp per output (per gate-and-up pair for SwiGLU), sums in f32, and the bias or
-//! SwiGLU applied before the single rounding to the dtype. Above it they run candle's matmul
+//! allow, 1 to 8 warps per output (per gate-and-up pair for SwiGLU), sums in f32, and the bias
+//! or SwiGLU applied before the single rounding to the dtype. Above it they run candle's matmul
 //! (cuBLAS on CUDA) per weight. Which path runs depends only on the shapes, so eager and graphed
 //! calls of one shape run the same kernels.
 
@@ -22,7 +22,7 @@ const OP: &str = "linear";
 
 /// The most rows the matrix-vector kernel takes; more go to candle's matmul. Each row's input
 /// is read once per output from L1: at 8 rows that was 8 times the weight's bytes, and the
-/// kernel ran at a fifth of the bandwidth, below cuBLAS (H200, docs/benchmarks.md).
+/// kernel ran at 0.3–1.1 TB/s, below cuBLAS (H200, docs/benchmarks.md).
 pub const MATVEC_ROWS: usize = 2;
 
 /// The most weights [`linear_cat`] takes.
@@ -52,7 +52,7 @@ pub fn linear_cat(x: &Tensor, parts: &[(&Tensor, Option<&Tensor>)]) -> Result<Te
             .collect::<Result<Vec<_>>>()?;
         return Tensor::cat(&outs, candle_core::D::Minus1);
     }
-    matvec(x, parts, dims, false)
+    matvec(x, parts, dims)
 }
 
 /// `silu(x · gateᵀ) * (x · upᵀ)`: `gate` and `up` `[n, k]`; returns `[..., n]` in `x`'s dtype.
@@ -62,32 +62,29 @@ pub fn linear_swiglu(x: &Tensor, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     if dims.rows > MATVEC_ROWS {
         return swiglu(&matmul(x, gate, dims)?, &matmul(x, up, dims)?);
     }
-    matvec(x, &parts, dims, true)
+    matvec(x, &parts, dims)
 }
 
 /// candle's matmul of `x`'s rows as one `[rows, k]` matrix (no weight broadcast over leading
 /// dims, which would read it once per batch entry): `[..., w's rows]`.
 fn matmul(x: &Tensor, w: &Tensor, dims: Dims) -> Result<Tensor> {
-    let mut out = x.dims().to_vec();
-    if let Some(last) = out.last_mut() {
-        *last = w.dim(0)?;
-    }
     x.reshape((dims.rows, dims.k))?
         .matmul(&w.t()?)?
-        .reshape(out)
+        .reshape(with_last(x, w.dim(0)?))
 }
 
-fn matvec(
-    x: &Tensor,
-    parts: &[(&Tensor, Option<&Tensor>)],
-    dims: Dims,
-    pair: bool,
-) -> Result<Tensor> {
-    check::contiguous(OP, "x", x)?;
-    let mut out = x.dims().to_vec();
-    if let Some(last) = out.last_mut() {
-        *last = dims.n();
+/// `x`'s shape with its last dim `n`.
+fn with_last(x: &Tensor, n: usize) -> Vec<usize> {
+    let mut dims = x.dims().to_vec();
+    if let Some(last) = dims.last_mut() {
+        *last = n;
     }
+    dims
+}
+
+fn matvec(x: &Tensor, parts: &[(&Tensor, Option<&Tensor>)], dims: Dims) -> Result<Tensor> {
+    check::contiguous(OP, "x", x)?;
+    let out = with_last(x, dims.n());
     if dims.rows == 0 {
         return Tensor::zeros(out, x.dtype(), x.device());
     }
@@ -97,7 +94,6 @@ fn matvec(
             .map(|&(w, b)| (w.clone(), b.cloned()))
             .collect(),
         dims,
-        pair,
     };
     x.apply_op1_no_bwd(&op)?.reshape(out)
 }
@@ -109,6 +105,7 @@ struct Dims {
     k: usize,
     /// Each weight's rows (0 past the last weight).
     ns: [usize; MAX_PARTS],
+    /// SwiGLU of the two weights' outputs.
     pair: bool,
 }
 
@@ -172,8 +169,6 @@ impl Dims {
 struct Matvec {
     parts: Vec<(Tensor, Option<Tensor>)>,
     dims: Dims,
-    /// SwiGLU of the two weights' outputs.
-    pair: bool,
 }
 
 impl Matvec {
@@ -239,7 +234,7 @@ impl Matvec {
                 Ok((in_place(w, wl, "w")?, bias))
             })
             .collect::<Result<Vec<_>>>()?;
-        let Dims { rows, k, ns, .. } = self.dims;
+        let Dims { rows, k, ns, pair } = self.dims;
         let dot = |r: usize, (w, b): &(&[T], Option<&[T]>), j: usize| -> f32 {
             let sum: f32 = x[r * k..][..k]
                 .iter()
@@ -250,7 +245,7 @@ impl Matvec {
         };
         let mut out = Vec::with_capacity(rows * self.dims.n());
         for r in 0..rows {
-            if self.pair {
+            if pair {
                 for j in 0..ns[0] {
                     let (g, u) = (dot(r, &parts[0], j), dot(r, &parts[1], j));
                     out.push(T::from_f64(f64::from(g / (1.0 + (-g).exp()) * u)));

@@ -99,7 +99,7 @@ pub fn rope_store(
     qkv.apply_op3_no_bwd(cos, sin, &op(Part::Queries))
 }
 
-/// `[batch * kv_heads, head_dim]` u32 (CPU): the place of token b's key head h in a cache seen
+/// `[batch * kv_heads, head_dim]` i64 (CPU): the place of token b's key head h in a cache seen
 /// as `[rows * kv_heads * max_seq, head_dim]`, repeated along each row.
 fn places(positions: &Tensor, rows: Option<&Tensor>, d: Dims) -> Result<Tensor> {
     let positions = positions.to_vec1::<u32>()?;
@@ -108,7 +108,7 @@ fn places(positions: &Tensor, rows: Option<&Tensor>, d: Dims) -> Result<Tensor> 
     for (b, &p) in positions.iter().enumerate() {
         let row = rows.as_ref().map_or(b, |r| r[b] as usize);
         for h in 0..d.kv_heads {
-            let place = ((row * d.kv_heads + h) * d.max_seq + p as usize) as u32;
+            let place = ((row * d.kv_heads + h) * d.max_seq + p as usize) as i64;
             at.extend(std::iter::repeat_n(place, d.head_dim));
         }
     }

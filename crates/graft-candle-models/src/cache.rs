@@ -43,8 +43,6 @@ struct PrefillIndex {
     heads: Tensor,
     /// `[1]` u32: `kv_heads * max_seq`, the stride of one row (in `head_dim` vectors).
     row_stride: Tensor,
-    /// `[kv_heads, max_seq]` u32: the scratch row's place `i` of head h.
-    scratch: Tensor,
     /// `[1]` u32: the scratch row's index (`max_batch`).
     scratch_row: Tensor,
 }
@@ -61,14 +59,10 @@ impl PrefillIndex {
             return Err(too_large());
         }
         let heads: Vec<u32> = (0..kv).map(|h| h * seq).collect();
-        let scratch: Vec<u32> = (0..kv)
-            .flat_map(|h| (0..seq).map(move |i| (batch * kv + h) * seq + i))
-            .collect();
         Ok(PrefillIndex {
             rows: Tensor::arange(0u32, batch, device)?,
             heads: Tensor::from_vec(heads, (kv_heads, 1), device)?,
             row_stride: Tensor::new(&[kv * seq], device)?,
-            scratch: Tensor::from_vec(scratch, (kv_heads, seq as usize), device)?,
             scratch_row: Tensor::new(&[batch], device)?,
         })
     }
@@ -83,11 +77,6 @@ pub(crate) struct PrefillPlan {
     /// `[chunk]` u32: each token's cache row: the sequence's, or the scratch row's for
     /// padding.
     pub(crate) rows: Tensor,
-    /// `[chunk, max_seq]` f32: the additive causal mask of each token.
-    pub(crate) mask: Tensor,
-    /// `[kv_heads * chunk, head_dim]` u32: where each head's key or value of each token is
-    /// written in a layer's flat cache (`KvCache::flat`), padding in the scratch row.
-    pub(crate) write_at: Tensor,
     /// `[1]` u32: the row.
     pub(crate) row: Tensor,
     /// `[1]` u32: the index of the chunk's last real token.
@@ -178,7 +167,7 @@ impl KvCache {
         all.extend([&self.positions, &self.arange, &self.one]);
         all.extend(&self.reach);
         if let Some(p) = &self.prefill {
-            all.extend([&p.rows, &p.heads, &p.row_stride, &p.scratch, &p.scratch_row]);
+            all.extend([&p.rows, &p.heads, &p.row_stride, &p.scratch_row]);
         }
         all
     }
@@ -311,12 +300,7 @@ impl KvCache {
 
     /// The write indices, positions and mask of a prefill chunk of `chunk` tokens for the
     /// sequence and real length in `meta` (`[2]` u32: row, length), on the device.
-    pub(crate) fn prefill_plan(
-        &self,
-        meta: &Tensor,
-        chunk: usize,
-        head_dim: usize,
-    ) -> Result<PrefillPlan> {
+    pub(crate) fn prefill_plan(&self, meta: &Tensor, chunk: usize) -> Result<PrefillPlan> {
         let Some(p) = &self.prefill else {
             candle_core::bail!("prefill needs a serving kv cache");
         };
@@ -330,31 +314,43 @@ impl KvCache {
             &row.broadcast_as(chunk)?,
             &p.scratch_row.broadcast_as(chunk)?,
         )?;
-        let column = positions.unsqueeze(1)?;
+        Ok(PrefillPlan {
+            positions,
+            rows,
+            row,
+            last: len.broadcast_sub(&self.one)?,
+        })
+    }
+
+    /// What the unfused prefill of `plan` needs besides: the additive causal mask of each
+    /// token (`[chunk, max_seq]` f32) and where each head's key or value of each token is
+    /// written in a layer's flat cache (`KvCache::flat`; `[kv_heads * chunk, head_dim]` u32):
+    /// its row's place at its position, padding in the scratch row at distinct places.
+    pub(crate) fn prefill_unfused(
+        &self,
+        plan: &PrefillPlan,
+        head_dim: usize,
+    ) -> Result<(Tensor, Tensor)> {
+        let Some(p) = &self.prefill else {
+            candle_core::bail!("prefill needs a serving kv cache");
+        };
+        let column = plan.positions.unsqueeze(1)?;
         let mut visible = self.arange.unsqueeze(0)?.broadcast_le(&column)?;
         if let Some(reach) = &self.reach {
             visible = (visible * reach.unsqueeze(0)?.broadcast_ge(&column)?)?;
         }
         let mask = visible.to_dtype(DType::F32)?.affine(1e9, -1e9)?;
-        let kv = p.heads.dim(0)?;
-        let base = row.broadcast_mul(&p.row_stride)?.broadcast_add(&p.heads)?;
-        let places = base.broadcast_add(&positions.unsqueeze(0)?)?;
-        let scratch = p.scratch.narrow(1, 0, chunk)?;
-        let write_at = real
+        let (kv, chunk) = (p.heads.dim(0)?, plan.positions.dim(0)?);
+        let write_at = plan
+            .rows
             .unsqueeze(0)?
-            .broadcast_as((kv, chunk))?
-            .where_cond(&places, &scratch)?
+            .broadcast_mul(&p.row_stride)?
+            .broadcast_add(&p.heads)?
+            .broadcast_add(&plan.positions.unsqueeze(0)?)?
             .reshape((kv * chunk, 1))?
             .broadcast_as((kv * chunk, head_dim))?
             .contiguous()?;
-        Ok(PrefillPlan {
-            positions,
-            rows,
-            mask,
-            write_at,
-            row,
-            last: len.broadcast_sub(&self.one)?,
-        })
+        Ok((mask, write_at))
     }
 
     /// Layer `layer`'s keys and values as `[rows * kv_heads * max_seq, head_dim]` views of the

@@ -4,9 +4,11 @@
 //! place, attends up to them (graft-candle-kernels' `decode_attention`, which reads the cache
 //! only that far; the masked attention over the whole row where the heads do not fit it), and
 //! advances the positions on the device: no host value that changes between steps reaches a
-//! kernel, so a recorded step replays correctly at every position. Each residual add runs in
-//! one launch with the norm after it (`add_rms_norm`), and a SiLU-gated MLP's gate with
-//! `swiglu`.
+//! kernel, so a recorded step replays correctly at every position. The step's kernels are
+//! graft-candle-kernels': q, k and v projected in one launch (`linear_cat`), rotated and
+//! stored in one (`rope_store`), each residual add with the norm after it (`add_rms_norm`), a
+//! SiLU-gated MLP's gate, up and SwiGLU in one (`linear_swiglu`). A prefill chunk runs the
+//! same block (`prefill.rs`).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -32,7 +34,7 @@ pub(crate) enum Proj {
 }
 
 impl Proj {
-    /// candle's own projection (differentiable: what training and prefill run).
+    /// candle's own projection (differentiable: what training and the unfused prefill run).
     pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match self {
             Proj::Dense(l) => l.forward(x),
@@ -549,7 +551,7 @@ impl Block {
         let eps = s.eps as f32;
         let (x, h) = add_rms_norm(&whole(self.o.decode(o)?)?, x, &self.mlp_norm, eps)?;
         let gated = match (s.act, self.gate.dense(), self.up.dense()) {
-            (Activation::Silu, Some(g), Some(u)) if g.bias().is_none() => {
+            (Activation::Silu, Some(g), Some(u)) if g.bias().is_none() && u.bias().is_none() => {
                 linear_swiglu(&h, g.weight(), u.weight())?
             }
             (act, ..) => {

@@ -68,9 +68,8 @@ impl Decoder {
     /// f32). With the fused attention the chunk is a batch of tokens of one cache row, each
     /// at its own position (padding in the scratch row), through the decode step's kernels.
     fn prefill_logits(&self, cache: &KvCache, tokens: &Tensor, meta: &Tensor) -> Result<Tensor> {
-        let s = &self.spec;
         let chunk = tokens.dims1()?;
-        let plan = cache.prefill_plan(meta, chunk, s.head_dim)?;
+        let plan = cache.prefill_plan(meta, chunk)?;
         let h = if self.fused_attention {
             // [chunk, 1, hidden]: the decode step's shape, one token per "sequence".
             let x = self.embed.index_select(tokens, 0)?.unsqueeze(1)?;
@@ -100,6 +99,7 @@ impl Decoder {
     ) -> Result<Tensor> {
         let s = &self.spec;
         let chunk = tokens.dims1()?;
+        let (mask, write_at) = cache.prefill_unfused(plan, s.head_dim)?;
         let (cos, sin) = self.rope.at(&plan.positions)?;
         let (cos, sin) = (cos.squeeze(1)?, sin.squeeze(1)?);
         let mut x = self.embed.index_select(tokens, 0)?.unsqueeze(0)?;
@@ -108,10 +108,10 @@ impl Decoder {
             let (q, k, v) = b.qkv(&h, s, &self.rope, &cos, &sin)?;
             let (k_flat, v_flat) = cache.flat(i)?;
             let rows = s.kv_heads * chunk;
-            k_flat.scatter_set(&plan.write_at, &k.reshape((rows, s.head_dim))?, 0)?;
-            v_flat.scatter_set(&plan.write_at, &v.reshape((rows, s.head_dim))?, 0)?;
+            k_flat.scatter_set(&write_at, &k.reshape((rows, s.head_dim))?, 0)?;
+            v_flat.scatter_set(&write_at, &v.reshape((rows, s.head_dim))?, 0)?;
             let (k_row, v_row) = cache.row(i, &plan.row)?;
-            let o = attend_chunk(&q, &k_row, &v_row, &plan.mask, s)?;
+            let o = attend_chunk(&q, &k_row, &v_row, &mask, s)?;
             (x, h) = b.finish(&x, &o, self.norm_after(i), s, self.shard.as_ref())?;
         }
         // `h` is the final norm of every position: the last real one's.

@@ -1,11 +1,11 @@
-//! The matrix-vector kernel: 1 to 8 warps per output (per gate-and-up pair for SwiGLU, by the
-//! shapes: see `split`), 8 warps a block; each lane strides the weight row with 16-byte loads when the row length is a multiple
-//! of 16 bytes and `x` and every weight start 16-byte aligned (element loads otherwise), four
-//! loads in flight before any is used (what keeps the memory system busy: one at a time ran at
-//! a quarter of the bandwidth), keeps one f32 sum per input row (instantiated for 1 and 2
-//! rows), the warp reduces them with shuffles and the output's first warp adds the others'
-//! through shared memory. The weights and biases
-//! are passed by address (up to three side by side), so none is copied.
+//! The matrix-vector kernel: 1 to 8 warps per output (per gate-and-up pair for SwiGLU; by the
+//! shapes, see `split`), 8 warps a block. Each lane strides the weight row with 16-byte loads
+//! when the row length is a multiple of 16 bytes and `x` and every weight start 16-byte
+//! aligned (element loads otherwise), four loads in flight before any is used (one at a time
+//! ran at 0.8–1.4 TB/s on an H200), and keeps one f32 sum per input row (instantiated for 1
+//! and 2 rows); the warp reduces them with shuffles and the output's first warp adds the
+//! others' through shared memory. The weights and biases are passed by address (up to three
+//! side by side), so none is copied.
 
 use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
@@ -22,7 +22,7 @@ const WARPS: u32 = 8;
 
 /// Warps per output (1, 2, 4 or 8, dividing [`WARPS`]): enough that `n` outputs make about
 /// 16,384 warps (a few waves of every multiprocessor, each with its loads in flight: 2,048
-/// outputs of one warp each ran at a third of the bandwidth), but no warp with less than 1,024
+/// outputs of one warp each read at 1.6 TB/s on an H200), but no warp with less than 1,024
 /// columns of the row (one round of its loads).
 fn split(n: usize, k: usize) -> u32 {
     let want = 16_384usize.div_ceil(n.max(1));
@@ -281,7 +281,7 @@ impl Map1 for Matvec {
         };
         let name = format!(
             "graft_matvec_{variant}{}_{}",
-            if self.pair { "_swiglu" } else { "" },
+            if d.pair { "_swiglu" } else { "" },
             T::DTYPE.as_str()
         );
         let func = device.get_or_load_custom_func(&name, KERNELS.module(), KERNELS.ptx()?)?;
@@ -312,13 +312,13 @@ impl Map1 for Matvec {
             shared_mem_bytes: 0,
         };
         // SAFETY: the arguments match `graft_matvec_<variant>_<dtype>(const T* x7, T*,
-        // unsigned int x6)`, the weights and biases passed by address: `x` holds rows * k
+        // unsigned int x7)`, the weights and biases passed by address: `x` holds rows * k
         // elements, weight i n_i * k and its bias n_i (checked by the wrapper, contiguous, of
         // T; the op holds clones, so all live), `y` rows * n; rows <= 2 (the kernel's sums
         // per lane); `split` divides the block's 8 warps (the shared sums are 8 warps' of
-        // 2 * ROWS); a weight of 0 rows and a bias whose mask bit is 0 are never read; the 16-byte
-        // loads run only when k * size_of::<T>() is a multiple of 16 and x and every weight
-        // start 16-byte aligned, so every row does too.
+        // 2 * ROWS); a weight of 0 rows and a bias whose mask bit is 0 are never read; the
+        // 16-byte loads run only when k * size_of::<T>() is a multiple of 16 and x and every
+        // weight start 16-byte aligned, so every row does too.
         unsafe { launch.launch(cfg) }.w()?;
         Ok(y)
     }

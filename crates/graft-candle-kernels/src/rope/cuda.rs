@@ -202,10 +202,10 @@ impl Map3 for RopeStore {
         // contiguous, of T; the op holds clones, so all live); the kernel clamps each row
         // below cache_rows (token b's own, b < batch = cache_rows, without rows) and each
         // position below max_seq and table, so it writes only the caches' places at those
-        // rows and positions and `q_out`. Writing the caches
-        // through their addresses is what candle's in-place `scatter_set` does through its
-        // storage: the op holds clones of both caches (their storage lives), and the stream
-        // orders the writes after every earlier use of them and before every later one.
+        // rows and positions and `q_out`. Writing the caches through their addresses is what
+        // candle's in-place `scatter_set` does through its storage: the op holds clones of
+        // both caches (their storage lives), and the stream orders the writes after every
+        // earlier use of them and before every later one.
         unsafe { launch.launch(cfg) }.w()?;
         Ok(q_out)
     }
