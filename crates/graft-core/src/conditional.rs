@@ -1,8 +1,8 @@
 //! Device-side loops and branches in a body: `Ctx::while_loop`, `if_then`, `if_else`, `switch`, run on the host when eager, captured as conditional nodes when recording.
 
 use crate::buffer::Buffer;
-use crate::ctx::{Ctx, RunKind};
-use crate::device::{CORE, Conditional, Device, DeviceOp};
+use crate::ctx::{Ctx, RunKind, Scope};
+use crate::device::{CORE, Conditional, Device, DeviceError, DeviceOp, ForkRule};
 use crate::error::BodyError;
 
 /// One body of a conditional: what [`Ctx::switch`] takes a slice of.
@@ -83,9 +83,29 @@ impl<'a, D: Device> Ctx<'a, D> {
         self.conditional(Conditional::Switch(n), index, cases)
     }
 
-    /// The one path of every conditional: captured as a node when recording, run on the host
-    /// by the selector's value otherwise.
+    /// The one path of every conditional: refused inside a fork, else run with the body's
+    /// scope marked as a conditional's (a fork there is refused), restored afterwards.
     fn conditional<E>(
+        &mut self,
+        kind: Conditional,
+        selector: &Buffer,
+        branches: &mut [Branch<'_, 'a, D, E>],
+    ) -> Result<(), BodyError<E>> {
+        if self.scope == Scope::Forked {
+            return Err(DeviceError::Fork {
+                op: DeviceOp::Conditional,
+                rule: ForkRule::InConditional,
+            }
+            .into());
+        }
+        let outer = std::mem::replace(&mut self.scope, Scope::Conditional);
+        let result = self.conditional_in_scope(kind, selector, branches);
+        self.scope = outer;
+        result
+    }
+
+    /// Captured as a node when recording, run on the host by the selector's value otherwise.
+    fn conditional_in_scope<E>(
         &mut self,
         kind: Conditional,
         selector: &Buffer,
@@ -120,8 +140,8 @@ impl<'a, D: Device> Ctx<'a, D> {
     }
 }
 
-fn invalid(what: &'static str) -> crate::device::DeviceError {
-    crate::device::DeviceError::InvalidArgument {
+fn invalid(what: &'static str) -> DeviceError {
+    DeviceError::InvalidArgument {
         op: DeviceOp::Conditional,
         what,
     }

@@ -32,6 +32,21 @@ pub struct Ctx<'a, D: Device> {
     pub(crate) kind: RunKind,
     /// Cells allocated by this run, in order.
     pub(crate) allocs: Vec<Arc<Cell>>,
+    /// Where the body stands with respect to forks and conditionals (`fork.rs`).
+    pub(crate) scope: Scope,
+}
+
+/// What a body is inside of: a fork (`Ctx::fork`), a conditional's body, or neither. They do
+/// not nest in each other, nor a fork in a fork.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
+pub(crate) enum Scope {
+    /// Straight-line work on the runtime stream.
+    #[default]
+    Top,
+    /// Between a fork and its join.
+    Forked,
+    /// Inside a conditional's body.
+    Conditional,
 }
 
 impl<'a, D: Device> Ctx<'a, D> {

@@ -22,6 +22,7 @@ mod device;
 mod diag;
 mod error;
 mod evict;
+mod fork;
 mod graft;
 mod group;
 mod guard;
@@ -57,7 +58,7 @@ pub use ctx::{Ctx, RunKind};
 pub use destinations::Destinations;
 pub use device::{
     CaptureMode, CaptureViolation, Conditional, ConditionalRule, Device, DeviceError, DeviceId,
-    DeviceOp, DevicePtr, GraphDifference, GraphSummary, UpdateRefusal,
+    DeviceOp, DevicePtr, ForkRule, GraphDifference, GraphSummary, UpdateRefusal,
 };
 pub use diag::{InputKind, MemoryReport, NodeInfo};
 pub use error::{AnyError, BodyError, CallError, FunctionId, MemoryError, VerifyTarget};

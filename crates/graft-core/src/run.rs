@@ -3,7 +3,7 @@
 use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 
 use crate::buffer::Buffer;
-use crate::ctx::{Ctx, RunKind};
+use crate::ctx::{Ctx, RunKind, Scope};
 use crate::device::Device;
 use crate::error::{BodyError, CallError};
 use crate::graft::{Frame, Graft, Outcome};
@@ -78,6 +78,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
             generation: self.generation,
             kind,
             allocs: Vec::new(),
+            scope: Scope::Top,
         };
         let result = catch_unwind(AssertUnwindSafe(|| (frame.body)(&mut ctx)));
         let allocs = std::mem::take(&mut ctx.allocs);

@@ -1,9 +1,8 @@
 //! [`CudaDevice`] and [`CudaQueue`]: graft's [`Device`] over the CUDA driver API (cudarc's `sys` layer), opening a device and delegating each trait method to the module that does it.
 //!
 //! One device owns one primary-context reference and one non-blocking *runtime stream*
-//! (everything graft does is enqueued there, and captured from there); with the `test-support`
-//! feature also a *side stream* (for tests that model work on another stream) and two events to
-//! fork and join it. Where the work is done: `inner` (the device composed of its parts),
+//! (everything graft does is enqueued there, and captured from there), and a *side stream*
+//! (`Device::side_queue`, a [`CudaQueue`] bound to it) with two events to fork and join it. Where the work is done: `inner` (the device composed of its parts),
 //! `context` (the primary context and runtime stream, entering an operation, the sticky
 //! slot), `vmm` (pool memory), `capture` (the capture lifecycle and graphs), `conditional`
 //! (conditional nodes), `queue` (the body-facing copies, reads, writes and GEMMs), `side` and
@@ -42,6 +41,8 @@ use crate::inner::Inner;
 #[derive(Clone)]
 pub struct CudaDevice {
     queue: CudaQueue,
+    /// The side stream's queue.
+    side: CudaQueue,
 }
 
 /// The body-facing handle of a [`CudaDevice`] ([`Device::Queue`]): launches of module kernels
@@ -51,6 +52,9 @@ pub struct CudaDevice {
 #[derive(Clone)]
 pub struct CudaQueue {
     pub(crate) inner: Arc<Inner>,
+    /// Whether this queue enqueues on the side stream (`Device::side_queue`) instead of the
+    /// runtime stream.
+    pub(crate) side: bool,
 }
 
 impl std::ops::Deref for CudaDevice {
@@ -123,10 +127,13 @@ impl CudaDevice {
         ordinal: usize,
         adopted: Option<Arc<cudarc::driver::CudaStream>>,
     ) -> Result<CudaDevice, DeviceError> {
+        let inner = Arc::new(Inner::open(ordinal, adopted)?);
         Ok(CudaDevice {
-            queue: CudaQueue {
-                inner: Arc::new(Inner::open(ordinal, adopted)?),
+            side: CudaQueue {
+                inner: Arc::clone(&inner),
+                side: true,
             },
+            queue: CudaQueue { inner, side: false },
         })
     }
 
@@ -182,6 +189,24 @@ impl Device for CudaDevice {
 
     fn queue(&self) -> &CudaQueue {
         &self.queue
+    }
+
+    fn side_queue(&self) -> Option<&CudaQueue> {
+        Some(&self.side)
+    }
+
+    /// `cuEventRecord` on the runtime stream, `cuStreamWaitEvent` on the side stream.
+    fn fork(&self, _: &CoreOnly) -> Result<(), DeviceError> {
+        let inner = &self.queue.inner;
+        inner.enter(DeviceOp::Fork)?;
+        inner.side.fork(&inner.context).map(|_| ())
+    }
+
+    /// `cuEventRecord` on the side stream, `cuStreamWaitEvent` on the runtime stream.
+    fn join(&self, _: &CoreOnly) -> Result<(), DeviceError> {
+        let inner = &self.queue.inner;
+        inner.enter(DeviceOp::Fork)?;
+        inner.side.join(&inner.context)
     }
 
     fn id(&self) -> DeviceId {

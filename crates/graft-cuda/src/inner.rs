@@ -1,4 +1,4 @@
-//! [`Inner`], one device composed of its parts: the [`Context`] (primary context, runtime stream, sticky slot) and the subsystems that each own their state — pool memory ([`Vmm`]), the cuBLAS handle ([`Blas`]), conditional nodes ([`Conditionals`]) and, with `test-support`, the side stream — with opening them in order and releasing them in reverse.
+//! [`Inner`], one device composed of its parts: the [`Context`] (primary context, runtime stream, sticky slot) and the subsystems that each own their state — pool memory ([`Vmm`]), the cuBLAS handle ([`Blas`]), conditional nodes ([`Conditionals`]) and the side stream — with opening them in order and releasing them in reverse.
 
 use std::ops::Deref;
 use std::sync::Arc;
@@ -8,15 +8,14 @@ use graft_core::{DeviceError, DeviceOp, DevicePtr};
 use crate::blas::Blas;
 use crate::conditional::Conditionals;
 use crate::context::Context;
-#[cfg(feature = "test-support")]
 use crate::side::SideStream;
 use crate::vmm::Vmm;
 
 /// One device: what `CudaDevice`, its queue, its graphs and its modules share (an `Arc`).
 /// It dereferences to its [`Context`], which every subsystem works through.
 pub(crate) struct Inner {
-    /// A second stream and its fork/join events, for the tests' side-stream work.
-    #[cfg(feature = "test-support")]
+    /// The side stream (`Device::side_queue`) and its fork/join events, made on the device's
+    /// context with the device (also for `CudaDevice::from_stream`).
     pub(crate) side: SideStream,
     /// The capture's conditional nodes and the kernel that sets their handles.
     pub(crate) conditionals: Conditionals,
@@ -47,7 +46,6 @@ impl Inner {
         let op = DeviceOp::Init;
         let context = Context::open(ordinal, adopted)?;
         let vmm = Vmm::new(op, context.cu_device)?;
-        #[cfg(feature = "test-support")]
         let side = {
             let mut side = SideStream::default();
             if let Err(e) = side.create() {
@@ -57,7 +55,6 @@ impl Inner {
             side
         };
         Ok(Inner {
-            #[cfg(feature = "test-support")]
             side,
             conditionals: Conditionals::default(),
             blas: Blas::default(),
@@ -66,11 +63,9 @@ impl Inner {
         })
     }
 
-    /// Synchronizes the device's streams (the runtime stream, and with `test-support` the
-    /// side stream): what unmapping memory waits for.
+    /// Synchronizes the device's streams (the runtime stream and the side stream): what unmapping memory waits for.
     fn sync_streams(&self, op: DeviceOp) -> Result<(), DeviceError> {
         self.context.sync(op)?;
-        #[cfg(feature = "test-support")]
         self.side.sync(op)?;
         Ok(())
     }
@@ -90,7 +85,6 @@ impl Drop for Inner {
     /// context). Errors here have nowhere to go and are ignored, so teardown continues.
     fn drop(&mut self) {
         self.context.settle();
-        #[cfg(feature = "test-support")]
         self.side.release();
         self.conditionals.discard(&self.context);
         self.conditionals.unload();

@@ -78,7 +78,6 @@ mod nccl;
 mod patch;
 mod queue;
 mod relocate;
-#[cfg(feature = "test-support")]
 mod side;
 #[cfg(feature = "test-support")]
 mod test_hooks;

@@ -331,15 +331,7 @@ impl CudaQueue {
         args: &[KernelArg],
     ) -> Result<(), DeviceError> {
         self.inner.make_current(DeviceOp::KernelLaunch)?;
-        self.launch_on(
-            self.inner.stream,
-            m,
-            kernel,
-            grid,
-            block,
-            shared_bytes,
-            args,
-        )
+        self.launch_on(self.stream(), m, kernel, grid, block, shared_bytes, args)
     }
 
     /// [`CudaQueue::launch_function`] on the device's side stream, after the runtime stream's

@@ -8,15 +8,27 @@ use crate::blas::Sgemm;
 use crate::device::CudaQueue;
 use crate::driver;
 use crate::driver::stream::CAPTURE_NONE;
+use cudarc::driver::sys;
 
 impl CudaQueue {
+    /// The stream this queue enqueues on: the runtime stream, or the side stream for
+    /// `Device::side_queue`.
+    pub(crate) fn stream(&self) -> sys::CUstream {
+        if self.side {
+            self.inner.side.stream()
+        } else {
+            self.inner.stream
+        }
+    }
+
     /// The identity of the device this queue belongs to.
     pub fn device_id(&self) -> DeviceId {
         self.inner.id
     }
 
-    /// How many handles share this device: clones of the device and of its queue, loaded
-    /// modules, graphs. The device (its context, streams, cuBLAS handle and memory) is
+    /// How many handles share this device: clones of the device and of its queues, loaded
+    /// modules, graphs; a `CudaDevice` counts twice (its runtime stream's queue and its side
+    /// stream's). The device (its context, streams, cuBLAS handle and memory) is
     /// released when the last one is dropped; a count that stays above one after a program
     /// dropped its modules and graphs means something still holds the device.
     pub fn handle_count(&self) -> usize {
@@ -80,7 +92,17 @@ impl CudaQueue {
     /// `A`, `n` for `C`). Sizes of zero do nothing; sizes past `i32::MAX`, an operand of
     /// another device or smaller than its matrix are refused (`InvalidArgument`), an operand
     /// graft reused with `InvalidBuffer`.
+    ///
+    /// The side queue refuses GEMMs (`Unavailable`): the device's one cuBLAS handle is bound to
+    /// the runtime stream, and re-binding it around a call would race with GEMMs of the runtime
+    /// stream. Run GEMMs in the main closure of `Ctx::fork`.
     pub fn sgemm(&self, g: &Sgemm<'_>) -> Result<(), DeviceError> {
+        if self.side {
+            return Err(DeviceError::Unavailable {
+                op: DeviceOp::KernelLaunch,
+                what: "cuBLAS GEMMs run on the runtime stream only; enqueue the GEMM in ctx.fork's main closure",
+            });
+        }
         self.inner.blas.sgemm(&self.inner.context, g)
     }
 
@@ -109,7 +131,7 @@ impl CudaQueue {
         }
         // The ranges do not overlap (checked above); the addresses are device memory of this
         // device that the caller holds (core's pool addresses, or checked graft buffers).
-        driver::memory::copy_dtod_async(op, dst.0, src.0, bytes, self.inner.stream)
+        driver::memory::copy_dtod_async(op, dst.0, src.0, bytes, self.stream())
     }
 
     /// `cuMemcpyHtoDAsync` on the runtime stream, then `cuStreamSynchronize`. During a capture
@@ -120,7 +142,7 @@ impl CudaQueue {
         inner.enter(op)?;
         // `dst` is device memory the caller holds (core's pool addresses, a checked graft
         // buffer, or a test's raw address); an invalid one is a driver error, not host UB.
-        driver::memory::write_sync(op, dst.0, src, inner.stream)
+        driver::memory::write_sync(op, dst.0, src, self.stream())
     }
 
     /// `cuMemcpyDtoHAsync` on the runtime stream (after its earlier work), then
@@ -130,6 +152,6 @@ impl CudaQueue {
         let inner = &self.inner;
         inner.enter(op)?;
         // `src` is device memory the caller holds (as for `write_raw`).
-        driver::memory::read_sync(op, src.0, dst, inner.stream)
+        driver::memory::read_sync(op, src.0, dst, self.stream())
     }
 }

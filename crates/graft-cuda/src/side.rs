@@ -1,4 +1,4 @@
-//! [`SideStream`], compiled only with the `test-support` feature: a second stream of the device and two events to fork it from the runtime stream and join it back, for the tests' side-stream work.
+//! [`SideStream`]: the device's second stream and two events to fork it from the runtime stream and join it back (`Device::fork`, `Device::join`, `Device::side_queue`).
 
 use std::ptr;
 
@@ -58,6 +58,11 @@ impl SideStream {
         let _ = driver::stream::destroy(DeviceOp::GraphDestroy, &mut self.stream);
     }
 
+    /// The side stream's handle (null before [`SideStream::create`]).
+    pub(crate) fn stream(&self) -> sys::CUstream {
+        self.stream
+    }
+
     /// Synchronizes the side stream, mapping a failure to `op`.
     pub(crate) fn sync(&self, op: DeviceOp) -> Result<(), DeviceError> {
         driver::stream::synchronize(op, self.stream)
@@ -67,8 +72,8 @@ impl SideStream {
     /// the runtime stream, waited on by the side stream) and returns it. During a capture this
     /// pulls the side stream into the capture. The context must be current.
     pub(crate) fn fork(&self, cx: &Context) -> Result<sys::CUstream, DeviceError> {
-        driver::stream::record_event(DeviceOp::Event, self.fork, cx.stream)?;
-        driver::stream::wait_event(DeviceOp::Event, self.stream, self.fork)?;
+        driver::stream::record_event(DeviceOp::Fork, self.fork, cx.stream)?;
+        driver::stream::wait_event(DeviceOp::Fork, self.stream, self.fork)?;
         Ok(self.stream)
     }
 
@@ -76,7 +81,7 @@ impl SideStream {
     /// (an event recorded on the side stream, waited on by the runtime stream). The context
     /// must be current.
     pub(crate) fn join(&self, cx: &Context) -> Result<(), DeviceError> {
-        driver::stream::record_event(DeviceOp::Event, self.join, self.stream)?;
-        driver::stream::wait_event(DeviceOp::Event, cx.stream, self.join)
+        driver::stream::record_event(DeviceOp::Fork, self.join, self.stream)?;
+        driver::stream::wait_event(DeviceOp::Fork, cx.stream, self.join)
     }
 }

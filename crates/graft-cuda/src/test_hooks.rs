@@ -32,7 +32,7 @@ impl CudaQueue {
     pub fn query(&self) -> Result<bool, DeviceError> {
         let op = DeviceOp::Query;
         self.inner.enter(op)?;
-        driver::stream::query(op, self.inner.stream)
+        driver::stream::query(op, self.stream())
     }
 
     /// Reads `n` f32s from the device at a raw address, synchronously. Same signature as the

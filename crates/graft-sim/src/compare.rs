@@ -110,6 +110,10 @@ fn flatten(ops: &[Op]) -> Vec<&Op> {
         for op in ops {
             match op {
                 Op::Child(child) => walk(child, out),
+                Op::Fork { side, main } => {
+                    walk(side, out);
+                    walk(main, out);
+                }
                 Op::Conditional { bodies, .. } => {
                     out.push(op);
                     bodies.iter().for_each(|b| walk(b, out));

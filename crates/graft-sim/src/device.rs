@@ -1,4 +1,4 @@
-//! `SimDevice`: one simulated device with one stream (its queue, `queue.rs`) and a memory
+//! `SimDevice`: one simulated device with its runtime stream and side stream (their queues, `queue.rs`; forks in `fork.rs`) and a memory
 //! limit, its counters (`SimStats`), capture status and fault injection; its
 //! `graft_core::Device` implementation is `device_impl.rs`.
 
@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use graft_core::backend::StickyError;
 use graft_core::{CaptureMode, DeviceError, DeviceId, DeviceOp};
 
-use crate::memory::{DEFAULT_MEMORY_LIMIT, SimMemory};
+use crate::memory::{DEFAULT_MEMORY_LIMIT, Lane, SimMemory};
 use crate::queue::SimQueue;
 use crate::state::{Capture, Counters, Faults, Inner, State};
 
@@ -58,6 +58,8 @@ pub struct SimStats {
 #[derive(Clone)]
 pub struct SimDevice {
     pub(crate) queue: SimQueue,
+    /// The side stream's queue (`Device::side_queue`), sharing the device.
+    pub(crate) side: SimQueue,
 }
 
 impl fmt::Debug for SimDevice {
@@ -92,18 +94,25 @@ impl SimDevice {
     /// A fresh device with `bytes` of memory: allocations that would take more fail with
     /// `OutOfMemory`. Memory is really allocated on the host, so keep it modest.
     pub fn with_memory_limit(bytes: usize) -> SimDevice {
+        let inner = Arc::new(Inner {
+            id: DeviceId::fresh(),
+            state: Mutex::new(State {
+                mem: SimMemory::new(bytes),
+                capture: Capture::Idle,
+                fork: None,
+            }),
+            sticky: StickyError::default(),
+            counters: Counters::default(),
+            faults: Faults::default(),
+        });
         SimDevice {
+            side: SimQueue {
+                inner: Arc::clone(&inner),
+                lane: Lane::Side,
+            },
             queue: SimQueue {
-                inner: Arc::new(Inner {
-                    id: DeviceId::fresh(),
-                    state: Mutex::new(State {
-                        mem: SimMemory::new(bytes),
-                        capture: Capture::Idle,
-                    }),
-                    sticky: StickyError::default(),
-                    counters: Counters::default(),
-                    faults: Faults::default(),
-                }),
+                inner,
+                lane: Lane::Main,
             },
         }
     }

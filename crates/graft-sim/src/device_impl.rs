@@ -28,6 +28,18 @@ impl Device for SimDevice {
         &self.queue
     }
 
+    fn side_queue(&self) -> Option<&SimQueue> {
+        Some(&self.side)
+    }
+
+    fn fork(&self, _: &CoreOnly) -> Result<(), DeviceError> {
+        self.fork_side()
+    }
+
+    fn join(&self, _: &CoreOnly) -> Result<(), DeviceError> {
+        self.join_side()
+    }
+
     fn id(&self) -> DeviceId {
         self.queue.inner.id
     }
@@ -122,6 +134,7 @@ impl Device for SimDevice {
     fn begin_capture(&self, _: &CoreOnly, mode: CaptureMode) -> Result<(), DeviceError> {
         let mut st = self.lock(DeviceOp::BeginCapture)?;
         let state = match st.capture {
+            Capture::Idle if st.fork.is_some() => "a fork of the side stream is open",
             Capture::Idle => {
                 st.capture = Capture::Recording {
                     mode,
@@ -143,6 +156,7 @@ impl Device for SimDevice {
     fn end_capture(&self, _: &CoreOnly) -> Result<SimGraph, DeviceError> {
         let mut st = self.lock(DeviceOp::EndCapture)?;
         // Like cudaStreamEndCapture, ending leaves the stream idle whether or not it succeeds.
+        let forked = !matches!(st.capture, Capture::Idle) && st.fork.take().is_some();
         let ops = match std::mem::replace(&mut st.capture, Capture::Idle) {
             Capture::Idle => {
                 return Err(DeviceError::CaptureState {
@@ -151,6 +165,12 @@ impl Device for SimDevice {
                 });
             }
             Capture::Invalidated { .. } => return Err(invalidated(DeviceOp::EndCapture)),
+            Capture::Recording { .. } if forked => {
+                return Err(DeviceError::Capture {
+                    op: DeviceOp::EndCapture,
+                    violation: CaptureViolation::Unjoined,
+                });
+            }
             Capture::Recording { unjoined: true, .. } => {
                 return Err(DeviceError::Capture {
                     op: DeviceOp::EndCapture,
@@ -242,6 +262,15 @@ impl Device for SimDevice {
         // copied into its node, which a conditional node cannot be.
         self.refuse_in_conditional(op, ConditionalRule::Nested)?;
         let mut st = self.lock(op)?;
+        if st.fork.is_some() {
+            if let Capture::Recording { mode, .. } = st.capture {
+                st.capture = Capture::Invalidated { mode };
+            }
+            return Err(DeviceError::Fork {
+                op,
+                rule: graft_core::ForkRule::InConditional,
+            });
+        }
         match &mut st.capture {
             Capture::Recording { ops, open, .. } => {
                 open.push(OpenConditional {
@@ -325,6 +354,12 @@ impl Device for SimDevice {
 
     fn abort_capture(&self, _: &CoreOnly) -> Result<(), DeviceError> {
         let mut st = self.lock(DeviceOp::EndCapture)?;
+        if matches!(
+            st.capture,
+            Capture::Recording { .. } | Capture::Invalidated { .. }
+        ) {
+            st.fork = None;
+        }
         match std::mem::replace(&mut st.capture, Capture::Idle) {
             Capture::Idle => Err(DeviceError::CaptureState {
                 op: DeviceOp::EndCapture,

@@ -18,14 +18,22 @@
 //!   memory limit counts mapped bytes plus raw allocations.
 //! - **One stream, program order.** Kernels ([`SimQueue::launch_kernel`], closures over
 //!   [`SimMemory`]) and copies run when enqueued; synchronizing is a no-op outside a capture.
+//! - **A side stream, with CUDA's fork and join.** `Device::side_queue` is a [`SimQueue`] on
+//!   the side stream; `Device::fork` and `Device::join` open and close a fork (no nesting, not
+//!   in a conditional body, a join needs a fork). During a capture the side queue may be used
+//!   only inside a fork (else `DeviceError::Fork` with `SideOutsideFork`, invalidating the
+//!   capture), and `end_capture` with a fork open fails with `Unjoined`. Work still runs in
+//!   program order, but between a fork and its join every byte each stream reads and writes is
+//!   logged, and at the join (eagerly) or when a graph's recorded fork runs, one stream writing
+//!   bytes the other touched is a `DeviceError::StreamRace`: the race a GPU would have.
 //! - **Capture records instead of running.** Between `begin_capture` and `end_capture`, kernels,
 //!   copies and graph launches are recorded; [`SimGraph`] replays them in order at the recorded
 //!   addresses against current memory. Reserving and mapping stay legal during a capture.
 //! - **What CUDA forbids during capture fails the same way** with
 //!   [`DeviceError::Capture`](graft_core::DeviceError::Capture) and invalidates the capture:
 //!   synchronize, host reads and writes, unmapping, releasing a reservation, and the
-//!   `test-support` hooks below: raw allocations, queries. Work on the side stream is never
-//!   joined, so `end_capture` fails with `Unjoined`. After a violation every stream operation fails with `Invalidated` until the
+//!   `test-support` hooks below: raw allocations, queries. Work on the side stream through the
+//!   `launch_kernel_on_side_stream` hook is never joined, so `end_capture` fails with `Unjoined`. After a violation every stream operation fails with `Invalidated` until the
 //!   capture is ended or aborted. All capture modes are treated alike (real CUDA would allow a
 //!   raw allocation in `Relaxed` mode).
 //! - **Undefined behaviour is an error.** Overlapping copies fail with
@@ -53,6 +61,7 @@ mod collective;
 mod compare;
 mod device;
 mod device_impl;
+mod fork;
 mod graph;
 mod memory;
 mod ops;

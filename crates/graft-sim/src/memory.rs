@@ -62,6 +62,8 @@ pub struct SimMemory {
     /// While a graph with redirected reads runs: `(start, len, to)`, accesses inside
     /// `[start, start + len)` go to `to + (addr - start)` (see `Device::redirect`).
     redirects: Vec<(u64, u64, u64)>,
+    /// The accesses of an open fork window (`race.rs`).
+    tracker: race::Tracked,
 }
 
 impl fmt::Debug for SimMemory {
@@ -122,6 +124,7 @@ impl SimMemory {
             live_bytes: 0,
             limit,
             redirects: Vec::new(),
+            tracker: race::Tracked::default(),
         }
     }
 
@@ -332,5 +335,8 @@ impl SimMemory {
 }
 
 mod access;
+mod race;
+
+pub(crate) use race::Lane;
 #[cfg(test)]
 mod tests;

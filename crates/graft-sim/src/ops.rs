@@ -7,7 +7,7 @@ use std::sync::Arc;
 use graft_core::backend::CopyEnds;
 use graft_core::{Conditional, DeviceError, DeviceOp, DevicePtr, GraphSummary, UpdateRefusal};
 
-use crate::memory::SimMemory;
+use crate::memory::{Lane, SimMemory};
 
 /// A kernel body: runs against device memory, reports bad accesses as errors.
 pub type KernelFn = dyn Fn(&mut SimMemory) -> Result<(), DeviceError> + Send + Sync + 'static;
@@ -31,6 +31,10 @@ pub(crate) enum Op {
     },
     /// A graph launched into the capture (a child graph node in CUDA).
     Child(Arc<[Op]>),
+    /// Work forked onto the side stream and joined back: the side stream's operations and the
+    /// runtime stream's between the fork and the join. Run side first, then main, with the
+    /// accesses of each checked against the other's (`DeviceError::StreamRace`).
+    Fork { side: Arc<[Op]>, main: Arc<[Op]> },
     /// A conditional node: its bodies, run by the `u32` at `selector` when the node runs.
     Conditional {
         kind: Conditional,
@@ -54,6 +58,7 @@ impl fmt::Debug for Op {
             Op::Kernel { name, .. } => write!(f, "kernel {name}"),
             Op::Copy { dst, src, len } => write!(f, "copy {len} bytes {src} -> {dst}"),
             Op::Child(ops) => f.debug_list().entries(ops.iter()).finish(),
+            Op::Fork { side, main } => write!(f, "fork side {side:?} main {main:?}"),
             Op::Conditional {
                 kind,
                 selector,
@@ -90,6 +95,18 @@ pub(crate) fn run_ops(
                 mem.copy_as(DeviceOp::Copy, *dst, *src, *len)?;
             }
             Op::Child(ops) => run_ops(mem, ops, &[], tally)?,
+            Op::Fork { side, main } => {
+                mem.open_window();
+                mem.set_lane(Some(Lane::Side));
+                let ran = run_ops(mem, side, disabled, tally).and_then(|()| {
+                    mem.set_lane(Some(Lane::Main));
+                    run_ops(mem, main, disabled, tally)
+                });
+                mem.set_lane(None);
+                let raced = mem.close_window(DeviceOp::GraphLaunch);
+                ran?;
+                raced?;
+            }
             Op::Conditional {
                 kind,
                 selector,
@@ -135,6 +152,9 @@ pub(crate) fn update_refusal(old: &[Op], new: &[Op]) -> Option<UpdateRefusal> {
             (a != b).then_some(UpdateRefusal::ParametersChanged)
         }
         (Op::Child(a), Op::Child(b)) => update_refusal(a, b),
+        (Op::Fork { side: a, main: m }, Op::Fork { side: b, main: n }) => {
+            update_refusal(a, b).or_else(|| update_refusal(m, n))
+        }
         // As graft-cuda: a graph with conditional nodes is instantiated again, not updated.
         (Op::Conditional { .. }, Op::Conditional { .. }) => Some(UpdateRefusal::NotSupported),
         _ => Some(UpdateRefusal::NodeTypeChanged),
@@ -149,6 +169,14 @@ pub(crate) fn summarize(ops: &[Op]) -> GraphSummary {
             Op::Copy { .. } => s.copies += 1,
             Op::Child(_) => s.other += 1,
             Op::Conditional { .. } => s.conditionals += 1,
+            Op::Fork { side, main } => {
+                for part in [summarize(side), summarize(main)] {
+                    s.kernels += part.kernels;
+                    s.copies += part.copies;
+                    s.other += part.other;
+                    s.conditionals += part.conditionals;
+                }
+            }
         }
     }
     s.host_random = walk_kernels(ops)
@@ -167,6 +195,10 @@ pub(crate) fn walk_kernels(ops: &[Op]) -> Vec<&'static str> {
                 Op::Kernel { name, .. } => out.push(name),
                 Op::Copy { .. } => {}
                 Op::Child(ops) => walk(ops, out),
+                Op::Fork { side, main } => {
+                    walk(side, out);
+                    walk(main, out);
+                }
                 Op::Conditional { bodies, .. } => bodies.iter().for_each(|b| walk(b, out)),
             }
         }

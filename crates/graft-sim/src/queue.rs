@@ -6,24 +6,29 @@ use std::fmt;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, MutexGuard, PoisonError};
 
-use graft_core::{Buffer, ConditionalRule, DeviceError, DeviceOp, DevicePtr};
+use graft_core::{Buffer, ConditionalRule, DeviceError, DeviceOp, DevicePtr, ForkRule};
 
-use crate::memory::SimMemory;
+use crate::memory::{Lane, SimMemory};
 use crate::ops::Op;
-use crate::state::{Capture, Inner, ON_STREAM, State, StreamGuard, invalidated};
+use crate::state::{Capture, Fork, Inner, ON_STREAM, State, StreamGuard, invalidated};
 
 /// The body-facing handle of a [`SimDevice`] ([`graft_core::Device::Queue`]): kernels, copies,
-/// host reads and writes, synchronize, on the device's one stream. There is no way from it
+/// host reads and writes, synchronize, on one of the device's streams (the runtime stream, or
+/// for [`graft_core::Device::side_queue`] the side stream). There is no way from it
 /// back to the device's capture, mapping, graph or error-slot operations.
 #[derive(Clone)]
 pub struct SimQueue {
     pub(crate) inner: Arc<Inner>,
+    /// The stream this queue enqueues on: the runtime stream, or the side stream
+    /// (`Device::side_queue`).
+    pub(crate) lane: Lane,
 }
 
 impl fmt::Debug for SimQueue {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("SimQueue")
             .field("device", &self.inner.id)
+            .field("lane", &self.lane)
             .finish()
     }
 }
@@ -87,17 +92,13 @@ impl SimQueue {
         F: Fn(&mut SimMemory) -> Result<(), DeviceError> + Send + Sync + 'static,
     {
         let mut st = self.lock(DeviceOp::KernelLaunch)?;
-        match &mut st.capture {
-            Capture::Idle => {}
-            Capture::Recording { ops, .. } => {
-                ops.push(Op::Kernel {
-                    name,
-                    args: args.iter().map(|a| Box::<[u8]>::from(*a)).collect(),
-                    f: Arc::new(f),
-                });
-                return Ok(());
-            }
-            Capture::Invalidated { .. } => return Err(invalidated(DeviceOp::KernelLaunch)),
+        if let Some(ops) = self.recording(&mut st, DeviceOp::KernelLaunch)? {
+            ops.push(Op::Kernel {
+                name,
+                args: args.iter().map(|a| Box::<[u8]>::from(*a)).collect(),
+                f: Arc::new(f),
+            });
+            return Ok(());
         }
         self.run_kernel_now(&mut st, f)
     }
@@ -119,6 +120,41 @@ impl SimQueue {
         Ok(())
     }
 
+    /// Where stream work of this queue goes: `None` to run now (no capture), else the
+    /// operations to record into: the capture's, or during a captured fork the side stream's
+    /// for the side queue. The side queue outside a fork during a capture is refused
+    /// (`ForkRule::SideOutsideFork`) and invalidates the capture: CUDA would not capture it.
+    pub(crate) fn recording<'s>(
+        &self,
+        st: &'s mut State,
+        op: DeviceOp,
+    ) -> Result<Option<&'s mut Vec<Op>>, DeviceError> {
+        let forked = matches!(st.fork, Some(Fork { recorded: Some(_) }));
+        match (&st.capture, self.lane) {
+            (Capture::Idle, _) => return Ok(None),
+            (Capture::Invalidated { .. }, _) => return Err(invalidated(op)),
+            (Capture::Recording { mode, .. }, Lane::Side) if !forked => {
+                st.capture = Capture::Invalidated { mode: *mode };
+                return Err(DeviceError::Fork {
+                    op,
+                    rule: ForkRule::SideOutsideFork,
+                });
+            }
+            (Capture::Recording { .. }, _) => {}
+        }
+        Ok(match (&mut st.capture, &mut st.fork, self.lane) {
+            (
+                _,
+                Some(Fork {
+                    recorded: Some((_, side)),
+                }),
+                Lane::Side,
+            ) => Some(side),
+            (Capture::Recording { ops, .. }, ..) => Some(ops),
+            _ => None,
+        })
+    }
+
     pub(crate) fn run_kernel_now<F>(&self, st: &mut State, f: F) -> Result<(), DeviceError>
     where
         F: Fn(&mut SimMemory) -> Result<(), DeviceError>,
@@ -128,7 +164,10 @@ impl SimQueue {
             .counters
             .kernels_run
             .fetch_add(1, Ordering::Relaxed);
-        f(&mut st.mem)
+        st.mem.set_lane(Some(self.lane));
+        let ran = f(&mut st.mem);
+        st.mem.set_lane(None);
+        ran
     }
 
     /// Enqueues a kernel on a second stream. When idle it runs now. During a capture it forks
@@ -259,23 +298,22 @@ impl SimQueue {
         bytes: usize,
     ) -> Result<(), DeviceError> {
         let mut st = self.lock(DeviceOp::Copy)?;
-        match &mut st.capture {
-            Capture::Idle => {}
-            Capture::Recording { ops, .. } => {
-                ops.push(Op::Copy {
-                    dst,
-                    src,
-                    len: bytes,
-                });
-                return Ok(());
-            }
-            Capture::Invalidated { .. } => return Err(invalidated(DeviceOp::Copy)),
+        if let Some(ops) = self.recording(&mut st, DeviceOp::Copy)? {
+            ops.push(Op::Copy {
+                dst,
+                src,
+                len: bytes,
+            });
+            return Ok(());
         }
         self.inner
             .counters
             .copies_run
             .fetch_add(1, Ordering::Relaxed);
-        st.mem.copy_as(DeviceOp::Copy, dst, src, bytes)
+        st.mem.set_lane(Some(self.lane));
+        let copied = st.mem.copy_as(DeviceOp::Copy, dst, src, bytes);
+        st.mem.set_lane(None);
+        copied
     }
 
     /// Copies host bytes to the device, synchronously. Fails during a capture.

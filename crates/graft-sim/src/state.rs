@@ -71,10 +71,20 @@ pub(crate) struct OpenConditional {
 /// What a conditional call finds when no capture, or no conditional, is open.
 pub(crate) const NO_CONDITIONAL: &str = "no conditional node is open";
 
+/// An open fork of the side stream (`Device::fork`, closed by `Device::join`).
+pub(crate) struct Fork {
+    /// Forked during a capture: what the capture recorded before the fork (the runtime
+    /// stream's work since goes on into the capture's `ops`), and the side stream's work.
+    /// `None` for an eager fork, whose accesses the memory's race tracker logs instead.
+    pub(crate) recorded: Option<(Vec<Op>, Vec<Op>)>,
+}
+
 /// Everything behind the device lock.
 pub(crate) struct State {
     pub(crate) mem: SimMemory,
     pub(crate) capture: Capture,
+    /// The open fork, if any.
+    pub(crate) fork: Option<Fork>,
 }
 
 /// Counters readable without the lock.

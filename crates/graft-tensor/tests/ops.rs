@@ -442,8 +442,8 @@ fn dropping_the_kernels_releases_the_device() {
     }
     assert_eq!(
         dev.handle_count(),
-        1,
-        "after dropping the kernels and the runtime, only this handle holds the device"
+        2,
+        "after dropping the kernels and the runtime, only this device (its two queues) holds it"
     );
 }
 

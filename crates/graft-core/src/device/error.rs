@@ -58,6 +58,8 @@ pub enum DeviceOp {
     Collective,
     /// Opening, switching or closing a conditional node (a device-side loop or branch).
     Conditional,
+    /// Forking work onto the device's side stream or joining it back (`Ctx::fork`).
+    Fork,
 }
 
 impl DeviceOp {
@@ -88,6 +90,7 @@ impl DeviceOp {
             DeviceOp::ModuleLoad => "module load",
             DeviceOp::Collective => "collective",
             DeviceOp::Conditional => "conditional node",
+            DeviceOp::Fork => "fork or join of the side stream",
         }
     }
 }
@@ -212,6 +215,48 @@ impl fmt::Display for ConditionalRule {
     }
 }
 
+/// Where a fork of the side stream is refused (`Ctx::fork`, [`Device::fork`](super::Device::fork)).
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Hash)]
+pub enum ForkRule {
+    /// A fork opened while another is open (forks do not nest).
+    Nested,
+    /// A fork opened inside a conditional body (conditional bodies hold no events or other
+    /// streams), or a conditional opened inside a fork.
+    InConditional,
+    /// A join with no fork open.
+    NotForked,
+    /// The side stream's queue used while no fork is open during a capture: the work would
+    /// not be captured (CUDA leaves it out of the graph, or fails the capture).
+    SideOutsideFork,
+}
+
+impl ForkRule {
+    /// What the user should do about it.
+    pub fn advice(self) -> &'static str {
+        match self {
+            ForkRule::Nested => {
+                "fork once at a time: put all side-stream work of the region into one ctx.fork"
+            }
+            ForkRule::InConditional => {
+                "fork outside device-side loops and branches, or keep the conditional's body on the runtime stream"
+            }
+            ForkRule::NotForked => "join only after a fork; use ctx.fork, which pairs them",
+            ForkRule::SideOutsideFork => "use the side queue only inside ctx.fork's side closure",
+        }
+    }
+}
+
+impl fmt::Display for ForkRule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ForkRule::Nested => "a fork inside another fork",
+            ForkRule::InConditional => "a fork and a conditional nested in each other",
+            ForkRule::NotForked => "a join with no fork open",
+            ForkRule::SideOutsideFork => "side-stream work outside a fork",
+        })
+    }
+}
+
 /// An error reported by a backend. Every variant names the operation that failed.
 #[derive(thiserror::Error, Clone, PartialEq, Eq, Debug)]
 pub enum DeviceError {
@@ -296,6 +341,29 @@ pub enum DeviceError {
         op: DeviceOp,
         /// What the body held.
         rule: ConditionalRule,
+    },
+    /// A fork or join of the side stream broke the rules of forks (see [`ForkRule`]). During a
+    /// capture it invalidates the capture.
+    #[error("{op} refused: {rule}; {}", rule.advice())]
+    Fork {
+        /// The failing operation.
+        op: DeviceOp,
+        /// The rule broken.
+        rule: ForkRule,
+    },
+    /// Between a fork and its join, one stream wrote bytes the other stream read or wrote: the
+    /// two streams run concurrently, so the result depends on timing. Reported by the
+    /// simulator at the join (eager) or when the graph holding the fork runs.
+    #[error(
+        "{op} found a race between the runtime and side streams of a fork: both touch {addr}+{len} bytes before the join and at least one writes them; give each stream its own buffers, or move the dependent work after the join"
+    )]
+    StreamRace {
+        /// The failing operation.
+        op: DeviceOp,
+        /// First byte both streams touch.
+        addr: DevicePtr,
+        /// Bytes of the overlap.
+        len: usize,
     },
     /// A capture call made in the wrong state (ending with none begun, beginning twice).
     #[error("{op} called while {state}; this is a bug in the caller of the device layer")]
@@ -413,6 +481,8 @@ impl DeviceError {
             | DeviceError::OverlappingCopy { op, .. }
             | DeviceError::CaptureState { op, .. }
             | DeviceError::Conditional { op, .. }
+            | DeviceError::Fork { op, .. }
+            | DeviceError::StreamRace { op, .. }
             | DeviceError::InvalidArgument { op, .. }
             | DeviceError::InvalidBuffer { op, .. }
             | DeviceError::Unavailable { op, .. }

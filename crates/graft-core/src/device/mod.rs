@@ -27,6 +27,18 @@
 //!    during a capture, `next_branch` exactly `branches() - 1` times, and
 //!    `end_conditional` once per `begin_conditional` unless the capture is aborted, which
 //!    discards open conditionals with the rest.
+//!    Inside step 2 the body may also fork work onto the device's side stream
+//!    ([`Device::side_queue`]): [`Device::fork`] records an event on the runtime stream and
+//!    makes the side stream wait for it, which during a capture pulls the side stream into the
+//!    capture; work enqueued on the side queue afterwards runs after everything the runtime
+//!    stream had before the fork, concurrently with what follows on the runtime stream.
+//!    [`Device::join`] records an event on the side stream and makes the runtime stream wait for
+//!    it. Core calls them in pairs (`Ctx::fork`), one fork at a time (no nesting), never inside a
+//!    conditional body and never opening a conditional while forked. The same pair works
+//!    eagerly (outside a capture). [`Device::end_capture`] with a fork still open fails with
+//!    [`CaptureViolation::Unjoined`] (CUDA's `CUDA_ERROR_STREAM_CAPTURE_UNJOINED`), and
+//!    [`Device::abort_capture`] closes an open fork with the rest of the capture. A recorded
+//!    graph holding a fork is one graph: it replays with one [`Device::launch`].
 //! 4. [`Device::launch`] replays the graph on the runtime stream: every operation runs again at
 //!    the addresses it was recorded with. Dropping the graph destroys it; errors from that go to
 //!    the sticky error slot.
@@ -64,7 +76,7 @@ mod sticky;
 mod types;
 
 pub use difference::GraphDifference;
-pub use error::{CaptureViolation, ConditionalRule, DeviceError, DeviceOp};
+pub use error::{CaptureViolation, ConditionalRule, DeviceError, DeviceOp, ForkRule};
 pub(crate) use seal::CORE;
 pub use seal::CoreOnly;
 pub use sticky::StickyError;
@@ -82,8 +94,8 @@ pub use types::{
 /// Every method that changes capture, memory mapping, graphs or the sticky error slot, or
 /// touches memory at raw addresses, takes a [`CoreOnly`] token first, and only graft-core can
 /// make one: framework code and bodies may hold the device (or its queue) and bound types by
-/// this trait, but can call only `queue`, `id`, `describe`, `granularity`, `synchronize` and
-/// `summarize`. Backends ignore the token.
+/// this trait, but can call only `queue`, `side_queue`, `id`, `describe`, `granularity`,
+/// `synchronize` and `summarize`. Backends ignore the token.
 pub trait Device: Send + Sync + 'static {
     /// An instantiated, uploaded, executable graph. Dropping it destroys it; a failure there
     /// goes to the sticky error slot.
@@ -220,6 +232,37 @@ pub trait Device: Send + Sync + 'static {
         Err(DeviceError::CaptureState {
             op: DeviceOp::Conditional,
             state: "no conditional node is open",
+        })
+    }
+
+    /// The body-facing queue of the device's side stream: the same [`Device::Queue`] type,
+    /// enqueuing on the side stream. Bodies reach it only through `Ctx::fork`. The default has
+    /// none.
+    fn side_queue(&self) -> Option<&Self::Queue> {
+        None
+    }
+
+    /// Forks the side stream off the runtime stream (see the module's capture lifecycle):
+    /// records an event on the runtime stream and makes the side stream wait for it (CUDA:
+    /// `cuEventRecord` on the runtime stream, `cuStreamWaitEvent` on the side stream). Legal
+    /// eagerly and during a capture, outside conditional bodies. A fork while forked is
+    /// [`DeviceError::Fork`]. The default refuses: the device has no side stream.
+    fn fork(&self, core: &CoreOnly) -> Result<(), DeviceError> {
+        let _ = core;
+        Err(DeviceError::Unavailable {
+            op: DeviceOp::Fork,
+            what: "this device has no side stream; enqueue the work on the runtime stream (ctx.queue())",
+        })
+    }
+
+    /// Joins the side stream back: records an event on the side stream and makes the runtime
+    /// stream wait for it. A join with no fork open is [`DeviceError::Fork`]. The default
+    /// refuses, as [`Device::fork`] does.
+    fn join(&self, core: &CoreOnly) -> Result<(), DeviceError> {
+        let _ = core;
+        Err(DeviceError::Unavailable {
+            op: DeviceOp::Fork,
+            what: "this device has no side stream; enqueue the work on the runtime stream (ctx.queue())",
         })
     }
 

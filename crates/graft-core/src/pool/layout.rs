@@ -93,6 +93,7 @@ impl Pool {
     /// Replaces the block layout: exactly `allocated` (address order, disjoint, inside the
     /// range, mapped) are allocated, every gap between them is one free block.
     fn install(&mut self, allocated: Vec<(u64, usize, BlockId)>) {
+        self.held = None;
         let mut ids = IdMap::with_capacity_and_hasher(allocated.len(), Default::default());
         let mut blocks = Vec::with_capacity(2 * allocated.len() + 1);
         let mut free = Vec::with_capacity(allocated.len() + 1);

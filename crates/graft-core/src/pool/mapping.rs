@@ -140,6 +140,7 @@ impl Pool {
         }
         self.blocks.clear();
         self.free.clear();
+        self.held = None;
         self.ids = IdMap::default();
         self.mapped.clear();
         self.pins.clear();

@@ -15,6 +15,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use crate::device::{CORE, CoreOnly, Device, DeviceError, DevicePtr};
 
 mod error;
+mod hold;
 mod intervals;
 #[cfg(feature = "test-support")]
 mod invariants;
@@ -257,6 +258,9 @@ pub struct Pool {
     allocated: usize,
     peak_allocated: usize,
     peak_mapped: usize,
+    /// While a fork is open: the blocks freed since, still allocated in the bookkeeping
+    /// (`hold.rs`).
+    held: Option<Vec<BlockId>>,
 }
 
 /// Rounds a request to the granularity (0 counts as 1 byte, so it becomes 512).
@@ -290,6 +294,7 @@ impl Pool {
             allocated: 0,
             peak_allocated: 0,
             peak_mapped: 0,
+            held: None,
         }
     }
 
@@ -349,8 +354,12 @@ impl Pool {
 
     /// Frees an allocated block, coalescing it with its free neighbours, and returns its size.
     /// Unmaps nothing. An id that is not allocated (freed, stale, or of another pool) is
-    /// [`PoolError::UnknownBlock`] and changes nothing.
+    /// [`PoolError::UnknownBlock`] and changes nothing. While frees are held
+    /// ([`Pool::hold_frees`], a fork), the block stays allocated until [`Pool::release_held`].
     pub fn free(&mut self, id: BlockId) -> Result<usize, PoolError> {
+        if self.held.is_some() {
+            return self.hold(id);
+        }
         let Some(&addr) = self.ids.get(&id) else {
             return Err(PoolError::UnknownBlock { id });
         };

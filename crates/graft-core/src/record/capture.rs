@@ -6,7 +6,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 use std::sync::Arc;
 
 use crate::buffer::{Buffer, Cell};
-use crate::ctx::{Ctx, Reclaim, RunKind, alloc_owned};
+use crate::ctx::{Ctx, Reclaim, RunKind, Scope, alloc_owned};
 use crate::device::{CORE, CopyEnds, Device, DeviceError, DevicePtr};
 use crate::error::{BodyError, CallError, FunctionId};
 use crate::graft::{Frame, Graft};
@@ -171,6 +171,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
             generation: self.generation,
             kind: RunKind::Recording,
             allocs: Vec::new(),
+            scope: Scope::Top,
         };
         let slots = &prepared.slots;
         let ran = catch_unwind(AssertUnwindSafe(|| {

@@ -59,7 +59,6 @@ pub(crate) fn query(op: DeviceOp, stream: sys::CUstream) -> Result<bool, DeviceE
 }
 
 /// Makes `stream` wait for `event` (`cuStreamWaitEvent`, flags `CU_EVENT_WAIT_DEFAULT`).
-#[cfg(feature = "test-support")]
 pub(crate) fn wait_event(
     op: DeviceOp,
     stream: sys::CUstream,
@@ -72,7 +71,6 @@ pub(crate) fn wait_event(
 
 /// A new event without timing (`cuEventCreate`, `CU_EVENT_DISABLE_TIMING`) in the current
 /// context, owned by the caller, who destroys it once with [`destroy_event`].
-#[cfg(any(feature = "nccl", feature = "test-support"))]
 pub(crate) fn create_event(op: DeviceOp) -> Result<sys::CUevent, DeviceError> {
     let no_timing = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as c_uint;
     let mut event: sys::CUevent = ptr::null_mut();
@@ -82,7 +80,6 @@ pub(crate) fn create_event(op: DeviceOp) -> Result<sys::CUevent, DeviceError> {
 }
 
 /// Records `event` on `stream` (`cuEventRecord`).
-#[cfg(any(feature = "nccl", feature = "test-support"))]
 pub(crate) fn record_event(
     op: DeviceOp,
     event: sys::CUevent,
@@ -106,7 +103,6 @@ pub(crate) fn query_event(op: DeviceOp, event: sys::CUevent) -> Result<bool, Dev
 
 /// Destroys an event made by [`create_event`] (`cuEventDestroy`), swapped out of `slot` so it
 /// is destroyed once (null: nothing).
-#[cfg(any(feature = "nccl", feature = "test-support"))]
 pub(crate) fn destroy_event(op: DeviceOp, slot: &mut sys::CUevent) -> Result<(), DeviceError> {
     let event = std::mem::replace(slot, ptr::null_mut());
     if event.is_null() {

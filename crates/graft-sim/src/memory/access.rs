@@ -48,8 +48,10 @@ impl SimMemory {
         op: DeviceOp,
         ptr: DevicePtr,
         len: usize,
+        write: bool,
     ) -> Result<(usize, usize), DeviceError> {
         let ptr = self.redirected(ptr, len);
+        self.note_access(ptr.0, len, write);
         let end = ptr
             .0
             .checked_add(len as u64)
@@ -95,6 +97,7 @@ impl SimMemory {
         op: DeviceOp,
         ptr: DevicePtr,
         n: usize,
+        write: bool,
     ) -> Result<(usize, usize), DeviceError> {
         let len = n
             .checked_mul(T::SIZE)
@@ -106,7 +109,7 @@ impl SimMemory {
                 name: MISALIGNED_NAME,
             });
         }
-        self.locate(op, ptr, len)
+        self.locate(op, ptr, len, write)
     }
 
     pub(crate) fn range(
@@ -118,7 +121,7 @@ impl SimMemory {
         if len == 0 {
             return Ok(&[]);
         }
-        let (s, o) = self.locate(op, ptr, len)?;
+        let (s, o) = self.locate(op, ptr, len, false)?;
         Ok(&self.regions[s].data[o..o + len])
     }
 
@@ -131,7 +134,7 @@ impl SimMemory {
         if len == 0 {
             return Ok(&mut []);
         }
-        let (s, o) = self.locate(op, ptr, len)?;
+        let (s, o) = self.locate(op, ptr, len, true)?;
         Ok(&mut self.regions[s].data[o..o + len])
     }
 
@@ -144,7 +147,7 @@ impl SimMemory {
         if dst.is_empty() {
             return Ok(());
         }
-        let (s, o) = self.locate_elems::<T>(op, ptr, dst.len())?;
+        let (s, o) = self.locate_elems::<T>(op, ptr, dst.len(), false)?;
         let bytes = &self.regions[s].data[o..o + dst.len() * T::SIZE];
         for (d, c) in dst.iter_mut().zip(bytes.chunks_exact(T::SIZE)) {
             *d = T::load(c);
@@ -161,7 +164,7 @@ impl SimMemory {
         if src.is_empty() {
             return Ok(());
         }
-        let (s, o) = self.locate_elems::<T>(op, ptr, src.len())?;
+        let (s, o) = self.locate_elems::<T>(op, ptr, src.len(), true)?;
         let bytes = &mut self.regions[s].data[o..o + src.len() * T::SIZE];
         for (v, c) in src.iter().zip(bytes.chunks_exact_mut(T::SIZE)) {
             v.store(c);
@@ -203,8 +206,8 @@ impl SimMemory {
         if overlaps(dst, src, len) {
             return Err(DeviceError::OverlappingCopy { op, dst, src, len });
         }
-        let (ss, so) = self.locate(op, src, len)?;
-        let (ds, d_off) = self.locate(op, dst, len)?;
+        let (ss, so) = self.locate(op, src, len, false)?;
+        let (ds, d_off) = self.locate(op, dst, len, true)?;
         if ss == ds {
             self.regions[ss].data.copy_within(so..so + len, d_off);
         } else if ss < ds {
@@ -259,7 +262,7 @@ impl SimMemory {
         if n == 0 {
             return Ok(Vec::new());
         }
-        self.locate_elems::<f32>(DeviceOp::KernelLaunch, ptr, n)?;
+        self.locate_elems::<f32>(DeviceOp::KernelLaunch, ptr, n, false)?;
         let mut v = vec![0.0; n];
         self.read_elems(DeviceOp::KernelLaunch, ptr, &mut v)?;
         Ok(v)
@@ -296,7 +299,7 @@ impl SimMemory {
         if n == 0 {
             return Ok(());
         }
-        let (s, o) = self.locate_elems::<f32>(DeviceOp::KernelLaunch, dst, n)?;
+        let (s, o) = self.locate_elems::<f32>(DeviceOp::KernelLaunch, dst, n, true)?;
         let bytes = &mut self.regions[s].data[o..o + n * 4];
         for c in bytes.chunks_exact_mut(4) {
             value.store(c);
@@ -316,8 +319,8 @@ impl SimMemory {
         if n == 0 {
             return Ok(());
         }
-        let (ss, so) = self.locate_elems::<f32>(OP, src, n)?;
-        let (ds, d_off) = self.locate_elems::<f32>(OP, dst, n)?;
+        let (ss, so) = self.locate_elems::<f32>(OP, src, n, false)?;
+        let (ds, d_off) = self.locate_elems::<f32>(OP, dst, n, true)?;
         Self::check_elementwise_alias(OP, dst, src, n * 4)?;
         for k in (0..n * 4).step_by(4) {
             let x = f32::load(&self.regions[ss].data[so + k..so + k + 4]);
@@ -340,9 +343,9 @@ impl SimMemory {
         if n == 0 {
             return Ok(());
         }
-        let (sa, oa) = self.locate_elems::<f32>(OP, a, n)?;
-        let (sb, ob) = self.locate_elems::<f32>(OP, b, n)?;
-        let (ds, d_off) = self.locate_elems::<f32>(OP, dst, n)?;
+        let (sa, oa) = self.locate_elems::<f32>(OP, a, n, false)?;
+        let (sb, ob) = self.locate_elems::<f32>(OP, b, n, false)?;
+        let (ds, d_off) = self.locate_elems::<f32>(OP, dst, n, true)?;
         Self::check_elementwise_alias(OP, dst, a, n * 4)?;
         Self::check_elementwise_alias(OP, dst, b, n * 4)?;
         for k in (0..n * 4).step_by(4) {
