@@ -111,6 +111,25 @@ pub enum KernelError {
         what: &'static str,
         size: usize,
     },
+    /// A routing asks for more experts than there are, or there are none or too many.
+    #[error(
+        "route: top {top_k} of {experts} experts; pass 1 to {max} experts and a top k between 1 and their count"
+    )]
+    Experts {
+        experts: usize,
+        top_k: usize,
+        max: usize,
+    },
+    /// The experts' weight lists are empty, too long or of different lengths.
+    #[error(
+        "experts: {gate} gate, {up} up and {down} down weights; pass one of each per expert, 1 to {max} experts"
+    )]
+    ExpertWeights {
+        gate: usize,
+        up: usize,
+        down: usize,
+        max: usize,
+    },
     /// NVRTC rejected a module's CUDA source.
     #[error(
         "NVRTC could not compile the {module} kernels: {log}; check the CUDA toolkit's NVRTC version"

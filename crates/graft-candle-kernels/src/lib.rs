@@ -21,7 +21,13 @@
 //! - [`linear`], [`linear_cat`] and [`linear_swiglu`]: a decode step's few rows through one
 //!   weight, through up to three side by side (query, key and value), or through a gate and an
 //!   up weight with SwiGLU, each in one matrix-vector kernel that reads the weights in place
-//!   once, the biases or SwiGLU in the same launch; candle's matmul for more rows.
+//!   once, the biases or SwiGLU in the same launch; candle's matmul for more rows;
+//! - [`route`] and [`Experts`]: a mixture-of-experts MLP with its routing on the device: each
+//!   token's top-k experts and weights in one launch, then its chosen SiLU-gated experts,
+//!   found through a device table of their weights' addresses, in two;
+//! - [`SharedExpert`]: Qwen2-MoE's shared expert with its sigmoid gate in three launches,
+//!   which [`SharedExpert::beside`] runs on a [`SideStream`] while the routed experts run on
+//!   the device's stream (a fork and a join inside a CUDA-graph capture).
 //!
 //! Errors are [`KernelError`]s inside `candle_core::Error::Wrapped`.
 
@@ -30,16 +36,22 @@ mod attention;
 mod check;
 mod error;
 mod linear;
+mod moe;
 mod norm;
 #[cfg(feature = "cuda")]
 mod nvrtc;
 mod rope;
+mod shared;
+mod side;
 mod swiglu;
 
 pub use argmax::argmax_last;
 pub use attention::{CHUNK, decode_attention, decode_attention_fits};
 pub use error::KernelError;
 pub use linear::{MATVEC_ROWS, MAX_PARTS, linear, linear_cat, linear_swiglu};
+pub use moe::{Experts, MAX_EXPERTS, Routing, route};
 pub use norm::add_rms_norm;
 pub use rope::{QkNorm, RopeStyle, rope_store};
+pub use shared::SharedExpert;
+pub use side::SideStream;
 pub use swiglu::swiglu;

@@ -16,7 +16,7 @@ mod cuda;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Storage, Tensor, WithDType};
 
-use crate::{KernelError, check, swiglu};
+use crate::{KernelError, SideStream, check, swiglu};
 
 const OP: &str = "linear";
 
@@ -38,8 +38,49 @@ pub fn linear(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
 /// The projections of `x` through each of `parts` (1 to [`MAX_PARTS`] weights `[n_i, k]`, each
 /// with an optional bias `[n_i]`), concatenated along the last dim: `[..., n_0 + n_1 + ...]`.
 pub fn linear_cat(x: &Tensor, parts: &[(&Tensor, Option<&Tensor>)]) -> Result<Tensor> {
-    let dims = Dims::of(x, parts, false)?;
-    if dims.rows > MATVEC_ROWS {
+    project(x, parts, false, None, &SideStream::none())
+}
+
+/// `silu(x · gateᵀ) * (x · upᵀ)`: `gate` and `up` `[n, k]`; returns `[..., n]` in `x`'s dtype.
+pub fn linear_swiglu(x: &Tensor, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    project(
+        x,
+        &[(gate, None), (up, None)],
+        true,
+        None,
+        &SideStream::none(),
+    )
+}
+
+/// The projection of `x` through `parts` (SwiGLU of the two with `pair`), each row's outputs
+/// scaled by the sigmoid of that row's `gate` (`[..., 1]`) when given, its matrix-vector
+/// launch on `side`'s stream when it has one.
+pub(crate) fn project(
+    x: &Tensor,
+    parts: &[(&Tensor, Option<&Tensor>)],
+    pair: bool,
+    gate: Option<&Tensor>,
+    side: &SideStream,
+) -> Result<Tensor> {
+    let dims = Dims::of(x, parts, pair)?;
+    if let Some(g) = gate {
+        check::like(OP, "gate", g, "x", x)?;
+        if g.dims() != with_last(x, 1) {
+            return Err(check::shape(
+                OP,
+                "gate",
+                g,
+                "x's shape with a last dim of 1",
+            ));
+        }
+        check::contiguous(OP, "gate", g)?;
+    }
+    if dims.rows <= MATVEC_ROWS {
+        return matvec(x, parts, dims, gate, side);
+    }
+    let y = if pair {
+        swiglu(&matmul(x, parts[0].0, dims)?, &matmul(x, parts[1].0, dims)?)?
+    } else {
         let outs = parts
             .iter()
             .map(|&(w, bias)| {
@@ -50,19 +91,13 @@ pub fn linear_cat(x: &Tensor, parts: &[(&Tensor, Option<&Tensor>)]) -> Result<Te
                 }
             })
             .collect::<Result<Vec<_>>>()?;
-        return Tensor::cat(&outs, candle_core::D::Minus1);
+        Tensor::cat(&outs, candle_core::D::Minus1)?
+    };
+    match gate {
+        // sigmoid(g) = 1 / (1 + exp(-g)).
+        Some(g) => y.broadcast_mul(&(g.neg()?.exp()? + 1.0)?.recip()?),
+        None => Ok(y),
     }
-    matvec(x, parts, dims)
-}
-
-/// `silu(x · gateᵀ) * (x · upᵀ)`: `gate` and `up` `[n, k]`; returns `[..., n]` in `x`'s dtype.
-pub fn linear_swiglu(x: &Tensor, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
-    let parts = [(gate, None), (up, None)];
-    let dims = Dims::of(x, &parts, true)?;
-    if dims.rows > MATVEC_ROWS {
-        return swiglu(&matmul(x, gate, dims)?, &matmul(x, up, dims)?);
-    }
-    matvec(x, &parts, dims)
 }
 
 /// candle's matmul of `x`'s rows as one `[rows, k]` matrix (no weight broadcast over leading
@@ -82,7 +117,13 @@ fn with_last(x: &Tensor, n: usize) -> Vec<usize> {
     dims
 }
 
-fn matvec(x: &Tensor, parts: &[(&Tensor, Option<&Tensor>)], dims: Dims) -> Result<Tensor> {
+fn matvec(
+    x: &Tensor,
+    parts: &[(&Tensor, Option<&Tensor>)],
+    dims: Dims,
+    gate: Option<&Tensor>,
+    side: &SideStream,
+) -> Result<Tensor> {
     check::contiguous(OP, "x", x)?;
     let out = with_last(x, dims.n());
     if dims.rows == 0 {
@@ -94,7 +135,12 @@ fn matvec(x: &Tensor, parts: &[(&Tensor, Option<&Tensor>)], dims: Dims) -> Resul
             .map(|&(w, b)| (w.clone(), b.cloned()))
             .collect(),
         dims,
+        gate: gate.cloned(),
+        #[cfg(feature = "cuda")]
+        side: side.clone(),
     };
+    #[cfg(not(feature = "cuda"))]
+    let _ = side;
     x.apply_op1_no_bwd(&op)?.reshape(out)
 }
 
@@ -164,11 +210,16 @@ impl Dims {
     }
 }
 
-/// The custom op over `x`, holding clones (the same storage) of the weights and biases; the
-/// wrappers have checked everything. Its output is `[rows, n]`.
+/// The custom op over `x`, holding clones (the same storage) of the weights, biases and the
+/// rows' sigmoid gates; the wrappers have checked everything. Its output is `[rows, n]`. It
+/// launches on `side`'s stream when it has one.
 struct Matvec {
     parts: Vec<(Tensor, Option<Tensor>)>,
     dims: Dims,
+    gate: Option<Tensor>,
+    /// Where the CUDA kernel launches (the CPU implementation runs in order anyway).
+    #[cfg(feature = "cuda")]
+    side: SideStream,
 }
 
 impl Matvec {
@@ -234,6 +285,13 @@ impl Matvec {
                 Ok((in_place(w, wl, "w")?, bias))
             })
             .collect::<Result<Vec<_>>>()?;
+        let gate = self.gate.as_ref().map(Tensor::storage_and_layout);
+        let gate = gate
+            .as_ref()
+            .map(|(s, l)| in_place::<T>(s, l, "gate"))
+            .transpose()?;
+        // sigmoid(gate of row r), 1 without gates.
+        let scale = |r: usize| gate.map_or(1.0, |g| 1.0 / (1.0 + (-check::f32_of(g[r])).exp()));
         let Dims { rows, k, ns, pair } = self.dims;
         let dot = |r: usize, (w, b): &(&[T], Option<&[T]>), j: usize| -> f32 {
             let sum: f32 = x[r * k..][..k]
@@ -248,11 +306,13 @@ impl Matvec {
             if pair {
                 for j in 0..ns[0] {
                     let (g, u) = (dot(r, &parts[0], j), dot(r, &parts[1], j));
-                    out.push(T::from_f64(f64::from(g / (1.0 + (-g).exp()) * u)));
+                    out.push(T::from_f64(f64::from(
+                        g / (1.0 + (-g).exp()) * u * scale(r),
+                    )));
                 }
             } else {
                 for (part, &n) in parts.iter().zip(&ns) {
-                    out.extend((0..n).map(|j| T::from_f64(f64::from(dot(r, part, j)))));
+                    out.extend((0..n).map(|j| T::from_f64(f64::from(dot(r, part, j) * scale(r)))));
                 }
             }
         }

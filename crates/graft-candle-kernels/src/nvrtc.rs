@@ -14,8 +14,9 @@ use crate::KernelError;
 
 /// The start of every module's source: 16-bit floats as structs of their bits (so a kernel
 /// argument is a plain pointer), conversions to and from f32 (bf16 by shifting and
-/// round-to-nearest-even; f16 by the PTX `cvt` instructions, what cuda_fp16.h does), and warp
-/// reductions over all 32 lanes (every block of these kernels is a whole number of warps).
+/// round-to-nearest-even; f16 by the PTX `cvt` instructions, what cuda_fp16.h does), 16-byte
+/// loads unpacked to f32 (`GraftVec`), and warp reductions over all 32 lanes (every block of
+/// these kernels is a whole number of warps).
 const PRELUDE: &str = r#"
 struct GraftBf16 { unsigned short bits; };
 struct GraftF16 { unsigned short bits; };
@@ -63,6 +64,41 @@ __device__ __forceinline__ float graft_warp_max(float v) {
     }
     return v;
 }
+
+// 16 bytes of T as f32: E elements.
+template <typename T> struct GraftVec;
+template <> struct GraftVec<float> {
+    static const unsigned int E = 4;
+    __device__ static void unpack(uint4 v, float* f) {
+        f[0] = __uint_as_float(v.x); f[1] = __uint_as_float(v.y);
+        f[2] = __uint_as_float(v.z); f[3] = __uint_as_float(v.w);
+    }
+};
+template <> struct GraftVec<GraftBf16> {
+    static const unsigned int E = 8;
+    __device__ static void unpack(uint4 v, float* f) {
+        const unsigned int u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            f[2 * i] = __uint_as_float(u[i] << 16);
+            f[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
+        }
+    }
+};
+template <> struct GraftVec<GraftF16> {
+    static const unsigned int E = 8;
+    __device__ static void unpack(uint4 v, float* f) {
+        const unsigned int u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            GraftF16 lo, hi;
+            lo.bits = (unsigned short)(u[i] & 0xffffu);
+            hi.bits = (unsigned short)(u[i] >> 16);
+            f[2 * i] = graft_to_f32(lo);
+            f[2 * i + 1] = graft_to_f32(hi);
+        }
+    }
+};
 
 // X(suffix, type) for every dtype the kernels take: the extern "C" names end in the suffix.
 #define GRAFT_FOR_DTYPES(X) X(f32, float) X(bf16, GraftBf16) X(f16, GraftF16)
@@ -140,7 +176,7 @@ pub(crate) fn view<'a, T>(
     Ok(slice.slice(start..end))
 }
 
-/// The device address of the first element of `t` (f32, bf16, f16 or u32, on a CUDA device), for
+/// The device address of the first element of `t` (f32, bf16, f16, u32 or i64, on a CUDA device), for
 /// a kernel argument: an op holds a clone of each tensor it reaches this way (candle's custom
 /// ops take at most three typed inputs), which keeps the storage alive until the launch is
 /// enqueued; candle's stream orders the launch after every earlier use of the storage.
@@ -157,6 +193,7 @@ pub(crate) fn address(
     let stream = device.cuda_stream();
     let base = match &cuda.slice {
         CudaStorageSlice::U32(s) => s.device_ptr(&stream).0,
+        CudaStorageSlice::I64(s) => s.device_ptr(&stream).0,
         CudaStorageSlice::BF16(s) => s.device_ptr(&stream).0,
         CudaStorageSlice::F16(s) => s.device_ptr(&stream).0,
         CudaStorageSlice::F32(s) => s.device_ptr(&stream).0,

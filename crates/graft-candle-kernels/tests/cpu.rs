@@ -49,6 +49,27 @@ proptest! {
     }
 
     #[test]
+    fn route_chooses_the_top_k(case in moe_cases()) {
+        for dtype in DTYPES {
+            check_route(&Device::Cpu, &case, dtype).unwrap();
+        }
+    }
+
+    #[test]
+    fn experts_match_per_token_matmuls(case in moe_cases()) {
+        for dtype in DTYPES {
+            check_experts(&Device::Cpu, &case, dtype).unwrap();
+        }
+    }
+
+    #[test]
+    fn shared_expert_matches_matmuls(case in moe_cases()) {
+        for dtype in DTYPES {
+            check_shared_expert(&Device::Cpu, &case, dtype).unwrap();
+        }
+    }
+
+    #[test]
     fn swiglu_matches_unfused((mut shape, hidden, seed) in norm_cases()) {
         shape.push(hidden);
         for dtype in DTYPES {
@@ -274,4 +295,48 @@ fn linear_and_rope_store_refuse_bad_inputs() {
         err.contains("query 1 reads cache row 2, but the cache has 2 rows"),
         "{err}"
     );
+}
+
+#[test]
+fn route_and_experts_refuse_bad_inputs() {
+    use graft_candle_kernels::{Experts, MAX_EXPERTS, route};
+    let dev = &Device::Cpu;
+    let logits = Tensor::zeros((2, 4), DType::F32, dev).unwrap();
+    let err = message(route(&logits, 5, true));
+    assert!(err.contains("top 5 of 4 experts"), "{err}");
+    let err = message(route(&logits, 0, true));
+    assert!(err.contains("top 0 of 4 experts"), "{err}");
+    let wide = Tensor::zeros((1, MAX_EXPERTS + 1), DType::F32, dev).unwrap();
+    let err = message(route(&wide, 2, true));
+    assert!(err.contains("top 2 of 257 experts"), "{err}");
+    let err = message(route(&logits.to_dtype(DType::U32).unwrap(), 2, true));
+    assert!(err.contains("logits is U32"), "{err}");
+    let err = message(route(&logits.t().unwrap(), 2, true));
+    assert!(err.contains("logits is not contiguous"), "{err}");
+    assert_eq!(
+        route(&logits, 4, false).unwrap().weights().unwrap().dims(),
+        [2, 4]
+    );
+
+    let w = |r: usize, c: usize| Tensor::zeros((r, c), DType::F32, dev).unwrap();
+    let err = message(Experts::new(vec![w(6, 4)], vec![w(6, 4)], vec![]));
+    assert!(err.contains("1 gate, 1 up and 0 down weights"), "{err}");
+    let err = message(Experts::new(vec![w(6, 4)], vec![w(6, 4)], vec![w(6, 4)]));
+    assert!(err.contains("down has shape [6, 4]"), "{err}");
+    let err = message(Experts::new(
+        vec![w(6, 4)],
+        vec![w(6, 4).to_dtype(DType::BF16).unwrap()],
+        vec![w(4, 6)],
+    ));
+    assert!(err.contains("up is BF16 but gate is F32"), "{err}");
+    let experts = Experts::new(vec![w(6, 4); 4], vec![w(6, 4); 4], vec![w(4, 6); 4]).unwrap();
+    let routing = route(&logits, 2, true).unwrap();
+    let err = message(experts.forward(&w(2, 5), &routing));
+    assert!(
+        err.contains("x has shape [2, 5], expected [..., hidden]"),
+        "{err}"
+    );
+    let err = message(experts.forward(&w(3, 4), &routing));
+    assert!(err.contains("one routed row per token of x"), "{err}");
+    assert_eq!(experts.forward(&w(2, 4), &routing).unwrap().dims(), [2, 4]);
 }

@@ -14,13 +14,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use candle_core::quantized::QMatMul;
 use candle_core::{D, DType, Device, Module, Result, Tensor};
-use candle_nn::{Activation, Linear, VarBuilder};
+use candle_nn::{Linear, VarBuilder};
 use graft_candle_kernels::{
-    QkNorm, add_rms_norm, argmax_last, decode_attention, decode_attention_fits, linear, linear_cat,
-    linear_swiglu, rope_store, swiglu,
+    QkNorm, SideStream, add_rms_norm, argmax_last, decode_attention, decode_attention_fits, linear,
+    linear_cat, rope_store,
 };
 
 use super::cache::KvCache;
+use super::moe::Mlp;
 use super::rope::Rope;
 use super::shard::Shard;
 use super::spec::DecoderSpec;
@@ -51,7 +52,7 @@ impl Proj {
         }
     }
 
-    fn dense(&self) -> Option<&Linear> {
+    pub(crate) fn dense(&self) -> Option<&Linear> {
         match self {
             Proj::Dense(l) => Some(l),
             Proj::Quant(_) => None,
@@ -59,7 +60,7 @@ impl Proj {
     }
 
     /// The tensors it reads (none for a block-quantized weight, which is not a `Tensor`).
-    fn tensors(&self) -> Vec<&Tensor> {
+    pub(crate) fn tensors(&self) -> Vec<&Tensor> {
         match self {
             Proj::Dense(l) => std::iter::once(l.weight()).chain(l.bias()).collect(),
             Proj::Quant(QMatMul::Tensor(t) | QMatMul::TensorF16(t)) => vec![t],
@@ -79,9 +80,7 @@ pub(crate) struct Block {
     /// Per-head norms of queries and keys (Qwen3).
     pub(crate) qk_norm: Option<(Tensor, Tensor)>,
     pub(crate) mlp_norm: Tensor,
-    pub(crate) gate: Proj,
-    pub(crate) up: Proj,
-    pub(crate) down: Proj,
+    pub(crate) mlp: Mlp,
 }
 
 /// A graph-ready decoder ported from one of candle-transformers' models (see
@@ -172,9 +171,15 @@ impl Decoder {
         shard: Option<Shard>,
     ) -> Result<Decoder> {
         spec.validate()?;
+        if shard.is_some() && spec.moe.is_some() {
+            candle_core::bail!(
+                "{:?}: splitting a mixture-of-experts decoder over ranks is not supported; run it on one GPU",
+                spec.arch
+            );
+        }
         // The rank's spec, checked before any weight is split.
         let local = shard.as_ref().map(|sh| sh.local(&spec)).transpose()?;
-        let (d, f, hd) = (spec.hidden, spec.intermediate, spec.head_dim);
+        let (d, hd) = (spec.hidden, spec.head_dim);
         let (q, kv) = (spec.heads * hd, spec.kv_heads * hd);
         // Splits a projection's weight (and bias) along `dim`, 0 for rows, 1 for columns.
         let split = |p: Proj, dim: usize| -> Result<Proj> {
@@ -185,11 +190,15 @@ impl Decoder {
             Ok(Proj::Dense(Linear::new(sh.part(l.weight(), dim)?, bias)))
         };
         let embed = vb.get((spec.vocab, d), "model.embed_tokens.weight")?;
+        // One side stream for the decoder's shared experts, if it has any.
+        let side = match spec.moe {
+            Some(m) if m.shared.is_some() => SideStream::new(vb.device())?,
+            _ => SideStream::none(),
+        };
         let mut blocks = Vec::with_capacity(spec.layers);
         for i in 0..spec.layers {
             let l = vb.pp(format!("model.layers.{i}"));
             let attn = l.pp("self_attn");
-            let mlp = l.pp("mlp");
             let qk_norm = if spec.qk_norm {
                 Some((
                     attn.get(hd, "q_norm.weight")?,
@@ -206,9 +215,7 @@ impl Decoder {
                 o: split(dense(&attn.pp("o_proj"), d, q, spec.o_bias)?, 1)?,
                 qk_norm,
                 mlp_norm: l.get(d, "post_attention_layernorm.weight")?,
-                gate: split(dense(&mlp.pp("gate_proj"), f, d, false)?, 0)?,
-                up: split(dense(&mlp.pp("up_proj"), f, d, false)?, 0)?,
-                down: split(dense(&mlp.pp("down_proj"), d, f, false)?, 1)?,
+                mlp: Mlp::load(&spec, i, &l, split, &side)?,
             });
         }
         let norm = vb.get(d, "model.norm.weight")?;
@@ -221,6 +228,21 @@ impl Decoder {
         let mut decoder = Decoder::from_parts(spec, embed, blocks, norm, lm_head, vb.device())?;
         decoder.shard = shard;
         Ok(decoder)
+    }
+
+    /// Whether the shared experts (Qwen2-MoE) run on a side stream beside the routed ones
+    /// (the default on CUDA) or on the device's stream after them. Steps recorded before the
+    /// change keep what they recorded: register a new step to record the other way.
+    pub fn set_side_stream(&mut self, on: bool) -> Result<()> {
+        let side = if on {
+            SideStream::new(self.device())?
+        } else {
+            SideStream::none()
+        };
+        for b in &mut self.blocks {
+            b.mlp.set_side_stream(&side);
+        }
+        Ok(())
     }
 
     /// The rotary tables, cosines and sines, `[max_position_embeddings, head_dim / 2]` each:
@@ -293,9 +315,10 @@ impl Decoder {
             if let Some((qn, kn)) = &b.qk_norm {
                 all.extend([qn, kn]);
             }
-            for p in [&b.q, &b.k, &b.v, &b.o, &b.gate, &b.up, &b.down] {
+            for p in [&b.q, &b.k, &b.v, &b.o] {
                 all.extend(p.tensors());
             }
+            all.extend(b.mlp.tensors());
         }
         all.extend(cache.tensors());
         all
@@ -550,19 +573,7 @@ impl Block {
         };
         let eps = s.eps as f32;
         let (x, h) = add_rms_norm(&whole(self.o.decode(o)?)?, x, &self.mlp_norm, eps)?;
-        let gated = match (s.act, self.gate.dense(), self.up.dense()) {
-            (Activation::Silu, Some(g), Some(u)) if g.bias().is_none() && u.bias().is_none() => {
-                linear_swiglu(&h, g.weight(), u.weight())?
-            }
-            (act, ..) => {
-                let (gate, up) = (self.gate.decode(&h)?, self.up.decode(&h)?);
-                match act {
-                    Activation::Silu => swiglu(&gate, &up)?,
-                    act => (gate.apply(&act)? * up)?,
-                }
-            }
-        };
-        add_rms_norm(&whole(self.down.decode(&gated)?)?, &x, next_norm, eps)
+        add_rms_norm(&whole(self.mlp.decode(&h, s.act)?)?, &x, next_norm, eps)
     }
 }
 

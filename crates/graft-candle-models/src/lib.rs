@@ -1,7 +1,8 @@
 //! graft-candle-models: graph-ready ports of the models candle users run, stepped under
 //! graft-candle, with their static KV cache, generation on the device and a serving engine.
 //! The ports load candle-transformers' own configs and checkpoints: [`llama`] (Llama 2 and
-//! 3), [`mistral`], [`qwen2`], [`qwen3`] and [`quantized_llama`] (GGUF); [`serve`] is a
+//! 3), [`mistral`], [`qwen2`], [`qwen3`], [`quantized_llama`] (GGUF), and the mixtures of
+//! experts [`mixtral`], [`qwen2_moe`] and [`qwen3_moe`] (routed on the device); [`serve`] is a
 //! continuous-batching engine over any of them. A Llama also splits over several GPUs,
 //! one process each ([`Shard`], [`llama::load_sharded`]: tensor parallelism).
 //!
@@ -40,10 +41,14 @@ mod decoder;
 mod generate;
 pub mod llama;
 pub mod mistral;
+pub mod mixtral;
+mod moe;
 mod prefill;
 pub mod quantized_llama;
 pub mod qwen2;
+pub mod qwen2_moe;
 pub mod qwen3;
+pub mod qwen3_moe;
 mod rng;
 mod rope;
 mod sequence;
@@ -56,4 +61,4 @@ pub use decoder::Decoder;
 pub use generate::{GenerateSpec, Generation, Sampling};
 pub use sequence::Dropout;
 pub use shard::{Collective, Shard};
-pub use spec::{Arch, DecoderSpec, Llama3Scaling, RopeSpec, RopeStyle};
+pub use spec::{Arch, DecoderSpec, Llama3Scaling, MoeNames, MoeSpec, RopeSpec, RopeStyle};

@@ -36,6 +36,7 @@ pub fn spec(cfg: &Config) -> DecoderSpec {
             max_positions: cfg.max_position_embeddings,
         },
         sliding_window: cfg.sliding_window,
+        moe: None,
     }
 }
 

@@ -9,6 +9,7 @@ use candle_core::{DType, Device, Result};
 use candle_nn::Activation;
 
 use super::decoder::{Block, Decoder, Proj};
+use super::moe::Mlp;
 use super::spec::{Arch, DecoderSpec, RopeSpec, RopeStyle};
 
 /// The positions candle's model computes rotary tables for (its `MAX_SEQ_LEN`).
@@ -54,7 +55,7 @@ pub fn spec(ct: &gguf_file::Content) -> Result<DecoderSpec> {
         > 1
     {
         candle_core::bail!(
-            "a mixture-of-experts gguf (llama.expert_count > 1) is not ported: candle's routing reads the router's weights to the host, which a graph cannot do"
+            "a mixture-of-experts gguf (llama.expert_count > 1) is not ported: the device-routed expert kernels read f32, bf16 or f16 weights, not block-quantized ones; load the safetensors checkpoint with graft_candle_models::mixtral instead"
         );
     }
     let shape = |name: &str| match ct.tensor_infos.get(name) {
@@ -109,6 +110,7 @@ pub fn spec(ct: &gguf_file::Content) -> Result<DecoderSpec> {
             max_positions: MAX_SEQ_LEN,
         },
         sliding_window: None,
+        moe: None,
     })
 }
 
@@ -143,9 +145,11 @@ pub fn load<R: Seek + Read>(
             o: quant(t("attn_output")?)?,
             qk_norm: None,
             mlp_norm: t("ffn_norm")?.dequantize(device)?,
-            gate: quant(t("ffn_gate")?)?,
-            up: quant(t("ffn_up")?)?,
-            down: quant(t("ffn_down")?)?,
+            mlp: Mlp::Gated {
+                gate: quant(t("ffn_gate")?)?,
+                up: quant(t("ffn_up")?)?,
+                down: quant(t("ffn_down")?)?,
+            },
         });
     }
     Decoder::from_parts(spec, embed, blocks, norm, lm_head, device)

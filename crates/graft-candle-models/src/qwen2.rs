@@ -34,6 +34,7 @@ pub fn spec(cfg: &Config, tied: bool) -> DecoderSpec {
             max_positions: cfg.max_position_embeddings,
         },
         sliding_window: cfg.use_sliding_window.then_some(cfg.sliding_window),
+        moe: None,
     }
 }
 

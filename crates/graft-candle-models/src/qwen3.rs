@@ -33,6 +33,7 @@ pub fn spec(cfg: &Config) -> DecoderSpec {
             max_positions: cfg.max_position_embeddings,
         },
         sliding_window: None,
+        moe: None,
     }
 }
 

@@ -43,8 +43,7 @@ impl Decoder {
             let y = self.attention(b, &x, &mask)?;
             x = (x + drop(b.o.forward(&y)?)?)?;
             let h = rms_norm_slow(&x, &b.mlp_norm, s.eps as f32)?;
-            let gated = (b.gate.forward(&h)?.apply(&s.act)? * b.up.forward(&h)?)?;
-            x = (x + drop(b.down.forward(&gated)?)?)?;
+            x = (x + drop(b.mlp.forward(&h, s.act)?)?)?;
         }
         self.lm_head
             .forward(&rms_norm_slow(&x, &self.norm, s.eps as f32)?)

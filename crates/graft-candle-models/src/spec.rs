@@ -18,6 +18,47 @@ pub enum Arch {
     Qwen3,
     /// candle-transformers' `models::quantized_llama` (GGUF).
     QuantizedLlama,
+    /// candle-transformers' `models::mixtral`.
+    Mixtral,
+    /// candle-transformers' `models::qwen3_moe`.
+    Qwen3Moe,
+    /// candle-transformers' `models::qwen2_moe`.
+    Qwen2Moe,
+}
+
+/// Where a mixture-of-experts checkpoint keeps a block's router and experts.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum MoeNames {
+    /// `block_sparse_moe.gate`, `block_sparse_moe.experts.{e}.w1` (gate), `w3` (up), `w2`
+    /// (down): Mixtral.
+    Mixtral,
+    /// `mlp.gate`, `mlp.experts.{e}.gate_proj`, `up_proj`, `down_proj`: Qwen MoE models.
+    Qwen,
+}
+
+/// A mixture of SiLU-gated experts in place of a block's MLP.
+#[derive(Clone, Copy, PartialEq, Debug)]
+pub struct MoeSpec {
+    /// Experts per block (`num_local_experts`, `num_experts`).
+    pub experts: usize,
+    /// Experts each token is routed to (`num_experts_per_tok`).
+    pub top_k: usize,
+    /// Width of each expert's MLP (`intermediate_size` for Mixtral, `moe_intermediate_size`
+    /// for Qwen).
+    pub intermediate: usize,
+    /// The chosen experts' weights are divided by their sum (Mixtral; Qwen's
+    /// `norm_topk_prob`).
+    pub normalize: bool,
+    /// Block i has experts when `(i + 1)` is a multiple of this (Qwen's
+    /// `decoder_sparse_step`; 1 for every block), the gated MLP of `intermediate_size`
+    /// otherwise.
+    pub every: usize,
+    /// The checkpoint's names.
+    pub names: MoeNames,
+    /// The width of a shared expert every token also goes through, scaled by the sigmoid of
+    /// its own gate (Qwen2-MoE's `shared_expert_intermediate_size`): `mlp.shared_expert.*`
+    /// and `mlp.shared_expert_gate`.
+    pub shared: Option<usize>,
 }
 
 /// How rotary embeddings pair a head's columns.
@@ -95,6 +136,8 @@ pub struct DecoderSpec {
     pub rope: RopeSpec,
     /// A position attends to at most this many earlier positions (and itself), if set.
     pub sliding_window: Option<usize>,
+    /// Experts in place of the MLP (in every block, or every `every`-th).
+    pub moe: Option<MoeSpec>,
 }
 
 impl DecoderSpec {
@@ -120,6 +163,25 @@ impl DecoderSpec {
                 self.heads,
                 self.kv_heads,
                 self.head_dim
+            );
+        }
+        if let Some(m) = &self.moe
+            && (m.experts == 0
+                || m.experts > graft_candle_kernels::MAX_EXPERTS
+                || m.top_k == 0
+                || m.top_k > m.experts
+                || m.intermediate == 0
+                || m.shared == Some(0)
+                || m.every == 0)
+        {
+            candle_core::bail!(
+                "{:?} config: {} experts, {} per token, expert width {}, every {} blocks: pass 1 to {} experts, 1 to that many per token, and sizes of at least 1",
+                self.arch,
+                m.experts,
+                m.top_k,
+                m.intermediate,
+                m.every,
+                graft_candle_kernels::MAX_EXPERTS
             );
         }
         if u32::try_from(self.vocab).is_err() || u32::try_from(self.rope.max_positions).is_err() {
@@ -165,9 +227,31 @@ impl DecoderSpec {
                 push("self_attn.q_norm.weight", vec![hd]);
                 push("self_attn.k_norm.weight", vec![hd]);
             }
-            push("mlp.gate_proj.weight", vec![f, d]);
-            push("mlp.up_proj.weight", vec![f, d]);
-            push("mlp.down_proj.weight", vec![d, f]);
+            match self.moe.filter(|m| m.at(i)) {
+                Some(m) => {
+                    let block = m.names.block();
+                    let [gate, up, down] = m.names.projections();
+                    let fe = m.intermediate;
+                    push(&format!("{block}.gate.weight"), vec![m.experts, d]);
+                    for e in 0..m.experts {
+                        push(&format!("{block}.experts.{e}.{gate}.weight"), vec![fe, d]);
+                        push(&format!("{block}.experts.{e}.{up}.weight"), vec![fe, d]);
+                        push(&format!("{block}.experts.{e}.{down}.weight"), vec![d, fe]);
+                    }
+                    if let Some(fs) = m.shared {
+                        let p = format!("{block}.shared_expert");
+                        push(&format!("{p}.gate_proj.weight"), vec![fs, d]);
+                        push(&format!("{p}.up_proj.weight"), vec![fs, d]);
+                        push(&format!("{p}.down_proj.weight"), vec![d, fs]);
+                        push(&format!("{block}.shared_expert_gate.weight"), vec![1, d]);
+                    }
+                }
+                None => {
+                    push("mlp.gate_proj.weight", vec![f, d]);
+                    push("mlp.up_proj.weight", vec![f, d]);
+                    push("mlp.down_proj.weight", vec![d, f]);
+                }
+            }
         }
         all
     }
@@ -178,5 +262,17 @@ impl DecoderSpec {
             .iter()
             .map(|(_, shape)| shape.iter().product::<usize>())
             .sum()
+    }
+
+    /// The parameters one token reads in a decode step: all but the experts it is not routed
+    /// to (all of them for a dense decoder).
+    pub fn active_parameters(&self) -> usize {
+        let Some(m) = self.moe else {
+            return self.parameters();
+        };
+        let expert = 3 * m.intermediate * self.hidden;
+        // (A shared expert is read by every token: active.)
+        let blocks = (0..self.layers).filter(|&i| m.at(i)).count();
+        self.parameters() - blocks * (m.experts - m.top_k) * expert
     }
 }

@@ -49,3 +49,18 @@ fn quantized_llama_q4k() {
 fn quantized_llama_q8_0() {
     check(Port::Q8_0);
 }
+
+#[test]
+fn mixtral() {
+    check(Port::Mixtral);
+}
+
+#[test]
+fn qwen3_moe() {
+    check(Port::Qwen3Moe);
+}
+
+#[test]
+fn qwen2_moe_with_its_shared_expert() {
+    check(Port::Qwen2Moe);
+}

@@ -1,6 +1,8 @@
 //! graft-candle-ports: the speedup of graft-candle's ports over candle-transformers' own eager
 //! models, per decode step at batch 1, 8 and 32, for a small and a ~1B config of each
-//! architecture (bf16; Q4_K for the GGUF Llama), all in one run on one GPU.
+//! architecture (bf16; Q4_K for the GGUF Llama; for the mixtures of experts, Mixtral,
+//! Qwen3-MoE and Qwen2-MoE with its shared expert, ~1B parameters active per token), all in one
+//! run on one GPU.
 //!
 //! Both load the same random checkpoint (safetensors tensors through one `VarBuilder`, or
 //! one GGUF file). Each (architecture, size, batch) first decodes 64 greedy steps with both
@@ -24,7 +26,8 @@ use graft_candle::{Buckets, CandleGraft, StepId};
 use graft_candle_bench::common::{BUCKETS, BenchResult, Timing, median};
 use graft_candle_bench::decode::{CHECK_STEPS, first_tokens};
 use graft_candle_models::{
-    Decoder, DecoderSpec, KvCache, checkpoint, llama, mistral, quantized_llama, qwen2, qwen3,
+    Decoder, DecoderSpec, KvCache, checkpoint, llama, mistral, mixtral, quantized_llama, qwen2,
+    qwen2_moe, qwen3, qwen3_moe,
 };
 
 /// The benchmark's flags.
@@ -42,7 +45,8 @@ struct Options {
     /// Positions of the port's static cache.
     #[arg(long, default_value_t = 256)]
     max_seq: usize,
-    /// Only the architectures whose name contains this (llama, mistral, qwen2, qwen3, q4k).
+    /// Only the architectures whose name contains one of these, comma-separated (llama,
+    /// mistral, qwen2, qwen3, q4k, mixtral, qwen3moe, qwen2moe).
     #[arg(long)]
     only: Option<String>,
     /// Leave out the ~1B configs.
@@ -65,6 +69,10 @@ enum Theirs {
     Qwen2(ct::qwen2::ModelForCausalLM),
     Qwen3(ct::qwen3::ModelForCausalLM),
     Quantized(ct::quantized_llama::ModelWeights),
+    /// The model, and what remakes it (it has no way to clear its cache).
+    Mixtral(ct::mixtral::Model, ct::mixtral::Config, VarBuilder<'static>),
+    Qwen3Moe(ct::qwen3_moe::ModelForCausalLM),
+    Qwen2Moe(ct::qwen2_moe::Model),
 }
 
 impl Theirs {
@@ -77,6 +85,9 @@ impl Theirs {
             Theirs::Mistral(m) => m.clear_kv_cache(),
             Theirs::Qwen2(m) => m.clear_kv_cache(),
             Theirs::Qwen3(m) => m.clear_kv_cache(),
+            Theirs::Qwen3Moe(m) => m.clear_kv_cache(),
+            Theirs::Qwen2Moe(m) => m.clear_kv_cache(),
+            Theirs::Mixtral(m, cfg, vb) => *m = ct::mixtral::Model::new(cfg, vb.clone())?,
             // Its step at position 0 starts over.
             Theirs::Quantized(_) => {}
         }
@@ -94,6 +105,9 @@ impl Theirs {
             Theirs::Qwen2(m) => m.forward(&x, pos)?,
             Theirs::Qwen3(m) => m.forward(&x, pos)?,
             Theirs::Quantized(m) => m.forward(&x, pos)?,
+            Theirs::Mixtral(m, ..) => m.forward(&x, pos)?,
+            Theirs::Qwen3Moe(m) => m.forward(&x, pos)?,
+            Theirs::Qwen2Moe(m) => m.forward(&x, pos)?,
         };
         Ok(logits.flatten_from(1)?.argmax(D::Minus1)?)
     }
@@ -126,8 +140,25 @@ fn sizes(big: bool) -> (usize, usize, usize, usize, usize, usize) {
     }
 }
 
+/// Mixture-of-experts sizes: (experts, per token, expert width, shared expert width).
+/// Mixtral's: 8 experts, 2 per token, wide; Qwen3-MoE's: many narrow ones; Qwen2-MoE's: fewer,
+/// with a shared expert. The ~1B configs read about 1B parameters per token
+/// (`DecoderSpec::active_parameters`).
+fn experts(arch: &str, big: bool) -> (usize, usize, usize, usize) {
+    match (arch, big) {
+        ("mixtral", false) => (8, 2, 1536, 0),
+        ("mixtral", true) => (8, 2, 4096, 0),
+        ("qwen2moe", false) => (16, 4, 384, 1536),
+        ("qwen2moe", true) => (32, 4, 1024, 2816),
+        (_, false) => (16, 4, 384, 0),
+        (_, true) => (64, 8, 768, 0),
+    }
+}
+
 fn case(arch: &str, big: bool, device: &Device) -> BenchResult<Case> {
     let (d, f, layers, heads, kv, vocab) = sizes(big);
+    let (n_experts, top_k, expert_f, shared_f) = experts(arch, big);
+    let f = if arch == "mixtral" { expert_f } else { f };
     let common = format!(
         r#""hidden_size": {d}, "intermediate_size": {f}, "vocab_size": {vocab}, "num_hidden_layers": {layers},
            "num_attention_heads": {heads}, "num_key_value_heads": {kv}, "max_position_embeddings": 4096"#
@@ -185,6 +216,55 @@ fn case(arch: &str, big: bool, device: &Device) -> BenchResult<Case> {
                 bf16,
             )
         }
+        "mixtral" => {
+            let json = format!(
+                r#"{{{common}, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "sliding_window": 4096,
+                    "hidden_act": "silu", "num_experts_per_tok": {top_k}, "num_local_experts": {n_experts},
+                    "use_flash_attn": false}}"#
+            );
+            let cfg: mixtral::Config = json_config(&json)?;
+            let theirs_cfg: ct::mixtral::Config = json_config(&json)?;
+            // f32: candle's Mixtral multiplies bf16 states by its f32 routing weights and
+            // fails ("dtype mismatch in mul").
+            let vb = weights(&mixtral::spec(&cfg), DType::F32, device)?;
+            let model = ct::mixtral::Model::new(&theirs_cfg, vb.clone())?;
+            (
+                Theirs::Mixtral(model, theirs_cfg, vb.clone()),
+                mixtral::load(vb, &cfg)?,
+                DType::F32,
+            )
+        }
+        "qwen3moe" => {
+            let cfg: ct::qwen3_moe::Config = json_config(&format!(
+                r#"{{{common}, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "sliding_window": null,
+                    "max_window_layers": {layers}, "tie_word_embeddings": true, "use_sliding_window": false,
+                    "hidden_act": "silu", "head_dim": {}, "attention_bias": false, "decoder_sparse_step": 1,
+                    "moe_intermediate_size": {expert_f}, "num_experts_per_tok": {top_k},
+                    "num_experts": {n_experts}, "norm_topk_prob": true}}"#,
+                d / heads
+            ))?;
+            let vb = weights(&qwen3_moe::spec(&cfg), bf16, device)?;
+            (
+                Theirs::Qwen3Moe(ct::qwen3_moe::ModelForCausalLM::new(&cfg, vb.clone())?),
+                qwen3_moe::load(vb, &cfg)?,
+                bf16,
+            )
+        }
+        "qwen2moe" => {
+            let cfg: ct::qwen2_moe::Config = json_config(&format!(
+                r#"{{{common}, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "sliding_window": 4096,
+                    "max_window_layers": {layers}, "tie_word_embeddings": false, "use_sliding_window": false,
+                    "hidden_act": "silu", "decoder_sparse_step": 1, "moe_intermediate_size": {expert_f},
+                    "shared_expert_intermediate_size": {shared_f}, "num_experts_per_tok": {top_k},
+                    "num_experts": {n_experts}, "norm_topk_prob": false}}"#
+            ))?;
+            let vb = weights(&qwen2_moe::spec(&cfg), bf16, device)?;
+            (
+                Theirs::Qwen2Moe(ct::qwen2_moe::Model::new(&cfg, vb.clone())?),
+                qwen2_moe::load(vb, &cfg)?,
+                bf16,
+            )
+        }
         "q4k" => {
             let cfg: ct::llama::LlamaConfig = json_config(&format!(
                 r#"{{{common}, "rms_norm_eps": 1e-5, "rope_theta": 10000.0}}"#
@@ -211,10 +291,20 @@ fn case(arch: &str, big: bool, device: &Device) -> BenchResult<Case> {
         other => return Err(format!("unknown architecture {other}").into()),
     };
     let params = ours.spec().parameters() as f64 / 1e6;
+    let active = ours.spec().active_parameters() as f64 / 1e6;
+    let active = if active < params {
+        format!(", {active:.0} M active")
+    } else {
+        String::new()
+    };
     Ok(Case {
         name: format!(
-            "{arch} {size} ({params:.0} M parameters{})",
-            if arch == "q4k" { ", Q4_K" } else { ", bf16" }
+            "{arch} {size} ({params:.0} M parameters{active}{})",
+            match (arch, dtype) {
+                ("q4k", _) => ", Q4_K",
+                (_, DType::F32) => ", f32",
+                _ => ", bf16",
+            }
         ),
         theirs,
         ours,
@@ -237,6 +327,81 @@ fn ours_step(
     t: &Tensor,
 ) -> BenchResult<Tensor> {
     Ok(c.ours.decode(graft, step, cache, t)?.outputs.remove(0))
+}
+
+/// `steps` graft steps from position 0, each timed to its synchronize after 5 untimed (µs).
+fn time_graft(
+    c: &Case,
+    graft: &mut CandleGraft,
+    step: StepId,
+    cache: &KvCache,
+    batch: usize,
+    steps: usize,
+    device: &Device,
+) -> BenchResult<Vec<f64>> {
+    cache.reset()?;
+    let mut t = first_tokens(batch, c.ours.spec().vocab, device)?;
+    let mut times = Vec::with_capacity(steps);
+    for i in 0..steps + 5 {
+        let start = Instant::now();
+        t = ours_step(c, graft, step, cache, &t)?;
+        device.synchronize()?;
+        if i >= 5 {
+            times.push(start.elapsed().as_secs_f64() * 1e6);
+        }
+    }
+    Ok(times)
+}
+
+/// A decoder with shared experts (Qwen2-MoE), its step with them on the side stream against
+/// the same step with them on the device's stream: each recorded by a runtime of its own (the
+/// setting is read when the body runs), then timed in alternating rounds. Per batch, the two
+/// median steps (µs).
+fn overlap(
+    c: &mut Case,
+    cache: &KvCache,
+    o: &Options,
+    device: &Device,
+) -> BenchResult<Vec<(f64, f64)>> {
+    let mut runtimes = Vec::new();
+    for side in [true, false] {
+        c.ours.set_side_stream(side)?;
+        let mut graft = CandleGraft::new(device)?;
+        let step = graft.register_bucketed("decode", Buckets::new(BUCKETS)?);
+        // Warm up and record every bucket with this setting.
+        for batch in BUCKETS {
+            time_graft(c, &mut graft, step, cache, batch, 1, device)?;
+        }
+        runtimes.push((graft, step));
+    }
+    c.ours.set_side_stream(true)?;
+    let per_round = o.timing.per_round(o.steps)?;
+    let mut medians = Vec::new();
+    for batch in BUCKETS {
+        let mut times = [Vec::new(), Vec::new()];
+        for _ in 0..o.timing.rounds {
+            for ((graft, step), t) in runtimes.iter_mut().zip(&mut times) {
+                t.extend(time_graft(
+                    c, graft, *step, cache, batch, per_round, device,
+                )?);
+            }
+        }
+        let [side, one] = &mut times;
+        medians.push((median(side), median(one)));
+    }
+    for (graft, _) in &runtimes {
+        if let Some(g) = graft.graft() {
+            let s = g.stats();
+            if s.recordings != BUCKETS.len() as u64 || s.eager_runs > 0 {
+                return Err(format!(
+                    "the overlap runtimes recorded {} graphs and ran {} calls eagerly; want one recording per bucket",
+                    s.recordings, s.eager_runs
+                )
+                .into());
+            }
+        }
+    }
+    Ok(medians)
 }
 
 fn measure(
@@ -277,16 +442,7 @@ fn measure(
                 eager.push(start.elapsed().as_secs_f64() * 1e6);
             }
         }
-        cache.reset()?;
-        let mut t = first_tokens(batch, vocab, device)?;
-        for i in 0..per_round + 5 {
-            let start = Instant::now();
-            t = ours_step(c, graft, step, cache, &t)?;
-            device.synchronize()?;
-            if i >= 5 {
-                ours.push(start.elapsed().as_secs_f64() * 1e6);
-            }
-        }
+        ours.extend(time_graft(c, graft, step, cache, batch, per_round, device)?);
     }
     if o.profile_steps > 0 {
         cache.reset()?;
@@ -343,8 +499,13 @@ fn run() -> BenchResult<()> {
         if big && o.skip_1b {
             continue;
         }
-        for arch in ["llama", "mistral", "qwen2", "qwen3", "q4k"] {
-            if o.only.as_deref().is_some_and(|only| !arch.contains(only)) {
+        for arch in [
+            "llama", "mistral", "qwen2", "qwen3", "q4k", "mixtral", "qwen3moe", "qwen2moe",
+        ] {
+            if o.only
+                .as_deref()
+                .is_some_and(|only| !only.split(',').any(|name| arch.contains(name)))
+            {
                 continue;
             }
             let started = Instant::now();
@@ -367,6 +528,9 @@ fn run() -> BenchResult<()> {
                 decision_log: 4096,
                 ..graft_core::Config::default()
             };
+            // The earlier cases' graphs are gone: give their memory back, so the figure below
+            // is this case's.
+            graft_candle::cuda::trim_graph_memory(device.as_cuda_device()?)?;
             let mut graft = CandleGraft::with_config(&device, config)?;
             let step = graft.register_bucketed("decode", Buckets::new(BUCKETS)?);
             let cache = c.ours.new_cache(*BUCKETS.last().unwrap_or(&1), o.max_seq)?;
@@ -394,6 +558,29 @@ fn run() -> BenchResult<()> {
                 println!("{row}");
                 rows.push(row);
             }
+            if c.ours.spec().moe.is_some_and(|m| m.shared.is_some()) {
+                match overlap(&mut c, &cache, &o, &device) {
+                    Ok(medians) => {
+                        for (batch, (side, one)) in BUCKETS.iter().zip(medians) {
+                            let row = format!(
+                                "{:<44} B={batch:<3} shared expert on a side stream {side:9.1} us, on the device stream {one:9.1} us: {:5.3}x",
+                                c.name,
+                                one / side
+                            );
+                            json.push(format!(
+                                "{{\"model\":\"{}\",\"batch\":{batch},\"side_stream_us\":{side:.1},\"one_stream_us\":{one:.1}}}",
+                                c.name
+                            ));
+                            println!("{row}");
+                            rows.push(row);
+                        }
+                    }
+                    Err(e) => {
+                        failed = true;
+                        rows.push(format!("{}: the overlap timing failed: {e}", c.name));
+                    }
+                }
+            }
             if let Some(g) = graft.graft() {
                 let s = g.stats();
                 println!(
@@ -411,6 +598,14 @@ fn run() -> BenchResult<()> {
                     .map(|n| format!("B={}: {}", n.keys.first().unwrap_or(&0), n.graph.kernels))
                     .collect();
                 println!("  kernels per step: {}", kernels.join(", "));
+                // What the recordings of every bucket hold (activations; the weights and the
+                // cache are the caller's).
+                let memory = graft_candle::cuda::graph_memory(device.as_cuda_device()?)?;
+                println!(
+                    "  graph memory: {:.1} MiB mapped for the recordings of {} buckets",
+                    memory.mapped_current as f64 / (1 << 20) as f64,
+                    BUCKETS.len()
+                );
             }
         }
     }

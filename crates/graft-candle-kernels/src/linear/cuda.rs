@@ -38,51 +38,16 @@ static KERNELS: Kernels = Kernels::new(
 // 16-byte chunks of a weight row each lane loads before using any.
 #define GRAFT_MATVEC_U 4
 
-// 16 bytes of T as f32: E elements.
-template <typename T> struct GraftVec;
-template <> struct GraftVec<float> {
-    static const unsigned int E = 4;
-    __device__ static void unpack(uint4 v, float* f) {
-        f[0] = __uint_as_float(v.x); f[1] = __uint_as_float(v.y);
-        f[2] = __uint_as_float(v.z); f[3] = __uint_as_float(v.w);
-    }
-};
-template <> struct GraftVec<GraftBf16> {
-    static const unsigned int E = 8;
-    __device__ static void unpack(uint4 v, float* f) {
-        const unsigned int u[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            f[2 * i] = __uint_as_float(u[i] << 16);
-            f[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
-        }
-    }
-};
-template <> struct GraftVec<GraftF16> {
-    static const unsigned int E = 8;
-    __device__ static void unpack(uint4 v, float* f) {
-        const unsigned int u[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            GraftF16 lo, hi;
-            lo.bits = (unsigned short)(u[i] & 0xffffu);
-            hi.bits = (unsigned short)(u[i] >> 16);
-            f[2 * i] = graft_to_f32(lo);
-            f[2 * i + 1] = graft_to_f32(hi);
-        }
-    }
-};
-
 // Output j of row r: x[r] . (row j of the weights side by side) + its bias; with PAIR,
 // silu(x[r] . gate[j]) * (x[r] . up[j]) (gate = w0, up = w1). `split` warps per j (a block's 8
 // warps serve 8 / split outputs), each summing every split-th 32-chunk stretch of the row; the
 // first warp of each output adds the others' sums from shared memory. ROWS >= rows.
 template <typename T, int ROWS, bool VEC, bool PAIR>
 __device__ void graft_matvec(const T* __restrict__ x, const T* w0, const T* w1, const T* w2,
-                             const T* b0, const T* b1, const T* b2, T* __restrict__ y,
-                             unsigned int rows, unsigned int k, unsigned int n0,
-                             unsigned int n1, unsigned int n2, unsigned int bias_mask,
-                             unsigned int split) {
+                             const T* b0, const T* b1, const T* b2, const T* gate,
+                             T* __restrict__ y, unsigned int rows, unsigned int k,
+                             unsigned int n0, unsigned int n1, unsigned int n2,
+                             unsigned int bias_mask, unsigned int split) {
     __shared__ float partial[8][2 * ROWS];
     const unsigned int lane = threadIdx.x & 31u;
     const unsigned int warp = threadIdx.x >> 5;
@@ -203,6 +168,9 @@ __device__ void graft_matvec(const T* __restrict__ x, const T* w0, const T* w1, 
         } else if (bias) {
             out += graft_to_f32(*bias);
         }
+        if (gate) {
+            out = out / (1.0f + expf(-graft_to_f32(gate[lane])));
+        }
         y[(unsigned long long)lane * n + j] = graft_from_f32<T>(out);
     }
 }
@@ -210,10 +178,11 @@ __device__ void graft_matvec(const T* __restrict__ x, const T* w0, const T* w1, 
 #define GRAFT_MATVEC_ONE(suffix, T, name, ROWS, VEC, PAIR)                                   \
     extern "C" __global__ void graft_matvec_##name##_##suffix(                               \
         const T* x, const T* w0, const T* w1, const T* w2, const T* b0, const T* b1,         \
-        const T* b2, T* y, unsigned int rows, unsigned int k, unsigned int n0,               \
-        unsigned int n1, unsigned int n2, unsigned int bias_mask, unsigned int split) {      \
-        graft_matvec<T, ROWS, VEC, PAIR>(x, w0, w1, w2, b0, b1, b2, y, rows, k, n0, n1, n2,  \
-                                         bias_mask, split);                                  \
+        const T* b2, const T* gate, T* y, unsigned int rows, unsigned int k,                 \
+        unsigned int n0, unsigned int n1, unsigned int n2, unsigned int bias_mask,           \
+        unsigned int split) {                                                                \
+        graft_matvec<T, ROWS, VEC, PAIR>(x, w0, w1, w2, b0, b1, b2, gate, y, rows, k, n0,    \
+                                         n1, n2, bias_mask, split);                          \
     }
 #define GRAFT_MATVEC(suffix, T)                                                              \
     GRAFT_MATVEC_ONE(suffix, T, vec1, 1, true, false)                                        \
@@ -285,12 +254,19 @@ impl Map1 for Matvec {
             T::DTYPE.as_str()
         );
         let func = device.get_or_load_custom_func(&name, KERNELS.module(), KERNELS.ptx()?)?;
+        // Each row's sigmoid gate, or 0 (none).
+        let gate = match &self.gate {
+            Some(g) => address(OP, g, "gate", device)?,
+            None => 0,
+        };
         let split = split(n, d.k);
         let per_block = (WARPS / split) as usize;
         let blocks = check::u32_of(OP, "the outputs / 8", n.div_ceil(per_block))?;
         let [n0, n1, n2] = d.ns.map(|v| v as u32);
         let (rows, k) = (d.rows as u32, d.k as u32);
-        let mut launch = func.builder();
+        // On the side stream, ordered after `y`'s allocation and everything before it.
+        let stream = self.side.launch_stream(device)?;
+        let mut launch = stream.launch_builder(&func);
         launch.arg(&x);
         for a in &w {
             launch.arg(a);
@@ -298,6 +274,7 @@ impl Map1 for Matvec {
         for a in &b {
             launch.arg(a);
         }
+        launch.arg(&gate);
         launch.arg(&mut y);
         launch.arg(&rows);
         launch.arg(&k);
@@ -311,10 +288,11 @@ impl Map1 for Matvec {
             block_dim: (WARPS * 32, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: the arguments match `graft_matvec_<variant>_<dtype>(const T* x7, T*,
-        // unsigned int x7)`, the weights and biases passed by address: `x` holds rows * k
-        // elements, weight i n_i * k and its bias n_i (checked by the wrapper, contiguous, of
-        // T; the op holds clones, so all live), `y` rows * n; rows <= 2 (the kernel's sums
+        // SAFETY: the arguments match `graft_matvec_<variant>_<dtype>(const T* x8, T*,
+        // unsigned int x7)`, the weights, biases and gates passed by address: `x` holds rows *
+        // k elements, weight i n_i * k and its bias n_i, the gates rows or none (0) (checked by
+        // the wrapper, contiguous, of T; the op holds clones, so all live; on a side stream the
+        // caller keeps them until it joins), `y` rows * n; rows <= 2 (the kernel's sums
         // per lane); `split` divides the block's 8 warps (the shared sums are 8 warps' of
         // 2 * ROWS); a weight of 0 rows and a bias whose mask bit is 0 are never read; the
         // 16-byte loads run only when k * size_of::<T>() is a multiple of 16 and x and every

@@ -10,6 +10,9 @@ use graft_candle_kernels::{
 };
 use proptest::prelude::*;
 
+mod moe;
+pub use moe::*;
+
 /// `n` values uniform in `[-scale, scale)` from `seed` (SplitMix64).
 pub fn values(seed: u64, n: usize, scale: f32) -> Vec<f32> {
     let mut state = seed;

@@ -11,7 +11,7 @@ use super::ports::{Port, llama_config, tokens_equal};
 use super::{TestResult, gpu, under_sanitizer};
 
 /// Every port (tests/ports.rs checks each on the CPU).
-const ALL: [Port; 7] = [
+const ALL: [Port; 10] = [
     Port::Llama2,
     Port::Llama3,
     Port::Mistral,
@@ -19,6 +19,9 @@ const ALL: [Port; 7] = [
     Port::Qwen3,
     Port::Q4K,
     Port::Q8_0,
+    Port::Mixtral,
+    Port::Qwen3Moe,
+    Port::Qwen2Moe,
 ];
 
 #[test]
@@ -27,7 +30,16 @@ fn every_port_matches_candle_transformers_and_replays() -> TestResult {
     // compute-sanitizer slows every launch by orders of magnitude: one batch of three ports
     // (rotary scaling, per-head norms, quantized matmuls) then.
     let (ports, batches): (&[Port], &[usize]) = if under_sanitizer() {
-        (&[Port::Llama3, Port::Qwen3, Port::Q4K], &[2])
+        (
+            &[
+                Port::Llama3,
+                Port::Qwen3,
+                Port::Q4K,
+                Port::Mixtral,
+                Port::Qwen2Moe,
+            ],
+            &[2],
+        )
     } else {
         (&ALL, &[1, 8])
     };

@@ -14,7 +14,8 @@ use candle_nn::VarBuilder;
 use candle_transformers::models as ct;
 use graft_candle::{Buckets, CandleGraft, StepOutcome};
 use graft_candle_models::{
-    Decoder, DecoderSpec, checkpoint, llama, mistral, quantized_llama, qwen2, qwen3,
+    Decoder, DecoderSpec, checkpoint, llama, mistral, mixtral, quantized_llama, qwen2, qwen2_moe,
+    qwen3, qwen3_moe,
 };
 
 pub(crate) type TestResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
@@ -31,6 +32,14 @@ pub(crate) enum Port {
     Qwen3,
     Q4K,
     Q8_0,
+    /// Mixtral: every block's MLP 4 experts, 2 per token.
+    Mixtral,
+    /// Qwen3-MoE: experts in every second block (6, 3 per token, not renormalized), the
+    /// gated MLP in the others.
+    Qwen3Moe,
+    /// Qwen2-MoE: experts in every block (5, 2 per token, renormalized) beside the shared
+    /// expert, which runs on a side stream on CUDA.
+    Qwen2Moe,
 }
 
 /// Generated tokens compared per sequence.
@@ -74,9 +83,18 @@ fn safetensors(
     let weights = checkpoint::random_weights(spec, 7, dtype, &Device::Cpu)?;
     let path = dir.join("model.safetensors");
     checkpoint::write_safetensors(&weights, &path)?;
-    // SAFETY: the file is this test's own, written above and never modified while mapped.
+    mapped(dir, dtype, device)
+}
+
+/// The checkpoint [`safetensors`] wrote in `dir`, mapped again (for another device).
+fn mapped(dir: &Path, dtype: DType, device: &Device) -> TestResult<VarBuilder<'static>> {
+    let path = dir.join("model.safetensors");
+    // SAFETY: the file is this test's own, written once and never modified while mapped.
     Ok(unsafe { VarBuilder::from_mmaped_safetensors(&[path], dtype, device)? })
 }
+
+/// The most sequences a test decodes at once.
+const MAX_BATCH: usize = 8;
 
 /// candle-transformers' model and the port, loaded from one checkpoint written in `dir`.
 fn load(port: Port, dtype: DType, device: &Device, dir: &Path) -> TestResult<(Eager, Decoder)> {
@@ -118,6 +136,50 @@ fn load(port: Port, dtype: DType, device: &Device, dir: &Path) -> TestResult<(Ea
             let mut model = ct::qwen3::ModelForCausalLM::new(&cfg, vb.clone())?;
             let eager: Eager = Box::new(move |x, pos| argmax(model.forward(x, pos)?));
             (eager, qwen3::load(vb, &cfg)?)
+        }
+        Port::Mixtral => {
+            let json = r#"{"vocab_size": 256, "hidden_size": 64, "intermediate_size": 96,
+                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "hidden_act": "silu", "max_position_embeddings": 128, "rms_norm_eps": 1e-5,
+                "rope_theta": 10000.0, "sliding_window": 4096, "num_experts_per_tok": 2,
+                "num_local_experts": 4, "use_flash_attn": false}"#;
+            let theirs: ct::mixtral::Config = serde_json::from_str(json)?;
+            let cfg: mixtral::Config = serde_json::from_str(json)?;
+            let vb = safetensors(&mixtral::spec(&cfg), dtype, device, dir)?;
+            let mut model = ct::mixtral::Model::new(&theirs, vb.clone())?;
+            let eager: Eager = Box::new(move |x, pos| argmax(model.forward(x, pos)?));
+            (eager, mixtral::load(vb, &cfg)?)
+        }
+        Port::Qwen3Moe => {
+            let cfg: ct::qwen3_moe::Config = serde_json::from_str(&format!(
+                "{{{QWEN}, \"tie_word_embeddings\": false, \"head_dim\": 32, \"attention_bias\": false,
+                   \"decoder_sparse_step\": 2, \"moe_intermediate_size\": 48,
+                   \"num_experts_per_tok\": 3, \"num_experts\": 6, \"norm_topk_prob\": false}}"
+            ))?;
+            let vb = safetensors(&qwen3_moe::spec(&cfg), dtype, device, dir)?;
+            let eager: Eager = if cfg!(feature = "cuda") {
+                // Built for CUDA, candle's model runs its fused MoE kernel, which takes f16
+                // and bf16 only (on any device): the oracle is then the port eagerly on the
+                // CPU, which the CPU build checks against candle's model (tests/ports.rs).
+                let port = qwen3_moe::load(mapped(dir, dtype, &Device::Cpu)?, &cfg)?;
+                let cache = port.new_cache(MAX_BATCH, MAX_SEQ)?;
+                Box::new(move |x, _| port.forward(&cache, &x.squeeze(1)?.to_device(&Device::Cpu)?))
+            } else {
+                let mut model = ct::qwen3_moe::ModelForCausalLM::new(&cfg, vb.clone())?;
+                Box::new(move |x, pos| argmax(model.forward(x, pos)?))
+            };
+            (eager, qwen3_moe::load(vb, &cfg)?)
+        }
+        Port::Qwen2Moe => {
+            let cfg: ct::qwen2_moe::Config = serde_json::from_str(&format!(
+                "{{{QWEN}, \"tie_word_embeddings\": false, \"decoder_sparse_step\": 1,
+                   \"moe_intermediate_size\": 40, \"shared_expert_intermediate_size\": 96,
+                   \"num_experts_per_tok\": 2, \"num_experts\": 5, \"norm_topk_prob\": true}}"
+            ))?;
+            let vb = safetensors(&qwen2_moe::spec(&cfg), dtype, device, dir)?;
+            let mut model = ct::qwen2_moe::Model::new(&cfg, vb.clone())?;
+            let eager: Eager = Box::new(move |x, pos| argmax(model.forward(x, pos)?));
+            (eager, qwen2_moe::load(vb, &cfg)?)
         }
         Port::Q4K | Port::Q8_0 => {
             let quant = if matches!(port, Port::Q4K) {
