@@ -44,6 +44,7 @@ pub mod mistral;
 pub mod mixtral;
 mod moe;
 mod prefill;
+mod proj;
 pub mod quantized_llama;
 pub mod qwen2;
 pub mod qwen2_moe;

@@ -12,7 +12,7 @@ use graft_candle_kernels::{
     Experts, SharedExpert, SideStream, linear, linear_swiglu, route, swiglu,
 };
 
-use super::decoder::{Proj, dense};
+use super::proj::{Proj, dense};
 use super::spec::{DecoderSpec, MoeNames, MoeSpec};
 
 /// A block's MLP.

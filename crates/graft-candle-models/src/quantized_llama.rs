@@ -8,8 +8,9 @@ use candle_core::quantized::{QMatMul, QTensor, gguf_file};
 use candle_core::{DType, Device, Result};
 use candle_nn::Activation;
 
-use super::decoder::{Block, Decoder, Proj};
+use super::decoder::{Block, Decoder};
 use super::moe::Mlp;
+use super::proj::Proj;
 use super::spec::{Arch, DecoderSpec, RopeSpec, RopeStyle};
 
 /// The positions candle's model computes rotary tables for (its `MAX_SEQ_LEN`).

@@ -6,7 +6,8 @@ use candle_core::{D, Module, Result, Tensor};
 use candle_nn::Embedding;
 use candle_nn::ops::rms_norm_slow;
 
-use super::decoder::{Block, Decoder, Proj};
+use super::decoder::{Block, Decoder};
+use super::proj::Proj;
 use super::spec::DecoderSpec;
 
 /// A dropout applied inside [`Decoder::sequence_logits`].
