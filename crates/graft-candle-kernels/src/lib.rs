@@ -24,7 +24,7 @@
 //!   once, the biases or SwiGLU in the same launch; candle's matmul for more rows;
 //! - [`route`] and [`Experts`]: a mixture-of-experts MLP with its routing on the device: each
 //!   token's top-k experts and weights in one launch, then its chosen SiLU-gated experts,
-//!   found through a device table of their weights' addresses, in two;
+//!   found through a device table of their weights' addresses, in two (three expert-major);
 //! - [`SharedExpert`]: Qwen2-MoE's shared expert with its sigmoid gate in three launches,
 //!   which [`SharedExpert::beside`] runs on a [`SideStream`] while the routed experts run on
 //!   the device's stream (a fork and a join inside a CUDA-graph capture).

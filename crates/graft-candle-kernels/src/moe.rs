@@ -1,9 +1,10 @@
 //! `route` and `Experts`: a mixture-of-experts MLP with its routing on the device. `route`
 //! turns router logits into each token's top-k experts and their weights (softmax, the k
 //! largest, optionally renormalized to sum to 1) in one launch; [`Experts::forward`] runs each
-//! token through its chosen SiLU-gated experts and sums them by weight in two launches (gate,
-//! up and SwiGLU of every chosen expert; the down projections with the weighted sum), finding
-//! each expert's weights through a device table of their addresses. Nothing is read back to
+//! token through its chosen SiLU-gated experts and sums them by weight (gate, up and SwiGLU of
+//! every chosen expert; the down projections with the weighted sum: two launches, three with
+//! more choices than experts, where the kernels go expert-major), finding each expert's
+//! weights through a device table of their addresses. Nothing is read back to
 //! the host and the launches depend on shapes only, so one recording serves every routing.
 
 #[cfg(feature = "cuda")]

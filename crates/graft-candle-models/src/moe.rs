@@ -1,7 +1,7 @@
-//! A block's MLP: one SiLU-gated MLP, or a mixture of experts (Mixtral, Qwen3-MoE) routed on
-//! the device: the router's logits, each token's top-k experts and weights in one launch
-//! (graft-candle-kernels' `route`), and the chosen experts summed by weight in two
-//! (`Experts::forward`, which finds the experts' weights through a device table of their
+//! A block's MLP: one SiLU-gated MLP, or a mixture of experts (Mixtral, Qwen3-MoE, Qwen2-MoE)
+//! routed on the device: the router's logits, each token's top-k experts and weights in one
+//! launch (graft-candle-kernels' `route`), and the chosen experts summed by weight in two or
+//! three (`Experts::forward`, which finds the experts' weights through a device table of their
 //! addresses). No routing decision reaches the host, so a recorded step replays whatever the
 //! tokens choose. A shared expert (Qwen2-MoE) runs on the decoder's side stream while the
 //! routed experts run on the device's (a fork and join in the recorded graph).

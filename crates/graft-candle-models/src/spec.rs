@@ -270,8 +270,8 @@ impl DecoderSpec {
         let Some(m) = self.moe else {
             return self.parameters();
         };
+        // A routed expert's weights; a shared expert's are read by every token, so active.
         let expert = 3 * m.intermediate * self.hidden;
-        // (A shared expert is read by every token: active.)
         let blocks = (0..self.layers).filter(|&i| m.at(i)).count();
         self.parameters() - blocks * (m.experts - m.top_k) * expert
     }
