@@ -130,6 +130,18 @@ pub enum KernelError {
         down: usize,
         max: usize,
     },
+    /// A fused op does not cover these shapes; run the unfused composition instead.
+    #[error("{op}: {reason}; run the unfused candle composition for these shapes")]
+    Unsupported {
+        op: &'static str,
+        reason: &'static str,
+    },
+    /// A fused op's forward pass was applied twice through one op value.
+    #[error("{op}: the op's forward pass ran twice; make a new op for each call")]
+    SavedTwice { op: &'static str },
+    /// A backward pass found nothing its forward pass keeps for it.
+    #[error("{op}: the backward pass found no values saved by the forward pass; run the forward pass first")]
+    NotSaved { op: &'static str },
     /// NVRTC rejected a module's CUDA source.
     #[error(
         "NVRTC could not compile the {module} kernels: {log}; check the CUDA toolkit's NVRTC version"

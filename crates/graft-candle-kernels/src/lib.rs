@@ -44,6 +44,7 @@ mod rope;
 mod shared;
 mod side;
 mod swiglu;
+mod train;
 
 pub use argmax::argmax_last;
 pub use attention::{CHUNK, decode_attention, decode_attention_fits};
