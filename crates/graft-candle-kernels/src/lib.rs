@@ -56,3 +56,4 @@ pub use rope::{QkNorm, RopeStyle, rope_store};
 pub use shared::SharedExpert;
 pub use side::SideStream;
 pub use swiglu::swiglu;
+pub use train::{cross_entropy, dense, rms_norm, rotary};

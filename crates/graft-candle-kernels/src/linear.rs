@@ -6,8 +6,8 @@
 //! once for all rows, in place (the weights are never copied or packed, so weights that are
 //! trained in place stay the ones used), with 16-byte loads where the shapes and addresses
 //! allow, 1 to 8 warps per output (per gate-and-up pair for SwiGLU), sums in f32, and the bias
-//! or SwiGLU applied before the single rounding to the dtype. Above it they run candle's matmul
-//! (cuBLAS on CUDA) per weight. Which path runs depends only on the shapes, so eager and graphed
+//! or SwiGLU applied before the single rounding to the dtype. Above it they run `dense` (one GEMM
+//! over all rows, cuBLAS on CUDA) per weight. Which path runs depends only on the shapes, so eager and graphed
 //! calls of one shape run the same kernels.
 
 #[cfg(feature = "cuda")]
@@ -16,11 +16,11 @@ mod cuda;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Storage, Tensor, WithDType};
 
-use crate::{KernelError, SideStream, check, swiglu};
+use crate::{KernelError, SideStream, check, dense, swiglu};
 
 const OP: &str = "linear";
 
-/// The most rows the matrix-vector kernel takes; more go to candle's matmul. Each row's input
+/// The most rows the matrix-vector kernel takes; more go to [`dense`]. Each row's input
 /// is read once per output from L1: at 8 rows that was 8 times the weight's bytes, and the
 /// kernel ran at 0.3–1.1 TB/s, below cuBLAS (H200, docs/benchmarks.md).
 pub const MATVEC_ROWS: usize = 2;
@@ -79,12 +79,12 @@ pub(crate) fn project(
         return matvec(x, parts, dims, gate, side);
     }
     let y = if pair {
-        swiglu(&matmul(x, parts[0].0, dims)?, &matmul(x, parts[1].0, dims)?)?
+        swiglu(&dense(x, parts[0].0)?, &dense(x, parts[1].0)?)?
     } else {
         let outs = parts
             .iter()
             .map(|&(w, bias)| {
-                let y = matmul(x, w, dims)?;
+                let y = dense(x, w)?;
                 match bias {
                     Some(b) => y.broadcast_add(b),
                     None => Ok(y),
@@ -98,14 +98,6 @@ pub(crate) fn project(
         Some(g) => y.broadcast_mul(&(g.neg()?.exp()? + 1.0)?.recip()?),
         None => Ok(y),
     }
-}
-
-/// candle's matmul of `x`'s rows as one `[rows, k]` matrix (no weight broadcast over leading
-/// dims, which would read it once per batch entry): `[..., w's rows]`.
-fn matmul(x: &Tensor, w: &Tensor, dims: Dims) -> Result<Tensor> {
-    x.reshape((dims.rows, dims.k))?
-        .matmul(&w.t()?)?
-        .reshape(with_last(x, w.dim(0)?))
 }
 
 /// `x`'s shape with its last dim `n`.

@@ -65,6 +65,33 @@ __device__ __forceinline__ float graft_warp_max(float v) {
     return v;
 }
 
+// The sum of v over the block (whole warps, at most 1,024 threads) in a fixed order, returned
+// to every thread; `scratch` is 32 floats of shared memory, free again when it returns.
+__device__ __forceinline__ float graft_block_sum(float v, float* scratch) {
+    v = graft_warp_sum(v);
+    const unsigned int lane = threadIdx.x & 31u;
+    __syncthreads();
+    if (lane == 0) {
+        scratch[threadIdx.x >> 5] = v;
+    }
+    __syncthreads();
+    const float t = lane < (blockDim.x >> 5) ? scratch[lane] : 0.0f;
+    return graft_warp_sum(t);
+}
+
+// The maximum of v over the block, as graft_block_sum.
+__device__ __forceinline__ float graft_block_max(float v, float* scratch) {
+    v = graft_warp_max(v);
+    const unsigned int lane = threadIdx.x & 31u;
+    __syncthreads();
+    if (lane == 0) {
+        scratch[threadIdx.x >> 5] = v;
+    }
+    __syncthreads();
+    const float t = lane < (blockDim.x >> 5) ? scratch[lane] : GRAFT_NEG_INF;
+    return graft_warp_max(t);
+}
+
 // 16 bytes of T as f32: E elements.
 template <typename T> struct GraftVec;
 template <> struct GraftVec<float> {

@@ -1,11 +1,12 @@
 //! `swiglu(gate, up) = silu(gate) * up`, elementwise in one kernel (silu(x) = x / (1 + e^-x)),
-//! computed in f32 and rounded once to the inputs' dtype.
+//! computed in f32 and rounded once to the inputs' dtype; differentiable, its backward one
+//! kernel too, both gradients packed in one tensor (gate's, then up's) and handed out as views.
 
 #[cfg(feature = "cuda")]
 mod cuda;
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor, WithDType};
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor, WithDType};
 
 use crate::{KernelError, check};
 
@@ -13,6 +14,7 @@ const OP: &str = "swiglu";
 
 /// `silu(gate) * up` elementwise: same shape and dtype (f32, bf16 or f16) as the inputs, which
 /// must be contiguous (a start offset is fine) and of one shape, dtype and device.
+/// Differentiable in both.
 pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     check::float(OP, "gate", gate)?;
     check::like(OP, "up", up, "gate", gate)?;
@@ -35,7 +37,7 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
         "the element count / 256",
         gate.elem_count().div_ceil(256),
     )?;
-    gate.apply_op2_no_bwd(up, &Swiglu)
+    gate.apply_op2(up, Swiglu)
 }
 
 /// The custom op; the wrapper has checked shapes, dtypes and contiguity.
@@ -79,6 +81,74 @@ impl CustomOp2 for Swiglu {
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         cuda::forward(gate, gl, up, ul)
     }
+
+    fn bwd(
+        &self,
+        gate: &Tensor,
+        up: &Tensor,
+        _res: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let n = gate.elem_count();
+        let packed = gate.apply_op3_no_bwd(up, &dy.contiguous()?, &SwigluBackward)?;
+        let dgate = packed.narrow(0, 0, n)?.reshape(gate.shape())?;
+        let dup = packed.narrow(0, n, n)?.reshape(gate.shape())?;
+        Ok((Some(dgate), Some(dup)))
+    }
+}
+
+/// The backward op over (gate, up, dy): `[2 * n]`, the gate's gradient
+/// `dy * up * s * (1 + g * (1 - s))` (s the sigmoid of g), then the up's `dy * silu(g)`.
+struct SwigluBackward;
+
+impl CustomOp3 for SwigluBackward {
+    fn name(&self) -> &'static str {
+        "swiglu_backward"
+    }
+
+    fn cpu_fwd(
+        &self,
+        gate: &CpuStorage,
+        gl: &Layout,
+        up: &CpuStorage,
+        ul: &Layout,
+        dy: &CpuStorage,
+        dl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let out = match (gate, up, dy) {
+            (CpuStorage::F32(g), CpuStorage::F32(u), CpuStorage::F32(d)) => {
+                cpu_backward(g, gl, u, ul, d, dl)?
+            }
+            (CpuStorage::BF16(g), CpuStorage::BF16(u), CpuStorage::BF16(d)) => {
+                cpu_backward(g, gl, u, ul, d, dl)?
+            }
+            (CpuStorage::F16(g), CpuStorage::F16(u), CpuStorage::F16(d)) => {
+                cpu_backward(g, gl, u, ul, d, dl)?
+            }
+            _ => {
+                return Err(KernelError::UnsupportedDType {
+                    op: OP,
+                    input: "gate",
+                    got: gate.dtype(),
+                }
+                .into());
+            }
+        };
+        Ok((out, Shape::from(2 * gl.shape().elem_count())))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        gate: &candle_core::CudaStorage,
+        gl: &Layout,
+        up: &candle_core::CudaStorage,
+        ul: &Layout,
+        dy: &candle_core::CudaStorage,
+        dl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        cuda::backward(gate, gl, up, ul, dy, dl)
+    }
 }
 
 fn cpu<T: WithDType>(gate: &[T], gl: &Layout, up: &[T], ul: &Layout) -> Result<CpuStorage> {
@@ -94,4 +164,27 @@ fn cpu<T: WithDType>(gate: &[T], gl: &Layout, up: &[T], ul: &Layout) -> Result<C
         })
         .collect();
     Ok(T::to_cpu_storage_owned(out))
+}
+
+fn cpu_backward<T: WithDType>(
+    gate: &[T],
+    gl: &Layout,
+    up: &[T],
+    ul: &Layout,
+    dy: &[T],
+    dl: &Layout,
+) -> Result<CpuStorage> {
+    let gate = check::cpu_slice(OP, "gate", gate, gl)?;
+    let up = check::cpu_slice(OP, "up", up, ul)?;
+    let dy = check::cpu_slice(OP, "dy", dy, dl)?;
+    let mut dgate = Vec::with_capacity(2 * gate.len());
+    let mut dup = Vec::with_capacity(gate.len());
+    for ((&g, &u), &d) in gate.iter().zip(up).zip(dy) {
+        let (g, u, d) = (check::f32_of(g), check::f32_of(u), check::f32_of(d));
+        let s = 1.0 / (1.0 + (-g).exp());
+        dgate.push(T::from_f64(f64::from(d * u * s * (1.0 + g * (1.0 - s)))));
+        dup.push(T::from_f64(f64::from(d * g * s)));
+    }
+    dgate.extend(dup);
+    Ok(T::to_cpu_storage_owned(dgate))
 }

@@ -3,3 +3,12 @@
 //! beside each, launch configurations from shapes only.
 
 mod saved;
+mod cross_entropy;
+mod dense;
+mod rms_norm;
+mod rotary;
+
+pub use cross_entropy::cross_entropy;
+pub use dense::dense;
+pub use rms_norm::rms_norm;
+pub use rotary::rotary;

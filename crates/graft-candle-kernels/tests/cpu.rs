@@ -76,6 +76,17 @@ proptest! {
             check_swiglu(&Device::Cpu, &shape, seed, dtype).unwrap();
         }
     }
+
+    #[test]
+    fn training_ops_match_unfused_autograd(case in train_cases()) {
+        for dtype in DTYPES {
+            check_rms_norm(&Device::Cpu, &case, dtype).unwrap();
+            check_dense(&Device::Cpu, &case, dtype).unwrap();
+            check_swiglu_grads(&Device::Cpu, &case, dtype).unwrap();
+            check_rotary(&Device::Cpu, &case, dtype).unwrap();
+            check_cross_entropy(&Device::Cpu, &case, dtype).unwrap();
+        }
+    }
 }
 
 #[test]

@@ -110,6 +110,28 @@ proptest! {
             check_swiglu(&dev, &shape, seed, dtype).unwrap();
         }
     }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_training_ops_match_unfused_autograd(case in train_cases()) {
+        let dev = gpu();
+        for dtype in DTYPES {
+            check_rms_norm(&dev, &case, dtype).unwrap();
+            check_dense(&dev, &case, dtype).unwrap();
+            check_swiglu_grads(&dev, &case, dtype).unwrap();
+            check_rotary(&dev, &case, dtype).unwrap();
+            check_cross_entropy(&dev, &case, dtype).unwrap();
+        }
+    }
+}
+
+/// The training ops at the benchmark's sizes (4,096 rows of 512, a vocabulary of 8,192),
+/// against the unfused autograd, and their gradients bit for bit the same on a second run.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_training_ops_at_benchmark_sizes_are_deterministic() {
+    let dev = gpu();
+    check_training_ops_deterministic(&dev).unwrap();
 }
 
 /// Experts wide enough that the expert-major kernels take 8 choices per read of a row (f32 at

@@ -60,6 +60,6 @@ mod spec;
 pub use cache::KvCache;
 pub use decoder::Decoder;
 pub use generate::{GenerateSpec, Generation, Sampling};
-pub use sequence::Dropout;
+pub use sequence::{Dropout, SequenceKernels};
 pub use shard::{Collective, Shard};
 pub use spec::{Arch, DecoderSpec, Llama3Scaling, MoeNames, MoeSpec, RopeSpec, RopeStyle};

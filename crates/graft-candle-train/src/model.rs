@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use candle_core::{DType, Device, Result, Tensor, Var};
 use candle_nn::{VarBuilder, VarMap};
 use graft_candle_models::llama::{self, Config};
-use graft_candle_models::{Decoder, Dropout, checkpoint};
+use graft_candle_models::{Decoder, Dropout, SequenceKernels, checkpoint};
 
 /// A Llama port whose weights are trainable: its forward pass runs whole sequences
 /// ([`Decoder::sequence_logits`]), and [`Trainable::decoder`] decodes with the same weights.
@@ -17,6 +17,8 @@ pub struct Trainable {
     vars: Vec<Var>,
     /// `[max_positions, max_positions]`: 0 on and below the diagonal, -inf above.
     mask: Tensor,
+    /// The forward pass's (and so the backward's) kernels.
+    kernels: SequenceKernels,
 }
 
 impl Trainable {
@@ -65,7 +67,22 @@ impl Trainable {
             decoder,
             vars,
             mask,
+            kernels: SequenceKernels::Fused,
         })
+    }
+
+    /// Chooses the kernels of the forward and backward passes: [`SequenceKernels::Fused`]
+    /// (the default: graft-candle-kernels' fused ops, cross-entropy included) or
+    /// [`SequenceKernels::Unfused`] (candle's elementwise ops, the reference). The parts the
+    /// fused ops do not cover for this model run unfused:
+    /// [`Decoder::fused_sequence_fallbacks`] says which and why.
+    pub fn set_kernels(&mut self, kernels: SequenceKernels) {
+        self.kernels = kernels;
+    }
+
+    /// The kernels the passes run.
+    pub fn kernels(&self) -> SequenceKernels {
+        self.kernels
     }
 
     /// The decoder, whose weights are the trainable ones: decode with what was learned.
@@ -89,7 +106,8 @@ impl Trainable {
     /// is applied to the output of every attention and MLP before the residual add (for
     /// example `|x| rng.dropout(x, 0.1)` with a `graft_candle::random::DeviceRng`).
     pub fn forward(&self, tokens: &Tensor, dropout: Option<&Dropout<'_>>) -> Result<Tensor> {
-        self.decoder.sequence_logits(tokens, &self.mask, dropout)
+        self.decoder
+            .sequence_logits_with(tokens, &self.mask, dropout, self.kernels)
     }
 
     /// The mean cross-entropy of predicting `targets` (`[batch, seq]` u32), as a `[1]` f32
@@ -101,6 +119,9 @@ impl Trainable {
         dropout: Option<&Dropout<'_>>,
     ) -> Result<Tensor> {
         let logits = self.forward(tokens, dropout)?;
+        if self.kernels == SequenceKernels::Fused {
+            return graft_candle_kernels::cross_entropy(&logits, targets);
+        }
         let (b, s, vocab) = logits.dims3()?;
         let logits = logits.reshape((b * s, vocab))?.to_dtype(DType::F32)?;
         candle_nn::loss::cross_entropy(&logits, &targets.reshape(b * s)?)?.reshape(1)

@@ -9,7 +9,11 @@
 //! variant adds (the driver's graph memory, plus graft's pool). Each timed step is one call
 //! and a synchronize, variants alternate in rounds, and the figure is the median.
 //!
-//! usage: graft-candle-train [--steps N] [--rounds R] [--seq S] [--large] [--guards] [--json PATH]
+//! `--kernels fused,unfused` measures the model with graft-candle-kernels' fused training ops
+//! (the default) and with candle's unfused ones (the reference).
+//!
+//! usage: graft-candle-train [--steps N] [--rounds R] [--seq S] [--large] [--guards]
+//! [--kernels LIST] [--json PATH]
 
 use std::time::Instant;
 
@@ -20,6 +24,7 @@ use graft_candle::cuda::{eager_memory, graph_memory, reset_eager_high, trim_grap
 use graft_candle::{CandleGraft, StepId};
 use graft_candle_bench::HandmadeGraph;
 use graft_candle_bench::common::{BUCKETS, BenchResult, Timing, median};
+use graft_candle_models::SequenceKernels;
 use graft_candle_models::llama::Sizes;
 use graft_candle_train::Trainable;
 use graft_candle_train::optim::{AdamW, AdamWConfig, GradAccumulator};
@@ -48,6 +53,33 @@ struct Options {
     /// captures once a guard found them) under graft-candle against eager.
     #[arg(long)]
     guards: bool,
+    /// The model's kernels, comma-separated: fused (graft-candle-kernels' training ops, the
+    /// default) and unfused (candle's elementwise ops).
+    #[arg(long, value_delimiter = ',', default_value = "fused")]
+    kernels: Vec<Kernels>,
+}
+
+/// `--kernels`' values.
+#[derive(clap::ValueEnum, Clone, Copy, Debug)]
+enum Kernels {
+    Fused,
+    Unfused,
+}
+
+impl Kernels {
+    fn of(self) -> SequenceKernels {
+        match self {
+            Kernels::Fused => SequenceKernels::Fused,
+            Kernels::Unfused => SequenceKernels::Unfused,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Kernels::Fused => "fused",
+            Kernels::Unfused => "unfused",
+        }
+    }
 }
 
 /// The larger model: where launch overhead matters less.
@@ -89,8 +121,9 @@ struct Trainer {
 }
 
 impl Trainer {
-    fn new(sizes: Sizes, device: &Device) -> BenchResult<Trainer> {
-        let model = Trainable::random(&sizes.config(), 1234, DType::F32, device)?;
+    fn new(sizes: Sizes, kernels: Kernels, device: &Device) -> BenchResult<Trainer> {
+        let mut model = Trainable::random(&sizes.config(), 1234, DType::F32, device)?;
+        model.set_kernels(kernels.of());
         let opt = AdamW::new(model.vars().to_vec(), AdamWConfig::default())?;
         let acc = GradAccumulator::new(model.vars())?;
         let mut statics: Vec<Tensor> = opt.statics().into_iter().cloned().collect();
@@ -179,9 +212,9 @@ fn data(batch: usize, seq: usize, vocab: usize, device: &Device) -> BenchResult<
 }
 
 /// 3 steps of graft-candle (one graph) from a fresh model equal eager's bit for bit.
-fn check(sizes: Sizes, data: &Tensor, device: &Device) -> BenchResult<bool> {
-    let mut eager = Trainer::new(sizes, device)?;
-    let mut graphed = Trainer::new(sizes, device)?;
+fn check(sizes: Sizes, kernels: Kernels, data: &Tensor, device: &Device) -> BenchResult<bool> {
+    let mut eager = Trainer::new(sizes, kernels, device)?;
+    let mut graphed = Trainer::new(sizes, kernels, device)?;
     let id = graphed.graft.register("check");
     let mut same = true;
     for _ in 0..3 {
@@ -211,6 +244,7 @@ fn graph_bytes(t: &Trainer, device: &Device) -> BenchResult<u64> {
 
 struct Row {
     model: &'static str,
+    ops: Kernels,
     batch: usize,
     us: [f64; 4],
     memory: [u64; 4],
@@ -221,15 +255,16 @@ struct Row {
 fn measure(
     name: &'static str,
     sizes: Sizes,
+    kernels: Kernels,
     batch: usize,
     o: &Options,
     device: &Device,
 ) -> BenchResult<Row> {
     let data = data(batch, o.seq, sizes.vocab, device)?;
-    let identical = check(sizes, &data, device)?;
+    let identical = check(sizes, kernels, &data, device)?;
     let cuda = device.as_cuda_device()?.clone();
     trim_graph_memory(&cuda)?;
-    let mut t = Trainer::new(sizes, device)?;
+    let mut t = Trainer::new(sizes, kernels, device)?;
     let mut memory = [0u64; 4];
     // Eager: the default pool's peak above what the model and optimizer hold.
     reset_eager_high(&cuda)?;
@@ -303,6 +338,7 @@ fn measure(
     }
     Ok(Row {
         model: name,
+        ops: kernels,
         batch,
         us,
         memory,
@@ -331,7 +367,7 @@ fn measure_guards(
     device: &Device,
 ) -> BenchResult<GuardRow> {
     let data = data(batch, o.seq, sizes.vocab, device)?;
-    let mut t = Trainer::new(sizes, device)?;
+    let mut t = Trainer::new(sizes, Kernels::Fused, device)?;
     let one = t.graft.register("train");
     let per_round = o.timing.per_round(o.steps)?;
     let (mut replay, mut guarded) = (Vec::new(), Vec::new());
@@ -439,45 +475,47 @@ fn run() -> BenchResult<()> {
     let mut json = Vec::new();
     let mut failed = false;
     for (name, sizes) in models {
-        println!("{name}: {sizes}, F32");
-        for batch in BUCKETS {
-            let r = match measure(name, sizes, batch, &o, &device) {
-                Ok(r) => r,
-                Err(e) => {
-                    failed = true;
-                    println!("  B={batch:<3} failed: {e}");
-                    continue;
-                }
-            };
-            failed |= !r.identical;
-            let mib = |b: u64| b as f64 / (1 << 20) as f64;
-            println!(
-                "  B={batch:<3} {}: {:.1} / {:.1} / {:.1} / {:.1} us   eager/graft {:.2}x   path/graft {:.3}   graft/hand-made {:.3}   {} kernels   memory eager peak {:.1} MiB, graph {:.1} MiB ({:.3}x), path {:.1} MiB, hand-made {:.1} MiB   {}",
-                NAMES.join(" / "),
-                r.us[0],
-                r.us[1],
-                r.us[2],
-                r.us[3],
-                r.us[0] / r.us[1],
-                r.us[2] / r.us[1],
-                r.us[1] / r.us[3],
-                r.kernels,
-                mib(r.memory[0]),
-                mib(r.memory[1]),
-                r.memory[1] as f64 / r.memory[0] as f64,
-                mib(r.memory[2]),
-                mib(r.memory[3]),
-                if r.identical {
-                    "bit-identical to eager"
-                } else {
-                    "DIFFERS FROM EAGER"
-                },
-            );
-            json.push(format!(
-                "{{\"model\":\"{}\",\"batch\":{},\"seq\":{},\"eager_us\":{:.1},\"graft_us\":{:.1},\"path_us\":{:.1},\"handmade_us\":{:.1},\"kernels\":{},\"eager_peak_bytes\":{},\"graft_graph_bytes\":{},\"path_graph_bytes\":{},\"handmade_graph_bytes\":{},\"identical\":{}}}",
-                r.model, r.batch, o.seq, r.us[0], r.us[1], r.us[2], r.us[3], r.kernels,
+        for &kernels in &o.kernels {
+            println!("{name}: {sizes}, F32, {} kernels", kernels.name());
+            for batch in BUCKETS {
+                let r = match measure(name, sizes, kernels, batch, &o, &device) {
+                    Ok(r) => r,
+                    Err(e) => {
+                        failed = true;
+                        println!("  B={batch:<3} failed: {e}");
+                        continue;
+                    }
+                };
+                failed |= !r.identical;
+                let mib = |b: u64| b as f64 / (1 << 20) as f64;
+                println!(
+                    "  B={batch:<3} {}: {:.1} / {:.1} / {:.1} / {:.1} us   eager/graft {:.2}x   path/graft {:.3}   graft/hand-made {:.3}   {} kernels   memory eager peak {:.1} MiB, graph {:.1} MiB ({:.3}x), path {:.1} MiB, hand-made {:.1} MiB   {}",
+                    NAMES.join(" / "),
+                    r.us[0],
+                    r.us[1],
+                    r.us[2],
+                    r.us[3],
+                    r.us[0] / r.us[1],
+                    r.us[2] / r.us[1],
+                    r.us[1] / r.us[3],
+                    r.kernels,
+                    mib(r.memory[0]),
+                    mib(r.memory[1]),
+                    r.memory[1] as f64 / r.memory[0] as f64,
+                    mib(r.memory[2]),
+                    mib(r.memory[3]),
+                    if r.identical {
+                        "bit-identical to eager"
+                    } else {
+                        "DIFFERS FROM EAGER"
+                    },
+                );
+                json.push(format!(
+                "{{\"model\":\"{}\",\"ops\":\"{}\",\"batch\":{},\"seq\":{},\"eager_us\":{:.1},\"graft_us\":{:.1},\"path_us\":{:.1},\"handmade_us\":{:.1},\"kernels\":{},\"eager_peak_bytes\":{},\"graft_graph_bytes\":{},\"path_graph_bytes\":{},\"handmade_graph_bytes\":{},\"identical\":{}}}",
+                r.model, r.ops.name(), r.batch, o.seq, r.us[0], r.us[1], r.us[2], r.us[3], r.kernels,
                 r.memory[0], r.memory[1], r.memory[2], r.memory[3], r.identical
             ));
+            }
         }
     }
     if o.guards {

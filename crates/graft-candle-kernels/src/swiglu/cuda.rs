@@ -1,9 +1,9 @@
-//! The SwiGLU kernel: one thread per element, 256 threads a block.
+//! The SwiGLU kernels, forward and backward: one thread per element, 256 threads a block.
 
 use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
-use candle_core::cuda_backend::{CudaDevice, Map2, WrapErr};
+use candle_core::cuda_backend::{CudaDevice, Map2, Map3, WrapErr};
 use candle_core::{CudaStorage, Layout, Result, Shape, WithDType};
 
 use super::OP;
@@ -33,6 +33,29 @@ __device__ void graft_swiglu(const T* gate, const T* up, T* out, unsigned long l
         graft_swiglu<T>(gate, up, out, n);                                                   \
     }
 GRAFT_FOR_DTYPES(GRAFT_SWIGLU)
+
+// out[0 .. n]: the gate's gradient, out[n .. 2n]: the up's.
+template <typename T>
+__device__ void graft_swiglu_backward(const T* gate, const T* up, const T* dy, T* out,
+                                      unsigned long long n) {
+    unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) {
+        return;
+    }
+    const float g = graft_to_f32(gate[i]);
+    const float u = graft_to_f32(up[i]);
+    const float d = graft_to_f32(dy[i]);
+    const float s = 1.0f / (1.0f + expf(-g));
+    out[i] = graft_from_f32<T>(d * u * s * (1.0f + g * (1.0f - s)));
+    out[n + i] = graft_from_f32<T>(d * g * s);
+}
+
+#define GRAFT_SWIGLU_BACKWARD(suffix, T)                                                     \
+    extern "C" __global__ void graft_swiglu_backward_##suffix(                               \
+        const T* gate, const T* up, const T* dy, T* out, unsigned long long n) {             \
+        graft_swiglu_backward<T>(gate, up, dy, out, n);                                      \
+    }
+GRAFT_FOR_DTYPES(GRAFT_SWIGLU_BACKWARD)
 "#,
 );
 
@@ -83,6 +106,66 @@ impl Map2 for Swiglu {
         // long long)` with T the storage's dtype: `gate` and `up` hold `n` elements each (one
         // shape, checked by the wrapper), `out` holds `n`, and no thread touches an index at or
         // past `n`; all live until the launch is enqueued on the device's stream.
+        unsafe { launch.launch(cfg) }.w()?;
+        Ok(out)
+    }
+}
+
+pub(super) fn backward(
+    gate: &CudaStorage,
+    gl: &Layout,
+    up: &CudaStorage,
+    ul: &Layout,
+    dy: &CudaStorage,
+    dl: &Layout,
+) -> Result<(CudaStorage, Shape)> {
+    let device = gate.device.clone();
+    let slice = SwigluBackward.map(&gate.slice, gl, &up.slice, ul, &dy.slice, dl, &device)?;
+    Ok((
+        CudaStorage { slice, device },
+        Shape::from(2 * gl.shape().elem_count()),
+    ))
+}
+
+struct SwigluBackward;
+
+impl Map3 for SwigluBackward {
+    fn f<T: DeviceRepr + WithDType + ValidAsZeroBits>(
+        &self,
+        gate: &CudaSlice<T>,
+        gl: &Layout,
+        up: &CudaSlice<T>,
+        ul: &Layout,
+        dy: &CudaSlice<T>,
+        dl: &Layout,
+        device: &CudaDevice,
+    ) -> Result<CudaSlice<T>> {
+        let n = gl.shape().elem_count();
+        let gate = view(OP, "gate", gate, gl)?;
+        let up = view(OP, "up", up, ul)?;
+        let dy = view(OP, "dy", dy, dl)?;
+        // SAFETY: thread i writes out[i] and out[n + i] and the grid covers `n`, so all `2n`
+        // are written by the kernel launched below on the device's stream before any read.
+        let mut out = unsafe { device.alloc::<T>(2 * n)? };
+        let name = format!("graft_swiglu_backward_{}", T::DTYPE.as_str());
+        let func = device.get_or_load_custom_func(&name, KERNELS.module(), KERNELS.ptx()?)?;
+        let blocks = check::u32_of(OP, "the element count / 256", n.div_ceil(THREADS as usize))?;
+        let n = n as u64;
+        let mut launch = func.builder();
+        launch.arg(&gate);
+        launch.arg(&up);
+        launch.arg(&dy);
+        launch.arg(&mut out);
+        launch.arg(&n);
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the arguments match `graft_swiglu_backward_<dtype>(const T*, const T*, const
+        // T*, T*, unsigned long long)`: `gate`, `up` and `dy` hold `n` elements (one shape,
+        // checked), `out` `2n`; no thread touches an index past them; all live until the
+        // launch is enqueued on the device's stream.
         unsafe { launch.launch(cfg) }.w()?;
         Ok(out)
     }

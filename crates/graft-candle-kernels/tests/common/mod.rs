@@ -11,7 +11,9 @@ use graft_candle_kernels::{
 use proptest::prelude::*;
 
 mod moe;
+mod train;
 pub use moe::*;
+pub use train::*;
 
 /// `n` values uniform in `[-scale, scale)` from `seed` (SplitMix64).
 pub fn values(seed: u64, n: usize, scale: f32) -> Vec<f32> {

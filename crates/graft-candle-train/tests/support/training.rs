@@ -92,3 +92,48 @@ pub(crate) fn schedule(step: usize) -> f64 {
     let t = ((step - 10) as f64 / 190.0).min(1.0);
     peak * (0.1 + 0.9 * 0.5 * (1.0 + (std::f64::consts::PI * t).cos()))
 }
+
+/// A config whose head dim (64) the fused attention covers: 2 layers, d=128, 2 heads over 1
+/// KV head, vocab 256, sequences up to 32.
+pub(crate) fn fused_config() -> Config {
+    Sizes {
+        layers: 2,
+        hidden: 128,
+        heads: 2,
+        kv_heads: 1,
+        intermediate: 256,
+        vocab: 256,
+        max_positions: 32,
+        ..Sizes::TINY
+    }
+    .config()
+}
+
+/// The losses of `steps` eager AdamW steps (the schedule above, batch 2, sequence 16) from
+/// seed 7 with `kernels`.
+pub(crate) fn losses_with(
+    kernels: graft_candle_models::SequenceKernels,
+    steps: usize,
+    device: &Device,
+) -> Result<Vec<f32>> {
+    let cfg = fused_config();
+    let mut model = Trainable::random(&cfg, 7, DType::F32, device)?;
+    model.set_kernels(kernels);
+    let mut opt = AdamW::new(model.vars().to_vec(), AdamWConfig::default())?;
+    let data = batches(&cfg, 2, 16, 4, device)?;
+    let mut losses = Vec::with_capacity(steps);
+    for step in 0..steps {
+        opt.set_learning_rate(schedule(step))?;
+        let (tokens, targets) = &data[step % data.len()];
+        losses.push(adamw_step(&model, &mut opt, tokens, targets)?.to_vec1::<f32>()?[0]);
+    }
+    Ok(losses)
+}
+
+/// The largest relative difference between two runs' losses.
+pub(crate) fn max_relative(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs() / y.abs().max(1e-6))
+        .fold(0.0, f32::max)
+}

@@ -1,0 +1,239 @@
+//! `cross_entropy(logits, targets)`: the mean cross-entropy of predicting each target from
+//! its row of logits, differentiable in the logits. Forward: one kernel for each row's
+//! log-sum-exp and loss, one summing the losses in a fixed order; backward: one kernel writing
+//! `(softmax - onehot) * dloss / rows`, reading the log-sum-exps the forward saved.
+
+#[cfg(feature = "cuda")]
+mod cuda;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor, WithDType};
+
+use super::saved::Saved;
+use crate::{KernelError, check};
+
+const OP: &str = "cross_entropy";
+
+/// The mean over rows of `logsumexp(row) - row[target]`, as a `[1]` f32 tensor: `logits`
+/// `[..., vocab]` (f32, bf16 or f16, contiguous), `targets` u32 of `logits`' leading dims.
+/// Computed in f32. A target at or past `vocab` makes the loss NaN (a kernel cannot fail, and
+/// a wrong target must not pass unseen). Differentiable in `logits`, whose gradient has their
+/// dtype.
+pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    check::float(OP, "logits", logits)?;
+    check::indices(OP, "targets", targets, logits)?;
+    let Some((&vocab, lead)) = logits.dims().split_last() else {
+        return Err(check::shape(OP, "logits", logits, "[..., vocab]"));
+    };
+    if targets.dims() != lead {
+        return Err(check::shape(OP, "targets", targets, "logits' leading dims"));
+    }
+    check::contiguous(OP, "logits", logits)?;
+    let targets = targets.contiguous()?;
+    let rows = targets.elem_count();
+    if rows == 0 || vocab == 0 {
+        return Err(check::shape(OP, "logits", logits, "at least one row of at least one logit"));
+    }
+    check::u32_of(OP, "the vocabulary", vocab)?;
+    check::u32_of(OP, "the row count", rows)?;
+    logits.apply_op2(
+        &targets,
+        CrossEntropy {
+            rows,
+            vocab,
+            saved: Saved::default(),
+        },
+    )
+}
+
+/// The forward op over (logits, targets): `[1]` f32, keeping `[2 * rows]` f32 (each row's
+/// loss, then its log-sum-exp) for the backward pass.
+struct CrossEntropy {
+    rows: usize,
+    vocab: usize,
+    saved: Saved,
+}
+
+/// The backward op over (logits, targets, the saved rows), with the loss's gradient (`[1]`
+/// f32) held: the logits' gradient.
+struct CrossEntropyBackward {
+    rows: usize,
+    vocab: usize,
+    dloss: Tensor,
+}
+
+impl CustomOp2 for CrossEntropy {
+    fn name(&self) -> &'static str {
+        OP
+    }
+
+    fn cpu_fwd(
+        &self,
+        logits: &CpuStorage,
+        ll: &Layout,
+        targets: &CpuStorage,
+        tl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let CpuStorage::U32(targets) = targets else {
+            return Err(unsupported("targets", targets.dtype()));
+        };
+        let targets = check::cpu_slice(OP, "targets", targets, tl)?;
+        let rows = match logits {
+            CpuStorage::F32(l) => cpu_rows(l, ll, targets, self.vocab)?,
+            CpuStorage::BF16(l) => cpu_rows(l, ll, targets, self.vocab)?,
+            CpuStorage::F16(l) => cpu_rows(l, ll, targets, self.vocab)?,
+            other => return Err(unsupported("logits", other.dtype())),
+        };
+        let mean = rows[..self.rows].iter().sum::<f32>() / self.rows as f32;
+        self.saved.put(
+            OP,
+            Storage::Cpu(CpuStorage::F32(rows)),
+            Shape::from(2 * self.rows),
+        )?;
+        Ok((CpuStorage::F32(vec![mean]), Shape::from(1)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        logits: &candle_core::CudaStorage,
+        ll: &Layout,
+        targets: &candle_core::CudaStorage,
+        tl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (mean, rows) = cuda::forward(self.rows, self.vocab, logits, ll, targets, tl)?;
+        self.saved
+            .put(OP, Storage::Cuda(rows), Shape::from(2 * self.rows))?;
+        Ok((mean, Shape::from(1)))
+    }
+
+    fn bwd(
+        &self,
+        logits: &Tensor,
+        targets: &Tensor,
+        _res: &Tensor,
+        dloss: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        if dloss.dtype() != DType::F32 || dloss.elem_count() != 1 {
+            return Err(check::shape(OP, "the loss's gradient", dloss, "[1] f32"));
+        }
+        let backward = CrossEntropyBackward {
+            rows: self.rows,
+            vocab: self.vocab,
+            dloss: dloss.contiguous()?,
+        };
+        let saved = self.saved.get(OP)?;
+        let dlogits = logits.apply_op3_no_bwd(targets, &saved, &backward)?;
+        Ok((Some(dlogits), None))
+    }
+}
+
+impl CustomOp3 for CrossEntropyBackward {
+    fn name(&self) -> &'static str {
+        "cross_entropy_backward"
+    }
+
+    fn cpu_fwd(
+        &self,
+        logits: &CpuStorage,
+        ll: &Layout,
+        targets: &CpuStorage,
+        tl: &Layout,
+        saved: &CpuStorage,
+        sl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (CpuStorage::U32(targets), CpuStorage::F32(saved)) = (targets, saved) else {
+            return Err(unsupported("targets", targets.dtype()));
+        };
+        let targets = check::cpu_slice(OP, "targets", targets, tl)?;
+        let saved = check::cpu_slice(OP, "saved", saved, sl)?;
+        let dloss = self.dloss.to_vec1::<f32>()?[0];
+        let scale = dloss / self.rows as f32;
+        let lse = &saved[self.rows..];
+        let out = match logits {
+            CpuStorage::F32(l) => cpu_backward(l, ll, targets, lse, self.vocab, scale)?,
+            CpuStorage::BF16(l) => cpu_backward(l, ll, targets, lse, self.vocab, scale)?,
+            CpuStorage::F16(l) => cpu_backward(l, ll, targets, lse, self.vocab, scale)?,
+            other => return Err(unsupported("logits", other.dtype())),
+        };
+        Ok((out, ll.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        logits: &candle_core::CudaStorage,
+        ll: &Layout,
+        targets: &candle_core::CudaStorage,
+        tl: &Layout,
+        saved: &candle_core::CudaStorage,
+        sl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let dlogits = cuda::backward(
+            self.rows,
+            self.vocab,
+            &self.dloss,
+            logits,
+            ll,
+            targets,
+            tl,
+            saved,
+            sl,
+        )?;
+        Ok((dlogits, ll.shape().clone()))
+    }
+}
+
+fn unsupported(input: &'static str, got: DType) -> candle_core::Error {
+    KernelError::UnsupportedDType { op: OP, input, got }.into()
+}
+
+/// Each row's loss, then each row's log-sum-exp (f32, `[2 * rows]`).
+fn cpu_rows<T: WithDType>(
+    logits: &[T],
+    ll: &Layout,
+    targets: &[u32],
+    vocab: usize,
+) -> Result<Vec<f32>> {
+    let logits = check::cpu_slice(OP, "logits", logits, ll)?;
+    let mut losses = Vec::with_capacity(2 * targets.len());
+    let mut lses = Vec::with_capacity(targets.len());
+    for (row, &t) in logits.chunks(vocab).zip(targets) {
+        let row: Vec<f32> = row.iter().map(|&v| check::f32_of(v)).collect();
+        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let sum: f32 = row.iter().map(|&v| (v - max).exp()).sum();
+        let lse = max + sum.ln();
+        losses.push(match row.get(t as usize) {
+            Some(&x) => lse - x,
+            None => f32::NAN,
+        });
+        lses.push(lse);
+    }
+    losses.extend(lses);
+    Ok(losses)
+}
+
+fn cpu_backward<T: WithDType>(
+    logits: &[T],
+    ll: &Layout,
+    targets: &[u32],
+    lse: &[f32],
+    vocab: usize,
+    scale: f32,
+) -> Result<CpuStorage> {
+    let logits = check::cpu_slice(OP, "logits", logits, ll)?;
+    let mut out = Vec::with_capacity(logits.len());
+    for ((row, &t), &lse) in logits.chunks(vocab).zip(targets).zip(lse) {
+        let bad = t as usize >= vocab;
+        for (i, &x) in row.iter().enumerate() {
+            let p = (check::f32_of(x) - lse).exp();
+            let g = if bad {
+                f32::NAN
+            } else {
+                (p - if i == t as usize { 1.0 } else { 0.0 }) * scale
+            };
+            out.push(T::from_f64(f64::from(g)));
+        }
+    }
+    Ok(T::to_cpu_storage_owned(out))
+}

@@ -1,0 +1,276 @@
+//! The cross-entropy kernels: a block of 256 threads per row (a max, then a sum of
+//! exponentials, each a fixed-order block reduction), one block summing the row losses, and a
+//! block per row for the gradient.
+
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+use candle_core::cuda_backend::{CudaDevice, CudaStorageSlice, WrapErr};
+use candle_core::{CudaStorage, Layout, Result, Tensor, WithDType};
+
+use super::OP;
+use crate::nvrtc::{Kernels, address, view};
+use crate::{KernelError, check};
+
+/// Threads per block.
+const THREADS: u32 = 256;
+
+static KERNELS: Kernels = Kernels::new(
+    "graft_kernels_cross_entropy",
+    r#"
+// rows_out[row] = lse - logits[row, target] (NaN for a target past the vocabulary),
+// rows_out[rows + row] = lse.
+template <typename T>
+__device__ void graft_cross_entropy_rows(const T* logits, const unsigned int* targets,
+                                         float* rows_out, unsigned int rows,
+                                         unsigned int vocab) {
+    __shared__ float scratch[32];
+    const unsigned int r = blockIdx.x;
+    const T* x = logits + (unsigned long long)r * vocab;
+    float m = GRAFT_NEG_INF;
+    for (unsigned int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        m = fmaxf(m, graft_to_f32(x[i]));
+    }
+    m = graft_block_max(m, scratch);
+    float s = 0.0f;
+    for (unsigned int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        s += expf(graft_to_f32(x[i]) - m);
+    }
+    s = graft_block_sum(s, scratch);
+    if (threadIdx.x == 0) {
+        const float lse = m + logf(s);
+        const unsigned int t = targets[r];
+        rows_out[r] = t < vocab ? lse - graft_to_f32(x[t]) : __uint_as_float(0x7fc00000u);
+        rows_out[rows + r] = lse;
+    }
+}
+
+// out[0] = the mean of the row losses, summed in a fixed order by one block.
+extern "C" __global__ void graft_cross_entropy_mean(const float* rows_out, float* out,
+                                                    unsigned int rows) {
+    __shared__ float scratch[32];
+    float s = 0.0f;
+    for (unsigned int i = threadIdx.x; i < rows; i += blockDim.x) {
+        s += rows_out[i];
+    }
+    s = graft_block_sum(s, scratch);
+    if (threadIdx.x == 0) {
+        out[0] = s / (float)rows;
+    }
+}
+
+// dlogits[row, i] = (exp(logits[row, i] - lse) - (i == target)) * dloss / rows.
+template <typename T>
+__device__ void graft_cross_entropy_backward(const T* logits, const unsigned int* targets,
+                                             const float* saved, const float* dloss, T* out,
+                                             unsigned int rows, unsigned int vocab) {
+    const unsigned int r = blockIdx.x;
+    const unsigned long long base = (unsigned long long)r * vocab;
+    const float lse = saved[rows + r];
+    const unsigned int t = targets[r];
+    const float scale = t < vocab ? dloss[0] / (float)rows : __uint_as_float(0x7fc00000u);
+    for (unsigned int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        const float p = expf(graft_to_f32(logits[base + i]) - lse);
+        out[base + i] = graft_from_f32<T>((p - (i == t ? 1.0f : 0.0f)) * scale);
+    }
+}
+
+#define GRAFT_CROSS_ENTROPY(suffix, T)                                                       \
+    extern "C" __global__ void graft_cross_entropy_rows_##suffix(                            \
+        const T* logits, const unsigned int* targets, float* rows_out, unsigned int rows,    \
+        unsigned int vocab) {                                                                \
+        graft_cross_entropy_rows<T>(logits, targets, rows_out, rows, vocab);                 \
+    }                                                                                        \
+    extern "C" __global__ void graft_cross_entropy_backward_##suffix(                        \
+        const T* logits, const unsigned int* targets, const float* saved,                    \
+        const float* dloss, T* out, unsigned int rows, unsigned int vocab) {                 \
+        graft_cross_entropy_backward<T>(logits, targets, saved, dloss, out, rows, vocab);    \
+    }
+GRAFT_FOR_DTYPES(GRAFT_CROSS_ENTROPY)
+"#,
+);
+
+fn blocks(n: usize) -> Result<LaunchConfig> {
+    Ok(LaunchConfig {
+        grid_dim: (check::u32_of(OP, "the row count", n)?, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
+fn targets_of<'a>(
+    targets: &'a CudaStorage,
+    tl: &Layout,
+) -> Result<CudaView<'a, u32>> {
+    match &targets.slice {
+        CudaStorageSlice::U32(t) => view(OP, "targets", t, tl),
+        _ => Err(KernelError::IndexDType {
+            op: OP,
+            input: "targets",
+            got: candle_core::backend::BackendStorage::dtype(targets),
+        }
+        .into()),
+    }
+}
+
+/// The mean (`[1]` f32) and the saved rows (`[2 * rows]` f32: losses, then log-sum-exps).
+pub(super) fn forward(
+    rows: usize,
+    vocab: usize,
+    logits: &CudaStorage,
+    ll: &Layout,
+    targets: &CudaStorage,
+    tl: &Layout,
+) -> Result<(CudaStorage, CudaStorage)> {
+    let device = logits.device.clone();
+    let t = targets_of(targets, tl)?;
+    // SAFETY: block `row` of the row kernel writes saved[row] and saved[rows + row] and the
+    // grid has a block per row; the mean kernel, after it on the device's stream, writes
+    // out[0]; nothing reads either before those launches.
+    let mut saved = unsafe { device.alloc::<f32>(2 * rows)? };
+    // SAFETY: as above.
+    let mut mean = unsafe { device.alloc::<f32>(1)? };
+    let (rows_u, vocab_u) = (rows as u32, vocab as u32);
+    match &logits.slice {
+        CudaStorageSlice::F32(l) => launch_rows(&device, l, ll, &t, &mut saved, rows_u, vocab_u)?,
+        CudaStorageSlice::BF16(l) => launch_rows(&device, l, ll, &t, &mut saved, rows_u, vocab_u)?,
+        CudaStorageSlice::F16(l) => launch_rows(&device, l, ll, &t, &mut saved, rows_u, vocab_u)?,
+        _ => return Err(dtype_error(logits)),
+    }
+    let func = device.get_or_load_custom_func(
+        "graft_cross_entropy_mean",
+        KERNELS.module(),
+        KERNELS.ptx()?,
+    )?;
+    let mut launch = func.builder();
+    launch.arg(&saved);
+    launch.arg(&mut mean);
+    launch.arg(&rows_u);
+    let cfg = LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the arguments match `graft_cross_entropy_mean(const float*, float*, unsigned
+    // int)`: `saved` holds at least `rows` losses, `mean` one float; one block of 8 whole
+    // warps; all live until the launch is enqueued.
+    unsafe { launch.launch(cfg) }.w()?;
+    Ok((
+        CudaStorage {
+            slice: CudaStorageSlice::F32(mean),
+            device: device.clone(),
+        },
+        CudaStorage {
+            slice: CudaStorageSlice::F32(saved),
+            device,
+        },
+    ))
+}
+
+fn dtype_error(logits: &CudaStorage) -> candle_core::Error {
+    KernelError::UnsupportedDType {
+        op: OP,
+        input: "logits",
+        got: candle_core::backend::BackendStorage::dtype(logits),
+    }
+    .into()
+}
+
+fn launch_rows<T: DeviceRepr + WithDType>(
+    device: &CudaDevice,
+    logits: &CudaSlice<T>,
+    ll: &Layout,
+    targets: &CudaView<'_, u32>,
+    saved: &mut CudaSlice<f32>,
+    rows: u32,
+    vocab: u32,
+) -> Result<()> {
+    let logits = view(OP, "logits", logits, ll)?;
+    let name = format!("graft_cross_entropy_rows_{}", T::DTYPE.as_str());
+    let func = device.get_or_load_custom_func(&name, KERNELS.module(), KERNELS.ptx()?)?;
+    let mut launch = func.builder();
+    launch.arg(&logits);
+    launch.arg(targets);
+    launch.arg(saved);
+    launch.arg(&rows);
+    launch.arg(&vocab);
+    // SAFETY: the arguments match `graft_cross_entropy_rows_<dtype>(const T*, const unsigned
+    // int*, float*, unsigned int, unsigned int)`: `logits` holds rows * vocab elements,
+    // `targets` rows, `saved` 2 * rows (checked by the wrapper and the caller); a target is
+    // read only as an index below vocab; 8 whole warps a block; all live until the launch is
+    // enqueued.
+    unsafe { launch.launch(blocks(rows as usize)?) }.w()?;
+    Ok(())
+}
+
+/// The logits' gradient, in their dtype.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn backward(
+    rows: usize,
+    vocab: usize,
+    dloss: &Tensor,
+    logits: &CudaStorage,
+    ll: &Layout,
+    targets: &CudaStorage,
+    tl: &Layout,
+    saved: &CudaStorage,
+    sl: &Layout,
+) -> Result<CudaStorage> {
+    let device = logits.device.clone();
+    let t = targets_of(targets, tl)?;
+    let CudaStorageSlice::F32(saved) = &saved.slice else {
+        return Err(dtype_error(saved));
+    };
+    let saved = view(OP, "saved", saved, sl)?;
+    let dloss = address(OP, dloss, "dloss", &device)?;
+    let (rows, vocab) = (rows as u32, vocab as u32);
+    let slice = match &logits.slice {
+        CudaStorageSlice::F32(l) => CudaStorageSlice::F32(launch_backward(
+            &device, l, ll, &t, &saved, dloss, rows, vocab,
+        )?),
+        CudaStorageSlice::BF16(l) => CudaStorageSlice::BF16(launch_backward(
+            &device, l, ll, &t, &saved, dloss, rows, vocab,
+        )?),
+        CudaStorageSlice::F16(l) => CudaStorageSlice::F16(launch_backward(
+            &device, l, ll, &t, &saved, dloss, rows, vocab,
+        )?),
+        _ => return Err(dtype_error(logits)),
+    };
+    Ok(CudaStorage { slice, device })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn launch_backward<T: DeviceRepr + WithDType>(
+    device: &CudaDevice,
+    logits: &CudaSlice<T>,
+    ll: &Layout,
+    targets: &CudaView<'_, u32>,
+    saved: &CudaView<'_, f32>,
+    dloss: u64,
+    rows: u32,
+    vocab: u32,
+) -> Result<CudaSlice<T>> {
+    let n = ll.shape().elem_count();
+    let logits = view(OP, "logits", logits, ll)?;
+    // SAFETY: block `row` writes the `vocab` elements of its row and the grid has a block per
+    // row, so all `n` are written by the kernel launched below on the device's stream before
+    // anything reads them.
+    let mut out = unsafe { device.alloc::<T>(n)? };
+    let name = format!("graft_cross_entropy_backward_{}", T::DTYPE.as_str());
+    let func = device.get_or_load_custom_func(&name, KERNELS.module(), KERNELS.ptx()?)?;
+    let mut launch = func.builder();
+    launch.arg(&logits);
+    launch.arg(targets);
+    launch.arg(saved);
+    launch.arg(&dloss);
+    launch.arg(&mut out);
+    launch.arg(&rows);
+    launch.arg(&vocab);
+    // SAFETY: the arguments match `graft_cross_entropy_backward_<dtype>(const T*, const
+    // unsigned int*, const float*, const float*, T*, unsigned int, unsigned int)`: `logits`
+    // and `out` hold rows * vocab elements, `targets` rows, `saved` 2 * rows, `dloss` is the
+    // address of the `[1]` f32 gradient the op holds (alive until the launch is enqueued);
+    // a target is read only as an index below vocab; 8 whole warps a block.
+    unsafe { launch.launch(blocks(rows as usize)?) }.w()?;
+    Ok(out)
+}

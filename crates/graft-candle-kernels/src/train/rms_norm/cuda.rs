@@ -1,0 +1,249 @@
+//! The RMS norm kernels: one block of 256 threads per row, striding over it, a fixed-order
+//! block sum; the backward's weight gradient summed over rows by a second kernel, a block per
+//! 32 columns whose 8 warps take every 8th row and add their 8 sums in a fixed order.
+
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+};
+use candle_core::cuda_backend::{CudaDevice, Map2, Map3, WrapErr};
+use candle_core::{CudaStorage, Layout, Result, Shape, WithDType};
+
+use super::OP;
+use crate::check;
+use crate::nvrtc::{Kernels, view};
+
+/// Threads per block of every kernel here.
+const THREADS: u32 = 256;
+
+static KERNELS: Kernels = Kernels::new(
+    "graft_kernels_rms_norm",
+    r#"
+template <typename T>
+__device__ void graft_rms_norm(const T* x, const T* w, T* y, unsigned int cols, float eps) {
+    __shared__ float scratch[32];
+    const unsigned long long row = (unsigned long long)blockIdx.x * cols;
+    float squares = 0.0f;
+    for (unsigned int i = threadIdx.x; i < cols; i += blockDim.x) {
+        const float v = graft_to_f32(x[row + i]);
+        squares += v * v;
+    }
+    const float r = 1.0f / sqrtf(graft_block_sum(squares, scratch) / (float)cols + eps);
+    for (unsigned int i = threadIdx.x; i < cols; i += blockDim.x) {
+        y[row + i] = graft_from_f32<T>(graft_to_f32(x[row + i]) * r * graft_to_f32(w[i]));
+    }
+}
+
+// dx into out (in T), each row's dy * x * r into shares (f32, [rows, cols]).
+template <typename T>
+__device__ void graft_rms_norm_backward(const T* x, const T* w, const T* dy, T* out,
+                                        float* shares, unsigned int cols, float eps) {
+    __shared__ float scratch[32];
+    const unsigned long long row = (unsigned long long)blockIdx.x * cols;
+    float squares = 0.0f;
+    float dot = 0.0f;
+    for (unsigned int i = threadIdx.x; i < cols; i += blockDim.x) {
+        const float v = graft_to_f32(x[row + i]);
+        squares += v * v;
+        dot += graft_to_f32(dy[row + i]) * graft_to_f32(w[i]) * v;
+    }
+    const float r = 1.0f / sqrtf(graft_block_sum(squares, scratch) / (float)cols + eps);
+    const float c = r * r * r * graft_block_sum(dot, scratch) / (float)cols;
+    for (unsigned int i = threadIdx.x; i < cols; i += blockDim.x) {
+        const float v = graft_to_f32(x[row + i]);
+        const float g = graft_to_f32(dy[row + i]);
+        out[row + i] = graft_from_f32<T>(r * g * graft_to_f32(w[i]) - v * c);
+        shares[row + i] = g * v * r;
+    }
+}
+
+// out[c] = sum over rows of shares[row, c], rows in a fixed order: a block per 32 columns,
+// warp k taking rows k, k + 8, ..., then the 8 warp sums added in order.
+template <typename T>
+__device__ void graft_column_sum(const float* shares, T* out, unsigned int rows,
+                                 unsigned int cols) {
+    __shared__ float sums[8][32];
+    const unsigned int lane = threadIdx.x & 31u;
+    const unsigned int warp = threadIdx.x >> 5;
+    const unsigned int col = blockIdx.x * 32u + lane;
+    float s = 0.0f;
+    if (col < cols) {
+        for (unsigned int r = warp; r < rows; r += 8u) {
+            s += shares[(unsigned long long)r * cols + col];
+        }
+    }
+    sums[warp][lane] = s;
+    __syncthreads();
+    if (warp == 0 && col < cols) {
+        float t = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            t += sums[k][lane];
+        }
+        out[col] = graft_from_f32<T>(t);
+    }
+}
+
+#define GRAFT_RMS_NORM(suffix, T)                                                            \
+    extern "C" __global__ void graft_rms_norm_##suffix(                                      \
+        const T* x, const T* w, T* y, unsigned int cols, float eps) {                        \
+        graft_rms_norm<T>(x, w, y, cols, eps);                                               \
+    }                                                                                        \
+    extern "C" __global__ void graft_rms_norm_backward_##suffix(                             \
+        const T* x, const T* w, const T* dy, T* out, float* shares, unsigned int cols,       \
+        float eps) {                                                                         \
+        graft_rms_norm_backward<T>(x, w, dy, out, shares, cols, eps);                        \
+    }                                                                                        \
+    extern "C" __global__ void graft_column_sum_##suffix(                                    \
+        const float* shares, T* out, unsigned int rows, unsigned int cols) {                 \
+        graft_column_sum<T>(shares, out, rows, cols);                                        \
+    }
+GRAFT_FOR_DTYPES(GRAFT_RMS_NORM)
+"#,
+);
+
+fn grid(blocks: usize) -> Result<LaunchConfig> {
+    Ok(LaunchConfig {
+        grid_dim: (check::u32_of(OP, "the grid", blocks)?, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
+pub(super) fn forward(
+    eps: f32,
+    x: &CudaStorage,
+    xl: &Layout,
+    w: &CudaStorage,
+    wl: &Layout,
+) -> Result<(CudaStorage, Shape)> {
+    let device = x.device.clone();
+    let slice = Forward { eps }.map(&x.slice, xl, &w.slice, wl, &device)?;
+    Ok((CudaStorage { slice, device }, xl.shape().clone()))
+}
+
+pub(super) fn backward(
+    eps: f32,
+    x: &CudaStorage,
+    xl: &Layout,
+    w: &CudaStorage,
+    wl: &Layout,
+    dy: &CudaStorage,
+    dyl: &Layout,
+) -> Result<(CudaStorage, Shape)> {
+    let device = x.device.clone();
+    let slice = Backward { eps }.map(&x.slice, xl, &w.slice, wl, &dy.slice, dyl, &device)?;
+    let len = xl.shape().elem_count() + wl.shape().elem_count();
+    Ok((CudaStorage { slice, device }, Shape::from(len)))
+}
+
+struct Forward {
+    eps: f32,
+}
+
+impl Map2 for Forward {
+    fn f<T: DeviceRepr + WithDType + ValidAsZeroBits>(
+        &self,
+        x: &CudaSlice<T>,
+        xl: &Layout,
+        w: &CudaSlice<T>,
+        wl: &Layout,
+        device: &CudaDevice,
+    ) -> Result<CudaSlice<T>> {
+        let total = xl.shape().elem_count();
+        let cols = wl.shape().elem_count();
+        let x = view(OP, "x", x, xl)?;
+        let w = view(OP, "weight", w, wl)?;
+        // SAFETY: block `row` writes the `cols` elements of its row and the grid has one block
+        // per row, so all `total` are written by the kernel launched below on the device's
+        // stream, which orders every later use of the output.
+        let mut y = unsafe { device.alloc::<T>(total)? };
+        let name = format!("graft_rms_norm_{}", T::DTYPE.as_str());
+        let func = device.get_or_load_custom_func(&name, KERNELS.module(), KERNELS.ptx()?)?;
+        let cfg = grid(total / cols)?;
+        let cols = check::u32_of(OP, "the row length", cols)?;
+        let mut launch = func.builder();
+        launch.arg(&x);
+        launch.arg(&w);
+        launch.arg(&mut y);
+        launch.arg(&cols);
+        launch.arg(&self.eps);
+        // SAFETY: the arguments match `graft_rms_norm_<dtype>(const T*, const T*, T*, unsigned
+        // int, float)` with T the storage's dtype: `x` and `y` hold rows * cols elements,
+        // `w` cols (checked by the wrapper); the block is 8 whole warps (the block sum's
+        // shuffles use all lanes); all live until the launch is enqueued.
+        unsafe { launch.launch(cfg) }.w()?;
+        Ok(y)
+    }
+}
+
+struct Backward {
+    eps: f32,
+}
+
+impl Map3 for Backward {
+    fn f<T: DeviceRepr + WithDType + ValidAsZeroBits>(
+        &self,
+        x: &CudaSlice<T>,
+        xl: &Layout,
+        w: &CudaSlice<T>,
+        wl: &Layout,
+        dy: &CudaSlice<T>,
+        dyl: &Layout,
+        device: &CudaDevice,
+    ) -> Result<CudaSlice<T>> {
+        let total = xl.shape().elem_count();
+        let cols = wl.shape().elem_count();
+        let rows = total / cols;
+        let x = view(OP, "x", x, xl)?;
+        let w = view(OP, "weight", w, wl)?;
+        let dy = view(OP, "dy", dy, dyl)?;
+        // SAFETY: the row kernel writes out[0 .. total] and every share (a block per row,
+        // each thread its strided columns), the column kernel out[total .. total + cols] (a
+        // lane per column over ceil(cols / 32) blocks); both are launched below on the
+        // device's stream, in that order, before anything reads either buffer.
+        let mut out = unsafe { device.alloc::<T>(total + cols)? };
+        // SAFETY: as above: every share is written by the row kernel before the column
+        // kernel, later on the same stream, reads it.
+        let mut shares = unsafe { device.alloc::<f32>(total)? };
+        let suffix = T::DTYPE.as_str();
+        let rows_fn = device.get_or_load_custom_func(
+            &format!("graft_rms_norm_backward_{suffix}"),
+            KERNELS.module(),
+            KERNELS.ptx()?,
+        )?;
+        let sum_fn = device.get_or_load_custom_func(
+            &format!("graft_column_sum_{suffix}"),
+            KERNELS.module(),
+            KERNELS.ptx()?,
+        )?;
+        let row_cfg = grid(rows)?;
+        let sum_cfg = grid(cols.div_ceil(32))?;
+        let rows = check::u32_of(OP, "the row count", rows)?;
+        let cols_u = check::u32_of(OP, "the row length", cols)?;
+        let mut launch = rows_fn.builder();
+        launch.arg(&x);
+        launch.arg(&w);
+        launch.arg(&dy);
+        launch.arg(&mut out);
+        launch.arg(&mut shares);
+        launch.arg(&cols_u);
+        launch.arg(&self.eps);
+        // SAFETY: the arguments match `graft_rms_norm_backward_<dtype>(const T*, const T*,
+        // const T*, T*, float*, unsigned int, float)`: `x`, `dy` and `shares` hold rows * cols
+        // elements, `w` cols, `out` rows * cols + cols; 8 whole warps a block; all live until
+        // the launch is enqueued.
+        unsafe { launch.launch(row_cfg) }.w()?;
+        let mut launch = sum_fn.builder();
+        let mut dw = out.slice_mut(total..);
+        launch.arg(&shares);
+        launch.arg(&mut dw);
+        launch.arg(&rows);
+        launch.arg(&cols_u);
+        // SAFETY: the arguments match `graft_column_sum_<dtype>(const float*, T*, unsigned
+        // int, unsigned int)`: `shares` holds rows * cols elements, `dw` cols; the block is
+        // 8 warps of 32 (the kernel's [8][32] shared sums); all live until the launch is
+        // enqueued, and `shares` is freed after it in stream order.
+        unsafe { launch.launch(sum_cfg) }.w()?;
+        Ok(out)
+    }
+}

@@ -1,0 +1,136 @@
+//! The rotary kernel: one thread per rotated pair, 256 threads a block.
+
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+};
+use candle_core::cuda_backend::{CudaDevice, Map3, WrapErr};
+use candle_core::{CudaStorage, Layout, Result, Shape, WithDType};
+
+use super::{Dims, OP, Rotary};
+use crate::check;
+use crate::nvrtc::{Kernels, view};
+use crate::RopeStyle;
+
+/// Threads per block.
+const THREADS: u32 = 256;
+
+static KERNELS: Kernels = Kernels::new(
+    "graft_kernels_rotary",
+    r#"
+// Pair p of row r (position r % seq): dims (i, i + half) of head h for the half style, (2i,
+// 2i + 1) for the interleaved one; sign -1 rotates backwards (the backward pass).
+template <typename T>
+__device__ void graft_rotary(const T* x, const T* cos, const T* sin, T* y,
+                             unsigned long long pairs, unsigned int seq, unsigned int heads,
+                             unsigned int half, unsigned int interleaved, float sign) {
+    const unsigned long long p = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (p >= pairs) {
+        return;
+    }
+    const unsigned long long per_row = (unsigned long long)heads * half;
+    const unsigned long long row = p / per_row;
+    const unsigned int within = (unsigned int)(p % per_row);
+    const unsigned int h = within / half;
+    const unsigned int i = within % half;
+    const unsigned int pos = (unsigned int)(row % seq);
+    const unsigned long long base = row * per_row * 2 + (unsigned long long)h * half * 2;
+    const unsigned long long a = base + (interleaved ? 2 * i : i);
+    const unsigned long long b = base + (interleaved ? 2 * i + 1 : i + half);
+    const float c = graft_to_f32(cos[(unsigned long long)pos * half + i]);
+    const float s = sign * graft_to_f32(sin[(unsigned long long)pos * half + i]);
+    const float u = graft_to_f32(x[a]);
+    const float v = graft_to_f32(x[b]);
+    y[a] = graft_from_f32<T>(u * c - v * s);
+    y[b] = graft_from_f32<T>(v * c + u * s);
+}
+
+#define GRAFT_ROTARY(suffix, T)                                                              \
+    extern "C" __global__ void graft_rotary_##suffix(                                        \
+        const T* x, const T* cos, const T* sin, T* y, unsigned long long pairs,              \
+        unsigned int seq, unsigned int heads, unsigned int half, unsigned int interleaved,   \
+        float sign) {                                                                        \
+        graft_rotary<T>(x, cos, sin, y, pairs, seq, heads, half, interleaved, sign);         \
+    }
+GRAFT_FOR_DTYPES(GRAFT_ROTARY)
+"#,
+);
+
+#[allow(clippy::too_many_arguments)]
+pub(super) fn forward(
+    op: &Rotary,
+    dims: Dims,
+    x: &CudaStorage,
+    xl: &Layout,
+    cos: &CudaStorage,
+    cl: &Layout,
+    sin: &CudaStorage,
+    sl: &Layout,
+) -> Result<(CudaStorage, Shape)> {
+    let device = x.device.clone();
+    let launch = Launch {
+        dims,
+        interleaved: u32::from(matches!(op.style, RopeStyle::Interleaved)),
+        sign: if op.inverse { -1.0 } else { 1.0 },
+    };
+    let slice = launch.map(&x.slice, xl, &cos.slice, cl, &sin.slice, sl, &device)?;
+    Ok((CudaStorage { slice, device }, xl.shape().clone()))
+}
+
+struct Launch {
+    dims: Dims,
+    interleaved: u32,
+    sign: f32,
+}
+
+impl Map3 for Launch {
+    fn f<T: DeviceRepr + WithDType + ValidAsZeroBits>(
+        &self,
+        x: &CudaSlice<T>,
+        xl: &Layout,
+        cos: &CudaSlice<T>,
+        cl: &Layout,
+        sin: &CudaSlice<T>,
+        sl: &Layout,
+        device: &CudaDevice,
+    ) -> Result<CudaSlice<T>> {
+        let n = xl.shape().elem_count();
+        let x = view(OP, "x", x, xl)?;
+        let cos = view(OP, "cos", cos, cl)?;
+        let sin = view(OP, "sin", sin, sl)?;
+        // SAFETY: each thread writes both dims of its pair, the pairs cover every element and
+        // the grid covers every pair, so all `n` are written by the kernel launched below on
+        // the device's stream before anything reads them.
+        let mut y = unsafe { device.alloc::<T>(n)? };
+        let name = format!("graft_rotary_{}", T::DTYPE.as_str());
+        let func = device.get_or_load_custom_func(&name, KERNELS.module(), KERNELS.ptx()?)?;
+        let pairs = n / 2;
+        let blocks = check::u32_of(OP, "the pair count / 256", pairs.div_ceil(THREADS as usize))?;
+        let pairs = pairs as u64;
+        let d = self.dims;
+        let seq = check::u32_of(OP, "the sequence length", d.seq)?;
+        let heads = check::u32_of(OP, "the head count", d.heads)?;
+        let half = check::u32_of(OP, "the head dim", d.half)?;
+        let mut launch = func.builder();
+        launch.arg(&x);
+        launch.arg(&cos);
+        launch.arg(&sin);
+        launch.arg(&mut y);
+        launch.arg(&pairs);
+        launch.arg(&seq);
+        launch.arg(&heads);
+        launch.arg(&half);
+        launch.arg(&self.interleaved);
+        launch.arg(&self.sign);
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the arguments match `graft_rotary_<dtype>(const T*, const T*, const T*, T*,
+        // unsigned long long, unsigned int x4, float)`: `x` and `y` hold `2 * pairs` elements,
+        // `cos` and `sin` at least seq * half (checked by the wrapper), and no thread reads
+        // past them; all live until the launch is enqueued.
+        unsafe { launch.launch(cfg) }.w()?;
+        Ok(y)
+    }
+}
