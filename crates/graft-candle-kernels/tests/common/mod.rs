@@ -10,7 +10,9 @@ use graft_candle_kernels::{
 };
 use proptest::prelude::*;
 
+mod causal;
 mod moe;
+pub use causal::*;
 pub use moe::*;
 
 /// `n` values uniform in `[-scale, scale)` from `seed` (SplitMix64).
