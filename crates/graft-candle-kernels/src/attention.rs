@@ -90,7 +90,11 @@ pub fn decode_attention_fits(
     head_dim: usize,
 ) -> std::result::Result<(), KernelError> {
     if kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
-        return Err(KernelError::Heads { heads, kv_heads });
+        return Err(KernelError::Heads {
+            op: OP,
+            heads,
+            kv_heads,
+        });
     }
     if head_dim == 0 || head_dim > MAX_HEAD_DIM {
         return Err(KernelError::HeadDim { head_dim });

@@ -46,11 +46,15 @@ pub enum KernelError {
         op: &'static str,
         input: &'static str,
     },
-    /// The query heads are not a whole multiple of the key/value heads.
+    /// The query heads are not a whole multiple of the key/value heads (or either is 0).
     #[error(
-        "decode_attention: {heads} query heads are not a multiple of {kv_heads} key/value heads; check the model's head counts"
+        "{op}: {heads} query heads are not a multiple of {kv_heads} key/value heads; check the model's head counts"
     )]
-    Heads { heads: usize, kv_heads: usize },
+    Heads {
+        op: &'static str,
+        heads: usize,
+        kv_heads: usize,
+    },
     /// The head dimension is outside what the attention kernel holds per key row.
     #[error(
         "decode_attention: head dim {head_dim} is outside 1..=256; use the unfused attention for this model"
@@ -140,7 +144,9 @@ pub enum KernelError {
     #[error("{op}: the op's forward pass ran twice; make a new op for each call")]
     SavedTwice { op: &'static str },
     /// A backward pass found nothing its forward pass keeps for it.
-    #[error("{op}: the backward pass found no values saved by the forward pass; run the forward pass first")]
+    #[error(
+        "{op}: the backward pass found no values saved by the forward pass; run the forward pass first"
+    )]
     NotSaved { op: &'static str },
     /// NVRTC rejected a module's CUDA source.
     #[error(

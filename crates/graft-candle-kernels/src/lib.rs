@@ -1,4 +1,5 @@
-//! graft-candle-kernels: fused operations for candle models (candle 0.11), forward only.
+//! graft-candle-kernels: fused operations for candle models (candle 0.11), for decoding and (with
+//! a fused backward pass) training.
 //!
 //! Each operation is a candle custom op (`CustomOp1/2/3`) with a CUDA kernel and a CPU
 //! implementation beside it (so CI tests every op without a GPU). The CUDA kernels (feature
@@ -27,7 +28,12 @@
 //!   found through a device table of their weights' addresses, in two (three expert-major);
 //! - [`SharedExpert`]: Qwen2-MoE's shared expert with its sigmoid gate in three launches,
 //!   which [`SharedExpert::beside`] runs on a [`SideStream`] while the routed experts run on
-//!   the device's stream (a fork and a join inside a CUDA-graph capture).
+//!   the device's stream (a fork and a join inside a CUDA-graph capture);
+//! - [`causal_attention`]: causal self-attention of whole sequences (training, prefill) with
+//!   its backward pass, both fused flash-attention style (an online softmax over key tiles,
+//!   the row log-sum-exps kept for the backward pass, nothing of size seq × seq stored),
+//!   deterministic, with grouped-query heads; `loss.backward()` runs the fused gradient
+//!   kernels.
 //!
 //! Errors are [`KernelError`]s inside `candle_core::Error::Wrapped`.
 
@@ -56,4 +62,4 @@ pub use rope::{QkNorm, RopeStyle, rope_store};
 pub use shared::SharedExpert;
 pub use side::SideStream;
 pub use swiglu::swiglu;
-pub use train::{cross_entropy, dense, rms_norm, rotary};
+pub use train::{causal_attention, causal_attention_fits, cross_entropy, dense, rms_norm, rotary};

@@ -1,5 +1,6 @@
 //! The fused ops on the CPU (CI): each against the unfused candle composition over random
-//! shapes and dtypes, decode attention's reading of visible positions only, and the errors.
+//! shapes and dtypes (the causal attention's gradients too), decode attention's reading of
+//! visible positions only, and the errors.
 
 mod common;
 
@@ -87,6 +88,49 @@ proptest! {
             check_cross_entropy(&Device::Cpu, &case, dtype).unwrap();
         }
     }
+}
+
+proptest! {
+    // Few cases: the CPU attention of 70 rows and its reference take a moment in debug builds.
+    #![proptest_config(ProptestConfig::with_cases(6))]
+
+    #[test]
+    fn causal_attention_and_its_gradients_match_unfused(case in causal_cases()) {
+        for dtype in DTYPES {
+            check_causal_attention(&Device::Cpu, &case, dtype).unwrap();
+        }
+    }
+}
+
+/// The edges the random cases may miss: one row, head dim 128 with 4 query heads per KV head,
+/// rows past two key tiles, a start offset.
+#[test]
+fn causal_attention_matches_unfused_at_the_edges() {
+    let cases = [
+        (1, 1, 1, 4, 64, 0),
+        (2, 33, 2, 2, 128, 1),
+        (1, 65, 1, 1, 64, 1),
+    ];
+    for (batch, seq, kv_heads, group, head_dim, offset) in cases {
+        let case = CausalCase {
+            batch,
+            seq,
+            kv_heads,
+            group,
+            head_dim,
+            offset,
+            seed: 7,
+        };
+        for dtype in DTYPES {
+            check_causal_attention(&Device::Cpu, &case, dtype).unwrap();
+        }
+        check_causal_attention_deterministic(&Device::Cpu, &case, DType::F32).unwrap();
+    }
+}
+
+#[test]
+fn causal_attention_refuses_bad_inputs() {
+    check_causal_attention_refuses_bad_inputs(&Device::Cpu).unwrap();
 }
 
 #[test]

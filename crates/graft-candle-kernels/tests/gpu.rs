@@ -1,7 +1,8 @@
 //! The fused ops on a CUDA GPU (ignored in CI; `--include-ignored` on the GPU machine, through
 //! `scripts/stage.sh --candle-cuda` and `scripts/gpu-run.sh`): the CPU tests' bodies on
-//! `Device::new_cuda(0)`, each op against the unfused candle composition on the same GPU, and
-//! decode attention's reading of visible positions only (NaN elsewhere changes nothing).
+//! `Device::new_cuda(0)`, each op against the unfused candle composition on the same GPU (the
+//! causal attention's gradients too, and its determinism), and decode attention's reading of
+//! visible positions only (NaN elsewhere changes nothing).
 #![cfg(feature = "cuda")]
 
 mod common;
@@ -132,6 +133,67 @@ proptest! {
 fn gpu_training_ops_at_benchmark_sizes_are_deterministic() {
     let dev = gpu();
     check_training_ops_deterministic(&dev).unwrap();
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(cases()))]
+
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_causal_attention_and_its_gradients_match_unfused(case in causal_cases()) {
+        let dev = gpu();
+        for dtype in DTYPES {
+            check_causal_attention(&dev, &case, dtype).unwrap();
+        }
+    }
+}
+
+/// The forward and backward kernels twice on the same inputs: bitwise the same results (no
+/// atomics, no data-dependent order), at shapes with several tiles of every kernel.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_causal_attention_is_deterministic() {
+    let dev = gpu();
+    for (seq, group, head_dim) in [(1, 1, 64), (70, 2, 64), (129, 4, 128)] {
+        let case = CausalCase {
+            batch: 2,
+            seq,
+            kv_heads: 2,
+            group,
+            head_dim,
+            offset: 1,
+            seed: 11,
+        };
+        for dtype in DTYPES {
+            check_causal_attention_deterministic(&dev, &case, dtype).unwrap();
+        }
+    }
+}
+
+/// Batch 4 of 512 rows, 8 query heads on 4 KV heads, head dim 128 (16 key tiles a row);
+/// under compute-sanitizer, 130 rows.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_causal_attention_of_long_sequences_matches_unfused() {
+    let dev = gpu();
+    let case = CausalCase {
+        batch: 4,
+        seq: if cases() < 64 { 130 } else { 512 },
+        kv_heads: 4,
+        group: 2,
+        head_dim: 128,
+        offset: 0,
+        seed: 5,
+    };
+    for dtype in DTYPES {
+        check_causal_attention(&dev, &case, dtype).unwrap();
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_causal_attention_refuses_bad_inputs() {
+    check_causal_attention_refuses_bad_inputs(&gpu()).unwrap();
 }
 
 /// Experts wide enough that the expert-major kernels take 8 choices per read of a row (f32 at

@@ -7,7 +7,9 @@
 mod cuda;
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor, WithDType};
+use candle_core::{
+    CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor, WithDType,
+};
 
 use super::saved::Saved;
 use crate::{KernelError, check};
@@ -32,7 +34,12 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     let targets = targets.contiguous()?;
     let rows = targets.elem_count();
     if rows == 0 || vocab == 0 {
-        return Err(check::shape(OP, "logits", logits, "at least one row of at least one logit"));
+        return Err(check::shape(
+            OP,
+            "logits",
+            logits,
+            "at least one row of at least one logit",
+        ));
     }
     check::u32_of(OP, "the vocabulary", vocab)?;
     check::u32_of(OP, "the row count", rows)?;

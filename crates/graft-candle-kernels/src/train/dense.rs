@@ -18,7 +18,12 @@ pub fn dense(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     check::like(OP, "w", w, "x", x)?;
     let (n, k) = w.dims2()?;
     if x.dims().last() != Some(&k) || x.rank() < 2 {
-        return Err(check::shape(OP, "x", x, "[..., k] with k the weight's columns"));
+        return Err(check::shape(
+            OP,
+            "x",
+            x,
+            "[..., k] with k the weight's columns",
+        ));
     }
     check::contiguous(OP, "w", w)?;
     let x = x.contiguous()?;
@@ -96,7 +101,12 @@ impl CustomOp2 for Dense {
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         if grad.elem_count() != self.rows * self.n {
-            return Err(check::shape(OP, "the output's gradient", grad, "the output's shape"));
+            return Err(check::shape(
+                OP,
+                "the output's gradient",
+                grad,
+                "the output's shape",
+            ));
         }
         let g = grad.contiguous()?.reshape((self.rows, self.n))?.detach();
         let dx = g.matmul(&w.detach())?.reshape(x.shape())?;

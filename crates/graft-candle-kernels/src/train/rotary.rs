@@ -39,7 +39,12 @@ pub fn rotary(
     }
     let half = width / heads / 2;
     if cos.rank() != 2 || cos.dim(1)? != half || cos.dim(0)? < seq {
-        return Err(check::shape(OP, "cos", cos, "[positions >= seq, head_dim / 2]"));
+        return Err(check::shape(
+            OP,
+            "cos",
+            cos,
+            "[positions >= seq, head_dim / 2]",
+        ));
     }
     if sin.dims() != cos.dims() {
         return Err(check::shape(OP, "sin", sin, "cos's shape"));
@@ -50,7 +55,11 @@ pub fn rotary(
     if x.elem_count() == 0 {
         return x.zeros_like();
     }
-    check::u32_of(OP, "the pair count / 256", (x.elem_count() / 2).div_ceil(256))?;
+    check::u32_of(
+        OP,
+        "the pair count / 256",
+        (x.elem_count() / 2).div_ceil(256),
+    )?;
     x.apply_op3(
         cos,
         sin,

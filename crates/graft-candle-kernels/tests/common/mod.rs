@@ -10,8 +10,10 @@ use graft_candle_kernels::{
 };
 use proptest::prelude::*;
 
+mod causal;
 mod moe;
 mod train;
+pub use causal::*;
 pub use moe::*;
 pub use train::*;
 

@@ -72,8 +72,18 @@ pub fn check_grads(
         .iter()
         .map(|v| Var::from_tensor(&v.to_dtype(DType::F32)?))
         .collect::<Result<_>>()?;
-    let out = fused(&ours.iter().map(|v| v.as_tensor().clone()).collect::<Vec<_>>())?;
-    let want = reference(&theirs.iter().map(|v| v.as_tensor().clone()).collect::<Vec<_>>())?;
+    let out = fused(
+        &ours
+            .iter()
+            .map(|v| v.as_tensor().clone())
+            .collect::<Vec<_>>(),
+    )?;
+    let want = reference(
+        &theirs
+            .iter()
+            .map(|v| v.as_tensor().clone())
+            .collect::<Vec<_>>(),
+    )?;
     assert_near(&format!("{what} forward"), &out, &want, dtype)?;
     let r = random(seed ^ 0x5eed, out.dims(), 1.0, DType::F32, out.device())?;
     let grads = (out.to_dtype(DType::F32)? * &r)?.sum_all()?.backward()?;
@@ -82,7 +92,11 @@ pub fn check_grads(
         match (grads.get(a.as_tensor()), want_grads.get(b.as_tensor())) {
             (Some(g), Some(w)) => assert_near(&format!("{what} gradient {i}"), g, w, dtype)?,
             (None, None) => {}
-            (g, w) => panic!("{what}: gradient {i} present {} vs {}", g.is_some(), w.is_some()),
+            (g, w) => panic!(
+                "{what}: gradient {i} present {} vs {}",
+                g.is_some(),
+                w.is_some()
+            ),
         }
     }
     Ok(())
@@ -201,9 +215,19 @@ pub fn check_cross_entropy(device: &Device, c: &TrainCase, dtype: DType) -> Resu
         c.seed,
     )?;
     // A target past the vocabulary: NaN, not a silent wrong loss.
-    let bad = Tensor::from_vec(vec![vocab as u32; c.batch * c.seq], (c.batch, c.seq), device)?;
-    let loss = cross_entropy(&random(c.seed, &[c.batch, c.seq, vocab], 1.0, dtype, device)?, &bad)?;
-    assert!(loss.to_vec1::<f32>()?[0].is_nan(), "a bad target must give NaN");
+    let bad = Tensor::from_vec(
+        vec![vocab as u32; c.batch * c.seq],
+        (c.batch, c.seq),
+        device,
+    )?;
+    let loss = cross_entropy(
+        &random(c.seed, &[c.batch, c.seq, vocab], 1.0, dtype, device)?,
+        &bad,
+    )?;
+    assert!(
+        loss.to_vec1::<f32>()?[0].is_nan(),
+        "a bad target must give NaN"
+    );
     Ok(())
 }
 
@@ -235,7 +259,9 @@ pub fn check_training_ops_deterministic(device: &Device) -> Result<()> {
         let grads = loss.backward()?;
         let mut all = vec![loss.to_vec1::<f32>()?];
         for v in [&x, &w, &head] {
-            let g = grads.get(v.as_tensor()).expect("a gradient for every input");
+            let g = grads
+                .get(v.as_tensor())
+                .expect("a gradient for every input");
             all.push(g.flatten_all()?.to_vec1::<f32>()?);
         }
         Ok(all)

@@ -98,10 +98,7 @@ fn blocks(n: usize) -> Result<LaunchConfig> {
     })
 }
 
-fn targets_of<'a>(
-    targets: &'a CudaStorage,
-    tl: &Layout,
-) -> Result<CudaView<'a, u32>> {
+fn targets_of<'a>(targets: &'a CudaStorage, tl: &Layout) -> Result<CudaView<'a, u32>> {
     match &targets.slice {
         CudaStorageSlice::U32(t) => view(OP, "targets", t, tl),
         _ => Err(KernelError::IndexDType {

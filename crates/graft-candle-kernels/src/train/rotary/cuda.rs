@@ -7,9 +7,9 @@ use candle_core::cuda_backend::{CudaDevice, Map3, WrapErr};
 use candle_core::{CudaStorage, Layout, Result, Shape, WithDType};
 
 use super::{Dims, OP, Rotary};
+use crate::RopeStyle;
 use crate::check;
 use crate::nvrtc::{Kernels, view};
-use crate::RopeStyle;
 
 /// Threads per block.
 const THREADS: u32 = 256;

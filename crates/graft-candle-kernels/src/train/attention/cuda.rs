@@ -1,0 +1,318 @@
+//! The causal attention launches (kernels in `source.rs`): 128 threads (4 warps) a block, static
+//! shared memory only (at most 44 KiB), every launch configuration from the shapes alone.
+//!
+//! - `graft_causal_attention_forward_<dtype>_<hd>`: grid (ceil(seq / 16), heads, batch), the
+//!   last query tile first; a block's 16 query rows (4 a warp) attend to key tiles of 32
+//!   (lane = key for the scores, an online softmax per row, lane = output dims for p·v); it
+//!   writes the output and each row's log-sum-exp.
+//! - `graft_causal_attention_dq_<dtype>_<hd>`: grid (ceil(seq / rows), heads, batch), rows 16 at
+//!   head dim 64 and 8 at 128; the same walk over key tiles, recomputing the weights from the
+//!   log-sum-exps; it writes dq and each row's `delta = rowsum(dO * O)`.
+//! - `graft_causal_attention_dkv_<dtype>_<hd>`: grid (ceil(seq / keys), kv_heads, batch), keys
+//!   16 at head dim 64 and 8 at 128; for each query head of the group, query tiles of 32 from
+//!   the block's first key to the end (lane = query row for the weights, lane = dims for the
+//!   sums); it writes dk and dv, each element by one thread (no atomics).
+
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+};
+use candle_core::cuda_backend::{CudaDevice, CudaStorageSlice, Map3, WrapErr};
+use candle_core::{CudaStorage, DType, Layout, Result, Shape, Storage, WithDType};
+
+use super::source::KERNELS;
+use super::{AttentionDkv, AttentionDq, CausalAttention, Dims, OP};
+use crate::check;
+use crate::nvrtc::{address, view};
+
+/// Threads of every block.
+const THREADS: u32 = 128;
+/// Query rows of a forward block (4 warps of 4).
+const FORWARD_ROWS: usize = 16;
+
+/// Query rows of a dq block and keys of a dkv block: 4 warps of 4 at head dim 64, of 2 at 128
+/// (the kernels' `GraftCa<HD>::RB`, which keeps their static shared memory under 48 KiB).
+fn backward_tile(d: &Dims) -> usize {
+    if d.head_dim == 64 { 16 } else { 8 }
+}
+
+/// The kernel `graft_causal_attention_<kernel>_<dtype>_<head dim>`.
+fn name(kernel: &str, dtype: DType, d: &Dims) -> String {
+    format!(
+        "graft_causal_attention_{kernel}_{}_{}",
+        dtype.as_str(),
+        d.head_dim
+    )
+}
+
+/// The sizes the kernels take, as u32.
+struct Sizes {
+    batch: u32,
+    seq: u32,
+    heads: u32,
+    kv_heads: u32,
+}
+
+impl Sizes {
+    fn of(d: &Dims) -> Result<Self> {
+        Ok(Self {
+            batch: check::u32_of(OP, "the batch", d.batch)?,
+            seq: check::u32_of(OP, "the sequence length", d.seq)?,
+            heads: check::u32_of(OP, "the query head count", d.heads)?,
+            kv_heads: check::u32_of(OP, "the KV head count", d.kv_heads)?,
+        })
+    }
+}
+
+/// A grid of `ceil(seq / tile)` blocks by `y` (heads) by batch.
+fn config(d: &Dims, tile: usize, y: u32, batch: u32) -> Result<LaunchConfig> {
+    let x = check::u32_of(OP, "the sequence's tile count", d.seq.div_ceil(tile))?;
+    Ok(LaunchConfig {
+        grid_dim: (x, y, batch),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
+/// `[batch, heads, seq]` f32 as a storage on `device`.
+fn rows_storage(slice: CudaSlice<f32>, device: &CudaDevice) -> Storage {
+    Storage::Cuda(CudaStorage {
+        slice: CudaStorageSlice::F32(slice),
+        device: device.clone(),
+    })
+}
+
+/// The forward pass on CUDA: the output, with the log-sum-exps kept in the op.
+pub(super) fn forward(
+    op: &CausalAttention,
+    q: &CudaStorage,
+    ql: &Layout,
+    k: &CudaStorage,
+    kl: &Layout,
+    v: &CudaStorage,
+    vl: &Layout,
+) -> Result<(CudaStorage, Shape)> {
+    let device = q.device.clone();
+    let slice = Forward(op).map(&q.slice, ql, &k.slice, kl, &v.slice, vl, &device)?;
+    Ok((CudaStorage { slice, device }, op.dims.out_shape()))
+}
+
+/// The query gradient on CUDA, with the deltas kept in the op.
+pub(super) fn dq(
+    op: &AttentionDq,
+    q: &CudaStorage,
+    ql: &Layout,
+    k: &CudaStorage,
+    kl: &Layout,
+    v: &CudaStorage,
+    vl: &Layout,
+) -> Result<(CudaStorage, Shape)> {
+    let device = q.device.clone();
+    let slice = Dq(op).map(&q.slice, ql, &k.slice, kl, &v.slice, vl, &device)?;
+    Ok((CudaStorage { slice, device }, op.dims.out_shape()))
+}
+
+/// The key and value gradients on CUDA, in one allocation.
+pub(super) fn dkv(
+    op: &AttentionDkv,
+    q: &CudaStorage,
+    ql: &Layout,
+    k: &CudaStorage,
+    kl: &Layout,
+    v: &CudaStorage,
+    vl: &Layout,
+) -> Result<(CudaStorage, Shape)> {
+    let device = q.device.clone();
+    let slice = Dkv(op).map(&q.slice, ql, &k.slice, kl, &v.slice, vl, &device)?;
+    Ok((CudaStorage { slice, device }, op.dims.dkv_shape()))
+}
+
+struct Forward<'a>(&'a CausalAttention);
+
+impl Map3 for Forward<'_> {
+    fn f<T: DeviceRepr + WithDType + ValidAsZeroBits>(
+        &self,
+        q: &CudaSlice<T>,
+        ql: &Layout,
+        k: &CudaSlice<T>,
+        kl: &Layout,
+        v: &CudaSlice<T>,
+        vl: &Layout,
+        device: &CudaDevice,
+    ) -> Result<CudaSlice<T>> {
+        let d = self.0.dims;
+        let (q, k, v) = (
+            view(OP, "q", q, ql)?,
+            view(OP, "k", k, kl)?,
+            view(OP, "v", v, vl)?,
+        );
+        // SAFETY: the kernel writes every element before anything reads it: a block per
+        // (16-row tile, head, sequence) covers every row below seq, and lane l of the row's
+        // warp writes its head dims l * E .. l * E + E (32 * E = head_dim). It is launched
+        // below on the device's stream, which orders every later use.
+        let mut out = unsafe { device.alloc::<T>(d.q_len())? };
+        // SAFETY: as above: lane 0 of each row's warp writes the row's log-sum-exp, for every
+        // (sequence, head, row), before the backward kernels read it on the same stream.
+        let mut lse = unsafe { device.alloc::<f32>(d.batch * d.heads * d.seq)? };
+        let func = device.get_or_load_custom_func(
+            &name("forward", T::DTYPE, &d),
+            KERNELS.module(),
+            KERNELS.ptx()?,
+        )?;
+        let s = Sizes::of(&d)?;
+        let scale = d.scale();
+        let cfg = config(&d, FORWARD_ROWS, s.heads, s.batch)?;
+        let mut launch = func.builder();
+        launch.arg(&q);
+        launch.arg(&k);
+        launch.arg(&v);
+        launch.arg(&mut out);
+        launch.arg(&mut lse);
+        launch.arg(&s.seq);
+        launch.arg(&s.heads);
+        launch.arg(&s.kv_heads);
+        launch.arg(&scale);
+        // SAFETY: the arguments match `graft_causal_attention_forward_<dtype>_<hd>(const T*,
+        // const T*, const T*, T*, float*, unsigned int x3, float)` with T the storage's dtype
+        // and hd the head dim (64 or 128, checked): q and out hold batch * seq * heads * hd
+        // elements, k and v batch * seq * kv_heads * hd (checked by the wrapper), lse batch *
+        // heads * seq; the kernel reads and writes only rows below seq of sequences below
+        // batch (the grid's z), heads below heads (its y), KV heads h / (heads / kv_heads)
+        // < kv_heads (heads % kv_heads == 0, checked); its shared memory is static and the
+        // block is the 4 warps it assumes. All live until the launch is enqueued on the
+        // device's stream.
+        unsafe { launch.launch(cfg) }.w()?;
+        self.0
+            .lse
+            .put(OP, rows_storage(lse, device), d.rows_shape())?;
+        Ok(out)
+    }
+}
+
+struct Dq<'a>(&'a AttentionDq);
+
+impl Map3 for Dq<'_> {
+    fn f<T: DeviceRepr + WithDType + ValidAsZeroBits>(
+        &self,
+        q: &CudaSlice<T>,
+        ql: &Layout,
+        k: &CudaSlice<T>,
+        kl: &Layout,
+        v: &CudaSlice<T>,
+        vl: &Layout,
+        device: &CudaDevice,
+    ) -> Result<CudaSlice<T>> {
+        let op = self.0;
+        let d = op.dims;
+        let (q, k, v) = (
+            view(OP, "q", q, ql)?,
+            view(OP, "k", k, kl)?,
+            view(OP, "v", v, vl)?,
+        );
+        let out = address(OP, &op.out, "the output", device)?;
+        let grad = address(OP, &op.grad, "the output's gradient", device)?;
+        let lse = address(OP, &op.lse, "the log-sum-exps", device)?;
+        // SAFETY: the kernel writes every element before anything reads it: a block per
+        // (row tile, head, sequence) covers every row below seq, and lane l of the row's warp
+        // writes its head dims l * E .. l * E + E. Launched below on the device's stream.
+        let mut dq = unsafe { device.alloc::<T>(d.q_len())? };
+        // SAFETY: as above: lane 0 of each row's warp writes the row's delta, for every
+        // (sequence, head, row), before the key and value kernel reads it on the same stream.
+        let mut delta = unsafe { device.alloc::<f32>(d.batch * d.heads * d.seq)? };
+        let func = device.get_or_load_custom_func(
+            &name("dq", T::DTYPE, &d),
+            KERNELS.module(),
+            KERNELS.ptx()?,
+        )?;
+        let s = Sizes::of(&d)?;
+        let scale = d.scale();
+        let cfg = config(&d, backward_tile(&d), s.heads, s.batch)?;
+        let mut launch = func.builder();
+        launch.arg(&q);
+        launch.arg(&k);
+        launch.arg(&v);
+        launch.arg(&out);
+        launch.arg(&grad);
+        launch.arg(&lse);
+        launch.arg(&mut delta);
+        launch.arg(&mut dq);
+        launch.arg(&s.seq);
+        launch.arg(&s.heads);
+        launch.arg(&s.kv_heads);
+        launch.arg(&scale);
+        // SAFETY: the arguments match `graft_causal_attention_dq_<dtype>_<hd>(const T* x5,
+        // const float*, float*, T*, unsigned int x3, float)` with T the storage's dtype and
+        // hd the head dim (64 or 128): q, the output, its gradient (contiguous, T, by
+        // address: the op holds them) and dq hold batch * seq * heads * hd elements, k and v
+        // batch * seq * kv_heads * hd, the log-sum-exps (held) and delta batch * heads * seq
+        // f32; the kernel touches only rows below seq of sequences below batch (grid z), heads
+        // below heads (grid y) and KV heads below kv_heads; static shared memory, 4 warps.
+        // All live until the launch is enqueued on the device's stream.
+        unsafe { launch.launch(cfg) }.w()?;
+        op.delta
+            .put(OP, rows_storage(delta, device), d.rows_shape())?;
+        Ok(dq)
+    }
+}
+
+struct Dkv<'a>(&'a AttentionDkv);
+
+impl Map3 for Dkv<'_> {
+    fn f<T: DeviceRepr + WithDType + ValidAsZeroBits>(
+        &self,
+        q: &CudaSlice<T>,
+        ql: &Layout,
+        k: &CudaSlice<T>,
+        kl: &Layout,
+        v: &CudaSlice<T>,
+        vl: &Layout,
+        device: &CudaDevice,
+    ) -> Result<CudaSlice<T>> {
+        let op = self.0;
+        let d = op.dims;
+        let (q, k, v) = (
+            view(OP, "q", q, ql)?,
+            view(OP, "k", k, kl)?,
+            view(OP, "v", v, vl)?,
+        );
+        let grad = address(OP, &op.grad, "the output's gradient", device)?;
+        let lse = address(OP, &op.lse, "the log-sum-exps", device)?;
+        let delta = address(OP, &op.delta, "the deltas", device)?;
+        // SAFETY: the kernel writes every element before anything reads it: a block per
+        // (key tile, KV head, sequence) covers every key below seq, and lane l of the key's
+        // warp writes its head dims l * E .. l * E + E of dk and of dv. Launched below on the
+        // device's stream.
+        let mut dkv = unsafe { device.alloc::<T>(2 * d.kv_len())? };
+        let func = device.get_or_load_custom_func(
+            &name("dkv", T::DTYPE, &d),
+            KERNELS.module(),
+            KERNELS.ptx()?,
+        )?;
+        let s = Sizes::of(&d)?;
+        let scale = d.scale();
+        let cfg = config(&d, backward_tile(&d), s.kv_heads, s.batch)?;
+        let mut launch = func.builder();
+        launch.arg(&q);
+        launch.arg(&k);
+        launch.arg(&v);
+        launch.arg(&grad);
+        launch.arg(&lse);
+        launch.arg(&delta);
+        launch.arg(&mut dkv);
+        launch.arg(&s.batch);
+        launch.arg(&s.seq);
+        launch.arg(&s.heads);
+        launch.arg(&s.kv_heads);
+        launch.arg(&scale);
+        // SAFETY: the arguments match `graft_causal_attention_dkv_<dtype>_<hd>(const T* x4,
+        // const float*, const float*, T*, unsigned int x4, float)` with T the storage's dtype
+        // and hd the head dim (64 or 128): q and the output's gradient (contiguous, T, held
+        // by the op, by address) hold batch * seq * heads * hd elements, k and v batch * seq *
+        // kv_heads * hd, the log-sum-exps and deltas (held) batch * heads * seq f32, dkv twice
+        // k's elements (dk, then dv); the kernel touches only rows and keys below seq of
+        // sequences below batch (grid z), KV heads below kv_heads (grid y) and their group's
+        // query heads below heads; static shared memory, 4 warps. All live until the launch
+        // is enqueued on the device's stream.
+        unsafe { launch.launch(cfg) }.w()?;
+        Ok(dkv)
+    }
+}

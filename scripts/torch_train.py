@@ -1,0 +1,625 @@
+#!/usr/bin/env python3
+"""PyTorch reference for graft's training-step benchmark (the PyTorch side of the candle comparison).
+
+The model is a Llama-style decoder in fp32 with random weights from a fixed seed: untied
+token embedding [vocab, d]; per layer (pre-norm) RMSNorm (eps 1e-5, with weight) -> q, k, v
+projections without bias (q: d -> heads*64, k and v: d -> kv_heads*64, head dim 64) ->
+rotary embedding ("rotate_half": dims i and i+32 paired, theta 10000, positions 0..seq-1)
+-> causal grouped-query attention through F.scaled_dot_product_attention(is_causal=True,
+enable_gqa=True), scale 1/8 -> output projection without bias -> residual; RMSNorm ->
+SwiGLU MLP down(silu(gate(x)) * up(x)) without biases -> residual; final RMSNorm, lm_head
+d -> vocab without bias; loss = mean cross-entropy over all positions. Optimizer AdamW
+(lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight decay 0.01). TF32 is off everywhere.
+  bench: 4 layers, d 512, 8 heads / 4 kv heads, FFN 1536, vocab 8192
+  large: 8 layers, d 1024, 16 heads / 8 kv heads, FFN 2816, vocab 16384 (with --large)
+Tokens and targets are random int64 in [0, vocab), fixed per batch size; sequence 128.
+
+One step = zero grads (set to None) / forward / loss / backward / optimizer step.
+Modes (each at every batch size):
+  eager            plain PyTorch, AdamW default (foreach)
+  reduce_overhead  torch.compile(mode="reduce-overhead") of the whole step function with
+                   AdamW(capturable=True); Dynamo splits it at loss.backward() (the backward
+                   runs through AOTAutograd's compiled graph, the optimizer step is compiled in
+                   the resumed frame). torch.compiler.cudagraph_mark_step_begin() before each
+                   step. If that fails, variant "split": the model+loss and opt.step compiled
+                   separately with reduce-overhead, backward called between them.
+  cuda_graph       a hand-written torch.cuda.CUDAGraph of the whole step (the "whole network
+                   capture" recipe: 3 warm-up steps on a side stream, zero_grad(set_to_none),
+                   capture forward+backward+AdamW(capturable=True).step()); each step copies
+                   the tokens and targets into the static inputs and replays.
+
+Per (model, mode, batch):
+  * time: warm-up steps, then --steps steps, each as synchronize / perf_counter / step /
+    synchronize / perf_counter (the Rust side's method): median, p10, p90 in ms; a
+    cuda.Event pair inside the same bracket gives the event_* figures;
+  * kernels: CUDA kernel launches of one step by torch.profiler (memcpy and memset counted
+    apart). A replayed graph may hide its kernels from the profiler, so cuda_graph reports
+    the eager count and reduce_overhead the count of the same step compiled without
+    cudagraphs (default mode); kernels_in_mode is what the profiler saw in the mode itself;
+  * memory: peak allocated during one step above the allocated before it (model, grads,
+    optimizer state; for graph modes the graph pool is already allocated then);
+  * loss check (graph modes): after compilation/capture the weights and optimizer state are
+    reset in place, --check-steps steps are run and their losses compared with an eager
+    model from the same initial weights (max relative difference; not bitwise).
+
+Examples:
+  python3 scripts/torch_train.py --json torch_train.json
+  python3 scripts/torch_train.py --large --modes eager,cuda_graph --batches 8 --steps 100
+  python3 scripts/torch_train.py --device cpu --quick      # smoke test without a GPU
+"""
+
+import argparse
+import collections
+import datetime
+import json
+import platform
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+ALL_MODES = ("eager", "reduce_overhead", "cuda_graph")
+HEAD_DIM = 64
+MODELS = {
+    "bench": dict(layers=4, d=512, heads=8, kv_heads=4, ffn=1536, vocab=8192),
+    "large": dict(layers=8, d=1024, heads=16, kv_heads=8, ffn=2816, vocab=16384),
+    "tiny": dict(layers=2, d=128, heads=4, kv_heads=2, ffn=256, vocab=512),  # --quick on cpu
+}
+OPT = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+
+
+# --------------------------------------------------------------------------- model
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Block(nn.Module):
+    def __init__(self, c, gqa):
+        super().__init__()
+        d, self.heads, self.kv_heads, self.gqa = c["d"], c["heads"], c["kv_heads"], gqa
+        self.attn_norm = nn.RMSNorm(d, eps=1e-5)
+        self.wq = nn.Linear(d, self.heads * HEAD_DIM, bias=False)
+        self.wk = nn.Linear(d, self.kv_heads * HEAD_DIM, bias=False)
+        self.wv = nn.Linear(d, self.kv_heads * HEAD_DIM, bias=False)
+        self.wo = nn.Linear(self.heads * HEAD_DIM, d, bias=False)
+        self.mlp_norm = nn.RMSNorm(d, eps=1e-5)
+        self.gate = nn.Linear(d, c["ffn"], bias=False)
+        self.up = nn.Linear(d, c["ffn"], bias=False)
+        self.down = nn.Linear(c["ffn"], d, bias=False)
+
+    def forward(self, x, cos, sin):
+        b, t, _ = x.shape
+        h = self.attn_norm(x)
+        q = self.wq(h).view(b, t, self.heads, HEAD_DIM).transpose(1, 2)  # [B, H, T, 64]
+        k = self.wk(h).view(b, t, self.kv_heads, HEAD_DIM).transpose(1, 2)
+        v = self.wv(h).view(b, t, self.kv_heads, HEAD_DIM).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        scale = 1.0 / HEAD_DIM ** 0.5
+        if self.gqa == "sdpa":
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                               enable_gqa=True)
+        else:  # explicit repeat of the kv heads (torch < 2.5, or --gqa repeat)
+            rep = self.heads // self.kv_heads
+            o = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, dim=1),
+                                               v.repeat_interleave(rep, dim=1),
+                                               is_causal=True, scale=scale)
+        x = x + self.wo(o.transpose(1, 2).reshape(b, t, self.heads * HEAD_DIM))
+        h = self.mlp_norm(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class Llama(nn.Module):
+    def __init__(self, c, seq, gqa):
+        super().__init__()
+        self.vocab = c["vocab"]
+        self.embed = nn.Embedding(c["vocab"], c["d"])
+        self.blocks = nn.ModuleList([Block(c, gqa) for _ in range(c["layers"])])
+        self.norm = nn.RMSNorm(c["d"], eps=1e-5)
+        self.lm_head = nn.Linear(c["d"], c["vocab"], bias=False)
+        inv = 1.0 / 10000.0 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM)
+        freqs = torch.outer(torch.arange(seq, dtype=torch.float32), inv)  # [T, 32]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, 64]: dim i and i+32 share a frequency
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for blk in self.blocks:
+            x = blk(x, self.cos, self.sin)
+        return self.lm_head(self.norm(x))
+
+
+def loss_of(model, tokens, targets):
+    logits = model(tokens)
+    return F.cross_entropy(logits.view(-1, model.vocab), targets.view(-1))
+
+
+def build(c, args, device, capturable):
+    torch.manual_seed(args.seed)  # same initial weights in every mode
+    model = Llama(c, args.seq, args.gqa).to(device)
+    opt = torch.optim.AdamW(model.parameters(), capturable=capturable, **OPT)
+    return model, opt
+
+
+def make_data(c, batch, args, device):
+    g = torch.Generator().manual_seed(args.seed + 1000 + batch)
+    shape = (batch, args.seq)
+    tokens = torch.randint(0, c["vocab"], shape, generator=g, dtype=torch.long)
+    targets = torch.randint(0, c["vocab"], shape, generator=g, dtype=torch.long)
+    return tokens.to(device), targets.to(device)
+
+
+# --------------------------------------------------------------------------- runners
+
+
+def snapshot(model):
+    return [p.detach().cpu().clone() for p in model.parameters()]
+
+
+class Runner:
+    """step() runs one training step and returns the loss (a device scalar); reset() puts
+    the weights and the optimizer state back to their initial values, in place."""
+
+    def __init__(self, model, opt, step, init=None, **info):
+        self.model, self.opt, self.step, self.info = model, opt, step, info
+        self.init = init if init is not None else snapshot(model)
+
+    @torch.no_grad()
+    def reset(self):
+        for p, p0 in zip(self.model.parameters(), self.init):
+            p.copy_(p0)
+        for st in self.opt.state.values():  # AdamW: step, exp_avg, exp_avg_sq (all 0 at start)
+            for v in st.values():
+                if torch.is_tensor(v):
+                    v.zero_()
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def eager_runner(c, data, args, device, capturable=False):
+    model, opt = build(c, args, device, capturable)
+    tokens, targets = data
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = loss_of(model, tokens, targets)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return Runner(model, opt, step)
+
+
+def compiled_runner(c, data, args, device, variant, mode="reduce-overhead"):
+    """variant "whole": the whole step function compiled; "split": model+loss and
+    opt.step compiled separately. mode=None compiles without cudagraphs (default mode)."""
+    model, opt = build(c, args, device, capturable=True)
+    tokens, targets = data
+    kw = dict(dynamic=False) if mode is None else dict(mode=mode, dynamic=False)
+    mark = torch.compiler.cudagraph_mark_step_begin
+    if variant == "whole":
+        def train_step(tok, tgt):
+            opt.zero_grad(set_to_none=True)
+            loss = loss_of(model, tok, tgt)
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        compiled = torch.compile(train_step, **kw)
+
+        def step():
+            mark()
+            return compiled(tokens, targets)
+    else:
+        fwd = torch.compile(lambda tok, tgt: loss_of(model, tok, tgt), **kw)
+
+        def opt_step():
+            opt.step()
+
+        opt_step = torch.compile(opt_step, **kw)
+
+        def step():
+            mark()
+            opt.zero_grad(set_to_none=True)
+            loss = fwd(tokens, targets)
+            loss.backward()
+            opt_step()
+            return loss.detach()
+
+    return Runner(model, opt, step, variant=variant)
+
+
+def cuda_graph_runner(c, data, args, device):
+    if device.type != "cuda":
+        raise RuntimeError("cuda_graph needs a CUDA device")
+    model, opt = build(c, args, device, capturable=True)
+    tokens, targets = data
+    static_tok, static_tgt = tokens.clone(), targets.clone()
+    init = snapshot(model)  # the warm-up below trains: keep the initial weights
+    s = torch.cuda.Stream(device)
+    s.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(s):  # warm-up on a side stream (also builds the AdamW state)
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            loss_of(model, static_tok, static_tgt).backward()
+            opt.step()
+    torch.cuda.current_stream(device).wait_stream(s)
+    sync(device)
+    opt.zero_grad(set_to_none=True)
+    reserved0 = torch.cuda.memory_reserved(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss = loss_of(model, static_tok, static_tgt)
+        static_loss.backward()
+        opt.step()
+    sync(device)
+    pool_mib = (torch.cuda.memory_reserved(device) - reserved0) / 2**20
+
+    def step():
+        static_tok.copy_(tokens)
+        static_tgt.copy_(targets)
+        graph.replay()
+        return static_loss.detach()
+
+    r = Runner(model, opt, step, init=init, graph_pool_reserved_mib=pool_mib)
+    r.graph = graph  # keep alive
+    return r
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+def stats_ms(xs, prefix):
+    q = statistics.quantiles(xs, n=10) if len(xs) >= 2 else [xs[0]] * 9
+    return {f"{prefix}median_ms": statistics.median(xs), f"{prefix}p10_ms": q[0],
+            f"{prefix}p90_ms": q[-1]}
+
+
+def time_steps(step, n, device):
+    cuda = device.type == "cuda"
+    wall, ev = [], []
+    for _ in range(n):
+        if cuda:
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        sync(device)
+        t0 = time.perf_counter()
+        if cuda:
+            e0.record()
+        step()
+        if cuda:
+            e1.record()
+        sync(device)
+        wall.append((time.perf_counter() - t0) * 1e3)
+        if cuda:
+            ev.append(e0.elapsed_time(e1))
+    out = stats_ms(wall, "")
+    if ev:
+        out.update(stats_ms(ev, "event_"))
+    return out
+
+
+def count_kernels(step, device):
+    """Device activities of one step seen by torch.profiler: kernels, memcpy, memset."""
+    from torch.profiler import ProfilerActivity, profile
+    sync(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        sync(device)
+    names = collections.Counter()
+    memcpy = memset = 0
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        low = e.name.lower()
+        if "memcpy" in low:
+            memcpy += 1
+        elif "memset" in low:
+            memset += 1
+        else:
+            names[e.name[:100]] += 1
+    return {"kernels": sum(names.values()), "memcpy": memcpy, "memset": memset,
+            "kernel_names": dict(names.most_common(15))}
+
+
+def step_memory(step, device):
+    sync(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    step()
+    sync(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    return {"mem_before_step_mib": before / 2**20, "step_peak_above_mib": (peak - before) / 2**20,
+            "mem_reserved_mib": torch.cuda.memory_reserved(device) / 2**20}
+
+
+def run_losses(runner, n):
+    return [float(runner.step().item()) for _ in range(n)]
+
+
+def reset_compiler():
+    torch._dynamo.reset()
+    try:
+        from torch._dynamo.utils import counters
+        counters.clear()
+    except Exception:
+        pass
+
+
+def dynamo_stats():
+    try:  # private API, absent in some versions
+        from torch._dynamo.utils import counters
+        return {"dynamo_graphs": int(counters["stats"]["unique_graphs"]),
+                "graph_breaks": dict(counters["graph_break"]),
+                "cudagraph_skips": int(counters["inductor"]["cudagraph_skips"])}
+    except Exception:
+        return {}
+
+
+def setup_reduce_overhead(c, data, args, device, res):
+    variants = {"auto": ["whole", "split"], "whole": ["whole"], "split": ["split"]}
+    errors = []
+    for variant in variants[args.ro_variant]:
+        reset_compiler()
+        try:
+            runner = compiled_runner(c, data, args, device, variant)
+            run_losses(runner, 3)  # compile, cudagraph warm-up, record, first replay
+            sync(device)
+            res["variant"] = variant
+            if errors:
+                res["variant_fallback_reason"] = errors
+            return runner
+        except Exception as e:
+            errors.append(f"{variant}: {type(e).__name__}: {e}"[:2000])
+            if args.verbose:
+                traceback.print_exc()
+    raise RuntimeError("every reduce_overhead variant failed: " + " | ".join(errors))
+
+
+def run_one(name, c, mode, batch, args, device, ref):
+    """Measures one (model, mode, batch); returns a result dict (never raises)."""
+    res = {"model": name, "mode": mode, "batch": batch, "ok": False, "error": None,
+           "notes": []}
+    t_start = time.perf_counter()
+    runner = None
+    cuda = device.type == "cuda"
+    try:
+        data = make_data(c, batch, args, device)
+        if mode == "eager":
+            runner = eager_runner(c, data, args, device)
+        elif mode == "cuda_graph":
+            runner = cuda_graph_runner(c, data, args, device)
+        else:
+            if not cuda:
+                res["notes"].append("cpu: no cudagraphs; compiled code-path smoke test only")
+            runner = setup_reduce_overhead(c, data, args, device, res)
+        res.update(runner.info)
+        res["setup_s"] = time.perf_counter() - t_start
+
+        runner.reset()
+        losses = run_losses(runner, args.check_steps)
+        res["losses"] = losses
+        if mode != "eager" and ref:
+            res["loss_max_rel_diff"] = max(abs(a - b) / max(abs(b), 1e-12)
+                                           for a, b in zip(losses, ref))
+        for _ in range(args.warmup):
+            runner.step()
+        sync(device)
+        if cuda:
+            res.update(step_memory(runner.step, device))
+        res.update(time_steps(runner.step, args.steps, device))
+        if mode == "reduce_overhead":
+            res.update(dynamo_stats())
+            if res.get("cudagraph_skips"):
+                res["notes"].append("cudagraphs were skipped for some graph: not a replay")
+        if cuda:
+            seen = count_kernels(runner.step, device)
+            res["kernels_in_mode"] = seen["kernels"]
+            if mode == "eager":
+                res.update(seen, kernels_source="profiled eager step")
+            else:
+                del runner
+                runner = None
+                if mode == "cuda_graph":
+                    other = eager_runner(c, data, args, device, capturable=True)
+                    src = "eager step (AdamW capturable=True) standing in for the graph"
+                else:
+                    reset_compiler()
+                    other = compiled_runner(c, data, args, device, res["variant"], mode=None)
+                    src = ("the same step compiled in default mode (no cudagraphs) "
+                           "standing in for the reduce-overhead replay")
+                for _ in range(3):
+                    other.step()
+                res.update(count_kernels(other.step, device), kernels_source=src)
+                del other
+        res["ok"] = True
+    except Exception as e:
+        res["error"] = f"{type(e).__name__}: {e}"[:4000]
+        if args.verbose:
+            traceback.print_exc()
+    finally:
+        res["total_wall_s"] = time.perf_counter() - t_start
+        del runner
+        if mode == "reduce_overhead":
+            reset_compiler()
+        try:
+            sync(device)
+            if cuda:
+                torch.cuda.empty_cache()
+        except Exception as e:  # a sticky CUDA error: later runs will fail too
+            res["ok"] = False
+            res["error"] = (res["error"] or "") + f" | after: {type(e).__name__}: {e}"
+    return res
+
+
+def reference_losses(c, batch, args, device):
+    runner = eager_runner(c, make_data(c, batch, args, device), args, device)
+    losses = run_losses(runner, args.check_steps)
+    del runner
+    return losses
+
+
+# --------------------------------------------------------------------------- main
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    p.add_argument("--modes", default=",".join(ALL_MODES),
+                   help=f"comma-separated subset of {','.join(ALL_MODES)} (default: all)")
+    p.add_argument("--large", action="store_true", help="also run the large model")
+    p.add_argument("--batches", default="1,8,32", help="comma-separated (default 1,8,32)")
+    p.add_argument("--seq", type=int, default=128, help="sequence length (128)")
+    p.add_argument("--steps", type=int, default=50, help="timed steps (50)")
+    p.add_argument("--warmup", type=int, default=10, help="warm-up steps before timing (10)")
+    p.add_argument("--check-steps", type=int, default=5,
+                   help="steps whose losses are compared with eager (5)")
+    p.add_argument("--gqa", choices=("sdpa", "repeat"), default="sdpa",
+                   help="sdpa: enable_gqa=True (default); repeat: repeat_interleave kv heads")
+    p.add_argument("--ro-variant", choices=("auto", "whole", "split"), default="auto",
+                   help="reduce_overhead: compile the whole step, or model+loss and "
+                        "opt.step apart; auto tries whole, then split (default auto)")
+    p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (default cuda)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke test: batches 1,2, 3 steps, 2 warm-up, 3 checked; on cpu the "
+                        "tiny model (2 layers, d 128) with seq 32 instead of bench/large")
+    p.add_argument("--verbose", action="store_true", help="print tracebacks")
+    args = p.parse_args(argv)
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    for m in args.modes:
+        if m not in ALL_MODES:
+            p.error(f"unknown mode {m!r}; choose from {', '.join(ALL_MODES)}")
+    args.batches = [int(b) for b in args.batches.split(",") if b.strip()]
+    if args.quick:
+        args.batches, args.steps, args.warmup, args.check_steps = [1, 2], 3, 2, 3
+    if args.steps < 1 or args.warmup < 0 or args.check_steps < 1:
+        p.error("--steps and --check-steps must be >= 1, --warmup >= 0")
+    if args.gqa == "sdpa" and tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 5):
+        args.gqa = "repeat"  # enable_gqa arrived in torch 2.5
+    return args
+
+
+def result_line(r):
+    head = f"{r['model']:5s} {r['mode']:15s} B={r['batch']:<3d}"
+    if r.get("skipped"):
+        return f"{head} skipped: {r['skipped']}"
+    if not r["ok"]:
+        return f"{head} FAILED ({r['total_wall_s']:.1f} s): {r['error'].splitlines()[0][:200]}"
+    s = f"{head} median {r['median_ms']:.3f} ms (p10 {r['p10_ms']:.3f}, p90 {r['p90_ms']:.3f})"
+    if "event_median_ms" in r:
+        s += f", events {r['event_median_ms']:.3f} ms"
+    if "kernels" in r:
+        s += (f", kernels {r['kernels']} (+{r['memcpy']} memcpy, {r['memset']} memset"
+              f"{'' if r['mode'] == 'eager' else '; seen in mode ' + str(r['kernels_in_mode'])})")
+    if "step_peak_above_mib" in r:
+        s += f", peak +{r['step_peak_above_mib']:.1f} MiB"
+    s += f", loss[0] {r['losses'][0]:.4f}"
+    if "loss_max_rel_diff" in r:
+        s += f", loss rel diff {r['loss_max_rel_diff']:.1e}"
+    if r.get("variant"):
+        s += f", variant {r['variant']}"
+    if r.get("cudagraph_skips"):
+        s += f", CUDAGRAPH SKIPS {r['cudagraph_skips']}"
+    return s + f" [{r['total_wall_s']:.1f} s]"
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("CUDA is not available; use --device cpu (with --quick) for a smoke test")
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+
+    # Plain fp32: no TF32 anywhere.
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    precision = {"cuda.matmul.allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+                 "cudnn.allow_tf32": torch.backends.cudnn.allow_tf32,
+                 "float32_matmul_precision": torch.get_float32_matmul_precision()}
+
+    tiny = args.quick and device.type == "cpu"
+    if tiny:
+        args.seq = 32
+    names = ["tiny"] if tiny else ["bench"] + (["large"] if args.large else [])
+    if device.type == "cuda":
+        device_name = torch.cuda.get_device_name(device)
+    else:
+        device_name = platform.processor() or platform.machine()
+    meta = {
+        "script": "scripts/torch_train.py",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch_version": torch.__version__, "cuda_version": torch.version.cuda,
+        "python_version": platform.python_version(),
+        "device": str(device), "device_name": device_name, "precision": precision,
+        "models": {n: dict(MODELS[n], head_dim=HEAD_DIM, seq=args.seq) for n in names},
+        "optimizer": dict(OPT, name="AdamW"),
+        "timing": ("median/p10/p90_ms: synchronize + perf_counter around each step; "
+                   "event_*_ms: cuda.Event pair around each step inside the same bracket"),
+        "args": {k: v for k, v in vars(args).items() if k != "json"},
+    }
+    print(f"torch {torch.__version__} (CUDA {torch.version.cuda}) on {device_name}; "
+          f"precision {precision}; models {','.join(names)}; modes {','.join(args.modes)}; "
+          f"batches {args.batches}; seq {args.seq}; {args.steps} steps, {args.warmup} "
+          f"warm-up; gqa {args.gqa}", flush=True)
+
+    results = []
+    t_all = time.perf_counter()
+    for name in names:
+        c = MODELS[name]
+        for batch in args.batches:
+            ref = None
+            if any(m != "eager" for m in args.modes):
+                try:
+                    ref = reference_losses(c, batch, args, device)
+                except Exception as e:
+                    print(f"eager reference failed for {name} B={batch}: {e}", flush=True)
+            for mode in args.modes:
+                if mode == "cuda_graph" and device.type != "cuda":
+                    res = {"model": name, "mode": mode, "batch": batch, "ok": False,
+                           "skipped": "needs a CUDA device"}
+                else:
+                    res = run_one(name, c, mode, batch, args, device, ref)
+                results.append(res)
+                print(result_line(res), flush=True)
+
+    total = time.perf_counter() - t_all
+    print(f"\nmedian step time, ms ({total:.1f} s in all)")
+    cell = {(r["model"], r["mode"], r["batch"]): r for r in results}
+    print("model mode".ljust(22) + "".join(f"B={b}".rjust(12) for b in args.batches))
+    for name in names:
+        for m in args.modes:
+            row = f"{name} {m}".ljust(22)
+            for b in args.batches:
+                r = cell.get((name, m, b))
+                txt = ("skipped" if r.get("skipped") else
+                       f"{r['median_ms']:.3f}" if r["ok"] else "FAILED")
+                row += txt.rjust(12)
+            print(row)
+    for r in results:
+        for note in r.get("notes", []):
+            print(f"note: {r['model']} {r['mode']} B={r['batch']}: {note}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(meta, results=results, total_wall_s=total), f, indent=2)
+        print(f"wrote {args.json}")
+    return 0 if all(r["ok"] or r.get("skipped") for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
