@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""PyTorch reference for graft's training-step benchmark (the PyTorch side of the candle comparison).
+"""PyTorch side of graft's training-step benchmark (compared with the Rust/candle step).
 
 The model is a Llama-style decoder in fp32 with random weights from a fixed seed: untied
 token embedding [vocab, d]; per layer (pre-norm) RMSNorm (eps 1e-5, with weight) -> q, k, v
@@ -13,16 +13,21 @@ d -> vocab without bias; loss = mean cross-entropy over all positions. Optimizer
   bench: 4 layers, d 512, 8 heads / 4 kv heads, FFN 1536, vocab 8192
   large: 8 layers, d 1024, 16 heads / 8 kv heads, FFN 2816, vocab 16384 (with --large)
 Tokens and targets are random int64 in [0, vocab), fixed per batch size; sequence 128.
+In fp32 (torch 2.11, H100) SDPA has no fused kernel for enable_gqa=True and takes its math
+path (matmul + softmax); --gqa repeat repeats the kv heads instead and gets the fused
+memory-efficient kernels (fmha_cutlassF/B).
 
 One step = zero grads (set to None) / forward / loss / backward / optimizer step.
 Modes (each at every batch size):
   eager            plain PyTorch, AdamW default (foreach)
-  reduce_overhead  torch.compile(mode="reduce-overhead") of the whole step function with
-                   AdamW(capturable=True); Dynamo splits it at loss.backward() (the backward
-                   runs through AOTAutograd's compiled graph, the optimizer step is compiled in
-                   the resumed frame). torch.compiler.cudagraph_mark_step_begin() before each
-                   step. If that fails, variant "split": the model+loss and opt.step compiled
-                   separately with reduce-overhead, backward called between them.
+  reduce_overhead  torch.compile(mode="reduce-overhead", dynamic=False) of the whole step
+                   function, AdamW(capturable=True), cudagraph_mark_step_begin() before each
+                   step. Dynamo cannot trace it as one graph (torch 2.11): it breaks at
+                   opt.zero_grad (runs eagerly), at loss.backward() (the backward runs
+                   AOTAutograd's compiled backward) and around the optimizer's step (a
+                   deliberate break in torch.optim), giving 3 graphs (fwd+loss, bwd, AdamW),
+                   each replayed by CUDA Graph Trees. If that fails, variant "split":
+                   model+loss and opt.step compiled apart, the backward called between them.
   cuda_graph       a hand-written torch.cuda.CUDAGraph of the whole step (the "whole network
                    capture" recipe: 3 warm-up steps on a side stream, zero_grad(set_to_none),
                    capture forward+backward+AdamW(capturable=True).step()); each step copies
@@ -32,12 +37,16 @@ Per (model, mode, batch):
   * time: warm-up steps, then --steps steps, each as synchronize / perf_counter / step /
     synchronize / perf_counter (the Rust side's method): median, p10, p90 in ms; a
     cuda.Event pair inside the same bracket gives the event_* figures;
-  * kernels: CUDA kernel launches of one step by torch.profiler (memcpy and memset counted
-    apart). A replayed graph may hide its kernels from the profiler, so cuda_graph reports
-    the eager count and reduce_overhead the count of the same step compiled without
-    cudagraphs (default mode); kernels_in_mode is what the profiler saw in the mode itself;
+  * kernels: CUDA kernels of one step seen by torch.profiler (memcpy and memset counted
+    apart; attention_kernels names the fused attention kernels, if any). For the graph
+    modes the profiler may not see inside a replay, so a stand-in is profiled too
+    (kernels_standin): cuda_graph an eager step with AdamW(capturable=True), reduce_overhead
+    the same step compiled in default mode (no cudagraphs); `kernels` is the count seen in
+    the replay when it shows any kernels, else the stand-in's (kernels_source says which);
   * memory: peak allocated during one step above the allocated before it (model, grads,
-    optimizer state; for graph modes the graph pool is already allocated then);
+    optimizer state). Graph modes allocate from their pool during capture, so a replay
+    adds ~0; graph_pool_reserved_mib is the cuda_graph pool. Under reduce_overhead the
+    grads live in CUDA Graph Trees' pool, which memory_allocated does not count;
   * loss check (graph modes): after compilation/capture the weights and optimizer state are
     reset in place, --check-steps steps are run and their losses compared with an eager
     model from the same initial weights (max relative difference; not bitwise).
@@ -57,6 +66,7 @@ import statistics
 import sys
 import time
 import traceback
+import warnings
 
 import torch
 import torch.nn as nn
@@ -126,7 +136,7 @@ class Llama(nn.Module):
         self.lm_head = nn.Linear(c["d"], c["vocab"], bias=False)
         inv = 1.0 / 10000.0 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM)
         freqs = torch.outer(torch.arange(seq, dtype=torch.float32), inv)  # [T, 32]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, 64]: dim i and i+32 share a frequency
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, 64]: dims i and i+32 share a frequency
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
@@ -143,7 +153,7 @@ def loss_of(model, tokens, targets):
 
 
 def build(c, args, device, capturable):
-    torch.manual_seed(args.seed)  # same initial weights in every mode
+    torch.manual_seed(args.seed)  # the same initial weights in every mode
     model = Llama(c, args.seq, args.gqa).to(device)
     opt = torch.optim.AdamW(model.parameters(), capturable=capturable, **OPT)
     return model, opt
@@ -151,9 +161,8 @@ def build(c, args, device, capturable):
 
 def make_data(c, batch, args, device):
     g = torch.Generator().manual_seed(args.seed + 1000 + batch)
-    shape = (batch, args.seq)
-    tokens = torch.randint(0, c["vocab"], shape, generator=g, dtype=torch.long)
-    targets = torch.randint(0, c["vocab"], shape, generator=g, dtype=torch.long)
+    tokens, targets = (torch.randint(0, c["vocab"], (batch, args.seq), generator=g)
+                       for _ in range(2))
     return tokens.to(device), targets.to(device)
 
 
@@ -176,7 +185,7 @@ class Runner:
     def reset(self):
         for p, p0 in zip(self.model.parameters(), self.init):
             p.copy_(p0)
-        for st in self.opt.state.values():  # AdamW: step, exp_avg, exp_avg_sq (all 0 at start)
+        for st in self.opt.state.values():  # AdamW: step, exp_avg, exp_avg_sq, all 0 at start
             for v in st.values():
                 if torch.is_tensor(v):
                     v.zero_()
@@ -202,8 +211,8 @@ def eager_runner(c, data, args, device, capturable=False):
 
 
 def compiled_runner(c, data, args, device, variant, mode="reduce-overhead"):
-    """variant "whole": the whole step function compiled; "split": model+loss and
-    opt.step compiled separately. mode=None compiles without cudagraphs (default mode)."""
+    """variant "whole": the whole step function compiled; "split": model+loss and opt.step
+    compiled apart, backward eager between them. mode=None: default mode (no cudagraphs)."""
     model, opt = build(c, args, device, capturable=True)
     tokens, targets = data
     kw = dict(dynamic=False) if mode is None else dict(mode=mode, dynamic=False)
@@ -223,11 +232,7 @@ def compiled_runner(c, data, args, device, variant, mode="reduce-overhead"):
             return compiled(tokens, targets)
     else:
         fwd = torch.compile(lambda tok, tgt: loss_of(model, tok, tgt), **kw)
-
-        def opt_step():
-            opt.step()
-
-        opt_step = torch.compile(opt_step, **kw)
+        opt_step = torch.compile(lambda: opt.step(), **kw)
 
         def step():
             mark()
@@ -244,19 +249,20 @@ def cuda_graph_runner(c, data, args, device):
     if device.type != "cuda":
         raise RuntimeError("cuda_graph needs a CUDA device")
     model, opt = build(c, args, device, capturable=True)
+    init = snapshot(model)  # the warm-up below trains: keep the initial weights
     tokens, targets = data
     static_tok, static_tgt = tokens.clone(), targets.clone()
-    init = snapshot(model)  # the warm-up below trains: keep the initial weights
     s = torch.cuda.Stream(device)
     s.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(s):  # warm-up on a side stream (also builds the AdamW state)
+    with torch.cuda.stream(s):  # warm-up on a side stream (this also creates the AdamW state)
         for _ in range(3):
             opt.zero_grad(set_to_none=True)
             loss_of(model, static_tok, static_tgt).backward()
             opt.step()
     torch.cuda.current_stream(device).wait_stream(s)
     sync(device)
-    opt.zero_grad(set_to_none=True)
+    opt.zero_grad(set_to_none=True)  # grads are allocated from the graph's pool
+    torch.cuda.empty_cache()  # torch.cuda.graph empties it too: measure the pool alone
     reserved0 = torch.cuda.memory_reserved(device)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -277,7 +283,44 @@ def cuda_graph_runner(c, data, args, device):
     return r
 
 
+def reset_compiler():
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+
+
+def dynamo_stats():
+    try:  # private API, absent in some versions
+        from torch._dynamo.utils import counters
+        return {"dynamo_graphs": int(counters["stats"]["unique_graphs"]),
+                "graph_breaks": {k.splitlines()[0][:120]: v
+                                 for k, v in counters["graph_break"].items()},
+                "cudagraph_skips": int(counters["inductor"]["cudagraph_skips"])}
+    except Exception:
+        return {}
+
+
+def reduce_overhead_runner(c, data, args, device, res):
+    errors = []
+    for variant in {"auto": ["whole", "split"]}.get(args.ro_variant, [args.ro_variant]):
+        reset_compiler()
+        try:
+            runner = compiled_runner(c, data, args, device, variant)
+            run_losses(runner, 3)  # compile, cudagraph warm-up, record, first replay
+            sync(device)
+            res["variant_fallback_reason"] = errors
+            return runner
+        except Exception as e:
+            errors.append(f"{variant}: {type(e).__name__}: {e}"[:2000])
+            if args.verbose:
+                traceback.print_exc()
+    raise RuntimeError("every reduce_overhead variant failed: " + " | ".join(errors))
+
+
 # --------------------------------------------------------------------------- measuring
+
+
+def run_losses(runner, n):
+    return [float(runner.step().item()) for _ in range(n)]
 
 
 def stats_ms(xs, prefix):
@@ -303,15 +346,13 @@ def time_steps(step, n, device):
         wall.append((time.perf_counter() - t0) * 1e3)
         if cuda:
             ev.append(e0.elapsed_time(e1))
-    out = stats_ms(wall, "")
-    if ev:
-        out.update(stats_ms(ev, "event_"))
-    return out
+    return dict(stats_ms(wall, ""), **(stats_ms(ev, "event_") if ev else {}))
 
 
 def count_kernels(step, device):
     """Device activities of one step seen by torch.profiler: kernels, memcpy, memset."""
     from torch.profiler import ProfilerActivity, profile
+    warnings.filterwarnings("ignore", message=".*Profiler clears events")
     sync(device)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
@@ -328,8 +369,10 @@ def count_kernels(step, device):
             memset += 1
         else:
             names[e.name[:100]] += 1
+    attn = [n for n in names if any(w in n.lower() for w in ("fmha", "flash", "attention"))]
     return {"kernels": sum(names.values()), "memcpy": memcpy, "memset": memset,
-            "kernel_names": dict(names.most_common(15))}
+            "kernel_names": dict(names.most_common(20)),
+            "attention_kernels": attn or "none (SDPA's math path: matmul + softmax)"}
 
 
 def step_memory(step, device):
@@ -343,47 +386,25 @@ def step_memory(step, device):
             "mem_reserved_mib": torch.cuda.memory_reserved(device) / 2**20}
 
 
-def run_losses(runner, n):
-    return [float(runner.step().item()) for _ in range(n)]
-
-
-def reset_compiler():
-    torch._dynamo.reset()
-    try:
-        from torch._dynamo.utils import counters
-        counters.clear()
-    except Exception:
-        pass
-
-
-def dynamo_stats():
-    try:  # private API, absent in some versions
-        from torch._dynamo.utils import counters
-        return {"dynamo_graphs": int(counters["stats"]["unique_graphs"]),
-                "graph_breaks": dict(counters["graph_break"]),
-                "cudagraph_skips": int(counters["inductor"]["cudagraph_skips"])}
-    except Exception:
-        return {}
-
-
-def setup_reduce_overhead(c, data, args, device, res):
-    variants = {"auto": ["whole", "split"], "whole": ["whole"], "split": ["split"]}
-    errors = []
-    for variant in variants[args.ro_variant]:
+def kernel_report(mode, c, data, args, device, res, seen):
+    """Kernel counts of a graph mode: what the profiler saw in the replay if it saw any
+    kernels (CUPTI reports graph nodes), else a stand-in without graphs, which is always
+    counted too (kernels_standin)."""
+    if mode == "cuda_graph":
+        other = eager_runner(c, data, args, device, capturable=True)
+        src = "an eager step with AdamW(capturable=True)"
+    else:
         reset_compiler()
-        try:
-            runner = compiled_runner(c, data, args, device, variant)
-            run_losses(runner, 3)  # compile, cudagraph warm-up, record, first replay
-            sync(device)
-            res["variant"] = variant
-            if errors:
-                res["variant_fallback_reason"] = errors
-            return runner
-        except Exception as e:
-            errors.append(f"{variant}: {type(e).__name__}: {e}"[:2000])
-            if args.verbose:
-                traceback.print_exc()
-    raise RuntimeError("every reduce_overhead variant failed: " + " | ".join(errors))
+        other = compiled_runner(c, data, args, device, res["variant"], mode=None)
+        src = "the same step compiled in default mode (no cudagraphs)"
+    for _ in range(3):
+        other.step()
+    standin = count_kernels(other.step, device)
+    out = {"kernels_in_mode": seen["kernels"], "kernels_standin": standin["kernels"],
+           "kernels_standin_source": src}
+    if seen["kernels"] > 0:
+        return dict(seen, kernels_source="profiled in the graph replay", **out)
+    return dict(standin, kernels_source=f"stand-in: {src} (the replay showed none)", **out)
 
 
 def run_one(name, c, mode, batch, args, device, ref):
@@ -401,17 +422,16 @@ def run_one(name, c, mode, batch, args, device, ref):
             runner = cuda_graph_runner(c, data, args, device)
         else:
             if not cuda:
-                res["notes"].append("cpu: no cudagraphs; compiled code-path smoke test only")
-            runner = setup_reduce_overhead(c, data, args, device, res)
+                res["notes"].append("cpu: no cudagraphs; a smoke test of the compiled code")
+            runner = reduce_overhead_runner(c, data, args, device, res)
         res.update(runner.info)
         res["setup_s"] = time.perf_counter() - t_start
 
-        runner.reset()
-        losses = run_losses(runner, args.check_steps)
-        res["losses"] = losses
+        runner.reset()  # graph modes: undo the warm-up/capture steps' updates
+        res["losses"] = run_losses(runner, args.check_steps)
         if mode != "eager" and ref:
             res["loss_max_rel_diff"] = max(abs(a - b) / max(abs(b), 1e-12)
-                                           for a, b in zip(losses, ref))
+                                           for a, b in zip(res["losses"], ref))
         for _ in range(args.warmup):
             runner.step()
         sync(device)
@@ -420,28 +440,16 @@ def run_one(name, c, mode, batch, args, device, ref):
         res.update(time_steps(runner.step, args.steps, device))
         if mode == "reduce_overhead":
             res.update(dynamo_stats())
-            if res.get("cudagraph_skips"):
+            if cuda and res.get("cudagraph_skips"):
                 res["notes"].append("cudagraphs were skipped for some graph: not a replay")
         if cuda:
             seen = count_kernels(runner.step, device)
-            res["kernels_in_mode"] = seen["kernels"]
             if mode == "eager":
-                res.update(seen, kernels_source="profiled eager step")
+                res.update(seen, kernels_source="profiled")
             else:
                 del runner
                 runner = None
-                if mode == "cuda_graph":
-                    other = eager_runner(c, data, args, device, capturable=True)
-                    src = "eager step (AdamW capturable=True) standing in for the graph"
-                else:
-                    reset_compiler()
-                    other = compiled_runner(c, data, args, device, res["variant"], mode=None)
-                    src = ("the same step compiled in default mode (no cudagraphs) "
-                           "standing in for the reduce-overhead replay")
-                for _ in range(3):
-                    other.step()
-                res.update(count_kernels(other.step, device), kernels_source=src)
-                del other
+                res.update(kernel_report(mode, c, data, args, device, res, seen))
         res["ok"] = True
     except Exception as e:
         res["error"] = f"{type(e).__name__}: {e}"[:4000]
@@ -464,9 +472,35 @@ def run_one(name, c, mode, batch, args, device, ref):
 
 def reference_losses(c, batch, args, device):
     runner = eager_runner(c, make_data(c, batch, args, device), args, device)
-    losses = run_losses(runner, args.check_steps)
-    del runner
-    return losses
+    return run_losses(runner, args.check_steps)
+
+
+def result_line(r):
+    head = f"{r['model']:5s} {r['mode']:15s} B={r['batch']:<3d}"
+    if r.get("skipped"):
+        return f"{head} skipped: {r['skipped']}"
+    if not r["ok"]:
+        return f"{head} FAILED ({r['total_wall_s']:.1f} s): {r['error'].splitlines()[0][:200]}"
+    s = f"{head} median {r['median_ms']:.3f} ms (p10 {r['p10_ms']:.3f}, p90 {r['p90_ms']:.3f})"
+    if "event_median_ms" in r:
+        s += f", events {r['event_median_ms']:.3f} ms"
+    if "kernels" in r:
+        s += f", kernels {r['kernels']} (+{r['memcpy']} memcpy, {r['memset']} memset)"
+        if r["mode"] != "eager":
+            s += f" [stand-in {r['kernels_standin']}]"
+        elif isinstance(r["attention_kernels"], str):
+            s += ", attention: math path"
+    if "step_peak_above_mib" in r:
+        s += f", peak +{r['step_peak_above_mib']:.1f} MiB"
+    s += f", loss[0] {r['losses'][0]:.4f}"
+    if "loss_max_rel_diff" in r:
+        s += f", loss rel diff {r['loss_max_rel_diff']:.1e}"
+    if r.get("variant"):
+        s += f", variant {r['variant']} ({r.get('dynamo_graphs', '?')} graphs)"
+    if r.get("cudagraph_skips"):
+        s += f", CUDAGRAPH SKIPS {r['cudagraph_skips']}"
+    s += f" [{r['total_wall_s']:.1f} s]"
+    return "".join([s] + [f"\n    note: {n}" for n in r["notes"]])
 
 
 # --------------------------------------------------------------------------- main
@@ -489,14 +523,12 @@ def parse_args(argv=None):
     p.add_argument("--gqa", choices=("sdpa", "repeat"), default="sdpa",
                    help="sdpa: enable_gqa=True (default); repeat: repeat_interleave kv heads")
     p.add_argument("--ro-variant", choices=("auto", "whole", "split"), default="auto",
-                   help="reduce_overhead: compile the whole step, or model+loss and "
-                        "opt.step apart; auto tries whole, then split (default auto)")
+                   help="reduce_overhead variant; auto: whole, else split (default auto)")
     p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (default cuda)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="FILE", help="write the results as JSON")
-    p.add_argument("--quick", action="store_true",
-                   help="smoke test: batches 1,2, 3 steps, 2 warm-up, 3 checked; on cpu the "
-                        "tiny model (2 layers, d 128) with seq 32 instead of bench/large")
+    p.add_argument("--quick", action="store_true", help="smoke test: batches 1,2, 3 steps, "
+                   "2 warm-up, 3 checked; on cpu the tiny model (2 layers, d 128), seq 32")
     p.add_argument("--verbose", action="store_true", help="print tracebacks")
     args = p.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -511,30 +543,6 @@ def parse_args(argv=None):
     if args.gqa == "sdpa" and tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 5):
         args.gqa = "repeat"  # enable_gqa arrived in torch 2.5
     return args
-
-
-def result_line(r):
-    head = f"{r['model']:5s} {r['mode']:15s} B={r['batch']:<3d}"
-    if r.get("skipped"):
-        return f"{head} skipped: {r['skipped']}"
-    if not r["ok"]:
-        return f"{head} FAILED ({r['total_wall_s']:.1f} s): {r['error'].splitlines()[0][:200]}"
-    s = f"{head} median {r['median_ms']:.3f} ms (p10 {r['p10_ms']:.3f}, p90 {r['p90_ms']:.3f})"
-    if "event_median_ms" in r:
-        s += f", events {r['event_median_ms']:.3f} ms"
-    if "kernels" in r:
-        s += (f", kernels {r['kernels']} (+{r['memcpy']} memcpy, {r['memset']} memset"
-              f"{'' if r['mode'] == 'eager' else '; seen in mode ' + str(r['kernels_in_mode'])})")
-    if "step_peak_above_mib" in r:
-        s += f", peak +{r['step_peak_above_mib']:.1f} MiB"
-    s += f", loss[0] {r['losses'][0]:.4f}"
-    if "loss_max_rel_diff" in r:
-        s += f", loss rel diff {r['loss_max_rel_diff']:.1e}"
-    if r.get("variant"):
-        s += f", variant {r['variant']}"
-    if r.get("cudagraph_skips"):
-        s += f", CUDAGRAPH SKIPS {r['cudagraph_skips']}"
-    return s + f" [{r['total_wall_s']:.1f} s]"
 
 
 def main(argv=None):
@@ -557,10 +565,8 @@ def main(argv=None):
     if tiny:
         args.seq = 32
     names = ["tiny"] if tiny else ["bench"] + (["large"] if args.large else [])
-    if device.type == "cuda":
-        device_name = torch.cuda.get_device_name(device)
-    else:
-        device_name = platform.processor() or platform.machine()
+    device_name = (torch.cuda.get_device_name(device) if device.type == "cuda"
+                   else platform.processor() or platform.machine())
     meta = {
         "script": "scripts/torch_train.py",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -599,21 +605,7 @@ def main(argv=None):
                 print(result_line(res), flush=True)
 
     total = time.perf_counter() - t_all
-    print(f"\nmedian step time, ms ({total:.1f} s in all)")
-    cell = {(r["model"], r["mode"], r["batch"]): r for r in results}
-    print("model mode".ljust(22) + "".join(f"B={b}".rjust(12) for b in args.batches))
-    for name in names:
-        for m in args.modes:
-            row = f"{name} {m}".ljust(22)
-            for b in args.batches:
-                r = cell.get((name, m, b))
-                txt = ("skipped" if r.get("skipped") else
-                       f"{r['median_ms']:.3f}" if r["ok"] else "FAILED")
-                row += txt.rjust(12)
-            print(row)
-    for r in results:
-        for note in r.get("notes", []):
-            print(f"note: {r['model']} {r['mode']} B={r['batch']}: {note}")
+    print(f"{len(results)} results in {total:.1f} s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(meta, results=results, total_wall_s=total), f, indent=2)
