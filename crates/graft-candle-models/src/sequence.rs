@@ -8,7 +8,9 @@
 use candle_core::{D, Module, Result, Tensor};
 use candle_nn::Embedding;
 use candle_nn::ops::rms_norm_slow;
-use graft_candle_kernels::{causal_attention, causal_attention_fits, dense, rms_norm, rotary, swiglu};
+use graft_candle_kernels::{
+    causal_attention, causal_attention_fits, dense, rms_norm, rotary, swiglu,
+};
 
 use super::decoder::{Block, Decoder};
 use super::moe::Mlp;
@@ -90,7 +92,10 @@ impl Decoder {
             why.push(format!("attention: {e}"));
         }
         if s.sliding_window.is_some() {
-            why.push("attention: a sliding window (the fused kernel attends to every earlier position)".into());
+            why.push(
+                "attention: a sliding window (the fused kernel attends to every earlier position)"
+                    .into(),
+            );
         }
         if s.act != candle_nn::Activation::Silu {
             why.push(format!("mlp: {:?} activation (SwiGLU is fused)", s.act));
@@ -112,7 +117,8 @@ impl Decoder {
                 s.rope.max_positions
             );
         }
-        let fused_attention = causal_attention_fits(s.head_dim).is_ok() && s.sliding_window.is_none();
+        let fused_attention =
+            causal_attention_fits(s.head_dim).is_ok() && s.sliding_window.is_none();
         let mask = mask.narrow(0, 0, seq)?.narrow(1, 0, seq)?;
         let drop = |x: Tensor| match dropout {
             Some(f) => f(&x),
@@ -130,8 +136,11 @@ impl Decoder {
             if let Some((qn, kn)) = &b.qk_norm {
                 let per_head = |t: &Tensor, w: &Tensor| -> Result<Tensor> {
                     let n = t.dim(2)? / s.head_dim;
-                    rms_norm(&t.reshape((batch, seq, n, s.head_dim))?, w, eps)?
-                        .reshape((batch, seq, n * s.head_dim))
+                    rms_norm(&t.reshape((batch, seq, n, s.head_dim))?, w, eps)?.reshape((
+                        batch,
+                        seq,
+                        n * s.head_dim,
+                    ))
                 };
                 q = per_head(&q, qn)?;
                 k = per_head(&k, kn)?;
@@ -200,10 +209,20 @@ fn project(p: &Proj, x: &Tensor) -> Result<Tensor> {
 
 /// The unfused attention core over rotated token-major `q`, `k`, `v` (`[batch, seq, heads *
 /// head_dim]`): for shapes the fused kernel does not cover.
-fn unfused_attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, s: &DecoderSpec) -> Result<Tensor> {
+fn unfused_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &Tensor,
+    s: &DecoderSpec,
+) -> Result<Tensor> {
     let (batch, seq, _) = q.dims3()?;
     let hd = s.head_dim;
-    let heads = |t: &Tensor, n: usize| t.reshape((batch, seq, n, hd))?.transpose(1, 2)?.contiguous();
+    let heads = |t: &Tensor, n: usize| {
+        t.reshape((batch, seq, n, hd))?
+            .transpose(1, 2)?
+            .contiguous()
+    };
     let q = heads(q, s.heads)?;
     let k = repeat_kv(heads(k, s.kv_heads)?, s)?;
     let v = repeat_kv(heads(v, s.kv_heads)?, s)?;

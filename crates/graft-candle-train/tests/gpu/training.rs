@@ -417,3 +417,18 @@ fn a_loss_whose_dtype_changes_under_the_same_inputs_is_flagged_by_verify_mode() 
         other => panic!("expected a verify mismatch, got {other:?}"),
     }
 }
+
+/// 200 eager steps with a schedule on the GPU: the fused kernels' losses within 1e-4 relative
+/// of the unfused reference's (as tests/training.rs checks on the CPU).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fused_training_matches_unfused_on_the_gpu() -> TestResult {
+    use graft_candle_models::SequenceKernels;
+    let device = gpu();
+    let n = steps(200, 6);
+    let fused = super::training::losses_with(SequenceKernels::Fused, n, &device)?;
+    let unfused = super::training::losses_with(SequenceKernels::Unfused, n, &device)?;
+    let worst = super::training::max_relative(&fused, &unfused);
+    assert!(worst < 1e-4, "losses differ by {worst} relative");
+    Ok(())
+}
