@@ -255,16 +255,16 @@ struct Row {
 fn measure(
     name: &'static str,
     sizes: Sizes,
-    kernels: Kernels,
+    ops: Kernels,
     batch: usize,
     o: &Options,
     device: &Device,
 ) -> BenchResult<Row> {
     let data = data(batch, o.seq, sizes.vocab, device)?;
-    let identical = check(sizes, kernels, &data, device)?;
+    let identical = check(sizes, ops, &data, device)?;
     let cuda = device.as_cuda_device()?.clone();
     trim_graph_memory(&cuda)?;
-    let mut t = Trainer::new(sizes, kernels, device)?;
+    let mut t = Trainer::new(sizes, ops, device)?;
     let mut memory = [0u64; 4];
     // Eager: the default pool's peak above what the model and optimizer hold.
     reset_eager_high(&cuda)?;
@@ -338,7 +338,7 @@ fn measure(
     }
     Ok(Row {
         model: name,
-        ops: kernels,
+        ops,
         batch,
         us,
         memory,
