@@ -1,12 +1,14 @@
-//! graft-candle-kernels: fused operations for candle models (candle 0.11), forward only.
+//! graft-candle-kernels: fused operations for candle models (candle 0.11): forward ops and
+//! multi-tensor optimizer updates.
 //!
-//! Each operation is a candle custom op (`CustomOp1/2/3`) with a CUDA kernel and a CPU
-//! implementation beside it (so CI tests every op without a GPU). The CUDA kernels (feature
-//! `cuda`) are compiled with NVRTC once per process, loaded into candle's device once per
-//! device, and launched on the device's stream. Every launch configuration (grid, block,
-//! shared memory) depends only on tensor shapes, never on tensor data, so one CUDA-graph
-//! recording serves every decode position. Inputs may be f32, bf16 or f16; the kernels compute
-//! in f32 and round once to the input dtype.
+//! Each operation is a candle custom op (`CustomOp1/2/3`; `InplaceOp1` for the optimizer
+//! updates) with a CUDA kernel and a CPU implementation beside it (so CI tests every op without
+//! a GPU). The CUDA kernels (feature `cuda`) are compiled with NVRTC once per process, loaded
+//! into candle's device once per device, and launched on the device's stream. Every launch
+//! configuration (grid, block, shared memory) depends only on tensor shapes, never on tensor
+//! data, so one CUDA-graph recording serves every decode position (and every training step).
+//! Inputs may be f32, bf16 or f16; the kernels compute in f32 and round once to the input
+//! dtype.
 //!
 //! - [`decode_attention`]: one decode step of grouped-query attention over a static KV cache,
 //!   split over the cache ("flash-decoding"), reading keys and values only up to each
@@ -27,7 +29,11 @@
 //!   found through a device table of their weights' addresses, in two (three expert-major);
 //! - [`SharedExpert`]: Qwen2-MoE's shared expert with its sigmoid gate in three launches,
 //!   which [`SharedExpert::beside`] runs on a [`SideStream`] while the routed experts run on
-//!   the device's stream (a fork and a join inside a CUDA-graph capture).
+//!   the device's stream (a fork and a join inside a CUDA-graph capture);
+//! - [`adamw_update`] and [`sgd_update`]: an optimizer step over every parameter of a model in
+//!   a few launches (an all-finite check of the gradients, the update, a count), in place,
+//!   the learning rate and step counts read from a device tensor ([`optim_scalars`]), a step
+//!   with a non-finite gradient skipped on the device.
 //!
 //! Errors are [`KernelError`]s inside `candle_core::Error::Wrapped`.
 
@@ -56,3 +62,6 @@ pub use rope::{QkNorm, RopeStyle, rope_store};
 pub use shared::SharedExpert;
 pub use side::SideStream;
 pub use swiglu::swiglu;
+pub use train::{
+    AdamWHyper, OPTIM_SCALARS, OptimSlot, SgdHyper, adamw_update, optim_scalars, sgd_update,
+};

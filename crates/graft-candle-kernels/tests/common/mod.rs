@@ -11,7 +11,9 @@ use graft_candle_kernels::{
 use proptest::prelude::*;
 
 mod moe;
+mod optim;
 pub use moe::*;
+pub use optim::*;
 
 /// `n` values uniform in `[-scale, scale)` from `seed` (SplitMix64).
 pub fn values(seed: u64, n: usize, scale: f32) -> Vec<f32> {
