@@ -148,6 +148,62 @@ pub enum KernelError {
         "{op}: the backward pass found no values saved by the forward pass; run the forward pass first"
     )]
     NotSaved { op: &'static str },
+    /// An input must have one dtype only.
+    #[error("{op}: {input} is {got:?}; pass it as {expected:?}")]
+    ExpectedDType {
+        op: &'static str,
+        input: &'static str,
+        got: DType,
+        expected: DType,
+    },
+    /// An optimizer's tensor lists do not have one entry per parameter.
+    #[error(
+        "{op}: {params} parameters but {got} {input}; pass one {input} entry per parameter, in the parameters' order"
+    )]
+    ListLength {
+        op: &'static str,
+        input: &'static str,
+        params: usize,
+        got: usize,
+    },
+    /// An entry of an optimizer's tensor lists does not have its parameter's shape.
+    #[error(
+        "{op}: {input}[{index}] has shape {got:?} but its parameter has {expected:?}; pass tensors of the parameters' shapes"
+    )]
+    EntryShape {
+        op: &'static str,
+        input: &'static str,
+        index: usize,
+        got: Vec<usize>,
+        expected: Vec<usize>,
+    },
+    /// Two tensors of an optimizer step share memory that the step writes.
+    #[error(
+        "{op}: {input}[{index}] shares memory with {other}[{other_index}], which the step writes; give every parameter, state and the scalars their own memory"
+    )]
+    Overlap {
+        op: &'static str,
+        input: &'static str,
+        index: usize,
+        other: &'static str,
+        other_index: usize,
+    },
+    /// An optimizer's hyperparameter is outside its range.
+    #[error("{op}: {name} is {value}, expected {expected}; pass a value in that range")]
+    Hyperparameter {
+        op: &'static str,
+        name: &'static str,
+        value: f64,
+        expected: &'static str,
+    },
+    /// SGD got momentum buffers without momentum, or momentum without buffers.
+    #[error(
+        "sgd_update: momentum {momentum} with {buffers}; pass one buffer per parameter when the momentum is not 0 and none when it is"
+    )]
+    MomentumBuffers {
+        momentum: f64,
+        buffers: &'static str,
+    },
     /// NVRTC rejected a module's CUDA source.
     #[error(
         "NVRTC could not compile the {module} kernels: {log}; check the CUDA toolkit's NVRTC version"

@@ -1,13 +1,14 @@
-//! graft-candle-kernels: fused operations for candle models (candle 0.11), for decoding and (with
-//! a fused backward pass) training.
+//! graft-candle-kernels: fused operations for candle models (candle 0.11): for decoding and
+//! (with a fused backward pass) training, and multi-tensor optimizer updates.
 //!
-//! Each operation is a candle custom op (`CustomOp1/2/3`) with a CUDA kernel and a CPU
-//! implementation beside it (so CI tests every op without a GPU). The CUDA kernels (feature
-//! `cuda`) are compiled with NVRTC once per process, loaded into candle's device once per
-//! device, and launched on the device's stream. Every launch configuration (grid, block,
-//! shared memory) depends only on tensor shapes, never on tensor data, so one CUDA-graph
-//! recording serves every decode position. Inputs may be f32, bf16 or f16; the kernels compute
-//! in f32 and round once to the input dtype.
+//! Each operation is a candle custom op (`CustomOp1/2/3`; `InplaceOp1` for the optimizer
+//! updates) with a CUDA kernel and a CPU implementation beside it (so CI tests every op without
+//! a GPU). The CUDA kernels (feature `cuda`) are compiled with NVRTC once per process, loaded
+//! into candle's device once per device, and launched on the device's stream. Every launch
+//! configuration (grid, block, shared memory) depends only on tensor shapes, never on tensor
+//! data, so one CUDA-graph recording serves every decode position (and every training step).
+//! Inputs may be f32, bf16 or f16; the kernels compute in f32 and round once to the input
+//! dtype.
 //!
 //! - [`decode_attention`]: one decode step of grouped-query attention over a static KV cache,
 //!   split over the cache ("flash-decoding"), reading keys and values only up to each
@@ -34,6 +35,10 @@
 //!   the row log-sum-exps kept for the backward pass, nothing of size seq × seq stored),
 //!   deterministic, with grouped-query heads; `loss.backward()` runs the fused gradient
 //!   kernels.
+//! - [`adamw_update`] and [`sgd_update`]: an optimizer step over every parameter of a model in
+//!   a few launches (an all-finite check of the gradients, the update, a count), in place,
+//!   the learning rate and step counts read from a device tensor ([`optim_scalars`]), a step
+//!   with a non-finite gradient skipped on the device.
 //!
 //! Errors are [`KernelError`]s inside `candle_core::Error::Wrapped`.
 
@@ -62,4 +67,7 @@ pub use rope::{QkNorm, RopeStyle, rope_store};
 pub use shared::SharedExpert;
 pub use side::SideStream;
 pub use swiglu::swiglu;
-pub use train::{causal_attention, causal_attention_fits, cross_entropy, dense, rms_norm, rotary};
+pub use train::{
+    AdamWHyper, OPTIM_SCALARS, OptimSlot, SgdHyper, adamw_update, causal_attention,
+    causal_attention_fits, cross_entropy, dense, optim_scalars, rms_norm, rotary, sgd_update,
+};

@@ -1,6 +1,7 @@
 //! The fused ops on the CPU (CI): each against the unfused candle composition over random
 //! shapes and dtypes (the causal attention's gradients too), decode attention's reading of
-//! visible positions only, and the errors.
+//! visible positions only, the multi-tensor optimizer updates against their elementwise
+//! reference, and the errors.
 
 mod common;
 
@@ -394,4 +395,97 @@ fn route_and_experts_refuse_bad_inputs() {
     let err = message(experts.forward(&w(3, 4), &routing));
     assert!(err.contains("one routed row per token of x"), "{err}");
     assert_eq!(experts.forward(&w(2, 4), &routing).unwrap().dims(), [2, 4]);
+}
+
+proptest! {
+    // Fewer cases: each runs up to 170 tensors for several steps against the reference.
+    #![proptest_config(ProptestConfig::with_cases(10))]
+
+    #[test]
+    fn optimizer_updates_match_the_elementwise_reference(case in optim_cases()) {
+        check_optim(&Device::Cpu, &case).unwrap();
+    }
+}
+
+#[test]
+fn a_non_finite_gradient_skips_the_optimizer_step() {
+    for case in skipping_cases() {
+        check_optim(&Device::Cpu, &case).unwrap();
+    }
+}
+
+#[test]
+fn optimizer_updates_refuse_bad_inputs() {
+    use graft_candle_kernels::{AdamWHyper, SgdHyper, adamw_update, optim_scalars, sgd_update};
+    let dev = &Device::Cpu;
+    let z = |n: usize| Tensor::zeros(n, DType::F32, dev).unwrap();
+    let hyper = AdamWHyper {
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.0,
+    };
+    let s = optim_scalars(0.1, dev).unwrap();
+    let (p, g, m, v) = (z(4), z(4), z(4), z(4));
+    let adamw = |p: &[&Tensor], g: &[&Tensor], m: &[&Tensor], v: &[&Tensor], s: &Tensor| {
+        message(adamw_update(p, g, m, v, s, &hyper))
+    };
+    let err = adamw(&[&p], &[], &[&m], &[&v], &s);
+    assert!(err.contains("1 parameters but 0 grads"), "{err}");
+    let err = adamw(&[&p], &[&z(5)], &[&m], &[&v], &s);
+    assert!(
+        err.contains("grads[0] has shape [5] but its parameter has [4]"),
+        "{err}"
+    );
+    let g16 = g.to_dtype(DType::F16).unwrap();
+    let err = adamw(&[&p], &[&g16], &[&m], &[&v], &s);
+    assert!(
+        err.contains("grads is F16 but its parameter is F32"),
+        "{err}"
+    );
+    let err = adamw(&[&p], &[&g], &[&p], &[&v], &s);
+    assert!(err.contains("shares memory with params[0]"), "{err}");
+    let err = adamw(&[&s], &[&g], &[&m], &[&v], &s);
+    assert!(err.contains("shares memory with"), "{err}");
+    let wide = z(8);
+    let (a, b) = (wide.narrow(0, 0, 4).unwrap(), wide.narrow(0, 3, 4).unwrap());
+    let err = adamw(&[&a, &b], &[&g, &g], &[&m, &z(4)], &[&v, &z(4)], &s);
+    assert!(err.contains("shares memory with params[0]"), "{err}");
+    // Disjoint views of one storage are fine, and so is one gradient read twice.
+    let b = wide.narrow(0, 4, 4).unwrap();
+    adamw_update(&[&a, &b], &[&g, &g], &[&m, &z(4)], &[&v, &z(4)], &s, &hyper).unwrap();
+    let t = Tensor::zeros((2, 2), DType::F32, dev).unwrap().t().unwrap();
+    let err = adamw(&[&t], &[&g], &[&m], &[&v], &s);
+    assert!(err.contains("params is not contiguous"), "{err}");
+    let err = adamw(&[&p.to_dtype(DType::U32).unwrap()], &[&g], &[&m], &[&v], &s);
+    assert!(err.contains("params is U32"), "{err}");
+    let err = adamw(&[&p], &[&g], &[&m], &[&v], &z(3));
+    assert!(err.contains("scalars has shape [3]"), "{err}");
+    let err = adamw(&[&p], &[&g], &[&m], &[&v], &s.to_dtype(DType::F16).unwrap());
+    assert!(err.contains("scalars is F16; pass it as F32"), "{err}");
+    let bad = AdamWHyper {
+        beta1: 1.0,
+        ..hyper
+    };
+    let err = message(adamw_update(&[&p], &[&g], &[&m], &[&v], &s, &bad));
+    assert!(err.contains("beta1 is 1, expected in [0, 1)"), "{err}");
+    let err = message(optim_scalars(f64::NAN, dev));
+    assert!(err.contains("lr is NaN"), "{err}");
+
+    let sgd = SgdHyper {
+        momentum: 0.9,
+        weight_decay: 0.0,
+    };
+    let err = message(sgd_update(&[&p], &[&g], None, &s, &sgd));
+    assert!(err.contains("momentum 0.9 with no buffers"), "{err}");
+    let plain = SgdHyper {
+        momentum: 0.0,
+        ..sgd
+    };
+    let err = message(sgd_update(&[&p], &[&g], Some(&[&m]), &s, &plain));
+    assert!(err.contains("momentum 0 with buffers"), "{err}");
+    // Empty tensors and empty lists are steps too: counted, nothing to update.
+    sgd_update(&[&z(0)], &[&z(0)], None, &s, &plain).unwrap();
+    sgd_update(&[], &[], None, &s, &plain).unwrap();
+    assert_eq!(s.to_vec1::<f32>().unwrap(), [0.1, 3.0, 0.0, 0.0]);
 }

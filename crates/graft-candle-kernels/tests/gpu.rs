@@ -232,3 +232,22 @@ fn gpu_decode_attention_reads_only_visible_positions() {
         check_attention_reads_only_visible(&dev, dtype).unwrap();
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(cases()))]
+
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_optimizer_updates_match_the_elementwise_reference(case in optim_cases()) {
+        check_optim(&gpu(), &case).unwrap();
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_a_non_finite_gradient_skips_the_optimizer_step() {
+    let dev = gpu();
+    for case in skipping_cases() {
+        check_optim(&dev, &case).unwrap();
+    }
+}

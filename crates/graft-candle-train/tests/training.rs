@@ -1,13 +1,17 @@
 //! Capturable optimizers and the trainable model on the CPU: the same updates as candle-nn's
-//! AdamW and PyTorch's SGD, a non-finite gradient skipped, accumulation equal to one large
-//! batch, and a model that learns (tests/gpu.rs runs them graphed and compares with eager).
+//! AdamW and PyTorch's SGD, the multi-tensor updates equal to the elementwise reference, a
+//! non-finite gradient skipped, accumulation equal to one large batch, and a model that learns
+//! (tests/gpu.rs runs them graphed and compares with eager).
 
 #[path = "support/training.rs"]
 mod training;
 
 use candle_core::{DType, Device, Result, Tensor, Var};
 use candle_nn::Optimizer;
-use graft_candle_train::optim::{AdamW, AdamWConfig, GradAccumulator, Gradients, Sgd, SgdConfig};
+use graft_candle_train::Trainable;
+use graft_candle_train::optim::{
+    AdamW, AdamWConfig, GradAccumulator, Gradients, Sgd, SgdConfig, Update,
+};
 use training::{adamw_step, batches, config, model_and_adamw, parameters, schedule};
 
 fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
@@ -62,6 +66,100 @@ fn adamw_matches_candle_nn_adamw() -> Result<()> {
     );
     assert_eq!((ours.applied_steps()?, ours.skipped_steps()?), (20, 0));
     assert!(losses[19] < losses[0] - 0.5, "the model learns: {losses:?}");
+    Ok(())
+}
+
+/// What a run of the model ends with: losses, parameters, applied and skipped steps.
+type Run = (Vec<f32>, Vec<Vec<f32>>, (u64, u64));
+
+fn adamw_run(update: Update, steps: usize) -> Result<Run> {
+    let device = Device::Cpu;
+    let data = batches(&config(), 2, 16, 3, &device)?;
+    let model = Trainable::random(&config(), 7, DType::F32, &device)?;
+    let cfg = AdamWConfig {
+        lr: 3e-3,
+        ..AdamWConfig::default()
+    };
+    let mut opt = AdamW::with_update(model.vars().to_vec(), cfg, update)?;
+    assert_eq!(opt.update(), update);
+    assert_eq!(opt.statics().len(), 3 * model.vars().len() + 1);
+    let mut losses = Vec::new();
+    for step in 0..steps {
+        opt.set_learning_rate(schedule(step))?;
+        let (tokens, targets) = &data[step % data.len()];
+        let loss = adamw_step(&model, &mut opt, tokens, targets)?;
+        losses.push(loss.to_vec1::<f32>()?[0]);
+    }
+    let counts = (opt.applied_steps()?, opt.skipped_steps()?);
+    Ok((losses, parameters(&model)?, counts))
+}
+
+#[test]
+fn multi_tensor_adamw_matches_the_elementwise_reference() -> Result<()> {
+    let fused = adamw_run(Update::MultiTensor, 12)?;
+    let reference = adamw_run(Update::Elementwise, 12)?;
+    for (step, (a, b)) in fused.0.iter().zip(&reference.0).enumerate() {
+        assert!(
+            (a - b).abs() <= 1e-5 * b.abs(),
+            "step {step}: loss {a}, the reference's {b}"
+        );
+    }
+    let diff = max_diff(&fused.1, &reference.1);
+    assert!(
+        diff < 1e-5,
+        "parameters differ from the reference by {diff}"
+    );
+    assert_eq!((fused.2, reference.2), ((12, 0), (12, 0)));
+    Ok(())
+}
+
+#[test]
+fn multi_tensor_sgd_matches_the_elementwise_reference() -> Result<()> {
+    let device = Device::Cpu;
+    for momentum in [0.0, 0.9] {
+        let cfg = SgdConfig {
+            lr: 0.1,
+            momentum,
+            weight_decay: 0.01,
+        };
+        let run = |update: Update| -> Result<Vec<Vec<f32>>> {
+            let vars = [(3, 7), (17, 1), (1, 40)]
+                .into_iter()
+                .map(|(rows, cols)| {
+                    let t = Tensor::arange(0u32, (rows * cols) as u32, &device)?;
+                    Var::from_tensor(
+                        &t.to_dtype(DType::F32)?
+                            .affine(0.1, -1.0)?
+                            .reshape((rows, cols))?,
+                    )
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let mut sgd = Sgd::with_update(vars.clone(), cfg, update)?;
+            for step in 0..5 {
+                sgd.set_learning_rate(0.1 / (step + 1) as f64)?;
+                // The last parameter has no gradient at odd steps: it is left alone.
+                let grads = vars
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, _)| *i < 2 || step % 2 == 0)
+                    .map(|(i, v)| {
+                        let g = (v.as_tensor().sin()? * (step + i) as f64)?;
+                        Ok((v.as_tensor().clone(), g))
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                sgd.step(&Given(grads))?;
+            }
+            assert_eq!((sgd.applied_steps()?, sgd.skipped_steps()?), (5, 0));
+            vars.iter()
+                .map(|v| v.as_tensor().flatten_all()?.to_vec1::<f32>())
+                .collect()
+        };
+        let diff = max_diff(&run(Update::MultiTensor)?, &run(Update::Elementwise)?);
+        assert!(
+            diff < 1e-6,
+            "momentum {momentum}: sgd differs from the reference by {diff}"
+        );
+    }
     Ok(())
 }
 
@@ -227,7 +325,7 @@ impl Gradients for GradStoreless {
 
 #[test]
 fn the_model_refuses_a_sequence_longer_than_max_seq() -> Result<()> {
-    let model = graft_candle_train::Trainable::random(&config(), 1, DType::F32, &Device::Cpu)?;
+    let model = Trainable::random(&config(), 1, DType::F32, &Device::Cpu)?;
     let tokens = Tensor::zeros((1, 33), DType::U32, &Device::Cpu)?;
     assert!(model.forward(&tokens, None).is_err());
     Ok(())

@@ -2,9 +2,10 @@
 //! the device.
 
 use candle_core::{Result, Tensor, Var};
+use graft_candle_kernels::{AdamWHyper, OptimSlot, adamw_update};
 
-use super::Gradients;
-use super::scalars::Scalars;
+use super::scalars::{Scalars, with_gradients};
+use super::{Gradients, Update};
 
 /// AdamW's hyperparameters; the defaults are candle-nn's and PyTorch's.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -47,16 +48,31 @@ pub struct AdamW {
     params: Vec<Param>,
     cfg: AdamWConfig,
     scalars: Scalars,
+    update: Update,
+}
+
+impl AdamWConfig {
+    fn hyper(&self) -> AdamWHyper {
+        AdamWHyper {
+            beta1: self.beta1,
+            beta2: self.beta2,
+            eps: self.eps,
+            weight_decay: self.weight_decay,
+        }
+    }
 }
 
 impl AdamW {
-    /// AdamW over `vars`, with zeroed moments. All on one device.
+    /// AdamW over `vars`, with zeroed moments, updated by the multi-tensor kernels. All on one
+    /// device.
     pub fn new(vars: Vec<Var>, cfg: AdamWConfig) -> Result<AdamW> {
-        for (name, beta) in [("beta1", cfg.beta1), ("beta2", cfg.beta2)] {
-            if !(0.0..1.0).contains(&beta) {
-                candle_core::bail!("adamw's {name} must be in [0, 1), got {beta}");
-            }
-        }
+        AdamW::with_update(vars, cfg, Update::MultiTensor)
+    }
+
+    /// AdamW over `vars` updated as `update` says ([`Update::Elementwise`]: the reference).
+    pub fn with_update(vars: Vec<Var>, cfg: AdamWConfig, update: Update) -> Result<AdamW> {
+        // Betas in [0, 1), eps and weight decay finite and not negative.
+        AdamWHyper::check(&cfg.hyper())?;
         let device = match vars.first() {
             Some(v) => v.device().clone(),
             None => candle_core::bail!("adamw needs at least one parameter"),
@@ -77,16 +93,45 @@ impl AdamW {
             params,
             cfg,
             scalars,
+            update,
         })
+    }
+
+    /// How the steps update the parameters.
+    pub fn update(&self) -> Update {
+        self.update
     }
 
     /// One update from `grads`, entirely on the device and capturable: advances the step
     /// count, or, when a gradient is not finite, leaves every parameter and moment as it was
     /// and counts a skipped step. Parameters without a gradient are left alone.
     pub fn step(&mut self, grads: &impl Gradients) -> Result<()> {
-        let finite = self
-            .scalars
-            .begin_step(self.params.iter().map(|p| p.var.as_tensor()), grads)?;
+        let found = with_gradients(&self.params, |p| &p.var, grads)?;
+        if self.update == Update::Elementwise {
+            return self.elementwise(&found);
+        }
+        let mut lists: [Vec<&Tensor>; 4] = Default::default();
+        for (p, g) in found {
+            lists[0].push(p.var.as_tensor());
+            lists[1].push(g);
+            lists[2].push(p.m.as_tensor());
+            lists[3].push(p.v.as_tensor());
+        }
+        let [params, grads, m, v] = &lists;
+        adamw_update(
+            params,
+            grads,
+            m,
+            v,
+            self.scalars.tensor(),
+            &self.cfg.hyper(),
+        )
+    }
+
+    /// The reference step: elementwise candle ops per parameter.
+    fn elementwise(&self, found: &[(&Param, &Tensor)]) -> Result<()> {
+        let grads: Vec<&Tensor> = found.iter().map(|(_, g)| *g).collect();
+        let finite = self.scalars.begin_step(&grads)?;
         let AdamWConfig {
             beta1,
             beta2,
@@ -96,16 +141,13 @@ impl AdamW {
         } = self.cfg;
         // 1 - beta^t, from the device step count (a skipped first step gives 0; its update
         // is discarded by the select below).
-        let t = self.scalars.applied();
-        let correction = |beta: f64| (t * beta.ln())?.exp()?.affine(-1.0, 1.0);
+        let t = self.scalars.slot(OptimSlot::Applied)?;
+        let correction = |beta: f64| (&t * beta.ln())?.exp()?.affine(-1.0, 1.0);
         let (c1, c2) = (correction(beta1)?, correction(beta2)?);
-        let lr = self.scalars.lr();
-        let decay = (lr * weight_decay)?.affine(-1.0, 1.0)?;
-        for p in &self.params {
+        let lr = self.scalars.slot(OptimSlot::LearningRate)?;
+        let decay = (&lr * weight_decay)?.affine(-1.0, 1.0)?;
+        for &(p, g) in found {
             let theta = p.var.as_tensor();
-            let Some(g) = grads.gradient(theta) else {
-                continue;
-            };
             let dtype = theta.dtype();
             let (c1, c2, lr, decay) = (
                 c1.to_dtype(dtype)?,
@@ -155,13 +197,13 @@ impl AdamW {
     }
 
     /// Every tensor a step reads or writes in place, to pass as statics of the training step:
-    /// the parameters, both moments, the learning rate and the step counts.
+    /// the parameters, both moments, and the scalars (learning rate, step counts, flag).
     pub fn statics(&self) -> Vec<&Tensor> {
-        let mut all: Vec<&Tensor> = Vec::with_capacity(3 * self.params.len() + 3);
+        let mut all: Vec<&Tensor> = Vec::with_capacity(3 * self.params.len() + 1);
         for p in &self.params {
             all.extend([p.var.as_tensor(), p.m.as_tensor(), p.v.as_tensor()]);
         }
-        all.extend(self.scalars.tensors());
+        all.push(self.scalars.tensor());
         all
     }
 }

@@ -7,13 +7,22 @@
 //! recorded step's update. The optimizers here compute every value that changes between
 //! steps from device tensors, which are statics of the step ([`AdamW::statics`]):
 //!
-//! - the step count `t` is a `[1]` f32 tensor the update advances on the device, and the bias
+//! - the step count `t` is an f32 on the device that the update advances, and the bias
 //!   corrections are `1 - exp(t ln beta)`, computed from it;
-//! - the learning rate is a `[1]` f32 tensor: [`AdamW::set_learning_rate`] writes it between
+//! - the learning rate is an f32 on the device: [`AdamW::set_learning_rate`] writes it between
 //!   steps (an upload, never inside a step), so a schedule changes it without a new recording;
-//! - a step whose gradients are not all finite is skipped on the device: every update is a
-//!   `where` on a device flag, the step count does not advance, and a skip counter does
+//! - a step whose gradients are not all finite is skipped on the device: no parameter or
+//!   state changes, the step count does not advance, and a skip counter does
 //!   ([`AdamW::skipped_steps`]).
+//!
+//! The learning rate and both counts are one `[4]` f32 device tensor (graft-candle-kernels'
+//! optimizer scalars), a static of the step beside the parameters and their state.
+//!
+//! By default ([`Update::MultiTensor`]) a step runs graft-candle-kernels' multi-tensor update,
+//! which updates every parameter in a few launches (an all-finite check of the gradients, the
+//! update, a count; more only past 64 parameters on CUDA). [`Update::Elementwise`] is the
+//! reference and the fallback: the same update from about twenty elementwise candle ops per
+//! parameter, every update a `where` on the device flag.
 //!
 //! Gradients come from candle's `GradStore` (one backward) or from a [`GradAccumulator`]
 //! (several micro-batches), through [`Gradients`].
@@ -26,6 +35,19 @@ mod sgd;
 pub use accumulate::GradAccumulator;
 pub use adamw::{AdamW, AdamWConfig};
 pub use sgd::{Sgd, SgdConfig};
+
+/// How an optimizer step updates the parameters.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Update {
+    /// graft-candle-kernels' multi-tensor update: every parameter in a few launches (the
+    /// default).
+    #[default]
+    MultiTensor,
+    /// The reference (and fallback): elementwise candle ops per parameter, gated by a device
+    /// `where`. The same arithmetic; in bf16 or f16 it rounds after every op where the
+    /// multi-tensor update computes in f32 and rounds once.
+    Elementwise,
+}
 
 use candle_core::Tensor;
 use candle_core::backprop::GradStore;

@@ -1,23 +1,22 @@
 //! The device-side values every capturable optimizer keeps (learning rate, applied and
-//! skipped step counts) and the all-finite flag that gates an update.
+//! skipped step counts, and the multi-tensor step's not-finite flag: graft-candle-kernels'
+//! optimizer scalars, one `[4]` f32 tensor), the parameters a step updates, and the
+//! all-finite flag that gates the elementwise reference update.
 
 use candle_core::{DType, Device, Result, Tensor, Var};
+use graft_candle_kernels::{OPTIM_SCALARS, OptimSlot, optim_scalars};
 
 use super::Gradients;
 
-/// An optimizer's scalars, each a `[1]` f32 tensor on the parameters' device.
+/// An optimizer's scalars: a `[4]` f32 tensor on the parameters' device, by [`OptimSlot`].
 #[derive(Debug)]
 pub(crate) struct Scalars {
-    lr: Var,
-    /// Updates applied: AdamW's `t`.
-    applied: Var,
-    /// Updates skipped because a gradient was not finite.
-    skipped: Var,
+    values: Var,
     /// The rate last written, so reading it costs no device round trip.
     lr_host: f64,
 }
 
-/// The flag of one step: whether every gradient was finite.
+/// The flag of one elementwise step: whether every gradient was finite.
 pub(crate) struct Finite {
     /// `[1]` u8: 1 when every gradient was finite.
     pub(crate) mask: Tensor,
@@ -27,16 +26,16 @@ impl Scalars {
     pub(crate) fn new(device: &Device, lr: f64) -> Result<Scalars> {
         check_rate(lr)?;
         Ok(Scalars {
-            lr: Var::from_tensor(&Tensor::new(&[lr as f32], device)?)?,
-            applied: Var::zeros(1, DType::F32, device)?,
-            skipped: Var::zeros(1, DType::F32, device)?,
+            values: Var::from_tensor(&optim_scalars(lr, device)?)?,
             lr_host: lr,
         })
     }
 
     pub(crate) fn set_lr(&mut self, lr: f64) -> Result<()> {
         check_rate(lr)?;
-        self.lr.set(&Tensor::new(&[lr as f32], self.lr.device())?)?;
+        let value = Tensor::new(&[lr as f32], self.values.device())?;
+        self.values
+            .slice_set(&value, 0, OptimSlot::LearningRate.index())?;
         self.lr_host = lr;
         Ok(())
     }
@@ -45,60 +44,50 @@ impl Scalars {
         self.lr_host
     }
 
-    pub(crate) fn lr(&self) -> &Tensor {
-        self.lr.as_tensor()
+    /// The `[4]` tensor: what the multi-tensor updates read and advance, and a static of the
+    /// step.
+    pub(crate) fn tensor(&self) -> &Tensor {
+        self.values.as_tensor()
     }
 
-    pub(crate) fn applied(&self) -> &Tensor {
-        self.applied.as_tensor()
+    /// One slot as a `[1]` view of the tensor.
+    pub(crate) fn slot(&self, slot: OptimSlot) -> Result<Tensor> {
+        self.values.narrow(0, slot.index(), 1)
     }
 
-    pub(crate) fn tensors(&self) -> [&Tensor; 3] {
-        [
-            self.lr.as_tensor(),
-            self.applied.as_tensor(),
-            self.skipped.as_tensor(),
-        ]
-    }
-
-    /// Checks the gradients of `params` and counts the step as applied or skipped, on the
-    /// device. A gradient is finite when `g * 0` sums to 0: any inf or NaN makes it NaN.
-    pub(crate) fn begin_step<'a>(
-        &self,
-        params: impl Iterator<Item = &'a Tensor>,
-        grads: &impl Gradients,
-    ) -> Result<Finite> {
-        let mut total: Option<Tensor> = None;
-        for p in params {
-            if let Some(g) = grads.gradient(p) {
-                let zero = (g.to_dtype(DType::F32)? * 0.0)?.sum_all()?;
-                total = Some(match total {
-                    Some(t) => (t + zero)?,
-                    None => zero,
-                });
-            }
+    /// Checks `grads` and counts the step as applied or skipped, on the device, for the
+    /// elementwise update. A gradient is finite when `g * 0` sums to 0: any inf or NaN makes
+    /// it NaN.
+    pub(crate) fn begin_step(&self, grads: &[&Tensor]) -> Result<Finite> {
+        // Zeros made on the device (a host scalar would be an upload).
+        let mut total = self.slot(OptimSlot::Applied)?.zeros_like()?;
+        for g in grads {
+            let zero = (g.to_dtype(DType::F32)? * 0.0)?.sum_all()?.reshape(1)?;
+            total = (total + zero)?;
         }
-        let total = match total {
-            Some(t) => t.reshape(1)?,
-            None => candle_core::bail!("the optimizer step got no gradient for any parameter"),
-        };
-        // A comparison with a tensor made on the device: a host scalar would be an upload.
         let mask = total.eq(&total.zeros_like()?)?;
         let ok = mask.to_dtype(DType::F32)?;
-        self.applied.set(&(self.applied.as_tensor() + &ok)?)?;
-        self.skipped
-            .set(&(self.skipped.as_tensor() + ok.affine(-1.0, 1.0)?)?)?;
+        let mut delta = vec![ok.zeros_like()?; OPTIM_SCALARS];
+        delta[OptimSlot::Skipped.index()] = ok.affine(-1.0, 1.0)?;
+        delta[OptimSlot::Applied.index()] = ok;
+        let next = (self.values.as_tensor() + Tensor::cat(&delta, 0)?)?;
+        self.values.set(&next)?;
         Ok(Finite { mask })
     }
 
     /// Updates applied so far (a host read: between steps).
     pub(crate) fn applied_steps(&self) -> Result<u64> {
-        read_count(&self.applied)
+        self.read(OptimSlot::Applied)
     }
 
     /// Updates skipped so far (a host read: between steps).
     pub(crate) fn skipped_steps(&self) -> Result<u64> {
-        read_count(&self.skipped)
+        self.read(OptimSlot::Skipped)
+    }
+
+    fn read(&self, slot: OptimSlot) -> Result<u64> {
+        let v = self.slot(slot)?.to_vec1::<f32>()?;
+        Ok(v.first().copied().unwrap_or(0.0) as u64)
     }
 }
 
@@ -109,9 +98,21 @@ impl Finite {
     }
 }
 
-fn read_count(var: &Var) -> Result<u64> {
-    let v = var.as_tensor().to_vec1::<f32>()?;
-    Ok(v.first().copied().unwrap_or(0.0) as u64)
+/// The parameters of `params` (each found by `var`) that have a gradient in `grads`, each
+/// with it, in order; an error when none has. Parameters without a gradient are left alone.
+pub(crate) fn with_gradients<'p, 'g, P>(
+    params: &'p [P],
+    var: impl Fn(&P) -> &Var,
+    grads: &'g impl Gradients,
+) -> Result<Vec<(&'p P, &'g Tensor)>> {
+    let found: Vec<_> = params
+        .iter()
+        .filter_map(|p| grads.gradient(var(p).as_tensor()).map(|g| (p, g)))
+        .collect();
+    if found.is_empty() {
+        candle_core::bail!("the optimizer step got no gradient for any parameter");
+    }
+    Ok(found)
 }
 
 fn check_rate(lr: f64) -> Result<()> {

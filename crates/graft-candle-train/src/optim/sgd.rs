@@ -2,9 +2,10 @@
 //! rate on the device.
 
 use candle_core::{Result, Tensor, Var};
+use graft_candle_kernels::{OptimSlot, SgdHyper, sgd_update};
 
-use super::Gradients;
-use super::scalars::Scalars;
+use super::scalars::{Scalars, with_gradients};
+use super::{Gradients, Update};
 
 /// SGD's hyperparameters.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -32,14 +33,29 @@ pub struct Sgd {
     params: Vec<Param>,
     cfg: SgdConfig,
     scalars: Scalars,
+    update: Update,
+}
+
+impl SgdConfig {
+    fn hyper(&self) -> SgdHyper {
+        SgdHyper {
+            momentum: self.momentum,
+            weight_decay: self.weight_decay,
+        }
+    }
 }
 
 impl Sgd {
-    /// SGD over `vars`, with zeroed momentum buffers. All on one device.
+    /// SGD over `vars`, with zeroed momentum buffers, updated by the multi-tensor kernels. All
+    /// on one device.
     pub fn new(vars: Vec<Var>, cfg: SgdConfig) -> Result<Sgd> {
-        if !(0.0..1.0).contains(&cfg.momentum) {
-            candle_core::bail!("sgd's momentum must be in [0, 1), got {}", cfg.momentum);
-        }
+        Sgd::with_update(vars, cfg, Update::MultiTensor)
+    }
+
+    /// SGD over `vars` updated as `update` says ([`Update::Elementwise`]: the reference).
+    pub fn with_update(vars: Vec<Var>, cfg: SgdConfig, update: Update) -> Result<Sgd> {
+        // Momentum in [0, 1), weight decay finite and not negative.
+        SgdHyper::check(&cfg.hyper())?;
         let device = match vars.first() {
             Some(v) => v.device().clone(),
             None => candle_core::bail!("sgd needs at least one parameter"),
@@ -58,22 +74,45 @@ impl Sgd {
             params,
             cfg,
             scalars,
+            update,
         })
+    }
+
+    /// How the steps update the parameters.
+    pub fn update(&self) -> Update {
+        self.update
     }
 
     /// One update from `grads`, on the device and capturable: `buf = momentum * buf + g`,
     /// `theta -= lr * buf` (with `g += weight_decay * theta` first), or nothing at all when a
     /// gradient is not finite (counted as skipped).
     pub fn step(&mut self, grads: &impl Gradients) -> Result<()> {
-        let finite = self
-            .scalars
-            .begin_step(self.params.iter().map(|p| p.var.as_tensor()), grads)?;
-        let lr = self.scalars.lr();
-        for p in &self.params {
+        let found = with_gradients(&self.params, |p| &p.var, grads)?;
+        if self.update == Update::Elementwise {
+            return self.elementwise(&found);
+        }
+        let params: Vec<&Tensor> = found.iter().map(|(p, _)| p.var.as_tensor()).collect();
+        let grads: Vec<&Tensor> = found.iter().map(|(_, g)| *g).collect();
+        let buffers: Option<Vec<&Tensor>> = found
+            .iter()
+            .map(|(p, _)| p.buf.as_ref().map(Var::as_tensor))
+            .collect();
+        sgd_update(
+            &params,
+            &grads,
+            buffers.as_deref(),
+            self.scalars.tensor(),
+            &self.cfg.hyper(),
+        )
+    }
+
+    /// The reference step: elementwise candle ops per parameter.
+    fn elementwise(&self, found: &[(&Param, &Tensor)]) -> Result<()> {
+        let grads: Vec<&Tensor> = found.iter().map(|(_, g)| *g).collect();
+        let finite = self.scalars.begin_step(&grads)?;
+        let lr = self.scalars.slot(OptimSlot::LearningRate)?;
+        for &(p, g) in found {
             let theta = p.var.as_tensor();
-            let Some(g) = grads.gradient(theta) else {
-                continue;
-            };
             let lr = lr.to_dtype(theta.dtype())?;
             let g = if self.cfg.weight_decay == 0.0 {
                 g.clone()
@@ -115,14 +154,14 @@ impl Sgd {
     }
 
     /// Every tensor a step reads or writes in place, to pass as statics: the parameters, the
-    /// momentum buffers, the learning rate and the step counts.
+    /// momentum buffers, and the scalars (learning rate, step counts, flag).
     pub fn statics(&self) -> Vec<&Tensor> {
-        let mut all: Vec<&Tensor> = Vec::with_capacity(2 * self.params.len() + 3);
+        let mut all: Vec<&Tensor> = Vec::with_capacity(2 * self.params.len() + 1);
         for p in &self.params {
             all.push(p.var.as_tensor());
             all.extend(p.buf.as_ref().map(Var::as_tensor));
         }
-        all.extend(self.scalars.tensors());
+        all.push(self.scalars.tensor());
         all
     }
 }

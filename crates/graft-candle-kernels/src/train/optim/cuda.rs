@@ -1,0 +1,463 @@
+//! The multi-tensor optimizer kernels. A launch's tensors travel by value in its parameters
+//! (a [`Table`]: each tensor's addresses, element count, dtype and first block); every block
+//! finds its tensor by a binary search of the first blocks and updates one chunk of 4096
+//! elements of it, 256 threads each loading 4 elements before computing any. A step launches
+//! the all-finite checks of the gradients (a thread that meets an infinity or a NaN stores 1 in
+//! the scalars' flag: plain stores, no atomics), then the updates (which return at once when the
+//! flag is set), then one thread that advances the applied or the skipped count and clears the
+//! flag, so a replayed step starts from a clear flag.
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::{CudaDevice, CudaStorageSlice, WrapErr};
+use candle_core::{CudaStorage, DType, Layout, Result};
+
+use super::{AdamWConsts, OPTIM_SCALARS, Rule, SgdConsts, Step};
+use crate::KernelError;
+use crate::nvrtc::{Kernels, address};
+
+/// The tensors one check launch holds (one address each).
+macro_rules! check_tensors {
+    () => {
+        160
+    };
+}
+/// The tensors one update launch holds (up to four addresses each).
+macro_rules! update_tensors {
+    () => {
+        64
+    };
+}
+/// The elements a block updates: 256 threads, 4 elements each per pass, 4 passes.
+macro_rules! chunk {
+    () => {
+        4096
+    };
+}
+
+const CHECK_TENSORS: usize = check_tensors!();
+const UPDATE_TENSORS: usize = update_tensors!();
+const CHUNK: u64 = chunk!();
+
+/// Threads per block.
+const THREADS: u32 = 256;
+
+/// CUDA's largest grid x dimension.
+const MAX_BLOCKS: u64 = (1 << 31) - 1;
+
+static KERNELS: Kernels = Kernels::new(
+    "graft_kernels_optim",
+    concat!(
+        "#define GRAFT_OPTIM_CHECK_TENSORS ",
+        check_tensors!(),
+        "\n#define GRAFT_OPTIM_UPDATE_TENSORS ",
+        update_tensors!(),
+        "\n#define GRAFT_OPTIM_CHUNK ",
+        chunk!(),
+        "\n",
+        r#"
+#define GRAFT_OPTIM_THREADS 256
+#define GRAFT_OPTIM_ILP 4
+// The scalars' slots (OptimSlot).
+#define GRAFT_OPTIM_LR 0
+#define GRAFT_OPTIM_APPLIED 1
+#define GRAFT_OPTIM_SKIPPED 2
+#define GRAFT_OPTIM_NOT_FINITE 3
+
+// One launch's tensors, by value (Table<D, N> in cuda.rs): tensor k has the D addresses
+// addr[k], len[k] elements of dtype[k] (0 f32, 1 bf16, 2 f16) and the blocks from start[k] to
+// the next tensor's first block (the grid's end for the last).
+template <int D, int N> struct GraftOptimTable {
+    unsigned long long addr[N][D];
+    unsigned long long len[N];
+    unsigned int start[N];
+    unsigned int count;
+    unsigned char dtype[N];
+};
+
+// AdamW's constants (AdamWConsts).
+struct GraftAdamW {
+    float beta1, rest1, beta2, rest2, eps, weight_decay, ln_beta1, ln_beta2;
+};
+
+// SGD's constants (SgdConsts).
+struct GraftSgd {
+    float momentum, weight_decay;
+    unsigned int buffers, decays;
+};
+
+// This block's tensor (the last whose first block is at or before it) and its elements.
+struct GraftOptimChunk {
+    unsigned int k;
+    unsigned long long first, end;
+};
+
+template <int D, int N>
+__device__ __forceinline__ GraftOptimChunk graft_optim_chunk(const GraftOptimTable<D, N>& t) {
+    unsigned int lo = 0, hi = t.count - 1;
+    while (lo < hi) {
+        unsigned int mid = (lo + hi + 1) / 2;
+        if (t.start[mid] <= blockIdx.x) {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    GraftOptimChunk c;
+    c.k = lo;
+    c.first = (unsigned long long)(blockIdx.x - t.start[lo]) * GRAFT_OPTIM_CHUNK;
+    unsigned long long end = c.first + GRAFT_OPTIM_CHUNK;
+    c.end = end < t.len[lo] ? end : t.len[lo];
+    return c;
+}
+
+// The chunk's elements a thread handles: base + u * THREADS for u < ILP, over passes of
+// THREADS * ILP elements.
+#define GRAFT_OPTIM_PASSES(c)                                                                \
+    for (unsigned long long base = (c).first + threadIdx.x; base < (c).end;                  \
+         base += GRAFT_OPTIM_THREADS * GRAFT_OPTIM_ILP)
+#define GRAFT_OPTIM_LANES(i, c)                                                              \
+    _Pragma("unroll") for (int u = 0; u < GRAFT_OPTIM_ILP; ++u)                              \
+        if (unsigned long long i = base + u * GRAFT_OPTIM_THREADS; i < (c).end)
+
+template <typename T>
+__device__ __forceinline__ bool graft_optim_finite(const T* __restrict__ g, GraftOptimChunk c) {
+    bool finite = true;
+    GRAFT_OPTIM_PASSES(c) {
+        float x[GRAFT_OPTIM_ILP];
+        _Pragma("unroll") for (int u = 0; u < GRAFT_OPTIM_ILP; ++u) { x[u] = 0.0f; }
+        GRAFT_OPTIM_LANES(i, c) { x[u] = graft_to_f32(g[i]); }
+        _Pragma("unroll") for (int u = 0; u < GRAFT_OPTIM_ILP; ++u) {
+            finite &= (__float_as_uint(x[u]) & 0x7f800000u) != 0x7f800000u;
+        }
+    }
+    return finite;
+}
+
+// Stores 1 in the flag when a gradient element of this block's chunk is not finite.
+extern "C" __global__ void graft_optim_check(
+    GraftOptimTable<1, GRAFT_OPTIM_CHECK_TENSORS> t, float* scalars) {
+    GraftOptimChunk c = graft_optim_chunk(t);
+    unsigned long long g = t.addr[c.k][0];
+    bool finite;
+    switch (t.dtype[c.k]) {
+    case 0: finite = graft_optim_finite((const float*)g, c); break;
+    case 1: finite = graft_optim_finite((const GraftBf16*)g, c); break;
+    default: finite = graft_optim_finite((const GraftF16*)g, c); break;
+    }
+    if (!finite) {
+        scalars[GRAFT_OPTIM_NOT_FINITE] = 1.0f;
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ void graft_adamw_chunk(
+    T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v,
+    GraftOptimChunk c, const GraftAdamW& h, float lr, float c1, float c2, float decay) {
+    GRAFT_OPTIM_PASSES(c) {
+        float pf[GRAFT_OPTIM_ILP], gf[GRAFT_OPTIM_ILP], mf[GRAFT_OPTIM_ILP], vf[GRAFT_OPTIM_ILP];
+        GRAFT_OPTIM_LANES(i, c) {
+            pf[u] = graft_to_f32(p[i]);
+            gf[u] = graft_to_f32(g[i]);
+            mf[u] = graft_to_f32(m[i]);
+            vf[u] = graft_to_f32(v[i]);
+        }
+        GRAFT_OPTIM_LANES(i, c) {
+            float nm = mf[u] * h.beta1 + gf[u] * h.rest1;
+            float nv = vf[u] * h.beta2 + gf[u] * gf[u] * h.rest2;
+            float adjusted = (nm / c1) / (sqrtf(nv / c2) + h.eps);
+            p[i] = graft_from_f32<T>(pf[u] * decay - adjusted * lr);
+            m[i] = graft_from_f32<T>(nm);
+            v[i] = graft_from_f32<T>(nv);
+        }
+    }
+}
+
+// AdamW on this block's chunk (addresses: parameter, gradient, m, v), unless the flag is set.
+extern "C" __global__ void graft_optim_adamw(
+    GraftOptimTable<4, GRAFT_OPTIM_UPDATE_TENSORS> t, const float* scalars, GraftAdamW h) {
+    if (scalars[GRAFT_OPTIM_NOT_FINITE] != 0.0f) {
+        return;
+    }
+    float lr = scalars[GRAFT_OPTIM_LR];
+    float step = scalars[GRAFT_OPTIM_APPLIED] + 1.0f;
+    float c1 = 1.0f - expf(step * h.ln_beta1);
+    float c2 = 1.0f - expf(step * h.ln_beta2);
+    float decay = 1.0f - lr * h.weight_decay;
+    GraftOptimChunk c = graft_optim_chunk(t);
+    unsigned long long a0 = t.addr[c.k][0], a1 = t.addr[c.k][1];
+    unsigned long long a2 = t.addr[c.k][2], a3 = t.addr[c.k][3];
+    switch (t.dtype[c.k]) {
+    case 0:
+        graft_adamw_chunk((float*)a0, (const float*)a1, (float*)a2, (float*)a3, c, h, lr, c1,
+                          c2, decay);
+        break;
+    case 1:
+        graft_adamw_chunk((GraftBf16*)a0, (const GraftBf16*)a1, (GraftBf16*)a2,
+                          (GraftBf16*)a3, c, h, lr, c1, c2, decay);
+        break;
+    default:
+        graft_adamw_chunk((GraftF16*)a0, (const GraftF16*)a1, (GraftF16*)a2, (GraftF16*)a3, c,
+                          h, lr, c1, c2, decay);
+        break;
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ void graft_sgd_chunk(
+    T* __restrict__ p, const T* __restrict__ g, T* __restrict__ b, GraftOptimChunk c,
+    const GraftSgd& h, float lr) {
+    GRAFT_OPTIM_PASSES(c) {
+        float pf[GRAFT_OPTIM_ILP], gf[GRAFT_OPTIM_ILP], bf[GRAFT_OPTIM_ILP];
+        GRAFT_OPTIM_LANES(i, c) {
+            pf[u] = graft_to_f32(p[i]);
+            gf[u] = graft_to_f32(g[i]);
+            bf[u] = h.buffers ? graft_to_f32(b[i]) : 0.0f;
+        }
+        GRAFT_OPTIM_LANES(i, c) {
+            float d = h.decays ? gf[u] + pf[u] * h.weight_decay : gf[u];
+            if (h.buffers) {
+                d = bf[u] * h.momentum + d;
+                b[i] = graft_from_f32<T>(d);
+            }
+            p[i] = graft_from_f32<T>(pf[u] - d * lr);
+        }
+    }
+}
+
+// SGD on this block's chunk (addresses: parameter, gradient, buffer or 0), unless the flag
+// is set.
+extern "C" __global__ void graft_optim_sgd(
+    GraftOptimTable<3, GRAFT_OPTIM_UPDATE_TENSORS> t, const float* scalars, GraftSgd h) {
+    if (scalars[GRAFT_OPTIM_NOT_FINITE] != 0.0f) {
+        return;
+    }
+    float lr = scalars[GRAFT_OPTIM_LR];
+    GraftOptimChunk c = graft_optim_chunk(t);
+    unsigned long long a0 = t.addr[c.k][0], a1 = t.addr[c.k][1], a2 = t.addr[c.k][2];
+    switch (t.dtype[c.k]) {
+    case 0:
+        graft_sgd_chunk((float*)a0, (const float*)a1, (float*)a2, c, h, lr);
+        break;
+    case 1:
+        graft_sgd_chunk((GraftBf16*)a0, (const GraftBf16*)a1, (GraftBf16*)a2, c, h, lr);
+        break;
+    default:
+        graft_sgd_chunk((GraftF16*)a0, (const GraftF16*)a1, (GraftF16*)a2, c, h, lr);
+        break;
+    }
+}
+
+// One thread: counts the step as applied or skipped and clears the flag.
+extern "C" __global__ void graft_optim_count(float* scalars) {
+    if (scalars[GRAFT_OPTIM_NOT_FINITE] != 0.0f) {
+        scalars[GRAFT_OPTIM_SKIPPED] += 1.0f;
+    } else {
+        scalars[GRAFT_OPTIM_APPLIED] += 1.0f;
+    }
+    scalars[GRAFT_OPTIM_NOT_FINITE] = 0.0f;
+}
+"#
+    ),
+);
+
+/// One launch's tensors, passed by value: `GraftOptimTable<D, N>` in the kernels' source, field
+/// for field (`repr(C)` lays both out alike).
+#[derive(Clone, Copy)]
+#[repr(C)]
+struct Table<const D: usize, const N: usize> {
+    addr: [[u64; D]; N],
+    len: [u64; N],
+    start: [u32; N],
+    count: u32,
+    dtype: [u8; N],
+}
+
+// Each launch's parameters (a table, the scalars' address, the constants) stay under CUDA's
+// 4 KiB of kernel parameters.
+const _: () = assert!(size_of::<Table<1, CHECK_TENSORS>>() + 8 <= 4096);
+const _: () = assert!(size_of::<Table<4, UPDATE_TENSORS>>() + 8 + size_of::<AdamWConsts>() <= 4096);
+const _: () = assert!(size_of::<Table<3, UPDATE_TENSORS>>() + 8 + size_of::<SgdConsts>() <= 4096);
+
+// SAFETY: plain `repr(C)` data of integers, the layout of `GraftOptimTable<D, N>`.
+unsafe impl<const D: usize, const N: usize> DeviceRepr for Table<D, N> {}
+// SAFETY: `repr(C)` f32s, the layout of `GraftAdamW`.
+unsafe impl DeviceRepr for AdamWConsts {}
+// SAFETY: `repr(C)` f32s and u32s, the layout of `GraftSgd`.
+unsafe impl DeviceRepr for SgdConsts {}
+
+/// One tensor of the step: its parameter's, gradient's and states' addresses (0 past the
+/// rule's states), its elements and its dtype's code.
+struct Entry {
+    addr: [u64; 4],
+    len: u64,
+    dtype: u8,
+}
+
+impl Step<'_> {
+    /// The tensors with elements, in order.
+    fn entries(&self, device: &CudaDevice) -> Result<Vec<Entry>> {
+        let states = self.rule.states();
+        let mut entries = Vec::with_capacity(self.params.len());
+        for (i, (p, g)) in self.params.iter().zip(&self.grads).enumerate() {
+            if p.elem_count() == 0 {
+                continue;
+            }
+            let dtype = match p.dtype() {
+                DType::F32 => 0,
+                DType::BF16 => 1,
+                DType::F16 => 2,
+                got => {
+                    return Err(KernelError::UnsupportedDType {
+                        op: self.op,
+                        input: "params",
+                        got,
+                    }
+                    .into());
+                }
+            };
+            let mut addr = [0; 4];
+            addr[0] = address(self.op, p, "params", device)?;
+            addr[1] = address(self.op, g, "grads", device)?;
+            for (a, (input, list)) in addr[2..].iter_mut().zip(&states) {
+                *a = address(self.op, list[i], input, device)?;
+            }
+            entries.push(Entry {
+                addr,
+                len: p.elem_count() as u64,
+                dtype,
+            });
+        }
+        Ok(entries)
+    }
+}
+
+/// The launches over `entries`, in order, each with its grid: up to `N` tensors and at most
+/// [`MAX_BLOCKS`] blocks a launch, each tensor's addresses picked by `pick`.
+fn tables<const D: usize, const N: usize>(
+    op: &'static str,
+    entries: &[Entry],
+    pick: impl Fn(&Entry) -> [u64; D],
+) -> Result<Vec<(Table<D, N>, u32)>> {
+    let empty = Table {
+        addr: [[0; D]; N],
+        len: [0; N],
+        start: [0; N],
+        count: 0,
+        dtype: [0; N],
+    };
+    let mut out = Vec::new();
+    let (mut table, mut blocks) = (empty, 0u64);
+    for e in entries {
+        let need = e.len.div_ceil(CHUNK);
+        if need > MAX_BLOCKS {
+            return Err(KernelError::TooLarge {
+                op,
+                what: "a tensor's elements / 4096",
+                size: need as usize,
+            }
+            .into());
+        }
+        if table.count as usize == N || blocks + need > MAX_BLOCKS {
+            out.push((table, blocks as u32));
+            (table, blocks) = (empty, 0);
+        }
+        let k = table.count as usize;
+        table.addr[k] = pick(e);
+        table.len[k] = e.len;
+        table.start[k] = blocks as u32;
+        table.dtype[k] = e.dtype;
+        table.count += 1;
+        blocks += need;
+    }
+    if table.count > 0 {
+        out.push((table, blocks as u32));
+    }
+    Ok(out)
+}
+
+fn config(blocks: u32, threads: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// The step on CUDA: the checks, the updates and the count, on the device's stream.
+pub(super) fn step(step: &Step<'_>, storage: &mut CudaStorage, layout: &Layout) -> Result<()> {
+    let op = step.op;
+    let device = storage.device.clone();
+    let dtype = storage.dtype();
+    let entries = step.entries(&device)?;
+    let Some((start, _)) = layout.contiguous_offsets() else {
+        return Err(KernelError::NotContiguous {
+            op,
+            input: "scalars",
+        }
+        .into());
+    };
+    let CudaStorageSlice::F32(slice) = &mut storage.slice else {
+        return Err(KernelError::ExpectedDType {
+            op,
+            input: "scalars",
+            got: dtype,
+            expected: DType::F32,
+        }
+        .into());
+    };
+    let mut scalars = slice.slice_mut(start..start + OPTIM_SCALARS);
+    let func = |name: &str| device.get_or_load_custom_func(name, KERNELS.module(), KERNELS.ptx()?);
+
+    let check = func("graft_optim_check")?;
+    for (table, blocks) in tables::<1, CHECK_TENSORS>(op, &entries, |e| [e.addr[1]])? {
+        let mut launch = check.builder();
+        launch.arg(&table);
+        launch.arg(&mut scalars);
+        // SAFETY: the arguments match `graft_optim_check(GraftOptimTable<1, 160>, float*)`:
+        // the table (the same layout) holds the addresses of contiguous gradients of
+        // `len` elements of their dtype, which the step holds until the launch is enqueued;
+        // the grid is the table's blocks, so every block finds a tensor and reads only below
+        // its `len`; `scalars` holds the 4 f32 of the scalars.
+        unsafe { launch.launch(config(blocks, THREADS)) }.w()?;
+    }
+    match step.rule {
+        Rule::AdamW { consts, .. } => {
+            let update = func("graft_optim_adamw")?;
+            for (table, blocks) in tables::<4, UPDATE_TENSORS>(op, &entries, |e| e.addr)? {
+                let mut launch = update.builder();
+                launch.arg(&table);
+                launch.arg(&mut scalars);
+                launch.arg(&consts);
+                // SAFETY: the arguments match `graft_optim_adamw(GraftOptimTable<4, 64>, const
+                // float*, GraftAdamW)`: each tensor's parameter, gradient, m and v are
+                // contiguous, of `len` elements of its dtype, written ones not overlapping
+                // (checked by `run`), held by the step until the launch is enqueued; every
+                // block touches only indices below its tensor's `len`.
+                unsafe { launch.launch(config(blocks, THREADS)) }.w()?;
+            }
+        }
+        Rule::Sgd { consts, .. } => {
+            let update = func("graft_optim_sgd")?;
+            let pick = |e: &Entry| [e.addr[0], e.addr[1], e.addr[2]];
+            for (table, blocks) in tables::<3, UPDATE_TENSORS>(op, &entries, pick)? {
+                let mut launch = update.builder();
+                launch.arg(&table);
+                launch.arg(&mut scalars);
+                launch.arg(&consts);
+                // SAFETY: as AdamW's launch, for `graft_optim_sgd(GraftOptimTable<3, 64>,
+                // const float*, GraftSgd)` with each tensor's parameter, gradient and momentum
+                // buffer; the buffer's address is 0 exactly when `consts.buffers` is 0, and
+                // the kernel reads and writes buffers only when it is 1.
+                unsafe { launch.launch(config(blocks, THREADS)) }.w()?;
+            }
+        }
+    }
+    let count = func("graft_optim_count")?;
+    let mut launch = count.builder();
+    launch.arg(&mut scalars);
+    // SAFETY: the argument matches `graft_optim_count(float*)`: `scalars` holds the 4 f32 its
+    // one thread reads and writes.
+    unsafe { launch.launch(config(1, 1)) }.w()?;
+    Ok(())
+}
