@@ -57,6 +57,14 @@ struct Options {
     /// default) and unfused (candle's elementwise ops).
     #[arg(long, value_delimiter = ',', default_value = "fused")]
     kernels: Vec<Kernels>,
+    /// Instead of measuring: this many replayed steps of the first `--kernels` at batch
+    /// `--profile-batch`, inside a profiled range (`ncu --profile-from-start off` sees only
+    /// their kernels; scripts/ncu_step.py sums them).
+    #[arg(long, default_value_t = 0)]
+    profile_steps: usize,
+    /// The batch of `--profile-steps`.
+    #[arg(long, default_value_t = 1)]
+    profile_batch: usize,
 }
 
 /// `--kernels`' values.
@@ -450,6 +458,32 @@ fn measure_guards(
     })
 }
 
+/// `--profile-steps` replays of the graphed step, in a profiled range.
+fn profile(o: &Options, sizes: Sizes, device: &Device) -> BenchResult<()> {
+    let kernels = o.kernels.first().copied().unwrap_or(Kernels::Fused);
+    let data = data(o.profile_batch, o.seq, sizes.vocab, device)?;
+    let mut t = Trainer::new(sizes, kernels, device)?;
+    let id = t.graft.register("train");
+    for _ in 0..3 {
+        t.step(&Variant::Graph(id), &data)?;
+    }
+    device.synchronize()?;
+    graft_candle_bench::profiler::profiled(|| {
+        for _ in 0..o.profile_steps {
+            t.step(&Variant::Graph(id), &data)?;
+        }
+        device.synchronize()?;
+        Ok(())
+    })?;
+    println!(
+        "profiled {} replayed steps, {} kernels, batch {}",
+        o.profile_steps,
+        kernels.name(),
+        o.profile_batch
+    );
+    Ok(())
+}
+
 fn main() {
     graft_candle_bench::common::exit_on_error("graft-candle-train", run);
 }
@@ -467,6 +501,9 @@ fn run() -> BenchResult<()> {
     )];
     if o.large {
         models.push(("large", large(o.seq)));
+    }
+    if o.profile_steps > 0 {
+        return profile(&o, models[models.len() - 1].1, &device);
     }
     println!(
         "training step (forward, backward, AdamW), sequence {}; {} timed steps per variant in {} rounds, median",

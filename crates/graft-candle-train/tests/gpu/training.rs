@@ -334,7 +334,11 @@ fn accumulation_and_evaluation_are_paths_of_one_tree() -> TestResult {
     let (losses, params, outcomes) = run(Some(&mut graft))?;
     let per_iteration = 5; // micro, eval, micro, micro, update
     for (i, o) in outcomes.iter().enumerate().skip(2 * per_iteration) {
-        assert!(matches!(o, StepOutcome::Replayed(_)), "call {i}: {o:?}");
+        assert!(
+            matches!(o, StepOutcome::Replayed(_)),
+            "call {i}: {o:?}; {:?}",
+            graft.graft().map(|g| g.stats())
+        );
     }
     let stats = graft.graft().map(|g| g.stats()).ok_or("not graphed")?;
     assert_eq!(
