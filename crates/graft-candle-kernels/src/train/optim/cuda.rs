@@ -71,8 +71,9 @@ template <int D, int N> struct GraftOptimTable {
     unsigned long long addr[N][D];
     unsigned long long len[N];
     unsigned int start[N];
+    unsigned int dtype[N];
     unsigned int count;
-    unsigned char dtype[N];
+    unsigned int pad;
 };
 
 // AdamW's constants (AdamWConsts).
@@ -263,15 +264,30 @@ extern "C" __global__ void graft_optim_count(float* scalars) {
 
 /// One launch's tensors, passed by value: `GraftOptimTable<D, N>` in the kernels' source, field
 /// for field (`repr(C)` lays both out alike).
+///
+/// No byte of it is padding (`pad` is an explicit zero): CUDA copies every byte of a kernel
+/// parameter into the launch, a recording bakes them in, and graft's guards compare two
+/// recordings' parameters byte for byte, so an undefined padding byte reads as a host value
+/// that changed from call to call (and made the update step of an accumulation path record on
+/// every call).
 #[derive(Clone, Copy)]
 #[repr(C)]
 struct Table<const D: usize, const N: usize> {
     addr: [[u64; D]; N],
     len: [u64; N],
     start: [u32; N],
+    dtype: [u32; N],
     count: u32,
-    dtype: [u8; N],
+    pad: u32,
 }
+
+/// The size of a `Table<D, N>` whose fields leave no padding.
+const fn unpadded(d: usize, n: usize) -> usize {
+    n * (8 * d + 8 + 4 + 4) + 8
+}
+const _: () = assert!(size_of::<Table<1, CHECK_TENSORS>>() == unpadded(1, CHECK_TENSORS));
+const _: () = assert!(size_of::<Table<3, UPDATE_TENSORS>>() == unpadded(3, UPDATE_TENSORS));
+const _: () = assert!(size_of::<Table<4, UPDATE_TENSORS>>() == unpadded(4, UPDATE_TENSORS));
 
 // Each launch's parameters (a table, the scalars' address, the constants) stay under CUDA's
 // 4 KiB of kernel parameters.
@@ -343,8 +359,9 @@ fn tables<const D: usize, const N: usize>(
         addr: [[0; D]; N],
         len: [0; N],
         start: [0; N],
-        count: 0,
         dtype: [0; N],
+        count: 0,
+        pad: 0,
     };
     let mut out = Vec::new();
     let (mut table, mut blocks) = (empty, 0u64);
@@ -366,7 +383,7 @@ fn tables<const D: usize, const N: usize>(
         table.addr[k] = pick(e);
         table.len[k] = e.len;
         table.start[k] = blocks as u32;
-        table.dtype[k] = e.dtype;
+        table.dtype[k] = u32::from(e.dtype);
         table.count += 1;
         blocks += need;
     }
