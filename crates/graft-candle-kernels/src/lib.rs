@@ -69,5 +69,6 @@ pub use side::SideStream;
 pub use swiglu::swiglu;
 pub use train::{
     AdamWHyper, OPTIM_SCALARS, OptimSlot, SgdHyper, adamw_update, causal_attention,
-    causal_attention_fits, cross_entropy, dense, optim_scalars, rms_norm, rotary, sgd_update,
+    causal_attention_fits, cross_entropy, dense, embedding, optim_scalars, rms_norm, rotary,
+    sgd_update,
 };

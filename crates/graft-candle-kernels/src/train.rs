@@ -6,6 +6,7 @@
 mod attention;
 mod cross_entropy;
 mod dense;
+mod embedding;
 mod optim;
 mod rms_norm;
 mod rotary;
@@ -14,6 +15,7 @@ mod saved;
 pub use attention::{causal_attention, causal_attention_fits};
 pub use cross_entropy::cross_entropy;
 pub use dense::dense;
+pub use embedding::embedding;
 pub use optim::{
     AdamWHyper, OPTIM_SCALARS, OptimSlot, SgdHyper, adamw_update, optim_scalars, sgd_update,
 };

@@ -84,6 +84,7 @@ proptest! {
         for dtype in DTYPES {
             check_rms_norm(&Device::Cpu, &case, dtype).unwrap();
             check_dense(&Device::Cpu, &case, dtype).unwrap();
+            check_embedding(&Device::Cpu, &case, dtype).unwrap();
             check_swiglu_grads(&Device::Cpu, &case, dtype).unwrap();
             check_rotary(&Device::Cpu, &case, dtype).unwrap();
             check_cross_entropy(&Device::Cpu, &case, dtype).unwrap();

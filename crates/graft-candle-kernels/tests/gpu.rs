@@ -119,6 +119,7 @@ proptest! {
         for dtype in DTYPES {
             check_rms_norm(&dev, &case, dtype).unwrap();
             check_dense(&dev, &case, dtype).unwrap();
+            check_embedding(&dev, &case, dtype).unwrap();
             check_swiglu_grads(&dev, &case, dtype).unwrap();
             check_rotary(&dev, &case, dtype).unwrap();
             check_cross_entropy(&dev, &case, dtype).unwrap();

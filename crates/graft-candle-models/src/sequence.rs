@@ -1,7 +1,7 @@
 //! Whole sequences through a [`Decoder`] at once, causally masked: the forward pass training
 //! runs on the same weights the decode step uses. Two implementations of one function:
-//! [`SequenceKernels::Fused`], graft-candle-kernels' differentiable ops (RMS norm, one-GEMM
-//! projections, rotary, flash-style causal attention, SwiGLU, and cross-entropy in the loss),
+//! [`SequenceKernels::Fused`], graft-candle-kernels' differentiable ops (embedding, RMS norm,
+//! one-GEMM projections, rotary, flash-style causal attention, SwiGLU, and cross-entropy in the loss),
 //! and [`SequenceKernels::Unfused`], candle's differentiable elementwise ops (candle-nn's fused
 //! RMSNorm, rotary and softmax kernels have no backward), the reference.
 
@@ -9,7 +9,7 @@ use candle_core::{D, Module, Result, Tensor};
 use candle_nn::Embedding;
 use candle_nn::ops::rms_norm_slow;
 use graft_candle_kernels::{
-    causal_attention, causal_attention_fits, dense, rms_norm, rotary, swiglu,
+    causal_attention, causal_attention_fits, dense, embedding, rms_norm, rotary, swiglu,
 };
 
 use super::decoder::{Block, Decoder};
@@ -125,10 +125,7 @@ impl Decoder {
             None => Ok(x),
         };
         let eps = s.eps as f32;
-        let mut x = self
-            .embed
-            .index_select(&tokens.flatten_all()?, 0)?
-            .reshape((batch, seq, s.hidden))?;
+        let mut x = embedding(tokens, &self.embed)?;
         let (cos, sin) = (&self.rope.cos, &self.rope.sin);
         for b in &self.blocks {
             let h = rms_norm(&x, &b.attn_norm, eps)?;

@@ -2,7 +2,7 @@
 //! against the unfused candle composition's, on the same device, the reference in f32.
 
 use candle_core::{DType, Device, Result, Tensor, Var};
-use graft_candle_kernels::{RopeStyle, cross_entropy, dense, rms_norm, rotary, swiglu};
+use graft_candle_kernels::{RopeStyle, cross_entropy, dense, embedding, rms_norm, rotary, swiglu};
 use proptest::prelude::*;
 
 use super::{random, values};
@@ -192,6 +192,36 @@ pub fn check_rotary(device: &Device, c: &TrainCase, dtype: DType) -> Result<()> 
     Ok(())
 }
 
+pub fn check_embedding(device: &Device, c: &TrainCase, dtype: DType) -> Result<()> {
+    let vocab = c.seq + 2;
+    let table = random(c.seed, &[vocab, c.head_dim], 1.0, DType::F32, device)?;
+    // Repeated ids (tokens share rows) and an unused row or two.
+    let ids: Vec<u32> = (0..c.batch * c.seq)
+        .map(|i| ((i * 7 + c.seed as usize) % c.seq) as u32)
+        .collect();
+    let ids = Tensor::from_vec(ids, (c.batch, c.seq), device)?;
+    check_grads(
+        "embedding",
+        &[table],
+        dtype,
+        |t| embedding(&ids, &t[0]),
+        |t| {
+            t[0].index_select(&ids.flatten_all()?, 0)?
+                .reshape((c.batch, c.seq, c.head_dim))
+        },
+        c.seed,
+    )?;
+    // An id past the table: NaN, not another row.
+    let bad = Tensor::from_vec(vec![vocab as u32], 1, device)?;
+    let row = embedding(
+        &bad,
+        &random(c.seed, &[vocab, c.head_dim], 1.0, dtype, device)?,
+    )?;
+    let row = row.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    assert!(row.iter().all(|v| v.is_nan()), "a bad id must give NaN");
+    Ok(())
+}
+
 pub fn check_cross_entropy(device: &Device, c: &TrainCase, dtype: DType) -> Result<()> {
     let vocab = c.head_dim * c.heads + 1;
     let logits = random(c.seed, &[c.batch, c.seq, vocab], 6.0, DType::F32, device)?;
@@ -242,6 +272,7 @@ pub fn check_training_ops_deterministic(device: &Device) -> Result<()> {
         seed: 11,
     };
     check_rms_norm(device, &c, DType::F32)?;
+    check_embedding(device, &c, DType::F32)?;
     check_rotary(device, &c, DType::F32)?;
     check_swiglu_grads(device, &c, DType::F32)?;
     check_cross_entropy(device, &c, DType::F32)?;

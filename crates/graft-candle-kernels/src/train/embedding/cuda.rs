@@ -1,0 +1,240 @@
+//! The embedding kernels: the gather, one thread per output element; the backward, a block of
+//! 8 warps per table row that reads the ids 256 at a time, finds that row's tokens with a
+//! ballot per warp, and adds their gradients in token order, up to 2,048 columns per pass
+//! held in registers (8 a thread).
+
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+use candle_core::cuda_backend::{CudaDevice, CudaStorageSlice, WrapErr};
+use candle_core::{CudaStorage, Layout, Result, WithDType};
+
+use super::OP;
+use crate::nvrtc::{Kernels, view};
+use crate::{KernelError, check};
+
+/// Threads per block (the backward's 8 warps, whose masks it keeps in shared memory).
+const THREADS: u32 = 256;
+
+static KERNELS: Kernels = Kernels::new(
+    "graft_kernels_embedding",
+    r#"
+template <typename T>
+__device__ void graft_embedding(const T* table, const unsigned int* ids, T* out,
+                                unsigned long long total, unsigned int vocab, unsigned int d) {
+    const unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= total) {
+        return;
+    }
+    const unsigned int id = ids[i / d];
+    const unsigned int c = (unsigned int)(i % d);
+    out[i] = id < vocab ? table[(unsigned long long)id * d + c]
+                        : graft_from_f32<T>(__uint_as_float(0x7fc00000u));
+}
+
+template <typename T>
+__device__ void graft_embedding_backward(const T* dy, const unsigned int* ids, T* out,
+                                         unsigned int n, unsigned int d) {
+    __shared__ unsigned int masks[8];
+    const unsigned int v = blockIdx.x;
+    const unsigned int lane = threadIdx.x & 31u;
+    const unsigned int warp = threadIdx.x >> 5;
+    for (unsigned int c0 = 0; c0 < d; c0 += 2048u) {
+        float acc[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            acc[u] = 0.0f;
+        }
+        for (unsigned int t0 = 0; t0 < n; t0 += 256u) {
+            const unsigned int t = t0 + threadIdx.x;
+            const unsigned int hits = __ballot_sync(0xffffffffu, t < n && ids[t] == v);
+            if (lane == 0) {
+                masks[warp] = hits;
+            }
+            __syncthreads();
+            for (unsigned int w = 0; w < 8u; ++w) {
+                unsigned int bits = masks[w];
+                while (bits != 0u) {
+                    const unsigned int b = __ffs(bits) - 1u;
+                    bits &= bits - 1u;
+                    const unsigned long long row = (unsigned long long)(t0 + w * 32u + b) * d;
+#pragma unroll
+                    for (int u = 0; u < 8; ++u) {
+                        const unsigned int c = c0 + u * 256u + threadIdx.x;
+                        if (c < d) {
+                            acc[u] += graft_to_f32(dy[row + c]);
+                        }
+                    }
+                }
+            }
+            __syncthreads();
+        }
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+            const unsigned int c = c0 + u * 256u + threadIdx.x;
+            if (c < d) {
+                out[(unsigned long long)v * d + c] = graft_from_f32<T>(acc[u]);
+            }
+        }
+    }
+}
+
+#define GRAFT_EMBEDDING(suffix, T)                                                           \
+    extern "C" __global__ void graft_embedding_##suffix(                                     \
+        const T* table, const unsigned int* ids, T* out, unsigned long long total,           \
+        unsigned int vocab, unsigned int d) {                                                \
+        graft_embedding<T>(table, ids, out, total, vocab, d);                                \
+    }                                                                                        \
+    extern "C" __global__ void graft_embedding_backward_##suffix(                            \
+        const T* dy, const unsigned int* ids, T* out, unsigned int n, unsigned int d) {      \
+        graft_embedding_backward<T>(dy, ids, out, n, d);                                     \
+    }
+GRAFT_FOR_DTYPES(GRAFT_EMBEDDING)
+"#,
+);
+
+fn ids_of<'a>(ids: &'a CudaStorage, il: &Layout) -> Result<CudaView<'a, u32>> {
+    match &ids.slice {
+        CudaStorageSlice::U32(s) => view(OP, "ids", s, il),
+        _ => Err(KernelError::IndexDType {
+            op: OP,
+            input: "ids",
+            got: candle_core::backend::BackendStorage::dtype(ids),
+        }
+        .into()),
+    }
+}
+
+fn dtype_error(s: &CudaStorage) -> candle_core::Error {
+    KernelError::UnsupportedDType {
+        op: OP,
+        input: "table",
+        got: candle_core::backend::BackendStorage::dtype(s),
+    }
+    .into()
+}
+
+/// The gathered rows.
+pub(super) fn gather(
+    table: &CudaStorage,
+    tl: &Layout,
+    ids: &CudaStorage,
+    il: &Layout,
+) -> Result<CudaStorage> {
+    let device = table.device.clone();
+    let ids = ids_of(ids, il)?;
+    let (vocab, d) = tl.shape().dims2()?;
+    let slice = match &table.slice {
+        CudaStorageSlice::F32(t) => {
+            CudaStorageSlice::F32(launch_gather(&device, t, tl, &ids, vocab, d)?)
+        }
+        CudaStorageSlice::BF16(t) => {
+            CudaStorageSlice::BF16(launch_gather(&device, t, tl, &ids, vocab, d)?)
+        }
+        CudaStorageSlice::F16(t) => {
+            CudaStorageSlice::F16(launch_gather(&device, t, tl, &ids, vocab, d)?)
+        }
+        _ => return Err(dtype_error(table)),
+    };
+    Ok(CudaStorage { slice, device })
+}
+
+fn launch_gather<T: DeviceRepr + WithDType>(
+    device: &CudaDevice,
+    table: &CudaSlice<T>,
+    tl: &Layout,
+    ids: &CudaView<'_, u32>,
+    vocab: usize,
+    d: usize,
+) -> Result<CudaSlice<T>> {
+    let table = view(OP, "table", table, tl)?;
+    let total = ids.len() * d;
+    // SAFETY: thread i writes out[i] and the grid covers `total`, so every element is
+    // written by the kernel launched below on the device's stream before anything reads it.
+    let mut out = unsafe { device.alloc::<T>(total)? };
+    let name = format!("graft_embedding_{}", T::DTYPE.as_str());
+    let func = device.get_or_load_custom_func(&name, KERNELS.module(), KERNELS.ptx()?)?;
+    let blocks = check::u32_of(OP, "the output / 256", total.div_ceil(THREADS as usize))?;
+    let (total, vocab, d) = (total as u64, vocab as u32, d as u32);
+    let mut launch = func.builder();
+    launch.arg(&table);
+    launch.arg(ids);
+    launch.arg(&mut out);
+    launch.arg(&total);
+    launch.arg(&vocab);
+    launch.arg(&d);
+    let cfg = LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the arguments match `graft_embedding_<dtype>(const T*, const unsigned int*, T*,
+    // unsigned long long, unsigned int, unsigned int)`: `table` holds vocab * d elements and
+    // is read only at an id below vocab, `ids` total / d, `out` total; all live until the
+    // launch is enqueued.
+    unsafe { launch.launch(cfg) }.w()?;
+    Ok(out)
+}
+
+/// The table's gradient, `[vocab, d]`.
+pub(super) fn scatter(
+    vocab: usize,
+    d: usize,
+    dy: &CudaStorage,
+    dl: &Layout,
+    ids: &CudaStorage,
+    il: &Layout,
+) -> Result<CudaStorage> {
+    let device = dy.device.clone();
+    let ids = ids_of(ids, il)?;
+    let slice = match &dy.slice {
+        CudaStorageSlice::F32(g) => {
+            CudaStorageSlice::F32(launch_scatter(&device, g, dl, &ids, vocab, d)?)
+        }
+        CudaStorageSlice::BF16(g) => {
+            CudaStorageSlice::BF16(launch_scatter(&device, g, dl, &ids, vocab, d)?)
+        }
+        CudaStorageSlice::F16(g) => {
+            CudaStorageSlice::F16(launch_scatter(&device, g, dl, &ids, vocab, d)?)
+        }
+        _ => return Err(dtype_error(dy)),
+    };
+    Ok(CudaStorage { slice, device })
+}
+
+fn launch_scatter<T: DeviceRepr + WithDType>(
+    device: &CudaDevice,
+    dy: &CudaSlice<T>,
+    dl: &Layout,
+    ids: &CudaView<'_, u32>,
+    vocab: usize,
+    d: usize,
+) -> Result<CudaSlice<T>> {
+    let dy = view(OP, "dy", dy, dl)?;
+    let n = check::u32_of(OP, "the id count", ids.len())?;
+    // SAFETY: block v writes the d elements of row v (every column, in passes of 2,048) and
+    // the grid has a block per row, so all vocab * d are written by the kernel launched
+    // below on the device's stream before anything reads them.
+    let mut out = unsafe { device.alloc::<T>(vocab * d)? };
+    let name = format!("graft_embedding_backward_{}", T::DTYPE.as_str());
+    let func = device.get_or_load_custom_func(&name, KERNELS.module(), KERNELS.ptx()?)?;
+    let blocks = check::u32_of(OP, "the vocabulary", vocab)?;
+    let d = d as u32;
+    let mut launch = func.builder();
+    launch.arg(&dy);
+    launch.arg(ids);
+    launch.arg(&mut out);
+    launch.arg(&n);
+    launch.arg(&d);
+    let cfg = LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the arguments match `graft_embedding_backward_<dtype>(const T*, const unsigned
+    // int*, T*, unsigned int, unsigned int)`: `dy` holds n * d elements (the forward's
+    // output shape), `ids` n, `out` vocab * d; the block is exactly 8 warps (the kernel's 8
+    // masks, its full-warp ballots); all live until the launch is enqueued.
+    unsafe { launch.launch(cfg) }.w()?;
+    Ok(out)
+}
