@@ -514,6 +514,7 @@ def parse_args(argv=None):
     p.add_argument("--modes", default=",".join(ALL_MODES),
                    help=f"comma-separated subset of {','.join(ALL_MODES)} (default: all)")
     p.add_argument("--large", action="store_true", help="also run the large model")
+    p.add_argument("--only-large", action="store_true", help="run the large model only")
     p.add_argument("--batches", default="1,8,32", help="comma-separated (default 1,8,32)")
     p.add_argument("--seq", type=int, default=128, help="sequence length (128)")
     p.add_argument("--steps", type=int, default=50, help="timed steps (50)")
@@ -564,7 +565,12 @@ def main(argv=None):
     tiny = args.quick and device.type == "cpu"
     if tiny:
         args.seq = 32
-    names = ["tiny"] if tiny else ["bench"] + (["large"] if args.large else [])
+    if tiny:
+        names = ["tiny"]
+    elif args.only_large:
+        names = ["large"]
+    else:
+        names = ["bench"] + (["large"] if args.large else [])
     device_name = (torch.cuda.get_device_name(device) if device.type == "cuda"
                    else platform.processor() or platform.machine())
     meta = {

@@ -2,7 +2,9 @@
 //! (with a fused backward pass) training, and multi-tensor optimizer updates.
 //!
 //! Each operation is a candle custom op (`CustomOp1/2/3`; `InplaceOp1` for the optimizer
-//! updates) with a CUDA kernel and a CPU implementation beside it (so CI tests every op without
+//! updates) with a CUDA kernel and a CPU implementation beside it; the training ops' backward
+//! passes are custom ops too, deterministic (no atomics), checked in CI against candle's
+//! autograd of the unfused composition (so CI tests every op without
 //! a GPU). The CUDA kernels (feature `cuda`) are compiled with NVRTC once per process, loaded
 //! into candle's device once per device, and launched on the device's stream. Every launch
 //! configuration (grid, block, shared memory) depends only on tensor shapes, never on tensor
@@ -23,13 +25,17 @@
 //! - [`linear`], [`linear_cat`] and [`linear_swiglu`]: a decode step's few rows through one
 //!   weight, through up to three side by side (query, key and value), or through a gate and an
 //!   up weight with SwiGLU, each in one matrix-vector kernel that reads the weights in place
-//!   once, the biases or SwiGLU in the same launch; candle's matmul for more rows;
+//!   once, the biases or SwiGLU in the same launch; [`dense`] (one GEMM) for more rows;
 //! - [`route`] and [`Experts`]: a mixture-of-experts MLP with its routing on the device: each
 //!   token's top-k experts and weights in one launch, then its chosen SiLU-gated experts,
 //!   found through a device table of their weights' addresses, in two (three expert-major);
 //! - [`SharedExpert`]: Qwen2-MoE's shared expert with its sigmoid gate in three launches,
 //!   which [`SharedExpert::beside`] runs on a [`SideStream`] while the routed experts run on
 //!   the device's stream (a fork and a join inside a CUDA-graph capture);
+//! - [`dense`], [`embedding`], [`rms_norm`], [`rotary`], [`cross_entropy`]: the rest of a
+//!   decoder's training forward pass, each with a fused backward pass (one GEMM forward and
+//!   two backward for `dense`; one kernel forward and one or two backward for the others;
+//!   [`swiglu`] has its backward too);
 //! - [`causal_attention`]: causal self-attention of whole sequences (training, prefill) with
 //!   its backward pass, both fused flash-attention style (an online softmax over key tiles,
 //!   the row log-sum-exps kept for the backward pass, nothing of size seq × seq stored),

@@ -12,7 +12,7 @@
 //! `--kernels fused,unfused` measures the model with graft-candle-kernels' fused training ops
 //! (the default) and with candle's unfused ones (the reference).
 //!
-//! usage: graft-candle-train [--steps N] [--rounds R] [--seq S] [--large] [--guards]
+//! usage: graft-candle-train [--steps N] [--rounds R] [--seq S] [--large | --only-large] [--guards]
 //! [--kernels LIST] [--json PATH]
 
 use std::time::Instant;
@@ -48,6 +48,9 @@ struct Options {
     /// Also measure the larger model (8 layers at d=1024, ~150M parameters).
     #[arg(long)]
     large: bool,
+    /// Measure the larger model only.
+    #[arg(long)]
+    only_large: bool,
     /// Also measure guards on the benchmark model: a guarded call of the step against its
     /// replay, and candle-nn's AdamW (host bias corrections and rate, so every call of it
     /// captures once a guard found them) under graft-candle against eager.
@@ -499,8 +502,11 @@ fn run() -> BenchResult<()> {
             ..Sizes::BENCH
         },
     )];
-    if o.large {
+    if o.large || o.only_large {
         models.push(("large", large(o.seq)));
+    }
+    if o.only_large {
+        models.remove(0);
     }
     if o.profile_steps > 0 {
         return profile(&o, models[models.len() - 1].1, &device);
