@@ -48,7 +48,8 @@ const MAX_SEQ: usize = u32::MAX as usize - 64;
 /// fused kernels, recomputing the attention weights from the row log-sum-exps this forward
 /// pass keeps (nothing of size seq × seq is ever stored). The CUDA kernels are deterministic
 /// (no atomics: the same inputs give bitwise the same outputs and gradients) and their launch
-/// configurations depend only on the shapes.
+/// configurations depend only on the shapes and the device's multiprocessor count (small
+/// grids use smaller tiles, for more blocks).
 pub fn causal_attention(
     q: &Tensor,
     k: &Tensor,

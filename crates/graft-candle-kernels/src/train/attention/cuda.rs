@@ -1,18 +1,33 @@
 //! The causal attention launches (kernels in `source.rs`): 128 threads (4 warps) a block, static
-//! shared memory only (at most 44 KiB), every launch configuration from the shapes alone.
+//! shared memory only (at most 44 KiB), every launch configuration from the shapes (and the
+//! device's multiprocessor count) alone, never from the data.
 //!
-//! - `graft_causal_attention_forward_<dtype>_<hd>`: grid (ceil(seq / 16), heads, batch), the
-//!   last query tile first; a block's 16 query rows (4 a warp) attend to key tiles of 32
+//! Each kernel has two configurations, R rows (or keys) a warp and so 4R a block: many rows
+//! (R = 4 at head dim 64; at 128, 4 for the forward pass and 2 for the backward kernels),
+//! which shares every staged key or query tile among more rows, and one row (R = 1), with 4
+//! (or 2) times the blocks. A launch takes one row when many rows would make fewer than
+//! [`MIN_BLOCKS_PER_SM`] blocks per multiprocessor: a block walks its tiles serially, so a
+//! small grid (one short sequence, few heads) leaves most of the GPU idle. Either way every
+//! output element is written by one thread, its sums in one fixed order (no atomics): on one
+//! device, the same inputs give bitwise the same results.
+//!
+//! - `graft_causal_attention_forward_<dtype>_<hd>_r<R>`: grid (ceil(seq / 4R), heads, batch),
+//!   the last query tile first; a block's 4R query rows (R a warp) attend to key tiles of 32
 //!   (lane = key for the scores, an online softmax per row, lane = output dims for p·v); it
 //!   writes the output and each row's log-sum-exp.
-//! - `graft_causal_attention_dq_<dtype>_<hd>`: grid (ceil(seq / rows), heads, batch), rows 16 at
-//!   head dim 64 and 8 at 128; the same walk over key tiles, recomputing the weights from the
-//!   log-sum-exps; it writes dq and each row's `delta = rowsum(dO * O)`.
-//! - `graft_causal_attention_dkv_<dtype>_<hd>`: grid (ceil(seq / keys), kv_heads, batch), keys
-//!   16 at head dim 64 and 8 at 128; for each query head of the group, query tiles of 32 from
-//!   the block's first key to the end (lane = query row for the weights, lane = dims for the
-//!   sums); it writes dk and dv, each element by one thread (no atomics).
+//! - `graft_causal_attention_dq_<dtype>_<hd>_r<R>`: grid (ceil(seq / 4R), heads, batch); the
+//!   same walk over key tiles, recomputing the weights from the log-sum-exps; it writes dq and
+//!   each row's `delta = rowsum(dO * O)`.
+//! - `graft_causal_attention_dkv_<dtype>_<hd>_r<R>`: grid (ceil(seq / 4R), kv_heads, batch),
+//!   4R keys a block; for each query head of the group, query tiles of 32 from the block's
+//!   first key to the end (lane = query row for the weights, lane = dims for the sums); it
+//!   writes dk and dv, each element by one thread (no atomics).
+//!
+//! At seq 128, head dim 64, 8 query heads on 4 KV heads and 132 multiprocessors: forward and
+//! dq 64 blocks at batch 1 (one row a warp: 256), 512 at batch 8, 2048 at batch 32; dkv 32
+//! (one key a warp: 128), 256 (one key a warp: 1024), 1024.
 
+use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
 use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
@@ -24,24 +39,32 @@ use super::{AttentionDkv, AttentionDq, CausalAttention, Dims, OP};
 use crate::check;
 use crate::nvrtc::{address, view};
 
+/// Warps of every block (the kernels' `GRAFT_CA_WARPS`).
+const WARPS: usize = 4;
 /// Threads of every block.
-const THREADS: u32 = 128;
-/// Query rows of a forward block (4 warps of 4).
-const FORWARD_ROWS: usize = 16;
+const THREADS: u32 = 32 * WARPS as u32;
+/// Rows a warp owns in the forward kernel's many-rows configuration.
+const FORWARD_ROWS: usize = 4;
+/// The fewest blocks per multiprocessor of a many-rows grid: below it the launch takes one
+/// row a warp. Several blocks (128 threads, at most 44 KiB of shared memory) fit on a
+/// multiprocessor at once, so a grid of under 2 a multiprocessor leaves most of its warp slots
+/// idle; the one-row blocks stage the same tiles more often, which costs less than that.
+const MIN_BLOCKS_PER_SM: usize = 2;
 
-/// Query rows of a dq block and keys of a dkv block: 4 warps of 4 at head dim 64, of 2 at 128
-/// (the kernels' `GraftCa<HD>::RB`, which keeps their static shared memory under 48 KiB).
-fn backward_tile(d: &Dims) -> usize {
-    if d.head_dim == 64 { 16 } else { 8 }
+/// Query rows a dq warp and keys a dkv warp own in the many-rows configuration: 4 at head
+/// dim 64, 2 at 128 (which keeps the kernels' static shared memory under 48 KiB).
+fn backward_rows(d: &Dims) -> usize {
+    if d.head_dim == 64 { 4 } else { 2 }
 }
 
-/// The kernel `graft_causal_attention_<kernel>_<dtype>_<head dim>`.
-fn name(kernel: &str, dtype: DType, d: &Dims) -> String {
-    format!(
-        "graft_causal_attention_{kernel}_{}_{}",
-        dtype.as_str(),
-        d.head_dim
-    )
+/// The device's multiprocessor count (a property of the device, not of any data).
+fn multiprocessors(device: &CudaDevice) -> Result<usize> {
+    let count = device
+        .cuda_stream()
+        .context()
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .w()?;
+    Ok(usize::try_from(count).unwrap_or(1).max(1))
 }
 
 /// The sizes the kernels take, as u32.
@@ -63,14 +86,40 @@ impl Sizes {
     }
 }
 
-/// A grid of `ceil(seq / tile)` blocks by `y` (heads) by batch.
-fn config(d: &Dims, tile: usize, y: u32, batch: u32) -> Result<LaunchConfig> {
-    let x = check::u32_of(OP, "the sequence's tile count", d.seq.div_ceil(tile))?;
-    Ok(LaunchConfig {
+/// How to launch `graft_causal_attention_<kernel>_<dtype>_<head dim>_r<rows>`: its name and
+/// its grid of `ceil(seq / (4 * rows))` blocks by `y` (heads) by batch, with `rows` a warp
+/// `many`, or 1 where `many` would make fewer than [`MIN_BLOCKS_PER_SM`] blocks per
+/// multiprocessor.
+fn plan(
+    kernel: &str,
+    dtype: DType,
+    d: &Dims,
+    many: usize,
+    y: u32,
+    batch: u32,
+    device: &CudaDevice,
+) -> Result<(String, LaunchConfig)> {
+    let tiles = |rows: usize| d.seq.div_ceil(WARPS * rows);
+    let blocks = tiles(many)
+        .saturating_mul(y as usize)
+        .saturating_mul(batch as usize);
+    let rows = if blocks < MIN_BLOCKS_PER_SM.saturating_mul(multiprocessors(device)?) {
+        1
+    } else {
+        many
+    };
+    let name = format!(
+        "graft_causal_attention_{kernel}_{}_{}_r{rows}",
+        dtype.as_str(),
+        d.head_dim
+    );
+    let x = check::u32_of(OP, "the sequence's tile count", tiles(rows))?;
+    let cfg = LaunchConfig {
         grid_dim: (x, y, batch),
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
-    })
+    };
+    Ok((name, cfg))
 }
 
 /// `[batch, heads, seq]` f32 as a storage on `device`.
@@ -146,21 +195,26 @@ impl Map3 for Forward<'_> {
             view(OP, "v", v, vl)?,
         );
         // SAFETY: the kernel writes every element before anything reads it: a block per
-        // (16-row tile, head, sequence) covers every row below seq, and lane l of the row's
-        // warp writes its head dims l * E .. l * E + E (32 * E = head_dim). It is launched
-        // below on the device's stream, which orders every later use.
+        // (4R-row tile, head, sequence) covers every row below seq (`plan` divides seq by the
+        // 4R of the kernel it names), and lane l of the row's warp writes its head dims
+        // l * E .. l * E + E (32 * E = head_dim). It is launched below on the device's
+        // stream, which orders every later use.
         let mut out = unsafe { device.alloc::<T>(d.q_len())? };
         // SAFETY: as above: lane 0 of each row's warp writes the row's log-sum-exp, for every
         // (sequence, head, row), before the backward kernels read it on the same stream.
         let mut lse = unsafe { device.alloc::<f32>(d.batch * d.heads * d.seq)? };
-        let func = device.get_or_load_custom_func(
-            &name("forward", T::DTYPE, &d),
-            KERNELS.module(),
-            KERNELS.ptx()?,
-        )?;
         let s = Sizes::of(&d)?;
+        let (name, cfg) = plan(
+            "forward",
+            T::DTYPE,
+            &d,
+            FORWARD_ROWS,
+            s.heads,
+            s.batch,
+            device,
+        )?;
+        let func = device.get_or_load_custom_func(&name, KERNELS.module(), KERNELS.ptx()?)?;
         let scale = d.scale();
-        let cfg = config(&d, FORWARD_ROWS, s.heads, s.batch)?;
         let mut launch = func.builder();
         launch.arg(&q);
         launch.arg(&k);
@@ -171,7 +225,7 @@ impl Map3 for Forward<'_> {
         launch.arg(&s.heads);
         launch.arg(&s.kv_heads);
         launch.arg(&scale);
-        // SAFETY: the arguments match `graft_causal_attention_forward_<dtype>_<hd>(const T*,
+        // SAFETY: the arguments match `graft_causal_attention_forward_<dtype>_<hd>_r<R>(const T*,
         // const T*, const T*, T*, float*, unsigned int x3, float)` with T the storage's dtype
         // and hd the head dim (64 or 128, checked): q and out hold batch * seq * heads * hd
         // elements, k and v batch * seq * kv_heads * hd (checked by the wrapper), lse batch *
@@ -212,20 +266,25 @@ impl Map3 for Dq<'_> {
         let grad = address(OP, &op.grad, "the output's gradient", device)?;
         let lse = address(OP, &op.lse, "the log-sum-exps", device)?;
         // SAFETY: the kernel writes every element before anything reads it: a block per
-        // (row tile, head, sequence) covers every row below seq, and lane l of the row's warp
-        // writes its head dims l * E .. l * E + E. Launched below on the device's stream.
+        // (4R-row tile, head, sequence) covers every row below seq (`plan` divides seq by the
+        // 4R of the kernel it names), and lane l of the row's warp writes its head dims
+        // l * E .. l * E + E. Launched below on the device's stream.
         let mut dq = unsafe { device.alloc::<T>(d.q_len())? };
         // SAFETY: as above: lane 0 of each row's warp writes the row's delta, for every
         // (sequence, head, row), before the key and value kernel reads it on the same stream.
         let mut delta = unsafe { device.alloc::<f32>(d.batch * d.heads * d.seq)? };
-        let func = device.get_or_load_custom_func(
-            &name("dq", T::DTYPE, &d),
-            KERNELS.module(),
-            KERNELS.ptx()?,
-        )?;
         let s = Sizes::of(&d)?;
+        let (name, cfg) = plan(
+            "dq",
+            T::DTYPE,
+            &d,
+            backward_rows(&d),
+            s.heads,
+            s.batch,
+            device,
+        )?;
+        let func = device.get_or_load_custom_func(&name, KERNELS.module(), KERNELS.ptx()?)?;
         let scale = d.scale();
-        let cfg = config(&d, backward_tile(&d), s.heads, s.batch)?;
         let mut launch = func.builder();
         launch.arg(&q);
         launch.arg(&k);
@@ -239,7 +298,7 @@ impl Map3 for Dq<'_> {
         launch.arg(&s.heads);
         launch.arg(&s.kv_heads);
         launch.arg(&scale);
-        // SAFETY: the arguments match `graft_causal_attention_dq_<dtype>_<hd>(const T* x5,
+        // SAFETY: the arguments match `graft_causal_attention_dq_<dtype>_<hd>_r<R>(const T* x5,
         // const float*, float*, T*, unsigned int x3, float)` with T the storage's dtype and
         // hd the head dim (64 or 128): q, the output, its gradient (contiguous, T, by
         // address: the op holds them) and dq hold batch * seq * heads * hd elements, k and v
@@ -278,18 +337,22 @@ impl Map3 for Dkv<'_> {
         let lse = address(OP, &op.lse, "the log-sum-exps", device)?;
         let delta = address(OP, &op.delta, "the deltas", device)?;
         // SAFETY: the kernel writes every element before anything reads it: a block per
-        // (key tile, KV head, sequence) covers every key below seq, and lane l of the key's
-        // warp writes its head dims l * E .. l * E + E of dk and of dv. Launched below on the
-        // device's stream.
+        // (4R-key tile, KV head, sequence) covers every key below seq (`plan` divides seq by
+        // the 4R of the kernel it names), and lane l of the key's warp writes its head dims
+        // l * E .. l * E + E of dk and of dv. Launched below on the device's stream.
         let mut dkv = unsafe { device.alloc::<T>(2 * d.kv_len())? };
-        let func = device.get_or_load_custom_func(
-            &name("dkv", T::DTYPE, &d),
-            KERNELS.module(),
-            KERNELS.ptx()?,
-        )?;
         let s = Sizes::of(&d)?;
+        let (name, cfg) = plan(
+            "dkv",
+            T::DTYPE,
+            &d,
+            backward_rows(&d),
+            s.kv_heads,
+            s.batch,
+            device,
+        )?;
+        let func = device.get_or_load_custom_func(&name, KERNELS.module(), KERNELS.ptx()?)?;
         let scale = d.scale();
-        let cfg = config(&d, backward_tile(&d), s.kv_heads, s.batch)?;
         let mut launch = func.builder();
         launch.arg(&q);
         launch.arg(&k);
@@ -303,7 +366,7 @@ impl Map3 for Dkv<'_> {
         launch.arg(&s.heads);
         launch.arg(&s.kv_heads);
         launch.arg(&scale);
-        // SAFETY: the arguments match `graft_causal_attention_dkv_<dtype>_<hd>(const T* x4,
+        // SAFETY: the arguments match `graft_causal_attention_dkv_<dtype>_<hd>_r<R>(const T* x4,
         // const float*, const float*, T*, unsigned int x4, float)` with T the storage's dtype
         // and hd the head dim (64 or 128): q and the output's gradient (contiguous, T, held
         // by the op, by address) hold batch * seq * heads * hd elements, k and v batch * seq *

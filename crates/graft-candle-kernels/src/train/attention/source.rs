@@ -12,13 +12,10 @@ pub(super) static KERNELS: Kernels = Kernels::new(
 
 // Per head dim HD: E dims a lane when a lane owns output dims (lanes * E = HD, E consecutive);
 // KS, the f32 row stride in shared memory of a tile whose rows are read one a lane (HD + 4
-// keeps a lane's 16-byte loads on distinct banks within each quarter warp); RB, the rows (or
-// keys) each warp owns in the backward kernels (2 at 128, to stay under 48 KiB of static
-// shared memory).
+// keeps a lane's 16-byte loads on distinct banks within each quarter warp).
 template <int HD> struct GraftCa {
     static const int E = HD / 32;
     static const int KS = HD + 4;
-    static const int RB = HD == 64 ? 4 : 2;
 };
 
 // E consecutive f32 from shared memory (8- or 16-byte aligned).
@@ -62,15 +59,14 @@ __device__ __forceinline__ void graft_ca_stage(float* dst, int ld, const T* src,
     }
 }
 
-// The output rows of one (query tile, head, sequence): 4 warps of 4 rows; per key tile, lane j
+// The output rows of one (query tile, head, sequence): 4 warps of R rows; per key tile, lane j
 // scores key j for the warp's rows, the online softmax updates each row's max and sum, and the
 // lanes then add p * v over the tile, each lane E output dims. lse[(b * heads + h) * seq + i]
 // = max + log(sum) of row i, for the backward pass.
-template <typename T, int HD>
+template <typename T, int HD, int R>
 __device__ void graft_ca_forward(const T* q, const T* k, const T* v, T* out, float* lse,
                                  unsigned int seq, unsigned int heads, unsigned int kv_heads,
                                  float scale) {
-    const int R = 4;
     const int BM = GRAFT_CA_WARPS * R;
     const int E = GraftCa<HD>::E;
     const int KS = GraftCa<HD>::KS;
@@ -195,15 +191,14 @@ __device__ void graft_ca_forward(const T* q, const T* k, const T* v, T* out, flo
     }
 }
 
-// The query gradient of one (query tile, head, sequence): 4 warps of RB rows. First each
+// The query gradient of one (query tile, head, sequence): 4 warps of R rows. First each
 // row's delta = rowsum(dO * O) (kept in `delta` for the key and value kernel); then per key
 // tile, lane j recomputes p = exp(q.k_j * scale - lse) and dp = dO.v_j for the warp's rows,
 // ds = p * (dp - delta), and the lanes add ds * k_j over the tile, each lane E dims of dq.
-template <typename T, int HD>
+template <typename T, int HD, int R>
 __device__ void graft_ca_dq(const T* q, const T* k, const T* v, const T* o, const T* dout,
                             const float* lse, float* delta, T* dq, unsigned int seq,
                             unsigned int heads, unsigned int kv_heads, float scale) {
-    const int R = GraftCa<HD>::RB;
     const int BM = GRAFT_CA_WARPS * R;
     const int E = GraftCa<HD>::E;
     const int KS = GraftCa<HD>::KS;
@@ -339,17 +334,16 @@ __device__ void graft_ca_dq(const T* q, const T* k, const T* v, const T* o, cons
     }
 }
 
-// The key and value gradients of one (key tile, KV head, sequence): 4 warps of RB keys. For
+// The key and value gradients of one (key tile, KV head, sequence): 4 warps of R keys. For
 // each query head of the group and each tile of 32 query rows at or after the key tile, lane
 // i recomputes p = exp(q_i.k * scale - lse_i) and dp = dO_i.v for the warp's keys,
 // ds = p * (dp - delta_i), and the lanes add p * dO_i to dv and ds * q_i to dk, each lane E
 // dims. dkv holds dk ([batch, seq, kv_heads * HD]) and then dv.
-template <typename T, int HD>
+template <typename T, int HD, int R>
 __device__ void graft_ca_dkv(const T* q, const T* k, const T* v, const T* dout,
                              const float* lse, const float* delta, T* dkv, unsigned int batch,
                              unsigned int seq, unsigned int heads, unsigned int kv_heads,
                              float scale) {
-    const int R = GraftCa<HD>::RB;
     const int BN = GRAFT_CA_WARPS * R;
     const int E = GraftCa<HD>::E;
     const int KS = GraftCa<HD>::KS;
@@ -479,29 +473,43 @@ __device__ void graft_ca_dkv(const T* q, const T* k, const T* v, const T* dout,
     }
 }
 
-#define GRAFT_CA_HD(suffix, T, HD)                                                           \
+// Each kernel in two configurations, `_r<R>` for R rows (or keys) a warp. The many-rows one
+// (R = 4; 2 for the backward kernels at head dim 128, to stay under 48 KiB of static shared
+// memory) shares each staged tile among more rows; the one-row one has 4 (or 2) times the
+// blocks, for grids too small to fill the GPU (the launches pick by shape, `cuda.rs`).
+#define GRAFT_CA_FORWARD(suffix, T, HD, R)                                                   \
     extern "C" __global__ void __launch_bounds__(128)                                        \
-        graft_causal_attention_forward_##suffix##_##HD(                                      \
+        graft_causal_attention_forward_##suffix##_##HD##_r##R(                               \
             const T* q, const T* k, const T* v, T* out, float* lse, unsigned int seq,        \
             unsigned int heads, unsigned int kv_heads, float scale) {                        \
-        graft_ca_forward<T, HD>(q, k, v, out, lse, seq, heads, kv_heads, scale);             \
-    }                                                                                        \
+        graft_ca_forward<T, HD, R>(q, k, v, out, lse, seq, heads, kv_heads, scale);          \
+    }
+#define GRAFT_CA_BACKWARD(suffix, T, HD, R)                                                  \
     extern "C" __global__ void __launch_bounds__(128)                                        \
-        graft_causal_attention_dq_##suffix##_##HD(                                           \
+        graft_causal_attention_dq_##suffix##_##HD##_r##R(                                    \
             const T* q, const T* k, const T* v, const T* o, const T* dout, const float* lse, \
             float* delta, T* dq, unsigned int seq, unsigned int heads,                       \
             unsigned int kv_heads, float scale) {                                            \
-        graft_ca_dq<T, HD>(q, k, v, o, dout, lse, delta, dq, seq, heads, kv_heads, scale);   \
+        graft_ca_dq<T, HD, R>(q, k, v, o, dout, lse, delta, dq, seq, heads, kv_heads,        \
+                              scale);                                                        \
     }                                                                                        \
     extern "C" __global__ void __launch_bounds__(128)                                        \
-        graft_causal_attention_dkv_##suffix##_##HD(                                          \
+        graft_causal_attention_dkv_##suffix##_##HD##_r##R(                                   \
             const T* q, const T* k, const T* v, const T* dout, const float* lse,             \
             const float* delta, T* dkv, unsigned int batch, unsigned int seq,                \
             unsigned int heads, unsigned int kv_heads, float scale) {                        \
-        graft_ca_dkv<T, HD>(q, k, v, dout, lse, delta, dkv, batch, seq, heads, kv_heads,     \
-                            scale);                                                          \
+        graft_ca_dkv<T, HD, R>(q, k, v, dout, lse, delta, dkv, batch, seq, heads, kv_heads,  \
+                               scale);                                                       \
     }
-#define GRAFT_CA(suffix, T) GRAFT_CA_HD(suffix, T, 64) GRAFT_CA_HD(suffix, T, 128)
+#define GRAFT_CA(suffix, T)                                                                  \
+    GRAFT_CA_FORWARD(suffix, T, 64, 4)                                                       \
+    GRAFT_CA_FORWARD(suffix, T, 64, 1)                                                       \
+    GRAFT_CA_FORWARD(suffix, T, 128, 4)                                                      \
+    GRAFT_CA_FORWARD(suffix, T, 128, 1)                                                      \
+    GRAFT_CA_BACKWARD(suffix, T, 64, 4)                                                      \
+    GRAFT_CA_BACKWARD(suffix, T, 64, 1)                                                      \
+    GRAFT_CA_BACKWARD(suffix, T, 128, 2)                                                     \
+    GRAFT_CA_BACKWARD(suffix, T, 128, 1)
 GRAFT_FOR_DTYPES(GRAFT_CA)
 "#,
 );
