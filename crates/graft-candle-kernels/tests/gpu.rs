@@ -172,7 +172,7 @@ fn gpu_causal_attention_is_deterministic() {
 }
 
 /// Batch 4 of 512 rows, 8 query heads on 4 KV heads, head dim 128 (16 key tiles a row);
-/// under compute-sanitizer, 130 rows.
+/// under compute-sanitizer, 130 rows. Then batch 12 of 128 rows at head dim 64.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_causal_attention_of_long_sequences_matches_unfused() {
@@ -189,6 +189,18 @@ fn gpu_causal_attention_of_long_sequences_matches_unfused() {
     for dtype in DTYPES {
         check_causal_attention(&dev, &case, dtype).unwrap();
     }
+    // The benchmark's shape at batch 12 (head dim 64, 8 query heads on 4): every kernel's
+    // many-rows configuration at head dim 64 (the small grids above take one row a warp).
+    let case = CausalCase {
+        batch: 12,
+        seq: 128,
+        kv_heads: 4,
+        group: 2,
+        head_dim: 64,
+        offset: 0,
+        seed: 6,
+    };
+    check_causal_attention(&dev, &case, DType::F32).unwrap();
 }
 
 #[test]
