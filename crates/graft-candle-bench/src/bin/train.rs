@@ -343,6 +343,19 @@ fn measure(
             }
         }
     }
+    if let Some(g) = t.graft.graft() {
+        let s = g.stats();
+        println!(
+            "    graft: {} recordings, {} replays, {} warmups, {} eager runs, {} guards, {} guard differences, re-recordings {:?}",
+            s.recordings,
+            s.replays,
+            s.warmups,
+            s.eager_runs,
+            s.guards,
+            s.guard_differences,
+            s.rerecords
+        );
+    }
     let mut us = [0.0; 4];
     for (u, s) in us.iter_mut().zip(samples.iter_mut()) {
         *u = median(s);
