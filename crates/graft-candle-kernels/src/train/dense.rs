@@ -1,13 +1,8 @@
 //! `dense(x, w) = x · wᵀ` over all of `x`'s rows as one matrix, differentiable: one GEMM
-//! forward, two backward, each a `Product` op. candle-nn's `Linear` broadcasts the weight over
-//! a 3-D input's batch (so the weight's gradient is a batched GEMM and a sum) and records a
-//! transpose node; this records one node, whose backward adds nothing but the two products.
-//!
-//! On CUDA an f32 product is one `cublasSgemm` (what PyTorch's f32 `mm` calls); candle's own
-//! matmul runs the other dtypes and the CPU (cuBLAS's strided-batched GEMM on CUDA).
-
-#[cfg(feature = "cuda")]
-mod cuda;
+//! forward (candle's backend matmul, cuBLAS on CUDA, reading `w` transposed in place), two
+//! backward. candle-nn's `Linear` broadcasts the weight over a 3-D input's batch (so the
+//! weight's gradient is a batched GEMM and a sum) and records a transpose node; this records
+//! one node, whose backward adds nothing but the two products.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
@@ -48,83 +43,25 @@ struct Dense {
     n: usize,
 }
 
-/// `C = op(A) · op(B)`, row-major and contiguous: `op(A)` is `[m, k]` (A stored `[k, m]`
-/// when `ta`), `op(B)` is `[k, n]` (B stored `[n, k]` when `tb`); C is `[m, n]`.
-#[derive(Clone, Copy, Debug)]
-struct Product {
-    m: usize,
-    n: usize,
-    k: usize,
-    ta: bool,
-    tb: bool,
-}
-
-impl Product {
-    /// candle's matmul layouts of A and B (their start offsets kept).
-    fn layouts(&self, al: &Layout, bl: &Layout) -> (Layout, Layout) {
-        let Product { m, n, k, ta, tb } = *self;
-        let a = if ta {
-            Layout::new((m, k).into(), vec![1, m], al.start_offset())
-        } else {
-            Layout::contiguous_with_offset((m, k), al.start_offset())
-        };
-        let b = if tb {
-            Layout::new((k, n).into(), vec![1, k], bl.start_offset())
-        } else {
-            Layout::contiguous_with_offset((k, n), bl.start_offset())
-        };
-        (a, b)
-    }
-
-    fn apply(&self, a: &Tensor, b: &Tensor, shape: Shape) -> Result<Tensor> {
-        a.apply_op2_no_bwd(
-            b,
-            &Shaped {
-                product: *self,
-                shape,
-            },
+impl Dense {
+    /// candle's matmul arguments: `x` as `[rows, k]`, `w` read transposed as `[k, n]`.
+    fn layouts(&self, xl: &Layout, wl: &Layout) -> (Layout, Layout) {
+        (
+            Layout::contiguous_with_offset((self.rows, self.k), xl.start_offset()),
+            Layout::new((self.k, self.n).into(), vec![1, self.k], wl.start_offset()),
         )
     }
-}
 
-/// A product whose result has `shape` (`m * n` elements).
-struct Shaped {
-    product: Product,
-    shape: Shape,
-}
-
-impl CustomOp2 for Shaped {
-    fn name(&self) -> &'static str {
-        "dense_product"
+    fn shape(&self, xl: &Layout) -> Shape {
+        let mut dims = xl.dims().to_vec();
+        if let Some(last) = dims.last_mut() {
+            *last = self.n;
+        }
+        Shape::from(dims)
     }
 
-    fn cpu_fwd(
-        &self,
-        a: &CpuStorage,
-        al: &Layout,
-        b: &CpuStorage,
-        bl: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let p = self.product;
-        let (la, lb) = p.layouts(al, bl);
-        Ok((
-            a.matmul(b, (1, p.m, p.n, p.k), &la, &lb)?,
-            self.shape.clone(),
-        ))
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        a: &candle_core::CudaStorage,
-        al: &Layout,
-        b: &candle_core::CudaStorage,
-        bl: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        Ok((
-            cuda::product(self.product, a, al, b, bl)?,
-            self.shape.clone(),
-        ))
+    fn bmnk(&self) -> (usize, usize, usize, usize) {
+        (1, self.rows, self.n, self.k)
     }
 }
 
@@ -140,11 +77,8 @@ impl CustomOp2 for Dense {
         w: &CpuStorage,
         wl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        Shaped {
-            product: self.forward(),
-            shape: self.shape(xl),
-        }
-        .cpu_fwd(x, xl, w, wl)
+        let (xm, wm) = self.layouts(xl, wl);
+        Ok((x.matmul(w, self.bmnk(), &xm, &wm)?, self.shape(xl)))
     }
 
     #[cfg(feature = "cuda")]
@@ -155,11 +89,8 @@ impl CustomOp2 for Dense {
         w: &candle_core::CudaStorage,
         wl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        Shaped {
-            product: self.forward(),
-            shape: self.shape(xl),
-        }
-        .cuda_fwd(x, xl, w, wl)
+        let (xm, wm) = self.layouts(xl, wl);
+        Ok((x.matmul(w, self.bmnk(), &xm, &wm)?, self.shape(xl)))
     }
 
     fn bwd(
@@ -177,48 +108,10 @@ impl CustomOp2 for Dense {
                 "the output's shape",
             ));
         }
-        let g = grad.contiguous()?;
-        let (rows, n, k) = (self.rows, self.n, self.k);
-        // dx = dy · w: [rows, n] · [n, k].
-        let dx = Product {
-            m: rows,
-            n: k,
-            k: n,
-            ta: false,
-            tb: false,
-        }
-        .apply(&g, w, x.shape().clone())?;
-        // dw = dyᵀ · x: [n, rows] (dy read transposed) · [rows, k].
-        let dw = Product {
-            m: n,
-            n: k,
-            k: rows,
-            ta: true,
-            tb: false,
-        }
-        .apply(&g, x, Shape::from((n, k)))?;
+        let g = grad.contiguous()?.reshape((self.rows, self.n))?.detach();
+        let dx = g.matmul(&w.detach())?.reshape(x.shape())?;
+        let dw = g.t()?.matmul(&x.detach().reshape((self.rows, self.k))?)?;
         Ok((Some(dx), Some(dw)))
-    }
-}
-
-impl Dense {
-    /// The forward product: `x` `[rows, k]` times `w` `[n, k]` read transposed.
-    fn forward(&self) -> Product {
-        Product {
-            m: self.rows,
-            n: self.n,
-            k: self.k,
-            ta: false,
-            tb: true,
-        }
-    }
-
-    fn shape(&self, xl: &Layout) -> Shape {
-        let mut dims = xl.dims().to_vec();
-        if let Some(last) = dims.last_mut() {
-            *last = self.n;
-        }
-        Shape::from(dims)
     }
 }
 
