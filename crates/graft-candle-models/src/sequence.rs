@@ -46,12 +46,7 @@ impl Decoder {
     ) -> Result<Tensor> {
         let (_, seq) = tokens.dims2()?;
         let s = &self.spec;
-        if seq > s.rope.max_positions {
-            candle_core::bail!(
-                "a sequence of {seq} tokens is longer than the model's max_position_embeddings of {}",
-                s.rope.max_positions
-            );
-        }
+        self.check_length(seq)?;
         let mask = mask.narrow(0, 0, seq)?.narrow(1, 0, seq)?;
         let drop = |x: Tensor| match dropout {
             Some(f) => f(&x),
@@ -87,6 +82,17 @@ impl Decoder {
     /// when every part is fused).
     pub fn fused_sequence_fallbacks(&self) -> Vec<String> {
         let s = &self.spec;
+        let mut why = self.attention_unfused_because();
+        if s.act != candle_nn::Activation::Silu {
+            why.push(format!("mlp: {:?} activation (SwiGLU is fused)", s.act));
+        }
+        why
+    }
+
+    /// Why the fused forward's attention runs unfused for this decoder (empty when it is
+    /// fused).
+    fn attention_unfused_because(&self) -> Vec<String> {
+        let s = &self.spec;
         let mut why = Vec::new();
         if let Err(e) = causal_attention_fits(s.head_dim) {
             why.push(format!("attention: {e}"));
@@ -97,10 +103,18 @@ impl Decoder {
                     .into(),
             );
         }
-        if s.act != candle_nn::Activation::Silu {
-            why.push(format!("mlp: {:?} activation (SwiGLU is fused)", s.act));
-        }
         why
+    }
+
+    /// Fails if `seq` exceeds the rotary tables (`max_position_embeddings`).
+    fn check_length(&self, seq: usize) -> Result<()> {
+        let max = self.spec.rope.max_positions;
+        if seq > max {
+            candle_core::bail!(
+                "a sequence of {seq} tokens is longer than the model's max_position_embeddings of {max}"
+            );
+        }
+        Ok(())
     }
 
     fn fused_logits(
@@ -111,14 +125,8 @@ impl Decoder {
     ) -> Result<Tensor> {
         let (batch, seq) = tokens.dims2()?;
         let s = &self.spec;
-        if seq > s.rope.max_positions {
-            candle_core::bail!(
-                "a sequence of {seq} tokens is longer than the model's max_position_embeddings of {}",
-                s.rope.max_positions
-            );
-        }
-        let fused_attention =
-            causal_attention_fits(s.head_dim).is_ok() && s.sliding_window.is_none();
+        self.check_length(seq)?;
+        let fused_attention = self.attention_unfused_because().is_empty();
         let mask = mask.narrow(0, 0, seq)?.narrow(1, 0, seq)?;
         let drop = |x: Tensor| match dropout {
             Some(f) => f(&x),
