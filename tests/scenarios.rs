@@ -808,3 +808,93 @@ fn reset_invalidates<D: TestDevice>(dev: D) {
     assert_eq!(g.stats().replays, 2);
 }
 device_test!(scenario_18_reset_invalidates, reset_invalidates);
+
+// 19. A `Forward` function begins a training step when no backward is pending, wherever it was
+// first called. Here an inference function starts the runtime's generations, so the training
+// step's forward is first called mid-path and never became root-level: its steps used to warm
+// up without end, or, once recorded, add a node to the path on every call.
+fn forward_begins_a_step_wherever_first_called<D: TestDevice>(dev: D) {
+    let mut g = graft(dev, unguarded());
+    let infer = g.register("infer", FunctionSpec::default());
+    let fwd = g.register("fwd", FunctionSpec::default().mode(Mode::Forward));
+    let bwd = g.register("bwd", FunctionSpec::default().mode(Mode::Backward));
+    let x = input(&mut g, &[1.0; 4]);
+    let runs = Runs::default();
+    for _ in 0..3 {
+        g.call(infer, &[&x], &[], affine(3.0, 0.0, &runs)).unwrap();
+    }
+    let mut outcomes = Vec::new();
+    for _ in 0..8 {
+        let mut y = Vec::new();
+        outcomes.push(
+            g.call_into(fwd, &[&x], &[], affine(2.0, 0.0, &runs), &mut y)
+                .unwrap(),
+        );
+        let mut dx = Vec::new();
+        outcomes.push(
+            g.call_into(bwd, &[&y[0].buffer], &[], affine(0.5, 1.0, &runs), &mut dx)
+                .unwrap(),
+        );
+        assert_eq!(read(&g, &dx[0].buffer), vec![2.0; 4]);
+    }
+    let tail = &outcomes[6..];
+    assert!(
+        tail.iter().all(|o| matches!(o, Outcome::Replayed(_))),
+        "from the fourth step on every call replays: {outcomes:?}"
+    );
+    assert_eq!(
+        g.nodes().len(),
+        3,
+        "infer, fwd and bwd under it: {outcomes:?}"
+    );
+}
+device_test!(
+    scenario_19_forward_begins_a_step_wherever_first_called,
+    forward_begins_a_step_wherever_first_called
+);
+
+// 20. A decode loop after a prefill: the decode function was first called mid-path, so it never
+// starts a generation by itself. Without `mark_step_begin` each decode step continues the
+// path (warming up, then recording a node a step): graft warns once. With it, every step after
+// the first few replays.
+fn decode_after_prefill<D: TestDevice>(dev: D) {
+    let run = |g: &mut G<D>, steps: usize, mark: bool| {
+        let prefill = g.register("prefill", FunctionSpec::default());
+        let decode = g.register("decode", FunctionSpec::default());
+        let x = input(g, &[1.0; 4]);
+        let runs = Runs::default();
+        let mut y = Vec::new();
+        g.call_into(prefill, &[&x], &[], affine(1.0, 0.0, &runs), &mut y)
+            .unwrap();
+        let mut t = y.pop().unwrap().buffer;
+        let mut outcomes = Vec::new();
+        for _ in 0..steps {
+            if mark {
+                g.mark_step_begin();
+            }
+            let mut z = Vec::new();
+            let o = g.call_into(decode, &[&t], &[], affine(1.0, 1.0, &runs), &mut z);
+            outcomes.push(o.unwrap());
+            t = z.pop().unwrap().buffer;
+        }
+        assert_eq!(read(g, &t), vec![1.0 + steps as f32; 4]);
+        outcomes
+    };
+    let warnings = count_warnings("without a new one", || {
+        let mut g = graft(dev.clone(), unguarded());
+        let outcomes = run(&mut g, 1100, false);
+        assert!(outcomes.iter().all(|o| *o == Outcome::Warmup));
+    });
+    assert_eq!(warnings, 1);
+    let warnings = count_warnings("without a new one", || {
+        let mut g = graft(dev, unguarded());
+        let outcomes = run(&mut g, 1100, true);
+        assert!(
+            outcomes[2..]
+                .iter()
+                .all(|o| matches!(o, Outcome::Replayed(_)))
+        );
+    });
+    assert_eq!(warnings, 0);
+}
+device_test!(scenario_20_decode_after_prefill, decode_after_prefill);

@@ -11,8 +11,10 @@ pub enum Mode {
     /// generation, so a plain loop needs no `mark_step_begin`.
     #[default]
     Inference,
-    /// A training forward: its outputs need a backward, so no generation starts implicitly
-    /// until a `Backward` function runs or `mark_step_begin` is called.
+    /// A training forward: with no backward pending it begins a step (a new generation when
+    /// the path cannot continue), wherever it was first called; its outputs need a backward,
+    /// so no generation starts implicitly until a `Backward` function runs or
+    /// `mark_step_begin` is called.
     Forward,
     /// A training backward: clears the pending-backward state.
     Backward,

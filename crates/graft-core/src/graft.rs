@@ -21,11 +21,15 @@ use crate::node_id::NodeId;
 use crate::plan::{self, Action, Plan};
 use crate::policy::Policy;
 use crate::pools::{Pools, lock};
-use crate::reason::{Decision, DecisionRecord, EagerReason, RecordReason};
+use crate::reason::{Decision, DecisionRecord, EagerReason, RecordReason, WarmupReason};
 use crate::signature::Functions;
 use crate::stats::Stats;
 use crate::tree::{NodeKey, Output, Tree, key_of};
 use crate::view::View;
+
+/// Path warmups and recordings in one generation past which graft warns that the step's
+/// function never starts a generation: more than the first step of any model's layers makes.
+const GROWTH_WARN_CALLS: u32 = 1024;
 
 /// What a call did.
 #[derive(Clone, PartialEq, Eq, Debug)]
@@ -70,6 +74,10 @@ pub struct Graft<D: Device, M: Clone = ()> {
     pub(crate) pools: Pools,
     backward_pending: bool,
     warned_backward: bool,
+    /// Calls of this generation that warmed up because the path was warming up, or recorded:
+    /// past [`GROWTH_WARN_CALLS`], the step's function never starts a generation (warn once).
+    growth: u32,
+    warned_growth: bool,
     /// Re-recordings, fallbacks, the use counts' aging, the decision log.
     pub(crate) policy: Policy,
     pub(crate) stats: Stats,
@@ -114,6 +122,8 @@ impl<D: Device, M: Clone> Graft<D, M> {
             pools: Pools::new(reservation),
             backward_pending: false,
             warned_backward: false,
+            growth: 0,
+            warned_growth: false,
             policy,
             stats: Stats {
                 generations: 1,
@@ -210,6 +220,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
     pub(crate) fn new_generation(&mut self) {
         self.generation += 1;
         self.stats.generations += 1;
+        self.growth = 0;
         // Every phase may move to Idle.
         let _: Result<(), Refused> = transition(&mut self.phase, Phase::Idle);
         tracing::trace!(generation = self.generation, "new generation");
@@ -468,6 +479,9 @@ impl<D: Device, M: Clone> Graft<D, M> {
             Action::Replay(key) => self.replay(key, frame),
             Action::Warmup(reason) => {
                 self.count_off_replay(function, frame.sig);
+                if reason == WarmupReason::PathWarmingUp {
+                    self.count_growth(function);
+                }
                 self.warmup(frame, reason)
             }
             Action::Record {
@@ -477,6 +491,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
             } => {
                 self.count_off_replay(function, frame.sig);
                 self.count_miss(function, frame.sig, parent, &reason);
+                self.count_growth(function);
                 let reuse = self.make_room(function, &evicts);
                 self.record(frame, parent, reason, reuse)
             }
@@ -507,6 +522,23 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 }
                 self.run_eager(frame, reason)
             }
+        }
+    }
+
+    /// Counts a call that grows this generation's path (a warmup of a warming path, a
+    /// recording); warns once when a generation grows past [`GROWTH_WARN_CALLS`] calls, the
+    /// sign of a step function first called after another one: it never became root-level, so
+    /// each of its calls continues the path instead of starting the next step.
+    fn count_growth(&mut self, function: FunctionId) {
+        self.growth += 1;
+        if self.growth >= GROWTH_WARN_CALLS && !self.warned_growth {
+            self.warned_growth = true;
+            tracing::warn!(
+                function = %self.functions[function].name,
+                calls = self.growth,
+                "one generation has warmed up or recorded {} calls without a new one; if each call of this function is a step, call mark_step_begin before it",
+                self.growth
+            );
         }
     }
 

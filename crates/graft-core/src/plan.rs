@@ -6,6 +6,7 @@
 //! docs/architecture.md.
 
 use crate::admit::{Room, room};
+use crate::config::Mode;
 use crate::device::DevicePtr;
 use crate::error::FunctionId;
 use crate::lifecycle::Phase;
@@ -77,8 +78,12 @@ pub(crate) fn plan<G, M>(
         return plan(false, false, action);
     }
     // A root-level function (one that started a generation before) may end the path and
-    // start a new generation, unless a `Forward`'s backward is pending.
-    let due = f.root_level;
+    // start a new generation, unless a `Forward`'s backward is pending. So may a `Forward`
+    // function wherever it was first called: with no backward pending it begins a training
+    // step, as a PyTorch forward starts a generation unless backwards are pending. (First
+    // called mid-path, it never became root-level: its steps warmed up without end, or grew
+    // the path by a node a call.)
+    let due = f.root_level || f.spec.mode == Mode::Forward;
     let may_start = due && !view.backward_pending;
     let blocked = due && view.backward_pending;
     let needed = f.spec.warmups.unwrap_or(view.config.warmups);
@@ -363,6 +368,23 @@ mod tests {
                 evicts: Vec::new(),
             }
         );
+    }
+
+    #[test]
+    fn a_forward_begins_a_step_though_not_root_level() {
+        let mut w = world(1);
+        w.functions[F].spec.mode = Mode::Forward;
+        let root = w.node(None, ADDR);
+        let child = w.node(Some(root), ADDR);
+        let at_child = Phase::Replaying { tip: child.id() };
+        let p = w.plan(at_child, false, ADDR);
+        assert!(p.new_generation);
+        assert_eq!(p.action, Action::Replay(root));
+        let p = w.plan(Phase::Warmup, false, ADDR);
+        assert!(p.new_generation);
+        // A backward still pending keeps the path going.
+        let p = w.plan(at_child, true, ADDR);
+        assert!(!p.new_generation && p.backward_blocked);
     }
 
     #[test]
