@@ -69,6 +69,8 @@ pub use error::KernelError;
 pub use linear::{MATVEC_ROWS, MAX_PARTS, linear, linear_cat, linear_swiglu};
 pub use moe::{Experts, MAX_EXPERTS, Routing, route};
 pub use norm::add_rms_norm;
+#[cfg(feature = "cuda")]
+pub use nvrtc::Kernels;
 pub use rope::{QkNorm, RopeStyle, rope_store};
 pub use shared::SharedExpert;
 pub use side::SideStream;

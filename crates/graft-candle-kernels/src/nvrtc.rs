@@ -131,17 +131,20 @@ template <> struct GraftVec<GraftF16> {
 #define GRAFT_FOR_DTYPES(X) X(f32, float) X(bf16, GraftBf16) X(f16, GraftF16)
 "#;
 
-/// One op's CUDA module: its name in candle's per-device table, its source (after the
-/// prelude) and its PTX, compiled on first use and kept for the process (or NVRTC's error).
+/// One CUDA module of candle custom kernels: its name in candle's per-device table, its source
+/// (after the prelude) and its PTX, compiled on first use and kept for the process (or NVRTC's
+/// error). Kept in a `static`, so that a process compiles each module once. Public for the
+/// other candle crates' own kernels (graft-candle's random numbers).
 #[derive(Debug)]
-pub(crate) struct Kernels {
+pub struct Kernels {
     module: &'static str,
     source: &'static str,
     ptx: OnceLock<std::result::Result<String, KernelError>>,
 }
 
 impl Kernels {
-    pub(crate) const fn new(module: &'static str, source: &'static str) -> Self {
+    /// A module named `module` (unique in the process) with `source` after the prelude.
+    pub const fn new(module: &'static str, source: &'static str) -> Self {
         Self {
             module,
             source,
@@ -150,13 +153,13 @@ impl Kernels {
     }
 
     /// The module's name in candle's per-device table of custom modules.
-    pub(crate) fn module(&self) -> &'static str {
+    pub fn module(&self) -> &'static str {
         self.module
     }
 
     /// The module's PTX, compiled if this process has not yet; pass it with [`Self::module`]
     /// to `CudaDevice::get_or_load_custom_func`, which loads it into a device only once.
-    pub(crate) fn ptx(&self) -> Result<&str> {
+    pub fn ptx(&self) -> Result<&str> {
         match self.ptx.get_or_init(|| compile(self.module, self.source)) {
             Ok(ptx) => Ok(ptx),
             Err(err) => Err(candle_core::Error::wrap(err.clone())),

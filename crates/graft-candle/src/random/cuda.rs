@@ -1,14 +1,14 @@
-//! The generator's CUDA kernels: their source, compiled with NVRTC once per process, loaded
-//! into a candle device, and launched on the device's stream with the state read through a
-//! pointer (never as a kernel parameter, which a recorded graph would freeze).
+//! The generator's CUDA kernels: their source, compiled with NVRTC once per process
+//! (graft-candle-kernels' `Kernels`), loaded into a candle device, and launched on the
+//! device's stream with the state read through a pointer (never as a kernel parameter, which
+//! a recorded graph would freeze).
 
 use std::ops::Range;
-use std::sync::OnceLock;
 
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
-use candle_core::cuda_backend::cudarc::nvrtc;
 use candle_core::cuda_backend::{CudaDevice, CudaStorage, WrapErr};
 use candle_core::{Result, bail};
+use graft_candle_kernels::Kernels;
 
 /// The module's name in candle's per-device table of custom modules.
 const MODULE: &str = "graft_candle_philox";
@@ -57,44 +57,13 @@ extern "C" __global__ void graft_philox_advance(unsigned int* state, unsigned lo
 "#
 );
 
-/// The kernels' PTX, compiled on first use and kept for the process (or NVRTC's complaint).
-fn ptx() -> Result<&'static str> {
-    static PTX: OnceLock<std::result::Result<String, String>> = OnceLock::new();
-    match PTX.get_or_init(compile) {
-        Ok(ptx) => Ok(ptx),
-        Err(message) => Err(candle_core::Error::Msg(message.clone())),
-    }
-}
-
-fn compile() -> std::result::Result<String, String> {
-    let opts = nvrtc::CompileOptions {
-        name: Some(format!("{MODULE}.cu")),
-        ..Default::default()
-    };
-    let ptx = nvrtc::compile_ptx_with_opts(SOURCE, opts).map_err(|e| match e {
-        nvrtc::CompileError::CompileError { log, .. } => format!(
-            "NVRTC could not compile the random-number kernels: {}; check the CUDA toolkit's NVRTC version",
-            log.to_string_lossy()
-        ),
-        other => format!(
-            "NVRTC failed on the random-number kernels: {other}; check that libnvrtc matches the driver"
-        ),
-    })?;
-    match ptx.as_bytes() {
-        Some(image) => {
-            let text = image.split(|&b| b == 0).next().unwrap_or_default();
-            String::from_utf8(text.to_vec()).map_err(|_| {
-                "NVRTC returned PTX that is not text; check the CUDA toolkit".to_string()
-            })
-        }
-        None => Ok(ptx.to_src()),
-    }
-}
+/// The module, compiled on first use and kept for the process.
+static KERNELS: Kernels = Kernels::new(MODULE, SOURCE);
 
 /// Compiles the kernels if this process has not yet, and loads them into `device` (a no-op
 /// when it holds them already).
 pub(super) fn load(device: &CudaDevice) -> Result<()> {
-    let ptx = ptx()?;
+    let ptx = KERNELS.ptx()?;
     for name in [UNIFORM, ADVANCE] {
         device.get_or_load_custom_func(name, MODULE, ptx)?;
     }
@@ -112,7 +81,7 @@ pub(super) fn uniform(state: &CudaStorage, range: Range<usize>, n: usize) -> Res
         );
     };
     // Loaded by `DeviceRng::new`: this finds the module and only looks the function up.
-    let func = device.get_or_load_custom_func(UNIFORM, MODULE, ptx()?)?;
+    let func = device.get_or_load_custom_func(UNIFORM, MODULE, KERNELS.ptx()?)?;
     let words = state.as_cuda_slice::<u32>()?.slice(range);
     // SAFETY: the uniform kernel writes all `n` elements (threads cover ceil(n / 4) blocks of 4
     // lanes, bounded by `n`) before anything reads them: the kernel is launched just below on
@@ -139,7 +108,7 @@ pub(super) fn uniform(state: &CudaStorage, range: Range<usize>, n: usize) -> Res
 /// Adds `blocks` to the offset of the state words at `range` of `state`, on the device.
 pub(super) fn advance(state: &mut CudaStorage, range: Range<usize>, blocks: u64) -> Result<()> {
     let device = state.device.clone();
-    let func = device.get_or_load_custom_func(ADVANCE, MODULE, ptx()?)?;
+    let func = device.get_or_load_custom_func(ADVANCE, MODULE, KERNELS.ptx()?)?;
     let slice = state.as_cuda_slice_mut::<u32>()?;
     let mut words = slice.slice_mut(range);
     let mut launch = func.builder();
