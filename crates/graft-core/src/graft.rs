@@ -530,7 +530,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
     /// sign of a step function first called after another one: it never became root-level, so
     /// each of its calls continues the path instead of starting the next step.
     fn count_growth(&mut self, function: FunctionId) {
-        self.growth += 1;
+        self.growth = self.growth.saturating_add(1);
         if self.growth >= GROWTH_WARN_CALLS && !self.warned_growth {
             self.warned_growth = true;
             tracing::warn!(
