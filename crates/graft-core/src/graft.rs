@@ -27,8 +27,9 @@ use crate::stats::Stats;
 use crate::tree::{NodeKey, Output, Tree, key_of};
 use crate::view::View;
 
-/// Path warmups and recordings in one generation past which graft warns that the step's
-/// function never starts a generation: more than the first step of any model's layers makes.
+/// Path warmups and recordings in one generation at which graft warns that the step's function
+/// never starts a generation: several times a first step of per-layer functions (a few per
+/// layer, a hundred-odd layers).
 const GROWTH_WARN_CALLS: u32 = 1024;
 
 /// What a call did.
@@ -75,7 +76,7 @@ pub struct Graft<D: Device, M: Clone = ()> {
     backward_pending: bool,
     warned_backward: bool,
     /// Calls of this generation that warmed up because the path was warming up, or recorded:
-    /// past [`GROWTH_WARN_CALLS`], the step's function never starts a generation (warn once).
+    /// at [`GROWTH_WARN_CALLS`], the step's function never starts a generation (warn once).
     growth: u32,
     warned_growth: bool,
     /// Re-recordings, fallbacks, the use counts' aging, the decision log.
@@ -526,7 +527,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
     }
 
     /// Counts a call that grows this generation's path (a warmup of a warming path, a
-    /// recording); warns once when a generation grows past [`GROWTH_WARN_CALLS`] calls, the
+    /// recording); warns once when a generation reaches [`GROWTH_WARN_CALLS`] calls, the
     /// sign of a step function first called after another one: it never became root-level, so
     /// each of its calls continues the path instead of starting the next step.
     fn count_growth(&mut self, function: FunctionId) {
