@@ -1,40 +1,104 @@
 //! Guards against a model: any sequence of values of a host scalar the body passes to a
 //! kernel (runs of repeats, changes at any call) under any schedule: each call replays or
 //! not, and is right or stale, exactly as a model of the schedule written apart from graft's
-//! says (a found value makes the signature eager for good: every later call is right).
+//! says. A found value makes the node guarded on every call (each call captured, or run
+//! eagerly where that took less time: the one choice graft makes by timing, which the model
+//! takes from graft's outcome and checks is allowed) until two captures in a row equal it;
+//! then it replays on the schedule again.
 
 mod common;
 
 use common::*;
-use graft::{Config, Guards, Outcome};
+use graft::{Config, EagerReason, Guards, Outcome};
 use proptest::prelude::*;
 
+/// What a call did, as the model sees it.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Did {
+    /// Replayed the recording (right when its value is the recorded one).
+    Replay { right: bool },
+    /// Ran a capture of the body: the capture's value is right.
+    Capture,
+    /// Ran eagerly: right.
+    Eager,
+}
+
+/// The model's guard state.
+enum State {
+    Scheduled {
+        next: u64,
+    },
+    Changing {
+        equal: u32,
+        eager_calls: u32,
+        probe: u32,
+    },
+}
+
 /// What graft should do with a scalar that takes `values` on successive calls, guarded on
-/// `guards`' schedule: per call, whether it replays and whether its output is right. A
-/// model of the schedule and the outcome, written apart from graft's.
-fn model(values: &[u8], guards: Guards) -> Vec<(bool, bool)> {
-    let mut out = vec![(false, true); values.len().min(2)];
-    let (recorded, mut replays) = (values.get(1).copied(), 0u64);
-    let (mut next, mut eager) = (guards.first, false);
-    for &v in values.iter().skip(2) {
-        if eager {
-            // Found: every later call runs eagerly, and is right.
-            out.push((false, true));
-            continue;
-        }
+/// `guards`' schedule. `eager(i)` says whether graft ran call `i` eagerly (its timing choice);
+/// the model checks that the choice was open to it.
+fn model(values: &[u8], guards: Guards, eager: impl Fn(usize) -> bool) -> Vec<Did> {
+    let mut out = vec![Did::Capture; values.len().min(2)];
+    let Some(&first) = values.get(1) else {
+        return out;
+    };
+    let (mut recorded, mut replays) = (first, 0u64);
+    let mut state = State::Scheduled { next: guards.first };
+    for (i, &v) in values.iter().enumerate().skip(2) {
         let call = replays + 1;
-        let due = call >= next;
-        if due && recorded != Some(v) {
-            // Found: this call runs the new capture (right), the signature eagerly after it.
-            eager = true;
-            out.push((false, true));
-            continue;
+        match &mut state {
+            State::Scheduled { next } if call < *next => {
+                replays += 1;
+                out.push(Did::Replay {
+                    right: recorded == v,
+                });
+            }
+            State::Scheduled { next } if recorded == v => {
+                *next = call + call.min(guards.max_interval);
+                replays += 1;
+                out.push(Did::Replay { right: true });
+            }
+            State::Scheduled { .. } => {
+                // Found: the capture takes the recording's place (a new node: no replays yet).
+                (recorded, replays) = (v, 0);
+                state = State::Changing {
+                    equal: 0,
+                    eager_calls: 0,
+                    probe: 8,
+                };
+                out.push(Did::Capture);
+            }
+            State::Changing {
+                equal,
+                eager_calls,
+                probe,
+            } => {
+                if eager(i) {
+                    assert!(
+                        *equal == 0 && *eager_calls < *probe,
+                        "call {i} ran eagerly where a capture was due"
+                    );
+                    *eager_calls += 1;
+                    out.push(Did::Eager);
+                } else if recorded == v {
+                    *eager_calls = 0;
+                    *equal += 1;
+                    replays += 1;
+                    out.push(Did::Replay { right: true });
+                    if *equal >= 2 {
+                        state = State::Scheduled { next: call + 1 };
+                    }
+                } else {
+                    if *eager_calls > 0 {
+                        *probe = (*probe * 2).min(1024);
+                    }
+                    (*equal, *eager_calls) = (0, 0);
+                    (recorded, replays) = (v, 0);
+                    out.push(Did::Capture);
+                }
+            }
         }
-        if due {
-            next = call + call.min(guards.max_interval);
-        }
-        replays += 1;
-        out.push((true, recorded == Some(v)));
     }
     out
 }
@@ -52,10 +116,17 @@ proptest! {
         let guards = Guards { first, max_interval };
         let mut g = graft(sim(), Config { guards: Some(guards), ..Config::default() });
         let calls = run_scaled(&mut g, values.len() as u32, |i| f32::from(values[i as usize]), &Runs::default());
-        let got: Vec<(bool, bool)> = calls
+        let got: Vec<Did> = calls
             .iter()
-            .map(|(o, right)| (matches!(o, Outcome::Replayed(_)), *right))
+            .map(|(o, right)| match o {
+                Outcome::Replayed(_) => Did::Replay { right: *right },
+                Outcome::Eager(EagerReason::HostValueChanging) if *right => Did::Eager,
+                Outcome::Warmup | Outcome::Recorded(_) if *right => Did::Capture,
+                other => panic!("{other:?}, right: {right}"),
+            })
             .collect();
-        prop_assert_eq!(got, model(&values, guards), "{:?}", values);
+        let eager = |i: usize| got[i] == Did::Eager;
+        prop_assert_eq!(&got, &model(&values, guards, eager), "{:?}", values);
+        prop_assert_eq!(g.stats().fallbacks, 0);
     }
 }

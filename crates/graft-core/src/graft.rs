@@ -444,6 +444,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
             tree: &self.tree,
             policy: &self.policy,
             backward_pending: self.backward_pending,
+            generation: self.generation,
             replays: self.stats.replays,
         }
     }

@@ -22,6 +22,17 @@ pub struct Guards {
     pub max_interval: u64,
 }
 
+impl Guards {
+    /// Every call guarded: no value is ever stale, at the cost of a capture per call. For
+    /// tests that must catch every baked host value.
+    pub fn every_call() -> Guards {
+        Guards {
+            first: 1,
+            max_interval: 1,
+        }
+    }
+}
+
 impl Default for Guards {
     /// Calls 1, 2, 4, ... after the recording, then every 1024 calls.
     fn default() -> Guards {
@@ -32,21 +43,75 @@ impl Default for Guards {
     }
 }
 
-/// A node's guard state. Only [`transition`] changes it. (A guard that finds a difference
-/// ends the node: its signature runs eagerly, see `EagerReason::HostValueBaked`.)
+/// A node's guard state. Only [`transition`] changes it.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub(crate) enum Guard {
     /// The call that makes the node's replay count `next` is guarded.
     Scheduled { next: u64 },
+    /// A guard found a host value changed, and the capture took the node's place: every call
+    /// is guarded from then on (captured, compared, and the capture takes the place again if
+    /// it differs) or runs eagerly, whichever took less time; never a blind replay. Back to
+    /// [`Guard::Scheduled`] after [`SETTLE`] equal captures in a row.
+    Changing(Changing),
     /// Not guarded (guards off, in a group, or the device cannot compare).
     Off,
+}
+
+/// Equal captures in a row after which a changing node replays on the schedule again.
+pub(crate) const SETTLE: u32 = 2;
+
+/// Eager calls of a changing node between two captures that look whether its values settled:
+/// the first gap, doubled after each capture that finds them changed again, up to
+/// [`PROBE_MAX`].
+const PROBE_FIRST: u32 = 8;
+const PROBE_MAX: u32 = 1024;
+
+/// How a changing node's calls run (see [`Guard::Changing`]).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) struct Changing {
+    /// Captures in a row that equalled the recording.
+    equal: u32,
+    /// Host time of the last guarded call (capture, compare, launch) and of the last eager
+    /// call, in nanoseconds; 0 before the first.
+    capture_ns: u64,
+    eager_ns: u64,
+    /// Eager calls since the last capture, and how many run before the next one.
+    eager_calls: u32,
+    probe: u32,
+}
+
+impl Changing {
+    fn new() -> Changing {
+        Changing {
+            equal: 0,
+            capture_ns: 0,
+            eager_ns: 0,
+            eager_calls: 0,
+            probe: PROBE_FIRST,
+        }
+    }
+
+    /// Whether the next call runs eagerly instead of capturing: its values changed at the
+    /// last capture, eager execution took less time than a capture (or was never timed), and
+    /// the next look at whether the values settled is not due.
+    pub(crate) fn runs_eagerly(&self) -> bool {
+        self.equal == 0
+            && (self.eager_ns == 0 || self.eager_ns < self.capture_ns)
+            && self.eager_calls < self.probe
+    }
 }
 
 /// What a guarded call found.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub(crate) enum Found {
-    /// The capture equals the recording; `call` is the guarded call's number (replays + 1).
-    Equal { call: u64 },
+    /// The capture equals the recording; `call` is the guarded call's number (replays + 1);
+    /// the call took `ns` on the host.
+    Equal { call: u64, ns: u64 },
+    /// A value the device can patch (a kernel argument, a copy or memset parameter) changed:
+    /// the capture took the node's place; the call took `ns`.
+    Changed { ns: u64 },
+    /// A changing node's call ran eagerly in `ns`.
+    RanEagerly { ns: u64 },
     /// The device cannot compare, or the capture failed.
     CannotCompare,
 }
@@ -74,6 +139,7 @@ impl Guard {
     pub(crate) fn due(self, replays: u64) -> bool {
         match self {
             Guard::Scheduled { next } => replays + 1 >= next,
+            Guard::Changing(_) => true,
             Guard::Off => false,
         }
     }
@@ -85,17 +151,48 @@ pub(crate) fn transition(
     found: Found,
     guards: Guards,
 ) -> Result<(), GuardRefused> {
+    let refused = GuardRefused {
+        from: *state,
+        found,
+    };
     let to = match (*state, found) {
-        (Guard::Off, _) => {
-            return Err(GuardRefused {
-                from: *state,
-                found,
-            });
-        }
+        (Guard::Off, _) => return Err(refused),
         (_, Found::CannotCompare) => Guard::Off,
-        (Guard::Scheduled { .. }, Found::Equal { call }) => Guard::Scheduled {
+        (Guard::Scheduled { .. }, Found::Equal { call, .. }) => Guard::Scheduled {
             next: call + call.clamp(1, guards.max_interval.max(1)),
         },
+        (Guard::Scheduled { .. }, Found::Changed { ns }) => Guard::Changing(Changing {
+            capture_ns: ns,
+            ..Changing::new()
+        }),
+        (Guard::Scheduled { .. }, Found::RanEagerly { .. }) => return Err(refused),
+        (Guard::Changing(c), Found::Equal { call, ns }) if c.equal + 1 >= SETTLE => {
+            let _ = ns;
+            Guard::Scheduled { next: call + 1 }
+        }
+        (Guard::Changing(c), Found::Equal { ns, .. }) => Guard::Changing(Changing {
+            equal: c.equal + 1,
+            capture_ns: ns,
+            eager_calls: 0,
+            ..c
+        }),
+        (Guard::Changing(c), Found::Changed { ns }) => Guard::Changing(Changing {
+            equal: 0,
+            capture_ns: ns,
+            // A capture after eager calls found the values changed again: look less often.
+            probe: if c.eager_calls > 0 {
+                (c.probe * 2).min(PROBE_MAX)
+            } else {
+                c.probe
+            },
+            eager_calls: 0,
+            ..c
+        }),
+        (Guard::Changing(c), Found::RanEagerly { ns }) => Guard::Changing(Changing {
+            eager_ns: ns,
+            eager_calls: c.eager_calls + 1,
+            ..c
+        }),
     };
     *state = to;
     Ok(())
@@ -145,7 +242,11 @@ mod tests {
             .filter(|&replays| {
                 let due = state.due(replays);
                 if due {
-                    transition(&mut state, Found::Equal { call: replays + 1 }, guards).unwrap();
+                    let found = Found::Equal {
+                        call: replays + 1,
+                        ns: 0,
+                    };
+                    transition(&mut state, found, guards).unwrap();
                 }
                 due
             })
@@ -192,9 +293,55 @@ mod tests {
         transition(&mut s, Found::CannotCompare, g).unwrap();
         assert_eq!(s, Guard::Off);
         assert!(!s.due(0));
-        let refused = transition(&mut s, Found::Equal { call: 1 }, g).unwrap_err();
+        let refused = transition(&mut s, Found::Equal { call: 1, ns: 0 }, g).unwrap_err();
         assert_eq!(refused.from, Guard::Off);
         assert_eq!(s, Guard::Off);
         assert_eq!(Guard::start(None), Guard::Off);
+    }
+
+    #[test]
+    fn a_changed_value_guards_every_call_until_it_settles() {
+        let g = Guards::default();
+        let mut s = Guard::start(Some(g));
+        transition(&mut s, Found::Changed { ns: 100 }, g).unwrap();
+        assert!(s.due(5) && s.due(6), "every call is guarded");
+        // The first changing call after the change runs eagerly, to time it.
+        let Guard::Changing(c) = s else { panic!() };
+        assert!(c.runs_eagerly());
+        transition(&mut s, Found::RanEagerly { ns: 300 }, g).unwrap();
+        let Guard::Changing(c) = s else { panic!() };
+        assert!(!c.runs_eagerly(), "eager took longer than a capture");
+        // SETTLE equal captures in a row: back on the schedule.
+        transition(&mut s, Found::Equal { call: 3, ns: 100 }, g).unwrap();
+        assert!(matches!(s, Guard::Changing(_)));
+        transition(&mut s, Found::Equal { call: 4, ns: 100 }, g).unwrap();
+        assert_eq!(s, Guard::Scheduled { next: 5 });
+        // A replay never moves a changing node: only guards do.
+        assert_eq!(
+            transition(&mut s, Found::RanEagerly { ns: 1 }, g).map_err(|r| r.from),
+            Err(s)
+        );
+    }
+
+    #[test]
+    fn a_value_that_keeps_changing_runs_eagerly_and_looks_less_often() {
+        let g = Guards::default();
+        let mut s = Guard::start(Some(g));
+        transition(&mut s, Found::Changed { ns: 300 }, g).unwrap();
+        let mut captures = Vec::new();
+        for call in 0..6000u32 {
+            let Guard::Changing(c) = s else { panic!() };
+            if c.runs_eagerly() {
+                transition(&mut s, Found::RanEagerly { ns: 100 }, g).unwrap();
+            } else {
+                captures.push(call);
+                transition(&mut s, Found::Changed { ns: 300 }, g).unwrap();
+            }
+        }
+        // Eager calls between two captures: 8, then 16, 32, ... up to 1024.
+        assert_eq!(captures[0], 8);
+        let gaps: Vec<u32> = captures.windows(2).map(|w| w[1] - w[0] - 1).collect();
+        assert_eq!(gaps[..6], [16, 32, 64, 128, 256, 512]);
+        assert!(gaps[6..].iter().all(|&gap| gap == 1024), "{gaps:?}");
     }
 }

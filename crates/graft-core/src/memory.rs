@@ -177,6 +177,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 s.warmups_done = 0;
             }
             f.root_level = false;
+            f.warmed.clear();
         }
         self.pools.restored();
         self.pools.unlist_all();

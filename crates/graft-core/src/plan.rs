@@ -11,7 +11,8 @@ use crate::device::DevicePtr;
 use crate::error::FunctionId;
 use crate::lifecycle::Phase;
 use crate::reason::{EagerReason, EvictReason, RecordReason, WarmupReason};
-use crate::tree::{NodeKey, key_of};
+use crate::signature::call_hash;
+use crate::tree::{InputSlot, NodeKey, key_of};
 use crate::view::View;
 
 /// What a call will do.
@@ -80,16 +81,24 @@ pub(crate) fn plan<G, M>(
     // A root-level function (one that started a generation before) may end the path and
     // start a new generation, unless a `Forward`'s backward is pending. So may a `Forward`
     // function wherever it was first called: with no backward pending it begins a training
-    // step, as a PyTorch forward starts a generation unless backwards are pending. (First
-    // called mid-path, it never became root-level: its steps warmed up without end, or grew
-    // the path by a node a call.)
+    // step, as a PyTorch forward starts a generation unless backwards are pending.
     let due = f.root_level || f.spec.mode == Mode::Forward;
     let may_start = due && !view.backward_pending;
     let blocked = due && view.backward_pending;
+    // The loop rule: an inference call that repeats an earlier call of this generation (the
+    // same function, signature and static inputs) begins the next step where the path cannot
+    // continue, as each new top-level call does in PyTorch's trees: a decode loop after a
+    // prefill needs no marks. Calls on other static inputs (a block called per layer with its
+    // layer's weights) continue the path.
+    let loops = |tip| {
+        !due && !view.backward_pending
+            && f.spec.mode == Mode::Inference
+            && repeats(view, tip, function, sig, addrs)
+    };
     let needed = f.spec.warmups.unwrap_or(view.config.warmups);
     let warmed = s.warmups_done >= needed;
     let (mut new_generation, mut tip) = match view.phase {
-        Phase::Warmup if may_start => (true, None),
+        Phase::Warmup if may_start || loops(None) => (true, None),
         Phase::Warmup => {
             let action = Action::Warmup(WarmupReason::PathWarmingUp);
             return plan(false, blocked, action);
@@ -100,9 +109,9 @@ pub(crate) fn plan<G, M>(
         Ok(key) => return plan(new_generation, false, Action::Replay(key)),
         Err(miss) => miss,
     };
-    // The path cannot continue here: a root-level function starts the next generation (the
-    // inference heuristic: a plain loop needs no `mark_step_begin`).
-    if tip.is_some() && may_start {
+    // The path cannot continue here: a root-level function starts the next generation (a
+    // plain loop needs no `mark_step_begin`), and so does a call that repeats an earlier one.
+    if tip.is_some() && (may_start || loops(tip)) {
         new_generation = true;
         tip = None;
         miss = match candidate(view, None, function, sig, addrs, warmed) {
@@ -143,6 +152,38 @@ pub(crate) fn plan<G, M>(
         blocked,
         record(view, function, sig, tip, reason, addrs),
     )
+}
+
+/// Whether a call of `function` with signature `sig` and inputs at `addrs` repeats an earlier
+/// call of `function` in this generation: the same signature and the same static inputs. With
+/// a `tip`, the earlier calls are the nodes of `function` on the path to it; while the path
+/// warms up, the function's warmups of this generation.
+fn repeats<G, M>(
+    view: &View<'_, G, M>,
+    tip: Option<NodeKey>,
+    function: FunctionId,
+    sig: usize,
+    addrs: &[DevicePtr],
+) -> bool {
+    let f = &view.functions[function];
+    let Some(tip) = tip else {
+        return f.warmed.holds(view.generation, call_hash(f, sig, addrs));
+    };
+    let statics = &f.spec.static_inputs;
+    let mut at = Some(tip);
+    while let Some(key) = at {
+        let node = &view.tree[key];
+        if node.function == function
+            && node.sig == sig
+            && statics
+                .iter()
+                .all(|&p| node.inputs.get(p).map(InputSlot::recorded_at) == addrs.get(p).copied())
+        {
+            return true;
+        }
+        at = view.tree.parent(key);
+    }
+    false
 }
 
 /// A recording under `parent` for `reason`, as the graph budget has room for it (see
@@ -318,6 +359,7 @@ mod tests {
                 tree: &self.tree,
                 policy: &self.policy,
                 backward_pending,
+                generation: 1,
                 replays: 0,
             };
             plan(&view, F, sig, &[addr])
@@ -385,6 +427,46 @@ mod tests {
         // A backward still pending keeps the path going.
         let p = w.plan(at_child, true, ADDR);
         assert!(!p.new_generation && p.backward_blocked);
+    }
+
+    #[test]
+    fn a_call_that_repeats_one_of_its_generation_begins_a_step() {
+        // Not root-level (first called mid-path, as a decode after a prefill), but the call
+        // repeats the node at the tip: the loop starts over at the roots.
+        let mut w = world(1);
+        w.functions[F].spec.static_inputs = vec![0];
+        let root = w.node(None, ADDR);
+        let child = w.node(Some(root), ADDR);
+        let at_child = Phase::Replaying { tip: child.id() };
+        let p = w.plan(at_child, false, ADDR);
+        assert!(p.new_generation);
+        assert_eq!(p.action, Action::Replay(root));
+        // On other static inputs (a block called per layer), the path goes on.
+        let p = w.plan(at_child, false, MOVED);
+        assert!(!p.new_generation);
+        assert!(matches!(p.action, Action::Record { parent: Some(c), .. } if c == child));
+        // A backward pending keeps the path going.
+        let p = w.plan(at_child, true, ADDR);
+        assert!(!p.new_generation);
+        // So does a training function: its steps follow the pending-backward rule.
+        w.functions[F].spec.mode = Mode::Backward;
+        assert!(!w.plan(at_child, false, ADDR).new_generation);
+    }
+
+    #[test]
+    fn a_warming_path_ends_at_a_repeated_warmup() {
+        let mut w = world(1);
+        w.functions[F].spec.static_inputs = vec![0];
+        let p = w.plan(Phase::Warmup, false, ADDR);
+        assert_eq!(p.action, Action::Warmup(WarmupReason::PathWarmingUp));
+        let call = call_hash(&w.functions[F], 0, &[ADDR]);
+        w.functions[F].warmed.note(1, call);
+        let p = w.plan(Phase::Warmup, false, ADDR);
+        assert!(p.new_generation);
+        // A warmup of an earlier generation, or on other static inputs, is no repeat.
+        assert!(!w.plan(Phase::Warmup, false, MOVED).new_generation);
+        w.functions[F].warmed.note(0, call);
+        assert!(!w.plan(Phase::Warmup, false, ADDR).new_generation);
     }
 
     #[test]
@@ -474,10 +556,13 @@ mod tests {
     fn a_budget_of_path_nodes_only_runs_eagerly() {
         let mut w = world(1);
         w.config.max_graphs = Some(1);
+        // The second call is on other static inputs (a block's next layer): it continues the
+        // path, and the only graph is on that path.
+        w.functions[F].spec.static_inputs = vec![0];
         let root = w.node(None, ADDR);
         let at_root = Phase::Replaying { tip: root.id() };
         assert_eq!(
-            w.plan(at_root, false, ADDR).action,
+            w.plan(at_root, false, MOVED).action,
             Action::OverBudget {
                 parent: Some(root),
                 reason: RecordReason::FirstRecording,

@@ -240,13 +240,19 @@ pub enum EagerReason {
         kernels: usize,
     },
     /// A guard found a host value baked into the recording (see [`crate::Config::guards`]):
-    /// the call that found it ran its new capture; every later call runs eagerly, which costs
-    /// less than capturing the body on every call.
+    /// the call that found it ran its new capture. Where the device cannot patch what
+    /// differs (the graph's shape, a kernel, a launch configuration), every later call runs
+    /// eagerly; a changed value it can patch is [`EagerReason::HostValueChanging`] instead.
     HostValueBaked {
         /// The first difference the guard found (all of them are in
         /// `Graft::guard_findings`).
         finding: Box<GuardFinding>,
     },
+    /// A host value baked into the recording changed (see `Graft::guard_findings`): the node
+    /// is guarded on every call, and this call ran eagerly, which took less time than
+    /// capturing it. Not the signature's for good: captures now and then look whether the
+    /// value settled, and it replays again once it has.
+    HostValueChanging,
     /// This (parent, function) pair re-recorded more often than the limit allows.
     RerecordLimit {
         /// The limit in force.
@@ -302,6 +308,9 @@ impl fmt::Display for EagerReason {
                 "the graph launches {kernels} kernels of a random generator whose state is on the host (cuRAND, candle's rand and randn), which a replay cannot advance; draw from a generator whose seed and offset are on the device (graft_candle::random::DeviceRng) to graph it"
             ),
             EagerReason::HostValueBaked { finding } => write!(f, "{finding}"),
+            EagerReason::HostValueChanging => f.write_str(
+                "a host value baked into the recording changes from call to call (see guard_findings): this call ran eagerly, which took less time than capturing it; hold the value in a device tensor to replay",
+            ),
             EagerReason::RerecordLimit { limit, last } => write!(
                 f,
                 "re-record limit reached ({limit}): {last}; make the input static with a stable address, or drop outputs consistently"

@@ -9,6 +9,7 @@ use crate::error::{BodyError, CallError};
 use crate::graft::{Frame, Graft, Outcome};
 use crate::lifecycle::Phase;
 use crate::reason::{Decision, EagerReason, WarmupReason};
+use crate::signature::call_hash;
 use crate::tree::Output;
 
 impl<D: Device, M: Clone> Graft<D, M> {
@@ -29,7 +30,10 @@ impl<D: Device, M: Clone> Graft<D, M> {
         self.move_to(Phase::Warmup)?;
         self.log(function, None, Decision::Warmup(reason));
         self.run_body(frame, RunKind::Warmup)?;
-        self.functions[function].sigs[frame.sig].warmups_done += 1;
+        let f = &mut self.functions[function];
+        f.sigs[frame.sig].warmups_done += 1;
+        let call = call_hash(f, frame.sig, frame.addrs);
+        f.warmed.note(self.generation, call);
         self.stats.warmups += 1;
         Ok(Outcome::Warmup)
     }

@@ -2,7 +2,7 @@
 //! and keys, and creating a new one (with its bucket check and its eager rules) in a new slot
 //! or in the slot of one that never recorded (see [`Function::place`]).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::hash::{BuildHasher, Hasher};
 use std::ops::{Index, IndexMut};
 use std::sync::Arc;
@@ -13,6 +13,7 @@ use crate::bucket::Bucket;
 use crate::buffer::Buffer;
 use crate::churn::{Churn, Last, Shape, Watch};
 use crate::config::{Config, FunctionSpec};
+use crate::device::DevicePtr;
 use crate::error::{CallError, FunctionId};
 use crate::reason::EagerReason;
 use crate::uses::Uses;
@@ -108,6 +109,45 @@ pub(crate) fn shape_hash(sizes: impl ExactSizeIterator<Item = usize>, keys: &[u6
     h.finish()
 }
 
+/// A function's warmups of one generation, each as the [`call_hash`] of its signature and
+/// static inputs (off the replay path: warmups only).
+#[derive(Default)]
+pub(crate) struct Warmed {
+    generation: u64,
+    calls: HashSet<u64, FixedState>,
+}
+
+impl Warmed {
+    /// Notes a warmup of `generation` (forgetting those of earlier generations).
+    pub(crate) fn note(&mut self, generation: u64, call: u64) {
+        if self.generation != generation {
+            self.generation = generation;
+            self.calls.clear();
+        }
+        self.calls.insert(call);
+    }
+
+    /// Whether a warmup of `generation` had this [`call_hash`].
+    pub(crate) fn holds(&self, generation: u64, call: u64) -> bool {
+        self.generation == generation && self.calls.contains(&call)
+    }
+
+    /// Forgets every warmup.
+    pub(crate) fn clear(&mut self) {
+        self.calls.clear();
+    }
+}
+
+/// A hash of a call's signature and static input addresses: what the loop rule compares.
+pub(crate) fn call_hash(f: &Function, sig: usize, addrs: &[DevicePtr]) -> u64 {
+    let mut h = FixedState::default().build_hasher();
+    h.write_usize(sig);
+    for &p in &f.spec.static_inputs {
+        h.write_u64(addrs.get(p).map_or(u64::MAX, |a| a.0));
+    }
+    h.finish()
+}
+
 pub(crate) struct Function {
     pub(crate) name: Arc<str>,
     pub(crate) spec: FunctionSpec,
@@ -117,6 +157,9 @@ pub(crate) struct Function {
     by_shape: HashMap<u64, Vec<usize>, FixedState>,
     /// Has been the first call of a generation.
     pub(crate) root_level: bool,
+    /// The calls that warmed up in the current generation: what the loop rule compares a
+    /// call with while the path warms up (see `plan::repeats`).
+    pub(crate) warmed: Warmed,
     warned_signatures: bool,
     /// The signature of the last call, tagged for the watch (see [`Last`]).
     last: Last,
@@ -134,6 +177,7 @@ impl Function {
             sigs: Vec::new(),
             by_shape: HashMap::default(),
             root_level: false,
+            warmed: Warmed::default(),
             warned_signatures: false,
             last: Last::default(),
             watch: Watch::default(),

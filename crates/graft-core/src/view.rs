@@ -14,6 +14,8 @@ pub(crate) struct View<'a, G, M> {
     pub(crate) tree: &'a Tree<G, M>,
     pub(crate) policy: &'a Policy,
     pub(crate) backward_pending: bool,
+    /// The current generation (`Graft::generation`).
+    pub(crate) generation: u64,
     /// The replays so far (`Stats::replays`): with the policy's count of the other calls,
     /// when the use counts age next.
     pub(crate) replays: u64,

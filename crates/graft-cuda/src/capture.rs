@@ -9,7 +9,7 @@ use graft_core::{CaptureMode, DeviceError, DeviceOp, DevicePtr, GraphSummary, Up
 
 use crate::conditional::Finished;
 use crate::driver;
-use crate::driver::stream::CAPTURE_NONE;
+use crate::driver::stream::{CAPTURE_INVALIDATED, CAPTURE_NONE};
 use crate::error::{INSPECT_OP, invalid_argument};
 use crate::graph::{self, CudaGraph};
 use crate::inner::Inner;
@@ -78,21 +78,24 @@ impl Inner {
 
     /// If the runtime stream is capturing (active or invalidated), ends the capture and destroys
     /// whatever graph comes back, ignoring the capture errors the end reports (that is what
-    /// aborting a broken capture means). Errors with `CaptureState` if no capture is underway.
+    /// aborting a broken capture means), and returns whether the capture had been invalidated
+    /// (`CU_STREAM_CAPTURE_STATUS_INVALIDATED`). Errors with `CaptureState` if no capture is
+    /// underway.
     ///
     /// The driver API keeps no per-thread "last error" (that is the runtime API's
     /// `cudaGetLastError`), and capture violations are not sticky context errors, so once the
     /// capture has ended there is no error state left to clear: the stream is usable eagerly.
-    pub(crate) fn abort_capture(&self) -> Result<(), DeviceError> {
+    pub(crate) fn abort_capture(&self) -> Result<bool, DeviceError> {
         let op = DeviceOp::EndCapture;
         self.enter(op)?;
         let open = !self.conditionals.lock().open_is_empty();
         if open && !self.stream_capturing(DeviceOp::Conditional) {
             // Failed between a body's capture and the next: nothing runs on the stream.
             self.conditionals.discard(&self.context);
-            return Ok(());
+            return Ok(false);
         }
         self.enter_capture(op)?;
+        let invalidated = self.capture_status(op)? == CAPTURE_INVALIDATED;
         self.conditionals.discard(&self.context);
         self.end_and_discard(op)?;
         if self.capture_status(op)? != CAPTURE_NONE {
@@ -101,7 +104,7 @@ impl Inner {
                 state: "the capture could not be ended",
             });
         }
-        Ok(())
+        Ok(invalidated)
     }
 
     /// `cuStreamEndCapture` on the runtime stream: the captured graph. If the end fails (an

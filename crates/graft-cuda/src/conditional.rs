@@ -148,11 +148,14 @@ impl Conditionals {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Whether the driver has every kind of conditional node (CUDA 12.8 or later).
+    /// Whether the driver has every kind of conditional node (CUDA 12.8 or later) and every
+    /// function they need (`driver::CONDITIONAL_SYMBOLS`).
     pub(crate) fn supported() -> bool {
-        static VERSION: OnceLock<c_int> = OnceLock::new();
-        let version = *VERSION.get_or_init(|| driver::device::driver_version().unwrap_or(0));
-        version >= MIN_DRIVER
+        static SUPPORTED: OnceLock<bool> = OnceLock::new();
+        *SUPPORTED.get_or_init(|| {
+            let version: c_int = driver::device::driver_version().unwrap_or(0);
+            version >= MIN_DRIVER && driver::has_symbols(driver::CONDITIONAL_SYMBOLS)
+        })
     }
 
     /// Starts a capture's conditional state (at `begin_capture`).

@@ -287,7 +287,7 @@ impl Device for CudaDevice {
         self.queue.inner.end_capture_into(target)
     }
 
-    fn abort_capture(&self, _: &CoreOnly) -> Result<(), DeviceError> {
+    fn abort_capture(&self, _: &CoreOnly) -> Result<bool, DeviceError> {
         self.queue.inner.abort_capture()
     }
 

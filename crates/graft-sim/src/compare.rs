@@ -6,6 +6,15 @@ use graft_core::backend::CopyEnds;
 
 use crate::ops::Op;
 
+/// Whether the two recordings can be compared: every kernel in them declared its arguments.
+pub(crate) fn comparable(old: &[Op], new: &[Op]) -> bool {
+    [old, new].into_iter().all(|ops| {
+        flatten(ops)
+            .iter()
+            .all(|op| !matches!(op, Op::Kernel { args: None, .. }))
+    })
+}
+
 /// Every difference between the recorded `old` and the new capture `new`, raw: addresses
 /// included.
 pub(crate) fn compare(old: &[Op], new: &[Op]) -> Vec<GraphDifference> {
@@ -30,7 +39,14 @@ pub(crate) fn compare(old: &[Op], new: &[Op]) -> Vec<GraphDifference> {
                     now: y.to_string(),
                 });
             }
-            (Op::Kernel { name, args: x, .. }, Op::Kernel { args: y, .. }) => {
+            (
+                Op::Kernel {
+                    name,
+                    args: Some(x),
+                    ..
+                },
+                Op::Kernel { args: Some(y), .. },
+            ) => {
                 if x.len() != y.len() {
                     out.push(GraphDifference::Launch {
                         node,

@@ -352,7 +352,7 @@ impl Device for SimDevice {
         }
     }
 
-    fn abort_capture(&self, _: &CoreOnly) -> Result<(), DeviceError> {
+    fn abort_capture(&self, _: &CoreOnly) -> Result<bool, DeviceError> {
         let mut st = self.lock(DeviceOp::EndCapture)?;
         if matches!(
             st.capture,
@@ -365,7 +365,8 @@ impl Device for SimDevice {
                 op: DeviceOp::EndCapture,
                 state: NO_CAPTURE,
             }),
-            Capture::Recording { .. } | Capture::Invalidated { .. } => Ok(()),
+            Capture::Recording { .. } => Ok(false),
+            Capture::Invalidated { .. } => Ok(true),
         }
     }
 
@@ -421,7 +422,8 @@ impl Device for SimDevice {
         recorded: &SimGraph,
         now: &SimGraph,
     ) -> Result<Option<Vec<GraphDifference>>, DeviceError> {
-        Ok(Some(crate::compare::compare(&recorded.ops, &now.ops)))
+        Ok(crate::compare::comparable(&recorded.ops, &now.ops)
+            .then(|| crate::compare::compare(&recorded.ops, &now.ops)))
     }
 
     fn summarize(&self, graph: &SimGraph) -> Result<GraphSummary, DeviceError> {

@@ -19,8 +19,11 @@ pub(crate) enum Op {
     Kernel {
         name: &'static str,
         /// The arguments' bytes as the launch passed them (scalars and addresses alike):
-        /// what `Device::compare` compares; the body `f` has them baked in.
-        args: Arc<[Box<[u8]>]>,
+        /// what `Device::compare` compares; the body `f` has them baked in. `None` for a
+        /// kernel launched without declaring them (`SimQueue::launch_kernel`): a graph holding
+        /// one cannot be compared, as CUDA cannot compare a kernel whose parameters the driver
+        /// does not show.
+        args: Option<Arc<[Box<[u8]>]>>,
         f: Arc<KernelFn>,
     },
     /// A device-to-device copy.

@@ -68,13 +68,18 @@ impl SimQueue {
     /// Enqueues a kernel on the runtime stream: run now when idle (the stream runs in program
     /// order), recorded when capturing. Bad memory accesses inside it are errors it returns.
     ///
+    /// Its arguments are undeclared: whatever `f` captured (a host value included) is
+    /// invisible to graft's guards, and a graph holding such a kernel cannot be compared
+    /// (`Device::compare` answers `None`, graft warns once per recording and replays it
+    /// unguarded). Bodies should launch with [`SimQueue::launch_kernel_with_args`].
+    ///
     /// The body must not call back into the device (it runs with the device locked); such
     /// calls fail with a `CUDA_ERROR_NOT_PERMITTED` driver error.
     pub fn launch_kernel<F>(&self, name: &'static str, f: F) -> Result<(), DeviceError>
     where
         F: Fn(&mut SimMemory) -> Result<(), DeviceError> + Send + Sync + 'static,
     {
-        self.launch_kernel_with_args(name, &[], f)
+        self.launch(name, None, f)
     }
 
     /// Like [`SimQueue::launch_kernel`], declaring the kernel's arguments as a CUDA launch
@@ -91,11 +96,19 @@ impl SimQueue {
     where
         F: Fn(&mut SimMemory) -> Result<(), DeviceError> + Send + Sync + 'static,
     {
+        self.launch(name, Some(args), f)
+    }
+
+    /// A kernel launch, its arguments declared or not.
+    fn launch<F>(&self, name: &'static str, args: Option<&[&[u8]]>, f: F) -> Result<(), DeviceError>
+    where
+        F: Fn(&mut SimMemory) -> Result<(), DeviceError> + Send + Sync + 'static,
+    {
         let mut st = self.lock(DeviceOp::KernelLaunch)?;
         if let Some(ops) = self.recording(&mut st, DeviceOp::KernelLaunch)? {
             ops.push(Op::Kernel {
                 name,
-                args: args.iter().map(|a| Box::<[u8]>::from(*a)).collect(),
+                args: args.map(|args| args.iter().map(|a| Box::<[u8]>::from(*a)).collect()),
                 f: Arc::new(f),
             });
             return Ok(());

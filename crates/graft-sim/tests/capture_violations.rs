@@ -72,9 +72,15 @@ fn check_forbidden(
     dev.launch_kernel("fill_f32", move |m| m.fill_f32(seg, N, 7.0))
         .unwrap();
     assert!(forbidden(&dev, seg).is_err());
-    dev.abort_capture(CORE).unwrap();
+    assert!(
+        dev.abort_capture(CORE).unwrap(),
+        "abort_capture says the capture was invalidated"
+    );
     assert_eq!(dev.capture_status().unwrap(), CaptureStatus::Idle);
     assert_eq!(dev.read_f32(seg, N).unwrap(), vec![1.0; N]);
+    // An intact capture aborted says so too.
+    dev.begin_capture(CORE, CaptureMode::Global).unwrap();
+    assert!(!dev.abort_capture(CORE).unwrap());
     dev.launch_kernel("fill_f32", move |m| m.fill_f32(seg, N, 2.0))
         .unwrap();
     assert_eq!(dev.read_f32(seg, N).unwrap(), vec![2.0; N]);

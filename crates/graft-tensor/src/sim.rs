@@ -146,6 +146,28 @@ impl SimOps {
     fn opt(&self, t: Option<&Tensor>) -> Result<Option<DevicePtr>> {
         t.map(|t| self.at(t)).transpose()
     }
+
+    /// Launches `f` as kernel `name` with its arguments declared (addresses and shape values,
+    /// each a little-endian `u64`, as a CUDA launch passes them), so graft's guards compare
+    /// them.
+    fn launch<F>(&self, name: &'static str, args: &[u64], f: F) -> Result<()>
+    where
+        F: Fn(&mut SimMemory) -> std::result::Result<(), DeviceError> + Send + Sync + 'static,
+    {
+        let bytes: Vec<[u8; 8]> = args.iter().map(|a| a.to_le_bytes()).collect();
+        let args: Vec<&[u8]> = bytes.iter().map(|b| &b[..]).collect();
+        Ok(self.queue.launch_kernel_with_args(name, &args, f)?)
+    }
+}
+
+/// A token loop's shape as kernel arguments.
+fn loop_dims(d: LoopDims) -> [u64; 4] {
+    [d.rows as u64, d.steps as u64, d.ctx as u64, d.eos as u64]
+}
+
+/// An optional address as a kernel argument (0 for none).
+fn arg(at: Option<DevicePtr>) -> u64 {
+    at.map_or(0, |a| a.0)
 }
 
 impl Backend for SimDevice {
@@ -160,15 +182,17 @@ impl Ops for SimOps {
     fn add(&self, out: &Tensor, a: &Tensor, b: &Tensor) -> Result<()> {
         let n = out.numel();
         let (out, a, b) = (self.at(out)?, self.at(a)?, self.at(b)?);
-        Ok(self
-            .queue
-            .launch_kernel("add", move |m| m.zip_f32(out, a, b, n, |x, y| x + y))?)
+        self.launch("add", &[out.0, a.0, b.0, n as u64], move |m| {
+            m.zip_f32(out, a, b, n, |x, y| x + y)
+        })
     }
 
     fn linear(&self, a: LinearArgs<'_>, d: MatmulDims) -> Result<()> {
         let (out, x, w) = (self.at(a.out)?, self.at(a.x)?, self.at(a.w)?);
         let (bias, residual, gelu) = (self.opt(a.bias)?, self.opt(a.residual)?, a.gelu);
-        Ok(self.queue.launch_kernel("linear", move |m| {
+        let args = [out.0, x.0, w.0, arg(bias), arg(residual), u64::from(gelu)];
+        let dims = [d.rows as u64, d.k as u64, d.n as u64];
+        self.launch("linear", &[&args[..], &dims].concat(), move |m| {
             let xs = f32s(m, x, d.rows * d.k)?;
             let ws = f32s(m, w, d.k * d.n)?;
             let bs = bias.map(|b| f32s(m, b, d.n)).transpose()?;
@@ -181,42 +205,60 @@ impl Ops for SimOps {
                 o.iter_mut().zip(&rs).for_each(|(v, r)| *v += r);
             }
             m.write_f32(out, &o)
-        })?)
+        })
     }
 
     fn embed_norm(&self, a: EmbedNormArgs<'_>, d: EmbedDims) -> Result<()> {
         let (x_out, h_out, ids) = (self.at(a.x)?, self.at(a.h)?, self.at(a.ids)?);
         let (table, pos_table, pos) = (self.at(a.table)?, self.at(a.pos_table)?, self.at(a.pos)?);
         let (gamma, beta) = (self.at(a.gamma)?, self.at(a.beta)?);
-        Ok(self.queue.launch_kernel("embed_norm", move |m| {
-            if d.ctx == 0 {
-                return Ok(());
-            }
-            let ids = i32s(m, ids, d.rows)?;
-            let p = position(m, pos, d.ctx)?;
-            let prow = f32s(m, pos_table.offset(p * d.dim * 4), d.dim)?;
-            let mut x = vec![0.0f32; d.rows * d.dim];
-            for (r, &id) in ids.iter().enumerate() {
-                let xr = &mut x[r * d.dim..(r + 1) * d.dim];
-                if id >= 0 && (id as usize) < d.vocab {
-                    let row = f32s(m, table.offset(id as usize * d.dim * 4), d.dim)?;
-                    xr.copy_from_slice(&row);
+        let args = [
+            x_out.0,
+            h_out.0,
+            ids.0,
+            table.0,
+            pos_table.0,
+            pos.0,
+            gamma.0,
+            beta.0,
+        ];
+        let dims = [d.rows, d.vocab, d.ctx, d.dim].map(|v| v as u64);
+        let eps = u64::from(d.eps.to_bits());
+        self.launch(
+            "embed_norm",
+            &[&args[..], &dims, &[eps]].concat(),
+            move |m| {
+                if d.ctx == 0 {
+                    return Ok(());
                 }
-                xr.iter_mut().zip(&prow).for_each(|(v, p)| *v += p);
-            }
-            m.write_f32(x_out, &x)?;
-            let g = f32s(m, gamma, d.dim)?;
-            let b = f32s(m, beta, d.dim)?;
-            norm_rows(&mut x, &g, &b, d.dim, d.eps);
-            m.write_f32(h_out, &x)
-        })?)
+                let ids = i32s(m, ids, d.rows)?;
+                let p = position(m, pos, d.ctx)?;
+                let prow = f32s(m, pos_table.offset(p * d.dim * 4), d.dim)?;
+                let mut x = vec![0.0f32; d.rows * d.dim];
+                for (r, &id) in ids.iter().enumerate() {
+                    let xr = &mut x[r * d.dim..(r + 1) * d.dim];
+                    if id >= 0 && (id as usize) < d.vocab {
+                        let row = f32s(m, table.offset(id as usize * d.dim * 4), d.dim)?;
+                        xr.copy_from_slice(&row);
+                    }
+                    xr.iter_mut().zip(&prow).for_each(|(v, p)| *v += p);
+                }
+                m.write_f32(x_out, &x)?;
+                let g = f32s(m, gamma, d.dim)?;
+                let b = f32s(m, beta, d.dim)?;
+                norm_rows(&mut x, &g, &b, d.dim, d.eps);
+                m.write_f32(h_out, &x)
+            },
+        )
     }
 
     fn add_norm(&self, a: AddNormArgs<'_>, d: NormDims) -> Result<()> {
         let (x_out, h_out) = (self.at(a.x_out)?, self.at(a.h)?);
         let (x, upd, bias) = (self.at(a.x)?, self.at(a.a)?, self.opt(a.bias)?);
         let (gamma, beta) = (self.at(a.gamma)?, self.at(a.beta)?);
-        Ok(self.queue.launch_kernel("add_norm", move |m| {
+        let args = [x_out.0, h_out.0, x.0, upd.0, arg(bias), gamma.0, beta.0];
+        let dims = [d.rows as u64, d.dim as u64, u64::from(d.eps.to_bits())];
+        self.launch("add_norm", &[&args[..], &dims].concat(), move |m| {
             let n = d.rows * d.dim;
             let xs = f32s(m, x, n)?;
             let mut v = f32s(m, upd, n)?;
@@ -234,57 +276,64 @@ impl Ops for SimOps {
             let b = f32s(m, beta, d.dim)?;
             norm_rows(&mut v, &g, &b, d.dim, d.eps);
             m.write_f32(h_out, &v)
-        })?)
+        })
     }
 
     fn attention_step(&self, a: AttentionArgs<'_>, d: AttnDims) -> Result<()> {
         let (out, qkv, bias) = (self.at(a.out)?, self.at(a.qkv)?, self.opt(a.bias)?);
         let (k_cache, v_cache, pos) = (self.at(a.k_cache)?, self.at(a.v_cache)?, self.at(a.pos)?);
-        Ok(self.queue.launch_kernel("attention_step", move |m| {
-            if d.ctx == 0 {
-                return Ok(());
-            }
-            let dm = d.model_dim();
-            let hd = d.head_dim;
-            let p = position(m, pos, d.ctx)?;
-            let mut all = f32s(m, qkv, d.batch * 3 * dm)?;
-            if let Some(b) = bias {
-                let bs = f32s(m, b, 3 * dm)?;
-                for row in all.chunks_exact_mut(3 * dm) {
-                    row.iter_mut().zip(&bs).for_each(|(v, b)| *v += b);
+        let args = [out.0, qkv.0, arg(bias), k_cache.0, v_cache.0, pos.0];
+        let dims = [d.batch, d.heads, d.head_dim, d.ctx].map(|v| v as u64);
+        let scale = u64::from(d.scale.to_bits());
+        self.launch(
+            "attention_step",
+            &[&args[..], &dims, &[scale]].concat(),
+            move |m| {
+                if d.ctx == 0 {
+                    return Ok(());
                 }
-            }
-            let mut o = vec![0.0f32; d.batch * dm];
-            for b in 0..d.batch {
-                let row = &all[b * 3 * dm..(b + 1) * 3 * dm];
-                let at = (b * d.ctx + p) * dm * 4;
-                m.write_f32(k_cache.offset(at), &row[dm..2 * dm])?;
-                m.write_f32(v_cache.offset(at), &row[2 * dm..])?;
-                let ks = f32s(m, k_cache.offset(b * d.ctx * dm * 4), (p + 1) * dm)?;
-                let vs = f32s(m, v_cache.offset(b * d.ctx * dm * 4), (p + 1) * dm)?;
-                for h in 0..d.heads {
-                    let q = &row[h * hd..(h + 1) * hd];
-                    let s: Vec<f32> = (0..=p)
-                        .map(|j| {
-                            let k = &ks[j * dm + h * hd..][..hd];
-                            q.iter().zip(k).map(|(a, b)| a * b).sum::<f32>() * d.scale
-                        })
-                        .collect();
-                    let mx = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                    let e: Vec<f32> = s.iter().map(|v| (v - mx).exp()).collect();
-                    let sum: f32 = e.iter().sum();
-                    let oh = &mut o[b * dm + h * hd..][..hd];
-                    for (j, ej) in e.iter().enumerate() {
-                        let vh = &vs[j * dm + h * hd..][..hd];
-                        for (a, v) in oh.iter_mut().zip(vh) {
-                            *a += ej * v;
-                        }
+                let dm = d.model_dim();
+                let hd = d.head_dim;
+                let p = position(m, pos, d.ctx)?;
+                let mut all = f32s(m, qkv, d.batch * 3 * dm)?;
+                if let Some(b) = bias {
+                    let bs = f32s(m, b, 3 * dm)?;
+                    for row in all.chunks_exact_mut(3 * dm) {
+                        row.iter_mut().zip(&bs).for_each(|(v, b)| *v += b);
                     }
-                    oh.iter_mut().for_each(|a| *a /= sum);
                 }
-            }
-            m.write_f32(out, &o)
-        })?)
+                let mut o = vec![0.0f32; d.batch * dm];
+                for b in 0..d.batch {
+                    let row = &all[b * 3 * dm..(b + 1) * 3 * dm];
+                    let at = (b * d.ctx + p) * dm * 4;
+                    m.write_f32(k_cache.offset(at), &row[dm..2 * dm])?;
+                    m.write_f32(v_cache.offset(at), &row[2 * dm..])?;
+                    let ks = f32s(m, k_cache.offset(b * d.ctx * dm * 4), (p + 1) * dm)?;
+                    let vs = f32s(m, v_cache.offset(b * d.ctx * dm * 4), (p + 1) * dm)?;
+                    for h in 0..d.heads {
+                        let q = &row[h * hd..(h + 1) * hd];
+                        let s: Vec<f32> = (0..=p)
+                            .map(|j| {
+                                let k = &ks[j * dm + h * hd..][..hd];
+                                q.iter().zip(k).map(|(a, b)| a * b).sum::<f32>() * d.scale
+                            })
+                            .collect();
+                        let mx = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                        let e: Vec<f32> = s.iter().map(|v| (v - mx).exp()).collect();
+                        let sum: f32 = e.iter().sum();
+                        let oh = &mut o[b * dm + h * hd..][..hd];
+                        for (j, ej) in e.iter().enumerate() {
+                            let vh = &vs[j * dm + h * hd..][..hd];
+                            for (a, v) in oh.iter_mut().zip(vh) {
+                                *a += ej * v;
+                            }
+                        }
+                        oh.iter_mut().for_each(|a| *a /= sum);
+                    }
+                }
+                m.write_f32(out, &o)
+            },
+        )
     }
 
     fn argmax_step(&self, a: ArgmaxArgs<'_>, rows: usize, cols: usize, limit: i32) -> Result<()> {
@@ -294,7 +343,16 @@ impl Ops for SimOps {
             self.opt(a.bias)?,
             self.at(a.pos)?,
         );
-        Ok(self.queue.launch_kernel("argmax_step", move |m| {
+        let args = [
+            out.0,
+            x.0,
+            arg(bias),
+            pos.0,
+            rows as u64,
+            cols as u64,
+            limit as u64,
+        ];
+        self.launch("argmax_step", &args, move |m| {
             let v = logits(m, x, bias, rows, cols)?;
             let top: Vec<i32> = v
                 .chunks_exact(cols.max(1))
@@ -303,7 +361,7 @@ impl Ops for SimOps {
                 .collect();
             m.write_i32(out, &top)?;
             increment_at(m, pos, limit)
-        })?)
+        })
     }
 
     fn sample_step(
@@ -316,7 +374,21 @@ impl Ops for SimOps {
     ) -> Result<()> {
         let (out, x, bias) = (self.at(a.out)?, self.at(a.x)?, self.opt(a.bias)?);
         let (pos, rng) = (self.at(a.pos)?, self.at(a.rng)?);
-        Ok(self.queue.launch_kernel("sample_step", move |m| {
+        let args = [
+            out.0,
+            x.0,
+            arg(bias),
+            pos.0,
+            rng.0,
+            rows as u64,
+            cols as u64,
+        ];
+        let sampling = [
+            limit as u64,
+            u64::from(s.temperature.to_bits()),
+            u64::from(s.top_k),
+        ];
+        self.launch("sample_step", &[&args[..], &sampling].concat(), move |m| {
             let v = logits(m, x, bias, rows, cols)?;
             let mut words = [0u32; RNG_WORDS];
             m.read_u32(rng, &mut words)?;
@@ -330,7 +402,7 @@ impl Ops for SimOps {
             m.write_i32(out, &picks)?;
             m.write_u32(rng, &philox::rng_words(seed, offset.wrapping_add(1)))?;
             increment_at(m, pos, limit)
-        })?)
+        })
     }
 
     fn loop_begin(
@@ -342,37 +414,49 @@ impl Ops for SimOps {
     ) -> Result<()> {
         let (out, cur, left, ctl, pos) = self.loop_ptrs(a)?;
         let (tokens, limits) = (self.at(tokens)?, self.at(limits)?);
-        Ok(self.queue.launch_kernel("loop_begin", move |m| {
-            let lim = i32s(m, limits, d.rows)?;
-            let toks = i32s(m, tokens, d.rows)?;
-            m.write_i32(out, &vec![crate::PAD; d.steps * d.rows])?;
-            m.write_i32(cur, &toks)?;
-            m.write_i32(left, &lim)?;
-            let run = d.steps > 0 && position_value(m, pos)? < d.ctx && lim.iter().any(|&l| l > 0);
-            m.write_u32(ctl, &[u32::from(run), 0])
-        })?)
+        let args = [out.0, cur.0, left.0, ctl.0, pos.0, tokens.0, limits.0];
+        self.launch(
+            "loop_begin",
+            &[&args[..], &loop_dims(d)].concat(),
+            move |m| {
+                let lim = i32s(m, limits, d.rows)?;
+                let toks = i32s(m, tokens, d.rows)?;
+                m.write_i32(out, &vec![crate::PAD; d.steps * d.rows])?;
+                m.write_i32(cur, &toks)?;
+                m.write_i32(left, &lim)?;
+                let run =
+                    d.steps > 0 && position_value(m, pos)? < d.ctx && lim.iter().any(|&l| l > 0);
+                m.write_u32(ctl, &[u32::from(run), 0])
+            },
+        )
     }
 
     fn loop_record(&self, a: &LoopArgs<'_>, next: &Tensor, d: LoopDims) -> Result<()> {
         let (out, cur, left, ctl, pos) = self.loop_ptrs(a)?;
         let next = self.at(next)?;
-        Ok(self.queue.launch_kernel("loop_record", move |m| {
-            let mut c = [0u32; 2];
-            m.read_u32(ctl, &mut c)?;
-            let i = c[1] as usize;
-            let tokens = i32s(m, next, d.rows)?;
-            let mut lefts = i32s(m, left, d.rows)?;
-            for (r, (&t, l)) in tokens.iter().zip(lefts.iter_mut()).enumerate() {
-                if *l > 0 && i < d.steps {
-                    m.write_i32(out.offset((i * d.rows + r) * 4), &[t])?;
-                    *l = if t == d.eos { 0 } else { *l - 1 };
+        let args = [out.0, cur.0, left.0, ctl.0, pos.0, next.0];
+        self.launch(
+            "loop_record",
+            &[&args[..], &loop_dims(d)].concat(),
+            move |m| {
+                let mut c = [0u32; 2];
+                m.read_u32(ctl, &mut c)?;
+                let i = c[1] as usize;
+                let tokens = i32s(m, next, d.rows)?;
+                let mut lefts = i32s(m, left, d.rows)?;
+                for (r, (&t, l)) in tokens.iter().zip(lefts.iter_mut()).enumerate() {
+                    if *l > 0 && i < d.steps {
+                        m.write_i32(out.offset((i * d.rows + r) * 4), &[t])?;
+                        *l = if t == d.eos { 0 } else { *l - 1 };
+                    }
                 }
-            }
-            m.write_i32(left, &lefts)?;
-            m.write_i32(cur, &tokens)?;
-            let run =
-                i + 1 < d.steps && position_value(m, pos)? < d.ctx && lefts.iter().any(|&l| l > 0);
-            m.write_u32(ctl, &[u32::from(run), c[1].wrapping_add(1)])
-        })?)
+                m.write_i32(left, &lefts)?;
+                m.write_i32(cur, &tokens)?;
+                let run = i + 1 < d.steps
+                    && position_value(m, pos)? < d.ctx
+                    && lefts.iter().any(|&l| l > 0);
+                m.write_u32(ctl, &[u32::from(run), c[1].wrapping_add(1)])
+            },
+        )
     }
 }

@@ -68,6 +68,20 @@ pub enum GraphDifference {
     },
 }
 
+impl GraphDifference {
+    /// Whether an executable can take the new value in place of the recorded one: a kernel
+    /// argument, a copy's or a memset's parameters. A different graph shape, kernel or launch
+    /// configuration cannot.
+    pub fn patchable(&self) -> bool {
+        matches!(
+            self,
+            GraphDifference::Argument { .. }
+                | GraphDifference::Copy { .. }
+                | GraphDifference::Memset { .. }
+        )
+    }
+}
+
 impl fmt::Display for GraphDifference {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {

@@ -16,7 +16,8 @@
 //! 3. On success core calls [`Device::end_capture`], which ends the capture, instantiates the
 //!    graph and uploads it, returning a [`Device::Graph`] ready to launch.
 //!    On failure core calls [`Device::abort_capture`] instead, which ends the capture whatever
-//!    its state and discards the partial graph; after it the stream is usable eagerly again.
+//!    its state and discards the partial graph, and says whether an operation capture forbids
+//!    had invalidated it; after it the stream is usable eagerly again.
 //!
 //!    Inside step 2 the body may open conditional nodes (device-side loops and branches,
 //!    [`Conditional`]): [`Device::begin_conditional`] ends the work captured so far at a
@@ -266,8 +267,10 @@ pub trait Device: Send + Sync + 'static {
         })
     }
 
-    /// Step 3 on failure: ends the capture in whatever state it is and discards it.
-    fn abort_capture(&self, core: &CoreOnly) -> Result<(), DeviceError>;
+    /// Step 3 on failure: ends the capture in whatever state it is and discards it. Returns
+    /// whether an operation the capture forbids had invalidated it (so core can tell a
+    /// capture violation from a body's own error, however the body wrapped the former).
+    fn abort_capture(&self, core: &CoreOnly) -> Result<bool, DeviceError>;
 
     /// Step 4: launches the graph on the runtime stream.
     fn launch(&self, core: &CoreOnly, graph: &Self::Graph) -> Result<(), DeviceError>;

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use crate::buffer::{Buffer, Cell};
 use crate::ctx::{Ctx, Reclaim, RunKind, Scope, alloc_owned};
-use crate::device::{CORE, CopyEnds, Device, DeviceError, DevicePtr};
+use crate::device::{CORE, CaptureViolation, CopyEnds, Device, DeviceError, DeviceOp, DevicePtr};
 use crate::error::{BodyError, CallError, FunctionId};
 use crate::graft::{Frame, Graft};
 use crate::lifecycle::Phase;
@@ -45,12 +45,15 @@ pub(super) struct Captured<G, M> {
 impl<D: Device, M: Clone> Graft<D, M> {
     /// Classifies the inputs (static: declared or marked; managed: an output of a node on the
     /// path in this generation, of this runtime; in place: marked; copied: everything else)
-    /// and allocates a placeholder for each copied one. On error, returns the placeholders
-    /// made so far.
+    /// and allocates a placeholder for each copied one. A guard's capture (`like`: the node it
+    /// guards) copies what that node copies, so that the two graphs compare node for node: a
+    /// node recorded with a copied input replays for a managed one too. On error, returns the
+    /// placeholders made so far.
     pub(super) fn prepare_inputs<F, E>(
         &mut self,
         frame: &Frame<'_, F, M, E>,
         parent: Option<NodeKey>,
+        like: Option<NodeKey>,
     ) -> Result<Prepared, (Vec<Arc<Cell>>, PoolError)> {
         let function = &self.functions[frame.function];
         let name = function.name.clone();
@@ -58,6 +61,15 @@ impl<D: Device, M: Clone> Graft<D, M> {
         let mutated = function.sigs[frame.sig].mutated.clone();
         let generation = self.generation;
         let path = self.tree.path_nodes(parent);
+        let copied_by_like = |position: usize| {
+            like.is_some_and(|key| {
+                matches!(
+                    self.tree[key].inputs.get(position),
+                    Some(InputSlot::Copied { .. })
+                )
+            })
+        };
+        let copy: Vec<bool> = (0..frame.inputs.len()).map(copied_by_like).collect();
         let n = frame.inputs.len();
         let mut p = Prepared {
             slots: Vec::with_capacity(n),
@@ -73,7 +85,8 @@ impl<D: Device, M: Clone> Graft<D, M> {
             let managed = cell.in_pool(self.pools.graph())
                 && cell.generation() == generation
                 && cell.node().is_some_and(|n| path.contains(&key_of(n)))
-                && !b.is_empty();
+                && !b.is_empty()
+                && !copy[position];
             let (slot, handle) = if spec_static.contains(&position) || cell.is_static() {
                 (InputSlot::Static { addr }, (*b).clone())
             } else if managed {
@@ -190,7 +203,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 if let Some(member) = &self.member {
                     member.abandon(self.subject(frame));
                 }
-                self.abort_capture();
+                let _: bool = self.abort_capture();
                 // Recording may always return to the phase it began from.
                 let _: Result<(), CallError> = self.move_to(previous);
                 self.undo_recording(checkpoint, &prepared.placeholders, &allocs);
@@ -211,8 +224,8 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 Err(e) => Err((BodyError::Device(e), allocs)),
             },
             Err(e) => {
-                self.abort_capture();
-                Err((e, allocs))
+                let invalidated = self.abort_capture();
+                Err((violation_first(e, invalidated), allocs))
             }
         }
     }
@@ -241,12 +254,32 @@ impl<D: Device, M: Clone> Graft<D, M> {
         Ok(graph)
     }
 
-    /// Ends a failed capture; an error doing so cannot be returned (another one is being
-    /// returned), so it goes to the sticky slot and the next call returns it.
-    pub(super) fn abort_capture(&self) {
-        if let Err(abort) = self.device.abort_capture(CORE) {
+    /// Ends a failed capture and returns whether an operation the capture forbids had
+    /// invalidated it; an error doing so cannot be returned (another one is being returned),
+    /// so it goes to the sticky slot and the next call returns it.
+    pub(super) fn abort_capture(&self) -> bool {
+        self.device.abort_capture(CORE).unwrap_or_else(|abort| {
             self.device.record_sticky_error(CORE, abort);
+            false
+        })
+    }
+}
+
+/// A body's error from a capture that an operation had invalidated: the capture violation,
+/// whatever the body made of it. A framework that wraps the device's error in its own type
+/// (`BodyError::Framework`) hides what broke the capture; the device does not, so the call
+/// falls back to eager execution as it would for `BodyError::Device`.
+fn violation_first<E>(error: BodyError<E>, invalidated: bool) -> BodyError<E> {
+    match error {
+        BodyError::Device(_) => error,
+        _ if invalidated => {
+            tracing::debug!("the body's error hides a capture violation: treated as the violation");
+            BodyError::Device(DeviceError::Capture {
+                op: DeviceOp::EndCapture,
+                violation: CaptureViolation::Invalidated,
+            })
         }
+        _ => error,
     }
 }
 

@@ -1,14 +1,19 @@
 //! A guarded call (see `guard.rs` for the schedule): the body is captured again, the device
 //! compares the capture with the recording node by node, and core keeps the differences its
 //! own address bookkeeping does not predict. None: the recording replays and the capture is
-//! dropped. Some: the capture runs in the recording's place (this call's result is right),
-//! the difference is reported, and the signature runs eagerly from then on.
+//! dropped. Some: the capture runs in the recording's place (this call's result is right) and
+//! the difference is reported. A value the device can patch (a kernel argument, a copy or
+//! memset parameter) keeps the capture as the node, guarded on every call from then on
+//! (`Guard::Changing`: captured, or run eagerly where that took less time, until its values
+//! settle); any other difference makes the signature eager for good.
+
+use std::time::Instant;
 
 use crate::ctx::Ctx;
 use crate::device::{Device, DevicePtr, GraphDifference};
 use crate::error::{BodyError, CallError};
 use crate::graft::{Frame, Graft, Outcome};
-use crate::guard::{Found, GuardFinding, transition};
+use crate::guard::{Found, Guard, GuardFinding, transition};
 use crate::reason::{EagerReason, EvictReason, RecordReason};
 use crate::tree::{InputSlot, Node, NodeKey, NodeOutput, Output, OutputSlot, key_of};
 
@@ -30,11 +35,20 @@ impl<D: Device, M: Clone> Graft<D, M> {
         self.guard_requested = false;
         let name = self.functions[frame.function].name.clone();
         let _span = tracing::debug_span!("guard", function = %name, node = %key.id()).entered();
+        let started = Instant::now();
+        if let Guard::Changing(changing) = self.tree[key].guard
+            && changing.runs_eagerly()
+        {
+            let outcome = self.run_eager(frame, EagerReason::HostValueChanging);
+            let ns = nanos(started);
+            self.move_guard(key, Found::RanEagerly { ns });
+            return outcome;
+        }
         let parent = self.tree.parent(key);
         let call = self.tree[key].replays + 1;
         self.stats.guards += 1;
         self.diverge_if_replayed(frame.function);
-        let pending = match self.capture_once(frame, parent, &mut None) {
+        let pending = match self.capture_once(frame, parent, Some(key), &mut None) {
             Ok(pending) => pending,
             Err(Failure::Call(error)) => return Err(error),
             Err(Failure::Capture(error)) => match fallback_reason(error) {
@@ -83,9 +97,11 @@ impl<D: Device, M: Clone> Graft<D, M> {
         let Some(first) = found.first().cloned() else {
             tracing::trace!(call, "guard: the capture equals the recording");
             self.discard(pending)?;
-            self.move_guard(key, Found::Equal { call });
+            let ns = nanos(started);
+            self.move_guard(key, Found::Equal { call, ns });
             return self.replay(key, frame);
         };
+        let patchable = found.iter().all(GraphDifference::patchable);
         self.stats.guard_differences += 1;
         let finding = |difference| GuardFinding {
             function: name.to_string(),
@@ -99,11 +115,26 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 self.guard_findings.push(f);
             }
         }
+        let state = self.tree[key].guard;
         drop(self.evict(key, EvictReason::Replaced));
-        // This call runs the new capture (the body ran once, in it: its result is right);
-        // every later call of the signature runs eagerly, which costs less than capturing on
-        // every call (see docs/benchmarks.md), and the capture is freed after its launch.
+        // This call runs the new capture (the body ran once, in it: its result is right).
         let outcome = self.keep_capture(frame, parent, RecordReason::HostValueChanged, pending)?;
+        if patchable && state != Guard::Off {
+            // The capture stays as the node, every call guarded from now on.
+            tracing::debug!(call, difference = %first, "a guard found a host value changed: the capture takes the recording's place");
+            if let Outcome::Recorded(id) = outcome
+                && let Some(node) = self.tree.get_mut(key_of(id))
+            {
+                let mut guard = state;
+                let guards = self.config.guards.unwrap_or_default();
+                if transition(&mut guard, Found::Changed { ns: nanos(started) }, guards).is_ok() {
+                    node.guard = guard;
+                }
+            }
+            return Ok(outcome);
+        }
+        // Any other difference: every later call of the signature runs eagerly, and the
+        // capture is freed after its launch.
         let why = EagerReason::HostValueBaked {
             finding: Box::new(finding(first)),
         };
@@ -127,6 +158,11 @@ impl<D: Device, M: Clone> Graft<D, M> {
         // stays unguarded.
         let _ = transition(&mut node.guard, found, guards);
     }
+}
+
+/// Nanoseconds since `started`, saturating.
+fn nanos(started: Instant) -> u64 {
+    u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX)
 }
 
 /// Two findings of the same value: the same function, kernel and argument (or the same

@@ -56,7 +56,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
         let span = tracing::debug_span!("record", function = %name, reason = %reason);
         let _span = span.enter();
         self.diverge_if_replayed(frame.function);
-        let attempt = match self.capture_once(frame, parent, &mut reuse) {
+        let attempt = match self.capture_once(frame, parent, None, &mut reuse) {
             Err(Failure::OutOfMemory(_)) => {
                 let released = release_unused(&mut lock(self.pools.graph()), &self.device)
                     + release_unused(&mut lock(self.pools.eager()), &self.device);
@@ -64,7 +64,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
                     released,
                     "out of device memory while recording: released unused pool memory, retrying"
                 );
-                self.capture_once(frame, parent, &mut reuse)
+                self.capture_once(frame, parent, None, &mut reuse)
             }
             attempt => attempt,
         };
@@ -118,12 +118,14 @@ impl<D: Device, M: Clone> Graft<D, M> {
         outcome
     }
 
-    /// One try at a capture, leaving it pending (not attached, not launched). On failure the
-    /// recording is undone.
+    /// One try at a capture, leaving it pending (not attached, not launched), its inputs
+    /// classified as `like`'s were where that node copied them (a guard's capture). On failure
+    /// the recording is undone.
     fn capture_once<F, E>(
         &mut self,
         frame: &mut Frame<'_, F, M, E>,
         parent: Option<NodeKey>,
+        like: Option<NodeKey>,
         reuse: &mut Option<D::Graph>,
     ) -> Result<Pending<D::Graph, M>, Failure<E>>
     where
@@ -137,7 +139,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
             }));
         }
         let checkpoint = lock(self.pools.graph()).checkpoint();
-        let prepared = match self.prepare_inputs(frame, parent) {
+        let prepared = match self.prepare_inputs(frame, parent, like) {
             Ok(prepared) => prepared,
             Err((placeholders, source)) => {
                 self.undo_recording(&checkpoint, &placeholders, &[]);

@@ -107,6 +107,11 @@ impl<G, M> Tree<G, M> {
         self.nodes.get(key).map(|e| &e.node)
     }
 
+    /// The node at `key`, if it is in the tree: its own state, never its place.
+    pub(crate) fn get_mut(&mut self, key: NodeKey) -> Option<&mut Node<G, M>> {
+        self.nodes.get_mut(key).map(|e| &mut e.node)
+    }
+
     /// Every node, in arena order.
     pub(crate) fn iter(&self) -> impl Iterator<Item = (NodeKey, &Node<G, M>)> {
         self.nodes.iter().map(|(k, e)| (k, &e.node))

@@ -65,11 +65,14 @@ macro_rules! driver_symbols {
     };
 }
 
-/// Every driver function the crate calls, with the error name reported if it is missing.
-/// (Checked at run time only with `dynamic-loading`; with `dynamic-linking` the loader checks.)
+/// Every driver function the crate may call before a feature check, with the error reported
+/// if it is missing: all of `driver/`'s calls but [`CONDITIONAL_SYMBOLS`] (a test derives both
+/// lists from the wrappers' sources). Checked at run time only with `dynamic-loading`; with
+/// `dynamic-linking` the loader checks.
 #[cfg_attr(not(feature = "dynamic-loading"), allow(dead_code))]
 pub(crate) const DRIVER_SYMBOLS: &[(&str, &str)] = driver_symbols![
     "cuInit",
+    "cuDriverGetVersion",
     "cuDeviceGetCount",
     "cuDeviceGet",
     "cuDeviceGetName",
@@ -97,8 +100,15 @@ pub(crate) const DRIVER_SYMBOLS: &[(&str, &str)] = driver_symbols![
     "cuGraphDestroy",
     "cuGraphGetNodes",
     "cuGraphNodeGetType",
+    "cuGraphChildGraphNodeGetGraph",
+    "cuGraphKernelNodeGetParams_v2",
     "cuGraphMemcpyNodeGetParams",
+    "cuGraphMemsetNodeGetParams",
+    "cuGraphMemAllocNodeGetParams",
     "cuGraphExecMemcpyNodeSetParams",
+    "cuGraphExecKernelNodeSetParams_v2",
+    "cuGraphExecUpdate_v2",
+    "cuGraphNodeSetEnabled",
     "cuMemAlloc_v2",
     "cuMemFree_v2",
     "cuMemAllocHost_v2",
@@ -106,10 +116,38 @@ pub(crate) const DRIVER_SYMBOLS: &[(&str, &str)] = driver_symbols![
     "cuMemcpyDtoDAsync_v2",
     "cuMemcpyHtoDAsync_v2",
     "cuMemcpyDtoHAsync_v2",
+    "cuMemAddressReserve",
+    "cuMemAddressFree",
+    "cuMemCreate",
+    "cuMemRelease",
+    "cuMemMap",
+    "cuMemUnmap",
+    "cuMemSetAccess",
+    "cuMemGetAllocationGranularity",
     "cuModuleLoadData",
     "cuModuleGetFunction",
     "cuModuleUnload",
+    "cuKernelGetFunction",
+    "cuFuncGetName",
+    "cuFuncGetParamInfo",
     "cuLaunchKernel",
+];
+
+/// The driver functions only conditional nodes (device-side loops) call: their capture into
+/// body graphs and the copy of a body into its node. `Conditionals::supported` checks the
+/// driver's version, and with `dynamic-loading` these symbols, before any of them is called.
+pub(crate) const CONDITIONAL_SYMBOLS: &[&str] = &[
+    "cuGraphConditionalHandleCreate",
+    "cuGraphAddNode_v2",
+    "cuStreamBeginCaptureToGraph",
+    "cuStreamGetCaptureInfo_v3",
+    "cuGraphNodeGetDependencies_v2",
+    "cuGraphAddEmptyNode",
+    "cuGraphAddKernelNode_v2",
+    "cuGraphAddMemcpyNode",
+    "cuGraphAddMemsetNode",
+    "cuGraphKernelNodeCopyAttributes",
+    "cuGraphMemFreeNodeGetParams",
 ];
 
 /// `Ok` once libcuda is loaded, has every symbol in [`DRIVER_SYMBOLS`], and `cuInit` succeeded.
@@ -165,6 +203,30 @@ fn check_library() -> Result<(), DeviceError> {
     Ok(())
 }
 
+/// Whether libcuda has every one of `symbols` (with `dynamic-linking`, the loader bound
+/// everything, so always), after [`driver_ready`].
+pub(crate) fn has_symbols(symbols: &[&str]) -> bool {
+    if driver_ready().is_err() {
+        return false;
+    }
+    #[cfg(feature = "dynamic-loading")]
+    {
+        // SAFETY: `driver_ready` found the library loadable, so `culib` returns the opened
+        // library instead of panicking.
+        let lib = unsafe { sys::culib() };
+        symbols.iter().all(|symbol| {
+            // SAFETY: the symbol is only looked up, never called or kept; the fn-pointer type
+            // is pointer-sized, as libloading requires.
+            unsafe { lib.get::<unsafe extern "C" fn()>(symbol.as_bytes()) }.is_ok()
+        })
+    }
+    #[cfg(not(feature = "dynamic-loading"))]
+    {
+        let _ = symbols;
+        true
+    }
+}
+
 /// The number of CUDA devices, after [`driver_ready`].
 pub(crate) fn device_count() -> Result<usize, DeviceError> {
     driver_ready()?;
@@ -177,6 +239,63 @@ pub(crate) fn device_count() -> Result<usize, DeviceError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The driver functions `driver/`'s wrappers call (`sys::cuXxx(`, or `cu::cuXxx(` where
+    /// `sys` is another library's), read from their sources.
+    fn called_symbols() -> std::collections::BTreeSet<String> {
+        let sources = [
+            include_str!("mod.rs"),
+            include_str!("cublas.rs"),
+            include_str!("device.rs"),
+            include_str!("function.rs"),
+            include_str!("graph.rs"),
+            include_str!("memory.rs"),
+            include_str!("nccl.rs"),
+            include_str!("stream.rs"),
+        ];
+        let mut found = std::collections::BTreeSet::new();
+        for source in sources {
+            // The code, without its tests (this one names the pattern).
+            let source = source.split("#[cfg(test)]").next().unwrap_or_default();
+            for prefix in ["sys::cu", "cu::cu"] {
+                for (at, _) in source.match_indices(prefix) {
+                    let name: String = source[at + prefix.len() - 2..]
+                        .chars()
+                        .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                        .collect();
+                    let rest = &source[at + prefix.len() - 2 + name.len()..];
+                    let called = rest.trim_start().starts_with('(');
+                    if called && name[2..].starts_with(|c: char| c.is_ascii_uppercase()) {
+                        found.insert(name);
+                    }
+                }
+            }
+        }
+        found
+    }
+
+    #[test]
+    fn the_symbol_lists_are_exactly_the_wrappers_calls() {
+        let called = called_symbols();
+        let listed: std::collections::BTreeSet<String> = DRIVER_SYMBOLS
+            .iter()
+            .map(|&(s, _)| s)
+            .chain(CONDITIONAL_SYMBOLS.iter().copied())
+            .map(str::to_owned)
+            .collect();
+        let missing: Vec<_> = called.difference(&listed).collect();
+        let stale: Vec<_> = listed.difference(&called).collect();
+        assert!(
+            missing.is_empty(),
+            "driver/ calls these without listing them in DRIVER_SYMBOLS or CONDITIONAL_SYMBOLS: {missing:?}"
+        );
+        assert!(stale.is_empty(), "listed but never called: {stale:?}");
+        assert_eq!(
+            DRIVER_SYMBOLS.len() + CONDITIONAL_SYMBOLS.len(),
+            listed.len(),
+            "a symbol is in both lists"
+        );
+    }
 
     #[test]
     fn symbol_names_are_unique_and_named_in_their_error() {
