@@ -2,7 +2,8 @@
 //!
 //! The parent starts N copies of its own executable as a job on this host (graft's
 //! `launch_local`: `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT` set for
-//! each, and a watchdog), each running one rank (`--as-rank`). On GPUs a rank opens its GPU
+//! each, and a watchdog), each running one rank (`--as-rank`; a rank also runs under torchrun,
+//! srun or mpirun, whose variables `ProcessGroup::from_env` reads). On GPUs a rank opens its GPU
 //! (`LOCAL_RANK`), gets rank 0's NCCL unique id over the job's TCP rendezvous, makes its
 //! communicator with `ncclCommInitRank` (non-blocking, bounded) and votes over NCCL itself. On
 //! simulated devices the votes and the all-reduces travel over the rendezvous (the simulator

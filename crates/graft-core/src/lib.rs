@@ -70,8 +70,9 @@ pub use node_id::{NodeId, NodeLabel};
 pub use pool::{PoolError, PoolStats};
 pub use prepare::{BucketCapture, CaptureReport};
 pub use process::{
-    ENV_VARS, ExchangeError, JoinError, LaunchError, ProcessGroup, ProcessGroupError, RankExit,
-    Rendezvous, TcpBallotBox, VOTE_TAG, Watchdog, WatchdogError, free_port, launch_local,
+    ENV_VARS, ExchangeError, JoinError, LAUNCHER_VARS, LaunchError, Launcher, ProcessGroup,
+    ProcessGroupError, RankExit, Rendezvous, TcpBallotBox, VOTE_TAG, Watchdog, WatchdogError,
+    free_port, launch_local,
 };
 pub use reason::{Decision, DecisionRecord, EagerReason, EvictReason, RecordReason, WarmupReason};
 pub use stats::{RerecordCounts, Stats};

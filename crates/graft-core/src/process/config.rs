@@ -1,11 +1,15 @@
 //! [`ProcessGroup`]: where one process stands in a job of one process per rank (its rank, the
 //! number of ranks, its GPU on its host, and where rank 0 listens), from the environment
-//! variables distributed launchers set, or from the API.
+//! variables distributed launchers set (graft's own, torchrun, Slurm's srun, MPI's: see
+//! process/launchers.rs), or from the API.
 
 use std::ffi::OsString;
 
-/// The environment variables [`ProcessGroup::from_env`] reads, as torchrun and most launchers
-/// set them.
+use super::launchers::{self, Launcher};
+
+/// The environment variables graft's own launcher sets for each rank (with `GRAFT_PORT`, equal
+/// to `MASTER_PORT`), as torchrun sets them too: what [`ProcessGroup::from_env`] reads when
+/// `RANK` or `WORLD_SIZE` is set.
 pub const ENV_VARS: [&str; 5] = [
     "RANK",
     "WORLD_SIZE",
@@ -22,12 +26,14 @@ pub struct ProcessGroup {
     local_rank: usize,
     master_addr: String,
     master_port: u16,
+    launcher: Launcher,
 }
 
 /// Errors of [`ProcessGroup::new`] and [`ProcessGroup::from_env`].
 #[derive(thiserror::Error, Clone, PartialEq, Eq, Debug)]
 pub enum ProcessGroupError {
-    /// A variable the job needs is not set.
+    /// A variable the job needs is not set, where `RANK` or `WORLD_SIZE` is (the variables
+    /// graft's launcher and torchrun set).
     #[error(
         "the environment variable {var} is not set; start every rank with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT set (torchrun and `graft bench tp --procs` set them), or build the group with ProcessGroup::new"
     )]
@@ -61,11 +67,61 @@ pub enum ProcessGroupError {
     /// No address for rank 0.
     #[error("MASTER_ADDR is empty; set it to rank 0's host name or address")]
     EmptyAddress,
+    /// No launcher's variables are set: the process was not started as a rank of a job.
+    #[error(
+        "no launcher placed this process: none of {} is set (RANK or WORLD_SIZE from graft's launcher or torchrun, OMPI_COMM_WORLD_RANK from open mpi's mpirun, PMI_RANK from mpich's or intel mpi's mpiexec, SLURM_PROCID from slurm's srun); start every rank with one of these launchers, set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT by hand, or build the group with ProcessGroup::new",
+        .looked_for.join(", ")
+    )]
+    NoLauncher {
+        /// The variables looked for, in the order of precedence ([`LAUNCHER_VARS`]).
+        ///
+        /// [`LAUNCHER_VARS`]: crate::LAUNCHER_VARS
+        looked_for: &'static [&'static str],
+    },
+    /// Slurm or an MPI launcher placed the process, but one of the variables it sets is not set.
+    #[error(
+        "{launcher} placed this process but {var} is not set; start every rank with {} (it sets {var}), or set {var} by hand",
+        .launcher.command()
+    )]
+    Incomplete {
+        /// The launcher found.
+        launcher: Launcher,
+        /// The variable it did not set.
+        var: &'static str,
+    },
+    /// An MPI launcher placed the process, but rank 0's address or port is not given: MPI
+    /// sets none.
+    #[error(
+        "an mpi launcher placed this process but {var} is not set, and mpi does not say where rank 0 listens; pass rank 0's host and a free port to every rank, e.g. `mpirun -x MASTER_ADDR=<rank 0's host> -x MASTER_PORT=<port> ...` (open mpi) or `mpiexec -genv MASTER_ADDR <rank 0's host> -genv MASTER_PORT <port> ...` (mpich, intel mpi)"
+    )]
+    MpiAddress {
+        /// `MASTER_ADDR` or `MASTER_PORT`.
+        var: &'static str,
+    },
+    /// A Slurm host list that cannot be read, so rank 0's host is not known.
+    #[error(
+        "{var}={value:?} is not a slurm host list (like node[01-04,07],gpu-a); set MASTER_ADDR to rank 0's host instead"
+    )]
+    BadHostList {
+        /// The variable (`SLURM_STEP_NODELIST`, `SLURM_JOB_NODELIST` or `SLURM_NODELIST`).
+        var: &'static str,
+        /// Its value.
+        value: String,
+    },
+    /// Under torchrun graft listens on `MASTER_PORT + 1`, and `MASTER_PORT` is the last port.
+    #[error(
+        "under torchrun graft's rendezvous listens on MASTER_PORT + 1 (torchrun's own store holds MASTER_PORT), and MASTER_PORT is {master_port}; pass torchrun a lower --master-port, or set GRAFT_PORT to a free port"
+    )]
+    NoPortAfter {
+        /// torchrun's `MASTER_PORT`.
+        master_port: u16,
+    },
 }
 
 impl ProcessGroup {
     /// A place in a job: rank `rank` of `world` ranks, on its host's GPU `local_rank`, with
-    /// rank 0 listening at `master_addr:master_port`.
+    /// rank 0 listening at `master_addr:master_port` (its [`launcher`](Self::launcher) is
+    /// [`Launcher::Env`]).
     pub fn new(
         rank: usize,
         world: usize,
@@ -89,7 +145,13 @@ impl ProcessGroup {
             local_rank,
             master_addr,
             master_port,
+            launcher: Launcher::Env,
         })
+    }
+
+    /// The same place, found by `launcher`.
+    pub(super) fn placed_by(self, launcher: Launcher) -> ProcessGroup {
+        ProcessGroup { launcher, ..self }
     }
 
     /// The same place with rank 0 listening on `port` instead.
@@ -100,65 +162,68 @@ impl ProcessGroup {
         }
     }
 
-    /// This process's place, from `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR` and
-    /// `MASTER_PORT` ([`ENV_VARS`]).
+    /// This process's place, from the variables of the launcher that started it.
+    ///
+    /// The launcher is the first of these whose variables are set:
+    ///
+    /// 1. `RANK` or `WORLD_SIZE`: [`Launcher::Torchrun`] when torchrun's `TORCHELASTIC_RUN_ID`
+    ///    or `GROUP_RANK` is set too, else [`Launcher::Env`] (graft's own launcher, or the
+    ///    variables set by hand). Both read [`ENV_VARS`]: `RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
+    ///    `MASTER_ADDR` and `MASTER_PORT`. Set explicitly, they win over any launcher's.
+    /// 2. `OMPI_COMM_WORLD_RANK` ([`Launcher::Mpi`], Open MPI's mpirun): with
+    ///    `OMPI_COMM_WORLD_SIZE` and `OMPI_COMM_WORLD_LOCAL_RANK`.
+    /// 3. `PMI_RANK` ([`Launcher::Mpi`], MPICH's and Intel MPI's mpiexec): with `PMI_SIZE` and
+    ///    `MPI_LOCALRANKID` (or `PMI_LOCAL_RANK`). Not where `SLURM_PROCID` is set and neither
+    ///    local rank is: that is srun's own PMI (its pmi2 plugin sets `PMI_RANK` and `PMI_SIZE`
+    ///    for every task it starts), and the process is Slurm's task.
+    /// 4. `SLURM_PROCID` ([`Launcher::Slurm`], srun): with `SLURM_NTASKS` and `SLURM_LOCALID`.
+    ///
+    /// MPI's variables win over Slurm's because mpirun inside a Slurm allocation starts its
+    /// ranks through a Slurm step of its own (one task per host), whose `SLURM_PROCID` is not
+    /// the rank. None found is [`ProcessGroupError::NoLauncher`].
+    ///
+    /// Rank 0's address: `MASTER_ADDR`. Under Slurm, where srun sets none, the first host of
+    /// `SLURM_STEP_NODELIST` (else `SLURM_JOB_NODELIST`, else `SLURM_NODELIST`) unless
+    /// `MASTER_ADDR` is set; an MPI launcher sets none, so it must be passed
+    /// ([`ProcessGroupError::MpiAddress`]).
+    ///
+    /// The port graft's rendezvous listens on: `GRAFT_PORT` when set, under every launcher.
+    /// Else:
+    ///
+    /// - env, MPI: `MASTER_PORT`;
+    /// - torchrun: `MASTER_PORT + 1`. torchrun's agent holds `MASTER_PORT` itself (its TCP
+    ///   store: with the static rendezvous, the store at `--master-port` that its workers
+    ///   share; with c10d, the store server it shares or a free port it picked), so graft
+    ///   cannot listen there; torchrun opens no other fixed port beside it (c10d's rendezvous
+    ///   endpoint, when used, is a port of its own, 29400 by default);
+    /// - Slurm: `MASTER_PORT` if set, else `10000 + 16 × (SLURM_JOB_ID mod 1250) +
+    ///   (SLURM_STEP_ID mod 16)`: every task of a step computes the same, each job gets a
+    ///   block of 16 ports and each of its steps one of them (steps running at once differ),
+    ///   and all stay within 10000..=29999, below the range Linux hands out to outgoing
+    ///   connections (32768..=60999), so no connection of the host holds it by chance.
     pub fn from_env() -> Result<ProcessGroup, ProcessGroupError> {
         ProcessGroup::from_vars(|var| std::env::var_os(var))
     }
 
     /// As [`ProcessGroup::from_env`], reading the variables through `get`.
-    fn from_vars(
+    pub(super) fn from_vars(
         get: impl Fn(&str) -> Option<OsString>,
     ) -> Result<ProcessGroup, ProcessGroupError> {
-        let text = |var: &'static str| -> Result<String, ProcessGroupError> {
-            let value = get(var).ok_or(ProcessGroupError::Missing { var })?;
-            value
-                .into_string()
-                .map_err(|v| ProcessGroupError::BadValue {
-                    var,
-                    value: v.to_string_lossy().into_owned(),
-                    expected: "text",
-                })
-        };
-        let number = |var: &'static str| -> Result<usize, ProcessGroupError> {
-            let value = text(var)?;
-            value
-                .trim()
-                .parse()
-                .map_err(|_| ProcessGroupError::BadValue {
-                    var,
-                    value,
-                    expected: "a whole number",
-                })
-        };
-        // In the order of ENV_VARS, so that the first missing one is named first.
-        let (rank, world, local_rank) = (
-            number("RANK")?,
-            number("WORLD_SIZE")?,
-            number("LOCAL_RANK")?,
-        );
-        let master_addr = text("MASTER_ADDR")?;
-        let port = text("MASTER_PORT")?;
-        let master_port = port
-            .trim()
-            .parse()
-            .map_err(|_| ProcessGroupError::BadValue {
-                var: "MASTER_PORT",
-                value: port,
-                expected: "a port number (0 to 65535)",
-            })?;
-        ProcessGroup::new(rank, world, local_rank, master_addr.trim(), master_port)
+        launchers::place(get)
     }
 
     /// The environment variables that place a process at `rank` of this job, on its host's
-    /// GPU `local_rank`: what a launcher sets for each process it starts.
-    pub fn env_for(&self, rank: usize, local_rank: usize) -> [(&'static str, String); 5] {
+    /// GPU `local_rank`: what a launcher sets for each process it starts. `GRAFT_PORT` (equal
+    /// to `MASTER_PORT`) keeps the port where it is when the launcher itself runs under
+    /// torchrun, whose variables its processes inherit.
+    pub fn env_for(&self, rank: usize, local_rank: usize) -> [(&'static str, String); 6] {
         [
             ("RANK", rank.to_string()),
             ("WORLD_SIZE", self.world.to_string()),
             ("LOCAL_RANK", local_rank.to_string()),
             ("MASTER_ADDR", self.master_addr.clone()),
             ("MASTER_PORT", self.master_port.to_string()),
+            (launchers::GRAFT_PORT, self.master_port.to_string()),
         ]
     }
 
@@ -182,9 +247,16 @@ impl ProcessGroup {
         &self.master_addr
     }
 
-    /// The port rank 0 listens on for the rendezvous.
+    /// The port rank 0 listens on for the rendezvous (not always `MASTER_PORT`: see
+    /// [`ProcessGroup::from_env`]).
     pub fn master_port(&self) -> u16 {
         self.master_port
+    }
+
+    /// The launcher whose variables placed this process ([`Launcher::Env`] for a group built
+    /// with [`ProcessGroup::new`]).
+    pub fn launcher(&self) -> Launcher {
+        self.launcher
     }
 }
 
@@ -233,17 +305,38 @@ mod tests {
     fn the_launchers_variables_place_the_process() {
         let g = ProcessGroup::from_vars(vars(&GOOD)).unwrap();
         assert_eq!(g, ProcessGroup::new(1, 2, 1, "127.0.0.1", 29500).unwrap());
+        assert_eq!(g.launcher(), Launcher::Env);
         assert_eq!(
             g.env_for(0, 0).map(|(_, v)| v),
-            ["0", "2", "0", "127.0.0.1", "29500"].map(str::to_owned)
+            ["0", "2", "0", "127.0.0.1", "29500", "29500"].map(str::to_owned)
         );
+    }
+
+    #[test]
+    fn what_graft_launcher_sets_places_each_rank_back() {
+        let job = ProcessGroup::new(0, 3, 0, "127.0.0.1", 41000).unwrap();
+        let pairs = job.env_for(2, 1);
+        let borrowed: Vec<(&str, &str)> = pairs.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        assert_eq!(
+            ProcessGroup::from_vars(vars(&borrowed)),
+            ProcessGroup::new(2, 3, 1, "127.0.0.1", 41000)
+        );
+        // Under torchrun (whose variables the launched ranks inherit) the port stays.
+        let mut inherited = borrowed;
+        inherited.push(("TORCHELASTIC_RUN_ID", "none"));
+        let g = ProcessGroup::from_vars(vars(&inherited)).unwrap();
+        assert_eq!((g.launcher(), g.master_port()), (Launcher::Torchrun, 41000));
     }
 
     #[test]
     fn the_first_missing_variable_is_named() {
         assert_eq!(
-            ProcessGroup::from_vars(|_| None),
+            ProcessGroup::from_vars(vars(&[("WORLD_SIZE", "2")])),
             Err(ProcessGroupError::Missing { var: "RANK" })
+        );
+        assert_eq!(
+            ProcessGroup::from_vars(vars(&[("RANK", "0")])),
+            Err(ProcessGroupError::Missing { var: "WORLD_SIZE" })
         );
     }
 

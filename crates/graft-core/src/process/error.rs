@@ -20,9 +20,10 @@ pub enum JoinError {
         /// The resolver's error.
         kind: ErrorKind,
     },
-    /// Rank 0 cannot listen on MASTER_ADDR:MASTER_PORT.
+    /// Rank 0 cannot listen on its address and port (`MASTER_ADDR`, and `GRAFT_PORT` or the
+    /// launcher's port rule: see `ProcessGroup::from_env`).
     #[error(
-        "rank 0 cannot listen on {at} ({kind}): the port is taken, or the address is not this host's; pick a free MASTER_PORT and set MASTER_ADDR to rank 0's host"
+        "rank 0 cannot listen on {at} ({kind}): the port is taken, or the address is not this host's; set GRAFT_PORT (or MASTER_PORT) to a free port and MASTER_ADDR to rank 0's host"
     )]
     Bind {
         /// The address it tried.

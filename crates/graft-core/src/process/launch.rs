@@ -1,6 +1,6 @@
 //! [`launch_local`]: a job of one process per rank on this host, as a distributed launcher
-//! starts it (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT` set for each),
-//! with a watchdog: every rank still running at the deadline is killed, and reported so.
+//! starts it (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`, and
+//! `GRAFT_PORT` equal to it, set for each), with a watchdog: every rank still running at the deadline is killed, and reported so.
 
 use std::ffi::OsStr;
 use std::io::Read;

@@ -1,15 +1,17 @@
 //! Ranks as processes: a job's configuration ([`ProcessGroup`], from the environment variables
-//! launchers set), its TCP rendezvous ([`Rendezvous`]: rank 0 at the centre of a star, with a
-//! broadcast from rank 0 and an all-gather through it, every wait bounded), and a group's
-//! votes carried over it ([`TcpBallotBox`]), and a launcher of such a job on this host
-//! ([`launch_local`], with a watchdog), and each rank's [`Watchdog`] on its peers. Pure std: what a device transport needs first
-//! (NCCL's unique id travels by [`Rendezvous::broadcast`]) and what the simulator uses in place
-//! of one.
+//! launchers set: graft's own, torchrun, Slurm's srun, MPI's; [`Launcher`] says which), its TCP
+//! rendezvous ([`Rendezvous`]: rank 0 at the centre of a star, with a broadcast from rank 0 and
+//! an all-gather through it, every wait bounded), and a group's votes carried over it
+//! ([`TcpBallotBox`]), and a launcher of such a job on this host ([`launch_local`], with a
+//! watchdog), and each rank's [`Watchdog`] on its peers. Pure std: what a device transport
+//! needs first (NCCL's unique id travels by [`Rendezvous::broadcast`]) and what the simulator
+//! uses in place of one.
 
 mod config;
 mod error;
 mod exchange;
 mod launch;
+mod launchers;
 mod rendezvous;
 mod tcp_box;
 mod watchdog;
@@ -18,6 +20,7 @@ mod wire;
 pub use config::{ENV_VARS, ProcessGroup, ProcessGroupError};
 pub use error::{ExchangeError, JoinError};
 pub use launch::{LaunchError, RankExit, free_port, launch_local};
+pub use launchers::{LAUNCHER_VARS, Launcher};
 pub use rendezvous::Rendezvous;
 pub use tcp_box::{TcpBallotBox, VOTE_TAG};
 pub use watchdog::{Watchdog, WatchdogError};
