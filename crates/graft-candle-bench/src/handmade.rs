@@ -15,7 +15,8 @@ use candle_core::cuda_backend::CudaDevice as CandleCuda;
 use candle_core::cuda_backend::cudarc::driver::{CudaGraph, CudaStream, sys};
 
 use graft_candle::Error;
-use graft_candle::cuda::{copy, driver, tensor_range, uninit_tensor};
+use graft_candle::cuda::{driver, tensor_range, uninit_tensor};
+use graft_cuda::CudaDevice as GraftCuda;
 
 const NAME: &str = "hand-made graph";
 
@@ -23,6 +24,8 @@ const NAME: &str = "hand-made graph";
 pub struct HandmadeGraph {
     graph: CudaGraph,
     stream: Arc<CudaStream>,
+    /// graft-cuda's device over candle's stream: its raw copy.
+    copier: GraftCuda,
     tokens: Tensor,
 }
 
@@ -40,6 +43,20 @@ fn candle(what: &'static str) -> impl Fn(candle_core::Error) -> Error {
         what,
         source,
     }
+}
+
+/// Enqueues a copy of `bytes` from `src` to `dst` on candle's stream (graft-cuda's
+/// `CudaDevice::copy_raw`, inside a capture a memcpy node).
+///
+/// # Safety
+/// `dst` and `src` are the data of two distinct contiguous tensors of at least `bytes`, which
+/// the caller holds until the stream has run the copy.
+unsafe fn copy(copier: &GraftCuda, dst: u64, src: u64, bytes: usize) -> Result<(), Error> {
+    // SAFETY: the caller's contract, which is `copy_raw`'s.
+    unsafe { copier.copy_raw(dst, src, bytes) }.map_err(|source| Error::Device {
+        what: "copying tokens (cuMemcpyDtoDAsync)",
+        source,
+    })
 }
 
 /// The device range of a contiguous tensor, or the error naming it when its dtype has none.
@@ -74,9 +91,15 @@ impl HandmadeGraph {
         drop(step(&first).map_err(candle("the warmup run"))?);
         let tokens = uninit_tensor(device, first.dtype(), first.shape())
             .map_err(candle("allocating the token tensor"))?;
+        let copier = GraftCuda::from_stream(stream.clone()).map_err(|source| Error::Device {
+            what: "opening graft-cuda's device on candle's stream",
+            source,
+        })?;
         let (dst, bytes) = range(&tokens, &stream, "tokens")?;
         let (src, _) = range(&first, &stream, "tokens")?;
-        copy(dst, src, bytes, &stream).map_err(driver("copying the first tokens"))?;
+        // SAFETY: `tokens` (fresh) and `first` are distinct tensors of `bytes`, both held until
+        // the stream has run the copy (`first` by the caller, `tokens` by the graph).
+        unsafe { copy(&copier, dst, src, bytes) }?;
         stream
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(driver("beginning the capture"))?;
@@ -87,7 +110,9 @@ impl HandmadeGraph {
             }
             let (src, _) = range(&next, &stream, "tokens")
                 .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
-            copy(dst, src, bytes, &stream)
+            // SAFETY: `next` is the step's result, a tensor other than `tokens`, of `bytes`;
+            // inside the capture the copy is a node reading `next`'s graph allocation.
+            unsafe { copy(&copier, dst, src, bytes) }
                 .map_err(|e| candle_core::Error::Msg(format!("copying the result: {e}")))
         });
         let ended = stream.end_capture(sys::CUgraphInstantiate_flags(0));
@@ -107,6 +132,7 @@ impl HandmadeGraph {
         Ok(HandmadeGraph {
             graph,
             stream,
+            copier,
             tokens,
         })
     }
@@ -139,6 +165,8 @@ impl HandmadeGraph {
                 ),
             )));
         }
-        copy(dst, src, bytes, &self.stream).map_err(driver("copying the tokens"))
+        // SAFETY: `tokens` is the caller's tensor, of the same size, held by the caller until
+        // the copy has run (the stream runs it before anything launched after it).
+        unsafe { copy(&self.copier, dst, src, bytes) }
     }
 }

@@ -25,7 +25,7 @@ use super::proj::{Proj, dense};
 use super::rope::Rope;
 use super::shard::Shard;
 use super::spec::DecoderSpec;
-use graft_candle::{CandleGraft, Error, Step, StepId};
+use graft_candle::{CandleGraft, Error, Step, StepId, StepOutcome};
 
 /// One transformer block.
 #[derive(Debug)]
@@ -300,6 +300,36 @@ impl Decoder {
         tokens: &Tensor,
     ) -> std::result::Result<Step, Error> {
         self.decode_with(graft, step, cache, tokens, argmax_last)
+    }
+
+    /// [`Decoder::decode`] writing the next tokens into `next` (`[batch]` u32, made once;
+    /// `tokens` itself decodes in place, as a hand-made graph does) through
+    /// `CandleGraft::call_into`, with `statics` made once by [`Decoder::statics`]: a step on
+    /// the same tensors as the last one allocates nothing on the host (no output tensor, no
+    /// statics list). Returns what the call did.
+    pub fn decode_into(
+        &self,
+        graft: &mut CandleGraft,
+        step: StepId,
+        cache: &KvCache,
+        statics: &[&Tensor],
+        tokens: &Tensor,
+        next: &Tensor,
+    ) -> std::result::Result<StepOutcome, Error> {
+        let batch = tokens
+            .dims1()
+            .and_then(|b| cache.check_room(b).map(|()| b))
+            .map_err(|source| Error::Model { source })?;
+        let outcome = graft.call_into(
+            step,
+            &[tokens],
+            statics,
+            &[batch as u64, self.id],
+            std::slice::from_ref(next),
+            |inputs| Ok(vec![argmax_last(&self.logits(cache, &inputs[0])?)?]),
+        )?;
+        cache.advance(batch);
+        Ok(outcome)
     }
 
     /// [`Decoder::decode`] with the logits (`[batch, vocab]` f32) as the output.

@@ -14,9 +14,11 @@ fn candle_nn_optimizers_with_a_schedule_run_eagerly_on_the_cpu() -> Fallible<()>
     let device = Device::Cpu;
     let mut graft = CandleGraft::with_config(&device, guarded())?;
     assert!(!graft.is_graphed());
+    let graphed = train(&device, Some(&mut graft), 200, adamw)?;
+    let eager = train(&device, None, 200, adamw)?;
     assert_eq!(
-        train(&device, Some(&mut graft), 200, adamw)?,
-        train(&device, None, 200, adamw)?
+        (graphed.losses, graphed.params),
+        (eager.losses, eager.params)
     );
     let mut graft = CandleGraft::with_config(&device, guarded())?;
     let graphed = train(&device, Some(&mut graft), 200, sgd)?;

@@ -41,6 +41,21 @@ pub enum Error {
         /// The dtype.
         dtype: candle_core::DType,
     },
+    /// An output tensor given to `CandleGraft::call_into` does not match what the body
+    /// returns at its position.
+    #[error(
+        "output {position} of {step} is {returned}, but the tensor given for it is {given}; pass one tensor of the body's dtype and shape per output"
+    )]
+    OutputMismatch {
+        /// The step called.
+        step: Arc<str>,
+        /// The output's position.
+        position: usize,
+        /// What the body returns there (dtype and shape), or "missing" past its outputs.
+        returned: String,
+        /// The tensor given (dtype and shape), or "missing" past the tensors given.
+        given: String,
+    },
     /// The step's body failed (a candle error: bad shapes, unsupported op, ...), in a run
     /// that was not a capture, or with an error that is not about capturing.
     #[error("body of {step} failed: {source}")]

@@ -14,7 +14,7 @@ use crate::diagnostics::Inspect;
 use crate::error::Error;
 use crate::looping::Loops;
 pub use crate::memory::{EagerMemory, GraphMemory};
-use crate::step::{Step, StepInfo};
+use crate::step::{Call, Step, StepInfo};
 
 /// The graph engine of this build: none (an enum with no values).
 #[derive(Debug)]
@@ -34,9 +34,7 @@ impl GraphEngine {
         &mut self,
         _step: usize,
         _info: &StepInfo,
-        _inputs: &[&Tensor],
-        _statics: &[&Tensor],
-        _keys: &[u64],
+        _call: Call<'_>,
         _body: F,
     ) -> Result<Step, Error>
     where

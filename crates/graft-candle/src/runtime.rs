@@ -11,7 +11,38 @@ use crate::diagnostics::Diagnostics;
 use crate::error::Error;
 use crate::looping::Loops;
 use crate::refusal::EagerCause;
-use crate::step::{Step, StepId, StepInfo, StepOutcome};
+use crate::step::{Call, Step, StepId, StepInfo, StepOutcome};
+
+/// Writes an eager call's `outputs` into the tensors `into` given for them (`call_into`): each
+/// must be of its output's dtype and shape, one per output.
+fn write_into(step: &Arc<str>, outputs: Vec<Tensor>, into: &[Tensor]) -> Result<(), Error> {
+    for position in 0..outputs.len().max(into.len()) {
+        let (output, given) = (outputs.get(position), into.get(position));
+        match (output, given) {
+            (Some(o), Some(g))
+                if o.dtype() == g.dtype() && o.shape() == g.shape() && g.is_contiguous() =>
+            {
+                // Flattened, a contiguous tensor is a view of the same storage.
+                let (o, g) = (o.flatten_all(), g.flatten_all());
+                o.and_then(|o| g.and_then(|g| g.slice_set(&o, 0, 0)))
+                    .map_err(|source| Error::Candle {
+                        step: step.clone(),
+                        what: "writing an output into the tensor given for it",
+                        source,
+                    })?;
+            }
+            _ => {
+                return Err(Error::OutputMismatch {
+                    step: step.clone(),
+                    position,
+                    returned: crate::step::describe(output),
+                    given: crate::step::describe(given),
+                });
+            }
+        }
+    }
+    Ok(())
+}
 
 /// Where calls run: the two backends behind [`CandleGraft`].
 #[derive(Debug)]
@@ -157,28 +188,80 @@ impl CandleGraft {
     where
         F: FnMut(&[Tensor], &mut Loops<'_>) -> candle_core::Result<Vec<Tensor>>,
     {
+        let call = Call {
+            inputs,
+            statics,
+            keys,
+            into: None,
+        };
+        self.run(step, call, body)
+    }
+
+    /// [`CandleGraft::call`] writing the outputs into `outputs`, tensors the caller made once
+    /// (one per output, of the body's dtype and shape) and passes again on every call: no
+    /// output tensor is allocated, and a call on the same tensors (inputs, statics, outputs)
+    /// as the last call of its step allocates nothing on the host (a decode loop whose tokens
+    /// live in one tensor: its replays cost graft's launch and a few compares). An output
+    /// tensor of another dtype or shape, or one too many or too few, is
+    /// [`Error::OutputMismatch`]. The outputs are written in stream order, as any candle op
+    /// writes its result. Returns what the call did.
+    pub fn call_into<F>(
+        &mut self,
+        step: StepId,
+        inputs: &[&Tensor],
+        statics: &[&Tensor],
+        keys: &[u64],
+        outputs: &[Tensor],
+        mut body: F,
+    ) -> Result<StepOutcome, Error>
+    where
+        F: FnMut(&[Tensor]) -> candle_core::Result<Vec<Tensor>>,
+    {
+        let call = Call {
+            inputs,
+            statics,
+            keys,
+            into: Some(outputs),
+        };
+        let run = self.run(step, call, |inputs, _| body(inputs))?;
+        Ok(run.outcome)
+    }
+
+    /// A call, its outputs fresh or written into the tensors `call.into` gives.
+    fn run<F>(&mut self, step: StepId, call: Call<'_>, body: F) -> Result<Step, Error>
+    where
+        F: FnMut(&[Tensor], &mut Loops<'_>) -> candle_core::Result<Vec<Tensor>>,
+    {
         let info = self
             .steps
             .get(step.0)
             .ok_or(Error::UnknownStep { id: step.0 })?;
-        check_devices(&self.device, &info.name, "input", inputs)?;
-        check_devices(&self.device, &info.name, "static", statics)?;
+        check_devices(&self.device, &info.name, "input", call.inputs)?;
+        check_devices(&self.device, &info.name, "static", call.statics)?;
         match &mut self.engine {
             Engine::Eager(why) => {
                 let mut body = body;
-                let owned: Vec<Tensor> = inputs.iter().map(|&t| t.clone()).collect();
+                let owned: Vec<Tensor> = call.inputs.iter().map(|&t| t.clone()).collect();
                 let mut loops = Loops { graft: None };
                 let outputs = body(&owned, &mut loops).map_err(|source| Error::Body {
                     step: info.name.clone(),
                     source,
                 })?;
-                let _ = keys;
+                // An eager run has no signature: the keys do not matter.
+                let _ = call.keys;
+                let outputs = match call.into {
+                    Some(into) => {
+                        write_into(&info.name, outputs, into)?;
+                        Vec::new()
+                    }
+                    None => outputs,
+                };
                 Ok(Step {
                     outputs,
                     outcome: StepOutcome::Eager(why.clone()),
                 })
             }
-            Engine::Graphed(engine) => engine.call(step.0, info, inputs, statics, keys, body),
+            Engine::Graphed(engine) => engine.call(step.0, info, call, body),
         }
     }
 

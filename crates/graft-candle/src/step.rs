@@ -34,6 +34,16 @@ pub struct Step {
     pub outcome: StepOutcome,
 }
 
+/// The tensors of one call: its inputs, statics and keys, and the caller's output tensors
+/// (`call_into`) if it gave them.
+#[derive(Clone, Copy)]
+pub(crate) struct Call<'a> {
+    pub(crate) inputs: &'a [&'a Tensor],
+    pub(crate) statics: &'a [&'a Tensor],
+    pub(crate) keys: &'a [u64],
+    pub(crate) into: Option<&'a [Tensor]>,
+}
+
 /// A registered step.
 #[derive(Debug)]
 pub(crate) struct StepInfo {
@@ -43,11 +53,27 @@ pub(crate) struct StepInfo {
 }
 
 /// What graft keeps per output of a recorded step: enough to allocate the caller's tensor
-/// on a replay, without running the body.
+/// on a replay, without running the body. Cloned on every replay, so the shape is shared.
 #[derive(Clone, PartialEq, Eq, Debug)]
 pub struct OutputMeta {
     /// The output's dtype.
     pub dtype: DType,
     /// The output's shape.
-    pub shape: Shape,
+    pub shape: Arc<Shape>,
+}
+
+/// A tensor's dtype and shape (and whether it is not contiguous), or "missing": what
+/// [`crate::Error::OutputMismatch`] says of an output and of the tensor given for it.
+pub(crate) fn describe(t: Option<&Tensor>) -> String {
+    t.map_or_else(
+        || "missing".to_owned(),
+        |t| {
+            let layout = if t.is_contiguous() {
+                ""
+            } else {
+                ", not contiguous"
+            };
+            format!("{:?} {:?}{layout}", t.dtype(), t.shape())
+        },
+    )
 }

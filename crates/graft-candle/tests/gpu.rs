@@ -1,13 +1,88 @@
 //! graft-candle on a CUDA GPU (ignored in CI; `--include-ignored` on the GPU machine, through
 //! `scripts/stage.sh --candle-cuda` and `scripts/gpu-run.sh`): graft-cuda over candle's
-//! stream, the device set up for capture, and the device-side generator replayed.
+//! stream, the device set up for capture, the device-side generator replayed, and
+//! `call_into`'s outputs and allocations (counted with a global allocator).
 #![cfg(feature = "cuda")]
 
-use graft_candle::CandleGraft;
-use graft_candle::candle_core::Tensor;
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+
+use graft_candle::candle_core::{DType, Tensor};
+use graft_candle::{CandleGraft, StepOutcome};
 
 #[path = "gpu/random.rs"]
 mod random;
+
+#[path = "support/call_into.rs"]
+mod call_into;
+
+struct Counting;
+
+thread_local! {
+    static ALLOCATIONS: Cell<u64> = const { Cell::new(0) };
+}
+
+// SAFETY: forwards every call to the system allocator unchanged; only counts on the side.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        ALLOCATIONS.with(|c| c.set(c.get() + 1));
+        // SAFETY: the caller upholds `GlobalAlloc::alloc`'s contract, which we pass on.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: `ptr` came from `System.alloc` with this layout, per the caller's contract.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+fn allocations() -> u64 {
+    ALLOCATIONS.with(Cell::get)
+}
+
+/// `call_into` graphed: the outputs land in the given tensors, equal to `call`'s.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn call_into_writes_the_given_tensors() -> TestResult {
+    call_into::call_into_writes_the_given_tensors(&gpu())
+}
+
+/// A decode-like loop through `call_into` on the same tensors (tokens in one tensor the step
+/// reads and its output overwrites in place of a fresh one): after the warmup and the
+/// recording, 1,000 replays allocate nothing on the host (guards off: a guarded call captures,
+/// which allocates; graft-core's tests/no_alloc.rs counts the replays between guards).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_replay_into_the_same_tensors_allocates_nothing() -> TestResult {
+    let device = gpu();
+    let config = graft_core::Config {
+        guards: None,
+        ..graft_core::Config::default()
+    };
+    let mut graft = CandleGraft::with_config(&device, config)?;
+    let step = graft.register("step");
+    let w = Tensor::arange(0f32, 64., &device)?;
+    let x = Tensor::ones(64, DType::F32, &device)?;
+    let out = [Tensor::zeros(64, DType::F32, &device)?];
+    let body = |t: &[Tensor]| -> candle_core::Result<Vec<Tensor>> {
+        Ok(vec![((&t[0] * &w)?.affine(0.5, 1.0))?])
+    };
+    for _ in 0..4 {
+        graft.call_into(step, &[&x], &[&w], &[], &out, body)?;
+    }
+    let before = allocations();
+    for _ in 0..1000 {
+        let outcome = graft.call_into(step, &[&x], &[&w], &[], &out, body)?;
+        assert!(matches!(outcome, StepOutcome::Replayed(_)), "{outcome:?}");
+    }
+    let allocated = allocations() - before;
+    let want: Vec<f32> = (0..64).map(|i| i as f32 * 0.5 + 1.0).collect();
+    assert_eq!(out[0].to_vec1::<f32>()?, want);
+    assert_eq!(allocated, 0, "host allocations in 1,000 replays");
+    Ok(())
+}
 
 #[path = "support/gpu.rs"]
 mod common;

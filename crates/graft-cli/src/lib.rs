@@ -279,6 +279,9 @@ pub struct MicroArgs {
     /// Recorded nodes in the tree (the timed one plus siblings of other signatures).
     #[arg(long, default_value_t = 1)]
     pub tree: usize,
+    /// Guards on their default schedule (off by default: the replays alone).
+    #[arg(long)]
+    pub guards: bool,
     /// Use the simulator even when a GPU is available.
     #[arg(long)]
     pub sim: bool,

@@ -15,7 +15,7 @@ use std::time::Instant;
 use std::io::Write;
 
 use graft_core::backend::CoreOnly;
-use graft_core::{BodyError, Buffer, Config, Ctx, Device, FunctionSpec, Graft, Output};
+use graft_core::{BodyError, Buffer, Config, Ctx, Device, FunctionSpec, Graft, Guards, Output};
 use graft_tensor::{DType, Ops, Tensor, TensorError};
 
 use crate::{Backend, CliError, MicroArgs, NO_RAW};
@@ -206,13 +206,17 @@ fn time_pair<D: Device>(
     Ok((median(sa), median(sb), median(ratios)))
 }
 
-/// The size of the measurement: inputs per call (at least 8) and recorded nodes in the tree.
+/// The size of the measurement: inputs per call (at least 8) and recorded nodes in the tree,
+/// and whether graft's default guards are on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Scale {
     /// Inputs per call: the chain's 8, then static ones it does not read.
     pub inputs: usize,
     /// Nodes in the tree: the timed one and siblings of other signatures.
     pub nodes: usize,
+    /// Guards on their default schedule (a guarded call, a capture, now and then among the
+    /// timed ones); off, the timed calls are the replay fast path alone.
+    pub guards: bool,
 }
 
 /// Runs the four measurements on `device` (the two raw launches only with graft-core's token
@@ -226,10 +230,11 @@ pub fn run<D: graft_tensor::Backend>(
     raw: Option<&CoreOnly>,
 ) -> Result<MicroResult, MicroError> {
     let k = device.load_ops()?;
-    // Guards off: the timed calls are the replay fast path alone, with none of them a guard's
-    // capture (`graft bench guard` measures those); an unguarded replay runs the same check.
+    // Guards off by default: the timed calls are the replay fast path alone, with none of them
+    // a guard's capture (`graft bench guard` measures those); an unguarded replay runs the
+    // same check. With `scale.guards`, the default schedule's guards fall among them.
     let config = Config {
-        guards: None,
+        guards: scale.guards.then(Guards::default),
         ..Config::default()
     };
     let mut g: Graft<D, ()> = Graft::new(device.clone(), config);
@@ -342,11 +347,14 @@ pub fn report(
     let scale = Scale {
         inputs: args.inputs.max(8),
         nodes: args.tree.max(1),
+        guards: args.guards,
     };
     writeln!(
         out,
-        "replay fast path on {name}: 10 kernels over {N} floats, {} inputs (1 copied), {} recorded nodes in the tree, per call",
-        scale.inputs, scale.nodes
+        "replay fast path on {name}: 10 kernels over {N} floats, {} inputs (1 copied), {} recorded nodes in the tree, guards {}, per call",
+        scale.inputs,
+        scale.nodes,
+        if scale.guards { "on" } else { "off" }
     )?;
     writeln!(
         out,

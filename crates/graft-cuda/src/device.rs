@@ -168,6 +168,66 @@ impl CudaDevice {
         driver::device::trim_graph_memory(op, inner.cu_device)
     }
 
+    /// The memory graph allocation nodes hold on this device (`cuDeviceGetGraphMemAttribute`):
+    /// what a framework's stream-ordered allocations inside recorded graphs use and keep
+    /// reserved. Failures are reported with `DeviceOp::Query`.
+    pub fn graph_memory(&self) -> Result<MemoryFigures, DeviceError> {
+        let op = DeviceOp::Query;
+        let inner = &self.queue.inner;
+        inner.enter(op)?;
+        driver::device::graph_memory(op, inner.cu_device).map(MemoryFigures::from)
+    }
+
+    /// The device's default memory pool (`cuDeviceGetDefaultMemPool`,
+    /// `cuMemPoolGetAttribute`): what stream-ordered allocations outside graphs use and keep
+    /// reserved. Failures are reported with `DeviceOp::Query`.
+    pub fn default_pool_memory(&self) -> Result<MemoryFigures, DeviceError> {
+        let op = DeviceOp::Query;
+        let inner = &self.queue.inner;
+        inner.enter(op)?;
+        let pool = driver::device::default_pool(op, inner.cu_device)?;
+        driver::device::pool_memory(op, pool).map(MemoryFigures::from)
+    }
+
+    /// Resets the high-water marks of [`CudaDevice::graph_memory`], so the next figures
+    /// describe what follows. Failures are reported with `DeviceOp::Query`.
+    pub fn reset_graph_memory_high(&self) -> Result<(), DeviceError> {
+        let op = DeviceOp::Query;
+        let inner = &self.queue.inner;
+        inner.enter(op)?;
+        driver::device::reset_graph_memory_high(op, inner.cu_device)
+    }
+
+    /// Resets the high-water marks of [`CudaDevice::default_pool_memory`] to what is in use
+    /// now. Failures are reported with `DeviceOp::Query`.
+    pub fn reset_default_pool_high(&self) -> Result<(), DeviceError> {
+        let op = DeviceOp::Query;
+        let inner = &self.queue.inner;
+        inner.enter(op)?;
+        let pool = driver::device::default_pool(op, inner.cu_device)?;
+        driver::device::reset_pool_high(op, pool)
+    }
+
+    /// Enqueues a copy of `bytes` from device address `src` to `dst` on the runtime stream
+    /// (`cuMemcpyDtoDAsync`; inside a capture, a memcpy node). For code that owns raw device
+    /// memory beside graft (a hand-made graph in a benchmark); graft's own copies go through
+    /// its buffers. Failures are reported with `DeviceOp::Copy`.
+    ///
+    /// # Safety
+    /// `dst` and `src` must be `bytes` long ranges of live memory of this device that do not
+    /// overlap, both kept allocated until the stream has run the copy, and nothing else may
+    /// read `dst` or write either range in between: the driver cannot tell a range that
+    /// belongs to someone else from one that belongs to the caller.
+    pub unsafe fn copy_raw(&self, dst: u64, src: u64, bytes: usize) -> Result<(), DeviceError> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        let op = DeviceOp::Copy;
+        let inner = &self.queue.inner;
+        inner.enter(op)?;
+        driver::memory::copy_dtod_async(op, dst, src, bytes, inner.stream)
+    }
+
     /// Whether the runtime stream's capture has been invalidated (`cuStreamIsCapturing`
     /// reports `CU_STREAM_CAPTURE_STATUS_INVALIDATED`): a capture is underway but a call inside
     /// it broke it, and ending it will fail. False when no capture is underway or it is
@@ -177,6 +237,31 @@ impl CudaDevice {
         let inner = &self.queue.inner;
         inner.enter(op)?;
         Ok(inner.capture_status(op)? == CAPTURE_INVALIDATED)
+    }
+}
+
+/// Memory figures of the device's graph memory or of a memory pool, in bytes: in use now and
+/// at the high-water mark, reserved from the device now and at its high-water mark.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
+pub struct MemoryFigures {
+    /// In use now.
+    pub used_current: u64,
+    /// In use at the high-water mark.
+    pub used_high: u64,
+    /// Reserved (mapped) now.
+    pub reserved_current: u64,
+    /// Reserved at the high-water mark.
+    pub reserved_high: u64,
+}
+
+impl From<[u64; 4]> for MemoryFigures {
+    fn from([used_current, used_high, reserved_current, reserved_high]: [u64; 4]) -> Self {
+        MemoryFigures {
+            used_current,
+            used_high,
+            reserved_current,
+            reserved_high,
+        }
     }
 }
 

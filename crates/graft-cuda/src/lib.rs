@@ -84,7 +84,7 @@ mod test_hooks;
 mod vmm;
 
 pub use blas::{Operand, Sgemm, WORKSPACE_BYTES};
-pub use device::{CudaDevice, CudaQueue};
+pub use device::{CudaDevice, CudaQueue, MemoryFigures};
 pub use graph::CudaGraph;
 pub use module::{CudaModule, KernelArg, compile_ptx};
 #[cfg(feature = "nccl")]

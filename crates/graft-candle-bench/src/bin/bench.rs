@@ -42,8 +42,9 @@ struct Options {
 enum Runner<'m> {
     Eager,
     Handmade(HandmadeGraph),
-    /// graft-candle: the port's own decode step.
-    Graft(&'m mut CandleGraft, StepId),
+    /// graft-candle: the port's own decode step, its tokens decoded in place in one tensor
+    /// as the hand-made graph's (`Decoder::decode_into`), with the statics made once.
+    Graft(&'m mut CandleGraft, StepId, Vec<&'m Tensor>),
 }
 
 impl Runner<'_> {
@@ -63,12 +64,9 @@ impl Runner<'_> {
                 graph.launch()?;
                 graph.tokens().clone()
             }
-            Runner::Graft(graft, step) => {
-                let out = model.decode(graft, *step, cache, tokens)?;
-                out.outputs
-                    .into_iter()
-                    .next()
-                    .ok_or("the step returned no output")?
+            Runner::Graft(graft, step, statics) => {
+                model.decode_into(graft, *step, cache, statics, tokens, tokens)?;
+                tokens.clone()
             }
         })
     }
@@ -90,7 +88,7 @@ fn measure(
     model: &Decoder,
     device: &Device,
     batch: usize,
-    runners: &mut [(Runner<'_>, KvCache)],
+    runners: &mut [(Runner<'_>, &KvCache)],
     o: &Options,
 ) -> BenchResult<Measured> {
     let vocab = model.spec().vocab;
@@ -193,14 +191,15 @@ fn run() -> BenchResult<()> {
     for batch in BUCKETS {
         let mut one = || -> BenchResult<Measured> {
             let cache = || model.new_cache(batch, sizes.max_positions);
-            let handmade_state = cache()?;
+            let (eager_state, handmade_state, graft_state) = (cache()?, cache()?, cache()?);
             let example = first_tokens(batch, sizes.vocab, &device)?;
             let handmade =
                 HandmadeGraph::capture(&cuda, &example, |t| model.greedy(&handmade_state, t))?;
+            let statics = model.statics(&graft_state);
             let mut runners = vec![
-                (Runner::Eager, cache()?),
-                (Runner::Handmade(handmade), handmade_state),
-                (Runner::Graft(&mut graft, step), cache()?),
+                (Runner::Eager, &eager_state),
+                (Runner::Handmade(handmade), &handmade_state),
+                (Runner::Graft(&mut graft, step, statics), &graft_state),
             ];
             measure(&model, &device, batch, &mut runners, &o)
         };
@@ -249,9 +248,11 @@ fn run() -> BenchResult<()> {
             let mut graft = CandleGraft::new(&device)?;
             let step = graft.register("decode-1b");
             let cache = || model.new_cache(1, sizes.max_positions);
+            let (eager_state, graft_state) = (cache()?, cache()?);
+            let statics = model.statics(&graft_state);
             let mut runners = vec![
-                (Runner::Eager, cache()?),
-                (Runner::Graft(&mut graft, step), cache()?),
+                (Runner::Eager, &eager_state),
+                (Runner::Graft(&mut graft, step, statics), &graft_state),
             ];
             measure(&model, &device, 1, &mut runners, &o)
         };

@@ -8,7 +8,7 @@ use candle_core::Tensor;
 use graft_candle::CandleGraft;
 use graft_core::GraphDifference;
 
-use super::guards::{adamw, guarded, sgd, train};
+use super::guards::{adamw, guarded, sgd, train, train_at};
 use super::training::{adamw_step, batches, config, model_and_adamw, schedule};
 use super::{TestResult, diagnostics, gpu, steps};
 
@@ -34,7 +34,8 @@ fn names_affine(graft: &CandleGraft) -> bool {
 }
 
 /// candle-nn's AdamW, 200 steps with a schedule: guards find its host values at the first
-/// guard, from then on every step captures, and the run equals eager.
+/// guard; from then on every step is guarded (captured, or eager where that is faster: its
+/// bias corrections change on every step), none replays blind, and the run equals eager.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn candle_nn_adamw_with_a_schedule_is_guarded_and_equals_eager() -> TestResult {
@@ -58,6 +59,44 @@ fn candle_nn_sgd_with_a_schedule_is_guarded_and_equals_eager() -> TestResult {
     let mut graft = CandleGraft::with_config(&device, guarded())?;
     let graphed = train(&device, Some(&mut graft), n, sgd)?;
     assert!(graphed.max_diff(&eager) <= 1e-6, "{}", diagnostics(&graft));
+    assert!(names_affine(&graft), "{}", diagnostics(&graft));
+    Ok(())
+}
+
+/// The rate of [`a_rate_that_changes_once_replays_again`]: 0.02, then 0.01 from step 50.
+fn once(step: usize) -> f64 {
+    if step < 50 { 0.02 } else { 0.01 }
+}
+
+/// candle-nn's SGD with a rate that changes once, at step 50 of 200, and then holds. The
+/// training loop guards the step after the change (`guard_next_call`, closing the guards'
+/// window), so no step is stale and the run equals eager; the capture that found the new rate
+/// takes the recording's place, and plain replays resume a few steps later.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_rate_that_changes_once_replays_again() -> TestResult {
+    let device = gpu();
+    let n = steps(200, 80);
+    let eager = train_at(&device, None, n, sgd, once, false)?;
+    let mut graft = CandleGraft::with_config(&device, guarded())?;
+    let graphed = train_at(&device, Some(&mut graft), n, sgd, once, true)?;
+    assert!(graphed.max_diff(&eager) <= 1e-6, "{}", diagnostics(&graft));
+    let replays = |r: &[bool]| r.iter().filter(|&&r| r).count();
+    assert!(
+        replays(&graphed.replayed[10..50]) >= 30,
+        "{:?}",
+        graphed.replayed
+    );
+    let after = &graphed.replayed[50..];
+    assert!(!after[0], "the step after the change does not replay blind");
+    let resumed = after.iter().position(|&r| r).expect("replays resume");
+    assert!(resumed <= 16, "resumed {resumed} steps after the change");
+    assert_eq!(
+        replays(&after[resumed..]),
+        after.len() - resumed,
+        "{:?}",
+        graphed.replayed
+    );
     assert!(names_affine(&graft), "{}", diagnostics(&graft));
     Ok(())
 }

@@ -23,6 +23,8 @@ pub(crate) fn guarded() -> Config {
 pub(crate) struct Run {
     pub(crate) losses: Vec<f32>,
     pub(crate) params: Vec<Vec<f32>>,
+    /// Per step, whether it replayed a recording (never, eagerly).
+    pub(crate) replayed: Vec<bool>,
 }
 
 impl Run {
@@ -60,6 +62,20 @@ pub(crate) fn train<O: Optimizer>(
     n: usize,
     make: impl Fn(Vec<Var>) -> candle_core::Result<O>,
 ) -> Fallible<Run> {
+    train_at(device, graft, n, make, schedule, false)
+}
+
+/// [`train`] with the learning rate `rate(step)`; with `guard_changes`, the step after each
+/// change of the rate is guarded (`CandleGraft::guard_next_call`), as a training loop that
+/// knows its schedule closes the guards' window.
+pub(crate) fn train_at<O: Optimizer>(
+    device: &Device,
+    graft: Option<&mut CandleGraft>,
+    n: usize,
+    make: impl Fn(Vec<Var>) -> candle_core::Result<O>,
+    rate: fn(usize) -> f64,
+    guard_changes: bool,
+) -> Fallible<Run> {
     let vars = [
         Var::from_tensor(&fixed(16, 8, 1, device)?)?,
         Var::from_tensor(&fixed(1, 16, 2, device)?.flatten_all()?)?,
@@ -83,8 +99,16 @@ pub(crate) fn train<O: Optimizer>(
         (g, id)
     });
     let mut losses = Vec::with_capacity(n);
+    let mut replayed = Vec::with_capacity(n);
     for step in 0..n {
-        opt.set_learning_rate(schedule(step));
+        opt.set_learning_rate(rate(step));
+        if let Some((g, _)) = &mut graft
+            && guard_changes
+            && step > 0
+            && rate(step) != rate(step - 1)
+        {
+            g.guard_next_call();
+        }
         let mut body = |t: &[Tensor]| -> candle_core::Result<Vec<Tensor>> {
             let prediction = out.forward(&hidden.forward(&t[0])?.relu()?)?;
             let loss = (prediction - &t[1])?.sqr()?.mean_all()?;
@@ -92,13 +116,18 @@ pub(crate) fn train<O: Optimizer>(
             Ok(vec![loss])
         };
         let loss = match &mut graft {
-            Some((g, id)) => g
-                .call(*id, &[&x, &y], &statics, &[], body)?
-                .outputs
-                .into_iter()
-                .next()
-                .ok_or("no loss")?,
-            None => body(&[x.clone(), y.clone()])?.remove(0),
+            Some((g, id)) => {
+                let step = g.call(*id, &[&x, &y], &statics, &[], body)?;
+                replayed.push(matches!(
+                    step.outcome,
+                    graft_candle::StepOutcome::Replayed(_)
+                ));
+                step.outputs.into_iter().next().ok_or("no loss")?
+            }
+            None => {
+                replayed.push(false);
+                body(&[x.clone(), y.clone()])?.remove(0)
+            }
         };
         losses.push(loss.to_scalar::<f32>()?);
     }
@@ -106,7 +135,11 @@ pub(crate) fn train<O: Optimizer>(
         .iter()
         .map(|v| v.as_tensor().flatten_all()?.to_vec1::<f32>())
         .collect::<candle_core::Result<_>>()?;
-    Ok(Run { losses, params })
+    Ok(Run {
+        losses,
+        params,
+        replayed,
+    })
 }
 
 /// candle-nn's AdamW at the schedule's first rate.

@@ -1,10 +1,10 @@
-//! Device addresses of candle tensors (what graft-core gets as external memory), fresh
-//! uninitialized candle tensors, and a raw device-to-device copy on candle's stream.
+//! Device addresses of candle tensors (what graft-core gets as external memory) and fresh
+//! uninitialized candle tensors.
 
 use std::sync::Arc;
 
 use candle_core::backend::BackendDevice;
-use candle_core::cuda_backend::cudarc::driver::{CudaStream, DevicePtr, DriverError, sys};
+use candle_core::cuda_backend::cudarc::driver::{CudaStream, DevicePtr};
 use candle_core::cuda_backend::{CudaDevice as CandleCuda, CudaStorageSlice};
 use candle_core::op::BackpropOp;
 use candle_core::{DType, Shape, Storage, Tensor};
@@ -59,8 +59,8 @@ pub(crate) fn checked_range(
 }
 
 /// A contiguous tensor of `dtype` and `shape` on `device`, uninitialized: the caller fills
-/// all of it before anything reads it (with [`copy`], or as the destination graft writes an
-/// output into). Allocated on candle's stream like every candle tensor (inside a capture: a
+/// all of it before anything reads it (with a copy of its own, or as the destination graft
+/// writes an output into). Allocated on candle's stream like every candle tensor (inside a capture: a
 /// graph allocation, freed when it drops).
 pub fn uninit_tensor(
     device: &CandleCuda,
@@ -78,19 +78,4 @@ pub fn uninit_tensor(
         BackpropOp::none(),
         false,
     ))
-}
-
-/// Enqueues a copy of `bytes` from device address `src` to `dst` on `stream` (nothing for 0
-/// bytes). Inside a capture it becomes a memcpy node.
-pub fn copy(dst: u64, src: u64, bytes: usize, stream: &Arc<CudaStream>) -> Result<(), DriverError> {
-    if bytes == 0 {
-        return Ok(());
-    }
-    // SAFETY: the context is the device's primary context, alive while `stream` (which holds
-    // it) is; making it current only sets a thread-local.
-    unsafe { sys::cuCtxSetCurrent(stream.context().cu_ctx()) }.result()?;
-    // SAFETY: callers pass the ranges of live device memory of this context, `bytes` long
-    // each (contiguous candle tensors from `tensor_range`), owned until the copy has run:
-    // both are freed only in stream order after it.
-    unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, stream.cu_stream()) }.result()
 }

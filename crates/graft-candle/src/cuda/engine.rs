@@ -3,12 +3,13 @@
 //!
 //! A call hands graft-core (1) each input tensor as an external buffer used in place: the
 //! body reads the caller's own tensor, and a replay patches the graph's kernels to the
-//! tensor of its call; (2) each static tensor as an external static buffer, bound once per
-//! step position and re-bound only when the caller passes another tensor there; (3) an
-//! allocator of the caller's output tensors: each output costs one copy, the graph's last
-//! node for it, straight into a fresh tensor allocated before the launch. The body drops
-//! every candle tensor it makes before the capture ends, so every recorded graph is
-//! self-contained.
+//! tensor of its call; (2) each static tensor as an external static buffer; (3) the caller's
+//! output tensors: each output costs one copy, the graph's last node for it, straight into a
+//! fresh tensor allocated before the launch, or into the tensor the caller gave for it
+//! (`call_into`). Inputs, statics and given outputs are bound per step position, and bound
+//! anew only when the caller passes another tensor there, so a call on the same tensors as
+//! the last one allocates nothing on the host. The body drops every candle tensor it makes
+//! before the capture ends, so every recorded graph is self-contained.
 
 use std::sync::Arc;
 
@@ -20,6 +21,7 @@ use graft_core::{
     DevicePtr, FunctionId, FunctionSpec, Graft, Output, RunKind,
 };
 use graft_cuda::CudaDevice as GraftCuda;
+use smallvec::SmallVec;
 
 use super::copy::{checked_range, uninit_tensor};
 use super::deferred::{classify_driver, silent_capture_failure, take_deferred_error};
@@ -27,14 +29,14 @@ use super::looping::GraftLoops;
 use crate::diagnostics::Inspect;
 use crate::error::Error;
 use crate::graphed::attempt::{Attempt, AttemptError, Event, transition};
+use crate::graphed::bindings::Bindings;
 use crate::graphed::classify::classify;
 use crate::graphed::keys::push_shape_keys;
 use crate::graphed::outcome::{call_error, step_outcome};
 use crate::graphed::refusals::Refusals;
-use crate::graphed::statics::Statics;
 use crate::looping::Loops;
 use crate::refusal::Uncapturable;
-use crate::step::{OutputMeta, Step, StepInfo};
+use crate::step::{Call, OutputMeta, Step, StepInfo, describe};
 
 /// graft over one candle CUDA device.
 pub(crate) struct CudaEngine {
@@ -42,8 +44,16 @@ pub(crate) struct CudaEngine {
     candle: CandleCuda,
     stream: Arc<CudaStream>,
     device: DeviceId,
-    /// Per step, its static tensors as bound (see [`Statics::bind`]).
-    statics: Statics<Buffer>,
+    /// Per step, its static tensors as bound (see [`Bindings::bind`]): buffers that keep
+    /// their tensors, so their memory stays allocated while graphs may use it.
+    statics: Bindings<Buffer>,
+    /// Per step, its input tensors as bound: buffers that do not keep them (the caller holds
+    /// each for its call).
+    inputs: Bindings<Buffer>,
+    /// Per step, the output tensors given to `call_into` as bound (the caller holds them).
+    given: Bindings<Buffer>,
+    /// Scratch: the call's inputs, made contiguous.
+    contiguous: Vec<Tensor>,
     /// Per step and keys, the operation that made a signature eager, for the outcome.
     refusals: Refusals,
     /// Scratch: the keys of the call in progress.
@@ -78,14 +88,19 @@ impl std::fmt::Debug for CudaEngine {
     }
 }
 
-/// The caller's output tensors of one call, allocated when graft asks for them: before the
-/// launch of a replay or a recording, after the body of a warmup or eager run.
+/// The caller's output tensors of one call, when graft asks for them (before the launch of a
+/// replay or a recording, after the body of a warmup or eager run): allocated, or the
+/// tensors the caller gave (`call_into`) as bound.
 struct Allocator<'e> {
     candle: &'e CandleCuda,
     stream: &'e Arc<CudaStream>,
     device: DeviceId,
     step: &'e Arc<str>,
     made: Vec<Tensor>,
+    /// The tensors given, for `call_into`, and where their buffers are bound (per step).
+    given: Option<(&'e [Tensor], &'e Bindings<Buffer>, usize)>,
+    /// A given tensor that does not match its output.
+    mismatch: Option<Error>,
 }
 
 impl Destinations<OutputMeta, candle_core::Error> for Allocator<'_> {
@@ -95,6 +110,24 @@ impl Destinations<OutputMeta, candle_core::Error> for Allocator<'_> {
         meta: &OutputMeta,
         bytes: usize,
     ) -> Result<Buffer, candle_core::Error> {
+        if let Some((tensors, bindings, step)) = self.given {
+            let t = tensors.get(index);
+            if let (Some(t), Some(b)) = (t, bindings.get(step, index))
+                && t.dtype() == meta.dtype
+                && t.shape() == &*meta.shape
+                && t.is_contiguous()
+                && b.len() == bytes
+            {
+                return Ok(b.clone());
+            }
+            self.mismatch = Some(Error::OutputMismatch {
+                step: self.step.clone(),
+                position: index,
+                returned: format!("{:?} {:?}", meta.dtype, meta.shape),
+                given: describe(t),
+            });
+            candle_core::bail!("output {index} of {} does not match its tensor", self.step);
+        }
         let t = uninit_tensor(self.candle, meta.dtype, &meta.shape)?;
         let (addr, len) = checked_range(&t, self.stream, self.step, "output", index)
             .map_err(candle_core::Error::wrap)?;
@@ -146,7 +179,10 @@ impl CudaEngine {
             candle: candle.clone(),
             stream,
             device: id,
-            statics: Statics::default(),
+            statics: Bindings::default(),
+            inputs: Bindings::default(),
+            given: Bindings::default(),
+            contiguous: Vec::new(),
             refusals: Refusals::default(),
             keys: Vec::new(),
             outs: Vec::new(),
@@ -161,6 +197,8 @@ impl CudaEngine {
 
     pub(crate) fn register(&mut self, name: &str, spec: FunctionSpec) -> FunctionId {
         self.statics.add_step();
+        self.inputs.add_step();
+        self.given.add_step();
         self.graft.register(name, spec)
     }
 
@@ -184,32 +222,40 @@ impl CudaEngine {
         self.graft.guard_next_call();
     }
 
+    /// Calls `step`: its outputs as fresh tensors in [`Step::outputs`], or, with `into`,
+    /// written into those tensors (one per output, of its dtype and shape) with
+    /// [`Step::outputs`] empty.
     pub(crate) fn call<F>(
         &mut self,
         step: usize,
         info: &StepInfo,
-        inputs: &[&Tensor],
-        statics: &[&Tensor],
-        keys: &[u64],
+        call: Call<'_>,
         mut body: F,
     ) -> Result<Step, Error>
     where
         F: FnMut(&[Tensor], &mut Loops<'_>) -> candle_core::Result<Vec<Tensor>>,
     {
+        let Call {
+            inputs,
+            statics,
+            keys,
+            into,
+        } = call;
         let name = &info.name;
         let function = info.function.ok_or(Error::UnknownStep { id: step })?;
         // Inputs contiguous (an eager copy only for those that are not).
-        let mut contiguous = Vec::with_capacity(inputs.len());
+        self.contiguous.clear();
         for t in inputs {
-            contiguous.push(t.contiguous().map_err(|source| Error::Candle {
-                step: name.clone(),
-                what: "making an input contiguous",
-                source,
-            })?);
+            self.contiguous
+                .push(t.contiguous().map_err(|source| Error::Candle {
+                    step: name.clone(),
+                    what: "making an input contiguous",
+                    source,
+                })?);
         }
         self.keys.clear();
         self.keys.extend_from_slice(keys);
-        for t in &contiguous {
+        for t in &self.contiguous {
             push_shape_keys(&mut self.keys, t);
         }
         let (stream, device) = (&self.stream, self.device);
@@ -220,15 +266,27 @@ impl CudaEngine {
             buffer.mark_static();
             Ok::<_, Error>(buffer)
         })?;
-        let mut dynamic = Vec::with_capacity(contiguous.len());
-        for (position, t) in contiguous.iter().enumerate() {
+        let contiguous: SmallVec<[&Tensor; 8]> = self.contiguous.iter().collect();
+        self.inputs.bind(step, &contiguous, |position, t| {
             let (addr, len) = checked_range(t, stream, name, "input", position)?;
-            // The caller holds the tensor for the whole call.
+            // The caller holds the tensor for every call that passes it.
             let b = Buffer::external(device, DevicePtr(addr), len, None);
             b.mark_in_place();
-            dynamic.push(b);
+            Ok::<_, Error>(b)
+        })?;
+        if let Some(into) = into {
+            let given: SmallVec<[&Tensor; 8]> = into.iter().collect();
+            self.given.bind(step, &given, |position, t| {
+                let (addr, len) = checked_range(t, stream, name, "output", position)?;
+                // The caller holds the tensor while graft writes it.
+                Ok::<_, Error>(Buffer::external(device, DevicePtr(addr), len, None))
+            })?;
         }
-        let all: Vec<&Buffer> = dynamic.iter().chain(self.statics.buffers(step)).collect();
+        let all: SmallVec<[&Buffer; 16]> = self
+            .inputs
+            .buffers(step)
+            .chain(self.statics.buffers(step))
+            .collect();
 
         let mut allocator = Allocator {
             candle: &self.candle,
@@ -236,6 +294,8 @@ impl CudaEngine {
             device,
             step: name,
             made: Vec::new(),
+            given: into.map(|tensors| (tensors, &self.given, step)),
+            mismatch: None,
         };
         let env = Env {
             stream,
@@ -247,17 +307,17 @@ impl CudaEngine {
         // candle serves its small constant uploads (kernel layout arrays) from a cache inside
         // captures while this guard lives; it also makes candle refuse host copies then.
         let cache = self.candle.enable_cuda_graph_htod_cache();
+        let tensors = &self.contiguous;
         let result = self.graft.call_owned(
             function,
             &all,
             &self.keys,
-            |ctx: &mut Ctx<'_, GraftCuda>| {
-                run_body(ctx, &mut attempt, &mut body, &contiguous, &env)
-            },
+            |ctx: &mut Ctx<'_, GraftCuda>| run_body(ctx, &mut attempt, &mut body, tensors, &env),
             &mut allocator,
             &mut self.outs,
         );
         drop(cache);
+        let delivered = self.outs.len();
         self.outs.clear();
         if matches!(attempt, Attempt::Refused { .. }) {
             // The body did not run again after its refusal: what the failed capture left is
@@ -275,7 +335,21 @@ impl CudaEngine {
                 cause,
             });
         }
+        if let Some(mismatch) = allocator.mismatch {
+            return Err(mismatch);
+        }
         let outcome = result.map_err(|e| call_error(name, e))?;
+        if let Some(into) = into
+            && into.len() > delivered
+        {
+            // More tensors given than the body returns: the extra ones were not written.
+            return Err(Error::OutputMismatch {
+                step: name.clone(),
+                position: delivered,
+                returned: describe(None),
+                given: describe(into.get(delivered)),
+            });
+        }
         let (refusals, keys) = (&mut self.refusals, &self.keys);
         let outcome = step_outcome(outcome, |reason| {
             refusals.eager_cause(step, keys, reason, attempt.refusal().cloned())
@@ -390,7 +464,7 @@ fn external_outputs(
             .map_err(|e| BodyError::Framework(candle_core::Error::wrap(e)))?;
         let meta = OutputMeta {
             dtype: t.dtype(),
-            shape: t.shape().clone(),
+            shape: Arc::new(t.shape().clone()),
         };
         let buffer = Buffer::external(device, DevicePtr(addr), len, Some(Box::new(t)));
         outputs.push(Output::new(buffer, meta));

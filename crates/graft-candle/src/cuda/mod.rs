@@ -12,7 +12,7 @@ pub(crate) mod looping;
 mod memory;
 mod tp;
 
-pub use copy::{copy, tensor_range, uninit_tensor};
+pub use copy::{tensor_range, uninit_tensor};
 pub(crate) use engine::CudaEngine as GraphEngine;
 pub use memory::{eager_memory, free_memory, graph_memory, reset_eager_high, trim_graph_memory};
 pub use tp::TpComm;

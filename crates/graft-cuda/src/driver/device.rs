@@ -1,6 +1,6 @@
-//! Devices and their primary contexts: looking a device up, its name, retaining, making current and releasing its primary context, the driver's version, and trimming graph memory.
+//! Devices and their primary contexts: looking a device up, its name, retaining, making current and releasing its primary context, the driver's version, trimming graph memory, and the memory figures of its graph memory and default pool.
 
-use std::ffi::{CStr, c_char, c_int};
+use std::ffi::{CStr, c_char, c_int, c_void};
 use std::ptr;
 
 use cudarc::driver::sys;
@@ -77,4 +77,100 @@ pub(crate) fn trim_graph_memory(op: DeviceOp, device: sys::CUdevice) -> Result<(
     // SAFETY: `device` is a valid device whose primary context the caller holds; the call only
     // releases memory no graph is using.
     check(op, unsafe { sys::cuDeviceGraphMemTrim(device) })
+}
+
+/// The graph memory figures (`cuDeviceGetGraphMemAttribute`), in the order of
+/// [`crate::MemoryFigures`]'s fields: used now, used at the high-water mark, reserved now,
+/// reserved at the high-water mark.
+pub(crate) fn graph_memory(op: DeviceOp, device: sys::CUdevice) -> Result<[u64; 4], DeviceError> {
+    use sys::CUgraphMem_attribute as A;
+    let mut figures = [0u64; 4];
+    let attrs = [
+        A::CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT,
+        A::CU_GRAPH_MEM_ATTR_USED_MEM_HIGH,
+        A::CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT,
+        A::CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH,
+    ];
+    for (value, attr) in figures.iter_mut().zip(attrs) {
+        // SAFETY: `device` is a valid device whose primary context the caller holds; the four
+        // attributes are each a cuuint64_t, which `value` is.
+        check(op, unsafe {
+            sys::cuDeviceGetGraphMemAttribute(device, attr, (value as *mut u64).cast::<c_void>())
+        })?;
+    }
+    Ok(figures)
+}
+
+/// Resets the graph memory's two high-water marks (`cuDeviceSetGraphMemAttribute`).
+pub(crate) fn reset_graph_memory_high(
+    op: DeviceOp,
+    device: sys::CUdevice,
+) -> Result<(), DeviceError> {
+    use sys::CUgraphMem_attribute as A;
+    for attr in [
+        A::CU_GRAPH_MEM_ATTR_USED_MEM_HIGH,
+        A::CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH,
+    ] {
+        let mut zero: u64 = 0;
+        // SAFETY: the high-water attributes are cuuint64_t and may only be set to 0, which
+        // `zero` is; `device` is a valid device whose primary context the caller holds.
+        check(op, unsafe {
+            sys::cuDeviceSetGraphMemAttribute(device, attr, (&raw mut zero).cast::<c_void>())
+        })?;
+    }
+    Ok(())
+}
+
+/// The device's default memory pool (`cuDeviceGetDefaultMemPool`): where stream-ordered
+/// allocations outside graphs come from.
+pub(crate) fn default_pool(
+    op: DeviceOp,
+    device: sys::CUdevice,
+) -> Result<sys::CUmemoryPool, DeviceError> {
+    let mut pool: sys::CUmemoryPool = ptr::null_mut();
+    // SAFETY: `device` is a valid device whose primary context the caller holds; `pool` is a
+    // valid out-pointer.
+    check(op, unsafe {
+        sys::cuDeviceGetDefaultMemPool(&mut pool, device)
+    })?;
+    Ok(pool)
+}
+
+/// A memory pool's figures (`cuMemPoolGetAttribute`), in the order of
+/// [`crate::MemoryFigures`]'s fields.
+pub(crate) fn pool_memory(op: DeviceOp, pool: sys::CUmemoryPool) -> Result<[u64; 4], DeviceError> {
+    use sys::CUmemPool_attribute as A;
+    let mut figures = [0u64; 4];
+    let attrs = [
+        A::CU_MEMPOOL_ATTR_USED_MEM_CURRENT,
+        A::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+        A::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
+        A::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH,
+    ];
+    for (value, attr) in figures.iter_mut().zip(attrs) {
+        // SAFETY: `pool` is a live pool (a device's default pool lives as long as its
+        // context); the four attributes are each a cuuint64_t, which `value` is.
+        check(op, unsafe {
+            sys::cuMemPoolGetAttribute(pool, attr, (value as *mut u64).cast::<c_void>())
+        })?;
+    }
+    Ok(figures)
+}
+
+/// Resets a memory pool's two high-water marks to what is in use now
+/// (`cuMemPoolSetAttribute`).
+pub(crate) fn reset_pool_high(op: DeviceOp, pool: sys::CUmemoryPool) -> Result<(), DeviceError> {
+    use sys::CUmemPool_attribute as A;
+    for attr in [
+        A::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+        A::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH,
+    ] {
+        let mut zero: u64 = 0;
+        // SAFETY: the high-water attributes are cuuint64_t that may only be set to 0, which
+        // `zero` is; `pool` is a live pool.
+        check(op, unsafe {
+            sys::cuMemPoolSetAttribute(pool, attr, (&raw mut zero).cast::<c_void>())
+        })?;
+    }
+    Ok(())
 }
