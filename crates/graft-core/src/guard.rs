@@ -3,6 +3,7 @@
 //! found a difference reports ([`GuardFinding`]). The flow is `record/guard.rs`'s.
 
 use std::fmt;
+use std::time::Instant;
 
 use crate::device::GraphDifference;
 use crate::node_id::NodeId;
@@ -50,8 +51,8 @@ pub(crate) enum Guard {
     Scheduled { next: u64 },
     /// A guard found a host value changed, and the capture took the node's place: every call
     /// is guarded from then on (captured, compared, and the capture takes the place again if
-    /// it differs) or runs eagerly, whichever took less time; never a blind replay. Back to
-    /// [`Guard::Scheduled`] after [`SETTLE`] equal captures in a row.
+    /// it differs) or runs eagerly, whichever way took less time per call; never a blind
+    /// replay. Back to [`Guard::Scheduled`] after [`SETTLE`] equal captures in a row.
     Changing(Changing),
     /// Not guarded (guards off, in a group, or the device cannot compare).
     Off,
@@ -66,52 +67,71 @@ pub(crate) const SETTLE: u32 = 2;
 const PROBE_FIRST: u32 = 8;
 const PROBE_MAX: u32 = 1024;
 
-/// How a changing node's calls run (see [`Guard::Changing`]).
+/// How a changing node's call ran.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Way {
+    Capture,
+    Eager,
+}
+
+/// How a changing node's calls run (see [`Guard::Changing`]). Each way is timed by what it
+/// costs the caller's loop: from the start of a call that ran that way to the start of the
+/// node's next call. A capture's GPU work starts only when its capture ends, where eager
+/// work overlaps the host's; with a loop that waits for its results (reads a loss), the
+/// interval holds the GPU's time too, which a call's own host time would not.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub(crate) struct Changing {
     /// Captures in a row that equalled the recording.
     equal: u32,
-    /// Host time of the last guarded call (capture, compare, launch) and of the last eager
-    /// call, in nanoseconds; 0 before the first.
+    /// The last measured interval after a capture and after an eager call, in nanoseconds;
+    /// 0 before the first.
     capture_ns: u64,
     eager_ns: u64,
     /// Eager calls since the last capture, and how many run before the next one.
     eager_calls: u32,
     probe: u32,
+    /// When the node's last call began, and how it ran.
+    last: (Instant, Way),
 }
 
 impl Changing {
-    fn new() -> Changing {
-        Changing {
-            equal: 0,
-            capture_ns: 0,
-            eager_ns: 0,
-            eager_calls: 0,
-            probe: PROBE_FIRST,
-        }
-    }
-
     /// Whether the next call runs eagerly instead of capturing: its values changed at the
-    /// last capture, eager execution took less time than a capture (or was never timed), and
-    /// the next look at whether the values settled is not due.
+    /// last capture, eager calls cost less than captures (or were never timed), and the next
+    /// look at whether the values settled is not due.
     pub(crate) fn runs_eagerly(&self) -> bool {
         self.equal == 0
             && (self.eager_ns == 0 || self.eager_ns < self.capture_ns)
             && self.eager_calls < self.probe
     }
+
+    /// The state after a call that began `at` and ran `way`: the interval since the last call
+    /// is what the last call's way cost.
+    fn called(self, at: Instant, way: Way) -> Changing {
+        let (since, last_way) = self.last;
+        let ns = u64::try_from(at.saturating_duration_since(since).as_nanos()).unwrap_or(u64::MAX);
+        let (capture_ns, eager_ns) = match last_way {
+            Way::Capture => (ns, self.eager_ns),
+            Way::Eager => (self.capture_ns, ns),
+        };
+        Changing {
+            capture_ns,
+            eager_ns,
+            last: (at, way),
+            ..self
+        }
+    }
 }
 
-/// What a guarded call found.
+/// What a guarded call found; `at` is when the call began.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub(crate) enum Found {
-    /// The capture equals the recording; `call` is the guarded call's number (replays + 1);
-    /// the call took `ns` on the host.
-    Equal { call: u64, ns: u64 },
+    /// The capture equals the recording; `call` is the guarded call's number (replays + 1).
+    Equal { call: u64, at: Instant },
     /// A value the device can patch (a kernel argument, a copy or memset parameter) changed:
-    /// the capture took the node's place; the call took `ns`.
-    Changed { ns: u64 },
-    /// A changing node's call ran eagerly in `ns`.
-    RanEagerly { ns: u64 },
+    /// the capture took the node's place.
+    Changed { at: Instant },
+    /// A changing node's call ran eagerly.
+    RanEagerly { at: Instant },
     /// The device cannot compare, or the capture failed.
     CannotCompare,
 }
@@ -161,24 +181,25 @@ pub(crate) fn transition(
         (Guard::Scheduled { .. }, Found::Equal { call, .. }) => Guard::Scheduled {
             next: call + call.clamp(1, guards.max_interval.max(1)),
         },
-        (Guard::Scheduled { .. }, Found::Changed { ns }) => Guard::Changing(Changing {
-            capture_ns: ns,
-            ..Changing::new()
+        (Guard::Scheduled { .. }, Found::Changed { at }) => Guard::Changing(Changing {
+            equal: 0,
+            capture_ns: 0,
+            eager_ns: 0,
+            eager_calls: 0,
+            probe: PROBE_FIRST,
+            last: (at, Way::Capture),
         }),
         (Guard::Scheduled { .. }, Found::RanEagerly { .. }) => return Err(refused),
-        (Guard::Changing(c), Found::Equal { call, ns }) if c.equal + 1 >= SETTLE => {
-            let _ = ns;
+        (Guard::Changing(c), Found::Equal { call, .. }) if c.equal + 1 >= SETTLE => {
             Guard::Scheduled { next: call + 1 }
         }
-        (Guard::Changing(c), Found::Equal { ns, .. }) => Guard::Changing(Changing {
+        (Guard::Changing(c), Found::Equal { at, .. }) => Guard::Changing(Changing {
             equal: c.equal + 1,
-            capture_ns: ns,
             eager_calls: 0,
-            ..c
+            ..c.called(at, Way::Capture)
         }),
-        (Guard::Changing(c), Found::Changed { ns }) => Guard::Changing(Changing {
+        (Guard::Changing(c), Found::Changed { at }) => Guard::Changing(Changing {
             equal: 0,
-            capture_ns: ns,
             // A capture after eager calls found the values changed again: look less often.
             probe: if c.eager_calls > 0 {
                 (c.probe * 2).min(PROBE_MAX)
@@ -186,12 +207,11 @@ pub(crate) fn transition(
                 c.probe
             },
             eager_calls: 0,
-            ..c
+            ..c.called(at, Way::Capture)
         }),
-        (Guard::Changing(c), Found::RanEagerly { ns }) => Guard::Changing(Changing {
-            eager_ns: ns,
+        (Guard::Changing(c), Found::RanEagerly { at }) => Guard::Changing(Changing {
             eager_calls: c.eager_calls + 1,
-            ..c
+            ..c.called(at, Way::Eager)
         }),
     };
     *state = to;
@@ -244,7 +264,7 @@ mod tests {
                 if due {
                     let found = Found::Equal {
                         call: replays + 1,
-                        ns: 0,
+                        at: Instant::now(),
                     };
                     transition(&mut state, found, guards).unwrap();
                 }
@@ -293,32 +313,62 @@ mod tests {
         transition(&mut s, Found::CannotCompare, g).unwrap();
         assert_eq!(s, Guard::Off);
         assert!(!s.due(0));
-        let refused = transition(&mut s, Found::Equal { call: 1, ns: 0 }, g).unwrap_err();
+        let found = Found::Equal {
+            call: 1,
+            at: Instant::now(),
+        };
+        let refused = transition(&mut s, found, g).unwrap_err();
         assert_eq!(refused.from, Guard::Off);
         assert_eq!(s, Guard::Off);
         assert_eq!(Guard::start(None), Guard::Off);
+    }
+
+    /// Instants `ms` milliseconds after a fixed start.
+    fn at(ms: u64) -> Instant {
+        static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+        *START.get_or_init(Instant::now) + std::time::Duration::from_millis(ms)
     }
 
     #[test]
     fn a_changed_value_guards_every_call_until_it_settles() {
         let g = Guards::default();
         let mut s = Guard::start(Some(g));
-        transition(&mut s, Found::Changed { ns: 100 }, g).unwrap();
+        transition(&mut s, Found::Changed { at: at(0) }, g).unwrap();
         assert!(s.due(5) && s.due(6), "every call is guarded");
-        // The first changing call after the change runs eagerly, to time it.
+        // Eager is not timed yet: the next calls run eagerly until it is.
         let Guard::Changing(c) = s else { panic!() };
         assert!(c.runs_eagerly());
-        transition(&mut s, Found::RanEagerly { ns: 300 }, g).unwrap();
+        // The capture's call cost 10 ms (to the next call); the first eager call, 30.
+        transition(&mut s, Found::RanEagerly { at: at(10) }, g).unwrap();
+        let Guard::Changing(c) = s else { panic!() };
+        assert!(c.runs_eagerly(), "eager is not timed yet");
+        transition(&mut s, Found::RanEagerly { at: at(40) }, g).unwrap();
         let Guard::Changing(c) = s else { panic!() };
         assert!(!c.runs_eagerly(), "eager took longer than a capture");
         // SETTLE equal captures in a row: back on the schedule.
-        transition(&mut s, Found::Equal { call: 3, ns: 100 }, g).unwrap();
+        transition(
+            &mut s,
+            Found::Equal {
+                call: 3,
+                at: at(50),
+            },
+            g,
+        )
+        .unwrap();
         assert!(matches!(s, Guard::Changing(_)));
-        transition(&mut s, Found::Equal { call: 4, ns: 100 }, g).unwrap();
+        transition(
+            &mut s,
+            Found::Equal {
+                call: 4,
+                at: at(60),
+            },
+            g,
+        )
+        .unwrap();
         assert_eq!(s, Guard::Scheduled { next: 5 });
-        // A replay never moves a changing node: only guards do.
+        // Only a changing node runs eagerly.
         assert_eq!(
-            transition(&mut s, Found::RanEagerly { ns: 1 }, g).map_err(|r| r.from),
+            transition(&mut s, Found::RanEagerly { at: at(70) }, g).map_err(|r| r.from),
             Err(s)
         );
     }
@@ -327,21 +377,45 @@ mod tests {
     fn a_value_that_keeps_changing_runs_eagerly_and_looks_less_often() {
         let g = Guards::default();
         let mut s = Guard::start(Some(g));
-        transition(&mut s, Found::Changed { ns: 300 }, g).unwrap();
-        let mut captures = Vec::new();
+        transition(&mut s, Found::Changed { at: at(0) }, g).unwrap();
+        // A capture's call costs 3 ms, an eager one 1 ms (the first capture began at 0).
+        let (mut now, mut captures) = (3, Vec::new());
         for call in 0..6000u32 {
             let Guard::Changing(c) = s else { panic!() };
-            if c.runs_eagerly() {
-                transition(&mut s, Found::RanEagerly { ns: 100 }, g).unwrap();
+            let (found, cost) = if c.runs_eagerly() {
+                (Found::RanEagerly { at: at(now) }, 1)
             } else {
                 captures.push(call);
-                transition(&mut s, Found::Changed { ns: 300 }, g).unwrap();
-            }
+                (Found::Changed { at: at(now) }, 3)
+            };
+            transition(&mut s, found, g).unwrap();
+            now += cost;
         }
         // Eager calls between two captures: 8, then 16, 32, ... up to 1024.
         assert_eq!(captures[0], 8);
         let gaps: Vec<u32> = captures.windows(2).map(|w| w[1] - w[0] - 1).collect();
         assert_eq!(gaps[..6], [16, 32, 64, 128, 256, 512]);
         assert!(gaps[6..].iter().all(|&gap| gap == 1024), "{gaps:?}");
+    }
+
+    #[test]
+    fn captures_win_where_they_cost_less_per_call() {
+        let g = Guards::default();
+        let mut s = Guard::start(Some(g));
+        transition(&mut s, Found::Changed { at: at(0) }, g).unwrap();
+        // A capture's call costs 2 ms, an eager one 5 ms: after timing both, it captures.
+        let (mut now, mut eager) = (2, 0);
+        for _ in 0..50 {
+            let Guard::Changing(c) = s else { panic!() };
+            let (found, cost) = if c.runs_eagerly() {
+                eager += 1;
+                (Found::RanEagerly { at: at(now) }, 5)
+            } else {
+                (Found::Changed { at: at(now) }, 2)
+            };
+            transition(&mut s, found, g).unwrap();
+            now += cost;
+        }
+        assert_eq!(eager, 2, "two eager calls, to time them");
     }
 }

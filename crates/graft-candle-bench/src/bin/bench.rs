@@ -45,6 +45,9 @@ enum Runner<'m> {
     /// graft-candle: the port's own decode step, its tokens decoded in place in one tensor
     /// as the hand-made graph's (`Decoder::decode_into`), with the statics made once.
     Graft(&'m mut CandleGraft, StepId, Vec<&'m Tensor>),
+    /// graft-candle's `call` path: a fresh output tensor per step fed back as the next input,
+    /// the statics listed per call (`Decoder::decode`), as before `call_into`.
+    GraftFresh(&'m mut CandleGraft, StepId),
 }
 
 impl Runner<'_> {
@@ -53,6 +56,7 @@ impl Runner<'_> {
             Runner::Eager => "candle eager",
             Runner::Handmade(_) => "hand-made graph",
             Runner::Graft(..) => "graft-candle",
+            Runner::GraftFresh(..) => "graft-candle (fresh outputs)",
         }
     }
 
@@ -67,6 +71,13 @@ impl Runner<'_> {
             Runner::Graft(graft, step, statics) => {
                 model.decode_into(graft, *step, cache, statics, tokens, tokens)?;
                 tokens.clone()
+            }
+            Runner::GraftFresh(graft, step) => {
+                let out = model.decode(graft, *step, cache, tokens)?;
+                out.outputs
+                    .into_iter()
+                    .next()
+                    .ok_or("the step returned no output")?
             }
         })
     }
@@ -183,6 +194,8 @@ fn run() -> BenchResult<()> {
     let model = llama::random(&sizes, 1234, DType::F32, &device)?;
     let mut graft = CandleGraft::new(&device)?;
     let step = graft.register_bucketed("decode", Buckets::new(BUCKETS)?);
+    let mut fresh = CandleGraft::new(&device)?;
+    let fresh_step = fresh.register_bucketed("decode", Buckets::new(BUCKETS)?);
     println!(
         "decode step, {sizes}, F32; {} timed steps per variant in {} rounds, median",
         o.steps, o.timing.rounds
@@ -191,7 +204,8 @@ fn run() -> BenchResult<()> {
     for batch in BUCKETS {
         let mut one = || -> BenchResult<Measured> {
             let cache = || model.new_cache(batch, sizes.max_positions);
-            let (eager_state, handmade_state, graft_state) = (cache()?, cache()?, cache()?);
+            let (eager_state, handmade_state) = (cache()?, cache()?);
+            let (graft_state, fresh_state) = (cache()?, cache()?);
             let example = first_tokens(batch, sizes.vocab, &device)?;
             let handmade =
                 HandmadeGraph::capture(&cuda, &example, |t| model.greedy(&handmade_state, t))?;
@@ -200,6 +214,7 @@ fn run() -> BenchResult<()> {
                 (Runner::Eager, &eager_state),
                 (Runner::Handmade(handmade), &handmade_state),
                 (Runner::Graft(&mut graft, step, statics), &graft_state),
+                (Runner::GraftFresh(&mut fresh, fresh_step), &fresh_state),
             ];
             measure(&model, &device, batch, &mut runners, &o)
         };
@@ -213,16 +228,17 @@ fn run() -> BenchResult<()> {
             }
         };
         failed |= m.differs.iter().any(Option::is_some);
-        let (eager, hand, ours) = (m.us[0], m.us[1], m.us[2]);
-        let (hand_host, ours_host) = (m.host_us[1], m.host_us[2]);
+        let (eager, hand, ours, fresh) = (m.us[0], m.us[1], m.us[2], m.us[3]);
+        let (hand_host, ours_host, fresh_host) = (m.host_us[1], m.host_us[2], m.host_us[3]);
         rows.push(format!(
-            "B={batch:<3} eager {eager:8.1} us   hand-made graph {hand:8.1} us   graft-candle {ours:8.1} us   eager/graft {:.2}x   graft/hand-made {:.3}   host per call: hand-made {hand_host:.1} us, graft-candle {ours_host:.1} us   {}",
+            "B={batch:<3} eager {eager:8.1} us   hand-made graph {hand:8.1} us   graft-candle {ours:8.1} us   eager/graft {:.2}x   graft/hand-made {:.3}   host per call: hand-made {hand_host:.1} us, graft-candle {ours_host:.1} us   (fresh outputs: {fresh:.1} us, {:.3}, host {fresh_host:.1} us)   {}",
             eager / ours,
             ours / hand,
+            fresh / hand,
             tokens_note(&m)
         ));
         json.push(format!(
-            "{{\"model\":\"bench\",\"batch\":{batch},\"eager_us\":{eager:.1},\"handmade_us\":{hand:.1},\"graft_us\":{ours:.1},\"handmade_host_us\":{hand_host:.1},\"graft_host_us\":{ours_host:.1},\"tokens_identical\":{}}}",
+            "{{\"model\":\"bench\",\"batch\":{batch},\"eager_us\":{eager:.1},\"handmade_us\":{hand:.1},\"graft_us\":{ours:.1},\"graft_fresh_us\":{fresh:.1},\"handmade_host_us\":{hand_host:.1},\"graft_host_us\":{ours_host:.1},\"graft_fresh_host_us\":{fresh_host:.1},\"tokens_identical\":{}}}",
             m.differs.iter().all(Option::is_none)
         ));
         println!("{}", rows.last().map_or("", String::as_str));

@@ -39,10 +39,8 @@ impl<D: Device, M: Clone> Graft<D, M> {
         if let Guard::Changing(changing) = self.tree[key].guard
             && changing.runs_eagerly()
         {
-            let outcome = self.run_eager(frame, EagerReason::HostValueChanging);
-            let ns = nanos(started);
-            self.move_guard(key, Found::RanEagerly { ns });
-            return outcome;
+            self.move_guard(key, Found::RanEagerly { at: started });
+            return self.run_eager(frame, EagerReason::HostValueChanging);
         }
         let parent = self.tree.parent(key);
         let call = self.tree[key].replays + 1;
@@ -97,8 +95,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
         let Some(first) = found.first().cloned() else {
             tracing::trace!(call, "guard: the capture equals the recording");
             self.discard(pending)?;
-            let ns = nanos(started);
-            self.move_guard(key, Found::Equal { call, ns });
+            self.move_guard(key, Found::Equal { call, at: started });
             return self.replay(key, frame);
         };
         let patchable = found.iter().all(GraphDifference::patchable);
@@ -127,7 +124,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
             {
                 let mut guard = state;
                 let guards = self.config.guards.unwrap_or_default();
-                if transition(&mut guard, Found::Changed { ns: nanos(started) }, guards).is_ok() {
+                if transition(&mut guard, Found::Changed { at: started }, guards).is_ok() {
                     node.guard = guard;
                 }
             }
@@ -158,11 +155,6 @@ impl<D: Device, M: Clone> Graft<D, M> {
         // stays unguarded.
         let _ = transition(&mut node.guard, found, guards);
     }
-}
-
-/// Nanoseconds since `started`, saturating.
-fn nanos(started: Instant) -> u64 {
-    u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX)
 }
 
 /// Two findings of the same value: the same function, kernel and argument (or the same
