@@ -215,9 +215,10 @@ pub struct TpArgs {
     /// With --procs: seconds the ranks may run before they are killed.
     #[arg(long, value_name = "SECONDS", default_value_t = PROCS_TIMEOUT_S)]
     pub procs_timeout: u64,
-    /// Run as one rank of a --procs job (its place from the environment), writing its
-    /// results as JSON to stdout: what --procs starts.
-    #[arg(long, hide = true)]
+    /// Run as one rank of a job, its place from the launcher's environment (graft's own
+    /// --procs, torchrun --no-python, srun, mpirun or mpiexec: see ProcessGroup::from_env),
+    /// writing its results as JSON to stdout.
+    #[arg(long)]
     pub as_rank: bool,
     /// With --procs: this rank kills itself (SIGKILL) during the first attempt of the job, at
     /// the graphed step --at-step of the first batch size (a fault to recover from).
@@ -279,7 +280,8 @@ pub struct MicroArgs {
     /// Recorded nodes in the tree (the timed one plus siblings of other signatures).
     #[arg(long, default_value_t = 1)]
     pub tree: usize,
-    /// Guards on their default schedule (off by default: the replays alone).
+    /// Guards on their default schedule, timed past its first 1,024 calls (a guard every
+    /// 1,024 calls; off by default: the replays alone).
     #[arg(long)]
     pub guards: bool,
     /// Use the simulator even when a GPU is available.

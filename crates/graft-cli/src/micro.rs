@@ -214,8 +214,9 @@ pub struct Scale {
     pub inputs: usize,
     /// Nodes in the tree: the timed one and siblings of other signatures.
     pub nodes: usize,
-    /// Guards on their default schedule (a guarded call, a capture, now and then among the
-    /// timed ones); off, the timed calls are the replay fast path alone.
+    /// Guards on their default schedule, past its first 1,024 calls (a guarded call, a
+    /// capture, every 1,024 calls among the timed ones); off, the timed calls are the replay
+    /// fast path alone.
     pub guards: bool,
 }
 
@@ -281,7 +282,10 @@ pub fn run<D: graft_tensor::Backend>(
             g.call_into(f, &refs, &[key], |ctx| body::<D>(&k, ctx), &mut out)?;
         }
     }
-    for _ in 0..3 {
+    // With guards, past the schedule's doubling start (calls 1, 2, 4, ... 1,024 after the
+    // recording): the timed calls see its steady state, a guard every 1,024 calls.
+    let settle = if scale.guards { 3 + 1024 } else { 3 };
+    for _ in 0..settle {
         g.call_into(f, &refs, &[0], |ctx| body::<D>(&k, ctx), &mut out)?;
     }
     let replays_before = g.stats().replays;

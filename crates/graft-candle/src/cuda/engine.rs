@@ -147,6 +147,7 @@ impl Destinations<OutputMeta, candle_core::Error> for Allocator<'_> {
 
 /// What one run of the body needs of the engine besides graft's context.
 struct Env<'e> {
+    candle: &'e CandleCuda,
     stream: &'e Arc<CudaStream>,
     cuda: &'e GraftCuda,
     device: DeviceId,
@@ -298,15 +299,13 @@ impl CudaEngine {
             mismatch: None,
         };
         let env = Env {
+            candle: &self.candle,
             stream,
             cuda: &self.cuda.0,
             device,
             step: name,
         };
         let mut attempt = Attempt::Clean;
-        // candle serves its small constant uploads (kernel layout arrays) from a cache inside
-        // captures while this guard lives; it also makes candle refuse host copies then.
-        let cache = self.candle.enable_cuda_graph_htod_cache();
         let tensors = &self.contiguous;
         let result = self.graft.call_owned(
             function,
@@ -316,7 +315,6 @@ impl CudaEngine {
             &mut allocator,
             &mut self.outs,
         );
-        drop(cache);
         let delivered = self.outs.len();
         self.outs.clear();
         if matches!(attempt, Attempt::Refused { .. }) {
@@ -390,6 +388,11 @@ where
         )));
     }
     let recording = ctx.kind() == RunKind::Recording;
+    // candle serves its small constant uploads (kernel layout arrays) from a cache inside
+    // captures while this guard lives (filled by the warmups); it also makes candle refuse
+    // host copies in a capture then. An eager run needs none of it, and pays for it: a lookup
+    // and a capture-status query per upload.
+    let _cache = (ctx.kind() != RunKind::Eager).then(|| env.candle.enable_cuda_graph_htod_cache());
     let mut failed = None;
     let ran = body(
         inputs,
