@@ -341,6 +341,13 @@ mod tests {
             )
         }
 
+        /// A root node of `F` and a child of it, with the phase at the child.
+        fn two_deep(&mut self) -> (NodeKey, NodeKey, Phase) {
+            let root = self.node(None, ADDR);
+            let child = self.node(Some(root), ADDR);
+            (root, child, Phase::Replaying { tip: child.id() })
+        }
+
         fn plan(&self, phase: Phase, backward_pending: bool, addr: DevicePtr) -> Plan {
             self.plan_sig(phase, backward_pending, 0, addr)
         }
@@ -416,9 +423,7 @@ mod tests {
     fn a_forward_begins_a_step_though_not_root_level() {
         let mut w = world(1);
         w.functions[F].spec.mode = Mode::Forward;
-        let root = w.node(None, ADDR);
-        let child = w.node(Some(root), ADDR);
-        let at_child = Phase::Replaying { tip: child.id() };
+        let (root, _, at_child) = w.two_deep();
         let p = w.plan(at_child, false, ADDR);
         assert!(p.new_generation);
         assert_eq!(p.action, Action::Replay(root));
@@ -435,9 +440,7 @@ mod tests {
         // repeats the node at the tip: the loop starts over at the roots.
         let mut w = world(1);
         w.functions[F].spec.static_inputs = vec![0];
-        let root = w.node(None, ADDR);
-        let child = w.node(Some(root), ADDR);
-        let at_child = Phase::Replaying { tip: child.id() };
+        let (root, child, at_child) = w.two_deep();
         let p = w.plan(at_child, false, ADDR);
         assert!(p.new_generation);
         assert_eq!(p.action, Action::Replay(root));

@@ -3,9 +3,7 @@
 //! variables distributed launchers set (graft's own, torchrun, Slurm's srun, MPI's: see
 //! process/launchers.rs), or from the API.
 
-use std::ffi::OsString;
-
-use super::launchers::{self, Launcher};
+use std::fmt;
 
 /// The environment variables graft's own launcher sets for each rank (with `GRAFT_PORT`, equal
 /// to `MASTER_PORT`), as torchrun sets them too: what [`ProcessGroup::from_env`] reads when
@@ -17,6 +15,50 @@ pub const ENV_VARS: [&str; 5] = [
     "MASTER_ADDR",
     "MASTER_PORT",
 ];
+
+/// The launcher whose variables placed a process ([`ProcessGroup::launcher`]).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+#[non_exhaustive]
+pub enum Launcher {
+    /// `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT` without torchrun's
+    /// marks: graft's own launcher (`launch_local`, `graft bench tp --procs`), the variables
+    /// set by hand, or a group built with [`ProcessGroup::new`].
+    Env,
+    /// torchrun (torch's elastic agent): the same variables, with `TORCHELASTIC_RUN_ID` or
+    /// `GROUP_RANK`.
+    Torchrun,
+    /// Slurm's srun: `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID` and the host list.
+    Slurm,
+    /// An MPI launcher: Open MPI's mpirun (`OMPI_COMM_WORLD_*`), or MPICH's or Intel MPI's
+    /// mpiexec (`PMI_RANK`, `PMI_SIZE`, `MPI_LOCALRANKID`).
+    Mpi,
+}
+
+impl Launcher {
+    /// The command that starts ranks this way, for messages.
+    pub fn command(self) -> &'static str {
+        match self {
+            Launcher::Env => "graft's launcher (`graft bench tp --procs`)",
+            Launcher::Torchrun => "torchrun",
+            Launcher::Slurm => "srun",
+            Launcher::Mpi => "mpirun or mpiexec",
+        }
+    }
+}
+
+impl fmt::Display for Launcher {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Launcher::Env => "env",
+            Launcher::Torchrun => "torchrun",
+            Launcher::Slurm => "slurm",
+            Launcher::Mpi => "mpi",
+        })
+    }
+}
+
+/// The port graft's rendezvous listens on, when set: it wins under every launcher.
+pub(super) const GRAFT_PORT: &str = "GRAFT_PORT";
 
 /// One process's place in a job of one process per rank.
 #[derive(Clone, PartialEq, Eq, Debug)]
@@ -162,56 +204,6 @@ impl ProcessGroup {
         }
     }
 
-    /// This process's place, from the variables of the launcher that started it.
-    ///
-    /// The launcher is the first of these whose variables are set:
-    ///
-    /// 1. `RANK` or `WORLD_SIZE`: [`Launcher::Torchrun`] when torchrun's `TORCHELASTIC_RUN_ID`
-    ///    or `GROUP_RANK` is set too, else [`Launcher::Env`] (graft's own launcher, or the
-    ///    variables set by hand). Both read [`ENV_VARS`]: `RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
-    ///    `MASTER_ADDR` and `MASTER_PORT`. Set explicitly, they win over any launcher's.
-    /// 2. `OMPI_COMM_WORLD_RANK` ([`Launcher::Mpi`], Open MPI's mpirun): with
-    ///    `OMPI_COMM_WORLD_SIZE` and `OMPI_COMM_WORLD_LOCAL_RANK`.
-    /// 3. `PMI_RANK` ([`Launcher::Mpi`], MPICH's and Intel MPI's mpiexec): with `PMI_SIZE` and
-    ///    `MPI_LOCALRANKID` (or `PMI_LOCAL_RANK`). Not where `SLURM_PROCID` is set and neither
-    ///    local rank is: that is srun's own PMI (its pmi2 plugin sets `PMI_RANK` and `PMI_SIZE`
-    ///    for every task it starts), and the process is Slurm's task.
-    /// 4. `SLURM_PROCID` ([`Launcher::Slurm`], srun): with `SLURM_NTASKS` and `SLURM_LOCALID`.
-    ///
-    /// MPI's variables win over Slurm's because mpirun inside a Slurm allocation starts its
-    /// ranks through a Slurm step of its own (one task per host), whose `SLURM_PROCID` is not
-    /// the rank. None found is [`ProcessGroupError::NoLauncher`].
-    ///
-    /// Rank 0's address: `MASTER_ADDR`. Under Slurm, where srun sets none, the first host of
-    /// `SLURM_STEP_NODELIST` (else `SLURM_JOB_NODELIST`, else `SLURM_NODELIST`) unless
-    /// `MASTER_ADDR` is set; an MPI launcher sets none, so it must be passed
-    /// ([`ProcessGroupError::MpiAddress`]).
-    ///
-    /// The port graft's rendezvous listens on: `GRAFT_PORT` when set, under every launcher.
-    /// Else:
-    ///
-    /// - env, MPI: `MASTER_PORT`;
-    /// - torchrun: `MASTER_PORT + 1`. torchrun's agent holds `MASTER_PORT` itself (its TCP
-    ///   store: with the static rendezvous, the store at `--master-port` that its workers
-    ///   share; with c10d, the store server it shares or a free port it picked), so graft
-    ///   cannot listen there; torchrun opens no other fixed port beside it (c10d's rendezvous
-    ///   endpoint, when used, is a port of its own, 29400 by default);
-    /// - Slurm: `MASTER_PORT` if set, else `10000 + 16 × (SLURM_JOB_ID mod 1250) +
-    ///   (SLURM_STEP_ID mod 16)`: every task of a step computes the same, each job gets a
-    ///   block of 16 ports and each of its steps one of them (steps running at once differ),
-    ///   and all stay within 10000..=29999, below the range Linux hands out to outgoing
-    ///   connections (32768..=60999), so no connection of the host holds it by chance.
-    pub fn from_env() -> Result<ProcessGroup, ProcessGroupError> {
-        ProcessGroup::from_vars(|var| std::env::var_os(var))
-    }
-
-    /// As [`ProcessGroup::from_env`], reading the variables through `get`.
-    pub(super) fn from_vars(
-        get: impl Fn(&str) -> Option<OsString>,
-    ) -> Result<ProcessGroup, ProcessGroupError> {
-        launchers::place(get)
-    }
-
     /// The environment variables that place a process at `rank` of this job, on its host's
     /// GPU `local_rank`: what a launcher sets for each process it starts. `GRAFT_PORT` (equal
     /// to `MASTER_PORT`) keeps the port where it is when the launcher itself runs under
@@ -223,7 +215,7 @@ impl ProcessGroup {
             ("LOCAL_RANK", local_rank.to_string()),
             ("MASTER_ADDR", self.master_addr.clone()),
             ("MASTER_PORT", self.master_port.to_string()),
-            (launchers::GRAFT_PORT, self.master_port.to_string()),
+            (GRAFT_PORT, self.master_port.to_string()),
         ]
     }
 
@@ -262,20 +254,8 @@ impl ProcessGroup {
 
 #[cfg(test)]
 mod tests {
+    use super::super::launchers::tests::vars;
     use super::*;
-
-    fn vars(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<OsString> {
-        let pairs: Vec<(String, String)> = pairs
-            .iter()
-            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
-            .collect();
-        move |var| {
-            pairs
-                .iter()
-                .find(|(k, _)| k == var)
-                .map(|(_, v)| OsString::from(v))
-        }
-    }
 
     const GOOD: [(&str, &str); 5] = [
         ("RANK", "1"),

@@ -4,51 +4,9 @@
 //! port) are documented on [`ProcessGroup::from_env`].
 
 use std::ffi::OsString;
-use std::fmt;
 use std::str::FromStr;
 
-use super::config::{ProcessGroup, ProcessGroupError};
-
-/// The launcher whose variables placed a process ([`ProcessGroup::launcher`]).
-#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
-#[non_exhaustive]
-pub enum Launcher {
-    /// `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT` without torchrun's
-    /// marks: graft's own launcher (`launch_local`, `graft bench tp --procs`), the variables
-    /// set by hand, or a group built with [`ProcessGroup::new`].
-    Env,
-    /// torchrun (torch's elastic agent): the same variables, with `TORCHELASTIC_RUN_ID` or
-    /// `GROUP_RANK`.
-    Torchrun,
-    /// Slurm's srun: `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID` and the host list.
-    Slurm,
-    /// An MPI launcher: Open MPI's mpirun (`OMPI_COMM_WORLD_*`), or MPICH's or Intel MPI's
-    /// mpiexec (`PMI_RANK`, `PMI_SIZE`, `MPI_LOCALRANKID`).
-    Mpi,
-}
-
-impl Launcher {
-    /// The command that starts ranks this way, for messages.
-    pub fn command(self) -> &'static str {
-        match self {
-            Launcher::Env => "graft's launcher (`graft bench tp --procs`)",
-            Launcher::Torchrun => "torchrun",
-            Launcher::Slurm => "srun",
-            Launcher::Mpi => "mpirun or mpiexec",
-        }
-    }
-}
-
-impl fmt::Display for Launcher {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Launcher::Env => "env",
-            Launcher::Torchrun => "torchrun",
-            Launcher::Slurm => "slurm",
-            Launcher::Mpi => "mpi",
-        })
-    }
-}
+use super::config::{GRAFT_PORT, Launcher, ProcessGroup, ProcessGroupError};
 
 /// The variables whose presence picks the launcher, in the order of precedence (see
 /// [`ProcessGroup::from_env`]).
@@ -59,9 +17,6 @@ pub const LAUNCHER_VARS: [&str; 5] = [
     "PMI_RANK",
     "SLURM_PROCID",
 ];
-
-/// The port graft's rendezvous listens on, when set: it wins under every launcher.
-pub(super) const GRAFT_PORT: &str = "GRAFT_PORT";
 
 /// Set by torchrun (and by no other launcher) beside `RANK` & co.
 const TORCHRUN_MARKS: [&str; 2] = ["TORCHELASTIC_RUN_ID", "GROUP_RANK"];
@@ -143,6 +98,58 @@ impl<G: Fn(&str) -> Option<OsString>> Vars<G> {
 
     fn port(&self, var: &'static str) -> Result<Option<u16>, ProcessGroupError> {
         self.parsed(var, "a port number (0 to 65535)")
+    }
+}
+
+impl ProcessGroup {
+    /// This process's place, from the variables of the launcher that started it.
+    ///
+    /// The launcher is the first of these whose variables are set:
+    ///
+    /// 1. `RANK` or `WORLD_SIZE`: [`Launcher::Torchrun`] when torchrun's `TORCHELASTIC_RUN_ID`
+    ///    or `GROUP_RANK` is set too, else [`Launcher::Env`] (graft's own launcher, or the
+    ///    variables set by hand). Both read [`ENV_VARS`]: `RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
+    ///    `MASTER_ADDR` and `MASTER_PORT`. Set explicitly, they win over any launcher's.
+    /// 2. `OMPI_COMM_WORLD_RANK` ([`Launcher::Mpi`], Open MPI's mpirun): with
+    ///    `OMPI_COMM_WORLD_SIZE` and `OMPI_COMM_WORLD_LOCAL_RANK`.
+    /// 3. `PMI_RANK` ([`Launcher::Mpi`], MPICH's and Intel MPI's mpiexec): with `PMI_SIZE` and
+    ///    `MPI_LOCALRANKID` (or `PMI_LOCAL_RANK`). Not where `SLURM_PROCID` is set and neither
+    ///    local rank is: that is srun's own PMI (its pmi2 plugin sets `PMI_RANK` and `PMI_SIZE`
+    ///    for every task it starts), and the process is Slurm's task.
+    /// 4. `SLURM_PROCID` ([`Launcher::Slurm`], srun): with `SLURM_NTASKS` and `SLURM_LOCALID`.
+    ///
+    /// MPI's variables win over Slurm's because mpirun inside a Slurm allocation starts its
+    /// ranks through a Slurm step of its own (one task per host), whose `SLURM_PROCID` is not
+    /// the rank. None found is [`ProcessGroupError::NoLauncher`].
+    ///
+    /// Rank 0's address: `MASTER_ADDR`. Under Slurm, where srun sets none, the first host of
+    /// `SLURM_STEP_NODELIST` (else `SLURM_JOB_NODELIST`, else `SLURM_NODELIST`) unless
+    /// `MASTER_ADDR` is set; an MPI launcher sets none, so it must be passed
+    /// ([`ProcessGroupError::MpiAddress`]).
+    ///
+    /// The port graft's rendezvous listens on: `GRAFT_PORT` when set, under every launcher.
+    /// Else:
+    ///
+    /// - env, MPI: `MASTER_PORT`;
+    /// - torchrun: `MASTER_PORT + 1`. torchrun's agent holds `MASTER_PORT` itself (its TCP
+    ///   store: with the static rendezvous, the store at `--master-port` that its workers
+    ///   share; with c10d, the store server it shares or a free port it picked), so graft
+    ///   cannot listen there; torchrun opens no other fixed port beside it (c10d's rendezvous
+    ///   endpoint, when used, is a port of its own, 29400 by default);
+    /// - Slurm: `MASTER_PORT` if set, else `10000 + 16 × (SLURM_JOB_ID mod 1250) +
+    ///   (SLURM_STEP_ID mod 16)`: every task of a step computes the same, each job gets a
+    ///   block of 16 ports and each of its steps one of them (steps running at once differ),
+    ///   and all stay within 10000..=29999, below the range Linux hands out to outgoing
+    ///   connections (32768..=60999), so no connection of the host holds it by chance.
+    pub fn from_env() -> Result<ProcessGroup, ProcessGroupError> {
+        ProcessGroup::from_vars(|var| std::env::var_os(var))
+    }
+
+    /// As [`ProcessGroup::from_env`], reading the variables through `get`.
+    pub(super) fn from_vars(
+        get: impl Fn(&str) -> Option<OsString>,
+    ) -> Result<ProcessGroup, ProcessGroupError> {
+        place(get)
     }
 }
 
@@ -361,4 +368,4 @@ fn first_number(ranges: &str) -> Option<&str> {
 }
 
 #[cfg(test)]
-mod tests;
+pub(super) mod tests;

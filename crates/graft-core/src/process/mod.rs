@@ -17,10 +17,10 @@ mod tcp_box;
 mod watchdog;
 mod wire;
 
-pub use config::{ENV_VARS, ProcessGroup, ProcessGroupError};
+pub use config::{ENV_VARS, Launcher, ProcessGroup, ProcessGroupError};
 pub use error::{ExchangeError, JoinError};
 pub use launch::{LaunchError, RankExit, free_port, launch_local};
-pub use launchers::{LAUNCHER_VARS, Launcher};
+pub use launchers::LAUNCHER_VARS;
 pub use rendezvous::Rendezvous;
 pub use tcp_box::{TcpBallotBox, VOTE_TAG};
 pub use watchdog::{Watchdog, WatchdogError};

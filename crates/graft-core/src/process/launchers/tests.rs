@@ -3,7 +3,10 @@
 
 use super::*;
 
-fn vars(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<OsString> {
+/// An environment of these variables only, as `from_vars` reads one.
+pub(in crate::process) fn vars(
+    pairs: &[(&str, &str)],
+) -> impl Fn(&str) -> Option<OsString> + use<> {
     let pairs: Vec<(String, String)> = pairs
         .iter()
         .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
