@@ -98,7 +98,8 @@ impl<D: Device, M: Clone> Graft<D, M> {
             self.move_guard(key, Found::Equal { call, at: started });
             return self.replay(key, frame);
         };
-        let patchable = found.iter().all(GraphDifference::patchable);
+        let state = self.tree[key].guard;
+        let patchable = found.iter().all(GraphDifference::patchable) && state != Guard::Off;
         self.stats.guard_differences += 1;
         let finding = |difference| GuardFinding {
             function: name.to_string(),
@@ -106,17 +107,22 @@ impl<D: Device, M: Clone> Graft<D, M> {
             call,
             difference,
         };
-        // Every new difference is kept, each value once; the first names the fallback.
+        // Every new difference is kept, each value once; the first names the fallback. A
+        // changing node warns of each new one (a fallback warns below, with its reason).
         for f in found.into_iter().map(finding) {
             if !self.guard_findings.iter().any(|g| same_place(g, &f)) {
+                if patchable {
+                    tracing::warn!(
+                        "{f}; every call of it is guarded from now on (captured, or run eagerly where that is faster) until the value settles"
+                    );
+                }
                 self.guard_findings.push(f);
             }
         }
-        let state = self.tree[key].guard;
         drop(self.evict(key, EvictReason::Replaced));
         // This call runs the new capture (the body ran once, in it: its result is right).
         let outcome = self.keep_capture(frame, parent, RecordReason::HostValueChanged, pending)?;
-        if patchable && state != Guard::Off {
+        if patchable {
             // The capture stays as the node, every call guarded from now on.
             tracing::debug!(call, difference = %first, "a guard found a host value changed: the capture takes the recording's place");
             if let Outcome::Recorded(id) = outcome
