@@ -529,8 +529,8 @@ impl<D: Device, M: Clone> Graft<D, M> {
 
     /// Counts a call that grows this generation's path (a warmup of a warming path, a
     /// recording); warns once when a generation reaches [`GROWTH_WARN_CALLS`] calls, the
-    /// sign of a step function first called after another one: it never became root-level, so
-    /// each of its calls continues the path instead of starting the next step.
+    /// sign of a step function whose calls never repeat (its static inputs move on every
+    /// call), so each continues the path instead of starting the next step.
     fn count_growth(&mut self, function: FunctionId) {
         self.growth = self.growth.saturating_add(1);
         if self.growth >= GROWTH_WARN_CALLS && !self.warned_growth {
