@@ -17,6 +17,8 @@ pub(crate) struct Context {
     pub(crate) id: DeviceId,
     pub(crate) ordinal: usize,
     pub(crate) name: String,
+    /// Compute capability, major and minor.
+    pub(crate) capability: (u32, u32),
     pub(crate) cu_device: sys::CUdevice,
     /// The device's primary context; non-null once retained (and then released in `Drop`).
     pub(crate) ctx: sys::CUcontext,
@@ -54,10 +56,12 @@ impl Context {
         driver_ready()?;
         let cu_device = driver::device::get(op, ordinal)?;
         let name = driver::device::name(op, cu_device)?;
+        let capability = driver::device::compute_capability(op, cu_device)?;
         let mut context = Context {
             id: DeviceId::fresh(),
             ordinal,
             name,
+            capability,
             cu_device,
             ctx: ptr::null_mut(),
             stream: ptr::null_mut(),

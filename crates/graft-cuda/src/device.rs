@@ -158,6 +158,13 @@ impl CudaDevice {
         &self.queue.inner.name
     }
 
+    /// The device's compute capability, major and minor (9.0 on an H100 or H200): what
+    /// [`compile_ptx_for`](crate::compile_ptx_for) compiles for, and whether kernels may be
+    /// launched as programmatic dependents (9.0 or later).
+    pub fn compute_capability(&self) -> (u32, u32) {
+        self.queue.compute_capability()
+    }
+
     /// Gives the device's unused graph memory back (`cuDeviceGraphMemTrim`): what graph
     /// allocation nodes (a framework's stream-ordered allocations captured into graphs) keep
     /// cached after their graphs freed it. Failures are reported with `DeviceOp::GraphDestroy`.

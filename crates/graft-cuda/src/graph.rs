@@ -352,5 +352,8 @@ pub(crate) fn summarize(
             _ => summary.other += 1,
         }
     }
+    if crate::programmatic::supported() {
+        summary.programmatic_edges = dg::programmatic_edges(op, graph)?;
+    }
     Ok(summary)
 }

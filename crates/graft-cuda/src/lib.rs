@@ -76,6 +76,7 @@ mod module;
 #[cfg(feature = "nccl")]
 mod nccl;
 mod patch;
+pub mod programmatic;
 mod queue;
 mod relocate;
 mod side;
@@ -86,7 +87,8 @@ mod vmm;
 pub use blas::{Operand, Sgemm, WORKSPACE_BYTES};
 pub use device::{CudaDevice, CudaQueue, MemoryFigures};
 pub use graph::CudaGraph;
-pub use module::{CudaModule, KernelArg, compile_ptx};
+pub use module::{CudaModule, KernelArg, compile_ptx, compile_ptx_for};
+pub use programmatic::Launch;
 #[cfg(feature = "nccl")]
 pub use nccl::{NcclBallotBox, NcclComm, NcclDtype, UNIQUE_ID_BYTES};
 

@@ -27,6 +27,7 @@ use cudarc::nvrtc;
 use graft_core::{Buffer, DeviceError, DeviceId, DeviceOp};
 
 use crate::device::CudaQueue;
+use crate::programmatic::Launch;
 use crate::driver;
 use crate::error::invalid_argument;
 use crate::inner::Inner;
@@ -175,14 +176,31 @@ impl Drop for CudaModule {
 /// not compile is [`DeviceError::Compile`], with NVRTC's log; libnvrtc missing is
 /// [`DeviceError::Unavailable`].
 pub fn compile_ptx(source: &str, name: &str) -> Result<Vec<u8>, DeviceError> {
-    compile_source(source, name)
+    compile_source(source, name, None)
+}
+
+/// [`compile_ptx`] for the virtual architecture of compute capability `capability`
+/// (`--gpu-architecture=compute_<major><minor>`, e.g. from
+/// [`CudaDevice::compute_capability`](crate::CudaDevice::compute_capability)): what
+/// instructions of that architecture need, such as a programmatic dependent's
+/// `griddepcontrol.wait` (9.0). The image loads on devices of that capability or later.
+pub fn compile_ptx_for(
+    source: &str,
+    name: &str,
+    capability: (u32, u32),
+) -> Result<Vec<u8>, DeviceError> {
+    compile_source(source, name, Some(capability))
 }
 
 /// Compiles CUDA C++ `source` with NVRTC (default options: no fast math) to a NUL-terminated
 /// PTX image. Needs no GPU. Errors, with `DeviceOp::ModuleLoad`: a NUL byte in the source or
 /// its name (`InvalidArgument`), libnvrtc missing or lacking a function (`Unavailable`), the
 /// source not compiling or NVRTC failing (`Compile`, with NVRTC's log).
-fn compile_source(source: &str, name: &str) -> Result<Vec<u8>, DeviceError> {
+fn compile_source(
+    source: &str,
+    name: &str,
+    capability: Option<(u32, u32)>,
+) -> Result<Vec<u8>, DeviceError> {
     let op = DeviceOp::ModuleLoad;
     // cudarc's `Program::create` panics on interior NULs: refuse them first.
     if source.contains('\0') || name.contains('\0') {
@@ -199,6 +217,10 @@ fn compile_source(source: &str, name: &str) -> Result<Vec<u8>, DeviceError> {
     }
     let opts = nvrtc::CompileOptions {
         name: Some(name.to_string()),
+        options: capability
+            .map(|(major, minor)| format!("--gpu-architecture=compute_{major}{minor}"))
+            .into_iter()
+            .collect(),
         ..Default::default()
     };
     // cudarc panics if an NVRTC symbol is missing; report that instead of unwinding.
@@ -252,7 +274,7 @@ fn param_sizes(f: sys::CUfunction) -> Result<Box<[usize]>, DeviceError> {
 }
 
 impl CudaQueue {
-    /// Compiles `cuda_source` with NVRTC, loads it (`cuModuleLoadData`) and looks up
+    /// Compiles `cuda_source` with NVRTC for the device's architecture, loads it (`cuModuleLoadData`) and looks up
     /// `kernel_names` (`extern "C" __global__` functions), reading each kernel's parameter
     /// sizes so that [`CudaQueue::launch_function`] can check its arguments. Compile once and
     /// keep the module: compiling costs milliseconds to seconds.
@@ -284,7 +306,9 @@ impl CudaQueue {
                 op,
                 what: "a kernel name contains a NUL byte",
             })?;
-        let image = compile_source(cuda_source, "graft_module.cu")?;
+        // For the device's own architecture, so its instructions (a programmatic dependent's
+        // wait) are there.
+        let image = compile_source(cuda_source, "graft_module.cu", Some(inner.capability))?;
         let mut module = CudaModule {
             device: Arc::clone(inner),
             module: ptr::null_mut(),
@@ -331,7 +355,32 @@ impl CudaQueue {
         args: &[KernelArg],
     ) -> Result<(), DeviceError> {
         self.inner.make_current(DeviceOp::KernelLaunch)?;
-        self.launch_on(self.stream(), m, kernel, grid, block, shared_bytes, args)
+        let config = Launch {
+            grid,
+            block,
+            shared_bytes,
+        };
+        self.launch_on(self.stream(), m, kernel, &config, false, args)
+    }
+
+    /// [`CudaQueue::launch_function`] as a programmatic dependent of the kernel before it on
+    /// the runtime stream ([`crate::programmatic`]): it may start while that kernel runs, and
+    /// a capture records a programmatic edge. The kernel must execute `griddepcontrol.wait`
+    /// before it touches what the kernels before it touch; one that does not reads or writes
+    /// memory they are still using (the simulator reports it as `ProgrammaticRace`). Where the
+    /// device (compute capability below 9.0) or the driver cannot launch dependents, a plain
+    /// launch.
+    pub fn launch_dependent(
+        &self,
+        m: &CudaModule,
+        kernel: usize,
+        config: &Launch,
+        args: &[KernelArg],
+    ) -> Result<(), DeviceError> {
+        self.inner.make_current(DeviceOp::KernelLaunch)?;
+        // Before compute capability 9.0 there is no programmatic launch (nor wait).
+        let dependent = self.inner.capability.0 >= 9;
+        self.launch_on(self.stream(), m, kernel, config, dependent, args)
     }
 
     /// [`CudaQueue::launch_function`] on the device's side stream, after the runtime stream's
@@ -353,21 +402,26 @@ impl CudaQueue {
     ) -> Result<(), DeviceError> {
         self.inner.make_current(DeviceOp::OtherStream)?;
         let stream = self.inner.side.fork(&self.inner.context)?;
-        self.launch_on(stream, m, kernel, grid, block, shared_bytes, args)
+        let config = Launch {
+            grid,
+            block,
+            shared_bytes,
+        };
+        self.launch_on(stream, m, kernel, &config, false, args)
     }
 
-    /// Checks and launches on `stream`, a live stream of this device; the context is current.
-    #[allow(clippy::too_many_arguments)]
+    /// Checks and launches on `stream`, a live stream of this device, as a programmatic
+    /// dependent when `dependent`; the context is current.
     fn launch_on(
         &self,
         stream: sys::CUstream,
         m: &CudaModule,
         kernel: usize,
-        grid: (u32, u32, u32),
-        block: (u32, u32, u32),
-        shared_bytes: u32,
+        config: &Launch,
+        dependent: bool,
         args: &[KernelArg],
     ) -> Result<(), DeviceError> {
+        let Launch { grid, block, .. } = *config;
         let op = DeviceOp::KernelLaunch;
         let inner = &self.inner;
         if !Arc::ptr_eq(&m.device, inner) {
@@ -401,14 +455,14 @@ impl CudaQueue {
             // SAFETY: see `raw_launch`: `params[..args.len()]` point at `slots`, which hold the
             // arguments, each checked against the kernel's parameter size by `encode`, whose
             // pointers are null or live graft memory of this device (checked by `encode`).
-            unsafe { raw_launch(stream, k, grid, block, shared_bytes, &mut params) }
+            unsafe { raw_launch(stream, k, config, dependent, &mut params) }
         } else {
             let mut slots = vec![[0u8; 8]; args.len()];
             encode(args, &k.param_sizes, inner.id, &mut slots)?;
             let mut params: Vec<*mut c_void> =
                 slots.iter_mut().map(|s| s.as_mut_ptr().cast()).collect();
             // SAFETY: as above, with heap arrays of exactly `args.len()` entries.
-            unsafe { raw_launch(stream, k, grid, block, shared_bytes, &mut params) }
+            unsafe { raw_launch(stream, k, config, dependent, &mut params) }
         }
     }
 }
@@ -435,37 +489,29 @@ fn encode(
     Ok(())
 }
 
-/// `cuLaunchKernel` of `k` on `stream`.
+/// Launches `k` on `stream` ([`crate::programmatic::launch`]), as a dependent when
+/// `dependent`.
 ///
 /// # Safety
 /// `params` must hold at least `k.param_sizes.len()` pointers, the `i`-th pointing at
 /// `k.param_sizes[i]` (at most 8) readable bytes holding the argument, all live for the call,
 /// every device pointer among the arguments null or live device memory of the device;
 /// `k` must belong to a module of the device, whose context is current, and `stream` must be a
-/// live stream of that device.
+/// live stream of that device. With `dependent`, the kernel waits before it touches what the
+/// kernels before it touch (the caller's promise, see [`CudaQueue::launch_dependent`]).
 unsafe fn raw_launch(
     stream: sys::CUstream,
     k: &Kernel,
-    grid: (u32, u32, u32),
-    block: (u32, u32, u32),
-    shared_bytes: u32,
+    config: &Launch,
+    dependent: bool,
     params: &mut [*mut c_void],
 ) -> Result<(), DeviceError> {
     // SAFETY: the caller guarantees the parameter pointers (count and sizes checked against
     // the driver's own parameter layout, so the driver reads only bytes of the slots), that
     // the device pointers among them are null or live memory of this device, that the
-    // function belongs to this context, and that `stream` is live.
-    unsafe {
-        driver::function::launch(
-            DeviceOp::KernelLaunch,
-            k.function,
-            grid,
-            block,
-            shared_bytes,
-            stream,
-            params,
-        )
-    }
+    // function belongs to this context, that `stream` is live, and a dependent's wait.
+    unsafe { crate::programmatic::launch(stream, k.function, config, dependent, params) }
+        .map(|_| ())
 }
 
 #[cfg(test)]

@@ -26,6 +26,12 @@ impl CudaQueue {
         self.inner.id
     }
 
+    /// The device's compute capability, major and minor (9.0 on an H100 or H200): whether
+    /// kernels may be launched as programmatic dependents (9.0 or later).
+    pub fn compute_capability(&self) -> (u32, u32) {
+        self.inner.capability
+    }
+
     /// How many handles share this device: clones of the device and of its queues, loaded
     /// modules, graphs; a `CudaDevice` counts twice (its runtime stream's queue and its side
     /// stream's). The device (its context, streams, cuBLAS handle and memory) is

@@ -6,7 +6,7 @@
 //! node of a graph that holds memory nodes) and then added as a child graph (a child graph
 //! may not hold a conditional node). So `finish` copies the body into the node's body graph
 //! node by node, in dependency order: kernels, copies, memsets and empty nodes, each with its
-//! edges; the memory nodes are left out, what came before each joined to what came after.
+//! edges (a programmatic edge between two kernels stays programmatic); the memory nodes are left out, what came before each joined to what came after.
 //! A body's allocations are its iteration's own: each is freed inside the body, so its bytes
 //! can live at a fixed place for the graph's whole life. Each gets its own range of one
 //! `cuMemAlloc`, and every use (kernel parameters, copy and memset ends) moves by the same
@@ -169,13 +169,14 @@ fn copy_nodes(
 ) -> Result<(), DeviceError> {
     use sys::CUgraphNodeType as T;
     let index = |n: sys::CUgraphNode| all.iter().position(|&m| m == n);
-    let mut deps: Vec<Vec<usize>> = Vec::with_capacity(all.len());
+    let mut deps: Vec<Vec<(usize, sys::CUgraphEdgeData)>> = Vec::with_capacity(all.len());
     for &node in all {
         let mut d = Vec::new();
-        for dep in dg::dependencies(OP, node)? {
-            d.push(index(dep).ok_or_else(|| {
+        for (dep, edge) in dg::dependencies(OP, node)? {
+            let at = index(dep).ok_or_else(|| {
                 crate::error::invalid_argument(OP, "a body node depends on a node of another graph")
-            })?);
+            })?;
+            d.push((at, edge));
         }
         deps.push(d);
     }
@@ -188,13 +189,19 @@ fn copy_nodes(
     while left > 0 {
         let before = left;
         for i in 0..all.len() {
-            if stands_for[i].is_some() || deps[i].iter().any(|&d| stands_for[d].is_none()) {
+            if stands_for[i].is_some() || deps[i].iter().any(|&(d, _)| stands_for[d].is_none()) {
                 continue;
             }
+            // Full edges after what the dependencies stand for; a programmatic edge from a
+            // copied kernel stays programmatic (one through a left-out memory node is full).
             let mut after: Vec<sys::CUgraphNode> = Vec::new();
-            for &d in &deps[i] {
+            let mut programmatic: Vec<(sys::CUgraphNode, sys::CUgraphEdgeData)> = Vec::new();
+            for &(d, edge) in &deps[i] {
+                let copied = !is_memory(kinds[d]);
                 for &n in stands_for[d].iter().flatten() {
-                    if !after.contains(&n) {
+                    if copied && dg::is_programmatic(&edge) {
+                        programmatic.push((n, edge));
+                    } else if !after.contains(&n) {
                         after.push(n);
                     }
                 }
@@ -202,14 +209,19 @@ fn copy_nodes(
             let kind = kinds[i];
             stands_for[i] = Some(if kind == T::CU_GRAPH_NODE_TYPE_MEM_ALLOC as u32 {
                 live.extend(place.allocations.iter().position(|a| a.node == all[i]));
+                after.extend(programmatic.iter().map(|&(n, _)| n));
                 after
             } else if kind == T::CU_GRAPH_NODE_TYPE_MEM_FREE as u32 {
                 if let Some(&(_, at)) = place.frees.iter().find(|(n, _)| *n == all[i]) {
                     live.retain(|&a| place.allocations[a].at != at);
                 }
+                after.extend(programmatic.iter().map(|&(n, _)| n));
                 after
             } else {
-                vec![copy_node(place, &live, all[i], kind, target, &after)?]
+                let new = copy_node(place, &live, all[i], kind, target, &after)?;
+                let (from, data): (Vec<_>, Vec<_>) = programmatic.into_iter().unzip();
+                dg::add_dependencies(OP, target, &from, new, &data)?;
+                vec![new]
             });
             left -= 1;
         }
@@ -221,6 +233,12 @@ fn copy_nodes(
         }
     }
     Ok(())
+}
+
+/// Whether a node of type `kind` is a memory node (left out of the copy).
+fn is_memory(kind: u32) -> bool {
+    use sys::CUgraphNodeType as T;
+    kind == T::CU_GRAPH_NODE_TYPE_MEM_ALLOC as u32 || kind == T::CU_GRAPH_NODE_TYPE_MEM_FREE as u32
 }
 
 /// Adds a copy of `node` (of type `kind`) to `target` after `after`, its uses of the body's

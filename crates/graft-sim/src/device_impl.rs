@@ -402,7 +402,11 @@ impl Device for SimDevice {
         let result = {
             let _on_stream = StreamGuard::enter();
             st.mem.set_redirects(&graph.redirects);
+            // A graph's first kernel starts after the work before the launch; the work after
+            // it after its last.
+            st.mem.break_chain();
             let ran = ops::run_ops(&mut st.mem, &graph.ops, &graph.disabled, &mut tally);
+            st.mem.break_chain();
             st.mem.set_redirects(&[]);
             ran
         };

@@ -24,6 +24,9 @@ pub(crate) enum Op {
         /// one cannot be compared, as CUDA cannot compare a kernel whose parameters the driver
         /// does not show.
         args: Option<Arc<[Box<[u8]>]>>,
+        /// A programmatic dependent's part before its wait (`SimQueue::launch_dependent`);
+        /// `None` for a plain kernel.
+        before: Option<Arc<KernelFn>>,
         f: Arc<KernelFn>,
     },
     /// A device-to-device copy.
@@ -89,16 +92,21 @@ pub(crate) fn run_ops(
         match op {
             Op::Copy { dst, src, .. }
                 if disabled.iter().any(|c| c.dst == *dst && c.src == *src) => {}
-            Op::Kernel { f, .. } => {
+            Op::Kernel { name, before, f, .. } => {
                 tally.kernels += 1;
-                f(mem)?;
+                run_kernel(mem, DeviceOp::GraphLaunch, name, before.as_deref(), &**f)?;
             }
             Op::Copy { dst, src, len } => {
                 tally.copies += 1;
                 mem.copy_as(DeviceOp::Copy, *dst, *src, *len)?;
             }
-            Op::Child(ops) => run_ops(mem, ops, &[], tally)?,
+            Op::Child(ops) => {
+                mem.break_chain();
+                run_ops(mem, ops, &[], tally)?;
+                mem.break_chain();
+            }
             Op::Fork { side, main } => {
+                mem.break_chain();
                 mem.open_window();
                 mem.set_lane(Some(Lane::Side));
                 let ran = run_ops(mem, side, disabled, tally).and_then(|()| {
@@ -106,6 +114,7 @@ pub(crate) fn run_ops(
                     run_ops(mem, main, disabled, tally)
                 });
                 mem.set_lane(None);
+                mem.break_chain();
                 let raced = mem.close_window(DeviceOp::GraphLaunch);
                 ran?;
                 raced?;
@@ -122,7 +131,9 @@ pub(crate) fn run_ops(
                     let Some(i) = kind.branch(value[0]) else {
                         break;
                     };
+                    mem.break_chain();
                     run_ops(mem, &bodies[i], &[], tally)?;
+                    mem.break_chain();
                     iterations += 1;
                     if *kind != Conditional::While {
                         break;
@@ -138,6 +149,26 @@ pub(crate) fn run_ops(
         }
     }
     Ok(())
+}
+
+/// Runs kernel `name`: `before` (a dependent's part before its wait, checked against the
+/// kernels it may overlap when it reaches the wait), then `f`; reported as `op`.
+pub(crate) fn run_kernel(
+    mem: &mut SimMemory,
+    op: DeviceOp,
+    name: &'static str,
+    before: Option<&KernelFn>,
+    f: &KernelFn,
+) -> Result<(), DeviceError> {
+    mem.begin_kernel();
+    let ran = match before {
+        Some(before) => before(mem)
+            .and_then(|()| mem.check_wait(op, name))
+            .and_then(|()| f(mem)),
+        None => f(mem),
+    };
+    mem.end_kernel(name, before.is_some());
+    ran
 }
 
 /// Why `new` cannot update an executable made from `old`, or `None` when it can: the same
@@ -166,9 +197,16 @@ pub(crate) fn update_refusal(old: &[Op], new: &[Op]) -> Option<UpdateRefusal> {
 
 pub(crate) fn summarize(ops: &[Op]) -> GraphSummary {
     let mut s = GraphSummary::default();
+    let mut previous: Option<&Op> = None;
     for op in ops {
         match op {
-            Op::Kernel { .. } => s.kernels += 1,
+            Op::Kernel { before, .. } => {
+                s.kernels += 1;
+                // An edge from the kernel before it, when there is one.
+                if before.is_some() && matches!(previous, Some(Op::Kernel { .. })) {
+                    s.programmatic_edges += 1;
+                }
+            }
             Op::Copy { .. } => s.copies += 1,
             Op::Child(_) => s.other += 1,
             Op::Conditional { .. } => s.conditionals += 1,
@@ -178,9 +216,11 @@ pub(crate) fn summarize(ops: &[Op]) -> GraphSummary {
                     s.copies += part.copies;
                     s.other += part.other;
                     s.conditionals += part.conditionals;
+                    s.programmatic_edges += part.programmatic_edges;
                 }
             }
         }
+        previous = Some(op);
     }
     s.host_random = walk_kernels(ops)
         .into_iter()

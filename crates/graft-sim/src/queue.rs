@@ -9,7 +9,7 @@ use std::sync::{Arc, MutexGuard, PoisonError};
 use graft_core::{Buffer, ConditionalRule, DeviceError, DeviceOp, DevicePtr, ForkRule};
 
 use crate::memory::{Lane, SimMemory};
-use crate::ops::Op;
+use crate::ops::{KernelFn, Op};
 use crate::state::{Capture, Fork, Inner, ON_STREAM, State, StreamGuard, invalidated};
 
 /// The body-facing handle of a [`SimDevice`] ([`graft_core::Device::Queue`]): kernels, copies,
@@ -79,7 +79,7 @@ impl SimQueue {
     where
         F: Fn(&mut SimMemory) -> Result<(), DeviceError> + Send + Sync + 'static,
     {
-        self.launch(name, None, f)
+        self.launch(name, None, None, Arc::new(f))
     }
 
     /// Like [`SimQueue::launch_kernel`], declaring the kernel's arguments as a CUDA launch
@@ -96,24 +96,56 @@ impl SimQueue {
     where
         F: Fn(&mut SimMemory) -> Result<(), DeviceError> + Send + Sync + 'static,
     {
-        self.launch(name, Some(args), f)
+        self.launch(name, Some(args), None, Arc::new(f))
     }
 
-    /// A kernel launch, its arguments declared or not.
-    fn launch<F>(&self, name: &'static str, args: Option<&[&[u8]]>, f: F) -> Result<(), DeviceError>
+    /// Enqueues a kernel launched as a *programmatic dependent* of the kernel before it on
+    /// the stream (CUDA's programmatic dependent launch): `before` runs first, then the
+    /// kernel's wait (`griddepcontrol.wait`), then `after`; arguments as
+    /// [`SimQueue::launch_kernel_with_args`]. On a GPU the kernel may start while the kernels
+    /// before it still run, so what `before` touches is checked against what they touch: the
+    /// kernel before it and, while they are dependents too, the ones before that, back to the
+    /// last plain kernel. A conflict (one side writes) is a [`DeviceError::ProgrammaticRace`]
+    /// naming both kernels. A dependent that follows no kernel (first on the stream, after a
+    /// copy or a host access, first in a graph) starts after everything before it, as on a
+    /// GPU. A capture records the programmatic edge ([`graft_core::GraphSummary`]'s
+    /// `programmatic_edges`).
+    pub fn launch_dependent<B, F>(
+        &self,
+        name: &'static str,
+        args: &[&[u8]],
+        before: B,
+        after: F,
+    ) -> Result<(), DeviceError>
     where
+        B: Fn(&mut SimMemory) -> Result<(), DeviceError> + Send + Sync + 'static,
         F: Fn(&mut SimMemory) -> Result<(), DeviceError> + Send + Sync + 'static,
     {
+        let before: Arc<KernelFn> = Arc::new(before);
+        let after: Arc<KernelFn> = Arc::new(after);
+        self.launch(name, Some(args), Some(before), after)
+    }
+
+    /// A kernel launch, its arguments declared or not, dependent (with its part before the
+    /// wait) or plain.
+    fn launch(
+        &self,
+        name: &'static str,
+        args: Option<&[&[u8]]>,
+        before: Option<Arc<KernelFn>>,
+        f: Arc<KernelFn>,
+    ) -> Result<(), DeviceError> {
         let mut st = self.lock(DeviceOp::KernelLaunch)?;
         if let Some(ops) = self.recording(&mut st, DeviceOp::KernelLaunch)? {
             ops.push(Op::Kernel {
                 name,
                 args: args.map(|args| args.iter().map(|a| Box::<[u8]>::from(*a)).collect()),
-                f: Arc::new(f),
+                before,
+                f,
             });
             return Ok(());
         }
-        self.run_kernel_now(&mut st, f)
+        self.run_kernel_now(&mut st, name, before.as_deref(), &*f)
     }
 
     /// Refuses `op` inside a conditional body with `rule` (invalidating the capture), as
@@ -168,17 +200,20 @@ impl SimQueue {
         })
     }
 
-    pub(crate) fn run_kernel_now<F>(&self, st: &mut State, f: F) -> Result<(), DeviceError>
-    where
-        F: Fn(&mut SimMemory) -> Result<(), DeviceError>,
-    {
+    pub(crate) fn run_kernel_now(
+        &self,
+        st: &mut State,
+        name: &'static str,
+        before: Option<&KernelFn>,
+        f: &KernelFn,
+    ) -> Result<(), DeviceError> {
         let _guard = StreamGuard::enter();
         self.inner
             .counters
             .kernels_run
             .fetch_add(1, Ordering::Relaxed);
         st.mem.set_lane(Some(self.lane));
-        let ran = f(&mut st.mem);
+        let ran = crate::ops::run_kernel(&mut st.mem, DeviceOp::KernelLaunch, name, before, f);
         st.mem.set_lane(None);
         ran
     }
@@ -195,7 +230,6 @@ impl SimQueue {
     where
         F: Fn(&mut SimMemory) -> Result<(), DeviceError> + Send + Sync + 'static,
     {
-        let _ = name;
         let mut st = self.lock(DeviceOp::OtherStream)?;
         match &mut st.capture {
             Capture::Idle => {}
@@ -213,7 +247,7 @@ impl SimQueue {
             }
             Capture::Invalidated { .. } => return Err(invalidated(DeviceOp::OtherStream)),
         }
-        self.run_kernel_now(&mut st, f)
+        self.run_kernel_now(&mut st, name, None, &f)
     }
 
     /// A device allocation made by user code (`cudaMalloc`), outside graft's pool. Fails during

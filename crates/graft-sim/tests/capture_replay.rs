@@ -228,3 +228,40 @@ fn clones_share_the_device() {
     assert_eq!(dev.read_f32(seg, 1).unwrap(), [3.0]);
     assert_eq!(clone.id(), dev.id());
 }
+
+/// A capture records a programmatic edge for each dependent launched right after a kernel
+/// (not for one after a copy), and the replay gives the eager results.
+#[test]
+fn a_capture_counts_programmatic_edges() {
+    let dev = SimDevice::new();
+    let seg = pool_memory(&dev, 4 * BYTES).unwrap();
+    let (x, y, z) = (seg, seg.offset(BYTES), seg.offset(2 * BYTES));
+    let dependent_copy = |dst: DevicePtr, src: DevicePtr| {
+        let args = [dst.0.to_le_bytes(), src.0.to_le_bytes()];
+        dev.launch_dependent(
+            "copy_f32",
+            &args.each_ref().map(|a| &a[..]),
+            |_| Ok(()),
+            move |m| m.copy(dst, src, BYTES),
+        )
+    };
+    dev.begin_capture(CORE, CaptureMode::ThreadLocal).unwrap();
+    dev.launch_kernel("fill_f32", move |m| m.fill_f32(x, N, 2.0))
+        .unwrap();
+    dependent_copy(y, x).unwrap();
+    dependent_copy(z, y).unwrap();
+    dev.copy(CORE, z, y, BYTES).unwrap();
+    dependent_copy(x, z).unwrap();
+    let graph = dev.end_capture(CORE).unwrap();
+    assert_eq!(
+        dev.summarize(&graph).unwrap(),
+        GraphSummary {
+            kernels: 4,
+            copies: 1,
+            programmatic_edges: 2,
+            ..GraphSummary::default()
+        }
+    );
+    dev.launch(CORE, &graph).unwrap();
+    assert_eq!(dev.read_f32(x, N).unwrap(), vec![2.0; N]);
+}

@@ -59,6 +59,29 @@ pub trait TestQueue {
         b: f32,
         n: usize,
     ) -> Result<(), DeviceError>;
+    /// `dst[i] = value` for `n` `f32`s, as a slow kernel (it spins for about `spins` clock
+    /// cycles first) that lets a programmatic dependent launched after it start at once.
+    fn slow_fill_f32(
+        &self,
+        dst: &Buffer,
+        n: usize,
+        value: f32,
+        spins: u64,
+    ) -> Result<(), DeviceError>;
+    /// `dst[i] = src[i]` for `n` `f32`s, launched as a programmatic dependent of the kernel
+    /// before it. With `early`, each thread reads its first element of `src` before the
+    /// kernel's wait: the race programmatic launch allows (the simulator reports it as
+    /// `ProgrammaticRace`; a GPU may copy what `src` held before the kernel before it wrote).
+    fn dependent_copy_f32(
+        &self,
+        dst: &Buffer,
+        src: &Buffer,
+        n: usize,
+        early: bool,
+    ) -> Result<(), DeviceError>;
+    /// Whether a dependent launched on this queue may start before the kernel before it ends
+    /// (the simulator models it; CUDA: compute capability 9.0 and a driver of CUDA 12.3+).
+    fn dependents_overlap(&self) -> bool;
     /// An allocation made by user code outside graft (`cudaMalloc`): illegal during capture.
     fn raw_alloc(&self, bytes: usize) -> Result<DevicePtr, DeviceError>;
     /// Frees a [`TestQueue::raw_alloc`] allocation: illegal during capture.
@@ -264,6 +287,59 @@ impl TestQueue for SimQueue {
         })
     }
 
+    fn slow_fill_f32(
+        &self,
+        dst: &Buffer,
+        n: usize,
+        value: f32,
+        spins: u64,
+    ) -> Result<(), DeviceError> {
+        let bytes = f32_bytes(n)?;
+        let dst = self.buffer_addr(dst, 0, bytes)?;
+        let args = [
+            &addr(dst)[..],
+            &(n as u64).to_le_bytes(),
+            &value.to_le_bytes(),
+            &spins.to_le_bytes(),
+        ];
+        self.launch_kernel_with_args("slow_fill_f32", &args, move |m| {
+            m.fill_f32(dst, n, value)
+        })
+    }
+
+    fn dependent_copy_f32(
+        &self,
+        dst: &Buffer,
+        src: &Buffer,
+        n: usize,
+        early: bool,
+    ) -> Result<(), DeviceError> {
+        let bytes = f32_bytes(n)?;
+        let (dst, src) = (
+            self.buffer_addr(dst, 0, bytes)?,
+            self.buffer_addr(src, 0, bytes)?,
+        );
+        let args = [
+            &addr(dst)[..],
+            &addr(src),
+            &(n as u64).to_le_bytes(),
+            &u32::from(early).to_le_bytes(),
+        ];
+        self.launch_dependent(
+            "dependent_copy_f32",
+            &args,
+            move |m| match early {
+                true => m.bytes(src, bytes).map(drop),
+                false => Ok(()),
+            },
+            move |m| m.copy(dst, src, bytes),
+        )
+    }
+
+    fn dependents_overlap(&self) -> bool {
+        true
+    }
+
     inherent_hooks!(SimQueue);
 }
 
@@ -271,16 +347,20 @@ impl TestQueue for SimQueue {
 const KERNELS_CU: &str = include_str!("kernels.cu");
 
 /// The kernels of [`KERNELS_CU`], in module index order.
-const NAMES: [&str; 4] = [
+const NAMES: [&str; 6] = [
     "graft_fill_f32",
     "graft_add_f32",
     "graft_mul_f32",
     "graft_axpb_f32",
+    "graft_slow_fill_f32",
+    "graft_dependent_copy_f32",
 ];
 const FILL: usize = 0;
 const ADD: usize = 1;
 const MUL: usize = 2;
 const AXPB: usize = 3;
+const SLOW_FILL: usize = 4;
+const DEPENDENT_COPY: usize = 5;
 
 /// Threads per block of every launch.
 const BLOCK: u32 = 256;
@@ -430,6 +510,52 @@ impl TestQueue for CudaQueue {
         launch(self, AXPB, &[dst, x], n, &args)
     }
 
+    fn slow_fill_f32(
+        &self,
+        dst: &Buffer,
+        n: usize,
+        value: f32,
+        spins: u64,
+    ) -> Result<(), DeviceError> {
+        let args = [
+            KernelArg::Buffer(dst),
+            KernelArg::U64(n as u64),
+            KernelArg::F32(value),
+            KernelArg::U64(spins),
+        ];
+        launch(self, SLOW_FILL, &[dst], n, &args)
+    }
+
+    fn dependent_copy_f32(
+        &self,
+        dst: &Buffer,
+        src: &Buffer,
+        n: usize,
+        early: bool,
+    ) -> Result<(), DeviceError> {
+        check(self, &[dst, src], n)?;
+        let module = module(self)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let args = [
+            KernelArg::Buffer(dst),
+            KernelArg::Buffer(src),
+            KernelArg::U64(n as u64),
+            KernelArg::U32(u32::from(early)),
+        ];
+        let config = graft_cuda::Launch {
+            grid: grid(n),
+            block: block(),
+            shared_bytes: 0,
+        };
+        self.launch_dependent(&module, DEPENDENT_COPY, &config, &args)
+    }
+
+    fn dependents_overlap(&self) -> bool {
+        self.compute_capability().0 >= 9 && graft_cuda::programmatic::supported()
+    }
+
     inherent_hooks!(CudaQueue);
 }
 
@@ -447,7 +573,7 @@ mod tests {
         }
     }
 
-    /// NVRTC compiles the source, and the PTX exports the four kernels.
+    /// NVRTC compiles the source, and the PTX exports its kernels.
     #[test]
     #[ignore = "needs NVRTC (libnvrtc), present on GPU machines"]
     fn nvrtc_compiles_the_source() {

@@ -365,6 +365,25 @@ pub enum DeviceError {
         /// Bytes of the overlap.
         len: usize,
     },
+    /// A kernel launched as a programmatic dependent touched, before its wait, bytes that a
+    /// kernel it may overlap (the one before it, or one still running further up its chain
+    /// of dependents) writes, or wrote bytes that kernel reads: the result depends on timing.
+    /// Reported by the simulator when the dependent reaches its wait.
+    #[error(
+        "{op} found a race in a programmatic launch: kernel {dependent} touches {addr}+{len} bytes before its wait while kernel {predecessor}, which may still run, touches them and one of the two writes; move the access after the wait (griddepcontrol.wait), or launch {dependent} plainly"
+    )]
+    ProgrammaticRace {
+        /// The failing operation.
+        op: DeviceOp,
+        /// The dependent kernel.
+        dependent: &'static str,
+        /// The kernel it may overlap.
+        predecessor: &'static str,
+        /// First byte both touch.
+        addr: DevicePtr,
+        /// Bytes of the overlap.
+        len: usize,
+    },
     /// A capture call made in the wrong state (ending with none begun, beginning twice).
     #[error("{op} called while {state}; this is a bug in the caller of the device layer")]
     CaptureState {
@@ -483,6 +502,7 @@ impl DeviceError {
             | DeviceError::Conditional { op, .. }
             | DeviceError::Fork { op, .. }
             | DeviceError::StreamRace { op, .. }
+            | DeviceError::ProgrammaticRace { op, .. }
             | DeviceError::InvalidArgument { op, .. }
             | DeviceError::InvalidBuffer { op, .. }
             | DeviceError::Unavailable { op, .. }

@@ -135,6 +135,10 @@ pub struct GraphSummary {
     /// advances that state when the kernel is enqueued, so a replay would draw numbers out of
     /// step with eager execution. Graft launches such a graph once and never replays it.
     pub host_random: usize,
+    /// Programmatic edges (of the graph itself): a kernel launched as a programmatic
+    /// dependent of the kernel before it, which may start while that kernel still runs and
+    /// waits on the device before it touches what that kernel touches.
+    pub programmatic_edges: usize,
 }
 
 /// A conditional node of a graph: work the device runs, repeats or skips by a `u32` it reads

@@ -1,4 +1,4 @@
-//! Devices and their primary contexts: looking a device up, its name, retaining, making current and releasing its primary context, the driver's version, trimming graph memory, and the memory figures of its graph memory and default pool.
+//! Devices and their primary contexts: looking a device up, its name and compute capability, retaining, making current and releasing its primary context, the driver's version, trimming graph memory, and the memory figures of its graph memory and default pool.
 
 use std::ffi::{CStr, c_char, c_int, c_void};
 use std::ptr;
@@ -31,6 +31,24 @@ pub(crate) fn name(op: DeviceOp, device: sys::CUdevice) -> Result<String, Device
     // SAFETY: `buf` is NUL-terminated (its last byte was just set to 0).
     let name = unsafe { CStr::from_ptr(buf.as_ptr()) };
     Ok(name.to_string_lossy().into_owned())
+}
+
+/// The device's compute capability, major and minor (`cuDeviceGetAttribute`).
+pub(crate) fn compute_capability(
+    op: DeviceOp,
+    device: sys::CUdevice,
+) -> Result<(u32, u32), DeviceError> {
+    use sys::CUdevice_attribute as A;
+    let get = |attribute: A| -> Result<u32, DeviceError> {
+        let mut value: c_int = 0;
+        // SAFETY: `value` is a valid out-pointer; `device` a device of the ready driver.
+        check(op, unsafe { sys::cuDeviceGetAttribute(&mut value, attribute, device) })?;
+        Ok(u32::try_from(value).unwrap_or(0))
+    };
+    Ok((
+        get(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+        get(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+    ))
 }
 
 /// Retains the device's primary context (`cuDevicePrimaryCtxRetain`); the caller releases it

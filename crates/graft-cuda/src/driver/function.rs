@@ -1,4 +1,4 @@
-//! Modules, functions and launches: loading and unloading a PTX module, looking up its functions, a function's name and parameter layout, a library kernel's function, `cuLaunchKernel`, and whether libnvrtc (which compiles modules) loads.
+//! Modules, functions and launches: loading and unloading a PTX module, looking up its functions, a function's name and parameter layout, a library kernel's function, `cuLaunchKernel` and `cuLaunchKernelEx` (programmatic dependent launch), and whether libnvrtc (which compiles modules) loads.
 
 use std::ffi::{CStr, c_uint, c_void};
 use std::ptr;
@@ -151,5 +151,48 @@ pub(crate) unsafe fn launch(
             params.as_mut_ptr(),
             ptr::null_mut(),
         )
+    })
+}
+
+/// `cuLaunchKernelEx` of `func` on `stream` with one launch attribute, programmatic stream
+/// serialization allowed: the kernel may begin once the kernel before it on the stream has
+/// triggered (`griddepcontrol.launch_dependents`) or ended, and must wait
+/// (`griddepcontrol.wait`) before it touches what that kernel writes. Captured, the edge from
+/// the kernel before it is a programmatic edge. Parameters as [`launch`]'s.
+///
+/// # Safety
+/// As [`launch`]; and the kernel must wait before it reads or writes bytes the kernels before
+/// it on the stream touch (the attribute lets it start while they run).
+pub(crate) unsafe fn launch_programmatic(
+    op: DeviceOp,
+    func: sys::CUfunction,
+    grid: (u32, u32, u32),
+    block: (u32, u32, u32),
+    shared_bytes: u32,
+    stream: sys::CUstream,
+    params: &mut [*mut c_void],
+) -> Result<(), DeviceError> {
+    // SAFETY: an all-zero launch attribute is a valid value of the plain-data union (its
+    // `pad` member); the id and the one member used are set below.
+    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    let config = sys::CUlaunchConfig {
+        gridDimX: grid.0,
+        gridDimY: grid.1,
+        gridDimZ: grid.2,
+        blockDimX: block.0,
+        blockDimY: block.1,
+        blockDimZ: block.2,
+        sharedMemBytes: shared_bytes,
+        hStream: stream,
+        attrs: &mut attr,
+        numAttrs: 1,
+    };
+    // SAFETY: the caller guarantees the parameter pointers, the function, the stream and the
+    // kernel's wait; `config` and its one attribute live for the call, which copies them and
+    // the parameter values before returning; `extra` is null.
+    check(op, unsafe {
+        sys::cuLaunchKernelEx(&config, func, params.as_mut_ptr(), ptr::null_mut())
     })
 }

@@ -66,8 +66,8 @@ macro_rules! driver_symbols {
 }
 
 /// Every driver function the crate may call before a feature check, with the error reported
-/// if it is missing: all of `driver/`'s calls but [`CONDITIONAL_SYMBOLS`] (a test derives both
-/// lists from the wrappers' sources). Checked at run time only with `dynamic-loading`; with
+/// if it is missing: all of `driver/`'s calls but [`CONDITIONAL_SYMBOLS`] and [`PROGRAMMATIC_SYMBOLS`] (a
+/// test derives the three lists from the wrappers' sources). Checked at run time only with `dynamic-loading`; with
 /// `dynamic-linking` the loader checks.
 #[cfg_attr(not(feature = "dynamic-loading"), allow(dead_code))]
 pub(crate) const DRIVER_SYMBOLS: &[(&str, &str)] = driver_symbols![
@@ -76,6 +76,7 @@ pub(crate) const DRIVER_SYMBOLS: &[(&str, &str)] = driver_symbols![
     "cuDeviceGetCount",
     "cuDeviceGet",
     "cuDeviceGetName",
+    "cuDeviceGetAttribute",
     "cuDeviceGraphMemTrim",
     "cuDeviceGetGraphMemAttribute",
     "cuDeviceSetGraphMemAttribute",
@@ -153,7 +154,13 @@ pub(crate) const CONDITIONAL_SYMBOLS: &[&str] = &[
     "cuGraphAddMemsetNode",
     "cuGraphKernelNodeCopyAttributes",
     "cuGraphMemFreeNodeGetParams",
+    "cuGraphAddDependencies_v2",
 ];
+
+/// The driver functions only programmatic dependent launch calls (CUDA 12.3+): the launch with
+/// its attribute and the count of a graph's programmatic edges. `crate::programmatic` checks
+/// the driver's version and, with `dynamic-loading`, these symbols before any is called.
+pub(crate) const PROGRAMMATIC_SYMBOLS: &[&str] = &["cuLaunchKernelEx", "cuGraphGetEdges_v2"];
 
 /// `Ok` once libcuda is loaded, has every symbol in [`DRIVER_SYMBOLS`], and `cuInit` succeeded.
 /// Computed once per process; never panics.
@@ -286,19 +293,20 @@ mod tests {
             .iter()
             .map(|&(s, _)| s)
             .chain(CONDITIONAL_SYMBOLS.iter().copied())
+            .chain(PROGRAMMATIC_SYMBOLS.iter().copied())
             .map(str::to_owned)
             .collect();
         let missing: Vec<_> = called.difference(&listed).collect();
         let stale: Vec<_> = listed.difference(&called).collect();
         assert!(
             missing.is_empty(),
-            "driver/ calls these without listing them in DRIVER_SYMBOLS or CONDITIONAL_SYMBOLS: {missing:?}"
+            "driver/ calls these without listing them in DRIVER_SYMBOLS, CONDITIONAL_SYMBOLS or PROGRAMMATIC_SYMBOLS: {missing:?}"
         );
         assert!(stale.is_empty(), "listed but never called: {stale:?}");
         assert_eq!(
-            DRIVER_SYMBOLS.len() + CONDITIONAL_SYMBOLS.len(),
+            DRIVER_SYMBOLS.len() + CONDITIONAL_SYMBOLS.len() + PROGRAMMATIC_SYMBOLS.len(),
             listed.len(),
-            "a symbol is in both lists"
+            "a symbol is in two lists"
         );
     }
 

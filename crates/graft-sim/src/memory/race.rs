@@ -1,4 +1,4 @@
-//! Race detection between the two streams of a fork: while a fork is open, the byte ranges each stream's operations read and write are logged, and at the join a write by one stream to bytes the other touched is a `DeviceError::StreamRace`.
+//! Race detection: between the two streams of a fork (while a fork is open, the byte ranges each stream's operations read and write are logged, and at the join a write by one stream to bytes the other touched is a `DeviceError::StreamRace`), and along a chain of programmatic dependent launches (what a dependent touches before its wait, against what the kernels that may still run touch: a `DeviceError::ProgrammaticRace`).
 
 use std::cell::RefCell;
 
@@ -27,6 +27,12 @@ pub(crate) struct Tracker {
     lane: Option<Lane>,
     main: Vec<Access>,
     side: Vec<Access>,
+    /// Per stream (runtime, side), the kernels that may still run when the stream's next
+    /// dependent starts, with what each touched: the last plain kernel and the dependents
+    /// launched after it.
+    chain: [Vec<(&'static str, Vec<Access>)>; 2],
+    /// What the kernel running now touched so far (`None`: no kernel is running).
+    running: Option<Vec<Access>>,
 }
 
 /// The tracker behind `SimMemory`'s shared reads (a `RefCell`: the memory sits behind the
@@ -37,10 +43,10 @@ impl SimMemory {
     /// Opens a fork window: from now on accesses made on a lane are logged.
     pub(crate) fn open_window(&mut self) {
         let t = self.tracker.get_mut();
-        *t = Tracker {
-            open: true,
-            ..Tracker::default()
-        };
+        t.open = true;
+        t.lane = None;
+        t.main.clear();
+        t.side.clear();
     }
 
     /// Sets the lane the next accesses are made on (`None`: stop attributing them).
@@ -51,34 +57,105 @@ impl SimMemory {
     /// Closes the fork window and reports the first race in it: bytes one stream wrote that
     /// the other read or wrote.
     pub(crate) fn close_window(&mut self, op: DeviceOp) -> Result<(), DeviceError> {
-        let t = std::mem::take(self.tracker.get_mut());
-        for &(a0, a1, aw) in &t.main {
-            for &(b0, b1, bw) in &t.side {
-                let (lo, hi) = (a0.max(b0), a1.min(b1));
-                if lo < hi && (aw || bw) {
-                    return Err(DeviceError::StreamRace {
-                        op,
-                        addr: DevicePtr(lo),
-                        len: (hi - lo) as usize,
-                    });
+        let t = self.tracker.get_mut();
+        t.open = false;
+        t.lane = None;
+        let (main, side) = (std::mem::take(&mut t.main), std::mem::take(&mut t.side));
+        for &(a0, a1, aw) in &main {
+            for &b in &side {
+                if let Some((addr, len)) = conflict((a0, a1, aw), b) {
+                    return Err(DeviceError::StreamRace { op, addr, len });
                 }
             }
         }
         Ok(())
     }
 
+    /// Ends the programmatic chain: what runs next starts after everything before it ended
+    /// (a copy, a host access, a graph launch's start and end).
+    pub(crate) fn break_chain(&mut self) {
+        let t = self.tracker.get_mut();
+        t.chain.iter_mut().for_each(Vec::clear);
+    }
+
+    /// A kernel starts: its accesses are logged from now on.
+    pub(crate) fn begin_kernel(&mut self) {
+        self.tracker.get_mut().running = Some(Vec::new());
+    }
+
+    /// A dependent kernel `name` reaches its wait: what it touched so far, against what the
+    /// kernels of the chain (which may still run) touched; the first conflict (one side
+    /// writes) is a `ProgrammaticRace`.
+    pub(crate) fn check_wait(&mut self, op: DeviceOp, name: &'static str) -> Result<(), DeviceError> {
+        let t = self.tracker.get_mut();
+        for &a in t.running.iter().flatten() {
+            for (predecessor, accesses) in &t.chain[t.stream()] {
+                for &b in accesses {
+                    if let Some((addr, len)) = conflict(a, b) {
+                        return Err(DeviceError::ProgrammaticRace {
+                            op,
+                            dependent: name,
+                            predecessor,
+                            addr,
+                            len,
+                        });
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Kernel `name` ended: a plain kernel starts a new chain, a dependent joins the chain.
+    pub(crate) fn end_kernel(&mut self, name: &'static str, dependent: bool) {
+        let t = self.tracker.get_mut();
+        let accesses = t.running.take().unwrap_or_default();
+        let chain = &mut t.chain[t.stream()];
+        if !dependent {
+            chain.clear();
+        }
+        chain.push((name, accesses));
+    }
+
     /// Logs an access of `len` bytes at `addr` on the current lane, in an open window.
     #[inline]
     pub(super) fn note_access(&self, addr: u64, len: usize, write: bool) {
         let mut t = self.tracker.borrow_mut();
-        if !t.open || len == 0 {
+        if len == 0 {
             return;
         }
         let access = (addr, addr.saturating_add(len as u64), write);
+        let stream = t.stream();
+        match &mut t.running {
+            // Consecutive accesses of one kind merge (a kernel's loop over a tensor).
+            Some(running) => match running.last_mut() {
+                Some(last) if last.1 == access.0 && last.2 == write => last.1 = access.1,
+                _ => running.push(access),
+            },
+            // A copy or a host access: what follows on the stream starts after it.
+            None => t.chain[stream].clear(),
+        }
+        if !t.open {
+            return;
+        }
         match t.lane {
             Some(Lane::Main) => t.main.push(access),
             Some(Lane::Side) => t.side.push(access),
             None => {}
         }
     }
+}
+
+impl Tracker {
+    /// The index of the stream running now in `chain` (host work counts as the runtime
+    /// stream's).
+    fn stream(&self) -> usize {
+        usize::from(self.lane == Some(Lane::Side))
+    }
+}
+
+/// The bytes two accesses share, when at least one of them writes.
+fn conflict(a: Access, b: Access) -> Option<(DevicePtr, usize)> {
+    let (lo, hi) = (a.0.max(b.0), a.1.min(b.1));
+    (lo < hi && (a.2 || b.2)).then(|| (DevicePtr(lo), (hi - lo) as usize))
 }
