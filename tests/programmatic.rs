@@ -40,7 +40,10 @@ fn dependents_that_wait_give_eager_results<D: TestDevice>(dev: D) {
         let values: Vec<f32> = (0..N).map(|i| v + i as f32).collect();
         let x = input(&mut g, &values);
         let mut out = Vec::new();
-        outcomes.push(g.call_into(f, &[&x], &[], chained(&runs), &mut out).unwrap());
+        outcomes.push(
+            g.call_into(f, &[&x], &[], chained(&runs), &mut out)
+                .unwrap(),
+        );
         let want: Vec<f32> = values.iter().map(|x| 2.0f32.mul_add(*x, 1.0)).collect();
         assert_eq!(read(&g, &out[0].buffer), want);
     }
@@ -110,7 +113,10 @@ fn a_dependent_reading_before_its_wait_is_caught<D: TestDevice>(dev: D) {
                     }),
                 ..
             }) => {
-                assert_eq!((dependent, predecessor), ("dependent_copy_f32", "slow_fill_f32"));
+                assert_eq!(
+                    (dependent, predecessor),
+                    ("dependent_copy_f32", "slow_fill_f32")
+                );
                 return;
             }
             Ok(out) => {
@@ -142,14 +148,19 @@ fn programmatic_03_the_chain_reaches_back_to_the_last_plain_kernel() {
     let f = g.register("chain", FunctionSpec::default());
     let src = input(&mut g, &[1.0; N]);
     let err = g
-        .call(f, &[&src], &[], |ctx: &mut Ctx<'_, graft::sim::SimDevice>| {
-            let src = ctx.input(0).clone();
-            let (a, b, c) = (ctx.alloc(N * 4)?, ctx.alloc(N * 4)?, ctx.alloc(N * 4)?);
-            ctx.queue().fill_f32(&a, N, 3.0)?;
-            ctx.queue().dependent_copy_f32(&b, &src, N, true)?;
-            ctx.queue().dependent_copy_f32(&c, &a, N, true)?;
-            Ok(vec![Output::new(c, 0)])
-        })
+        .call(
+            f,
+            &[&src],
+            &[],
+            |ctx: &mut Ctx<'_, graft::sim::SimDevice>| {
+                let src = ctx.input(0).clone();
+                let (a, b, c) = (ctx.alloc(N * 4)?, ctx.alloc(N * 4)?, ctx.alloc(N * 4)?);
+                ctx.queue().fill_f32(&a, N, 3.0)?;
+                ctx.queue().dependent_copy_f32(&b, &src, N, true)?;
+                ctx.queue().dependent_copy_f32(&c, &a, N, true)?;
+                Ok(vec![Output::new(c, 0)])
+            },
+        )
         .unwrap_err();
     assert!(
         matches!(
@@ -166,14 +177,19 @@ fn programmatic_03_the_chain_reaches_back_to_the_last_plain_kernel() {
     );
     let g2 = g.register("separated", FunctionSpec::default());
     let out = g
-        .call(g2, &[&src], &[], |ctx: &mut Ctx<'_, graft::sim::SimDevice>| {
-            let src = ctx.input(0).clone();
-            let (a, b) = (ctx.alloc(N * 4)?, ctx.alloc(N * 4)?);
-            ctx.queue().fill_f32(&a, N, 3.0)?;
-            ctx.queue().copy(&b, &src, N * 4)?;
-            ctx.queue().dependent_copy_f32(&a, &b, N, true)?;
-            Ok(vec![Output::new(a, 0)])
-        })
+        .call(
+            g2,
+            &[&src],
+            &[],
+            |ctx: &mut Ctx<'_, graft::sim::SimDevice>| {
+                let src = ctx.input(0).clone();
+                let (a, b) = (ctx.alloc(N * 4)?, ctx.alloc(N * 4)?);
+                ctx.queue().fill_f32(&a, N, 3.0)?;
+                ctx.queue().copy(&b, &src, N * 4)?;
+                ctx.queue().dependent_copy_f32(&a, &b, N, true)?;
+                Ok(vec![Output::new(a, 0)])
+            },
+        )
         .unwrap();
     assert_eq!(read(&g, &out[0].buffer), vec![1.0; N]);
 }

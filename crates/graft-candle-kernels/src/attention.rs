@@ -16,7 +16,7 @@
 
 mod cpu;
 #[cfg(feature = "cuda")]
-mod cuda;
+pub(crate) mod cuda;
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
@@ -120,7 +120,7 @@ fn shared_bytes(group: usize, head_dim: usize) -> usize {
 
 /// The attention's sizes, checked.
 #[derive(Debug, Clone, Copy)]
-struct Dims {
+pub(crate) struct Dims {
     batch: usize,
     /// The caches' rows (`batch` without `rows`).
     cache_rows: usize,
@@ -205,6 +205,27 @@ impl Dims {
         Ok(dims)
     }
 
+    /// The sizes of `decode_step`'s attention, which checked them itself (the heads with
+    /// `decode_attention_fits`, the caches' shape).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn for_step(
+        batch: usize,
+        cache_rows: usize,
+        heads: usize,
+        kv_heads: usize,
+        max_seq: usize,
+        head_dim: usize,
+    ) -> Self {
+        Self {
+            batch,
+            cache_rows,
+            heads,
+            kv_heads,
+            max_seq,
+            head_dim,
+        }
+    }
+
     /// Query heads per KV head.
     fn group(&self) -> usize {
         self.heads / self.kv_heads
@@ -212,7 +233,7 @@ impl Dims {
 
     /// Chunks of [`CHUNK`] positions per cache row: the split kernel's grid x.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    fn splits(&self) -> usize {
+    pub(crate) fn splits(&self) -> usize {
         self.max_seq.div_ceil(CHUNK)
     }
 

@@ -204,6 +204,22 @@ pub enum KernelError {
         momentum: f64,
         buffers: &'static str,
     },
+    /// `decode_step` got more rows than its matrix-vector kernel takes.
+    #[error(
+        "decode_step: {rows} rows, but it takes at most {max}; run more rows through the per-op path (decode_step_fits says which)"
+    )]
+    StepRows { rows: usize, max: usize },
+    /// `decode_step` got another number of cache pairs than the model has layers.
+    #[error(
+        "decode_step: {got} key/value cache pairs for a model of {layers} layers; pass one pair per layer"
+    )]
+    Caches { layers: usize, got: usize },
+    /// `decode_step` got a model without layers.
+    #[error("decode_step: the model has no layers; give it at least one")]
+    NoLayers,
+    /// A CUDA-only custom op was applied to CPU tensors.
+    #[error("{op}: this custom op runs on CUDA only; call {op} itself, which composes the CPU ops")]
+    CudaOnly { op: &'static str },
     /// NVRTC rejected a module's CUDA source.
     #[error(
         "NVRTC could not compile the {module} kernels: {log}; check the CUDA toolkit's NVRTC version"
@@ -220,6 +236,23 @@ pub enum KernelError {
     /// NVRTC returned PTX that is not text.
     #[error("NVRTC returned PTX for the {module} kernels that is not text; check the CUDA toolkit")]
     PtxNotText { module: &'static str },
+    /// The driver would not say the device's compute capability (what a module is compiled
+    /// for).
+    #[cfg(feature = "cuda")]
+    #[error(
+        "the {module} kernels: the driver would not tell the device's compute capability ({source}); check the device's state"
+    )]
+    Capability {
+        module: &'static str,
+        source: candle_core::cuda_backend::cudarc::driver::DriverError,
+    },
+    /// The driver refused a kernel launch.
+    #[cfg(feature = "cuda")]
+    #[error("launching kernel {kernel} failed: {source}")]
+    Launch {
+        kernel: String,
+        source: graft_core::DeviceError,
+    },
 }
 
 impl From<KernelError> for candle_core::Error {

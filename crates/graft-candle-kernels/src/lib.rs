@@ -20,6 +20,10 @@
 //!   written into the cache, in one launch;
 //! - [`add_rms_norm`]: the residual add and the RMS norm of a decoder layer in one launch;
 //! - [`swiglu`]: `silu(gate) * up` in one launch;
+//! - [`decode_step`]: a dense decoder's whole decode step for a few rows as one chain of
+//!   kernels without a tensor made between two of them, each launched as a programmatic
+//!   dependent of the one before (compute capability 9.0+), the norms fused into the
+//!   projections after them and the residual adds into the projections before them;
 //! - [`argmax_last`]: a greedy step's token choice (the first largest of each row) in one
 //!   launch;
 //! - [`linear`], [`linear_cat`] and [`linear_swiglu`]: a decode step's few rows through one
@@ -60,6 +64,7 @@ mod nvrtc;
 mod rope;
 mod shared;
 mod side;
+mod step;
 mod swiglu;
 mod train;
 
@@ -70,10 +75,11 @@ pub use linear::{MATVEC_ROWS, MAX_PARTS, linear, linear_cat, linear_swiglu};
 pub use moe::{Experts, MAX_EXPERTS, Routing, route};
 pub use norm::add_rms_norm;
 #[cfg(feature = "cuda")]
-pub use nvrtc::Kernels;
+pub use nvrtc::{Args, Kernels, set_programmatic};
 pub use rope::{QkNorm, RopeStyle, rope_store};
 pub use shared::SharedExpert;
 pub use side::SideStream;
+pub use step::{StepLayer, StepModel, decode_step, decode_step_fits};
 pub use swiglu::swiglu;
 pub use train::{
     AdamWHyper, OPTIM_SCALARS, OptimSlot, SgdHyper, adamw_update, causal_attention,

@@ -1,11 +1,18 @@
 //! The CUDA plumbing the ops share: a module's source compiled with NVRTC once per process and
-//! loaded into a candle device (candle keeps it per device by module name), the CUDA C prelude
-//! every module starts with (dtype conversions by hand, warp reductions; no headers), the
-//! typed device view of a contiguous input, and the device address of a tensor an op holds.
+//! device architecture and loaded into a candle device (candle keeps it per device by module
+//! name), the one launch every kernel goes through ([`Kernels::launch`], plain or as a
+//! programmatic dependent), the CUDA C prelude every module starts with (dtype conversions by
+//! hand, warp reductions, the programmatic-launch trigger and wait; no headers), the typed
+//! device view of a contiguous input, and the device address of a tensor an op holds.
 
-use std::sync::OnceLock;
+use std::ffi::c_void;
+use std::marker::PhantomData;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DevicePtr};
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaSlice, CudaStream, CudaView, DevicePtr, DeviceRepr, LaunchConfig,
+};
 use candle_core::cuda_backend::cudarc::nvrtc;
 use candle_core::cuda_backend::{CudaDevice, CudaStorageSlice};
 use candle_core::{Layout, Result, Storage, Tensor};
@@ -127,19 +134,81 @@ template <> struct GraftVec<GraftF16> {
     }
 };
 
+// Programmatic dependent launch (compute capability 9.0+; nothing before): a kernel lets the
+// kernel after it on the stream start (`graft_pdl_trigger`, at its very start, so the next
+// kernel's blocks can load their weights while this one runs), and waits for the kernel before
+// it to finish and flush its writes (`graft_pdl_wait`) before it reads or writes anything that
+// kernel (or any kernel before it) touches. Launched plainly, both do nothing.
+__device__ __forceinline__ void graft_pdl_trigger() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void graft_pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // X(suffix, type) for every dtype the kernels take: the extern "C" names end in the suffix.
 #define GRAFT_FOR_DTYPES(X) X(f32, float) X(bf16, GraftBf16) X(f16, GraftF16)
 "#;
 
+/// Whether launches asked for as programmatic dependents are ([`set_programmatic`]).
+static PROGRAMMATIC: AtomicBool = AtomicBool::new(true);
+
+/// Whether the kernels this crate launches as programmatic dependents (`decode_step`'s) are
+/// launched so (on, the default, where the device and driver can) or plainly, with full
+/// edges between kernels (off): for measuring what the programmatic edges give. Work already
+/// recorded keeps its edges. The results are the same either way.
+pub fn set_programmatic(on: bool) {
+    PROGRAMMATIC.store(on, Ordering::Relaxed);
+}
+
+/// A module's PTX for one architecture, or why NVRTC gave none.
+type Compiled = std::result::Result<Arc<str>, KernelError>;
+
 /// One CUDA module of candle custom kernels: its name in candle's per-device table, its source
-/// (after the prelude) and its PTX, compiled on first use and kept for the process (or NVRTC's
-/// error). Kept in a `static`, so that a process compiles each module once. Public for the
-/// other candle crates' own kernels (graft-candle's random numbers).
+/// (after the prelude) and its PTX per device architecture, compiled on first use and kept for
+/// the process (or NVRTC's error). Kept in a `static`, so that a process compiles each module
+/// once per architecture. Public for the other candle crates' own kernels (graft-candle's
+/// random numbers).
 #[derive(Debug)]
 pub struct Kernels {
     module: &'static str,
     source: &'static str,
-    ptx: OnceLock<std::result::Result<String, KernelError>>,
+    /// The PTX compiled for each compute capability asked for (major * 10 + minor).
+    ptx: Mutex<Vec<(u32, Compiled)>>,
+}
+
+/// The arguments of one launch: a pointer to each parameter's value, in order, borrowed for
+/// the launch (device buffers are passed as their `u64` addresses).
+#[derive(Debug)]
+pub struct Args<'a> {
+    pointers: Vec<*mut c_void>,
+    values: PhantomData<&'a ()>,
+}
+
+impl<'a> Args<'a> {
+    /// No arguments yet.
+    pub fn new() -> Self {
+        Args {
+            pointers: Vec::with_capacity(24),
+            values: PhantomData,
+        }
+    }
+
+    /// Adds the next parameter's value.
+    pub fn arg<T: DeviceRepr>(&mut self, value: &'a T) -> &mut Self {
+        self.pointers.push((value as *const T).cast_mut().cast());
+        self
+    }
+}
+
+impl Default for Args<'_> {
+    fn default() -> Self {
+        Args::new()
+    }
 }
 
 impl Kernels {
@@ -148,7 +217,7 @@ impl Kernels {
         Self {
             module,
             source,
-            ptx: OnceLock::new(),
+            ptx: Mutex::new(Vec::new()),
         }
     }
 
@@ -157,19 +226,93 @@ impl Kernels {
         self.module
     }
 
-    /// The module's PTX, compiled if this process has not yet; pass it with [`Self::module`]
-    /// to `CudaDevice::get_or_load_custom_func`, which loads it into a device only once.
-    pub fn ptx(&self) -> Result<&str> {
-        match self.ptx.get_or_init(|| compile(self.module, self.source)) {
-            Ok(ptx) => Ok(ptx),
+    /// The module's PTX for `device`'s architecture, compiled if this process has not yet;
+    /// pass it with [`Self::module`] to `CudaDevice::get_or_load_custom_func`, which loads it
+    /// into a device only once.
+    pub fn ptx(&self, device: &CudaDevice) -> Result<Arc<str>> {
+        let (major, minor) = device
+            .cuda_stream()
+            .context()
+            .compute_capability()
+            .map_err(|source| KernelError::Capability {
+                module: self.module,
+                source,
+            })?;
+        let arch = (major * 10 + minor) as u32;
+        let mut compiled = self.ptx.lock().unwrap_or_else(PoisonError::into_inner);
+        let at = match compiled.iter().position(|(a, _)| *a == arch) {
+            Some(at) => at,
+            None => {
+                compiled.push((arch, compile(self.module, self.source, arch)));
+                compiled.len() - 1
+            }
+        };
+        match &compiled[at].1 {
+            Ok(ptx) => Ok(Arc::clone(ptx)),
             Err(err) => Err(candle_core::Error::wrap(err.clone())),
         }
     }
+
+    /// Launches kernel `name` of the module on `stream` (the device's own or a side stream of
+    /// it) with `config` and `args`; as a programmatic dependent of the kernel before it when
+    /// `dependent` and the device has compute capability 9.0 or later (through graft-cuda's
+    /// [`programmatic::launch`](graft_cuda::programmatic::launch), which launches plainly
+    /// where the driver cannot).
+    ///
+    /// # Safety
+    /// `args` must match the kernel's parameters in number, order and type; every address
+    /// among them must be memory of `device` that the kernel may read or write as it does,
+    /// alive until the launch has run; `config` must be one the kernel supports (its block
+    /// size and shared memory). With `dependent`, the kernel must call `graft_pdl_wait()`
+    /// before it touches bytes that kernels before it on the stream touch.
+    pub unsafe fn launch(
+        &self,
+        device: &CudaDevice,
+        stream: &CudaStream,
+        name: &str,
+        config: LaunchConfig,
+        dependent: bool,
+        args: &mut Args<'_>,
+    ) -> Result<()> {
+        let func = device.get_or_load_custom_func(name, self.module, &self.ptx(device)?)?;
+        let hopper = device
+            .cuda_stream()
+            .context()
+            .compute_capability()
+            .is_ok_and(|(major, _)| major >= 9);
+        let launch = graft_cuda::Launch {
+            grid: config.grid_dim,
+            block: config.block_dim,
+            shared_bytes: config.shared_mem_bytes,
+        };
+        stream
+            .context()
+            .bind_to_thread()
+            .map_err(candle_core::Error::wrap)?;
+        // SAFETY: the caller's contract (arguments, memory, configuration, the dependent's
+        // wait); the function belongs to a module loaded in `stream`'s context (candle's
+        // device), made current just above.
+        unsafe {
+            graft_cuda::programmatic::launch(
+                stream.cu_stream(),
+                func.cu_function(),
+                &launch,
+                dependent && hopper && PROGRAMMATIC.load(Ordering::Relaxed),
+                &mut args.pointers,
+            )
+        }
+        .map_err(|source| KernelError::Launch {
+            kernel: name.to_owned(),
+            source,
+        })?;
+        Ok(())
+    }
 }
 
-fn compile(module: &'static str, source: &str) -> std::result::Result<String, KernelError> {
+fn compile(module: &'static str, source: &str, arch: u32) -> Compiled {
     let opts = nvrtc::CompileOptions {
         name: Some(format!("{module}.cu")),
+        options: vec![format!("--gpu-architecture=compute_{arch}")],
         ..Default::default()
     };
     let ptx =
@@ -183,13 +326,14 @@ fn compile(module: &'static str, source: &str) -> std::result::Result<String, Ke
                 reason: other.to_string(),
             },
         })?;
-    match ptx.as_bytes() {
+    let text = match ptx.as_bytes() {
         Some(image) => {
             let text = image.split(|&b| b == 0).next().unwrap_or_default();
-            String::from_utf8(text.to_vec()).map_err(|_| KernelError::PtxNotText { module })
+            String::from_utf8(text.to_vec()).map_err(|_| KernelError::PtxNotText { module })?
         }
-        None => Ok(ptx.to_src()),
-    }
+        None => ptx.to_src(),
+    };
+    Ok(text.into())
 }
 
 /// The elements of the contiguous tensor (`slice`, `layout`) as a device view (its start

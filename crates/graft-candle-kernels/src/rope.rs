@@ -10,7 +10,7 @@
 //! `scatter_set` stores them and the values, and the op then rotates the queries.
 
 #[cfg(feature = "cuda")]
-mod cuda;
+pub(crate) mod cuda;
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType};
@@ -130,7 +130,7 @@ enum Part {
 
 /// The sizes, checked.
 #[derive(Debug, Clone, Copy)]
-struct Dims {
+pub(crate) struct Dims {
     batch: usize,
     /// The caches' rows (`batch` without `rows`).
     cache_rows: usize,
@@ -142,6 +142,29 @@ struct Dims {
 }
 
 impl Dims {
+    /// The sizes of `decode_step`'s rotary embedding, which checked them itself (the caches,
+    /// the tables, the heads).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn for_step(
+        batch: usize,
+        cache_rows: usize,
+        heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        max_seq: usize,
+        table: usize,
+    ) -> Self {
+        Self {
+            batch,
+            cache_rows,
+            heads,
+            kv_heads,
+            head_dim,
+            max_seq,
+            table,
+        }
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn of(
         qkv: &Tensor,

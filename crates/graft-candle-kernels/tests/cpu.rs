@@ -490,3 +490,23 @@ fn optimizer_updates_refuse_bad_inputs() {
     sgd_update(&[], &[], None, &s, &plain).unwrap();
     assert_eq!(s.to_vec1::<f32>().unwrap(), [0.1, 3.0, 0.0, 0.0]);
 }
+
+#[test]
+fn decode_step_refuses_what_it_does_not_run() {
+    let dev = Device::Cpu;
+    let c = step_cases()[0];
+    let model = step_model(&c, DType::F32, &dev).unwrap();
+    let caches = step_caches(3, DType::F32, &dev).unwrap();
+    let tokens = candle_core::Tensor::new(&[1u32, 2, 3], &dev).unwrap();
+    let positions = candle_core::Tensor::new(&[0u32, 0, 0], &dev).unwrap();
+    let err = graft_candle_kernels::decode_step(&model, &caches, &tokens, &positions, None)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("3 rows"), "{err}");
+    let tokens = candle_core::Tensor::new(&[1u32], &dev).unwrap();
+    let positions = candle_core::Tensor::new(&[0u32], &dev).unwrap();
+    let err = graft_candle_kernels::decode_step(&model, &caches[..1], &tokens, &positions, None)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("1 key/value cache pairs"), "{err}");
+}

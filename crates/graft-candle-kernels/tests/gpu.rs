@@ -264,3 +264,34 @@ fn gpu_a_non_finite_gradient_skips_the_optimizer_step() {
         check_optim(&dev, &case).unwrap();
     }
 }
+
+/// `decode_step`'s chain of kernels against its CPU composition, in every dtype and shape,
+/// launched as programmatic dependents and plainly (the same bits either way).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_decode_step_matches_its_cpu_composition() {
+    let dev = gpu();
+    for c in step_cases() {
+        for dtype in DTYPES {
+            check_step(&dev, &c, dtype).unwrap();
+        }
+    }
+    let c = step_cases()[3];
+    let model = step_model(&c, DType::BF16, &dev).unwrap();
+    let tokens = candle_core::Tensor::new(&[5u32, 9], &dev).unwrap();
+    let positions = candle_core::Tensor::new(&[4u32, 7], &dev).unwrap();
+    let logits = |programmatic: bool| {
+        graft_candle_kernels::set_programmatic(programmatic);
+        let caches = step_caches(2, DType::BF16, &dev).unwrap();
+        graft_candle_kernels::decode_step(&model, &caches, &tokens, &positions, None)
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+    };
+    let (plain, chained) = (logits(false), logits(true));
+    assert_eq!(plain, chained, "programmatic launches changed the logits");
+}

@@ -13,14 +13,15 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use candle_core::{D, DType, Device, Result, Tensor};
-use candle_nn::{Linear, VarBuilder};
+use candle_nn::{Activation, Linear, VarBuilder};
 use graft_candle_kernels::{
-    QkNorm, SideStream, add_rms_norm, argmax_last, decode_attention, decode_attention_fits,
-    linear_cat, rope_store,
+    MATVEC_ROWS, QkNorm, SideStream, StepLayer, StepModel, add_rms_norm, argmax_last,
+    decode_attention, decode_attention_fits, decode_step, linear_cat, rope_store,
 };
 
 use super::cache::KvCache;
 use super::moe::Mlp;
+
 use super::proj::{Proj, dense};
 use super::rope::Rope;
 use super::shard::Shard;
@@ -61,6 +62,11 @@ pub struct Decoder {
     /// This rank's place when the decoder is one part of a tensor-parallel model: its
     /// blocks then sum their attention and MLP outputs over the ranks. `None`: the whole.
     pub(crate) shard: Option<Shard>,
+    /// The model as graft-candle-kernels' `decode_step` takes it (its tensors shared), when
+    /// the decoder is one it runs (dense, SiLU-gated, the fused attention, not split over
+    /// ranks) and the chain is on ([`Decoder::set_chained_step`]): a decode step of up to
+    /// `MATVEC_ROWS` rows is then that one chain of kernels.
+    step: Option<StepModel>,
     /// Unique per decoder in this process: a signature key, so that a graph recorded for one
     /// decoder never replays for another (block-quantized weights cannot be statics).
     id: u64,
@@ -88,7 +94,7 @@ impl Decoder {
                 false
             }
         };
-        Ok(Decoder {
+        let mut decoder = Decoder {
             spec,
             embed,
             blocks,
@@ -98,7 +104,65 @@ impl Decoder {
             dtype,
             fused_attention,
             shard: None,
+            step: None,
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+        };
+        decoder.set_chained_step(true);
+        Ok(decoder)
+    }
+
+    /// Whether a decode step of up to `MATVEC_ROWS` rows runs as graft-candle-kernels'
+    /// `decode_step`, one chain of kernels each launched as a programmatic dependent of the
+    /// one before (on, the default, where the decoder is one it runs: dense projections, a
+    /// SiLU-gated MLP, the fused attention, not split over ranks), or op by op (off). Steps
+    /// recorded before the change keep what they recorded: register a new step to record the
+    /// other way.
+    pub fn set_chained_step(&mut self, on: bool) {
+        self.step = if on { self.step_model() } else { None };
+    }
+
+    /// The decoder as `decode_step` takes it, if it is one it runs.
+    fn step_model(&self) -> Option<StepModel> {
+        let s = &self.spec;
+        if !self.fused_attention || self.shard.is_some() || s.act != Activation::Silu {
+            return None;
+        }
+        let dense = |p: &Proj| p.dense().map(|l| (l.weight().clone(), l.bias().cloned()));
+        let unbiased = |p: &Proj| match dense(p) {
+            Some((w, None)) => Some(w),
+            _ => None,
+        };
+        let mut layers = Vec::with_capacity(self.blocks.len());
+        for b in &self.blocks {
+            let Mlp::Gated { gate, up, down } = &b.mlp else {
+                return None;
+            };
+            layers.push(StepLayer {
+                attn_norm: b.attn_norm.clone(),
+                q: dense(&b.q)?,
+                k: dense(&b.k)?,
+                v: dense(&b.v)?,
+                qk_norm: b.qk_norm.clone(),
+                o: dense(&b.o)?,
+                mlp_norm: b.mlp_norm.clone(),
+                gate: unbiased(gate)?,
+                up: unbiased(up)?,
+                down: unbiased(down)?,
+            });
+        }
+        Some(StepModel {
+            embed: self.embed.clone(),
+            layers,
+            norm: self.norm.clone(),
+            head: unbiased(&self.lm_head)?,
+            cos: self.rope.cos.clone(),
+            sin: self.rope.sin.clone(),
+            style: self.rope.style(),
+            heads: s.heads,
+            kv_heads: s.kv_heads,
+            head_dim: s.head_dim,
+            eps: s.eps as f32,
+            window: s.sliding_window,
         })
     }
 
@@ -174,6 +238,8 @@ impl Decoder {
         let spec = local.unwrap_or(spec);
         let mut decoder = Decoder::from_parts(spec, embed, blocks, norm, lm_head, vb.device())?;
         decoder.shard = shard;
+        // A rank's step sums its blocks' outputs over the ranks: op by op.
+        decoder.set_chained_step(true);
         Ok(decoder)
     }
 
@@ -371,6 +437,14 @@ impl Decoder {
     pub(crate) fn logits(&self, cache: &KvCache, tokens: &Tensor) -> Result<Tensor> {
         let batch = tokens.dims1()?;
         let positions = cache.positions_of(batch)?;
+        if let Some(step) = self.step.as_ref().filter(|_| batch <= MATVEC_ROWS) {
+            let caches = (0..self.spec.layers)
+                .map(|i| cache.layer(i, batch))
+                .collect::<Result<Vec<_>>>()?;
+            let logits = decode_step(step, &caches, tokens, &positions, None)?;
+            cache.step_positions(batch)?;
+            return logits.to_dtype(DType::F32);
+        }
         let mask = if self.fused_attention {
             None
         } else {

@@ -88,9 +88,9 @@ pub use blas::{Operand, Sgemm, WORKSPACE_BYTES};
 pub use device::{CudaDevice, CudaQueue, MemoryFigures};
 pub use graph::CudaGraph;
 pub use module::{CudaModule, KernelArg, compile_ptx, compile_ptx_for};
-pub use programmatic::Launch;
 #[cfg(feature = "nccl")]
 pub use nccl::{NcclBallotBox, NcclComm, NcclDtype, UNIQUE_ID_BYTES};
+pub use programmatic::Launch;
 
 #[cfg(test)]
 mod tests {

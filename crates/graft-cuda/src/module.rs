@@ -27,10 +27,10 @@ use cudarc::nvrtc;
 use graft_core::{Buffer, DeviceError, DeviceId, DeviceOp};
 
 use crate::device::CudaQueue;
-use crate::programmatic::Launch;
 use crate::driver;
 use crate::error::invalid_argument;
 use crate::inner::Inner;
+use crate::programmatic::Launch;
 
 /// Most kernel parameters a launch passes without allocating (a stack array).
 const STACK_ARGS: usize = 16;

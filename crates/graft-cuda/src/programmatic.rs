@@ -69,7 +69,15 @@ pub unsafe fn launch(
     if dependent && supported() {
         // SAFETY: the caller's contract, which includes the wait a dependent needs.
         unsafe {
-            driver::function::launch_programmatic(op, func, grid, block, shared_bytes, stream, params)
+            driver::function::launch_programmatic(
+                op,
+                func,
+                grid,
+                block,
+                shared_bytes,
+                stream,
+                params,
+            )
         }?;
         return Ok(true);
     }

@@ -92,7 +92,9 @@ pub(crate) fn run_ops(
         match op {
             Op::Copy { dst, src, .. }
                 if disabled.iter().any(|c| c.dst == *dst && c.src == *src) => {}
-            Op::Kernel { name, before, f, .. } => {
+            Op::Kernel {
+                name, before, f, ..
+            } => {
                 tally.kernels += 1;
                 run_kernel(mem, DeviceOp::GraphLaunch, name, before.as_deref(), &**f)?;
             }

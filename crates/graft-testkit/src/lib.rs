@@ -302,9 +302,7 @@ impl TestQueue for SimQueue {
             &value.to_le_bytes(),
             &spins.to_le_bytes(),
         ];
-        self.launch_kernel_with_args("slow_fill_f32", &args, move |m| {
-            m.fill_f32(dst, n, value)
-        })
+        self.launch_kernel_with_args("slow_fill_f32", &args, move |m| m.fill_f32(dst, n, value))
     }
 
     fn dependent_copy_f32(

@@ -12,8 +12,8 @@
 //! the two alternate in rounds; the figure is the median step. candle's models attend over
 //! the positions so far, the port over its whole static cache (`--max-seq`, 256).
 //!
-//! usage: graft-candle-ports [--steps N] [--rounds R] [--only NAME] [--skip-1b] [--max-seq S]
-//!                           [--profile-steps N] [--json PATH]
+//! usage: graft-candle-ports [--steps N] [--rounds R] [--only NAME] [--skip-1b] [--skip-small]
+//!                           [--max-seq S] [--per-op] [--no-pdl] [--profile-steps N] [--json PATH]
 
 use std::collections::HashMap;
 use std::time::Instant;
@@ -52,6 +52,17 @@ struct Options {
     /// Leave out the ~1B configs.
     #[arg(long)]
     skip_1b: bool,
+    /// Leave out the small configs.
+    #[arg(long)]
+    skip_small: bool,
+    /// Run the ports' decode steps op by op, not as graft-candle-kernels' one chain of
+    /// kernels (`Decoder::set_chained_step(false)`).
+    #[arg(long)]
+    per_op: bool,
+    /// Launch the chain's kernels plainly, with full edges between them, not as programmatic
+    /// dependents (`graft_candle_kernels::set_programmatic(false)`).
+    #[arg(long)]
+    no_pdl: bool,
     /// After each batch's timing, this many more graft steps (from position 0) inside a CUDA
     /// profiler range, for `ncu --profile-from-start off`: the replayed step's kernels alone.
     #[arg(long, default_value_t = 0)]
@@ -495,8 +506,9 @@ fn run() -> BenchResult<()> {
         "decode step, candle-transformers eager against graft-candle's port; {} timed steps per variant in {} rounds, median; port cache {} positions",
         o.steps, o.timing.rounds, o.max_seq
     );
+    graft_candle_kernels::set_programmatic(!o.no_pdl);
     for big in [false, true] {
-        if big && o.skip_1b {
+        if (big && o.skip_1b) || (!big && o.skip_small) {
             continue;
         }
         for arch in [
@@ -518,6 +530,7 @@ fn run() -> BenchResult<()> {
                     continue;
                 }
             };
+            c.ours.set_chained_step(!o.per_op);
             println!(
                 "{} (loaded in {:.1} s)",
                 c.name,

@@ -104,7 +104,8 @@ impl Map1Any for Argmax {
         // first warp) before anything reads them: it is launched below on the device's stream.
         let mut out = unsafe { device.alloc::<u32>(rows)? };
         let name = format!("graft_argmax_{}", T::DTYPE.as_str());
-        let func = device.get_or_load_custom_func(&name, KERNELS.module(), KERNELS.ptx()?)?;
+        let func =
+            device.get_or_load_custom_func(&name, KERNELS.module(), &KERNELS.ptx(device)?)?;
         let grid = check::u32_of(OP, "the row count", rows)?;
         let n = check::u32_of(OP, "the row length", self.n)?;
         let mut launch = func.builder();

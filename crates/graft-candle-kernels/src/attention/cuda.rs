@@ -10,15 +10,15 @@
 //!   a warp threads, one per head-dim element, merging the non-empty partials online.
 
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+    CudaSlice, CudaStream, CudaView, DevicePtr, DeviceRepr, LaunchConfig, ValidAsZeroBits,
 };
-use candle_core::cuda_backend::{CudaDevice, Map3, WrapErr};
+use candle_core::cuda_backend::{CudaDevice, Map3};
 use candle_core::{CudaStorage, Layout, Result, Shape, Storage, WithDType};
 
 use super::{CHUNK, DecodeAttention, OP};
 use crate::KernelError;
 use crate::check;
-use crate::nvrtc::{Kernels, address, view};
+use crate::nvrtc::{Args, Kernels, address, view};
 
 /// Threads of a split-kernel block.
 const THREADS: u32 = 128;
@@ -34,6 +34,10 @@ __device__ void graft_decode_attention_partial(
     const unsigned int* rows, unsigned int cache_rows, float* part_o, float* part_ml,
     unsigned int heads, unsigned int kv_heads, unsigned int max_seq, unsigned int hd,
     unsigned int chunk, unsigned int reach, float scale) {
+    // As a programmatic dependent: nothing to do before the wait (q and the newest key and
+    // value are the kernel before's).
+    graft_pdl_trigger();
+    graft_pdl_wait();
     extern __shared__ float graft_smem[];
     const unsigned int split = blockIdx.x;
     const unsigned int kvh = blockIdx.y;
@@ -157,6 +161,8 @@ template <typename T>
 __device__ void graft_decode_attention_combine(
     const float* part_o, const float* part_ml, T* out, unsigned int heads, unsigned int hd,
     unsigned int splits) {
+    graft_pdl_trigger();
+    graft_pdl_wait();
     const unsigned int d = threadIdx.x;
     if (d >= hd) {
         return;
@@ -246,98 +252,150 @@ impl Map3 for Launch<'_> {
         device: &CudaDevice,
     ) -> Result<CudaSlice<T>> {
         let d = self.op.dims;
-        let q = view(OP, "q", q, ql)?;
-        let k = view(OP, "k_cache", k, kl)?;
-        let v = view(OP, "v_cache", v, vl)?;
-        let splits = d.splits();
-        let partials = d.batch * d.heads * splits;
+        let stream = device.cuda_stream();
+        let at = |view: CudaView<'_, T>| view.device_ptr(&stream).0;
+        let q = at(view(OP, "q", q, ql)?);
+        let k = at(view(OP, "k_cache", k, kl)?);
+        let v = at(view(OP, "v_cache", v, vl)?);
+        let partials = d.batch * d.heads * d.splits();
         // SAFETY: the split kernel writes the max and sum of every partial (each block writes
         // those of its group's heads, empty or not, and the grid covers every (split, KV
         // head, sequence)); it writes the outputs of every non-empty partial, and the combine
         // kernel reads outputs only of partials whose max is not -inf, which are non-empty.
         // Both run on the device's stream in order, before the scratch is freed.
-        let mut part_o = unsafe { device.alloc::<f32>(partials * d.head_dim)? };
+        let part_o = unsafe { device.alloc::<f32>(partials * d.head_dim)? };
         // SAFETY: as above: every element is written by the split kernel before the combine
         // kernel reads it.
-        let mut part_ml = unsafe { device.alloc::<f32>(partials * 2)? };
+        let part_ml = unsafe { device.alloc::<f32>(partials * 2)? };
         // SAFETY: the combine kernel writes every element (one block per (head, sequence),
         // one thread per head-dim element) before anything reads them, on the device's stream.
-        let mut out = unsafe { device.alloc::<T>(d.batch * d.heads * d.head_dim)? };
+        let out = unsafe { device.alloc::<T>(d.batch * d.heads * d.head_dim)? };
+        // Null without rows: each query reads its own row.
+        let rows = match &self.op.rows {
+            Some(r) => address(OP, r, "rows", device)?,
+            None => 0u64,
+        };
+        let launch = AttentionLaunch {
+            q,
+            k,
+            v,
+            positions: self.positions.device_ptr(&stream).0,
+            rows,
+            part_o: part_o.device_ptr(&stream).0,
+            part_ml: part_ml.device_ptr(&stream).0,
+            out: out.device_ptr(&stream).0,
+            dims: d,
+            reach: self.op.reach,
+            scale: self.op.scale,
+        };
+        // SAFETY: the wrapper checked the shapes: q holds batch * heads * head_dim elements,
+        // k and v cache_rows * kv_heads * max_seq * head_dim, positions batch, rows (when
+        // given, held by the op) batch; the scratch and `out` were just allocated with the
+        // sizes `AttentionLaunch` needs; all live until the launches are enqueued.
+        unsafe { launch.launch::<T>(device, &stream, false) }?;
+        Ok(out)
+    }
+}
 
+/// The split and combine launches' operands, by device address.
+pub(crate) struct AttentionLaunch {
+    pub(crate) q: u64,
+    pub(crate) k: u64,
+    pub(crate) v: u64,
+    pub(crate) positions: u64,
+    /// Each query's cache row (`[batch]` u32), or 0: query b's own.
+    pub(crate) rows: u64,
+    /// f32 scratch: the partials' outputs (`batch * heads * splits * head_dim`) and their
+    /// maxes and sums (`2 * batch * heads * splits`).
+    pub(crate) part_o: u64,
+    pub(crate) part_ml: u64,
+    /// `[batch, heads * head_dim]` output.
+    pub(crate) out: u64,
+    pub(crate) dims: super::Dims,
+    pub(crate) reach: usize,
+    pub(crate) scale: f32,
+}
+
+impl AttentionLaunch {
+    /// The split kernel, then the combine kernel, for dtype `T` on `stream`; each a
+    /// programmatic dependent of the kernel before it when `dependent`.
+    ///
+    /// # Safety
+    /// q holds batch * heads * head_dim elements of T, the caches cache_rows * kv_heads *
+    /// max_seq * head_dim, positions batch u32, rows batch u32 when not 0, `part_o` batch *
+    /// heads * splits * head_dim f32, `part_ml` 2 * batch * heads * splits f32, `out` batch *
+    /// heads * head_dim T: all memory of `device` alive until the kernels have run; the dims
+    /// passed the wrapper's checks (`decode_attention_fits`).
+    pub(crate) unsafe fn launch<T: WithDType>(
+        &self,
+        device: &CudaDevice,
+        stream: &CudaStream,
+        dependent: bool,
+    ) -> Result<()> {
+        let d = self.dims;
         let dtype = T::DTYPE.as_str();
-        let (module, ptx) = (KERNELS.module(), KERNELS.ptx()?);
-        let partial = device.get_or_load_custom_func(
-            &format!("graft_decode_attention_partial_{dtype}"),
-            module,
-            ptx,
-        )?;
-        let combine = device.get_or_load_custom_func(
-            &format!("graft_decode_attention_combine_{dtype}"),
-            module,
-            ptx,
-        )?;
-
         let u32_of = |what, size| check::u32_of(OP, what, size);
         let heads = u32_of("the query head count", d.heads)?;
         let kv_heads = u32_of("the KV head count", d.kv_heads)?;
         let batch = u32_of("the batch", d.batch)?;
         let max_seq = u32_of("max_seq", d.max_seq)?;
         let cache_rows = u32_of("the cache's rows", d.cache_rows)?;
-        // Null without rows: each query reads its own row.
-        let rows = match &self.op.rows {
-            Some(r) => address(OP, r, "rows", device)?,
-            None => 0u64,
-        };
         let head_dim = u32_of("the head dim", d.head_dim)?;
         let chunk = u32_of("the chunk", CHUNK)?;
-        let reach = u32_of("the window", self.op.reach)?;
-        let splits = u32_of("the chunk count", splits)?;
+        let reach = u32_of("the window", self.reach)?;
+        let splits = u32_of("the chunk count", d.splits())?;
         let shared = u32_of("the shared memory", d.shared_bytes())?;
 
-        let mut launch = partial.builder();
-        launch.arg(&q);
-        launch.arg(&k);
-        launch.arg(&v);
-        launch.arg(self.positions);
-        launch.arg(&rows);
-        launch.arg(&cache_rows);
-        launch.arg(&mut part_o);
-        launch.arg(&mut part_ml);
-        launch.arg(&heads);
-        launch.arg(&kv_heads);
-        launch.arg(&max_seq);
-        launch.arg(&head_dim);
-        launch.arg(&chunk);
-        launch.arg(&reach);
-        launch.arg(&self.op.scale);
-        let cfg = LaunchConfig {
+        let mut args = Args::new();
+        args.arg(&self.q)
+            .arg(&self.k)
+            .arg(&self.v)
+            .arg(&self.positions)
+            .arg(&self.rows)
+            .arg(&cache_rows)
+            .arg(&self.part_o)
+            .arg(&self.part_ml)
+            .arg(&heads)
+            .arg(&kv_heads)
+            .arg(&max_seq)
+            .arg(&head_dim)
+            .arg(&chunk)
+            .arg(&reach)
+            .arg(&self.scale);
+        let config = LaunchConfig {
             grid_dim: (splits, kv_heads, batch),
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: shared,
         };
         // SAFETY: the arguments match `graft_decode_attention_partial_<dtype>(const T*, const
         // T*, const T*, const unsigned int*, const unsigned int*, unsigned int, float*, float*,
-        // unsigned int x6, float)` with T the storage's dtype, the rows by address (null
-        // without). The wrapper checked the shapes: q holds batch * heads * head_dim elements,
-        // k and v cache_rows * kv_heads * max_seq * head_dim, positions batch, rows (when
-        // given, held by the op) batch; the kernel clamps each row below cache_rows (it is
+        // unsigned int x6, float)` with T the storage's dtype, every buffer by address and
+        // sized as the caller guarantees; the kernel clamps each row below cache_rows (it is
         // the query's own, b < batch = cache_rows, without rows) and each position below
-        // max_seq, and reads only positions start..end within it;
-        // head_dim <= 256 (8 registers a lane); heads % kv_heads == 0; the scratch holds
-        // batch * heads * splits partials, indexed by (head * splits + split) < that; the
-        // dynamic shared memory is group * (head_dim + chunk) f32 (at most 48 KiB, checked),
-        // exactly what the kernel indexes; the block is 4 whole warps. All live until the
-        // launch is enqueued on the device's stream.
-        unsafe { launch.launch(cfg) }.w()?;
+        // max_seq, and reads only positions start..end within it; head_dim <= 256 (8
+        // registers a lane); heads % kv_heads == 0; the scratch holds batch * heads * splits
+        // partials, indexed by (head * splits + split) < that; the dynamic shared memory is
+        // group * (head_dim + chunk) f32 (at most 48 KiB, checked), exactly what the kernel
+        // indexes; the block is 4 whole warps; it waits before it reads anything.
+        unsafe {
+            KERNELS.launch(
+                device,
+                stream,
+                &format!("graft_decode_attention_partial_{dtype}"),
+                config,
+                dependent,
+                &mut args,
+            )
+        }?;
 
-        let mut launch = combine.builder();
-        launch.arg(&part_o);
-        launch.arg(&part_ml);
-        launch.arg(&mut out);
-        launch.arg(&heads);
-        launch.arg(&head_dim);
-        launch.arg(&splits);
-        let cfg = LaunchConfig {
+        let mut args = Args::new();
+        args.arg(&self.part_o)
+            .arg(&self.part_ml)
+            .arg(&self.out)
+            .arg(&heads)
+            .arg(&head_dim)
+            .arg(&splits);
+        let config = LaunchConfig {
             grid_dim: (heads, batch, 1),
             block_dim: (head_dim.next_multiple_of(32), 1, 1),
             shared_mem_bytes: 0,
@@ -346,8 +404,16 @@ impl Map3 for Launch<'_> {
         // const float*, T*, unsigned int, unsigned int, unsigned int)`: the scratch written by
         // the split kernel just before on the same stream, `out` batch * heads * head_dim
         // elements, indexed by ((b * heads + h) * head_dim + d) with d < head_dim <= 256
-        // threads; all live until the launch is enqueued on the device's stream.
-        unsafe { launch.launch(cfg) }.w()?;
-        Ok(out)
+        // threads; it waits before it reads anything.
+        unsafe {
+            KERNELS.launch(
+                device,
+                stream,
+                &format!("graft_decode_attention_combine_{dtype}"),
+                config,
+                dependent,
+                &mut args,
+            )
+        }
     }
 }

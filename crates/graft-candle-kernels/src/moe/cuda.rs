@@ -91,7 +91,8 @@ impl Map1Any for Route {
         // writes its 2k) before anything reads them: it is launched below on the stream.
         let mut out = unsafe { device.alloc::<f32>(tokens * 2 * self.top_k)? };
         let name = format!("graft_moe_route_{}", T::DTYPE.as_str());
-        let func = device.get_or_load_custom_func(&name, KERNELS.module(), KERNELS.ptx()?)?;
+        let func =
+            device.get_or_load_custom_func(&name, KERNELS.module(), &KERNELS.ptx(device)?)?;
         let grid = blocks(ROUTE, "the token count", tokens)?;
         let (n, e, k) = (tokens as u32, self.experts as u32, self.top_k as u32);
         let normalize = u32::from(self.normalize);
@@ -216,7 +217,8 @@ impl ExpertsOp<'_> {
             order(2 * d * size_of::<T>()),
             kind(vec_up)
         );
-        let func = device.get_or_load_custom_func(&up_name, KERNELS.module(), KERNELS.ptx()?)?;
+        let func =
+            device.get_or_load_custom_func(&up_name, KERNELS.module(), &KERNELS.ptx(device)?)?;
         let grid = (blocks(EXPERTS, "the intermediate size", f)?, grid_y);
         let mut launch = func.builder();
         launch.arg(&x);
@@ -243,7 +245,8 @@ impl ExpertsOp<'_> {
             order(f * size_of::<T>()),
             kind(vec_down)
         );
-        let func = device.get_or_load_custom_func(&down_name, KERNELS.module(), KERNELS.ptx()?)?;
+        let func =
+            device.get_or_load_custom_func(&down_name, KERNELS.module(), &KERNELS.ptx(device)?)?;
         let grid = (blocks(EXPERTS, "the hidden size", d)?, grid_y);
         if !by_expert {
             let grid = (grid.0, tokens as u32);
@@ -280,7 +283,8 @@ impl ExpertsOp<'_> {
         // table's last third, `h` its slots * inter elements and `ys` slots * hidden f32.
         unsafe { launch.launch(config(grid, shared)) }.w()?;
         let name = format!("graft_moe_combine_{dtype}");
-        let func = device.get_or_load_custom_func(&name, KERNELS.module(), KERNELS.ptx()?)?;
+        let func =
+            device.get_or_load_custom_func(&name, KERNELS.module(), &KERNELS.ptx(device)?)?;
         let grid = check::u32_of(EXPERTS, "the outputs / 256", (tokens * d).div_ceil(256))?;
         let tokens32 = tokens as u32;
         let mut launch = func.builder();

@@ -153,7 +153,8 @@ impl Map3 for AddRmsNorm {
         // later use of the output.
         let mut out = unsafe { device.alloc::<T>(2 * total)? };
         let name = format!("graft_add_rms_norm_{}", T::DTYPE.as_str());
-        let func = device.get_or_load_custom_func(&name, KERNELS.module(), KERNELS.ptx()?)?;
+        let func =
+            device.get_or_load_custom_func(&name, KERNELS.module(), &KERNELS.ptx(device)?)?;
         let cols = check::u32_of(OP, "the row length", cols)?;
         let total = total as u64;
         let mut launch = func.builder();

@@ -4,14 +4,14 @@
 //! head is copied into the value cache.
 
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+    CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, ValidAsZeroBits,
 };
-use candle_core::cuda_backend::{CudaDevice, Map3, WrapErr};
+use candle_core::cuda_backend::{CudaDevice, Map3};
 use candle_core::{CudaStorage, Layout, Result, Shape, WithDType};
 
 use super::{OP, Part, RopeStore, RopeStyle};
 use crate::check;
-use crate::nvrtc::{Kernels, address, view};
+use crate::nvrtc::{Args, Kernels, address, view};
 
 static KERNELS: Kernels = Kernels::new(
     "graft_kernels_rope_store",
@@ -23,6 +23,9 @@ __device__ void graft_rope_store(
     T* q_out, T* k_cache, T* v_cache, unsigned int heads, unsigned int kv_heads,
     unsigned int hd, unsigned int max_seq, unsigned int table, unsigned int has_norm,
     float eps) {
+    // As a programmatic dependent: nothing to do before the wait (qkv is the kernel before's).
+    graft_pdl_trigger();
+    graft_pdl_wait();
     const unsigned int h = blockIdx.x;
     const unsigned int b = blockIdx.y;
     const unsigned int lane = threadIdx.x;
@@ -139,26 +142,79 @@ impl Map3 for RopeStore {
             address(OP, &self.caches.0, "k_cache", device)?,
             address(OP, &self.caches.1, "v_cache", device)?,
         );
-        let (q_norm, k_norm, eps) = match &self.norm {
-            Some((q, k, eps)) => (
+        let norms = match &self.norm {
+            Some((q, k, eps)) => Some((
                 address(OP, q, "q norm", device)?,
                 address(OP, k, "k norm", device)?,
                 *eps,
-            ),
-            // Never read: has_norm is 0.
-            None => (k_cache, k_cache, 0.0),
+            )),
+            None => None,
         };
-        let has_norm = u32::from(self.norm.is_some());
         // SAFETY: the kernel writes all `batch * heads * head_dim` elements (one block per
         // (query head, sequence), its lanes striding every dim pair) before anything reads
         // them: it is launched below on the device's stream.
-        let mut q_out = unsafe { device.alloc::<T>(d.batch * d.heads * d.head_dim)? };
+        let q_out = unsafe { device.alloc::<T>(d.batch * d.heads * d.head_dim)? };
+        let stream = device.cuda_stream();
+        let launch = RopeLaunch {
+            qkv: qkv.device_ptr(&stream).0,
+            cos: cos.device_ptr(&stream).0,
+            sin: sin.device_ptr(&stream).0,
+            positions,
+            rows,
+            norms,
+            q_out: q_out.device_ptr(&stream).0,
+            caches: (k_cache, v_cache),
+            dims: d,
+            style: self.style,
+        };
+        // SAFETY: `qkv` holds batch * (heads + 2 kv_heads) * head_dim elements, the tables
+        // table * head_dim / 2, `positions` batch u32, `rows` batch u32 when given (null
+        // otherwise), the norms head_dim each when given, the caches cache_rows * kv_heads *
+        // max_seq * head_dim each (all checked by the wrapper, contiguous, of T; the op holds
+        // clones, so all live), `q_out` just allocated.
+        unsafe { launch.launch::<T>(device, &stream, false) }?;
+        Ok(q_out)
+    }
+}
+
+/// The rope-and-store launch's operands, by device address.
+pub(crate) struct RopeLaunch {
+    pub(crate) qkv: u64,
+    pub(crate) cos: u64,
+    pub(crate) sin: u64,
+    pub(crate) positions: u64,
+    /// Each token's cache row (`[batch]` u32), or 0: token b's own.
+    pub(crate) rows: u64,
+    /// Qwen3's query and key norm weights and epsilon.
+    pub(crate) norms: Option<(u64, u64, f32)>,
+    /// `[batch, heads * head_dim]` rotated queries.
+    pub(crate) q_out: u64,
+    pub(crate) caches: (u64, u64),
+    pub(crate) dims: super::Dims,
+    pub(crate) style: RopeStyle,
+}
+
+impl RopeLaunch {
+    /// Launches the kernel for dtype `T` on `stream`, as a programmatic dependent of the
+    /// kernel before it when `dependent`.
+    ///
+    /// # Safety
+    /// `qkv` holds batch * (heads + 2 kv_heads) * head_dim elements of T, the tables table *
+    /// head_dim / 2, `positions` batch u32, `rows` batch u32 when not 0, the norms head_dim
+    /// each, the caches cache_rows * kv_heads * max_seq * head_dim each, `q_out` batch * heads
+    /// * head_dim: all memory of `device` alive until the kernel has run.
+    pub(crate) unsafe fn launch<T: WithDType>(
+        &self,
+        device: &CudaDevice,
+        stream: &CudaStream,
+        dependent: bool,
+    ) -> Result<()> {
+        let d = self.dims;
         let style = match self.style {
             RopeStyle::Half => "half",
             RopeStyle::Interleaved => "interleaved",
         };
         let name = format!("graft_rope_store_{style}_{}", T::DTYPE.as_str());
-        let func = device.get_or_load_custom_func(&name, KERNELS.module(), KERNELS.ptx()?)?;
         let blocks = check::u32_of(OP, "the head count", d.heads + 2 * d.kv_heads)?;
         let [heads, kv_heads, hd, max_seq, table, cache_rows] = [
             d.heads,
@@ -169,44 +225,42 @@ impl Map3 for RopeStore {
             d.cache_rows,
         ]
         .map(|v| v as u32);
-        let mut launch = func.builder();
-        launch.arg(&qkv);
-        launch.arg(&cos);
-        launch.arg(&sin);
-        launch.arg(&positions);
-        launch.arg(&rows);
-        launch.arg(&cache_rows);
-        launch.arg(&q_norm);
-        launch.arg(&k_norm);
-        launch.arg(&mut q_out);
-        launch.arg(&k_cache);
-        launch.arg(&v_cache);
-        launch.arg(&heads);
-        launch.arg(&kv_heads);
-        launch.arg(&hd);
-        launch.arg(&max_seq);
-        launch.arg(&table);
-        launch.arg(&has_norm);
-        launch.arg(&eps);
-        let cfg = LaunchConfig {
+        // Never read without norms: has_norm is 0.
+        let (q_norm, k_norm, eps) = self.norms.unwrap_or((self.caches.0, self.caches.0, 0.0));
+        let has_norm = u32::from(self.norms.is_some());
+        let mut args = Args::new();
+        args.arg(&self.qkv)
+            .arg(&self.cos)
+            .arg(&self.sin)
+            .arg(&self.positions)
+            .arg(&self.rows)
+            .arg(&cache_rows)
+            .arg(&q_norm)
+            .arg(&k_norm)
+            .arg(&self.q_out)
+            .arg(&self.caches.0)
+            .arg(&self.caches.1)
+            .arg(&heads)
+            .arg(&kv_heads)
+            .arg(&hd)
+            .arg(&max_seq)
+            .arg(&table)
+            .arg(&has_norm)
+            .arg(&eps);
+        let config = LaunchConfig {
             grid_dim: (blocks, d.batch as u32, 1),
             block_dim: (32, 1, 1),
             shared_mem_bytes: 0,
         };
         // SAFETY: the arguments match `graft_rope_store_<style>_<dtype>(const T* x3, const
         // unsigned int* x2, unsigned int, const T* x2, T* x3, unsigned int x6, float)`, the
-        // addresses passed by value: `qkv` holds batch * (heads + 2 kv_heads) * head_dim
-        // elements, the tables table * head_dim / 2, `positions` batch u32, `rows` batch u32
-        // when given (null otherwise), the norms head_dim each when has_norm is 1, the caches
-        // cache_rows * kv_heads * max_seq * head_dim each (all checked by the wrapper,
-        // contiguous, of T; the op holds clones, so all live); the kernel clamps each row
-        // below cache_rows (token b's own, b < batch = cache_rows, without rows) and each
+        // addresses passed by value and sized as the caller guarantees; the kernel clamps each
+        // row below cache_rows (token b's own, b < batch = cache_rows, without rows) and each
         // position below max_seq and table, so it writes only the caches' places at those
         // rows and positions and `q_out`. Writing the caches through their addresses is what
-        // candle's in-place `scatter_set` does through its storage: the op holds clones of
-        // both caches (their storage lives), and the stream orders the writes after every
-        // earlier use of them and before every later one.
-        unsafe { launch.launch(cfg) }.w()?;
-        Ok(q_out)
+        // candle's in-place `scatter_set` does through its storage; the stream orders the
+        // writes after every earlier use of them and before every later one. It waits before
+        // it reads anything.
+        unsafe { KERNELS.launch(device, stream, &name, config, dependent, &mut args) }
     }
 }

@@ -89,7 +89,8 @@ impl Map2 for Swiglu {
         // orders every later use of the output.
         let mut out = unsafe { device.alloc::<T>(n)? };
         let name = format!("graft_swiglu_{}", T::DTYPE.as_str());
-        let func = device.get_or_load_custom_func(&name, KERNELS.module(), KERNELS.ptx()?)?;
+        let func =
+            device.get_or_load_custom_func(&name, KERNELS.module(), &KERNELS.ptx(device)?)?;
         let blocks = check::u32_of(OP, "the element count / 256", n.div_ceil(THREADS as usize))?;
         let n = n as u64;
         let mut launch = func.builder();
@@ -148,7 +149,8 @@ impl Map3 for SwigluBackward {
         // are written by the kernel launched below on the device's stream before any read.
         let mut out = unsafe { device.alloc::<T>(2 * n)? };
         let name = format!("graft_swiglu_backward_{}", T::DTYPE.as_str());
-        let func = device.get_or_load_custom_func(&name, KERNELS.module(), KERNELS.ptx()?)?;
+        let func =
+            device.get_or_load_custom_func(&name, KERNELS.module(), &KERNELS.ptx(device)?)?;
         let blocks = check::u32_of(OP, "the element count / 256", n.div_ceil(THREADS as usize))?;
         let n = n as u64;
         let mut launch = func.builder();

@@ -14,11 +14,13 @@ mod argmax;
 mod causal;
 mod moe;
 mod optim;
+mod step;
 mod train;
 pub use argmax::*;
 pub use causal::*;
 pub use moe::*;
 pub use optim::*;
+pub use step::*;
 pub use train::*;
 
 /// `n` values uniform in `[-scale, scale)` from `seed` (SplitMix64).

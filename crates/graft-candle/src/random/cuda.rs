@@ -63,9 +63,9 @@ static KERNELS: Kernels = Kernels::new(MODULE, SOURCE);
 /// Compiles the kernels if this process has not yet, and loads them into `device` (a no-op
 /// when it holds them already).
 pub(super) fn load(device: &CudaDevice) -> Result<()> {
-    let ptx = KERNELS.ptx()?;
+    let ptx = KERNELS.ptx(device)?;
     for name in [UNIFORM, ADVANCE] {
-        device.get_or_load_custom_func(name, MODULE, ptx)?;
+        device.get_or_load_custom_func(name, MODULE, &ptx)?;
     }
     Ok(())
 }
@@ -81,7 +81,7 @@ pub(super) fn uniform(state: &CudaStorage, range: Range<usize>, n: usize) -> Res
         );
     };
     // Loaded by `DeviceRng::new`: this finds the module and only looks the function up.
-    let func = device.get_or_load_custom_func(UNIFORM, MODULE, KERNELS.ptx()?)?;
+    let func = device.get_or_load_custom_func(UNIFORM, MODULE, &KERNELS.ptx(device)?)?;
     let words = state.as_cuda_slice::<u32>()?.slice(range);
     // SAFETY: the uniform kernel writes all `n` elements (threads cover ceil(n / 4) blocks of 4
     // lanes, bounded by `n`) before anything reads them: the kernel is launched just below on
@@ -108,7 +108,7 @@ pub(super) fn uniform(state: &CudaStorage, range: Range<usize>, n: usize) -> Res
 /// Adds `blocks` to the offset of the state words at `range` of `state`, on the device.
 pub(super) fn advance(state: &mut CudaStorage, range: Range<usize>, blocks: u64) -> Result<()> {
     let device = state.device.clone();
-    let func = device.get_or_load_custom_func(ADVANCE, MODULE, KERNELS.ptx()?)?;
+    let func = device.get_or_load_custom_func(ADVANCE, MODULE, &KERNELS.ptx(&device)?)?;
     let slice = state.as_cuda_slice_mut::<u32>()?;
     let mut words = slice.slice_mut(range);
     let mut launch = func.builder();

@@ -42,7 +42,9 @@ pub(crate) fn compute_capability(
     let get = |attribute: A| -> Result<u32, DeviceError> {
         let mut value: c_int = 0;
         // SAFETY: `value` is a valid out-pointer; `device` a device of the ready driver.
-        check(op, unsafe { sys::cuDeviceGetAttribute(&mut value, attribute, device) })?;
+        check(op, unsafe {
+            sys::cuDeviceGetAttribute(&mut value, attribute, device)
+        })?;
         Ok(u32::try_from(value).unwrap_or(0))
     };
     Ok((

@@ -212,7 +212,12 @@ pub(crate) fn programmatic_edges(op: DeviceOp, graph: sys::CUgraph) -> Result<us
     let mut count = 0usize;
     check(
         op,
-        get(ptr::null_mut(), ptr::null_mut(), ptr::null_mut(), &mut count),
+        get(
+            ptr::null_mut(),
+            ptr::null_mut(),
+            ptr::null_mut(),
+            &mut count,
+        ),
     )?;
     if count == 0 {
         return Ok(0);
@@ -223,9 +228,17 @@ pub(crate) fn programmatic_edges(op: DeviceOp, graph: sys::CUgraph) -> Result<us
     let mut filled = count;
     check(
         op,
-        get(from.as_mut_ptr(), to.as_mut_ptr(), data.as_mut_ptr(), &mut filled),
+        get(
+            from.as_mut_ptr(),
+            to.as_mut_ptr(),
+            data.as_mut_ptr(),
+            &mut filled,
+        ),
     )?;
-    Ok(data[..filled.min(count)].iter().filter(|e| is_programmatic(e)).count())
+    Ok(data[..filled.min(count)]
+        .iter()
+        .filter(|e| is_programmatic(e))
+        .count())
 }
 
 /// The raw `cuGraphKernelNodeGetParams`.

@@ -86,7 +86,11 @@ impl SimMemory {
     /// A dependent kernel `name` reaches its wait: what it touched so far, against what the
     /// kernels of the chain (which may still run) touched; the first conflict (one side
     /// writes) is a `ProgrammaticRace`.
-    pub(crate) fn check_wait(&mut self, op: DeviceOp, name: &'static str) -> Result<(), DeviceError> {
+    pub(crate) fn check_wait(
+        &mut self,
+        op: DeviceOp,
+        name: &'static str,
+    ) -> Result<(), DeviceError> {
         let t = self.tracker.get_mut();
         for &a in t.running.iter().flatten() {
             for (predecessor, accesses) in &t.chain[t.stream()] {

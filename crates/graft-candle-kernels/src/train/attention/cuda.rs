@@ -213,7 +213,8 @@ impl Map3 for Forward<'_> {
             s.batch,
             device,
         )?;
-        let func = device.get_or_load_custom_func(&name, KERNELS.module(), KERNELS.ptx()?)?;
+        let func =
+            device.get_or_load_custom_func(&name, KERNELS.module(), &KERNELS.ptx(device)?)?;
         let scale = d.scale();
         let mut launch = func.builder();
         launch.arg(&q);
@@ -283,7 +284,8 @@ impl Map3 for Dq<'_> {
             s.batch,
             device,
         )?;
-        let func = device.get_or_load_custom_func(&name, KERNELS.module(), KERNELS.ptx()?)?;
+        let func =
+            device.get_or_load_custom_func(&name, KERNELS.module(), &KERNELS.ptx(device)?)?;
         let scale = d.scale();
         let mut launch = func.builder();
         launch.arg(&q);
@@ -351,7 +353,8 @@ impl Map3 for Dkv<'_> {
             s.batch,
             device,
         )?;
-        let func = device.get_or_load_custom_func(&name, KERNELS.module(), KERNELS.ptx()?)?;
+        let func =
+            device.get_or_load_custom_func(&name, KERNELS.module(), &KERNELS.ptx(device)?)?;
         let scale = d.scale();
         let mut launch = func.builder();
         launch.arg(&q);

@@ -137,7 +137,7 @@ pub(super) fn forward(
     let func = device.get_or_load_custom_func(
         "graft_cross_entropy_mean",
         KERNELS.module(),
-        KERNELS.ptx()?,
+        &KERNELS.ptx(&device)?,
     )?;
     let mut launch = func.builder();
     launch.arg(&saved);
@@ -184,7 +184,7 @@ fn launch_rows<T: DeviceRepr + WithDType>(
 ) -> Result<()> {
     let logits = view(OP, "logits", logits, ll)?;
     let name = format!("graft_cross_entropy_rows_{}", T::DTYPE.as_str());
-    let func = device.get_or_load_custom_func(&name, KERNELS.module(), KERNELS.ptx()?)?;
+    let func = device.get_or_load_custom_func(&name, KERNELS.module(), &KERNELS.ptx(device)?)?;
     let mut launch = func.builder();
     launch.arg(&logits);
     launch.arg(targets);
@@ -254,7 +254,7 @@ fn launch_backward<T: DeviceRepr + WithDType>(
     // anything reads them.
     let mut out = unsafe { device.alloc::<T>(n)? };
     let name = format!("graft_cross_entropy_backward_{}", T::DTYPE.as_str());
-    let func = device.get_or_load_custom_func(&name, KERNELS.module(), KERNELS.ptx()?)?;
+    let func = device.get_or_load_custom_func(&name, KERNELS.module(), &KERNELS.ptx(device)?)?;
     let mut launch = func.builder();
     launch.arg(&logits);
     launch.arg(targets);

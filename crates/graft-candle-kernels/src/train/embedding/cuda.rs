@@ -153,7 +153,7 @@ fn launch_gather<T: DeviceRepr + WithDType>(
     // written by the kernel launched below on the device's stream before anything reads it.
     let mut out = unsafe { device.alloc::<T>(total)? };
     let name = format!("graft_embedding_{}", T::DTYPE.as_str());
-    let func = device.get_or_load_custom_func(&name, KERNELS.module(), KERNELS.ptx()?)?;
+    let func = device.get_or_load_custom_func(&name, KERNELS.module(), &KERNELS.ptx(device)?)?;
     let blocks = check::u32_of(OP, "the output / 256", total.div_ceil(THREADS as usize))?;
     let (total, vocab, d) = (total as u64, vocab as u32, d as u32);
     let mut launch = func.builder();
@@ -217,7 +217,7 @@ fn launch_scatter<T: DeviceRepr + WithDType>(
     // below on the device's stream before anything reads them.
     let mut out = unsafe { device.alloc::<T>(vocab * d)? };
     let name = format!("graft_embedding_backward_{}", T::DTYPE.as_str());
-    let func = device.get_or_load_custom_func(&name, KERNELS.module(), KERNELS.ptx()?)?;
+    let func = device.get_or_load_custom_func(&name, KERNELS.module(), &KERNELS.ptx(device)?)?;
     let blocks = check::u32_of(OP, "the vocabulary", vocab)?;
     let d = d as u32;
     let mut launch = func.builder();

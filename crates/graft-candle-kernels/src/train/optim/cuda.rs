@@ -424,7 +424,8 @@ pub(super) fn step(step: &Step<'_>, storage: &mut CudaStorage, layout: &Layout) 
         .into());
     };
     let mut scalars = slice.slice_mut(start..start + OPTIM_SCALARS);
-    let func = |name: &str| device.get_or_load_custom_func(name, KERNELS.module(), KERNELS.ptx()?);
+    let func =
+        |name: &str| device.get_or_load_custom_func(name, KERNELS.module(), &KERNELS.ptx(&device)?);
 
     let check = func("graft_optim_check")?;
     for (table, blocks) in tables::<1, CHECK_TENSORS>(op, &entries, |e| [e.addr[1]])? {

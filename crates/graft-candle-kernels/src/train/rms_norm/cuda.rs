@@ -161,7 +161,8 @@ impl Map2 for Forward {
         // stream, which orders every later use of the output.
         let mut y = unsafe { device.alloc::<T>(total)? };
         let name = format!("graft_rms_norm_{}", T::DTYPE.as_str());
-        let func = device.get_or_load_custom_func(&name, KERNELS.module(), KERNELS.ptx()?)?;
+        let func =
+            device.get_or_load_custom_func(&name, KERNELS.module(), &KERNELS.ptx(device)?)?;
         let cfg = grid(total / cols, THREADS)?;
         let cols = check::u32_of(OP, "the row length", cols)?;
         let mut launch = func.builder();
@@ -212,12 +213,12 @@ impl Map3 for Backward {
         let rows_fn = device.get_or_load_custom_func(
             &format!("graft_rms_norm_backward_{suffix}"),
             KERNELS.module(),
-            KERNELS.ptx()?,
+            &KERNELS.ptx(device)?,
         )?;
         let sum_fn = device.get_or_load_custom_func(
             &format!("graft_column_sum_{suffix}"),
             KERNELS.module(),
-            KERNELS.ptx()?,
+            &KERNELS.ptx(device)?,
         )?;
         let row_cfg = grid(rows, THREADS)?;
         let sum_cfg = grid(cols.div_ceil(32), SUM_THREADS)?;

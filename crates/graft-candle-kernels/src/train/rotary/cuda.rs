@@ -102,7 +102,8 @@ impl Map3 for Launch {
         // the device's stream before anything reads them.
         let mut y = unsafe { device.alloc::<T>(n)? };
         let name = format!("graft_rotary_{}", T::DTYPE.as_str());
-        let func = device.get_or_load_custom_func(&name, KERNELS.module(), KERNELS.ptx()?)?;
+        let func =
+            device.get_or_load_custom_func(&name, KERNELS.module(), &KERNELS.ptx(device)?)?;
         let pairs = n / 2;
         let blocks = check::u32_of(OP, "the pair count / 256", pairs.div_ceil(THREADS as usize))?;
         let pairs = pairs as u64;

@@ -1,0 +1,343 @@
+//! `decode_step`: a dense decoder's whole decode step for a few rows as one chain of kernels:
+//! the embedding, per layer the norm fused into the query-key-value projection, the rotary
+//! embedding with the cache writes, the split-KV attention and its combine, the output
+//! projection added to the residual stream, the norm fused into the gate-and-up projection
+//! with SwiGLU, the down projection added to the residual stream; then the final norm fused
+//! into the head.
+//!
+//! On CUDA it is one custom op that allocates its scratch once and launches every kernel
+//! back to back, each a programmatic dependent of the one before (compute capability 9.0+):
+//! a kernel's blocks start while the kernel before still runs, load their weights, and wait
+//! for it before they read what it wrote. No tensor is made between two kernels, so a
+//! recording holds the step as one chain of programmatic edges (a candle tensor made inside a
+//! capture is a memory node, which no programmatic edge crosses). On the CPU it runs the
+//! unfused composition of this crate's ops, the oracle the CUDA kernels are tested against.
+
+#[cfg(feature = "cuda")]
+mod cuda;
+
+use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
+
+use crate::{
+    KernelError, MATVEC_ROWS, QkNorm, RopeStyle, check, decode_attention, decode_attention_fits,
+    linear, linear_cat, linear_swiglu, rms_norm, rope_store,
+};
+
+const OP: &str = "decode_step";
+
+/// One layer of a [`StepModel`]: its weights (`[out, in]` projections, biases `[out]`, norm
+/// weights `[hidden]`).
+#[derive(Debug, Clone)]
+pub struct StepLayer {
+    pub attn_norm: Tensor,
+    pub q: (Tensor, Option<Tensor>),
+    pub k: (Tensor, Option<Tensor>),
+    pub v: (Tensor, Option<Tensor>),
+    /// Per-head norms of the queries and keys (Qwen3), `[head_dim]` each.
+    pub qk_norm: Option<(Tensor, Tensor)>,
+    pub o: (Tensor, Option<Tensor>),
+    pub mlp_norm: Tensor,
+    pub gate: Tensor,
+    pub up: Tensor,
+    pub down: Tensor,
+}
+
+/// A dense decoder with a SiLU-gated MLP, for [`decode_step`]: the tensors are shared with
+/// the model (clones of the same storage).
+#[derive(Debug, Clone)]
+pub struct StepModel {
+    /// `[vocab, hidden]`.
+    pub embed: Tensor,
+    pub layers: Vec<StepLayer>,
+    /// The final norm's weight, `[hidden]`.
+    pub norm: Tensor,
+    /// The output projection, `[vocab, hidden]`.
+    pub head: Tensor,
+    /// The rotary tables, `[table, head_dim / 2]` each.
+    pub cos: Tensor,
+    pub sin: Tensor,
+    pub style: RopeStyle,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// The RMS norms' epsilon.
+    pub eps: f32,
+    /// Sliding-window attention's window, if any.
+    pub window: Option<usize>,
+}
+
+/// Whether [`decode_step`] takes `rows` rows of a model of these head counts and head dim
+/// (`Err` says why not): at most [`MATVEC_ROWS`] rows, and heads the fused attention takes.
+pub fn decode_step_fits(
+    rows: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+) -> std::result::Result<(), KernelError> {
+    if rows > MATVEC_ROWS {
+        return Err(KernelError::StepRows {
+            rows,
+            max: MATVEC_ROWS,
+        });
+    }
+    decode_attention_fits(heads, kv_heads, head_dim)
+}
+
+/// One decode step of `model`: `tokens` (`[batch]` u32, the token at each sequence's
+/// position `positions[b]`, `[batch]` u32) in, the logits (`[batch, vocab]`, the model's
+/// dtype) out; writes each token's key and value into its layer's `caches` (`[rows,
+/// kv_heads, max_seq, head_dim]` each, one pair per layer) in its row (`rows[b]`, or b
+/// without rows) at its position. Reads and writes nothing else. At most [`MATVEC_ROWS`]
+/// rows (see [`decode_step_fits`]).
+pub fn decode_step(
+    model: &StepModel,
+    caches: &[(Tensor, Tensor)],
+    tokens: &Tensor,
+    positions: &Tensor,
+    rows: Option<&Tensor>,
+) -> Result<Tensor> {
+    let batch = tokens.dims1()?;
+    decode_step_fits(batch, model.heads, model.kv_heads, model.head_dim)?;
+    check::indices(OP, "tokens", tokens, &model.embed)?;
+    check::indices(OP, "positions", positions, &model.embed)?;
+    if positions.dims() != [batch] {
+        return Err(check::shape(OP, "positions", positions, "[batch]"));
+    }
+    if let Some(r) = rows.filter(|r| r.dims() != [batch]) {
+        return Err(check::shape(OP, "rows", r, "[batch]"));
+    }
+    if caches.len() != model.layers.len() {
+        return Err(KernelError::Caches {
+            layers: model.layers.len(),
+            got: caches.len(),
+        }
+        .into());
+    }
+    if model.embed.device().is_cpu() {
+        return composed(model, caches, tokens, positions, rows);
+    }
+    let dims = Dims::of(model, caches, batch, rows)?;
+    check::contiguous(OP, "tokens", tokens)?;
+    check::contiguous(OP, "positions", positions)?;
+    if let Some(r) = rows {
+        check::contiguous(OP, "rows", r)?;
+    }
+    let op = Step {
+        model: model.clone(),
+        caches: caches.to_vec(),
+        tokens: tokens.clone(),
+        positions: positions.clone(),
+        rows: rows.cloned(),
+        dims,
+    };
+    // Over the embedding table: the custom op dispatches on its dtype, the model's.
+    model.embed.apply_op1_no_bwd(&op)
+}
+
+/// The step as this crate's unfused ops (the CPU's, and the oracle of the CUDA kernels).
+fn composed(
+    m: &StepModel,
+    caches: &[(Tensor, Tensor)],
+    tokens: &Tensor,
+    positions: &Tensor,
+    rows: Option<&Tensor>,
+) -> Result<Tensor> {
+    let batch = tokens.dims1()?;
+    let mut x = m.embed.index_select(tokens, 0)?;
+    let scale = 1.0 / (m.head_dim as f32).sqrt();
+    for (l, (kc, vc)) in m.layers.iter().zip(caches) {
+        let h = rms_norm(&x, &l.attn_norm, m.eps)?;
+        let part = |(w, b): &(Tensor, Option<Tensor>)| (w.clone(), b.clone());
+        let (q, k, v) = (part(&l.q), part(&l.k), part(&l.v));
+        let qkv = linear_cat(
+            &h,
+            &[
+                (&q.0, q.1.as_ref()),
+                (&k.0, k.1.as_ref()),
+                (&v.0, v.1.as_ref()),
+            ],
+        )?;
+        let norm = l.qk_norm.as_ref().map(|(q, k)| QkNorm { q, k, eps: m.eps });
+        let q = rope_store(
+            &qkv,
+            &m.cos,
+            &m.sin,
+            positions,
+            rows,
+            (kc, vc),
+            m.heads,
+            m.style,
+            norm,
+        )?;
+        let o = decode_attention(&q, kc, vc, positions, rows, scale, m.window)?
+            .reshape((batch, m.heads * m.head_dim))?;
+        x = (x + linear(&o, &l.o.0, l.o.1.as_ref())?)?;
+        let h = rms_norm(&x, &l.mlp_norm, m.eps)?;
+        x = (x + linear(&linear_swiglu(&h, &l.gate, &l.up)?, &l.down, None)?)?;
+    }
+    linear(&rms_norm(&x, &m.norm, m.eps)?, &m.head, None)
+}
+
+/// The step's sizes, checked.
+#[derive(Debug, Clone, Copy)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+struct Dims {
+    batch: usize,
+    /// The caches' rows (`batch` without rows).
+    cache_rows: usize,
+    hidden: usize,
+    vocab: usize,
+    /// The MLP's width.
+    ffn: usize,
+    max_seq: usize,
+    /// The rotary tables' rows.
+    table: usize,
+}
+
+impl Dims {
+    fn of(
+        m: &StepModel,
+        caches: &[(Tensor, Tensor)],
+        batch: usize,
+        rows: Option<&Tensor>,
+    ) -> Result<Self> {
+        let &[vocab, hidden] = m.embed.dims() else {
+            return Err(check::shape(OP, "embed", &m.embed, "[vocab, hidden]"));
+        };
+        check::float(OP, "embed", &m.embed)?;
+        let (heads, kv, hd) = (m.heads, m.kv_heads, m.head_dim);
+        if hd == 0 || !hd.is_multiple_of(2) {
+            return Err(check::shape(
+                OP,
+                "cos",
+                &m.cos,
+                "[table, head_dim / 2] with an even head_dim",
+            ));
+        }
+        let (Some(first), Some((k0, _))) = (m.layers.first(), caches.first()) else {
+            return Err(KernelError::NoLayers.into());
+        };
+        let &[cache_rows, _, max_seq, _] = k0.dims() else {
+            return Err(check::shape(
+                OP,
+                "k_cache",
+                k0,
+                "[rows, kv_heads, max_seq, head_dim]",
+            ));
+        };
+        let &[ffn, _] = first.gate.dims() else {
+            return Err(check::shape(OP, "gate", &first.gate, "[ffn, hidden]"));
+        };
+        let &[table, half] = m.cos.dims() else {
+            return Err(check::shape(OP, "cos", &m.cos, "[table, head_dim / 2]"));
+        };
+        if half != hd / 2 || table == 0 || m.sin.dims() != m.cos.dims() {
+            return Err(check::shape(
+                OP,
+                "cos",
+                &m.cos,
+                "[table, head_dim / 2], sin's shape",
+            ));
+        }
+        if (rows.is_none() && cache_rows != batch) || cache_rows == 0 || max_seq == 0 {
+            return Err(check::shape(
+                OP,
+                "k_cache",
+                k0,
+                "[batch (or any rows, with rows), kv_heads, max_seq > 0, head_dim]",
+            ));
+        }
+        let like = |name: &'static str, t: &Tensor, dims: &[usize], expected| -> Result<()> {
+            check::like(OP, name, t, "embed", &m.embed)?;
+            if t.dims() != dims {
+                return Err(check::shape(OP, name, t, expected));
+            }
+            check::contiguous(OP, name, t)
+        };
+        let proj =
+            |name, (w, b): &(Tensor, Option<Tensor>), out: usize, inp: usize| -> Result<()> {
+                like(name, w, &[out, inp], "[out, in] of the model's sizes")?;
+                match b {
+                    Some(b) => like("bias", b, &[out], "[out]"),
+                    None => Ok(()),
+                }
+            };
+        let cache = [cache_rows, kv, max_seq, hd];
+        for (l, (kc, vc)) in m.layers.iter().zip(caches) {
+            like("attn_norm", &l.attn_norm, &[hidden], "[hidden]")?;
+            like("mlp_norm", &l.mlp_norm, &[hidden], "[hidden]")?;
+            proj("q", &l.q, heads * hd, hidden)?;
+            proj("k", &l.k, kv * hd, hidden)?;
+            proj("v", &l.v, kv * hd, hidden)?;
+            proj("o", &l.o, hidden, heads * hd)?;
+            like("gate", &l.gate, &[ffn, hidden], "[ffn, hidden]")?;
+            like("up", &l.up, &[ffn, hidden], "[ffn, hidden]")?;
+            like("down", &l.down, &[hidden, ffn], "[hidden, ffn]")?;
+            if let Some((qn, kn)) = &l.qk_norm {
+                like("q norm", qn, &[hd], "[head_dim]")?;
+                like("k norm", kn, &[hd], "[head_dim]")?;
+            }
+            like("k_cache", kc, &cache, "[rows, kv_heads, max_seq, head_dim]")?;
+            like("v_cache", vc, &cache, "k_cache's shape")?;
+        }
+        like("norm", &m.norm, &[hidden], "[hidden]")?;
+        like("head", &m.head, &[vocab, hidden], "[vocab, hidden]")?;
+        like("cos", &m.cos, &[table, half], "[table, head_dim / 2]")?;
+        like("sin", &m.sin, &[table, half], "[table, head_dim / 2]")?;
+        for (what, size) in [
+            ("the hidden size", hidden),
+            ("the vocabulary", vocab),
+            ("the MLP's width", ffn),
+            ("the query width", heads * hd),
+        ] {
+            check::u32_of(OP, what, size)?;
+        }
+        Ok(Dims {
+            batch,
+            cache_rows,
+            hidden,
+            vocab,
+            ffn,
+            max_seq,
+            table,
+        })
+    }
+}
+
+/// The custom op over the embedding table, holding the model and the step's device values.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+struct Step {
+    model: StepModel,
+    caches: Vec<(Tensor, Tensor)>,
+    tokens: Tensor,
+    positions: Tensor,
+    rows: Option<Tensor>,
+    dims: Dims,
+}
+
+impl CustomOp1 for Step {
+    fn name(&self) -> &'static str {
+        OP
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        // `decode_step` composes this crate's ops on the CPU instead.
+        Err(KernelError::CudaOnly { op: OP }.into())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        embed: &candle_core::CudaStorage,
+        layout: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        cuda::forward(self, embed, layout)
+    }
+}
+
+impl Step {
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    fn out_shape(&self) -> Shape {
+        Shape::from_dims(&[self.dims.batch, self.dims.vocab])
+    }
+}

@@ -1,0 +1,269 @@
+//! `decode_step` on CUDA: one scratch allocation, then every kernel of the step back to back
+//! on the device's stream, each after the first a programmatic dependent of the one before.
+
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, ValidAsZeroBits,
+};
+use candle_core::cuda_backend::{CudaDevice, Map1};
+use candle_core::{CudaStorage, Layout, Result, Shape, Tensor, WithDType};
+
+use super::{OP, Step};
+use crate::MAX_PARTS;
+use crate::attention::cuda::AttentionLaunch;
+use crate::linear::cuda::MatvecLaunch;
+use crate::nvrtc::{Args, Kernels, address, view};
+use crate::rope::cuda::RopeLaunch;
+
+static KERNELS: Kernels = Kernels::new("graft_kernels_step", include_str!("embed.cu"));
+
+/// Alignment of each scratch buffer (what the 16-byte loads need, and more).
+const ALIGN: usize = 256;
+
+pub(super) fn forward(
+    op: &Step,
+    embed: &CudaStorage,
+    layout: &Layout,
+) -> Result<(CudaStorage, Shape)> {
+    let device = embed.device.clone();
+    let slice = op.map(&embed.slice, &device, layout)?;
+    Ok((CudaStorage { slice, device }, op.out_shape()))
+}
+
+impl Map1 for Step {
+    fn f<T: DeviceRepr + WithDType + ValidAsZeroBits>(
+        &self,
+        embed: &CudaSlice<T>,
+        device: &CudaDevice,
+        layout: &Layout,
+    ) -> Result<CudaSlice<T>> {
+        let stream = device.cuda_stream();
+        let embed = view(OP, "embed", embed, layout)?.device_ptr(&stream).0;
+        run::<T>(self, embed, device, &stream)
+    }
+}
+
+/// Byte offsets of the scratch buffers, each [`ALIGN`]ed, and the total.
+struct Layout2 {
+    h: usize,
+    qkv: usize,
+    q: usize,
+    attn: usize,
+    act: usize,
+    part_o: usize,
+    part_ml: usize,
+    total: usize,
+}
+
+fn run<T: WithDType + DeviceRepr + ValidAsZeroBits>(
+    op: &Step,
+    embed: u64,
+    device: &CudaDevice,
+    stream: &std::sync::Arc<CudaStream>,
+) -> Result<CudaSlice<T>> {
+    let m = &op.model;
+    let d = op.dims;
+    let (b, heads, kv, hd) = (d.batch, m.heads, m.kv_heads, m.head_dim);
+    let attention = crate::attention::Dims::for_step(b, d.cache_rows, heads, kv, d.max_seq, hd);
+    let splits = attention.splits();
+    let t = size_of::<T>();
+    let mut at = 0usize;
+    let mut next = |bytes: usize| {
+        let start = at;
+        at = (at + bytes).next_multiple_of(ALIGN);
+        start
+    };
+    let layout = Layout2 {
+        h: next(b * d.hidden * t),
+        qkv: next(b * (heads + 2 * kv) * hd * t),
+        q: next(b * heads * hd * t),
+        attn: next(b * heads * hd * t),
+        act: next(b * d.ffn * t),
+        part_o: next(b * heads * splits * hd * 4),
+        part_ml: next(b * heads * splits * 2 * 4),
+        total: 0,
+    };
+    let layout = Layout2 {
+        total: at,
+        ..layout
+    };
+    // SAFETY: every byte a kernel reads is written first: the embedding writes h, each
+    // projection its output, rope_store q (and the caches), the split kernel the partials
+    // the combine kernel reads (see `AttentionLaunch`), the combine attn.
+    let scratch = unsafe { device.alloc::<u8>(layout.total)? };
+    // SAFETY: the head's projection writes every logit before anything reads them.
+    let logits = unsafe { device.alloc::<T>(b * d.vocab)? };
+    let base = scratch.device_ptr(stream).0;
+    let buf = |offset: usize| base + offset as u64;
+    let (h, qkv, q, attn, act) = (
+        buf(layout.h),
+        buf(layout.qkv),
+        buf(layout.q),
+        buf(layout.attn),
+        buf(layout.act),
+    );
+    let addr = |t: &Tensor, name| address(OP, t, name, device);
+    let positions = addr(&op.positions, "positions")?;
+    let rows = match &op.rows {
+        Some(r) => addr(r, "rows")?,
+        None => 0,
+    };
+
+    // The embedding: the first kernel, after the allocations (no programmatic edge).
+    let hidden = d.hidden as u32;
+    let vocab = d.vocab as u32;
+    let tokens = addr(&op.tokens, "tokens")?;
+    let mut args = Args::new();
+    args.arg(&tokens)
+        .arg(&embed)
+        .arg(&h)
+        .arg(&hidden)
+        .arg(&vocab);
+    let config = LaunchConfig {
+        grid_dim: (b as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let name = format!("graft_step_embed_{}", T::DTYPE.as_str());
+    // SAFETY: the arguments match `graft_step_embed_<dtype>(const unsigned int*, const T*, T*,
+    // unsigned int, unsigned int)`: tokens holds batch u32 (checked), the table vocab * hidden
+    // (checked), h batch * hidden in the scratch; the kernel clamps each token below vocab.
+    unsafe { KERNELS.launch(device, stream, &name, config, false, &mut args) }?;
+
+    let project = |x: u64,
+                   parts: &[(&Tensor, Option<&Tensor>)],
+                   norm: Option<&Tensor>,
+                   y: u64,
+                   k: usize,
+                   pair: bool,
+                   residual: bool|
+     -> Result<()> {
+        let mut w = [0u64; MAX_PARTS];
+        let mut bias = [0u64; MAX_PARTS];
+        let mut ns = [0usize; MAX_PARTS];
+        let mut bias_mask = 0u32;
+        for (i, (wi, bi)) in parts.iter().enumerate() {
+            w[i] = addr(wi, "weight")?;
+            ns[i] = wi.dims()[0];
+            if let Some(bi) = bi {
+                bias[i] = addr(bi, "bias")?;
+                bias_mask |= 1 << i;
+            }
+        }
+        for i in 0..MAX_PARTS {
+            if i >= parts.len() {
+                w[i] = w[0];
+            }
+            if bias_mask & (1 << i) == 0 {
+                bias[i] = w[0];
+            }
+        }
+        let launch = MatvecLaunch {
+            x,
+            w,
+            b: bias,
+            bias_mask,
+            gate: 0,
+            norm: norm.map(|n| addr(n, "norm")).transpose()?.unwrap_or(0),
+            eps: m.eps,
+            y,
+            rows: b,
+            k,
+            ns,
+            pair,
+            residual,
+        };
+        // SAFETY: `Dims::of` checked every weight, bias and norm against the model's sizes
+        // (contiguous, of T; the op holds clones, so all live); x and y are scratch buffers
+        // (or the logits) of rows * k and rows * n elements; rows <= MATVEC_ROWS
+        // (`decode_step_fits`); with residual, y holds the residual stream the embedding and
+        // the projections before wrote.
+        unsafe { launch.launch::<T>(device, stream, true) }
+    };
+    let pair = |(w, b): &(Tensor, Option<Tensor>)| (w.clone(), b.clone());
+    for (l, (kc, vc)) in m.layers.iter().zip(&op.caches) {
+        let (wq, wk, wv) = (pair(&l.q), pair(&l.k), pair(&l.v));
+        project(
+            h,
+            &[
+                (&wq.0, wq.1.as_ref()),
+                (&wk.0, wk.1.as_ref()),
+                (&wv.0, wv.1.as_ref()),
+            ],
+            Some(&l.attn_norm),
+            qkv,
+            d.hidden,
+            false,
+            false,
+        )?;
+        let caches = (addr(kc, "k_cache")?, addr(vc, "v_cache")?);
+        let norms = match &l.qk_norm {
+            Some((qn, kn)) => Some((addr(qn, "q norm")?, addr(kn, "k norm")?, m.eps)),
+            None => None,
+        };
+        let rope = RopeLaunch {
+            qkv,
+            cos: addr(&m.cos, "cos")?,
+            sin: addr(&m.sin, "sin")?,
+            positions,
+            rows,
+            norms,
+            q_out: q,
+            caches,
+            dims: crate::rope::Dims::for_step(b, d.cache_rows, heads, kv, hd, d.max_seq, d.table),
+            style: m.style,
+        };
+        // SAFETY: qkv holds batch * (heads + 2 kv) * head_dim elements (just projected), the
+        // tables, positions, rows, norms and caches were checked by `Dims::of`, q is scratch of
+        // batch * heads * head_dim.
+        unsafe { rope.launch::<T>(device, stream, true) }?;
+        let attention = AttentionLaunch {
+            q,
+            k: caches.0,
+            v: caches.1,
+            positions,
+            rows,
+            part_o: buf(layout.part_o),
+            part_ml: buf(layout.part_ml),
+            out: attn,
+            dims: attention,
+            reach: m.window.map_or(d.max_seq, |w| w.min(d.max_seq)),
+            scale: 1.0 / (hd as f32).sqrt(),
+        };
+        // SAFETY: q was just written; the caches, positions and rows were checked; the
+        // partials' scratch and attn were sized for these dims above.
+        unsafe { attention.launch::<T>(device, stream, true) }?;
+        let wo = pair(&l.o);
+        project(
+            attn,
+            &[(&wo.0, wo.1.as_ref())],
+            None,
+            h,
+            heads * hd,
+            false,
+            true,
+        )?;
+        project(
+            h,
+            &[(&l.gate, None), (&l.up, None)],
+            Some(&l.mlp_norm),
+            act,
+            d.hidden,
+            true,
+            false,
+        )?;
+        project(act, &[(&l.down, None)], None, h, d.ffn, false, true)?;
+    }
+    let out = logits.device_ptr(stream).0;
+    project(
+        h,
+        &[(&m.head, None)],
+        Some(&m.norm),
+        out,
+        d.hidden,
+        false,
+        false,
+    )?;
+    // The scratch is freed (stream-ordered) after the last kernel that reads it.
+    drop(scratch);
+    Ok(logits)
+}

@@ -1,0 +1,178 @@
+//! `decode_step` on a device against its CPU composition (the unfused ops), over several
+//! steps of a small seeded model: the logits and both caches.
+
+use candle_core::{DType, Device, Result, Tensor};
+use graft_candle_kernels::{RopeStyle, StepLayer, StepModel, decode_step};
+
+use super::{assert_close, random};
+
+/// One model shape: with query/key/value biases, with per-head norms (Qwen3), the rotary
+/// style, a sliding window.
+#[derive(Debug, Clone, Copy)]
+pub struct StepCase {
+    pub batch: usize,
+    pub biases: bool,
+    pub qk_norm: bool,
+    pub style: RopeStyle,
+    pub window: Option<usize>,
+    pub seed: u64,
+}
+
+/// Every shape the decoders use, at one and two rows.
+pub fn step_cases() -> Vec<StepCase> {
+    let mut cases = Vec::new();
+    for (i, (biases, qk_norm, style, window)) in [
+        (false, false, RopeStyle::Half, None),
+        (true, false, RopeStyle::Half, Some(5)),
+        (false, true, RopeStyle::Interleaved, None),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        for batch in [1, 2] {
+            cases.push(StepCase {
+                batch,
+                biases,
+                qk_norm,
+                style,
+                window,
+                seed: 7 + i as u64,
+            });
+        }
+    }
+    cases
+}
+
+const HIDDEN: usize = 256;
+const HEADS: usize = 4;
+const KV_HEADS: usize = 2;
+const HEAD_DIM: usize = 64;
+const FFN: usize = 512;
+const VOCAB: usize = 300;
+const LAYERS: usize = 2;
+const MAX_SEQ: usize = 40;
+
+/// A seeded model of `c`'s shape in `dtype` on `device`.
+pub fn step_model(c: &StepCase, dtype: DType, device: &Device) -> Result<StepModel> {
+    let mut seed = c.seed * 1000;
+    let mut t = |shape: &[usize], scale: f32| {
+        seed += 1;
+        random(seed, shape, scale, dtype, device)
+    };
+    let mut layers = Vec::new();
+    for _ in 0..LAYERS {
+        let mut proj = |out: usize, inp: usize, bias: bool| -> Result<(Tensor, Option<Tensor>)> {
+            let w = t(&[out, inp], 0.08)?;
+            let b = if bias { Some(t(&[out], 0.1)?) } else { None };
+            Ok((w, b))
+        };
+        let q = proj(HEADS * HEAD_DIM, HIDDEN, c.biases)?;
+        let k = proj(KV_HEADS * HEAD_DIM, HIDDEN, c.biases)?;
+        let v = proj(KV_HEADS * HEAD_DIM, HIDDEN, c.biases)?;
+        let o = proj(HIDDEN, HEADS * HEAD_DIM, false)?;
+        let gate = proj(FFN, HIDDEN, false)?.0;
+        let up = proj(FFN, HIDDEN, false)?.0;
+        let down = proj(HIDDEN, FFN, false)?.0;
+        let ones = |n: usize| -> Result<Tensor> {
+            Tensor::ones(n, dtype, device)? + random(c.seed + n as u64, &[n], 0.2, dtype, device)?
+        };
+        layers.push(StepLayer {
+            attn_norm: ones(HIDDEN)?,
+            q,
+            k,
+            v,
+            qk_norm: if c.qk_norm {
+                Some((ones(HEAD_DIM)?, ones(HEAD_DIM)?))
+            } else {
+                None
+            },
+            o,
+            mlp_norm: ones(HIDDEN)?,
+            gate,
+            up,
+            down,
+        });
+    }
+    let half = HEAD_DIM / 2;
+    let angles: Vec<f32> = (0..MAX_SEQ * half)
+        .map(|i| (i / half) as f32 * 0.5f32.powi((i % half) as i32 / 4))
+        .collect();
+    let angles = Tensor::from_vec(angles, (MAX_SEQ, half), &Device::Cpu)?;
+    Ok(StepModel {
+        embed: t(&[VOCAB, HIDDEN], 1.0)?,
+        layers,
+        norm: (Tensor::ones(HIDDEN, dtype, device)? * 1.1)?,
+        head: t(&[VOCAB, HIDDEN], 0.08)?,
+        cos: angles.cos()?.to_dtype(dtype)?.to_device(device)?,
+        sin: angles.sin()?.to_dtype(dtype)?.to_device(device)?,
+        style: c.style,
+        heads: HEADS,
+        kv_heads: KV_HEADS,
+        head_dim: HEAD_DIM,
+        eps: 1e-5,
+        window: c.window,
+    })
+}
+
+/// Zeroed caches of `batch` rows for every layer.
+pub fn step_caches(batch: usize, dtype: DType, device: &Device) -> Result<Vec<(Tensor, Tensor)>> {
+    let shape = (batch, KV_HEADS, MAX_SEQ, HEAD_DIM);
+    (0..LAYERS)
+        .map(|_| {
+            Ok((
+                Tensor::zeros(shape, dtype, device)?,
+                Tensor::zeros(shape, dtype, device)?,
+            ))
+        })
+        .collect()
+}
+
+/// 12 steps of `c` on `device` and on the CPU from the same tokens, each sequence at its own
+/// position: the logits of every step and the caches after the last agree within `dtype`'s
+/// tolerance (scaled for the whole step's rounding).
+pub fn check_step(device: &Device, c: &StepCase, dtype: DType) -> Result<()> {
+    let cpu = Device::Cpu;
+    let (theirs, ours) = (step_model(c, dtype, &cpu)?, step_model(c, dtype, device)?);
+    let (cpu_caches, caches) = (
+        step_caches(c.batch, dtype, &cpu)?,
+        step_caches(c.batch, dtype, device)?,
+    );
+    let (atol, rtol) = match dtype {
+        DType::F32 => (2e-4, 2e-4),
+        _ => (8e-2, 8e-2),
+    };
+    for step in 0..12u32 {
+        let tokens: Vec<u32> = (0..c.batch as u32)
+            .map(|b| (step * 37 + b * 101) % VOCAB as u32)
+            .collect();
+        let positions: Vec<u32> = (0..c.batch as u32).map(|b| step + 3 * b).collect();
+        let run = |m: &StepModel, caches: &[(Tensor, Tensor)], dev: &Device| -> Result<Tensor> {
+            let tokens = Tensor::new(tokens.as_slice(), dev)?;
+            let positions = Tensor::new(positions.as_slice(), dev)?;
+            decode_step(m, caches, &tokens, &positions, None)
+        };
+        let want = run(&theirs, &cpu_caches, &cpu)?;
+        let got = run(&ours, &caches, device)?;
+        assert_close(
+            &format!("{c:?} {dtype:?} step {step} logits"),
+            &got,
+            &want,
+            (atol, rtol),
+        )?;
+    }
+    for (i, ((k, v), (ck, cv))) in caches.iter().zip(&cpu_caches).enumerate() {
+        assert_close(
+            &format!("{c:?} {dtype:?} layer {i} keys"),
+            k,
+            ck,
+            (atol, rtol),
+        )?;
+        assert_close(
+            &format!("{c:?} {dtype:?} layer {i} values"),
+            v,
+            cv,
+            (atol, rtol),
+        )?;
+    }
+    Ok(())
+}
