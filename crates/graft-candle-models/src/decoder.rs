@@ -15,8 +15,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use candle_core::{D, DType, Device, Result, Tensor};
 use candle_nn::{Activation, Linear, VarBuilder};
 use graft_candle_kernels::{
-    MATVEC_ROWS, QkNorm, SideStream, StepLayer, StepModel, add_rms_norm, argmax_last,
-    decode_attention, decode_attention_fits, decode_step, linear_cat, rope_store,
+    QkNorm, SideStream, StepLayer, StepModel, add_rms_norm, argmax_last, decode_attention,
+    decode_attention_fits, decode_step, decode_step_fits, linear_cat, rope_store,
 };
 
 use super::cache::KvCache;
@@ -437,7 +437,11 @@ impl Decoder {
     pub(crate) fn logits(&self, cache: &KvCache, tokens: &Tensor) -> Result<Tensor> {
         let batch = tokens.dims1()?;
         let positions = cache.positions_of(batch)?;
-        if let Some(step) = self.step.as_ref().filter(|_| batch <= MATVEC_ROWS) {
+        let s = &self.spec;
+        let fits = |_: &&StepModel| {
+            decode_step_fits(batch, s.hidden, self.dtype, s.heads, s.kv_heads, s.head_dim).is_ok()
+        };
+        if let Some(step) = self.step.as_ref().filter(fits) {
             let caches = (0..self.spec.layers)
                 .map(|i| cache.layer(i, batch))
                 .collect::<Result<Vec<_>>>()?;

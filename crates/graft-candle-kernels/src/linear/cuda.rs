@@ -13,9 +13,9 @@ use candle_core::cuda_backend::cudarc::driver::{
 use candle_core::cuda_backend::{CudaDevice, Map1};
 use candle_core::{CudaStorage, Layout, Result, Shape, WithDType};
 
-use super::{MATVEC_ROWS, MAX_PARTS, Matvec, OP};
-use crate::check;
+use super::{MATVEC_ROWS, MAX_PARTS, Matvec, NORMED_ROWS_BYTES, OP};
 use crate::nvrtc::{Args, Kernels, address, view};
+use crate::{KernelError, check};
 
 /// Warps per block.
 const WARPS: u32 = 8;
@@ -127,13 +127,30 @@ impl MatvecLaunch {
             .arg(&self.bias_mask)
             .arg(&split)
             .arg(&residual);
+        // The normed rows, in shared memory (what `decode_step_fits` bounds).
+        let shared = if self.norm != 0 {
+            self.rows * self.k * size_of::<T>()
+        } else {
+            0
+        };
+        if shared > NORMED_ROWS_BYTES {
+            return Err(KernelError::TooLarge {
+                op: OP,
+                what: "the normed rows' shared memory",
+                size: shared,
+            }
+            .into());
+        }
         let config = LaunchConfig {
             grid_dim: (blocks, 1, 1),
             block_dim: (WARPS * 32, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: shared as u32,
         };
         // SAFETY: the arguments match `graft_matvec_<variant>_<dtype>(const T* x9, float, T*,
-        // unsigned int x8)`, every buffer by address, as the caller guarantees; rows <= 2
+        // unsigned int x8)`, every buffer by address, as the caller guarantees; with a norm
+        // the dynamic shared memory holds the rows * k normed elements the kernel writes and
+        // reads (at most NORMED_ROWS_BYTES, under the 48 KiB a launch has without opting in);
+        // rows <= 2
         // (the kernel's sums per lane); `split` divides the block's 8 warps (the shared sums
         // are 8 warps' of 2 * ROWS); the 16-byte loads run only when k * size_of::<T>() is a
         // multiple of 16 and x, the norm and every weight start 16-byte aligned, so every row

@@ -4,8 +4,9 @@
 // 8 / split outputs), each summing every split-th 32-chunk stretch of the row; the first warp
 // of each output adds the others' sums from shared memory. ROWS >= rows.
 //
-// As a decode stage it also takes `norm` (non-null: x is RMS-normed by the block first, each
-// element rounded to T as the unfused norm leaves it) and `residual` (1: the output is added to
+// As a decode stage it also takes `norm` (non-null: x is RMS-normed by the block first into
+// dynamic shared memory, rows * k elements of T, each rounded to T as the unfused norm leaves
+// it) and `residual` (1: the output is added to
 // what y holds, rounded once before the add and once after, as a residual add of the rounded
 // projection). Launched as a programmatic dependent, it lets its dependents start at once,
 // loads its first round of weights (static: no kernel of the step writes them) and then waits
@@ -13,6 +14,9 @@
 
 // 16-byte chunks of a weight row each lane loads before using any.
 #define GRAFT_MATVEC_U 4
+
+// The normed rows of x (rows * k elements of T) when the launch has a norm.
+extern __shared__ uint4 graft_matvec_smem[];
 
 // The round of chunks starting at `base` of the weight row(s), zero past the row's end.
 template <typename T, bool PAIR>
@@ -38,7 +42,6 @@ __device__ void graft_matvec(const T* x, const T* w0, const T* w1, const T* w2,
                              unsigned int residual) {
     graft_pdl_trigger();
     __shared__ float partial[8][2 * ROWS];
-    __shared__ float scale[ROWS];
     __shared__ float scratch[32];
     const unsigned int lane = threadIdx.x & 31u;
     const unsigned int warp = threadIdx.x >> 5;
@@ -74,20 +77,26 @@ __device__ void graft_matvec(const T* x, const T* w0, const T* w1, const T* w2,
         graft_matvec_load<T, PAIR>(wa4, wb4, first, stride, chunks, raw0, raw1);
     }
     graft_pdl_wait();
-    // Each row's norm scale, summed by the whole block (every thread takes part).
+    // With a norm, the block writes each row of x RMS-normed (rounded to T, as the unfused
+    // norm leaves it) into shared memory, and the projection reads it there.
+    const T* xs = x;
     if (norm) {
+        T* xn = reinterpret_cast<T*>(graft_matvec_smem);
         for (unsigned int r = 0; r < rows; ++r) {
+            const T* xr = x + (unsigned long long)r * k;
             float squares = 0.0f;
             for (unsigned int i = threadIdx.x; i < k; i += blockDim.x) {
-                const float v = graft_to_f32(x[(unsigned long long)r * k + i]);
+                const float v = graft_to_f32(xr[i]);
                 squares += v * v;
             }
-            squares = graft_block_sum(squares, scratch);
-            if (threadIdx.x == 0) {
-                scale[r] = 1.0f / sqrtf(squares / (float)k + eps);
+            const float scale = 1.0f / sqrtf(graft_block_sum(squares, scratch) / (float)k + eps);
+            for (unsigned int i = threadIdx.x; i < k; i += blockDim.x) {
+                xn[r * k + i] =
+                    graft_from_f32<T>(graft_to_f32(xr[i]) * scale * graft_to_f32(norm[i]));
             }
         }
         __syncthreads();
+        xs = xn;
     }
     float a0[ROWS];
     float a1[ROWS];
@@ -100,7 +109,6 @@ __device__ void graft_matvec(const T* x, const T* w0, const T* w1, const T* w2,
     } else if (VEC) {
         // GRAFT_MATVEC_U 16-byte chunks of the row per lane in flight: all loads of a round
         // are issued before any is used, then each is unpacked once for every input row.
-        const uint4* g4 = reinterpret_cast<const uint4*>(norm);
         for (unsigned int base = first; base < chunks; base += stride * GRAFT_MATVEC_U) {
             if (base != first) {
                 graft_matvec_load<T, PAIR>(wa4, wb4, base, stride, chunks, raw0, raw1);
@@ -117,22 +125,13 @@ __device__ void graft_matvec(const T* x, const T* w0, const T* w1, const T* w2,
 #pragma unroll
             for (int r = 0; r < ROWS; ++r) {
                 if (r < rows) {
-                    const uint4* xr = reinterpret_cast<const uint4*>(x + (unsigned long long)r * k);
+                    const uint4* xr = reinterpret_cast<const uint4*>(xs + (unsigned long long)r * k);
 #pragma unroll
                     for (int u = 0; u < GRAFT_MATVEC_U; ++u) {
                         const unsigned int c = base + stride * u;
                         if (c < chunks) {
                             float fx[GraftVec<T>::E];
                             GraftVec<T>::unpack(xr[c], fx);
-                            if (norm) {
-                                float fg[GraftVec<T>::E];
-                                GraftVec<T>::unpack(__ldg(g4 + c), fg);
-#pragma unroll
-                                for (unsigned int e = 0; e < E; ++e) {
-                                    fx[e] = graft_to_f32(
-                                        graft_from_f32<T>(fx[e] * scale[r] * fg[e]));
-                                }
-                            }
 #pragma unroll
                             for (unsigned int e = 0; e < E; ++e) {
                                 a0[r] += fx[e] * f0[u][e];
@@ -152,11 +151,7 @@ __device__ void graft_matvec(const T* x, const T* w0, const T* w1, const T* w2,
 #pragma unroll
             for (int r = 0; r < ROWS; ++r) {
                 if (r < rows) {
-                    float fx = graft_to_f32(x[(unsigned long long)r * k + i]);
-                    if (norm) {
-                        fx = graft_to_f32(
-                            graft_from_f32<T>(fx * scale[r] * graft_to_f32(norm[i])));
-                    }
+                    const float fx = graft_to_f32(xs[(unsigned long long)r * k + i]);
                     a0[r] += fx * f0;
                     if (PAIR) {
                         a1[r] += fx * f1;
