@@ -209,16 +209,6 @@ pub enum KernelError {
         "decode_step: {rows} rows, but it takes at most {max}; run more rows through the per-op path (decode_step_fits says which)"
     )]
     StepRows { rows: usize, max: usize },
-    /// `decode_step`'s normed rows would not fit a block's shared memory.
-    #[error(
-        "decode_step: {rows} rows of hidden size {hidden} take {bytes} bytes normed, over the {limit} a projection block keeps; run fewer rows or the per-op path"
-    )]
-    StepHidden {
-        rows: usize,
-        hidden: usize,
-        bytes: usize,
-        limit: usize,
-    },
     /// `decode_step` got another number of cache pairs than the model has layers.
     #[error(
         "decode_step: {got} key/value cache pairs for a model of {layers} layers; pass one pair per layer"

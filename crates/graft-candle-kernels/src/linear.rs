@@ -25,10 +25,6 @@ const OP: &str = "linear";
 /// kernel ran at 0.3–1.1 TB/s, below cuBLAS (H200, docs/benchmarks.md).
 pub const MATVEC_ROWS: usize = 2;
 
-/// The most bytes of normed rows a matrix-vector launch with a norm (`decode_step`'s) keeps in
-/// a block's shared memory, under the 48 KiB a launch has without opting in.
-pub(crate) const NORMED_ROWS_BYTES: usize = 40 * 1024;
-
 /// The most weights [`linear_cat`] takes.
 pub const MAX_PARTS: usize = 3;
 

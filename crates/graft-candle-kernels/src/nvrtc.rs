@@ -1,5 +1,5 @@
-//! The CUDA plumbing the ops share: a module's source compiled with NVRTC once per process and
-//! device architecture and loaded into a candle device (candle keeps it per device by module
+//! The CUDA plumbing the ops share: a module's source compiled with NVRTC once per process (per
+//! device architecture for kernels launched as programmatic dependents) and loaded into a candle device (candle keeps it per device by module
 //! name), the one launch every kernel goes through ([`Kernels::launch`], plain or as a
 //! programmatic dependent), the CUDA C prelude every module starts with (dtype conversions by
 //! hand, warp reductions, the programmatic-launch trigger and wait; no headers), the typed
@@ -169,15 +169,19 @@ pub fn set_programmatic(on: bool) {
 type Compiled = std::result::Result<Arc<str>, KernelError>;
 
 /// One CUDA module of candle custom kernels: its name in candle's per-device table, its source
-/// (after the prelude) and its PTX per device architecture, compiled on first use and kept for
-/// the process (or NVRTC's error). Kept in a `static`, so that a process compiles each module
-/// once per architecture. Public for the other candle crates' own kernels (graft-candle's
-/// random numbers).
+/// (after the prelude) and its PTX, compiled on first use and kept for the process (or NVRTC's
+/// error). Kept in a `static`, so that a process compiles each module once (a module whose
+/// kernels are launched as programmatic dependents once per device architecture). Public for
+/// the other candle crates' own kernels (graft-candle's random numbers).
 #[derive(Debug)]
 pub struct Kernels {
     module: &'static str,
     source: &'static str,
-    /// The PTX compiled for each compute capability asked for (major * 10 + minor).
+    /// Compiled for the device's architecture, so that its kernels' trigger and wait are
+    /// there ([`Kernels::with_dependents`]); otherwise for NVRTC's default one.
+    dependents: bool,
+    /// The PTX compiled for each compute capability asked for (major * 10 + minor; 0: NVRTC's
+    /// default architecture).
     ptx: Mutex<Vec<(u32, Compiled)>>,
 }
 
@@ -212,11 +216,25 @@ impl Default for Args<'_> {
 }
 
 impl Kernels {
-    /// A module named `module` (unique in the process) with `source` after the prelude.
+    /// A module named `module` (unique in the process) with `source` after the prelude,
+    /// compiled for NVRTC's default architecture (its kernels' math the same on every device).
     pub const fn new(module: &'static str, source: &'static str) -> Self {
         Self {
             module,
             source,
+            dependents: false,
+            ptx: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// [`Kernels::new`] for kernels that are launched as programmatic dependents: compiled
+    /// for each device's own architecture, since their trigger and wait are instructions of
+    /// compute capability 9.0 (before it they compile to nothing).
+    pub const fn with_dependents(module: &'static str, source: &'static str) -> Self {
+        Self {
+            module,
+            source,
+            dependents: true,
             ptx: Mutex::new(Vec::new()),
         }
     }
@@ -226,19 +244,17 @@ impl Kernels {
         self.module
     }
 
-    /// The module's PTX for `device`'s architecture, compiled if this process has not yet;
-    /// pass it with [`Self::module`] to `CudaDevice::get_or_load_custom_func`, which loads it
-    /// into a device only once.
+    /// The module's PTX for `device` (for its architecture, with dependents), compiled if
+    /// this process has not yet; pass it with [`Self::module`] to
+    /// `CudaDevice::get_or_load_custom_func`, which loads it into a device only once.
     pub fn ptx(&self, device: &CudaDevice) -> Result<Arc<str>> {
-        let (major, minor) = device
-            .cuda_stream()
-            .context()
-            .compute_capability()
-            .map_err(|source| KernelError::Capability {
-                module: self.module,
-                source,
-            })?;
-        let arch = (major * 10 + minor) as u32;
+        let arch = match self.dependents {
+            true => {
+                let (major, minor) = capability(self.module, device)?;
+                (major * 10 + minor) as u32
+            }
+            false => 0,
+        };
         let mut compiled = self.ptx.lock().unwrap_or_else(PoisonError::into_inner);
         let at = match compiled.iter().position(|(a, _)| *a == arch) {
             Some(at) => at,
@@ -255,7 +271,8 @@ impl Kernels {
 
     /// Launches kernel `name` of the module on `stream` (the device's own or a side stream of
     /// it) with `config` and `args`; as a programmatic dependent of the kernel before it when
-    /// `dependent` and the device has compute capability 9.0 or later (through graft-cuda's
+    /// `dependent`, the module is [`Kernels::with_dependents`]' and the device has compute
+    /// capability 9.0 or later (through graft-cuda's
     /// [`programmatic::launch`](graft_cuda::programmatic::launch), which launches plainly
     /// where the driver cannot).
     ///
@@ -275,11 +292,10 @@ impl Kernels {
         args: &mut Args<'_>,
     ) -> Result<()> {
         let func = device.get_or_load_custom_func(name, self.module, &self.ptx(device)?)?;
-        let hopper = device
-            .cuda_stream()
-            .context()
-            .compute_capability()
-            .is_ok_and(|(major, _)| major >= 9);
+        let dependent = dependent
+            && self.dependents
+            && capability(self.module, device)?.0 >= 9
+            && PROGRAMMATIC.load(Ordering::Relaxed);
         let launch = graft_cuda::Launch {
             grid: config.grid_dim,
             block: config.block_dim,
@@ -297,7 +313,7 @@ impl Kernels {
                 stream.cu_stream(),
                 func.cu_function(),
                 &launch,
-                dependent && hopper && PROGRAMMATIC.load(Ordering::Relaxed),
+                dependent,
                 &mut args.pointers,
             )
         }
@@ -309,10 +325,23 @@ impl Kernels {
     }
 }
 
+/// `device`'s compute capability, major and minor.
+fn capability(module: &'static str, device: &CudaDevice) -> Result<(i32, i32)> {
+    device
+        .cuda_stream()
+        .context()
+        .compute_capability()
+        .map_err(|source| KernelError::Capability { module, source }.into())
+}
+
+/// Compiles `source` for compute capability `arch` (major * 10 + minor; 0: NVRTC's default).
 fn compile(module: &'static str, source: &str, arch: u32) -> Compiled {
     let opts = nvrtc::CompileOptions {
         name: Some(format!("{module}.cu")),
-        options: vec![format!("--gpu-architecture=compute_{arch}")],
+        options: match arch {
+            0 => Vec::new(),
+            arch => vec![format!("--gpu-architecture=compute_{arch}")],
+        },
         ..Default::default()
     };
     let ptx =

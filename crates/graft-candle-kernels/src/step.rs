@@ -16,9 +16,8 @@
 #[cfg(feature = "cuda")]
 mod cuda;
 
-use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 
-use crate::linear::NORMED_ROWS_BYTES;
 use crate::{
     KernelError, MATVEC_ROWS, QkNorm, RopeStyle, check, decode_attention, decode_attention_fits,
     linear, linear_cat, linear_swiglu, rms_norm, rope_store,
@@ -67,14 +66,10 @@ pub struct StepModel {
     pub window: Option<usize>,
 }
 
-/// Whether [`decode_step`] takes `rows` rows of a model of this hidden size, dtype, head
-/// counts and head dim (`Err` says why not): at most [`MATVEC_ROWS`] rows, their normed
-/// copies within a block's shared memory (40 KiB: 2 rows of a hidden size of 8,192 in bf16),
-/// and heads the fused attention takes.
+/// Whether [`decode_step`] takes `rows` rows of a model of these head counts and head dim
+/// (`Err` says why not): at most [`MATVEC_ROWS`] rows, and heads the fused attention takes.
 pub fn decode_step_fits(
     rows: usize,
-    hidden: usize,
-    dtype: DType,
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
@@ -83,15 +78,6 @@ pub fn decode_step_fits(
         return Err(KernelError::StepRows {
             rows,
             max: MATVEC_ROWS,
-        });
-    }
-    let bytes = rows * hidden * dtype.size_in_bytes();
-    if bytes > NORMED_ROWS_BYTES {
-        return Err(KernelError::StepHidden {
-            rows,
-            hidden,
-            bytes,
-            limit: NORMED_ROWS_BYTES,
         });
     }
     decode_attention_fits(heads, kv_heads, head_dim)
@@ -111,15 +97,7 @@ pub fn decode_step(
     rows: Option<&Tensor>,
 ) -> Result<Tensor> {
     let batch = tokens.dims1()?;
-    let hidden = model.embed.dims().get(1).copied().unwrap_or(0);
-    decode_step_fits(
-        batch,
-        hidden,
-        model.embed.dtype(),
-        model.heads,
-        model.kv_heads,
-        model.head_dim,
-    )?;
+    decode_step_fits(batch, model.heads, model.kv_heads, model.head_dim)?;
     check::indices(OP, "tokens", tokens, &model.embed)?;
     check::indices(OP, "positions", positions, &model.embed)?;
     if positions.dims() != [batch] {

@@ -23,7 +23,7 @@ use crate::nvrtc::{Args, Kernels, address, view};
 /// Threads of a split-kernel block.
 const THREADS: u32 = 128;
 
-static KERNELS: Kernels = Kernels::new(
+static KERNELS: Kernels = Kernels::with_dependents(
     "graft_kernels_decode_attention",
     r#"
 // The partial of query heads first .. first + group (first = b * heads + kvh * group) over the

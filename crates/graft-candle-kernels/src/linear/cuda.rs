@@ -13,9 +13,9 @@ use candle_core::cuda_backend::cudarc::driver::{
 use candle_core::cuda_backend::{CudaDevice, Map1};
 use candle_core::{CudaStorage, Layout, Result, Shape, WithDType};
 
-use super::{MATVEC_ROWS, MAX_PARTS, Matvec, NORMED_ROWS_BYTES, OP};
+use super::{MATVEC_ROWS, MAX_PARTS, Matvec, OP};
+use crate::check;
 use crate::nvrtc::{Args, Kernels, address, view};
-use crate::{KernelError, check};
 
 /// Warps per block.
 const WARPS: u32 = 8;
@@ -32,7 +32,8 @@ fn split(n: usize, k: usize) -> u32 {
     1 << s.ilog2()
 }
 
-static KERNELS: Kernels = Kernels::new("graft_kernels_matvec", include_str!("matvec.cu"));
+static KERNELS: Kernels =
+    Kernels::with_dependents("graft_kernels_matvec", include_str!("matvec.cu"));
 
 /// One matrix-vector launch's operands, by device address (see `matvec.cu`).
 pub(crate) struct MatvecLaunch {
@@ -127,24 +128,10 @@ impl MatvecLaunch {
             .arg(&self.bias_mask)
             .arg(&split)
             .arg(&residual);
-        // The normed rows, in shared memory (what `decode_step_fits` bounds).
-        let shared = if self.norm != 0 {
-            self.rows * self.k * size_of::<T>()
-        } else {
-            0
-        };
-        if shared > NORMED_ROWS_BYTES {
-            return Err(KernelError::TooLarge {
-                op: OP,
-                what: "the normed rows' shared memory",
-                size: shared,
-            }
-            .into());
-        }
         let config = LaunchConfig {
             grid_dim: (blocks, 1, 1),
             block_dim: (WARPS * 32, 1, 1),
-            shared_mem_bytes: shared as u32,
+            shared_mem_bytes: 0,
         };
         // SAFETY: the arguments match `graft_matvec_<variant>_<dtype>(const T* x9, float, T*,
         // unsigned int x8)`, every buffer by address, as the caller guarantees; with a norm

@@ -4,9 +4,10 @@
 // 8 / split outputs), each summing every split-th 32-chunk stretch of the row; the first warp
 // of each output adds the others' sums from shared memory. ROWS >= rows.
 //
-// As a decode stage it also takes `norm` (non-null: x is RMS-normed by the block first into
-// dynamic shared memory, rows * k elements of T, each rounded to T as the unfused norm leaves
-// it) and `residual` (1: the output is added to
+// As a decode stage it also takes `norm` (non-null: x is RMS-normed first, in the same pass:
+// the weight rows are scaled by the norm's weight as they are loaded, the warps of an output
+// sum the row's squares beside its dot product, and the sum is scaled by 1 / rms at the end;
+// the normed x is never rounded to T) and `residual` (1: the output is added to
 // what y holds, rounded once before the add and once after, as a residual add of the rounded
 // projection). Launched as a programmatic dependent, it lets its dependents start at once,
 // loads its first round of weights (static: no kernel of the step writes them) and then waits
@@ -15,8 +16,6 @@
 // 16-byte chunks of a weight row each lane loads before using any.
 #define GRAFT_MATVEC_U 4
 
-// The normed rows of x (rows * k elements of T) when the launch has a norm.
-extern __shared__ uint4 graft_matvec_smem[];
 
 // The round of chunks starting at `base` of the weight row(s), zero past the row's end.
 template <typename T, bool PAIR>
@@ -41,8 +40,7 @@ __device__ void graft_matvec(const T* x, const T* w0, const T* w1, const T* w2,
                              unsigned int bias_mask, unsigned int split,
                              unsigned int residual) {
     graft_pdl_trigger();
-    __shared__ float partial[8][2 * ROWS];
-    __shared__ float scratch[32];
+    __shared__ float partial[8][3 * ROWS];
     const unsigned int lane = threadIdx.x & 31u;
     const unsigned int warp = threadIdx.x >> 5;
     const unsigned int j = blockIdx.x * ((blockDim.x >> 5) / split) + warp / split;
@@ -77,38 +75,21 @@ __device__ void graft_matvec(const T* x, const T* w0, const T* w1, const T* w2,
         graft_matvec_load<T, PAIR>(wa4, wb4, first, stride, chunks, raw0, raw1);
     }
     graft_pdl_wait();
-    // With a norm, the block writes each row of x RMS-normed (rounded to T, as the unfused
-    // norm leaves it) into shared memory, and the projection reads it there.
-    const T* xs = x;
-    if (norm) {
-        T* xn = reinterpret_cast<T*>(graft_matvec_smem);
-        for (unsigned int r = 0; r < rows; ++r) {
-            const T* xr = x + (unsigned long long)r * k;
-            float squares = 0.0f;
-            for (unsigned int i = threadIdx.x; i < k; i += blockDim.x) {
-                const float v = graft_to_f32(xr[i]);
-                squares += v * v;
-            }
-            const float scale = 1.0f / sqrtf(graft_block_sum(squares, scratch) / (float)k + eps);
-            for (unsigned int i = threadIdx.x; i < k; i += blockDim.x) {
-                xn[r * k + i] =
-                    graft_from_f32<T>(graft_to_f32(xr[i]) * scale * graft_to_f32(norm[i]));
-            }
-        }
-        __syncthreads();
-        xs = xn;
-    }
     float a0[ROWS];
     float a1[ROWS];
+    // With a norm: each row's sum of squares, over the stretches this warp covers.
+    float sq[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
         a0[r] = 0.0f;
         a1[r] = 0.0f;
+        sq[r] = 0.0f;
     }
     if (!active) {
     } else if (VEC) {
         // GRAFT_MATVEC_U 16-byte chunks of the row per lane in flight: all loads of a round
         // are issued before any is used, then each is unpacked once for every input row.
+        const uint4* g4 = reinterpret_cast<const uint4*>(norm);
         for (unsigned int base = first; base < chunks; base += stride * GRAFT_MATVEC_U) {
             if (base != first) {
                 graft_matvec_load<T, PAIR>(wa4, wb4, base, stride, chunks, raw0, raw1);
@@ -121,19 +102,35 @@ __device__ void graft_matvec(const T* x, const T* w0, const T* w1, const T* w2,
                 if (PAIR) {
                     GraftVec<T>::unpack(raw1[u], f1[u]);
                 }
+                // With a norm, its weight folded into the projection's: g_i * w_ji.
+                const unsigned int c = base + stride * u;
+                if (norm && c < chunks) {
+                    float fg[GraftVec<T>::E];
+                    GraftVec<T>::unpack(__ldg(g4 + c), fg);
+#pragma unroll
+                    for (unsigned int e = 0; e < E; ++e) {
+                        f0[u][e] *= fg[e];
+                        if (PAIR) {
+                            f1[u][e] *= fg[e];
+                        }
+                    }
+                }
             }
 #pragma unroll
             for (int r = 0; r < ROWS; ++r) {
                 if (r < rows) {
-                    const uint4* xr = reinterpret_cast<const uint4*>(xs + (unsigned long long)r * k);
+                    const uint4* xr = reinterpret_cast<const uint4*>(x + (unsigned long long)r * k);
 #pragma unroll
                     for (int u = 0; u < GRAFT_MATVEC_U; ++u) {
                         const unsigned int c = base + stride * u;
                         if (c < chunks) {
                             float fx[GraftVec<T>::E];
-                            GraftVec<T>::unpack(xr[c], fx);
+                            GraftVec<T>::unpack(__ldg(xr + c), fx);
 #pragma unroll
                             for (unsigned int e = 0; e < E; ++e) {
+                                if (norm) {
+                                    sq[r] += fx[e] * fx[e];
+                                }
                                 a0[r] += fx[e] * f0[u][e];
                                 if (PAIR) {
                                     a1[r] += fx[e] * f1[u][e];
@@ -146,12 +143,16 @@ __device__ void graft_matvec(const T* x, const T* w0, const T* w1, const T* w2,
         }
     } else {
         for (unsigned int i = first; i < k; i += stride) {
-            const float f0 = graft_to_f32(wa[i]);
-            const float f1 = PAIR ? graft_to_f32(wb[i]) : 0.0f;
+            const float g = norm ? graft_to_f32(norm[i]) : 1.0f;
+            const float f0 = graft_to_f32(wa[i]) * g;
+            const float f1 = PAIR ? graft_to_f32(wb[i]) * g : 0.0f;
 #pragma unroll
             for (int r = 0; r < ROWS; ++r) {
                 if (r < rows) {
-                    const float fx = graft_to_f32(xs[(unsigned long long)r * k + i]);
+                    const float fx = graft_to_f32(x[(unsigned long long)r * k + i]);
+                    if (norm) {
+                        sq[r] += fx * fx;
+                    }
                     a0[r] += fx * f0;
                     if (PAIR) {
                         a1[r] += fx * f1;
@@ -164,9 +165,11 @@ __device__ void graft_matvec(const T* x, const T* w0, const T* w1, const T* w2,
     for (int r = 0; r < ROWS; ++r) {
         const float s0 = graft_warp_sum(a0[r]);
         const float s1 = PAIR ? graft_warp_sum(a1[r]) : 0.0f;
+        const float s2 = norm ? graft_warp_sum(sq[r]) : 0.0f;
         if (lane == 0) {
             partial[warp][r] = s0;
             partial[warp][ROWS + r] = s1;
+            partial[warp][2 * ROWS + r] = s2;
         }
     }
     __syncthreads();
@@ -174,9 +177,17 @@ __device__ void graft_matvec(const T* x, const T* w0, const T* w1, const T* w2,
     if (active && part == 0 && lane < rows) {
         float s0 = 0.0f;
         float s1 = 0.0f;
+        float s2 = 0.0f;
         for (unsigned int q = 0; q < split; ++q) {
             s0 += partial[warp + q][lane];
             s1 += partial[warp + q][ROWS + lane];
+            s2 += partial[warp + q][2 * ROWS + lane];
+        }
+        if (norm) {
+            // x . (g * w) scaled by the row's 1 / rms: the norm's projection.
+            const float scale = 1.0f / sqrtf(s2 / (float)k + eps);
+            s0 *= scale;
+            s1 *= scale;
         }
         float out = s0;
         if (PAIR) {

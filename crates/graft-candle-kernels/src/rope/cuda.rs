@@ -13,7 +13,7 @@ use super::{OP, Part, RopeStore, RopeStyle};
 use crate::check;
 use crate::nvrtc::{Args, Kernels, address, view};
 
-static KERNELS: Kernels = Kernels::new(
+static KERNELS: Kernels = Kernels::with_dependents(
     "graft_kernels_rope_store",
     r#"
 template <typename T, bool INTERLEAVED>

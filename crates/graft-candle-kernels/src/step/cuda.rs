@@ -14,7 +14,7 @@ use crate::linear::cuda::MatvecLaunch;
 use crate::nvrtc::{Args, Kernels, address, view};
 use crate::rope::cuda::RopeLaunch;
 
-static KERNELS: Kernels = Kernels::new("graft_kernels_step", include_str!("embed.cu"));
+static KERNELS: Kernels = Kernels::with_dependents("graft_kernels_step", include_str!("embed.cu"));
 
 /// Alignment of each scratch buffer (what the 16-byte loads need, and more).
 const ALIGN: usize = 256;
