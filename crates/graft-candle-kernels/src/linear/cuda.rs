@@ -5,7 +5,13 @@
 //! ran at 0.8–1.4 TB/s on an H200), and keeps one f32 sum per input row (instantiated for 1
 //! and 2 rows); the warp reduces them with shuffles and the output's first warp adds the
 //! others' through shared memory. The weights and biases are passed by address (up to three
-//! side by side), so none is copied.
+//! side by side), so none is copied. `decode_step` also runs it with a norm (a `_norm`
+//! instantiation: the norm's weight folds into the weights as they load) and with a residual
+//! add, as a programmatic dependent that prefetches its first weights into L2 before its wait.
+//! Registers decide how many blocks share a multiprocessor, so each variant keeps only what
+//! it uses live (40 registers a thread for one row without a norm, 64 for gate and up with
+//! one, under ptxas for sm_90): holding a round of weights across the wait, or unpacking a
+//! whole round at once, doubled that and slowed every projection.
 
 use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, ValidAsZeroBits,
@@ -98,8 +104,9 @@ impl MatvecLaunch {
             (true, _) => "vec2",
         };
         let name = format!(
-            "graft_matvec_{variant}{}_{}",
+            "graft_matvec_{variant}{}{}_{}",
             if self.pair { "_swiglu" } else { "" },
+            if self.norm != 0 { "_norm" } else { "" },
             T::DTYPE.as_str()
         );
         let split = split(n, self.k);

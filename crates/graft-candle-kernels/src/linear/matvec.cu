@@ -32,7 +32,7 @@ __device__ __forceinline__ void graft_matvec_load(const uint4* wa4, const uint4*
     }
 }
 
-template <typename T, int ROWS, bool VEC, bool PAIR>
+template <typename T, int ROWS, bool VEC, bool PAIR, bool NORM>
 __device__ void graft_matvec(const T* x, const T* w0, const T* w1, const T* w2,
                              const T* b0, const T* b1, const T* b2, const T* gate,
                              const T* norm, float eps, T* y, unsigned int rows,
@@ -68,11 +68,19 @@ __device__ void graft_matvec(const T* x, const T* w0, const T* w1, const T* w2,
     const unsigned int first = 32u * part + lane;
     const uint4* wa4 = reinterpret_cast<const uint4*>(wa);
     const uint4* wb4 = reinterpret_cast<const uint4*>(wb);
-    // Before the wait: the first round of this lane's weights (nothing the step writes).
-    uint4 raw0[GRAFT_MATVEC_U];
-    uint4 raw1[GRAFT_MATVEC_U];
+    // Before the wait: this lane's first round of weights prefetched into L2 (nothing the
+    // step writes; no registers held across the wait).
     if (VEC && active) {
-        graft_matvec_load<T, PAIR>(wa4, wb4, first, stride, chunks, raw0, raw1);
+#pragma unroll
+        for (int u = 0; u < GRAFT_MATVEC_U; ++u) {
+            const unsigned int c = first + stride * u;
+            if (c < chunks) {
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(wa4 + c));
+                if (PAIR) {
+                    asm volatile("prefetch.global.L2 [%0];" ::"l"(wb4 + c));
+                }
+            }
+        }
     }
     graft_pdl_wait();
     float a0[ROWS];
@@ -88,53 +96,52 @@ __device__ void graft_matvec(const T* x, const T* w0, const T* w1, const T* w2,
     if (!active) {
     } else if (VEC) {
         // GRAFT_MATVEC_U 16-byte chunks of the row per lane in flight: all loads of a round
-        // are issued before any is used, then each is unpacked once for every input row.
+        // are issued before any is used, then each chunk is unpacked in turn (so few floats
+        // are live at once) and used for every input row.
         const uint4* g4 = reinterpret_cast<const uint4*>(norm);
         for (unsigned int base = first; base < chunks; base += stride * GRAFT_MATVEC_U) {
-            if (base != first) {
-                graft_matvec_load<T, PAIR>(wa4, wb4, base, stride, chunks, raw0, raw1);
-            }
-            float f0[GRAFT_MATVEC_U][GraftVec<T>::E];
-            float f1[GRAFT_MATVEC_U][GraftVec<T>::E];
+            uint4 raw0[GRAFT_MATVEC_U];
+            uint4 raw1[GRAFT_MATVEC_U];
+            graft_matvec_load<T, PAIR>(wa4, wb4, base, stride, chunks, raw0, raw1);
 #pragma unroll
             for (int u = 0; u < GRAFT_MATVEC_U; ++u) {
-                GraftVec<T>::unpack(raw0[u], f0[u]);
-                if (PAIR) {
-                    GraftVec<T>::unpack(raw1[u], f1[u]);
-                }
-                // With a norm, its weight folded into the projection's: g_i * w_ji.
                 const unsigned int c = base + stride * u;
-                if (norm && c < chunks) {
+                if (c >= chunks) {
+                    continue;
+                }
+                float w0[GraftVec<T>::E];
+                float w1[GraftVec<T>::E];
+                GraftVec<T>::unpack(raw0[u], w0);
+                if (PAIR) {
+                    GraftVec<T>::unpack(raw1[u], w1);
+                }
+                if (NORM) {
+                    // The norm's weight folded into the projection's: g_i * w_ji.
                     float fg[GraftVec<T>::E];
                     GraftVec<T>::unpack(__ldg(g4 + c), fg);
 #pragma unroll
                     for (unsigned int e = 0; e < E; ++e) {
-                        f0[u][e] *= fg[e];
+                        w0[e] *= fg[e];
                         if (PAIR) {
-                            f1[u][e] *= fg[e];
+                            w1[e] *= fg[e];
                         }
                     }
                 }
-            }
 #pragma unroll
-            for (int r = 0; r < ROWS; ++r) {
-                if (r < rows) {
-                    const uint4* xr = reinterpret_cast<const uint4*>(x + (unsigned long long)r * k);
+                for (int r = 0; r < ROWS; ++r) {
+                    if (r < rows) {
+                        const uint4* xr =
+                            reinterpret_cast<const uint4*>(x + (unsigned long long)r * k);
+                        float fx[GraftVec<T>::E];
+                        GraftVec<T>::unpack(__ldg(xr + c), fx);
 #pragma unroll
-                    for (int u = 0; u < GRAFT_MATVEC_U; ++u) {
-                        const unsigned int c = base + stride * u;
-                        if (c < chunks) {
-                            float fx[GraftVec<T>::E];
-                            GraftVec<T>::unpack(__ldg(xr + c), fx);
-#pragma unroll
-                            for (unsigned int e = 0; e < E; ++e) {
-                                if (norm) {
-                                    sq[r] += fx[e] * fx[e];
-                                }
-                                a0[r] += fx[e] * f0[u][e];
-                                if (PAIR) {
-                                    a1[r] += fx[e] * f1[u][e];
-                                }
+                        for (unsigned int e = 0; e < E; ++e) {
+                            if (NORM) {
+                                sq[r] += fx[e] * fx[e];
+                            }
+                            a0[r] += fx[e] * w0[e];
+                            if (PAIR) {
+                                a1[r] += fx[e] * w1[e];
                             }
                         }
                     }
@@ -143,14 +150,14 @@ __device__ void graft_matvec(const T* x, const T* w0, const T* w1, const T* w2,
         }
     } else {
         for (unsigned int i = first; i < k; i += stride) {
-            const float g = norm ? graft_to_f32(norm[i]) : 1.0f;
+            const float g = NORM ? graft_to_f32(norm[i]) : 1.0f;
             const float f0 = graft_to_f32(wa[i]) * g;
             const float f1 = PAIR ? graft_to_f32(wb[i]) * g : 0.0f;
 #pragma unroll
             for (int r = 0; r < ROWS; ++r) {
                 if (r < rows) {
                     const float fx = graft_to_f32(x[(unsigned long long)r * k + i]);
-                    if (norm) {
+                    if (NORM) {
                         sq[r] += fx * fx;
                     }
                     a0[r] += fx * f0;
@@ -165,7 +172,7 @@ __device__ void graft_matvec(const T* x, const T* w0, const T* w1, const T* w2,
     for (int r = 0; r < ROWS; ++r) {
         const float s0 = graft_warp_sum(a0[r]);
         const float s1 = PAIR ? graft_warp_sum(a1[r]) : 0.0f;
-        const float s2 = norm ? graft_warp_sum(sq[r]) : 0.0f;
+        const float s2 = NORM ? graft_warp_sum(sq[r]) : 0.0f;
         if (lane == 0) {
             partial[warp][r] = s0;
             partial[warp][ROWS + r] = s1;
@@ -183,7 +190,7 @@ __device__ void graft_matvec(const T* x, const T* w0, const T* w1, const T* w2,
             s1 += partial[warp + q][ROWS + lane];
             s2 += partial[warp + q][2 * ROWS + lane];
         }
-        if (norm) {
+        if (NORM) {
             // x . (g * w) scaled by the row's 1 / rms: the norm's projection.
             const float scale = 1.0f / sqrtf(s2 / (float)k + eps);
             s0 *= scale;
@@ -206,20 +213,25 @@ __device__ void graft_matvec(const T* x, const T* w0, const T* w1, const T* w2,
     }
 }
 
-#define GRAFT_MATVEC_ONE(suffix, T, name, ROWS, VEC, PAIR)                                   \
+#define GRAFT_MATVEC_ONE(suffix, T, name, ROWS, VEC, PAIR, NORM)                             \
     extern "C" __global__ void graft_matvec_##name##_##suffix(                               \
         const T* x, const T* w0, const T* w1, const T* w2, const T* b0, const T* b1,         \
         const T* b2, const T* gate, const T* norm, float eps, T* y, unsigned int rows,       \
         unsigned int k, unsigned int n0, unsigned int n1, unsigned int n2,                   \
         unsigned int bias_mask, unsigned int split, unsigned int residual) {                 \
-        graft_matvec<T, ROWS, VEC, PAIR>(x, w0, w1, w2, b0, b1, b2, gate, norm, eps, y,      \
-                                         rows, k, n0, n1, n2, bias_mask, split, residual);   \
+        graft_matvec<T, ROWS, VEC, PAIR, NORM>(x, w0, w1, w2, b0, b1, b2, gate, norm, eps,   \
+                                               y, rows, k, n0, n1, n2, bias_mask, split,     \
+                                               residual);                                    \
     }
+// Each instantiation, and the same with the norm (`_norm`: `norm` must be non-null).
+#define GRAFT_MATVEC_NORMS(suffix, T, name, ROWS, VEC, PAIR)                                 \
+    GRAFT_MATVEC_ONE(suffix, T, name, ROWS, VEC, PAIR, false)                                \
+    GRAFT_MATVEC_ONE(suffix, T, name##_norm, ROWS, VEC, PAIR, true)
 #define GRAFT_MATVEC(suffix, T)                                                              \
-    GRAFT_MATVEC_ONE(suffix, T, vec1, 1, true, false)                                        \
-    GRAFT_MATVEC_ONE(suffix, T, vec2, 2, true, false)                                        \
-    GRAFT_MATVEC_ONE(suffix, T, scalar2, 2, false, false)                                    \
-    GRAFT_MATVEC_ONE(suffix, T, vec1_swiglu, 1, true, true)                                  \
-    GRAFT_MATVEC_ONE(suffix, T, vec2_swiglu, 2, true, true)                                  \
-    GRAFT_MATVEC_ONE(suffix, T, scalar2_swiglu, 2, false, true)
+    GRAFT_MATVEC_NORMS(suffix, T, vec1, 1, true, false)                                      \
+    GRAFT_MATVEC_NORMS(suffix, T, vec2, 2, true, false)                                      \
+    GRAFT_MATVEC_NORMS(suffix, T, scalar2, 2, false, false)                                  \
+    GRAFT_MATVEC_NORMS(suffix, T, vec1_swiglu, 1, true, true)                                \
+    GRAFT_MATVEC_NORMS(suffix, T, vec2_swiglu, 2, true, true)                                \
+    GRAFT_MATVEC_NORMS(suffix, T, scalar2_swiglu, 2, false, true)
 GRAFT_FOR_DTYPES(GRAFT_MATVEC)
