@@ -103,6 +103,18 @@ __device__ void graft_matvec(const T* x, const T* w0, const T* w1, const T* w2,
             uint4 raw0[GRAFT_MATVEC_U];
             uint4 raw1[GRAFT_MATVEC_U];
             graft_matvec_load<T, PAIR>(wa4, wb4, base, stride, chunks, raw0, raw1);
+            // The next round's weights on their way into L2 while this round is used.
+            const unsigned int next = base + stride * GRAFT_MATVEC_U;
+#pragma unroll
+            for (int u = 0; u < GRAFT_MATVEC_U; ++u) {
+                const unsigned int c = next + stride * u;
+                if (c < chunks) {
+                    asm volatile("prefetch.global.L2 [%0];" ::"l"(wa4 + c));
+                    if (PAIR) {
+                        asm volatile("prefetch.global.L2 [%0];" ::"l"(wb4 + c));
+                    }
+                }
+            }
 #pragma unroll
             for (int u = 0; u < GRAFT_MATVEC_U; ++u) {
                 const unsigned int c = base + stride * u;
