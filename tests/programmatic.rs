@@ -121,7 +121,7 @@ fn a_dependent_reading_before_its_wait_is_caught<D: TestDevice>(dev: D) {
             }
             Ok(out) => {
                 let got = read(&g, &out[0].buffer);
-                if got.iter().any(|&v| v == 1.0) {
+                if got.contains(&1.0) {
                     stale_runs += 1;
                 }
             }
