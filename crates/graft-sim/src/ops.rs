@@ -162,14 +162,14 @@ pub(crate) fn run_kernel(
     before: Option<&KernelFn>,
     f: &KernelFn,
 ) -> Result<(), DeviceError> {
-    mem.begin_kernel();
+    mem.begin_kernel(name, before.is_some());
     let ran = match before {
         Some(before) => before(mem)
-            .and_then(|()| mem.check_wait(op, name))
+            .and_then(|()| mem.check_wait(op))
             .and_then(|()| f(mem)),
         None => f(mem),
     };
-    mem.end_kernel(name, before.is_some());
+    mem.end_kernel();
     ran
 }
 

@@ -27,12 +27,15 @@ pub(crate) struct Tracker {
     lane: Option<Lane>,
     main: Vec<Access>,
     side: Vec<Access>,
-    /// Per stream (runtime, side), the kernels that may still run when the stream's next
-    /// dependent starts, with what each touched: the last plain kernel and the dependents
-    /// launched after it.
-    chain: [Vec<(&'static str, Vec<Access>)>; 2],
-    /// What the kernel running now touched so far (`None`: no kernel is running).
-    running: Option<Vec<Access>>,
+    /// Per stream (runtime, side), the chain: the kernels that may still run when the
+    /// stream's next dependent starts (the last plain kernel and the dependents launched
+    /// after it, the one running now last), each with where its accesses start in `log`.
+    /// Cleared, never shrunk: a steady state of replays allocates nothing.
+    chain: [Vec<(&'static str, usize)>; 2],
+    /// Per stream, what the chain's kernels touched, in order.
+    log: [Vec<Access>; 2],
+    /// Whether a kernel is running (its accesses are logged).
+    running: bool,
 }
 
 /// The tracker behind `SimMemory`'s shared reads (a `RefCell`: the memory sits behind the
@@ -76,29 +79,41 @@ impl SimMemory {
     pub(crate) fn break_chain(&mut self) {
         let t = self.tracker.get_mut();
         t.chain.iter_mut().for_each(Vec::clear);
+        t.log.iter_mut().for_each(Vec::clear);
     }
 
-    /// A kernel starts: its accesses are logged from now on.
-    pub(crate) fn begin_kernel(&mut self) {
-        self.tracker.get_mut().running = Some(Vec::new());
-    }
-
-    /// A dependent kernel `name` reaches its wait: what it touched so far, against what the
-    /// kernels of the chain (which may still run) touched; the first conflict (one side
-    /// writes) is a `ProgrammaticRace`.
-    pub(crate) fn check_wait(
-        &mut self,
-        op: DeviceOp,
-        name: &'static str,
-    ) -> Result<(), DeviceError> {
+    /// Kernel `name` starts, a programmatic dependent or plain (which starts a new chain:
+    /// nothing before it can still run); its accesses are logged from now on.
+    pub(crate) fn begin_kernel(&mut self, name: &'static str, dependent: bool) {
         let t = self.tracker.get_mut();
-        for &a in t.running.iter().flatten() {
-            for (predecessor, accesses) in &t.chain[t.stream()] {
-                for &b in accesses {
+        let stream = t.stream();
+        if !dependent {
+            t.chain[stream].clear();
+            t.log[stream].clear();
+        }
+        let start = t.log[stream].len();
+        t.chain[stream].push((name, start));
+        t.running = true;
+    }
+
+    /// The dependent running now reaches its wait: what it touched so far, against what the
+    /// kernels before it in the chain (which may still run) touched; the first conflict (one
+    /// side writes) is a `ProgrammaticRace` naming both.
+    pub(crate) fn check_wait(&mut self, op: DeviceOp) -> Result<(), DeviceError> {
+        let t = self.tracker.get_mut();
+        let stream = t.stream();
+        let (chain, log) = (&t.chain[stream], &t.log[stream]);
+        let Some((&(dependent, own), before)) = chain.split_last() else {
+            return Ok(());
+        };
+        for &a in &log[own..] {
+            for (i, &(predecessor, start)) in before.iter().enumerate() {
+                let end = before.get(i + 1).map_or(own, |&(_, next)| next);
+                for &b in &log[start..end] {
                     if let Some((addr, len)) = conflict(a, b) {
                         return Err(DeviceError::ProgrammaticRace {
                             op,
-                            dependent: name,
+                            dependent,
                             predecessor,
                             addr,
                             len,
@@ -110,15 +125,9 @@ impl SimMemory {
         Ok(())
     }
 
-    /// Kernel `name` ended: a plain kernel starts a new chain, a dependent joins the chain.
-    pub(crate) fn end_kernel(&mut self, name: &'static str, dependent: bool) {
-        let t = self.tracker.get_mut();
-        let accesses = t.running.take().unwrap_or_default();
-        let chain = &mut t.chain[t.stream()];
-        if !dependent {
-            chain.clear();
-        }
-        chain.push((name, accesses));
+    /// The kernel running now ended.
+    pub(crate) fn end_kernel(&mut self) {
+        self.tracker.get_mut().running = false;
     }
 
     /// Logs an access of `len` bytes at `addr` on the current lane, in an open window.
@@ -130,14 +139,22 @@ impl SimMemory {
         }
         let access = (addr, addr.saturating_add(len as u64), write);
         let stream = t.stream();
-        match &mut t.running {
-            // Consecutive accesses of one kind merge (a kernel's loop over a tensor).
-            Some(running) => match running.last_mut() {
-                Some(last) if last.1 == access.0 && last.2 == write => last.1 = access.1,
-                _ => running.push(access),
-            },
+        if t.running {
+            // Consecutive accesses of one kind merge (a kernel's loop over a tensor), within
+            // the running kernel's own.
+            let own = t.chain[stream].last().map_or(0, |&(_, start)| start);
+            let log = &mut t.log[stream];
+            let mergeable = log.len() > own;
+            match log.last_mut() {
+                Some(last) if mergeable && last.1 == access.0 && last.2 == write => {
+                    last.1 = access.1
+                }
+                _ => log.push(access),
+            }
+        } else {
             // A copy or a host access: what follows on the stream starts after it.
-            None => t.chain[stream].clear(),
+            t.chain[stream].clear();
+            t.log[stream].clear();
         }
         if !t.open {
             return;
