@@ -3,14 +3,14 @@
 //! index winning ties.
 
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+    CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, ValidAsZeroBits,
 };
-use candle_core::cuda_backend::{CudaDevice, CudaStorageSlice, Map1Any, WrapErr};
+use candle_core::cuda_backend::{CudaDevice, CudaStorageSlice, Map1Any};
 use candle_core::{CudaStorage, Layout, Result, Shape, WithDType};
 
 use super::OP;
 use crate::check;
-use crate::nvrtc::{Kernels, view};
+use crate::nvrtc::{Args, Kernels, view};
 
 /// Threads per block.
 const THREADS: u32 = 1024;
@@ -102,16 +102,15 @@ impl Map1Any for Argmax {
         let rows = l.shape().elem_count() / self.n;
         // SAFETY: the kernel writes all `rows` indices (one block per row, lane 0 of its
         // first warp) before anything reads them: it is launched below on the device's stream.
-        let mut out = unsafe { device.alloc::<u32>(rows)? };
+        let out = unsafe { device.alloc::<u32>(rows)? };
         let name = format!("graft_argmax_{}", T::DTYPE.as_str());
-        let func =
-            device.get_or_load_custom_func(&name, KERNELS.module(), &KERNELS.ptx(device)?)?;
         let grid = check::u32_of(OP, "the row count", rows)?;
         let n = check::u32_of(OP, "the row length", self.n)?;
-        let mut launch = func.builder();
-        launch.arg(&x);
-        launch.arg(&mut out);
-        launch.arg(&n);
+        let stream = device.cuda_stream();
+        let x_ptr = x.device_ptr(&stream).0;
+        let out_ptr = out.device_ptr(&stream).0;
+        let mut args = Args::new();
+        args.arg(&x_ptr).arg(&out_ptr).arg(&n);
         let cfg = LaunchConfig {
             grid_dim: (grid, 1, 1),
             block_dim: (THREADS, 1, 1),
@@ -121,7 +120,7 @@ impl Map1Any for Argmax {
         // int)` with T the storage's dtype: `x` holds rows * n elements (contiguous), `out`
         // rows u32; block r reads only row r's n elements; the block is 32 whole warps (32
         // warp results in shared memory); all live until the launch is enqueued.
-        unsafe { launch.launch(cfg) }.w()?;
+        unsafe { KERNELS.launch(device, &stream, &name, cfg, false, &mut args) }?;
         Ok(CudaStorageSlice::U32(out))
     }
 }

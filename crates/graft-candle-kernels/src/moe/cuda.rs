@@ -11,15 +11,15 @@
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+    CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, ValidAsZeroBits,
 };
-use candle_core::cuda_backend::{CudaDevice, CudaStorageSlice, Map1Any, WrapErr};
+use candle_core::cuda_backend::{CudaDevice, CudaStorageSlice, Map1Any};
 use candle_core::{CudaStorage, Layout, Result, Shape, Tensor, WithDType};
 
 use super::source::KERNELS;
 use super::{EXPERTS, ExpertsOp, KernelError, ROUTE, Route};
 use crate::check;
-use crate::nvrtc::{address, view};
+use crate::nvrtc::{Args, address, view};
 
 /// Warps per block.
 const WARPS: u32 = 8;
@@ -89,25 +89,27 @@ impl Map1Any for Route {
         let tokens = l.shape().elem_count() / self.experts;
         // SAFETY: the kernel writes all `tokens * 2 * k` values (one warp per token, lane 0
         // writes its 2k) before anything reads them: it is launched below on the stream.
-        let mut out = unsafe { device.alloc::<f32>(tokens * 2 * self.top_k)? };
+        let out = unsafe { device.alloc::<f32>(tokens * 2 * self.top_k)? };
         let name = format!("graft_moe_route_{}", T::DTYPE.as_str());
-        let func =
-            device.get_or_load_custom_func(&name, KERNELS.module(), &KERNELS.ptx(device)?)?;
         let grid = blocks(ROUTE, "the token count", tokens)?;
         let (n, e, k) = (tokens as u32, self.experts as u32, self.top_k as u32);
         let normalize = u32::from(self.normalize);
-        let mut launch = func.builder();
-        launch.arg(&x);
-        launch.arg(&mut out);
-        launch.arg(&n);
-        launch.arg(&e);
-        launch.arg(&k);
-        launch.arg(&normalize);
+        let stream = device.cuda_stream();
+        let x = x.device_ptr(&stream).0;
+        let out_ptr = out.device_ptr(&stream).0;
+        let mut args = Args::new();
+        args.arg(&x)
+            .arg(&out_ptr)
+            .arg(&n)
+            .arg(&e)
+            .arg(&k)
+            .arg(&normalize);
+        let cfg = config((grid, 1), 0);
         // SAFETY: the arguments match `graft_moe_route_<dtype>(const T*, float*, unsigned int
         // x4)` with T the storage's dtype: `x` holds tokens * experts elements, `out` tokens *
         // 2k f32; experts <= 256 (eight per lane, checked by `route`) and 1 <= k <= experts;
         // warps past the last token return before any shuffle; all live until enqueued.
-        unsafe { launch.launch(config((grid, 1), 0)) }.w()?;
+        unsafe { KERNELS.launch(device, &stream, &name, cfg, false, &mut args) }?;
         Ok(CudaStorageSlice::F32(out))
     }
 }
@@ -178,18 +180,21 @@ impl ExpertsOp<'_> {
         let stream = device.cuda_stream();
         let table_at = address(EXPERTS, &table.addresses, "the address table", device)?;
         let weights_aligned = table.aligned;
-        let x_aligned = x.device_ptr(&stream).0.is_multiple_of(16);
+        let x = x.device_ptr(&stream).0;
+        let routing = routing.device_ptr(&stream).0;
+        let x_aligned = x.is_multiple_of(16);
         // Gate and up read rows of `hidden`, down rows of `intermediate`; `h` is a fresh
         // allocation (256-byte aligned).
         let vec_up = weights_aligned && x_aligned && (d * size_of::<T>()).is_multiple_of(16);
         let vec_down = weights_aligned && (f * size_of::<T>()).is_multiple_of(16);
         // SAFETY: the gate-and-up kernel writes all `tokens * k * f` elements (a warp per
         // intermediate output of each choice) before the down kernel reads them, on one stream.
-        let mut h = unsafe { device.alloc::<T>(tokens * k * f)? };
+        let h = unsafe { device.alloc::<T>(tokens * k * f)? };
         // SAFETY: all `tokens * d` outputs are written before anything reads them: by the
         // token-major down kernel (a warp per hidden output of each token), or by the combine
         // kernel (a thread per output).
-        let mut y = unsafe { device.alloc::<T>(tokens * d)? };
+        let y = unsafe { device.alloc::<T>(tokens * d)? };
+        let (h_ptr, y_ptr) = (h.device_ptr(&stream).0, y.device_ptr(&stream).0);
         let dtype = T::DTYPE.as_str();
         let kind = |vec: bool| if vec { "vec" } else { "scalar" };
         let slots = tokens * k;
@@ -217,21 +222,20 @@ impl ExpertsOp<'_> {
             order(2 * d * size_of::<T>()),
             kind(vec_up)
         );
-        let func =
-            device.get_or_load_custom_func(&up_name, KERNELS.module(), &KERNELS.ptx(device)?)?;
         let grid = (blocks(EXPERTS, "the intermediate size", f)?, grid_y);
-        let mut launch = func.builder();
-        launch.arg(&x);
-        launch.arg(&routing);
-        launch.arg(&table_at);
-        launch.arg(&mut h);
-        launch.arg(&hidden);
-        launch.arg(&inter);
-        launch.arg(&k32);
-        launch.arg(&n32);
+        let mut args = Args::new();
+        args.arg(&x)
+            .arg(&routing)
+            .arg(&table_at)
+            .arg(&h_ptr)
+            .arg(&hidden)
+            .arg(&inter)
+            .arg(&k32)
+            .arg(&n32);
         if by_expert {
-            launch.arg(&slots32);
+            args.arg(&slots32);
         }
+        let cfg = config(grid, shared);
         // SAFETY: the arguments match `graft_moe_gate_up_[by_expert_]<kind>_<dtype>(const T*,
         // const float*, const long long*, T*, unsigned int x4 [, unsigned int slots])`: `x`
         // holds tokens * hidden elements, `routing` tokens * 2k f32 made by `route` (indices
@@ -239,64 +243,64 @@ impl ExpertsOp<'_> {
         // weights of T that `Experts` holds alive ([inter, hidden] gates and ups), `h` tokens
         // * k * inter; by expert, the dynamic shared memory holds the `slots` list entries;
         // the 16-byte loads only with every weight, `x` and the row length 16-byte aligned.
-        unsafe { launch.launch(config(grid, shared)) }.w()?;
+        unsafe { KERNELS.launch(device, &stream, &up_name, cfg, false, &mut args) }?;
         let down_name = format!(
             "graft_moe_down_{}{}_{dtype}",
             order(f * size_of::<T>()),
             kind(vec_down)
         );
-        let func =
-            device.get_or_load_custom_func(&down_name, KERNELS.module(), &KERNELS.ptx(device)?)?;
         let grid = (blocks(EXPERTS, "the hidden size", d)?, grid_y);
         if !by_expert {
             let grid = (grid.0, tokens as u32);
-            let mut launch = func.builder();
-            launch.arg(&h);
-            launch.arg(&routing);
-            launch.arg(&table_at);
-            launch.arg(&mut y);
-            launch.arg(&hidden);
-            launch.arg(&inter);
-            launch.arg(&k32);
-            launch.arg(&n32);
+            let mut args = Args::new();
+            args.arg(&h_ptr)
+                .arg(&routing)
+                .arg(&table_at)
+                .arg(&y_ptr)
+                .arg(&hidden)
+                .arg(&inter)
+                .arg(&k32)
+                .arg(&n32);
+            let cfg = config(grid, 0);
             // SAFETY: as above, with the downs ([hidden, inter]) read through the table's last
             // third, `h` the gate-and-up kernel's tokens * k * inter elements and `y` tokens *
             // hidden; the 16-byte loads only with the weights and the row length aligned.
-            unsafe { launch.launch(config(grid, 0)) }.w()?;
+            unsafe { KERNELS.launch(device, &stream, &down_name, cfg, false, &mut args) }?;
             return Ok(y);
         }
         // SAFETY: the down kernel by expert writes all `slots * d` weighted outputs (every
         // choice is on exactly one expert's list, a warp per hidden output) before the combine
         // kernel reads them.
-        let mut ys = unsafe { device.alloc::<f32>(slots * d)? };
-        let mut launch = func.builder();
-        launch.arg(&h);
-        launch.arg(&routing);
-        launch.arg(&table_at);
-        launch.arg(&mut ys);
-        launch.arg(&hidden);
-        launch.arg(&inter);
-        launch.arg(&k32);
-        launch.arg(&n32);
-        launch.arg(&slots32);
+        let ys = unsafe { device.alloc::<f32>(slots * d)? };
+        let ys_ptr = ys.device_ptr(&stream).0;
+        let mut args = Args::new();
+        args.arg(&h_ptr)
+            .arg(&routing)
+            .arg(&table_at)
+            .arg(&ys_ptr)
+            .arg(&hidden)
+            .arg(&inter)
+            .arg(&k32)
+            .arg(&n32)
+            .arg(&slots32);
+        let cfg = config(grid, shared);
         // SAFETY: as the gate-and-up launch, with the downs ([hidden, inter]) through the
         // table's last third, `h` its slots * inter elements and `ys` slots * hidden f32.
-        unsafe { launch.launch(config(grid, shared)) }.w()?;
+        unsafe { KERNELS.launch(device, &stream, &down_name, cfg, false, &mut args) }?;
         let name = format!("graft_moe_combine_{dtype}");
-        let func =
-            device.get_or_load_custom_func(&name, KERNELS.module(), &KERNELS.ptx(device)?)?;
         let grid = check::u32_of(EXPERTS, "the outputs / 256", (tokens * d).div_ceil(256))?;
         let tokens32 = tokens as u32;
-        let mut launch = func.builder();
-        launch.arg(&ys);
-        launch.arg(&mut y);
-        launch.arg(&hidden);
-        launch.arg(&k32);
-        launch.arg(&tokens32);
+        let mut args = Args::new();
+        args.arg(&ys_ptr)
+            .arg(&y_ptr)
+            .arg(&hidden)
+            .arg(&k32)
+            .arg(&tokens32);
+        let cfg = config((grid, 1), 0);
         // SAFETY: the arguments match `graft_moe_combine_<dtype>(const float*, T*, unsigned
         // int x3)`: `ys` holds tokens * k * hidden f32, `y` tokens * hidden; one thread per
         // output, the threads past the last returning.
-        unsafe { launch.launch(config((grid, 1), 0)) }.w()?;
+        unsafe { KERNELS.launch(device, &stream, &name, cfg, false, &mut args) }?;
         Ok(y)
     }
 }

@@ -4,14 +4,14 @@
 //! store.
 
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+    CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, ValidAsZeroBits,
 };
-use candle_core::cuda_backend::{CudaDevice, Map3, WrapErr};
+use candle_core::cuda_backend::{CudaDevice, Map3};
 use candle_core::{CudaStorage, Layout, Result, Shape, WithDType};
 
 use super::{OP, packed_shape};
 use crate::check;
-use crate::nvrtc::{Kernels, view};
+use crate::nvrtc::{Args, Kernels, view};
 
 /// The most threads a block of this kernel has.
 const MAX_THREADS: usize = 1024;
@@ -151,20 +151,25 @@ impl Map3 for AddRmsNorm {
         // the normed sum of its `cols` elements, the grid has one block per row) before
         // anything reads them: it is launched below on the device's stream, which orders every
         // later use of the output.
-        let mut out = unsafe { device.alloc::<T>(2 * total)? };
+        let out = unsafe { device.alloc::<T>(2 * total)? };
         let name = format!("graft_add_rms_norm_{}", T::DTYPE.as_str());
-        let func =
-            device.get_or_load_custom_func(&name, KERNELS.module(), &KERNELS.ptx(device)?)?;
         let cols = check::u32_of(OP, "the row length", cols)?;
         let total = total as u64;
-        let mut launch = func.builder();
-        launch.arg(&x);
-        launch.arg(&r);
-        launch.arg(&w);
-        launch.arg(&mut out);
-        launch.arg(&cols);
-        launch.arg(&total);
-        launch.arg(&self.eps);
+        let stream = device.cuda_stream();
+        let [x, r, w, out_ptr] = [
+            x.device_ptr(&stream).0,
+            r.device_ptr(&stream).0,
+            w.device_ptr(&stream).0,
+            out.device_ptr(&stream).0,
+        ];
+        let mut args = Args::new();
+        args.arg(&x)
+            .arg(&r)
+            .arg(&w)
+            .arg(&out_ptr)
+            .arg(&cols)
+            .arg(&total)
+            .arg(&self.eps);
         let cfg = LaunchConfig {
             grid_dim: (rows, 1, 1),
             block_dim: (threads, 1, 1),
@@ -176,7 +181,7 @@ impl Map3 for AddRmsNorm {
         // wrapper), `out` `2 * total`; the block is a whole number of warps (the shuffles use
         // all 32 lanes) and at most 1024 threads (32 warp sums); all live until the launch is
         // enqueued on the device's stream.
-        unsafe { launch.launch(cfg) }.w()?;
+        unsafe { KERNELS.launch(device, &stream, &name, cfg, false, &mut args) }?;
         Ok(out)
     }
 }

@@ -1,14 +1,14 @@
 //! The SwiGLU kernels, forward and backward: one thread per element, 256 threads a block.
 
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+    CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, ValidAsZeroBits,
 };
-use candle_core::cuda_backend::{CudaDevice, Map2, Map3, WrapErr};
+use candle_core::cuda_backend::{CudaDevice, Map2, Map3};
 use candle_core::{CudaStorage, Layout, Result, Shape, WithDType};
 
 use super::OP;
 use crate::check;
-use crate::nvrtc::{Kernels, view};
+use crate::nvrtc::{Args, Kernels, view};
 
 /// Threads per block.
 const THREADS: u32 = 256;
@@ -87,17 +87,18 @@ impl Map2 for Swiglu {
         // SAFETY: the kernel writes all `n` elements (one thread each, the grid covers `n`)
         // before anything reads them: it is launched below on the device's stream, which
         // orders every later use of the output.
-        let mut out = unsafe { device.alloc::<T>(n)? };
+        let out = unsafe { device.alloc::<T>(n)? };
         let name = format!("graft_swiglu_{}", T::DTYPE.as_str());
-        let func =
-            device.get_or_load_custom_func(&name, KERNELS.module(), &KERNELS.ptx(device)?)?;
         let blocks = check::u32_of(OP, "the element count / 256", n.div_ceil(THREADS as usize))?;
         let n = n as u64;
-        let mut launch = func.builder();
-        launch.arg(&gate);
-        launch.arg(&up);
-        launch.arg(&mut out);
-        launch.arg(&n);
+        let stream = device.cuda_stream();
+        let [gate, up, out_ptr] = [
+            gate.device_ptr(&stream).0,
+            up.device_ptr(&stream).0,
+            out.device_ptr(&stream).0,
+        ];
+        let mut args = Args::new();
+        args.arg(&gate).arg(&up).arg(&out_ptr).arg(&n);
         let cfg = LaunchConfig {
             grid_dim: (blocks, 1, 1),
             block_dim: (THREADS, 1, 1),
@@ -107,7 +108,7 @@ impl Map2 for Swiglu {
         // long long)` with T the storage's dtype: `gate` and `up` hold `n` elements each (one
         // shape, checked by the wrapper), `out` holds `n`, and no thread touches an index at or
         // past `n`; all live until the launch is enqueued on the device's stream.
-        unsafe { launch.launch(cfg) }.w()?;
+        unsafe { KERNELS.launch(device, &stream, &name, cfg, false, &mut args) }?;
         Ok(out)
     }
 }
@@ -147,18 +148,19 @@ impl Map3 for SwigluBackward {
         let dy = view(OP, "dy", dy, dl)?;
         // SAFETY: thread i writes out[i] and out[n + i] and the grid covers `n`, so all `2n`
         // are written by the kernel launched below on the device's stream before any read.
-        let mut out = unsafe { device.alloc::<T>(2 * n)? };
+        let out = unsafe { device.alloc::<T>(2 * n)? };
         let name = format!("graft_swiglu_backward_{}", T::DTYPE.as_str());
-        let func =
-            device.get_or_load_custom_func(&name, KERNELS.module(), &KERNELS.ptx(device)?)?;
         let blocks = check::u32_of(OP, "the element count / 256", n.div_ceil(THREADS as usize))?;
         let n = n as u64;
-        let mut launch = func.builder();
-        launch.arg(&gate);
-        launch.arg(&up);
-        launch.arg(&dy);
-        launch.arg(&mut out);
-        launch.arg(&n);
+        let stream = device.cuda_stream();
+        let [gate, up, dy, out_ptr] = [
+            gate.device_ptr(&stream).0,
+            up.device_ptr(&stream).0,
+            dy.device_ptr(&stream).0,
+            out.device_ptr(&stream).0,
+        ];
+        let mut args = Args::new();
+        args.arg(&gate).arg(&up).arg(&dy).arg(&out_ptr).arg(&n);
         let cfg = LaunchConfig {
             grid_dim: (blocks, 1, 1),
             block_dim: (THREADS, 1, 1),
@@ -168,7 +170,7 @@ impl Map3 for SwigluBackward {
         // T*, T*, unsigned long long)`: `gate`, `up` and `dy` hold `n` elements (one shape,
         // checked), `out` `2n`; no thread touches an index past them; all live until the
         // launch is enqueued on the device's stream.
-        unsafe { launch.launch(cfg) }.w()?;
+        unsafe { KERNELS.launch(device, &stream, &name, cfg, false, &mut args) }?;
         Ok(out)
     }
 }

@@ -5,10 +5,10 @@
 
 use std::ops::Range;
 
-use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
-use candle_core::cuda_backend::{CudaDevice, CudaStorage, WrapErr};
+use candle_core::cuda_backend::cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig};
+use candle_core::cuda_backend::{CudaDevice, CudaStorage};
 use candle_core::{Result, bail};
-use graft_candle_kernels::Kernels;
+use graft_candle_kernels::{Args, Kernels};
 
 /// The module's name in candle's per-device table of custom modules.
 const MODULE: &str = "graft_candle_philox";
@@ -80,18 +80,19 @@ pub(super) fn uniform(state: &CudaStorage, range: Range<usize>, n: usize) -> Res
             "a draw of {n} random numbers needs more CUDA blocks than a launch allows; draw fewer at a time"
         );
     };
-    // Loaded by `DeviceRng::new`: this finds the module and only looks the function up.
-    let func = device.get_or_load_custom_func(UNIFORM, MODULE, &KERNELS.ptx(device)?)?;
     let words = state.as_cuda_slice::<u32>()?.slice(range);
     // SAFETY: the uniform kernel writes all `n` elements (threads cover ceil(n / 4) blocks of 4
     // lanes, bounded by `n`) before anything reads them: the kernel is launched just below on
     // the device's stream, which orders every later use of the tensor.
-    let mut out = unsafe { device.alloc::<f32>(n)? };
+    let out = unsafe { device.alloc::<f32>(n)? };
     let n = n as u64;
-    let mut launch = func.builder();
-    launch.arg(&words);
-    launch.arg(&mut out);
-    launch.arg(&n);
+    // Loaded by `DeviceRng::new`: the launch below finds the module and only looks the
+    // function up.
+    let stream = device.cuda_stream();
+    let words = words.device_ptr(&stream).0;
+    let out_ptr = out.device_ptr(&stream).0;
+    let mut args = Args::new();
+    args.arg(&words).arg(&out_ptr).arg(&n);
     let cfg = LaunchConfig {
         grid_dim: (grid, 1, 1),
         block_dim: (THREADS, 1, 1),
@@ -101,22 +102,22 @@ pub(super) fn uniform(state: &CudaStorage, range: Range<usize>, n: usize) -> Res
     // long long)`: `words` is 4 u32 (checked by the caller's `state_range`), `out` holds `n`
     // f32 and the kernel writes no element at or past `n`; both live until the launch is
     // enqueued, and the stream orders the kernel after the state's last write.
-    unsafe { launch.launch(cfg) }.w()?;
+    unsafe { KERNELS.launch(device, &stream, UNIFORM, cfg, false, &mut args) }?;
     Ok(CudaStorage::wrap_cuda_slice(out, device.clone()))
 }
 
 /// Adds `blocks` to the offset of the state words at `range` of `state`, on the device.
 pub(super) fn advance(state: &mut CudaStorage, range: Range<usize>, blocks: u64) -> Result<()> {
     let device = state.device.clone();
-    let func = device.get_or_load_custom_func(ADVANCE, MODULE, &KERNELS.ptx(&device)?)?;
     let slice = state.as_cuda_slice_mut::<u32>()?;
     let mut words = slice.slice_mut(range);
-    let mut launch = func.builder();
-    launch.arg(&mut words);
-    launch.arg(&blocks);
+    let stream = device.cuda_stream();
+    let words = words.device_ptr_mut(&stream).0;
+    let mut args = Args::new();
+    args.arg(&words).arg(&blocks);
     // SAFETY: the arguments match `graft_philox_advance(unsigned int*, unsigned long long)`;
     // `words` is the state's 4 u32 (checked by the caller's `state_range`), written by one
     // thread; the stream orders this kernel after the draw that read the old offset.
-    unsafe { launch.launch(ONE_THREAD) }.w()?;
+    unsafe { KERNELS.launch(&device, &stream, ADVANCE, ONE_THREAD, false, &mut args) }?;
     Ok(())
 }

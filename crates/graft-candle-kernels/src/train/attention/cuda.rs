@@ -29,7 +29,7 @@
 
 use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+    CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, ValidAsZeroBits,
 };
 use candle_core::cuda_backend::{CudaDevice, CudaStorageSlice, Map3, WrapErr};
 use candle_core::{CudaStorage, DType, Layout, Result, Shape, Storage, WithDType};
@@ -37,7 +37,7 @@ use candle_core::{CudaStorage, DType, Layout, Result, Shape, Storage, WithDType}
 use super::source::KERNELS;
 use super::{AttentionDkv, AttentionDq, CausalAttention, Dims, OP};
 use crate::check;
-use crate::nvrtc::{address, view};
+use crate::nvrtc::{Args, address, view};
 
 /// Warps of every block (the kernels' `GRAFT_CA_WARPS`).
 const WARPS: usize = 4;
@@ -199,10 +199,10 @@ impl Map3 for Forward<'_> {
         // 4R of the kernel it names), and lane l of the row's warp writes its head dims
         // l * E .. l * E + E (32 * E = head_dim). It is launched below on the device's
         // stream, which orders every later use.
-        let mut out = unsafe { device.alloc::<T>(d.q_len())? };
+        let out = unsafe { device.alloc::<T>(d.q_len())? };
         // SAFETY: as above: lane 0 of each row's warp writes the row's log-sum-exp, for every
         // (sequence, head, row), before the backward kernels read it on the same stream.
-        let mut lse = unsafe { device.alloc::<f32>(d.batch * d.heads * d.seq)? };
+        let lse = unsafe { device.alloc::<f32>(d.batch * d.heads * d.seq)? };
         let s = Sizes::of(&d)?;
         let (name, cfg) = plan(
             "forward",
@@ -213,19 +213,23 @@ impl Map3 for Forward<'_> {
             s.batch,
             device,
         )?;
-        let func =
-            device.get_or_load_custom_func(&name, KERNELS.module(), &KERNELS.ptx(device)?)?;
         let scale = d.scale();
-        let mut launch = func.builder();
-        launch.arg(&q);
-        launch.arg(&k);
-        launch.arg(&v);
-        launch.arg(&mut out);
-        launch.arg(&mut lse);
-        launch.arg(&s.seq);
-        launch.arg(&s.heads);
-        launch.arg(&s.kv_heads);
-        launch.arg(&scale);
+        let stream = device.cuda_stream();
+        let q = q.device_ptr(&stream).0;
+        let k = k.device_ptr(&stream).0;
+        let v = v.device_ptr(&stream).0;
+        let out_ptr = out.device_ptr(&stream).0;
+        let lse_ptr = lse.device_ptr(&stream).0;
+        let mut args = Args::new();
+        args.arg(&q)
+            .arg(&k)
+            .arg(&v)
+            .arg(&out_ptr)
+            .arg(&lse_ptr)
+            .arg(&s.seq)
+            .arg(&s.heads)
+            .arg(&s.kv_heads)
+            .arg(&scale);
         // SAFETY: the arguments match `graft_causal_attention_forward_<dtype>_<hd>_r<R>(const T*,
         // const T*, const T*, T*, float*, unsigned int x3, float)` with T the storage's dtype
         // and hd the head dim (64 or 128, checked): q and out hold batch * seq * heads * hd
@@ -235,7 +239,7 @@ impl Map3 for Forward<'_> {
         // < kv_heads (heads % kv_heads == 0, checked); its shared memory is static and the
         // block is the 4 warps it assumes. All live until the launch is enqueued on the
         // device's stream.
-        unsafe { launch.launch(cfg) }.w()?;
+        unsafe { KERNELS.launch(device, &stream, &name, cfg, false, &mut args) }?;
         self.0
             .lse
             .put(OP, rows_storage(lse, device), d.rows_shape())?;
@@ -270,10 +274,10 @@ impl Map3 for Dq<'_> {
         // (4R-row tile, head, sequence) covers every row below seq (`plan` divides seq by the
         // 4R of the kernel it names), and lane l of the row's warp writes its head dims
         // l * E .. l * E + E. Launched below on the device's stream.
-        let mut dq = unsafe { device.alloc::<T>(d.q_len())? };
+        let dq = unsafe { device.alloc::<T>(d.q_len())? };
         // SAFETY: as above: lane 0 of each row's warp writes the row's delta, for every
         // (sequence, head, row), before the key and value kernel reads it on the same stream.
-        let mut delta = unsafe { device.alloc::<f32>(d.batch * d.heads * d.seq)? };
+        let delta = unsafe { device.alloc::<f32>(d.batch * d.heads * d.seq)? };
         let s = Sizes::of(&d)?;
         let (name, cfg) = plan(
             "dq",
@@ -284,22 +288,26 @@ impl Map3 for Dq<'_> {
             s.batch,
             device,
         )?;
-        let func =
-            device.get_or_load_custom_func(&name, KERNELS.module(), &KERNELS.ptx(device)?)?;
         let scale = d.scale();
-        let mut launch = func.builder();
-        launch.arg(&q);
-        launch.arg(&k);
-        launch.arg(&v);
-        launch.arg(&out);
-        launch.arg(&grad);
-        launch.arg(&lse);
-        launch.arg(&mut delta);
-        launch.arg(&mut dq);
-        launch.arg(&s.seq);
-        launch.arg(&s.heads);
-        launch.arg(&s.kv_heads);
-        launch.arg(&scale);
+        let stream = device.cuda_stream();
+        let q = q.device_ptr(&stream).0;
+        let k = k.device_ptr(&stream).0;
+        let v = v.device_ptr(&stream).0;
+        let delta_ptr = delta.device_ptr(&stream).0;
+        let dq_ptr = dq.device_ptr(&stream).0;
+        let mut args = Args::new();
+        args.arg(&q)
+            .arg(&k)
+            .arg(&v)
+            .arg(&out)
+            .arg(&grad)
+            .arg(&lse)
+            .arg(&delta_ptr)
+            .arg(&dq_ptr)
+            .arg(&s.seq)
+            .arg(&s.heads)
+            .arg(&s.kv_heads)
+            .arg(&scale);
         // SAFETY: the arguments match `graft_causal_attention_dq_<dtype>_<hd>_r<R>(const T* x5,
         // const float*, float*, T*, unsigned int x3, float)` with T the storage's dtype and
         // hd the head dim (64 or 128): q, the output, its gradient (contiguous, T, by
@@ -308,7 +316,7 @@ impl Map3 for Dq<'_> {
         // f32; the kernel touches only rows below seq of sequences below batch (grid z), heads
         // below heads (grid y) and KV heads below kv_heads; static shared memory, 4 warps.
         // All live until the launch is enqueued on the device's stream.
-        unsafe { launch.launch(cfg) }.w()?;
+        unsafe { KERNELS.launch(device, &stream, &name, cfg, false, &mut args) }?;
         op.delta
             .put(OP, rows_storage(delta, device), d.rows_shape())?;
         Ok(dq)
@@ -342,7 +350,7 @@ impl Map3 for Dkv<'_> {
         // (4R-key tile, KV head, sequence) covers every key below seq (`plan` divides seq by
         // the 4R of the kernel it names), and lane l of the key's warp writes its head dims
         // l * E .. l * E + E of dk and of dv. Launched below on the device's stream.
-        let mut dkv = unsafe { device.alloc::<T>(2 * d.kv_len())? };
+        let dkv = unsafe { device.alloc::<T>(2 * d.kv_len())? };
         let s = Sizes::of(&d)?;
         let (name, cfg) = plan(
             "dkv",
@@ -353,22 +361,25 @@ impl Map3 for Dkv<'_> {
             s.batch,
             device,
         )?;
-        let func =
-            device.get_or_load_custom_func(&name, KERNELS.module(), &KERNELS.ptx(device)?)?;
         let scale = d.scale();
-        let mut launch = func.builder();
-        launch.arg(&q);
-        launch.arg(&k);
-        launch.arg(&v);
-        launch.arg(&grad);
-        launch.arg(&lse);
-        launch.arg(&delta);
-        launch.arg(&mut dkv);
-        launch.arg(&s.batch);
-        launch.arg(&s.seq);
-        launch.arg(&s.heads);
-        launch.arg(&s.kv_heads);
-        launch.arg(&scale);
+        let stream = device.cuda_stream();
+        let q = q.device_ptr(&stream).0;
+        let k = k.device_ptr(&stream).0;
+        let v = v.device_ptr(&stream).0;
+        let dkv_ptr = dkv.device_ptr(&stream).0;
+        let mut args = Args::new();
+        args.arg(&q)
+            .arg(&k)
+            .arg(&v)
+            .arg(&grad)
+            .arg(&lse)
+            .arg(&delta)
+            .arg(&dkv_ptr)
+            .arg(&s.batch)
+            .arg(&s.seq)
+            .arg(&s.heads)
+            .arg(&s.kv_heads)
+            .arg(&scale);
         // SAFETY: the arguments match `graft_causal_attention_dkv_<dtype>_<hd>_r<R>(const T* x4,
         // const float*, const float*, T*, unsigned int x4, float)` with T the storage's dtype
         // and hd the head dim (64 or 128): q and the output's gradient (contiguous, T, held
@@ -378,7 +389,7 @@ impl Map3 for Dkv<'_> {
         // sequences below batch (grid z), KV heads below kv_heads (grid y) and their group's
         // query heads below heads; static shared memory, 4 warps. All live until the launch
         // is enqueued on the device's stream.
-        unsafe { launch.launch(cfg) }.w()?;
+        unsafe { KERNELS.launch(device, &stream, &name, cfg, false, &mut args) }?;
         Ok(dkv)
     }
 }

@@ -3,13 +3,13 @@
 //! block per row for the gradient.
 
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchConfig,
 };
-use candle_core::cuda_backend::{CudaDevice, CudaStorageSlice, WrapErr};
+use candle_core::cuda_backend::{CudaDevice, CudaStorageSlice};
 use candle_core::{CudaStorage, Layout, Result, Tensor, WithDType};
 
 use super::OP;
-use crate::nvrtc::{Kernels, address, view};
+use crate::nvrtc::{Args, Kernels, address, view};
 use crate::{KernelError, check};
 
 /// Threads per block.
@@ -124,25 +124,21 @@ pub(super) fn forward(
     // SAFETY: block `row` of the row kernel writes saved[row] and saved[rows + row] and the
     // grid has a block per row; the mean kernel, after it on the device's stream, writes
     // out[0]; nothing reads either before those launches.
-    let mut saved = unsafe { device.alloc::<f32>(2 * rows)? };
+    let saved = unsafe { device.alloc::<f32>(2 * rows)? };
     // SAFETY: as above.
-    let mut mean = unsafe { device.alloc::<f32>(1)? };
+    let mean = unsafe { device.alloc::<f32>(1)? };
     let (rows_u, vocab_u) = (rows as u32, vocab as u32);
     match &logits.slice {
-        CudaStorageSlice::F32(l) => launch_rows(&device, l, ll, &t, &mut saved, rows_u, vocab_u)?,
-        CudaStorageSlice::BF16(l) => launch_rows(&device, l, ll, &t, &mut saved, rows_u, vocab_u)?,
-        CudaStorageSlice::F16(l) => launch_rows(&device, l, ll, &t, &mut saved, rows_u, vocab_u)?,
+        CudaStorageSlice::F32(l) => launch_rows(&device, l, ll, &t, &saved, rows_u, vocab_u)?,
+        CudaStorageSlice::BF16(l) => launch_rows(&device, l, ll, &t, &saved, rows_u, vocab_u)?,
+        CudaStorageSlice::F16(l) => launch_rows(&device, l, ll, &t, &saved, rows_u, vocab_u)?,
         _ => return Err(dtype_error(logits)),
     }
-    let func = device.get_or_load_custom_func(
-        "graft_cross_entropy_mean",
-        KERNELS.module(),
-        &KERNELS.ptx(&device)?,
-    )?;
-    let mut launch = func.builder();
-    launch.arg(&saved);
-    launch.arg(&mut mean);
-    launch.arg(&rows_u);
+    let stream = device.cuda_stream();
+    let saved_ptr = saved.device_ptr(&stream).0;
+    let mean_ptr = mean.device_ptr(&stream).0;
+    let mut args = Args::new();
+    args.arg(&saved_ptr).arg(&mean_ptr).arg(&rows_u);
     let cfg = LaunchConfig {
         grid_dim: (1, 1, 1),
         block_dim: (THREADS, 1, 1),
@@ -151,7 +147,16 @@ pub(super) fn forward(
     // SAFETY: the arguments match `graft_cross_entropy_mean(const float*, float*, unsigned
     // int)`: `saved` holds at least `rows` losses, `mean` one float; one block of 8 whole
     // warps; all live until the launch is enqueued.
-    unsafe { launch.launch(cfg) }.w()?;
+    unsafe {
+        KERNELS.launch(
+            &device,
+            &stream,
+            "graft_cross_entropy_mean",
+            cfg,
+            false,
+            &mut args,
+        )
+    }?;
     Ok((
         CudaStorage {
             slice: CudaStorageSlice::F32(mean),
@@ -178,25 +183,29 @@ fn launch_rows<T: DeviceRepr + WithDType>(
     logits: &CudaSlice<T>,
     ll: &Layout,
     targets: &CudaView<'_, u32>,
-    saved: &mut CudaSlice<f32>,
+    saved: &CudaSlice<f32>,
     rows: u32,
     vocab: u32,
 ) -> Result<()> {
     let logits = view(OP, "logits", logits, ll)?;
     let name = format!("graft_cross_entropy_rows_{}", T::DTYPE.as_str());
-    let func = device.get_or_load_custom_func(&name, KERNELS.module(), &KERNELS.ptx(device)?)?;
-    let mut launch = func.builder();
-    launch.arg(&logits);
-    launch.arg(targets);
-    launch.arg(saved);
-    launch.arg(&rows);
-    launch.arg(&vocab);
+    let stream = device.cuda_stream();
+    let logits = logits.device_ptr(&stream).0;
+    let targets = targets.device_ptr(&stream).0;
+    let saved = saved.device_ptr(&stream).0;
+    let mut args = Args::new();
+    args.arg(&logits)
+        .arg(&targets)
+        .arg(&saved)
+        .arg(&rows)
+        .arg(&vocab);
+    let cfg = blocks(rows as usize)?;
     // SAFETY: the arguments match `graft_cross_entropy_rows_<dtype>(const T*, const unsigned
     // int*, float*, unsigned int, unsigned int)`: `logits` holds rows * vocab elements,
     // `targets` rows, `saved` 2 * rows (checked by the wrapper and the caller); a target is
     // read only as an index below vocab; 8 whole warps a block; all live until the launch is
     // enqueued.
-    unsafe { launch.launch(blocks(rows as usize)?) }.w()?;
+    unsafe { KERNELS.launch(device, &stream, &name, cfg, false, &mut args) }?;
     Ok(())
 }
 
@@ -252,22 +261,27 @@ fn launch_backward<T: DeviceRepr + WithDType>(
     // SAFETY: block `row` writes the `vocab` elements of its row and the grid has a block per
     // row, so all `n` are written by the kernel launched below on the device's stream before
     // anything reads them.
-    let mut out = unsafe { device.alloc::<T>(n)? };
+    let out = unsafe { device.alloc::<T>(n)? };
     let name = format!("graft_cross_entropy_backward_{}", T::DTYPE.as_str());
-    let func = device.get_or_load_custom_func(&name, KERNELS.module(), &KERNELS.ptx(device)?)?;
-    let mut launch = func.builder();
-    launch.arg(&logits);
-    launch.arg(targets);
-    launch.arg(saved);
-    launch.arg(&dloss);
-    launch.arg(&mut out);
-    launch.arg(&rows);
-    launch.arg(&vocab);
+    let stream = device.cuda_stream();
+    let logits = logits.device_ptr(&stream).0;
+    let targets = targets.device_ptr(&stream).0;
+    let saved = saved.device_ptr(&stream).0;
+    let out_ptr = out.device_ptr(&stream).0;
+    let mut args = Args::new();
+    args.arg(&logits)
+        .arg(&targets)
+        .arg(&saved)
+        .arg(&dloss)
+        .arg(&out_ptr)
+        .arg(&rows)
+        .arg(&vocab);
+    let cfg = blocks(rows as usize)?;
     // SAFETY: the arguments match `graft_cross_entropy_backward_<dtype>(const T*, const
     // unsigned int*, const float*, const float*, T*, unsigned int, unsigned int)`: `logits`
     // and `out` hold rows * vocab elements, `targets` rows, `saved` 2 * rows, `dloss` is the
     // address of the `[1]` f32 gradient the op holds (alive until the launch is enqueued);
     // a target is read only as an index below vocab; 8 whole warps a block.
-    unsafe { launch.launch(blocks(rows as usize)?) }.w()?;
+    unsafe { KERNELS.launch(device, &stream, &name, cfg, false, &mut args) }?;
     Ok(out)
 }

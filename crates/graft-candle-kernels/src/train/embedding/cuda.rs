@@ -4,13 +4,13 @@
 //! held in registers (8 a thread).
 
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchConfig,
 };
-use candle_core::cuda_backend::{CudaDevice, CudaStorageSlice, WrapErr};
+use candle_core::cuda_backend::{CudaDevice, CudaStorageSlice};
 use candle_core::{CudaStorage, Layout, Result, WithDType};
 
 use super::OP;
-use crate::nvrtc::{Kernels, view};
+use crate::nvrtc::{Args, Kernels, view};
 use crate::{KernelError, check};
 
 /// Threads per block (the backward's 8 warps, whose masks it keeps in shared memory).
@@ -151,18 +151,21 @@ fn launch_gather<T: DeviceRepr + WithDType>(
     let total = ids.len() * d;
     // SAFETY: thread i writes out[i] and the grid covers `total`, so every element is
     // written by the kernel launched below on the device's stream before anything reads it.
-    let mut out = unsafe { device.alloc::<T>(total)? };
+    let out = unsafe { device.alloc::<T>(total)? };
     let name = format!("graft_embedding_{}", T::DTYPE.as_str());
-    let func = device.get_or_load_custom_func(&name, KERNELS.module(), &KERNELS.ptx(device)?)?;
     let blocks = check::u32_of(OP, "the output / 256", total.div_ceil(THREADS as usize))?;
     let (total, vocab, d) = (total as u64, vocab as u32, d as u32);
-    let mut launch = func.builder();
-    launch.arg(&table);
-    launch.arg(ids);
-    launch.arg(&mut out);
-    launch.arg(&total);
-    launch.arg(&vocab);
-    launch.arg(&d);
+    let stream = device.cuda_stream();
+    let table = table.device_ptr(&stream).0;
+    let ids = ids.device_ptr(&stream).0;
+    let out_ptr = out.device_ptr(&stream).0;
+    let mut args = Args::new();
+    args.arg(&table)
+        .arg(&ids)
+        .arg(&out_ptr)
+        .arg(&total)
+        .arg(&vocab)
+        .arg(&d);
     let cfg = LaunchConfig {
         grid_dim: (blocks, 1, 1),
         block_dim: (THREADS, 1, 1),
@@ -172,7 +175,7 @@ fn launch_gather<T: DeviceRepr + WithDType>(
     // unsigned long long, unsigned int, unsigned int)`: `table` holds vocab * d elements and
     // is read only at an id below vocab, `ids` total / d, `out` total; all live until the
     // launch is enqueued.
-    unsafe { launch.launch(cfg) }.w()?;
+    unsafe { KERNELS.launch(device, &stream, &name, cfg, false, &mut args) }?;
     Ok(out)
 }
 
@@ -215,17 +218,16 @@ fn launch_scatter<T: DeviceRepr + WithDType>(
     // SAFETY: block v writes the d elements of row v (every column, in passes of 2,048) and
     // the grid has a block per row, so all vocab * d are written by the kernel launched
     // below on the device's stream before anything reads them.
-    let mut out = unsafe { device.alloc::<T>(vocab * d)? };
+    let out = unsafe { device.alloc::<T>(vocab * d)? };
     let name = format!("graft_embedding_backward_{}", T::DTYPE.as_str());
-    let func = device.get_or_load_custom_func(&name, KERNELS.module(), &KERNELS.ptx(device)?)?;
     let blocks = check::u32_of(OP, "the vocabulary", vocab)?;
     let d = d as u32;
-    let mut launch = func.builder();
-    launch.arg(&dy);
-    launch.arg(ids);
-    launch.arg(&mut out);
-    launch.arg(&n);
-    launch.arg(&d);
+    let stream = device.cuda_stream();
+    let dy = dy.device_ptr(&stream).0;
+    let ids = ids.device_ptr(&stream).0;
+    let out_ptr = out.device_ptr(&stream).0;
+    let mut args = Args::new();
+    args.arg(&dy).arg(&ids).arg(&out_ptr).arg(&n).arg(&d);
     let cfg = LaunchConfig {
         grid_dim: (blocks, 1, 1),
         block_dim: (THREADS, 1, 1),
@@ -235,6 +237,6 @@ fn launch_scatter<T: DeviceRepr + WithDType>(
     // int*, T*, unsigned int, unsigned int)`: `dy` holds n * d elements (the forward's
     // output shape), `ids` n, `out` vocab * d; the block is exactly 8 warps (the kernel's 8
     // masks, its full-warp ballots); all live until the launch is enqueued.
-    unsafe { launch.launch(cfg) }.w()?;
+    unsafe { KERNELS.launch(device, &stream, &name, cfg, false, &mut args) }?;
     Ok(out)
 }

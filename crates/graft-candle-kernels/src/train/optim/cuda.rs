@@ -8,13 +8,13 @@
 //! flag, so a replayed step starts from a clear flag.
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
-use candle_core::cuda_backend::{CudaDevice, CudaStorageSlice, WrapErr};
+use candle_core::cuda_backend::cudarc::driver::{DevicePtrMut, DeviceRepr, LaunchConfig};
+use candle_core::cuda_backend::{CudaDevice, CudaStorageSlice};
 use candle_core::{CudaStorage, DType, Layout, Result};
 
 use super::{AdamWConsts, OPTIM_SCALARS, Rule, SgdConsts, Step};
 use crate::KernelError;
-use crate::nvrtc::{Kernels, address};
+use crate::nvrtc::{Args, Kernels, address};
 
 /// The tensors one check launch holds (one address each).
 macro_rules! check_tensors {
@@ -424,58 +424,85 @@ pub(super) fn step(step: &Step<'_>, storage: &mut CudaStorage, layout: &Layout) 
         .into());
     };
     let mut scalars = slice.slice_mut(start..start + OPTIM_SCALARS);
-    let func =
-        |name: &str| device.get_or_load_custom_func(name, KERNELS.module(), &KERNELS.ptx(&device)?);
+    let stream = device.cuda_stream();
+    let scalars = scalars.device_ptr_mut(&stream).0;
 
-    let check = func("graft_optim_check")?;
     for (table, blocks) in tables::<1, CHECK_TENSORS>(op, &entries, |e| [e.addr[1]])? {
-        let mut launch = check.builder();
-        launch.arg(&table);
-        launch.arg(&mut scalars);
+        let mut args = Args::new();
+        args.arg(&table).arg(&scalars);
         // SAFETY: the arguments match `graft_optim_check(GraftOptimTable<1, 160>, float*)`:
         // the table (the same layout) holds the addresses of contiguous gradients of
         // `len` elements of their dtype, which the step holds until the launch is enqueued;
         // the grid is the table's blocks, so every block finds a tensor and reads only below
         // its `len`; `scalars` holds the 4 f32 of the scalars.
-        unsafe { launch.launch(config(blocks, THREADS)) }.w()?;
+        unsafe {
+            KERNELS.launch(
+                &device,
+                &stream,
+                "graft_optim_check",
+                config(blocks, THREADS),
+                false,
+                &mut args,
+            )
+        }?;
     }
     match step.rule {
         Rule::AdamW { consts, .. } => {
-            let update = func("graft_optim_adamw")?;
             for (table, blocks) in tables::<4, UPDATE_TENSORS>(op, &entries, |e| e.addr)? {
-                let mut launch = update.builder();
-                launch.arg(&table);
-                launch.arg(&mut scalars);
-                launch.arg(&consts);
+                let mut args = Args::new();
+                args.arg(&table).arg(&scalars).arg(&consts);
                 // SAFETY: the arguments match `graft_optim_adamw(GraftOptimTable<4, 64>, const
                 // float*, GraftAdamW)`: each tensor's parameter, gradient, m and v are
                 // contiguous, of `len` elements of its dtype, written ones not overlapping
                 // (checked by `run`), held by the step until the launch is enqueued; every
                 // block touches only indices below its tensor's `len`.
-                unsafe { launch.launch(config(blocks, THREADS)) }.w()?;
+                unsafe {
+                    KERNELS.launch(
+                        &device,
+                        &stream,
+                        "graft_optim_adamw",
+                        config(blocks, THREADS),
+                        false,
+                        &mut args,
+                    )
+                }?;
             }
         }
         Rule::Sgd { consts, .. } => {
-            let update = func("graft_optim_sgd")?;
             let pick = |e: &Entry| [e.addr[0], e.addr[1], e.addr[2]];
             for (table, blocks) in tables::<3, UPDATE_TENSORS>(op, &entries, pick)? {
-                let mut launch = update.builder();
-                launch.arg(&table);
-                launch.arg(&mut scalars);
-                launch.arg(&consts);
+                let mut args = Args::new();
+                args.arg(&table).arg(&scalars).arg(&consts);
                 // SAFETY: as AdamW's launch, for `graft_optim_sgd(GraftOptimTable<3, 64>,
                 // const float*, GraftSgd)` with each tensor's parameter, gradient and momentum
                 // buffer; the buffer's address is 0 exactly when `consts.buffers` is 0, and
                 // the kernel reads and writes buffers only when it is 1.
-                unsafe { launch.launch(config(blocks, THREADS)) }.w()?;
+                unsafe {
+                    KERNELS.launch(
+                        &device,
+                        &stream,
+                        "graft_optim_sgd",
+                        config(blocks, THREADS),
+                        false,
+                        &mut args,
+                    )
+                }?;
             }
         }
     }
-    let count = func("graft_optim_count")?;
-    let mut launch = count.builder();
-    launch.arg(&mut scalars);
+    let mut args = Args::new();
+    args.arg(&scalars);
     // SAFETY: the argument matches `graft_optim_count(float*)`: `scalars` holds the 4 f32 its
     // one thread reads and writes.
-    unsafe { launch.launch(config(1, 1)) }.w()?;
+    unsafe {
+        KERNELS.launch(
+            &device,
+            &stream,
+            "graft_optim_count",
+            config(1, 1),
+            false,
+            &mut args,
+        )
+    }?;
     Ok(())
 }

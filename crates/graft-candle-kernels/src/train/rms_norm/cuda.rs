@@ -4,14 +4,14 @@
 //! 8 warps, 16 blocks summing 4,096 rows of 512 took 63 µs on an H100).
 
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+    CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, ValidAsZeroBits,
 };
-use candle_core::cuda_backend::{CudaDevice, Map2, Map3, WrapErr};
+use candle_core::cuda_backend::{CudaDevice, Map2, Map3};
 use candle_core::{CudaStorage, Layout, Result, Shape, WithDType};
 
 use super::OP;
 use crate::check;
-use crate::nvrtc::{Kernels, view};
+use crate::nvrtc::{Args, Kernels, view};
 
 /// Threads per block of the row kernels.
 const THREADS: u32 = 256;
@@ -159,23 +159,23 @@ impl Map2 for Forward {
         // SAFETY: block `row` writes the `cols` elements of its row and the grid has one block
         // per row, so all `total` are written by the kernel launched below on the device's
         // stream, which orders every later use of the output.
-        let mut y = unsafe { device.alloc::<T>(total)? };
+        let y = unsafe { device.alloc::<T>(total)? };
         let name = format!("graft_rms_norm_{}", T::DTYPE.as_str());
-        let func =
-            device.get_or_load_custom_func(&name, KERNELS.module(), &KERNELS.ptx(device)?)?;
         let cfg = grid(total / cols, THREADS)?;
         let cols = check::u32_of(OP, "the row length", cols)?;
-        let mut launch = func.builder();
-        launch.arg(&x);
-        launch.arg(&w);
-        launch.arg(&mut y);
-        launch.arg(&cols);
-        launch.arg(&self.eps);
+        let stream = device.cuda_stream();
+        let [x, w, y_ptr] = [
+            x.device_ptr(&stream).0,
+            w.device_ptr(&stream).0,
+            y.device_ptr(&stream).0,
+        ];
+        let mut args = Args::new();
+        args.arg(&x).arg(&w).arg(&y_ptr).arg(&cols).arg(&self.eps);
         // SAFETY: the arguments match `graft_rms_norm_<dtype>(const T*, const T*, T*, unsigned
         // int, float)` with T the storage's dtype: `x` and `y` hold rows * cols elements,
         // `w` cols (checked by the wrapper); the block is 8 whole warps (the block sum's
         // shuffles use all lanes); all live until the launch is enqueued.
-        unsafe { launch.launch(cfg) }.w()?;
+        unsafe { KERNELS.launch(device, &stream, &name, cfg, false, &mut args) }?;
         Ok(y)
     }
 }
@@ -205,49 +205,46 @@ impl Map3 for Backward {
         // each thread its strided columns), the column kernel out[total .. total + cols] (a
         // lane per column over ceil(cols / 32) blocks); both are launched below on the
         // device's stream, in that order, before anything reads either buffer.
-        let mut out = unsafe { device.alloc::<T>(total + cols)? };
+        let out = unsafe { device.alloc::<T>(total + cols)? };
         // SAFETY: as above: every share is written by the row kernel before the column
         // kernel, later on the same stream, reads it.
-        let mut shares = unsafe { device.alloc::<f32>(total)? };
+        let shares = unsafe { device.alloc::<f32>(total)? };
         let suffix = T::DTYPE.as_str();
-        let rows_fn = device.get_or_load_custom_func(
-            &format!("graft_rms_norm_backward_{suffix}"),
-            KERNELS.module(),
-            &KERNELS.ptx(device)?,
-        )?;
-        let sum_fn = device.get_or_load_custom_func(
-            &format!("graft_column_sum_{suffix}"),
-            KERNELS.module(),
-            &KERNELS.ptx(device)?,
-        )?;
         let row_cfg = grid(rows, THREADS)?;
         let sum_cfg = grid(cols.div_ceil(32), SUM_THREADS)?;
         let rows = check::u32_of(OP, "the row count", rows)?;
         let cols_u = check::u32_of(OP, "the row length", cols)?;
-        let mut launch = rows_fn.builder();
-        launch.arg(&x);
-        launch.arg(&w);
-        launch.arg(&dy);
-        launch.arg(&mut out);
-        launch.arg(&mut shares);
-        launch.arg(&cols_u);
-        launch.arg(&self.eps);
+        let stream = device.cuda_stream();
+        let [x, w, dy, out_ptr, shares_ptr] = [
+            x.device_ptr(&stream).0,
+            w.device_ptr(&stream).0,
+            dy.device_ptr(&stream).0,
+            out.device_ptr(&stream).0,
+            shares.device_ptr(&stream).0,
+        ];
+        let mut args = Args::new();
+        args.arg(&x)
+            .arg(&w)
+            .arg(&dy)
+            .arg(&out_ptr)
+            .arg(&shares_ptr)
+            .arg(&cols_u)
+            .arg(&self.eps);
+        let name = format!("graft_rms_norm_backward_{suffix}");
         // SAFETY: the arguments match `graft_rms_norm_backward_<dtype>(const T*, const T*,
         // const T*, T*, float*, unsigned int, float)`: `x`, `dy` and `shares` hold rows * cols
         // elements, `w` cols, `out` rows * cols + cols; 8 whole warps a block; all live until
         // the launch is enqueued.
-        unsafe { launch.launch(row_cfg) }.w()?;
-        let mut launch = sum_fn.builder();
-        let mut dw = out.slice_mut(total..);
-        launch.arg(&shares);
-        launch.arg(&mut dw);
-        launch.arg(&rows);
-        launch.arg(&cols_u);
+        unsafe { KERNELS.launch(device, &stream, &name, row_cfg, false, &mut args) }?;
+        let dw = out.slice(total..).device_ptr(&stream).0;
+        let mut args = Args::new();
+        args.arg(&shares_ptr).arg(&dw).arg(&rows).arg(&cols_u);
+        let name = format!("graft_column_sum_{suffix}");
         // SAFETY: the arguments match `graft_column_sum_<dtype>(const float*, T*, unsigned
         // int, unsigned int)`: `shares` holds rows * cols elements, `dw` cols; the block is
         // 32 warps of 32 (the kernel's [32][32] shared sums); all live until the launch is
         // enqueued, and `shares` is freed after it in stream order.
-        unsafe { launch.launch(sum_cfg) }.w()?;
+        unsafe { KERNELS.launch(device, &stream, &name, sum_cfg, false, &mut args) }?;
         Ok(out)
     }
 }

@@ -1,15 +1,15 @@
 //! The rotary kernel: one thread per rotated pair, 256 threads a block.
 
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+    CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, ValidAsZeroBits,
 };
-use candle_core::cuda_backend::{CudaDevice, Map3, WrapErr};
+use candle_core::cuda_backend::{CudaDevice, Map3};
 use candle_core::{CudaStorage, Layout, Result, Shape, WithDType};
 
 use super::{Dims, OP, Rotary};
 use crate::RopeStyle;
 use crate::check;
-use crate::nvrtc::{Kernels, view};
+use crate::nvrtc::{Args, Kernels, view};
 
 /// Threads per block.
 const THREADS: u32 = 256;
@@ -100,10 +100,8 @@ impl Map3 for Launch {
         // SAFETY: each thread writes both dims of its pair, the pairs cover every element and
         // the grid covers every pair, so all `n` are written by the kernel launched below on
         // the device's stream before anything reads them.
-        let mut y = unsafe { device.alloc::<T>(n)? };
+        let y = unsafe { device.alloc::<T>(n)? };
         let name = format!("graft_rotary_{}", T::DTYPE.as_str());
-        let func =
-            device.get_or_load_custom_func(&name, KERNELS.module(), &KERNELS.ptx(device)?)?;
         let pairs = n / 2;
         let blocks = check::u32_of(OP, "the pair count / 256", pairs.div_ceil(THREADS as usize))?;
         let pairs = pairs as u64;
@@ -111,17 +109,24 @@ impl Map3 for Launch {
         let seq = check::u32_of(OP, "the sequence length", d.seq)?;
         let heads = check::u32_of(OP, "the head count", d.heads)?;
         let half = check::u32_of(OP, "the head dim", d.half)?;
-        let mut launch = func.builder();
-        launch.arg(&x);
-        launch.arg(&cos);
-        launch.arg(&sin);
-        launch.arg(&mut y);
-        launch.arg(&pairs);
-        launch.arg(&seq);
-        launch.arg(&heads);
-        launch.arg(&half);
-        launch.arg(&self.interleaved);
-        launch.arg(&self.sign);
+        let stream = device.cuda_stream();
+        let [x, cos, sin, y_ptr] = [
+            x.device_ptr(&stream).0,
+            cos.device_ptr(&stream).0,
+            sin.device_ptr(&stream).0,
+            y.device_ptr(&stream).0,
+        ];
+        let mut args = Args::new();
+        args.arg(&x)
+            .arg(&cos)
+            .arg(&sin)
+            .arg(&y_ptr)
+            .arg(&pairs)
+            .arg(&seq)
+            .arg(&heads)
+            .arg(&half)
+            .arg(&self.interleaved)
+            .arg(&self.sign);
         let cfg = LaunchConfig {
             grid_dim: (blocks, 1, 1),
             block_dim: (THREADS, 1, 1),
@@ -131,7 +136,7 @@ impl Map3 for Launch {
         // unsigned long long, unsigned int x4, float)`: `x` and `y` hold `2 * pairs` elements,
         // `cos` and `sin` at least seq * half (checked by the wrapper), and no thread reads
         // past them; all live until the launch is enqueued.
-        unsafe { launch.launch(cfg) }.w()?;
+        unsafe { KERNELS.launch(device, &stream, &name, cfg, false, &mut args) }?;
         Ok(y)
     }
 }
