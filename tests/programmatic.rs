@@ -119,6 +119,12 @@ fn a_dependent_reading_before_its_wait_is_caught<D: TestDevice>(dev: D) {
                 );
                 return;
             }
+            Ok(_) if graft_testkit::under_sanitizer() => {
+                eprintln!(
+                    "skipped: compute-sanitizer runs one kernel at a time, so nothing overlaps"
+                );
+                return;
+            }
             Ok(out) => {
                 let got = read(&g, &out[0].buffer);
                 if got.contains(&1.0) {

@@ -28,7 +28,7 @@ pub mod procs;
 mod sanitizer;
 mod skip;
 
-pub use sanitizer::{UNDER_SANITIZER, steps};
+pub use sanitizer::{UNDER_SANITIZER, steps, under_sanitizer};
 pub use skip::skip_without_cuda_gpus;
 
 use std::sync::{Arc, Mutex, OnceLock, PoisonError, Weak};

@@ -1,5 +1,6 @@
 //! Shorter GPU test loops under compute-sanitizer: `scripts/gpu-run.sh --sanitize` sets
-//! [`UNDER_SANITIZER`], and long tests take their loop counts from [`steps`].
+//! [`UNDER_SANITIZER`], long tests take their loop counts from [`steps`], and tests of
+//! overlapping kernels ask [`under_sanitizer`].
 
 /// The environment variable `scripts/gpu-run.sh` sets (to `1`) for the test executables it runs
 /// under compute-sanitizer (memcheck, racecheck), which slow every launch down by orders of
@@ -7,8 +8,9 @@
 pub const UNDER_SANITIZER: &str = "GRAFT_UNDER_SANITIZER";
 
 /// Whether this process runs under compute-sanitizer: [`UNDER_SANITIZER`] is set to anything
-/// but empty or `0`.
-fn under_sanitizer() -> bool {
+/// but empty or `0`. The sanitizer runs one kernel at a time, so no programmatic dependent
+/// overlaps the kernel before it there.
+pub fn under_sanitizer() -> bool {
     std::env::var_os(UNDER_SANITIZER).is_some_and(|v| !v.is_empty() && v != "0")
 }
 
