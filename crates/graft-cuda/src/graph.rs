@@ -353,7 +353,7 @@ pub(crate) fn summarize(
         }
     }
     if crate::programmatic::supported() {
-        summary.programmatic_edges = dg::programmatic_edges(op, graph)?;
+        summary.programmatic_edges = crate::driver::edge::programmatic_edges(op, graph)?;
     }
     Ok(summary)
 }

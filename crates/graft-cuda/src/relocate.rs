@@ -18,6 +18,7 @@ use cudarc::driver::sys;
 use graft_core::{ConditionalRule, DeviceError, DeviceOp};
 
 use crate::context::Context;
+use crate::driver::edge;
 use crate::driver::graph::{self as dg, kernel_name, node_type, nodes};
 use crate::patch::{read_kernel, words};
 
@@ -172,7 +173,7 @@ fn copy_nodes(
     let mut deps: Vec<Vec<(usize, sys::CUgraphEdgeData)>> = Vec::with_capacity(all.len());
     for &node in all {
         let mut d = Vec::new();
-        for (dep, edge) in dg::dependencies(OP, node)? {
+        for (dep, edge) in edge::dependencies(OP, node)? {
             let at = index(dep).ok_or_else(|| {
                 crate::error::invalid_argument(OP, "a body node depends on a node of another graph")
             })?;
@@ -199,7 +200,7 @@ fn copy_nodes(
             for &(d, edge) in &deps[i] {
                 let copied = !is_memory(kinds[d]);
                 for &n in stands_for[d].iter().flatten() {
-                    if copied && dg::is_programmatic(&edge) {
+                    if copied && edge::is_programmatic(&edge) {
                         programmatic.push((n, edge));
                     } else if !after.contains(&n) {
                         after.push(n);
@@ -220,7 +221,7 @@ fn copy_nodes(
             } else {
                 let new = copy_node(place, &live, all[i], kind, target, &after)?;
                 let (from, data): (Vec<_>, Vec<_>) = programmatic.into_iter().unzip();
-                dg::add_dependencies(OP, target, &from, new, &data)?;
+                edge::add_dependencies(OP, target, &from, new, &data)?;
                 vec![new]
             });
             left -= 1;

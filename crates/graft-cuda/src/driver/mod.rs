@@ -12,6 +12,7 @@
 //! - [`stream`]: streams, events and stream capture;
 //! - [`memory`]: allocations, copies, and virtual memory management (the pools);
 //! - [`graph`]: graphs, executables and their nodes;
+//! - [`edge`]: a graph's edges and their data (programmatic edges);
 //! - [`function`]: modules, functions and kernel launches;
 //! - [`cublas`]: the cuBLAS handle and its GEMM (cuBLAS's statuses map to `Library` errors);
 //! - `nccl` (feature `nccl`): communicators and their all-reduce (NCCL's results map to
@@ -49,6 +50,7 @@ use crate::error::check;
 
 pub(crate) mod cublas;
 pub(crate) mod device;
+pub(crate) mod edge;
 pub(crate) mod function;
 pub(crate) mod graph;
 pub(crate) mod memory;
@@ -259,6 +261,7 @@ mod tests {
             include_str!("mod.rs"),
             include_str!("cublas.rs"),
             include_str!("device.rs"),
+            include_str!("edge.rs"),
             include_str!("function.rs"),
             include_str!("graph.rs"),
             include_str!("memory.rs"),
