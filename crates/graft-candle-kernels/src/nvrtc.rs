@@ -248,13 +248,21 @@ impl Kernels {
     /// this process has not yet; pass it with [`Self::module`] to
     /// `CudaDevice::get_or_load_custom_func`, which loads it into a device only once.
     pub fn ptx(&self, device: &CudaDevice) -> Result<Arc<str>> {
-        let arch = match self.dependents {
-            true => {
-                let (major, minor) = capability(self.module, device)?;
-                (major * 10 + minor) as u32
-            }
-            false => 0,
-        };
+        self.ptx_for(self.arch(device)?)
+    }
+
+    /// The compute capability the module is compiled for on `device` (major * 10 + minor; 0:
+    /// NVRTC's default, for a module without dependents).
+    fn arch(&self, device: &CudaDevice) -> Result<u32> {
+        if !self.dependents {
+            return Ok(0);
+        }
+        let (major, minor) = capability(self.module, device)?;
+        Ok((major * 10 + minor) as u32)
+    }
+
+    /// The module's PTX for `arch`, compiled if this process has not yet.
+    fn ptx_for(&self, arch: u32) -> Result<Arc<str>> {
         let mut compiled = self.ptx.lock().unwrap_or_else(PoisonError::into_inner);
         let at = match compiled.iter().position(|(a, _)| *a == arch) {
             Some(at) => at,
@@ -291,11 +299,11 @@ impl Kernels {
         dependent: bool,
         args: &mut Args<'_>,
     ) -> Result<()> {
-        let func = device.get_or_load_custom_func(name, self.module, &self.ptx(device)?)?;
-        let dependent = dependent
-            && self.dependents
-            && capability(self.module, device)?.0 >= 9
-            && PROGRAMMATIC.load(Ordering::Relaxed);
+        let arch = self.arch(device)?;
+        let func = device.get_or_load_custom_func(name, self.module, &self.ptx_for(arch)?)?;
+        // Only a module with dependents is compiled for the device (arch 0 otherwise), and
+        // only from compute capability 9.0 has it the trigger and the wait.
+        let dependent = dependent && arch >= 90 && PROGRAMMATIC.load(Ordering::Relaxed);
         let launch = graft_cuda::Launch {
             grid: config.grid_dim,
             block: config.block_dim,

@@ -147,16 +147,7 @@ fn composed(
     let scale = 1.0 / (m.head_dim as f32).sqrt();
     for (l, (kc, vc)) in m.layers.iter().zip(caches) {
         let h = rms_norm(&x, &l.attn_norm, m.eps)?;
-        let part = |(w, b): &(Tensor, Option<Tensor>)| (w.clone(), b.clone());
-        let (q, k, v) = (part(&l.q), part(&l.k), part(&l.v));
-        let qkv = linear_cat(
-            &h,
-            &[
-                (&q.0, q.1.as_ref()),
-                (&k.0, k.1.as_ref()),
-                (&v.0, v.1.as_ref()),
-            ],
-        )?;
+        let qkv = linear_cat(&h, &[part(&l.q), part(&l.k), part(&l.v)])?;
         let norm = l.qk_norm.as_ref().map(|(q, k)| QkNorm { q, k, eps: m.eps });
         let q = rope_store(
             &qkv,
@@ -176,6 +167,11 @@ fn composed(
         x = (x + linear(&linear_swiglu(&h, &l.gate, &l.up)?, &l.down, None)?)?;
     }
     linear(&rms_norm(&x, &m.norm, m.eps)?, &m.head, None)
+}
+
+/// A projection's weight and bias as the ops take them.
+fn part((w, b): &(Tensor, Option<Tensor>)) -> (&Tensor, Option<&Tensor>) {
+    (w, b.as_ref())
 }
 
 /// The step's sizes, checked.

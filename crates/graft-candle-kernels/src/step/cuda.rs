@@ -7,7 +7,7 @@ use candle_core::cuda_backend::cudarc::driver::{
 use candle_core::cuda_backend::{CudaDevice, Map1};
 use candle_core::{CudaStorage, Layout, Result, Shape, Tensor, WithDType};
 
-use super::{OP, Step};
+use super::{OP, Step, part};
 use crate::MAX_PARTS;
 use crate::attention::cuda::AttentionLaunch;
 use crate::linear::cuda::MatvecLaunch;
@@ -42,18 +42,6 @@ impl Map1 for Step {
     }
 }
 
-/// Byte offsets of the scratch buffers, each [`ALIGN`]ed, and the total.
-struct Layout2 {
-    h: usize,
-    qkv: usize,
-    q: usize,
-    attn: usize,
-    act: usize,
-    part_o: usize,
-    part_ml: usize,
-    total: usize,
-}
-
 fn run<T: WithDType + DeviceRepr + ValidAsZeroBits>(
     op: &Step,
     embed: u64,
@@ -72,35 +60,25 @@ fn run<T: WithDType + DeviceRepr + ValidAsZeroBits>(
         at = (at + bytes).next_multiple_of(ALIGN);
         start
     };
-    let layout = Layout2 {
-        h: next(b * d.hidden * t),
-        qkv: next(b * (heads + 2 * kv) * hd * t),
-        q: next(b * heads * hd * t),
-        attn: next(b * heads * hd * t),
-        act: next(b * d.ffn * t),
-        part_o: next(b * heads * splits * hd * 4),
-        part_ml: next(b * heads * splits * 2 * 4),
-        total: 0,
-    };
-    let layout = Layout2 {
-        total: at,
-        ..layout
-    };
+    // The scratch buffers' byte offsets, each ALIGNed, in one allocation.
+    let offsets = [
+        next(b * d.hidden * t),
+        next(b * (heads + 2 * kv) * hd * t),
+        next(b * heads * hd * t),
+        next(b * heads * hd * t),
+        next(b * d.ffn * t),
+        next(b * heads * splits * hd * 4),
+        next(b * heads * splits * 2 * 4),
+    ];
     // SAFETY: every byte a kernel reads is written first: the embedding writes h, each
     // projection its output, rope_store q (and the caches), the split kernel the partials
     // the combine kernel reads (see `AttentionLaunch`), the combine attn.
-    let scratch = unsafe { device.alloc::<u8>(layout.total)? };
+    let scratch = unsafe { device.alloc::<u8>(at)? };
     // SAFETY: the head's projection writes every logit before anything reads them.
     let logits = unsafe { device.alloc::<T>(b * d.vocab)? };
     let base = scratch.device_ptr(stream).0;
     let buf = |offset: usize| base + offset as u64;
-    let (h, qkv, q, attn, act) = (
-        buf(layout.h),
-        buf(layout.qkv),
-        buf(layout.q),
-        buf(layout.attn),
-        buf(layout.act),
-    );
+    let [h, qkv, q, attn, act, part_o, part_ml] = offsets.map(buf);
     let addr = |t: &Tensor, name| address(OP, t, name, device);
     let positions = addr(&op.positions, "positions")?;
     let rows = match &op.rows {
@@ -179,16 +157,10 @@ fn run<T: WithDType + DeviceRepr + ValidAsZeroBits>(
         // the projections before wrote.
         unsafe { launch.launch::<T>(device, stream, true) }
     };
-    let pair = |(w, b): &(Tensor, Option<Tensor>)| (w.clone(), b.clone());
     for (l, (kc, vc)) in m.layers.iter().zip(&op.caches) {
-        let (wq, wk, wv) = (pair(&l.q), pair(&l.k), pair(&l.v));
         project(
             h,
-            &[
-                (&wq.0, wq.1.as_ref()),
-                (&wk.0, wk.1.as_ref()),
-                (&wv.0, wv.1.as_ref()),
-            ],
+            &[part(&l.q), part(&l.k), part(&l.v)],
             Some(&l.attn_norm),
             qkv,
             d.hidden,
@@ -222,8 +194,8 @@ fn run<T: WithDType + DeviceRepr + ValidAsZeroBits>(
             v: caches.1,
             positions,
             rows,
-            part_o: buf(layout.part_o),
-            part_ml: buf(layout.part_ml),
+            part_o,
+            part_ml,
             out: attn,
             dims: attention,
             reach: m.window.map_or(d.max_seq, |w| w.min(d.max_seq)),
@@ -232,16 +204,7 @@ fn run<T: WithDType + DeviceRepr + ValidAsZeroBits>(
         // SAFETY: q was just written; the caches, positions and rows were checked; the
         // partials' scratch and attn were sized for these dims above.
         unsafe { attention.launch::<T>(device, stream, true) }?;
-        let wo = pair(&l.o);
-        project(
-            attn,
-            &[(&wo.0, wo.1.as_ref())],
-            None,
-            h,
-            heads * hd,
-            false,
-            true,
-        )?;
+        project(attn, &[part(&l.o)], None, h, heads * hd, false, true)?;
         project(
             h,
             &[(&l.gate, None), (&l.up, None)],
