@@ -25,7 +25,7 @@ export CARGO_TARGET_DIR=$GRAFT_CUDA_TARGET
 export CARGO_PROFILE_RELEASE_DEBUG=0
 export CARGO_PROFILE_RELEASE_STRIP=debuginfo
 cargo clippy -p graft-candle -p graft-candle-models -p graft-candle-train -p graft-candle-bench \
-    -p graft-candle-kernels \
+    -p graft-candle-kernels -p graft-serve \
     --features cuda --all-targets --release -- -D warnings
 echo "check-candle-cuda: clippy of the candle crates --features cuda took $(($(date +%s) - start)) s" \
     "(target folder $CARGO_TARGET_DIR)"

@@ -15,7 +15,7 @@
 #
 # With --candle-cuda (or GRAFT_STAGE_CANDLE_CUDA=1) it also builds the candle crates
 # (graft-candle, graft-candle-models, graft-candle-train, graft-candle-bench,
-# graft-candle-kernels) with their `cuda`
+# graft-candle-kernels, graft-serve) with their `cuda`
 # feature (candle's CUDA backend, linked against CUDA at build time) in a separate cargo
 # invocation, after sourcing scripts/cuda-build-env.sh (first run: pip wheels and stubs into
 # its cache), in that cache's target folder (GRAFT_CUDA_TARGET, shared with CI's
@@ -23,7 +23,8 @@
 # machine, ~15 min cold on 2 cores), and stages those executables (the GPU tests of each crate,
 # stage/tests/graft-candle_cuda.gpu, graft-candle-models_cuda.gpu, graft-candle-train_cuda.gpu
 # and graft-candle-kernels_cuda.gpu, and graft-candle-bench's binaries, stage/bin/graft-candle-bench_cuda,
-# stage/bin/graft-candle-ports_cuda and so on) with "_cuda" added, xz-compressed (each
+# stage/bin/graft-candle-ports_cuda and so on, and graft-serve's server,
+# stage/bin/graft-serve_cuda) with "_cuda" added, xz-compressed (each
 # is 48 to 62 MiB, mostly candle's PTX, and packs to about 5 MiB; gpu-run.sh unpacks them).
 # Each is checked to carry no RUNPATH into the stub folder. Every candle binary at once packs
 # to more than a device run carries beside the rest: --candle-bins NAMES (comma-separated
@@ -63,7 +64,7 @@ echo "== cargo build --release --workspace --bins" >&2
 cargo build --release --workspace --bins --message-format=json-render-diagnostics >"$bin_json"
 # The candle crates' plain build is candle on the CPU, tested by CI: nothing in it needs a GPU
 # (their GPU tests are the --candle-cuda build's), and its executables would only add megabytes.
-candle_crates=(graft-candle graft-candle-models graft-candle-train graft-candle-bench graft-candle-kernels)
+candle_crates=(graft-candle graft-candle-models graft-candle-train graft-candle-bench graft-candle-kernels graft-serve)
 excluded=()
 for crate in "${candle_crates[@]}"; do excluded+=(--exclude "$crate"); done
 echo "== cargo test --release --workspace ${excluded[*]} --no-run" >&2
@@ -182,8 +183,8 @@ if ((candle_cuda)); then
         IFS=, read -ra names <<<"$candle_bins"
         for name in "${names[@]}"; do bins+=(--bin "$name"); done
     fi
-    echo "== cargo build --release -p graft-candle-bench --features cuda ${bins[*]}" >&2
-    cargo build --release -p graft-candle-bench --features cuda "${bins[@]}" \
+    echo "== cargo build --release -p graft-candle-bench -p graft-serve --features cuda ${bins[*]}" >&2
+    cargo build --release -p graft-candle-bench -p graft-serve --features cuda "${bins[@]}" \
         --message-format=json-render-diagnostics >"$cuda_bin_json"
     # Only the GPU tests (each crate's tests/gpu.rs, which also run the guide's examples): the
     # crates' other test executables run on the CPU in CI, and each CUDA executable carries

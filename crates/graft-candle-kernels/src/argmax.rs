@@ -75,15 +75,19 @@ fn cpu<T: WithDType>(x: &[T], l: &Layout, n: usize) -> Result<Vec<u32>> {
     let x = check::cpu_slice(OP, "x", x, l)?;
     Ok(x.chunks_exact(n)
         .map(|row| {
-            let mut best = 0usize;
-            let mut max = f32::NEG_INFINITY;
-            for (i, &v) in row.iter().enumerate() {
-                let v = check::f32_of(v);
-                if v > max {
-                    (best, max) = (i, v);
-                }
-            }
-            best as u32
+            first_max(row.iter().map(|&v| check::f32_of(v))).map_or(0, |(best, _)| best as u32)
         })
         .collect())
+}
+
+/// The first index of the largest non-NaN value and the value (a row of -inf: index 0), or
+/// none for a row of NaN only; the kernels' rule.
+pub(crate) fn first_max(row: impl Iterator<Item = f32>) -> Option<(usize, f32)> {
+    let mut best: Option<(usize, f32)> = None;
+    for (i, v) in row.enumerate() {
+        if best.is_none_or(|(_, max)| v > max) && !v.is_nan() {
+            best = Some((i, v));
+        }
+    }
+    best
 }

@@ -26,6 +26,10 @@
 //!   projections after them and the residual adds into the projections before them;
 //! - [`argmax_last`]: a greedy step's token choice (the first largest of each row) in one
 //!   launch;
+//! - [`sample_rows`]: each row's token drawn with its own temperature, top-k, top-p, seed and
+//!   draw index ([`SampleParams`], read from a device tensor, so a batch of requests with
+//!   different parameters shares one recorded step), greedy rows at `argmax_last`'s cost, in
+//!   one launch;
 //! - [`linear`], [`linear_cat`] and [`linear_swiglu`]: a decode step's few rows through one
 //!   weight, through up to three side by side (query, key and value), or through a gate and an
 //!   up weight with SwiGLU, each in one matrix-vector kernel that reads the weights in place
@@ -62,6 +66,7 @@ mod norm;
 #[cfg(feature = "cuda")]
 mod nvrtc;
 mod rope;
+mod sample;
 mod shared;
 mod side;
 mod step;
@@ -77,6 +82,7 @@ pub use norm::add_rms_norm;
 #[cfg(feature = "cuda")]
 pub use nvrtc::{Args, Kernels, set_programmatic};
 pub use rope::{QkNorm, RopeStyle, rope_store};
+pub use sample::{SAMPLE_INVALID, SAMPLE_WORDS, SampleParams, sample_rows};
 pub use shared::SharedExpert;
 pub use side::SideStream;
 pub use step::{StepLayer, StepModel, decode_step, decode_step_fits};

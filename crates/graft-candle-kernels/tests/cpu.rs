@@ -1,7 +1,7 @@
 //! The fused ops on the CPU (CI): each against the unfused candle composition over random
 //! shapes and dtypes (the causal attention's gradients too), decode attention's reading of
 //! visible positions only, the multi-tensor optimizer updates against their elementwise
-//! reference, and the errors.
+//! reference, sample_rows against argmax_last and an oracle's probabilities, and the errors.
 
 mod common;
 
@@ -47,6 +47,13 @@ proptest! {
     fn argmax_matches_the_first_largest(rows in 1usize..=5, n in prop_oneof![1usize..=40, Just(1025usize), Just(32000)], seed in any::<u64>()) {
         for dtype in DTYPES {
             check_argmax(&Device::Cpu, rows, n, seed, dtype).unwrap();
+        }
+    }
+
+    #[test]
+    fn sample_rows_greedy_matches_argmax(rows in 1usize..=5, n in prop_oneof![1usize..=40, Just(1025usize), Just(32000)], seed in any::<u64>()) {
+        for dtype in DTYPES {
+            check_sample_greedy(&Device::Cpu, rows, n, seed, dtype).unwrap();
         }
     }
 
@@ -509,4 +516,66 @@ fn decode_step_refuses_what_it_does_not_run() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("1 key/value cache pairs"), "{err}");
+}
+
+#[test]
+fn sample_rows_draw_the_oracles_distribution() {
+    check_sample_statistics(&Device::Cpu, 20_000).unwrap();
+}
+
+#[test]
+fn sample_rows_is_deterministic_and_batch_invariant() {
+    check_sample_determinism(&Device::Cpu).unwrap();
+}
+
+#[test]
+fn sample_rows_handles_non_finite_values() {
+    check_sample_non_finite(&Device::Cpu).unwrap();
+}
+
+#[test]
+fn sample_rows_refuses_bad_inputs() {
+    use graft_candle_kernels::{SampleParams, sample_rows};
+    let dev = &Device::Cpu;
+    let logits = Tensor::zeros((3, 10), DType::F32, dev).unwrap();
+    let params = params_tensor(&[SampleParams::GREEDY; 3], dev).unwrap();
+    let err = message(sample_rows(&logits.to_dtype(DType::U32).unwrap(), &params));
+    assert!(err.contains("supports f32, bf16 and f16"), "{err}");
+    let err = message(sample_rows(&logits, &params.to_dtype(DType::F32).unwrap()));
+    assert!(err.contains("params are F32; pass them as u32"), "{err}");
+    let err = message(sample_rows(&logits.reshape((3, 2, 5)).unwrap(), &params));
+    assert!(err.contains("expected [rows, vocab]"), "{err}");
+    let err = message(sample_rows(&logits.narrow(1, 0, 0).unwrap(), &params));
+    assert!(err.contains("with vocab > 0"), "{err}");
+    let err = message(sample_rows(&logits, &params.narrow(1, 0, 5).unwrap()));
+    assert!(
+        err.contains("params has shape [3, 5], expected [rows, 6]"),
+        "{err}"
+    );
+    let err = message(sample_rows(&logits, &params.narrow(0, 0, 2).unwrap()));
+    assert!(err.contains("params has shape [2, 6]"), "{err}");
+    let strided = Tensor::zeros((10, 3), DType::F32, dev)
+        .unwrap()
+        .t()
+        .unwrap();
+    let err = message(sample_rows(&strided, &params));
+    assert!(err.contains("logits is not contiguous"), "{err}");
+    let err = message(sample_rows(
+        &logits,
+        &params.t().unwrap().contiguous().unwrap().t().unwrap(),
+    ));
+    assert!(err.contains("params is not contiguous"), "{err}");
+    let huge = Tensor::zeros((0, 1 << 24), DType::F32, dev).unwrap();
+    let none = params_tensor(&[], dev).unwrap();
+    let err = message(sample_rows(&huge, &none));
+    assert!(err.contains("the vocabulary is 16777216"), "{err}");
+    // No rows: no tokens.
+    let empty = sample_rows(&logits.narrow(0, 0, 0).unwrap(), &none).unwrap();
+    assert_eq!(empty.dims(), [0]);
+    // A start offset is fine.
+    let offset = sample_rows(
+        &logits.narrow(0, 1, 2).unwrap(),
+        &params.narrow(0, 1, 2).unwrap(),
+    );
+    assert_eq!(offset.unwrap().to_vec1::<u32>().unwrap(), [0, 0]);
 }

@@ -1,8 +1,9 @@
 //! The fused ops on a CUDA GPU (ignored in CI; `--include-ignored` on the GPU machine, through
 //! `scripts/stage.sh --candle-cuda` and `scripts/gpu-run.sh`): the CPU tests' bodies on
 //! `Device::new_cuda(0)`, each op against the unfused candle composition on the same GPU (the
-//! causal attention's gradients too, and its determinism), and decode attention's reading of
-//! visible positions only (NaN elsewhere changes nothing).
+//! causal attention's gradients too, and its determinism), decode attention's reading of
+//! visible positions only (NaN elsewhere changes nothing), and sample_rows' tokens against the
+//! CPU's.
 #![cfg(feature = "cuda")]
 
 mod common;
@@ -72,6 +73,15 @@ proptest! {
         let dev = gpu();
         for dtype in DTYPES {
             check_argmax(&dev, rows, n, seed, dtype).unwrap();
+        }
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_sample_rows_greedy_matches_argmax(rows in 1usize..=5, n in prop_oneof![1usize..=40, Just(1025usize), Just(32000)], seed in any::<u64>()) {
+        let dev = gpu();
+        for dtype in DTYPES {
+            check_sample_greedy(&dev, rows, n, seed, dtype).unwrap();
         }
     }
 
@@ -294,4 +304,35 @@ fn gpu_decode_step_matches_its_cpu_composition() {
     };
     let (plain, chained) = (logits(false), logits(true));
     assert_eq!(plain, chained, "programmatic launches changed the logits");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_sample_rows_draw_the_oracles_distribution() {
+    check_sample_statistics(&gpu(), 20_000).unwrap();
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_sample_rows_is_deterministic_and_batch_invariant() {
+    check_sample_determinism(&gpu()).unwrap();
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_sample_rows_handles_non_finite_values() {
+    check_sample_non_finite(&gpu()).unwrap();
+}
+
+/// The GPU's tokens against the CPU's at two vocabularies (Llama 2's and Qwen2's), every path
+/// of the kernel among the rows.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_sample_rows_match_the_cpu() {
+    let dev = gpu();
+    for vocab in [32_000, 151_936] {
+        for dtype in [DType::F32, DType::BF16] {
+            check_sample_matches_cpu(&dev, 66, vocab, dtype).unwrap();
+        }
+    }
 }

@@ -4,7 +4,7 @@
 //! build (tests/gpu.rs).
 use graft_candle::candle_core::DType;
 use graft_candle::{Buckets, CandleGraft};
-use graft_candle_models::serve::{Engine, Event, Request, ServeConfig};
+use graft_candle_models::serve::{Engine, Event, Request, SampleParams, ServeConfig};
 use graft_candle_models::{checkpoint, llama};
 
 pub(crate) fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -23,7 +23,7 @@ pub(crate) fn main() -> Result<(), Box<dyn std::error::Error>> {
     let config = ServeConfig {
         decode_buckets: Buckets::new([1, 2, 4, 8])?, // sequences decoding together
         prefill_buckets: Buckets::new([16, 32, 64])?, // tokens per prefill chunk
-        eos: None,
+        eos: Vec::new(),
         max_running: None,
     };
     // 8 sequences of 256 positions (on a GPU, `serve::plan` sizes the cache from memory).
@@ -36,6 +36,7 @@ pub(crate) fn main() -> Result<(), Box<dyn std::error::Error>> {
             id,
             prompt,
             max_new: 8,
+            sampling: SampleParams::GREEDY,
         })?;
     }
     let mut tokens = vec![Vec::new(); 3];

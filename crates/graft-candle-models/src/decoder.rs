@@ -365,7 +365,9 @@ impl Decoder {
         cache: &KvCache,
         tokens: &Tensor,
     ) -> std::result::Result<Step, Error> {
-        self.decode_with(graft, step, cache, tokens, argmax_last)
+        self.decode_with(graft, step, cache, &[tokens], |logits, _| {
+            argmax_last(logits)
+        })
     }
 
     /// [`Decoder::decode`] writing the next tokens into `next` (`[batch]` u32, made once;
@@ -406,29 +408,33 @@ impl Decoder {
         cache: &KvCache,
         tokens: &Tensor,
     ) -> std::result::Result<Step, Error> {
-        self.decode_with(graft, step, cache, tokens, |logits| Ok(logits.clone()))
+        self.decode_with(
+            graft,
+            step,
+            cache,
+            &[tokens],
+            |logits, _| Ok(logits.clone()),
+        )
     }
 
-    fn decode_with(
+    /// A decode step under graft whose inputs are `inputs` (the tokens first) and whose
+    /// output is `head(logits, inputs)`.
+    pub(crate) fn decode_with(
         &self,
         graft: &mut CandleGraft,
         step: StepId,
         cache: &KvCache,
-        tokens: &Tensor,
-        head: impl Fn(&Tensor) -> Result<Tensor>,
+        inputs: &[&Tensor],
+        head: impl Fn(&Tensor, &[Tensor]) -> Result<Tensor>,
     ) -> std::result::Result<Step, Error> {
-        let batch = tokens
+        let batch = inputs[0]
             .dims1()
             .and_then(|b| cache.check_room(b).map(|()| b))
             .map_err(|source| Error::Model { source })?;
         let statics = self.statics(cache);
-        let out = graft.call(
-            step,
-            &[tokens],
-            &statics,
-            &[batch as u64, self.id],
-            |inputs| Ok(vec![head(&self.logits(cache, &inputs[0])?)?]),
-        )?;
+        let out = graft.call(step, inputs, &statics, &[batch as u64, self.id], |inputs| {
+            Ok(vec![head(&self.logits(cache, &inputs[0])?, inputs)?])
+        })?;
         cache.advance(batch);
         Ok(out)
     }

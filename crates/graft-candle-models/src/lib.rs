@@ -52,6 +52,7 @@ pub mod qwen3;
 pub mod qwen3_moe;
 mod rng;
 mod rope;
+mod sampled;
 mod sequence;
 pub mod serve;
 mod shard;

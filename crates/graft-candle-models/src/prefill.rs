@@ -6,7 +6,7 @@
 
 use candle_core::{DType, Result, Tensor};
 use graft_candle::{CandleGraft, Error, Step, StepId};
-use graft_candle_kernels::argmax_last;
+use graft_candle_kernels::{SAMPLE_WORDS, SampleParams, sample_rows};
 
 use super::cache::{KvCache, PrefillPlan};
 use super::decoder::{Decoder, Slots};
@@ -16,25 +16,29 @@ impl Decoder {
     /// One eager prefill chunk of sequence `row` of a serving cache: `tokens` (`[chunk]` u32)
     /// holds the next `len` tokens of its prompt, padded to `chunk` with any token. Writes
     /// their keys and values at the sequence's position and advances it by `len`; returns
-    /// the token that follows the last of them (`[1]` u32, greedy).
+    /// the token that follows the last of them (`[1]` u32), picked by `sampling`
+    /// ([`SampleParams::GREEDY`]: the most likely).
     pub fn prefill_forward(
         &self,
         cache: &KvCache,
         row: usize,
         tokens: &Tensor,
         len: usize,
+        sampling: SampleParams,
     ) -> Result<Tensor> {
         cache.check_prefill(row, len, tokens.dims1()?)?;
-        let meta = Tensor::new(&[row as u32, len as u32], self.device())?;
-        let next = argmax_last(&self.prefill_logits(cache, tokens, &meta)?)?;
+        let meta = self.prefill_meta(row, len, sampling)?;
+        let next = self.prefill_next(cache, tokens, &meta)?;
         cache.advance_row(row, len);
         Ok(next)
     }
 
-    /// [`Decoder::prefill_forward`] under graft: `tokens` and the row and length (uploaded
-    /// as a `[2]` u32 input) are the step's inputs, the weights and `cache` its statics,
-    /// `[chunk, key]` its keys: register `step` with token-count buckets and pad `tokens` to
-    /// one. One recording per bucket serves every sequence, position and length.
+    /// [`Decoder::prefill_forward`] under graft: `tokens` and the row, length and sampling
+    /// parameters (uploaded as one `[2 + SAMPLE_WORDS]` u32 input) are the step's inputs, the
+    /// weights and `cache` its statics, `[chunk, key]` its keys: register `step` with
+    /// token-count buckets and pad `tokens` to one. One recording per bucket serves every
+    /// sequence, position, length and sampling.
+    #[allow(clippy::too_many_arguments)]
     pub fn prefill(
         &self,
         graft: &mut CandleGraft,
@@ -43,28 +47,44 @@ impl Decoder {
         row: usize,
         tokens: &Tensor,
         len: usize,
+        sampling: SampleParams,
     ) -> std::result::Result<Step, Error> {
         let model = |source| Error::Model { source };
         let chunk = tokens.dims1().map_err(model)?;
         cache.check_prefill(row, len, chunk).map_err(model)?;
-        let meta = Tensor::new(&[row as u32, len as u32], self.device()).map_err(model)?;
+        let meta = self.prefill_meta(row, len, sampling).map_err(model)?;
         let statics = self.statics(cache);
         let out = graft.call(
             step,
             &[tokens, &meta],
             &statics,
             &[chunk as u64, self.key()],
-            |inputs| {
-                let logits = self.prefill_logits(cache, &inputs[0], &inputs[1])?;
-                Ok(vec![argmax_last(&logits)?])
-            },
+            |inputs| Ok(vec![self.prefill_next(cache, &inputs[0], &inputs[1])?]),
         )?;
         cache.advance_row(row, len);
         Ok(out)
     }
 
-    /// The prefill itself (no host-side checks): capturable. `meta` is `[2]` u32: the row
-    /// and the number of real tokens. Returns the last real token's logits (`[1, vocab]`
+    /// The `[2 + SAMPLE_WORDS]` u32 a prefill reads: the row, the real tokens, the sampling.
+    fn prefill_meta(&self, row: usize, len: usize, sampling: SampleParams) -> Result<Tensor> {
+        let mut meta = [0u32; 2 + SAMPLE_WORDS];
+        meta[0] = row as u32;
+        meta[1] = len as u32;
+        meta[2..].copy_from_slice(&sampling.words());
+        Tensor::new(&meta, self.device())
+    }
+
+    /// The prefill and its token choice (capturable).
+    fn prefill_next(&self, cache: &KvCache, tokens: &Tensor, meta: &Tensor) -> Result<Tensor> {
+        let logits = self.prefill_logits(cache, tokens, meta)?;
+        let sampling = meta
+            .narrow(0, 2, SAMPLE_WORDS)?
+            .reshape((1, SAMPLE_WORDS))?;
+        sample_rows(&logits, &sampling)
+    }
+
+    /// The prefill itself (no host-side checks): capturable. `meta` starts with the row and
+    /// the number of real tokens (u32). Returns the last real token's logits (`[1, vocab]`
     /// f32). With the fused attention the chunk is a batch of tokens of one cache row, each
     /// at its own position (padding in the scratch row), through the decode step's kernels.
     fn prefill_logits(&self, cache: &KvCache, tokens: &Tensor, meta: &Tensor) -> Result<Tensor> {

@@ -6,6 +6,7 @@
 mod serve;
 
 use candle_core::{D, DType, Device, Tensor};
+use graft_candle_models::serve::SampleParams;
 
 #[test]
 fn a_continuous_batch_gives_every_request_its_tokens_alone() -> serve::TestResult {
@@ -50,7 +51,7 @@ fn a_prefill_writes_what_decoding_the_prompt_writes() -> serve::TestResult {
             padded.resize(8, 255);
             let tokens = Tensor::new(padded.as_slice(), dev)?;
             next = model
-                .prefill_forward(&prefilled, 0, &tokens, part.len())?
+                .prefill_forward(&prefilled, 0, &tokens, part.len(), SampleParams::GREEDY)?
                 .to_vec1::<u32>()?;
         }
         assert_eq!(next, want, "window {window:?}: the next token");

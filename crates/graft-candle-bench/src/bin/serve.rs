@@ -91,7 +91,7 @@ fn run() -> Result<()> {
                 .into_iter()
                 .filter(|&b| b <= o.max_seq),
         )?,
-        eos: None,
+        eos: Vec::new(),
         max_running: Some(o.max_batch),
     };
     std::fs::create_dir_all(&o.out)?;

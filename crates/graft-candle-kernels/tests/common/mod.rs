@@ -14,12 +14,14 @@ mod argmax;
 mod causal;
 mod moe;
 mod optim;
+mod sample;
 mod step;
 mod train;
 pub use argmax::*;
 pub use causal::*;
 pub use moe::*;
 pub use optim::*;
+pub use sample::*;
 pub use step::*;
 pub use train::*;
 

@@ -12,6 +12,15 @@ pub enum Rejected {
     /// The request asks for no tokens.
     #[error("request {id} asks for 0 new tokens: ask for at least one")]
     NothingToGenerate { id: u64 },
+    /// The sampling parameters are not numbers the sampler takes.
+    #[error(
+        "request {id} samples with temperature {temperature} and top_p {top_p}: use a finite temperature (0 or less is greedy) and a top_p that is a number"
+    )]
+    BadSampling {
+        id: u64,
+        temperature: f32,
+        top_p: f32,
+    },
     /// Prompt and output together need more positions than a sequence of the kv cache has.
     #[error(
         "request {id} needs {needed} positions ({prompt} prompt + {max_new} new tokens) but a sequence of the kv cache holds {max_seq}: shorten it, or plan the cache with a larger max_seq"
@@ -43,6 +52,13 @@ pub enum StepError {
     /// A prefill chunk failed.
     #[error("the prefill of request {id} failed: {source}")]
     Prefill {
+        id: u64,
+        #[source]
+        source: Error,
+    },
+    /// Freeing the cache row of cancelled request `id` (a device copy) failed.
+    #[error("freeing the cache row of cancelled request {id} failed: {source}")]
+    Cancel {
         id: u64,
         #[source]
         source: Error,

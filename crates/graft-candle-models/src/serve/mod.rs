@@ -24,6 +24,8 @@ use std::collections::VecDeque;
 use candle_core::{DType, Tensor};
 
 use graft_candle::{Buckets, CandleGraft, Error, StepId, StepOutcome};
+use graft_candle_kernels::SAMPLE_WORDS;
+pub use graft_candle_kernels::SampleParams;
 
 use crate::{Decoder, KvCache};
 
@@ -31,15 +33,20 @@ pub use error::{Refused, Rejected, StepError};
 pub use plan::plan;
 pub use plan::{MemoryPlan, kv_rows};
 
-/// A request: generate up to `max_new` tokens (greedy) after `prompt`.
-#[derive(Clone, PartialEq, Eq, Debug)]
+/// A request: generate up to `max_new` tokens after `prompt`, each picked by `sampling`.
+#[derive(Clone, PartialEq, Debug)]
 pub struct Request {
     /// Yours; events name it.
     pub id: u64,
     /// The prompt's tokens.
     pub prompt: Vec<u32>,
-    /// How many tokens to generate at most (the end token, when configured, stops sooner).
+    /// How many tokens to generate at most (an end token stops sooner).
     pub max_new: usize,
+    /// How each token is picked, on the device, inside the recorded step: requests that
+    /// sample differently share a batch and its recording. Its `index` is ignored: the
+    /// engine sets it to the token's number, so a seed gives the same tokens whatever runs
+    /// beside the request (as far as the kernels are batch-invariant).
+    pub sampling: SampleParams,
 }
 
 /// What the engine does with requests.
@@ -51,8 +58,8 @@ pub struct ServeConfig {
     /// Token counts prefill chunks are padded to; a longer prompt is prefilled in chunks of
     /// the largest. At most the cache's `max_seq`.
     pub prefill_buckets: Buckets,
-    /// A token that ends a sequence (`None`: sequences end at their `max_new`).
-    pub eos: Option<u32>,
+    /// Tokens that end a sequence (none: sequences end at their `max_new`).
+    pub eos: Vec<u32>,
     /// At most this many sequences decode at once (`None`: as many as the cache holds).
     /// Requests beyond wait in the queue.
     pub max_running: Option<usize>,
@@ -93,6 +100,7 @@ struct Running {
     last: u32,
     generated: usize,
     max_new: usize,
+    sampling: SampleParams,
 }
 
 /// A continuous-batching engine (see the module documentation).
@@ -185,8 +193,15 @@ impl<'m> Engine<'m> {
     pub fn submit(&mut self, request: Request) -> Result<(), Box<Refused>> {
         let max_seq = self.cache.max_seq();
         let (id, prompt, max_new) = (request.id, request.prompt.len(), request.max_new);
+        let s = request.sampling;
         let why = if prompt == 0 {
             Some(Rejected::EmptyPrompt { id })
+        } else if !s.temperature.is_finite() || s.top_p.is_nan() {
+            Some(Rejected::BadSampling {
+                id,
+                temperature: s.temperature,
+                top_p: s.top_p,
+            })
         } else if max_new == 0 {
             Some(Rejected::NothingToGenerate { id })
         } else if prompt + max_new > max_seq {
@@ -208,6 +223,33 @@ impl<'m> Engine<'m> {
                 Ok(())
             }
         }
+    }
+
+    /// Drops request `id` wherever it is (waiting, being prefilled or running), freeing its
+    /// cache row at once; no event follows. Returns whether it was there. A client that goes
+    /// away calls this.
+    pub fn cancel(&mut self, id: u64) -> Result<bool, StepError> {
+        if let Some(at) = self.waiting.iter().position(|r| r.id == id) {
+            self.waiting.remove(at);
+            return Ok(true);
+        }
+        if self.prefilling.as_ref().is_some_and(|p| p.request.id == id) {
+            // Its row is above the running ones: nothing to move.
+            self.prefilling = None;
+            return Ok(true);
+        }
+        let Some(row) = self.running.iter().position(|r| r.id == id) else {
+            return Ok(false);
+        };
+        let last = self.running.len() - 1;
+        self.cache
+            .move_row(last, row)
+            .map_err(|e| StepError::Cancel {
+                id,
+                source: model(e),
+            })?;
+        self.running.swap_remove(row);
+        Ok(true)
     }
 
     /// Under graft, records every prefill and decode bucket now (with dummy tokens, from
@@ -234,16 +276,27 @@ impl<'m> Engine<'m> {
             calls += until_recorded(|| {
                 self.cache.reset().map_err(model)?;
                 graft.mark_step_begin();
-                self.model
-                    .prefill(graft, *prefill, &self.cache, 0, &tokens, bucket)
+                self.model.prefill(
+                    graft,
+                    *prefill,
+                    &self.cache,
+                    0,
+                    &tokens,
+                    bucket,
+                    SampleParams::GREEDY,
+                )
             })?;
         }
         for &bucket in self.config.decode_buckets.sizes() {
             let tokens = Tensor::zeros(bucket, DType::U32, &device).map_err(model)?;
+            let greedy = SampleParams::GREEDY.words().repeat(bucket);
+            let params =
+                Tensor::from_vec(greedy, (bucket, SAMPLE_WORDS), &device).map_err(model)?;
             calls += until_recorded(|| {
                 self.cache.reset().map_err(model)?;
                 graft.mark_step_begin();
-                self.model.decode(graft, *decode, &self.cache, &tokens)
+                self.model
+                    .decode_sampled(graft, *decode, &self.cache, &tokens, &params)
             })?;
         }
         self.cache.reset().map_err(model)?;
@@ -287,6 +340,19 @@ impl<'m> Engine<'m> {
             Runner::Graft { .. } => graft_candle::pad(&self.config.decode_buckets, &rows, 0),
         };
         let fail = |source| StepError::Decode { batch, source };
+        // Each row's sampling at its next token's number; padding rows greedy.
+        let mut params = Vec::with_capacity(batch * SAMPLE_WORDS);
+        for r in &self.running {
+            let at = SampleParams {
+                index: r.generated as u32,
+                ..r.sampling
+            };
+            params.extend(at.words());
+        }
+        params.resize(batch * SAMPLE_WORDS, 0);
+        for row in params.chunks_exact_mut(SAMPLE_WORDS).skip(n) {
+            row.copy_from_slice(&SampleParams::GREEDY.words());
+        }
         // Idle rows a padded step covers advance with it: start any that would overflow over.
         let max_seq = self.cache.max_seq() as u32;
         for (row, &p) in self
@@ -303,14 +369,19 @@ impl<'m> Engine<'m> {
                     .map_err(|e| fail(model(e)))?;
             }
         }
-        let tokens =
-            Tensor::new(padded.as_slice(), self.model.device()).map_err(|e| fail(model(e)))?;
+        let device = self.model.device();
+        let tokens = Tensor::new(padded.as_slice(), device).map_err(|e| fail(model(e)))?;
+        let params =
+            Tensor::from_vec(params, (batch, SAMPLE_WORDS), device).map_err(|e| fail(model(e)))?;
         let next = match &mut self.runner {
-            Runner::Eager => self.model.greedy(&self.cache, &tokens).map_err(model),
+            Runner::Eager => self
+                .model
+                .sample(&self.cache, &tokens, &params)
+                .map_err(model),
             Runner::Graft { graft, decode, .. } => {
                 graft.mark_step_begin();
                 self.model
-                    .decode(graft, *decode, &self.cache, &tokens)
+                    .decode_sampled(graft, *decode, &self.cache, &tokens, &params)
                     .map(|mut s| s.outputs.remove(0))
             }
         }
@@ -329,7 +400,7 @@ impl<'m> Engine<'m> {
         // a moved row is never one that still has to leave).
         for row in (0..n).rev() {
             let r = &self.running[row];
-            if r.generated >= r.max_new || Some(r.last) == self.config.eos {
+            if r.generated >= r.max_new || self.config.eos.contains(&r.last) {
                 events.push(Event::Finished { id: r.id });
                 let last = self.running.len() - 1;
                 self.cache.move_row(last, row).map_err(|e| fail(model(e)))?;
@@ -361,15 +432,19 @@ impl<'m> Engine<'m> {
         let tokens =
             Tensor::new(padded.as_slice(), self.model.device()).map_err(|e| fail(model(e)))?;
         debug_assert_eq!(tokens.elem_count(), size);
+        let sampling = SampleParams {
+            index: 0,
+            ..p.request.sampling
+        };
         let next = match &mut self.runner {
             Runner::Eager => self
                 .model
-                .prefill_forward(&self.cache, p.row, &tokens, len)
+                .prefill_forward(&self.cache, p.row, &tokens, len, sampling)
                 .map_err(model),
             Runner::Graft { graft, prefill, .. } => {
                 graft.mark_step_begin();
                 self.model
-                    .prefill(graft, *prefill, &self.cache, p.row, &tokens, len)
+                    .prefill(graft, *prefill, &self.cache, p.row, &tokens, len, sampling)
                     .map(|mut s| s.outputs.remove(0))
             }
         }
@@ -388,7 +463,7 @@ impl<'m> Engine<'m> {
             token: first,
             index: 0,
         });
-        if p.request.max_new == 1 || Some(first) == self.config.eos {
+        if p.request.max_new == 1 || self.config.eos.contains(&first) {
             events.push(Event::Finished { id });
             return Ok(());
         }
@@ -401,6 +476,7 @@ impl<'m> Engine<'m> {
             last: first,
             generated: 1,
             max_new: p.request.max_new,
+            sampling: p.request.sampling,
         });
         Ok(())
     }

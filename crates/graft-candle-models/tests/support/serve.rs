@@ -9,7 +9,9 @@ use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
 use candle_transformers::models as ct;
 use graft_candle::{Buckets, CandleGraft};
-use graft_candle_models::serve::{Engine, Event, Refused, Rejected, Request, ServeConfig};
+use graft_candle_models::serve::{
+    Engine, Event, Refused, Rejected, Request, SampleParams, ServeConfig,
+};
 use graft_candle_models::{Decoder, checkpoint, llama, mistral};
 
 pub(crate) type TestResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
@@ -53,7 +55,7 @@ pub(crate) fn config() -> TestResult<ServeConfig> {
     Ok(ServeConfig {
         decode_buckets: Buckets::new([1, 2, 4])?,
         prefill_buckets: Buckets::new([4, 8, 16])?,
-        eos: None,
+        eos: Vec::new(),
         max_running: None,
     })
 }
@@ -81,6 +83,18 @@ pub(crate) fn trace() -> Vec<(usize, Request)> {
                 id: i as u64,
                 prompt,
                 max_new,
+                // Every other request samples, with a seed of its own.
+                sampling: if i % 2 == 1 {
+                    SampleParams {
+                        temperature: 0.9,
+                        top_k: 40,
+                        top_p: 0.9,
+                        seed: i as u64,
+                        index: 0,
+                    }
+                } else {
+                    SampleParams::GREEDY
+                },
             };
             (i * 3 % 7 + i, request)
         })
@@ -168,6 +182,7 @@ pub(crate) fn bad_requests_are_refused_and_nothing_else_changes(model: &Decoder)
                 id: 100,
                 prompt: vec![],
                 max_new: 3,
+                sampling: SampleParams::GREEDY,
             },
             "empty prompt",
         ),
@@ -176,6 +191,7 @@ pub(crate) fn bad_requests_are_refused_and_nothing_else_changes(model: &Decoder)
                 id: 101,
                 prompt: vec![1],
                 max_new: 0,
+                sampling: SampleParams::GREEDY,
             },
             "0 new tokens",
         ),
@@ -184,19 +200,38 @@ pub(crate) fn bad_requests_are_refused_and_nothing_else_changes(model: &Decoder)
                 id: 102,
                 prompt: vec![1; MAX_SEQ],
                 max_new: 2,
+                sampling: SampleParams::GREEDY,
             },
             "needs 65 positions",
+        ),
+        (
+            Request {
+                id: 103,
+                prompt: vec![1],
+                max_new: 2,
+                sampling: SampleParams {
+                    temperature: f32::NAN,
+                    ..SampleParams::GREEDY
+                },
+            },
+            "temperature NaN",
         ),
     ];
     for (request, message) in bad {
         let refused: Box<Refused> = engine.submit(request.clone()).unwrap_err();
-        assert_eq!(refused.request, request, "the request comes back unchanged");
+        // Compared as text: a NaN temperature is not equal to itself.
+        assert_eq!(
+            format!("{:?}", refused.request),
+            format!("{request:?}"),
+            "the request comes back unchanged"
+        );
         assert!(refused.to_string().contains(message), "{refused}");
         assert!(matches!(
             refused.why,
             Rejected::EmptyPrompt { .. }
                 | Rejected::NothingToGenerate { .. }
                 | Rejected::TooLong { .. }
+                | Rejected::BadSampling { .. }
         ));
     }
     // Exactly full: a prompt of MAX_SEQ - 1 tokens and 2 new ones fits.
@@ -204,6 +239,7 @@ pub(crate) fn bad_requests_are_refused_and_nothing_else_changes(model: &Decoder)
         id: 200,
         prompt: vec![3; MAX_SEQ - 1],
         max_new: 2,
+        sampling: SampleParams::GREEDY,
     };
     let good = trace();
     let mut all = good.clone();

@@ -1,6 +1,6 @@
 //! The seeded request trace: Poisson arrivals, prompt and output lengths log-uniform.
 
-use graft_candle_models::serve::Request;
+use graft_candle_models::serve::{Request, SampleParams};
 use rand::rngs::Xoshiro256PlusPlus;
 use rand::{RngExt, SeedableRng};
 
@@ -44,6 +44,7 @@ pub(crate) fn poisson(
                 id: i as u64,
                 prompt,
                 max_new,
+                sampling: SampleParams::GREEDY,
             };
             (t, request)
         })
