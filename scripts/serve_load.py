@@ -44,6 +44,12 @@ def one(url, body, out, index):
     if resp.status != 200:
         out[index] = {"status": resp.status, "error": resp.read().decode()}
         return
+    if not body.get("stream"):
+        whole = json.loads(resp.read())
+        conn.close()
+        out[index] = {"status": 200, "start": start, "times": [time.perf_counter()],
+                      "usage": whole["usage"]}
+        return
     times = []
     usage = None
     for raw in resp:
@@ -72,6 +78,9 @@ def main():
     p.add_argument("--vocab", type=int, default=250, help="prompt token ids are drawn below this")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the figures here")
+    p.add_argument("--no-stream", action="store_true",
+                   help="whole responses (throughput only: no TTFT or ITL, and far less client work)")
+    p.add_argument("--dump-trace", help="write the trace's requests here (for `graft-serve offline`) and exit")
     a = p.parse_args()
     rng = random.Random(a.seed)
     def log_uniform(lo, hi):
@@ -82,8 +91,14 @@ def main():
         n = min(log_uniform(16, 768), a.max_seq // 2)
         new = min(log_uniform(16, 256), a.max_seq - n)
         prompt = [rng.randrange(1, a.vocab) for _ in range(n)]
-        bodies.append({"prompt": prompt, "max_tokens": new, "temperature": 0,
-                       "stream": True, "stream_options": {"include_usage": True}})
+        body = {"prompt": prompt, "max_tokens": new, "temperature": 0}
+        if not a.no_stream:
+            body.update({"stream": True, "stream_options": {"include_usage": True}})
+        bodies.append(body)
+    if a.dump_trace:
+        with open(a.dump_trace, "w") as f:
+            json.dump([{"prompt": b["prompt"], "max_tokens": b["max_tokens"]} for b in bodies], f)
+        return 0
     out = [None] * a.requests
     threads = []
     t0 = time.perf_counter()

@@ -6,7 +6,8 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 
 /// A request's failure, sent as OpenAI's `{"error": {...}}` body.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message} (HTTP {status})")]
 pub struct ApiError {
     /// The HTTP status.
     pub status: StatusCode,

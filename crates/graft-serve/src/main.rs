@@ -52,6 +52,32 @@ enum Command {
         #[arg(long)]
         eager: bool,
     },
+    /// Generate greedily for a trace of requests (scripts/serve_load.py --dump-trace) all at
+    /// once, through the server's engine without HTTP; prints the throughput as JSON.
+    Offline {
+        /// The model, as for `serve`.
+        #[arg(long)]
+        model: PathBuf,
+        /// The trace: a JSON list of {"prompt": [token ids], "max_tokens": n}.
+        #[arg(long)]
+        trace: PathBuf,
+        /// As for `serve`.
+        #[arg(long)]
+        dtype: Option<Dtype>,
+        /// As for `serve`.
+        #[arg(long)]
+        max_seq: Option<usize>,
+        /// As for `serve`.
+        #[arg(long)]
+        max_batch: Option<usize>,
+        /// As for `serve`.
+        #[arg(long)]
+        eager: bool,
+        /// Runs of the trace before the timed one (the first run after a start pays for
+        /// lazily loaded kernels and the clocks' ramp).
+        #[arg(long, default_value_t = 1)]
+        warmup: usize,
+    },
     /// Write a Llama model directory with random weights and a byte-level tokenizer.
     RandomModel {
         /// The directory to write.
@@ -88,7 +114,10 @@ impl From<Dtype> for DType {
 }
 
 fn main() -> ExitCode {
+    // Spans report their time when they close (warmups, recordings: RUST_LOG=debug).
     tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_span_events(tracing_subscriber::fmt::format::FmtSpan::CLOSE)
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
@@ -122,6 +151,47 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             );
             Ok(())
         }
+        Command::Offline {
+            model,
+            trace,
+            dtype,
+            max_seq,
+            max_batch,
+            eager,
+            warmup,
+        } => {
+            #[derive(serde::Deserialize)]
+            struct Traced {
+                prompt: Vec<u32>,
+                max_tokens: usize,
+            }
+            let trace: Vec<Traced> = serde_json::from_slice(&std::fs::read(&trace)?)?;
+            let requests: Vec<(Vec<u32>, usize)> = trace
+                .into_iter()
+                .map(|t| (t.prompt, t.max_tokens))
+                .collect();
+            let options = ServeOptions {
+                model,
+                dtype: dtype.map(Into::into),
+                max_seq,
+                max_batch,
+                max_queue: requests.len(),
+                eager,
+            };
+            let server = Server::start(&options, &device()?)?;
+            for _ in 0..warmup {
+                server.generate(&requests)?;
+            }
+            let started = std::time::Instant::now();
+            let tokens: usize = server.generate(&requests)?.iter().map(Vec::len).sum();
+            let wall_s = started.elapsed().as_secs_f64();
+            let figures = serde_json::json!({
+                "requests": requests.len(), "tokens": tokens, "wall_s": wall_s,
+                "tokens_per_s": tokens as f64 / wall_s, "eager": eager,
+            });
+            println!("{figures}");
+            Ok(())
+        }
         Command::Serve {
             model,
             host,
@@ -132,10 +202,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             max_queue,
             eager,
         } => {
-            let device = graft_candle::device(0).or_else(|e| {
-                tracing::warn!(error = %e, "no CUDA device: serving on the CPU");
-                Ok::<_, candle_core::Error>(candle_core::Device::Cpu)
-            })?;
+            let device = device()?;
             let options = ServeOptions {
                 model,
                 dtype: dtype.map(Into::into),
@@ -144,10 +211,13 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 max_queue,
                 eager,
             };
+            // The port first: a taken port fails at once, not after the model loads.
+            let listener = std::net::TcpListener::bind(SocketAddr::new(host, port))?;
+            listener.set_nonblocking(true)?;
             let server = Server::start(&options, &device)?;
             let runtime = tokio::runtime::Runtime::new()?;
             runtime.block_on(async move {
-                let listener = tokio::net::TcpListener::bind(SocketAddr::new(host, port)).await?;
+                let listener = tokio::net::TcpListener::from_std(listener)?;
                 println!(
                     "graft-serve: serving {} on http://{} ({} sequences, ready in {:.1} s); Ctrl-C stops",
                     server.model_name(),
@@ -164,4 +234,12 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             })
         }
     }
+}
+
+/// The GPU when there is one, else the CPU.
+fn device() -> Result<candle_core::Device, candle_core::Error> {
+    graft_candle::device(0).or_else(|e| {
+        tracing::warn!(error = %e, "no CUDA device: serving on the CPU");
+        Ok(candle_core::Device::Cpu)
+    })
 }

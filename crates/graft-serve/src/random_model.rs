@@ -27,6 +27,9 @@ const CHATML: &str = "{% for message in messages %}{{ '<|im_start|>' + message['
 pub enum Preset {
     /// 2 layers, d=64, 4/2 heads, ffn 128, vocab 258, 512 positions: loads in milliseconds.
     Tiny,
+    /// 4 layers, d=512, 8/4 heads, ffn 1536, vocab 8192, 2048 positions (about 21M parameters:
+    /// graft-candle-serve's `small` model).
+    Small,
     /// About 1.1B parameters (Llama-3.2-1B-like): 16 layers, d=2048, 32/8 heads, ffn 8192,
     /// vocab 32000, 4096 positions; its weights in two files with an index.
     #[value(name = "1b")]
@@ -41,6 +44,16 @@ impl Preset {
                 max_positions: 512,
                 ..llama::Sizes::TINY
             },
+            Preset::Small => llama::Sizes {
+                layers: 4,
+                hidden: 512,
+                heads: 8,
+                kv_heads: 4,
+                intermediate: 1536,
+                vocab: 8192,
+                max_positions: 2048,
+                rope_theta: 500_000.0,
+            },
             Preset::OneB => llama::Sizes {
                 max_positions: 4096,
                 ..llama::Sizes::ONE_B
@@ -51,7 +64,7 @@ impl Preset {
     /// The safetensors files the weights are split into.
     fn shards(self) -> usize {
         match self {
-            Preset::Tiny => 1,
+            Preset::Tiny | Preset::Small => 1,
             Preset::OneB => 2,
         }
     }

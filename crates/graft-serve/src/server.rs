@@ -16,10 +16,13 @@ use graft_candle_models::Decoder;
 use graft_candle_models::serve::{Engine, ServeConfig, plan};
 use tokenizers::Tokenizer;
 
-use crate::error::ServeError;
+use axum::http::StatusCode;
+use graft_candle_models::serve::SampleParams;
+
+use crate::error::{ApiError, ServeError};
 use crate::metrics::Metrics;
 use crate::model::{ChatTemplate, Defaults, Loaded};
-use crate::worker::{self, Handle};
+use crate::worker::{self, Handle, Update};
 
 /// What to serve and how.
 #[derive(Debug, Clone)]
@@ -65,7 +68,8 @@ pub(crate) struct State {
 #[derive(Debug)]
 pub struct Server {
     pub(crate) state: Arc<State>,
-    worker: JoinHandle<()>,
+    /// The engine's thread, until [`Server::close`] joins it.
+    worker: Option<JoinHandle<()>>,
     /// Sequences of the cache.
     pub sequences: usize,
     /// Seconds from the start to ready: load, cache, recordings.
@@ -153,10 +157,63 @@ impl Server {
         };
         Ok(Server {
             state: Arc::new(state),
-            worker,
+            worker: Some(worker),
             sequences: ready.sequences,
             ready_s: started.elapsed().as_secs_f64(),
         })
+    }
+
+    /// Generates greedily for `requests` (each a prompt's tokens and the most tokens to
+    /// generate), all handed to the engine at once: an offline batch through the engine the
+    /// HTTP API uses, without HTTP or text. Returns each request's tokens, in order. Blocks:
+    /// call it outside an async runtime.
+    pub fn generate(&self, requests: &[(Vec<u32>, usize)]) -> Result<Vec<Vec<u32>>, ApiError> {
+        let mut pending = Vec::with_capacity(requests.len());
+        for (prompt, max_new) in requests {
+            let (updates, rx) = tokio::sync::mpsc::unbounded_channel();
+            let submission = worker::Submission {
+                id: self
+                    .state
+                    .next_id
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+                prompt: prompt.clone(),
+                max_new: *max_new,
+                sampling: SampleParams::GREEDY,
+                arrived: Instant::now(),
+                updates,
+            };
+            let ticket = self.state.handle.submit(submission).map_err(|_| {
+                ApiError::status(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "more requests than --max-batch + --max-queue: send fewer at once",
+                )
+            })?;
+            pending.push((ticket, rx));
+        }
+        let mut out = Vec::with_capacity(pending.len());
+        for (_ticket, mut rx) in pending {
+            let mut tokens = Vec::new();
+            loop {
+                match rx.blocking_recv() {
+                    Some(Update::Token(t)) => tokens.push(t),
+                    Some(Update::Finished) => break,
+                    Some(Update::Refused(m)) => {
+                        return Err(ApiError::status(StatusCode::BAD_REQUEST, m));
+                    }
+                    Some(Update::Failed(m)) => {
+                        return Err(ApiError::status(StatusCode::INTERNAL_SERVER_ERROR, m));
+                    }
+                    None => {
+                        return Err(ApiError::status(
+                            StatusCode::SERVICE_UNAVAILABLE,
+                            "the engine stopped before the request finished",
+                        ));
+                    }
+                }
+            }
+            out.push(tokens);
+        }
+        Ok(out)
     }
 
     /// The model's id, as `/v1/models` lists it.
@@ -172,21 +229,41 @@ impl Server {
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> Result<(), ServeError> {
         let app = crate::http::router(Arc::clone(&self.state));
-        axum::serve(listener, app)
+        let served = axum::serve(listener, app)
             .with_graceful_shutdown(shutdown)
-            .await?;
-        // The last handle goes with the state: the engine finishes what is left and ends.
-        drop(self.state);
-        let worker = self.worker;
-        tokio::task::spawn_blocking(move || worker.join())
+            .await;
+        let mut server = self;
+        let closed = tokio::task::spawn_blocking(move || server.close())
             .await
-            .map_err(|_| ServeError::EngineGone)?
-            .map_err(|_| ServeError::EngineGone)
+            .map_err(|_| ServeError::EngineGone)?;
+        served?;
+        closed
+    }
+
+    /// Stops the engine: it finishes what is pending, then its thread (which owns the model,
+    /// the cache and graft) ends and is joined, so the device is released before the process
+    /// exits. Blocks; dropping the server does the same, logging a failure.
+    pub fn close(&mut self) -> Result<(), ServeError> {
+        let Some(worker) = self.worker.take() else {
+            return Ok(());
+        };
+        self.state.handle.close();
+        worker.join().map_err(|_| ServeError::EngineGone)
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Err(e) = self.close() {
+            tracing::error!(error = %e, "stopping the engine failed");
+        }
     }
 }
 
 /// The engine's buckets: decode batches in powers of two up to the cache's sequences,
-/// prefill chunks of 16 to 512 tokens within `max_seq`.
+/// prefill chunks of 16 to 512 tokens within `max_seq`, with 384 between 256 and 512 so that
+/// a prompt of 257 to 384 tokens is padded by at most half, not doubled (a padded prefill
+/// chunk is what graft's time to first token pays over eager's).
 fn serve_config(
     sequences: usize,
     max_seq: usize,
@@ -194,7 +271,9 @@ fn serve_config(
 ) -> Result<ServeConfig, ServeError> {
     let buckets = |source| ServeError::Buckets { source };
     let decode = (0..).map(|i| 1usize << i).take_while(|&b| b <= sequences);
-    let prefill = [16, 64, 256, 512].into_iter().filter(|&b| b <= max_seq);
+    let prefill = [16, 32, 64, 128, 256, 384, 512]
+        .into_iter()
+        .filter(|&b| b <= max_seq);
     let prefill: Vec<usize> = prefill.collect();
     let prefill = if prefill.is_empty() {
         vec![max_seq]

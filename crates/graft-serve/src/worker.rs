@@ -44,6 +44,8 @@ pub(crate) struct Submission {
 pub(crate) enum Command {
     Submit(Submission),
     Cancel(u64),
+    /// Finish what is pending, then end (the server is stopping).
+    Close,
 }
 
 /// The handlers' side of the engine's thread; cloned into each. When every handle is gone
@@ -82,6 +84,11 @@ pub(crate) enum Busy {
 }
 
 impl Handle {
+    /// Asks the engine's thread to finish what is pending and end; false if it has ended.
+    pub(crate) fn close(&self) -> bool {
+        self.commands.send(Command::Close).is_ok()
+    }
+
     /// Hands `submission` to the engine.
     pub(crate) fn submit(&self, submission: Submission) -> Result<Ticket, Busy> {
         let taken = self.outstanding.fetch_add(1, Ordering::AcqRel);
@@ -129,12 +136,13 @@ pub(crate) fn run(engine: &mut Engine<'_>, commands: &mpsc::Receiver<Command>, m
                 return;
             }
             match commands.recv() {
+                Ok(Command::Close) | Err(mpsc::RecvError) => return,
                 Ok(c) => apply(engine, &mut live, c, metrics),
-                Err(mpsc::RecvError) => return,
             }
         }
         loop {
             match commands.try_recv() {
+                Ok(Command::Close) => open = false,
                 Ok(c) => apply(engine, &mut live, c, metrics),
                 Err(mpsc::TryRecvError::Empty) => break,
                 Err(mpsc::TryRecvError::Disconnected) => {
@@ -184,6 +192,8 @@ fn apply(engine: &mut Engine<'_>, live: &mut HashMap<u64, Live>, c: Command, met
                 }
             }
         }
+        // `run` takes it.
+        Command::Close => {}
         Command::Cancel(id) => {
             if live.remove(&id).is_some() {
                 metrics.cancelled.fetch_add(1, Ordering::Relaxed);

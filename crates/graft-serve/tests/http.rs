@@ -40,6 +40,17 @@ async fn start(max_batch: usize, max_queue: usize) -> TestResult<Running> {
 }
 
 async fn start_with(max_batch: usize, max_queue: usize, max_seq: usize) -> TestResult<Running> {
+    let (server, dir) =
+        tokio::task::spawn_blocking(move || made(max_batch, max_queue, max_seq)).await??;
+    served(server, dir).await
+}
+
+/// A server over a random tiny model written into a new directory (returned with it).
+fn made(
+    max_batch: usize,
+    max_queue: usize,
+    max_seq: usize,
+) -> TestResult<(Server, tempfile::TempDir)> {
     let dir = tempfile::tempdir()?;
     let model = dir.path().join("tiny");
     write_random_model(&model, Preset::Tiny, DType::F32, 5)?;
@@ -51,8 +62,11 @@ async fn start_with(max_batch: usize, max_queue: usize, max_seq: usize) -> TestR
         max_queue,
         eager: false,
     };
-    let server =
-        tokio::task::spawn_blocking(move || Server::start(&options, &Device::Cpu)).await??;
+    Ok((Server::start(&options, &Device::Cpu)?, dir))
+}
+
+/// `server` serving on a free port.
+async fn served(server: Server, dir: tempfile::TempDir) -> TestResult<Running> {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let base = format!("http://{}", listener.local_addr()?);
     let (stop, stopped) = oneshot::channel::<()>();
@@ -380,4 +394,31 @@ async fn stopping_lets_a_stream_in_flight_finish() -> TestResult {
     let text = r.text().await?;
     assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
     s.stop().await
+}
+
+#[test]
+fn the_engine_alone_gives_the_tokens_the_http_api_gives() -> TestResult {
+    let (server, dir) = made(4, 8, MAX_SEQ)?;
+    let prompts = vec![
+        (vec![5u32, 6, 7], 10),
+        (vec![100, 101], 7),
+        (vec![9; 40], 20),
+    ];
+    let offline = server.generate(&prompts)?;
+    let tokenizer = tokenizers::Tokenizer::from_file(dir.path().join("tiny/tokenizer.json"))?;
+    let runtime = tokio::runtime::Runtime::new()?;
+    runtime.block_on(async move {
+        let s = served(server, dir).await?;
+        for ((prompt, max_new), tokens) in prompts.iter().zip(&offline) {
+            let body = json!({"prompt": prompt, "max_tokens": max_new, "temperature": 0});
+            let (_, r) = post(&s.base, "/v1/completions", &body).await?;
+            assert_eq!(r["usage"]["completion_tokens"], tokens.len(), "{r}");
+            assert_eq!(
+                r["choices"][0]["text"],
+                tokenizer.decode(tokens, true)?,
+                "{r}"
+            );
+        }
+        s.stop().await
+    })
 }
