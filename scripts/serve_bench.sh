@@ -46,7 +46,7 @@ for mode in graft eager; do
     flags=()
     [[ $mode == eager ]] && flags=(--eager)
     start=$(date +%s.%N)
-    "$bin" serve --model "$model" --port "$port" --max-seq "${GRAFT_SERVE_MAX_SEQ:-1024}" --max-batch 32 "${flags[@]}" \
+    "$bin" serve --model "$model" --port "$port" --max-seq "${GRAFT_SERVE_MAX_SEQ:-1024}" --max-batch 32 --max-queue 1024 "${flags[@]}" \
         >"$out/server-$mode.log" 2>&1 &
     pid=$!
     wait_ready || { echo "serve_bench: the $mode server did not start:" >&2; cat "$out/server-$mode.log" >&2; exit 1; }
@@ -87,7 +87,7 @@ for run in $(seq 1 "$runs"); do
             >"$out/offline-$n-$run.json"
     done
 done
-"$bin" serve --model "$model" --port "$port" --max-seq "${GRAFT_SERVE_MAX_SEQ:-1024}" --max-batch 32 \
+"$bin" serve --model "$model" --port "$port" --max-seq "${GRAFT_SERVE_MAX_SEQ:-1024}" --max-batch 32 --max-queue 1024 \
     >"$out/server-whole.log" 2>&1 &
 pid=$!
 wait_ready || { echo "serve_bench: the server did not start:" >&2; cat "$out/server-whole.log" >&2; exit 1; }
