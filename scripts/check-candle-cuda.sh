@@ -24,8 +24,11 @@ export CARGO_TARGET_DIR=$GRAFT_CUDA_TARGET
 # scripts/stage.sh's release profile.
 export CARGO_PROFILE_RELEASE_DEBUG=0
 export CARGO_PROFILE_RELEASE_STRIP=debuginfo
+# graft-candle-bench turns on graft-candle's `nccl` (tensor parallelism) for this build.
 cargo clippy -p graft-candle -p graft-candle-models -p graft-candle-train -p graft-candle-bench \
     -p graft-candle-kernels -p graft-serve \
-    --features cuda --all-targets --release -- -D warnings
+    --features cuda,graft-candle-models/nccl --all-targets --release -- -D warnings
+# The server alone: CUDA without NCCL (tensor parallelism's stand-in under CUDA).
+cargo clippy -p graft-serve --features cuda --all-targets --release -- -D warnings
 echo "check-candle-cuda: clippy of the candle crates --features cuda took $(($(date +%s) - start)) s" \
     "(target folder $CARGO_TARGET_DIR)"

@@ -190,8 +190,9 @@ if ((candle_cuda)); then
     # crates' other test executables run on the CPU in CI, and each CUDA executable carries
     # ~40 MiB of candle's PTX.
     tested=(-p graft-candle -p graft-candle-models -p graft-candle-train -p graft-candle-kernels)
-    echo "== cargo test --release ${tested[*]} --features cuda --test gpu --no-run" >&2
-    cargo test --release "${tested[@]}" --features cuda --test gpu --no-run \
+    # graft-candle-models' tensor-parallel GPU tests need its `nccl` feature.
+    echo "== cargo test --release ${tested[*]} --features cuda,graft-candle-models/nccl --test gpu --no-run" >&2
+    cargo test --release "${tested[@]}" --features cuda,graft-candle-models/nccl --test gpu --no-run \
         --message-format=json-render-diagnostics >"$cuda_test_json"
     cuda_staged=$(mktemp)
     python3 "$stager" "$cuda_bin_json" "$cuda_test_json" "$metadata" "_cuda" "$cuda_staged"

@@ -28,6 +28,8 @@ mod serve;
 mod serve_gpu;
 #[path = "../examples/serving.rs"]
 mod serving_example;
+// Tensor parallelism needs NCCL (`--features nccl`).
+#[cfg(feature = "nccl")]
 #[path = "gpu/tp.rs"]
 mod tp;
 #[path = "gpu/transformers.rs"]

@@ -170,4 +170,12 @@ pub enum Error {
         /// The operation called.
         what: &'static str,
     },
+    /// Tensor parallelism was asked of a build of graft-candle without its `nccl` feature.
+    #[error(
+        "{what} needs NCCL, but graft-candle was built without its nccl feature; build it with --features nccl (it links libnccl)"
+    )]
+    NoNccl {
+        /// The operation called.
+        what: &'static str,
+    },
 }

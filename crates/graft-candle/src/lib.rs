@@ -71,6 +71,10 @@ pub mod cuda;
 #[cfg(not(feature = "cuda"))]
 #[path = "no_cuda.rs"]
 pub mod cuda;
+// Tensor parallelism's communicator without the `nccl` feature (which links libnccl): one that
+// cannot be made, in the CPU build and in a CUDA build without it.
+#[cfg(not(feature = "nccl"))]
+mod no_nccl;
 
 pub use bucket::pad;
 pub use candle_core;

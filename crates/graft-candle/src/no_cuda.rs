@@ -5,10 +5,9 @@
 //! stand-in there too).
 
 use std::ffi::c_void;
-use std::time::Duration;
 
 use candle_core::{CudaDevice, Device, Tensor};
-use graft_core::{Config, FunctionId, FunctionSpec, Member, ProcessGroup, Rendezvous};
+use graft_core::{Config, FunctionId, FunctionSpec};
 
 use crate::diagnostics::Inspect;
 use crate::error::Error;
@@ -109,66 +108,14 @@ pub fn reset_eager_high(_device: &CudaDevice) -> Result<(), Error> {
     })
 }
 
-/// One rank's NCCL communicator: none can exist in this build (CPU candle has no NCCL);
-/// [`TpComm::init_rank`] refuses with [`Error::NoCuda`], so the other methods are never
-/// reached.
-#[derive(Clone, Debug)]
-pub struct TpComm {
-    never: Never,
-}
-
-/// No values: a [`TpComm`] cannot be made in this build.
-#[derive(Clone, Copy, Debug)]
-enum Never {}
-
-impl TpComm {
-    /// Refuses with [`Error::NoCuda`].
-    pub fn init_rank(
-        _device: &Device,
-        _place: &ProcessGroup,
-        _rendezvous: &mut Rendezvous,
-        _timeout: Duration,
-    ) -> Result<TpComm, Error> {
-        Err(Error::NoCuda {
-            what: "making an NCCL communicator",
-        })
-    }
-
-    /// This rank.
-    pub fn rank(&self) -> usize {
-        match self.never {}
-    }
-
-    /// The number of ranks.
-    pub fn world(&self) -> usize {
-        match self.never {}
-    }
-
-    /// Sums `t` over all ranks, in place.
-    pub fn all_reduce_sum(&self, _t: &Tensor) -> Result<(), Error> {
-        match self.never {}
-    }
-
-    /// This rank's watchdog on its peers.
-    pub fn watchdog(
-        &self,
-        _rendezvous: &mut Rendezvous,
-        _place: &ProcessGroup,
-        _timeout: Duration,
-        _bound: Duration,
-        _member: &Member,
-    ) -> Result<graft_core::Watchdog, Error> {
-        match self.never {}
-    }
-
-    /// A group membership whose votes travel over this communicator.
-    pub fn member(&self, _timeout: Duration) -> Result<Member, Error> {
-        match self.never {}
-    }
-}
+pub use crate::no_nccl::TpComm;
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
+    use graft_core::{ProcessGroup, Rendezvous};
+
     use super::*;
 
     #[test]

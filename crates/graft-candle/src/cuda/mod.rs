@@ -1,7 +1,7 @@
 //! The CUDA backend (chosen in `lib.rs` by the `cuda` feature; `no_cuda.rs` has the same
 //! items without CUDA): the candle device set up for capture, graft's engine over candle's
 //! stream, the graph memory figures, tensor parallelism over NCCL on candle's stream
-//! ([`TpComm`]), and raw access to candle tensors' device memory for the benchmarks'
+//! ([`TpComm`], with the `nccl` feature), and raw access to candle tensors' device memory for the benchmarks'
 //! hand-made graph (these three exist only in the CUDA build: their types are candle's CUDA
 //! types).
 
@@ -10,11 +10,15 @@ mod deferred;
 pub(crate) mod engine;
 pub(crate) mod looping;
 mod memory;
+#[cfg(feature = "nccl")]
 mod tp;
 
+#[cfg(not(feature = "nccl"))]
+pub use crate::no_nccl::TpComm;
 pub use copy::{tensor_range, uninit_tensor};
 pub(crate) use engine::CudaEngine as GraphEngine;
 pub use memory::{eager_memory, free_memory, graph_memory, reset_eager_high, trim_graph_memory};
+#[cfg(feature = "nccl")]
 pub use tp::TpComm;
 
 pub use crate::memory::{EagerMemory, GraphMemory};
