@@ -400,23 +400,6 @@ impl Decoder {
         Ok(outcome)
     }
 
-    /// [`Decoder::decode`] with the logits (`[batch, vocab]` f32) as the output.
-    pub fn decode_logits(
-        &self,
-        graft: &mut CandleGraft,
-        step: StepId,
-        cache: &KvCache,
-        tokens: &Tensor,
-    ) -> std::result::Result<Step, Error> {
-        self.decode_with(
-            graft,
-            step,
-            cache,
-            &[tokens],
-            |logits, _| Ok(logits.clone()),
-        )
-    }
-
     /// A decode step under graft whose inputs are `inputs` (the tokens first) and whose
     /// output is `head(logits, inputs)`.
     pub(crate) fn decode_with(

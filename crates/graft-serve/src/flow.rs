@@ -8,7 +8,7 @@ use axum::http::StatusCode;
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::error::ApiError;
-use crate::server::State;
+use crate::state::State;
 use crate::text::{Detokenizer, StopText};
 use crate::worker::{Ticket, Update};
 

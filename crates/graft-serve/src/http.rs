@@ -20,7 +20,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use crate::api::{self, Asked, ChatBody, CompletionBody, Prompt};
 use crate::error::ApiError;
 use crate::flow::{Flow, Piece};
-use crate::server::State;
+use crate::state::State;
 use crate::worker::{Busy, Submission};
 
 type St = Shared<Arc<State>>;

@@ -17,6 +17,7 @@ mod metrics;
 pub mod model;
 pub mod random_model;
 mod server;
+mod state;
 mod text;
 mod worker;
 

@@ -14,15 +14,15 @@ use candle_core::{DType, Device};
 use graft_candle::{Buckets, CandleGraft};
 use graft_candle_models::Decoder;
 use graft_candle_models::serve::{Engine, ServeConfig, plan};
-use tokenizers::Tokenizer;
 
 use axum::http::StatusCode;
 use graft_candle_models::serve::SampleParams;
 
 use crate::error::{ApiError, ServeError};
 use crate::metrics::Metrics;
-use crate::model::{ChatTemplate, Defaults, Loaded};
-use crate::worker::{self, Handle, Update};
+use crate::model::Loaded;
+use crate::state::State;
+use crate::worker::{self, Update};
 
 /// What to serve and how.
 #[derive(Debug, Clone)]
@@ -42,26 +42,6 @@ pub struct ServeOptions {
     pub max_queue: usize,
     /// Run every step eagerly with candle (no graft): the baseline.
     pub eager: bool,
-}
-
-/// What the handlers share.
-#[derive(Debug)]
-pub(crate) struct State {
-    pub(crate) name: String,
-    pub(crate) tokenizer: Tokenizer,
-    pub(crate) template: Option<ChatTemplate>,
-    pub(crate) defaults: Defaults,
-    pub(crate) max_seq: usize,
-    /// End tokens (a sequence that ends on one finishes with "stop").
-    pub(crate) eos: Vec<u32>,
-    pub(crate) handle: Handle,
-    pub(crate) metrics: Arc<Metrics>,
-    /// When the server started (seconds since the Unix epoch).
-    pub(crate) created: u64,
-    /// The next request's number.
-    pub(crate) next_id: AtomicU64,
-    /// Mixed into the seed of a request that sends none, so that such requests differ.
-    pub(crate) seeds: u64,
 }
 
 /// A loaded model with its engine running, ready to serve.
