@@ -6,13 +6,13 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::Instant;
 
-use axum::Router;
 use axum::body::Bytes;
 use axum::extract::State as Shared;
 use axum::http::{StatusCode, header};
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use axum::{Json, Router};
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -35,8 +35,6 @@ pub(crate) fn router(state: Arc<State>) -> Router {
         .route("/metrics", get(metrics))
         .with_state(state)
 }
-
-use axum::Json;
 
 async fn models(Shared(s): St) -> Json<Value> {
     Json(json!({

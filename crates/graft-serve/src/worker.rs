@@ -119,6 +119,9 @@ pub(crate) fn channel(limit: usize) -> (Handle, mpsc::Receiver<Command>) {
     (handle, rx)
 }
 
+/// How stale graft's counters in the metrics may be while the engine is busy.
+const PUBLISH: std::time::Duration = std::time::Duration::from_millis(50);
+
 /// A request the engine holds: where its tokens go and when they came.
 struct Live {
     updates: UnboundedSender<Update>,
@@ -130,6 +133,7 @@ struct Live {
 pub(crate) fn run(engine: &mut Engine<'_>, commands: &mpsc::Receiver<Command>, metrics: &Metrics) {
     let mut live: HashMap<u64, Live> = HashMap::new();
     let mut open = true;
+    let mut published = Instant::now();
     loop {
         if engine.pending() == 0 {
             if !open {
@@ -159,8 +163,13 @@ pub(crate) fn run(engine: &mut Engine<'_>, commands: &mpsc::Receiver<Command>, m
         metrics
             .waiting
             .store((engine.pending() - running) as u64, Ordering::Relaxed);
-        if let Some(d) = engine.graft().and_then(|g| g.graft()) {
+        // graft's counters take two locks and a look at the pools: at most every 50 ms, and
+        // whenever the engine goes idle.
+        if (published.elapsed() >= PUBLISH || engine.pending() == 0)
+            && let Some(d) = engine.graft().and_then(|g| g.graft())
+        {
             metrics.set_graft(&d.stats());
+            published = Instant::now();
         }
     }
 }
