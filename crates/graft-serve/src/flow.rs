@@ -57,14 +57,44 @@ impl Flow {
         self.generated
     }
 
+    /// The whole text and the finish reason. Without stop strings the tokens are decoded once
+    /// at the end (the same text as the pieces joined: a piece always ends on a whole
+    /// character); with them, piece by piece.
+    pub(crate) async fn whole(&mut self) -> Result<(String, &'static str), ApiError> {
+        if !self.stops.is_empty() {
+            let mut text = String::new();
+            loop {
+                match self.next().await? {
+                    Piece::Text(t) => text.push_str(&t),
+                    Piece::Last(t, reason) => {
+                        text.push_str(&t);
+                        return Ok((text, reason));
+                    }
+                }
+            }
+        }
+        let mut ids = Vec::new();
+        loop {
+            match self.updates.recv().await {
+                Some(Update::Token(token)) => ids.push(token),
+                Some(Update::Finished) => break,
+                other => return Err(ended(other)),
+            }
+        }
+        self.generated = ids.len();
+        self.last = ids.last().copied();
+        let text = self.state.tokenizer.decode(&ids, true).map_err(decode)?;
+        Ok((text, self.reason(false)))
+    }
+
+    /// `"stop"` if a stop string matched or the last token ends sequences, else `"length"`.
+    fn reason(&self, stopped: bool) -> &'static str {
+        let ended = self.last.is_some_and(|t| self.state.eos.contains(&t));
+        if stopped || ended { "stop" } else { "length" }
+    }
+
     /// The next piece of text; after [`Piece::Last`] the flow must not be asked again.
     pub(crate) async fn next(&mut self) -> Result<Piece, ApiError> {
-        let decode = |e: crate::text::DecodeError| {
-            ApiError::status(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                format!("the tokenizer could not decode a generated token: {e}"),
-            )
-        };
         loop {
             match self.updates.recv().await {
                 Some(Update::Token(token)) => {
@@ -92,30 +122,33 @@ impl Flow {
                     if !released.stopped {
                         text.push_str(&self.stops.finish());
                     }
-                    let ended = self.last.is_some_and(|t| self.state.eos.contains(&t));
-                    let reason = if released.stopped || ended {
-                        "stop"
-                    } else {
-                        "length"
-                    };
-                    return Ok(Piece::Last(text, reason));
+                    return Ok(Piece::Last(text, self.reason(released.stopped)));
                 }
-                Some(Update::Refused(message)) => {
-                    return Err(ApiError::status(StatusCode::BAD_REQUEST, message));
-                }
-                Some(Update::Failed(message)) => {
-                    return Err(ApiError::status(
-                        StatusCode::INTERNAL_SERVER_ERROR,
-                        format!("generation failed: {message}"),
-                    ));
-                }
-                None => {
-                    return Err(ApiError::status(
-                        StatusCode::SERVICE_UNAVAILABLE,
-                        "the engine stopped before the request finished",
-                    ));
-                }
+                other => return Err(ended(other)),
             }
         }
+    }
+}
+
+/// A tokenizer failure on generated tokens.
+fn decode(e: crate::text::DecodeError) -> ApiError {
+    ApiError::status(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        format!("the tokenizer could not decode a generated token: {e}"),
+    )
+}
+
+/// What an update other than a token or the end means for the request.
+fn ended(update: Option<Update>) -> ApiError {
+    match update {
+        Some(Update::Refused(message)) => ApiError::status(StatusCode::BAD_REQUEST, message),
+        Some(Update::Failed(message)) => ApiError::status(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("generation failed: {message}"),
+        ),
+        Some(Update::Token(_) | Update::Finished) | None => ApiError::status(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the engine stopped before the request finished",
+        ),
     }
 }

@@ -161,17 +161,9 @@ async fn generate(
         prompt_tokens,
     };
     if !asked.stream {
-        let mut text = String::new();
-        loop {
-            match flow.next().await? {
-                Piece::Text(t) => text.push_str(&t),
-                Piece::Last(t, reason) => {
-                    text.push_str(&t);
-                    let body = meta.whole(&text, reason, flow.generated());
-                    return Ok(Json(body).into_response());
-                }
-            }
-        }
+        let (text, reason) = flow.whole().await?;
+        let body = meta.whole(&text, reason, flow.generated());
+        return Ok(Json(body).into_response());
     }
     // The first piece decides the status: a refusal is a 4xx, not a stream.
     let first = flow.next().await?;

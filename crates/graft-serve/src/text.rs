@@ -74,6 +74,11 @@ impl StopText {
         }
     }
 
+    /// Whether there are no stop strings.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.stops.is_empty()
+    }
+
     /// Adds `piece`; returns what may be released.
     pub(crate) fn push(&mut self, piece: &str) -> Released {
         self.held.push_str(piece);
