@@ -5,9 +5,9 @@ use graft_candle_kernels::argmax_last;
 
 use super::values;
 
-/// argmax_last against the first largest element of each row found on the host, with ties
-/// (repeated maxima) and -inf in the rows.
-pub fn check_argmax(device: &Device, rows: usize, n: usize, seed: u64, dtype: DType) -> Result<()> {
+/// `rows` rows of `n` random values with a repeated maximum in every other row and -inf in
+/// every third: what a first-largest choice must get right.
+pub fn tied_rows(rows: usize, n: usize, seed: u64) -> Vec<f32> {
     let mut data = values(seed, rows * n, 4.0);
     for (r, row) in data.chunks_mut(n).enumerate() {
         // A repeated maximum in every other row, the later copy first found by no one.
@@ -20,6 +20,13 @@ pub fn check_argmax(device: &Device, rows: usize, n: usize, seed: u64, dtype: DT
             row[0] = f32::NEG_INFINITY;
         }
     }
+    data
+}
+
+/// argmax_last against the first largest element of each row found on the host, with ties
+/// (repeated maxima) and -inf in the rows.
+pub fn check_argmax(device: &Device, rows: usize, n: usize, seed: u64, dtype: DType) -> Result<()> {
+    let data = tied_rows(rows, n, seed);
     let x = Tensor::from_vec(data, (rows, n), &Device::Cpu)?.to_dtype(dtype)?;
     let host = x.to_dtype(DType::F32)?.to_vec2::<f32>()?;
     let want: Vec<u32> = host
