@@ -23,11 +23,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use graft::cuda::{CudaDevice, NcclBallotBox, NcclComm};
+use graft::launch::{JoinError, ProcessGroup, Rendezvous, TcpBallotBox, Watchdog};
 use graft::sim::SimDevice;
 use graft::{
     BodyError, Buffer, CallError, Config, Ctx, DeviceError, EagerReason, FunctionId, FunctionSpec,
-    Graft, GroupError, JoinError, Member, MemoryError, Outcome, Output, ProcessGroup, Rendezvous,
-    RunKind, TcpBallotBox, Watchdog,
+    Graft, GroupError, Member, MemoryError, Outcome, Output, RunKind,
 };
 use graft_testkit::procs::{self, Scenario};
 use graft_testkit::{CudaTestKernels, TestDevice, TestQueue};

@@ -145,13 +145,13 @@ pub enum Error {
     )]
     Rendezvous {
         /// The rendezvous' error.
-        source: graft_core::ExchangeError,
+        source: graft_launch::ExchangeError,
     },
     /// The rank's watchdog on its peers could not start.
     #[error("starting this rank's watchdog failed: {source}")]
     Watchdog {
         /// The watchdog's error.
-        source: graft_core::WatchdogError,
+        source: graft_launch::WatchdogError,
     },
     /// A collective refused its tensor (dtype, device, layout).
     #[error("{op}: {why}")]

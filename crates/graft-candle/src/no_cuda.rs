@@ -114,7 +114,7 @@ pub use crate::no_nccl::TpComm;
 mod tests {
     use std::time::Duration;
 
-    use graft_core::{ProcessGroup, Rendezvous};
+    use graft_launch::{ProcessGroup, Rendezvous};
 
     use super::*;
 

@@ -5,7 +5,8 @@
 use std::time::Duration;
 
 use candle_core::{Device, Tensor};
-use graft_core::{Member, ProcessGroup, Rendezvous};
+use graft_core::Member;
+use graft_launch::{ProcessGroup, Rendezvous};
 
 use crate::error::Error;
 
@@ -60,7 +61,7 @@ impl TpComm {
         _timeout: Duration,
         _bound: Duration,
         _member: &Member,
-    ) -> Result<graft_core::Watchdog, Error> {
+    ) -> Result<graft_launch::Watchdog, Error> {
         match self.never {}
     }
 

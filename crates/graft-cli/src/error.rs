@@ -85,7 +85,7 @@ pub enum CliError {
     Output(#[from] std::io::Error),
     /// `--procs`: the ranks' processes could not be started.
     #[error(transparent)]
-    Launch(#[from] graft_core::LaunchError),
+    Launch(#[from] graft_launch::LaunchError),
     /// `--procs`: this program's own path is unknown, so it cannot start its ranks.
     #[error("cannot find this program's own path to start the ranks: {source}")]
     OwnPath {
@@ -94,19 +94,19 @@ pub enum CliError {
     },
     /// A rank's place in the job (its environment variables) is missing or wrong.
     #[error(transparent)]
-    Place(#[from] graft_core::ProcessGroupError),
+    Place(#[from] graft_launch::ProcessGroupError),
     /// A rank could not join the job's rendezvous.
     #[error(transparent)]
-    Join(#[from] graft_core::JoinError),
+    Join(#[from] graft_launch::JoinError),
     /// A rank could not receive NCCL's unique id from rank 0.
     #[error(transparent)]
-    Exchange(#[from] graft_core::ExchangeError),
+    Exchange(#[from] graft_launch::ExchangeError),
     /// `--procs`: a timed vote failed.
     #[error(transparent)]
     Group(#[from] graft_core::GroupError),
     /// `--procs`: a rank's watchdog could not start.
     #[error(transparent)]
-    Watchdog(#[from] graft_core::WatchdogError),
+    Watchdog(#[from] graft_launch::WatchdogError),
     /// `--procs`: a rank failed; its last lines of stderr say why.
     #[error("rank {rank} of the job failed (exit code {code:?}); its stderr ends with:\n{stderr}")]
     RankFailed {
@@ -119,7 +119,7 @@ pub enum CliError {
     },
     /// `--procs`: a rank was still running at the deadline and was killed.
     #[error(
-        "rank {rank} of the job was still running after {waited:?} and was killed; raise --procs-timeout, or see why it hung (RUST_LOG=graft_core=debug)"
+        "rank {rank} of the job was still running after {waited:?} and was killed; raise --procs-timeout, or see why it hung (RUST_LOG=graft_core=debug,graft_launch=debug)"
     )]
     RankTimedOut {
         /// The rank.

@@ -20,11 +20,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use graft_core::backend::CoreOnly;
-use graft_core::{
-    Ballot, BallotBox, Member, ProcessGroup, RankExit, Rendezvous, TcpBallotBox, Watchdog,
-    launch_local,
-};
+use graft_core::{Ballot, BallotBox, Member};
 use graft_cuda::{CudaDevice, NcclBallotBox, NcclComm, UNIQUE_ID_BYTES};
+use graft_launch::{ProcessGroup, RankExit, Rendezvous, TcpBallotBox, Watchdog, launch_local};
 use graft_sim::{SimComm, SimDevice};
 use graft_tensor::{Backend, Collective, DecoderConfig};
 use serde::{Deserialize, Serialize};
@@ -55,6 +53,11 @@ struct ProcReport {
     #[serde(default)]
     vote_us: f64,
 }
+
+/// What the ranks' NCCL needs in their environment, set for them: eager connections
+/// (`NcclComm::init_rank` refuses lazy ones) and no NVLink multicast (the lent machines'
+/// fabric manager does not offer it).
+const RANK_ENV: [(&str, &str); 2] = [("NCCL_RUNTIME_CONNECT", "0"), ("NCCL_NVLS_ENABLE", "0")];
 
 /// Votes timed per rank.
 const VOTES: usize = 200;
@@ -308,7 +311,7 @@ pub(crate) fn run(
             &rank_args(args, sim, attempt),
             procs,
             &ranks,
-            &[],
+            &RANK_ENV.map(|(k, v)| (k, v.to_owned())),
             deadline,
             !fault,
         )?;

@@ -457,14 +457,14 @@ fn a_rank_outside_a_job_names_the_launchers_variables() {
     let mut command = std::process::Command::new(graft_binary());
     command.args(["bench", "tp", "--as-rank", "--sim"]);
     // Whatever launcher runs the tests (Slurm, say) is no launcher of this rank.
-    for var in graft_core::LAUNCHER_VARS {
+    for var in graft_launch::LAUNCHER_VARS {
         command.env_remove(var);
     }
     let out = command.output().expect("the graft binary runs");
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("no launcher placed this process"), "{err}");
-    for var in graft_core::LAUNCHER_VARS {
+    for var in graft_launch::LAUNCHER_VARS {
         assert!(err.contains(var), "{var}: {err}");
     }
 }

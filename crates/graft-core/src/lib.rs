@@ -36,7 +36,6 @@ mod policy;
 mod pool;
 mod pools;
 mod prepare;
-mod process;
 mod reason;
 mod record;
 mod replay;
@@ -69,11 +68,6 @@ pub use lifecycle::Phase;
 pub use node_id::{NodeId, NodeLabel};
 pub use pool::{PoolError, PoolStats};
 pub use prepare::{BucketCapture, CaptureReport};
-pub use process::{
-    ENV_VARS, ExchangeError, JoinError, LAUNCHER_VARS, LaunchError, Launcher, ProcessGroup,
-    ProcessGroupError, RankExit, Rendezvous, TcpBallotBox, VOTE_TAG, Watchdog, WatchdogError,
-    free_port, launch_local,
-};
 pub use reason::{Decision, DecisionRecord, EagerReason, EvictReason, RecordReason, WarmupReason};
 pub use stats::{RerecordCounts, Stats};
 pub use tree::Output;

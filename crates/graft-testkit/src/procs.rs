@@ -14,7 +14,7 @@
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::time::{Duration, Instant};
 
-use graft_core::{RankExit, launch_local};
+use graft_launch::{RankExit, launch_local};
 
 /// The variable that makes a copy of the test executable a rank of a scenario: its name.
 const SCENARIO_VAR: &str = "GRAFT_TEST_SCENARIO";

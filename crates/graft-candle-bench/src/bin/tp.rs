@@ -32,7 +32,7 @@ use graft_candle::{Buckets, CandleGraft};
 use graft_candle_bench::common::{BUCKETS, BenchResult, Timing, exit_on_error, gpu};
 use graft_candle_bench::decode::CHECK_STEPS;
 use graft_candle_models::llama::{self, Sizes};
-use graft_core::{RankExit, launch_local};
+use graft_launch::{RankExit, launch_local};
 
 use measure::{CHECK, SEED, Timed, Tokens};
 use rank::{REPORT, RankReport};

@@ -15,7 +15,7 @@ use graft_candle::cuda::TpComm;
 use graft_candle::{Buckets, CandleGraft, StepOutcome};
 use graft_candle_models::llama::{self, Sizes};
 use graft_candle_models::{Collective, Decoder, Shard};
-use graft_core::{ProcessGroup, Rendezvous, Watchdog, launch_local};
+use graft_launch::{ProcessGroup, Rendezvous, Watchdog, launch_local};
 
 use super::{TestResult, decode, first_tokens, gpu, steps};
 

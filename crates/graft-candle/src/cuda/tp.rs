@@ -8,8 +8,9 @@ use std::time::Duration;
 
 use candle_core::cuda_backend::cudarc::driver::CudaStream;
 use candle_core::{DType, Device, Tensor};
-use graft_core::{Member, ProcessGroup, Rendezvous, Watchdog};
+use graft_core::Member;
 use graft_cuda::{CudaDevice as GraftCuda, NcclBallotBox, NcclComm, NcclDtype, UNIQUE_ID_BYTES};
+use graft_launch::{ProcessGroup, Rendezvous, Watchdog};
 
 use super::copy::tensor_range;
 use crate::error::Error;

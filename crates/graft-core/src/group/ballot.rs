@@ -88,7 +88,7 @@ impl Ballot {
 ///
 /// Every rank calls [`BallotBox::exchange`] once per recording, in the same order; each gets
 /// every rank's ballot, in rank order, the same on every rank. Implementations: the in-process
-/// box of [`Member::group`](crate::Member::group), [`TcpBallotBox`](crate::TcpBallotBox) for
+/// box of [`Member::group`](crate::Member::group), graft-launch's `TcpBallotBox` for
 /// ranks that are processes, and graft-cuda's NCCL box.
 ///
 /// A transport must bound every wait by the timeout it is given and report what went wrong

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use crate::device::DeviceError;
 
-/// How a [`Watchdog`](crate::Watchdog) found a peer gone.
+/// How graft-launch's `Watchdog` found a peer gone.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum Gone {
     /// The connection to it closed or failed: its process ended (killed, crashed, exited).
@@ -115,10 +115,10 @@ pub enum GroupError {
         /// The ranks of the group.
         world: usize,
     },
-    /// This rank's [`Watchdog`](crate::Watchdog) found a peer gone: its connection closed (the
-    /// process ended) or it fell silent past the watchdog's bound (stopped or hung). The
-    /// communicators were aborted, so collectives waiting on the peer returned and what they
-    /// computed is invalid.
+    /// This rank's watchdog (graft-launch's `Watchdog`) found a peer gone: its connection
+    /// closed (the process ended) or it fell silent past the watchdog's bound (stopped or hung).
+    /// The communicators were aborted, so collectives waiting on the peer returned and what
+    /// they computed is invalid.
     #[error(
         "rank {rank}'s watchdog found rank {peer} gone ({gone}): collectives with it were aborted, so what they computed is invalid and nothing more runs; the group is broken: exit, and start the job again (new processes and communicators)"
     )]

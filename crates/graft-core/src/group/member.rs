@@ -13,7 +13,7 @@ use super::{Ballot, BallotBox, GroupError, Subject, Verdict, Vote};
 /// [`Graft::join`](crate::Graft::join). Made by [`Member::group`] for ranks that are threads of
 /// one process (or by a [`Coordinator`](crate::Coordinator), which hands one to each rank's
 /// thread), or by [`Member::new`] over a transport for ranks that are processes
-/// ([`TcpBallotBox`](crate::TcpBallotBox), graft-cuda's NCCL box).
+/// (graft-launch's `TcpBallotBox`, graft-cuda's NCCL box).
 ///
 /// Every rank of a group must make the same graft calls in the same order (the collectives in
 /// their bodies deadlock otherwise). Given the same calls, graft's decisions are the same on
@@ -76,8 +76,8 @@ impl Member {
         self.transport.world()
     }
 
-    /// Whether the group is broken (a vote failed, or a [`Watchdog`](crate::Watchdog) found a
-    /// peer gone), so that every later call and read fails.
+    /// Whether the group is broken (a vote failed, or graft-launch's `Watchdog` found a peer
+    /// gone), so that every later call and read fails.
     pub fn is_broken(&self) -> bool {
         self.is_broken.load(Ordering::Acquire)
     }
@@ -96,8 +96,13 @@ impl Member {
     }
 
     /// Remembers what broke the group (the first cause only; a `Broken` learned from another
-    /// rank is remembered as its cause).
-    pub(crate) fn note(&self, error: &GroupError) {
+    /// rank is remembered as its cause): from then on every call and read refuses. An error
+    /// that does not break a group ([`GroupError::Diverged`], [`GroupError::Empty`]) is ignored.
+    ///
+    /// Public for what breaks a group outside a vote: graft-launch's `Watchdog`, which lives
+    /// beside graft-core (graft-core holds no socket) and breaks the group with
+    /// [`GroupError::Watchdog`] when it finds a peer gone, before it aborts the communicators.
+    pub fn note(&self, error: &GroupError) {
         if !error.breaks_the_group() {
             return;
         }

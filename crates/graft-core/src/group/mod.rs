@@ -5,7 +5,8 @@
 //! The vote's decision ([`Member`] and `combine`) is the same for every transport; what
 //! carries the ballots between ranks is a [`BallotBox`]: a mutex and a condition variable for
 //! ranks that are threads of one process (`local.rs`), a TCP star for ranks that are
-//! processes (`crate::process`), and NCCL itself in graft-cuda.
+//! processes (graft-launch's `TcpBallotBox`), and NCCL itself in graft-cuda. Only the first is
+//! here: graft-core holds no socket.
 
 mod ballot;
 mod combine;

@@ -112,7 +112,7 @@ impl NcclComm {
     }
 
     /// A new unique id (`ncclGetUniqueId`), made by rank 0 of a job and sent to the others
-    /// (graft's [`Rendezvous::broadcast`](graft_core::Rendezvous::broadcast)) before they all
+    /// (graft's [`Rendezvous::broadcast`](graft_launch::Rendezvous::broadcast)) before they all
     /// call [`NcclComm::init_rank`] with it.
     pub fn unique_id() -> Result<[u8; UNIQUE_ID_BYTES], DeviceError> {
         if !dn::present() {

@@ -19,7 +19,8 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError, mpsc};
 use std::time::Duration;
 
 use cudarc::nccl::sys;
-use graft_core::{DeviceError, Member, ProcessGroup, Rendezvous, Watchdog, WatchdogError};
+use graft_core::{DeviceError, Member};
+use graft_launch::{ProcessGroup, Rendezvous, Watchdog, WatchdogError};
 
 use crate::device::CudaQueue;
 use crate::driver::nccl::{self as dn, MISSING};

@@ -16,7 +16,8 @@ use std::fmt;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use graft_core::{Buffer, DeviceError, DeviceOp, DevicePtr, Rendezvous};
+use graft_core::{Buffer, DeviceError, DeviceOp, DevicePtr};
+use graft_launch::Rendezvous;
 
 use crate::device::SimDevice;
 use crate::queue::SimQueue;
@@ -77,7 +78,7 @@ impl SimComm {
 
     /// This process's communicator of a job of one process per rank, on `device`, meeting the
     /// other ranks through the job's `rendezvous` (which a
-    /// [`TcpBallotBox`](graft_core::TcpBallotBox) may share: the ranks then make their votes
+    /// [`TcpBallotBox`](graft_launch::TcpBallotBox) may share: the ranks then make their votes
     /// and collectives in the same order, as they make the same calls). A collective waits
     /// about `timeout` for the others, then fails and aborts this communicator.
     pub fn over_rendezvous(

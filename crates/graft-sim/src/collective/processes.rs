@@ -6,7 +6,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use graft_core::{DeviceError, ExchangeError, Rendezvous};
+use graft_core::DeviceError;
+use graft_launch::{ExchangeError, Rendezvous};
 
 use super::OP;
 
@@ -113,14 +114,15 @@ mod tests {
     use super::super::SimComm;
     use super::*;
     use crate::SimDevice;
-    use graft_core::{Config, Graft, ProcessGroup};
+    use graft_core::{Config, Graft};
+    use graft_launch::ProcessGroup;
 
     /// Runs `f(comm, graft)` on two ranks (threads) of a job over loopback.
     fn two_ranks<T: Send>(
         timeout: Duration,
         f: impl Fn(&SimComm, &mut Graft<SimDevice>) -> T + Sync,
     ) -> Vec<T> {
-        let port = graft_core::free_port().unwrap();
+        let port = graft_launch::free_port().unwrap();
         std::thread::scope(|s| {
             let handles: Vec<_> = (0..2)
                 .map(|rank| {

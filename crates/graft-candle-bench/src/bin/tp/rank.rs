@@ -15,7 +15,8 @@ use graft_candle_bench::common::{BenchResult, Timing};
 use graft_candle_bench::decode::CHECK_STEPS;
 use graft_candle_models::llama::{self, Sizes};
 use graft_candle_models::{Collective, Decoder, Shard};
-use graft_core::{Member, ProcessGroup, Rendezvous, Watchdog};
+use graft_core::Member;
+use graft_launch::{ProcessGroup, Rendezvous, Watchdog};
 use serde::{Deserialize, Serialize};
 
 use super::measure::{self, CHECK, SEED, Timed, Tokens};

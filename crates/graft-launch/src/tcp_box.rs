@@ -4,10 +4,10 @@
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use super::error::ExchangeError;
-use super::rendezvous::Rendezvous;
-use super::wire;
-use crate::group::{Ballot, BallotBox, GroupError};
+use crate::error::ExchangeError;
+use crate::rendezvous::Rendezvous;
+use crate::wire;
+use graft_core::{Ballot, BallotBox, GroupError};
 
 /// The all-gather tag of a vote, so that a vote meeting another exchange is out of step.
 pub const VOTE_TAG: u32 = 0x766f_7465;

@@ -14,11 +14,11 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::config::ProcessGroup;
-use super::error::{ExchangeError, JoinError};
-use super::rendezvous::Rendezvous;
-use super::wire::{self, Kind, WireError};
-use crate::group::{Gone, GroupError, Member};
+use crate::config::ProcessGroup;
+use crate::error::{ExchangeError, JoinError};
+use crate::rendezvous::Rendezvous;
+use crate::wire::{self, Kind, WireError};
+use graft_core::{Gone, GroupError, Member};
 
 /// What runs once, on the first loss a watchdog finds.
 type OnLoss = Box<dyn FnOnce(&GroupError) + Send>;

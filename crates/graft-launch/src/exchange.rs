@@ -5,9 +5,9 @@
 
 use std::time::{Duration, Instant};
 
-use super::error::ExchangeError;
-use super::rendezvous::{Rendezvous, link_error};
-use super::wire::{self, Kind, WireError};
+use crate::error::ExchangeError;
+use crate::rendezvous::{Rendezvous, link_error};
+use crate::wire::{self, Kind, WireError};
 
 /// How a failed all-gather travels from rank 0: its kind, then its fields as words.
 const ABORT_TIMEOUT: u64 = 1;

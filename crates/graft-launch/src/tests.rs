@@ -7,7 +7,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use super::*;
-use crate::group::{BallotBox, GroupError};
+use graft_core::{Ballot, BallotBox, GroupError};
 
 const DEADLINE: Duration = Duration::from_secs(10);
 const SHORT: Duration = Duration::from_millis(300);
@@ -213,28 +213,33 @@ fn exchanges_with_different_tags_are_out_of_step() {
     );
 }
 
+/// A ballot as its words travel: `[1 + vote, function, shape]` (vote 0 recorded, 1 fell back).
+fn ballot(words: [u64; 3]) -> Ballot {
+    Ballot::from_words(words).unwrap()
+}
+
+// The vote's decision over these boxes (graft-core's `Member`) is tested in graft-core; the
+// root crate's tests/processes.rs runs it over this box, ranks as processes.
+
 #[test]
 fn tcp_ballot_boxes_carry_a_groups_votes() {
+    let recorded = ballot([1, 3, 9]);
+    let fell_back = ballot([2, 3, 9]);
     let out = ranks(2, |g| {
         let rv = Arc::new(Mutex::new(Rendezvous::join(&g, DEADLINE).unwrap()));
-        let member = crate::Member::new(Arc::new(TcpBallotBox::new(rv)), DEADLINE);
-        let vote = if g.rank() == 1 {
-            crate::group::Vote::FellBack
-        } else {
-            crate::group::Vote::Recorded
-        };
+        let tcp = TcpBallotBox::new(rv);
+        let mine = if g.rank() == 1 { fell_back } else { recorded };
         (0..20)
-            .map(|_| member.agree(vote, (3, 9)))
+            .map(|_| tcp.exchange(mine, DEADLINE))
             .collect::<Vec<_>>()
     });
-    for verdicts in out {
-        assert!(verdicts.iter().all(|v| matches!(
-            v,
-            Ok(crate::group::Verdict {
-                vote: crate::group::Vote::FellBack,
-                rank: 1
-            })
-        )));
+    for rounds in out {
+        assert!(
+            rounds
+                .iter()
+                .all(|r| r.as_deref() == Ok(&[recorded, fell_back][..])),
+            "{rounds:?}"
+        );
     }
 }
 
@@ -247,20 +252,14 @@ fn a_tcp_vote_timing_out_at_rank_0_breaks_every_rank() {
             thread::sleep(SHORT * 3);
             return None;
         }
-        let member = crate::Member::new(Arc::new(tcp), SHORT);
-        let err = member
-            .agree(crate::group::Vote::Recorded, (0, 0))
-            .unwrap_err();
-        Some((err, member.is_broken()))
+        Some(tcp.exchange(ballot([1, 0, 0]), SHORT).unwrap_err())
     });
-    let (hub, broken) = out[0].clone().unwrap();
-    assert!(broken);
+    let hub = out[0].clone().unwrap();
     assert!(
         matches!(&hub, GroupError::Timeout { rank: 0, missing, .. } if missing == &[2]),
         "{hub}"
     );
-    let (spoke, broken) = out[1].clone().unwrap();
-    assert!(broken);
+    let spoke = out[1].clone().unwrap();
     assert_eq!(
         spoke,
         GroupError::Broken {
@@ -275,12 +274,6 @@ fn a_group_of_one_process_votes_alone() {
     let rv = Rendezvous::join(&place(0, 1, free_port()), DEADLINE).unwrap();
     let tcp = TcpBallotBox::new(Arc::new(Mutex::new(rv)));
     assert_eq!((tcp.rank(), tcp.world()), (0, 1));
-    let member = crate::Member::new(Arc::new(tcp), SHORT);
-    assert_eq!(
-        member.agree(crate::group::Vote::FellBack, (1, 2)),
-        Ok(crate::group::Verdict {
-            vote: crate::group::Vote::FellBack,
-            rank: 0
-        })
-    );
+    let mine = ballot([2, 1, 2]);
+    assert_eq!(tcp.exchange(mine, SHORT), Ok(vec![mine]));
 }

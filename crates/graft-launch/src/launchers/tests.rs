@@ -4,9 +4,7 @@
 use super::*;
 
 /// An environment of these variables only, as `from_vars` reads one.
-pub(in crate::process) fn vars(
-    pairs: &[(&str, &str)],
-) -> impl Fn(&str) -> Option<OsString> + use<> {
+pub(crate) fn vars(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<OsString> + use<> {
     let pairs: Vec<(String, String)> = pairs
         .iter()
         .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))

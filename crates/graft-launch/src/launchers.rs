@@ -6,7 +6,7 @@
 use std::ffi::OsString;
 use std::str::FromStr;
 
-use super::config::{GRAFT_PORT, Launcher, ProcessGroup, ProcessGroupError};
+use crate::config::{GRAFT_PORT, Launcher, ProcessGroup, ProcessGroupError};
 
 /// The variables whose presence picks the launcher, in the order of precedence (see
 /// [`ProcessGroup::from_env`]).
@@ -108,8 +108,9 @@ impl ProcessGroup {
     ///
     /// 1. `RANK` or `WORLD_SIZE`: [`Launcher::Torchrun`] when torchrun's `TORCHELASTIC_RUN_ID`
     ///    or `GROUP_RANK` is set too, else [`Launcher::Env`] (graft's own launcher, or the
-    ///    variables set by hand). Both read [`ENV_VARS`]: `RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
-    ///    `MASTER_ADDR` and `MASTER_PORT`. Set explicitly, they win over any launcher's.
+    ///    variables set by hand). Both read [`ENV_VARS`](crate::ENV_VARS): `RANK`, `WORLD_SIZE`,
+    ///    `LOCAL_RANK`, `MASTER_ADDR` and `MASTER_PORT`. Set explicitly, they win over any
+    ///    launcher's.
     /// 2. `OMPI_COMM_WORLD_RANK` ([`Launcher::Mpi`], Open MPI's mpirun): with
     ///    `OMPI_COMM_WORLD_SIZE` and `OMPI_COMM_WORLD_LOCAL_RANK`.
     /// 3. `PMI_RANK` ([`Launcher::Mpi`], MPICH's and Intel MPI's mpiexec): with `PMI_SIZE` and
@@ -146,7 +147,7 @@ impl ProcessGroup {
     }
 
     /// As [`ProcessGroup::from_env`], reading the variables through `get`.
-    pub(super) fn from_vars(
+    pub(crate) fn from_vars(
         get: impl Fn(&str) -> Option<OsString>,
     ) -> Result<ProcessGroup, ProcessGroupError> {
         place(get)
@@ -154,7 +155,7 @@ impl ProcessGroup {
 }
 
 /// This process's place from the variables `get` reads: [`ProcessGroup::from_env`].
-pub(super) fn place(
+pub(crate) fn place(
     get: impl Fn(&str) -> Option<OsString>,
 ) -> Result<ProcessGroup, ProcessGroupError> {
     let v = Vars { get };
@@ -182,7 +183,7 @@ pub(super) fn place(
     })
 }
 
-/// graft's own launcher, the variables set by hand, or torchrun: [`super::ENV_VARS`].
+/// graft's own launcher, the variables set by hand, or torchrun: [`ENV_VARS`](crate::ENV_VARS).
 fn from_rank_vars<G: Fn(&str) -> Option<OsString>>(
     v: &Vars<G>,
     torchrun: bool,
@@ -300,7 +301,7 @@ fn from_slurm<G: Fn(&str) -> Option<OsString>>(
 /// `node01`, zero padding kept; `rack[1-2]-node[08-09]` is `rack1-node08`. `None` when `list`
 /// is not a host list: empty, an empty name, unbalanced or nested brackets, or a bracket
 /// holding other than numbers and ranges of them (`lo-hi`, `lo <= hi`).
-pub(super) fn first_host(list: &str) -> Option<String> {
+pub(crate) fn first_host(list: &str) -> Option<String> {
     let list = list.trim();
     let mut first = None;
     for name in split_outside_brackets(list)? {
@@ -368,4 +369,4 @@ fn first_number(ranges: &str) -> Option<&str> {
 }
 
 #[cfg(test)]
-pub(super) mod tests;
+pub(crate) mod tests;

@@ -5,9 +5,9 @@
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
-use super::config::ProcessGroup;
-use super::error::{ExchangeError, JoinError};
-use super::wire::{self, Kind, WireError};
+use crate::config::ProcessGroup;
+use crate::error::{ExchangeError, JoinError};
+use crate::wire::{self, Kind, WireError};
 
 /// How long rank 0 sleeps between polls of its listener, and others between connection tries.
 const POLL: Duration = Duration::from_millis(5);
@@ -23,12 +23,12 @@ const REFUSED_RANK: u64 = 2;
 /// [`TcpBallotBox`](crate::TcpBallotBox)). Every wait is bounded.
 #[derive(Debug)]
 pub struct Rendezvous {
-    pub(super) rank: usize,
-    pub(super) world: usize,
+    pub(crate) rank: usize,
+    pub(crate) world: usize,
     /// Rank 0: the connection to rank `r` at `r - 1`. Others: the connection to rank 0.
-    pub(super) links: Vec<TcpStream>,
+    pub(crate) links: Vec<TcpStream>,
     /// The first failed exchange: the connections' state is unknown after it.
-    pub(super) failed: Option<ExchangeError>,
+    pub(crate) failed: Option<ExchangeError>,
 }
 
 impl Rendezvous {
@@ -70,7 +70,7 @@ impl Rendezvous {
 }
 
 /// What a wire error on rank `rank`'s link to `peer` is, after waiting `waited`.
-pub(super) fn link_error(
+pub(crate) fn link_error(
     rank: usize,
     peer: usize,
     e: WireError,

@@ -1,7 +1,7 @@
 //! [`ProcessGroup`]: where one process stands in a job of one process per rank (its rank, the
 //! number of ranks, its GPU on its host, and where rank 0 listens), from the environment
 //! variables distributed launchers set (graft's own, torchrun, Slurm's srun, MPI's: see
-//! process/launchers.rs), or from the API.
+//! launchers.rs), or from the API.
 
 use std::fmt;
 
@@ -58,7 +58,7 @@ impl fmt::Display for Launcher {
 }
 
 /// The port graft's rendezvous listens on, when set: it wins under every launcher.
-pub(super) const GRAFT_PORT: &str = "GRAFT_PORT";
+pub(crate) const GRAFT_PORT: &str = "GRAFT_PORT";
 
 /// One process's place in a job of one process per rank.
 #[derive(Clone, PartialEq, Eq, Debug)]
@@ -192,12 +192,12 @@ impl ProcessGroup {
     }
 
     /// The same place, found by `launcher`.
-    pub(super) fn placed_by(self, launcher: Launcher) -> ProcessGroup {
+    pub(crate) fn placed_by(self, launcher: Launcher) -> ProcessGroup {
         ProcessGroup { launcher, ..self }
     }
 
     /// The same place with rank 0 listening on `port` instead.
-    pub(super) fn with_port(&self, port: u16) -> ProcessGroup {
+    pub(crate) fn with_port(&self, port: u16) -> ProcessGroup {
         ProcessGroup {
             master_port: port,
             ..self.clone()
@@ -254,8 +254,8 @@ impl ProcessGroup {
 
 #[cfg(test)]
 mod tests {
-    use super::super::launchers::tests::vars;
     use super::*;
+    use crate::launchers::tests::vars;
 
     const GOOD: [(&str, &str); 5] = [
         ("RANK", "1"),

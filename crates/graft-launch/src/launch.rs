@@ -10,7 +10,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use super::config::{ProcessGroup, ProcessGroupError};
+use crate::config::{ProcessGroup, ProcessGroupError};
 
 /// How often the watchdog looks at the ranks.
 const POLL: Duration = Duration::from_millis(10);

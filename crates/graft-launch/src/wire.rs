@@ -17,7 +17,7 @@ const MIN_WAIT: Duration = Duration::from_millis(1);
 
 /// What a frame is.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub(super) enum Kind {
+pub(crate) enum Kind {
     /// A rank introduces itself to rank 0: payload its rank and world.
     Hello = 1,
     /// Rank 0 accepts: every rank joined.
@@ -60,16 +60,16 @@ impl Kind {
 
 /// A frame as read.
 #[derive(Debug)]
-pub(super) struct Frame {
-    pub(super) kind: Kind,
+pub(crate) struct Frame {
+    pub(crate) kind: Kind,
     /// The kind-specific word (an all-gather's tag).
-    pub(super) word: u64,
-    pub(super) payload: Vec<u8>,
+    pub(crate) word: u64,
+    pub(crate) payload: Vec<u8>,
 }
 
 /// Why a frame could not be read or written.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub(super) enum WireError {
+pub(crate) enum WireError {
     /// The deadline passed.
     TimedOut,
     /// The connection closed (`UnexpectedEof`) or failed.
@@ -94,7 +94,7 @@ fn left(deadline: Instant) -> Duration {
 
 /// How much longer than rank 0 another rank waits for rank 0's answer, so that rank 0's own
 /// report of a timeout arrives before the others give up on it.
-pub(super) fn grace(timeout: Duration) -> Duration {
+pub(crate) fn grace(timeout: Duration) -> Duration {
     timeout / 4 + Duration::from_millis(250)
 }
 
@@ -136,7 +136,7 @@ fn write_full(stream: &mut TcpStream, mut buf: &[u8], deadline: Instant) -> Resu
 }
 
 /// Writes one frame before `deadline`.
-pub(super) fn send(
+pub(crate) fn send(
     stream: &mut TcpStream,
     kind: Kind,
     word: u64,
@@ -152,7 +152,7 @@ pub(super) fn send(
 }
 
 /// Reads one frame before `deadline`.
-pub(super) fn receive(stream: &mut TcpStream, deadline: Instant) -> Result<Frame, WireError> {
+pub(crate) fn receive(stream: &mut TcpStream, deadline: Instant) -> Result<Frame, WireError> {
     let mut header = [0u8; 32];
     read_full(stream, &mut header, deadline)?;
     let [magic, kind, word, len] =
@@ -172,17 +172,17 @@ pub(super) fn receive(stream: &mut TcpStream, deadline: Instant) -> Result<Frame
 }
 
 /// `d` in whole microseconds, as a word.
-pub(super) fn micros(d: Duration) -> u64 {
+pub(crate) fn micros(d: Duration) -> u64 {
     u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
 }
 
 /// `words` as little-endian bytes.
-pub(super) fn bytes_of(words: &[u64]) -> Vec<u8> {
+pub(crate) fn bytes_of(words: &[u64]) -> Vec<u8> {
     words.iter().flat_map(|w| w.to_le_bytes()).collect()
 }
 
 /// Every little-endian word of `bytes` (whose length is a multiple of 8).
-pub(super) fn all_words(bytes: &[u8]) -> Vec<u64> {
+pub(crate) fn all_words(bytes: &[u8]) -> Vec<u64> {
     bytes
         .chunks_exact(8)
         .map(|c| u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
@@ -200,14 +200,14 @@ const KINDS: [ErrorKind; 6] = [
     ErrorKind::Other,
 ];
 
-pub(super) fn kind_code(kind: ErrorKind) -> u64 {
+pub(crate) fn kind_code(kind: ErrorKind) -> u64 {
     KINDS
         .iter()
         .position(|k| *k == kind)
         .unwrap_or(KINDS.len() - 1) as u64
 }
 
-pub(super) fn kind_of(code: u64) -> ErrorKind {
+pub(crate) fn kind_of(code: u64) -> ErrorKind {
     usize::try_from(code)
         .ok()
         .and_then(|i| KINDS.get(i).copied())
