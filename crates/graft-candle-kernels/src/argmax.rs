@@ -5,10 +5,10 @@
 #[cfg(feature = "cuda")]
 mod cuda;
 
-use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor, WithDType};
 
-use crate::{KernelError, check};
+use crate::check;
+use crate::cpu::float_dispatch;
 
 const OP: &str = "argmax_last";
 
@@ -44,19 +44,7 @@ impl CustomOp1 for Argmax {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let out = match s {
-            CpuStorage::F32(x) => cpu(x, l, self.n)?,
-            CpuStorage::BF16(x) => cpu(x, l, self.n)?,
-            CpuStorage::F16(x) => cpu(x, l, self.n)?,
-            _ => {
-                return Err(KernelError::UnsupportedDType {
-                    op: OP,
-                    input: "x",
-                    got: s.dtype(),
-                }
-                .into());
-            }
-        };
+        let out = float_dispatch!(OP, "x", (s), |x| cpu(x, l, self.n))?;
         let rows = out.len();
         Ok((CpuStorage::U32(out), Shape::from_dims(&[rows])))
     }

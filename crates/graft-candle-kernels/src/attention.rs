@@ -18,9 +18,9 @@ mod cpu;
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
 
-use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 
+use crate::cpu::float_dispatch;
 use crate::{KernelError, check};
 
 const OP: &str = "decode_attention";
@@ -276,25 +276,9 @@ impl CustomOp3 for DecodeAttention {
         v: &CpuStorage,
         vl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let out = match (q, k, v) {
-            (CpuStorage::F32(q), CpuStorage::F32(k), CpuStorage::F32(v)) => {
-                cpu::forward(self, q, ql, k, kl, v, vl)?
-            }
-            (CpuStorage::BF16(q), CpuStorage::BF16(k), CpuStorage::BF16(v)) => {
-                cpu::forward(self, q, ql, k, kl, v, vl)?
-            }
-            (CpuStorage::F16(q), CpuStorage::F16(k), CpuStorage::F16(v)) => {
-                cpu::forward(self, q, ql, k, kl, v, vl)?
-            }
-            _ => {
-                return Err(KernelError::UnsupportedDType {
-                    op: OP,
-                    input: "q",
-                    got: q.dtype(),
-                }
-                .into());
-            }
-        };
+        let out = float_dispatch!(OP, "q", (q, k, v), |q, k, v| {
+            cpu::forward(self, q, ql, k, kl, v, vl)
+        })?;
         Ok((out, self.dims.out_shape()))
     }
 

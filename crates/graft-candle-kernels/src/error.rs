@@ -204,11 +204,25 @@ pub enum KernelError {
         momentum: f64,
         buffers: &'static str,
     },
-    /// `decode_step` got more rows than its matrix-vector kernel takes.
+    /// `decode_step` got more rows than its projections take in this dtype.
     #[error(
-        "decode_step: {rows} rows, but it takes at most {max}; run more rows through the per-op path (decode_step_fits says which)"
+        "decode_step: {rows} rows, but it takes at most {max} in {dtype:?}; run more rows through the per-op path (decode_step_fits says which)"
     )]
-    StepRows { rows: usize, max: usize },
+    StepRows {
+        rows: usize,
+        max: usize,
+        dtype: DType,
+    },
+    /// More rows than the matrix-vector kernel takes, and an operand the tensor-core kernel
+    /// cannot load (see `linear`'s module docs).
+    #[error(
+        "{op}: {rows} rows need the tensor-core projection, but {input} does not start 16-byte aligned or its columns are not a multiple of 8; pass aligned bf16 or f16 tensors, or run at most 2 rows at a time"
+    )]
+    Unaligned {
+        op: &'static str,
+        input: &'static str,
+        rows: usize,
+    },
     /// `decode_step` got another number of cache pairs than the model has layers.
     #[error(
         "decode_step: {got} key/value cache pairs for a model of {layers} layers; pass one pair per layer"

@@ -59,6 +59,7 @@
 mod argmax;
 mod attention;
 mod check;
+mod cpu;
 mod error;
 mod linear;
 mod moe;
@@ -76,7 +77,7 @@ mod train;
 pub use argmax::argmax_last;
 pub use attention::{CHUNK, decode_attention, decode_attention_fits};
 pub use error::KernelError;
-pub use linear::{MATVEC_ROWS, MAX_PARTS, linear, linear_cat, linear_swiglu};
+pub use linear::{MATVEC_ROWS, MAX_PARTS, TENSOR_ROWS, linear, linear_cat, linear_swiglu};
 pub use moe::{Experts, MAX_EXPERTS, Routing, route};
 pub use norm::add_rms_norm;
 #[cfg(feature = "cuda")]

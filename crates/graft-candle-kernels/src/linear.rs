@@ -2,20 +2,24 @@
 //! one weight, through up to three weights side by side (a layer's query, key and value
 //! projections), or through a gate and an up weight with SwiGLU of the two.
 //!
-//! Up to [`MATVEC_ROWS`] rows each call is one matrix-vector kernel that reads every weight
-//! once for all rows, in place (the weights are never copied or packed, so weights that are
-//! trained in place stay the ones used), with 16-byte loads where the shapes and addresses
-//! allow, 1 to 8 warps per output (per gate-and-up pair for SwiGLU), sums in f32, and the bias
-//! or SwiGLU applied before the single rounding to the dtype. Above it they run `dense` (one GEMM
-//! over all rows, cuBLAS on CUDA) per weight. Which path runs depends only on the shapes, so eager and graphed
-//! calls of one shape run the same kernels.
+//! A few rows each call is one kernel that reads every weight once for all rows, in place (the
+//! weights are never copied or packed, so weights that are trained in place stay the ones
+//! used), sums in f32, and applies the bias or SwiGLU before the single rounding to the dtype:
+//! in bf16 and f16, up to [`TENSOR_ROWS`] rows on tensor cores when the columns are a multiple
+//! of 8 and every operand starts 16-byte aligned (`rows.cu`: a row gets the same bits at every
+//! row count from 3 to 16); otherwise up to [`MATVEC_ROWS`] rows on the matrix-vector kernel
+//! (`matvec.cu`, f32 sums on the CUDA cores). Above that they run `dense` (one GEMM over all
+//! rows, cuBLAS on CUDA) per weight. Which path runs depends only on the shapes, dtypes and
+//! offsets, so eager and graphed calls of one shape run the same kernels.
 
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
 
-use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Storage, Tensor, WithDType};
+use candle_core::{
+    CpuStorage, CustomOp1, DType, Layout, Result, Shape, Storage, Tensor, WithDType,
+};
 
+use crate::cpu::float_dispatch;
 use crate::{KernelError, SideStream, check, dense, swiglu};
 
 const OP: &str = "linear";
@@ -25,12 +29,17 @@ const OP: &str = "linear";
 /// kernel ran at 0.3–1.1 TB/s, below cuBLAS (H200, docs/benchmarks.md).
 pub const MATVEC_ROWS: usize = 2;
 
+/// The most rows the tensor-core kernel takes (one m-tile), in bf16 and f16. At 32 rows it was
+/// 1.4x slower than cuBLAS on the ~1B Llama's decode step (H200, docs/benchmarks.md).
+pub const TENSOR_ROWS: usize = 16;
+
 /// The most weights [`linear_cat`] takes.
 pub const MAX_PARTS: usize = 3;
 
 /// `x · wᵀ + bias`: `x` `[..., k]`, `w` `[n, k]`, `bias` `[n]`; returns `[..., n]` in `x`'s
-/// dtype (f32, bf16 or f16, shared by all). `w` and `bias` are contiguous; `x` is too on the
-/// matrix-vector path (at most [`MATVEC_ROWS`] rows).
+/// dtype (f32, bf16 or f16, shared by all). `w` and `bias` are contiguous. Differentiable:
+/// where an operand tracks gradients (a `Var`, or made from one) it runs `dense`, whatever the
+/// rows.
 pub fn linear(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
     linear_cat(x, &[(w, bias)])
 }
@@ -75,8 +84,17 @@ pub(crate) fn project(
         }
         check::contiguous(OP, "gate", g)?;
     }
-    if dims.rows <= MATVEC_ROWS {
-        return matvec(x, parts, dims, gate, side);
+    // The one-kernel paths have no backward: an operand that tracks gradients takes `dense`.
+    let tracked = std::iter::once(x)
+        .chain(parts.iter().flat_map(|&(w, b)| std::iter::once(w).chain(b)))
+        .chain(gate)
+        .any(Tensor::track_op);
+    if dims.rows <= TENSOR_ROWS && !tracked {
+        let x = x.contiguous()?;
+        let weights = parts.iter().map(|&(w, _)| w);
+        if dims.rows <= MATVEC_ROWS || tensor_cores(x.dtype(), dims.k, weights.chain([&x]))? {
+            return matvec(&x, parts, dims, gate, side);
+        }
     }
     let y = if pair {
         swiglu(&dense(x, parts[0].0)?, &dense(x, parts[1].0)?)?
@@ -100,6 +118,28 @@ pub(crate) fn project(
     }
 }
 
+/// Whether a projection of `k` columns in `dtype` through these tensors (its input, weights
+/// and norm weight, on one device) takes the tensor-core kernel: bf16 or f16, `k` a multiple
+/// of 8, every tensor starting a multiple of 16 bytes into its storage's (16-byte aligned)
+/// allocation, and a CUDA device of compute capability 8.0 or later (or the CPU, whose
+/// implementation is the same for every row count).
+pub(crate) fn tensor_cores<'a>(
+    dtype: DType,
+    k: usize,
+    tensors: impl IntoIterator<Item = &'a Tensor>,
+) -> Result<bool> {
+    let mut tensors = tensors.into_iter().peekable();
+    #[cfg(feature = "cuda")]
+    if let Some(candle_core::Device::Cuda(device)) = tensors.peek().map(|t| t.device())
+        && !cuda::has_tensor_cores(device)?
+    {
+        return Ok(false);
+    }
+    Ok(matches!(dtype, DType::BF16 | DType::F16)
+        && k.is_multiple_of(8)
+        && tensors.all(|t| (t.layout().start_offset() * dtype.size_in_bytes()).is_multiple_of(16)))
+}
+
 /// `x`'s shape with its last dim `n`.
 fn with_last(x: &Tensor, n: usize) -> Vec<usize> {
     let mut dims = x.dims().to_vec();
@@ -116,7 +156,6 @@ fn matvec(
     gate: Option<&Tensor>,
     side: &SideStream,
 ) -> Result<Tensor> {
-    check::contiguous(OP, "x", x)?;
     let out = with_last(x, dims.n());
     if dims.rows == 0 {
         return Tensor::zeros(out, x.dtype(), x.device());
@@ -226,19 +265,7 @@ impl CustomOp1 for Matvec {
     }
 
     fn cpu_fwd(&self, x: &CpuStorage, xl: &Layout) -> Result<(CpuStorage, Shape)> {
-        let out = match x {
-            CpuStorage::F32(x) => self.cpu(x, xl)?,
-            CpuStorage::BF16(x) => self.cpu(x, xl)?,
-            CpuStorage::F16(x) => self.cpu(x, xl)?,
-            _ => {
-                return Err(KernelError::UnsupportedDType {
-                    op: OP,
-                    input: "x",
-                    got: x.dtype(),
-                }
-                .into());
-            }
-        };
+        let out = float_dispatch!(OP, "x", (x), |x| self.cpu(x, xl))?;
         Ok((out, self.out_shape()))
     }
 

@@ -9,14 +9,13 @@
 
 #[cfg(feature = "cuda")]
 mod cuda;
-#[cfg(feature = "cuda")]
-mod source;
 
 use candle_core::backend::BackendStorage;
 use candle_core::{
     CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Storage, Tensor, WithDType,
 };
 
+use crate::cpu::float_dispatch;
 use crate::{KernelError, check};
 
 const ROUTE: &str = "route";
@@ -131,12 +130,7 @@ impl CustomOp1 for Route {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let out = match s {
-            CpuStorage::F32(x) => self.cpu(x, l)?,
-            CpuStorage::BF16(x) => self.cpu(x, l)?,
-            CpuStorage::F16(x) => self.cpu(x, l)?,
-            _ => return Err(unsupported(ROUTE, "logits", s.dtype())),
-        };
+        let out = float_dispatch!(ROUTE, "logits", (s), |x| self.cpu(x, l))?;
         let tokens = out.len() / (2 * self.top_k);
         Ok((CpuStorage::F32(out), self.out_shape(tokens)))
     }
@@ -365,12 +359,9 @@ impl CustomOp2 for ExpertsOp<'_> {
         let CpuStorage::F32(r) = r else {
             return Err(unsupported(EXPERTS, "routing", r.dtype()));
         };
-        let out = match x {
-            CpuStorage::F32(x) => CpuStorage::F32(self.cpu(x, xl, r, rl)?),
-            CpuStorage::BF16(x) => CpuStorage::BF16(self.cpu(x, xl, r, rl)?),
-            CpuStorage::F16(x) => CpuStorage::F16(self.cpu(x, xl, r, rl)?),
-            _ => return Err(unsupported(EXPERTS, "x", x.dtype())),
-        };
+        let out = float_dispatch!(EXPERTS, "x", (x), |x| {
+            self.cpu(x, xl, r, rl).map(WithDType::to_cpu_storage_owned)
+        })?;
         Ok((out, xl.shape().clone()))
     }
 

@@ -8,10 +8,10 @@
 #[cfg(feature = "cuda")]
 mod cuda;
 
-use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor, WithDType};
 
-use crate::{KernelError, check};
+use crate::check;
+use crate::cpu::float_dispatch;
 
 const OP: &str = "add_rms_norm";
 
@@ -70,25 +70,9 @@ impl CustomOp3 for AddRmsNorm {
         w: &CpuStorage,
         wl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let out = match (x, r, w) {
-            (CpuStorage::F32(x), CpuStorage::F32(r), CpuStorage::F32(w)) => {
-                self.cpu(x, xl, r, rl, w, wl)?
-            }
-            (CpuStorage::BF16(x), CpuStorage::BF16(r), CpuStorage::BF16(w)) => {
-                self.cpu(x, xl, r, rl, w, wl)?
-            }
-            (CpuStorage::F16(x), CpuStorage::F16(r), CpuStorage::F16(w)) => {
-                self.cpu(x, xl, r, rl, w, wl)?
-            }
-            _ => {
-                return Err(KernelError::UnsupportedDType {
-                    op: OP,
-                    input: "x",
-                    got: x.dtype(),
-                }
-                .into());
-            }
-        };
+        let out = float_dispatch!(OP, "x", (x, r, w), |x, r, w| {
+            self.cpu(x, xl, r, rl, w, wl)
+        })?;
         Ok((out, packed_shape(xl)))
     }
 

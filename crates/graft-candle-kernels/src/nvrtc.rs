@@ -334,7 +334,7 @@ impl Kernels {
 }
 
 /// `device`'s compute capability, major and minor.
-fn capability(module: &'static str, device: &CudaDevice) -> Result<(i32, i32)> {
+pub(crate) fn capability(module: &'static str, device: &CudaDevice) -> Result<(i32, i32)> {
     device
         .cuda_stream()
         .context()

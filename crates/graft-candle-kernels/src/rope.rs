@@ -12,9 +12,9 @@
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
 
-use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType};
 
+use crate::cpu::float_dispatch;
 use crate::{KernelError, check};
 
 const OP: &str = "rope_store";
@@ -315,25 +315,9 @@ impl CustomOp3 for RopeStore {
         sin: &CpuStorage,
         sl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let out = match (qkv, cos, sin) {
-            (CpuStorage::F32(q), CpuStorage::F32(c), CpuStorage::F32(s)) => {
-                self.cpu(q, ql, c, cl, s, sl)?
-            }
-            (CpuStorage::BF16(q), CpuStorage::BF16(c), CpuStorage::BF16(s)) => {
-                self.cpu(q, ql, c, cl, s, sl)?
-            }
-            (CpuStorage::F16(q), CpuStorage::F16(c), CpuStorage::F16(s)) => {
-                self.cpu(q, ql, c, cl, s, sl)?
-            }
-            _ => {
-                return Err(KernelError::UnsupportedDType {
-                    op: OP,
-                    input: "qkv",
-                    got: qkv.dtype(),
-                }
-                .into());
-            }
-        };
+        let out = float_dispatch!(OP, "qkv", (qkv, cos, sin), |q, c, s| {
+            self.cpu(q, ql, c, cl, s, sl)
+        })?;
         Ok((out, self.dims.out_shape(self.part)))
     }
 

@@ -52,6 +52,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor, WithDType};
 
 use crate::argmax::first_max;
+use crate::cpu::float_dispatch;
 use crate::{KernelError, check};
 
 const OP: &str = "sample_rows";
@@ -188,19 +189,7 @@ impl CustomOp2 for Sample {
             .into());
         };
         let params = check::cpu_slice(OP, "params", params, pl)?;
-        let out = match logits {
-            CpuStorage::F32(x) => cpu(x, ll, params, self.vocab)?,
-            CpuStorage::BF16(x) => cpu(x, ll, params, self.vocab)?,
-            CpuStorage::F16(x) => cpu(x, ll, params, self.vocab)?,
-            _ => {
-                return Err(KernelError::UnsupportedDType {
-                    op: OP,
-                    input: "logits",
-                    got: logits.dtype(),
-                }
-                .into());
-            }
-        };
+        let out = float_dispatch!(OP, "logits", (logits), |x| cpu(x, ll, params, self.vocab))?;
         let rows = out.len();
         Ok((CpuStorage::U32(out), Shape::from_dims(&[rows])))
     }

@@ -16,11 +16,12 @@
 #[cfg(feature = "cuda")]
 mod cuda;
 
-use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 
+use crate::linear::tensor_cores;
 use crate::{
-    KernelError, MATVEC_ROWS, QkNorm, RopeStyle, check, decode_attention, decode_attention_fits,
-    linear, linear_cat, linear_swiglu, rms_norm, rope_store,
+    KernelError, MATVEC_ROWS, QkNorm, RopeStyle, TENSOR_ROWS, check, decode_attention,
+    decode_attention_fits, linear, linear_cat, linear_swiglu, rms_norm, rope_store,
 };
 
 const OP: &str = "decode_step";
@@ -66,19 +67,23 @@ pub struct StepModel {
     pub window: Option<usize>,
 }
 
-/// Whether [`decode_step`] takes `rows` rows of a model of these head counts and head dim
-/// (`Err` says why not): at most [`MATVEC_ROWS`] rows, and heads the fused attention takes.
+/// Whether [`decode_step`] takes `rows` rows of a `dtype` model of these head counts and head
+/// dim (`Err` says why not): at most [`TENSOR_ROWS`] rows in bf16 and f16 (the projections on
+/// tensor cores; the model's sizes multiples of 8 and its weights 16-byte aligned, which
+/// `decode_step` checks) or [`MATVEC_ROWS`] in f32, and heads the fused attention takes.
 pub fn decode_step_fits(
+    dtype: DType,
     rows: usize,
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
 ) -> std::result::Result<(), KernelError> {
-    if rows > MATVEC_ROWS {
-        return Err(KernelError::StepRows {
-            rows,
-            max: MATVEC_ROWS,
-        });
+    let max = match dtype {
+        DType::BF16 | DType::F16 => TENSOR_ROWS,
+        _ => MATVEC_ROWS,
+    };
+    if rows > max {
+        return Err(KernelError::StepRows { rows, max, dtype });
     }
     decode_attention_fits(heads, kv_heads, head_dim)
 }
@@ -87,8 +92,8 @@ pub fn decode_step_fits(
 /// position `positions[b]`, `[batch]` u32) in, the logits (`[batch, vocab]`, the model's
 /// dtype) out; writes each token's key and value into its layer's `caches` (`[rows,
 /// kv_heads, max_seq, head_dim]` each, one pair per layer) in its row (`rows[b]`, or b
-/// without rows) at its position. Reads and writes nothing else. At most [`MATVEC_ROWS`]
-/// rows (see [`decode_step_fits`]).
+/// without rows) at its position. Reads and writes nothing else. At most [`TENSOR_ROWS`]
+/// rows in bf16 and f16, [`MATVEC_ROWS`] in f32 (see [`decode_step_fits`]).
 pub fn decode_step(
     model: &StepModel,
     caches: &[(Tensor, Tensor)],
@@ -97,7 +102,8 @@ pub fn decode_step(
     rows: Option<&Tensor>,
 ) -> Result<Tensor> {
     let batch = tokens.dims1()?;
-    decode_step_fits(batch, model.heads, model.kv_heads, model.head_dim)?;
+    let dtype = model.embed.dtype();
+    decode_step_fits(dtype, batch, model.heads, model.kv_heads, model.head_dim)?;
     check::indices(OP, "tokens", tokens, &model.embed)?;
     check::indices(OP, "positions", positions, &model.embed)?;
     if positions.dims() != [batch] {
@@ -278,6 +284,30 @@ impl Dims {
         }
         like("norm", &m.norm, &[hidden], "[hidden]")?;
         like("head", &m.head, &[vocab, hidden], "[vocab, hidden]")?;
+        if batch > MATVEC_ROWS {
+            // The projections on tensor cores: each one's weights (and norm) loadable.
+            let dtype = m.embed.dtype();
+            let aligned = |name, k, ts: &[&Tensor]| -> Result<()> {
+                if tensor_cores(dtype, k, ts.iter().copied())? {
+                    return Ok(());
+                }
+                Err(KernelError::Unaligned {
+                    op: OP,
+                    input: name,
+                    rows: batch,
+                }
+                .into())
+            };
+            for l in &m.layers {
+                let qkv = [&l.attn_norm, &l.q.0, &l.k.0, &l.v.0];
+                aligned("the query, key or value weight", hidden, &qkv)?;
+                aligned("the output weight", heads * hd, &[&l.o.0])?;
+                let mlp = [&l.mlp_norm, &l.gate, &l.up];
+                aligned("the gate or up weight", hidden, &mlp)?;
+                aligned("the down weight", ffn, &[&l.down])?;
+            }
+            aligned("the head", hidden, &[&m.norm, &m.head])?;
+        }
         like("cos", &m.cos, &[table, half], "[table, head_dim / 2]")?;
         like("sin", &m.sin, &[table, half], "[table, head_dim / 2]")?;
         for (what, size) in [

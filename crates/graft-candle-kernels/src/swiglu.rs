@@ -5,9 +5,9 @@
 #[cfg(feature = "cuda")]
 mod cuda;
 
-use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor, WithDType};
 
+use crate::cpu::float_dispatch;
 use crate::{KernelError, check};
 
 const OP: &str = "swiglu";
@@ -55,19 +55,7 @@ impl CustomOp2 for Swiglu {
         up: &CpuStorage,
         ul: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let out = match (gate, up) {
-            (CpuStorage::F32(g), CpuStorage::F32(u)) => cpu(g, gl, u, ul)?,
-            (CpuStorage::BF16(g), CpuStorage::BF16(u)) => cpu(g, gl, u, ul)?,
-            (CpuStorage::F16(g), CpuStorage::F16(u)) => cpu(g, gl, u, ul)?,
-            _ => {
-                return Err(KernelError::UnsupportedDType {
-                    op: OP,
-                    input: "gate",
-                    got: gate.dtype(),
-                }
-                .into());
-            }
-        };
+        let out = float_dispatch!(OP, "gate", (gate, up), |g, u| cpu(g, gl, u, ul))?;
         Ok((out, gl.shape().clone()))
     }
 
@@ -115,25 +103,9 @@ impl CustomOp3 for SwigluBackward {
         dy: &CpuStorage,
         dl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let out = match (gate, up, dy) {
-            (CpuStorage::F32(g), CpuStorage::F32(u), CpuStorage::F32(d)) => {
-                cpu_backward(g, gl, u, ul, d, dl)?
-            }
-            (CpuStorage::BF16(g), CpuStorage::BF16(u), CpuStorage::BF16(d)) => {
-                cpu_backward(g, gl, u, ul, d, dl)?
-            }
-            (CpuStorage::F16(g), CpuStorage::F16(u), CpuStorage::F16(d)) => {
-                cpu_backward(g, gl, u, ul, d, dl)?
-            }
-            _ => {
-                return Err(KernelError::UnsupportedDType {
-                    op: OP,
-                    input: "gate",
-                    got: gate.dtype(),
-                }
-                .into());
-            }
-        };
+        let out = float_dispatch!(OP, "gate", (gate, up, dy), |g, u, d| {
+            cpu_backward(g, gl, u, ul, d, dl)
+        })?;
         Ok((out, Shape::from(2 * gl.shape().elem_count())))
     }
 

@@ -498,6 +498,35 @@ fn optimizer_updates_refuse_bad_inputs() {
     assert_eq!(s.to_vec1::<f32>().unwrap(), [0.1, 3.0, 0.0, 0.0]);
 }
 
+/// A few rows of `linear` keep their gradients when an operand is a `Var` (the one-kernel
+/// paths have no backward, so such calls take `dense`).
+#[test]
+fn linear_of_a_var_keeps_its_gradients() {
+    let dev = Device::Cpu;
+    for rows in [1, 8] {
+        let x = random(1, &[rows, 16], 1.0, DType::F32, &dev).unwrap();
+        let w = candle_core::Var::from_tensor(&random(2, &[4, 16], 1.0, DType::F32, &dev).unwrap())
+            .unwrap();
+        let grads = graft_candle_kernels::linear(&x, &w, None)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let got = grads.get(&w).expect("w's gradient");
+        // d(sum(x · wᵀ)) / dw: every row of w gets the sum of x's rows.
+        let want = x.sum_keepdim(0).unwrap().broadcast_as((4, 16)).unwrap();
+        assert_close("dw", got, &want, (1e-5, 1e-5)).unwrap();
+    }
+}
+
+#[test]
+fn projections_are_batch_invariant() {
+    for dtype in [DType::BF16, DType::F16] {
+        check_batch_invariance(&Device::Cpu, dtype).unwrap();
+    }
+}
+
 #[test]
 fn decode_step_refuses_what_it_does_not_run() {
     let dev = Device::Cpu;
@@ -509,7 +538,23 @@ fn decode_step_refuses_what_it_does_not_run() {
     let err = graft_candle_kernels::decode_step(&model, &caches, &tokens, &positions, None)
         .unwrap_err()
         .to_string();
-    assert!(err.contains("3 rows"), "{err}");
+    assert!(
+        err.contains("3 rows, but it takes at most 2 in F32"),
+        "{err}"
+    );
+    // In bf16, 17 rows are one past the tensor-core projections.
+    let model = step_model(&c, DType::BF16, &dev).unwrap();
+    let caches = step_caches(17, DType::BF16, &dev).unwrap();
+    let tokens = candle_core::Tensor::new(&[1u32; 17], &dev).unwrap();
+    let positions = candle_core::Tensor::new(&[0u32; 17], &dev).unwrap();
+    let err = graft_candle_kernels::decode_step(&model, &caches, &tokens, &positions, None)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("17 rows, but it takes at most 16 in BF16"),
+        "{err}"
+    );
+    let model = step_model(&c, DType::F32, &dev).unwrap();
     let tokens = candle_core::Tensor::new(&[1u32], &dev).unwrap();
     let positions = candle_core::Tensor::new(&[0u32], &dev).unwrap();
     let err = graft_candle_kernels::decode_step(&model, &caches[..1], &tokens, &positions, None)

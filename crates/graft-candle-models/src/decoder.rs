@@ -427,8 +427,9 @@ impl Decoder {
         let batch = tokens.dims1()?;
         let positions = cache.positions_of(batch)?;
         let s = &self.spec;
-        let fits =
-            |_: &&StepModel| decode_step_fits(batch, s.heads, s.kv_heads, s.head_dim).is_ok();
+        let fits = |m: &&StepModel| {
+            decode_step_fits(m.embed.dtype(), batch, s.heads, s.kv_heads, s.head_dim).is_ok()
+        };
         if let Some(step) = self.step.as_ref().filter(fits) {
             let caches = (0..self.spec.layers)
                 .map(|i| cache.layer(i, batch))

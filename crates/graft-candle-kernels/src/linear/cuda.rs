@@ -9,19 +9,25 @@
 //! instantiation: the norm's weight folds into the weights as they load) and with a residual
 //! add, as a programmatic dependent that prefetches its first weights into L2 before its wait.
 //! Registers decide how many blocks share a multiprocessor, so each variant keeps only what
-//! it uses live (40 registers a thread for one row without a norm, 64 for gate and up with
-//! one, under ptxas for sm_90): holding a round of weights across the wait, or unpacking a
-//! whole round at once, doubled that and slowed every projection.
+//! it uses live: holding a round of weights across the wait, or unpacking a whole round at
+//! once, doubled them and slowed every projection. A round's x is loaded beside its weights,
+//! before any is used (56 registers for one row without a norm, 76 for gate and up with one,
+//! under ptxas for sm_90): loaded chunk by chunk, each L2 latency was paid in turn.
+//!
+//! From 3 to [`TENSOR_ROWS`] rows in bf16 and f16 the tensor-core kernel (`rows.cu`) runs
+//! instead, with the same arguments: tiles of 8 outputs, 1 to 8 warps a tile (`rows_split`),
+//! no norm (`decode_step` norms the rows first). Which of the two runs depends on the rows,
+//! the dtype and the 16-byte alignment only.
 
 use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, ValidAsZeroBits,
 };
 use candle_core::cuda_backend::{CudaDevice, Map1};
-use candle_core::{CudaStorage, Layout, Result, Shape, WithDType};
+use candle_core::{CudaStorage, DType, Layout, Result, Shape, WithDType};
 
-use super::{MATVEC_ROWS, MAX_PARTS, Matvec, OP};
-use crate::check;
-use crate::nvrtc::{Args, Kernels, address, view};
+use super::{MATVEC_ROWS, MAX_PARTS, Matvec, OP, TENSOR_ROWS};
+use crate::nvrtc::{Args, Kernels, address, capability, view};
+use crate::{KernelError, check};
 
 /// Warps per block.
 const WARPS: u32 = 8;
@@ -42,6 +48,8 @@ fn split(n: usize, k: usize) -> u32 {
 
 static KERNELS: Kernels =
     Kernels::with_dependents("graft_kernels_matvec", include_str!("matvec.cu"));
+static ROWS_KERNELS: Kernels =
+    Kernels::with_dependents("graft_kernels_rows", include_str!("rows.cu"));
 
 /// One matrix-vector launch's operands, by device address (see `matvec.cu`).
 pub(crate) struct MatvecLaunch {
@@ -84,7 +92,8 @@ impl MatvecLaunch {
     /// # Safety
     /// `x` holds rows * k elements of T, weight i ns[i] * k and its bias ns[i], the gates rows
     /// or none (0), the norm k or none (0), `y` rows * n; all device memory of `device` alive
-    /// until the kernel has run; rows <= MATVEC_ROWS; a weight of 0 rows and a bias whose mask
+    /// until the kernel has run; rows <= TENSOR_ROWS (<= MATVEC_ROWS unless bf16 or f16 with
+    /// k a multiple of 8 and every operand 16-byte aligned, else an error); a weight of 0 rows and a bias whose mask
     /// bit is 0 are never read. With `residual`, `y` holds the values added to.
     pub(crate) unsafe fn launch<T: WithDType>(
         &self,
@@ -92,28 +101,44 @@ impl MatvecLaunch {
         stream: &CudaStream,
         dependent: bool,
     ) -> Result<()> {
-        debug_assert!(self.rows <= MATVEC_ROWS);
+        debug_assert!(self.rows <= TENSOR_ROWS);
         let parts = self.ns.iter().filter(|&&n| n > 0).count().max(1);
         let vec = (self.k * size_of::<T>()).is_multiple_of(16)
             && self.x.is_multiple_of(16)
             && self.norm.is_multiple_of(16)
             && self.w[..parts].iter().all(|a| a.is_multiple_of(16));
+        let half = matches!(T::DTYPE, DType::BF16 | DType::F16) && has_tensor_cores(device)?;
         let n = self.n();
-        // The smallest instantiation holding the rows (the element loads only at 2).
-        let variant = match (vec, self.rows) {
-            (false, _) => "scalar2",
-            (true, 1) => "vec1",
-            (true, _) => "vec2",
+        let pair = if self.pair { "_swiglu" } else { "" };
+        let dtype = T::DTYPE.as_str();
+        // Up to 2 rows the matrix-vector kernel (the smallest instantiation holding the rows;
+        // element loads only at 2), above it the tensor-core kernel where its loads fit.
+        let tensor = self.rows > MATVEC_ROWS;
+        let (kernels, name, split) = if !tensor {
+            let variant = match (vec, self.rows) {
+                (false, _) => "scalar2",
+                (true, 1) => "vec1",
+                (true, _) => "vec2",
+            };
+            let norm = if self.norm != 0 { "_norm" } else { "" };
+            let name = format!("graft_matvec_{variant}{pair}{norm}_{dtype}");
+            (&KERNELS, name, split(n, self.k))
+        } else if half && vec && self.norm == 0 {
+            let rounds = self.k.div_ceil(32).div_ceil(if self.pair { 4 } else { 8 });
+            let split = rows_split(n.div_ceil(8), rounds);
+            let kind = if self.pair { "swiglu" } else { "plain" };
+            (&ROWS_KERNELS, format!("graft_rows_{kind}_{dtype}"), split)
+        } else {
+            return Err(KernelError::Unaligned {
+                op: OP,
+                input: "x, a weight or the norm",
+                rows: self.rows,
+            }
+            .into());
         };
-        let name = format!(
-            "graft_matvec_{variant}{}{}_{}",
-            if self.pair { "_swiglu" } else { "" },
-            if self.norm != 0 { "_norm" } else { "" },
-            T::DTYPE.as_str()
-        );
-        let split = split(n, self.k);
-        let per_block = (WARPS / split) as usize;
-        let blocks = check::u32_of(OP, "the outputs / 8", n.div_ceil(per_block))?;
+        // Outputs (tiles of 8 on tensor cores) per block: one per `split` warps.
+        let per_block = (WARPS / split) as usize * if tensor { 8 } else { 1 };
+        let blocks = check::u32_of(OP, "the blocks", n.div_ceil(per_block))?;
         let [n0, n1, n2] = self.ns.map(|v| v as u32);
         let (rows, k) = (self.rows as u32, self.k as u32);
         let residual = u32::from(self.residual);
@@ -142,18 +167,31 @@ impl MatvecLaunch {
             block_dim: (WARPS * 32, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: the arguments match `graft_matvec_<variant>_<dtype>(const T* x9, float, T*,
-        // unsigned int x8)`, every buffer by address, as the caller guarantees; with a norm
-        // the dynamic shared memory holds the rows * k normed elements the kernel writes and
-        // reads (at most NORMED_ROWS_BYTES, under the 48 KiB a launch has without opting in);
-        // rows <= 2
-        // (the kernel's sums per lane); `split` divides the block's 8 warps (the shared sums
-        // are 8 warps' of 2 * ROWS); the 16-byte loads run only when k * size_of::<T>() is a
-        // multiple of 16 and x, the norm and every weight start 16-byte aligned, so every row
-        // does too; the kernel waits (`graft_pdl_wait`) before it reads x or y, touching only
-        // the weights, biases and norm before.
-        unsafe { KERNELS.launch(device, stream, &name, config, dependent, &mut args) }
+        // SAFETY: the arguments match `graft_matvec_<variant>_<dtype>` and
+        // `graft_rows_<plain|swiglu>_<dtype>` alike (const T* x9, float, T*, unsigned int x8), every
+        // buffer by address, as the caller guarantees; rows <= 2 on the matrix-vector kernel
+        // and <= 16 on the tensor-core one (each kernel's sums per lane and in shared memory,
+        // static), which takes no norm (null); `split` divides the block's 8 warps; the 16-byte loads run only when
+        // k * size_of::<T>() is a multiple of 16 and x, the norm and every weight start
+        // 16-byte aligned, so every row does too; each kernel waits (`graft_pdl_wait`) before
+        // it reads x, the gates or y, touching only the weights before.
+        unsafe { kernels.launch(device, stream, &name, config, dependent, &mut args) }
     }
+}
+
+/// Whether `device` runs the tensor-core kernel (`mma.sync` in bf16 and f16: compute
+/// capability 8.0 or later).
+pub(crate) fn has_tensor_cores(device: &CudaDevice) -> Result<bool> {
+    Ok(capability(OP, device)?.0 >= 8)
+}
+
+/// Warps per tile of 8 outputs on tensor cores (1, 2, 4 or 8, dividing [`WARPS`]): enough
+/// that the tiles make about 16,384 warps, but never more than the tile has rounds of loads
+/// (so no warp idles).
+fn rows_split(tiles: usize, rounds: usize) -> u32 {
+    let want = 16_384usize.div_ceil(tiles.max(1));
+    let s = want.min(rounds.max(1)).min(WARPS as usize);
+    1 << s.ilog2()
 }
 
 /// The op's `[rows, n]` output on CUDA.
@@ -224,7 +262,7 @@ impl Map1 for Matvec {
         // SAFETY: `x` holds rows * k elements, weight i n_i * k and its bias n_i, the gates
         // rows or none (checked by the wrapper, contiguous, of T; the op holds clones, so all
         // live; on a side stream the caller keeps them until it joins), `y` rows * n (just
-        // allocated); rows <= MATVEC_ROWS (the wrapper's choice of this path).
+        // allocated); rows <= TENSOR_ROWS (the wrapper's choice of this path).
         unsafe { launch.launch::<T>(device, &stream, false) }?;
         Ok(y)
     }

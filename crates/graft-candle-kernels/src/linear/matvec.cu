@@ -103,6 +103,20 @@ __device__ void graft_matvec(const T* x, const T* w0, const T* w1, const T* w2,
             uint4 raw0[GRAFT_MATVEC_U];
             uint4 raw1[GRAFT_MATVEC_U];
             graft_matvec_load<T, PAIR>(wa4, wb4, base, stride, chunks, raw0, raw1);
+            // The round's x, every row's, loaded beside the weights: loaded chunk by chunk
+            // inside the loop below, each L2 latency was paid in turn.
+            uint4 xv[ROWS][GRAFT_MATVEC_U];
+#pragma unroll
+            for (int u = 0; u < GRAFT_MATVEC_U; ++u) {
+                const unsigned int c = base + stride * u;
+#pragma unroll
+                for (int r = 0; r < ROWS; ++r) {
+                    const uint4* xr =
+                        reinterpret_cast<const uint4*>(x + (unsigned long long)r * k);
+                    xv[r][u] = c < chunks && r < rows ? __ldg(xr + c)
+                                                      : make_uint4(0u, 0u, 0u, 0u);
+                }
+            }
             // The next round's weights on their way into L2 while this round is used.
             const unsigned int next = base + stride * GRAFT_MATVEC_U;
 #pragma unroll
@@ -142,10 +156,8 @@ __device__ void graft_matvec(const T* x, const T* w0, const T* w1, const T* w2,
 #pragma unroll
                 for (int r = 0; r < ROWS; ++r) {
                     if (r < rows) {
-                        const uint4* xr =
-                            reinterpret_cast<const uint4*>(x + (unsigned long long)r * k);
                         float fx[GraftVec<T>::E];
-                        GraftVec<T>::unpack(__ldg(xr + c), fx);
+                        GraftVec<T>::unpack(xv[r][u], fx);
 #pragma unroll
                         for (unsigned int e = 0; e < E; ++e) {
                             if (NORM) {

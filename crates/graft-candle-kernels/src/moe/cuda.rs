@@ -16,10 +16,13 @@ use candle_core::cuda_backend::cudarc::driver::{
 use candle_core::cuda_backend::{CudaDevice, CudaStorageSlice, Map1Any};
 use candle_core::{CudaStorage, Layout, Result, Shape, Tensor, WithDType};
 
-use super::source::KERNELS;
 use super::{EXPERTS, ExpertsOp, KernelError, ROUTE, Route};
 use crate::check;
-use crate::nvrtc::{Args, address, view};
+use crate::nvrtc::{Args, Kernels, address, view};
+
+/// The kernels' source (`moe.cu`): the dot products, routing, the token-major and expert-major
+/// gate-and-up and down kernels, and the combine.
+static KERNELS: Kernels = Kernels::new("graft_kernels_moe", include_str!("moe.cu"));
 
 /// Warps per block.
 const WARPS: u32 = 8;

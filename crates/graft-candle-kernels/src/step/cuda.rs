@@ -8,13 +8,13 @@ use candle_core::cuda_backend::{CudaDevice, Map1};
 use candle_core::{CudaStorage, Layout, Result, Shape, Tensor, WithDType};
 
 use super::{OP, Step, part};
-use crate::MAX_PARTS;
 use crate::attention::cuda::AttentionLaunch;
 use crate::linear::cuda::MatvecLaunch;
 use crate::nvrtc::{Args, Kernels, address, view};
 use crate::rope::cuda::RopeLaunch;
+use crate::{MATVEC_ROWS, MAX_PARTS};
 
-static KERNELS: Kernels = Kernels::with_dependents("graft_kernels_step", include_str!("embed.cu"));
+static KERNELS: Kernels = Kernels::with_dependents("graft_kernels_step", include_str!("step.cu"));
 
 /// Alignment of each scratch buffer (what the 16-byte loads need, and more).
 const ALIGN: usize = 256;
@@ -69,16 +69,18 @@ fn run<T: WithDType + DeviceRepr + ValidAsZeroBits>(
         next(b * d.ffn * t),
         next(b * heads * splits * hd * 4),
         next(b * heads * splits * 2 * 4),
+        next(b * d.hidden * t),
     ];
     // SAFETY: every byte a kernel reads is written first: the embedding writes h, each
     // projection its output, rope_store q (and the caches), the split kernel the partials
-    // the combine kernel reads (see `AttentionLaunch`), the combine attn.
+    // the combine kernel reads (see `AttentionLaunch`), the combine attn, the norm kernel
+    // `normed` (more rows than the matrix-vector kernel takes) before its projection reads it.
     let scratch = unsafe { device.alloc::<u8>(at)? };
     // SAFETY: the head's projection writes every logit before anything reads them.
     let logits = unsafe { device.alloc::<T>(b * d.vocab)? };
     let base = scratch.device_ptr(stream).0;
     let buf = |offset: usize| base + offset as u64;
-    let [h, qkv, q, attn, act, part_o, part_ml] = offsets.map(buf);
+    let [h, qkv, q, attn, act, part_o, part_ml, normed] = offsets.map(buf);
     let addr = |t: &Tensor, name| address(OP, t, name, device);
     let positions = addr(&op.positions, "positions")?;
     let rows = match &op.rows {
@@ -107,6 +109,24 @@ fn run<T: WithDType + DeviceRepr + ValidAsZeroBits>(
     // (checked), h batch * hidden in the scratch; the kernel clamps each token below vocab.
     unsafe { KERNELS.launch(device, stream, &name, config, false, &mut args) }?;
 
+    // The RMS norm of the step's rows of `x` by `weight` into `out` (hidden each).
+    let launch_norm = |x: u64, weight: u64, out: u64| -> Result<()> {
+        let mut args = Args::new();
+        args.arg(&x).arg(&weight).arg(&m.eps).arg(&out).arg(&hidden);
+        let config = LaunchConfig {
+            grid_dim: (b as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let name = format!("graft_step_norm_{}", T::DTYPE.as_str());
+        // SAFETY: the arguments match `graft_step_norm_<dtype>(const T*, const T*, float, T*,
+        // unsigned int)` (bf16 or f16: more rows than MATVEC_ROWS only in those, by
+        // `decode_step_fits`): x and out are scratch buffers of batch * hidden elements (each
+        // ALIGNed, hidden a multiple of 8 as `Dims::of` checked for these rows), the weight a
+        // norm of hidden, 16-byte aligned (checked there too); the kernel waits before it
+        // reads x.
+        unsafe { KERNELS.launch(device, stream, &name, config, true, &mut args) }
+    };
     let project = |x: u64,
                    parts: &[(&Tensor, Option<&Tensor>)],
                    norm: Option<&Tensor>,
@@ -135,13 +155,23 @@ fn run<T: WithDType + DeviceRepr + ValidAsZeroBits>(
                 bias[i] = w[0];
             }
         }
+        // The matrix-vector kernel folds the norm in; with more rows the norm kernel writes
+        // the normed rows first and the tensor-core kernel projects them.
+        let (x, norm) = match norm {
+            Some(n) if b > MATVEC_ROWS => {
+                launch_norm(x, addr(n, "norm")?, normed)?;
+                (normed, 0)
+            }
+            Some(n) => (x, addr(n, "norm")?),
+            None => (x, 0),
+        };
         let launch = MatvecLaunch {
             x,
             w,
             b: bias,
             bias_mask,
             gate: 0,
-            norm: norm.map(|n| addr(n, "norm")).transpose()?.unwrap_or(0),
+            norm,
             eps: m.eps,
             y,
             rows: b,
@@ -152,8 +182,9 @@ fn run<T: WithDType + DeviceRepr + ValidAsZeroBits>(
         };
         // SAFETY: `Dims::of` checked every weight, bias and norm against the model's sizes
         // (contiguous, of T; the op holds clones, so all live); x and y are scratch buffers
-        // (or the logits) of rows * k and rows * n elements; rows <= MATVEC_ROWS
-        // (`decode_step_fits`); with residual, y holds the residual stream the embedding and
+        // (or the logits) of rows * k and rows * n elements; rows <= MATVEC_ROWS, or
+        // <= TENSOR_ROWS in bf16 or f16 with every weight aligned and no norm
+        // (`decode_step_fits`, `Dims::of`); with residual, y holds the residual stream the embedding and
         // the projections before wrote.
         unsafe { launch.launch::<T>(device, stream, true) }
     };

@@ -5,20 +5,18 @@
 //! Three custom ops over (q, k, v): the forward op (tracked by candle's autograd, its `bwd`
 //! running the other two), the query-gradient op (which also keeps each row's
 //! `delta = rowsum(dO * O)`) and the key-and-value-gradient op. Each has a CUDA kernel
-//! (`cuda.rs`, source in `source.rs`) and a CPU implementation (`cpu.rs`). The values the ops
-//! read beside their three typed inputs (the output, its gradient, the log-sum-exps, the
-//! deltas) are tensors the ops hold.
+//! (`cuda.rs`, source in `causal_attention.cu`) and a CPU implementation (`cpu.rs`). The
+//! values the ops read beside their three typed inputs (the output, its gradient, the
+//! log-sum-exps, the deltas) are tensors the ops hold.
 
 mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
-#[cfg(feature = "cuda")]
-mod source;
 
-use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor};
+use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor};
 
 use super::saved::Saved;
+use crate::cpu::float_dispatch;
 use crate::{KernelError, check};
 
 const OP: &str = "causal_attention";
@@ -229,16 +227,6 @@ struct AttentionDkv {
     delta: Tensor,
 }
 
-/// The error of a dtype the ops do not take (the wrapper lets none through).
-fn unsupported(got: DType) -> candle_core::Error {
-    KernelError::UnsupportedDType {
-        op: OP,
-        input: "q",
-        got,
-    }
-    .into()
-}
-
 impl CustomOp3 for CausalAttention {
     fn name(&self) -> &'static str {
         OP
@@ -254,18 +242,9 @@ impl CustomOp3 for CausalAttention {
         vl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let d = self.dims;
-        let (out, lse) = match (q, k, v) {
-            (CpuStorage::F32(q), CpuStorage::F32(k), CpuStorage::F32(v)) => {
-                cpu::forward(d, q, ql, k, kl, v, vl)?
-            }
-            (CpuStorage::BF16(q), CpuStorage::BF16(k), CpuStorage::BF16(v)) => {
-                cpu::forward(d, q, ql, k, kl, v, vl)?
-            }
-            (CpuStorage::F16(q), CpuStorage::F16(k), CpuStorage::F16(v)) => {
-                cpu::forward(d, q, ql, k, kl, v, vl)?
-            }
-            _ => return Err(unsupported(q.dtype())),
-        };
+        let (out, lse) = float_dispatch!(OP, "q", (q, k, v), |q, k, v| {
+            cpu::forward(d, q, ql, k, kl, v, vl)
+        })?;
         let lse = Storage::Cpu(CpuStorage::F32(lse));
         self.lse.put(OP, lse, d.rows_shape())?;
         Ok((out, d.out_shape()))
@@ -336,18 +315,9 @@ impl CustomOp3 for AttentionDq {
         v: &CpuStorage,
         vl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (dq, delta) = match (q, k, v) {
-            (CpuStorage::F32(q), CpuStorage::F32(k), CpuStorage::F32(v)) => {
-                cpu::dq(self, q, ql, k, kl, v, vl)?
-            }
-            (CpuStorage::BF16(q), CpuStorage::BF16(k), CpuStorage::BF16(v)) => {
-                cpu::dq(self, q, ql, k, kl, v, vl)?
-            }
-            (CpuStorage::F16(q), CpuStorage::F16(k), CpuStorage::F16(v)) => {
-                cpu::dq(self, q, ql, k, kl, v, vl)?
-            }
-            _ => return Err(unsupported(q.dtype())),
-        };
+        let (dq, delta) = float_dispatch!(OP, "q", (q, k, v), |q, k, v| {
+            cpu::dq(self, q, ql, k, kl, v, vl)
+        })?;
         let delta = Storage::Cpu(CpuStorage::F32(delta));
         self.delta.put(OP, delta, self.dims.rows_shape())?;
         Ok((dq, self.dims.out_shape()))
@@ -381,18 +351,9 @@ impl CustomOp3 for AttentionDkv {
         v: &CpuStorage,
         vl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let dkv = match (q, k, v) {
-            (CpuStorage::F32(q), CpuStorage::F32(k), CpuStorage::F32(v)) => {
-                cpu::dkv(self, q, ql, k, kl, v, vl)?
-            }
-            (CpuStorage::BF16(q), CpuStorage::BF16(k), CpuStorage::BF16(v)) => {
-                cpu::dkv(self, q, ql, k, kl, v, vl)?
-            }
-            (CpuStorage::F16(q), CpuStorage::F16(k), CpuStorage::F16(v)) => {
-                cpu::dkv(self, q, ql, k, kl, v, vl)?
-            }
-            _ => return Err(unsupported(q.dtype())),
-        };
+        let dkv = float_dispatch!(OP, "q", (q, k, v), |q, k, v| {
+            cpu::dkv(self, q, ql, k, kl, v, vl)
+        })?;
         Ok((dkv, self.dims.dkv_shape()))
     }
 

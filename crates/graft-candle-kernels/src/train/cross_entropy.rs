@@ -12,6 +12,7 @@ use candle_core::{
 };
 
 use super::saved::Saved;
+use crate::cpu::float_dispatch;
 use crate::{KernelError, check};
 
 const OP: &str = "cross_entropy";
@@ -85,12 +86,9 @@ impl CustomOp2 for CrossEntropy {
             return Err(unsupported("targets", targets.dtype()));
         };
         let targets = check::cpu_slice(OP, "targets", targets, tl)?;
-        let rows = match logits {
-            CpuStorage::F32(l) => cpu_rows(l, ll, targets, self.vocab)?,
-            CpuStorage::BF16(l) => cpu_rows(l, ll, targets, self.vocab)?,
-            CpuStorage::F16(l) => cpu_rows(l, ll, targets, self.vocab)?,
-            other => return Err(unsupported("logits", other.dtype())),
-        };
+        let rows = float_dispatch!(OP, "logits", (logits), |l| {
+            cpu_rows(l, ll, targets, self.vocab)
+        })?;
         let mean = rows[..self.rows].iter().sum::<f32>() / self.rows as f32;
         self.saved.put(
             OP,
@@ -157,12 +155,9 @@ impl CustomOp3 for CrossEntropyBackward {
         let dloss = self.dloss.to_vec1::<f32>()?[0];
         let scale = dloss / self.rows as f32;
         let lse = &saved[self.rows..];
-        let out = match logits {
-            CpuStorage::F32(l) => cpu_backward(l, ll, targets, lse, self.vocab, scale)?,
-            CpuStorage::BF16(l) => cpu_backward(l, ll, targets, lse, self.vocab, scale)?,
-            CpuStorage::F16(l) => cpu_backward(l, ll, targets, lse, self.vocab, scale)?,
-            other => return Err(unsupported("logits", other.dtype())),
-        };
+        let out = float_dispatch!(OP, "logits", (logits), |l| {
+            cpu_backward(l, ll, targets, lse, self.vocab, scale)
+        })?;
         Ok((out, ll.shape().clone()))
     }
 

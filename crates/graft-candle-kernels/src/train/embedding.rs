@@ -10,6 +10,7 @@ mod cuda;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor, WithDType};
 
+use crate::cpu::float_dispatch;
 use crate::{KernelError, check};
 
 const OP: &str = "embedding";
@@ -62,12 +63,7 @@ impl CustomOp2 for Embedding {
         };
         let ids = check::cpu_slice(OP, "ids", ids, il)?;
         let (vocab, d) = tl.shape().dims2()?;
-        let out = match table {
-            CpuStorage::F32(t) => cpu_gather(t, tl, ids, vocab, d)?,
-            CpuStorage::BF16(t) => cpu_gather(t, tl, ids, vocab, d)?,
-            CpuStorage::F16(t) => cpu_gather(t, tl, ids, vocab, d)?,
-            other => return Err(dtype_error(other.dtype())),
-        };
+        let out = float_dispatch!(OP, "table", (table), |t| cpu_gather(t, tl, ids, vocab, d))?;
         Ok((out, self.shape.clone()))
     }
 
@@ -113,12 +109,10 @@ impl CustomOp2 for EmbeddingBackward {
             return Err(index_error(ids.dtype()));
         };
         let ids = check::cpu_slice(OP, "ids", ids, il)?;
-        let out = match dy {
-            CpuStorage::F32(g) => cpu_scatter(g, dl, ids, self.vocab, self.d)?,
-            CpuStorage::BF16(g) => cpu_scatter(g, dl, ids, self.vocab, self.d)?,
-            CpuStorage::F16(g) => cpu_scatter(g, dl, ids, self.vocab, self.d)?,
-            other => return Err(dtype_error(other.dtype())),
-        };
+        // The dtype error names the table, as the forward pass's does.
+        let out = float_dispatch!(OP, "table", (dy), |g| {
+            cpu_scatter(g, dl, ids, self.vocab, self.d)
+        })?;
         Ok((out, Shape::from((self.vocab, self.d))))
     }
 
@@ -139,15 +133,6 @@ fn index_error(got: DType) -> candle_core::Error {
     KernelError::IndexDType {
         op: OP,
         input: "ids",
-        got,
-    }
-    .into()
-}
-
-fn dtype_error(got: DType) -> candle_core::Error {
-    KernelError::UnsupportedDType {
-        op: OP,
-        input: "table",
         got,
     }
     .into()

@@ -8,10 +8,10 @@
 #[cfg(feature = "cuda")]
 mod cuda;
 
-use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor, WithDType};
 
-use crate::{KernelError, check};
+use crate::check;
+use crate::cpu::float_dispatch;
 
 const OP: &str = "rms_norm";
 
@@ -59,12 +59,7 @@ impl CustomOp2 for RmsNorm {
         w: &CpuStorage,
         wl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let out = match (x, w) {
-            (CpuStorage::F32(x), CpuStorage::F32(w)) => cpu_forward(x, xl, w, wl, self.eps)?,
-            (CpuStorage::BF16(x), CpuStorage::BF16(w)) => cpu_forward(x, xl, w, wl, self.eps)?,
-            (CpuStorage::F16(x), CpuStorage::F16(w)) => cpu_forward(x, xl, w, wl, self.eps)?,
-            _ => return Err(unsupported(x)),
-        };
+        let out = float_dispatch!(OP, "x", (x, w), |x, w| cpu_forward(x, xl, w, wl, self.eps))?;
         Ok((out, xl.shape().clone()))
     }
 
@@ -110,18 +105,9 @@ impl CustomOp3 for RmsNormBackward {
         dyl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let eps = self.eps;
-        let out = match (x, w, dy) {
-            (CpuStorage::F32(x), CpuStorage::F32(w), CpuStorage::F32(dy)) => {
-                cpu_backward(x, xl, w, wl, dy, dyl, eps)?
-            }
-            (CpuStorage::BF16(x), CpuStorage::BF16(w), CpuStorage::BF16(dy)) => {
-                cpu_backward(x, xl, w, wl, dy, dyl, eps)?
-            }
-            (CpuStorage::F16(x), CpuStorage::F16(w), CpuStorage::F16(dy)) => {
-                cpu_backward(x, xl, w, wl, dy, dyl, eps)?
-            }
-            _ => return Err(unsupported(x)),
-        };
+        let out = float_dispatch!(OP, "x", (x, w, dy), |x, w, dy| {
+            cpu_backward(x, xl, w, wl, dy, dyl, eps)
+        })?;
         let len = xl.shape().elem_count() + wl.shape().elem_count();
         Ok((out, Shape::from(len)))
     }
@@ -138,15 +124,6 @@ impl CustomOp3 for RmsNormBackward {
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         cuda::backward(self.eps, x, xl, w, wl, dy, dyl)
     }
-}
-
-fn unsupported(x: &CpuStorage) -> candle_core::Error {
-    KernelError::UnsupportedDType {
-        op: OP,
-        input: "x",
-        got: x.dtype(),
-    }
-    .into()
 }
 
 /// `1 / sqrt(mean(row²) + eps)` in f32.

@@ -5,10 +5,10 @@
 #[cfg(feature = "cuda")]
 mod cuda;
 
-use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor, WithDType};
 
-use crate::{KernelError, RopeStyle, check};
+use crate::cpu::float_dispatch;
+use crate::{RopeStyle, check};
 
 const OP: &str = "rotary";
 
@@ -114,25 +114,9 @@ impl CustomOp3 for Rotary {
     ) -> Result<(CpuStorage, Shape)> {
         let d = self.dims(xl);
         let (style, inverse) = (self.style, self.inverse);
-        let out = match (x, cos, sin) {
-            (CpuStorage::F32(x), CpuStorage::F32(c), CpuStorage::F32(s)) => {
-                cpu(x, xl, c, cl, s, sl, d, style, inverse)?
-            }
-            (CpuStorage::BF16(x), CpuStorage::BF16(c), CpuStorage::BF16(s)) => {
-                cpu(x, xl, c, cl, s, sl, d, style, inverse)?
-            }
-            (CpuStorage::F16(x), CpuStorage::F16(c), CpuStorage::F16(s)) => {
-                cpu(x, xl, c, cl, s, sl, d, style, inverse)?
-            }
-            _ => {
-                return Err(KernelError::UnsupportedDType {
-                    op: OP,
-                    input: "x",
-                    got: x.dtype(),
-                }
-                .into());
-            }
-        };
+        let out = float_dispatch!(OP, "x", (x, cos, sin), |x, c, s| {
+            cpu(x, xl, c, cl, s, sl, d, style, inverse)
+        })?;
         Ok((out, xl.shape().clone()))
     }
 

@@ -4,14 +4,12 @@
 #![allow(dead_code, unreachable_pub)]
 
 use candle_core::{D, DType, Device, Result, Tensor};
-use graft_candle_kernels::{
-    MATVEC_ROWS, QkNorm, RopeStyle, add_rms_norm, decode_attention, linear, linear_cat,
-    linear_swiglu, rope_store, swiglu,
-};
+use graft_candle_kernels::{QkNorm, RopeStyle, add_rms_norm, decode_attention, rope_store, swiglu};
 use proptest::prelude::*;
 
 mod argmax;
 mod causal;
+mod linear;
 mod moe;
 mod optim;
 mod sample;
@@ -19,6 +17,7 @@ mod step;
 mod train;
 pub use argmax::*;
 pub use causal::*;
+pub use linear::*;
 pub use moe::*;
 pub use optim::*;
 pub use sample::*;
@@ -345,119 +344,6 @@ pub fn check_swiglu(device: &Device, shape: &[usize], seed: u64, dtype: DType) -
     let want = (gate.to_dtype(DType::F32)?.silu()? * up.to_dtype(DType::F32)?)?.to_dtype(dtype)?;
     let (atol, rtol) = tolerance(dtype);
     assert_close("swiglu", &got, &want, (atol, rtol))
-}
-
-/// One projection case: the rows' shape (rows = its product), `k` columns, each weight's rows
-/// (1 to 3 weights), a bias or not, and a start offset of `x` and the weights inside bigger
-/// tensors (misaligning the 16-byte loads when odd).
-#[derive(Debug, Clone)]
-pub struct LinearCase {
-    pub lead: Vec<usize>,
-    pub k: usize,
-    pub ns: Vec<usize>,
-    pub bias: bool,
-    pub offset: usize,
-    pub seed: u64,
-}
-
-pub fn linear_cases() -> impl Strategy<Value = LinearCase> {
-    (
-        prop_oneof![
-            proptest::collection::vec(1usize..=3, 1..=2),
-            Just(vec![MATVEC_ROWS]),
-            Just(vec![MATVEC_ROWS + 1]),
-            Just(vec![2, 1, 4]),
-        ],
-        prop_oneof![1usize..=40, Just(64), Just(256), Just(1000), Just(2048)],
-        proptest::collection::vec(prop_oneof![1usize..=20, Just(64), Just(333)], 1..=3),
-        any::<bool>(),
-        prop_oneof![Just(0usize), Just(1), Just(8)],
-        any::<u64>(),
-    )
-        .prop_map(|(lead, k, ns, bias, offset, seed)| LinearCase {
-            lead,
-            k,
-            ns,
-            bias,
-            offset,
-            seed,
-        })
-}
-
-/// A `shape` tensor of values in `[-scale, scale)` at `offset` elements into a bigger one (so
-/// not 16-byte aligned when the offset is odd).
-fn offset_random(
-    seed: u64,
-    shape: &[usize],
-    offset: usize,
-    scale: f32,
-    dtype: DType,
-    device: &Device,
-) -> Result<Tensor> {
-    let n: usize = shape.iter().product();
-    random(seed, &[n + offset], scale, dtype, device)?
-        .narrow(0, offset, n)?
-        .reshape(shape)
-}
-
-/// `linear_cat` (and `linear` for one weight) and `linear_swiglu` of the case's first weight
-/// and a second of its shape, against f32 matmuls of the same inputs rounded once (the
-/// matrix-vector kernel up to MATVEC_ROWS rows, candle's matmul above).
-pub fn check_linear(device: &Device, c: &LinearCase, dtype: DType) -> Result<()> {
-    let rows: usize = c.lead.iter().product();
-    let mut shape = c.lead.clone();
-    shape.push(c.k);
-    // Scaled so that every output is of order 1.
-    let scale = 2.0 / (c.k as f32).sqrt();
-    let x = offset_random(c.seed, &shape, c.offset, scale, dtype, device)?;
-    let x2 = x.reshape((rows, c.k))?.to_dtype(DType::F32)?;
-    let mut parts = Vec::new();
-    for (i, &n) in c.ns.iter().enumerate() {
-        let seed = c.seed ^ (i as u64 + 1) << 8;
-        let w = offset_random(seed, &[n, c.k], c.offset, 1.0, dtype, device)?;
-        let b = random(seed ^ 1, &[n], 1.0, dtype, device)?;
-        parts.push((w, c.bias.then_some(b)));
-    }
-    let refs: Vec<(&Tensor, Option<&Tensor>)> =
-        parts.iter().map(|(w, b)| (w, b.as_ref())).collect();
-    let project = |w: &Tensor, b: Option<&Tensor>| -> Result<Tensor> {
-        let y = x2.matmul(&w.to_dtype(DType::F32)?.t()?)?;
-        match b {
-            Some(b) => y.broadcast_add(&b.to_dtype(DType::F32)?),
-            None => Ok(y),
-        }
-    };
-    let want = Tensor::cat(
-        &refs
-            .iter()
-            .map(|&(w, b)| project(w, b))
-            .collect::<Result<Vec<_>>>()?,
-        1,
-    )?;
-    let got = if refs.len() == 1 {
-        linear(&x, refs[0].0, refs[0].1)?
-    } else {
-        linear_cat(&x, &refs)?
-    };
-    let total: usize = c.ns.iter().sum();
-    let mut out = c.lead.clone();
-    out.push(total);
-    assert_eq!(got.dims(), out.as_slice());
-    // Sums of k products in another order (cuBLAS's, or the kernel's lanes), then one
-    // rounding.
-    let (atol, rtol) = tolerance(dtype);
-    let tol = (atol * 4.0, rtol * 4.0);
-    let want_d = want.to_dtype(dtype)?;
-    assert_close("linear", &got.reshape((rows, total))?, &want_d, tol)?;
-    // SwiGLU of the first weight (gate) and a second of its shape (up).
-    let gate = refs[0].0;
-    let up = offset_random(c.seed ^ 77, gate.dims(), c.offset, 1.0, dtype, device)?;
-    let want = (project(gate, None)?.silu()? * project(&up, None)?)?.to_dtype(dtype)?;
-    let got = linear_swiglu(&x, gate, &up)?;
-    out.pop();
-    out.push(c.ns[0]);
-    assert_eq!(got.dims(), out.as_slice());
-    assert_close("linear_swiglu", &got.reshape((rows, c.ns[0]))?, &want, tol)
 }
 
 /// One rope_store case.

@@ -18,7 +18,8 @@ pub struct StepCase {
     pub seed: u64,
 }
 
-/// Every shape the decoders use, at one and two rows.
+/// Every shape the decoders use, at one and two rows (every dtype) and at 8 and 16 (bf16 and
+/// f16 only: see [`step_dtypes`]).
 pub fn step_cases() -> Vec<StepCase> {
     let mut cases = Vec::new();
     for (i, (biases, qk_norm, style, window)) in [
@@ -29,7 +30,7 @@ pub fn step_cases() -> Vec<StepCase> {
     .into_iter()
     .enumerate()
     {
-        for batch in [1, 2] {
+        for batch in [1, 2, 8, 16] {
             cases.push(StepCase {
                 batch,
                 biases,
@@ -41,6 +42,14 @@ pub fn step_cases() -> Vec<StepCase> {
         }
     }
     cases
+}
+
+/// The dtypes `decode_step` takes `c`'s rows in (f32 up to `MATVEC_ROWS`).
+pub fn step_dtypes(c: &StepCase) -> Vec<DType> {
+    let all = [DType::F32, DType::BF16, DType::F16];
+    all.into_iter()
+        .filter(|&d| d != DType::F32 || c.batch <= graft_candle_kernels::MATVEC_ROWS)
+        .collect()
 }
 
 const HIDDEN: usize = 256;
@@ -145,7 +154,7 @@ pub fn check_step(device: &Device, c: &StepCase, dtype: DType) -> Result<()> {
         let tokens: Vec<u32> = (0..c.batch as u32)
             .map(|b| (step * 37 + b * 101) % VOCAB as u32)
             .collect();
-        let positions: Vec<u32> = (0..c.batch as u32).map(|b| step + 3 * b).collect();
+        let positions: Vec<u32> = (0..c.batch as u32).map(|b| step + 3 * b % 28).collect();
         let run = |m: &StepModel, caches: &[(Tensor, Tensor)], dev: &Device| -> Result<Tensor> {
             let tokens = Tensor::new(tokens.as_slice(), dev)?;
             let positions = Tensor::new(positions.as_slice(), dev)?;

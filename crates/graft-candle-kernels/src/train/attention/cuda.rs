@@ -1,6 +1,6 @@
-//! The causal attention launches (kernels in `source.rs`): 128 threads (4 warps) a block, static
-//! shared memory only (at most 44 KiB), every launch configuration from the shapes (and the
-//! device's multiprocessor count) alone, never from the data.
+//! The causal attention launches (kernels in `causal_attention.cu`): 128 threads (4 warps) a
+//! block, static shared memory only (at most 44 KiB), every launch configuration from the
+//! shapes (and the device's multiprocessor count) alone, never from the data.
 //!
 //! Each kernel has two configurations, R rows (or keys) a warp and so 4R a block: many rows
 //! (R = 4 at head dim 64; at 128, 4 for the forward pass and 2 for the backward kernels),
@@ -34,10 +34,17 @@ use candle_core::cuda_backend::cudarc::driver::{
 use candle_core::cuda_backend::{CudaDevice, CudaStorageSlice, Map3, WrapErr};
 use candle_core::{CudaStorage, DType, Layout, Result, Shape, Storage, WithDType};
 
-use super::source::KERNELS;
 use super::{AttentionDkv, AttentionDq, CausalAttention, Dims, OP};
 use crate::check;
-use crate::nvrtc::{Args, address, view};
+use crate::nvrtc::{Args, Kernels, address, view};
+
+/// The kernels' source (`causal_attention.cu`): the forward pass (online softmax over key
+/// tiles, the row log-sum-exps kept), the query gradient (with each row's `rowsum(dO * O)`)
+/// and the key and value gradients, over token-major q, k, v.
+static KERNELS: Kernels = Kernels::new(
+    "graft_kernels_causal_attention",
+    include_str!("causal_attention.cu"),
+);
 
 /// Warps of every block (the kernels' `GRAFT_CA_WARPS`).
 const WARPS: usize = 4;

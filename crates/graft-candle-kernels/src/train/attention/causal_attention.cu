@@ -1,12 +1,4 @@
-//! The causal attention kernels' CUDA C source (see `cuda.rs` for the launches): the forward
-//! pass (online softmax over key tiles, the row log-sum-exps kept), the query gradient (with
-//! each row's `rowsum(dO * O)`) and the key and value gradients, over token-major q, k, v.
 
-use crate::nvrtc::Kernels;
-
-pub(super) static KERNELS: Kernels = Kernels::new(
-    "graft_kernels_causal_attention",
-    r#"
 // Every kernel: 4 warps a block; keys (or query rows) in tiles of 32, one a lane.
 #define GRAFT_CA_WARPS 4
 
@@ -511,5 +503,3 @@ __device__ void graft_ca_dkv(const T* q, const T* k, const T* v, const T* dout,
     GRAFT_CA_BACKWARD(suffix, T, 128, 2)                                                     \
     GRAFT_CA_BACKWARD(suffix, T, 128, 1)
 GRAFT_FOR_DTYPES(GRAFT_CA)
-"#,
-);

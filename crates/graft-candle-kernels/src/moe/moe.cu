@@ -1,12 +1,4 @@
-//! The mixture-of-experts kernels' CUDA C source (see `cuda.rs` for what each does and how it
-//! is launched): the dot products, routing, the token-major and expert-major gate-and-up and
-//! down kernels, and the combine.
 
-use crate::nvrtc::Kernels;
-
-pub(super) static KERNELS: Kernels = Kernels::new(
-    "graft_kernels_moe",
-    r#"
 // 16-byte chunks of a weight row each lane loads before using any.
 #define GRAFT_MOE_U 4
 
@@ -375,5 +367,3 @@ __device__ void graft_moe_combine(const float* ys, T* y, unsigned int hidden, un
         graft_moe_combine<T>(ys, y, hidden, k, tokens);                                  \
     }
 GRAFT_FOR_DTYPES(GRAFT_MOE)
-"#,
-);

@@ -1,0 +1,81 @@
+
+template <typename T>
+__device__ void graft_rms_norm(const T* x, const T* w, T* y, unsigned int cols, float eps) {
+    __shared__ float scratch[32];
+    const unsigned long long row = (unsigned long long)blockIdx.x * cols;
+    float squares = 0.0f;
+    for (unsigned int i = threadIdx.x; i < cols; i += blockDim.x) {
+        const float v = graft_to_f32(x[row + i]);
+        squares += v * v;
+    }
+    const float r = 1.0f / sqrtf(graft_block_sum(squares, scratch) / (float)cols + eps);
+    for (unsigned int i = threadIdx.x; i < cols; i += blockDim.x) {
+        y[row + i] = graft_from_f32<T>(graft_to_f32(x[row + i]) * r * graft_to_f32(w[i]));
+    }
+}
+
+// dx into out (in T), each row's dy * x * r into shares (f32, [rows, cols]).
+template <typename T>
+__device__ void graft_rms_norm_backward(const T* x, const T* w, const T* dy, T* out,
+                                        float* shares, unsigned int cols, float eps) {
+    __shared__ float scratch[32];
+    const unsigned long long row = (unsigned long long)blockIdx.x * cols;
+    float squares = 0.0f;
+    float dot = 0.0f;
+    for (unsigned int i = threadIdx.x; i < cols; i += blockDim.x) {
+        const float v = graft_to_f32(x[row + i]);
+        squares += v * v;
+        dot += graft_to_f32(dy[row + i]) * graft_to_f32(w[i]) * v;
+    }
+    const float r = 1.0f / sqrtf(graft_block_sum(squares, scratch) / (float)cols + eps);
+    const float c = r * r * r * graft_block_sum(dot, scratch) / (float)cols;
+    for (unsigned int i = threadIdx.x; i < cols; i += blockDim.x) {
+        const float v = graft_to_f32(x[row + i]);
+        const float g = graft_to_f32(dy[row + i]);
+        out[row + i] = graft_from_f32<T>(r * g * graft_to_f32(w[i]) - v * c);
+        shares[row + i] = g * v * r;
+    }
+}
+
+// out[c] = sum over rows of shares[row, c], rows in a fixed order: a block of 32 warps per 32
+// columns, warp k taking rows k, k + 32, ..., then the 32 warp sums added in order.
+template <typename T>
+__device__ void graft_column_sum(const float* shares, T* out, unsigned int rows,
+                                 unsigned int cols) {
+    __shared__ float sums[32][32];
+    const unsigned int lane = threadIdx.x & 31u;
+    const unsigned int warp = threadIdx.x >> 5;
+    const unsigned int col = blockIdx.x * 32u + lane;
+    float s = 0.0f;
+    if (col < cols) {
+        for (unsigned int r = warp; r < rows; r += 32u) {
+            s += shares[(unsigned long long)r * cols + col];
+        }
+    }
+    sums[warp][lane] = s;
+    __syncthreads();
+    if (warp == 0 && col < cols) {
+        float t = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 32; ++k) {
+            t += sums[k][lane];
+        }
+        out[col] = graft_from_f32<T>(t);
+    }
+}
+
+#define GRAFT_RMS_NORM(suffix, T)                                                            \
+    extern "C" __global__ void graft_rms_norm_##suffix(                                      \
+        const T* x, const T* w, T* y, unsigned int cols, float eps) {                        \
+        graft_rms_norm<T>(x, w, y, cols, eps);                                               \
+    }                                                                                        \
+    extern "C" __global__ void graft_rms_norm_backward_##suffix(                             \
+        const T* x, const T* w, const T* dy, T* out, float* shares, unsigned int cols,       \
+        float eps) {                                                                         \
+        graft_rms_norm_backward<T>(x, w, dy, out, shares, cols, eps);                        \
+    }                                                                                        \
+    extern "C" __global__ void graft_column_sum_##suffix(                                    \
+        const float* shares, T* out, unsigned int rows, unsigned int cols) {                 \
+        graft_column_sum<T>(shares, out, rows, cols);                                        \
+    }
+GRAFT_FOR_DTYPES(GRAFT_RMS_NORM)
