@@ -43,6 +43,7 @@ pub mod llama;
 pub mod mistral;
 pub mod mixtral;
 mod moe;
+pub mod paged;
 mod prefill;
 mod proj;
 pub mod quantized_llama;
@@ -57,6 +58,7 @@ mod sequence;
 pub mod serve;
 mod shard;
 mod spec;
+pub mod speculate;
 
 pub use cache::KvCache;
 pub use decoder::Decoder;

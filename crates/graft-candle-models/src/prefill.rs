@@ -85,32 +85,45 @@ impl Decoder {
 
     /// The prefill itself (no host-side checks): capturable. `meta` starts with the row and
     /// the number of real tokens (u32). Returns the last real token's logits (`[1, vocab]`
-    /// f32). With the fused attention the chunk is a batch of tokens of one cache row, each
-    /// at its own position (padding in the scratch row), through the decode step's kernels.
+    /// f32).
     fn prefill_logits(&self, cache: &KvCache, tokens: &Tensor, meta: &Tensor) -> Result<Tensor> {
-        let chunk = tokens.dims1()?;
-        let plan = cache.prefill_plan(meta, chunk)?;
-        let h = if self.fused_attention {
-            // [chunk, 1, hidden]: the decode step's shape, one token per "sequence".
-            let x = self.embed.index_select(tokens, 0)?.unsqueeze(1)?;
-            let at = Slots {
-                positions: &plan.positions,
-                rows: Some(&plan.rows),
-                mask: None,
-            };
-            self.blocks_at(x, &at, |i| cache.layer_all(i))?
-                .index_select(&plan.last, 0)?
-        } else {
-            self.prefill_unfused(cache, tokens, &plan)?
-        };
-        let logits = self.lm_head.decode(&h)?.squeeze(1)?.to_dtype(DType::F32)?;
+        let plan = cache.prefill_plan(meta, tokens.dims1()?)?;
+        let h = self.prefill_hidden(cache, tokens, &plan)?;
+        let logits = self
+            .lm_head
+            .decode(&h.index_select(&plan.last, 0)?)?
+            .squeeze(1)?
+            .to_dtype(DType::F32)?;
         cache.step_row(&plan, &meta.narrow(0, 1, 1)?)?;
         Ok(logits)
     }
 
+    /// A chunk's blocks (no host-side checks: capturable): writes its keys and values as
+    /// `plan` says and returns every position's final norm, `[chunk, 1, hidden]`. With the
+    /// fused attention the chunk is a batch of tokens of one cache row, each at its own
+    /// position (padding in the scratch row), through the decode step's kernels.
+    pub(crate) fn prefill_hidden(
+        &self,
+        cache: &KvCache,
+        tokens: &Tensor,
+        plan: &PrefillPlan,
+    ) -> Result<Tensor> {
+        if !self.fused_attention {
+            return self.prefill_unfused(cache, tokens, plan);
+        }
+        // [chunk, 1, hidden]: the decode step's shape, one token per "sequence".
+        let x = self.embed.index_select(tokens, 0)?.unsqueeze(1)?;
+        let at = Slots {
+            positions: &plan.positions,
+            rows: Some(&plan.rows),
+            mask: None,
+        };
+        self.blocks_at(x, &at, |i| cache.layer_all(i))
+    }
+
     /// The prefill's blocks for heads the fused attention does not take: the chunk as one
     /// sequence, its keys and values scattered into the cache, attention over the whole row
-    /// masked. Returns the last real token's final norm (`[1, 1, hidden]`).
+    /// masked. Returns every position's final norm (`[chunk, 1, hidden]`).
     fn prefill_unfused(
         &self,
         cache: &KvCache,
@@ -134,8 +147,8 @@ impl Decoder {
             let o = attend_chunk(&q, &k_row, &v_row, &mask, s)?;
             (x, h) = b.finish(&x, &o, self.norm_after(i), s, self.shard.as_ref())?;
         }
-        // `h` is the final norm of every position: the last real one's.
-        h.index_select(&plan.last, 1)
+        // `h` is the final norm of every position, `[1, chunk, hidden]`.
+        h.transpose(0, 1)
     }
 }
 

@@ -79,3 +79,17 @@ fn a_prefill_writes_what_decoding_the_prompt_writes() -> serve::TestResult {
     }
     Ok(())
 }
+
+/// Greedy speculative decoding (verify passes over the last token and k drafts) gives plain
+/// greedy decoding's tokens, with every draft accepted, none, or prompt lookup's.
+#[test]
+fn speculative_greedy_decoding_gives_plain_greedy_tokens() -> serve::TestResult {
+    for window in [None, Some(8)] {
+        let dir = tempfile::tempdir()?;
+        let model = serve::model(window, &Device::Cpu, dir.path())?;
+        serve::speculation_equals_plain_greedy(&model, None)?;
+        let mut graft = graft_candle::CandleGraft::new(&Device::Cpu)?;
+        serve::speculation_equals_plain_greedy(&model, Some(&mut graft))?;
+    }
+    Ok(())
+}

@@ -105,3 +105,19 @@ fn the_memory_plan_at_near_full_memory_records_first_and_gives_the_cache_the_res
     drop(ballast);
     Ok(())
 }
+
+/// Greedy speculative decoding graphed: every verify pass (one recording per draft count)
+/// replays, and the tokens equal plain greedy decoding's (f32).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn speculative_greedy_decoding_replays_and_gives_plain_greedy_tokens() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let model = serve::model(None, &gpu(), dir.path())?;
+    let mut graft = CandleGraft::new(&gpu())?;
+    serve::speculation_equals_plain_greedy(&model, Some(&mut graft))?;
+    let g = graft.graft().ok_or("graft-candle runs graphed on a GPU")?;
+    let stats = g.stats();
+    assert_eq!(stats.eager_runs, 0, "{stats:?}\n{:?}", g.guard_findings());
+    assert!(stats.replays > 0, "{stats:?}");
+    Ok(())
+}

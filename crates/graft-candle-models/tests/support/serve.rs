@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use candle_core::{DType, Device};
+use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use candle_transformers::models as ct;
 use graft_candle::{Buckets, CandleGraft};
@@ -247,6 +247,82 @@ pub(crate) fn bad_requests_are_refused_and_nothing_else_changes(model: &Decoder)
     let out = run(&mut engine, &all)?;
     for (_, r) in &all {
         assert_eq!(out[&r.id], alone(model, r)?, "request {}", r.id);
+    }
+    Ok(())
+}
+
+/// Greedy speculative decoding gives plain greedy decoding's tokens, whatever the drafts: an
+/// oracle's (plain greedy's own tokens: every draft accepted), wrong ones (none accepted) and
+/// prompt lookup's. The prompt's keys and values are written token by token in both caches.
+/// With `graft`, every verify pass goes through it (`Decoder::verify_greedy`).
+pub(crate) fn speculation_equals_plain_greedy(
+    model: &Decoder,
+    mut graft: Option<&mut CandleGraft>,
+) -> TestResult {
+    use graft_candle_models::speculate::prompt_lookup;
+    let dev = model.device().clone();
+    let argmax = |logits: Tensor| -> Result<u32, Box<dyn std::error::Error>> {
+        Ok(logits.argmax(candle_core::D::Minus1)?.to_vec1::<u32>()?[0])
+    };
+    // A prompt that repeats itself, so that prompt lookup finds n-grams.
+    let prompt: Vec<u32> = (0..14u32)
+        .map(|i| [5, 17, 99, 3][i as usize % 4] + i / 8)
+        .collect();
+    let (n, k) = (24, 4);
+    let plain = model.new_serving_cache(1, MAX_SEQ)?;
+    let mut logits = None;
+    for &t in &prompt {
+        logits = Some(model.forward(&plain, &Tensor::new(&[t], &dev)?)?);
+    }
+    let mut want = vec![argmax(logits.ok_or("no prompt")?)?];
+    while want.len() < n + k {
+        let last = *want.last().ok_or("no token")?;
+        want.push(argmax(
+            model.forward(&plain, &Tensor::new(&[last], &dev)?)?,
+        )?);
+    }
+    let step = graft.as_deref_mut().map(|g| g.register("verify"));
+    for drafter in ["oracle", "wrong", "prompt lookup"] {
+        let cache = model.new_serving_cache(1, MAX_SEQ)?;
+        for &t in &prompt[..prompt.len() - 1] {
+            model.forward(&cache, &Tensor::new(&[t], &dev)?)?;
+        }
+        let mut history = prompt.clone();
+        let mut got: Vec<u32> = Vec::new();
+        while got.len() < n {
+            let drafts: Vec<u32> = match drafter {
+                "oracle" => want[got.len()..got.len() + k].to_vec(),
+                "wrong" => want[got.len()..got.len() + k]
+                    .iter()
+                    .map(|t| t ^ 1)
+                    .collect(),
+                _ => prompt_lookup(&history, 3, k),
+            };
+            let mut tokens = vec![*history.last().ok_or("no history")?];
+            tokens.extend(&drafts);
+            let tokens = Tensor::new(tokens.as_slice(), &dev)?;
+            let v = match (graft.as_deref_mut(), step) {
+                (Some(g), Some(step)) => model.verify_greedy(g, step, &cache, 0, &tokens)?,
+                _ => model.verify_greedy_forward(&cache, 0, &tokens)?,
+            };
+            match drafter {
+                "oracle" => assert_eq!(v.accepted, k, "the oracle's drafts are plain greedy's"),
+                "wrong" => assert_eq!(v.accepted, 0, "no wrong draft is accepted"),
+                _ => {}
+            }
+            got.extend(v.tokens());
+            history.extend(v.tokens());
+            assert_eq!(
+                cache.positions()[0] as usize,
+                history.len() - 1,
+                "{drafter}: the position follows the accepted tokens"
+            );
+        }
+        assert_eq!(
+            got[..n],
+            want[..n],
+            "{drafter}: speculative against plain greedy"
+        );
     }
     Ok(())
 }
