@@ -175,6 +175,90 @@ pub fn prompt_lookup(history: &[u32], max_ngram: usize, k: usize) -> Vec<u32> {
     Vec::new()
 }
 
+/// How many drafts to verify next, chosen from the acceptance seen so far: the k that
+/// maximizes the tokens a pass gives over what it costs, (1 - a^(k+1)) / ((1 - a) cost(k)),
+/// with a the estimated chance that a draft is accepted and cost(k) a pass of k drafts
+/// against a plain decode step. k = 0 is plain decoding: speculation switches off when
+/// acceptance falls so low that no k pays, and a single draft is tried again every
+/// `probe_every` passes so that it switches back on when drafts start to match.
+#[derive(Debug, Clone)]
+pub struct AdaptiveDraft {
+    /// cost(k) for k = 0..=max_k (cost(0) = 1).
+    costs: Vec<f64>,
+    /// Decayed counts of drafts accepted and drafts tried (tried until the first rejection).
+    accepted: f64,
+    tried: f64,
+    decay: f64,
+    probe_every: u32,
+    /// Passes since the last one with drafts.
+    plain: u32,
+}
+
+impl AdaptiveDraft {
+    /// A chooser of k in `0..costs.len()`, `costs[k]` a pass of k drafts against a plain step
+    /// (`costs[0]` is taken as 1), starting from `prior` as the acceptance (0 to 1); `decay`
+    /// (0 to 1) weighs older passes down, and a draft is probed every `probe_every` plain
+    /// passes.
+    pub fn new(costs: Vec<f64>, prior: f64, decay: f64, probe_every: u32) -> Self {
+        let mut costs = costs;
+        if let Some(c) = costs.first_mut() {
+            *c = 1.0;
+        }
+        // The prior as one pass's worth of evidence.
+        let prior = prior.clamp(0.0, 1.0);
+        AdaptiveDraft {
+            costs,
+            accepted: prior,
+            tried: 1.0,
+            decay: decay.clamp(0.0, 1.0),
+            probe_every: probe_every.max(1),
+            plain: 0,
+        }
+    }
+
+    /// The estimated chance that a draft is accepted.
+    pub fn acceptance(&self) -> f64 {
+        if self.tried > 0.0 {
+            self.accepted / self.tried
+        } else {
+            0.0
+        }
+    }
+
+    /// The number of drafts to verify next.
+    pub fn next_k(&self) -> usize {
+        let a = self.acceptance().min(1.0 - 1e-9);
+        let best = (0..self.costs.len())
+            .map(|k| {
+                let tokens = (1.0 - a.powi(k as i32 + 1)) / (1.0 - a);
+                (k, tokens / self.costs[k].max(f64::MIN_POSITIVE))
+            })
+            .fold(
+                (0, 1.0),
+                |best, (k, value)| if value > best.1 { (k, value) } else { best },
+            );
+        if best.0 == 0 && self.plain + 1 >= self.probe_every && self.costs.len() > 1 {
+            1
+        } else {
+            best.0
+        }
+    }
+
+    /// Records a pass of `k` drafts of which `accepted` were accepted.
+    pub fn observe(&mut self, k: usize, accepted: usize) {
+        if k == 0 {
+            self.plain += 1;
+            return;
+        }
+        self.plain = 0;
+        let accepted = accepted.min(k);
+        // Drafts are tried in order until the first rejection.
+        let tried = accepted + usize::from(accepted < k);
+        self.accepted = self.accepted * self.decay + accepted as f64;
+        self.tried = self.tried * self.decay + tried as f64;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -204,5 +288,47 @@ mod tests {
             assert_eq!(leading_ones(&t)?.to_vec1::<u32>()?, [want], "{flags:?}");
         }
         Ok(())
+    }
+
+    #[test]
+    fn adaptive_draft_switches_off_when_drafts_miss_and_back_on_when_they_match() {
+        // A pass of k drafts costs 1 + 0.1 k plain steps.
+        let costs: Vec<f64> = (0..=4).map(|k| 1.0 + 0.1 * k as f64).collect();
+        let mut d = AdaptiveDraft::new(costs, 0.5, 0.8, 8);
+        assert!(d.next_k() > 0, "a prior of 0.5 pays for drafts");
+        // Every draft rejected: k falls to 0 within a few passes.
+        for _ in 0..10 {
+            let k = d.next_k();
+            d.observe(k, 0);
+        }
+        assert!(d.acceptance() < 0.1, "acceptance {}", d.acceptance());
+        // Plain passes (speculation off), and a probe of one draft every 8th.
+        let ks: Vec<usize> = (0..16)
+            .map(|_| {
+                let k = d.next_k();
+                d.observe(k, 0);
+                k
+            })
+            .collect();
+        assert_eq!(ks.iter().filter(|&&k| k == 0).count(), 14, "{ks:?}");
+        assert_eq!(ks.iter().filter(|&&k| k == 1).count(), 2, "{ks:?}");
+        // Every draft accepted: back to the most drafts.
+        for _ in 0..40 {
+            let k = d.next_k();
+            d.observe(k, k);
+        }
+        assert_eq!(d.next_k(), 4, "acceptance {}", d.acceptance());
+    }
+
+    #[test]
+    fn adaptive_draft_picks_the_best_of_the_ideal_speedups() {
+        // At acceptance 0.6 and a cost of 1 + 0.3 k, k = 1 gives 1.6 / 1.3 = 1.23, k = 2
+        // gives 1.96 / 1.6 = 1.225, k = 3 gives 2.18 / 1.9 = 1.14: k = 1.
+        let costs: Vec<f64> = (0..=3).map(|k| 1.0 + 0.3 * k as f64).collect();
+        let d = AdaptiveDraft::new(costs, 0.6, 0.9, 8);
+        assert_eq!(d.next_k(), 1);
+        // Free drafts (prompt lookup, a cost flat in k): always the most.
+        let d = AdaptiveDraft::new(vec![1.0; 5], 0.2, 0.9, 8);
+        assert_eq!(d.next_k(), 4);
     }
 }
