@@ -1,37 +1,45 @@
-//! Speculative decoding, greedy: a drafter proposes the next tokens of a sequence
+//! Speculative decoding with drafts that are a guess, not a distribution (prompt lookup, an
+//! n-gram table, a user's hint): a drafter proposes the next tokens of a sequence
 //! ([`prompt_lookup`]: the tokens that followed the latest earlier occurrence of its last
 //! n-gram), and one verify pass of the model over the last token and the drafts
-//! ([`Decoder::verify_greedy_forward`]) writes their keys and values, picks the model's token
-//! after each, and keeps the longest prefix of drafts the model agrees with, plus the model's
-//! own next token: from 1 to k + 1 tokens for one pass. The acceptance and the rollback (the
-//! sequence's position advanced by the accepted count only, so the rejected drafts' keys and
-//! values are masked and overwritten later) happen on the device, inside the one recording of
-//! [`Decoder::verify_greedy`] per draft count; the host reads the tokens after it.
+//! ([`Decoder::verify`], or [`Decoder::verify_forward`] eagerly) writes their keys and values,
+//! picks the model's token after each with the request's sampling, and keeps the longest
+//! prefix of drafts equal to the picks, plus the model's own next pick: from 1 to k + 1 tokens
+//! for one pass. The picks, the acceptance and the rollback (the sequence's position advanced
+//! by the accepted count only, so the rejected drafts' keys and values are masked and
+//! overwritten later) happen on the device, inside the one recording per draft count; the
+//! host reads the tokens after it. [`AdaptiveDraft`] picks each pass's draft count.
 //!
-//! Greedy output equals plain greedy decoding's wherever the verify pass's logits pick the
-//! same tokens as the decode step's: the pass runs the prefill's kernels over k + 1 rows, the
-//! decode step those of one row, so at a near tie in the logits the two may part (see the
-//! batch-invariance decision in docs/architecture.md).
+//! Lossless: a draft that is a single token d is accepted with the target's probability p(d)
+//! when the pass draws the position's token from p and compares (the standard rejection rule
+//! for a draft distribution concentrated on d); on a rejection the drawn token is p's draw
+//! conditioned on not being d, the rule's residual. So the output's distribution is the
+//! model's, greedy or sampled, and each position draws with the index plain decoding would
+//! give that token (the request's count of tokens so far): where the pass's logits equal the
+//! decode step's, speculative and plain decoding emit the same tokens, seed for seed. The pass
+//! runs the prefill's kernels over k + 1 rows and the decode step those of one row, so the
+//! logits agree to the dtype's rounding, not always bit for bit (see the batch-invariance
+//! decision in docs/architecture.md).
 
-use candle_core::{D, DType, Result, Tensor};
-
+use candle_core::{Result, Tensor};
 use graft_candle::{CandleGraft, Error, StepId};
+use graft_candle_kernels::{SAMPLE_WORDS, SampleParams, sample_rows};
 
 use super::cache::KvCache;
 use super::decoder::Decoder;
 
-/// What one verify pass gives: the model's token after each position (`[k + 1]` u32) and how
+/// What one verify pass gives: the model's pick after each position (`[k + 1]` u32) and how
 /// many drafts it accepted.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Verified {
-    /// The model's greedy token after the last token and after each draft.
+    /// The model's pick after the last token and after each draft.
     pub targets: Vec<u32>,
-    /// Leading drafts equal to the model's tokens (0 to k).
+    /// Leading drafts equal to the model's picks (0 to k).
     pub accepted: usize,
 }
 
 impl Verified {
-    /// The tokens the pass decoded: the accepted drafts, then the model's next token.
+    /// The tokens the pass decoded: the accepted drafts, then the model's next pick.
     pub fn tokens(&self) -> &[u32] {
         &self.targets[..=self.accepted]
     }
@@ -41,25 +49,22 @@ impl Decoder {
     /// One verify pass of sequence `row` of a serving cache: `tokens` (`[k + 1]` u32) holds the
     /// sequence's last token (the one at its position, not yet in the cache) and k drafts of
     /// the tokens after it. Writes the keys and values of all k + 1 at the sequence's next
-    /// positions, takes the model's greedy token after each, accepts the longest prefix of
-    /// drafts equal to them, and advances the sequence's position by the accepted drafts plus
-    /// one (on the device; the cache's host copy after reading the count): the next pass starts
-    /// from [`Verified::tokens`]' last. Needs room for k + 1 positions.
-    pub fn verify_greedy_forward(
+    /// positions, picks the model's token after each by `sampling` (`sampling.index`: the
+    /// request's count of tokens so far, the draw index of the first pick; the i-th pick draws
+    /// with index + i), accepts the longest prefix of drafts equal to the picks, and advances
+    /// the sequence's position by the accepted drafts plus one (on the device; the cache's
+    /// host copy after reading the count): the next pass starts from [`Verified::tokens`]'
+    /// last. Needs room for k + 1 positions.
+    pub fn verify_forward(
         &self,
         cache: &KvCache,
         row: usize,
         tokens: &Tensor,
+        sampling: SampleParams,
     ) -> Result<Verified> {
         let n = tokens.dims1()?;
-        if n == 0 {
-            candle_core::bail!(
-                "verify_greedy_forward: no tokens; pass the sequence's last token and its drafts"
-            );
-        }
-        cache.check_prefill(row, n, n)?;
-        let meta = Tensor::new(&[row as u32, n as u32], self.device())?;
-        let (targets, accepted) = self.verify_greedy_next(cache, tokens, &meta)?;
+        let inputs = self.verify_inputs(cache, row, n, sampling)?;
+        let (targets, accepted) = self.verify_next(cache, tokens, &inputs[0], &inputs[1])?;
         let accepted = accepted.to_vec1::<u32>()?[0] as usize;
         cache.advance_row(row, accepted + 1);
         Ok(Verified {
@@ -68,36 +73,32 @@ impl Decoder {
         })
     }
 
-    /// [`Decoder::verify_greedy_forward`] under graft: `tokens` and `[row, k + 1]` (u32) are the
-    /// step's inputs, the weights and `cache` its statics, `[k + 1, key]` its keys: one
-    /// recording per draft count serves every sequence, position and acceptance. The host
-    /// reads the pass's tokens and count after the replay (and advances the cache's host copy
-    /// of the position by them).
-    pub fn verify_greedy(
+    /// [`Decoder::verify_forward`] under graft: `tokens`, `[row, k + 1]` (u32) and each pick's
+    /// sampling words are the step's inputs, the weights and `cache` its statics, `[k + 1,
+    /// key]` its keys: one recording per draft count serves every sequence, position,
+    /// sampling and acceptance. The host reads the pass's tokens and count after the replay
+    /// (and advances the cache's host copy of the position by them).
+    pub fn verify(
         &self,
         graft: &mut CandleGraft,
         step: StepId,
         cache: &KvCache,
         row: usize,
         tokens: &Tensor,
+        sampling: SampleParams,
     ) -> std::result::Result<Verified, Error> {
         let model = |source| Error::Model { source };
         let n = tokens.dims1().map_err(model)?;
-        if n == 0 {
-            return Err(model(candle_core::Error::Msg(
-                "verify_greedy: no tokens; pass the sequence's last token and its drafts".into(),
-            )));
-        }
-        cache.check_prefill(row, n, n).map_err(model)?;
-        let meta = Tensor::new(&[row as u32, n as u32], self.device()).map_err(model)?;
+        let [meta, words] = self.verify_inputs(cache, row, n, sampling).map_err(model)?;
         let statics = self.statics(cache);
         let out = graft.call(
             step,
-            &[tokens, &meta],
+            &[tokens, &meta, &words],
             &statics,
             &[n as u64, self.key()],
             |inputs| {
-                let (targets, accepted) = self.verify_greedy_next(cache, &inputs[0], &inputs[1])?;
+                let (targets, accepted) =
+                    self.verify_next(cache, &inputs[0], &inputs[1], &inputs[2])?;
                 Ok(vec![targets, accepted])
             },
         )?;
@@ -110,30 +111,58 @@ impl Decoder {
         })
     }
 
-    /// The verify pass itself (no host read: capturable): the model's token after each of
-    /// `tokens` (`[k + 1]` u32) and the accepted count (`[1]` u32), the row's position advanced
-    /// by it plus one. `meta` is `[row, k + 1]` u32.
-    fn verify_greedy_next(
+    /// A pass's host-side checks and its inputs besides the tokens: `[row, n]` (u32) and each
+    /// pick's sampling words (`[n, SAMPLE_WORDS]` u32, draw indices from `sampling.index`).
+    fn verify_inputs(
+        &self,
+        cache: &KvCache,
+        row: usize,
+        n: usize,
+        sampling: SampleParams,
+    ) -> Result<[Tensor; 2]> {
+        if n == 0 {
+            candle_core::bail!("verify: no tokens; pass the sequence's last token and its drafts");
+        }
+        cache.check_prefill(row, n, n)?;
+        let meta = Tensor::new(&[row as u32, n as u32], self.device())?;
+        let words: Vec<u32> = (0..n as u32)
+            .flat_map(|i| {
+                SampleParams {
+                    index: sampling.index.wrapping_add(i),
+                    ..sampling
+                }
+                .words()
+            })
+            .collect();
+        let words = Tensor::from_vec(words, (n, SAMPLE_WORDS), self.device())?;
+        Ok([meta, words])
+    }
+
+    /// The verify pass itself (no host read, nothing uploaded: capturable): the model's pick
+    /// after each of `tokens` (`[k + 1]` u32) by its row of `words`, and the accepted count
+    /// (`[1]` u32), the row's position advanced by it plus one. `meta` is `[row, k + 1]` u32.
+    fn verify_next(
         &self,
         cache: &KvCache,
         tokens: &Tensor,
         meta: &Tensor,
+        words: &Tensor,
     ) -> Result<(Tensor, Tensor)> {
         let n = tokens.dims1()?;
         let plan = cache.prefill_plan(meta, n)?;
         let h = self.prefill_hidden(cache, tokens, &plan)?;
-        let targets = self
+        let logits = self
             .lm_head
             .decode(&h)?
             .squeeze(1)?
-            .to_dtype(DType::F32)?
-            .argmax(D::Minus1)?;
+            .to_dtype(candle_core::DType::F32)?;
+        let targets = sample_rows(&logits, words)?;
         // Draft i (tokens[i + 1]) is accepted when it and every draft before it equal the
-        // model's token after the position before it: the count of leading ones.
+        // model's pick after the position before it: the count of leading ones.
         let agree = tokens
             .narrow(0, 1, n - 1)?
             .eq(&targets.narrow(0, 0, n - 1)?)?
-            .to_dtype(DType::U32)?;
+            .to_dtype(candle_core::DType::U32)?;
         let accepted = leading_ones(&agree)?;
         cache.step_row(&plan, &(&accepted + 1.0)?)?;
         Ok((targets, accepted))
@@ -146,7 +175,7 @@ impl Decoder {
 fn leading_ones(flags: &Tensor) -> Result<Tensor> {
     let k = flags.dim(0)?;
     if k == 0 {
-        return Tensor::zeros(1, DType::U32, flags.device());
+        return Tensor::zeros(1, candle_core::DType::U32, flags.device());
     }
     let mut run = flags.narrow(0, 0, 1)?;
     let mut count = run.clone();

@@ -80,16 +80,26 @@ fn a_prefill_writes_what_decoding_the_prompt_writes() -> serve::TestResult {
     Ok(())
 }
 
-/// Greedy speculative decoding (verify passes over the last token and k drafts) gives plain
-/// greedy decoding's tokens, with every draft accepted, none, or prompt lookup's.
+/// Speculative decoding (verify passes over the last token and k drafts) gives plain decoding's
+/// tokens, greedy and sampled with the same seed, with every draft accepted, none, or prompt
+/// lookup's; eagerly and through graft.
 #[test]
-fn speculative_greedy_decoding_gives_plain_greedy_tokens() -> serve::TestResult {
+fn speculative_decoding_gives_plain_decoding_tokens() -> serve::TestResult {
+    let sampled = SampleParams {
+        temperature: 0.9,
+        top_k: 40,
+        top_p: 0.95,
+        seed: 1234,
+        index: 0,
+    };
     for window in [None, Some(8)] {
         let dir = tempfile::tempdir()?;
         let model = serve::model(window, &Device::Cpu, dir.path())?;
-        serve::speculation_equals_plain_greedy(&model, None)?;
-        let mut graft = graft_candle::CandleGraft::new(&Device::Cpu)?;
-        serve::speculation_equals_plain_greedy(&model, Some(&mut graft))?;
+        for sampling in [SampleParams::GREEDY, sampled] {
+            serve::speculation_equals_plain_decoding(&model, None, sampling)?;
+            let mut graft = graft_candle::CandleGraft::new(&Device::Cpu)?;
+            serve::speculation_equals_plain_decoding(&model, Some(&mut graft), sampling)?;
+        }
     }
     Ok(())
 }

@@ -106,18 +106,27 @@ fn the_memory_plan_at_near_full_memory_records_first_and_gives_the_cache_the_res
     Ok(())
 }
 
-/// Greedy speculative decoding graphed: every verify pass (one recording per draft count)
-/// replays, and the tokens equal plain greedy decoding's (f32).
+/// Speculative decoding graphed: every verify pass (one recording per draft count) replays,
+/// and the tokens equal plain decoding's, greedy and sampled (f32).
 #[test]
 #[ignore = "needs a CUDA GPU"]
-fn speculative_greedy_decoding_replays_and_gives_plain_greedy_tokens() -> TestResult {
+fn speculative_decoding_replays_and_gives_plain_decoding_tokens() -> TestResult {
     let dir = tempfile::tempdir()?;
     let model = serve::model(None, &gpu(), dir.path())?;
-    let mut graft = CandleGraft::new(&gpu())?;
-    serve::speculation_equals_plain_greedy(&model, Some(&mut graft))?;
-    let g = graft.graft().ok_or("graft-candle runs graphed on a GPU")?;
-    let stats = g.stats();
-    assert_eq!(stats.eager_runs, 0, "{stats:?}\n{:?}", g.guard_findings());
-    assert!(stats.replays > 0, "{stats:?}");
+    let sampled = engine::SampleParams {
+        temperature: 0.9,
+        top_k: 40,
+        top_p: 0.95,
+        seed: 1234,
+        index: 0,
+    };
+    for sampling in [engine::SampleParams::GREEDY, sampled] {
+        let mut graft = CandleGraft::new(&gpu())?;
+        serve::speculation_equals_plain_decoding(&model, Some(&mut graft), sampling)?;
+        let g = graft.graft().ok_or("graft-candle runs graphed on a GPU")?;
+        let stats = g.stats();
+        assert_eq!(stats.eager_runs, 0, "{stats:?}\n{:?}", g.guard_findings());
+        assert!(stats.replays > 0, "{stats:?}");
+    }
     Ok(())
 }

@@ -251,18 +251,28 @@ pub(crate) fn bad_requests_are_refused_and_nothing_else_changes(model: &Decoder)
     Ok(())
 }
 
-/// Greedy speculative decoding gives plain greedy decoding's tokens, whatever the drafts: an
-/// oracle's (plain greedy's own tokens: every draft accepted), wrong ones (none accepted) and
-/// prompt lookup's. The prompt's keys and values are written token by token in both caches.
-/// With `graft`, every verify pass goes through it (`Decoder::verify_greedy`).
-pub(crate) fn speculation_equals_plain_greedy(
+/// Speculative decoding gives plain decoding's tokens, greedy or sampled with the same seed and
+/// draw indices, whatever the drafts: an oracle's (plain decoding's own tokens: every draft
+/// accepted), wrong ones (none accepted) and prompt lookup's. The prompt's keys and values are
+/// written token by token in both caches. With `graft`, every verify pass goes through it
+/// (`Decoder::verify`).
+pub(crate) fn speculation_equals_plain_decoding(
     model: &Decoder,
     mut graft: Option<&mut CandleGraft>,
+    sampling: SampleParams,
 ) -> TestResult {
+    use graft_candle_kernels::sample_rows;
     use graft_candle_models::speculate::prompt_lookup;
     let dev = model.device().clone();
-    let argmax = |logits: Tensor| -> Result<u32, Box<dyn std::error::Error>> {
-        Ok(logits.argmax(candle_core::D::Minus1)?.to_vec1::<u32>()?[0])
+    // Token number `index` of the request, picked from `logits` ([1, vocab]).
+    let pick = |logits: Tensor, index: usize| -> TestResult<u32> {
+        let words = SampleParams {
+            index: index as u32,
+            ..sampling
+        }
+        .words();
+        let words = Tensor::new(&[words], &dev)?;
+        Ok(sample_rows(&logits, &words)?.to_vec1::<u32>()?[0])
     };
     // A prompt that repeats itself, so that prompt lookup finds n-grams.
     let prompt: Vec<u32> = (0..14u32)
@@ -274,12 +284,11 @@ pub(crate) fn speculation_equals_plain_greedy(
     for &t in &prompt {
         logits = Some(model.forward(&plain, &Tensor::new(&[t], &dev)?)?);
     }
-    let mut want = vec![argmax(logits.ok_or("no prompt")?)?];
+    let mut want = vec![pick(logits.ok_or("no prompt")?, 0)?];
     while want.len() < n + k {
         let last = *want.last().ok_or("no token")?;
-        want.push(argmax(
-            model.forward(&plain, &Tensor::new(&[last], &dev)?)?,
-        )?);
+        let logits = model.forward(&plain, &Tensor::new(&[last], &dev)?)?;
+        want.push(pick(logits, want.len())?);
     }
     let step = graft.as_deref_mut().map(|g| g.register("verify"));
     for drafter in ["oracle", "wrong", "prompt lookup"] {
@@ -301,12 +310,16 @@ pub(crate) fn speculation_equals_plain_greedy(
             let mut tokens = vec![*history.last().ok_or("no history")?];
             tokens.extend(&drafts);
             let tokens = Tensor::new(tokens.as_slice(), &dev)?;
+            let at = SampleParams {
+                index: got.len() as u32,
+                ..sampling
+            };
             let v = match (graft.as_deref_mut(), step) {
-                (Some(g), Some(step)) => model.verify_greedy(g, step, &cache, 0, &tokens)?,
-                _ => model.verify_greedy_forward(&cache, 0, &tokens)?,
+                (Some(g), Some(step)) => model.verify(g, step, &cache, 0, &tokens, at)?,
+                _ => model.verify_forward(&cache, 0, &tokens, at)?,
             };
             match drafter {
-                "oracle" => assert_eq!(v.accepted, k, "the oracle's drafts are plain greedy's"),
+                "oracle" => assert_eq!(v.accepted, k, "the oracle's drafts are plain decoding's"),
                 "wrong" => assert_eq!(v.accepted, 0, "no wrong draft is accepted"),
                 _ => {}
             }
@@ -321,7 +334,7 @@ pub(crate) fn speculation_equals_plain_greedy(
         assert_eq!(
             got[..n],
             want[..n],
-            "{drafter}: speculative against plain greedy"
+            "{drafter}: speculative against plain decoding"
         );
     }
     Ok(())
