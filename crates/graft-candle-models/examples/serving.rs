@@ -25,6 +25,7 @@ pub(crate) fn main() -> Result<(), Box<dyn std::error::Error>> {
         prefill_buckets: Buckets::new([16, 32, 64])?, // tokens per prefill chunk
         eos: Vec::new(),
         max_running: None,
+        speculate: None, // Some(Speculate::prompt_lookup(4)): a lone sequence speculates
     };
     // 8 sequences of 256 positions (on a GPU, `serve::plan` sizes the cache from memory).
     let cache = model.new_serving_cache(8, 256)?;

@@ -103,3 +103,14 @@ fn speculative_decoding_gives_plain_decoding_tokens() -> serve::TestResult {
     }
     Ok(())
 }
+
+/// Speculation in the engine changes no request's tokens (alone or in a batch, greedy or
+/// sampled, eager or through graft), and takes fewer steps for a repeating greedy request.
+#[test]
+fn speculation_in_the_engine_changes_no_token() -> serve::TestResult {
+    let dir = tempfile::tempdir()?;
+    let model = serve::model(Some(8), &Device::Cpu, dir.path())?;
+    serve::speculation_changes_no_token(&model, || {
+        Ok(graft_candle::CandleGraft::new(&Device::Cpu)?)
+    })
+}

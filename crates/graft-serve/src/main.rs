@@ -51,6 +51,10 @@ enum Command {
         /// Run every step eagerly with candle (the baseline), not under graft.
         #[arg(long)]
         eager: bool,
+        /// Speculative decoding with prompt lookup, up to N drafts a pass, while one sequence
+        /// runs alone (the same tokens as without it).
+        #[arg(long, value_name = "N")]
+        speculate: Option<usize>,
     },
     /// Generate greedily for a trace of requests (scripts/serve_load.py --dump-trace) all at
     /// once, through the server's engine without HTTP; prints the throughput as JSON.
@@ -73,6 +77,9 @@ enum Command {
         /// As for `serve`.
         #[arg(long)]
         eager: bool,
+        /// As for `serve`.
+        #[arg(long, value_name = "N")]
+        speculate: Option<usize>,
         /// Runs of the trace before the timed one (the first run after a start pays for
         /// lazily loaded kernels and the clocks' ramp).
         #[arg(long, default_value_t = 1)]
@@ -158,6 +165,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             max_seq,
             max_batch,
             eager,
+            speculate,
             warmup,
         } => {
             #[derive(serde::Deserialize)]
@@ -177,6 +185,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 max_batch,
                 max_queue: requests.len(),
                 eager,
+                speculate,
             };
             let server = Server::start(&options, &device()?)?;
             for _ in 0..warmup {
@@ -187,7 +196,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             let wall_s = started.elapsed().as_secs_f64();
             let figures = serde_json::json!({
                 "requests": requests.len(), "tokens": tokens, "wall_s": wall_s,
-                "tokens_per_s": tokens as f64 / wall_s, "eager": eager,
+                "tokens_per_s": tokens as f64 / wall_s, "eager": eager, "speculate": speculate,
             });
             println!("{figures}");
             Ok(())
@@ -201,6 +210,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             max_batch,
             max_queue,
             eager,
+            speculate,
         } => {
             let device = device()?;
             let options = ServeOptions {
@@ -210,6 +220,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 max_batch,
                 max_queue,
                 eager,
+                speculate,
             };
             // The port first: a taken port fails at once, not after the model loads.
             let listener = std::net::TcpListener::bind(SocketAddr::new(host, port))?;

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use candle_core::{DType, Device};
 use graft_candle::{Buckets, CandleGraft};
 use graft_candle_models::Decoder;
-use graft_candle_models::serve::{Engine, ServeConfig, plan};
+use graft_candle_models::serve::{Engine, ServeConfig, Speculate, plan};
 
 use axum::http::StatusCode;
 use graft_candle_models::serve::SampleParams;
@@ -42,6 +42,9 @@ pub struct ServeOptions {
     pub max_queue: usize,
     /// Run every step eagerly with candle (no graft): the baseline.
     pub eager: bool,
+    /// Speculative decoding with prompt lookup, up to this many drafts a pass, while one
+    /// sequence runs alone (`None`: off). The tokens are those of plain decoding.
+    pub speculate: Option<usize>,
 }
 
 /// A loaded model with its engine running, ready to serve.
@@ -101,7 +104,7 @@ impl Server {
         let (handle, commands) = worker::channel(sequences_hint + options.max_queue);
         let (ready_tx, ready_rx) = mpsc::channel();
         let engine_metrics = Arc::clone(&metrics);
-        let config = serve_config(sequences_hint, max_seq, eos.clone())?;
+        let config = serve_config(sequences_hint, max_seq, eos.clone(), options.speculate)?;
         let (eager, fixed) = (options.eager, options.max_batch.is_some());
         let worker = std::thread::Builder::new()
             .name("graft-serve-engine".into())
@@ -248,6 +251,7 @@ fn serve_config(
     sequences: usize,
     max_seq: usize,
     eos: Vec<u32>,
+    speculate: Option<usize>,
 ) -> Result<ServeConfig, ServeError> {
     let buckets = |source| ServeError::Buckets { source };
     let decode = (0..).map(|i| 1usize << i).take_while(|&b| b <= sequences);
@@ -265,6 +269,7 @@ fn serve_config(
         prefill_buckets: Buckets::new(prefill).map_err(buckets)?,
         eos,
         max_running: Some(sequences),
+        speculate: speculate.map(Speculate::prompt_lookup),
     })
 }
 

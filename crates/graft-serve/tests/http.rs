@@ -51,6 +51,16 @@ fn made(
     max_queue: usize,
     max_seq: usize,
 ) -> TestResult<(Server, tempfile::TempDir)> {
+    made_speculating(max_batch, max_queue, max_seq, None)
+}
+
+/// [`made`], speculating with up to `speculate` drafts a pass.
+fn made_speculating(
+    max_batch: usize,
+    max_queue: usize,
+    max_seq: usize,
+    speculate: Option<usize>,
+) -> TestResult<(Server, tempfile::TempDir)> {
     let dir = tempfile::tempdir()?;
     let model = dir.path().join("tiny");
     write_random_model(&model, Preset::Tiny, DType::F32, 5)?;
@@ -61,6 +71,7 @@ fn made(
         max_batch: Some(max_batch),
         max_queue,
         eager: false,
+        speculate,
     };
     Ok((Server::start(&options, &Device::Cpu)?, dir))
 }
@@ -432,4 +443,24 @@ fn the_engine_alone_gives_the_tokens_the_http_api_gives() -> TestResult {
         }
         s.stop().await
     })
+}
+
+/// `--speculate` changes no token: requests sent one at a time (each runs alone, so each
+/// speculates) get what a server that does not speculate gives.
+#[test]
+fn a_server_that_speculates_gives_the_tokens_of_one_that_does_not() -> TestResult {
+    let (plain, _dir) = made(4, 8, MAX_SEQ)?;
+    let (speculating, _dir2) = made_speculating(4, 8, MAX_SEQ, Some(4))?;
+    // Prompts that repeat themselves, so that prompt lookup finds n-grams.
+    let prompts = [
+        (vec![5u32, 6, 7, 5, 6, 7, 5, 6], 30),
+        (vec![100, 101, 102, 103, 100, 101], 17),
+        (vec![9; 40], 20),
+    ];
+    for request in prompts {
+        let want = plain.generate(std::slice::from_ref(&request))?;
+        let got = speculating.generate(std::slice::from_ref(&request))?;
+        assert_eq!(got, want, "prompt {:?}", request.0);
+    }
+    Ok(())
 }

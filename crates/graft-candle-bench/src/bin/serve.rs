@@ -93,6 +93,7 @@ fn run() -> Result<()> {
         )?,
         eos: Vec::new(),
         max_running: Some(o.max_batch),
+        speculate: None,
     };
     std::fs::create_dir_all(&o.out)?;
     println!(

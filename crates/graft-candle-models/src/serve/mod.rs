@@ -15,9 +15,14 @@
 //! when its last chunk gives its first token. A padded decode step also steps the idle rows
 //! above `n`: their keys and values are never read, and the prefilling row's position is
 //! set back before its next chunk.
+//!
+//! With [`ServeConfig::speculate`], a sequence that runs alone (nothing else decoding or
+//! prefilling) takes verify passes of prompt-lookup drafts instead of decode steps
+//! (`speculate.rs`): the same tokens, up to k + 1 a step.
 
 mod error;
 mod plan;
+mod speculate;
 
 use std::collections::VecDeque;
 
@@ -27,11 +32,13 @@ use graft_candle::{Buckets, CandleGraft, Error, StepId, StepOutcome};
 use graft_candle_kernels::SAMPLE_WORDS;
 pub use graft_candle_kernels::SampleParams;
 
+use crate::speculate::AdaptiveDraft;
 use crate::{Decoder, KvCache};
 
 pub use error::{Refused, Rejected, StepError};
 pub use plan::plan;
 pub use plan::{MemoryPlan, kv_rows};
+pub use speculate::Speculate;
 
 /// A request: generate up to `max_new` tokens after `prompt`, each picked by `sampling`.
 #[derive(Clone, PartialEq, Debug)]
@@ -63,6 +70,9 @@ pub struct ServeConfig {
     /// At most this many sequences decode at once (`None`: as many as the cache holds).
     /// Requests beyond wait in the queue.
     pub max_running: Option<usize>,
+    /// Speculative decoding with prompt lookup for a sequence that runs alone (`None`: off):
+    /// see [`Speculate`].
+    pub speculate: Option<Speculate>,
 }
 
 /// What a step produced.
@@ -84,6 +94,8 @@ enum Runner {
         graft: Box<CandleGraft>,
         prefill: StepId,
         decode: StepId,
+        /// Speculation's verify pass, one recording per draft count.
+        verify: StepId,
     },
 }
 
@@ -101,6 +113,10 @@ struct Running {
     generated: usize,
     max_new: usize,
     sampling: SampleParams,
+    /// The prompt and every token made, for prompt lookup (empty without speculation).
+    history: Vec<u32>,
+    /// The draft count's chooser, made when the sequence first speculates.
+    draft: Option<AdaptiveDraft>,
 }
 
 /// A continuous-batching engine (see the module documentation).
@@ -131,7 +147,7 @@ impl<'m> Engine<'m> {
     }
 
     /// An engine that runs every step under `graft`, padded to the buckets: it registers a
-    /// `prefill` and a `decode` step.
+    /// `prefill`, a `decode` and a `verify` step (speculation's, used only when it is on).
     pub fn graphed(
         model: &'m Decoder,
         cache: KvCache,
@@ -140,10 +156,12 @@ impl<'m> Engine<'m> {
     ) -> Result<Engine<'m>, Error> {
         let prefill = graft.register_bucketed("prefill", config.prefill_buckets.clone());
         let decode = graft.register_bucketed("decode", config.decode_buckets.clone());
+        let verify = graft.register("verify");
         let runner = Runner::Graft {
             graft: Box::new(graft),
             prefill,
             decode,
+            verify,
         };
         Engine::new(model, cache, runner, config)
     }
@@ -265,6 +283,7 @@ impl<'m> Engine<'m> {
             graft,
             prefill,
             decode,
+            ..
         } = &mut self.runner
         else {
             return Ok(0);
@@ -323,7 +342,10 @@ impl<'m> Engine<'m> {
                 done: 0,
             });
         }
-        if !self.running.is_empty() {
+        let alone = self.running.len() == 1 && self.prefilling.is_none();
+        if alone && self.config.speculate.is_some() {
+            self.speculate(&mut events)?;
+        } else if !self.running.is_empty() {
             self.decode(&mut events)?;
         }
         if self.prefilling.is_some() {
@@ -387,23 +409,22 @@ impl<'m> Engine<'m> {
         }
         .map_err(fail)?;
         let next = next.to_vec1::<u32>().map_err(|e| fail(model(e)))?;
+        let speculating = self.config.speculate.is_some();
         for (r, &token) in self.running.iter_mut().zip(&next) {
-            events.push(Event::Token {
-                id: r.id,
-                token,
-                index: r.generated,
-            });
-            r.generated += 1;
-            r.last = token;
+            r.made(token, speculating, events);
         }
-        // Finished sequences leave; the last running row fills each hole (highest first, so
-        // a moved row is never one that still has to leave).
-        for row in (0..n).rev() {
+        self.retire(events).map_err(|e| fail(model(e)))
+    }
+
+    /// Finished sequences leave; the last running row fills each hole (highest first, so a
+    /// moved row is never one that still has to leave).
+    fn retire(&mut self, events: &mut Vec<Event>) -> candle_core::Result<()> {
+        for row in (0..self.running.len()).rev() {
             let r = &self.running[row];
             if r.generated >= r.max_new || self.config.eos.contains(&r.last) {
                 events.push(Event::Finished { id: r.id });
                 let last = self.running.len() - 1;
-                self.cache.move_row(last, row).map_err(|e| fail(model(e)))?;
+                self.cache.move_row(last, row)?;
                 self.running.swap_remove(row);
             }
         }
@@ -471,12 +492,18 @@ impl<'m> Engine<'m> {
         self.cache
             .move_row(p.row, row)
             .map_err(|e| fail(model(e)))?;
+        let history = match self.config.speculate {
+            Some(_) => [p.request.prompt.as_slice(), &[first]].concat(),
+            None => Vec::new(),
+        };
         self.running.push(Running {
             id,
             last: first,
             generated: 1,
             max_new: p.request.max_new,
             sampling: p.request.sampling,
+            history,
+            draft: None,
         });
         Ok(())
     }

@@ -130,3 +130,12 @@ fn speculative_decoding_replays_and_gives_plain_decoding_tokens() -> TestResult 
     }
     Ok(())
 }
+
+/// Speculation in the engine changes no token on the GPU either, eager and graphed.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn speculation_in_the_engine_changes_no_token_on_the_gpu() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let model = serve::model(Some(8), &gpu(), dir.path())?;
+    serve::speculation_changes_no_token(&model, || Ok(CandleGraft::new(&gpu())?))
+}

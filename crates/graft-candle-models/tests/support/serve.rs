@@ -57,6 +57,7 @@ pub(crate) fn config() -> TestResult<ServeConfig> {
         prefill_buckets: Buckets::new([4, 8, 16])?,
         eos: Vec::new(),
         max_running: None,
+        speculate: None,
     })
 }
 
@@ -336,6 +337,108 @@ pub(crate) fn speculation_equals_plain_decoding(
             want[..n],
             "{drafter}: speculative against plain decoding"
         );
+    }
+    Ok(())
+}
+
+/// Speculation in the engine (prompt lookup while a sequence runs alone) changes no request's
+/// tokens, greedy or sampled, alone or in a continuous batch, eagerly and under graft, and
+/// never takes more steps. Drafts are free here and trusted at first (every pass verifies 4
+/// until acceptance says otherwise), so the verify passes run with drafts whatever the model
+/// makes. `graphed` makes the graphed engine's graft.
+pub(crate) fn speculation_changes_no_token(
+    model: &Decoder,
+    graphed: impl Fn() -> TestResult<CandleGraft>,
+) -> TestResult {
+    use graft_candle_models::serve::Speculate;
+    let sampled = SampleParams {
+        temperature: 0.9,
+        top_k: 40,
+        top_p: 0.95,
+        seed: 77,
+        index: 0,
+    };
+    // A prompt that repeats itself, so that prompt lookup finds n-grams.
+    let prompt: Vec<u32> = (0..24u32)
+        .map(|i| [5, 17, 99, 3, 42, 8][i as usize % 6])
+        .collect();
+    let lone = |sampling| {
+        vec![(
+            0,
+            Request {
+                id: 1,
+                prompt: prompt.clone(),
+                max_new: 20,
+                sampling,
+            },
+        )]
+    };
+    for sampling in [SampleParams::GREEDY, sampled] {
+        // A lone request (it speculates at every step), then the trace (it speculates when one
+        // sequence is left).
+        let mut batch = trace();
+        for (_, r) in &mut batch {
+            r.sampling = sampling;
+        }
+        for requests in [lone(sampling), batch] {
+            let off = config()?;
+            let on = ServeConfig {
+                speculate: Some(Speculate {
+                    pass_costs: vec![1.0],
+                    prior: 1.0,
+                    ..Speculate::prompt_lookup(4)
+                }),
+                ..config()?
+            };
+            let run_with = |config: ServeConfig, graft: Option<CandleGraft>| -> TestResult<_> {
+                let cache = model.new_serving_cache(4, MAX_SEQ)?;
+                let mut engine = match graft {
+                    Some(g) => Engine::graphed(model, cache, g, config)?,
+                    None => Engine::eager(model, cache, config)?,
+                };
+                let mut steps = 0;
+                let mut out: HashMap<u64, Vec<u32>> = HashMap::new();
+                let mut finished = 0;
+                for step in 0.. {
+                    for (_, r) in requests.iter().filter(|(at, _)| *at == step) {
+                        engine.submit(r.clone())?;
+                    }
+                    for event in engine.step()? {
+                        match event {
+                            Event::Token { id, token, index } => {
+                                let tokens = out.entry(id).or_default();
+                                assert_eq!(tokens.len(), index, "request {id}'s tokens in order");
+                                tokens.push(token);
+                            }
+                            Event::Finished { .. } => finished += 1,
+                        }
+                    }
+                    steps += 1;
+                    if finished == requests.len() {
+                        break;
+                    }
+                    assert!(step < 10_000, "the engine never finished");
+                }
+                for (_, r) in &requests {
+                    assert_eq!(
+                        out[&r.id].len(),
+                        r.max_new,
+                        "request {}'s token count",
+                        r.id
+                    );
+                }
+                Ok((out, steps))
+            };
+            let (want, plain_steps) = run_with(off, None)?;
+            let (eager, eager_steps) = run_with(on.clone(), None)?;
+            assert_eq!(eager, want, "speculating eagerly, {sampling:?}");
+            let (graphed_out, _) = run_with(on, Some(graphed()?))?;
+            assert_eq!(graphed_out, want, "speculating under graft, {sampling:?}");
+            assert!(
+                eager_steps <= plain_steps,
+                "speculating takes {eager_steps} steps, plain decoding {plain_steps}"
+            );
+        }
     }
     Ok(())
 }
