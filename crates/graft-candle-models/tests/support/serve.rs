@@ -107,6 +107,14 @@ pub(crate) fn run(
     engine: &mut Engine<'_>,
     requests: &[(usize, Request)],
 ) -> TestResult<HashMap<u64, Vec<u32>>> {
+    Ok(run_counting(engine, requests)?.0)
+}
+
+/// [`run`], and the engine steps it took.
+pub(crate) fn run_counting(
+    engine: &mut Engine<'_>,
+    requests: &[(usize, Request)],
+) -> TestResult<(HashMap<u64, Vec<u32>>, usize)> {
     let mut out: HashMap<u64, Vec<u32>> = HashMap::new();
     let mut finished = 0;
     for step in 0.. {
@@ -124,11 +132,11 @@ pub(crate) fn run(
             }
         }
         if finished == requests.len() {
-            break;
+            return Ok((out, step + 1));
         }
         assert!(step < 10_000, "the engine never finished");
     }
-    Ok(out)
+    unreachable!("the loop returns or fails")
 }
 
 /// Each request of the trace alone, eagerly, from a fresh cache.
@@ -396,29 +404,7 @@ pub(crate) fn speculation_changes_no_token(
                     Some(g) => Engine::graphed(model, cache, g, config)?,
                     None => Engine::eager(model, cache, config)?,
                 };
-                let mut steps = 0;
-                let mut out: HashMap<u64, Vec<u32>> = HashMap::new();
-                let mut finished = 0;
-                for step in 0.. {
-                    for (_, r) in requests.iter().filter(|(at, _)| *at == step) {
-                        engine.submit(r.clone())?;
-                    }
-                    for event in engine.step()? {
-                        match event {
-                            Event::Token { id, token, index } => {
-                                let tokens = out.entry(id).or_default();
-                                assert_eq!(tokens.len(), index, "request {id}'s tokens in order");
-                                tokens.push(token);
-                            }
-                            Event::Finished { .. } => finished += 1,
-                        }
-                    }
-                    steps += 1;
-                    if finished == requests.len() {
-                        break;
-                    }
-                    assert!(step < 10_000, "the engine never finished");
-                }
+                let (out, steps) = run_counting(&mut engine, &requests)?;
                 for (_, r) in &requests {
                     assert_eq!(
                         out[&r.id].len(),
