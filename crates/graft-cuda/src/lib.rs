@@ -30,7 +30,11 @@
 //! With the `nccl` feature, `NcclComm` adds NCCL communicators, for several GPUs of one
 //! process (`init_all`) or one GPU per process (`init_rank`, non-blocking, every wait
 //! bounded), whose all-reduces run on each device's runtime stream and so are captured into
-//! graft's graphs; `NcclBallotBox` carries a group's votes over the same communicator.
+//! graft's graphs; `NcclBallotBox` carries a group's votes over the same communicator. Small
+//! all-reduces (up to `NcclComm::one_shot_limit`, 256 KiB by default) take a one-shot kernel
+//! of graft's own over NVLink peer memory instead of NCCL where every rank's GPU reaches the
+//! others' (peer access within a process, CUDA IPC handles between processes, agreed by all
+//! ranks when the communicator is made); `one_shot_sum` is the same sum on the host.
 //!
 //! # Layers
 //! At the bottom, the `driver` floor (`src/driver/`, like cudarc's `result` layer under its
@@ -46,8 +50,10 @@
 //! floor except: launching kernels whose arguments were checked against the kernel's
 //! parameters (`module.rs`, and the set-conditional kernel in `conditional.rs`: a launch is
 //! only sound when the arguments match the kernel, which the floor cannot know), the pinned
-//! host buffers of NCCL's votes (`nccl/vote.rs`: whether a copy still runs on them is the
-//! vote's state), and the `Send`/`Sync` impls of the types that hold raw handles.
+//! host buffers of the exchanges over NCCL (`nccl/gather.rs`: whether a copy still runs on
+//! them is the exchange's state), the one-shot all-reduce's host-mapped abort word
+//! (`nccl/one_shot/mod.rs`, an atomic over pinned memory), and the `Send`/`Sync` impls of the
+//! types that hold raw handles.
 //!
 //! Driver errors map to core's [`DeviceError`](graft_core::DeviceError) (`error.rs`): out of
 //! memory, the stream-capture family (as `Capture` with the violation), and everything else as
@@ -89,7 +95,7 @@ pub use device::{CudaDevice, CudaQueue, MemoryFigures};
 pub use graph::CudaGraph;
 pub use module::{CudaModule, KernelArg, compile_ptx, compile_ptx_for};
 #[cfg(feature = "nccl")]
-pub use nccl::{NcclBallotBox, NcclComm, NcclDtype, UNIQUE_ID_BYTES};
+pub use nccl::{NcclBallotBox, NcclComm, NcclDtype, UNIQUE_ID_BYTES, one_shot_sum};
 pub use programmatic::Launch;
 
 #[cfg(test)]

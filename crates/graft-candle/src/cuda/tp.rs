@@ -131,6 +131,17 @@ impl TpComm {
         })
     }
 
+    /// Sets the largest all-reduce, in bytes, that [`TpComm::all_reduce_sum`] sends through
+    /// graft-cuda's one-shot kernel over peer memory (NVLink) instead of NCCL, and returns the
+    /// limit now in force. On by default (256 KiB, the most) where every rank's GPU reaches
+    /// the others' memory, 0 where it does not; pass 0 for NCCL always, e.g. to compare both
+    /// in one process. Every rank must set the same limit between the same two all-reduces
+    /// (otherwise ranks take different paths and wait on each other until the watchdog
+    /// aborts them); a recording keeps the path it captured, so set it before recording.
+    pub fn set_one_shot_limit(&self, bytes: usize) -> usize {
+        self.comm.set_one_shot_limit(bytes)
+    }
+
     /// A group membership whose votes travel over this communicator (graft-cuda's
     /// `NcclBallotBox`), each waiting at most `timeout`: pass it to
     /// [`CandleGraft::join`](crate::CandleGraft::join).

@@ -16,7 +16,9 @@
 //! - [`function`]: modules, functions and kernel launches;
 //! - [`cublas`]: the cuBLAS handle and its GEMM (cuBLAS's statuses map to `Library` errors);
 //! - `nccl` (feature `nccl`): communicators and their all-reduce (NCCL's results map to
-//!   `Library` errors).
+//!   `Library` errors);
+//! - `peer` (feature `nccl`): peer access, device UUIDs, CUDA IPC handles and mapped host
+//!   memory, for the one-shot all-reduce.
 //!
 //! # Loading the CUDA driver library without ever panicking
 //!
@@ -56,6 +58,8 @@ pub(crate) mod graph;
 pub(crate) mod memory;
 #[cfg(feature = "nccl")]
 pub(crate) mod nccl;
+#[cfg(feature = "nccl")]
+pub(crate) mod peer;
 pub(crate) mod stream;
 
 /// Declares the driver symbols this crate calls, each with a static description for when it is
@@ -68,8 +72,8 @@ macro_rules! driver_symbols {
 }
 
 /// Every driver function the crate may call before a feature check, with the error reported
-/// if it is missing: all of `driver/`'s calls but [`CONDITIONAL_SYMBOLS`] and [`PROGRAMMATIC_SYMBOLS`] (a
-/// test derives the three lists from the wrappers' sources). Checked at run time only with `dynamic-loading`; with
+/// if it is missing: all of `driver/`'s calls but [`CONDITIONAL_SYMBOLS`], [`PROGRAMMATIC_SYMBOLS`]
+/// and [`PEER_SYMBOLS`] (a test derives the four lists from the wrappers' sources). Checked at run time only with `dynamic-loading`; with
 /// `dynamic-linking` the loader checks.
 #[cfg_attr(not(feature = "dynamic-loading"), allow(dead_code))]
 pub(crate) const DRIVER_SYMBOLS: &[(&str, &str)] = driver_symbols![
@@ -163,6 +167,21 @@ pub(crate) const CONDITIONAL_SYMBOLS: &[&str] = &[
 /// its attribute and the count of a graph's programmatic edges. `crate::programmatic` checks
 /// the driver's version and, with `dynamic-loading`, these symbols before any is called.
 pub(crate) const PROGRAMMATIC_SYMBOLS: &[&str] = &["cuLaunchKernelEx", "cuGraphGetEdges_v2"];
+
+/// The driver functions only the one-shot all-reduce calls (`peer`): peer access, UUIDs, IPC
+/// handles and mapped host memory. An NCCL communicator checks them, with `dynamic-loading`,
+/// before setting the one-shot path up, and goes without it where one is missing.
+#[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+pub(crate) const PEER_SYMBOLS: &[&str] = &[
+    "cuDeviceCanAccessPeer",
+    "cuCtxEnablePeerAccess",
+    "cuDeviceGetUuid_v2",
+    "cuIpcGetMemHandle",
+    "cuIpcOpenMemHandle_v2",
+    "cuIpcCloseMemHandle",
+    "cuMemHostAlloc",
+    "cuMemHostGetDevicePointer_v2",
+];
 
 /// `Ok` once libcuda is loaded, has every symbol in [`DRIVER_SYMBOLS`], and `cuInit` succeeded.
 /// Computed once per process; never panics.
@@ -266,6 +285,7 @@ mod tests {
             include_str!("graph.rs"),
             include_str!("memory.rs"),
             include_str!("nccl.rs"),
+            include_str!("peer.rs"),
             include_str!("stream.rs"),
         ];
         let mut found = std::collections::BTreeSet::new();
@@ -297,17 +317,21 @@ mod tests {
             .map(|&(s, _)| s)
             .chain(CONDITIONAL_SYMBOLS.iter().copied())
             .chain(PROGRAMMATIC_SYMBOLS.iter().copied())
+            .chain(PEER_SYMBOLS.iter().copied())
             .map(str::to_owned)
             .collect();
         let missing: Vec<_> = called.difference(&listed).collect();
         let stale: Vec<_> = listed.difference(&called).collect();
         assert!(
             missing.is_empty(),
-            "driver/ calls these without listing them in DRIVER_SYMBOLS, CONDITIONAL_SYMBOLS or PROGRAMMATIC_SYMBOLS: {missing:?}"
+            "driver/ calls these without listing them in DRIVER_SYMBOLS, CONDITIONAL_SYMBOLS, PROGRAMMATIC_SYMBOLS or PEER_SYMBOLS: {missing:?}"
         );
         assert!(stale.is_empty(), "listed but never called: {stale:?}");
         assert_eq!(
-            DRIVER_SYMBOLS.len() + CONDITIONAL_SYMBOLS.len() + PROGRAMMATIC_SYMBOLS.len(),
+            DRIVER_SYMBOLS.len()
+                + CONDITIONAL_SYMBOLS.len()
+                + PROGRAMMATIC_SYMBOLS.len()
+                + PEER_SYMBOLS.len(),
             listed.len(),
             "a symbol is in two lists"
         );

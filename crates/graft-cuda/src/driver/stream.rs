@@ -48,7 +48,7 @@ pub(crate) fn synchronize(op: DeviceOp, stream: sys::CUstream) -> Result<(), Dev
 
 /// Whether all work on `stream` has finished (`cuStreamQuery`: success is true, not ready is
 /// false).
-#[cfg(feature = "test-support")]
+#[cfg(any(feature = "test-support", feature = "nccl"))]
 pub(crate) fn query(op: DeviceOp, stream: sys::CUstream) -> Result<bool, DeviceError> {
     // SAFETY: `stream` is a live stream of the current context.
     match unsafe { sys::cuStreamQuery(stream) } {

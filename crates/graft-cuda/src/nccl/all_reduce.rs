@@ -1,14 +1,15 @@
 //! The data all-reduce a tensor-parallel body runs: an in-place sum on the device's runtime
 //! stream, captured when the stream is capturing, of a graft buffer (f32) or of a raw device
-//! range of f32, bf16 or f16 (another library's tensors).
+//! range of f32, bf16 or f16 (another library's tensors): the one-shot kernel over peer memory
+//! for messages up to the communicator's limit (`one_shot/`), `ncclAllReduce` otherwise.
 
 use std::time::Instant;
 
 use cudarc::nccl::sys;
 use graft_core::{Buffer, DeviceError};
 
-use super::NcclComm;
 use super::status::OP;
+use super::{NcclComm, one_shot};
 use crate::driver::nccl as dn;
 
 /// The element types [`NcclComm::all_reduce_sum_raw`] reduces.
@@ -64,6 +65,11 @@ impl NcclComm {
     /// graft buffer: for memory graft does not own (another library's tensors on the same
     /// stream). Refused inside an open conditional body, and on an aborted communicator.
     ///
+    /// A message of at most [`NcclComm::one_shot_limit`] bytes takes the one-shot kernel (every
+    /// rank's elements summed in rank order in f32, rounded once: the same bits on every
+    /// rank); a larger one `ncclAllReduce`. Either way every rank must make the same calls
+    /// with the same sizes, in the same order.
+    ///
     /// # Safety
     ///
     /// `at` must be the start of `count * dtype.size()` bytes of device memory of this
@@ -85,6 +91,25 @@ impl NcclComm {
                 op: OP,
                 rule: graft_core::ConditionalRule::Collective,
             });
+        }
+        let bytes = count
+            .checked_mul(dtype.size())
+            .ok_or(DeviceError::InvalidArgument {
+                op: OP,
+                what: "the element count overflows",
+            })?;
+        if one_shot::takes_one_shot(bytes, self.one_shot_limit())
+            && let Some(shot) = &self.one_shot
+        {
+            // Under the lock, so that an abort comes before (refused) or after (the kernel
+            // sees the abort word), never between the check and the launch.
+            let comm = self.lock();
+            if comm.is_null() {
+                return Err(DeviceError::CollectiveAborted { op: OP });
+            }
+            // `at` is `count` elements of `dtype` of live memory on this device (the caller's
+            // contract), at most the workspace's capacity (the limit is capped by it).
+            return shot.launch(at, count, dtype);
         }
         let start = Instant::now();
         self.enqueue(|comm| {

@@ -5,13 +5,14 @@
 use std::ffi::{c_char, c_int};
 use std::ptr;
 use std::sync::Mutex;
+use std::sync::atomic::AtomicUsize;
 use std::time::{Duration, Instant};
 
 use cudarc::nccl::sys;
 use graft_core::DeviceError;
 
-use super::NcclComm;
 use super::status::{LAZY_CONNECT, OP};
+use super::{NcclComm, one_shot};
 use crate::device::CudaDevice;
 use crate::driver::nccl::{self as dn, MISSING};
 
@@ -76,7 +77,9 @@ fn as_c_int(n: usize, what: &'static str) -> Result<c_int, DeviceError> {
 
 impl NcclComm {
     /// One communicator per device, rank `i` on `devices[i]` (`ncclCommInitAll`): every
-    /// device must be a different GPU of this process.
+    /// device must be a different GPU of this process. Where every pair of the devices
+    /// reaches each other's memory, peer access is enabled between their contexts (and left
+    /// on) for the one-shot all-reduce of small messages.
     ///
     /// Requires `NCCL_RUNTIME_CONNECT=0` in the environment (NCCL then connects the ranks
     /// here, at init, not lazily inside the first collective of each kind): with lazy
@@ -97,7 +100,7 @@ impl NcclComm {
             ordinals.push(ordinal);
         }
         let comms = dn::init_all(&ordinals)?;
-        Ok(comms
+        let mut comms: Vec<NcclComm> = comms
             .into_iter()
             .zip(devices)
             .enumerate()
@@ -107,8 +110,13 @@ impl NcclComm {
                 rank,
                 world: devices.len(),
                 deadline: None,
+                one_shot: None,
+                one_shot_limit: AtomicUsize::new(0),
+                one_shot_off: None,
             })
-            .collect())
+            .collect();
+        one_shot::enable_all(&mut comms);
+        Ok(comms)
     }
 
     /// A new unique id (`ncclGetUniqueId`), made by rank 0 of a job and sent to the others
@@ -131,6 +139,11 @@ impl NcclComm {
     /// after which the communicator is aborted and the error returned is
     /// [`DeviceError::CollectiveUnanswered`]. Every later operation on it is bounded by the same
     /// deadline. Requires `NCCL_RUNTIME_CONNECT=0`, as [`NcclComm::init_all`] does.
+    ///
+    /// Once NCCL is up, the ranks set up the one-shot all-reduce of small messages over the
+    /// communicator itself (two or three tiny all-reduces within the same deadline): each
+    /// sends its GPU's UUID and its workspace's CUDA IPC handle, opens its peers' where their
+    /// GPUs are visible and reach each other, and all agree on whether the path is on.
     pub fn init_rank(
         device: &CudaDevice,
         id: &[u8; UNIQUE_ID_BYTES],
@@ -162,12 +175,15 @@ impl NcclComm {
             // No handle: nothing to abort or release.
             return Err(e);
         }
-        let comm = NcclComm {
+        let mut comm = NcclComm {
             comm: Mutex::new(handle),
             queue: (**device).clone(),
             rank,
             world,
             deadline: Some(deadline),
+            one_shot: None,
+            one_shot_limit: AtomicUsize::new(0),
+            one_shot_off: None,
         };
         if let Err(e) = started {
             // A handle NCCL made before failing is aborted.
@@ -175,6 +191,8 @@ impl NcclComm {
             return Err(e);
         }
         comm.settle_or_abort(start, start + deadline)?;
+        // Every rank, at the same point: the one-shot path's setup exchanges over NCCL.
+        one_shot::enable_rank(&mut comm, start, start + deadline)?;
         tracing::debug!(rank, world, waited = ?start.elapsed(), "NCCL communicator ready");
         Ok(comm)
     }

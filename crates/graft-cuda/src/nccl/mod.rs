@@ -4,17 +4,23 @@
 //! `NcclBallotBox`, a group's votes carried by a tiny all-reduce on the same communicator.
 //!
 //! `init.rs` makes communicators (all ranks of a process at once, or one rank of a job of one
-//! process per GPU, non-blocking with a bounded init); `all_reduce.rs` the data all-reduce;
+//! process per GPU, non-blocking with a bounded init); `all_reduce.rs` the data all-reduce,
+//! which takes `one_shot/` (a kernel over NVLink peer memory) for small messages where every
+//! rank's GPU reaches the others' memory, and `ncclAllReduce` otherwise; `gather.rs` the
+//! exchange of a few words over the communicator (the votes, the one-shot path's setup);
 //! `vote.rs` the ballot box; `status.rs` the bounded poll of a non-blocking communicator.
 //! Every NCCL call goes through the floor (`driver::nccl`), which maps NCCL's results.
 
 mod all_reduce;
+mod gather;
 mod init;
+mod one_shot;
 mod status;
 mod vote;
 
 use std::fmt;
 use std::ptr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, mpsc};
 use std::time::Duration;
 
@@ -24,10 +30,12 @@ use graft_launch::{ProcessGroup, Rendezvous, Watchdog, WatchdogError};
 
 use crate::device::CudaQueue;
 use crate::driver::nccl::{self as dn, MISSING};
+use one_shot::OneShot;
 use status::OP;
 
 pub use all_reduce::NcclDtype;
 pub use init::UNIQUE_ID_BYTES;
+pub use one_shot::one_shot_sum;
 pub use vote::NcclBallotBox;
 
 /// One rank's NCCL communicator, bound to one [`CudaDevice`](crate::CudaDevice) and its
@@ -38,6 +46,12 @@ pub use vote::NcclBallotBox;
 /// bounded). Destroy it after the graphs that captured its collectives (drop the rank's
 /// `Graft` first). NCCL allows one thread at a time per communicator, which a lock inside
 /// guarantees.
+///
+/// All-reduces of up to [`NcclComm::one_shot_limit`] bytes (256 KiB by default) take a
+/// one-shot kernel over peer memory instead of NCCL where every rank's GPU reaches every
+/// other's memory (NVLink or PCIe peer access; the ranks agree on it when the communicator is
+/// made, and a rank where it is off says why in an `info` log); larger ones, and all of them
+/// elsewhere, take `ncclAllReduce`.
 pub struct NcclComm {
     /// The handle; null once aborted.
     comm: Mutex<sys::ncclComm_t>,
@@ -47,6 +61,12 @@ pub struct NcclComm {
     /// For a non-blocking communicator, how long an operation may stay in progress before the
     /// communicator is aborted; `None` for a blocking one.
     deadline: Option<Duration>,
+    /// The one-shot all-reduce; `None` where it is off (the same on every rank).
+    one_shot: Option<OneShot>,
+    /// Bytes up to which an all-reduce takes the one-shot path (0: never).
+    one_shot_limit: AtomicUsize,
+    /// Why the one-shot path is off, where it is (also logged once, `info`).
+    one_shot_off: Option<String>,
 }
 
 // SAFETY: an `ncclComm_t` is a heap handle NCCL lets any thread use, one at a time; every use
@@ -63,6 +83,8 @@ impl fmt::Debug for NcclComm {
             .field("world", &self.world)
             .field("device", &self.queue.inner.id)
             .field("non_blocking", &self.deadline.is_some())
+            .field("one_shot_limit", &self.one_shot_limit())
+            .field("one_shot_off", &self.one_shot_off)
             .finish_non_exhaustive()
     }
 }
@@ -91,6 +113,26 @@ impl NcclComm {
         self.world
     }
 
+    /// The largest all-reduce, in bytes, that takes the one-shot path over peer memory
+    /// rather than NCCL: 256 KiB by default, 0 where the path is off (a GPU cannot reach a
+    /// peer's memory, ranks on several hosts, more than 8 ranks, compute capability below 7.0)
+    /// or turned off with [`NcclComm::set_one_shot_limit`].
+    pub fn one_shot_limit(&self) -> usize {
+        self.one_shot_limit.load(Ordering::Relaxed)
+    }
+
+    /// Sets the largest all-reduce, in bytes, that takes the one-shot path (0: NCCL always,
+    /// for an A/B comparison), at most 256 KiB (the workspace's size); returns the limit now
+    /// in force (0 where the path is off). Every rank must set the same limit at the same
+    /// point of its sequence of all-reduces (between the same two calls): ranks whose limits
+    /// differ would take different paths for one all-reduce and wait on each other forever
+    /// (until the watchdog or a deadline aborts them). A graph keeps the path it captured.
+    pub fn set_one_shot_limit(&self, bytes: usize) -> usize {
+        let limit = one_shot::effective_limit(bytes, self.one_shot.is_some());
+        self.one_shot_limit.store(limit, Ordering::Relaxed);
+        limit
+    }
+
     /// The handle, locked: null once aborted.
     fn lock(&self) -> MutexGuard<'_, sys::ncclComm_t> {
         // The guarded value is a plain pointer, replaced whole: never torn by a panic.
@@ -98,7 +140,8 @@ impl NcclComm {
     }
 
     /// Aborts the communicator (`ncclCommAbort`, which aborts its uncompleted operations, and
-    /// makes its kernels return): every later operation on it fails with
+    /// makes its kernels return; and the one-shot path's abort word, which makes its kernels
+    /// return too, their data undefined): every later operation on it fails with
     /// [`DeviceError::CollectiveAborted`]. Use it when a peer failed after collectives were
     /// enqueued, then make new communicators. Aborting twice does nothing.
     ///
@@ -108,6 +151,9 @@ impl NcclComm {
     /// returns, and the communicator's resources are left to the
     /// process's exit.
     pub fn abort(&self) -> Result<(), DeviceError> {
+        if let Some(shot) = &self.one_shot {
+            shot.raise_abort();
+        }
         let handle = std::mem::replace(&mut *self.lock(), ptr::null_mut());
         if handle.is_null() {
             return Ok(());
@@ -183,10 +229,14 @@ struct Taken(sys::ncclComm_t);
 unsafe impl Send for Taken {}
 
 impl Drop for NcclComm {
-    /// Destroys the communicator. A non-blocking one is finalized first (its operations
-    /// flushed), at most for its deadline; past that (a peer is gone) it is aborted instead,
-    /// so that dropping never hangs.
+    /// Releases the one-shot path's memory (see `OneShot::release`: after the stream ran its
+    /// kernels, bounded), then destroys the communicator. A non-blocking one is finalized
+    /// first (its operations flushed), at most for its deadline; past that (a peer is gone)
+    /// it is aborted instead, so that dropping never hangs.
     fn drop(&mut self) {
+        if let Some(shot) = self.one_shot.take() {
+            shot.release(self);
+        }
         if self.lock().is_null() {
             return;
         }
