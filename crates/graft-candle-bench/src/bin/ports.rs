@@ -8,12 +8,12 @@
 //! one GGUF file). Each (architecture, size, batch) first decodes 64 greedy steps with both
 //! from the same tokens and reports how many steps agree (in bf16 the two add in other orders,
 //! so tokens may part; tests/gpu.rs checks equality in f32). Then both are timed from
-//! position 0: each step is one call and a synchronize of candle's stream, timed on the host;
+//! position 5 + `--from` (0 by default; each round restarts at 0): each step is one call and a synchronize of candle's stream, timed on the host;
 //! the two alternate in rounds; the figure is the median step. candle's models attend over
 //! the positions so far, the port over its whole static cache (`--max-seq`, 256).
 //!
 //! usage: graft-candle-ports [--steps N] [--rounds R] [--only NAME] [--skip-1b] [--skip-small]
-//!                           [--max-seq S] [--per-op] [--no-pdl] [--profile-steps N] [--json PATH]
+//!                           [--from P] [--max-seq S] [--per-op] [--no-pdl] [--profile-steps N] [--json PATH]
 
 use std::collections::HashMap;
 use std::time::Instant;
@@ -42,6 +42,10 @@ struct Options {
     steps: usize,
     #[command(flatten)]
     timing: Timing,
+    /// Untimed steps before each round's timed ones, so that those run at positions `from +
+    /// 5` on (the decode step's attention grows with the position; a round starts at 0).
+    #[arg(long, default_value_t = 0)]
+    from: usize,
     /// Positions of the port's static cache.
     #[arg(long, default_value_t = 256)]
     max_seq: usize,
@@ -340,7 +344,8 @@ fn ours_step(
     Ok(c.ours.decode(graft, step, cache, t)?.outputs.remove(0))
 }
 
-/// `steps` graft steps from position 0, each timed to its synchronize after 5 untimed (µs).
+/// `steps` graft steps from position 0, each timed to its synchronize after `untimed` (µs).
+#[allow(clippy::too_many_arguments)]
 fn time_graft(
     c: &Case,
     graft: &mut CandleGraft,
@@ -348,16 +353,17 @@ fn time_graft(
     cache: &KvCache,
     batch: usize,
     steps: usize,
+    untimed: usize,
     device: &Device,
 ) -> BenchResult<Vec<f64>> {
     cache.reset()?;
     let mut t = first_tokens(batch, c.ours.spec().vocab, device)?;
     let mut times = Vec::with_capacity(steps);
-    for i in 0..steps + 5 {
+    for i in 0..steps + untimed {
         let start = Instant::now();
         t = ours_step(c, graft, step, cache, &t)?;
         device.synchronize()?;
-        if i >= 5 {
+        if i >= untimed {
             times.push(start.elapsed().as_secs_f64() * 1e6);
         }
     }
@@ -381,7 +387,7 @@ fn overlap(
         let step = graft.register_bucketed("decode", Buckets::new(BUCKETS)?);
         // Warm up and record every bucket with this setting.
         for batch in BUCKETS {
-            time_graft(c, &mut graft, step, cache, batch, 1, device)?;
+            time_graft(c, &mut graft, step, cache, batch, 1, 5, device)?;
         }
         runtimes.push((graft, step));
     }
@@ -393,7 +399,14 @@ fn overlap(
         for _ in 0..o.timing.rounds {
             for ((graft, step), t) in runtimes.iter_mut().zip(&mut times) {
                 t.extend(time_graft(
-                    c, graft, *step, cache, batch, per_round, device,
+                    c,
+                    graft,
+                    *step,
+                    cache,
+                    batch,
+                    per_round,
+                    5 + o.from,
+                    device,
                 )?);
             }
         }
@@ -445,15 +458,18 @@ fn measure(
     for _ in 0..o.timing.rounds {
         c.theirs.reset(c.dtype, device)?;
         let mut t = first_tokens(batch, vocab, device)?;
-        for pos in 0..per_round + 5 {
+        let untimed = 5 + o.from;
+        for pos in 0..per_round + untimed {
             let start = Instant::now();
             t = c.theirs.step(&t, pos)?;
             device.synchronize()?;
-            if pos >= 5 {
+            if pos >= untimed {
                 eager.push(start.elapsed().as_secs_f64() * 1e6);
             }
         }
-        ours.extend(time_graft(c, graft, step, cache, batch, per_round, device)?);
+        ours.extend(time_graft(
+            c, graft, step, cache, batch, per_round, untimed, device,
+        )?);
     }
     if o.profile_steps > 0 {
         cache.reset()?;
@@ -496,15 +512,19 @@ fn main() {
 
 fn run() -> BenchResult<()> {
     let o = <Options as clap::Parser>::parse();
-    if o.max_seq < CHECK_STEPS.max(o.timing.per_round(o.steps)? + 5) {
+    if o.max_seq < CHECK_STEPS.max(o.timing.per_round(o.steps)? + 5 + o.from) {
         return Err("--max-seq must hold the checked and the timed steps".into());
     }
     let device = graft_candle_bench::common::gpu()?;
     let (mut rows, mut json) = (Vec::new(), Vec::new());
     let mut failed = false;
     println!(
-        "decode step, candle-transformers eager against graft-candle's port; {} timed steps per variant in {} rounds, median; port cache {} positions",
-        o.steps, o.timing.rounds, o.max_seq
+        "decode step, candle-transformers eager against graft-candle's port; {} timed steps per variant in {} rounds (positions {} to {}), median; port cache {} positions",
+        o.steps,
+        o.timing.rounds,
+        5 + o.from,
+        4 + o.from + o.timing.per_round(o.steps)?,
+        o.max_seq
     );
     graft_candle_kernels::set_programmatic(!o.no_pdl);
     for big in [false, true] {

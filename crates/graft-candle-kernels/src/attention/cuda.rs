@@ -2,10 +2,14 @@
 //!
 //! - `graft_decode_attention_partial_<dtype>`: grid (splits, kv_heads, batch), 128 threads
 //!   (4 warps), `group * (head_dim + CHUNK) * 4` bytes of dynamic shared memory (the group's
-//!   queries and its scores over the chunk). Scores: one warp per key row (lanes stride the
-//!   row, coalesced; a lane holds its 8 elements in registers), reduced per query head with
-//!   shuffles. Softmax partial: one warp per query head. Values: one thread per head-dim
-//!   element (coalesced over a value row), summing for 8 query heads at a time in registers.
+//!   queries and its scores over the chunk). Scores: two threads per key row (a chunk's rows
+//!   at once), each dotting every other element with the group's query heads, the pair summed
+//!   with one shuffle. Softmax partial: one warp per query head. Values: two threads per
+//!   head-dim element, each summing every other position for 8 query heads at a time (eight
+//!   value loads in flight), the pair's sums added through shared memory. No loop waits on
+//!   one load per position: a full chunk costs a few load latencies (the kernel is latency-
+//!   bound; an earlier form with one warp per key row and one thread per element cost about
+//!   0.5 µs a position a layer).
 //! - `graft_decode_attention_combine_<dtype>`: grid (heads, batch), `head_dim` rounded up to
 //!   a warp threads, one per head-dim element, merging the non-empty partials online.
 

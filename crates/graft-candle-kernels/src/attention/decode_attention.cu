@@ -56,27 +56,51 @@ __device__ void graft_decode_attention_partial(
     }
     const unsigned long long row0 = ((unsigned long long)row * kv_heads + kvh) * max_seq;
 
-    // Scores: one warp per key row, the row loaded once for the whole group.
-    for (unsigned int j = start + warp; j < end; j += warps) {
-        const T* kr = k + (row0 + j) * hd;
-        float kj[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            const unsigned int d = lane + 32u * i;
-            kj[i] = d < hd ? graft_to_f32(kr[d]) : 0.0f;
-        }
-        for (unsigned int g = 0; g < group; ++g) {
-            float s = 0.0f;
+    // Scores: `tpr` threads per key row (the block's threads over the chunk's rows, a power
+    // of two up to 32), thread r of a row dotting elements r, r + tpr, ... with every query
+    // head of the group (the queries from shared memory, the row's threads on adjacent
+    // banks), then the shares summed across the row's threads in a fixed order: no
+    // warp-wide reduction per row, and every thread's loads independent of each other.
+    unsigned int tpr = 1u;
+    while (tpr < 32u && 2u * tpr * chunk <= blockDim.x) {
+        tpr *= 2u;
+    }
+    for (unsigned int j0 = start; j0 < end; j0 += blockDim.x / tpr) {
+        const unsigned int j = j0 + threadIdx.x / tpr;
+        const unsigned int d0 = threadIdx.x % tpr;
+        float s[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+        for (unsigned int g0 = 0; g0 < group; g0 += 8u) {
 #pragma unroll
             for (int i = 0; i < 8; ++i) {
-                const unsigned int d = lane + 32u * i;
-                if (d < hd) {
-                    s += qs[g * hd + d] * kj[i];
+                s[i] = 0.0f;
+            }
+            if (j < end) {
+                const T* kr = k + (row0 + j) * hd;
+#pragma unroll 8
+                for (unsigned int d = d0; d < hd; d += tpr) {
+                    const float x = graft_to_f32(kr[d]);
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) {
+                        if (g0 + i < group) {
+                            s[i] += qs[(g0 + i) * hd + d] * x;
+                        }
+                    }
                 }
             }
-            s = graft_warp_sum(s);
-            if (lane == 0) {
-                ps[g * chunk + (j - c0)] = s * scale;
+            // The row's threads are adjacent lanes of one warp (tpr divides 32).
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                for (unsigned int o = 1u; o < tpr; o *= 2u) {
+                    s[i] += __shfl_xor_sync(0xffffffffu, s[i], o);
+                }
+            }
+            if (j < end && threadIdx.x % tpr == 0u) {
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    if (g0 + i < group) {
+                        ps[(g0 + i) * chunk + (j - c0)] = s[i] * scale;
+                    }
+                }
             }
         }
     }
@@ -105,23 +129,74 @@ __device__ void graft_decode_attention_partial(
     }
     __syncthreads();
 
-    // Values: one thread per head-dim element, 8 query heads at a time.
-    for (unsigned int d = threadIdx.x; d < hd; d += blockDim.x) {
-        for (unsigned int g0 = 0; g0 < group; g0 += 8u) {
+    // Values, 8 query heads at a time: thread t = part * hd + d sums head-dim element d over
+    // positions start + part, start + part + parts, ... (eight loads in flight), where `parts`
+    // threads share an element when the block has them to spare; the parts' sums are then
+    // added in part order through shared memory (the queries' slot, free after the scores).
+    // Every thread reaches every barrier: with parts > 1 the t0 loop runs once.
+    const unsigned int parts = blockDim.x >= 2u * hd ? blockDim.x / hd : 1u;
+    for (unsigned int g0 = 0; g0 < group; g0 += 8u) {
+        for (unsigned int t0 = 0; t0 < hd * parts; t0 += blockDim.x) {
+            const unsigned int t = t0 + threadIdx.x;
+            const bool active = t < hd * parts;
+            const unsigned int d = t % hd;
+            const unsigned int part = t / hd;
             float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-            for (unsigned int j = start; j < end; ++j) {
-                const float x = graft_to_f32(v[(row0 + j) * hd + d]);
+            if (active) {
+                unsigned int j = start + part;
+                for (; j + 7u * parts < end; j += 8u * parts) {
+                    float x[8];
 #pragma unroll
-                for (int i = 0; i < 8; ++i) {
-                    if (g0 + i < group) {
-                        acc[i] += ps[(g0 + i) * chunk + (j - c0)] * x;
+                    for (int u = 0; u < 8; ++u) {
+                        x[u] = graft_to_f32(v[(row0 + j + (unsigned int)u * parts) * hd + d]);
+                    }
+#pragma unroll
+                    for (int u = 0; u < 8; ++u) {
+                        const unsigned int at = j + (unsigned int)u * parts - c0;
+#pragma unroll
+                        for (int i = 0; i < 8; ++i) {
+                            if (g0 + i < group) {
+                                acc[i] += ps[(g0 + i) * chunk + at] * x[u];
+                            }
+                        }
+                    }
+                }
+                for (; j < end; j += parts) {
+                    const float x = graft_to_f32(v[(row0 + j) * hd + d]);
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) {
+                        if (g0 + i < group) {
+                            acc[i] += ps[(g0 + i) * chunk + (j - c0)] * x;
+                        }
                     }
                 }
             }
+            for (unsigned int p = 1; p < parts; ++p) {
+                __syncthreads();
+                if (active && part == p) {
 #pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                if (g0 + i < group) {
-                    part_o[((first + g0 + i) * splits + split) * hd + d] = acc[i];
+                    for (int i = 0; i < 8; ++i) {
+                        if (g0 + i < group) {
+                            qs[(g0 + i) * hd + d] = acc[i];
+                        }
+                    }
+                }
+                __syncthreads();
+                if (active && part == 0) {
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) {
+                        if (g0 + i < group) {
+                            acc[i] += qs[(g0 + i) * hd + d];
+                        }
+                    }
+                }
+            }
+            if (active && part == 0) {
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    if (g0 + i < group) {
+                        part_o[((first + g0 + i) * splits + split) * hd + d] = acc[i];
+                    }
                 }
             }
         }
