@@ -59,3 +59,31 @@ pub fn median(samples: &mut [f64]) -> f64 {
     samples.sort_by(f64::total_cmp);
     samples[samples.len() / 2]
 }
+
+/// A Llama of candle-transformers' config with random weights (seed 11) in `dtype` on
+/// `device`: the ~1B shape and config of graft-candle-ports' Llama (d = 2048, 16 layers, 32 / 8
+/// heads, ffn 8192, vocab 32,000, tied embeddings, Llama 3's rope) when `big`, else a small
+/// one (d = 512, 4 layers, 8 / 4 heads, ffn 1408).
+pub fn random_llama(
+    big: bool,
+    dtype: graft_candle::candle_core::DType,
+    device: &Device,
+) -> BenchResult<graft_candle_models::Decoder> {
+    use graft_candle_models::{checkpoint, llama};
+    let (d, f, layers, heads, kv) = if big {
+        (2048, 8192, 16, 32, 8)
+    } else {
+        (512, 1408, 4, 8, 4)
+    };
+    let cfg: candle_transformers::models::llama::LlamaConfig = serde_json::from_str(&format!(
+        r#"{{"vocab_size": 32000, "hidden_size": {d}, "intermediate_size": {f},
+        "num_hidden_layers": {layers}, "num_attention_heads": {heads}, "num_key_value_heads": {kv},
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "tie_word_embeddings": true, "rope_scaling": {{"factor": 32.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192, "rope_type": "llama3"}}}}"#
+    ))?;
+    let cfg = cfg.into_config(false);
+    let weights = checkpoint::random_weights(&llama::spec(&cfg), 11, dtype, device)?;
+    let vb = candle_nn::VarBuilder::from_tensors(weights, dtype, device);
+    Ok(llama::load(vb, &cfg)?)
+}

@@ -422,21 +422,44 @@ impl Decoder {
         Ok(out)
     }
 
-    /// The step itself (no host-side checks): capturable.
-    pub(crate) fn logits(&self, cache: &KvCache, tokens: &Tensor) -> Result<Tensor> {
+    /// The logits (`[batch, vocab]` f32) of `tokens` (`[batch]` u32) at `positions` through
+    /// graft-candle-kernels' `decode_step` chain, writing their keys and values into cache
+    /// rows `rows` (any of the cache's rows; a verify pass gives one row k + 1 times at
+    /// consecutive positions, which the chain's cache write before its attention makes
+    /// causal) or into rows `0..batch`; `None` where the chain does not take this decoder or
+    /// this many rows. Advances no position.
+    pub(crate) fn chain_logits(
+        &self,
+        cache: &KvCache,
+        tokens: &Tensor,
+        positions: &Tensor,
+        rows: Option<&Tensor>,
+    ) -> Result<Option<Tensor>> {
         let batch = tokens.dims1()?;
-        let positions = cache.positions_of(batch)?;
         let s = &self.spec;
         let fits = |m: &&StepModel| {
             decode_step_fits(m.embed.dtype(), batch, s.heads, s.kv_heads, s.head_dim).is_ok()
         };
-        if let Some(step) = self.step.as_ref().filter(fits) {
-            let caches = (0..self.spec.layers)
-                .map(|i| cache.layer(i, batch))
-                .collect::<Result<Vec<_>>>()?;
-            let logits = decode_step(step, &caches, tokens, &positions, None)?;
+        let Some(step) = self.step.as_ref().filter(fits) else {
+            return Ok(None);
+        };
+        let caches = (0..s.layers)
+            .map(|i| match rows {
+                Some(_) => cache.layer_all(i),
+                None => cache.layer(i, batch),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let logits = decode_step(step, &caches, tokens, positions, rows)?;
+        Ok(Some(logits.to_dtype(DType::F32)?))
+    }
+
+    /// The step itself (no host-side checks): capturable.
+    pub(crate) fn logits(&self, cache: &KvCache, tokens: &Tensor) -> Result<Tensor> {
+        let batch = tokens.dims1()?;
+        let positions = cache.positions_of(batch)?;
+        if let Some(logits) = self.chain_logits(cache, tokens, &positions, None)? {
             cache.step_positions(batch)?;
-            return logits.to_dtype(DType::F32);
+            return Ok(logits);
         }
         let mask = if self.fused_attention {
             None

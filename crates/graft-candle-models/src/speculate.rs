@@ -17,9 +17,10 @@
 //! model's, greedy or sampled, and each position draws with the index plain decoding would
 //! give that token (the request's count of tokens so far): where the pass's logits equal the
 //! decode step's, speculative and plain decoding emit the same tokens, seed for seed. The pass
-//! runs the prefill's kernels over k + 1 rows and the decode step those of one row, so the
-//! logits agree to the dtype's rounding, not always bit for bit (see the batch-invariance
-//! decision in docs/architecture.md).
+//! runs the decode step's chain over k + 1 rows where the chain takes them (else the
+//! prefill's kernels), and the decode step the chain over one row, so the logits agree to the
+//! dtype's rounding, not always bit for bit (see the batch-invariance decision in
+//! docs/architecture.md).
 
 use candle_core::{Result, Tensor};
 use graft_candle::{CandleGraft, Error, StepId};
@@ -150,33 +151,41 @@ impl Decoder {
     ) -> Result<(Tensor, Tensor)> {
         let n = tokens.dims1()?;
         let plan = cache.prefill_plan(meta, n)?;
-        let h = self.prefill_hidden(cache, tokens, &plan)?;
-        let logits = self
-            .lm_head
-            .decode(&h)?
-            .squeeze(1)?
-            .to_dtype(candle_core::DType::F32)?;
+        // The decode step's chain where it takes k + 1 rows (all of them the sequence's row,
+        // at consecutive positions); the prefill's blocks otherwise.
+        let logits = match self.chain_logits(cache, tokens, &plan.positions, Some(&plan.rows))? {
+            Some(logits) => logits,
+            None => {
+                let h = self.prefill_hidden(cache, tokens, &plan)?;
+                self.lm_head
+                    .decode(&h)?
+                    .squeeze(1)?
+                    .to_dtype(candle_core::DType::F32)?
+            }
+        };
         let targets = sample_rows(&logits, words)?;
         // Draft i (tokens[i + 1]) is accepted when it and every draft before it equal the
-        // model's pick after the position before it: the count of leading ones.
-        let agree = tokens
-            .narrow(0, 1, n - 1)?
-            .eq(&targets.narrow(0, 0, n - 1)?)?
-            .to_dtype(candle_core::DType::U32)?;
-        let accepted = leading_ones(&agree)?;
+        // model's pick after the position before it: the count of leading ones. Without
+        // drafts there is nothing to compare (CUDA refuses a launch over no elements).
+        let accepted = if n > 1 {
+            let agree = tokens
+                .narrow(0, 1, n - 1)?
+                .eq(&targets.narrow(0, 0, n - 1)?)?
+                .to_dtype(candle_core::DType::U32)?;
+            leading_ones(&agree)?
+        } else {
+            Tensor::zeros(1, candle_core::DType::U32, tokens.device())?
+        };
         cache.step_row(&plan, &(&accepted + 1.0)?)?;
         Ok((targets, accepted))
     }
 }
 
-/// The number of leading ones of `flags` (`[k]` u32 of 0 and 1), as `[1]` u32, on the device:
-/// the sum of the running product, one element at a time (k is a few drafts), so that nothing
-/// is uploaded from the host inside a recording.
+/// The number of leading ones of `flags` (`[k]` u32 of 0 and 1, k at least 1), as `[1]` u32,
+/// on the device: the sum of the running product, one element at a time (k is a few drafts),
+/// so that nothing is uploaded from the host inside a recording.
 fn leading_ones(flags: &Tensor) -> Result<Tensor> {
     let k = flags.dim(0)?;
-    if k == 0 {
-        return Tensor::zeros(1, candle_core::DType::U32, flags.device());
-    }
     let mut run = flags.narrow(0, 0, 1)?;
     let mut count = run.clone();
     for i in 1..k {
@@ -311,7 +320,6 @@ mod tests {
             (vec![1u32, 1, 0, 1], 2u32),
             (vec![0, 1, 1], 0),
             (vec![1, 1, 1], 3),
-            (vec![], 0),
         ] {
             let t = Tensor::from_vec(flags.clone(), flags.len(), &dev)?;
             assert_eq!(leading_ones(&t)?.to_vec1::<u32>()?, [want], "{flags:?}");

@@ -1,6 +1,7 @@
 //! graft-candle-generate: K tokens per launch in a device loop (a CUDA conditional node)
 //! against one replayed launch per token with a host read of each token (what a server runs
-//! today), on a random-weight Llama of candle-transformers' config, at batch 1, 8 and 32.
+//! today), on a random-weight Llama of candle-transformers' config (small in f32, or the ~1B
+//! one in bf16 with `--big`), at batch 1, 8 and 32.
 //!
 //! Per batch: both paths first generate from the same tokens and must give the same tokens;
 //! then each is timed over `--launches` loop launches (and as many tokens per step), the
@@ -8,15 +9,14 @@
 //! same per-step replays with no host read between them, synchronized once at the end.
 //! Greedy; `--k` tokens per launch (32 by default). Only with graft-candle-bench's `cuda` feature.
 //!
-//! usage: graft-candle-generate [--k K] [--launches N] [--rounds R] [--json PATH]
+//! usage: graft-candle-generate [--big] [--k K] [--launches N] [--rounds R] [--json PATH]
 
 use std::time::Instant;
 
-use candle_transformers::models as ct;
-use graft_candle::candle_core::{DType, Device, Tensor};
+use graft_candle::candle_core::{DType, Tensor};
 use graft_candle::{CandleGraft, StepOutcome};
-use graft_candle_bench::common::{BUCKETS, BenchResult, Timing, median};
-use graft_candle_models::{Decoder, GenerateSpec, Generation, Sampling, checkpoint, llama};
+use graft_candle_bench::common::{BUCKETS, BenchResult, Timing, median, random_llama};
+use graft_candle_models::{GenerateSpec, Generation, Sampling};
 
 #[derive(clap::Parser, Debug)]
 #[command(
@@ -30,41 +30,19 @@ struct Options {
     /// Timed loop launches per path and batch (split over the rounds).
     #[arg(long, default_value_t = 12)]
     launches: usize,
+    /// The ~1B Llama in bf16 (the decode benchmarks' shape) instead of the small one in f32.
+    #[arg(long)]
+    big: bool,
     #[command(flatten)]
     timing: Timing,
-}
-
-fn model(device: &Device) -> BenchResult<Decoder> {
-    let cfg: ct::llama::LlamaConfig = serde_json::from_str(
-        r#"{"vocab_size": 32000, "hidden_size": 512, "intermediate_size": 1408,
-        "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
-        "max_position_embeddings": 8192, "rms_norm_eps": 1e-5}"#,
-    )?;
-    let cfg = cfg.into_config(false);
-    let weights = checkpoint::random_weights(&llama::spec(&cfg), 3, DType::F32, &Device::Cpu)?;
-    let path = std::env::temp_dir().join(format!(
-        "graft-candle-generate-{}.safetensors",
-        std::process::id()
-    ));
-    checkpoint::write_safetensors(&weights, &path)?;
-    // SAFETY: the file is this program's own, written above and never modified while mapped.
-    let vb = unsafe {
-        candle_nn::VarBuilder::from_mmaped_safetensors(
-            std::slice::from_ref(&path),
-            DType::F32,
-            device,
-        )?
-    };
-    let model = llama::load(vb, &cfg)?;
-    std::fs::remove_file(&path)?;
-    Ok(model)
 }
 
 fn main() -> BenchResult<()> {
     let o = <Options as clap::Parser>::parse();
     let per_round = o.timing.per_round(o.launches)?;
     let device = graft_candle::device(0)?;
-    let model = model(&device)?;
+    let dtype = if o.big { DType::BF16 } else { DType::F32 };
+    let model = random_llama(o.big, dtype, &device)?;
     let spec = GenerateSpec {
         max_tokens: o.k,
         eos: None,

@@ -4,7 +4,8 @@
 //! sequence. A pass emits from 1 to k + 1 tokens, each as a decode step would have made it
 //! (the request's sampling, each token at its own draw index), so a request's tokens are the
 //! same with speculation on or off wherever the pass's logits agree with the decode step's.
-//! With others beside it, the sequence decodes in the batch as usual.
+//! With others beside it, or when it has no drafts (its chooser picks none, or prompt lookup
+//! finds none), the sequence decodes as usual.
 
 use candle_core::Tensor;
 
@@ -90,6 +91,12 @@ impl Engine<'_> {
         } else {
             Vec::new()
         };
+        if drafts.is_empty() {
+            // Nothing to verify: the decode step (a pass of one row would run the prefill's
+            // kernels, dearer than the step's, for the same token).
+            draft.observe(0, 0);
+            return self.decode(events);
+        }
         let mut tokens = Vec::with_capacity(drafts.len() + 1);
         tokens.push(r.last);
         tokens.extend(&drafts);

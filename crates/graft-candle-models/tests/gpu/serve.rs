@@ -112,7 +112,8 @@ fn the_memory_plan_at_near_full_memory_records_first_and_gives_the_cache_the_res
 #[ignore = "needs a CUDA GPU"]
 fn speculative_decoding_replays_and_gives_plain_decoding_tokens() -> TestResult {
     let dir = tempfile::tempdir()?;
-    let model = serve::model(None, &gpu(), dir.path())?;
+    let device = gpu();
+    let model = serve::model(None, &device, dir.path())?;
     let sampled = engine::SampleParams {
         temperature: 0.9,
         top_k: 40,
@@ -121,7 +122,7 @@ fn speculative_decoding_replays_and_gives_plain_decoding_tokens() -> TestResult 
         index: 0,
     };
     for sampling in [engine::SampleParams::GREEDY, sampled] {
-        let mut graft = CandleGraft::new(&gpu())?;
+        let mut graft = CandleGraft::new(&device)?;
         serve::speculation_equals_plain_decoding(&model, Some(&mut graft), sampling)?;
         let g = graft.graft().ok_or("graft-candle runs graphed on a GPU")?;
         let stats = g.stats();
@@ -137,5 +138,5 @@ fn speculative_decoding_replays_and_gives_plain_decoding_tokens() -> TestResult 
 fn speculation_in_the_engine_changes_no_token_on_the_gpu() -> TestResult {
     let dir = tempfile::tempdir()?;
     let model = serve::model(Some(8), &gpu(), dir.path())?;
-    serve::speculation_changes_no_token(&model, || Ok(CandleGraft::new(&gpu())?))
+    serve::speculation_changes_no_token(&model, || Ok(CandleGraft::new(model.device())?))
 }

@@ -287,20 +287,25 @@ pub(crate) fn speculation_equals_plain_decoding(
     let prompt: Vec<u32> = (0..14u32)
         .map(|i| [5, 17, 99, 3][i as usize % 4] + i / 8)
         .collect();
-    let (n, k) = (24, 4);
+    // One draft a pass takes the decode step's chain of kernels where the decoder runs it
+    // (two rows), four take the prefill's blocks in f32.
+    let (n, kmax) = (24, 4);
     let plain = model.new_serving_cache(1, MAX_SEQ)?;
     let mut logits = None;
     for &t in &prompt {
         logits = Some(model.forward(&plain, &Tensor::new(&[t], &dev)?)?);
     }
     let mut want = vec![pick(logits.ok_or("no prompt")?, 0)?];
-    while want.len() < n + k {
+    while want.len() < n + kmax {
         let last = *want.last().ok_or("no token")?;
         let logits = model.forward(&plain, &Tensor::new(&[last], &dev)?)?;
         want.push(pick(logits, want.len())?);
     }
     let step = graft.as_deref_mut().map(|g| g.register("verify"));
-    for drafter in ["oracle", "wrong", "prompt lookup"] {
+    for (k, drafter) in [1, kmax]
+        .into_iter()
+        .flat_map(|k| ["oracle", "wrong", "prompt lookup"].map(|d| (k, d)))
+    {
         let cache = model.new_serving_cache(1, MAX_SEQ)?;
         for &t in &prompt[..prompt.len() - 1] {
             model.forward(&cache, &Tensor::new(&[t], &dev)?)?;
@@ -343,7 +348,7 @@ pub(crate) fn speculation_equals_plain_decoding(
         assert_eq!(
             got[..n],
             want[..n],
-            "{drafter}: speculative against plain decoding"
+            "{drafter}, {k} drafts a pass: speculative against plain decoding"
         );
     }
     Ok(())
