@@ -27,6 +27,22 @@ pub enum Error {
         /// The tensor's device.
         found: String,
     },
+    /// An input or static tensor lives on the runtime's GPU but on another candle device
+    /// (each `graft_candle::device` or `Device::new_cuda` call makes a new one, with its own
+    /// stream).
+    #[error(
+        "{role} {position} of {step} is on {location} but not on this runtime's device: another candle device of the same GPU, with its own stream (each graft_candle::device or Device::new_cuda call makes a new one); make the runtime and the tensors from one Device, cloned"
+    )]
+    OtherDeviceOfGpu {
+        /// The step called.
+        step: Arc<str>,
+        /// "input" or "static".
+        role: &'static str,
+        /// Its position in the slice passed.
+        position: usize,
+        /// The GPU both devices are on.
+        location: String,
+    },
     /// A tensor's dtype cannot cross graft's boundary (candle's raw-byte dummy types).
     #[error(
         "{role} {position} of {step} has dtype {dtype:?}, which graft-candle cannot copy; convert it to a standard dtype first"

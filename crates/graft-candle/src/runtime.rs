@@ -321,12 +321,21 @@ fn check_devices(
 ) -> Result<(), Error> {
     for (position, t) in tensors.iter().enumerate() {
         if !t.device().same_device(device) {
+            let (found, expected) = (t.device().location(), device.location());
+            if found == expected {
+                return Err(Error::OtherDeviceOfGpu {
+                    step: step.clone(),
+                    role,
+                    position,
+                    location: format!("{found:?}"),
+                });
+            }
             return Err(Error::WrongDevice {
                 step: step.clone(),
                 role,
                 position,
-                expected: format!("{:?}", device.location()),
-                found: format!("{:?}", t.device().location()),
+                expected: format!("{expected:?}"),
+                found: format!("{found:?}"),
             });
         }
     }

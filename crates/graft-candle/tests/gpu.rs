@@ -98,3 +98,28 @@ fn the_device_is_set_up_for_capture() -> TestResult {
     assert!(graft.is_graphed());
     Ok(())
 }
+
+/// A tensor of another candle device of the same GPU (a second `graft_candle::device(0)`,
+/// with its own stream) is refused with an error that says so, not with "cuda:0 is not
+/// cuda:0".
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_tensor_of_another_device_of_the_same_gpu_is_named_as_such() -> TestResult {
+    let (a, b) = (gpu(), gpu());
+    let mut graft = CandleGraft::new(&a)?;
+    let step = graft.register("step");
+    let x = Tensor::ones(4, DType::F32, &b)?;
+    let err = graft
+        .call(step, &[&x], &[], &[], |i| Ok(vec![(&i[0] * 2.0)?]))
+        .err()
+        .ok_or("a tensor of another device was taken")?;
+    assert!(
+        matches!(
+            err,
+            graft_candle::Error::OtherDeviceOfGpu { position: 0, .. }
+        ),
+        "{err}"
+    );
+    assert!(err.to_string().contains("one Device, cloned"), "{err}");
+    Ok(())
+}
