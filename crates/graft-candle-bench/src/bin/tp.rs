@@ -1,6 +1,7 @@
 //! graft-candle-tp: the Llama port split over GPUs, Megatron style (tensor parallelism: the
 //! attention heads and the MLP split, two NCCL sum all-reduces per layer captured into each
-//! rank's graphed decode step), one process per GPU, against the same model on one GPU.
+//! rank's graphed decode step: graft's one-shot kernel over NVLink up to `--one-shot-limit`
+//! bytes, NCCL above), one process per GPU, against the same model on one GPU.
 //!
 //! The parent first runs the whole model on GPU 0 alone (graft-candle and a hand-made graph),
 //! then frees it and starts `--procs` copies of itself as a job on this host (graft's
@@ -17,7 +18,7 @@
 //! with `NCCL_NVLS_ENABLE=0`; scripts/gpu-run.sh sets both too). GPU only (`cuda` feature).
 //!
 //! usage: graft-candle-tp [--procs 2] [--steps 120] [--rounds 3] [--batches 1,8,32]
-//!        [--models one-b,eight-b] [--job-timeout 900] [--json PATH]
+//!        [--models one-b,eight-b] [--per-op] [--one-shot-limit BYTES] [--job-timeout 900] [--json PATH]
 
 #[path = "tp/measure.rs"]
 mod measure;
@@ -85,6 +86,15 @@ struct Options {
     /// Models timed in bf16.
     #[arg(long, value_enum, value_delimiter = ',', default_values = ["one-b", "eight-b"])]
     models: Vec<Model>,
+    /// The largest all-reduce (bytes) the ranks send through graft's one-shot kernel over
+    /// peer memory instead of NCCL (`TpComm::set_one_shot_limit`; 0: NCCL always). Left out:
+    /// the default (on where the GPUs reach each other's memory).
+    #[arg(long)]
+    one_shot_limit: Option<usize>,
+    /// On one GPU, decode op by op (the ranks' kernels) instead of as one chain of
+    /// programmatic dependents (`Decoder::set_chained_step`; a split model runs op by op).
+    #[arg(long)]
+    per_op: bool,
     /// Seconds the job of `--procs` processes may run before it is killed.
     #[arg(long, default_value_t = 900)]
     job_timeout: u64,
@@ -106,6 +116,7 @@ fn run() -> BenchResult<()> {
         let models: Vec<Sizes> = o.models.iter().map(|m| m.sizes()).collect();
         return rank::run(
             &models,
+            o.one_shot_limit,
             &o.batches,
             o.steps,
             &o.timing,
@@ -169,7 +180,8 @@ fn one_gpu(o: &Options, device: &Device) -> BenchResult<(Tokens, Vec<Vec<Timed>>
     let mut timed = Vec::new();
     for m in &o.models {
         let started = Instant::now();
-        let model = llama::random(&m.sizes(), SEED, DType::BF16, device)?;
+        let mut model = llama::random(&m.sizes(), SEED, DType::BF16, device)?;
+        model.set_chained_step(!o.per_op);
         println!(
             "1 GPU: {} ({}) built in {:.1} s",
             m.name(),
@@ -193,7 +205,7 @@ fn one_gpu(o: &Options, device: &Device) -> BenchResult<(Tokens, Vec<Vec<Timed>>
 fn job(o: &Options) -> BenchResult<Vec<RankReport>> {
     let program = std::env::current_exe()?;
     let list = |v: Vec<String>| v.join(",");
-    let args = [
+    let mut args = vec![
         "--as-rank".to_owned(),
         "--steps".to_owned(),
         o.steps.to_string(),
@@ -204,6 +216,9 @@ fn job(o: &Options) -> BenchResult<Vec<RankReport>> {
         "--models".to_owned(),
         list(o.models.iter().map(|m| m.name().to_owned()).collect()),
     ];
+    if let Some(limit) = o.one_shot_limit {
+        args.extend(["--one-shot-limit".to_owned(), limit.to_string()]);
+    }
     let env = [
         ("NCCL_RUNTIME_CONNECT", "0".to_owned()),
         ("NCCL_NVLS_ENABLE", "0".to_owned()),

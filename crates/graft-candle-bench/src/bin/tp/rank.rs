@@ -59,6 +59,7 @@ fn joined(
 /// per variant, as `timing` splits them).
 pub(crate) fn run(
     models: &[Sizes],
+    one_shot_limit: Option<usize>,
     batches: &[usize],
     steps: usize,
     timing: &Timing,
@@ -68,6 +69,9 @@ pub(crate) fn run(
     let mut rendezvous = Rendezvous::join(&place, JOIN)?;
     let device = graft_candle::device(place.local_rank())?;
     let comm = TpComm::init_rank(&device, &place, &mut rendezvous, JOIN)?;
+    if let Some(limit) = one_shot_limit {
+        comm.set_one_shot_limit(limit);
+    }
     // One membership for every runtime of this rank, watched: a lost peer breaks them all and
     // aborts the communicator.
     let member = comm.member(AGREEMENT)?;
