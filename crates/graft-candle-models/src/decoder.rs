@@ -13,10 +13,10 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use candle_core::{D, DType, Device, Result, Tensor};
-use candle_nn::{Activation, Linear, VarBuilder};
+use candle_nn::{Linear, VarBuilder};
 use graft_candle_kernels::{
-    QkNorm, SideStream, StepLayer, StepModel, add_rms_norm, argmax_last, decode_attention,
-    decode_attention_fits, decode_step, decode_step_fits, linear_cat, rope_store,
+    QkNorm, SideStream, StepModel, add_rms_norm, argmax_last, decode_attention,
+    decode_attention_fits, linear_cat, rope_store,
 };
 
 use super::cache::KvCache;
@@ -27,6 +27,8 @@ use super::rope::Rope;
 use super::shard::Shard;
 use super::spec::DecoderSpec;
 use graft_candle::{CandleGraft, Error, Step, StepId, StepOutcome};
+
+mod chain;
 
 /// One transformer block.
 #[derive(Debug)]
@@ -119,51 +121,6 @@ impl Decoder {
     /// other way.
     pub fn set_chained_step(&mut self, on: bool) {
         self.step = if on { self.step_model() } else { None };
-    }
-
-    /// The decoder as `decode_step` takes it, if it is one it runs.
-    fn step_model(&self) -> Option<StepModel> {
-        let s = &self.spec;
-        if !self.fused_attention || self.shard.is_some() || s.act != Activation::Silu {
-            return None;
-        }
-        let dense = |p: &Proj| p.dense().map(|l| (l.weight().clone(), l.bias().cloned()));
-        let unbiased = |p: &Proj| match dense(p) {
-            Some((w, None)) => Some(w),
-            _ => None,
-        };
-        let mut layers = Vec::with_capacity(self.blocks.len());
-        for b in &self.blocks {
-            let Mlp::Gated { gate, up, down } = &b.mlp else {
-                return None;
-            };
-            layers.push(StepLayer {
-                attn_norm: b.attn_norm.clone(),
-                q: dense(&b.q)?,
-                k: dense(&b.k)?,
-                v: dense(&b.v)?,
-                qk_norm: b.qk_norm.clone(),
-                o: dense(&b.o)?,
-                mlp_norm: b.mlp_norm.clone(),
-                gate: unbiased(gate)?,
-                up: unbiased(up)?,
-                down: unbiased(down)?,
-            });
-        }
-        Some(StepModel {
-            embed: self.embed.clone(),
-            layers,
-            norm: self.norm.clone(),
-            head: unbiased(&self.lm_head)?,
-            cos: self.rope.cos.clone(),
-            sin: self.rope.sin.clone(),
-            style: self.rope.style(),
-            heads: s.heads,
-            kv_heads: s.kv_heads,
-            head_dim: s.head_dim,
-            eps: s.eps as f32,
-            window: s.sliding_window,
-        })
     }
 
     /// Loads a decoder of `spec` from a checkpoint in the Hugging Face layout (the tensor
@@ -420,37 +377,6 @@ impl Decoder {
         })?;
         cache.advance(batch);
         Ok(out)
-    }
-
-    /// The logits (`[batch, vocab]` f32) of `tokens` (`[batch]` u32) at `positions` through
-    /// graft-candle-kernels' `decode_step` chain, writing their keys and values into cache
-    /// rows `rows` (any of the cache's rows; a verify pass gives one row k + 1 times at
-    /// consecutive positions, which the chain's cache write before its attention makes
-    /// causal) or into rows `0..batch`; `None` where the chain does not take this decoder or
-    /// this many rows. Advances no position.
-    pub(crate) fn chain_logits(
-        &self,
-        cache: &KvCache,
-        tokens: &Tensor,
-        positions: &Tensor,
-        rows: Option<&Tensor>,
-    ) -> Result<Option<Tensor>> {
-        let batch = tokens.dims1()?;
-        let s = &self.spec;
-        let fits = |m: &&StepModel| {
-            decode_step_fits(m.embed.dtype(), batch, s.heads, s.kv_heads, s.head_dim).is_ok()
-        };
-        let Some(step) = self.step.as_ref().filter(fits) else {
-            return Ok(None);
-        };
-        let caches = (0..s.layers)
-            .map(|i| match rows {
-                Some(_) => cache.layer_all(i),
-                None => cache.layer(i, batch),
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let logits = decode_step(step, &caches, tokens, positions, rows)?;
-        Ok(Some(logits.to_dtype(DType::F32)?))
     }
 
     /// The step itself (no host-side checks): capturable.

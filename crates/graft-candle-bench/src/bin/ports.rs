@@ -15,6 +15,9 @@
 //! usage: graft-candle-ports [--steps N] [--rounds R] [--only NAME] [--skip-1b] [--skip-small]
 //!                           [--from P] [--max-seq S] [--per-op] [--no-pdl] [--profile-steps N] [--json PATH]
 
+#[path = "ports/overlap.rs"]
+mod overlap;
+
 use std::collections::HashMap;
 use std::time::Instant;
 
@@ -370,64 +373,6 @@ fn time_graft(
     Ok(times)
 }
 
-/// A decoder with shared experts (Qwen2-MoE), its step with them on the side stream against
-/// the same step with them on the device's stream: each recorded by a runtime of its own (the
-/// setting is read when the body runs), then timed in alternating rounds. Per batch, the two
-/// median steps (µs).
-fn overlap(
-    c: &mut Case,
-    cache: &KvCache,
-    o: &Options,
-    device: &Device,
-) -> BenchResult<Vec<(f64, f64)>> {
-    let mut runtimes = Vec::new();
-    for side in [true, false] {
-        c.ours.set_side_stream(side)?;
-        let mut graft = CandleGraft::new(device)?;
-        let step = graft.register_bucketed("decode", Buckets::new(BUCKETS)?);
-        // Warm up and record every bucket with this setting.
-        for batch in BUCKETS {
-            time_graft(c, &mut graft, step, cache, batch, 1, 5, device)?;
-        }
-        runtimes.push((graft, step));
-    }
-    c.ours.set_side_stream(true)?;
-    let per_round = o.timing.per_round(o.steps)?;
-    let mut medians = Vec::new();
-    for batch in BUCKETS {
-        let mut times = [Vec::new(), Vec::new()];
-        for _ in 0..o.timing.rounds {
-            for ((graft, step), t) in runtimes.iter_mut().zip(&mut times) {
-                t.extend(time_graft(
-                    c,
-                    graft,
-                    *step,
-                    cache,
-                    batch,
-                    per_round,
-                    5 + o.from,
-                    device,
-                )?);
-            }
-        }
-        let [side, one] = &mut times;
-        medians.push((median(side), median(one)));
-    }
-    for (graft, _) in &runtimes {
-        if let Some(g) = graft.graft() {
-            let s = g.stats();
-            if s.recordings != BUCKETS.len() as u64 || s.eager_runs > 0 {
-                return Err(format!(
-                    "the overlap runtimes recorded {} graphs and ran {} calls eagerly; want one recording per bucket",
-                    s.recordings, s.eager_runs
-                )
-                .into());
-            }
-        }
-    }
-    Ok(medians)
-}
-
 fn measure(
     c: &mut Case,
     graft: &mut CandleGraft,
@@ -592,7 +537,7 @@ fn run() -> BenchResult<()> {
                 rows.push(row);
             }
             if c.ours.spec().moe.is_some_and(|m| m.shared.is_some()) {
-                match overlap(&mut c, &cache, &o, &device) {
+                match overlap::overlap(&mut c, &cache, &o, &device) {
                     Ok(medians) => {
                         for (batch, (side, one)) in BUCKETS.iter().zip(medians) {
                             let row = format!(
