@@ -114,3 +114,67 @@ fn speculation_in_the_engine_changes_no_token() -> serve::TestResult {
         Ok(graft_candle::CandleGraft::new(&Device::Cpu)?)
     })
 }
+
+/// The rejection rule, counted: one draft d, verified under sampling with the two most likely
+/// tokens kept (top-k 2), is accepted with the model's probability of d, and a rejection emits
+/// the other token (the residual distribution), over 1,000 seeds. The frequency must be within
+/// 5 standard deviations of the probability (computed here in f64 from the pass's own logits:
+/// the plain decode step's at the same position), and both outcomes must occur.
+#[test]
+fn a_draft_is_accepted_with_the_models_probability_of_it() -> serve::TestResult {
+    let dir = tempfile::tempdir()?;
+    let model = serve::model(None, &Device::Cpu, dir.path())?;
+    let dev = Device::Cpu;
+    let prompt = [5u32, 17, 99, 3];
+    let cache = model.new_serving_cache(1, serve::MAX_SEQ)?;
+    for &t in &prompt[..prompt.len() - 1] {
+        model.forward(&cache, &Tensor::new(&[t], &dev)?)?;
+    }
+    let at = (prompt.len() - 1) as u32;
+    let last = prompt[prompt.len() - 1];
+    // The two most likely tokens after the prompt and the probability of the second among
+    // them at temperature 1: p(d) = 1 / (1 + exp(l_top - l_d)).
+    let logits: Vec<f32> = model
+        .forward(&cache, &Tensor::new(&[last], &dev)?)?
+        .squeeze(0)?
+        .to_vec1()?;
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+    let (top, d) = (order[0] as u32, order[1] as u32);
+    let p = 1.0 / (1.0 + f64::from(logits[order[0]] - logits[order[1]]).exp());
+    let draws = 1000;
+    let mut accepted = 0;
+    for seed in 0..draws {
+        cache.set_position(0, at)?;
+        let sampling = SampleParams {
+            temperature: 1.0,
+            top_k: 2,
+            top_p: 1.0,
+            seed,
+            index: 0,
+        };
+        let v = model.verify_forward(&cache, 0, &Tensor::new(&[last, d], &dev)?, sampling)?;
+        match v.accepted {
+            1 => {
+                accepted += 1;
+                assert_eq!(v.tokens()[0], d, "an accepted draft is emitted");
+            }
+            _ => assert_eq!(
+                v.tokens(),
+                [top],
+                "a rejection emits the residual's only token"
+            ),
+        }
+    }
+    let freq = f64::from(accepted) / draws as f64;
+    let sigma = (p * (1.0 - p) / draws as f64).sqrt();
+    assert!(
+        (freq - p).abs() <= 5.0 * sigma.max(1e-3),
+        "draft accepted {accepted} of {draws} times ({freq:.3}), the model gives it {p:.3}"
+    );
+    assert!(
+        0 < accepted && accepted < draws as u32,
+        "p(d) = {p:.3}: pick a prompt whose two best tokens are closer"
+    );
+    Ok(())
+}
