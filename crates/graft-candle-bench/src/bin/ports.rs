@@ -70,8 +70,9 @@ struct Options {
     /// dependents (`graft_candle_kernels::set_programmatic(false)`).
     #[arg(long)]
     no_pdl: bool,
-    /// After each batch's timing, this many more graft steps (from position 0) inside a CUDA
-    /// profiler range, for `ncu --profile-from-start off`: the replayed step's kernels alone.
+    /// After each batch's timing, this many more graft steps (from position `--from`) inside a
+    /// CUDA profiler range, for `ncu --profile-from-start off`: the replayed step's kernels
+    /// alone.
     #[arg(long, default_value_t = 0)]
     profile_steps: usize,
 }
@@ -419,6 +420,9 @@ fn measure(
     if o.profile_steps > 0 {
         cache.reset()?;
         let mut t = first_tokens(batch, vocab, device)?;
+        for _ in 0..o.from {
+            t = ours_step(c, graft, step, cache, &t)?;
+        }
         graft_candle_bench::profiler::profiled(|| {
             for _ in 0..o.profile_steps {
                 t = ours_step(c, graft, step, cache, &t)?;
