@@ -8,9 +8,11 @@
 //! one GGUF file). Each (architecture, size, batch) first decodes 64 greedy steps with both
 //! from the same tokens and reports how many steps agree (in bf16 the two add in other orders,
 //! so tokens may part; tests/gpu.rs checks equality in f32). Then both are timed from
-//! position 5 + `--from` (0 by default; each round restarts at 0): each step is one call and a synchronize of candle's stream, timed on the host;
-//! the two alternate in rounds; the figure is the median step. candle's models attend over
-//! the positions so far, the port over its whole static cache (`--max-seq`, 256).
+//! position 5 + `--from` (0 by default; each round restarts at 0): each step is one call and
+//! a synchronize of candle's stream, timed on the host; the two alternate in rounds; the
+//! figure is the median step. candle's models attend over the positions so far, and so does
+//! the port (its attention reads up to each position; its launch covers the whole static
+//! cache, `--max-seq`, 256, so one recording serves them all).
 //!
 //! usage: graft-candle-ports [--steps N] [--rounds R] [--only NAME] [--skip-1b] [--skip-small]
 //!                           [--from P] [--max-seq S] [--per-op] [--no-pdl] [--profile-steps N] [--json PATH]
