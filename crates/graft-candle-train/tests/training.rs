@@ -349,3 +349,129 @@ fn fused_training_matches_unfused() -> Result<()> {
     );
     Ok(())
 }
+
+/// A warmup-cosine schedule sets every step's rate on the device from the applied-step
+/// count, in both update paths: the rate each step used and the parameter it moved follow the
+/// host formula; a constant rate is refused while the schedule is set and restored when it is
+/// cleared; schedules that cannot be followed are refused.
+#[test]
+fn a_schedule_sets_each_steps_rate_on_the_device() -> Result<()> {
+    use graft_candle_train::optim::LrSchedule;
+    let device = Device::Cpu;
+    let schedule = LrSchedule::WarmupCosine {
+        peak: 1.0,
+        warmup: 3,
+        total: 10,
+        floor: 0.1,
+    };
+    for update in [Update::MultiTensor, Update::Elementwise] {
+        let w = Var::new(&[0.0f32], &device)?;
+        let cfg = SgdConfig {
+            lr: 0.5,
+            momentum: 0.0,
+            weight_decay: 0.0,
+        };
+        let mut sgd = Sgd::with_update(vec![w.clone()], cfg, update)?;
+        sgd.set_schedule(Some(schedule))?;
+        let g = Given(vec![(
+            w.as_tensor().clone(),
+            Tensor::new(&[1.0f32], &device)?,
+        )]);
+        let mut moved = 0.0;
+        for t in 0..12 {
+            sgd.step(&g)?;
+            let want = schedule.rate_at(t);
+            moved -= want;
+            let used = sgd.learning_rate_now()?;
+            assert!(
+                (used - want).abs() < 1e-6,
+                "{update:?} step {t}: rate {used}, want {want}"
+            );
+            let got = f64::from(w.as_tensor().to_vec1::<f32>()?[0]);
+            assert!(
+                (got - moved).abs() < 1e-5,
+                "{update:?} step {t}: w {got}, want {moved}"
+            );
+        }
+        assert!((schedule.rate_at(0) - 1.0 / 3.0).abs() < 1e-12);
+        assert!((schedule.rate_at(2) - 1.0).abs() < 1e-12);
+        assert!((schedule.rate_at(10) - 0.1).abs() < 1e-12);
+        assert!(
+            sgd.set_learning_rate(0.25).is_err(),
+            "a constant rate under a schedule"
+        );
+        sgd.set_schedule(None)?;
+        sgd.step(&g)?;
+        assert_eq!(
+            sgd.learning_rate_now()?,
+            0.5,
+            "the constant rate comes back"
+        );
+        sgd.set_learning_rate(0.25)?;
+        for bad in [
+            LrSchedule::WarmupCosine {
+                peak: 1.0,
+                warmup: 5,
+                total: 5,
+                floor: 0.0,
+            },
+            LrSchedule::WarmupCosine {
+                peak: 0.1,
+                warmup: 0,
+                total: 5,
+                floor: 0.2,
+            },
+            LrSchedule::WarmupCosine {
+                peak: f64::NAN,
+                warmup: 0,
+                total: 5,
+                floor: 0.0,
+            },
+        ] {
+            assert!(sgd.set_schedule(Some(bad)).is_err(), "{bad:?}");
+        }
+    }
+    Ok(())
+}
+
+/// Gradient clipping on the device: gradients of global norm 5 clipped to 1 are scaled by
+/// PyTorch's `max_norm / (norm + 1e-6)`, left alone under a larger bound, and a non-finite
+/// gradient makes the step a skipped one; a bound of 0 is refused.
+#[test]
+fn clipping_scales_the_gradients_to_the_norm_on_the_device() -> Result<()> {
+    use graft_candle_train::optim::clip_grad_norm;
+    let device = Device::Cpu;
+    let (a, b) = (
+        Var::new(&[1.0f32], &device)?,
+        Var::new(&[1.0f32, 1.0], &device)?,
+    );
+    let grads = |ga: f32| -> Result<Given> {
+        Ok(Given(vec![
+            (a.as_tensor().clone(), Tensor::new(&[ga], &device)?),
+            (b.as_tensor().clone(), Tensor::new(&[4.0f32, 0.0], &device)?),
+        ]))
+    };
+    let g = grads(3.0)?;
+    let clipped = clip_grad_norm([&a, &b], &g, 1.0)?;
+    assert_eq!(clipped.norm().to_vec1::<f32>()?, [5.0]);
+    let coef = (1.0 / (5.0 + 1e-6)) as f32;
+    let got_a = clipped.gradient(a.as_tensor()).unwrap().to_vec1::<f32>()?;
+    let got_b = clipped.gradient(b.as_tensor()).unwrap().to_vec1::<f32>()?;
+    assert!((got_a[0] - 3.0 * coef).abs() < 1e-6, "{got_a:?}");
+    assert!(
+        (got_b[0] - 4.0 * coef).abs() < 1e-6 && got_b[1] == 0.0,
+        "{got_b:?}"
+    );
+    let loose = clip_grad_norm([&a, &b], &g, 10.0)?;
+    assert_eq!(
+        loose.gradient(a.as_tensor()).unwrap().to_vec1::<f32>()?,
+        [3.0]
+    );
+    assert!(clip_grad_norm([&a, &b], &g, 0.0).is_err());
+    // A NaN gradient: every clipped gradient is NaN, and AdamW skips the step.
+    let mut adamw = AdamW::new(vec![a.clone(), b.clone()], AdamWConfig::default())?;
+    adamw.step(&clip_grad_norm([&a, &b], &grads(f32::NAN)?, 1.0)?)?;
+    assert_eq!(adamw.skipped_steps()?, 1);
+    assert_eq!(a.as_tensor().to_vec1::<f32>()?, [1.0]);
+    Ok(())
+}

@@ -5,7 +5,7 @@ use candle_core::{Result, Tensor, Var};
 use graft_candle_kernels::{AdamWHyper, OptimSlot, adamw_update};
 
 use super::scalars::{Scalars, with_gradients};
-use super::{Gradients, Update};
+use super::{Gradients, LrSchedule, Update};
 
 /// AdamW's hyperparameters; the defaults are candle-nn's and PyTorch's.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -106,6 +106,7 @@ impl AdamW {
     /// count, or, when a gradient is not finite, leaves every parameter and moment as it was
     /// and counts a skipped step. Parameters without a gradient are left alone.
     pub fn step(&mut self, grads: &impl Gradients) -> Result<()> {
+        self.scalars.follow_schedule()?;
         let found = with_gradients(&self.params, |p| &p.var, grads)?;
         if self.update == Update::Elementwise {
             return self.elementwise(&found);
@@ -171,11 +172,26 @@ impl AdamW {
 
     /// Sets the learning rate of the next steps: a write to a device tensor, between steps
     /// (never inside a recorded step: that would be an upload). Recorded steps follow it.
+    /// Refused while a schedule is set ([`Self::set_schedule`]).
     pub fn set_learning_rate(&mut self, lr: f64) -> Result<()> {
         self.scalars.set_lr(lr)
     }
 
-    /// The learning rate last set.
+    /// Makes every later step compute its learning rate on the device from the applied-step
+    /// count (`None`: back to the constant rate last set). A step recorded with a schedule
+    /// replays following it; one recorded without reads whatever rate the slot holds.
+    pub fn set_schedule(&mut self, schedule: Option<LrSchedule>) -> Result<()> {
+        self.scalars.set_schedule(schedule)
+    }
+
+    /// The learning rate the last step used (the scheduled one under a schedule): a host
+    /// read, so between steps.
+    pub fn learning_rate_now(&self) -> Result<f64> {
+        self.scalars.lr_device()
+    }
+
+    /// The constant learning rate last set (under a schedule, [`Self::learning_rate_now`]
+    /// gives the rate a step used).
     pub fn learning_rate(&self) -> f64 {
         self.scalars.lr_host()
     }

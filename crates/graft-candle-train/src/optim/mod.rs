@@ -10,7 +10,9 @@
 //! - the step count `t` is an f32 on the device that the update advances, and the bias
 //!   corrections are `1 - exp(t ln beta)`, computed from it;
 //! - the learning rate is an f32 on the device: [`AdamW::set_learning_rate`] writes it between
-//!   steps (an upload, never inside a step), so a schedule changes it without a new recording;
+//!   steps (an upload, never inside a step), so a host-side schedule changes it without a new
+//!   recording; or [`AdamW::set_schedule`] makes each step compute it on the device from the
+//!   step count ([`LrSchedule`]: warmup and cosine decay), with no host write at all;
 //! - a step whose gradients are not all finite is skipped on the device: no parameter or
 //!   state changes, the step count does not advance, and a skip counter does
 //!   ([`AdamW::skipped_steps`]).
@@ -25,15 +27,20 @@
 //! parameter, every update a `where` on the device flag.
 //!
 //! Gradients come from candle's `GradStore` (one backward) or from a [`GradAccumulator`]
-//! (several micro-batches), through [`Gradients`].
+//! (several micro-batches), through [`Gradients`]; [`clip_grad_norm`] scales them to a global
+//! norm on the device, inside the step.
 
 mod accumulate;
 mod adamw;
+mod clip;
 mod scalars;
+mod schedule;
 mod sgd;
 
 pub use accumulate::GradAccumulator;
 pub use adamw::{AdamW, AdamWConfig};
+pub use clip::{ClippedGradients, clip_grad_norm};
+pub use schedule::LrSchedule;
 pub use sgd::{Sgd, SgdConfig};
 
 /// How an optimizer step updates the parameters.

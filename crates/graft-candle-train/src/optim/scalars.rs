@@ -6,7 +6,7 @@
 use candle_core::{DType, Device, Result, Tensor, Var};
 use graft_candle_kernels::{OPTIM_SCALARS, OptimSlot, optim_scalars};
 
-use super::Gradients;
+use super::{Gradients, LrSchedule};
 
 /// An optimizer's scalars: a `[4]` f32 tensor on the parameters' device, by [`OptimSlot`].
 #[derive(Debug)]
@@ -14,6 +14,8 @@ pub(crate) struct Scalars {
     values: Var,
     /// The rate last written, so reading it costs no device round trip.
     lr_host: f64,
+    /// The schedule each step's rate follows, if any.
+    schedule: Option<LrSchedule>,
 }
 
 /// The flag of one elementwise step: whether every gradient was finite.
@@ -28,11 +30,17 @@ impl Scalars {
         Ok(Scalars {
             values: Var::from_tensor(&optim_scalars(lr, device)?)?,
             lr_host: lr,
+            schedule: None,
         })
     }
 
     pub(crate) fn set_lr(&mut self, lr: f64) -> Result<()> {
         check_rate(lr)?;
+        if self.schedule.is_some() {
+            candle_core::bail!(
+                "the learning rate follows a schedule: call set_schedule(None) before setting a constant rate"
+            );
+        }
         let value = Tensor::new(&[lr as f32], self.values.device())?;
         self.values
             .slice_set(&value, 0, OptimSlot::LearningRate.index())?;
@@ -42,6 +50,36 @@ impl Scalars {
 
     pub(crate) fn lr_host(&self) -> f64 {
         self.lr_host
+    }
+
+    /// Makes every later step's rate follow `schedule` (`None`: the last constant rate set).
+    pub(crate) fn set_schedule(&mut self, schedule: Option<LrSchedule>) -> Result<()> {
+        if let Some(s) = &schedule {
+            s.check()?;
+        } else if self.schedule.is_some() {
+            let value = Tensor::new(&[self.lr_host as f32], self.values.device())?;
+            self.values
+                .slice_set(&value, 0, OptimSlot::LearningRate.index())?;
+        }
+        self.schedule = schedule;
+        Ok(())
+    }
+
+    /// At the start of a step: writes the scheduled rate of the step count into the rate's
+    /// slot, on the device (nothing without a schedule).
+    pub(crate) fn follow_schedule(&self) -> Result<()> {
+        let Some(schedule) = &self.schedule else {
+            return Ok(());
+        };
+        let rate = schedule.rate(&self.slot(OptimSlot::Applied)?)?;
+        self.values
+            .slice_set(&rate, 0, OptimSlot::LearningRate.index())
+    }
+
+    /// The rate in the device's slot: the last step's under a schedule (a host read).
+    pub(crate) fn lr_device(&self) -> Result<f64> {
+        let v = self.slot(OptimSlot::LearningRate)?.to_vec1::<f32>()?;
+        Ok(f64::from(v.first().copied().unwrap_or(0.0)))
     }
 
     /// The `[4]` tensor: what the multi-tensor updates read and advance, and a static of the

@@ -9,7 +9,7 @@ use candle_nn::Optimizer;
 use graft_candle::random::DeviceRng;
 use graft_candle::{CandleGraft, Error, StepOutcome};
 use graft_candle_train::Trainable;
-use graft_candle_train::optim::{AdamW, GradAccumulator};
+use graft_candle_train::optim::{AdamW, GradAccumulator, LrSchedule, clip_grad_norm};
 use graft_core::{CallError, Config, FunctionSpec, Mode};
 
 use super::training::{adamw_step, batches, config, model_and_adamw, parameters, schedule};
@@ -44,6 +44,19 @@ fn train(
     inf_at: Option<usize>,
     dropout: bool,
 ) -> Fallible<(Run, Vec<StepOutcome>)> {
+    train_with(device, graft, n, inf_at, dropout, false)
+}
+
+/// [`train`], or with `in_step` the rate following [`IN_STEP`] on the device and the
+/// gradients clipped to norm 1 inside the step instead.
+fn train_with(
+    device: &Device,
+    graft: Option<&mut CandleGraft>,
+    n: usize,
+    inf_at: Option<usize>,
+    dropout: bool,
+    in_step: bool,
+) -> Fallible<(Run, Vec<StepOutcome>)> {
     let (model, mut opt) = model_and_adamw(device)?;
     let data = batches(&config(), 4, 32, 4, device)?;
     let rng = DeviceRng::new(device, 11)?;
@@ -58,8 +71,13 @@ fn train(
         let id = g.register("train");
         (g, id)
     });
+    if in_step {
+        opt.set_schedule(Some(IN_STEP))?;
+    }
     for i in 0..n {
-        opt.set_learning_rate(schedule(i))?;
+        if !in_step {
+            opt.set_learning_rate(schedule(i))?;
+        }
         let (tokens, targets) = &data[i % data.len()];
         let scale = if inf_at == Some(i) {
             f32::INFINITY
@@ -69,7 +87,13 @@ fn train(
         let scale = Tensor::new(&[scale], device)?;
         let mut body = |x: &[Tensor]| -> candle_core::Result<Vec<Tensor>> {
             let loss = model.loss(&x[0], &x[1], drop)?.broadcast_mul(&x[2])?;
-            opt.step(&loss.backward()?)?;
+            let grads = loss.backward()?;
+            if in_step {
+                let clipped = clip_grad_norm(opt.vars(), &grads, 1.0)?;
+                opt.step(&clipped)?;
+            } else {
+                opt.step(&grads)?;
+            }
             Ok(vec![loss])
         };
         let loss = match &mut graft {
@@ -135,6 +159,33 @@ fn two_hundred_training_steps_replay_and_equal_eager_bit_for_bit() -> TestResult
             graphed.losses
         );
     }
+    Ok(())
+}
+
+/// The schedule of the in-step run: warmup over 10 steps, cosine decay to step 150.
+const IN_STEP: LrSchedule = LrSchedule::WarmupCosine {
+    peak: 3e-3,
+    warmup: 10,
+    total: 150,
+    floor: 3e-4,
+};
+
+/// The learning-rate schedule and gradient clipping inside the recorded step: one recording
+/// for 200 steps (no host write between them), every step's rate and clipping computed by
+/// the replay on the device, equal to eager bit for bit, and the last step's rate the
+/// schedule's.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_schedule_and_clipping_inside_the_recorded_step_replay_like_eager() -> TestResult {
+    let device = gpu();
+    let n = steps(200, 6);
+    let (eager, _) = train_with(&device, None, n, None, false, true)?;
+    let mut graft = CandleGraft::new(&device)?;
+    let (graphed, outcomes) = train_with(&device, Some(&mut graft), n, None, false, true)?;
+    assert_eq!(replays(&outcomes), n - 2, "{outcomes:?}");
+    assert_eq!(graft.graft().map(|g| g.stats().recordings), Some(1));
+    assert!(eager == graphed, "{}", first_difference(&eager, &graphed));
+    assert_eq!((graphed.applied, graphed.skipped), (n as u64, 0));
     Ok(())
 }
 
