@@ -20,14 +20,20 @@ pub enum LrSchedule {
 }
 
 impl LrSchedule {
-    /// The rate at step `t`, on the host in f64 (the device computes it in f32).
-    pub fn rate_at(&self, t: u64) -> f64 {
+    /// (peak, warmup, total, floor).
+    fn parts(&self) -> (f64, u64, u64, f64) {
         let LrSchedule::WarmupCosine {
             peak,
             warmup,
             total,
             floor,
         } = *self;
+        (peak, warmup, total, floor)
+    }
+
+    /// The rate at step `t`, on the host in f64 (the device computes it in f32).
+    pub fn rate_at(&self, t: u64) -> f64 {
+        let (peak, warmup, total, floor) = self.parts();
         let t = t as f64;
         let (w, n) = (warmup as f64, total as f64);
         let progress = ((t - w) / (n - w)).clamp(0.0, 1.0);
@@ -41,12 +47,7 @@ impl LrSchedule {
 
     /// Refuses a schedule that cannot be followed.
     pub(crate) fn check(&self) -> Result<()> {
-        let LrSchedule::WarmupCosine {
-            peak,
-            warmup,
-            total,
-            floor,
-        } = *self;
+        let (peak, warmup, total, floor) = self.parts();
         if !(peak.is_finite() && floor.is_finite() && 0.0 <= floor && floor <= peak) {
             candle_core::bail!(
                 "a warmup-cosine schedule needs finite rates with 0 <= floor <= peak, got peak {peak} and floor {floor}"
@@ -64,12 +65,7 @@ impl LrSchedule {
     /// unary ops only (a clamp or minimum against a host scalar would upload it, which a
     /// recording must not hold): max(x, 0) is relu, min(a, b) is (a + b - |a - b|) / 2.
     pub(crate) fn rate(&self, t: &Tensor) -> Result<Tensor> {
-        let LrSchedule::WarmupCosine {
-            peak,
-            warmup,
-            total,
-            floor,
-        } = *self;
+        let (peak, warmup, total, floor) = self.parts();
         let span = (total - warmup) as f64;
         let x = t.affine(1.0 / span, -(warmup as f64) / span)?;
         // clamp(x, 0, 1) = 1 - relu(1 - relu(x)).
