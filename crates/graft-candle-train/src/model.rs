@@ -95,6 +95,18 @@ impl Trainable {
         &self.vars
     }
 
+    /// The weights by checkpoint name (what [`Trainable::from_weights`] takes): save them
+    /// with `candle_core::safetensors::save` to resume or to serve the trained model.
+    pub fn weights(&self) -> HashMap<String, Tensor> {
+        self.decoder
+            .spec()
+            .checkpoint_tensors()
+            .into_iter()
+            .map(|(name, _)| name)
+            .zip(self.vars.iter().map(|v| v.as_tensor().clone()))
+            .collect()
+    }
+
     /// The constant tensors a step reads (rotary tables and mask), to pass as statics along
     /// with the optimizer's.
     pub fn constants(&self) -> [&Tensor; 3] {

@@ -475,3 +475,86 @@ fn clipping_scales_the_gradients_to_the_norm_on_the_device() -> Result<()> {
     assert_eq!(a.as_tensor().to_vec1::<f32>()?, [1.0]);
     Ok(())
 }
+
+/// Checkpoint and resume: after 3 steps with dropout, the weights, AdamW's state and the
+/// generator's state saved to a safetensors file and loaded into a fresh model, optimizer
+/// and generator continue the run exactly: the next 3 steps' losses and the final weights are
+/// the uninterrupted run's, bit for bit. A state of other shapes is refused.
+#[test]
+fn a_run_resumed_from_a_checkpoint_continues_it_bit_for_bit() -> Result<()> {
+    use std::collections::HashMap;
+
+    use graft_candle::random::DeviceRng;
+    let device = Device::Cpu;
+    let data = batches(&config(), 2, 16, 6, &device)?;
+    let step = |model: &Trainable, opt: &mut AdamW, rng: &DeviceRng, i: usize| -> Result<f32> {
+        let drop = |x: &Tensor| rng.dropout(x, 0.1);
+        let (tokens, targets) = &data[i];
+        let loss = model.loss(tokens, targets, Some(&drop))?;
+        opt.step(&loss.backward()?)?;
+        loss.to_vec1::<f32>().map(|l| l[0])
+    };
+    let (model, mut opt) = model_and_adamw(&device)?;
+    let rng = DeviceRng::new(&device, 11)?;
+    for i in 0..3 {
+        step(&model, &mut opt, &rng, i)?;
+    }
+    let mut saved: HashMap<String, Tensor> = model.weights();
+    saved.extend(opt.state());
+    saved.insert("rng".to_owned(), rng.state().clone());
+    let path = std::env::temp_dir().join(format!(
+        "graft-candle-train-checkpoint-{}.safetensors",
+        std::process::id()
+    ));
+    candle_core::safetensors::save(&saved, &path)?;
+    let want: Vec<f32> = (3..6)
+        .map(|i| step(&model, &mut opt, &rng, i))
+        .collect::<Result<_>>()?;
+
+    let loaded = candle_core::safetensors::load(&path, &device)?;
+    std::fs::remove_file(&path)?;
+    let resumed = Trainable::from_weights(&config(), &loaded)?;
+    let mut opt2 = AdamW::new(
+        resumed.vars().to_vec(),
+        AdamWConfig {
+            lr: 1.0,
+            ..AdamWConfig::default()
+        },
+    )?;
+    opt2.load_state(&loaded)?;
+    assert_eq!(opt2.applied_steps()?, 3);
+    // The rate comes back as the device holds it: an f32.
+    assert_eq!(
+        opt2.learning_rate() as f32,
+        opt.learning_rate() as f32,
+        "the saved rate comes back"
+    );
+    let rng2 = DeviceRng::new(&device, 99)?;
+    rng2.load_state(&loaded["rng"])?;
+    let got: Vec<f32> = (3..6)
+        .map(|i| step(&resumed, &mut opt2, &rng2, i))
+        .collect::<Result<_>>()?;
+    assert_eq!(
+        got.iter().map(|l| l.to_bits()).collect::<Vec<_>>(),
+        want.iter().map(|l| l.to_bits()).collect::<Vec<_>>(),
+        "losses after resuming: {got:?} against {want:?}"
+    );
+    assert_eq!(parameters(&resumed)?, parameters(&model)?);
+
+    let mut wrong = loaded.clone();
+    wrong.insert(
+        "adamw.m.0".to_owned(),
+        Tensor::zeros(3, DType::F32, &device)?,
+    );
+    let before = parameters(&resumed)?;
+    assert!(
+        opt2.load_state(&wrong).is_err(),
+        "a moment of another shape"
+    );
+    assert!(
+        rng2.load_state(&Tensor::zeros(3, DType::U32, &device)?)
+            .is_err()
+    );
+    assert_eq!(parameters(&resumed)?, before);
+    Ok(())
+}

@@ -1,10 +1,12 @@
 //! AdamW (Loshchilov and Hutter) with its step count, bias corrections and learning rate on
 //! the device.
 
+use std::collections::HashMap;
+
 use candle_core::{Result, Tensor, Var};
 use graft_candle_kernels::{AdamWHyper, OptimSlot, adamw_update};
 
-use super::scalars::{Scalars, with_gradients};
+use super::scalars::{Scalars, checked, with_gradients};
 use super::{Gradients, LrSchedule, Update};
 
 /// AdamW's hyperparameters; the defaults are candle-nn's and PyTorch's.
@@ -205,6 +207,42 @@ impl AdamW {
     /// Steps skipped because a gradient was not finite (a host read, so between steps).
     pub fn skipped_steps(&self) -> Result<u64> {
         self.scalars.skipped_steps()
+    }
+
+    /// The optimizer's state for a checkpoint, by name: each parameter's moments
+    /// (`adamw.m.{i}`, `adamw.v.{i}`, `i` its index in the order given) and the scalars
+    /// (`adamw.scalars`: learning rate, applied and skipped steps). Save it beside the
+    /// parameters (`candle_core::safetensors::save`); [`AdamW::load_state`] resumes from it.
+    pub fn state(&self) -> Vec<(String, Tensor)> {
+        let mut all = Vec::with_capacity(2 * self.params.len() + 1);
+        for (i, p) in self.params.iter().enumerate() {
+            all.push((format!("adamw.m.{i}"), p.m.as_tensor().clone()));
+            all.push((format!("adamw.v.{i}"), p.v.as_tensor().clone()));
+        }
+        all.push(("adamw.scalars".to_owned(), self.scalars.tensor().clone()));
+        all
+    }
+
+    /// Resumes from `state` (what [`AdamW::state`] gave, for parameters of the same shapes in
+    /// the same order), written into this optimizer's own tensors in place, so steps recorded
+    /// with it stay valid; the next step continues the saved run exactly. Between steps (a
+    /// host write). Fails, changing nothing, when a tensor is missing or of another shape or
+    /// dtype.
+    pub fn load_state(&mut self, state: &HashMap<String, Tensor>) -> Result<()> {
+        let mut writes = Vec::with_capacity(2 * self.params.len());
+        for (i, p) in self.params.iter().enumerate() {
+            for (name, var) in [
+                (format!("adamw.m.{i}"), &p.m),
+                (format!("adamw.v.{i}"), &p.v),
+            ] {
+                writes.push((var, checked(state, &name, var.as_tensor())?));
+            }
+        }
+        let scalars = checked(state, "adamw.scalars", self.scalars.tensor())?;
+        for (var, t) in writes {
+            var.set(t)?;
+        }
+        self.scalars.load(scalars)
     }
 
     /// The parameters, in the order given.

@@ -3,6 +3,8 @@
 //! optimizer scalars, one `[4]` f32 tensor), the parameters a step updates, and the
 //! all-finite flag that gates the elementwise reference update.
 
+use std::collections::HashMap;
+
 use candle_core::{DType, Device, Result, Tensor, Var};
 use graft_candle_kernels::{OPTIM_SCALARS, OptimSlot, optim_scalars};
 
@@ -74,6 +76,14 @@ impl Scalars {
         let rate = schedule.rate(&self.slot(OptimSlot::Applied)?)?;
         self.values
             .slice_set(&rate, 0, OptimSlot::LearningRate.index())
+    }
+
+    /// Writes a checkpoint's scalars (checked by [`checked`]) in place; the host copy of the
+    /// rate follows them (a host read).
+    pub(crate) fn load(&mut self, saved: &Tensor) -> Result<()> {
+        self.values.set(saved)?;
+        self.lr_host = self.lr_device()?;
+        Ok(())
     }
 
     /// The rate in the device's slot: the last step's under a schedule (a host read).
@@ -158,4 +168,27 @@ fn check_rate(lr: f64) -> Result<()> {
         candle_core::bail!("the learning rate must be finite and not negative, got {lr}");
     }
     Ok(())
+}
+
+/// Checkpoint tensor `name` of `state`, which must have `like`'s shape and dtype.
+pub(crate) fn checked<'s>(
+    state: &'s HashMap<String, Tensor>,
+    name: &str,
+    like: &Tensor,
+) -> Result<&'s Tensor> {
+    let Some(t) = state.get(name) else {
+        candle_core::bail!(
+            "the optimizer state has no {name}: pass what the optimizer's state() gave"
+        );
+    };
+    if t.shape() != like.shape() || t.dtype() != like.dtype() {
+        candle_core::bail!(
+            "the optimizer state's {name} is {:?} {:?}, this optimizer's is {:?} {:?}: resume with the parameters it was saved with",
+            t.dtype(),
+            t.shape(),
+            like.dtype(),
+            like.shape()
+        );
+    }
+    Ok(t)
 }

@@ -102,9 +102,25 @@ impl DeviceRng {
     }
 
     /// The state tensor (`u32`, shape `[4]`: key low and high words, offset low and high
-    /// words). Pass it as a static of every step whose body draws from this generator.
+    /// words). Pass it as a static of every step whose body draws from this generator; save
+    /// it in a checkpoint and resume with [`DeviceRng::load_state`].
     pub fn state(&self) -> &Tensor {
         &self.state
+    }
+
+    /// Resumes from a saved [`DeviceRng::state`] (`u32`, `[4]`), written into this
+    /// generator's state in place (recorded steps stay valid): the next draws are those the
+    /// saved generator would have made. An upload: between steps.
+    pub fn load_state(&self, saved: &Tensor) -> Result<()> {
+        if saved.dtype() != DType::U32 || saved.dims() != [4] {
+            candle_core::bail!(
+                "a generator state is [4] u32, got {:?} {:?}: pass what DeviceRng::state gave",
+                saved.dtype(),
+                saved.shape()
+            );
+        }
+        self.state
+            .slice_set(&saved.to_device(self.state.device())?, 0, 0)
     }
 
     /// The seed, read to the host (synchronizes: for tests and checkpoints, never inside a
