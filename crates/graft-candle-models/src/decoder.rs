@@ -158,6 +158,12 @@ impl Decoder {
             Ok(Proj::Dense(Linear::new(sh.part(l.weight(), dim)?, bias)))
         };
         let embed = vb.get((spec.vocab, d), "model.embed_tokens.weight")?;
+        // A split vocabulary: the rank's rows of the embedding (and so of a tied head).
+        let vocab_split = shard.as_ref().filter(|sh| sh.splits_vocab());
+        let embed = match vocab_split {
+            Some(sh) => sh.part(&embed, 0)?,
+            None => embed,
+        };
         // One side stream for the decoder's shared experts, if it has any.
         let side = match spec.moe {
             Some(m) if m.shared.is_some() => SideStream::new(vb.device())?,
@@ -190,7 +196,11 @@ impl Decoder {
         let lm_head = if spec.tied_embeddings {
             Proj::Dense(Linear::new(embed.clone(), None))
         } else {
-            dense(&vb.pp("lm_head"), spec.vocab, d, false)?
+            let head = dense(&vb.pp("lm_head"), spec.vocab, d, false)?;
+            match vocab_split {
+                Some(_) => split(head, 0)?,
+                None => head,
+            }
         };
         let spec = local.unwrap_or(spec);
         let mut decoder = Decoder::from_parts(spec, embed, blocks, norm, lm_head, vb.device())?;
@@ -379,6 +389,25 @@ impl Decoder {
         Ok(out)
     }
 
+    /// The embedding rows of `tokens` (`[n]` u32), `[n, hidden]`: the table's, or, with the
+    /// vocabulary split over ranks, each rank's share summed over them.
+    pub(crate) fn embed_tokens(&self, tokens: &Tensor) -> Result<Tensor> {
+        match &self.shard {
+            Some(sh) if sh.splits_vocab() => sh.embed(&self.embed, tokens),
+            _ => self.embed.index_select(tokens, 0),
+        }
+    }
+
+    /// The output head over `h`: the whole vocabulary's logits, gathered over the ranks when
+    /// the vocabulary is split.
+    pub(crate) fn head(&self, h: &Tensor) -> Result<Tensor> {
+        let logits = self.lm_head.decode(h)?;
+        match &self.shard {
+            Some(sh) if sh.splits_vocab() => sh.gather_vocab(&logits),
+            _ => Ok(logits),
+        }
+    }
+
     /// The step itself (no host-side checks): capturable.
     pub(crate) fn logits(&self, cache: &KvCache, tokens: &Tensor) -> Result<Tensor> {
         let batch = tokens.dims1()?;
@@ -393,14 +422,14 @@ impl Decoder {
             Some(cache.mask(batch)?)
         };
         // [batch, 1, hidden]: one new position per sequence, shaped as candle's models do.
-        let x = self.embed.index_select(tokens, 0)?.unsqueeze(1)?;
+        let x = self.embed_tokens(tokens)?.unsqueeze(1)?;
         let at = Slots {
             positions: &positions,
             rows: None,
             mask: mask.as_ref(),
         };
         let h = self.blocks_at(x, &at, |i| cache.layer(i, batch))?;
-        let logits = self.lm_head.decode(&h)?.squeeze(1)?.to_dtype(DType::F32)?;
+        let logits = self.head(&h)?.squeeze(1)?.to_dtype(DType::F32)?;
         cache.step_positions(batch)?;
         Ok(logits)
     }

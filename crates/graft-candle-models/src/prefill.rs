@@ -90,8 +90,7 @@ impl Decoder {
         let plan = cache.prefill_plan(meta, tokens.dims1()?)?;
         let h = self.prefill_hidden(cache, tokens, &plan)?;
         let logits = self
-            .lm_head
-            .decode(&h.index_select(&plan.last, 0)?)?
+            .head(&h.index_select(&plan.last, 0)?)?
             .squeeze(1)?
             .to_dtype(DType::F32)?;
         cache.step_row(&plan, &meta.narrow(0, 1, 1)?)?;
@@ -112,7 +111,7 @@ impl Decoder {
             return self.prefill_unfused(cache, tokens, plan);
         }
         // [chunk, 1, hidden]: the decode step's shape, one token per "sequence".
-        let x = self.embed.index_select(tokens, 0)?.unsqueeze(1)?;
+        let x = self.embed_tokens(tokens)?.unsqueeze(1)?;
         let at = Slots {
             positions: &plan.positions,
             rows: Some(&plan.rows),
@@ -135,7 +134,7 @@ impl Decoder {
         let (mask, write_at) = cache.prefill_unfused(plan, s.head_dim)?;
         let (cos, sin) = self.rope.at(&plan.positions)?;
         let (cos, sin) = (cos.squeeze(1)?, sin.squeeze(1)?);
-        let mut x = self.embed.index_select(tokens, 0)?.unsqueeze(0)?;
+        let mut x = self.embed_tokens(tokens)?.unsqueeze(0)?;
         let mut h = self.first_norm(&x)?;
         for (i, b) in self.blocks.iter().enumerate() {
             let (q, k, v) = b.qkv(&h, s, &self.rope, &cos, &sin)?;

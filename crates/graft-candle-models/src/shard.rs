@@ -1,14 +1,17 @@
 //! Tensor parallelism, Megatron style: a [`Shard`] is one rank's part of a decoder split over
 //! `world` ranks. Attention heads are split (the query, key and value projections by output
 //! rows, the output projection by input columns), and so is the MLP (gate and up by rows,
-//! down by columns); the embedding, the norms and the output head are replicated. Each block
-//! then ends its attention and its MLP with a partial sum that the rank's [`Collective`] sums
-//! over all ranks (two all-reduces per block), so every rank holds the whole residual stream.
+//! down by columns); the norms are replicated, and so are the embedding and the output head
+//! unless [`Shard::split_vocab`] splits them by vocabulary rows too. Each block then ends its
+//! attention and its MLP with a partial sum that the rank's [`Collective`] sums over all ranks
+//! (two all-reduces per block), so every rank holds the whole residual stream; a split
+//! vocabulary adds two per step (the embedding's rows, and the logits, each rank's slice in
+//! a zeroed row of the whole vocabulary).
 
 use std::fmt;
 use std::sync::Arc;
 
-use candle_core::{Result, Tensor};
+use candle_core::{DType, Result, Tensor};
 
 use super::spec::DecoderSpec;
 
@@ -39,6 +42,8 @@ pub struct Shard {
     rank: usize,
     world: usize,
     comm: Arc<dyn Collective>,
+    /// Whether the embedding and the output head are split by vocabulary rows.
+    vocab: bool,
 }
 
 impl Shard {
@@ -47,7 +52,29 @@ impl Shard {
         if rank >= world {
             candle_core::bail!("rank {rank} of {world} ranks: the rank must be below the world");
         }
-        Ok(Shard { rank, world, comm })
+        Ok(Shard {
+            rank,
+            world,
+            comm,
+            vocab: false,
+        })
+    }
+
+    /// The same rank with the embedding and the output head split by vocabulary rows too
+    /// (each rank holds `vocab / world` of them; the world must divide the vocabulary): less
+    /// memory per rank and half the head's read on two, for two more all-reduces a step
+    /// (the embedding's `[batch, hidden]` and the logits' `[batch, vocab]`). Every rank must
+    /// choose the same.
+    pub fn split_vocab(self) -> Shard {
+        Shard {
+            vocab: true,
+            ..self
+        }
+    }
+
+    /// Whether the embedding and the output head are split by vocabulary rows.
+    pub fn splits_vocab(&self) -> bool {
+        self.vocab
     }
 
     /// This rank.
@@ -76,6 +103,12 @@ impl Shard {
                 spec.intermediate
             );
         }
+        if self.vocab && !spec.vocab.is_multiple_of(w) {
+            candle_core::bail!(
+                "{w} ranks do not divide vocab_size ({}): split the vocabulary over a world that divides it, or leave it whole",
+                spec.vocab
+            );
+        }
         if spec.o_bias {
             candle_core::bail!("tensor parallelism does not split an output projection bias");
         }
@@ -97,6 +130,53 @@ impl Shard {
     /// Sums `partial` over the ranks.
     pub(crate) fn reduce(&self, partial: Tensor) -> Result<Tensor> {
         self.comm.all_reduce_sum(partial)
+    }
+
+    /// The rows of `tokens` (`[batch]` u32) of an embedding table split by vocabulary rows,
+    /// `part` this rank's (`[vocab / world, hidden]`): each rank gathers the tokens in its
+    /// range and zeros for the others, and the ranks' rows are summed. Device ops between
+    /// tensors only (a comparison with a host scalar would upload it inside a recording):
+    /// the local index is clamped to the part with relus, and a token is this rank's where
+    /// the clamp left it unchanged.
+    pub(crate) fn embed(&self, part: &Tensor, tokens: &Tensor) -> Result<Tensor> {
+        let n = part.dim(0)?;
+        let last = (n - 1) as f64;
+        // Token ids are below 2^24, so exact in f32.
+        let local = tokens
+            .to_dtype(DType::F32)?
+            .affine(1.0, -((self.rank * n) as f64))?;
+        let clamped = local
+            .relu()?
+            .affine(-1.0, last)?
+            .relu()?
+            .affine(-1.0, last)?;
+        let mine = clamped.eq(&local)?.to_dtype(part.dtype())?;
+        let rows = part
+            .index_select(&clamped.to_dtype(DType::U32)?, 0)?
+            .broadcast_mul(&mine.unsqueeze(1)?)?;
+        self.reduce(rows)
+    }
+
+    /// The whole vocabulary's logits from this rank's slice (`[..., vocab / world]`, its
+    /// rows of a split head): the slice placed in zeros at its offset and the ranks summed
+    /// (adding zeros is exact, so every rank gets the same logits a whole head gives).
+    pub(crate) fn gather_vocab(&self, local: &Tensor) -> Result<Tensor> {
+        let dims = local.dims();
+        let n = dims[dims.len() - 1];
+        let zeros = |count: usize| {
+            let mut shape = dims.to_vec();
+            shape[dims.len() - 1] = count;
+            Tensor::zeros(shape, local.dtype(), local.device())
+        };
+        let mut parts = Vec::with_capacity(3);
+        if self.rank > 0 {
+            parts.push(zeros(self.rank * n)?);
+        }
+        parts.push(local.clone());
+        if self.rank + 1 < self.world {
+            parts.push(zeros((self.world - self.rank - 1) * n)?);
+        }
+        self.reduce(Tensor::cat(&parts, dims.len() - 1)?)
     }
 }
 
@@ -154,6 +234,13 @@ mod tests {
 
     #[test]
     fn two_shards_summed_give_the_whole_models_logits_and_tokens() {
+        for split_vocab in [false, true] {
+            two_shards(split_vocab);
+        }
+    }
+
+    /// Two ranks, with the vocabulary split or whole, against the whole model.
+    fn two_shards(split_vocab: bool) {
         let (sizes, seed, steps, world) = (Sizes::TINY, 7, 8, 2);
         let whole = llama::random(&sizes, seed, DType::F32, &Device::Cpu).unwrap();
         let expected = run(&whole, steps);
@@ -169,12 +256,21 @@ mod tests {
                         slots: slots.clone(),
                     });
                     s.spawn(move || {
-                        let shard = Shard::new(rank, world, comm).unwrap();
+                        let mut shard = Shard::new(rank, world, comm).unwrap();
+                        if split_vocab {
+                            shard = shard.split_vocab();
+                        }
                         let part =
                             llama::random_sharded(&sizes, seed, DType::F32, &Device::Cpu, shard)
                                 .unwrap();
                         assert_eq!(part.spec().heads, sizes.heads / world);
                         assert_eq!(part.spec().intermediate, sizes.intermediate / world);
+                        let rows = if split_vocab {
+                            sizes.vocab / world
+                        } else {
+                            sizes.vocab
+                        };
+                        assert_eq!(part.embed.dim(0).unwrap(), rows);
                         run(&part, steps)
                     })
                 })
@@ -183,14 +279,20 @@ mod tests {
         });
         for got in &ranks {
             for (step, ((want_l, want_t), (got_l, got_t))) in expected.iter().zip(got).enumerate() {
-                assert_eq!(want_t, got_t, "tokens of step {step}");
+                assert_eq!(
+                    want_t, got_t,
+                    "tokens of step {step} (vocabulary split: {split_vocab})"
+                );
                 let diff = want_l
                     .iter()
                     .flatten()
                     .zip(got_l.iter().flatten())
                     .map(|(a, b)| (a - b).abs())
                     .fold(0.0f32, f32::max);
-                assert!(diff < 1e-3, "logits of step {step} differ by {diff}");
+                assert!(
+                    diff < 1e-3,
+                    "logits of step {step} differ by {diff} (vocabulary split: {split_vocab})"
+                );
             }
         }
     }

@@ -157,8 +157,7 @@ impl Decoder {
             Some(logits) => logits,
             None => {
                 let h = self.prefill_hidden(cache, tokens, &plan)?;
-                self.lm_head
-                    .decode(&h)?
+                self.head(&h)?
                     .squeeze(1)?
                     .to_dtype(candle_core::DType::F32)?
             }

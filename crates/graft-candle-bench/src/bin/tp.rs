@@ -18,7 +18,7 @@
 //! with `NCCL_NVLS_ENABLE=0`; scripts/gpu-run.sh sets both too). GPU only (`cuda` feature).
 //!
 //! usage: graft-candle-tp [--procs 2] [--steps 120] [--rounds 3] [--batches 1,8,32]
-//!        [--models one-b,eight-b] [--per-op] [--one-shot-limit BYTES] [--job-timeout 900] [--json PATH]
+//!        [--models one-b,eight-b] [--per-op] [--one-shot-limit BYTES] [--split-vocab] [--job-timeout 900] [--json PATH]
 
 #[path = "tp/measure.rs"]
 mod measure;
@@ -91,6 +91,9 @@ struct Options {
     /// the default (on where the GPUs reach each other's memory).
     #[arg(long)]
     one_shot_limit: Option<usize>,
+    /// Split the embedding and the output head by vocabulary rows too (`Shard::split_vocab`).
+    #[arg(long)]
+    split_vocab: bool,
     /// On one GPU, decode op by op (the ranks' kernels) instead of as one chain of
     /// programmatic dependents (`Decoder::set_chained_step`; a split model runs op by op).
     #[arg(long)]
@@ -117,6 +120,7 @@ fn run() -> BenchResult<()> {
         return rank::run(
             &models,
             o.one_shot_limit,
+            o.split_vocab,
             &o.batches,
             o.steps,
             &o.timing,
@@ -218,6 +222,9 @@ fn job(o: &Options) -> BenchResult<Vec<RankReport>> {
     ];
     if let Some(limit) = o.one_shot_limit {
         args.extend(["--one-shot-limit".to_owned(), limit.to_string()]);
+    }
+    if o.split_vocab {
+        args.push("--split-vocab".to_owned());
     }
     let env = [
         ("NCCL_RUNTIME_CONNECT", "0".to_owned()),

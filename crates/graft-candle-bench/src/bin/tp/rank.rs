@@ -60,6 +60,7 @@ fn joined(
 pub(crate) fn run(
     models: &[Sizes],
     one_shot_limit: Option<usize>,
+    split_vocab: bool,
     batches: &[usize],
     steps: usize,
     timing: &Timing,
@@ -83,7 +84,14 @@ pub(crate) fn run(
         &member,
     )?;
     let collective: Arc<dyn Collective> = Arc::new(comm.clone());
-    let shard = || Shard::new(place.rank(), place.world(), collective.clone());
+    let shard = || {
+        let shard = Shard::new(place.rank(), place.world(), collective.clone())?;
+        Ok::<_, graft_candle::candle_core::Error>(if split_vocab {
+            shard.split_vocab()
+        } else {
+            shard
+        })
+    };
     let part = |sizes: &Sizes, dtype| llama::random_sharded(sizes, SEED, dtype, &device, shard()?);
 
     let model = part(&CHECK, DType::F32)?;
