@@ -19,44 +19,11 @@ use candle_core::{Layout, Result, Storage, Tensor};
 
 use crate::KernelError;
 
-/// The start of every module's source: 16-bit floats as structs of their bits (so a kernel
-/// argument is a plain pointer), conversions to and from f32 (bf16 by shifting and
-/// round-to-nearest-even; f16 by the PTX `cvt` instructions, what cuda_fp16.h does), 16-byte
+/// The start of every module's source after graft-cuda's 16-bit floats and their conversions
+/// to and from f32 ([`graft_cuda::HALF_CU`], shared with graft-cuda's own kernels): 16-byte
 /// loads unpacked to f32 (`GraftVec`), and warp reductions over all 32 lanes (every block of
 /// these kernels is a whole number of warps).
 const PRELUDE: &str = r#"
-struct GraftBf16 { unsigned short bits; };
-struct GraftF16 { unsigned short bits; };
-
-__device__ __forceinline__ float graft_to_f32(float x) { return x; }
-__device__ __forceinline__ float graft_to_f32(GraftBf16 x) {
-    return __uint_as_float(((unsigned int)x.bits) << 16);
-}
-__device__ __forceinline__ float graft_to_f32(GraftF16 x) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
-    return f;
-}
-
-template <typename T> __device__ __forceinline__ T graft_from_f32(float x);
-template <> __device__ __forceinline__ float graft_from_f32<float>(float x) { return x; }
-template <> __device__ __forceinline__ GraftBf16 graft_from_f32<GraftBf16>(float x) {
-    unsigned int u = __float_as_uint(x);
-    GraftBf16 r;
-    if ((u & 0x7fffffffu) > 0x7f800000u) {
-        r.bits = (unsigned short)((u >> 16) | 0x40u);
-        return r;
-    }
-    u += 0x7fffu + ((u >> 16) & 1u);
-    r.bits = (unsigned short)(u >> 16);
-    return r;
-}
-template <> __device__ __forceinline__ GraftF16 graft_from_f32<GraftF16>(float x) {
-    GraftF16 r;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.bits) : "f"(x));
-    return r;
-}
-
 #define GRAFT_NEG_INF __uint_as_float(0xff800000u)
 
 __device__ __forceinline__ float graft_warp_sum(float v) {
@@ -352,17 +319,17 @@ fn compile(module: &'static str, source: &str, arch: u32) -> Compiled {
         },
         ..Default::default()
     };
-    let ptx =
-        nvrtc::compile_ptx_with_opts([PRELUDE, source].concat(), opts).map_err(|e| match e {
-            nvrtc::CompileError::CompileError { log, .. } => KernelError::Compile {
-                module,
-                log: log.to_string_lossy().into_owned(),
-            },
-            other => KernelError::Nvrtc {
-                module,
-                reason: other.to_string(),
-            },
-        })?;
+    let ptx = nvrtc::compile_ptx_with_opts([graft_cuda::HALF_CU, PRELUDE, source].concat(), opts)
+        .map_err(|e| match e {
+        nvrtc::CompileError::CompileError { log, .. } => KernelError::Compile {
+            module,
+            log: log.to_string_lossy().into_owned(),
+        },
+        other => KernelError::Nvrtc {
+            module,
+            reason: other.to_string(),
+        },
+    })?;
     let text = match ptx.as_bytes() {
         Some(image) => {
             let text = image.split(|&b| b == 0).next().unwrap_or_default();

@@ -98,6 +98,12 @@ pub use module::{CudaModule, KernelArg, compile_ptx, compile_ptx_for};
 pub use nccl::{NcclBallotBox, NcclComm, NcclDtype, UNIQUE_ID_BYTES, one_shot_sum};
 pub use programmatic::Launch;
 
+/// CUDA C that NVRTC sources start with (no headers there): 16-bit floats as structs of their
+/// bits (`GraftBf16`, `GraftF16`) and their conversions to and from f32 (`graft_to_f32`,
+/// `graft_from_f32<T>`). graft-cuda's one-shot all-reduce and graft-candle-kernels' modules
+/// use it.
+pub const HALF_CU: &str = include_str!("half.cu");
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -83,16 +83,17 @@ pub(crate) fn blocks(bytes: usize) -> u32 {
     bytes.div_ceil(SLICE) as u32
 }
 
-/// The kernel's source, the layout's constants first.
+/// The kernel's source: the layout's constants, the 16-bit floats' conversions
+/// ([`crate::HALF_CU`]), the kernels.
 pub(crate) fn source() -> String {
     format!(
-        "#define GRAFT_SLICE {SLICE}ull\n#define GRAFT_SLOT {CAPACITY}ull\n#define GRAFT_MAX_BLOCKS {MAX_BLOCKS}ull\n#define GRAFT_MAX_WORLD {MAX_WORLD}\n{BODY}"
+        "#define GRAFT_SLICE {SLICE}ull\n#define GRAFT_SLOT {CAPACITY}ull\n#define GRAFT_MAX_BLOCKS {MAX_BLOCKS}ull\n#define GRAFT_MAX_WORLD {MAX_WORLD}\n{}{BODY}",
+        crate::HALF_CU
     )
 }
 
-/// The kernel (no headers: 16-bit floats as structs of their bits, converted by hand as
-/// graft-candle-kernels does; the memory-model instructions as inline PTX, compute
-/// capability 7.0 or later).
+/// The kernels (no headers: the memory-model instructions as inline PTX, compute capability
+/// 7.0 or later).
 const BODY: &str = include_str!("one_shot.cu");
 
 #[cfg(test)]

@@ -1,39 +1,8 @@
 // The one-shot all-reduce kernels, one per dtype; kernel.rs gives the protocol and why two
-// parities of receive slots suffice, and prepends the layout constants (GRAFT_SLICE ...).
+// parities of receive slots suffice, and prepends the layout constants (GRAFT_SLICE ...) and
+// the 16-bit floats' conversions (half.cu).
 typedef unsigned long long u64;
 typedef unsigned int u32;
-
-struct OsBf16 { unsigned short bits; };
-struct OsF16 { unsigned short bits; };
-
-__device__ __forceinline__ float os_f32(float x) { return x; }
-__device__ __forceinline__ float os_f32(OsBf16 x) {
-    return __uint_as_float(((u32)x.bits) << 16);
-}
-__device__ __forceinline__ float os_f32(OsF16 x) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
-    return f;
-}
-
-template <typename T> __device__ __forceinline__ T os_from(float x);
-template <> __device__ __forceinline__ float os_from<float>(float x) { return x; }
-template <> __device__ __forceinline__ OsBf16 os_from<OsBf16>(float x) {
-    u32 u = __float_as_uint(x);
-    OsBf16 r;
-    if ((u & 0x7fffffffu) > 0x7f800000u) {
-        r.bits = (unsigned short)((u >> 16) | 0x40u);
-        return r;
-    }
-    u += 0x7fffu + ((u >> 16) & 1u);
-    r.bits = (unsigned short)(u >> 16);
-    return r;
-}
-template <> __device__ __forceinline__ OsF16 os_from<OsF16>(float x) {
-    OsF16 r;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.bits) : "f"(x));
-    return r;
-}
 
 // Loads that bypass L1 (the slots are written by peers over NVLink), and the flag's release
 // store and acquire load at system scope.
@@ -56,15 +25,15 @@ __device__ __forceinline__ unsigned short os_ld_cg_u16(const void* p) {
     asm volatile("ld.global.cg.u16 %0, [%1];" : "=h"(v) : "l"(p) : "memory");
     return v;
 }
-__device__ __forceinline__ float os_ld_cg(const OsBf16* p) {
-    OsBf16 x;
+__device__ __forceinline__ float os_ld_cg(const GraftBf16* p) {
+    GraftBf16 x;
     x.bits = os_ld_cg_u16(p);
-    return os_f32(x);
+    return graft_to_f32(x);
 }
-__device__ __forceinline__ float os_ld_cg(const OsF16* p) {
-    OsF16 x;
+__device__ __forceinline__ float os_ld_cg(const GraftF16* p) {
+    GraftF16 x;
     x.bits = os_ld_cg_u16(p);
-    return os_f32(x);
+    return graft_to_f32(x);
 }
 __device__ __forceinline__ void os_st_release_sys(u32* p, u32 v) {
     asm volatile("st.release.sys.global.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
@@ -87,7 +56,7 @@ __device__ __forceinline__ void os_add(float* acc, uint4 v, bool first) {
     u.v = v;
 #pragma unroll
     for (u32 k = 0; k < OsLanes<T>::E; ++k) {
-        const float f = os_f32(u.e[k]);
+        const float f = graft_to_f32(u.e[k]);
         acc[k] = first ? f : acc[k] + f;
     }
 }
@@ -97,7 +66,7 @@ __device__ __forceinline__ uint4 os_pack(const float* acc) {
     typename OsLanes<T>::U u;
 #pragma unroll
     for (u32 k = 0; k < OsLanes<T>::E; ++k) {
-        u.e[k] = os_from<T>(acc[k]);
+        u.e[k] = graft_from_f32<T>(acc[k]);
     }
     return u.v;
 }
@@ -196,11 +165,11 @@ __device__ __forceinline__ void os_all_reduce(
         float acc = 0.0f;
         for (u32 p = 0; p < world; ++p) {
             const float f = p == rank
-                ? os_f32(data[e])
+                ? graft_to_f32(data[e])
                 : os_ld_cg((const T*)(mine + (parity * world + p) * GRAFT_SLOT + e * sizeof(T)));
             acc = p == 0 ? f : acc + f;
         }
-        data[e] = os_from<T>(acc);
+        data[e] = graft_from_f32<T>(acc);
     }
 
     // 5. This block's epoch, for its next call.
@@ -214,10 +183,10 @@ extern "C" __global__ void graft_one_shot_f32(
     os_all_reduce<float>(data, count, mine, abort_word, rank, world);
 }
 extern "C" __global__ void graft_one_shot_bf16(
-    OsBf16* data, u64 count, unsigned char* mine, const u32* abort_word, u32 rank, u32 world) {
-    os_all_reduce<OsBf16>(data, count, mine, abort_word, rank, world);
+    GraftBf16* data, u64 count, unsigned char* mine, const u32* abort_word, u32 rank, u32 world) {
+    os_all_reduce<GraftBf16>(data, count, mine, abort_word, rank, world);
 }
 extern "C" __global__ void graft_one_shot_f16(
-    OsF16* data, u64 count, unsigned char* mine, const u32* abort_word, u32 rank, u32 world) {
-    os_all_reduce<OsF16>(data, count, mine, abort_word, rank, world);
+    GraftF16* data, u64 count, unsigned char* mine, const u32* abort_word, u32 rank, u32 world) {
+    os_all_reduce<GraftF16>(data, count, mine, abort_word, rank, world);
 }
