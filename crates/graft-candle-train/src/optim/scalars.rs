@@ -88,8 +88,7 @@ impl Scalars {
 
     /// The rate in the device's slot: the last step's under a schedule (a host read).
     pub(crate) fn lr_device(&self) -> Result<f64> {
-        let v = self.slot(OptimSlot::LearningRate)?.to_vec1::<f32>()?;
-        Ok(f64::from(v.first().copied().unwrap_or(0.0)))
+        self.read(OptimSlot::LearningRate).map(f64::from)
     }
 
     /// The `[4]` tensor: what the multi-tensor updates read and advance, and a static of the
@@ -125,17 +124,18 @@ impl Scalars {
 
     /// Updates applied so far (a host read: between steps).
     pub(crate) fn applied_steps(&self) -> Result<u64> {
-        self.read(OptimSlot::Applied)
+        self.read(OptimSlot::Applied).map(|v| v as u64)
     }
 
     /// Updates skipped so far (a host read: between steps).
     pub(crate) fn skipped_steps(&self) -> Result<u64> {
-        self.read(OptimSlot::Skipped)
+        self.read(OptimSlot::Skipped).map(|v| v as u64)
     }
 
-    fn read(&self, slot: OptimSlot) -> Result<u64> {
+    /// One slot's value (a host read).
+    fn read(&self, slot: OptimSlot) -> Result<f32> {
         let v = self.slot(slot)?.to_vec1::<f32>()?;
-        Ok(v.first().copied().unwrap_or(0.0) as u64)
+        Ok(v.first().copied().unwrap_or(0.0))
     }
 }
 
