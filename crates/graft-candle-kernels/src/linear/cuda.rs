@@ -7,7 +7,7 @@
 //! others' through shared memory. The weights and biases are passed by address (up to three
 //! side by side), so none is copied. `decode_step` also runs it with a norm (a `_norm`
 //! instantiation: the norm's weight folds into the weights as they load) and with a residual
-//! add, as a programmatic dependent that prefetches its first weights into L2 before its wait.
+//! add, as a programmatic dependent that asks L2 for its whole weight rows before its wait.
 //! Registers decide how many blocks share a multiprocessor, so each variant keeps only what
 //! it uses live: holding a round of weights across the wait, or unpacking a whole round at
 //! once, doubled them and slowed every projection. A round's x is loaded beside its weights,

@@ -10,8 +10,8 @@
 // the normed x is never rounded to T) and `residual` (1: the output is added to
 // what y holds, rounded once before the add and once after, as a residual add of the rounded
 // projection). Launched as a programmatic dependent, it lets its dependents start at once,
-// loads its first round of weights (static: no kernel of the step writes them) and then waits
-// for its predecessor before it reads x or y.
+// asks L2 for each output's whole weight row(s) (static: no kernel of the step writes them;
+// with 16-byte loads only) and then waits for its predecessor before it reads x or y.
 
 // 16-byte chunks of a weight row each lane loads before using any.
 #define GRAFT_MATVEC_U 4
@@ -68,18 +68,14 @@ __device__ void graft_matvec(const T* x, const T* w0, const T* w1, const T* w2,
     const unsigned int first = 32u * part + lane;
     const uint4* wa4 = reinterpret_cast<const uint4*>(wa);
     const uint4* wb4 = reinterpret_cast<const uint4*>(wb);
-    // Before the wait: this lane's first round of weights prefetched into L2 (nothing the
-    // step writes; no registers held across the wait).
-    if (VEC && active) {
-#pragma unroll
-        for (int u = 0; u < GRAFT_MATVEC_U; ++u) {
-            const unsigned int c = first + stride * u;
-            if (c < chunks) {
-                asm volatile("prefetch.global.L2 [%0];" ::"l"(wa4 + c));
-                if (PAIR) {
-                    asm volatile("prefetch.global.L2 [%0];" ::"l"(wb4 + c));
-                }
-            }
+    // Before the wait: the output's whole weight row(s) asked of L2 by its first warp's first
+    // lane, one bulk prefetch each (nothing the step writes), so that the rows stream in
+    // while the kernel before still runs; after the wait the loads find them in L2.
+    if (VEC && active && part == 0 && lane == 0) {
+        const unsigned int bytes = k * (unsigned int)sizeof(T);
+        graft_prefetch_l2(wa, bytes);
+        if (PAIR) {
+            graft_prefetch_l2(wb, bytes);
         }
     }
     graft_pdl_wait();
@@ -115,18 +111,6 @@ __device__ void graft_matvec(const T* x, const T* w0, const T* w1, const T* w2,
                         reinterpret_cast<const uint4*>(x + (unsigned long long)r * k);
                     xv[r][u] = c < chunks && r < rows ? __ldg(xr + c)
                                                       : make_uint4(0u, 0u, 0u, 0u);
-                }
-            }
-            // The next round's weights on their way into L2 while this round is used.
-            const unsigned int next = base + stride * GRAFT_MATVEC_U;
-#pragma unroll
-            for (int u = 0; u < GRAFT_MATVEC_U; ++u) {
-                const unsigned int c = next + stride * u;
-                if (c < chunks) {
-                    asm volatile("prefetch.global.L2 [%0];" ::"l"(wa4 + c));
-                    if (PAIR) {
-                        asm volatile("prefetch.global.L2 [%0];" ::"l"(wb4 + c));
-                    }
                 }
             }
 #pragma unroll

@@ -51,17 +51,6 @@ __device__ __forceinline__ uint4 graft_rows_x(const T* x, unsigned int r, unsign
     return __ldg(reinterpret_cast<const uint4*>(x + (unsigned long long)r * k + col));
 }
 
-// Asks L2 for `bytes` (a multiple of 16) of weights at `p` (16-byte aligned).
-__device__ __forceinline__ void graft_rows_prefetch(const void* p, unsigned int bytes) {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-#else
-    for (unsigned int at = 0; at < bytes; at += 128u) {
-        asm volatile("prefetch.global.L2 [%0];" ::"l"((const char*)p + at));
-    }
-#endif
-}
-
 template <typename T, bool PAIR>
 __device__ void graft_rows(const T* x, const T* w0, const T* w1, const T* w2, const T* b0,
                            const T* b1, const T* b2, const T* gate, T* y, unsigned int rows,
@@ -133,9 +122,9 @@ __device__ void graft_rows(const T* x, const T* w0, const T* w1, const T* w2, co
     if (first < last && wa != 0 && t == 0) {
         const unsigned int from = first * U * 32u;
         const unsigned int to = min(k, last * U * 32u);
-        graft_rows_prefetch(wa + from, (to - from) * 2u);
+        graft_prefetch_l2(wa + from, (to - from) * 2u);
         if (PAIR) {
-            graft_rows_prefetch(wb + from, (to - from) * 2u);
+            graft_prefetch_l2(wb + from, (to - from) * 2u);
         }
     }
     if (first < last) {

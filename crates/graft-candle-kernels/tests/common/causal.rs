@@ -96,20 +96,31 @@ pub fn unfused_causal(
 /// equal: gradients' small elements are sums of cancelling terms, so the error is relative to
 /// the tensor's scale.
 pub fn assert_near(what: &str, got: &Tensor, want: &Tensor, rtol: f32) -> Result<()> {
+    assert_within(what, got, want, rtol * scale_of(want)?)
+}
+
+/// The largest |element| of `t`, at least 1e-2.
+fn scale_of(t: &Tensor) -> Result<f32> {
+    let v = t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+    Ok(v.iter().fold(1e-2f32, |m, w| m.max(w.abs())))
+}
+
+/// Asserts `|got - want| <= tol` elementwise, shapes equal.
+fn assert_within(what: &str, got: &Tensor, want: &Tensor, tol: f32) -> Result<()> {
     assert_eq!(got.dims(), want.dims(), "{what}: shapes");
     let got = got.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
     let want = want.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
-    let scale = want.iter().fold(1e-2f32, |m, w| m.max(w.abs()));
     for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
         assert!(
-            (g - w).abs() <= rtol * scale,
-            "{what}: element {i} is {g}, expected {w} (rtol {rtol} of {scale})"
+            (g - w).abs() <= tol,
+            "{what}: element {i} is {g}, expected {w} (tolerance {tol})"
         );
     }
     Ok(())
 }
 
-/// Error relative to the largest element the fused op may have in `dtype`.
+/// Error relative to the largest element the fused op may have in `dtype` (for the gradients:
+/// the largest of all three, see `check_causal_attention`).
 fn causal_tolerance(dtype: DType) -> f32 {
     match dtype {
         DType::F32 => 1e-4,
@@ -183,15 +194,23 @@ pub fn check_causal_attention(device: &Device, c: &CausalCase, dtype: DType) -> 
     let want_grads = (&want * r)?.sum_all()?.backward()?;
     let tol = causal_tolerance(dtype);
     assert_near("out", &out, &want, tol)?;
-    for (name, got, var) in [
-        ("dq", &grads[0], &q),
-        ("dk", &grads[1], &k),
-        ("dv", &grads[2], &v),
-    ] {
-        let want = want_grads
+    // dq, dk and dv are all linear in the loss weights, and the rounding of the 16-bit output
+    // that the backward's row sums (dO · O) read reaches each of them: their errors scale with
+    // the gradients' common magnitude, not each tensor's own. Relative to each its own, a
+    // two-token sequence failed in bf16 and f16 (its dk nearly all cancellation: 5.6% and
+    // 0.41% of its largest element, the CPU twin and the GPU kernel bit for bit alike; the
+    // case is in gpu.proptest-regressions).
+    let wants = [&q, &k, &v].map(|var| {
+        want_grads
             .get(var.as_tensor())
-            .expect("a reference gradient");
-        assert_near(name, got, want, tol)?;
+            .expect("a reference gradient")
+    });
+    let mut scale = 0f32;
+    for want in wants {
+        scale = scale.max(scale_of(want)?);
+    }
+    for ((name, got), want) in ["dq", "dk", "dv"].into_iter().zip(&grads).zip(wants) {
+        assert_within(name, got, want, tol * scale)?;
     }
     Ok(())
 }
