@@ -21,6 +21,7 @@ pub(crate) mod cuda;
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 
 use crate::cpu::float_dispatch;
+use crate::pages::{Index, Lookup};
 use crate::{KernelError, check};
 
 const OP: &str = "decode_attention";
@@ -68,18 +69,64 @@ pub fn decode_attention(
     scale: f32,
     window: Option<usize>,
 ) -> Result<Tensor> {
-    let dims = Dims::of(q, k_cache, v_cache, positions, rows)?;
+    attend(
+        q,
+        (k_cache, v_cache),
+        positions,
+        Lookup::Rows(rows),
+        scale,
+        window,
+    )
+}
+
+/// [`decode_attention`] over a paged cache: `k_pages`, `v_pages` are `[blocks, kv_heads,
+/// block_size, head_dim]`, each contiguous, and `table` (`[batch, max_blocks]` u32 on q's
+/// device, contiguous) lists each sequence's blocks in order: its position `p` is in block
+/// `table[b][p / block_size]` at offset `p % block_size`. A sequence may use `max_blocks *
+/// block_size` positions (the `max_seq` above); entries past a sequence's position are never
+/// read. A block id past the cache is an error on the CPU; the CUDA kernel clamps it to the
+/// last block. The same kernel as the static cache's (a static cache is a table of one block
+/// per sequence), so a paged cache holding the same keys and values gives the same bits.
+pub fn decode_attention_paged(
+    q: &Tensor,
+    k_pages: &Tensor,
+    v_pages: &Tensor,
+    positions: &Tensor,
+    table: &Tensor,
+    scale: f32,
+    window: Option<usize>,
+) -> Result<Tensor> {
+    attend(
+        q,
+        (k_pages, v_pages),
+        positions,
+        Lookup::Pages(table),
+        scale,
+        window,
+    )
+}
+
+/// Either form: the op over the caches, looked up as `lookup` says.
+fn attend(
+    q: &Tensor,
+    (k, v): (&Tensor, &Tensor),
+    positions: &Tensor,
+    lookup: Lookup<'_>,
+    scale: f32,
+    window: Option<usize>,
+) -> Result<Tensor> {
+    let dims = Dims::of(q, k, v, positions, lookup)?;
     if dims.batch == 0 {
         return Tensor::zeros(dims.out_shape(), q.dtype(), q.device());
     }
     let op = DecodeAttention {
         positions: positions.clone(),
-        rows: rows.cloned(),
+        table: lookup.table().cloned(),
         dims,
         scale,
         reach: window.map_or(dims.max_seq, |w| w.min(dims.max_seq)),
     };
-    q.apply_op3_no_bwd(k_cache, v_cache, &op)
+    q.apply_op3_no_bwd(k, v, &op)
 }
 
 /// Whether [`decode_attention`] takes a model of these head counts and head dim (`Err` says
@@ -122,10 +169,11 @@ fn shared_bytes(group: usize, head_dim: usize) -> usize {
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Dims {
     batch: usize,
-    /// The caches' rows (`batch` without `rows`).
-    cache_rows: usize,
+    /// Where each sequence's positions are in the caches.
+    index: Index,
     heads: usize,
     kv_heads: usize,
+    /// Positions a sequence may use (the index's `max_seq`).
     max_seq: usize,
     head_dim: usize,
 }
@@ -136,27 +184,24 @@ impl Dims {
         k: &Tensor,
         v: &Tensor,
         positions: &Tensor,
-        rows: Option<&Tensor>,
+        lookup: Lookup<'_>,
     ) -> Result<Self> {
         check::float(OP, "q", q)?;
         check::like(OP, "k_cache", k, "q", q)?;
         check::like(OP, "v_cache", v, "q", q)?;
         check::indices(OP, "positions", positions, q)?;
-        if let Some(r) = rows {
-            check::indices(OP, "rows", r, q)?;
-        }
         let &[batch, heads, 1, head_dim] = q.dims() else {
             return Err(check::shape(OP, "q", q, "[batch, heads, 1, head_dim]"));
         };
-        let &[kb, kv_heads, max_seq, khd] = k.dims() else {
+        let &[blocks, kv_heads, block_size, khd] = k.dims() else {
             return Err(check::shape(
                 OP,
                 "k_cache",
                 k,
-                "[batch, kv_heads, max_seq, head_dim]",
+                "[batch, kv_heads, max_seq, head_dim] (or [blocks, kv_heads, block_size, head_dim] paged)",
             ));
         };
-        if (rows.is_none() && kb != batch) || (rows.is_some() && kb == 0) || khd != head_dim {
+        if khd != head_dim {
             return Err(check::shape(
                 OP,
                 "k_cache",
@@ -170,16 +215,15 @@ impl Dims {
         if positions.dims() != [batch] {
             return Err(check::shape(OP, "positions", positions, "[batch]"));
         }
-        if let Some(r) = rows.filter(|r| r.dims() != [batch]) {
-            return Err(check::shape(OP, "rows", r, "[batch]"));
-        }
+        let index = lookup.index(OP, q, k, batch)?;
         decode_attention_fits(heads, kv_heads, head_dim)?;
-        if max_seq == 0 {
+        if block_size == 0 {
             return Err(KernelError::EmptyCache.into());
         }
+        let max_seq = index.max_seq();
         let dims = Self {
             batch,
-            cache_rows: kb,
+            index,
             heads,
             kv_heads,
             max_seq,
@@ -190,6 +234,7 @@ impl Dims {
             ("the KV head count", kv_heads, GRID_YZ_LIMIT),
             ("the query head count", heads, GRID_YZ_LIMIT),
             ("max_seq", max_seq, u32::MAX as usize - CHUNK),
+            ("the cache's blocks", blocks, u32::MAX as usize),
         ] {
             if size > limit {
                 return Err(KernelError::TooLarge { op: OP, what, size }.into());
@@ -199,9 +244,6 @@ impl Dims {
         check::contiguous(OP, "k_cache", k)?;
         check::contiguous(OP, "v_cache", v)?;
         check::contiguous(OP, "positions", positions)?;
-        if let Some(r) = rows {
-            check::contiguous(OP, "rows", r)?;
-        }
         Ok(dims)
     }
 
@@ -218,7 +260,7 @@ impl Dims {
     ) -> Self {
         Self {
             batch,
-            cache_rows,
+            index: Index::rows(cache_rows, max_seq),
             heads,
             kv_heads,
             max_seq,
@@ -253,8 +295,9 @@ impl Dims {
 struct DecodeAttention {
     /// `[batch]` u32 on q's device (a clone of the caller's tensor: the same storage).
     positions: Tensor,
-    /// `[batch]` u32: each query's cache row (`None`: its own).
-    rows: Option<Tensor>,
+    /// `[batch]` u32 cache rows or `[batch, max_blocks]` u32 block ids (see `pages`), or
+    /// `None`: each query's own row.
+    table: Option<Tensor>,
     dims: Dims,
     scale: f32,
     /// Positions `pos - reach ..= pos` are visible (`max_seq` without a window: all of

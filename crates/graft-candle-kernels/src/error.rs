@@ -106,6 +106,17 @@ pub enum KernelError {
         row: u32,
         rows: usize,
     },
+    /// A paged cache's block table names a block past the cache (found on the CPU; the CUDA
+    /// kernels clamp it to the last block instead).
+    #[error(
+        "{op}: sequence {sequence}'s block table names block {block}, but the cache has {blocks} blocks; pass block ids below that"
+    )]
+    BlockPastCache {
+        op: &'static str,
+        sequence: usize,
+        block: u32,
+        blocks: usize,
+    },
     /// A size does not fit the kernels' 32-bit indexing or launch limits.
     #[error(
         "{op}: {what} is {size}, more than the kernel's launch allows; split the work into smaller calls"

@@ -66,6 +66,7 @@ mod moe;
 mod norm;
 #[cfg(feature = "cuda")]
 mod nvrtc;
+mod pages;
 mod rope;
 mod sample;
 mod shared;
@@ -75,14 +76,14 @@ mod swiglu;
 mod train;
 
 pub use argmax::argmax_last;
-pub use attention::{CHUNK, decode_attention, decode_attention_fits};
+pub use attention::{CHUNK, decode_attention, decode_attention_fits, decode_attention_paged};
 pub use error::KernelError;
 pub use linear::{MATVEC_ROWS, MAX_PARTS, TENSOR_ROWS, linear, linear_cat, linear_swiglu};
 pub use moe::{Experts, MAX_EXPERTS, Routing, route};
 pub use norm::add_rms_norm;
 #[cfg(feature = "cuda")]
 pub use nvrtc::{Args, Kernels, set_programmatic};
-pub use rope::{QkNorm, RopeStyle, rope_store};
+pub use rope::{QkNorm, RopeStyle, rope_store, rope_store_paged};
 pub use sample::{SAMPLE_INVALID, SAMPLE_WORDS, SampleParams, sample_rows};
 pub use shared::SharedExpert;
 pub use side::SideStream;

@@ -129,6 +129,21 @@ __device__ __forceinline__ void graft_prefetch_l2(const void* p, unsigned int by
 #endif
 }
 
+// The row (of head_dim elements) of a [blocks, kv_heads, block_size, head_dim] cache that holds
+// position j of KV head kvh for one sequence: in block tb[j / block_size] of the sequence's
+// block-table row `tb` (a paged cache), or in block `own` without a table (a static cache:
+// block_size is its max_seq, and `own` its row). A block id past the cache is clamped to the
+// last (the kernels cannot report data; the CPU twins refuse it).
+__device__ __forceinline__ unsigned long long graft_cache_place(
+    const unsigned int* tb, unsigned int own, unsigned int blocks, unsigned int kv_heads,
+    unsigned int kvh, unsigned int block_size, unsigned int j) {
+    unsigned int blk = tb ? tb[j / block_size] : own;
+    if (blk >= blocks) {
+        blk = blocks - 1u;
+    }
+    return ((unsigned long long)blk * kv_heads + kvh) * block_size + j % block_size;
+}
+
 // X(suffix, type) for every dtype the kernels take: the extern "C" names end in the suffix.
 #define GRAFT_FOR_DTYPES(X) X(f32, float) X(bf16, GraftBf16) X(f16, GraftF16)
 "#;

@@ -15,6 +15,7 @@ pub(crate) mod cuda;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType};
 
 use crate::cpu::float_dispatch;
+use crate::pages::{Index, Lookup};
 use crate::{KernelError, check};
 
 const OP: &str = "rope_store";
@@ -63,35 +64,91 @@ pub fn rope_store(
     sin: &Tensor,
     positions: &Tensor,
     rows: Option<&Tensor>,
+    caches: (&Tensor, &Tensor),
+    heads: usize,
+    style: RopeStyle,
+    norm: Option<QkNorm<'_>>,
+) -> Result<Tensor> {
+    store(
+        qkv,
+        (cos, sin),
+        positions,
+        Lookup::Rows(rows),
+        caches,
+        heads,
+        style,
+        norm,
+    )
+}
+
+/// [`rope_store`] into a paged cache: `k_pages`, `v_pages` are `[blocks, kv_heads,
+/// block_size, head_dim]`, contiguous, and `table` (`[batch, max_blocks]` u32, contiguous)
+/// lists each sequence's blocks in order: token b's key and value go to block
+/// `table[b][positions[b] / block_size]` at offset `positions[b] % block_size` (see
+/// [`crate::decode_attention_paged`], which reads them there). A position past `max_blocks *
+/// block_size` or the tables, or a block id past the cache, is an error on the CPU; the CUDA
+/// kernel clamps it to the last.
+#[allow(clippy::too_many_arguments)]
+pub fn rope_store_paged(
+    qkv: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    positions: &Tensor,
+    table: &Tensor,
+    pages: (&Tensor, &Tensor),
+    heads: usize,
+    style: RopeStyle,
+    norm: Option<QkNorm<'_>>,
+) -> Result<Tensor> {
+    store(
+        qkv,
+        (cos, sin),
+        positions,
+        Lookup::Pages(table),
+        pages,
+        heads,
+        style,
+        norm,
+    )
+}
+
+/// Either form: the op, with the caches looked up as `lookup` says.
+#[allow(clippy::too_many_arguments)]
+fn store(
+    qkv: &Tensor,
+    (cos, sin): (&Tensor, &Tensor),
+    positions: &Tensor,
+    lookup: Lookup<'_>,
     (k_cache, v_cache): (&Tensor, &Tensor),
     heads: usize,
     style: RopeStyle,
     norm: Option<QkNorm<'_>>,
 ) -> Result<Tensor> {
     let dims = Dims::of(
-        qkv, cos, sin, positions, rows, k_cache, v_cache, heads, norm,
+        qkv, cos, sin, positions, lookup, k_cache, v_cache, heads, norm,
     )?;
     if dims.batch == 0 {
         return Tensor::zeros(dims.out_shape(Part::Queries), qkv.dtype(), qkv.device());
     }
+    let table = lookup.table();
     let op = |part| RopeStore {
         dims,
         style,
         part,
         positions: positions.clone(),
-        rows: rows.cloned(),
+        table: table.cloned(),
         norm: norm.map(|n| (n.q.clone(), n.k.clone(), n.eps)),
         caches: (k_cache.clone(), v_cache.clone()),
     };
     if qkv.device().is_cpu() {
-        // Keys rotated by the op (which checks the positions and rows), then stored with the
-        // values by candle, into the caches seen as `[places, head_dim]`.
+        // Keys rotated by the op (which checks the positions and the table), then stored with
+        // the values by candle, into the caches seen as `[places, head_dim]`.
         let (b, kv, hd) = (dims.batch, dims.kv_heads, dims.head_dim);
         let keys = qkv.apply_op3_no_bwd(cos, sin, &op(Part::Keys))?;
         let values = qkv
             .reshape((b, dims.heads + 2 * kv, hd))?
             .narrow(1, dims.heads + kv, kv)?;
-        let at = places(positions, rows, dims)?;
+        let at = places(positions, table, dims)?;
         let flat = |t: &Tensor| t.reshape((t.elem_count() / hd, hd));
         flat(k_cache)?.scatter_set(&at, &keys.reshape((b * kv, hd))?, 0)?;
         flat(v_cache)?.scatter_set(&at, &values.reshape((b * kv, hd))?, 0)?;
@@ -100,16 +157,20 @@ pub fn rope_store(
 }
 
 /// `[batch * kv_heads, head_dim]` i64 (CPU): the place of token b's key head h in a cache seen
-/// as `[rows * kv_heads * max_seq, head_dim]`, repeated along each row.
-fn places(positions: &Tensor, rows: Option<&Tensor>, d: Dims) -> Result<Tensor> {
+/// as `[blocks * kv_heads * block_size, head_dim]`, repeated along each row (the op checked
+/// the positions and the table first).
+fn places(positions: &Tensor, table: Option<&Tensor>, d: Dims) -> Result<Tensor> {
     let positions = positions.to_vec1::<u32>()?;
-    let rows = rows.map(Tensor::to_vec1::<u32>).transpose()?;
+    let table = table
+        .map(|t| t.flatten_all()?.to_vec1::<u32>())
+        .transpose()?;
     let mut at = Vec::with_capacity(d.batch * d.kv_heads * d.head_dim);
     for (b, &p) in positions.iter().enumerate() {
-        let row = rows.as_ref().map_or(b, |r| r[b] as usize);
         for h in 0..d.kv_heads {
-            let place = ((row * d.kv_heads + h) * d.max_seq + p as usize) as i64;
-            at.extend(std::iter::repeat_n(place, d.head_dim));
+            let place = d
+                .index
+                .place(OP, table.as_deref(), b, p as usize, d.kv_heads, h)?;
+            at.extend(std::iter::repeat_n(place as i64, d.head_dim));
         }
     }
     Tensor::from_vec(
@@ -132,11 +193,12 @@ enum Part {
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Dims {
     batch: usize,
-    /// The caches' rows (`batch` without `rows`).
-    cache_rows: usize,
+    /// Where each token's key and value go in the caches.
+    index: Index,
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
+    /// Positions a sequence may use (the index's `max_seq`).
     max_seq: usize,
     table: usize,
 }
@@ -156,7 +218,7 @@ impl Dims {
     ) -> Self {
         Self {
             batch,
-            cache_rows,
+            index: Index::rows(cache_rows, max_seq),
             heads,
             kv_heads,
             head_dim,
@@ -171,7 +233,7 @@ impl Dims {
         cos: &Tensor,
         sin: &Tensor,
         positions: &Tensor,
-        rows: Option<&Tensor>,
+        lookup: Lookup<'_>,
         k: &Tensor,
         v: &Tensor,
         heads: usize,
@@ -182,10 +244,7 @@ impl Dims {
             check::like(OP, name, t, "qkv", qkv)?;
         }
         check::indices(OP, "positions", positions, qkv)?;
-        if let Some(r) = rows {
-            check::indices(OP, "rows", r, qkv)?;
-        }
-        let &[cache_rows, kv_heads, max_seq, head_dim] = k.dims() else {
+        let &[blocks, kv_heads, block_size, head_dim] = k.dims() else {
             return Err(check::shape(
                 OP,
                 "k_cache",
@@ -194,18 +253,12 @@ impl Dims {
             ));
         };
         let batch = qkv.dims().first().copied().unwrap_or(0);
-        if (rows.is_none() && cache_rows != batch) || (rows.is_some() && cache_rows == 0) {
-            return Err(check::shape(
-                OP,
-                "k_cache",
-                k,
-                "[batch (or any rows, with rows), kv_heads, max_seq, head_dim]",
-            ));
-        }
         if v.dims() != k.dims() {
             return Err(check::shape(OP, "v_cache", v, "k_cache's shape"));
         }
-        if head_dim == 0 || !head_dim.is_multiple_of(2) || max_seq == 0 {
+        let index = lookup.index(OP, qkv, k, batch)?;
+        let max_seq = index.max_seq();
+        if head_dim == 0 || !head_dim.is_multiple_of(2) || block_size == 0 {
             return Err(check::shape(
                 OP,
                 "k_cache",
@@ -233,9 +286,6 @@ impl Dims {
         if positions.dims() != [batch] {
             return Err(check::shape(OP, "positions", positions, "[batch]"));
         }
-        if let Some(r) = rows.filter(|r| r.dims() != [batch]) {
-            return Err(check::shape(OP, "rows", r, "[batch]"));
-        }
         if let Some(n) = norm {
             for (name, w) in [("q norm", n.q), ("k norm", n.k)] {
                 check::like(OP, name, w, "qkv", qkv)?;
@@ -252,16 +302,14 @@ impl Dims {
             ("positions", positions),
             ("k_cache", k),
             ("v_cache", v),
-        ]
-        .into_iter()
-        .chain(rows.map(|r| ("rows", r)))
-        {
+        ] {
             check::contiguous(OP, name, t)?;
         }
         for (what, size, limit) in [
             ("the batch", batch, 65535),
             ("the head count", heads + 2 * kv_heads, u32::MAX as usize),
             ("max_seq", max_seq, u32::MAX as usize),
+            ("the cache's blocks", blocks, u32::MAX as usize),
             ("the table's rows", table, u32::MAX as usize),
         ] {
             if size > limit {
@@ -270,7 +318,7 @@ impl Dims {
         }
         Ok(Self {
             batch,
-            cache_rows,
+            index,
             heads,
             kv_heads,
             head_dim,
@@ -294,7 +342,9 @@ struct RopeStore {
     style: RopeStyle,
     part: Part,
     positions: Tensor,
-    rows: Option<Tensor>,
+    /// `[batch]` u32 cache rows or `[batch, max_blocks]` u32 block ids (see `pages`), or
+    /// `None`: each token's own row.
+    table: Option<Tensor>,
     norm: Option<(Tensor, Tensor, f32)>,
     /// Where CUDA stores the keys and values.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
@@ -353,7 +403,11 @@ impl RopeStore {
         let hd = d.head_dim;
         let half = hd / 2;
         let positions = self.positions.to_vec1::<u32>()?;
-        let rows = self.rows.as_ref().map(|r| r.to_vec1::<u32>()).transpose()?;
+        let table = self
+            .table
+            .as_ref()
+            .map(|t| t.flatten_all()?.to_vec1::<u32>())
+            .transpose()?;
         let norm = match &self.norm {
             Some((q, k, eps)) => Some((
                 q.to_dtype(DType::F32)?.to_vec1::<f32>()?,
@@ -378,17 +432,8 @@ impl RopeStore {
                 }
                 .into());
             }
-            if let Some(row) = rows.as_ref().map(|r| r[b])
-                && row as usize >= d.cache_rows
-            {
-                return Err(KernelError::RowPastCache {
-                    op: OP,
-                    query: b,
-                    row,
-                    rows: d.cache_rows,
-                }
-                .into());
-            }
+            // The block holding the position exists (the place itself is the store's).
+            d.index.place(OP, table.as_deref(), b, p, d.kv_heads, 0)?;
             let (c, s) = (&cos[p * half..][..half], &sin[p * half..][..half]);
             for h in first..first + count {
                 let src = &qkv[(b * (d.heads + 2 * d.kv_heads) + h) * hd..][..hd];

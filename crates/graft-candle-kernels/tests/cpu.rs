@@ -23,6 +23,16 @@ proptest! {
     }
 
     #[test]
+    fn paged_attention_equals_the_static_cache(
+        case in attention_cases(),
+        block_size in prop_oneof![Just(1usize), Just(5), Just(16), Just(64), Just(100)],
+    ) {
+        for dtype in DTYPES {
+            check_paged_attention(&Device::Cpu, &case, dtype, block_size).unwrap();
+        }
+    }
+
+    #[test]
     fn add_rms_norm_matches_unfused((lead, hidden, seed) in norm_cases()) {
         for dtype in DTYPES {
             check_add_rms_norm(&Device::Cpu, &lead, hidden, seed, dtype).unwrap();
@@ -623,4 +633,16 @@ fn sample_rows_refuses_bad_inputs() {
         &params.narrow(0, 1, 2).unwrap(),
     );
     assert_eq!(offset.unwrap().to_vec1::<u32>().unwrap(), [0, 0]);
+}
+
+#[test]
+fn paged_rope_store_writes_where_the_table_says() {
+    for dtype in DTYPES {
+        check_paged_rope_store(&Device::Cpu, dtype).unwrap();
+    }
+}
+
+#[test]
+fn paged_ops_refuse_tables_past_the_cache() {
+    check_paged_refusals(&Device::Cpu).unwrap();
 }

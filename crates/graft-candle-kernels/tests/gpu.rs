@@ -42,6 +42,18 @@ proptest! {
 
     #[test]
     #[ignore = "needs a CUDA GPU"]
+    fn gpu_paged_attention_equals_the_static_cache(
+        case in attention_cases(),
+        block_size in prop_oneof![Just(1usize), Just(5), Just(16), Just(64), Just(100)],
+    ) {
+        let dev = gpu();
+        for dtype in DTYPES {
+            check_paged_attention(&dev, &case, dtype, block_size).unwrap();
+        }
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
     fn gpu_add_rms_norm_matches_unfused((lead, hidden, seed) in norm_cases()) {
         let dev = gpu();
         for dtype in DTYPES {
@@ -347,5 +359,14 @@ fn gpu_sample_rows_match_the_cpu() {
         for dtype in [DType::F32, DType::BF16] {
             check_sample_matches_cpu(&dev, 66, vocab, dtype).unwrap();
         }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_paged_rope_store_writes_where_the_table_says() {
+    let dev = gpu();
+    for dtype in DTYPES {
+        check_paged_rope_store(&dev, dtype).unwrap();
     }
 }

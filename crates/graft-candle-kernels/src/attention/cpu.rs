@@ -19,7 +19,11 @@ pub(super) fn forward<T: WithDType>(
     let k = check::cpu_slice(OP, "k_cache", k, kl)?;
     let v = check::cpu_slice(OP, "v_cache", v, vl)?;
     let positions = op.positions.to_vec1::<u32>()?;
-    let rows = op.rows.as_ref().map(|r| r.to_vec1::<u32>()).transpose()?;
+    let table = op
+        .table
+        .as_ref()
+        .map(|t| t.flatten_all()?.to_vec1::<u32>())
+        .transpose()?;
     let d = op.dims;
     let (hd, group) = (d.head_dim, d.group());
     let mut out = Vec::with_capacity(d.batch * d.heads * hd);
@@ -35,33 +39,22 @@ pub(super) fn forward<T: WithDType>(
             }
             .into());
         }
-        let cache_row = match &rows {
-            Some(rows) if rows[b] as usize >= d.cache_rows => {
-                return Err(KernelError::RowPastCache {
-                    op: OP,
-                    query: b,
-                    row: rows[b],
-                    rows: d.cache_rows,
-                }
-                .into());
-            }
-            Some(rows) => rows[b] as usize,
-            None => b,
-        };
         let visible = pos.saturating_sub(op.reach)..pos + 1;
+        // Each visible position's cache row, the same for every head of a KV head.
+        let place =
+            |j: usize, kvh: usize| d.index.place(OP, table.as_deref(), b, j, d.kv_heads, kvh);
         for h in 0..d.heads {
-            let row = (cache_row * d.kv_heads + h / group) * d.max_seq;
             let qh = &q[(b * d.heads + h) * hd..][..hd];
             weights.clear();
-            weights.extend(visible.clone().map(|j| {
-                let kj = &k[(row + j) * hd..][..hd];
+            for j in visible.clone() {
+                let kj = &k[place(j, h / group)? * hd..][..hd];
                 let dot: f32 = qh
                     .iter()
                     .zip(kj)
                     .map(|(&a, &b)| check::f32_of(a) * check::f32_of(b))
                     .sum();
-                dot * op.scale
-            }));
+                weights.push(dot * op.scale);
+            }
             let max = weights.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             let mut sum = 0.0;
             for w in &mut weights {
@@ -70,7 +63,7 @@ pub(super) fn forward<T: WithDType>(
             }
             acc.fill(0.0);
             for (j, &w) in visible.clone().zip(&weights) {
-                let vj = &v[(row + j) * hd..][..hd];
+                let vj = &v[place(j, h / group)? * hd..][..hd];
                 for (a, &x) in acc.iter_mut().zip(vj) {
                     *a += w * check::f32_of(x);
                 }

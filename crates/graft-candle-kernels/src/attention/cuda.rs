@@ -96,9 +96,9 @@ impl Map3 for Launch<'_> {
         // SAFETY: the combine kernel writes every element (one block per (head, sequence),
         // one thread per head-dim element) before anything reads them, on the device's stream.
         let out = unsafe { device.alloc::<T>(d.batch * d.heads * d.head_dim)? };
-        // Null without rows: each query reads its own row.
-        let rows = match &self.op.rows {
-            Some(r) => address(OP, r, "rows", device)?,
+        // Null without a table (or rows): each query reads its own row.
+        let table = match &self.op.table {
+            Some(t) => address(OP, t, "the block table", device)?,
             None => 0u64,
         };
         let launch = AttentionLaunch {
@@ -106,7 +106,7 @@ impl Map3 for Launch<'_> {
             k,
             v,
             positions: self.positions.device_ptr(&stream).0,
-            rows,
+            table,
             part_o: part_o.device_ptr(&stream).0,
             part_ml: part_ml.device_ptr(&stream).0,
             out: out.device_ptr(&stream).0,
@@ -115,8 +115,8 @@ impl Map3 for Launch<'_> {
             scale: self.op.scale,
         };
         // SAFETY: the wrapper checked the shapes: q holds batch * heads * head_dim elements,
-        // k and v cache_rows * kv_heads * max_seq * head_dim, positions batch, rows (when
-        // given, held by the op) batch; the scratch and `out` were just allocated with the
+        // k and v blocks * kv_heads * block_size * head_dim, positions batch, the table (when
+        // given, held by the op) batch * max_blocks; the scratch and `out` were just allocated with the
         // sizes `AttentionLaunch` needs; all live until the launches are enqueued.
         unsafe { launch.launch::<T>(device, &stream, false) }?;
         Ok(out)
@@ -129,8 +129,9 @@ pub(crate) struct AttentionLaunch {
     pub(crate) k: u64,
     pub(crate) v: u64,
     pub(crate) positions: u64,
-    /// Each query's cache row (`[batch]` u32), or 0: query b's own.
-    pub(crate) rows: u64,
+    /// Each query's blocks (`[batch, max_blocks]` u32; rows are one block each), or 0: query
+    /// b's own row.
+    pub(crate) table: u64,
     /// f32 scratch: the partials' outputs (`batch * heads * splits * head_dim`) and their
     /// maxes and sums (`2 * batch * heads * splits`).
     pub(crate) part_o: u64,
@@ -147,8 +148,9 @@ impl AttentionLaunch {
     /// programmatic dependent of the kernel before it when `dependent`.
     ///
     /// # Safety
-    /// q holds batch * heads * head_dim elements of T, the caches cache_rows * kv_heads *
-    /// max_seq * head_dim, positions batch u32, rows batch u32 when not 0, `part_o` batch *
+    /// q holds batch * heads * head_dim elements of T, the caches blocks * kv_heads *
+    /// block_size * head_dim, positions batch u32, the table batch * max_blocks u32 when not
+    /// 0, `part_o` batch *
     /// heads * splits * head_dim f32, `part_ml` 2 * batch * heads * splits f32, `out` batch *
     /// heads * head_dim T: all memory of `device` alive until the kernels have run; the dims
     /// passed the wrapper's checks (`decode_attention_fits`).
@@ -165,20 +167,27 @@ impl AttentionLaunch {
         let kv_heads = u32_of("the KV head count", d.kv_heads)?;
         let batch = u32_of("the batch", d.batch)?;
         let max_seq = u32_of("max_seq", d.max_seq)?;
-        let cache_rows = u32_of("the cache's rows", d.cache_rows)?;
+        let max_blocks = u32_of("the blocks per sequence", d.index.max_blocks)?;
+        let blocks = u32_of("the cache's blocks", d.index.blocks)?;
+        let block_size = u32_of("the block size", d.index.block_size)?;
         let head_dim = u32_of("the head dim", d.head_dim)?;
         let chunk = u32_of("the chunk", CHUNK)?;
         let reach = u32_of("the window", self.reach)?;
         let splits = u32_of("the chunk count", d.splits())?;
         let shared = u32_of("the shared memory", d.shared_bytes())?;
+        // A paged cache's kernel looks each position up in the table; a static cache's adds
+        // the position to its row.
+        let paged = if d.index.paged { "paged_" } else { "" };
 
         let mut args = Args::new();
         args.arg(&self.q)
             .arg(&self.k)
             .arg(&self.v)
             .arg(&self.positions)
-            .arg(&self.rows)
-            .arg(&cache_rows)
+            .arg(&self.table)
+            .arg(&max_blocks)
+            .arg(&blocks)
+            .arg(&block_size)
             .arg(&self.part_o)
             .arg(&self.part_ml)
             .arg(&heads)
@@ -193,12 +202,13 @@ impl AttentionLaunch {
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: shared,
         };
-        // SAFETY: the arguments match `graft_decode_attention_partial_<dtype>(const T*, const
-        // T*, const T*, const unsigned int*, const unsigned int*, unsigned int, float*, float*,
-        // unsigned int x6, float)` with T the storage's dtype, every buffer by address and
-        // sized as the caller guarantees; the kernel clamps each row below cache_rows (it is
-        // the query's own, b < batch = cache_rows, without rows) and each position below
-        // max_seq, and reads only positions start..end within it; head_dim <= 256 (8
+        // SAFETY: the arguments match `graft_decode_attention_partial_[paged_]<dtype>(const
+        // T*, const T*, const T*, const unsigned int*, const unsigned int*, unsigned int x3,
+        // float*, float*, unsigned int x6, float)` with T the storage's dtype, every buffer by address
+        // and sized as the caller guarantees; the kernel clamps each position below max_seq =
+        // max_blocks * block_size (so it indexes the table row within max_blocks) and each
+        // block id below blocks (a query's own row, without a table, is b < batch = blocks),
+        // and reads only positions start..end of those blocks; head_dim <= 256 (8
         // registers a lane); heads % kv_heads == 0; the scratch holds batch * heads * splits
         // partials, indexed by (head * splits + split) < that; the dynamic shared memory is
         // group * (head_dim + chunk) f32 (at most 48 KiB, checked), exactly what the kernel
@@ -207,7 +217,7 @@ impl AttentionLaunch {
             KERNELS.launch(
                 device,
                 stream,
-                &format!("graft_decode_attention_partial_{dtype}"),
+                &format!("graft_decode_attention_partial_{paged}{dtype}"),
                 config,
                 dependent,
                 &mut args,

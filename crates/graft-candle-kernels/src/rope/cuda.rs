@@ -52,9 +52,9 @@ impl Map3 for RopeStore {
         let cos = view(OP, "cos", cos, cl)?;
         let sin = view(OP, "sin", sin, sl)?;
         let positions = address(OP, &self.positions, "positions", device)?;
-        // Null without rows: each token goes to its own row.
-        let rows = match &self.rows {
-            Some(r) => address(OP, r, "rows", device)?,
+        // Null without a table (or rows): each token goes to its own row.
+        let table = match &self.table {
+            Some(t) => address(OP, t, "the block table", device)?,
             None => 0u64,
         };
         let (k_cache, v_cache) = (
@@ -79,7 +79,7 @@ impl Map3 for RopeStore {
             cos: cos.device_ptr(&stream).0,
             sin: sin.device_ptr(&stream).0,
             positions,
-            rows,
+            table,
             norms,
             q_out: q_out.device_ptr(&stream).0,
             caches: (k_cache, v_cache),
@@ -87,9 +87,9 @@ impl Map3 for RopeStore {
             style: self.style,
         };
         // SAFETY: `qkv` holds batch * (heads + 2 kv_heads) * head_dim elements, the tables
-        // table * head_dim / 2, `positions` batch u32, `rows` batch u32 when given (null
-        // otherwise), the norms head_dim each when given, the caches cache_rows * kv_heads *
-        // max_seq * head_dim each (all checked by the wrapper, contiguous, of T; the op holds
+        // table * head_dim / 2, `positions` batch u32, the block table batch * max_blocks
+        // u32 when given (null otherwise), the norms head_dim each when given, the caches
+        // blocks * kv_heads * block_size * head_dim each (all checked by the wrapper, contiguous, of T; the op holds
         // clones, so all live), `q_out` just allocated.
         unsafe { launch.launch::<T>(device, &stream, false) }?;
         Ok(q_out)
@@ -102,8 +102,9 @@ pub(crate) struct RopeLaunch {
     pub(crate) cos: u64,
     pub(crate) sin: u64,
     pub(crate) positions: u64,
-    /// Each token's cache row (`[batch]` u32), or 0: token b's own.
-    pub(crate) rows: u64,
+    /// Each token's blocks (`[batch, max_blocks]` u32; rows are one block each), or 0: token
+    /// b's own row.
+    pub(crate) table: u64,
     /// Qwen3's query and key norm weights and epsilon.
     pub(crate) norms: Option<(u64, u64, f32)>,
     /// `[batch, heads * head_dim]` rotated queries.
@@ -119,9 +120,9 @@ impl RopeLaunch {
     ///
     /// # Safety
     /// `qkv` holds batch * (heads + 2 kv_heads) * head_dim elements of T, the tables table *
-    /// head_dim / 2, `positions` batch u32, `rows` batch u32 when not 0, the norms head_dim
-    /// each, the caches cache_rows * kv_heads * max_seq * head_dim each, `q_out` batch * heads
-    /// * head_dim: all memory of `device` alive until the kernel has run.
+    /// head_dim / 2, `positions` batch u32, `table` batch * max_blocks u32 when not 0, the
+    /// norms head_dim each, the caches blocks * kv_heads * block_size * head_dim each, `q_out`
+    /// batch * heads * head_dim: all memory of `device` alive until the kernel has run.
     pub(crate) unsafe fn launch<T: WithDType>(
         &self,
         device: &CudaDevice,
@@ -135,13 +136,24 @@ impl RopeLaunch {
         };
         let name = format!("graft_rope_store_{style}_{}", T::DTYPE.as_str());
         let blocks = check::u32_of(OP, "the head count", d.heads + 2 * d.kv_heads)?;
-        let [heads, kv_heads, hd, max_seq, table, cache_rows] = [
+        let [
+            heads,
+            kv_heads,
+            hd,
+            max_seq,
+            table,
+            max_blocks,
+            cache_blocks,
+            block_size,
+        ] = [
             d.heads,
             d.kv_heads,
             d.head_dim,
             d.max_seq,
             d.table,
-            d.cache_rows,
+            d.index.max_blocks,
+            d.index.blocks,
+            d.index.block_size,
         ]
         .map(|v| v as u32);
         // Never read without norms: has_norm is 0.
@@ -152,8 +164,10 @@ impl RopeLaunch {
             .arg(&self.cos)
             .arg(&self.sin)
             .arg(&self.positions)
-            .arg(&self.rows)
-            .arg(&cache_rows)
+            .arg(&self.table)
+            .arg(&max_blocks)
+            .arg(&cache_blocks)
+            .arg(&block_size)
             .arg(&q_norm)
             .arg(&k_norm)
             .arg(&self.q_out)
@@ -172,11 +186,13 @@ impl RopeLaunch {
             shared_mem_bytes: 0,
         };
         // SAFETY: the arguments match `graft_rope_store_<style>_<dtype>(const T* x3, const
-        // unsigned int* x2, unsigned int, const T* x2, T* x3, unsigned int x6, float)`, the
-        // addresses passed by value and sized as the caller guarantees; the kernel clamps each
-        // row below cache_rows (token b's own, b < batch = cache_rows, without rows) and each
-        // position below max_seq and table, so it writes only the caches' places at those
-        // rows and positions and `q_out`. Writing the caches through their addresses is what
+        // unsigned int* x2, unsigned int x3, const T* x2, T* x3, unsigned int x6, float)`, the
+        // addresses passed by value and sized as the caller guarantees (every size fits u32:
+        // the wrapper checked them); the kernel clamps each position below max_seq =
+        // max_blocks * block_size (so it indexes the table row within max_blocks) and the
+        // table, and each block id below blocks (token b's own row, without a table, is b <
+        // batch = blocks), so it writes only the caches' places at those blocks and positions
+        // and `q_out`. Writing the caches through their addresses is what
         // candle's in-place `scatter_set` does through its storage; the stream orders the
         // writes after every earlier use of them and before every later one. It waits before
         // it reads anything.

@@ -2,21 +2,18 @@
 template <typename T, bool INTERLEAVED>
 __device__ void graft_rope_store(
     const T* qkv, const T* cos, const T* sin, const unsigned int* positions,
-    const unsigned int* rows, unsigned int cache_rows, const T* q_norm, const T* k_norm,
-    T* q_out, T* k_cache, T* v_cache, unsigned int heads, unsigned int kv_heads,
-    unsigned int hd, unsigned int max_seq, unsigned int table, unsigned int has_norm,
-    float eps) {
+    const unsigned int* blocks_of, unsigned int max_blocks, unsigned int blocks,
+    unsigned int block_size, const T* q_norm, const T* k_norm, T* q_out, T* k_cache,
+    T* v_cache, unsigned int heads, unsigned int kv_heads, unsigned int hd, unsigned int max_seq,
+    unsigned int table, unsigned int has_norm, float eps) {
     // As a programmatic dependent: nothing to do before the wait (qkv is the kernel before's).
     graft_pdl_trigger();
     graft_pdl_wait();
     const unsigned int h = blockIdx.x;
     const unsigned int b = blockIdx.y;
     const unsigned int lane = threadIdx.x;
-    // The cache row token b goes to: its own, or rows[b] (never past the cache).
-    unsigned int r = b;
-    if (rows) {
-        r = rows[b] < cache_rows ? rows[b] : cache_rows - 1u;
-    }
+    // Token b's block-table row (null: its own cache block b, of max_seq positions).
+    const unsigned int* tb = blocks_of ? blocks_of + (unsigned long long)b * max_blocks : 0;
     unsigned int p = positions[b];
     if (p >= max_seq) {
         p = max_seq - 1u;  // never write outside the cache
@@ -25,7 +22,8 @@ __device__ void graft_rope_store(
     const T* src = qkv + ((unsigned long long)b * (heads + 2u * kv_heads) + h) * hd;
     if (h >= heads + kv_heads) {
         const unsigned int kvh = h - heads - kv_heads;
-        T* dst = v_cache + (((unsigned long long)r * kv_heads + kvh) * max_seq + p) * hd;
+        T* dst =
+            v_cache + graft_cache_place(tb, b, blocks, kv_heads, kvh, block_size, p) * hd;
         for (unsigned int i = lane; i < hd; i += 32u) {
             dst[i] = src[i];
         }
@@ -33,7 +31,8 @@ __device__ void graft_rope_store(
     }
     const bool query = h < heads;
     T* dst = query ? q_out + ((unsigned long long)b * heads + h) * hd
-                   : k_cache + (((unsigned long long)r * kv_heads + (h - heads)) * max_seq + p) * hd;
+                   : k_cache + graft_cache_place(tb, b, blocks, kv_heads, h - heads, block_size,
+                                                 p) * hd;
     float inv = 1.0f;
     const T* w = query ? q_norm : k_norm;
     if (has_norm) {
@@ -65,13 +64,14 @@ __device__ void graft_rope_store(
 #define GRAFT_ROPE_ONE(suffix, T, name, INTERLEAVED)                                         \
     extern "C" __global__ void graft_rope_store_##name##_##suffix(                           \
         const T* qkv, const T* cos, const T* sin, const unsigned int* positions,             \
-        const unsigned int* rows, unsigned int cache_rows, const T* q_norm, const T* k_norm, \
-        T* q_out, T* k_cache, T* v_cache, unsigned int heads, unsigned int kv_heads,         \
-        unsigned int hd, unsigned int max_seq, unsigned int table, unsigned int has_norm,    \
-        float eps) {                                                                         \
-        graft_rope_store<T, INTERLEAVED>(qkv, cos, sin, positions, rows, cache_rows, q_norm, \
-                                         k_norm, q_out, k_cache, v_cache, heads, kv_heads,   \
-                                         hd, max_seq, table, has_norm, eps);                 \
+        const unsigned int* blocks_of, unsigned int max_blocks, unsigned int blocks,         \
+        unsigned int block_size, const T* q_norm, const T* k_norm, T* q_out, T* k_cache,     \
+        T* v_cache, unsigned int heads, unsigned int kv_heads, unsigned int hd,              \
+        unsigned int max_seq, unsigned int table, unsigned int has_norm, float eps) {        \
+        graft_rope_store<T, INTERLEAVED>(qkv, cos, sin, positions, blocks_of, max_blocks,    \
+                                         blocks, block_size, q_norm, k_norm, q_out, k_cache, \
+                                         v_cache, heads, kv_heads, hd, max_seq, table,       \
+                                         has_norm, eps);                                     \
     }
 #define GRAFT_ROPE(suffix, T)                                                                \
     GRAFT_ROPE_ONE(suffix, T, half, false)                                                   \

@@ -7,7 +7,7 @@ use candle_core::{D, DType, Device, Result, Tensor, Var};
 use graft_candle_kernels::{KernelError, causal_attention, causal_attention_fits};
 use proptest::prelude::*;
 
-use super::random;
+use super::{bits, random};
 
 /// One causal attention case: q, k and v are rows `offset .. offset + batch` of tensors of
 /// `batch + offset` sequences (a start offset), with `kv_heads * group` query heads.
@@ -223,14 +223,6 @@ pub fn check_causal_attention_deterministic(
 ) -> Result<()> {
     let (out, grads) = fused_with_grads(device, c, dtype)?;
     let (again, grads_again) = fused_with_grads(device, c, dtype)?;
-    let bits = |t: &Tensor| -> Result<Vec<u32>> {
-        Ok(t.flatten_all()?
-            .to_dtype(DType::F32)?
-            .to_vec1::<f32>()?
-            .into_iter()
-            .map(f32::to_bits)
-            .collect())
-    };
     assert!(
         bits(&out)? == bits(&again)?,
         "the output differs between runs"

@@ -12,6 +12,7 @@ mod causal;
 mod linear;
 mod moe;
 mod optim;
+mod paged;
 mod sample;
 mod step;
 mod train;
@@ -20,6 +21,7 @@ pub use causal::*;
 pub use linear::*;
 pub use moe::*;
 pub use optim::*;
+pub use paged::*;
 pub use sample::*;
 pub use step::*;
 pub use train::*;
@@ -60,6 +62,16 @@ pub fn tolerance(dtype: DType) -> (f32, f32) {
         DType::F16 => (4e-3, 4e-3),
         _ => (3e-2, 3e-2),
     }
+}
+
+/// The bits of `t` as f32 (exact for every float dtype the ops take), for bit-for-bit checks.
+pub fn bits(t: &Tensor) -> Result<Vec<u32>> {
+    Ok(t.flatten_all()?
+        .to_dtype(DType::F32)?
+        .to_vec1::<f32>()?
+        .into_iter()
+        .map(f32::to_bits)
+        .collect())
 }
 
 /// Asserts `|got - want| <= atol + rtol * |want|` elementwise (and the shapes equal).
