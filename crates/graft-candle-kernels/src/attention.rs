@@ -107,7 +107,7 @@ pub fn decode_attention_paged(
 }
 
 /// Either form: the op over the caches, looked up as `lookup` says.
-fn attend(
+pub(crate) fn attend(
     q: &Tensor,
     (k, v): (&Tensor, &Tensor),
     positions: &Tensor,
@@ -252,18 +252,17 @@ impl Dims {
     #[cfg(feature = "cuda")]
     pub(crate) fn for_step(
         batch: usize,
-        cache_rows: usize,
+        index: Index,
         heads: usize,
         kv_heads: usize,
-        max_seq: usize,
         head_dim: usize,
     ) -> Self {
         Self {
             batch,
-            index: Index::rows(cache_rows, max_seq),
+            index,
             heads,
             kv_heads,
-            max_seq,
+            max_seq: index.max_seq(),
             head_dim,
         }
     }

@@ -114,17 +114,6 @@ pub(crate) struct Index {
 }
 
 impl Index {
-    /// A static cache of `rows` rows of `max_seq` positions (`decode_step`'s, checked there).
-    #[cfg(feature = "cuda")]
-    pub(crate) fn rows(rows: usize, max_seq: usize) -> Self {
-        Self {
-            max_blocks: 1,
-            blocks: rows,
-            block_size: max_seq,
-            paged: false,
-        }
-    }
-
     /// Positions a sequence may use: `max_blocks * block_size`.
     pub(crate) fn max_seq(&self) -> usize {
         self.max_blocks * self.block_size

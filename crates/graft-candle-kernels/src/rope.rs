@@ -114,7 +114,7 @@ pub fn rope_store_paged(
 
 /// Either form: the op, with the caches looked up as `lookup` says.
 #[allow(clippy::too_many_arguments)]
-fn store(
+pub(crate) fn store(
     qkv: &Tensor,
     (cos, sin): (&Tensor, &Tensor),
     positions: &Tensor,
@@ -209,20 +209,19 @@ impl Dims {
     #[cfg(feature = "cuda")]
     pub(crate) fn for_step(
         batch: usize,
-        cache_rows: usize,
+        index: Index,
         heads: usize,
         kv_heads: usize,
         head_dim: usize,
-        max_seq: usize,
         table: usize,
     ) -> Self {
         Self {
             batch,
-            index: Index::rows(cache_rows, max_seq),
+            index,
             heads,
             kv_heads,
             head_dim,
-            max_seq,
+            max_seq: index.max_seq(),
             table,
         }
     }

@@ -19,9 +19,10 @@ mod cuda;
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 
 use crate::linear::tensor_cores;
+use crate::pages::{Index, Lookup};
 use crate::{
-    KernelError, MATVEC_ROWS, QkNorm, RopeStyle, TENSOR_ROWS, check, decode_attention,
-    decode_attention_fits, linear, linear_cat, linear_swiglu, rms_norm, rope_store,
+    KernelError, MATVEC_ROWS, QkNorm, RopeStyle, TENSOR_ROWS, check, decode_attention_fits, linear,
+    linear_cat, linear_swiglu, rms_norm,
 };
 
 const OP: &str = "decode_step";
@@ -101,6 +102,31 @@ pub fn decode_step(
     positions: &Tensor,
     rows: Option<&Tensor>,
 ) -> Result<Tensor> {
+    step(model, caches, tokens, positions, Lookup::Rows(rows))
+}
+
+/// [`decode_step`] over paged caches: `pages` are `[blocks, kv_heads, block_size, head_dim]`
+/// per layer, and `table` (`[batch, max_blocks]` u32, contiguous) lists each sequence's blocks
+/// in order, as [`crate::decode_attention_paged`] reads them. The same kernels but the
+/// attention's lookup, so the same bits as a static cache holding the same keys and values.
+pub fn decode_step_paged(
+    model: &StepModel,
+    pages: &[(Tensor, Tensor)],
+    tokens: &Tensor,
+    positions: &Tensor,
+    table: &Tensor,
+) -> Result<Tensor> {
+    step(model, pages, tokens, positions, Lookup::Pages(table))
+}
+
+/// Either form, the caches looked up as `lookup` says.
+fn step(
+    model: &StepModel,
+    caches: &[(Tensor, Tensor)],
+    tokens: &Tensor,
+    positions: &Tensor,
+    lookup: Lookup<'_>,
+) -> Result<Tensor> {
     let batch = tokens.dims1()?;
     let dtype = model.embed.dtype();
     decode_step_fits(dtype, batch, model.heads, model.kv_heads, model.head_dim)?;
@@ -108,9 +134,6 @@ pub fn decode_step(
     check::indices(OP, "positions", positions, &model.embed)?;
     if positions.dims() != [batch] {
         return Err(check::shape(OP, "positions", positions, "[batch]"));
-    }
-    if let Some(r) = rows.filter(|r| r.dims() != [batch]) {
-        return Err(check::shape(OP, "rows", r, "[batch]"));
     }
     if caches.len() != model.layers.len() {
         return Err(KernelError::Caches {
@@ -120,20 +143,17 @@ pub fn decode_step(
         .into());
     }
     if model.embed.device().is_cpu() {
-        return composed(model, caches, tokens, positions, rows);
+        return composed(model, caches, tokens, positions, lookup);
     }
-    let dims = Dims::of(model, caches, batch, rows)?;
+    let dims = Dims::of(model, caches, batch, lookup)?;
     check::contiguous(OP, "tokens", tokens)?;
     check::contiguous(OP, "positions", positions)?;
-    if let Some(r) = rows {
-        check::contiguous(OP, "rows", r)?;
-    }
     let op = Step {
         model: model.clone(),
         caches: caches.to_vec(),
         tokens: tokens.clone(),
         positions: positions.clone(),
-        rows: rows.cloned(),
+        table: lookup.table().cloned(),
         dims,
     };
     // Over the embedding table: the custom op dispatches on its dtype, the model's.
@@ -146,7 +166,7 @@ fn composed(
     caches: &[(Tensor, Tensor)],
     tokens: &Tensor,
     positions: &Tensor,
-    rows: Option<&Tensor>,
+    lookup: Lookup<'_>,
 ) -> Result<Tensor> {
     let batch = tokens.dims1()?;
     let mut x = m.embed.index_select(tokens, 0)?;
@@ -155,18 +175,17 @@ fn composed(
         let h = rms_norm(&x, &l.attn_norm, m.eps)?;
         let qkv = linear_cat(&h, &[part(&l.q), part(&l.k), part(&l.v)])?;
         let norm = l.qk_norm.as_ref().map(|(q, k)| QkNorm { q, k, eps: m.eps });
-        let q = rope_store(
+        let q = crate::rope::store(
             &qkv,
-            &m.cos,
-            &m.sin,
+            (&m.cos, &m.sin),
             positions,
-            rows,
+            lookup,
             (kc, vc),
             m.heads,
             m.style,
             norm,
         )?;
-        let o = decode_attention(&q, kc, vc, positions, rows, scale, m.window)?
+        let o = crate::attention::attend(&q, (kc, vc), positions, lookup, scale, m.window)?
             .reshape((batch, m.heads * m.head_dim))?;
         x = (x + linear(&o, &l.o.0, l.o.1.as_ref())?)?;
         let h = rms_norm(&x, &l.mlp_norm, m.eps)?;
@@ -185,8 +204,8 @@ fn part((w, b): &(Tensor, Option<Tensor>)) -> (&Tensor, Option<&Tensor>) {
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 struct Dims {
     batch: usize,
-    /// The caches' rows (`batch` without rows).
-    cache_rows: usize,
+    /// Where each sequence's positions are in the caches.
+    index: Index,
     hidden: usize,
     vocab: usize,
     /// The MLP's width.
@@ -201,7 +220,7 @@ impl Dims {
         m: &StepModel,
         caches: &[(Tensor, Tensor)],
         batch: usize,
-        rows: Option<&Tensor>,
+        lookup: Lookup<'_>,
     ) -> Result<Self> {
         let &[vocab, hidden] = m.embed.dims() else {
             return Err(check::shape(OP, "embed", &m.embed, "[vocab, hidden]"));
@@ -219,12 +238,12 @@ impl Dims {
         let (Some(first), Some((k0, _))) = (m.layers.first(), caches.first()) else {
             return Err(KernelError::NoLayers.into());
         };
-        let &[cache_rows, _, max_seq, _] = k0.dims() else {
+        let &[blocks, _, block_size, _] = k0.dims() else {
             return Err(check::shape(
                 OP,
                 "k_cache",
                 k0,
-                "[rows, kv_heads, max_seq, head_dim]",
+                "[rows, kv_heads, max_seq, head_dim] (or [blocks, kv_heads, block_size, head_dim] paged)",
             ));
         };
         let &[ffn, _] = first.gate.dims() else {
@@ -241,7 +260,7 @@ impl Dims {
                 "[table, head_dim / 2], sin's shape",
             ));
         }
-        if (rows.is_none() && cache_rows != batch) || cache_rows == 0 || max_seq == 0 {
+        if blocks == 0 || block_size == 0 {
             return Err(check::shape(
                 OP,
                 "k_cache",
@@ -249,6 +268,8 @@ impl Dims {
                 "[batch (or any rows, with rows), kv_heads, max_seq > 0, head_dim]",
             ));
         }
+        let index = lookup.index(OP, &m.embed, k0, batch)?;
+        let max_seq = index.max_seq();
         let like = |name: &'static str, t: &Tensor, dims: &[usize], expected| -> Result<()> {
             check::like(OP, name, t, "embed", &m.embed)?;
             if t.dims() != dims {
@@ -264,7 +285,7 @@ impl Dims {
                     None => Ok(()),
                 }
             };
-        let cache = [cache_rows, kv, max_seq, hd];
+        let cache = [blocks, kv, block_size, hd];
         for (l, (kc, vc)) in m.layers.iter().zip(caches) {
             like("attn_norm", &l.attn_norm, &[hidden], "[hidden]")?;
             like("mlp_norm", &l.mlp_norm, &[hidden], "[hidden]")?;
@@ -320,7 +341,7 @@ impl Dims {
         }
         Ok(Dims {
             batch,
-            cache_rows,
+            index,
             hidden,
             vocab,
             ffn,
@@ -337,7 +358,8 @@ struct Step {
     caches: Vec<(Tensor, Tensor)>,
     tokens: Tensor,
     positions: Tensor,
-    rows: Option<Tensor>,
+    /// `[batch]` u32 cache rows or `[batch, max_blocks]` u32 block ids, or `None`.
+    table: Option<Tensor>,
     dims: Dims,
 }
 

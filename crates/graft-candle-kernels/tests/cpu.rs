@@ -646,3 +646,10 @@ fn paged_rope_store_writes_where_the_table_says() {
 fn paged_ops_refuse_tables_past_the_cache() {
     check_paged_refusals(&Device::Cpu).unwrap();
 }
+
+#[test]
+fn paged_decode_step_equals_the_static_cache() {
+    for c in step_cases().into_iter().filter(|c| c.batch <= 2) {
+        check_step_paged(&Device::Cpu, &c, DType::F32).unwrap();
+    }
+}

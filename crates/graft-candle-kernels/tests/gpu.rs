@@ -370,3 +370,15 @@ fn gpu_paged_rope_store_writes_where_the_table_says() {
         check_paged_rope_store(&dev, dtype).unwrap();
     }
 }
+
+/// The chain over pages against the chain over static caches, every shape and dtype.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_paged_decode_step_equals_the_static_cache() {
+    let dev = gpu();
+    for c in step_cases() {
+        for dtype in step_dtypes(&c) {
+            check_step_paged(&dev, &c, dtype).unwrap();
+        }
+    }
+}

@@ -51,7 +51,7 @@ fn run<T: WithDType + DeviceRepr + ValidAsZeroBits>(
     let m = &op.model;
     let d = op.dims;
     let (b, heads, kv, hd) = (d.batch, m.heads, m.kv_heads, m.head_dim);
-    let attention = crate::attention::Dims::for_step(b, d.cache_rows, heads, kv, d.max_seq, hd);
+    let attention = crate::attention::Dims::for_step(b, d.index, heads, kv, hd);
     let splits = attention.splits();
     let t = size_of::<T>();
     let mut at = 0usize;
@@ -83,8 +83,8 @@ fn run<T: WithDType + DeviceRepr + ValidAsZeroBits>(
     let [h, qkv, q, attn, act, part_o, part_ml, normed] = offsets.map(buf);
     let addr = |t: &Tensor, name| address(OP, t, name, device);
     let positions = addr(&op.positions, "positions")?;
-    let rows = match &op.rows {
-        Some(r) => addr(r, "rows")?,
+    let table = match &op.table {
+        Some(t) => addr(t, "the block table")?,
         None => 0,
     };
 
@@ -208,11 +208,11 @@ fn run<T: WithDType + DeviceRepr + ValidAsZeroBits>(
             cos: addr(&m.cos, "cos")?,
             sin: addr(&m.sin, "sin")?,
             positions,
-            table: rows,
+            table,
             norms,
             q_out: q,
             caches,
-            dims: crate::rope::Dims::for_step(b, d.cache_rows, heads, kv, hd, d.max_seq, d.table),
+            dims: crate::rope::Dims::for_step(b, d.index, heads, kv, hd, d.table),
             style: m.style,
         };
         // SAFETY: qkv holds batch * (heads + 2 kv) * head_dim elements (just projected), the
@@ -224,7 +224,7 @@ fn run<T: WithDType + DeviceRepr + ValidAsZeroBits>(
             k: caches.0,
             v: caches.1,
             positions,
-            table: rows,
+            table,
             part_o,
             part_ml,
             out: attn,

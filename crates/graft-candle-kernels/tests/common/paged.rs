@@ -11,7 +11,7 @@ use super::{AttentionCase, attention_inputs, bits, case_rows, random, values};
 /// Block tables for `batch` sequences of `per` blocks each, drawn without repeats from
 /// `0..blocks` in an order shuffled by `seed` (so neighbours in a sequence are not neighbours
 /// in the cache).
-fn tables(seed: u64, batch: usize, per: usize, blocks: usize) -> Vec<Vec<u32>> {
+pub fn tables(seed: u64, batch: usize, per: usize, blocks: usize) -> Vec<Vec<u32>> {
     let mut ids: Vec<u32> = (0..blocks as u32).collect();
     let keys = values(seed, blocks, 1.0);
     ids.sort_by(|&a, &b| keys[a as usize].total_cmp(&keys[b as usize]));

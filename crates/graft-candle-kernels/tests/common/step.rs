@@ -1,10 +1,10 @@
 //! `decode_step` on a device against its CPU composition (the unfused ops), over several
 //! steps of a small seeded model: the logits and both caches.
 
-use candle_core::{DType, Device, Result, Tensor};
-use graft_candle_kernels::{RopeStyle, StepLayer, StepModel, decode_step};
+use candle_core::{DType, Device, IndexOp, Result, Tensor};
+use graft_candle_kernels::{RopeStyle, StepLayer, StepModel, decode_step, decode_step_paged};
 
-use super::{assert_close, random};
+use super::{assert_close, bits, random, tables};
 
 /// One model shape: with query/key/value biases, with per-head norms (Qwen3), the rotary
 /// style, a sliding window.
@@ -182,6 +182,58 @@ pub fn check_step(device: &Device, c: &StepCase, dtype: DType) -> Result<()> {
             cv,
             (atol, rtol),
         )?;
+    }
+    Ok(())
+}
+
+/// 12 steps of `c` through `decode_step_paged`, its caches cut into shuffled blocks of 8
+/// positions, give the logits `decode_step` gives over static caches on the same device, bit
+/// for bit, and every key and value lands where the block table says.
+pub fn check_step_paged(device: &Device, c: &StepCase, dtype: DType) -> Result<()> {
+    let model = step_model(c, dtype, device)?;
+    let caches = step_caches(c.batch, dtype, device)?;
+    let block = 8;
+    let per = MAX_SEQ.div_ceil(block);
+    let blocks = c.batch * per + 3;
+    let table = tables(c.seed, c.batch, per, blocks);
+    let table_t = Tensor::from_vec(table.concat(), (c.batch, per), device)?;
+    let pages = (0..LAYERS)
+        .map(|_| {
+            let shape = (blocks, KV_HEADS, block, HEAD_DIM);
+            Ok((
+                Tensor::zeros(shape, dtype, device)?,
+                Tensor::zeros(shape, dtype, device)?,
+            ))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let mut written = Vec::new();
+    for step in 0..12u32 {
+        let tokens: Vec<u32> = (0..c.batch as u32)
+            .map(|b| (step * 37 + b * 101) % VOCAB as u32)
+            .collect();
+        let positions: Vec<u32> = (0..c.batch as u32).map(|b| step + 3 * b % 28).collect();
+        written.extend(positions.iter().enumerate().map(|(b, &p)| (b, p as usize)));
+        let tokens = Tensor::new(tokens.as_slice(), device)?;
+        let positions = Tensor::new(positions.as_slice(), device)?;
+        let want = decode_step(&model, &caches, &tokens, &positions, None)?;
+        let got = decode_step_paged(&model, &pages, &tokens, &positions, &table_t)?;
+        assert!(
+            bits(&got)? == bits(&want)?,
+            "{c:?} {dtype:?} step {step}: the paged logits differ"
+        );
+    }
+    for ((k, v), (kp, vp)) in caches.iter().zip(&pages) {
+        for &(b, p) in &written {
+            let block_of = table[b][p / block] as usize;
+            for (stat, paged) in [(k, kp), (v, vp)] {
+                let want = stat.i((b, .., p))?;
+                let got = paged.i((block_of, .., p % block))?;
+                assert!(
+                    bits(&got)? == bits(&want)?,
+                    "{c:?} {dtype:?}: sequence {b}'s position {p} is not where its table says"
+                );
+            }
+        }
     }
     Ok(())
 }
