@@ -1,7 +1,7 @@
 //! Speculative decoding with drafts that are a guess, not a distribution (prompt lookup, an
-//! n-gram table, a user's hint): a drafter proposes the next tokens of a sequence
-//! ([`prompt_lookup`]: the tokens that followed the latest earlier occurrence of its last
-//! n-gram), and one verify pass of the model over the last token and the drafts
+//! n-gram table, a smaller model's greedy pick, a user's hint): a drafter proposes the next
+//! tokens of a sequence ([`prompt_lookup`]: the tokens that followed the latest earlier
+//! occurrence of its last n-gram; [`DraftModel`]: a smaller decoder's greedy continuation), and one verify pass of the model over the last token and the drafts
 //! ([`Decoder::verify`], or [`Decoder::verify_forward`] eagerly) writes their keys and values,
 //! picks the model's token after each with the request's sampling, and keeps the longest
 //! prefix of drafts equal to the picks, plus the model's own next pick: from 1 to k + 1 tokens
@@ -22,12 +22,16 @@
 //! dtype's rounding, not always bit for bit (see the batch-invariance decision in
 //! docs/architecture.md).
 
+mod draft;
+
 use candle_core::{Result, Tensor};
 use graft_candle::{CandleGraft, Error, StepId};
 use graft_candle_kernels::{SAMPLE_WORDS, SampleParams, sample_rows};
 
 use super::cache::KvCache;
 use super::decoder::Decoder;
+
+pub use draft::{DraftError, DraftModel};
 
 /// What one verify pass gives: the model's pick after each position (`[k + 1]` u32) and how
 /// many drafts it accepted.

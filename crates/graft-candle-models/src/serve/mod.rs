@@ -32,7 +32,7 @@ use graft_candle::{Buckets, CandleGraft, Error, StepId, StepOutcome};
 use graft_candle_kernels::SAMPLE_WORDS;
 pub use graft_candle_kernels::SampleParams;
 
-use crate::speculate::AdaptiveDraft;
+use crate::speculate::{AdaptiveDraft, DraftError, DraftModel};
 use crate::{Decoder, KvCache};
 
 pub use error::{Refused, Rejected, StepError};
@@ -129,6 +129,8 @@ pub struct Engine<'m> {
     waiting: VecDeque<Request>,
     prefilling: Option<Prefilling>,
     running: Vec<Running>,
+    /// Speculation's drafts from a smaller model instead of prompt lookup.
+    draft_model: Option<DraftModel<'m>>,
 }
 
 /// Wraps a candle error from the engine's own bookkeeping.
@@ -181,7 +183,18 @@ impl<'m> Engine<'m> {
             waiting: VecDeque::new(),
             prefilling: None,
             running: Vec::new(),
+            draft_model: None,
         })
+    }
+
+    /// Speculation ([`ServeConfig::speculate`]) drafts with `draft`, a smaller model of the
+    /// same vocabulary, instead of prompt lookup: its greedy continuation of the sequence
+    /// (see [`DraftModel`]). Eager: the draft's steps are not recorded. Put what its steps
+    /// cost into [`Speculate::pass_costs`] ([`Speculate::draft_model`]).
+    pub fn draft_with(&mut self, draft: &'m Decoder) -> Result<(), DraftError> {
+        let vocab = self.model.spec().vocab;
+        self.draft_model = Some(DraftModel::new(draft, vocab, self.cache.max_seq())?);
+        Ok(())
     }
 
     /// The cache.

@@ -1,6 +1,6 @@
 //! Speculation in the engine: while a sequence runs alone (nothing else decoding or
 //! prefilling), each step is a verify pass of its last token and up to `max_draft` drafts from
-//! prompt lookup instead of a decode step, the draft count picked by an [`AdaptiveDraft`] per
+//! prompt lookup (or a draft model, [`Engine::draft_with`]) instead of a decode step, the draft count picked by an [`AdaptiveDraft`] per
 //! sequence. A pass emits from 1 to k + 1 tokens, each as a decode step would have made it
 //! (the request's sampling, each token at its own draw index), so a request's tokens are the
 //! same with speculation on or off wherever the pass's logits agree with the decode step's.
@@ -12,7 +12,8 @@ use candle_core::Tensor;
 use super::{Engine, Event, Runner, Running, SampleParams, StepError, model};
 use crate::speculate::{AdaptiveDraft, prompt_lookup};
 
-/// Speculative decoding with prompt lookup ([`ServeConfig::speculate`](super::ServeConfig)).
+/// Speculative decoding with prompt lookup or a draft model
+/// ([`ServeConfig::speculate`](super::ServeConfig)).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Speculate {
     /// The most drafts one pass verifies (the engine picks fewer as acceptance falls, and
@@ -37,6 +38,18 @@ impl Speculate {
             ngram: 3,
             pass_costs: (0..=max_draft).map(|k| 1.0 + 0.05 * k as f64).collect(),
             prior: 0.5,
+        }
+    }
+
+    /// Up to `max_draft` drafts from a draft model ([`Engine::draft_with`]),
+    /// whose step costs `draft_cost` target decode steps: a pass of k drafts costs 1 + 0.05 k
+    /// + k draft_cost, starting from an acceptance of 0.5.
+    pub fn draft_model(max_draft: usize, draft_cost: f64) -> Self {
+        Speculate {
+            pass_costs: (0..=max_draft)
+                .map(|k| 1.0 + (0.05 + draft_cost) * k as f64)
+                .collect(),
+            ..Speculate::prompt_lookup(max_draft)
         }
     }
 
@@ -86,10 +99,10 @@ impl Engine<'_> {
             .next_k()
             .min(r.max_new.saturating_sub(r.generated + 1))
             .min(room);
-        let drafts = if k > 0 {
-            prompt_lookup(&r.history, spec.ngram, k)
-        } else {
-            Vec::new()
+        let drafts = match (k, self.draft_model.as_mut()) {
+            (0, _) => Vec::new(),
+            (_, Some(d)) => d.propose(&r.history, k).map_err(|e| fail(model(e)))?,
+            (_, None) => prompt_lookup(&r.history, spec.ngram, k),
         };
         if drafts.is_empty() {
             // Nothing to verify: the decode step (a pass of one row would run the prefill's

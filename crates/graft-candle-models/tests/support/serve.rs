@@ -24,6 +24,17 @@ type Loader = dyn Fn(VarBuilder) -> candle_core::Result<Decoder>;
 /// A small Llama (`window: None`) or Mistral with a sliding window of `window`, random
 /// weights written to and loaded from `dir`.
 pub(crate) fn model(window: Option<usize>, device: &Device, dir: &Path) -> TestResult<Decoder> {
+    model_seeded(window, device, dir, 11)
+}
+
+/// [`model`] with the random weights of `seed` (another model of the same shapes and
+/// vocabulary: a draft model).
+pub(crate) fn model_seeded(
+    window: Option<usize>,
+    device: &Device,
+    dir: &Path,
+    seed: u64,
+) -> TestResult<Decoder> {
     let base = r#""vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "max_position_embeddings": 128, "rms_norm_eps": 1e-5"#;
@@ -43,8 +54,8 @@ pub(crate) fn model(window: Option<usize>, device: &Device, dir: &Path) -> TestR
             )
         }
     };
-    let weights = checkpoint::random_weights(&spec, 11, DType::F32, &Device::Cpu)?;
-    let path = dir.join("model.safetensors");
+    let weights = checkpoint::random_weights(&spec, seed, DType::F32, &Device::Cpu)?;
+    let path = dir.join(format!("model-{seed}.safetensors"));
     checkpoint::write_safetensors(&weights, &path)?;
     // SAFETY: the file is this test's own, written above and never modified while mapped.
     let vb = unsafe { VarBuilder::from_mmaped_safetensors(&[path], DType::F32, device)? };
@@ -271,7 +282,7 @@ pub(crate) fn speculation_equals_plain_decoding(
     sampling: SampleParams,
 ) -> TestResult {
     use graft_candle_kernels::sample_rows;
-    use graft_candle_models::speculate::prompt_lookup;
+    use graft_candle_models::speculate::{DraftModel, prompt_lookup};
     let dev = model.device().clone();
     // Token number `index` of the request, picked from `logits` ([1, vocab]).
     let pick = |logits: Tensor, index: usize| -> TestResult<u32> {
@@ -302,10 +313,37 @@ pub(crate) fn speculation_equals_plain_decoding(
         want.push(pick(logits, want.len())?);
     }
     let step = graft.as_deref_mut().map(|g| g.register("verify"));
-    for (k, drafter) in [1, kmax]
-        .into_iter()
-        .flat_map(|k| ["oracle", "wrong", "prompt lookup"].map(|d| (k, d)))
-    {
+    // A draft model of other weights (its drafts mostly wrong), and the target drafting for
+    // itself (greedy: every draft right).
+    let dir = tempfile::tempdir()?;
+    let window = model.spec().sliding_window;
+    let other = model_seeded(window, &dev, dir.path(), 12)?;
+    let vocab = model.spec().vocab;
+    let refused = DraftModel::new(&other, vocab + 1, MAX_SEQ)
+        .expect_err("a draft of another vocabulary")
+        .to_string();
+    assert!(
+        refused.contains(&format!(
+            "a vocabulary of {vocab} tokens and the target {}",
+            vocab + 1
+        )),
+        "{refused}"
+    );
+    for (k, drafter) in [1, kmax].into_iter().flat_map(|k| {
+        [
+            "oracle",
+            "wrong",
+            "prompt lookup",
+            "draft model",
+            "self draft",
+        ]
+        .map(|d| (k, d))
+    }) {
+        let mut draft_model = match drafter {
+            "draft model" => Some(DraftModel::new(&other, vocab, MAX_SEQ)?),
+            "self draft" => Some(DraftModel::new(model, vocab, MAX_SEQ)?),
+            _ => None,
+        };
         let cache = model.new_serving_cache(1, MAX_SEQ)?;
         for &t in &prompt[..prompt.len() - 1] {
             model.forward(&cache, &Tensor::new(&[t], &dev)?)?;
@@ -319,7 +357,10 @@ pub(crate) fn speculation_equals_plain_decoding(
                     .iter()
                     .map(|t| t ^ 1)
                     .collect(),
-                _ => prompt_lookup(&history, 3, k),
+                _ => match draft_model.as_mut() {
+                    Some(d) => d.propose(&history, k)?,
+                    None => prompt_lookup(&history, 3, k),
+                },
             };
             let mut tokens = vec![*history.last().ok_or("no history")?];
             tokens.extend(&drafts);
@@ -335,6 +376,10 @@ pub(crate) fn speculation_equals_plain_decoding(
             match drafter {
                 "oracle" => assert_eq!(v.accepted, k, "the oracle's drafts are plain decoding's"),
                 "wrong" => assert_eq!(v.accepted, 0, "no wrong draft is accepted"),
+                "self draft" if sampling == SampleParams::GREEDY => assert_eq!(
+                    v.accepted, k,
+                    "the target's own greedy drafts are plain greedy decoding's"
+                ),
                 _ => {}
             }
             got.extend(v.tokens());
@@ -371,6 +416,8 @@ pub(crate) fn speculation_changes_no_token(
         seed: 77,
         index: 0,
     };
+    let dir = tempfile::tempdir()?;
+    let other = model_seeded(model.spec().sliding_window, model.device(), dir.path(), 12)?;
     // A prompt that repeats itself, so that prompt lookup finds n-grams.
     let prompt: Vec<u32> = (0..24u32)
         .map(|i| [5, 17, 99, 3, 42, 8][i as usize % 6])
@@ -403,12 +450,18 @@ pub(crate) fn speculation_changes_no_token(
                 }),
                 ..config()?
             };
-            let run_with = |config: ServeConfig, graft: Option<CandleGraft>| -> TestResult<_> {
+            let run_with = |config: ServeConfig,
+                            graft: Option<CandleGraft>,
+                            draft: Option<&Decoder>|
+             -> TestResult<_> {
                 let cache = model.new_serving_cache(4, MAX_SEQ)?;
                 let mut engine = match graft {
                     Some(g) => Engine::graphed(model, cache, g, config)?,
                     None => Engine::eager(model, cache, config)?,
                 };
+                if let Some(d) = draft {
+                    engine.draft_with(d)?;
+                }
                 let (out, steps) = run_counting(&mut engine, &requests)?;
                 for (_, r) in &requests {
                     assert_eq!(
@@ -420,11 +473,30 @@ pub(crate) fn speculation_changes_no_token(
                 }
                 Ok((out, steps))
             };
-            let (want, plain_steps) = run_with(off, None)?;
-            let (eager, eager_steps) = run_with(on.clone(), None)?;
+            let (want, plain_steps) = run_with(off, None, None)?;
+            let (eager, eager_steps) = run_with(on.clone(), None, None)?;
             assert_eq!(eager, want, "speculating eagerly, {sampling:?}");
-            let (graphed_out, _) = run_with(on, Some(graphed()?))?;
+            let (graphed_out, _) = run_with(on.clone(), Some(graphed()?), None)?;
             assert_eq!(graphed_out, want, "speculating under graft, {sampling:?}");
+            // Drafts from a draft model: another's (mostly wrong), and the target's own.
+            for draft in [&other, model] {
+                let (drafted, steps) = run_with(on.clone(), None, Some(draft))?;
+                assert_eq!(
+                    drafted, want,
+                    "a draft model's drafts, eagerly, {sampling:?}"
+                );
+                if std::ptr::eq(draft, model) && sampling == SampleParams::GREEDY {
+                    assert!(
+                        steps < plain_steps,
+                        "the target drafting for itself takes {steps} steps, plain decoding {plain_steps}"
+                    );
+                }
+                let (drafted, _) = run_with(on.clone(), Some(graphed()?), Some(draft))?;
+                assert_eq!(
+                    drafted, want,
+                    "a draft model's drafts, under graft, {sampling:?}"
+                );
+            }
             assert!(
                 eager_steps <= plain_steps,
                 "speculating takes {eager_steps} steps, plain decoding {plain_steps}"
