@@ -124,7 +124,7 @@ pub(crate) fn attend(
         table: lookup.table().cloned(),
         dims,
         scale,
-        reach: window.map_or(dims.max_seq, |w| w.min(dims.max_seq)),
+        reach: window.map_or(dims.index.max_seq(), |w| w.min(dims.index.max_seq())),
     };
     q.apply_op3_no_bwd(k, v, &op)
 }
@@ -173,8 +173,6 @@ pub(crate) struct Dims {
     index: Index,
     heads: usize,
     kv_heads: usize,
-    /// Positions a sequence may use (the index's `max_seq`).
-    max_seq: usize,
     head_dim: usize,
 }
 
@@ -226,7 +224,6 @@ impl Dims {
             index,
             heads,
             kv_heads,
-            max_seq,
             head_dim,
         };
         for (what, size, limit) in [
@@ -262,7 +259,6 @@ impl Dims {
             index,
             heads,
             kv_heads,
-            max_seq: index.max_seq(),
             head_dim,
         }
     }
@@ -275,7 +271,7 @@ impl Dims {
     /// Chunks of [`CHUNK`] positions per cache row: the split kernel's grid x.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn splits(&self) -> usize {
-        self.max_seq.div_ceil(CHUNK)
+        self.index.max_seq().div_ceil(CHUNK)
     }
 
     /// Dynamic shared memory of a split-kernel block.

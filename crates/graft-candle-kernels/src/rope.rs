@@ -198,8 +198,6 @@ pub(crate) struct Dims {
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
-    /// Positions a sequence may use (the index's `max_seq`).
-    max_seq: usize,
     table: usize,
 }
 
@@ -221,7 +219,6 @@ impl Dims {
             heads,
             kv_heads,
             head_dim,
-            max_seq: index.max_seq(),
             table,
         }
     }
@@ -321,7 +318,6 @@ impl Dims {
             heads,
             kv_heads,
             head_dim,
-            max_seq,
             table,
         })
     }
@@ -423,11 +419,12 @@ impl RopeStore {
         let mut x = vec![0f32; hd];
         for (b, &position) in positions.iter().enumerate() {
             let p = position as usize;
-            if p >= d.max_seq || p >= d.table {
+            let max_seq = d.index.max_seq();
+            if p >= max_seq || p >= d.table {
                 return Err(KernelError::PositionPastCache {
                     sequence: b,
                     position,
-                    max_seq: d.max_seq.min(d.table),
+                    max_seq: max_seq.min(d.table),
                 }
                 .into());
             }

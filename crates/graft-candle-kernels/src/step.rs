@@ -210,7 +210,6 @@ struct Dims {
     vocab: usize,
     /// The MLP's width.
     ffn: usize,
-    max_seq: usize,
     /// The rotary tables' rows.
     table: usize,
 }
@@ -269,7 +268,6 @@ impl Dims {
             ));
         }
         let index = lookup.index(OP, &m.embed, k0, batch)?;
-        let max_seq = index.max_seq();
         let like = |name: &'static str, t: &Tensor, dims: &[usize], expected| -> Result<()> {
             check::like(OP, name, t, "embed", &m.embed)?;
             if t.dims() != dims {
@@ -345,7 +343,6 @@ impl Dims {
             hidden,
             vocab,
             ffn,
-            max_seq,
             table,
         })
     }

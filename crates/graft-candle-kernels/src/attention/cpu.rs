@@ -27,15 +27,16 @@ pub(super) fn forward<T: WithDType>(
     let d = op.dims;
     let (hd, group) = (d.head_dim, d.group());
     let mut out = Vec::with_capacity(d.batch * d.heads * hd);
-    let mut weights = Vec::with_capacity(d.max_seq);
+    let max_seq = d.index.max_seq();
+    let mut weights = Vec::with_capacity(max_seq);
     let mut acc = vec![0f32; hd];
     for (b, &position) in positions.iter().enumerate() {
         let pos = position as usize;
-        if pos >= d.max_seq {
+        if pos >= max_seq {
             return Err(KernelError::PositionPastCache {
                 sequence: b,
                 position,
-                max_seq: d.max_seq,
+                max_seq,
             }
             .into());
         }

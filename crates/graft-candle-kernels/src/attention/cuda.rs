@@ -166,7 +166,7 @@ impl AttentionLaunch {
         let heads = u32_of("the query head count", d.heads)?;
         let kv_heads = u32_of("the KV head count", d.kv_heads)?;
         let batch = u32_of("the batch", d.batch)?;
-        let max_seq = u32_of("max_seq", d.max_seq)?;
+        let max_seq = u32_of("max_seq", d.index.max_seq())?;
         let max_blocks = u32_of("the blocks per sequence", d.index.max_blocks)?;
         let blocks = u32_of("the cache's blocks", d.index.blocks)?;
         let block_size = u32_of("the block size", d.index.block_size)?;

@@ -149,7 +149,7 @@ impl RopeLaunch {
             d.heads,
             d.kv_heads,
             d.head_dim,
-            d.max_seq,
+            d.index.max_seq(),
             d.table,
             d.index.max_blocks,
             d.index.blocks,

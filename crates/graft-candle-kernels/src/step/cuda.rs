@@ -229,7 +229,9 @@ fn run<T: WithDType + DeviceRepr + ValidAsZeroBits>(
             part_ml,
             out: attn,
             dims: attention,
-            reach: m.window.map_or(d.max_seq, |w| w.min(d.max_seq)),
+            reach: m
+                .window
+                .map_or(d.index.max_seq(), |w| w.min(d.index.max_seq())),
             scale: 1.0 / (hd as f32).sqrt(),
         };
         // SAFETY: q was just written; the caches, positions and rows were checked; the

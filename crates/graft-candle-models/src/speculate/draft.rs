@@ -2,7 +2,8 @@
 //! next tokens greedily from a cache of its own, kept in step with the sequence whatever the
 //! verify passes accept.
 
-use candle_core::{D, DType, Result, Tensor};
+use candle_core::{Result, Tensor};
+use graft_candle_kernels::{SampleParams, argmax_last};
 
 use crate::cache::KvCache;
 use crate::decoder::Decoder;
@@ -92,9 +93,13 @@ impl<'m> DraftModel<'m> {
         if keep < before.len() {
             let rest = &before[keep..];
             let tokens = Tensor::new(rest, device)?;
-            let greedy = graft_candle_kernels::SampleParams::GREEDY;
-            self.model
-                .prefill_forward(&self.cache, 0, &tokens, rest.len(), greedy)?;
+            self.model.prefill_forward(
+                &self.cache,
+                0,
+                &tokens,
+                rest.len(),
+                SampleParams::GREEDY,
+            )?;
             self.held.extend_from_slice(rest);
         }
         let mut drafts = Vec::with_capacity(k);
@@ -104,11 +109,7 @@ impl<'m> DraftModel<'m> {
                 .model
                 .forward(&self.cache, &Tensor::new(&[token], device)?)?;
             self.held.push(token);
-            token = logits
-                .argmax(D::Minus1)?
-                .to_dtype(DType::U32)?
-                .flatten_all()?
-                .to_vec1::<u32>()?[0];
+            token = argmax_last(&logits)?.to_vec1::<u32>()?[0];
             drafts.push(token);
         }
         Ok(drafts)
