@@ -160,9 +160,10 @@ pub fn decode_attention_fits(
 }
 
 /// Dynamic shared memory of a split-kernel block: the group's queries and its scores over
-/// one chunk, in f32.
+/// one chunk, in f32, then, at the next 8-byte boundary, a paged cache's places of the
+/// chunk's positions (u64).
 fn shared_bytes(group: usize, head_dim: usize) -> usize {
-    group * (head_dim + CHUNK) * size_of::<f32>()
+    (group * (head_dim + CHUNK)).next_multiple_of(2) * size_of::<f32>() + CHUNK * size_of::<u64>()
 }
 
 /// The attention's sizes, checked.

@@ -42,32 +42,44 @@ __device__ void graft_decode_attention_partial(
         return;
     }
 
-    float* qs = graft_smem;               // [group][hd]
-    float* ps = graft_smem + group * hd;  // [group][chunk]
+    // [group][hd] queries, [group][chunk] scores, then (PAGED) the cache rows of the chunk's
+    // visible positions, at the next 8-byte boundary.
+    float* qs = graft_smem;
+    float* ps = graft_smem + group * hd;
+    unsigned long long* places = reinterpret_cast<unsigned long long*>(
+        graft_smem + ((group * (hd + chunk) + 1u) & ~1u));
     const T* qg = q + first * hd;
     for (unsigned int i = threadIdx.x; i < group * hd; i += blockDim.x) {
         qs[i] = graft_to_f32(qg[i]);
+    }
+    if (PAGED) {
+        // Each visible position looked up once for the block in query b's block-table row:
+        // the loops below read the place of a position many times (every thread of its key
+        // row, every value part).
+        const unsigned int* tb = table + (unsigned long long)b * max_blocks;
+        for (unsigned int i = threadIdx.x; i < end - start; i += blockDim.x) {
+            places[i] = graft_cache_place(tb, b, blocks, kv_heads, kvh, block_size, start + i);
+        }
     }
     __syncthreads();
 
     const unsigned int lane = threadIdx.x & 31u;
     const unsigned int warp = threadIdx.x >> 5;
     const unsigned int warps = blockDim.x >> 5;
-    // Query b's block-table row (null: its own cache block b, of max_seq positions). Without
-    // PAGED the table is a static cache's rows (one block of max_seq positions each), and
-    // position j's row is row0 + j (no lookup or division per position: computing the place
-    // per position cost the ~1B Llama's decode step 12% on an H200).
-    const unsigned int* tb = table ? table + (unsigned long long)b * max_blocks : 0;
+    // Without PAGED the table is a static cache's rows (one block of max_seq positions each),
+    // and position j's row is row0 + j (no lookup or division per position: computing the
+    // place per position cost the ~1B Llama's decode step 12% on an H200).
     unsigned long long row0 = 0;
     if (!PAGED) {
-        unsigned int row = tb ? tb[0] : b;
-        row = row < blocks ? row : blocks - 1u;
+        unsigned int row = b;
+        if (table) {
+            row = table[b] < blocks ? table[b] : blocks - 1u;
+        }
         row0 = ((unsigned long long)row * kv_heads + kvh) * max_seq;
     }
     // The cache row (of hd elements) of position j.
     auto place = [&](unsigned int j) -> unsigned long long {
-        return PAGED ? graft_cache_place(tb, b, blocks, kv_heads, kvh, block_size, j)
-                     : row0 + j;
+        return PAGED ? places[j - start] : row0 + j;
     };
 
     // Scores: `tpr` threads per key row (the block's threads over the chunk's rows, a power
