@@ -7,11 +7,20 @@ use std::sync::Mutex;
 
 use candle_core::{DType, Device, Result, Tensor};
 
+mod pages;
+
+pub(crate) use pages::Lookup;
+use pages::Pages;
+
 /// Keys, values and positions of up to `max_batch` sequences. A step of batch `b` (a bucket)
-/// uses sequences `0..b`.
+/// uses sequences `0..b`. Static (a row of `max_seq` positions per sequence) or paged
+/// (blocks shared by every sequence, each sequence's listed in a block table: see
+/// [`Decoder::new_paged_cache`](crate::Decoder::new_paged_cache)).
 #[derive(Debug)]
 pub struct KvCache {
-    /// Per layer, `[max_batch, kv_heads, max_seq, head_dim]`.
+    /// Per layer, `[max_batch, kv_heads, max_seq, head_dim]` (static rows; the scratch row
+    /// after them in a serving cache) or `[blocks + 1, kv_heads, block_size, head_dim]`
+    /// (paged; the scratch block last).
     k: Vec<Tensor>,
     v: Vec<Tensor>,
     /// `[max_batch]` u32: the position each sequence's next token is written at.
@@ -29,6 +38,8 @@ pub struct KvCache {
     /// The positions as the host last set and advanced them: the bound checks read these,
     /// never the device.
     host: Mutex<Vec<u32>>,
+    /// The paged layout's table; `None` for static rows.
+    pages: Option<Pages>,
 }
 
 /// The device constants a prefill step builds its write indices from. A serving cache has
@@ -48,13 +59,21 @@ struct PrefillIndex {
 }
 
 impl PrefillIndex {
-    fn new(max_batch: usize, kv_heads: usize, seq: u32, device: &Device) -> Result<PrefillIndex> {
+    /// The index of `max_batch` sequences whose flat cache (the unfused prefill's writes) has
+    /// `flat_rows` rows before its scratch row.
+    fn new(
+        max_batch: usize,
+        flat_rows: usize,
+        kv_heads: usize,
+        seq: u32,
+        device: &Device,
+    ) -> Result<PrefillIndex> {
         let too_large =
             || candle_core::Error::Msg("the kv cache is too large for u32 indices".into());
         let kv = u32::try_from(kv_heads).map_err(|_| too_large())?;
         let batch = u32::try_from(max_batch).map_err(|_| too_large())?;
         // The largest index is that of the scratch row's last place.
-        let places = (u64::from(batch) + 1) * u64::from(kv) * u64::from(seq);
+        let places = (flat_rows as u64 + 1) * u64::from(kv) * u64::from(seq);
         if places > u64::from(u32::MAX) {
             return Err(too_large());
         }
@@ -94,11 +113,15 @@ fn full(row: usize, max_seq: usize) -> candle_core::Error {
 impl KvCache {
     /// A zeroed cache of `layers` layers, every position at 0.
     /// With `serving`, it has a scratch row for [`KvCache`]'s prefill (see `PrefillIndex`).
+    /// With `paged` (blocks, block size), its keys and values are in pages (a paged cache
+    /// always serves: its padding writes the scratch block).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         layers: usize,
         shape: (usize, usize, usize, usize),
         window: Option<usize>,
         serving: bool,
+        paged: Option<(usize, usize)>,
         dtype: DType,
         device: &Device,
     ) -> Result<KvCache> {
@@ -108,16 +131,30 @@ impl KvCache {
         }
         let seq = u32::try_from(max_seq)
             .map_err(|_| candle_core::Error::Msg("max_seq must fit in a u32".into()))?;
+        let pages = match paged {
+            Some((blocks, block_size)) => {
+                Some(Pages::new(max_batch, max_seq, blocks, block_size, device)?)
+            }
+            None => None,
+        };
+        let serving = serving || pages.is_some();
         let rows = max_batch + usize::from(serving);
-        let stored = (rows, kv_heads, max_seq, head_dim);
+        let stored = match &pages {
+            Some(p) => p.stored(kv_heads, head_dim),
+            None => (rows, kv_heads, max_seq, head_dim),
+        };
         let mut k = Vec::with_capacity(layers);
         let mut v = Vec::with_capacity(layers);
         for _ in 0..layers {
             k.push(Tensor::zeros(stored, dtype, device)?);
             v.push(Tensor::zeros(stored, dtype, device)?);
         }
+        // The unfused prefill's flat indices address static rows only.
         let prefill = if serving {
-            Some(PrefillIndex::new(max_batch, kv_heads, seq, device)?)
+            let flat_rows = if pages.is_some() { 0 } else { max_batch };
+            Some(PrefillIndex::new(
+                max_batch, flat_rows, kv_heads, seq, device,
+            )?)
         } else {
             None
         };
@@ -136,16 +173,19 @@ impl KvCache {
             reach,
             prefill,
             host: Mutex::new(vec![0; max_batch]),
+            pages,
         })
     }
 
     /// The bytes of keys and values one sequence holds (all layers).
+    /// For a paged cache, those of `max_seq` positions (a sequence as long as it may grow).
     pub fn row_bytes(&self) -> usize {
-        let per_layer = self.k[0].elem_count() / self.k[0].dim(0).unwrap_or(1);
-        2 * self.k.len() * per_layer * self.k[0].dtype().size_in_bytes()
+        let dims = self.k[0].dims();
+        let per_position = dims[1] * dims[3];
+        2 * self.k.len() * per_position * self.max_seq() * self.k[0].dtype().size_in_bytes()
     }
 
-    /// The bytes of the whole cache's keys and values (the scratch row included).
+    /// The bytes of the whole cache's keys and values (the scratch row or block included).
     pub fn bytes(&self) -> usize {
         2 * self.k.len() * self.k[0].elem_count() * self.k[0].dtype().size_in_bytes()
     }
@@ -169,6 +209,7 @@ impl KvCache {
         if let Some(p) = &self.prefill {
             all.extend([&p.rows, &p.heads, &p.row_stride, &p.scratch_row]);
         }
+        all.extend(self.pages.as_ref().map(Pages::table));
         all
     }
 
@@ -227,7 +268,28 @@ impl KvCache {
             .position(|&p| p as usize >= self.max_seq())
         {
             Some(row) => Err(full(row, self.max_seq())),
-            None => Ok(()),
+            None => (0..batch).try_for_each(|row| {
+                // A paged row without blocks is idle: it steps over the scratch block.
+                let idle = self.pages.as_ref().is_some_and(|p| p.room(row) == 0);
+                match idle {
+                    true => Ok(()),
+                    false => self.check_blocks(row, host[row] as usize + 1),
+                }
+            }),
+        }
+    }
+
+    /// Checks that sequence `row` of a paged cache has blocks for its positions up to `end`
+    /// (exclusive); static rows always do.
+    fn check_blocks(&self, row: usize, end: usize) -> Result<()> {
+        match &self.pages {
+            Some(p) if p.room(row) < end => Err(candle_core::Error::Msg(format!(
+                "sequence {row} of the paged kv cache has blocks for {} positions and the step writes up to position {}: give it more blocks first (KvCache::set_blocks)",
+                p.room(row),
+                end - 1
+            ))
+            .bt()),
+            _ => Ok(()),
         }
     }
 
@@ -253,11 +315,22 @@ impl KvCache {
             return Ok(());
         }
         // `index_select` copies the one row (`Tensor::copy` of a view would clone the whole
-        // cache's storage).
+        // cache's storage). A paged sequence's keys and values stay in their blocks: its
+        // table row moves.
         let row = Tensor::new(&[from as u32], self.positions.device())?;
-        for t in self.k.iter().chain(&self.v).chain([&self.positions]) {
+        let rows: Vec<&Tensor> = match &self.pages {
+            Some(_) => vec![&self.positions],
+            None => self
+                .k
+                .iter()
+                .chain(&self.v)
+                .chain([&self.positions])
+                .collect(),
+        };
+        for t in rows {
             t.slice_set(&t.index_select(&row, 0)?, 0, to)?;
         }
+        self.move_table_row(from, to)?;
         host[to] = host[from];
         Ok(())
     }
@@ -290,7 +363,7 @@ impl KvCache {
                 self.max_seq()
             );
         }
-        Ok(())
+        self.check_blocks(row, at + len)
     }
 
     /// Records that a prefill advanced sequence `row` by `len` positions.
@@ -356,6 +429,7 @@ impl KvCache {
     /// Layer `layer`'s keys and values as `[rows * kv_heads * max_seq, head_dim]` views of the
     /// same memory, for a prefill's writes.
     pub(crate) fn flat(&self, layer: usize) -> Result<(Tensor, Tensor)> {
+        self.static_rows("the unfused prefill")?;
         let flat = |t: &Tensor| {
             let hd = t.dim(3)?;
             t.reshape((t.elem_count() / hd, hd))
@@ -366,6 +440,7 @@ impl KvCache {
     /// Sequence `row` (`[1]` u32 on the device) of layer `layer`'s keys and values: `[1,
     /// kv_heads, max_seq, head_dim]` copies.
     pub(crate) fn row(&self, layer: usize, row: &Tensor) -> Result<(Tensor, Tensor)> {
+        self.static_rows("the unfused prefill")?;
         Ok((
             self.k[layer].index_select(row, 0)?,
             self.v[layer].index_select(row, 0)?,
@@ -387,8 +462,19 @@ impl KvCache {
         Ok((self.k[layer].clone(), self.v[layer].clone()))
     }
 
+    /// Refuses `what` on a paged cache (only the fused ops read pages).
+    fn static_rows(&self, what: &str) -> Result<()> {
+        if self.pages.is_some() {
+            candle_core::bail!(
+                "{what} reads a kv cache by rows, and this one is paged: use a static cache (Decoder::new_serving_cache)"
+            );
+        }
+        Ok(())
+    }
+
     /// Sequences `0..batch` of layer `layer`'s keys and values.
     pub(crate) fn layer(&self, layer: usize, batch: usize) -> Result<(Tensor, Tensor)> {
+        self.static_rows("a step by rows")?;
         Ok((
             self.k[layer].narrow(0, 0, batch)?,
             self.v[layer].narrow(0, 0, batch)?,
@@ -405,6 +491,7 @@ impl KvCache {
     /// position, and within the sliding window of it when the cache has one), -1e9
     /// elsewhere. Built on the device.
     pub(crate) fn mask(&self, batch: usize) -> Result<Tensor> {
+        self.static_rows("the unfused attention")?;
         let pos = self.positions_of(batch)?.unsqueeze(1)?;
         let mut visible = self.arange.unsqueeze(0)?.broadcast_le(&pos)?;
         if let Some(reach) = &self.reach {
@@ -430,7 +517,16 @@ mod tests {
     use super::*;
 
     fn cache(window: Option<usize>) -> KvCache {
-        KvCache::new(1, (2, 1, 4, 2), window, false, DType::F32, &Device::Cpu).unwrap()
+        KvCache::new(
+            1,
+            (2, 1, 4, 2),
+            window,
+            false,
+            None,
+            DType::F32,
+            &Device::Cpu,
+        )
+        .unwrap()
     }
 
     #[test]

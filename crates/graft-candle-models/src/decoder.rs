@@ -16,10 +16,10 @@ use candle_core::{D, DType, Device, Result, Tensor};
 use candle_nn::{Linear, VarBuilder};
 use graft_candle_kernels::{
     QkNorm, SideStream, StepModel, add_rms_norm, argmax_last, decode_attention,
-    decode_attention_fits, linear_cat, rope_store,
+    decode_attention_fits, decode_attention_paged, linear_cat, rope_store, rope_store_paged,
 };
 
-use super::cache::KvCache;
+use super::cache::{KvCache, Lookup};
 use super::moe::Mlp;
 
 use super::proj::{Proj, dense};
@@ -256,17 +256,48 @@ impl Decoder {
     /// A zeroed cache for up to `max_batch` sequences of `max_seq` positions each, every
     /// position at 0. `max_seq` may not exceed the model's `max_position_embeddings`.
     pub fn new_cache(&self, max_batch: usize, max_seq: usize) -> Result<KvCache> {
-        self.cache(max_batch, max_seq, false)
+        self.cache(max_batch, max_seq, false, None)
     }
 
     /// A zeroed cache for serving: [`Decoder::new_cache`]'s, plus one scratch row that
     /// [`Decoder::prefill`]'s padding tokens write (so a prefill chunk padded to its bucket
     /// never writes past a sequence's real tokens).
     pub fn new_serving_cache(&self, max_batch: usize, max_seq: usize) -> Result<KvCache> {
-        self.cache(max_batch, max_seq, true)
+        self.cache(max_batch, max_seq, true, None)
     }
 
-    fn cache(&self, max_batch: usize, max_seq: usize, serving: bool) -> Result<KvCache> {
+    /// A zeroed paged cache for serving: `blocks` blocks of `block_size` positions shared by
+    /// up to `max_batch` sequences of up to `max_seq` positions each, each sequence's blocks
+    /// named by [`KvCache::set_blocks`] (none at first), plus a scratch block for prefill
+    /// padding. Its memory is `blocks` blocks' whatever `max_batch` and `max_seq` are. Decode
+    /// steps, prefills and verify passes run on it as on [`Decoder::new_serving_cache`]'s,
+    /// through the same kernels (a static row is a table of one block), so they give the same
+    /// bits. Needs the fused decode attention: a model whose heads do not fit it is refused.
+    pub fn new_paged_cache(
+        &self,
+        max_batch: usize,
+        max_seq: usize,
+        blocks: usize,
+        block_size: usize,
+    ) -> Result<KvCache> {
+        if !self.fused_attention {
+            candle_core::bail!(
+                "a paged kv cache is read only by the fused decode attention, which does not take this model's heads ({} query, {} kv, head dim {}): use Decoder::new_serving_cache",
+                self.spec.heads,
+                self.spec.kv_heads,
+                self.spec.head_dim
+            );
+        }
+        self.cache(max_batch, max_seq, true, Some((blocks, block_size)))
+    }
+
+    fn cache(
+        &self,
+        max_batch: usize,
+        max_seq: usize,
+        serving: bool,
+        paged: Option<(usize, usize)>,
+    ) -> Result<KvCache> {
         if max_seq > self.spec.rope.max_positions {
             candle_core::bail!(
                 "a kv cache of {max_seq} positions for a model of max_position_embeddings {}: use at most that many",
@@ -280,6 +311,7 @@ impl Decoder {
             shape,
             window,
             serving,
+            paged,
             self.dtype,
             self.device(),
         )
@@ -425,18 +457,17 @@ impl Decoder {
         let x = self.embed_tokens(tokens)?.unsqueeze(1)?;
         let at = Slots {
             positions: &positions,
-            rows: None,
+            lookup: &cache.lookup(None, batch)?,
             mask: mask.as_ref(),
         };
-        let h = self.blocks_at(x, &at, |i| cache.layer(i, batch))?;
+        let h = self.blocks_at(x, &at, |i, lookup| cache.layer_at(i, lookup, batch))?;
         let logits = self.head(&h)?.squeeze(1)?.to_dtype(DType::F32)?;
         cache.step_positions(batch)?;
         Ok(logits)
     }
 
     /// The blocks over `x` (`[n, 1, hidden]`, n tokens each at its own cache slot `at`), with
-    /// `layer(i)` the caches of layer i that `at`'s rows index (the rows `0..n` without
-    /// rows). Each block: one launch for the query, key and value projections, one for the
+    /// `layer(i, lookup)` the caches of layer i that `at`'s lookup indexes. Each block: one launch for the query, key and value projections, one for the
     /// rotary embedding and the cache writes, the attention, the output projection, the
     /// residual add with the MLP's norm, one launch for the gate, up and SwiGLU, the down
     /// projection, and the add with the next norm. Returns the final norm (`[n, 1,
@@ -445,13 +476,13 @@ impl Decoder {
         &self,
         mut x: Tensor,
         at: &Slots<'_>,
-        layer: impl Fn(usize) -> Result<(Tensor, Tensor)>,
+        layer: impl Fn(usize, &Lookup) -> Result<(Tensor, Tensor)>,
     ) -> Result<Tensor> {
         let s = &self.spec;
         let n = x.dim(0)?;
         let mut h = self.first_norm(&x)?;
         for (i, b) in self.blocks.iter().enumerate() {
-            let (k_cache, v_cache) = layer(i)?;
+            let (k_cache, v_cache) = layer(i, at.lookup)?;
             let qkv = b.qkv_decode(&h)?.reshape((n, ()))?;
             let norm = b.qk_norm.as_ref().map(|(q, k)| QkNorm {
                 q,
@@ -459,31 +490,54 @@ impl Decoder {
                 eps: s.eps as f32,
             });
             // The rotated queries; the rotated keys and the values written at the slots.
-            let q = rope_store(
-                &qkv,
-                &self.rope.cos,
-                &self.rope.sin,
-                at.positions,
-                at.rows,
-                (&k_cache, &v_cache),
-                s.heads,
-                self.rope.style(),
-                norm,
-            )?;
-            let o = match at.mask {
-                None => {
-                    let scale = 1.0 / (s.head_dim as f32).sqrt();
-                    decode_attention(
-                        &q,
-                        &k_cache,
-                        &v_cache,
-                        at.positions,
-                        at.rows,
-                        scale,
-                        s.sliding_window,
-                    )?
-                }
-                Some(mask) => attend(&q, &k_cache, &v_cache, mask, s)?,
+            let (cos, sin, style) = (&self.rope.cos, &self.rope.sin, self.rope.style());
+            let caches = (&k_cache, &v_cache);
+            let q = match at.lookup {
+                Lookup::Rows(rows) => rope_store(
+                    &qkv,
+                    cos,
+                    sin,
+                    at.positions,
+                    rows.as_ref(),
+                    caches,
+                    s.heads,
+                    style,
+                    norm,
+                )?,
+                Lookup::Pages(table) => rope_store_paged(
+                    &qkv,
+                    cos,
+                    sin,
+                    at.positions,
+                    table,
+                    caches,
+                    s.heads,
+                    style,
+                    norm,
+                )?,
+            };
+            let scale = 1.0 / (s.head_dim as f32).sqrt();
+            let window = s.sliding_window;
+            let o = match (at.mask, at.lookup) {
+                (Some(mask), _) => attend(&q, &k_cache, &v_cache, mask, s)?,
+                (None, Lookup::Rows(rows)) => decode_attention(
+                    &q,
+                    &k_cache,
+                    &v_cache,
+                    at.positions,
+                    rows.as_ref(),
+                    scale,
+                    window,
+                )?,
+                (None, Lookup::Pages(table)) => decode_attention_paged(
+                    &q,
+                    &k_cache,
+                    &v_cache,
+                    at.positions,
+                    table,
+                    scale,
+                    window,
+                )?,
             };
             (x, h) = b.finish(&x, &o, self.norm_after(i), s, self.shard.as_ref())?;
         }
@@ -495,8 +549,8 @@ impl Decoder {
 pub(crate) struct Slots<'a> {
     /// `[n]` u32: each token's position.
     pub(crate) positions: &'a Tensor,
-    /// `[n]` u32: each token's cache row; `None`: token b's is row b.
-    pub(crate) rows: Option<&'a Tensor>,
+    /// Where each token's cache slots are (its cache row, or its sequence's block table).
+    pub(crate) lookup: &'a Lookup,
     /// The unfused attention's mask (`[n, 1, 1, max_seq]`), where the heads do not fit the
     /// fused one (decode only: a prefill then runs `prefill_unfused`).
     pub(crate) mask: Option<&'a Tensor>,

@@ -112,12 +112,13 @@ impl Decoder {
         }
         // [chunk, 1, hidden]: the decode step's shape, one token per "sequence".
         let x = self.embed_tokens(tokens)?.unsqueeze(1)?;
+        let n = tokens.dims1()?;
         let at = Slots {
             positions: &plan.positions,
-            rows: Some(&plan.rows),
+            lookup: &cache.lookup(Some(&plan.rows), n)?,
             mask: None,
         };
-        self.blocks_at(x, &at, |i| cache.layer_all(i))
+        self.blocks_at(x, &at, |i, lookup| cache.layer_at(i, lookup, n))
     }
 
     /// The prefill's blocks for heads the fused attention does not take: the chunk as one

@@ -178,3 +178,17 @@ fn a_draft_is_accepted_with_the_models_probability_of_it() -> serve::TestResult 
     );
     Ok(())
 }
+
+#[test]
+fn a_paged_cache_serves_the_tokens_of_static_rows() -> serve::TestResult {
+    let dir = tempfile::tempdir()?;
+    let model = serve::model(None, &Device::Cpu, dir.path())?;
+    serve::paged_equals_static(&model)
+}
+
+#[test]
+fn a_paged_cache_refuses_what_it_cannot_serve() -> serve::TestResult {
+    let dir = tempfile::tempdir()?;
+    let model = serve::model(None, &Device::Cpu, dir.path())?;
+    serve::paged_misuse_is_refused(&model)
+}

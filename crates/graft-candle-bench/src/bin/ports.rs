@@ -15,7 +15,8 @@
 //! cache, `--max-seq`, 256, so one recording serves them all).
 //!
 //! usage: graft-candle-ports [--steps N] [--rounds R] [--only NAME] [--skip-1b] [--skip-small]
-//!                           [--from P] [--max-seq S] [--per-op] [--no-pdl] [--profile-steps N] [--json PATH]
+//!                           [--from P] [--max-seq S] [--block-size N] [--skip-eager] [--per-op] [--no-pdl]
+//!                           [--profile-steps N] [--json PATH]
 
 #[path = "ports/overlap.rs"]
 mod overlap;
@@ -72,6 +73,15 @@ struct Options {
     /// dependents (`graft_candle_kernels::set_programmatic(false)`).
     #[arg(long)]
     no_pdl: bool,
+    /// Put the port's cache in pages of this many positions (`Decoder::new_paged_cache`, each
+    /// sequence's blocks strided over the cache) instead of static rows: the paged decode
+    /// step against the static one.
+    #[arg(long)]
+    block_size: Option<usize>,
+    /// Time graft-candle's steps only, not candle-transformers' (which would take every
+    /// `--from` step eagerly first); the token check still runs.
+    #[arg(long)]
+    skip_eager: bool,
     /// After each batch's timing, this many more graft steps (from position `--from`) inside a
     /// CUDA profiler range, for `ncu --profile-from-start off`: the replayed step's kernels
     /// alone.
@@ -350,6 +360,22 @@ fn ours_step(
     Ok(c.ours.decode(graft, step, cache, t)?.outputs.remove(0))
 }
 
+/// The port's cache for `rows` sequences: static rows, or with `--block-size` pages, sequence
+/// r's j-th block being block `j * rows + r` (every sequence's blocks strided over the cache,
+/// as a serving cache's end up).
+fn port_cache(ours: &Decoder, rows: usize, o: &Options) -> BenchResult<KvCache> {
+    let Some(size) = o.block_size else {
+        return Ok(ours.new_cache(rows, o.max_seq)?);
+    };
+    let per_row = o.max_seq.div_ceil(size);
+    let cache = ours.new_paged_cache(rows, o.max_seq, rows * per_row, size)?;
+    for r in 0..rows {
+        let blocks: Vec<u32> = (0..per_row).map(|j| (j * rows + r) as u32).collect();
+        cache.set_blocks(r, &blocks)?;
+    }
+    Ok(cache)
+}
+
 /// `steps` graft steps from position 0, each timed to its synchronize after `untimed` (µs).
 #[allow(clippy::too_many_arguments)]
 fn time_graft(
@@ -403,11 +429,11 @@ fn measure(
     }
     let per_round = o.timing.per_round(o.steps)?;
     let (mut eager, mut ours) = (Vec::new(), Vec::new());
+    let untimed = 5 + o.from;
     for _ in 0..o.timing.rounds {
         c.theirs.reset(c.dtype, device)?;
         let mut t = first_tokens(batch, vocab, device)?;
-        let untimed = 5 + o.from;
-        for pos in 0..per_round + untimed {
+        for pos in 0..(per_round + untimed) * usize::from(!o.skip_eager) {
             let start = Instant::now();
             t = c.theirs.step(&t, pos)?;
             device.synchronize()?;
@@ -434,7 +460,11 @@ fn measure(
     }
     Ok(Measured {
         agreed,
-        eager_us: median(&mut eager),
+        eager_us: if o.skip_eager {
+            f64::NAN
+        } else {
+            median(&mut eager)
+        },
         graft_us: median(&mut ours),
     })
 }
@@ -517,7 +547,7 @@ fn run() -> BenchResult<()> {
             graft_candle::cuda::trim_graph_memory(device.as_cuda_device()?)?;
             let mut graft = CandleGraft::with_config(&device, config)?;
             let step = graft.register_bucketed("decode", Buckets::new(BUCKETS)?);
-            let cache = c.ours.new_cache(*BUCKETS.last().unwrap_or(&1), o.max_seq)?;
+            let cache = port_cache(&c.ours, *BUCKETS.last().unwrap_or(&1), &o)?;
             for batch in BUCKETS {
                 let row = match measure(&mut c, &mut graft, step, &cache, batch, &o, &device) {
                     Ok(m) => {

@@ -7,8 +7,14 @@
 //! running it alone eagerly, and writes `serve.json`, `itl.svg` (inter-token latency of both
 //! modes) and `throughput.svg` (tokens per second over the trace) to `--out`.
 //!
+//! With `--block-size N` graft-candle also serves on a paged kv cache of N-position blocks
+//! (the plan gives it every block that fits), prompts sharing the cached blocks of their
+//! prefixes; with `--shared-prefix P` the trace is `--requests` requests arriving together,
+//! each a prompt of the same P tokens and `--suffix` of its own, for 16 new tokens.
+//!
 //! usage: graft-candle-serve [--model small|1b] [--requests N] [--rate R] [--seed S]
-//!        [--max-seq N] [--margin-mib M] [--check-alone N] [--out DIR]
+//!        [--max-seq N] [--margin-mib M] [--check-alone N] [--block-size N]
+//!        [--shared-prefix P] [--suffix S] [--skip-eager] [--out DIR]
 
 #[path = "serve/plot.rs"]
 mod plot;
@@ -57,6 +63,20 @@ struct Opts {
     /// Requests checked against running them alone, eagerly (the first N).
     #[arg(long, default_value_t = 16)]
     check_alone: usize,
+    /// Also serve under graft-candle on a paged kv cache of blocks of this many positions.
+    #[arg(long)]
+    block_size: Option<usize>,
+    /// Instead of the Poisson trace, `--requests` requests arriving together whose prompts
+    /// start with the same this many tokens.
+    #[arg(long)]
+    shared_prefix: Option<usize>,
+    /// With `--shared-prefix`, each prompt's own tokens after the shared ones.
+    #[arg(long, default_value_t = 32)]
+    suffix: usize,
+    /// Leave out candle eager (the token checks then compare with graft-candle's static-row
+    /// run).
+    #[arg(long)]
+    skip_eager: bool,
     /// Where serve.json and the SVGs go.
     #[arg(long, default_value = "serve-out")]
     out: std::path::PathBuf,
@@ -79,7 +99,10 @@ fn run() -> Result<()> {
     let o = Opts::parse();
     let device = graft_candle::device(0)?;
     let (model, dtype) = load(&o.model, &device)?;
-    let trace = trace::poisson(o.seed, o.requests, o.rate, o.max_seq)?;
+    let trace = match o.shared_prefix {
+        Some(prefix) => trace::shared_prefix(o.seed, o.requests, prefix, o.suffix, o.max_seq)?,
+        None => trace::poisson(o.seed, o.requests, o.rate, o.max_seq)?,
+    };
     let config = ServeConfig {
         decode_buckets: Buckets::new(
             [1, 2, 4, 8, 16, 32]
@@ -107,30 +130,30 @@ fn run() -> Result<()> {
     );
 
     // graft-candle first: its plan sizes the cache from the memory left after recording.
-    let graft_config = graft_core::Config {
-        replace_moved_static: true,
-        ..graft_core::Config::default()
+    let (graft_run, plan, recordings, sequences) = graphed(&model, &config, None, &o, &trace)?;
+    let paged = match o.block_size {
+        Some(size) => Some(graphed(&model, &config, Some(size), &o, &trace)?),
+        None => None,
     };
-    let graft = CandleGraft::with_config(&device, graft_config)?;
-    let capture_cache = model.new_serving_cache(config.decode_buckets.largest(), o.max_seq)?;
-    let mut graphed = Engine::graphed(&model, capture_cache, graft, config.clone())?;
-    let plan = plan(&mut graphed, o.margin_mib << 20)?;
-    let sequences = graphed.cache().max_batch();
-    let graft_run = serve(&mut graphed, &trace, "graft-candle")?;
-    let recordings = recordings(&graphed);
-    drop(graphed);
+    let eager_run = if o.skip_eager {
+        None
+    } else {
+        let cache = model.new_serving_cache(sequences, o.max_seq)?;
+        let mut eager = Engine::eager(&model, cache, config.clone())?;
+        Some(serve(&mut eager, &trace, "candle eager")?)
+    };
+    let reference = eager_run.as_ref().unwrap_or(&graft_run);
 
-    let cache = model.new_serving_cache(sequences, o.max_seq)?;
-    let mut eager = Engine::eager(&model, cache, config.clone())?;
-    let eager_run = serve(&mut eager, &trace, "candle eager")?;
-    drop(eager);
-
-    // The tokens: graft-candle's equal eager's batch, and the first requests' equal running
-    // them alone.
-    let same_as_eager = trace
-        .iter()
-        .filter(|(_, r)| graft_run.tokens.get(&r.id) == eager_run.tokens.get(&r.id))
-        .count();
+    // The tokens: graft-candle's equal eager's batch (or, without it, the paged run's equal
+    // the static rows'), and the first requests' equal running them alone.
+    let same = |run: &Run| {
+        trace
+            .iter()
+            .filter(|(_, r)| run.tokens.get(&r.id) == reference.tokens.get(&r.id))
+            .count()
+    };
+    let same_as_eager = same(&graft_run);
+    let paged_same = paged.as_ref().map(|p| same(&p.0));
     let mut alone_equal = 0;
     let checked = o.check_alone.min(trace.len());
     for (_, r) in trace.iter().take(checked) {
@@ -152,16 +175,19 @@ fn run() -> Result<()> {
         alone_equal += usize::from(graft_run.tokens.get(&r.id) == Some(&tokens));
     }
 
-    let modes = [("candle eager", &eager_run), ("graft-candle", &graft_run)];
+    let mut modes = vec![("graft-candle", &graft_run)];
+    modes.extend(paged.as_ref().map(|p| ("graft-candle paged", &p.0)));
+    modes.extend(eager_run.as_ref().map(|r| ("candle eager", r)));
     let mut report = Vec::new();
     println!(
-        "\n| mode | throughput | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | wall |\n| --- | --- | --- | --- | --- | --- | --- |"
+        "\n| mode | throughput | TTFT mean | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | wall |\n| --- | --- | --- | --- | --- | --- | --- | --- |"
     );
-    for (name, r) in modes {
+    for &(name, r) in &modes {
         let s = stats(r);
         println!(
-            "| {name} | {:.0} tok/s | {:.2} ms | {:.2} ms | {:.3} ms | {:.3} ms | {:.2} s |",
+            "| {name} | {:.0} tok/s | {:.2} ms | {:.2} ms | {:.2} ms | {:.3} ms | {:.3} ms | {:.2} s |",
             s["throughput_tok_s"].as_f64().unwrap_or(0.0),
+            s["ttft_mean_ms"].as_f64().unwrap_or(0.0),
             s["ttft_p50_ms"].as_f64().unwrap_or(0.0),
             s["ttft_p99_ms"].as_f64().unwrap_or(0.0),
             s["itl_p50_ms"].as_f64().unwrap_or(0.0),
@@ -170,34 +196,86 @@ fn run() -> Result<()> {
         );
         report.push(json!({"mode": name, "stats": s}));
     }
+    let against = if o.skip_eager {
+        "its own static-row run"
+    } else {
+        "the eager batch"
+    };
     println!(
-        "\ntokens: graft-candle equals the eager batch for {same_as_eager}/{} requests, and running alone eagerly for {alone_equal}/{checked}",
+        "\ntokens: graft-candle equals {against} for {same_as_eager}/{} requests, and running alone eagerly for {alone_equal}/{checked}",
         trace.len()
     );
+    if let (Some(n), Some((_, plan, recordings, _))) = (paged_same, &paged) {
+        println!(
+            "paged: tokens equal {against} for {n}/{}; recordings: {recordings}; memory plan: {plan}",
+            trace.len()
+        );
+    }
     println!("recordings: {recordings}; memory plan: {plan}");
     let json = json!({
         "model": o.model, "dtype": format!("{dtype:?}"), "requests": o.requests, "rate": o.rate,
         "seed": o.seed, "max_seq": o.max_seq, "device": format!("{:?}", device.location()),
         "modes": report, "plan": plan, "kv_sequences": sequences, "recordings": recordings,
         "tokens_equal_eager_batch": same_as_eager, "tokens_equal_alone": alone_equal,
-        "alone_checked": checked,
+        "alone_checked": checked, "block_size": o.block_size, "shared_prefix": o.shared_prefix,
+        "paged_plan": paged.as_ref().map(|p| p.1.clone()), "paged_tokens_equal": paged_same,
     });
     std::fs::write(
         o.out.join("serve.json"),
         serde_json::to_string_pretty(&json)?,
     )?;
-    plot::itl(&o.out.join("itl.svg"), &modes.map(|(n, r)| (n, itls(r))))?;
-    plot::throughput(
-        &o.out.join("throughput.svg"),
-        &modes.map(|(n, r)| (n, token_times(r))),
-    )?;
+    let itl: Vec<_> = modes.iter().map(|&(n, r)| (n, itls(r))).collect();
+    plot::itl(&o.out.join("itl.svg"), &itl)?;
+    let times: Vec<_> = modes.iter().map(|&(n, r)| (n, token_times(r))).collect();
+    plot::throughput(&o.out.join("throughput.svg"), &times)?;
     println!("wrote {}", o.out.join("serve.json").display());
     // In f32 the padded, graphed steps must give eager's tokens; in bf16 the padding changes
     // cuBLAS's summation order, and the counts above say how many agree.
-    if dtype == DType::F32 && (alone_equal != checked || same_as_eager != trace.len()) {
+    let paged_differs = paged_same.is_some_and(|n| n != trace.len());
+    if dtype == DType::F32
+        && (alone_equal != checked || same_as_eager != trace.len() || paged_differs)
+    {
         return Err("tokens differ from eager (see above)".into());
     }
     Ok(())
+}
+
+/// graft-candle's run of the trace: planned over static rows, or over blocks of `block_size`
+/// positions; returns the run, the plan, the recordings and the cache's sequences.
+fn graphed(
+    model: &Decoder,
+    config: &ServeConfig,
+    block_size: Option<usize>,
+    o: &Opts,
+    trace: &[(f64, Request)],
+) -> Result<(Run, serde_json::Value, String, usize)> {
+    let graft_config = graft_core::Config {
+        replace_moved_static: true,
+        ..graft_core::Config::default()
+    };
+    let graft = CandleGraft::with_config(model.device(), graft_config)?;
+    let largest = config.decode_buckets.largest();
+    let capture_cache = match block_size {
+        // Blocks for one sequence of max_seq (the largest prefill records in row 0).
+        Some(size) => model.new_paged_cache(largest, o.max_seq, o.max_seq.div_ceil(size), size)?,
+        None => model.new_serving_cache(largest, o.max_seq)?,
+    };
+    let mut engine = Engine::graphed(model, capture_cache, graft, config.clone())?;
+    let plan = plan(&mut engine, o.margin_mib << 20)?;
+    let sequences = engine.cache().max_batch();
+    let name = match block_size {
+        Some(_) => "graft paged",
+        None => "graft-candle",
+    };
+    let run = serve(&mut engine, trace, name)?;
+    if block_size.is_some() {
+        println!(
+            "paged: {} prompt tokens came from shared blocks, {} preemptions",
+            engine.cached_tokens(),
+            engine.preemptions()
+        );
+    }
+    Ok((run, plan, recordings(&engine), sequences))
 }
 
 /// The model: random weights in the Llama checkpoint layout, loaded by the Llama port.
@@ -225,13 +303,17 @@ fn plan(engine: &mut Engine<'_>, margin: u64) -> Result<serde_json::Value> {
     if engine.graft().is_some_and(CandleGraft::is_graphed) {
         let p = graft_candle_models::serve::plan(engine, margin)?;
         println!(
-            "recorded every bucket in {:.3} s ({} calls); graphs hold {:.1} MiB (driver) + {:.1} MiB (graft's pool); {:.2} GiB were free, the kv cache got {} sequences, {:.2} GiB ({:.1} MiB per sequence), {:.2} GiB stay free (margin {} MiB); recording again against it took {:.3} s, graphs then hold {:.1} MiB",
+            "recorded every bucket in {:.3} s ({} calls); graphs hold {:.1} MiB (driver) + {:.1} MiB (graft's pool); {:.2} GiB were free, the kv cache got {} sequences{}, {:.2} GiB ({:.1} MiB per sequence), {:.2} GiB stay free (margin {} MiB); recording again against it took {:.3} s, graphs then hold {:.1} MiB",
             p.capture_s,
             p.capture_calls,
             mib(p.graph_driver),
             mib(p.graph_pool),
             gib(p.free_for_cache),
             p.sequences,
+            p.blocks.map_or(String::new(), |(n, bytes)| format!(
+                " over {n} blocks of {:.2} MiB",
+                mib(bytes)
+            )),
             gib(p.cache_bytes),
             mib(p.row_bytes),
             gib(p.free_after),
@@ -244,6 +326,7 @@ fn plan(engine: &mut Engine<'_>, margin: u64) -> Result<serde_json::Value> {
             "graph_driver_bytes": p.graph_driver, "graph_pool_bytes": p.graph_pool,
             "free_for_cache_bytes": p.free_for_cache, "margin_bytes": p.margin,
             "row_bytes": p.row_bytes, "kv_sequences": p.sequences, "kv_bytes": p.cache_bytes,
+            "kv_blocks": p.blocks.map(|b| b.0), "block_bytes": p.blocks.map(|b| b.1),
             "repoint_s": p.repoint_s, "graph_driver_after_bytes": p.graph_driver_after,
             "free_after_bytes": p.free_after,
         }));
@@ -360,6 +443,7 @@ fn stats(r: &Run) -> serde_json::Value {
         "tokens": tokens,
         "wall_s": r.wall_s,
         "throughput_tok_s": tokens as f64 / r.wall_s,
+        "ttft_mean_ms": 1e3 * ttft.iter().sum::<f64>() / ttft.len().max(1) as f64,
         "ttft_p50_ms": 1e3 * percentile(&mut ttft, 0.5),
         "ttft_p99_ms": 1e3 * percentile(&mut ttft, 0.99),
         "itl_p50_ms": 1e3 * percentile(&mut itl, 0.5),

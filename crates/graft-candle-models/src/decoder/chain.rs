@@ -4,10 +4,12 @@
 
 use candle_core::{DType, Result, Tensor};
 use candle_nn::Activation;
-use graft_candle_kernels::{StepLayer, StepModel, decode_step, decode_step_fits};
+use graft_candle_kernels::{
+    StepLayer, StepModel, decode_step, decode_step_fits, decode_step_paged,
+};
 
 use super::{Decoder, Mlp, Proj};
-use crate::cache::KvCache;
+use crate::cache::{KvCache, Lookup};
 
 impl Decoder {
     /// The decoder as `decode_step` takes it, if it is one it runs.
@@ -76,13 +78,14 @@ impl Decoder {
         let Some(step) = self.step.as_ref().filter(fits) else {
             return Ok(None);
         };
+        let lookup = cache.lookup(rows, batch)?;
         let caches = (0..s.layers)
-            .map(|i| match rows {
-                Some(_) => cache.layer_all(i),
-                None => cache.layer(i, batch),
-            })
+            .map(|i| cache.layer_at(i, &lookup, batch))
             .collect::<Result<Vec<_>>>()?;
-        let logits = decode_step(step, &caches, tokens, positions, rows)?;
+        let logits = match &lookup {
+            Lookup::Rows(rows) => decode_step(step, &caches, tokens, positions, rows.as_ref())?,
+            Lookup::Pages(table) => decode_step_paged(step, &caches, tokens, positions, table)?,
+        };
         Ok(Some(logits.to_dtype(DType::F32)?))
     }
 }

@@ -32,6 +32,16 @@ pub enum Rejected {
         needed: usize,
         max_seq: usize,
     },
+    /// Prompt and output together need more blocks than a paged kv cache has.
+    #[error(
+        "request {id} needs {needed} blocks of {block_size} positions but the paged kv cache has {blocks}: shorten it, or plan the cache with more blocks"
+    )]
+    MoreThanTheCache {
+        id: u64,
+        needed: usize,
+        blocks: usize,
+        block_size: usize,
+    },
 }
 
 /// A refused request, given back with the reason.

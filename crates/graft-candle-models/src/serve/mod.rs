@@ -16,11 +16,16 @@
 //! above `n`: their keys and values are never read, and the prefilling row's position is
 //! set back before its next chunk.
 //!
+//! On a paged cache ([`Decoder::new_paged_cache`]) a row holds a block table instead of keys
+//! and values: moving a sequence moves its table row, a prompt shares the cached blocks of
+//! its prefix, and admission and preemption count blocks (`pages.rs`).
+//!
 //! With [`ServeConfig::speculate`], a sequence that runs alone (nothing else decoding or
 //! prefilling) takes verify passes of prompt-lookup drafts instead of decode steps
 //! (`speculate.rs`): the same tokens, up to k + 1 a step.
 
 mod error;
+mod pages;
 mod plan;
 mod speculate;
 
@@ -32,6 +37,7 @@ use graft_candle::{Buckets, CandleGraft, Error, StepId, StepOutcome};
 use graft_candle_kernels::SAMPLE_WORDS;
 pub use graft_candle_kernels::SampleParams;
 
+use crate::paged::{BlockPool, BlockTable};
 use crate::speculate::{AdaptiveDraft, DraftError, DraftModel};
 use crate::{Decoder, KvCache};
 
@@ -99,24 +105,44 @@ enum Runner {
     },
 }
 
+/// A request waiting for a row (and, on a paged cache, for its prompt's blocks).
+#[derive(Debug)]
+struct Queued {
+    /// As submitted, or, after a preemption, with the tokens it made appended to its prompt.
+    request: Request,
+    /// The tokens it made before a preemption: its next token's number.
+    made: usize,
+}
+
 #[derive(Debug)]
 struct Prefilling {
     request: Request,
     row: usize,
     done: usize,
+    /// The tokens made before a preemption.
+    made: usize,
+    /// Its blocks, on a paged cache.
+    table: Option<BlockTable>,
 }
 
 #[derive(Debug)]
 struct Running {
     id: u64,
     last: u32,
+    /// The next token's number (tokens made so far).
     generated: usize,
     max_new: usize,
     sampling: SampleParams,
-    /// The prompt and every token made, for prompt lookup (empty without speculation).
+    /// The prompt and every token made: prompt lookup's text, and a preempted sequence's
+    /// prompt.
     history: Vec<u32>,
     /// The draft count's chooser, made when the sequence first speculates.
     draft: Option<AdaptiveDraft>,
+    /// Its blocks, on a paged cache: every token before `last`, then `last` once a decode
+    /// step's blocks are given ([`Engine::grow`]).
+    table: Option<BlockTable>,
+    /// The engine's admission count when it was admitted: preemption takes the newest.
+    admitted: u64,
 }
 
 /// A continuous-batching engine (see the module documentation).
@@ -126,9 +152,17 @@ pub struct Engine<'m> {
     cache: KvCache,
     runner: Runner,
     config: ServeConfig,
-    waiting: VecDeque<Request>,
+    waiting: VecDeque<Queued>,
     prefilling: Option<Prefilling>,
     running: Vec<Running>,
+    /// A paged cache's blocks (`None` on static rows).
+    pool: Option<BlockPool>,
+    /// Admissions so far.
+    admissions: u64,
+    /// Prompt tokens whose keys and values shared blocks held at admission.
+    cached_tokens: usize,
+    /// Preemptions so far.
+    preemptions: usize,
     /// Speculation's drafts from a smaller model instead of prompt lookup.
     draft_model: Option<DraftModel<'m>>,
 }
@@ -175,6 +209,7 @@ impl<'m> Engine<'m> {
         config: ServeConfig,
     ) -> Result<Engine<'m>, Error> {
         check_fits(&cache, &config)?;
+        let pool = pool_of(&cache)?;
         Ok(Engine {
             model,
             cache,
@@ -183,6 +218,10 @@ impl<'m> Engine<'m> {
             waiting: VecDeque::new(),
             prefilling: None,
             running: Vec::new(),
+            pool,
+            admissions: 0,
+            cached_tokens: 0,
+            preemptions: 0,
             draft_model: None,
         })
     }
@@ -220,6 +259,18 @@ impl<'m> Engine<'m> {
         self.running.len()
     }
 
+    /// On a paged cache, the prompt tokens admitted so far whose keys and values were
+    /// already in shared blocks (their prefill was skipped); 0 on static rows.
+    pub fn cached_tokens(&self) -> usize {
+        self.cached_tokens
+    }
+
+    /// On a paged cache, the sequences preempted so far for want of blocks (each prefilled
+    /// again later); 0 on static rows.
+    pub fn preemptions(&self) -> usize {
+        self.preemptions
+    }
+
     /// Queues `request`, or gives it back with the reason it can never be served.
     pub fn submit(&mut self, request: Request) -> Result<(), Box<Refused>> {
         let max_seq = self.cache.max_seq();
@@ -235,9 +286,9 @@ impl<'m> Engine<'m> {
             })
         } else if max_new == 0 {
             Some(Rejected::NothingToGenerate { id })
-        } else if prompt + max_new > max_seq {
+        } else if prompt + max_new - 1 > max_seq {
             // The last token generated is never written to the cache: it needs one less.
-            (prompt + max_new - 1 > max_seq).then_some(Rejected::TooLong {
+            Some(Rejected::TooLong {
                 id,
                 prompt,
                 max_new,
@@ -245,12 +296,21 @@ impl<'m> Engine<'m> {
                 max_seq,
             })
         } else {
-            None
+            self.pool.as_ref().and_then(|pool| {
+                let size = pool.block_size() as usize;
+                let needed = (prompt + max_new - 1).div_ceil(size);
+                (needed > pool.blocks() as usize).then_some(Rejected::MoreThanTheCache {
+                    id,
+                    needed,
+                    blocks: pool.blocks() as usize,
+                    block_size: size,
+                })
+            })
         };
         match why {
             Some(why) => Err(Box::new(Refused { why, request })),
             None => {
-                self.waiting.push_back(request);
+                self.waiting.push_back(Queued { request, made: 0 });
                 Ok(())
             }
         }
@@ -260,27 +320,36 @@ impl<'m> Engine<'m> {
     /// cache row at once; no event follows. Returns whether it was there. A client that goes
     /// away calls this.
     pub fn cancel(&mut self, id: u64) -> Result<bool, StepError> {
-        if let Some(at) = self.waiting.iter().position(|r| r.id == id) {
+        let fail = |e| StepError::Cancel {
+            id,
+            source: model(e),
+        };
+        if let Some(at) = self.waiting.iter().position(|q| q.request.id == id) {
             self.waiting.remove(at);
             return Ok(true);
         }
-        if self.prefilling.as_ref().is_some_and(|p| p.request.id == id) {
+        if self.prefilling.as_ref().is_some_and(|p| p.request.id == id)
+            && let Some(p) = self.prefilling.take()
+        {
             // Its row is above the running ones: nothing to move.
-            self.prefilling = None;
+            self.release(p.table, p.row).map_err(fail)?;
             return Ok(true);
         }
         let Some(row) = self.running.iter().position(|r| r.id == id) else {
             return Ok(false);
         };
-        let last = self.running.len() - 1;
-        self.cache
-            .move_row(last, row)
-            .map_err(|e| StepError::Cancel {
-                id,
-                source: model(e),
-            })?;
-        self.running.swap_remove(row);
+        self.vacate(row).map_err(fail)?;
         Ok(true)
+    }
+
+    /// Takes running row `row` out: the last running row moves into it, its blocks (on a
+    /// paged cache) go back and the row left behind is idle. Returns the sequence.
+    fn vacate(&mut self, row: usize) -> candle_core::Result<Running> {
+        let last = self.running.len() - 1;
+        self.cache.move_row(last, row)?;
+        let mut gone = self.running.swap_remove(row);
+        self.release(gone.table.take(), last)?;
+        Ok(gone)
     }
 
     /// Under graft, records every prefill and decode bucket now (with dummy tokens, from
@@ -302,6 +371,14 @@ impl<'m> Engine<'m> {
             return Ok(0);
         };
         let device = self.model.device().clone();
+        // On a paged cache the prefills record in row 0 over the first blocks, whose cached
+        // prefixes (from earlier requests) they overwrite: the pool starts over.
+        if let Some(size) = self.cache.block_size() {
+            let blocks = self.config.prefill_buckets.largest().div_ceil(size) as u32;
+            let ids: Vec<u32> = (0..blocks).collect();
+            self.cache.set_blocks(0, &ids).map_err(model)?;
+            self.pool = pool_of(&self.cache)?;
+        }
         let mut calls = 0;
         for &bucket in self.config.prefill_buckets.sizes() {
             let tokens = Tensor::zeros(bucket, DType::U32, &device).map_err(model)?;
@@ -332,28 +409,25 @@ impl<'m> Engine<'m> {
             })?;
         }
         self.cache.reset().map_err(model)?;
+        if self.cache.block_size().is_some() {
+            self.cache.set_blocks(0, &[]).map_err(model)?;
+        }
         Ok(calls)
     }
 
-    /// One step: a decode step of the running sequences (if any), then one prefill chunk of
-    /// the request at the head of the queue (if a row is free). Returns the tokens made and
-    /// the requests finished.
+    /// One step: a decode step of the running sequences (if any), then prefill chunks of the
+    /// requests at the head of the queue (if rows are free): the first's next chunk, and,
+    /// after a prompt's last chunk, the next request's while the step's chunks stay within
+    /// the largest prefill bucket's tokens. Returns the tokens made and the requests finished.
     pub fn step(&mut self) -> Result<Vec<Event>, StepError> {
         let mut events = Vec::new();
         let limit = self
             .config
             .max_running
             .map_or(self.cache.max_batch(), |m| m.min(self.cache.max_batch()));
-        if self.prefilling.is_none()
-            && self.running.len() < limit
-            && let Some(request) = self.waiting.pop_front()
-        {
-            let row = self.running.len();
-            self.prefilling = Some(Prefilling {
-                request,
-                row,
-                done: 0,
-            });
+        self.grow()?;
+        if self.prefilling.is_none() && self.running.len() < limit {
+            self.admit()?;
         }
         let alone = self.running.len() == 1 && self.prefilling.is_none();
         if alone && self.config.speculate.is_some() {
@@ -361,10 +435,62 @@ impl<'m> Engine<'m> {
         } else if !self.running.is_empty() {
             self.decode(&mut events)?;
         }
-        if self.prefilling.is_some() {
+        // Prefill chunks while they fit the step's budget of the largest bucket's tokens:
+        // after a prompt's last chunk the next request is admitted and may start at once (a
+        // prompt whose prefix blocks are shared has little left to prefill).
+        let mut budget = self.config.prefill_buckets.largest();
+        while let Some(p) = &self.prefilling {
+            let len = (p.request.prompt.len() - p.done).min(budget);
+            if len < (p.request.prompt.len() - p.done).min(self.config.prefill_buckets.largest()) {
+                break;
+            }
+            budget -= len;
             self.prefill_chunk(&mut events)?;
+            if self.prefilling.is_some() || self.running.len() >= limit {
+                break;
+            }
+            self.admit()?;
         }
         Ok(events)
+    }
+
+    /// Takes the request at the head of the queue into the row after the running ones, when
+    /// (on a paged cache) its prompt's blocks are free: its prefill starts after the blocks
+    /// its prefix shares.
+    fn admit(&mut self) -> Result<(), StepError> {
+        let Some(q) = self.waiting.front() else {
+            return Ok(());
+        };
+        let id = q.request.id;
+        let fail = |e| StepError::Prefill {
+            id,
+            source: model(e),
+        };
+        let prompt = q.request.prompt.clone();
+        let Some(table) = self
+            .admit_blocks(&prompt)
+            .map_err(|e| fail(candle_core::Error::wrap(e)))?
+        else {
+            return Ok(());
+        };
+        let row = self.running.len();
+        let done = table.as_ref().map_or(0, BlockTable::cached_tokens);
+        self.cached_tokens += done;
+        if let Some(t) = &table {
+            self.cache.set_blocks(row, t.blocks()).map_err(fail)?;
+            self.cache.set_position(row, done as u32).map_err(fail)?;
+        }
+        let Some(q) = self.waiting.pop_front() else {
+            return Ok(());
+        };
+        self.prefilling = Some(Prefilling {
+            request: q.request,
+            row,
+            done,
+            made: q.made,
+            table,
+        });
+        Ok(())
     }
 
     fn decode(&mut self, events: &mut Vec<Event>) -> Result<(), StepError> {
@@ -388,7 +514,8 @@ impl<'m> Engine<'m> {
         for row in params.chunks_exact_mut(SAMPLE_WORDS).skip(n) {
             row.copy_from_slice(&SampleParams::GREEDY.words());
         }
-        // Idle rows a padded step covers advance with it: start any that would overflow over.
+        // Idle rows a padded step covers advance with it: start any that would overflow over
+        // (the row being prefilled never does: its position is below its prompt's length).
         let max_seq = self.cache.max_seq() as u32;
         for (row, &p) in self
             .cache
@@ -398,7 +525,7 @@ impl<'m> Engine<'m> {
             .take(batch)
             .skip(n)
         {
-            if p + 1 >= max_seq {
+            if p >= max_seq {
                 self.cache
                     .set_position(row, 0)
                     .map_err(|e| fail(model(e)))?;
@@ -422,9 +549,8 @@ impl<'m> Engine<'m> {
         }
         .map_err(fail)?;
         let next = next.to_vec1::<u32>().map_err(|e| fail(model(e)))?;
-        let speculating = self.config.speculate.is_some();
         for (r, &token) in self.running.iter_mut().zip(&next) {
-            r.made(token, speculating, events);
+            r.made(token, events);
         }
         self.retire(events).map_err(|e| fail(model(e)))
     }
@@ -436,9 +562,7 @@ impl<'m> Engine<'m> {
             let r = &self.running[row];
             if r.generated >= r.max_new || self.config.eos.contains(&r.last) {
                 events.push(Event::Finished { id: r.id });
-                let last = self.running.len() - 1;
-                self.cache.move_row(last, row)?;
-                self.running.swap_remove(row);
+                self.vacate(row)?;
             }
         }
         Ok(())
@@ -467,7 +591,7 @@ impl<'m> Engine<'m> {
             Tensor::new(padded.as_slice(), self.model.device()).map_err(|e| fail(model(e)))?;
         debug_assert_eq!(tokens.elem_count(), size);
         let sampling = SampleParams {
-            index: 0,
+            index: p.made as u32,
             ..p.request.sampling
         };
         let next = match &mut self.runner {
@@ -495,31 +619,48 @@ impl<'m> Engine<'m> {
         events.push(Event::Token {
             id,
             token: first,
-            index: 0,
+            index: p.made,
         });
-        if p.request.max_new == 1 || self.config.eos.contains(&first) {
+        if p.made + 1 >= p.request.max_new || self.config.eos.contains(&first) {
             events.push(Event::Finished { id });
-            return Ok(());
+            return self.release(p.table, p.row).map_err(|e| fail(model(e)));
         }
         let row = self.running.len();
         self.cache
             .move_row(p.row, row)
             .map_err(|e| fail(model(e)))?;
-        let history = match self.config.speculate {
-            Some(_) => [p.request.prompt.as_slice(), &[first]].concat(),
-            None => Vec::new(),
-        };
+        if p.row != row && self.pool.is_some() {
+            self.cache
+                .set_blocks(p.row, &[])
+                .map_err(|e| fail(model(e)))?;
+        }
+        let mut history = p.request.prompt;
+        history.push(first);
+        self.admissions += 1;
         self.running.push(Running {
             id,
             last: first,
-            generated: 1,
+            generated: p.made + 1,
             max_new: p.request.max_new,
             sampling: p.request.sampling,
             history,
             draft: None,
+            table: p.table,
+            admitted: self.admissions,
         });
         Ok(())
     }
+}
+
+/// The block pool of a paged cache (`None` on static rows).
+fn pool_of(cache: &KvCache) -> Result<Option<BlockPool>, Error> {
+    let (Some(blocks), Some(size)) = (cache.blocks(), cache.block_size()) else {
+        return Ok(None);
+    };
+    let fits = |n: usize| u32::try_from(n).map_err(|e| model(candle_core::Error::wrap(e)));
+    BlockPool::new(fits(blocks)?, fits(size)?)
+        .map(Some)
+        .map_err(|e| model(candle_core::Error::wrap(e)))
 }
 
 /// The buckets must fit the cache.

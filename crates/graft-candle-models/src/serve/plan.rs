@@ -31,10 +31,13 @@ pub struct MemoryPlan {
     pub free_for_cache: u64,
     /// Kept free on purpose.
     pub margin: u64,
-    /// Bytes per sequence of the cache (all layers' keys and values).
+    /// Bytes per sequence of the cache (all layers' keys and values of `max_seq` positions).
     pub row_bytes: u64,
-    /// Sequences of the serving cache.
+    /// Sequences of the serving cache (a paged cache keeps the engine's).
     pub sequences: usize,
+    /// A paged cache's blocks and the bytes of one (`None` for static rows): a paged cache
+    /// gets every block that fits, whatever its sequences.
+    pub blocks: Option<(usize, u64)>,
     /// Bytes of the serving cache (its scratch row included).
     pub cache_bytes: u64,
     /// Seconds to record every bucket again against the serving cache.
@@ -70,21 +73,43 @@ pub fn plan(engine: &mut Engine<'_>, margin: u64) -> Result<MemoryPlan, Error> {
         .map_or(0, |g| g.memory_report().mapped_bytes as u64);
     let row_bytes = engine.cache.row_bytes() as u64;
     let max_seq = engine.cache.max_seq();
+    let paged = engine.cache.block_size().zip(engine.cache.block_bytes());
     // A one-position placeholder holds the cache's place while the capture cache is freed.
     let placeholder = engine.model.new_serving_cache(1, 1).map_err(model)?;
     drop(std::mem::replace(&mut engine.cache, placeholder));
     let (free_for_cache, _) = graft_candle::cuda::free_memory(&device)?;
-    let sequences = kv_rows(free_for_cache, margin, row_bytes);
     let largest = engine.config.decode_buckets.largest();
-    if sequences < largest {
-        return Err(model(candle_core::Error::Msg(format!(
-            "{free_for_cache} bytes are free after recording ({graph_driver} in graphs), enough for a kv cache of {sequences} sequences of {max_seq} positions, fewer than the largest decode bucket ({largest}): lower it, lower max_seq or the margin ({margin} bytes)"
-        ))));
-    }
-    engine.cache = engine
-        .model
-        .new_serving_cache(sequences, max_seq)
-        .map_err(model)?;
+    let (sequences, blocks) = match paged {
+        None => {
+            let sequences = kv_rows(free_for_cache, margin, row_bytes);
+            if sequences < largest {
+                return Err(model(candle_core::Error::Msg(format!(
+                    "{free_for_cache} bytes are free after recording ({graph_driver} in graphs), enough for a kv cache of {sequences} sequences of {max_seq} positions, fewer than the largest decode bucket ({largest}): lower it, lower max_seq or the margin ({margin} bytes)"
+                ))));
+            }
+            engine.cache = engine
+                .model
+                .new_serving_cache(sequences, max_seq)
+                .map_err(model)?;
+            (sequences, None)
+        }
+        Some((block_size, block_bytes)) => {
+            // The scratch block is the one `kv_rows` keeps for a scratch row.
+            let blocks = kv_rows(free_for_cache, margin, block_bytes as u64);
+            let sequences = engine.config.max_running.unwrap_or(largest).max(largest);
+            if blocks * block_size < max_seq {
+                return Err(model(candle_core::Error::Msg(format!(
+                    "{free_for_cache} bytes are free after recording ({graph_driver} in graphs), enough for {blocks} kv blocks of {block_size} positions, fewer than one sequence of max_seq ({max_seq}): lower max_seq or the margin ({margin} bytes)"
+                ))));
+            }
+            engine.cache = engine
+                .model
+                .new_paged_cache(sequences, max_seq, blocks, block_size)
+                .map_err(model)?;
+            (sequences, Some((blocks, block_bytes as u64)))
+        }
+    };
+    engine.pool = super::pool_of(&engine.cache)?;
     let cache_bytes = engine.cache.bytes() as u64;
     let started = Instant::now();
     engine.capture()?;
@@ -102,6 +127,7 @@ pub fn plan(engine: &mut Engine<'_>, margin: u64) -> Result<MemoryPlan, Error> {
         margin,
         row_bytes,
         sequences,
+        blocks,
         cache_bytes,
         repoint_s,
         graph_driver_after,

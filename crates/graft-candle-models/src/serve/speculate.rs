@@ -64,9 +64,8 @@ impl Speculate {
 }
 
 impl Running {
-    /// Records token `token`, the sequence's next: its event, its count, its history when
-    /// the engine speculates.
-    pub(super) fn made(&mut self, token: u32, keep_history: bool, events: &mut Vec<Event>) {
+    /// Records token `token`, the sequence's next: its event, its count, its history.
+    pub(super) fn made(&mut self, token: u32, events: &mut Vec<Event>) {
         events.push(Event::Token {
             id: self.id,
             token,
@@ -74,9 +73,7 @@ impl Running {
         });
         self.generated += 1;
         self.last = token;
-        if keep_history {
-            self.history.push(token);
-        }
+        self.history.push(token);
     }
 }
 
@@ -89,10 +86,7 @@ impl Engine<'_> {
         let Some(spec) = &self.config.speculate else {
             return Ok(());
         };
-        let room = self
-            .cache
-            .max_seq()
-            .saturating_sub(self.cache.positions()[0] as usize + 1);
+        let room = self.draft_room();
         let r = &mut self.running[0];
         let draft = r.draft.get_or_insert_with(|| spec.chooser());
         let k = draft
@@ -132,8 +126,11 @@ impl Engine<'_> {
         }
         .map_err(fail)?;
         draft.observe(drafts.len(), pass.accepted);
+        self.accept_drafts(&drafts[..pass.accepted])
+            .map_err(|e| fail(model(e)))?;
+        let r = &mut self.running[0];
         for &token in pass.tokens() {
-            r.made(token, true, events);
+            r.made(token, events);
             if r.generated >= r.max_new || self.config.eos.contains(&token) {
                 break;
             }

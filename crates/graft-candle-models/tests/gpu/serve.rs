@@ -140,3 +140,19 @@ fn speculation_in_the_engine_changes_no_token_on_the_gpu() -> TestResult {
     let model = serve::model(Some(8), &gpu(), dir.path())?;
     serve::speculation_changes_no_token(&model, || Ok(CandleGraft::new(model.device())?))
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_paged_cache_serves_the_tokens_of_static_rows_graphed() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let model = serve::model(None, &gpu(), dir.path())?;
+    serve::paged_equals_static(&model)
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_paged_cache_refuses_what_it_cannot_serve_on_the_gpu() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let model = serve::model(None, &gpu(), dir.path())?;
+    serve::paged_misuse_is_refused(&model)
+}

@@ -452,9 +452,14 @@ pub(crate) fn speculation_changes_no_token(
             };
             let run_with = |config: ServeConfig,
                             graft: Option<CandleGraft>,
-                            draft: Option<&Decoder>|
+                            draft: Option<&Decoder>,
+                            paged: bool|
              -> TestResult<_> {
-                let cache = model.new_serving_cache(4, MAX_SEQ)?;
+                let cache = match paged {
+                    // Blocks of 4 positions: most passes have fewer drafts' room.
+                    true => model.new_paged_cache(4, MAX_SEQ, 64, 4)?,
+                    false => model.new_serving_cache(4, MAX_SEQ)?,
+                };
                 let mut engine = match graft {
                     Some(g) => Engine::graphed(model, cache, g, config)?,
                     None => Engine::eager(model, cache, config)?,
@@ -473,14 +478,22 @@ pub(crate) fn speculation_changes_no_token(
                 }
                 Ok((out, steps))
             };
-            let (want, plain_steps) = run_with(off, None, None)?;
-            let (eager, eager_steps) = run_with(on.clone(), None, None)?;
+            let (want, plain_steps) = run_with(off, None, None, false)?;
+            let (eager, eager_steps) = run_with(on.clone(), None, None, false)?;
             assert_eq!(eager, want, "speculating eagerly, {sampling:?}");
-            let (graphed_out, _) = run_with(on.clone(), Some(graphed()?), None)?;
+            let (graphed_out, _) = run_with(on.clone(), Some(graphed()?), None, false)?;
             assert_eq!(graphed_out, want, "speculating under graft, {sampling:?}");
+            // On a paged cache, eagerly and under graft, drafts limited to the last block.
+            let (paged, _) = run_with(on.clone(), None, None, true)?;
+            assert_eq!(paged, want, "speculating on pages, {sampling:?}");
+            let (paged, _) = run_with(on.clone(), Some(graphed()?), Some(model), true)?;
+            assert_eq!(
+                paged, want,
+                "self-drafting on pages under graft, {sampling:?}"
+            );
             // Drafts from a draft model: another's (mostly wrong), and the target's own.
             for draft in [&other, model] {
-                let (drafted, steps) = run_with(on.clone(), None, Some(draft))?;
+                let (drafted, steps) = run_with(on.clone(), None, Some(draft), false)?;
                 assert_eq!(
                     drafted, want,
                     "a draft model's drafts, eagerly, {sampling:?}"
@@ -491,7 +504,7 @@ pub(crate) fn speculation_changes_no_token(
                         "the target drafting for itself takes {steps} steps, plain decoding {plain_steps}"
                     );
                 }
-                let (drafted, _) = run_with(on.clone(), Some(graphed()?), Some(draft))?;
+                let (drafted, _) = run_with(on.clone(), Some(graphed()?), Some(draft), false)?;
                 assert_eq!(
                     drafted, want,
                     "a draft model's drafts, under graft, {sampling:?}"
@@ -503,5 +516,133 @@ pub(crate) fn speculation_changes_no_token(
             );
         }
     }
+    Ok(())
+}
+
+/// Positions per block of the paged test caches.
+const BLOCK: usize = 4;
+
+/// An engine over a paged cache of `blocks` blocks for 4 sequences, graphed under
+/// graft-candle (`graphed`, recorded first) or eager.
+fn paged_engine(model: &Decoder, blocks: usize, graphed: bool) -> TestResult<Engine<'_>> {
+    let cache = model.new_paged_cache(4, MAX_SEQ, blocks, BLOCK)?;
+    Ok(if graphed {
+        let mut engine =
+            Engine::graphed(model, cache, CandleGraft::new(model.device())?, config()?)?;
+        engine.capture()?;
+        engine
+    } else {
+        Engine::eager(model, cache, config()?)?
+    })
+}
+
+/// On a paged cache the engine gives every request the tokens it gets alone on static rows,
+/// graphed and eager: with blocks to spare; with so few that sequences are preempted and
+/// prefilled again (the longest request still fits alone); and with prompts that share a
+/// prefix, whose cached blocks later prompts take instead of prefilling them.
+pub(crate) fn paged_equals_static(model: &Decoder) -> TestResult {
+    // Four prompts of 2 blocks that grow to 7 blocks each, all at once, over 12 blocks:
+    // admitted together, they run out as they grow.
+    let growing: Vec<(usize, Request)> = trace()
+        .into_iter()
+        .take(4)
+        .map(|(_, r)| {
+            let prompt = (0..6)
+                .map(|t| (t * 17 + r.id as u32 * 5) % 251 + 1)
+                .collect();
+            (
+                0,
+                Request {
+                    prompt,
+                    max_new: 20,
+                    ..r
+                },
+            )
+        })
+        .collect();
+    for (requests, blocks, preempts) in [(trace(), 64, false), (growing, 12, true)] {
+        for graphed in [true, false] {
+            let mut engine = paged_engine(model, blocks, graphed)?;
+            let out = run(&mut engine, &requests)?;
+            for (_, r) in &requests {
+                assert_eq!(
+                    out[&r.id],
+                    alone(model, r)?,
+                    "request {} over {blocks} blocks, graphed: {graphed}",
+                    r.id
+                );
+            }
+            let n = engine.preemptions();
+            assert_eq!(n > 0, preempts, "{blocks} blocks: {n} preemptions");
+        }
+    }
+    // Eight prompts of one 26-token prefix (6 full blocks) and suffixes of their own, the
+    // first alone so that its blocks are cached before the others arrive.
+    let prefix: Vec<u32> = (0..26u32).map(|t| (t * 29 + 7) % 251 + 1).collect();
+    let shared: Vec<(usize, Request)> = (0..8u64)
+        .map(|i| {
+            let mut prompt = prefix.clone();
+            prompt.extend((0..1 + i as u32 % 5).map(|t| (t * 13 + i as u32 * 41) % 251 + 1));
+            let at = if i == 0 { 0 } else { 12 + i as usize };
+            let request = Request {
+                id: i,
+                prompt,
+                max_new: 6,
+                sampling: SampleParams::GREEDY,
+            };
+            (at, request)
+        })
+        .collect();
+    for graphed in [true, false] {
+        let mut engine = paged_engine(model, 64, graphed)?;
+        let out = run(&mut engine, &shared)?;
+        for (_, r) in &shared {
+            assert_eq!(
+                out[&r.id],
+                alone(model, r)?,
+                "shared-prefix request {}",
+                r.id
+            );
+        }
+        // The seven later prompts each take the 24 tokens of the prefix's 6 full blocks.
+        assert_eq!(engine.cached_tokens(), 7 * 24, "graphed: {graphed}");
+    }
+    Ok(())
+}
+
+/// A paged cache refuses what it cannot serve: a request longer than all its blocks, blocks
+/// it does not have, a step or prefill past a sequence's blocks.
+pub(crate) fn paged_misuse_is_refused(model: &Decoder) -> TestResult {
+    let mut engine = paged_engine(model, 8, false)?;
+    let long = Request {
+        id: 1,
+        prompt: vec![1; 30],
+        max_new: 4,
+        sampling: SampleParams::GREEDY,
+    };
+    let refused = engine.submit(long).unwrap_err();
+    assert!(
+        matches!(
+            refused.why,
+            Rejected::MoreThanTheCache {
+                needed: 9,
+                blocks: 8,
+                ..
+            }
+        ),
+        "{refused}"
+    );
+    let cache = model.new_paged_cache(2, MAX_SEQ, 8, BLOCK)?;
+    let bad_block = cache.set_blocks(0, &[8]).unwrap_err().to_string();
+    assert!(bad_block.contains("names block 8"), "{bad_block}");
+    cache.set_blocks(0, &[3])?;
+    let tokens = Tensor::new(&[5u32], model.device())?;
+    for _ in 0..BLOCK {
+        model.forward(&cache, &tokens)?;
+    }
+    let past = model.forward(&cache, &tokens).unwrap_err().to_string();
+    assert!(past.contains("has blocks for 4 positions"), "{past}");
+    let static_rows = model.new_serving_cache(1, MAX_SEQ)?;
+    assert!(static_rows.set_blocks(0, &[0]).is_err());
     Ok(())
 }

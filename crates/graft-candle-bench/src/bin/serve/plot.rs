@@ -7,10 +7,14 @@ use plotters::prelude::*;
 
 type Result<T> = std::result::Result<T, Box<dyn std::error::Error>>;
 
-const COLORS: [RGBColor; 2] = [RGBColor(200, 80, 40), RGBColor(40, 100, 200)];
+const COLORS: [RGBColor; 3] = [
+    RGBColor(200, 80, 40),
+    RGBColor(40, 100, 200),
+    RGBColor(40, 160, 80),
+];
 
 /// The cumulative distribution of each mode's inter-token latencies (ms, log scale).
-pub(crate) fn itl(path: &Path, modes: &[(&str, Vec<f64>); 2]) -> Result<()> {
+pub(crate) fn itl(path: &Path, modes: &[(&str, Vec<f64>)]) -> Result<()> {
     let root = SVGBackend::new(path, (800, 480)).into_drawing_area();
     root.fill(&WHITE)?;
     let ms: Vec<Vec<f64>> = modes
@@ -63,7 +67,7 @@ pub(crate) fn itl(path: &Path, modes: &[(&str, Vec<f64>); 2]) -> Result<()> {
 }
 
 /// Tokens per second of each mode in one-second windows over the trace.
-pub(crate) fn throughput(path: &Path, modes: &[(&str, Vec<f64>); 2]) -> Result<()> {
+pub(crate) fn throughput(path: &Path, modes: &[(&str, Vec<f64>)]) -> Result<()> {
     let root = SVGBackend::new(path, (800, 480)).into_drawing_area();
     root.fill(&WHITE)?;
     let series: Vec<Vec<(f64, f64)>> = modes

@@ -1,4 +1,5 @@
-//! The seeded request trace: Poisson arrivals, prompt and output lengths log-uniform.
+//! The seeded request traces: Poisson arrivals with prompt and output lengths log-uniform, or
+//! requests arriving together whose prompts share a prefix.
 
 use graft_candle_models::serve::{Request, SampleParams};
 use rand::rngs::Xoshiro256PlusPlus;
@@ -47,6 +48,39 @@ pub(crate) fn poisson(
                 sampling: SampleParams::GREEDY,
             };
             (t, request)
+        })
+        .collect())
+}
+
+/// `n` requests arriving together (at 0 s), each a prompt of the same `prefix` random tokens
+/// and `suffix` of its own, for 16 new tokens: (arrival, request).
+pub(crate) fn shared_prefix(
+    seed: u64,
+    n: usize,
+    prefix: usize,
+    suffix: usize,
+    max_seq: usize,
+) -> Result<Vec<(f64, Request)>, String> {
+    const NEW: usize = 16;
+    if prefix + suffix + NEW > max_seq + 1 {
+        return Err(format!(
+            "--shared-prefix {prefix} --suffix {suffix} and {NEW} new tokens need {} positions: use --max-seq of at least that",
+            prefix + suffix + NEW - 1
+        ));
+    }
+    let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
+    let shared: Vec<u32> = (0..prefix).map(|_| rng.random_range(1..4000u32)).collect();
+    Ok((0..n)
+        .map(|i| {
+            let mut prompt = shared.clone();
+            prompt.extend((0..suffix).map(|_| rng.random_range(1..4000u32)));
+            let request = Request {
+                id: i as u64,
+                prompt,
+                max_new: NEW,
+                sampling: SampleParams::GREEDY,
+            };
+            (0.0, request)
         })
         .collect())
 }
