@@ -147,7 +147,8 @@ pub fn decode_attention_fits(
         return Err(KernelError::HeadDim { head_dim });
     }
     let group = heads / kv_heads;
-    let bytes = shared_bytes(group, head_dim);
+    // Either layout: the paged one's is the larger.
+    let bytes = shared_bytes(group, head_dim, true);
     if bytes > SHARED_LIMIT {
         return Err(KernelError::GroupTooLarge {
             group,
@@ -160,10 +161,14 @@ pub fn decode_attention_fits(
 }
 
 /// Dynamic shared memory of a split-kernel block: the group's queries and its scores over
-/// one chunk, in f32, then, at the next 8-byte boundary, a paged cache's places of the
+/// one chunk, in f32, then, for a paged cache, at the next 8-byte boundary, the places of the
 /// chunk's positions (u64).
-fn shared_bytes(group: usize, head_dim: usize) -> usize {
-    (group * (head_dim + CHUNK)).next_multiple_of(2) * size_of::<f32>() + CHUNK * size_of::<u64>()
+fn shared_bytes(group: usize, head_dim: usize, paged: bool) -> usize {
+    let scores = group * (head_dim + CHUNK) * size_of::<f32>();
+    match paged {
+        true => scores.next_multiple_of(8) + CHUNK * size_of::<u64>(),
+        false => scores,
+    }
 }
 
 /// The attention's sizes, checked.
@@ -278,7 +283,7 @@ impl Dims {
     /// Dynamic shared memory of a split-kernel block.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     fn shared_bytes(&self) -> usize {
-        shared_bytes(self.group(), self.head_dim)
+        shared_bytes(self.group(), self.head_dim, self.index.paged)
     }
 
     /// `[batch, 1, heads * head_dim]`.

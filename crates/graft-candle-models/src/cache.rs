@@ -88,7 +88,8 @@ impl PrefillIndex {
 }
 
 /// Where one prefill chunk reads and writes, built on the device from the chunk's row and
-/// length (see [`KvCache::prefill_plan`]).
+/// length (see [`KvCache::prefill_plan`]) or from its segments' (see
+/// [`KvCache::segments_plan`]).
 #[derive(Debug)]
 pub(crate) struct PrefillPlan {
     /// `[chunk]` u32: each token's position (padding token i's is i, in the scratch row).
@@ -96,9 +97,10 @@ pub(crate) struct PrefillPlan {
     /// `[chunk]` u32: each token's cache row: the sequence's, or the scratch row's for
     /// padding.
     pub(crate) rows: Tensor,
-    /// `[1]` u32: the row.
+    /// `[segments]` u32: each segment's row (one segment: the row); the scratch row for an
+    /// unused segment.
     pub(crate) row: Tensor,
-    /// `[1]` u32: the index of the chunk's last real token.
+    /// `[segments]` u32: the index of each segment's last real token (0 for an unused one).
     pub(crate) last: Tensor,
 }
 
@@ -395,6 +397,41 @@ impl KvCache {
         })
     }
 
+    /// The positions and rows of a prefill chunk of `chunk` tokens of several sequences, from
+    /// `meta` (u32, built by the host): each token's row (the scratch row for padding) and
+    /// offset within its segment (padding token i's: i), then per segment (`segments` of
+    /// them) the index of its last token, its row and its length (0 and the scratch row for an
+    /// unused one). Token i's position is its row's position plus its offset. Returns the
+    /// plan and the segments' lengths (`[segments]`).
+    pub(crate) fn segments_plan(
+        &self,
+        meta: &Tensor,
+        chunk: usize,
+        segments: usize,
+    ) -> Result<(PrefillPlan, Tensor)> {
+        let Some(p) = &self.prefill else {
+            candle_core::bail!("prefill needs a serving kv cache");
+        };
+        let rows = meta.narrow(0, 0, chunk)?;
+        let offsets = meta.narrow(0, chunk, chunk)?;
+        let last = meta.narrow(0, 2 * chunk, segments)?;
+        let row = meta.narrow(0, 2 * chunk + segments, segments)?;
+        let lens = meta.narrow(0, 2 * chunk + 2 * segments, segments)?;
+        let real = rows.broadcast_lt(&p.scratch_row)?;
+        let zeros = rows.zeros_like()?;
+        let start = self
+            .positions
+            .index_select(&real.where_cond(&rows, &zeros)?, 0)?;
+        let positions = real.where_cond(&(&start + &offsets)?, &offsets)?;
+        let plan = PrefillPlan {
+            positions,
+            rows,
+            row,
+            last,
+        };
+        Ok((plan, lens))
+    }
+
     /// What the unfused prefill of `plan` needs besides: the additive causal mask of each
     /// token (`[chunk, max_seq]` f32) and where each head's key or value of each token is
     /// written in a layer's flat cache (`KvCache::flat`; `[kv_heads * chunk, head_dim]` u32):
@@ -447,13 +484,20 @@ impl KvCache {
         ))
     }
 
-    /// Advances sequence `row`'s position by `len` (both `[1]` u32), on the device.
+    /// Advances each of `plan`'s segment rows by its length in `len` (`[segments]` u32, as
+    /// `plan.row`), on the device.
     pub(crate) fn step_row(&self, plan: &PrefillPlan, len: &Tensor) -> Result<()> {
         let Some(p) = &self.prefill else {
             candle_core::bail!("prefill needs a serving kv cache");
         };
-        let hit = p.rows.broadcast_eq(&plan.row)?.to_dtype(DType::U32)?;
-        let next = (&self.positions + hit.broadcast_mul(len)?)?;
+        // [max_batch, segments]: which segment each sequence is, times its length.
+        let hit = p
+            .rows
+            .unsqueeze(1)?
+            .broadcast_eq(&plan.row.unsqueeze(0)?)?
+            .to_dtype(DType::U32)?;
+        let advance = hit.broadcast_mul(&len.unsqueeze(0)?)?.sum(1)?;
+        let next = (&self.positions + advance)?;
         self.positions.slice_set(&next, 0, 0)
     }
 

@@ -63,6 +63,7 @@ pub mod speculate;
 pub use cache::KvCache;
 pub use decoder::Decoder;
 pub use generate::{GenerateSpec, Generation, Sampling};
+pub use prefill::{PREFILL_SEGMENTS, PrefillSegment};
 pub use sequence::{Dropout, SequenceKernels};
 pub use shard::{Collective, Shard};
 pub use spec::{Arch, DecoderSpec, Llama3Scaling, MoeNames, MoeSpec, RopeSpec, RopeStyle};

@@ -1,8 +1,8 @@
-//! A serving cache's prefill: a prompt's chunk written into its sequence's cache row in one
-//! step. With the fused attention a chunk is a batch of tokens of one row, each at its own
-//! position (padding in the scratch row), through the decode step's block
-//! ([`Decoder::blocks_at`]); otherwise the chunk runs as one sequence with its keys and values
-//! scattered and the whole row attended, masked.
+//! A serving cache's prefill: prompts' chunks written into their sequences' cache rows in
+//! one step. With the fused attention a chunk is a batch of tokens, each of its own sequence's
+//! row at its own position (one or several sequences, padding in the scratch row), through the
+//! decode step's block ([`Decoder::blocks_at`]); otherwise the chunk is one sequence's, run
+//! with its keys and values scattered and the whole row attended, masked.
 
 use candle_core::{DType, Result, Tensor};
 use graft_candle::{CandleGraft, Error, Step, StepId};
@@ -11,6 +11,22 @@ use graft_candle_kernels::{SAMPLE_WORDS, SampleParams, sample_rows};
 use super::cache::{KvCache, PrefillPlan};
 use super::decoder::{Decoder, Slots};
 use super::spec::DecoderSpec;
+
+/// The most sequences one prefill chunk takes ([`Decoder::prefill_segments`]): each recording
+/// samples this many rows, unused ones ignored.
+pub const PREFILL_SEGMENTS: usize = 16;
+
+/// One sequence's part of a prefill chunk: its next `len` prompt tokens, written at its
+/// position in cache row `row`; the token after them is picked by `sampling`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PrefillSegment {
+    /// The sequence's cache row.
+    pub row: usize,
+    /// Its tokens in the chunk (at least 1).
+    pub len: usize,
+    /// How the token after them is picked.
+    pub sampling: SampleParams,
+}
 
 impl Decoder {
     /// One eager prefill chunk of sequence `row` of a serving cache: `tokens` (`[chunk]` u32)
@@ -26,18 +42,16 @@ impl Decoder {
         len: usize,
         sampling: SampleParams,
     ) -> Result<Tensor> {
-        cache.check_prefill(row, len, tokens.dims1()?)?;
-        let meta = self.prefill_meta(row, len, sampling)?;
-        let next = self.prefill_next(cache, tokens, &meta)?;
-        cache.advance_row(row, len);
-        Ok(next)
+        let segment = PrefillSegment { row, len, sampling };
+        self.prefill_segments_forward(cache, &[segment], tokens)?
+            .narrow(0, 0, 1)
     }
 
-    /// [`Decoder::prefill_forward`] under graft: `tokens` and the row, length and sampling
-    /// parameters (uploaded as one `[2 + SAMPLE_WORDS]` u32 input) are the step's inputs, the
-    /// weights and `cache` its statics, `[chunk, key]` its keys: register `step` with
-    /// token-count buckets and pad `tokens` to one. One recording per bucket serves every
-    /// sequence, position, length and sampling.
+    /// [`Decoder::prefill_forward`] under graft: `tokens` and the rows, lengths and sampling
+    /// parameters (uploaded as one u32 input) are the step's inputs, the weights and `cache`
+    /// its statics, `[chunk, key]` its keys: register `step` with token-count buckets and pad
+    /// `tokens` to one. One recording per bucket serves every sequence, position, length and
+    /// sampling (it is [`Decoder::prefill_segments`]'s, with one segment).
     #[allow(clippy::too_many_arguments)]
     pub fn prefill(
         &self,
@@ -49,10 +63,53 @@ impl Decoder {
         len: usize,
         sampling: SampleParams,
     ) -> std::result::Result<Step, Error> {
+        let segment = PrefillSegment { row, len, sampling };
+        let mut out = self.prefill_segments(graft, step, cache, &[segment], tokens)?;
+        out.outputs[0] = out.outputs[0]
+            .narrow(0, 0, 1)
+            .map_err(|source| Error::Model { source })?;
+        Ok(out)
+    }
+
+    /// One eager prefill chunk of several sequences (at most [`PREFILL_SEGMENTS`], in distinct
+    /// rows of a serving cache): `tokens` (`[chunk]` u32) holds each segment's tokens in turn,
+    /// padded to `chunk` with any token. Writes their keys and values at each sequence's
+    /// position and advances it by its length; returns the token that follows each segment
+    /// (`[segments]` u32). A later segment may read keys and values an earlier one writes
+    /// (each layer writes the whole chunk's before it attends). More than one segment needs
+    /// the fused attention.
+    pub fn prefill_segments_forward(
+        &self,
+        cache: &KvCache,
+        segments: &[PrefillSegment],
+        tokens: &Tensor,
+    ) -> Result<Tensor> {
+        let chunk = tokens.dims1()?;
+        self.check_segments(cache, segments, chunk)?;
+        let meta = self.segments_meta(cache, segments, chunk)?;
+        let next = self.prefill_next(cache, tokens, &meta)?;
+        for s in segments {
+            cache.advance_row(s.row, s.len);
+        }
+        next.narrow(0, 0, segments.len())
+    }
+
+    /// [`Decoder::prefill_segments_forward`] under graft: `tokens` and the segments (uploaded
+    /// as one u32 input) are the step's inputs, the weights and `cache` its statics, `[chunk,
+    /// key]` its keys. Its output is `[PREFILL_SEGMENTS]` u32, the first `segments.len()` the
+    /// segments' next tokens. One recording per bucket serves every split into segments.
+    pub fn prefill_segments(
+        &self,
+        graft: &mut CandleGraft,
+        step: StepId,
+        cache: &KvCache,
+        segments: &[PrefillSegment],
+        tokens: &Tensor,
+    ) -> std::result::Result<Step, Error> {
         let model = |source| Error::Model { source };
         let chunk = tokens.dims1().map_err(model)?;
-        cache.check_prefill(row, len, chunk).map_err(model)?;
-        let meta = self.prefill_meta(row, len, sampling).map_err(model)?;
+        self.check_segments(cache, segments, chunk).map_err(model)?;
+        let meta = self.segments_meta(cache, segments, chunk).map_err(model)?;
         let statics = self.statics(cache);
         let out = graft.call(
             step,
@@ -61,40 +118,95 @@ impl Decoder {
             &[chunk as u64, self.key()],
             |inputs| Ok(vec![self.prefill_next(cache, &inputs[0], &inputs[1])?]),
         )?;
-        cache.advance_row(row, len);
+        for s in segments {
+            cache.advance_row(s.row, s.len);
+        }
         Ok(out)
     }
 
-    /// The `[2 + SAMPLE_WORDS]` u32 a prefill reads: the row, the real tokens, the sampling.
-    fn prefill_meta(&self, row: usize, len: usize, sampling: SampleParams) -> Result<Tensor> {
-        let mut meta = [0u32; 2 + SAMPLE_WORDS];
-        meta[0] = row as u32;
-        meta[1] = len as u32;
-        meta[2..].copy_from_slice(&sampling.words());
-        Tensor::new(&meta, self.device())
+    /// The host's checks of a chunk's segments: each fits its row, the rows differ, the
+    /// lengths fit the chunk, and several need the fused attention.
+    fn check_segments(
+        &self,
+        cache: &KvCache,
+        segments: &[PrefillSegment],
+        chunk: usize,
+    ) -> Result<()> {
+        let total: usize = segments.iter().map(|s| s.len).sum();
+        if segments.is_empty() || segments.len() > PREFILL_SEGMENTS || total > chunk {
+            candle_core::bail!(
+                "a prefill chunk of {} segments and {total} tokens padded to {chunk}: pass 1 to {PREFILL_SEGMENTS} segments of at most {chunk} tokens together",
+                segments.len()
+            );
+        }
+        if segments.len() > 1 && !self.fused_attention {
+            candle_core::bail!(
+                "a prefill chunk of several sequences needs the fused attention, which this model's heads do not fit: prefill one sequence a chunk"
+            );
+        }
+        for (i, s) in segments.iter().enumerate() {
+            if segments[..i].iter().any(|t| t.row == s.row) {
+                candle_core::bail!(
+                    "two segments of one prefill chunk name cache row {}: give each sequence one segment",
+                    s.row
+                );
+            }
+            cache.check_prefill(s.row, s.len, chunk)?;
+        }
+        Ok(())
     }
 
-    /// The prefill and its token choice (capturable).
+    /// The u32 meta a chunk of `segments` reads (see `KvCache::segments_plan`), then each
+    /// segment's sampling words (greedy for unused ones).
+    fn segments_meta(
+        &self,
+        cache: &KvCache,
+        segments: &[PrefillSegment],
+        chunk: usize,
+    ) -> Result<Tensor> {
+        let n = PREFILL_SEGMENTS;
+        let scratch = cache.max_batch() as u32;
+        let mut rows = Vec::with_capacity(chunk);
+        let mut offsets = Vec::with_capacity(chunk);
+        let mut last = vec![0u32; n];
+        let mut seg_rows = vec![scratch; n];
+        let mut lens = vec![0u32; n];
+        let mut words = Vec::with_capacity(n * SAMPLE_WORDS);
+        for (i, s) in segments.iter().enumerate() {
+            rows.extend(std::iter::repeat_n(s.row as u32, s.len));
+            offsets.extend(0..s.len as u32);
+            last[i] = (rows.len() - 1) as u32;
+            seg_rows[i] = s.row as u32;
+            lens[i] = s.len as u32;
+            words.extend(s.sampling.words());
+        }
+        // Padding: the scratch row, each token at a place of its own.
+        for i in rows.len()..chunk {
+            rows.push(scratch);
+            offsets.push(i as u32);
+        }
+        for _ in segments.len()..n {
+            words.extend(SampleParams::GREEDY.words());
+        }
+        let meta: Vec<u32> = [rows, offsets, last, seg_rows, lens, words].concat();
+        Tensor::new(meta.as_slice(), self.device())
+    }
+
+    /// The prefill and its token choices (capturable): `[PREFILL_SEGMENTS]` u32.
     fn prefill_next(&self, cache: &KvCache, tokens: &Tensor, meta: &Tensor) -> Result<Tensor> {
-        let logits = self.prefill_logits(cache, tokens, meta)?;
-        let sampling = meta
-            .narrow(0, 2, SAMPLE_WORDS)?
-            .reshape((1, SAMPLE_WORDS))?;
-        sample_rows(&logits, &sampling)
-    }
-
-    /// The prefill itself (no host-side checks): capturable. `meta` starts with the row and
-    /// the number of real tokens (u32). Returns the last real token's logits (`[1, vocab]`
-    /// f32).
-    fn prefill_logits(&self, cache: &KvCache, tokens: &Tensor, meta: &Tensor) -> Result<Tensor> {
-        let plan = cache.prefill_plan(meta, tokens.dims1()?)?;
+        let chunk = tokens.dims1()?;
+        let n = PREFILL_SEGMENTS;
+        let (plan, lens) = cache.segments_plan(meta, chunk, n)?;
         let h = self.prefill_hidden(cache, tokens, &plan)?;
         let logits = self
             .head(&h.index_select(&plan.last, 0)?)?
             .squeeze(1)?
             .to_dtype(DType::F32)?;
-        cache.step_row(&plan, &meta.narrow(0, 1, 1)?)?;
-        Ok(logits)
+        cache.step_row(&plan, &lens)?;
+        let sampling = meta
+            .narrow(0, 2 * chunk + 3 * n, n * SAMPLE_WORDS)?
+            .reshape((n, SAMPLE_WORDS))?;
+        sample_rows(&logits, &sampling)
     }
 
     /// A chunk's blocks (no host-side checks: capturable): writes its keys and values as
@@ -143,7 +255,8 @@ impl Decoder {
             let rows = s.kv_heads * chunk;
             k_flat.scatter_set(&write_at, &k.reshape((rows, s.head_dim))?, 0)?;
             v_flat.scatter_set(&write_at, &v.reshape((rows, s.head_dim))?, 0)?;
-            let (k_row, v_row) = cache.row(i, &plan.row)?;
+            // The one segment's row.
+            let (k_row, v_row) = cache.row(i, &plan.row.narrow(0, 0, 1)?)?;
             let o = attend_chunk(&q, &k_row, &v_row, &mask, s)?;
             (x, h) = b.finish(&x, &o, self.norm_after(i), s, self.shard.as_ref())?;
         }

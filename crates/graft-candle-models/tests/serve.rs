@@ -192,3 +192,10 @@ fn a_paged_cache_refuses_what_it_cannot_serve() -> serve::TestResult {
     let model = serve::model(None, &Device::Cpu, dir.path())?;
     serve::paged_misuse_is_refused(&model)
 }
+
+#[test]
+fn one_launch_of_several_prompts_equals_a_launch_each() -> serve::TestResult {
+    let dir = tempfile::tempdir()?;
+    let model = serve::model(None, &Device::Cpu, dir.path())?;
+    serve::segments_equal_separate_launches(&model)
+}

@@ -2,8 +2,9 @@
 //!
 //! - `graft_decode_attention_partial_[paged_]<dtype>`: grid (splits, kv_heads, batch), 128
 //!   threads (4 warps), `group * (head_dim + CHUNK) * 4` bytes of dynamic shared memory (the
-//!   group's queries and its scores over the chunk), rounded up to 8, then `CHUNK * 8` (a
-//!   paged cache's places of the chunk's positions, each looked up once). Scores: two threads per key row (a chunk's rows
+//!   group's queries and its scores over the chunk), and for a paged cache, from the next
+//!   8-byte boundary, `CHUNK * 8` more (the places of the chunk's positions, each looked up
+//!   once). Scores: two threads per key row (a chunk's rows
 //!   at once), each dotting every other element with the group's query heads, the pair summed
 //!   with one shuffle. Softmax partial: one warp per query head. Values: two threads per
 //!   head-dim element, each summing every other position for 8 query heads at a time (eight
@@ -212,8 +213,8 @@ impl AttentionLaunch {
         // and reads only positions start..end of those blocks; head_dim <= 256 (8
         // registers a lane); heads % kv_heads == 0; the scratch holds batch * heads * splits
         // partials, indexed by (head * splits + split) < that; the dynamic shared memory is
-        // group * (head_dim + chunk) f32, rounded up to 8 bytes, and chunk u64 (at most 48 KiB,
-        // checked), exactly what the kernel indexes; the block is 4 whole warps; it waits before it reads anything.
+        // group * (head_dim + chunk) f32 and, paged, rounded up to 8 bytes, chunk u64 (at most
+        // 48 KiB, checked), exactly what the kernel indexes; the block is 4 whole warps; it waits before it reads anything.
         unsafe {
             KERNELS.launch(
                 device,

@@ -115,6 +115,12 @@ impl BlockPool {
         self.plan(tokens).needed() <= self.free_blocks()
     }
 
+    /// The leading tokens of `tokens` whose blocks [`BlockPool::allocate`] would share now
+    /// (its [`BlockTable::cached_tokens`]).
+    pub fn cached_prefix(&self, tokens: &[u32]) -> usize {
+        self.plan(tokens).hits.len() * self.block_size as usize
+    }
+
     /// A new sequence's table for its prompt `tokens`. Its leading full blocks are shared
     /// with the cached blocks holding the same prefix (never the block of the prompt's last
     /// token: the prefill computes that token, for its logits); the rest are free blocks,

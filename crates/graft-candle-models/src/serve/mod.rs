@@ -27,6 +27,7 @@
 mod error;
 mod pages;
 mod plan;
+mod prefill;
 mod speculate;
 
 use std::collections::VecDeque;
@@ -427,7 +428,8 @@ impl<'m> Engine<'m> {
             .map_or(self.cache.max_batch(), |m| m.min(self.cache.max_batch()));
         self.grow()?;
         if self.prefilling.is_none() && self.running.len() < limit {
-            self.admit()?;
+            let row = self.running.len();
+            self.prefilling = self.admit_at(row)?;
         }
         let alone = self.running.len() == 1 && self.prefilling.is_none();
         if alone && self.config.speculate.is_some() {
@@ -435,62 +437,10 @@ impl<'m> Engine<'m> {
         } else if !self.running.is_empty() {
             self.decode(&mut events)?;
         }
-        // Prefill chunks while they fit the step's budget of the largest bucket's tokens:
-        // after a prompt's last chunk the next request is admitted and may start at once (a
-        // prompt whose prefix blocks are shared has little left to prefill).
-        let mut budget = self.config.prefill_buckets.largest();
-        while let Some(p) = &self.prefilling {
-            let len = (p.request.prompt.len() - p.done).min(budget);
-            if len < (p.request.prompt.len() - p.done).min(self.config.prefill_buckets.largest()) {
-                break;
-            }
-            budget -= len;
-            self.prefill_chunk(&mut events)?;
-            if self.prefilling.is_some() || self.running.len() >= limit {
-                break;
-            }
-            self.admit()?;
+        if self.prefilling.is_some() {
+            self.prefill_chunk(limit, &mut events)?;
         }
         Ok(events)
-    }
-
-    /// Takes the request at the head of the queue into the row after the running ones, when
-    /// (on a paged cache) its prompt's blocks are free: its prefill starts after the blocks
-    /// its prefix shares.
-    fn admit(&mut self) -> Result<(), StepError> {
-        let Some(q) = self.waiting.front() else {
-            return Ok(());
-        };
-        let id = q.request.id;
-        let fail = |e| StepError::Prefill {
-            id,
-            source: model(e),
-        };
-        let prompt = q.request.prompt.clone();
-        let Some(table) = self
-            .admit_blocks(&prompt)
-            .map_err(|e| fail(candle_core::Error::wrap(e)))?
-        else {
-            return Ok(());
-        };
-        let row = self.running.len();
-        let done = table.as_ref().map_or(0, BlockTable::cached_tokens);
-        self.cached_tokens += done;
-        if let Some(t) = &table {
-            self.cache.set_blocks(row, t.blocks()).map_err(fail)?;
-            self.cache.set_position(row, done as u32).map_err(fail)?;
-        }
-        let Some(q) = self.waiting.pop_front() else {
-            return Ok(());
-        };
-        self.prefilling = Some(Prefilling {
-            request: q.request,
-            row,
-            done,
-            made: q.made,
-            table,
-        });
-        Ok(())
     }
 
     fn decode(&mut self, events: &mut Vec<Event>) -> Result<(), StepError> {
@@ -565,89 +515,6 @@ impl<'m> Engine<'m> {
                 self.vacate(row)?;
             }
         }
-        Ok(())
-    }
-
-    fn prefill_chunk(&mut self, events: &mut Vec<Event>) -> Result<(), StepError> {
-        let Some(p) = &self.prefilling else {
-            return Ok(());
-        };
-        let id = p.request.id;
-        let fail = |source| StepError::Prefill { id, source };
-        let largest = self.config.prefill_buckets.largest();
-        let len = (p.request.prompt.len() - p.done).min(largest);
-        let chunk = &p.request.prompt[p.done..p.done + len];
-        let (size, padded) = match &self.runner {
-            Runner::Eager => (len, chunk.to_vec()),
-            Runner::Graft { .. } => graft_candle::pad(&self.config.prefill_buckets, chunk, 0),
-        };
-        // A padded decode step may have stepped this row: put it back where the chunk goes.
-        if self.cache.positions()[p.row] as usize != p.done {
-            self.cache
-                .set_position(p.row, p.done as u32)
-                .map_err(|e| fail(model(e)))?;
-        }
-        let tokens =
-            Tensor::new(padded.as_slice(), self.model.device()).map_err(|e| fail(model(e)))?;
-        debug_assert_eq!(tokens.elem_count(), size);
-        let sampling = SampleParams {
-            index: p.made as u32,
-            ..p.request.sampling
-        };
-        let next = match &mut self.runner {
-            Runner::Eager => self
-                .model
-                .prefill_forward(&self.cache, p.row, &tokens, len, sampling)
-                .map_err(model),
-            Runner::Graft { graft, prefill, .. } => {
-                graft.mark_step_begin();
-                self.model
-                    .prefill(graft, *prefill, &self.cache, p.row, &tokens, len, sampling)
-                    .map(|mut s| s.outputs.remove(0))
-            }
-        }
-        .map_err(fail)?;
-        let first = next.to_vec1::<u32>().map_err(|e| fail(model(e)))?[0];
-        let Some(mut p) = self.prefilling.take() else {
-            return Ok(());
-        };
-        p.done += len;
-        if p.done < p.request.prompt.len() {
-            self.prefilling = Some(p);
-            return Ok(());
-        }
-        events.push(Event::Token {
-            id,
-            token: first,
-            index: p.made,
-        });
-        if p.made + 1 >= p.request.max_new || self.config.eos.contains(&first) {
-            events.push(Event::Finished { id });
-            return self.release(p.table, p.row).map_err(|e| fail(model(e)));
-        }
-        let row = self.running.len();
-        self.cache
-            .move_row(p.row, row)
-            .map_err(|e| fail(model(e)))?;
-        if p.row != row && self.pool.is_some() {
-            self.cache
-                .set_blocks(p.row, &[])
-                .map_err(|e| fail(model(e)))?;
-        }
-        let mut history = p.request.prompt;
-        history.push(first);
-        self.admissions += 1;
-        self.running.push(Running {
-            id,
-            last: first,
-            generated: p.made + 1,
-            max_new: p.request.max_new,
-            sampling: p.request.sampling,
-            history,
-            draft: None,
-            table: p.table,
-            admitted: self.admissions,
-        });
         Ok(())
     }
 }

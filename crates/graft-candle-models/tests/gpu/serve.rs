@@ -156,3 +156,11 @@ fn a_paged_cache_refuses_what_it_cannot_serve_on_the_gpu() -> TestResult {
     let model = serve::model(None, &gpu(), dir.path())?;
     serve::paged_misuse_is_refused(&model)
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn one_launch_of_several_prompts_equals_a_launch_each_on_the_gpu() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let model = serve::model(None, &gpu(), dir.path())?;
+    serve::segments_equal_separate_launches(&model)
+}

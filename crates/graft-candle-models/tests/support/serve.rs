@@ -576,14 +576,19 @@ pub(crate) fn paged_equals_static(model: &Decoder) -> TestResult {
             assert_eq!(n > 0, preempts, "{blocks} blocks: {n} preemptions");
         }
     }
-    // Eight prompts of one 26-token prefix (6 full blocks) and suffixes of their own, the
-    // first alone so that its blocks are cached before the others arrive.
+    // Eight prompts of one 26-token prefix (6 full blocks) and suffixes of their own.
     let prefix: Vec<u32> = (0..26u32).map(|t| (t * 29 + 7) % 251 + 1).collect();
     let shared: Vec<(usize, Request)> = (0..8u64)
         .map(|i| {
             let mut prompt = prefix.clone();
             prompt.extend((0..1 + i as u32 % 5).map(|t| (t * 13 + i as u32 * 41) % 251 + 1));
-            let at = if i == 0 { 0 } else { 12 + i as usize };
+            // The first alone, then three one after another, then four together (their
+            // suffixes prefilled in one launch).
+            let at = match i {
+                0 => 0,
+                1..=3 => 12 + i as usize,
+                _ => 20,
+            };
             let request = Request {
                 id: i,
                 prompt,
@@ -644,5 +649,96 @@ pub(crate) fn paged_misuse_is_refused(model: &Decoder) -> TestResult {
     assert!(past.contains("has blocks for 4 positions"), "{past}");
     let static_rows = model.new_serving_cache(1, MAX_SEQ)?;
     assert!(static_rows.set_blocks(0, &[0]).is_err());
+    Ok(())
+}
+
+/// One prefill launch of several sequences' chunks (`Decoder::prefill_segments_forward`) picks
+/// the tokens and writes the keys and values that a launch per sequence does, on static rows
+/// and on pages (each row's blocks strided over the cache).
+pub(crate) fn segments_equal_separate_launches(model: &Decoder) -> TestResult {
+    use graft_candle_models::PrefillSegment;
+    let prompts: [Vec<u32>; 3] = [
+        (0..9u32).map(|t| (t * 31 + 3) % 251 + 1).collect(),
+        (0..4u32).map(|t| (t * 7 + 90) % 251 + 1).collect(),
+        (0..12u32).map(|t| (t * 11 + 40) % 251 + 1).collect(),
+    ];
+    let sampled = SampleParams {
+        temperature: 0.8,
+        top_k: 20,
+        top_p: 0.9,
+        seed: 5,
+        index: 3,
+    };
+    let samplings = [SampleParams::GREEDY, sampled, SampleParams::GREEDY];
+    for paged in [false, true] {
+        let cache = |rows| -> TestResult<_> {
+            Ok(match paged {
+                true => {
+                    let c = model.new_paged_cache(rows, MAX_SEQ, 48, 4)?;
+                    for r in 0..rows {
+                        let blocks: Vec<u32> = (0..16).map(|j| (j * rows + r) as u32).collect();
+                        c.set_blocks(r, &blocks)?;
+                    }
+                    c
+                }
+                false => model.new_serving_cache(rows, MAX_SEQ)?,
+            })
+        };
+        // One launch per sequence.
+        let separate = cache(3)?;
+        let mut want = Vec::new();
+        for (row, (prompt, &sampling)) in prompts.iter().zip(&samplings).enumerate() {
+            let tokens = Tensor::new(prompt.as_slice(), model.device())?;
+            let next = model.prefill_forward(&separate, row, &tokens, prompt.len(), sampling)?;
+            want.push(next.to_vec1::<u32>()?[0]);
+        }
+        // One launch of all three, padded.
+        let together = cache(3)?;
+        let mut all: Vec<u32> = prompts.concat();
+        all.resize(32, 0);
+        let tokens = Tensor::new(all.as_slice(), model.device())?;
+        let segments: Vec<PrefillSegment> = prompts
+            .iter()
+            .zip(&samplings)
+            .enumerate()
+            .map(|(row, (p, &sampling))| PrefillSegment {
+                row,
+                len: p.len(),
+                sampling,
+            })
+            .collect();
+        let got = model
+            .prefill_segments_forward(&together, &segments, &tokens)?
+            .to_vec1::<u32>()?;
+        assert_eq!(got, want, "paged: {paged}");
+        assert_eq!(together.positions(), separate.positions());
+        assert_eq!(together.device_positions()?, [9, 4, 12]);
+        // The same keys and values in every row or block but the scratch one (where the
+        // padding goes), up to the rounding of projections over other row counts (f32).
+        let layers = model.spec().layers;
+        for (a, b) in together
+            .tensors()
+            .iter()
+            .zip(separate.tensors())
+            .take(2 * layers)
+        {
+            let rows = a.dim(0)? - 1;
+            let (a, b) = (a.narrow(0, 0, rows)?, b.narrow(0, 0, rows)?);
+            let diff = (&a - &b)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            let scale = b.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert!(scale > 0.0, "paged: {paged}: nothing written");
+            assert!(
+                diff <= 1e-4 * scale,
+                "paged: {paged}: {diff} apart (scale {scale})"
+            );
+        }
+        // Two segments of one row are refused.
+        let twice = [segments[0], segments[0]];
+        assert!(
+            model
+                .prefill_segments_forward(&together, &twice, &tokens)
+                .is_err()
+        );
+    }
     Ok(())
 }
