@@ -147,8 +147,8 @@ pub fn decode_attention_fits(
         return Err(KernelError::HeadDim { head_dim });
     }
     let group = heads / kv_heads;
-    // Either layout: the paged one's is the larger.
-    let bytes = shared_bytes(group, head_dim, true);
+    // Any layout: a paged one of one-position blocks needs the most.
+    let bytes = shared_bytes(group, head_dim, 1);
     if bytes > SHARED_LIMIT {
         return Err(KernelError::GroupTooLarge {
             group,
@@ -161,14 +161,12 @@ pub fn decode_attention_fits(
 }
 
 /// Dynamic shared memory of a split-kernel block: the group's queries and its scores over
-/// one chunk, in f32, then, for a paged cache, at the next 8-byte boundary, the places of the
-/// chunk's positions (u64).
-fn shared_bytes(group: usize, head_dim: usize, paged: bool) -> usize {
+/// one chunk, in f32, then, at the next 8-byte boundary, the first cache row of each block of
+/// `block_size` positions a chunk's positions are in (u64; a chunk starts anywhere in a block,
+/// so one block more than fit in it).
+fn shared_bytes(group: usize, head_dim: usize, block_size: usize) -> usize {
     let scores = group * (head_dim + CHUNK) * size_of::<f32>();
-    match paged {
-        true => scores.next_multiple_of(8) + CHUNK * size_of::<u64>(),
-        false => scores,
-    }
+    scores.next_multiple_of(8) + (CHUNK.div_ceil(block_size.max(1)) + 1) * size_of::<u64>()
 }
 
 /// The attention's sizes, checked.
@@ -283,7 +281,7 @@ impl Dims {
     /// Dynamic shared memory of a split-kernel block.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     fn shared_bytes(&self) -> usize {
-        shared_bytes(self.group(), self.head_dim, self.index.paged)
+        shared_bytes(self.group(), self.head_dim, self.index.block_size)
     }
 
     /// `[batch, 1, heads * head_dim]`.

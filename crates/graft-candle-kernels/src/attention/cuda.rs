@@ -1,10 +1,10 @@
 //! The split-KV decode attention kernels and their launches.
 //!
-//! - `graft_decode_attention_partial_[paged_]<dtype>`: grid (splits, kv_heads, batch), 128
+//! - `graft_decode_attention_partial_<dtype>`: grid (splits, kv_heads, batch), 128
 //!   threads (4 warps), `group * (head_dim + CHUNK) * 4` bytes of dynamic shared memory (the
-//!   group's queries and its scores over the chunk), and for a paged cache, from the next
-//!   8-byte boundary, `CHUNK * 8` more (the places of the chunk's positions, each looked up
-//!   once). Scores: two threads per key row (a chunk's rows
+//!   group's queries and its scores over the chunk), then, from the next 8-byte boundary,
+//!   `(CHUNK / block_size + 1) * 8` more, rounded up (the first cache row of each block the
+//!   chunk's positions are in, each looked up once; a static cache's row is one block). Scores: two threads per key row (a chunk's rows
 //!   at once), each dotting every other element with the group's query heads, the pair summed
 //!   with one shuffle. Softmax partial: one warp per query head. Values: two threads per
 //!   head-dim element, each summing every other position for 8 query heads at a time (eight
@@ -177,9 +177,6 @@ impl AttentionLaunch {
         let reach = u32_of("the window", self.reach)?;
         let splits = u32_of("the chunk count", d.splits())?;
         let shared = u32_of("the shared memory", d.shared_bytes())?;
-        // A paged cache's kernel looks each position up in the table; a static cache's adds
-        // the position to its row.
-        let paged = if d.index.paged { "paged_" } else { "" };
 
         let mut args = Args::new();
         args.arg(&self.q)
@@ -204,7 +201,7 @@ impl AttentionLaunch {
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: shared,
         };
-        // SAFETY: the arguments match `graft_decode_attention_partial_[paged_]<dtype>(const
+        // SAFETY: the arguments match `graft_decode_attention_partial_<dtype>(const
         // T*, const T*, const T*, const unsigned int*, const unsigned int*, unsigned int x3,
         // float*, float*, unsigned int x6, float)` with T the storage's dtype, every buffer by address
         // and sized as the caller guarantees; the kernel clamps each position below max_seq =
@@ -213,13 +210,13 @@ impl AttentionLaunch {
         // and reads only positions start..end of those blocks; head_dim <= 256 (8
         // registers a lane); heads % kv_heads == 0; the scratch holds batch * heads * splits
         // partials, indexed by (head * splits + split) < that; the dynamic shared memory is
-        // group * (head_dim + chunk) f32 and, paged, rounded up to 8 bytes, chunk u64 (at most
-        // 48 KiB, checked), exactly what the kernel indexes; the block is 4 whole warps; it waits before it reads anything.
+        // group * (head_dim + chunk) f32, rounded up to 8 bytes, and one u64 per block a chunk's
+        // positions can be in (at most 48 KiB, checked), exactly what the kernel indexes; the block is 4 whole warps; it waits before it reads anything.
         unsafe {
             KERNELS.launch(
                 device,
                 stream,
-                &format!("graft_decode_attention_partial_{paged}{dtype}"),
+                &format!("graft_decode_attention_partial_{dtype}"),
                 config,
                 dependent,
                 &mut args,

@@ -3,8 +3,9 @@
 // visible positions start .. end of chunk `split`, at index (head * splits + split). Position
 // j of sequence b is read where graft_cache_place puts it: through the sequence's row of the
 // block table (max_blocks ids of blocks of block_size positions; max_seq = max_blocks *
-// block_size), or without a table in cache block b (then block_size = max_seq).
-template <typename T, bool PAGED>
+// block_size; a static cache's rows are one block each), or without a table in cache block b
+// (then block_size = max_seq).
+template <typename T>
 __device__ void graft_decode_attention_partial(
     const T* q, const T* k, const T* v, const unsigned int* positions,
     const unsigned int* table, unsigned int max_blocks, unsigned int blocks,
@@ -42,23 +43,33 @@ __device__ void graft_decode_attention_partial(
         return;
     }
 
-    // [group][hd] queries, [group][chunk] scores, then (PAGED) the cache rows of the chunk's
-    // visible positions, at the next 8-byte boundary.
+    // [group][hd] queries, [group][chunk] scores, then the first cache row of each cache block
+    // the chunk's visible positions are in, at the next 8-byte boundary.
     float* qs = graft_smem;
     float* ps = graft_smem + group * hd;
-    unsigned long long* places = reinterpret_cast<unsigned long long*>(
+    unsigned long long* bases = reinterpret_cast<unsigned long long*>(
         graft_smem + ((group * (hd + chunk) + 1u) & ~1u));
     const T* qg = q + first * hd;
     for (unsigned int i = threadIdx.x; i < group * hd; i += blockDim.x) {
         qs[i] = graft_to_f32(qg[i]);
     }
-    if (PAGED) {
-        // Each visible position looked up once for the block in query b's block-table row:
-        // the loops below read the place of a position many times (every thread of its key
-        // row, every value part).
-        const unsigned int* tb = table + (unsigned long long)b * max_blocks;
-        for (unsigned int i = threadIdx.x; i < end - start; i += blockDim.x) {
-            places[i] = graft_cache_place(tb, b, blocks, kv_heads, kvh, block_size, start + i);
+    // Position j is in entry j / block_size of query b's block-table row (entry 0 of a
+    // static cache's: no division; a shift for a power-of-two block size); the chunk's blocks
+    // are looked up once, here (a few entries: the loops below read a place per key row and
+    // per value part).
+    const bool one = max_blocks == 1u;
+    const bool pow2 = (block_size & (block_size - 1u)) == 0u;
+    const unsigned int shift = __ffs(block_size) - 1u;
+    auto entry = [&](unsigned int j) -> unsigned int {
+        return one ? 0u : pow2 ? j >> shift : j / block_size;
+    };
+    const unsigned int blk0 = entry(start);
+    {
+        const unsigned int* tb = table ? table + (unsigned long long)b * max_blocks : 0;
+        for (unsigned int i = threadIdx.x; blk0 + i <= entry(end - 1u); i += blockDim.x) {
+            unsigned int blk = tb ? tb[blk0 + i] : b;
+            blk = blk < blocks ? blk : blocks - 1u;
+            bases[i] = ((unsigned long long)blk * kv_heads + kvh) * block_size;
         }
     }
     __syncthreads();
@@ -66,20 +77,10 @@ __device__ void graft_decode_attention_partial(
     const unsigned int lane = threadIdx.x & 31u;
     const unsigned int warp = threadIdx.x >> 5;
     const unsigned int warps = blockDim.x >> 5;
-    // Without PAGED the table is a static cache's rows (one block of max_seq positions each),
-    // and position j's row is row0 + j (no lookup or division per position: computing the
-    // place per position cost the ~1B Llama's decode step 12% on an H200).
-    unsigned long long row0 = 0;
-    if (!PAGED) {
-        unsigned int row = b;
-        if (table) {
-            row = table[b] < blocks ? table[b] : blocks - 1u;
-        }
-        row0 = ((unsigned long long)row * kv_heads + kvh) * max_seq;
-    }
     // The cache row (of hd elements) of position j.
     auto place = [&](unsigned int j) -> unsigned long long {
-        return PAGED ? places[j - start] : row0 + j;
+        const unsigned int e = entry(j);
+        return bases[e - blk0] + (j - e * block_size);
     };
 
     // Scores: `tpr` threads per key row (the block's threads over the chunk's rows, a power
@@ -261,22 +262,17 @@ __device__ void graft_decode_attention_combine(
     out[bh * hd + d] = graft_from_f32<T>(acc / l_all);
 }
 
-#define GRAFT_DECODE_ATTENTION_PARTIAL(suffix, T, name, PAGED)                              \
-    extern "C" __global__ void graft_decode_attention_##name##suffix(                        \
+#define GRAFT_DECODE_ATTENTION(suffix, T)                                                    \
+    extern "C" __global__ void graft_decode_attention_partial_##suffix(                      \
         const T* q, const T* k, const T* v, const unsigned int* positions,                   \
         const unsigned int* table, unsigned int max_blocks, unsigned int blocks,             \
         unsigned int block_size, float* part_o, float* part_ml, unsigned int heads,          \
         unsigned int kv_heads, unsigned int max_seq, unsigned int hd, unsigned int chunk,    \
         unsigned int reach, float scale) {                                                   \
-        graft_decode_attention_partial<T, PAGED>(q, k, v, positions, table, max_blocks,      \
-                                                 blocks, block_size, part_o, part_ml, heads, \
-                                                 kv_heads, max_seq, hd, chunk, reach,        \
-                                                 scale);                                     \
-    }
-// `partial_` over a static cache (rows), `partial_paged_` through a block table.
-#define GRAFT_DECODE_ATTENTION(suffix, T)                                                    \
-    GRAFT_DECODE_ATTENTION_PARTIAL(suffix, T, partial_, false)                               \
-    GRAFT_DECODE_ATTENTION_PARTIAL(suffix, T, partial_paged_, true)                          \
+        graft_decode_attention_partial<T>(q, k, v, positions, table, max_blocks, blocks,     \
+                                          block_size, part_o, part_ml, heads, kv_heads,      \
+                                          max_seq, hd, chunk, reach, scale);                 \
+    }                                                                                        \
     extern "C" __global__ void graft_decode_attention_combine_##suffix(                      \
         const float* part_o, const float* part_ml, T* out, unsigned int heads,               \
         unsigned int hd, unsigned int splits) {                                              \
