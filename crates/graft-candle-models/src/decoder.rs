@@ -15,8 +15,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use candle_core::{D, DType, Device, Result, Tensor};
 use candle_nn::{Linear, VarBuilder};
 use graft_candle_kernels::{
-    QkNorm, SideStream, StepModel, add_rms_norm, argmax_last, decode_attention,
-    decode_attention_fits, decode_attention_paged, linear_cat, rope_store, rope_store_paged,
+    QkNorm, SideStream, StepModel, add_rms_norm, argmax_last, decode_attention_fits, linear_cat,
 };
 
 use super::cache::{KvCache, Lookup};
@@ -29,6 +28,9 @@ use super::spec::DecoderSpec;
 use graft_candle::{CandleGraft, Error, Step, StepId, StepOutcome};
 
 mod chain;
+mod slots;
+
+pub(crate) use slots::Slots;
 
 /// One transformer block.
 #[derive(Debug)]
@@ -490,70 +492,16 @@ impl Decoder {
                 eps: s.eps as f32,
             });
             // The rotated queries; the rotated keys and the values written at the slots.
-            let (cos, sin, style) = (&self.rope.cos, &self.rope.sin, self.rope.style());
             let caches = (&k_cache, &v_cache);
-            let q = match at.lookup {
-                Lookup::Rows(rows) => rope_store(
-                    &qkv,
-                    cos,
-                    sin,
-                    at.positions,
-                    rows.as_ref(),
-                    caches,
-                    s.heads,
-                    style,
-                    norm,
-                )?,
-                Lookup::Pages(table) => rope_store_paged(
-                    &qkv,
-                    cos,
-                    sin,
-                    at.positions,
-                    table,
-                    caches,
-                    s.heads,
-                    style,
-                    norm,
-                )?,
-            };
-            let scale = 1.0 / (s.head_dim as f32).sqrt();
-            let window = s.sliding_window;
-            let o = match (at.mask, at.lookup) {
-                (Some(mask), _) => attend(&q, &k_cache, &v_cache, mask, s)?,
-                (None, Lookup::Rows(rows)) => decode_attention(
-                    &q,
-                    &k_cache,
-                    &v_cache,
-                    at.positions,
-                    rows.as_ref(),
-                    scale,
-                    window,
-                )?,
-                (None, Lookup::Pages(table)) => decode_attention_paged(
-                    &q,
-                    &k_cache,
-                    &v_cache,
-                    at.positions,
-                    table,
-                    scale,
-                    window,
-                )?,
+            let q = at.store(&qkv, &self.rope, caches, s.heads, norm)?;
+            let o = match at.mask {
+                Some(mask) => attend(&q, &k_cache, &v_cache, mask, s)?,
+                None => at.attend(&q, caches, s)?,
             };
             (x, h) = b.finish(&x, &o, self.norm_after(i), s, self.shard.as_ref())?;
         }
         Ok(h)
     }
-}
-
-/// Where a step's tokens are in the cache, for [`Decoder::blocks_at`].
-pub(crate) struct Slots<'a> {
-    /// `[n]` u32: each token's position.
-    pub(crate) positions: &'a Tensor,
-    /// Where each token's cache slots are (its cache row, or its sequence's block table).
-    pub(crate) lookup: &'a Lookup,
-    /// The unfused attention's mask (`[n, 1, 1, max_seq]`), where the heads do not fit the
-    /// fused one (decode only: a prefill then runs `prefill_unfused`).
-    pub(crate) mask: Option<&'a Tensor>,
 }
 
 impl Decoder {

@@ -539,6 +539,14 @@ fn check_fits(cache: &KvCache, config: &ServeConfig) -> Result<(), Error> {
             config.decode_buckets.largest()
         ))));
     }
+    if let (Some(blocks), Some(size)) = (cache.blocks(), cache.block_size())
+        && blocks * size < config.prefill_buckets.largest()
+    {
+        return Err(model(candle_core::Error::Msg(format!(
+            "the paged kv cache's {blocks} blocks of {size} positions hold fewer than the largest prefill bucket ({}), which `capture` records in one sequence: give the cache more blocks or lower the bucket",
+            config.prefill_buckets.largest()
+        ))));
+    }
     if config.prefill_buckets.largest() > max_seq {
         return Err(model(candle_core::Error::Msg(format!(
             "the largest prefill bucket ({}) exceeds the kv cache's max_seq ({max_seq}): lower it",

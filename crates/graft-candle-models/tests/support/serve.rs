@@ -649,6 +649,12 @@ pub(crate) fn paged_misuse_is_refused(model: &Decoder) -> TestResult {
     assert!(past.contains("has blocks for 4 positions"), "{past}");
     let static_rows = model.new_serving_cache(1, MAX_SEQ)?;
     assert!(static_rows.set_blocks(0, &[0]).is_err());
+    // Fewer positions than the largest prefill bucket (16): refused when the engine is made.
+    let small = model.new_paged_cache(4, MAX_SEQ, 3, BLOCK)?;
+    let e = Engine::eager(model, small, config()?)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("3 blocks of 4 positions"), "{e}");
     Ok(())
 }
 
