@@ -6,7 +6,7 @@
 mod serve;
 
 use candle_core::{D, DType, Device, Tensor};
-use graft_candle_models::serve::SampleParams;
+use graft_candle_models::serve::{Request, SampleParams};
 
 #[test]
 fn a_continuous_batch_gives_every_request_its_tokens_alone() -> serve::TestResult {
@@ -198,4 +198,81 @@ fn one_launch_of_several_prompts_equals_a_launch_each() -> serve::TestResult {
     let dir = tempfile::tempdir()?;
     let model = serve::model(None, &Device::Cpu, dir.path())?;
     serve::segments_equal_separate_launches(&model)
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig {
+        cases: 12,
+        failure_persistence: None,
+        ..proptest::prelude::ProptestConfig::default()
+    })]
+
+    /// Random traces over a paged cache of random size (admission waiting for blocks,
+    /// preemption, shared prefixes, several prompts a launch) give every request the tokens
+    /// it gets alone on static rows.
+    #[test]
+    fn a_paged_engine_gives_random_traces_their_tokens_alone(
+        blocks in 14usize..40,
+        shared in 0usize..20,
+        requests in proptest::collection::vec(
+            (1usize..24, 1usize..14, 0usize..8, proptest::bool::ANY),
+            1..6,
+        ),
+    ) {
+        let dir = tempfile::tempdir().map_err(|e| proptest::test_runner::TestCaseError::fail(e.to_string()))?;
+        let model = serve::model(None, &Device::Cpu, dir.path()).map_err(|e| proptest::test_runner::TestCaseError::fail(e.to_string()))?;
+        let trace = random_trace(shared, &requests);
+        paged_trace_equals_alone(&model, blocks, &trace).map_err(|e| proptest::test_runner::TestCaseError::fail(e.to_string()))?;
+    }
+}
+
+/// Requests of `(own prompt tokens, max_new, arrival step, sampled)`, each prompt starting with
+/// the same `shared` tokens.
+fn random_trace(shared: usize, requests: &[(usize, usize, usize, bool)]) -> Vec<(usize, Request)> {
+    let prefix: Vec<u32> = (0..shared as u32).map(|t| (t * 19 + 5) % 251 + 1).collect();
+    requests
+        .iter()
+        .enumerate()
+        .map(|(i, &(own, max_new, at, sampled))| {
+            let mut prompt = prefix.clone();
+            prompt.extend((0..own as u32).map(|t| (t * 23 + i as u32 * 61) % 251 + 1));
+            let sampling = match sampled {
+                true => SampleParams {
+                    temperature: 0.9,
+                    top_k: 30,
+                    top_p: 0.9,
+                    seed: i as u64,
+                    index: 0,
+                },
+                false => SampleParams::GREEDY,
+            };
+            let request = Request {
+                id: i as u64,
+                prompt,
+                max_new,
+                sampling,
+            };
+            (at, request)
+        })
+        .collect()
+}
+
+/// `trace` on an eager engine over a paged cache of `blocks` blocks gives every request the
+/// tokens it gets alone on static rows.
+fn paged_trace_equals_alone(
+    model: &graft_candle_models::Decoder,
+    blocks: usize,
+    trace: &[(usize, Request)],
+) -> serve::TestResult {
+    let mut engine = serve::paged_engine(model, blocks, false)?;
+    let out = serve::run(&mut engine, trace)?;
+    for (_, r) in trace {
+        assert_eq!(
+            out[&r.id],
+            serve::alone(model, r)?,
+            "request {} over {blocks} blocks",
+            r.id
+        );
+    }
+    Ok(())
 }

@@ -524,7 +524,11 @@ const BLOCK: usize = 4;
 
 /// An engine over a paged cache of `blocks` blocks for 4 sequences, graphed under
 /// graft-candle (`graphed`, recorded first) or eager.
-fn paged_engine(model: &Decoder, blocks: usize, graphed: bool) -> TestResult<Engine<'_>> {
+pub(crate) fn paged_engine(
+    model: &Decoder,
+    blocks: usize,
+    graphed: bool,
+) -> TestResult<Engine<'_>> {
     let cache = model.new_paged_cache(4, MAX_SEQ, blocks, BLOCK)?;
     Ok(if graphed {
         let mut engine =
