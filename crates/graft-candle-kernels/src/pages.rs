@@ -2,8 +2,10 @@
 //! block_size, head_dim]`; sequence b's position p lives in block `table[b][p / block_size]`
 //! at offset `p % block_size` (a paged cache, its table `[batch, max_blocks]` u32). A static
 //! cache is the case of one block per sequence: its max_seq is the block size, and its rows
-//! (or, without rows, each sequence's own row b) are the table. The CUDA kernels compute the
-//! same place (`graft_cache_place` in the kernels' prelude), so one kernel serves both.
+//! (or, without rows, each sequence's own row b) are the table. The CUDA kernels find the
+//! same place (the cache write through `graft_cache_place` in the kernels' prelude; the
+//! attention by looking each chunk's blocks up once and adding the offset), so one kernel of
+//! each serves both layouts.
 
 use candle_core::{Result, Tensor};
 

@@ -270,14 +270,10 @@ impl KvCache {
             .position(|&p| p as usize >= self.max_seq())
         {
             Some(row) => Err(full(row, self.max_seq())),
-            None => (0..batch).try_for_each(|row| {
-                // A paged row without blocks is idle: it steps over the scratch block.
-                let idle = self.pages.as_ref().is_some_and(|p| p.room(row) == 0);
-                match idle {
-                    true => Ok(()),
-                    false => self.check_blocks(row, host[row] as usize + 1),
-                }
-            }),
+            None => match &self.pages {
+                Some(p) => p.check_steps(&host[..batch]),
+                None => Ok(()),
+            },
         }
     }
 
@@ -285,13 +281,8 @@ impl KvCache {
     /// (exclusive); static rows always do.
     fn check_blocks(&self, row: usize, end: usize) -> Result<()> {
         match &self.pages {
-            Some(p) if p.room(row) < end => Err(candle_core::Error::Msg(format!(
-                "sequence {row} of the paged kv cache has blocks for {} positions and the step writes up to position {}: give it more blocks first (KvCache::set_blocks)",
-                p.room(row),
-                end - 1
-            ))
-            .bt()),
-            _ => Ok(()),
+            Some(p) => pages::check_room(row, p.room(row), end),
+            None => Ok(()),
         }
     }
 

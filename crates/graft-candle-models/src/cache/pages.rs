@@ -73,9 +73,36 @@ impl Pages {
         self.given()[row] as usize * self.block_size
     }
 
+    /// Checks that a step of the sequences at `positions` (rows `0..positions.len()`) writes
+    /// only where their blocks are; a row without blocks is idle (it steps over the scratch
+    /// block). One lock for the whole batch.
+    pub(super) fn check_steps(&self, positions: &[u32]) -> Result<()> {
+        let given = self.given();
+        positions.iter().enumerate().try_for_each(|(row, &p)| {
+            let room = given[row] as usize * self.block_size;
+            match room {
+                0 => Ok(()),
+                _ => check_room(row, room, p as usize + 1),
+            }
+        })
+    }
+
     pub(super) fn table(&self) -> &Tensor {
         &self.table
     }
+}
+
+/// Refuses a write to sequence `row` up to position `end` (exclusive) when its blocks hold
+/// `room` positions.
+pub(super) fn check_room(row: usize, room: usize, end: usize) -> Result<()> {
+    if room >= end {
+        return Ok(());
+    }
+    Err(candle_core::Error::Msg(format!(
+        "sequence {row} of the paged kv cache has blocks for {room} positions and the step writes up to position {}: give it more blocks first (KvCache::set_blocks)",
+        end - 1
+    ))
+    .bt())
 }
 
 /// Where the fused ops find a step's cache slots: the layout's lookup, with its tensors.
