@@ -69,6 +69,19 @@ pub fn random_llama(
     dtype: graft_candle::candle_core::DType,
     device: &Device,
 ) -> BenchResult<graft_candle_models::Decoder> {
+    let (cfg, weights) = random_llama_weights(big, dtype, device)?;
+    load_llama(&cfg, weights, dtype, device)
+}
+
+/// [`random_llama`]'s config and weights, by checkpoint name.
+pub fn random_llama_weights(
+    big: bool,
+    dtype: graft_candle::candle_core::DType,
+    device: &Device,
+) -> BenchResult<(
+    candle_transformers::models::llama::Config,
+    std::collections::HashMap<String, graft_candle::candle_core::Tensor>,
+)> {
     use graft_candle_models::{checkpoint, llama};
     let (d, f, layers, heads, kv) = if big {
         (2048, 8192, 16, 32, 8)
@@ -84,6 +97,17 @@ pub fn random_llama(
     ))?;
     let cfg = cfg.into_config(false);
     let weights = checkpoint::random_weights(&llama::spec(&cfg), 11, dtype, device)?;
+    Ok((cfg, weights))
+}
+
+/// A Llama of `cfg` over `weights` (by checkpoint name; tensors its layers do not name are
+/// left out, and the ones it takes are shared, not copied).
+pub fn load_llama(
+    cfg: &candle_transformers::models::llama::Config,
+    weights: std::collections::HashMap<String, graft_candle::candle_core::Tensor>,
+    dtype: graft_candle::candle_core::DType,
+    device: &Device,
+) -> BenchResult<graft_candle_models::Decoder> {
     let vb = candle_nn::VarBuilder::from_tensors(weights, dtype, device);
-    Ok(llama::load(vb, &cfg)?)
+    Ok(graft_candle_models::llama::load(vb, cfg)?)
 }

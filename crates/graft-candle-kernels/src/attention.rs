@@ -69,13 +69,15 @@ pub fn decode_attention(
     scale: f32,
     window: Option<usize>,
 ) -> Result<Tensor> {
+    let lookup = Lookup::Rows(rows);
     attend(
         q,
         (k_cache, v_cache),
         positions,
-        Lookup::Rows(rows),
+        lookup,
         scale,
         window,
+        false,
     )
 }
 
@@ -96,17 +98,74 @@ pub fn decode_attention_paged(
     scale: f32,
     window: Option<usize>,
 ) -> Result<Tensor> {
+    let lookup = Lookup::Pages(table);
     attend(
         q,
         (k_pages, v_pages),
         positions,
-        Lookup::Pages(table),
+        lookup,
         scale,
         window,
+        false,
     )
 }
 
-/// Either form: the op over the caches, looked up as `lookup` says.
+/// [`decode_attention`] of queries that come in long runs of one sequence's consecutive
+/// positions (a prefill chunk; `rows` names each query's cache row): the same result up to
+/// rounding. In bf16 and f16 on CUDA (head_dim a multiple of 16 up to 128, a query head
+/// group dividing 64), a block takes 64 query rows, tiles of a run's queries, on tensor
+/// cores: each key and value is loaded once for the tile, not once per query, and the
+/// softmax weights are rounded to the dtype before they weigh the values (the flash-attention
+/// scheme). Each query's result does not depend on the others in its tile. A tile takes its
+/// runs one after another, so queries in runs of a few (a verify pass) are faster with
+/// [`decode_attention`]. Elsewhere it is [`decode_attention`].
+pub fn prefill_attention(
+    q: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    positions: &Tensor,
+    rows: &Tensor,
+    scale: f32,
+    window: Option<usize>,
+) -> Result<Tensor> {
+    let lookup = Lookup::Rows(Some(rows));
+    attend(
+        q,
+        (k_cache, v_cache),
+        positions,
+        lookup,
+        scale,
+        window,
+        true,
+    )
+}
+
+/// [`prefill_attention`] over a paged cache, as [`decode_attention_paged`] reads it: a run is
+/// the queries whose table rows name the same blocks for a chunk of positions (one
+/// sequence's, or sequences sharing a prefix).
+pub fn prefill_attention_paged(
+    q: &Tensor,
+    k_pages: &Tensor,
+    v_pages: &Tensor,
+    positions: &Tensor,
+    table: &Tensor,
+    scale: f32,
+    window: Option<usize>,
+) -> Result<Tensor> {
+    let lookup = Lookup::Pages(table);
+    attend(
+        q,
+        (k_pages, v_pages),
+        positions,
+        lookup,
+        scale,
+        window,
+        true,
+    )
+}
+
+/// Any form: the op over the caches, looked up as `lookup` says, the queries in runs of one
+/// sequence's consecutive positions with `runs` ([`prefill_attention`]).
 pub(crate) fn attend(
     q: &Tensor,
     (k, v): (&Tensor, &Tensor),
@@ -114,6 +173,7 @@ pub(crate) fn attend(
     lookup: Lookup<'_>,
     scale: f32,
     window: Option<usize>,
+    runs: bool,
 ) -> Result<Tensor> {
     let dims = Dims::of(q, k, v, positions, lookup)?;
     if dims.batch == 0 {
@@ -125,6 +185,7 @@ pub(crate) fn attend(
         dims,
         scale,
         reach: window.map_or(dims.index.max_seq(), |w| w.min(dims.index.max_seq())),
+        runs,
     };
     q.apply_op3_no_bwd(k, v, &op)
 }
@@ -302,6 +363,10 @@ struct DecodeAttention {
     /// Positions `pos - reach ..= pos` are visible (`max_seq` without a window: all of
     /// `0..=pos`).
     reach: usize,
+    /// The queries come in runs of one sequence's consecutive positions
+    /// ([`prefill_attention`]).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    runs: bool,
 }
 
 impl CustomOp3 for DecodeAttention {

@@ -76,7 +76,10 @@ mod swiglu;
 mod train;
 
 pub use argmax::argmax_last;
-pub use attention::{CHUNK, decode_attention, decode_attention_fits, decode_attention_paged};
+pub use attention::{
+    CHUNK, decode_attention, decode_attention_fits, decode_attention_paged, prefill_attention,
+    prefill_attention_paged,
+};
 pub use error::KernelError;
 pub use linear::{MATVEC_ROWS, MAX_PARTS, TENSOR_ROWS, linear, linear_cat, linear_swiglu};
 pub use moe::{Experts, MAX_EXPERTS, Routing, route};

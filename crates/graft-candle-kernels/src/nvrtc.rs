@@ -144,6 +144,29 @@ __device__ __forceinline__ unsigned long long graft_cache_place(
     return ((unsigned long long)blk * kv_heads + kvh) * block_size + j % block_size;
 }
 
+// One tensor-core step, c += a * b: a 16 x 16 (rows by k, row-major fragments), b 16 x 8 (k
+// by columns, column-major), c 16 x 8 in f32, for bf16 and f16 operands (compute capability
+// 8.0 or later; nothing before, where no kernel calls it).
+template <typename T>
+__device__ __forceinline__ void graft_mma_16816(float* c, unsigned int a0, unsigned int a1,
+                                                unsigned int a2, unsigned int a3,
+                                                unsigned int b0, unsigned int b1);
+#if __CUDA_ARCH__ >= 800
+#define GRAFT_MMA_16816(T, ptx)                                                              \
+    template <>                                                                              \
+    __device__ __forceinline__ void graft_mma_16816<T>(float* c, unsigned int a0,            \
+                                                       unsigned int a1, unsigned int a2,     \
+                                                       unsigned int a3, unsigned int b0,     \
+                                                       unsigned int b1) {                    \
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." ptx "." ptx                    \
+                     ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"            \
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                        \
+                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));                \
+    }
+GRAFT_MMA_16816(GraftBf16, "bf16")
+GRAFT_MMA_16816(GraftF16, "f16")
+#endif
+
 // X(suffix, type) for every dtype the kernels take: the extern "C" names end in the suffix.
 #define GRAFT_FOR_DTYPES(X) X(f32, float) X(bf16, GraftBf16) X(f16, GraftF16)
 "#;

@@ -185,7 +185,7 @@ fn composed(
             m.style,
             norm,
         )?;
-        let o = crate::attention::attend(&q, (kc, vc), positions, lookup, scale, m.window)?
+        let o = crate::attention::attend(&q, (kc, vc), positions, lookup, scale, m.window, false)?
             .reshape((batch, m.heads * m.head_dim))?;
         x = (x + linear(&o, &l.o.0, l.o.1.as_ref())?)?;
         let h = rms_norm(&x, &l.mlp_norm, m.eps)?;

@@ -23,6 +23,13 @@ proptest! {
     }
 
     #[test]
+    fn prefill_attention_matches_decode_attention(case in prefill_cases()) {
+        for dtype in DTYPES {
+            check_prefill_attention(&Device::Cpu, &case, dtype).unwrap();
+        }
+    }
+
+    #[test]
     fn paged_attention_equals_the_static_cache(
         case in attention_cases(),
         block_size in prop_oneof![Just(1usize), Just(5), Just(16), Just(64), Just(100)],

@@ -54,6 +54,15 @@ proptest! {
 
     #[test]
     #[ignore = "needs a CUDA GPU"]
+    fn gpu_paged_prefill_attention_matches_decode_attention(case in prefill_cases()) {
+        let dev = gpu();
+        for dtype in DTYPES {
+            check_prefill_attention(&dev, &case, dtype).unwrap();
+        }
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
     fn gpu_add_rms_norm_matches_unfused((lead, hidden, seed) in norm_cases()) {
         let dev = gpu();
         for dtype in DTYPES {

@@ -87,9 +87,8 @@ impl PrefillIndex {
     }
 }
 
-/// Where one prefill chunk reads and writes, built on the device from the chunk's row and
-/// length (see [`KvCache::prefill_plan`]) or from its segments' (see
-/// [`KvCache::segments_plan`]).
+/// Where one prefill chunk (or verify pass) reads and writes, built on the device from its
+/// segments' rows and lengths (see [`KvCache::segments_plan`]).
 #[derive(Debug)]
 pub(crate) struct PrefillPlan {
     /// `[chunk]` u32: each token's position (padding token i's is i, in the scratch row).
@@ -362,30 +361,6 @@ impl KvCache {
     /// Records that a prefill advanced sequence `row` by `len` positions.
     pub(crate) fn advance_row(&self, row: usize, len: usize) {
         self.host_positions()[row] += len as u32;
-    }
-
-    /// The write indices, positions and mask of a prefill chunk of `chunk` tokens for the
-    /// sequence and real length in `meta` (`[2]` u32: row, length), on the device.
-    pub(crate) fn prefill_plan(&self, meta: &Tensor, chunk: usize) -> Result<PrefillPlan> {
-        let Some(p) = &self.prefill else {
-            candle_core::bail!("prefill needs a serving kv cache");
-        };
-        let row = meta.narrow(0, 0, 1)?;
-        let len = meta.narrow(0, 1, 1)?;
-        let start = self.positions.index_select(&row, 0)?;
-        let i = self.arange.narrow(0, 0, chunk)?;
-        let real = i.broadcast_lt(&len)?;
-        let positions = real.where_cond(&i.broadcast_add(&start)?, &i)?;
-        let rows = real.where_cond(
-            &row.broadcast_as(chunk)?,
-            &p.scratch_row.broadcast_as(chunk)?,
-        )?;
-        Ok(PrefillPlan {
-            positions,
-            rows,
-            row,
-            last: len.broadcast_sub(&self.one)?,
-        })
     }
 
     /// The positions and rows of a prefill chunk of `chunk` tokens of several sequences, from

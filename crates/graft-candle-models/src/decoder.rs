@@ -461,6 +461,7 @@ impl Decoder {
             positions: &positions,
             lookup: &cache.lookup(None, batch)?,
             mask: mask.as_ref(),
+            runs: false,
         };
         let h = self.blocks_at(x, &at, |i, lookup| cache.layer_at(i, lookup, batch))?;
         let logits = self.head(&h)?.squeeze(1)?.to_dtype(DType::F32)?;

@@ -222,15 +222,50 @@ impl Decoder {
         if !self.fused_attention {
             return self.prefill_unfused(cache, tokens, plan);
         }
-        // [chunk, 1, hidden]: the decode step's shape, one token per "sequence".
+        self.hidden_at(cache, tokens, &plan.positions, &plan.rows, true)
+    }
+
+    /// The fused blocks over `tokens` (`[n]` u32), each in its own cache row of `rows` at its
+    /// own position of `positions` (capturable): writes their keys and values and returns
+    /// every token's final norm, `[n, 1, hidden]`. Tokens of one row at consecutive
+    /// positions attend causally (each layer writes them all before it attends); with `runs`
+    /// they come in long runs so (a prefill chunk), and the attention takes tiles of them.
+    pub(crate) fn hidden_at(
+        &self,
+        cache: &KvCache,
+        tokens: &Tensor,
+        positions: &Tensor,
+        rows: &Tensor,
+        runs: bool,
+    ) -> Result<Tensor> {
+        // [n, 1, hidden]: the decode step's shape, one token per "sequence".
         let x = self.embed_tokens(tokens)?.unsqueeze(1)?;
         let n = tokens.dims1()?;
         let at = Slots {
-            positions: &plan.positions,
-            lookup: &cache.lookup(Some(&plan.rows), n)?,
+            positions,
+            lookup: &cache.lookup(Some(rows), n)?,
             mask: None,
+            runs,
         };
         self.blocks_at(x, &at, |i, lookup| cache.layer_at(i, lookup, n))
+    }
+
+    /// The logits (`[n, vocab]` f32) of [`Decoder::hidden_at`]'s tokens: through the decode
+    /// step's chain where it takes them, else the fused blocks and the head, one query a
+    /// block in the attention (a verify pass's or a draft step's runs are a few tokens: a
+    /// tile of them would take its runs one after another). Needs the fused attention.
+    pub(crate) fn logits_at(
+        &self,
+        cache: &KvCache,
+        tokens: &Tensor,
+        positions: &Tensor,
+        rows: &Tensor,
+    ) -> Result<Tensor> {
+        if let Some(logits) = self.chain_logits(cache, tokens, positions, Some(rows))? {
+            return Ok(logits);
+        }
+        let h = self.hidden_at(cache, tokens, positions, rows, false)?;
+        self.head(&h)?.squeeze(1)?.to_dtype(DType::F32)
     }
 
     /// The prefill's blocks for heads the fused attention does not take: the chunk as one

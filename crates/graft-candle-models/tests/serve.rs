@@ -80,9 +80,9 @@ fn a_prefill_writes_what_decoding_the_prompt_writes() -> serve::TestResult {
     Ok(())
 }
 
-/// Speculative decoding (verify passes over the last token and k drafts) gives plain decoding's
-/// tokens, greedy and sampled with the same seed, with every draft accepted, none, or prompt
-/// lookup's; eagerly and through graft.
+/// Speculative decoding (verify passes over the last token and k drafts of one sequence or of
+/// three) gives plain decoding's tokens, greedy and sampled with the same seed, with every
+/// draft accepted, none, prompt lookup's or draft models'; eagerly and through graft.
 #[test]
 fn speculative_decoding_gives_plain_decoding_tokens() -> serve::TestResult {
     let sampled = SampleParams {
@@ -153,7 +153,7 @@ fn a_draft_is_accepted_with_the_models_probability_of_it() -> serve::TestResult 
             seed,
             index: 0,
         };
-        let v = model.verify_forward(&cache, 0, &Tensor::new(&[last, d], &dev)?, sampling)?;
+        let v = model.verify_forward(&cache, 0, &[last, d], sampling)?;
         match v.accepted {
             1 => {
                 accepted += 1;
@@ -200,6 +200,92 @@ fn one_launch_of_several_prompts_equals_a_launch_each() -> serve::TestResult {
     serve::segments_equal_separate_launches(&model)
 }
 
+/// Verify passes and rounds refuse what they cannot run, with a message that says what to do,
+/// and change nothing (the row's position stays).
+#[test]
+fn speculation_refuses_what_it_cannot_verify() -> serve::TestResult {
+    use graft_candle_models::speculate::{DraftModel, DraftRow, VerifyRow};
+    let dir = tempfile::tempdir()?;
+    let model = serve::model(None, &Device::Cpu, dir.path())?;
+    let cache = model.new_serving_cache(2, serve::MAX_SEQ)?;
+    let prompt = [5u32, 17, 99, 3];
+    model.prefill_forward(
+        &cache,
+        0,
+        &Tensor::new(&prompt[..3], &Device::Cpu)?,
+        3,
+        SampleParams::GREEDY,
+    )?;
+    let row = |row, tokens| VerifyRow {
+        row,
+        tokens,
+        sampling: SampleParams::GREEDY,
+    };
+    let refused = |r: candle_core::Result<Vec<graft_candle_models::speculate::Verified>>| {
+        r.expect_err("refused").to_string()
+    };
+    let cases: [(Vec<VerifyRow<'_>>, (usize, usize), &str); 5] = [
+        (vec![], (1, 2), "pass 1 to 1 sequences"),
+        (
+            vec![row(0, &[3, 1]), row(1, &[4])],
+            (1, 2),
+            "pass 1 to 1 sequences",
+        ),
+        (vec![row(0, &[3, 1, 2])], (1, 2), "of at most 2 tokens"),
+        (vec![row(0, &[])], (1, 2), "no tokens for cache row 0"),
+        (
+            vec![row(0, &[3]), row(0, &[3])],
+            (2, 1),
+            "two sequences of one verify pass",
+        ),
+    ];
+    for (rows, shape, want) in cases {
+        let got = refused(model.verify_rows_forward(&cache, &rows, shape));
+        assert!(got.contains(want), "{got}");
+    }
+    let far = [9u32; serve::MAX_SEQ];
+    let got = refused(model.verify_rows_forward(&cache, &[row(0, &far)], (1, serve::MAX_SEQ)));
+    assert!(got.contains("overflows the kv cache"), "{got}");
+    assert_eq!(
+        cache.positions()[0],
+        3,
+        "a refused pass changes no position"
+    );
+
+    let mut draft = DraftModel::new(&model, model.spec().vocab, 2, serve::MAX_SEQ)?;
+    let sampling = SampleParams::GREEDY;
+    let round = |draft: &mut DraftModel<'_>, history: &[u32], drafts, shape| {
+        let rows = [DraftRow {
+            row: 0,
+            history,
+            drafts,
+            sampling,
+        }];
+        draft
+            .round_forward(&model, &cache, &rows, shape)
+            .expect_err("refused")
+            .to_string()
+    };
+    for (history, drafts, shape, want) in [
+        (&prompt[..], 1, (1, 1), "a width of at least 2"),
+        (&prompt[..], 2, (1, 2), "at most width - 1 drafts"),
+        (&prompt[..1], 1, (1, 2), "a round needs two tokens"),
+        (&prompt[..3], 1, (1, 2), "pass the sequence's whole history"),
+    ] {
+        let got = round(&mut draft, history, drafts, shape);
+        assert!(got.contains(want), "{got}");
+    }
+    let mut small = DraftModel::new(&model, model.spec().vocab, 1, 5)?;
+    let got = round(&mut small, &prompt, 2, (1, 3));
+    assert!(got.contains("drafts past the draft's cache"), "{got}");
+    assert_eq!(
+        cache.positions()[0],
+        3,
+        "a refused round changes no position"
+    );
+    Ok(())
+}
+
 proptest::proptest! {
     #![proptest_config(proptest::prelude::ProptestConfig {
         cases: 12,
@@ -224,6 +310,120 @@ proptest::proptest! {
         let trace = random_trace(shared, &requests);
         paged_trace_equals_alone(&model, blocks, &trace).map_err(|e| proptest::test_runner::TestCaseError::fail(e.to_string()))?;
     }
+
+    /// Verify passes of three sequences with random draft counts and random points where the
+    /// drafts turn wrong (some sequences sitting a pass out) accept exactly the right drafts,
+    /// emit plain decoding's tokens, and leave each cache row's position where a host model
+    /// of the cache (its tokens so far) says.
+    #[test]
+    fn random_accepts_and_rejects_follow_a_host_model_of_the_cache(
+        passes in proptest::collection::vec(
+            proptest::collection::vec((0usize..=4, 0usize..=4, proptest::bool::weighted(0.8)), 3),
+            1..8,
+        ),
+        paged in proptest::bool::ANY,
+    ) {
+        let fail = |e: Box<dyn std::error::Error>| proptest::test_runner::TestCaseError::fail(e.to_string());
+        let dir = tempfile::tempdir().map_err(|e| fail(e.into()))?;
+        let model = serve::model(None, &Device::Cpu, dir.path()).map_err(fail)?;
+        accepts_follow_a_host_model(&model, &passes, paged).map_err(fail)?;
+    }
+}
+
+/// The body of `random_accepts_and_rejects_follow_a_host_model_of_the_cache`: each pass gives
+/// each sequence `(k, right, takes part)`: k drafts, the first `right` of them (at most k)
+/// plain decoding's next tokens and the rest wrong.
+fn accepts_follow_a_host_model(
+    model: &graft_candle_models::Decoder,
+    passes: &[Vec<(usize, usize, bool)>],
+    paged: bool,
+) -> serve::TestResult {
+    use graft_candle_models::speculate::VerifyRow;
+    let prompts: Vec<Vec<u32>> = (0..3u32)
+        .map(|s| (0..5 + 3 * s).map(|i| (i * 29 + s * 7) % 251 + 1).collect())
+        .collect();
+    let want = serve::plain_tokens(model, &prompts, 5 * passes.len() + 1, SampleParams::GREEDY)?;
+    let cache = match paged {
+        // Blocks of 4, each sequence given enough in a shuffled order.
+        true => {
+            let cache = model.new_paged_cache(3, serve::MAX_SEQ, 3 * 16, 4)?;
+            for row in 0..3u32 {
+                let ids: Vec<u32> = (0..16).map(|i| i * 3 + (row + i) % 3).collect();
+                cache.set_blocks(row as usize, &ids)?;
+            }
+            cache
+        }
+        false => model.new_serving_cache(3, serve::MAX_SEQ)?,
+    };
+    for (row, prompt) in prompts.iter().enumerate() {
+        let before = &prompt[..prompt.len() - 1];
+        let chunk = Tensor::new(before, &Device::Cpu)?;
+        model.prefill_forward(&cache, row, &chunk, before.len(), SampleParams::GREEDY)?;
+    }
+    // The host model: each sequence's tokens so far (its last one at its row's position).
+    let mut history = prompts.clone();
+    let mut made = [0usize; 3];
+    for pass in passes {
+        let mut tokens = Vec::new();
+        let mut expected = Vec::new();
+        for (row, &(k, right, takes_part)) in pass.iter().enumerate() {
+            if !takes_part {
+                continue;
+            }
+            let right = right.min(k);
+            let next = &want[row][made[row]..];
+            let drafts: Vec<u32> = (0..k)
+                .map(|j| if j < right { next[j] } else { next[j] ^ 1 })
+                .collect();
+            tokens.push((
+                row,
+                [&history[row][history[row].len() - 1..], &drafts].concat(),
+            ));
+            expected.push(right);
+        }
+        if tokens.is_empty() {
+            continue;
+        }
+        let rows: Vec<VerifyRow<'_>> = tokens
+            .iter()
+            .map(|(row, t)| VerifyRow {
+                row: *row,
+                tokens: t,
+                sampling: SampleParams {
+                    index: made[*row] as u32,
+                    ..SampleParams::GREEDY
+                },
+            })
+            .collect();
+        let width = rows.iter().map(|r| r.tokens.len()).max().unwrap_or(1);
+        let done = model.verify_rows_forward(&cache, &rows, (3, width))?;
+        for ((v, r), &right) in done.iter().zip(&rows).zip(&expected) {
+            assert_eq!(v.accepted, right, "row {}: the accepted drafts", r.row);
+            let n = v.tokens().len();
+            assert_eq!(
+                v.tokens(),
+                &want[r.row][made[r.row]..made[r.row] + n],
+                "row {}: the pass's tokens",
+                r.row
+            );
+            history[r.row].extend(v.tokens());
+            made[r.row] += n;
+        }
+        let positions = cache.positions();
+        for row in 0..3 {
+            assert_eq!(
+                positions[row] as usize,
+                history[row].len() - 1,
+                "row {row}: the position the host model gives"
+            );
+        }
+        assert_eq!(
+            cache.device_positions()?,
+            positions,
+            "the device's positions and the host's"
+        );
+    }
+    Ok(())
 }
 
 /// Requests of `(own prompt tokens, max_new, arrival step, sampled)`, each prompt starting with

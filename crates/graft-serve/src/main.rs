@@ -51,8 +51,8 @@ enum Command {
         /// Run every step eagerly with candle (the baseline), not under graft.
         #[arg(long)]
         eager: bool,
-        /// Speculative decoding with prompt lookup, up to N drafts a pass, while one sequence
-        /// runs alone (the same tokens as without it).
+        /// Speculative decoding with prompt lookup, up to N drafts a sequence a pass, of every
+        /// running sequence (the same tokens as without it).
         #[arg(long, value_name = "N")]
         speculate: Option<usize>,
     },

@@ -42,8 +42,8 @@ pub struct ServeOptions {
     pub max_queue: usize,
     /// Run every step eagerly with candle (no graft): the baseline.
     pub eager: bool,
-    /// Speculative decoding with prompt lookup, up to this many drafts a pass, while one
-    /// sequence runs alone (`None`: off). The tokens are those of plain decoding.
+    /// Speculative decoding of the running sequences with prompt lookup, up to this many
+    /// drafts a sequence a pass (`None`: off). The tokens are those of plain decoding.
     pub speculate: Option<usize>,
 }
 

@@ -349,10 +349,25 @@ fn gib(bytes: u64) -> f64 {
 fn recordings(engine: &Engine<'_>) -> String {
     if let Some(g) = engine.graft().and_then(CandleGraft::graft) {
         let s = g.stats();
-        return format!(
+        let mut line = format!(
             "{} recorded, {} replays, {} eager calls",
             s.recordings, s.replays, s.eager_runs
         );
+        // Why calls ran eagerly: the distinct decisions (the first few).
+        if s.eager_runs > 0 {
+            let mut why: Vec<String> = Vec::new();
+            for d in g.explain() {
+                let text = format!("{}: {}", d.function, d.decision);
+                if d.decision.to_string().starts_with("eager")
+                    && !why.contains(&text)
+                    && why.len() < 4
+                {
+                    why.push(text);
+                }
+            }
+            line.push_str(&format!(" ({})", why.join("; ")));
+        }
+        return line;
     }
     "none (not a CUDA device: every step ran eagerly)".into()
 }

@@ -1,31 +1,44 @@
-//! graft-candle-speculate: speculative decoding's speedup against its acceptance rate, on a
-//! random-weight Llama (~1B, or `--small`; bf16, or `--dtype`), batch 1, under graft.
+//! graft-candle-speculate: speculative decoding's speedup against its acceptance rate α and
+//! its draft cost c, on a random-weight Llama (~1B, or `--small`; bf16, or `--dtype`), for
+//! `--batch` sequences at once, under graft.
 //!
-//! Plain greedy decoding first makes `--tokens` tokens after a prompt (one replayed decode
-//! step and one host read per token) and is timed. Each speculative run then makes the same
-//! number of tokens with verify passes ([`Decoder::verify`], one recording per draft count k)
-//! whose drafts come from an oracle that knows the verify pass's own greedy tokens (passes of
-//! the same draft count whose drafts are never right, made first) and corrupts each draft with probability 1 - α (so α is set,
-//! not hoped for; random weights make any real drafter disagree), and, last, from prompt lookup over a prompt that repeats itself (α as it
-//! falls). Drafting costs the device nothing here (c = 0), so the ideal speedup is
-//! (1 - α^(k+1)) / (1 - α), evaluated at the measured α (accepted drafts over drafts tried
-//! until the first rejection); a verify pass of k + 1 rows costs more than a decode step, and
-//! that ratio (`pass / step`) is what keeps the achieved speedup under the ideal. An adaptive
-//! run (the serving engine's [`AdaptiveDraft`], fed the measured pass costs) at α = 0 shows
-//! what trying costs when nothing is accepted. Every run's tokens are compared with plain
-//! decoding's: with a verify pass whose logits equal the decode step's they are the same.
-//! Only with graft-candle-bench's `cuda` feature.
+//! Plain greedy decoding first makes `--tokens` tokens a sequence after a prompt (one replayed
+//! decode step of the batch and one host read per token) and is timed. Then:
 //!
-//! usage: graft-candle-speculate [--small] [--dtype bf16|f16|f32] [--tokens N] [--ks 1,2,4,8] [--alphas 0,0.5,...]
-//!                               [--rounds R] [--json PATH]
+//! - **Free drafts (c = 0)**: verify passes ([`Decoder::verify_rows`], one recording per
+//!   draft count k) of drafts from an oracle that knows the pass's own greedy tokens (passes
+//!   whose drafts are never right, made first) and corrupts each with probability 1 - α, so
+//!   α is set, not hoped for (random weights make any real drafter disagree); an adaptive run
+//!   (the engine's [`AdaptiveDraft`] per sequence, fed the measured pass costs) at α = 0; and
+//!   prompt lookup over prompts that repeat themselves.
+//! - **A draft model in the launch** (`--eps`): rounds ([`DraftModel::round`]: the draft's k
+//!   steps and the verify pass in one replay) with a draft of the target's own first
+//!   `--draft-layers` layers (sharing their weights, its final norm and head). α is set by
+//!   the target: its later layers' output projections (attention's and the MLP's) are scaled
+//!   by ε, so at ε = 0 the draft computes the target's logits and every draft is right, and
+//!   as ε grows the later layers move the target's picks away from the draft's. Every target
+//!   costs the same (same shapes); c is the draft's decode step over the target's, measured.
+//!
+//! The ideal speedup is (1 - α^(k+1)) / ((1 - α)(k c + 1)) at the measured α (accepted
+//! drafts over drafts tried until the first rejection). Every run's tokens are compared with
+//! plain decoding's of the same target. Only with graft-candle-bench's `cuda` feature.
+//!
+//! usage: graft-candle-speculate [--small] [--dtype bf16|f16|f32] [--batch B] [--tokens N]
+//!                               [--ks 1,2,4,8] [--alphas 0,0.5,...] [--eps 0,0.1,...]
+//!                               [--skip-free] [--draft-layers L] [--rounds R] [--json PATH]
 
+use std::collections::HashMap;
 use std::time::Instant;
 
-use graft_candle::candle_core::{DType, Tensor};
-use graft_candle::{CandleGraft, StepId};
-use graft_candle_bench::common::{BenchResult, Timing, exit_on_error, gpu, median, random_llama};
+use graft_candle::candle_core::{DType, Device, Tensor};
+use graft_candle::{Buckets, CandleGraft, StepId};
+use graft_candle_bench::common::{
+    BenchResult, Timing, exit_on_error, gpu, load_llama, median, random_llama_weights,
+};
 use graft_candle_kernels::SampleParams;
-use graft_candle_models::speculate::{AdaptiveDraft, Verified, prompt_lookup};
+use graft_candle_models::speculate::{
+    AdaptiveDraft, DraftModel, DraftRow, Verified, VerifyRow, prompt_lookup,
+};
 use graft_candle_models::{Decoder, KvCache};
 use rand::rngs::Xoshiro256PlusPlus;
 use rand::{RngExt, SeedableRng};
@@ -33,7 +46,7 @@ use rand::{RngExt, SeedableRng};
 #[derive(clap::Parser, Debug)]
 #[command(
     name = "graft-candle-speculate",
-    about = "Speculative decoding's speedup against its acceptance rate"
+    about = "Speculative decoding's speedup against its acceptance rate and draft cost"
 )]
 struct Options {
     /// The small Llama (d = 512, 4 layers) instead of the ~1B one.
@@ -42,24 +55,29 @@ struct Options {
     /// The weights' dtype.
     #[arg(long, default_value = "bf16", value_parser = parse_dtype)]
     dtype: DType,
-    /// Tokens each run makes after the prompt.
+    /// Sequences decoded together.
+    #[arg(long, default_value_t = 1)]
+    batch: usize,
+    /// Tokens each run makes after each prompt.
     #[arg(long, default_value_t = 128)]
     tokens: usize,
     /// Draft counts to measure.
     #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
     ks: Vec<usize>,
     /// Acceptance rates the oracle drafts at.
-    #[arg(long, value_delimiter = ',', default_value = "0,0.5,0.7,0.8,0.9,1")]
+    #[arg(long, value_delimiter = ',', default_value = "0,0.5,0.8,0.9,1")]
     alphas: Vec<f64>,
+    /// No free-draft runs (oracle, adaptive, prompt lookup).
+    #[arg(long)]
+    skip_free: bool,
+    /// Scales of the target's later layers for the draft-model rounds (none: no rounds).
+    #[arg(long, value_delimiter = ',')]
+    eps: Vec<f64>,
+    /// The draft model's layers: the target's first ones.
+    #[arg(long, default_value_t = 2)]
+    draft_layers: usize,
     #[command(flatten)]
     timing: Timing,
-}
-
-/// The prompt: a phrase of 8 tokens said four times (prompt lookup finds its n-grams).
-fn prompt() -> Vec<u32> {
-    (0..32u32)
-        .map(|i| [5, 17, 99, 3, 250, 1021, 7, 64][i as usize % 8])
-        .collect()
 }
 
 fn parse_dtype(s: &str) -> Result<DType, String> {
@@ -71,204 +89,396 @@ fn parse_dtype(s: &str) -> Result<DType, String> {
     }
 }
 
-/// One run's result: the tokens, the wall time, and the drafts accepted and rejected.
+/// Sequence s's prompt: a phrase of 8 tokens of its own said four times (prompt lookup finds
+/// its n-grams).
+fn prompt(s: usize) -> Vec<u32> {
+    (0..32)
+        .map(|i| [5, 17, 99, 3, 250, 1021, 7, 64][i % 8] + 13 * s as u32)
+        .collect()
+}
+
+/// One run's result: each sequence's tokens, the wall time, and the drafts accepted and
+/// rejected.
+#[derive(Default)]
 struct Run {
-    tokens: Vec<u32>,
+    tokens: Vec<Vec<u32>>,
     us: f64,
     accepted: usize,
     rejected: usize,
     passes: usize,
 }
 
-/// Where the drafts come from.
-#[derive(Clone, Copy)]
-enum Drafter<'a> {
-    /// The tokens passes of the same draft count pick (`want`), each corrupted with
-    /// probability 1 - α.
-    Oracle { want: &'a [u32], alpha: f64 },
-    /// Prompt lookup over the prompt and the tokens so far (3-grams).
-    Lookup,
+impl Run {
+    /// The measured acceptance: accepted drafts over drafts tried until the first rejection.
+    fn alpha(&self) -> f64 {
+        let tried = self.accepted + self.rejected;
+        if tried > 0 {
+            self.accepted as f64 / tried as f64
+        } else {
+            0.0
+        }
+    }
 }
 
-struct Bench {
-    model: Decoder,
+/// Where the drafts come from.
+enum Drafter<'a, 'm> {
+    /// Each sequence's tokens from passes of the same draft count (`want`), each corrupted
+    /// with probability 1 - α.
+    Oracle { want: &'a [Vec<u32>], alpha: f64 },
+    /// Prompt lookup over the prompt and the tokens so far (3-grams).
+    Lookup,
+    /// A draft model's greedy steps, in the pass's launch.
+    Rounds(&'a mut DraftModel<'m>),
+}
+
+/// One target's decoding: its cache of `--batch` rows, graft and steps.
+struct Bench<'m> {
+    model: &'m Decoder,
     cache: KvCache,
     graft: CandleGraft,
     decode: StepId,
     verify: StepId,
-    prompt: Vec<u32>,
+    round: StepId,
+    prompts: Vec<Vec<u32>>,
 }
 
-impl Bench {
-    /// Empties the cache and decodes all but the prompt's last token (untimed).
+impl<'m> Bench<'m> {
+    fn new(model: &'m Decoder, batch: usize, max_seq: usize) -> BenchResult<Self> {
+        let mut graft = CandleGraft::new(model.device())?;
+        let buckets = Buckets::new([batch])?;
+        Ok(Bench {
+            model,
+            cache: model.new_serving_cache(batch, max_seq)?,
+            decode: graft.register("decode"),
+            verify: graft.register_bucketed("verify", buckets.clone()),
+            round: graft.register_bucketed("round", buckets),
+            graft,
+            prompts: (0..batch).map(prompt).collect(),
+        })
+    }
+
+    fn batch(&self) -> usize {
+        self.prompts.len()
+    }
+
+    /// Empties the cache and decodes all but each prompt's last token (untimed).
     fn start(&mut self) -> BenchResult<()> {
         self.cache.reset()?;
-        for i in 0..self.prompt.len() - 1 {
-            self.step(self.prompt[i])?;
+        for i in 0..self.prompts[0].len() - 1 {
+            let column: Vec<u32> = self.prompts.iter().map(|p| p[i]).collect();
+            self.step(&column)?;
         }
         Ok(())
     }
 
-    /// One greedy decode step of the sequence: the token after `last`.
-    fn step(&mut self, last: u32) -> BenchResult<u32> {
-        let t = Tensor::new(&[last], self.model.device())?;
+    /// One greedy decode step of every sequence: the token after each of `last`.
+    fn step(&mut self, last: &[u32]) -> BenchResult<Vec<u32>> {
+        let t = Tensor::new(last, self.model.device())?;
         self.graft.mark_step_begin();
         let out = self
             .model
             .decode(&mut self.graft, self.decode, &self.cache, &t)?;
-        Ok(out.outputs[0].to_vec1::<u32>()?[0])
+        Ok(out.outputs[0].to_vec1::<u32>()?)
     }
 
-    /// One verify pass of the sequence: `last` and `drafts`, greedy, the first pick being
-    /// token number `index` of the generation.
-    fn pass(&mut self, last: u32, drafts: &[u32], index: usize) -> BenchResult<Verified> {
-        let mut tokens = vec![last];
-        tokens.extend(drafts);
-        let tokens = Tensor::new(tokens.as_slice(), self.model.device())?;
-        let sampling = SampleParams {
-            index: index as u32,
-            ..SampleParams::GREEDY
-        };
-        self.graft.mark_step_begin();
-        Ok(self.model.verify(
-            &mut self.graft,
-            self.verify,
-            &self.cache,
-            0,
-            &tokens,
-            sampling,
-        )?)
-    }
-
-    /// Plain greedy decoding of `n` tokens, timed.
+    /// Plain greedy decoding of `n` tokens a sequence, timed.
     fn plain(&mut self, n: usize) -> BenchResult<Run> {
         self.start()?;
-        let mut last = *self.prompt.last().ok_or("no prompt")?;
-        let mut tokens = Vec::with_capacity(n);
+        let mut last: Vec<u32> = self.prompts.iter().map(|p| p[p.len() - 1]).collect();
+        let mut tokens = vec![Vec::with_capacity(n); self.batch()];
         let t = Instant::now();
-        while tokens.len() < n {
-            last = self.step(last)?;
-            tokens.push(last);
+        for _ in 0..n {
+            last = self.step(&last)?;
+            for (s, &token) in last.iter().enumerate() {
+                tokens[s].push(token);
+            }
         }
         Ok(Run {
             tokens,
             us: t.elapsed().as_secs_f64() * 1e6,
-            accepted: 0,
-            rejected: 0,
             passes: n,
+            ..Run::default()
         })
     }
 
-    /// The greedy tokens of verify passes of `k` drafts that are never right, `n` of them (or
-    /// a few more): the tokens a pass of k + 1 rows picks, which the oracle drafts from. A
-    /// pass's rows are computed independently of each other, but the kernels change with the
-    /// number of rows (and the decode step runs others), so in bf16 these tokens may part
-    /// from plain decoding's and from another k's.
-    fn truth(&mut self, n: usize, k: usize) -> BenchResult<Vec<u32>> {
-        self.start()?;
-        let mut tokens: Vec<u32> = Vec::with_capacity(n + k);
-        while tokens.len() < n {
-            let last = *tokens.last().or(self.prompt.last()).ok_or("no prompt")?;
-            // Token 0 as every draft: a right one now and then only adds the model's picks.
-            let v = self.pass(last, &vec![0; k], tokens.len())?;
-            tokens.extend(v.tokens());
-        }
-        Ok(tokens)
+    /// One verify pass of the sequences `active` (their histories in `history`), each with
+    /// its drafts, greedy, padded to the batch and to `k + 1` tokens.
+    fn pass(
+        &mut self,
+        active: &[usize],
+        history: &[Vec<u32>],
+        drafts: &[Vec<u32>],
+        made: &[usize],
+        k: usize,
+    ) -> BenchResult<Vec<Verified>> {
+        let tokens: Vec<Vec<u32>> = active
+            .iter()
+            .zip(drafts)
+            .map(|(&s, d)| [&history[s][history[s].len() - 1..], d].concat())
+            .collect();
+        let rows: Vec<VerifyRow<'_>> = active
+            .iter()
+            .zip(&tokens)
+            .map(|(&s, t)| VerifyRow {
+                row: s,
+                tokens: t,
+                sampling: greedy(made[s]),
+            })
+            .collect();
+        self.graft.mark_step_begin();
+        let shape = (self.batch(), k + 1);
+        Ok(self
+            .model
+            .verify_rows(&mut self.graft, self.verify, &self.cache, &rows, shape)?
+            .rows)
     }
 
-    /// `n` tokens (or a few more: a pass's tokens are kept whole) by verify passes of `k`
-    /// drafts from `drafter`, or of the count `adaptive` picks (a decode step when it picks
-    /// none, as the serving engine does), timed.
+    /// Each sequence's greedy tokens from verify passes of `k` drafts that are never right
+    /// (`n` of them, or a few more): what a pass of this shape picks, which the oracle drafts
+    /// from. In bf16 they may part from plain decoding's (the kernels change with the rows).
+    fn truth(&mut self, n: usize, k: usize) -> BenchResult<Vec<Vec<u32>>> {
+        let drafter = Drafter::Oracle {
+            want: &[],
+            alpha: 0.0,
+        };
+        Ok(self.speculate(n, k, drafter, None, 0)?.tokens)
+    }
+
+    /// `n` tokens a sequence (or a few more) by passes of `k` drafts from `drafter` (or of
+    /// the counts `adaptive` picks per sequence; a decode step of every sequence when none
+    /// has drafts, as the engine does), timed.
     fn speculate(
         &mut self,
         n: usize,
         k: usize,
-        drafter: Drafter<'_>,
-        mut adaptive: Option<&mut AdaptiveDraft>,
+        mut drafter: Drafter<'_, 'm>,
+        mut adaptive: Option<&mut [AdaptiveDraft]>,
         seed: u64,
     ) -> BenchResult<Run> {
         self.start()?;
+        let batch = self.batch();
         let mut rng = Xoshiro256PlusPlus::seed_from_u64(seed);
-        let mut history = self.prompt.clone();
+        let mut history = self.prompts.clone();
         let mut run = Run {
-            tokens: Vec::with_capacity(n + k),
-            us: 0.0,
-            accepted: 0,
-            rejected: 0,
-            passes: 0,
+            tokens: vec![Vec::with_capacity(n + k); batch],
+            ..Run::default()
         };
         let t = Instant::now();
-        while run.tokens.len() < n {
-            let last = *history.last().ok_or("no history")?;
-            let k = adaptive.as_deref().map_or(k, AdaptiveDraft::next_k);
-            let at = run.tokens.len();
-            let drafts: Vec<u32> = match drafter {
-                Drafter::Oracle { want, alpha } => want[at..at + k]
-                    .iter()
-                    .map(|&w| {
-                        if rng.random::<f64>() < alpha {
-                            w
-                        } else {
-                            w ^ 1
-                        }
-                    })
-                    .collect(),
-                Drafter::Lookup => prompt_lookup(&history, 3, k),
+        loop {
+            let active: Vec<usize> = (0..batch).filter(|&s| run.tokens[s].len() < n).collect();
+            if active.is_empty() {
+                break;
+            }
+            let ks: Vec<usize> = match adaptive.as_deref() {
+                Some(a) => active.iter().map(|&s| a[s].next_k()).collect(),
+                None => vec![k; active.len()],
             };
             run.passes += 1;
-            if drafts.is_empty() {
+            let made: Vec<usize> = run.tokens.iter().map(Vec::len).collect();
+            // The drafts, where the host makes them.
+            let drafts: Option<Vec<Vec<u32>>> = match &drafter {
+                Drafter::Rounds(_) => None,
+                Drafter::Oracle { want, alpha } => Some(
+                    active
+                        .iter()
+                        .zip(&ks)
+                        .map(|(&s, &k)| {
+                            (0..k)
+                                .map(|j| {
+                                    // Token 0 where the oracle knows nothing (the truth's runs).
+                                    let w = want.get(s).map_or(0, |w| w[made[s] + j]);
+                                    if want.is_empty() || rng.random::<f64>() < *alpha {
+                                        w
+                                    } else {
+                                        w ^ 1
+                                    }
+                                })
+                                .collect()
+                        })
+                        .collect(),
+                ),
+                Drafter::Lookup => Some(
+                    active
+                        .iter()
+                        .zip(&ks)
+                        .map(|(&s, &k)| prompt_lookup(&history[s], 3, k))
+                        .collect(),
+                ),
+            };
+            let drafted: Vec<usize> = match &drafts {
+                Some(d) => d.iter().map(Vec::len).collect(),
+                None => ks.clone(),
+            };
+            let width = 1 + drafted.iter().copied().max().unwrap_or(0);
+            if width == 1 {
+                // No drafts anywhere: a decode step of every sequence.
                 if let Some(a) = adaptive.as_deref_mut() {
-                    a.observe(0, 0);
+                    active.iter().for_each(|&s| a[s].observe(0, 0));
                 }
-                let next = self.step(last)?;
-                run.tokens.push(next);
-                history.push(next);
+                let last: Vec<u32> = history.iter().map(|h| h[h.len() - 1]).collect();
+                let next = self.step(&last)?;
+                for &s in &active {
+                    run.tokens[s].push(next[s]);
+                    history[s].push(next[s]);
+                }
                 continue;
             }
-            let v = self.pass(last, &drafts, at)?;
-            if let Some(a) = adaptive.as_deref_mut() {
-                a.observe(drafts.len(), v.accepted);
+            let passes = match (&mut drafter, &drafts) {
+                (_, Some(drafts)) => self.pass(&active, &history, drafts, &made, width - 1)?,
+                (Drafter::Rounds(draft), None) => {
+                    let rows: Vec<DraftRow<'_>> = active
+                        .iter()
+                        .zip(&ks)
+                        .map(|(&s, &drafts)| DraftRow {
+                            row: s,
+                            history: &history[s],
+                            drafts,
+                            sampling: greedy(made[s]),
+                        })
+                        .collect();
+                    self.graft.mark_step_begin();
+                    let (graft, shape) = (&mut self.graft, (batch, width));
+                    draft
+                        .round(graft, self.round, self.model, &self.cache, &rows, shape)?
+                        .rows
+                }
+                (_, None) => return Err("drafts from nowhere".into()),
+            };
+            for ((&s, v), &d) in active.iter().zip(&passes).zip(&drafted) {
+                if let Some(a) = adaptive.as_deref_mut() {
+                    a[s].observe(d, v.accepted);
+                }
+                run.accepted += v.accepted;
+                run.rejected += usize::from(v.accepted < d);
+                run.tokens[s].extend(v.tokens());
+                history[s].extend(v.tokens());
             }
-            run.accepted += v.accepted;
-            run.rejected += usize::from(v.accepted < drafts.len());
-            run.tokens.extend(v.tokens());
-            history.extend(v.tokens());
         }
         run.us = t.elapsed().as_secs_f64() * 1e6;
         Ok(run)
     }
 
-    /// The median device time of a verify pass of `k` drafts (all accepted, so every pass
-    /// covers k + 1 new positions), µs, over `passes` passes after one untimed.
-    fn pass_us(&mut self, k: usize, want: &[u32], passes: usize) -> BenchResult<f64> {
+    /// The median time of a verify pass of `k` drafts a sequence (all right: `want`), µs,
+    /// over `passes` passes after one untimed.
+    fn pass_us(&mut self, k: usize, want: &[Vec<u32>], passes: usize) -> BenchResult<f64> {
         self.start()?;
-        let mut last = *self.prompt.last().ok_or("no prompt")?;
+        let batch = self.batch();
+        let active: Vec<usize> = (0..batch).collect();
+        let mut history = self.prompts.clone();
         let mut times = Vec::with_capacity(passes);
         for i in 0..=passes {
             let at = i * (k + 1);
+            let drafts: Vec<Vec<u32>> = want.iter().map(|w| w[at..at + k].to_vec()).collect();
+            let made = vec![at; batch];
             let t = Instant::now();
-            let v = self.pass(last, &want[at..at + k], at)?;
+            let v = self.pass(&active, &history, &drafts, &made, k)?;
             if i > 0 {
                 times.push(t.elapsed().as_secs_f64() * 1e6);
             }
-            last = *v.tokens().last().ok_or("a pass made no token")?;
+            for (s, v) in v.iter().enumerate() {
+                history[s].extend(v.tokens());
+            }
         }
         Ok(median(&mut times))
     }
 }
 
-/// The leading tokens of `got` equal to `want`'s.
-fn agreeing(got: &[u32], want: &[u32]) -> usize {
-    got.iter().zip(want).take_while(|(a, b)| a == b).count()
+/// Greedy picks, the first of them token number `index` of its sequence.
+fn greedy(index: usize) -> SampleParams {
+    SampleParams {
+        index: index as u32,
+        ..SampleParams::GREEDY
+    }
 }
 
-/// The ideal speedup of k drafts at acceptance α when drafting is free.
-fn ideal(alpha: f64, k: usize) -> f64 {
-    if alpha >= 1.0 {
+/// Leading tokens of every sequence's `got` equal to `want`'s, summed, and the sequences
+/// whose first `n` all agree.
+fn agreeing(got: &[Vec<u32>], want: &[Vec<u32>], n: usize) -> (usize, usize) {
+    let leading: Vec<usize> = got
+        .iter()
+        .zip(want)
+        .map(|(g, w)| g.iter().zip(w).take(n).take_while(|(a, b)| a == b).count())
+        .collect();
+    (
+        leading.iter().sum(),
+        leading.iter().filter(|&&l| l == n).count(),
+    )
+}
+
+/// The ideal speedup of k drafts at acceptance α when a draft step costs c target steps.
+fn ideal(alpha: f64, k: usize, c: f64) -> f64 {
+    let tokens = if alpha >= 1.0 {
         (k + 1) as f64
     } else {
         (1.0 - alpha.powi(k as i32 + 1)) / (1.0 - alpha)
+    };
+    tokens / (k as f64 * c + 1.0)
+}
+
+/// The median µs of `model`'s replayed decode step over `batch` rows (50 steps after 5).
+fn decode_us(model: &Decoder, batch: usize) -> BenchResult<f64> {
+    let mut b = Bench::new(model, batch, 128)?;
+    b.cache.reset()?;
+    let tokens = vec![7u32; batch];
+    let mut times = Vec::with_capacity(50);
+    for i in 0..55 {
+        let t = Instant::now();
+        b.step(&tokens)?;
+        if i >= 5 {
+            times.push(t.elapsed().as_secs_f64() * 1e6);
+        }
     }
+    Ok(median(&mut times))
+}
+
+/// What the table's rows share.
+struct Row<'a> {
+    drafter: &'a str,
+    k: usize,
+    set: Option<f64>,
+    c: f64,
+}
+
+/// Prints and records one run against plain decoding.
+fn report(
+    row: &Row<'_>,
+    runs: &mut [f64],
+    r: &Run,
+    plain: &Run,
+    step_us: f64,
+    n: usize,
+    json: &mut Vec<String>,
+) {
+    let us = median(runs);
+    let alpha = r.alpha();
+    let speedup = step_us / us;
+    let best = if row.drafter == "adaptive" {
+        1.0
+    } else {
+        ideal(alpha, row.k, row.c)
+    };
+    let (agree, equal) = agreeing(&r.tokens, &plain.tokens, n);
+    let batch = r.tokens.len();
+    let per_pass = r.tokens.iter().map(Vec::len).sum::<usize>() as f64 / r.passes as f64;
+    let set = row.set.map_or("-".into(), |a| format!("{a}"));
+    println!(
+        "{:>9} {:>3} {set:>6} {alpha:>7.3} {:>6.3} {per_pass:>8.2} {us:>10.1} {speedup:>8.2} {best:>7.2} {:>9.2} {agree:>5}/{} {equal:>3}/{batch}",
+        row.drafter,
+        row.k,
+        row.c,
+        speedup / best,
+        n * batch,
+    );
+    json.push(
+        serde_json::json!({
+            "drafter": row.drafter, "k": row.k, "set": row.set, "alpha": alpha, "c": row.c,
+            "batch": batch, "tokens_per_pass": per_pass, "us_per_token": us,
+            "plain_us_per_token": step_us, "speedup": speedup, "ideal": best,
+            "achieved_over_ideal": speedup / best, "agreeing_tokens": agree,
+            "equal_sequences": equal,
+        })
+        .to_string(),
+    );
 }
 
 fn main() {
@@ -278,122 +488,189 @@ fn main() {
 fn run() -> BenchResult<()> {
     let o = <Options as clap::Parser>::parse();
     let device = gpu()?;
-    let model = random_llama(!o.small, o.dtype, &device)?;
-    let kmax = o.ks.iter().copied().max().unwrap_or(0);
+    let (cfg, weights) = random_llama_weights(!o.small, o.dtype, &device)?;
+    let kmax = o.ks.iter().copied().max().unwrap_or(1);
     let n = o.tokens;
-    let mut graft = CandleGraft::new(&device)?;
-    let decode = graft.register("decode");
-    let verify = graft.register("verify");
-    let prompt = prompt();
     // Room for the prompt, the tokens, a pass's overshoot and the pass-cost runs.
-    let max_seq = (prompt.len() + 2 * n + 16 * (kmax + 1) + 64).next_power_of_two();
-    let cache = model.new_serving_cache(1, max_seq)?;
-    let mut b = Bench {
-        model,
-        cache,
-        graft,
-        decode,
-        verify,
-        prompt,
-    };
-    // Plain decoding (this also warms up and records the decode step).
-    let plain_tokens = b.plain(n)?.tokens;
-    let mut plain = Vec::new();
+    let max_seq = (prompt(0).len() + 2 * n + 16 * (kmax + 1) + 64).next_power_of_two();
+    println!(
+        "{:?}, batch {}, {n} tokens a sequence; speedup = plain decoding's us a token / the run's",
+        o.dtype, o.batch
+    );
+    println!(
+        "{:>9} {:>3} {:>6} {:>7} {:>6} {:>8} {:>10} {:>8} {:>7} {:>9} {:>11} {:>5}",
+        "drafter",
+        "k",
+        "set",
+        "alpha",
+        "c",
+        "tok/pass",
+        "us/token",
+        "speedup",
+        "ideal",
+        "ach/ideal",
+        "agree",
+        "equal"
+    );
+    let mut json = Vec::new();
+    if !o.skip_free {
+        let model = load_llama(&cfg, weights.clone(), o.dtype, &device)?;
+        free_drafts(&o, &model, max_seq, &mut json)?;
+    }
+    for &eps in &o.eps {
+        drafted(&o, &cfg, &weights, eps, max_seq, &device, &mut json)?;
+    }
+    o.timing.write_json(&json)
+}
+
+/// Plain decoding `--rounds` times (the first also records the step): the tokens and the
+/// median µs a token.
+fn plain_runs(b: &mut Bench<'_>, o: &Options) -> BenchResult<(Run, f64)> {
+    let first = b.plain(o.tokens)?;
+    let mut us = Vec::new();
     for _ in 0..o.timing.rounds {
-        let r = b.plain(n)?;
-        if r.tokens != plain_tokens {
+        let r = b.plain(o.tokens)?;
+        if r.tokens != first.tokens {
             return Err("plain decoding changed its tokens between runs".into());
         }
-        plain.push(r.us / n as f64);
+        us.push(r.us / o.tokens as f64);
     }
-    let step_us = median(&mut plain);
+    Ok((first, median(&mut us)))
+}
+
+/// The free-draft runs (oracle, adaptive, prompt lookup) on the unscaled target.
+fn free_drafts(
+    o: &Options,
+    model: &Decoder,
+    max_seq: usize,
+    json: &mut Vec<String>,
+) -> BenchResult<()> {
+    let n = o.tokens;
+    let mut b = Bench::new(model, o.batch, max_seq)?;
+    let (plain, step_us) = plain_runs(&mut b, o)?;
     // Each draft count's own greedy tokens, with room for the oracle's drafts past the last.
-    let mut truths = Vec::with_capacity(kmax + 1);
-    for k in 0..=kmax {
-        let want = b.truth(n + 16 * (kmax + 1), k)?;
+    let mut truths = HashMap::new();
+    for k in 1..=o.ks.iter().copied().max().unwrap_or(1) {
+        let want = b.truth(n + 16 * (k + 1), k)?;
+        let (agree, _) = agreeing(&want, &plain.tokens, n);
         println!(
-            "{:?}: the greedy tokens of passes of {k} drafts equal plain decoding's for the first {} of {n}",
-            o.dtype,
-            agreeing(&want, &plain_tokens)
+            "  passes of {k} drafts pick plain decoding's tokens for {agree} of {}",
+            n * o.batch
         );
-        truths.push(want);
+        truths.insert(k, want);
     }
-    // Each pass's cost against the step (the passes without drafts recorded every count).
     let mut costs = vec![1.0];
-    for (k, want) in truths.iter().enumerate().skip(1) {
-        costs.push(b.pass_us(k, want, 12)? / step_us);
+    for k in 1..=o.ks.iter().copied().max().unwrap_or(1) {
+        costs.push(b.pass_us(k, &truths[&k], 12)? / step_us);
     }
-    println!("plain decoding: {step_us:.1} us a token; a verify pass of k drafts / a step:");
-    for (k, c) in costs.iter().enumerate().skip(1) {
-        println!("  k = {k}: {c:.3}");
-    }
-    println!(
-        "{:>10} {:>3} {:>7} {:>8} {:>12} {:>8} {:>7} {:>9} {:>10}",
-        "drafter", "k", "alpha", "tok/pass", "us/token", "speedup", "ideal", "ach/ideal", "agree"
-    );
-    let mut rows = Vec::new();
-    let mut cases: Vec<(String, usize, Option<f64>)> = Vec::new();
+    println!("  plain decoding: {step_us:.1} us a token; a pass of k drafts / a step: {costs:.3?}");
+    let mut cases: Vec<(&str, usize, Option<f64>)> = Vec::new();
     for &k in &o.ks {
         for &alpha in &o.alphas {
-            cases.push(("oracle".into(), k, Some(alpha)));
+            cases.push(("oracle", k, Some(alpha)));
         }
     }
-    cases.push(("adaptive".into(), kmax, Some(0.0)));
-    cases.push(("lookup".into(), 4.min(kmax.max(1)), None));
+    let kmax = o.ks.iter().copied().max().unwrap_or(1);
+    cases.push(("adaptive", kmax, Some(0.0)));
+    cases.push(("lookup", 4.min(kmax), None));
     for (name, k, alpha) in cases {
         let mut us = Vec::new();
         let mut last = None;
         for round in 0..o.timing.rounds {
             let drafter = match alpha {
                 Some(alpha) => Drafter::Oracle {
-                    want: &truths[k],
+                    want: &truths[&k],
                     alpha,
                 },
                 None => Drafter::Lookup,
             };
-            let mut adaptive =
-                (name == "adaptive").then(|| AdaptiveDraft::new(costs.clone(), 0.5, 0.8, 16));
-            let r = b.speculate(n, k, drafter, adaptive.as_mut(), round as u64)?;
-            us.push(r.us / r.tokens.len() as f64);
+            let mut adaptive: Vec<AdaptiveDraft> = (0..o.batch)
+                .map(|_| AdaptiveDraft::new(costs.clone(), 0.5, 0.8, 16))
+                .collect();
+            let adaptive = (name == "adaptive").then_some(adaptive.as_mut_slice());
+            let r = b.speculate(n, k, drafter, adaptive, round as u64)?;
+            us.push(r.us / n as f64);
             last = Some(r);
         }
         let r = last.ok_or("no rounds: pass --rounds 1 or more")?;
-        let us = median(&mut us);
-        let tried = r.accepted + r.rejected;
-        let measured = if tried > 0 {
-            r.accepted as f64 / tried as f64
-        } else {
-            0.0
+        let row = Row {
+            drafter: name,
+            k,
+            set: alpha,
+            c: 0.0,
         };
-        let speedup = step_us / us;
-        let best = if name == "adaptive" {
-            1.0
-        } else {
-            ideal(measured, k)
-        };
-        let agree = agreeing(&r.tokens, &plain_tokens);
-        println!(
-            "{name:>10} {k:>3} {measured:>7.3} {:>8.2} {us:>12.1} {speedup:>8.2} {best:>7.2} {:>9.2} {:>6}/{}",
-            r.tokens.len() as f64 / r.passes as f64,
-            speedup / best,
-            agree,
-            r.tokens.len().min(n),
-        );
-        rows.push(
-            serde_json::json!({
-                "dtype": format!("{:?}", o.dtype), "drafter": name, "k": k, "alpha_set": alpha, "alpha": measured,
-                "tokens_per_pass": r.tokens.len() as f64 / r.passes as f64,
-                "us_per_token": us, "plain_us_per_token": step_us, "speedup": speedup,
-                "ideal": best, "achieved_over_ideal": speedup / best,
-                "pass_over_step": costs.get(k), "agreeing_tokens": agree,
-            })
-            .to_string(),
-        );
+        report(&row, &mut us, &r, &plain, step_us, n, json);
     }
-    if let Some(g) = b.graft.graft() {
+    check_graphed(&b.graft)
+}
+
+/// The draft-model rounds on the target whose later layers are scaled by `eps`, the draft
+/// its first `--draft-layers` layers.
+fn drafted(
+    o: &Options,
+    cfg: &candle_transformers::models::llama::Config,
+    weights: &HashMap<String, Tensor>,
+    eps: f64,
+    max_seq: usize,
+    device: &Device,
+    json: &mut Vec<String>,
+) -> BenchResult<()> {
+    let layers = o.draft_layers;
+    if layers == 0 || layers >= cfg.num_hidden_layers {
+        return Err(format!(
+            "--draft-layers {layers}: the draft takes 1 to {} of the target's layers",
+            cfg.num_hidden_layers - 1
+        )
+        .into());
+    }
+    let mut scaled = weights.clone();
+    for (name, w) in &mut scaled {
+        let late = (layers..cfg.num_hidden_layers).any(|i| {
+            name.starts_with(&format!("model.layers.{i}."))
+                && (name.ends_with("o_proj.weight") || name.ends_with("down_proj.weight"))
+        });
+        if late {
+            *w = w.affine(eps, 0.0)?;
+        }
+    }
+    let target = load_llama(cfg, scaled, o.dtype, device)?;
+    let mut draft_cfg = cfg.clone();
+    draft_cfg.num_hidden_layers = layers;
+    let draft = load_llama(&draft_cfg, weights.clone(), o.dtype, device)?;
+    let c = decode_us(&draft, o.batch)? / decode_us(&target, o.batch)?;
+    let n = o.tokens;
+    let mut b = Bench::new(&target, o.batch, max_seq)?;
+    let (plain, step_us) = plain_runs(&mut b, o)?;
+    let vocab = target.spec().vocab;
+    for &k in &o.ks {
+        let mut d = DraftModel::new(&draft, vocab, o.batch, max_seq)?;
+        // The first run records the round.
+        b.speculate(n, k, Drafter::Rounds(&mut d), None, 0)?;
+        let mut us = Vec::new();
+        let mut last = None;
+        for round in 0..o.timing.rounds {
+            let r = b.speculate(n, k, Drafter::Rounds(&mut d), None, round as u64)?;
+            us.push(r.us / n as f64);
+            last = Some(r);
+        }
+        let r = last.ok_or("no rounds: pass --rounds 1 or more")?;
+        let row = Row {
+            drafter: "draft",
+            k,
+            set: Some(eps),
+            c,
+        };
+        report(&row, &mut us, &r, &plain, step_us, n, json);
+    }
+    check_graphed(&b.graft)
+}
+
+/// Fails when a call ran eagerly after its warmups (a refused or unguarded recording).
+fn check_graphed(graft: &CandleGraft) -> BenchResult<()> {
+    if let Some(g) = graft.graft() {
         let s = g.stats();
         println!(
-            "graft: {} recordings, {} replays, {} eager runs",
+            "  graft: {} recordings, {} replays, {} eager runs",
             s.recordings, s.replays, s.eager_runs
         );
         if s.eager_runs > 0 {
@@ -405,5 +682,5 @@ fn run() -> BenchResult<()> {
             .into());
         }
     }
-    o.timing.write_json(&rows)
+    Ok(())
 }

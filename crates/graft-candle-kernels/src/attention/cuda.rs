@@ -19,11 +19,12 @@ use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, CudaStream, CudaView, DevicePtr, DeviceRepr, LaunchConfig, ValidAsZeroBits,
 };
 use candle_core::cuda_backend::{CudaDevice, Map3};
-use candle_core::{CudaStorage, Layout, Result, Shape, Storage, WithDType};
+use candle_core::{CudaStorage, DType, Layout, Result, Shape, Storage, WithDType};
 
 use super::{CHUNK, DecodeAttention, OP};
 use crate::KernelError;
 use crate::check;
+use crate::linear::cuda::has_tensor_cores;
 use crate::nvrtc::{Args, Kernels, address, view};
 
 /// Threads of a split-kernel block.
@@ -31,8 +32,14 @@ const THREADS: u32 = 128;
 
 static KERNELS: Kernels = Kernels::with_dependents(
     "graft_kernels_decode_attention",
-    include_str!("decode_attention.cu"),
+    concat!(
+        include_str!("decode_attention.cu"),
+        include_str!("prefill_attention.cu")
+    ),
 );
+
+/// Query rows a block of the tensor-core split kernel takes (4 warps of one m16 tile).
+const TILE_ROWS: usize = 64;
 
 /// The op's output on CUDA: the split kernel into f32 scratch, then the combine kernel.
 pub(super) fn forward(
@@ -98,6 +105,11 @@ impl Map3 for Launch<'_> {
         // SAFETY: the combine kernel writes every element (one block per (head, sequence),
         // one thread per head-dim element) before anything reads them, on the device's stream.
         let out = unsafe { device.alloc::<T>(d.batch * d.heads * d.head_dim)? };
+        // Queries in runs on tensor cores: a tile of them a block.
+        let tile = match self.op.runs && tensor_cores::<T>(device)? {
+            true => tile(d, [ql, kl, vl]),
+            false => None,
+        };
         // Null without a table (or rows): each query reads its own row.
         let table = match &self.op.table {
             Some(t) => address(OP, t, "the block table", device)?,
@@ -115,6 +127,7 @@ impl Map3 for Launch<'_> {
             dims: d,
             reach: self.op.reach,
             scale: self.op.scale,
+            tile,
         };
         // SAFETY: the wrapper checked the shapes: q holds batch * heads * head_dim elements,
         // k and v blocks * kv_heads * block_size * head_dim, positions batch, the table (when
@@ -123,6 +136,24 @@ impl Map3 for Launch<'_> {
         unsafe { launch.launch::<T>(device, &stream, false) }?;
         Ok(out)
     }
+}
+
+/// Whether dtype `T` takes the tensor-core split kernel on `device`: bf16 or f16 on compute
+/// capability 8.0 or later.
+fn tensor_cores<T: WithDType>(device: &CudaDevice) -> Result<bool> {
+    Ok(matches!(T::DTYPE, DType::BF16 | DType::F16) && has_tensor_cores(device)?)
+}
+
+/// The queries a block of the tensor-core split kernel takes, where it takes these sizes
+/// (head_dim a multiple of 16 up to 128, a group dividing [`TILE_ROWS`]) and operands (q and
+/// the caches starting at an even element: the kernel loads two elements at a time).
+fn tile(d: super::Dims, layouts: [&Layout; 3]) -> Option<u32> {
+    let group = d.heads / d.kv_heads;
+    let fits = d.head_dim.is_multiple_of(16)
+        && d.head_dim <= 128
+        && TILE_ROWS.is_multiple_of(group)
+        && layouts.iter().all(|l| l.start_offset().is_multiple_of(2));
+    fits.then_some((TILE_ROWS / group) as u32)
 }
 
 /// The split and combine launches' operands, by device address.
@@ -143,6 +174,9 @@ pub(crate) struct AttentionLaunch {
     pub(crate) dims: super::Dims,
     pub(crate) reach: usize,
     pub(crate) scale: f32,
+    /// The queries a block of the tensor-core split kernel takes (queries in runs, see
+    /// `prefill_attention`), or `None`: the decode split kernel.
+    pub(crate) tile: Option<u32>,
 }
 
 impl AttentionLaunch {
@@ -176,7 +210,11 @@ impl AttentionLaunch {
         let chunk = u32_of("the chunk", CHUNK)?;
         let reach = u32_of("the window", self.reach)?;
         let splits = u32_of("the chunk count", d.splits())?;
-        let shared = u32_of("the shared memory", d.shared_bytes())?;
+        let shared = match self.tile {
+            Some(tile) => tiled_shared_bytes::<T>(d, tile),
+            None => d.shared_bytes(),
+        };
+        let shared = u32_of("the shared memory", shared)?;
 
         let mut args = Args::new();
         args.arg(&self.q)
@@ -196,8 +234,15 @@ impl AttentionLaunch {
             .arg(&chunk)
             .arg(&reach)
             .arg(&self.scale);
+        let (kernel, tiles) = match &self.tile {
+            Some(tile) => {
+                args.arg(&batch).arg(tile);
+                ("graft_prefill_attention_partial", batch.div_ceil(*tile))
+            }
+            None => ("graft_decode_attention_partial", batch),
+        };
         let config = LaunchConfig {
-            grid_dim: (splits, kv_heads, batch),
+            grid_dim: (splits, kv_heads, tiles),
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: shared,
         };
@@ -212,11 +257,17 @@ impl AttentionLaunch {
         // partials, indexed by (head * splits + split) < that; the dynamic shared memory is
         // group * (head_dim + chunk) f32, rounded up to 8 bytes, and one u64 per block a chunk's
         // positions can be in (at most 48 KiB, checked), exactly what the kernel indexes; the block is 4 whole warps; it waits before it reads anything.
+        // The tensor-core kernel (`graft_prefill_attention_partial_<dtype>`, bf16 or f16 on
+        // compute capability 8.0+) takes the same arguments and the batch and the tile (each
+        // block clamps its queries below the batch): its shared memory is
+        // `tiled_shared_bytes`' (under 48 KiB for head_dim <= 128), q and the caches start at
+        // an even element (two-element loads), head_dim is a multiple of 16 and the group
+        // divides its 64 query rows (`tile`).
         unsafe {
             KERNELS.launch(
                 device,
                 stream,
-                &format!("graft_decode_attention_partial_{dtype}"),
+                &format!("{kernel}_{dtype}"),
                 config,
                 dependent,
                 &mut args,
@@ -251,4 +302,15 @@ impl AttentionLaunch {
             )
         }
     }
+}
+
+/// Dynamic shared memory of a tensor-core split-kernel block: a chunk's keys and values,
+/// each row padded by 8 elements, then three u32 a query of the tile and three of the run
+/// (rounded up to 8 bytes), then the first cache row of each block a chunk's positions are
+/// in (u64).
+fn tiled_shared_bytes<T: WithDType>(d: super::Dims, tile: u32) -> usize {
+    let kv = 2 * CHUNK * (d.head_dim + 8) * T::DTYPE.size_in_bytes();
+    let words = 3 * tile as usize + 3;
+    let blocks = CHUNK.div_ceil(d.index.block_size.max(1)) + 1;
+    kv + (words + words % 2) * size_of::<u32>() + blocks * size_of::<u64>()
 }

@@ -1,4 +1,20 @@
 
+// The entry of a block-table row (of max_blocks entries of block_size positions) that holds
+// position j: entry 0 of a static cache's row (one block: no division), a shift for a
+// power-of-two block size, else a division.
+struct GraftEntry {
+    bool one;
+    bool pow2;
+    unsigned int shift;
+    unsigned int block_size;
+    __device__ GraftEntry(unsigned int max_blocks, unsigned int size)
+        : one(max_blocks == 1u), pow2((size & (size - 1u)) == 0u), shift(__ffs(size) - 1u),
+          block_size(size) {}
+    __device__ unsigned int operator()(unsigned int j) const {
+        return one ? 0u : pow2 ? j >> shift : j / block_size;
+    }
+};
+
 // The partial of query heads first .. first + group (first = b * heads + kvh * group) over the
 // visible positions start .. end of chunk `split`, at index (head * splits + split). Position
 // j of sequence b is read where graft_cache_place puts it: through the sequence's row of the
@@ -57,12 +73,7 @@ __device__ void graft_decode_attention_partial(
     // static cache's: no division; a shift for a power-of-two block size); the chunk's blocks
     // are looked up once, here (a few entries: the loops below read a place per key row and
     // per value part).
-    const bool one = max_blocks == 1u;
-    const bool pow2 = (block_size & (block_size - 1u)) == 0u;
-    const unsigned int shift = __ffs(block_size) - 1u;
-    auto entry = [&](unsigned int j) -> unsigned int {
-        return one ? 0u : pow2 ? j >> shift : j / block_size;
-    };
+    const GraftEntry entry(max_blocks, block_size);
     const unsigned int blk0 = entry(start);
     {
         const unsigned int* tb = table ? table + (unsigned long long)b * max_blocks : 0;

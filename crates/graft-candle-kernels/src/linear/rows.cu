@@ -21,26 +21,6 @@
 // come before the programmatic wait (no kernel of the step writes the weights), so they
 // overlap the kernel before.
 
-// The mma of one k16 step: c += a (16 x 16 rows-by-k) * b (16 x 8 k-by-outputs).
-template <typename T>
-__device__ __forceinline__ void graft_rows_mma(float* c, unsigned int a0, unsigned int a1,
-                                               unsigned int a2, unsigned int a3,
-                                               unsigned int b0, unsigned int b1);
-// Its specializations, `ptx` the operands' PTX type.
-#define GRAFT_ROWS_MMA(T, ptx)                                                               \
-    template <>                                                                              \
-    __device__ __forceinline__ void graft_rows_mma<T>(float* c, unsigned int a0,             \
-                                                      unsigned int a1, unsigned int a2,      \
-                                                      unsigned int a3, unsigned int b0,      \
-                                                      unsigned int b1) {                     \
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." ptx "." ptx                    \
-                     ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"            \
-                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                        \
-                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));                \
-    }
-GRAFT_ROWS_MMA(GraftBf16, "bf16")
-GRAFT_ROWS_MMA(GraftF16, "f16")
-
 // Input row r's 16 bytes at column `col`, zero past the rows or the row's end.
 template <typename T>
 __device__ __forceinline__ uint4 graft_rows_x(const T* x, unsigned int r, unsigned int rows,
@@ -145,9 +125,9 @@ __device__ void graft_rows(const T* x, const T* w0, const T* w1, const T* w2, co
         for (int u = 0; u < U; ++u) {
 #pragma unroll
             for (int s = 0; s < S; ++s) {
-                graft_rows_mma<T>(acc[s], xa[u].x, xb[u].x, xa[u].y, xb[u].y, w[u][s].x,
+                graft_mma_16816<T>(acc[s], xa[u].x, xb[u].x, xa[u].y, xb[u].y, w[u][s].x,
                                   w[u][s].y);
-                graft_rows_mma<T>(acc[s], xa[u].z, xb[u].z, xa[u].w, xb[u].w, w[u][s].z,
+                graft_mma_16816<T>(acc[s], xa[u].z, xb[u].z, xa[u].w, xb[u].w, w[u][s].z,
                                   w[u][s].w);
             }
         }

@@ -22,7 +22,7 @@ pub fn tables(seed: u64, batch: usize, per: usize, blocks: usize) -> Vec<Vec<u32
 /// head_dim]` pages: positions `i * block_size..` of sequence b's row `rows[b]` in block
 /// `table[b][i]`; every other place (blocks no table names, the end of a last block) NaN, so
 /// that a read of one shows.
-fn paginate(
+pub fn paginate(
     cache: &Tensor,
     rows: &[usize],
     table: &[Vec<u32>],

@@ -4,7 +4,8 @@
 
 use candle_core::{Result, Tensor};
 use graft_candle_kernels::{
-    QkNorm, decode_attention, decode_attention_paged, rope_store, rope_store_paged,
+    QkNorm, decode_attention, decode_attention_paged, prefill_attention, prefill_attention_paged,
+    rope_store, rope_store_paged,
 };
 
 use crate::cache::Lookup;
@@ -20,6 +21,9 @@ pub(crate) struct Slots<'a> {
     /// The unfused attention's mask (`[n, 1, 1, max_seq]`), where the heads do not fit the
     /// fused one (decode only: a prefill then runs `prefill_unfused`).
     pub(crate) mask: Option<&'a Tensor>,
+    /// The tokens come in long runs of one sequence's consecutive positions (a prefill
+    /// chunk): the attention takes tiles of them (`prefill_attention`).
+    pub(crate) runs: bool,
 }
 
 impl Slots<'_> {
@@ -69,12 +73,15 @@ impl Slots<'_> {
     ) -> Result<Tensor> {
         let scale = 1.0 / (s.head_dim as f32).sqrt();
         let window = s.sliding_window;
-        match self.lookup {
-            Lookup::Rows(rows) => {
-                decode_attention(q, k, v, self.positions, rows.as_ref(), scale, window)
+        let at = self.positions;
+        match (self.lookup, self.runs) {
+            (Lookup::Rows(Some(rows)), true) => prefill_attention(q, k, v, at, rows, scale, window),
+            (Lookup::Rows(rows), _) => decode_attention(q, k, v, at, rows.as_ref(), scale, window),
+            (Lookup::Pages(table), true) => {
+                prefill_attention_paged(q, k, v, at, table, scale, window)
             }
-            Lookup::Pages(table) => {
-                decode_attention_paged(q, k, v, self.positions, table, scale, window)
+            (Lookup::Pages(table), false) => {
+                decode_attention_paged(q, k, v, at, table, scale, window)
             }
         }
     }

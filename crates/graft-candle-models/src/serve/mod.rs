@@ -20,9 +20,9 @@
 //! and values: moving a sequence moves its table row, a prompt shares the cached blocks of
 //! its prefix, and admission and preemption count blocks (`pages.rs`).
 //!
-//! With [`ServeConfig::speculate`], a sequence that runs alone (nothing else decoding or
-//! prefilling) takes verify passes of prompt-lookup drafts instead of decode steps
-//! (`speculate.rs`): the same tokens, up to k + 1 a step.
+//! With [`ServeConfig::speculate`], the running sequences take verify passes of their drafts
+//! (prompt lookup or a draft model) instead of decode steps (`speculate.rs`): the same
+//! tokens, up to k + 1 a sequence a step.
 
 mod error;
 mod pages;
@@ -39,7 +39,7 @@ use graft_candle_kernels::SAMPLE_WORDS;
 pub use graft_candle_kernels::SampleParams;
 
 use crate::paged::{BlockPool, BlockTable};
-use crate::speculate::{AdaptiveDraft, DraftError, DraftModel};
+use crate::speculate::{AdaptiveDraft, DraftError, DraftModel, DraftRow, VerifyRow};
 use crate::{Decoder, KvCache};
 
 pub use error::{Refused, Rejected, StepError};
@@ -77,8 +77,7 @@ pub struct ServeConfig {
     /// At most this many sequences decode at once (`None`: as many as the cache holds).
     /// Requests beyond wait in the queue.
     pub max_running: Option<usize>,
-    /// Speculative decoding with prompt lookup for a sequence that runs alone (`None`: off):
-    /// see [`Speculate`].
+    /// Speculative decoding of the running sequences (`None`: off): see [`Speculate`].
     pub speculate: Option<Speculate>,
 }
 
@@ -101,8 +100,11 @@ enum Runner {
         graft: Box<CandleGraft>,
         prefill: StepId,
         decode: StepId,
-        /// Speculation's verify pass, one recording per draft count.
+        /// Speculation's verify pass, one recording per decode bucket and draft count.
         verify: StepId,
+        /// Speculation's rounds with a draft model (its steps and the verify pass), one
+        /// recording per decode bucket and draft count.
+        round: StepId,
     },
 }
 
@@ -184,7 +186,8 @@ impl<'m> Engine<'m> {
     }
 
     /// An engine that runs every step under `graft`, padded to the buckets: it registers a
-    /// `prefill`, a `decode` and a `verify` step (speculation's, used only when it is on).
+    /// `prefill`, a `decode`, a `verify` and a `round` step (speculation's, used only when it
+    /// is on).
     pub fn graphed(
         model: &'m Decoder,
         cache: KvCache,
@@ -193,12 +196,14 @@ impl<'m> Engine<'m> {
     ) -> Result<Engine<'m>, Error> {
         let prefill = graft.register_bucketed("prefill", config.prefill_buckets.clone());
         let decode = graft.register_bucketed("decode", config.decode_buckets.clone());
-        let verify = graft.register("verify");
+        let verify = graft.register_bucketed("verify", config.decode_buckets.clone());
+        let round = graft.register_bucketed("round", config.decode_buckets.clone());
         let runner = Runner::Graft {
             graft: Box::new(graft),
             prefill,
             decode,
             verify,
+            round,
         };
         Engine::new(model, cache, runner, config)
     }
@@ -233,7 +238,8 @@ impl<'m> Engine<'m> {
     /// cost into [`Speculate::pass_costs`] ([`Speculate::draft_model`]).
     pub fn draft_with(&mut self, draft: &'m Decoder) -> Result<(), DraftError> {
         let vocab = self.model.spec().vocab;
-        self.draft_model = Some(DraftModel::new(draft, vocab, self.cache.max_seq())?);
+        let (slots, max_seq) = (self.cache.max_batch(), self.cache.max_seq());
+        self.draft_model = Some(DraftModel::new(draft, vocab, slots, max_seq)?);
         Ok(())
     }
 
@@ -353,9 +359,10 @@ impl<'m> Engine<'m> {
         Ok(gone)
     }
 
-    /// Under graft, records every prefill and decode bucket now (with dummy tokens, from
-    /// position 0), so that no request waits for a recording; then starts every sequence
-    /// of the cache over. Returns the calls made. The engine must be idle.
+    /// Under graft, records every prefill and decode bucket now (and, with speculation, a
+    /// verify pass of every decode bucket and draft count), with dummy tokens from position 0,
+    /// so that no request waits for a recording; then starts every sequence of the cache
+    /// over. Returns the calls made. The engine must be idle.
     pub fn capture(&mut self) -> Result<usize, Error> {
         if self.pending() > 0 {
             return Err(model(candle_core::Error::Msg(
@@ -366,7 +373,8 @@ impl<'m> Engine<'m> {
             graft,
             prefill,
             decode,
-            ..
+            verify,
+            round,
         } = &mut self.runner
         else {
             return Ok(0);
@@ -386,15 +394,17 @@ impl<'m> Engine<'m> {
             calls += until_recorded(|| {
                 self.cache.reset().map_err(model)?;
                 graft.mark_step_begin();
-                self.model.prefill(
-                    graft,
-                    *prefill,
-                    &self.cache,
-                    0,
-                    &tokens,
-                    bucket,
-                    SampleParams::GREEDY,
-                )
+                self.model
+                    .prefill(
+                        graft,
+                        *prefill,
+                        &self.cache,
+                        0,
+                        &tokens,
+                        bucket,
+                        SampleParams::GREEDY,
+                    )
+                    .map(|s| s.outcome)
             })?;
         }
         for &bucket in self.config.decode_buckets.sizes() {
@@ -407,7 +417,49 @@ impl<'m> Engine<'m> {
                 graft.mark_step_begin();
                 self.model
                     .decode_sampled(graft, *decode, &self.cache, &tokens, &params)
+                    .map(|s| s.outcome)
             })?;
+        }
+        // Speculation's passes: a sequence in row 0 (the others padding) at every width, with
+        // the draft model's steps where it runs rounds.
+        let max_draft = self.config.speculate.as_ref().map_or(0, |s| s.max_draft);
+        let mut draft = self.draft_model.as_mut().filter(|d| d.runs_rounds());
+        for &bucket in self.config.decode_buckets.sizes() {
+            for width in 2..=max_draft + 1 {
+                let tokens = vec![0u32; width];
+                calls += until_recorded(|| {
+                    self.cache.reset().map_err(model)?;
+                    graft.mark_step_begin();
+                    if let Some(d) = draft.as_deref_mut() {
+                        // The round's sequence: two tokens so far.
+                        self.cache.set_position(0, 1).map_err(model)?;
+                        let row = [DraftRow {
+                            row: 0,
+                            history: &tokens[..2],
+                            drafts: width - 1,
+                            sampling: SampleParams::GREEDY,
+                        }];
+                        return d
+                            .round(
+                                graft,
+                                *round,
+                                self.model,
+                                &self.cache,
+                                &row,
+                                (bucket, width),
+                            )
+                            .map(|pass| pass.outcome);
+                    }
+                    let row = [VerifyRow {
+                        row: 0,
+                        tokens: &tokens,
+                        sampling: SampleParams::GREEDY,
+                    }];
+                    self.model
+                        .verify_rows(graft, *verify, &self.cache, &row, (bucket, width))
+                        .map(|pass| pass.outcome)
+                })?;
+            }
         }
         self.cache.reset().map_err(model)?;
         if self.cache.block_size().is_some() {
@@ -431,11 +483,8 @@ impl<'m> Engine<'m> {
             let row = self.running.len();
             self.prefilling = self.admit_at(row)?;
         }
-        let alone = self.running.len() == 1 && self.prefilling.is_none();
-        if alone && self.config.speculate.is_some() {
+        if !self.running.is_empty() {
             self.speculate(&mut events)?;
-        } else if !self.running.is_empty() {
-            self.decode(&mut events)?;
         }
         if self.prefilling.is_some() {
             self.prefill_chunk(limit, &mut events)?;
@@ -558,13 +607,11 @@ fn check_fits(cache: &KvCache, config: &ServeConfig) -> Result<(), Error> {
 
 /// Calls `call` until it records or replays (at most 4 calls: warmups first); returns the
 /// calls made.
-fn until_recorded(
-    mut call: impl FnMut() -> Result<graft_candle::Step, Error>,
-) -> Result<usize, Error> {
+fn until_recorded(mut call: impl FnMut() -> Result<StepOutcome, Error>) -> Result<usize, Error> {
     for calls in 1..=4 {
-        let step = call()?;
+        let outcome = call()?;
         if matches!(
-            step.outcome,
+            outcome,
             StepOutcome::Recorded(_) | StepOutcome::Replayed(_) | StepOutcome::Eager(_)
         ) {
             return Ok(calls);

@@ -112,22 +112,22 @@ impl Engine<'_> {
         self.cache.set_blocks(row, &[])
     }
 
-    /// The drafts a verify pass of running row 0 may take: on a paged cache, as many as its
-    /// blocks hold past its last token (the pass writes them all; the accepted ones join its
-    /// table after it, so no block is taken for a draft the pass rejects).
-    pub(super) fn draft_room(&self) -> usize {
-        let position = self.cache.positions()[0] as usize;
-        let room = match (&self.pool, &self.running[0].table) {
+    /// The drafts a verify pass of running row `row` may take: on a paged cache, as many as
+    /// its blocks hold past its last token (the pass writes them all; the accepted ones join
+    /// its table after it, so no block is taken for a draft the pass rejects).
+    pub(super) fn draft_room(&self, row: usize) -> usize {
+        let position = self.cache.positions()[row] as usize;
+        let room = match (&self.pool, &self.running[row].table) {
             (Some(pool), Some(table)) => table.blocks().len() * pool.block_size() as usize,
             _ => self.cache.max_seq(),
         };
         room.saturating_sub(position + 1)
     }
 
-    /// Records the drafts a verify pass of running row 0 accepted in its table (their keys
-    /// and values are in its last block, see [`Engine::draft_room`]).
-    pub(super) fn accept_drafts(&mut self, drafts: &[u32]) -> candle_core::Result<()> {
-        let (Some(pool), Some(table)) = (&mut self.pool, self.running[0].table.as_mut()) else {
+    /// Records the drafts a verify pass of running row `row` accepted in its table (their
+    /// keys and values are in its last block, see [`Engine::draft_room`]).
+    pub(super) fn accept_drafts(&mut self, row: usize, drafts: &[u32]) -> candle_core::Result<()> {
+        let (Some(pool), Some(table)) = (&mut self.pool, self.running[row].table.as_mut()) else {
             return Ok(());
         };
         for &d in drafts {

@@ -1,16 +1,15 @@
-//! Speculation in the engine: while a sequence runs alone (nothing else decoding or
-//! prefilling), each step is a verify pass of its last token and up to `max_draft` drafts from
-//! prompt lookup (or a draft model, [`Engine::draft_with`]) instead of a decode step, the draft count picked by an [`AdaptiveDraft`] per
-//! sequence. A pass emits from 1 to k + 1 tokens, each as a decode step would have made it
-//! (the request's sampling, each token at its own draw index), so a request's tokens are the
-//! same with speculation on or off wherever the pass's logits agree with the decode step's.
-//! With others beside it, or when it has no drafts (its chooser picks none, or prompt lookup
-//! finds none), the sequence decodes as usual.
-
-use candle_core::Tensor;
+//! Speculation in the engine: each step of the running sequences is one verify pass of their
+//! last tokens and up to `max_draft` drafts each from prompt lookup (or a draft model,
+//! [`Engine::draft_with`]) instead of a decode step, each sequence's draft count picked by its
+//! own [`AdaptiveDraft`]. A pass emits from 1 to k + 1 tokens a sequence, each as a decode
+//! step would have made it (the request's sampling, each token at its own draw index), so a
+//! request's tokens are the same with speculation on or off wherever the pass's logits agree
+//! with the decode step's. A sequence without drafts (its chooser picks none, or its drafter
+//! finds none) takes one token in the pass; when no sequence has drafts the step is a decode
+//! step.
 
 use super::{Engine, Event, Runner, Running, SampleParams, StepError, model};
-use crate::speculate::{AdaptiveDraft, prompt_lookup};
+use crate::speculate::{AdaptiveDraft, DraftModel, DraftRow, VerifyRow, prompt_lookup};
 
 /// Speculative decoding with prompt lookup or a draft model
 /// ([`ServeConfig::speculate`](super::ServeConfig)).
@@ -78,61 +77,147 @@ impl Running {
 }
 
 impl Engine<'_> {
-    /// One verify pass of the only running sequence (row 0): its last token and the drafts
-    /// prompt lookup finds, as many as its chooser picks, the tokens left to make and the
-    /// cache's room allow. Emits the pass's tokens up to the sequence's end.
+    /// One verify pass of every running sequence: each one's last token and the drafts its
+    /// drafter finds, as many as its chooser picks, the tokens left to make and the cache's
+    /// room allow (none: the pass is a decode step for it). The pass is as wide as the most
+    /// drafts (under graft its sequences padded to a decode bucket); without drafts anywhere
+    /// it is a decode step. Emits each sequence's tokens up to its end.
     pub(super) fn speculate(&mut self, events: &mut Vec<Event>) -> Result<(), StepError> {
-        let fail = |source| StepError::Decode { batch: 1, source };
+        let n = self.running.len();
+        let fail = |source| StepError::Decode { batch: n, source };
         let Some(spec) = &self.config.speculate else {
-            return Ok(());
+            return self.decode(events);
         };
-        let room = self.draft_room();
-        let r = &mut self.running[0];
-        let draft = r.draft.get_or_insert_with(|| spec.chooser());
-        let k = draft
-            .next_k()
-            .min(r.max_new.saturating_sub(r.generated + 1))
-            .min(room);
-        let drafts = match (k, self.draft_model.as_mut()) {
-            (0, _) => Vec::new(),
-            (_, Some(d)) => d.propose(&r.history, k).map_err(|e| fail(model(e)))?,
-            (_, None) => prompt_lookup(&r.history, spec.ngram, k),
-        };
-        if drafts.is_empty() {
-            // Nothing to verify: the decode step (a pass of one row would run the prefill's
-            // kernels, dearer than the step's, for the same token).
-            draft.observe(0, 0);
+        // Each sequence's draft count.
+        let mut ks = Vec::with_capacity(n);
+        for row in 0..n {
+            let room = self.draft_room(row);
+            let r = &mut self.running[row];
+            let chooser = r.draft.get_or_insert_with(|| spec.chooser());
+            ks.push(
+                chooser
+                    .next_k()
+                    .min(r.max_new.saturating_sub(r.generated + 1))
+                    .min(room),
+            );
+        }
+        let rounds = self
+            .draft_model
+            .as_ref()
+            .is_some_and(DraftModel::runs_rounds);
+        // The drafts, where the host makes them (prompt lookup, or a draft model that cannot
+        // run rounds).
+        let mut drafts: Vec<Vec<u32>> = Vec::with_capacity(n);
+        if !rounds {
+            for (row, &k) in ks.iter().enumerate() {
+                let r = &self.running[row];
+                drafts.push(match (k, self.draft_model.as_mut()) {
+                    (0, _) => Vec::new(),
+                    (_, Some(m)) => m.propose(row, &r.history, k).map_err(|e| fail(model(e)))?,
+                    (_, None) => prompt_lookup(&r.history, spec.ngram, k),
+                });
+            }
+            ks = drafts.iter().map(Vec::len).collect();
+        }
+        let width = 1 + ks.iter().copied().max().unwrap_or(0);
+        if width == 1 {
+            // Nothing to verify: the decode step (a pass of one token a row runs the
+            // prefill's kernels, dearer than the step's, for the same tokens).
+            for r in &mut self.running {
+                if let Some(chooser) = &mut r.draft {
+                    chooser.observe(0, 0);
+                }
+            }
             return self.decode(events);
         }
-        let mut tokens = Vec::with_capacity(drafts.len() + 1);
-        tokens.push(r.last);
-        tokens.extend(&drafts);
-        let tokens =
-            Tensor::new(tokens.as_slice(), self.model.device()).map_err(|e| fail(model(e)))?;
-        let sampling = SampleParams {
+        let sampling = |r: &Running| SampleParams {
             index: r.generated as u32,
             ..r.sampling
         };
-        let pass = match &mut self.runner {
-            Runner::Eager => self
-                .model
-                .verify_forward(&self.cache, 0, &tokens, sampling)
-                .map_err(model),
-            Runner::Graft { graft, verify, .. } => {
-                graft.mark_step_begin();
-                self.model
-                    .verify(graft, *verify, &self.cache, 0, &tokens, sampling)
+        let segments = match &self.runner {
+            Runner::Eager => n,
+            Runner::Graft { .. } => self.config.decode_buckets.pick(n).size().max(n),
+        };
+        let passes = match (&mut self.runner, self.draft_model.as_mut()) {
+            (runner, Some(draft)) if rounds => {
+                let rows: Vec<DraftRow<'_>> = self
+                    .running
+                    .iter()
+                    .zip(&ks)
+                    .enumerate()
+                    .map(|(row, (r, &drafts))| DraftRow {
+                        row,
+                        history: &r.history,
+                        drafts,
+                        sampling: sampling(r),
+                    })
+                    .collect();
+                match runner {
+                    Runner::Eager => draft
+                        .round_forward(self.model, &self.cache, &rows, (n, width))
+                        .map_err(model),
+                    Runner::Graft { graft, round, .. } => {
+                        graft.mark_step_begin();
+                        draft
+                            .round(
+                                graft,
+                                *round,
+                                self.model,
+                                &self.cache,
+                                &rows,
+                                (segments, width),
+                            )
+                            .map(|pass| pass.rows)
+                    }
+                }
+            }
+            (runner, _) => {
+                let tokens: Vec<Vec<u32>> = self
+                    .running
+                    .iter()
+                    .zip(&drafts)
+                    .map(|(r, d)| [&[r.last][..], d].concat())
+                    .collect();
+                let rows: Vec<VerifyRow<'_>> = self
+                    .running
+                    .iter()
+                    .zip(&tokens)
+                    .enumerate()
+                    .map(|(row, (r, tokens))| VerifyRow {
+                        row,
+                        tokens,
+                        sampling: sampling(r),
+                    })
+                    .collect();
+                match runner {
+                    Runner::Eager => self
+                        .model
+                        .verify_rows_forward(&self.cache, &rows, (n, width))
+                        .map_err(model),
+                    Runner::Graft { graft, verify, .. } => {
+                        graft.mark_step_begin();
+                        self.model
+                            .verify_rows(graft, *verify, &self.cache, &rows, (segments, width))
+                            .map(|pass| pass.rows)
+                    }
+                }
             }
         }
         .map_err(fail)?;
-        draft.observe(drafts.len(), pass.accepted);
-        self.accept_drafts(&drafts[..pass.accepted])
-            .map_err(|e| fail(model(e)))?;
-        let r = &mut self.running[0];
-        for &token in pass.tokens() {
-            r.made(token, events);
-            if r.generated >= r.max_new || self.config.eos.contains(&token) {
-                break;
+        for (row, (pass, &k)) in passes.iter().zip(&ks).enumerate() {
+            if let Some(chooser) = &mut self.running[row].draft {
+                chooser.observe(k, pass.accepted);
+            }
+            // The accepted drafts are the pass's picks before its last.
+            let tokens = pass.tokens();
+            self.accept_drafts(row, &tokens[..tokens.len() - 1])
+                .map_err(|e| fail(model(e)))?;
+            let r = &mut self.running[row];
+            for &token in tokens {
+                r.made(token, events);
+                if r.generated >= r.max_new || self.config.eos.contains(&token) {
+                    break;
+                }
             }
         }
         self.retire(events).map_err(|e| fail(model(e)))

@@ -3,7 +3,7 @@
 //! verify passes accept.
 
 use candle_core::{Result, Tensor};
-use graft_candle_kernels::{SampleParams, argmax_last};
+use graft_candle_kernels::SampleParams;
 
 use crate::cache::KvCache;
 use crate::decoder::Decoder;
@@ -38,18 +38,19 @@ pub enum DraftError {
 /// module's documentation).
 #[derive(Debug)]
 pub struct DraftModel<'m> {
-    model: &'m Decoder,
-    cache: KvCache,
-    /// The tokens whose keys and values the cache's row holds, at positions 0, 1, ...
-    held: Vec<u32>,
+    pub(super) model: &'m Decoder,
+    pub(super) cache: KvCache,
+    /// Per slot, the tokens whose keys and values its cache row holds, at positions 0, 1, ...
+    pub(super) held: Vec<Vec<u32>>,
 }
 
 impl<'m> DraftModel<'m> {
-    /// A drafter over `model` for sequences of up to `max_seq` tokens (a cache of one row),
-    /// drafting for a target of `target_vocab` tokens.
+    /// A drafter over `model` for `slots` sequences of up to `max_seq` tokens (a cache of
+    /// `slots` rows), drafting for a target of `target_vocab` tokens.
     pub fn new(
         model: &'m Decoder,
         target_vocab: usize,
+        slots: usize,
         max_seq: usize,
     ) -> std::result::Result<Self, DraftError> {
         let draft = model.spec().vocab;
@@ -60,19 +61,19 @@ impl<'m> DraftModel<'m> {
             });
         }
         let cache = model
-            .new_serving_cache(1, max_seq)
+            .new_serving_cache(slots, max_seq)
             .map_err(|source| DraftError::Cache { max_seq, source })?;
         Ok(DraftModel {
             model,
             cache,
-            held: Vec::new(),
+            held: vec![Vec::new(); slots],
         })
     }
 
     /// Up to `k` drafts after `history` (the sequence so far; its last token is the one the
-    /// next verify pass starts from): the draft model's greedy continuation. Fewer when the
-    /// draft's cache has no room for more; none for an empty history.
-    pub fn propose(&mut self, history: &[u32], k: usize) -> Result<Vec<u32>> {
+    /// next verify pass starts from) from slot `slot`: the draft model's greedy continuation.
+    /// Fewer when the draft's cache has no room for more; none for an empty history.
+    pub fn propose(&mut self, slot: usize, history: &[u32], k: usize) -> Result<Vec<u32>> {
         let Some((&last, before)) = history.split_last() else {
             return Ok(Vec::new());
         };
@@ -80,38 +81,48 @@ impl<'m> DraftModel<'m> {
         if k == 0 || before.len() >= max_seq {
             return Ok(Vec::new());
         }
+        self.catch_up(slot, before)?;
+        let held = &mut self.held[slot];
+        let mut drafts = Vec::with_capacity(k);
+        let mut token = last;
+        while drafts.len() < k && held.len() < max_seq {
+            // A verify pass without drafts: one greedy decode step of the slot's row.
+            let v = self
+                .model
+                .verify_forward(&self.cache, slot, &[token], SampleParams::GREEDY)?;
+            held.push(token);
+            token = v.targets[0];
+            drafts.push(token);
+        }
+        Ok(drafts)
+    }
+
+    /// Makes slot `slot`'s cache row hold the keys and values of `before` at positions 0, 1,
+    /// ...: keeps the longest prefix of what it holds that `before` starts with and feeds it
+    /// the rest in one prefill chunk; its position is then `before.len()`.
+    pub(super) fn catch_up(&mut self, slot: usize, before: &[u32]) -> Result<()> {
+        let Some(held) = self.held.get_mut(slot) else {
+            candle_core::bail!(
+                "draft slot {slot} of a draft model of {} slots: make it with more",
+                self.held.len()
+            );
+        };
         // What the cache holds that is still the sequence's; the rest goes.
-        let keep = self
-            .held
-            .iter()
-            .zip(before)
-            .take_while(|(a, b)| a == b)
-            .count();
-        self.held.truncate(keep);
-        self.cache.set_position(0, keep as u32)?;
-        let device = self.model.device();
+        let keep = held.iter().zip(before).take_while(|(a, b)| a == b).count();
+        held.truncate(keep);
+        self.cache.set_position(slot, keep as u32)?;
         if keep < before.len() {
             let rest = &before[keep..];
-            let tokens = Tensor::new(rest, device)?;
+            let tokens = Tensor::new(rest, self.model.device())?;
             self.model.prefill_forward(
                 &self.cache,
-                0,
+                slot,
                 &tokens,
                 rest.len(),
                 SampleParams::GREEDY,
             )?;
-            self.held.extend_from_slice(rest);
+            held.extend_from_slice(rest);
         }
-        let mut drafts = Vec::with_capacity(k);
-        let mut token = last;
-        while drafts.len() < k && self.held.len() < max_seq {
-            let logits = self
-                .model
-                .forward(&self.cache, &Tensor::new(&[token], device)?)?;
-            self.held.push(token);
-            token = argmax_last(&logits)?.to_vec1::<u32>()?[0];
-            drafts.push(token);
-        }
-        Ok(drafts)
+        Ok(())
     }
 }

@@ -271,20 +271,17 @@ pub(crate) fn bad_requests_are_refused_and_nothing_else_changes(model: &Decoder)
     Ok(())
 }
 
-/// Speculative decoding gives plain decoding's tokens, greedy or sampled with the same seed and
-/// draw indices, whatever the drafts: an oracle's (plain decoding's own tokens: every draft
-/// accepted), wrong ones (none accepted) and prompt lookup's. The prompt's keys and values are
-/// written token by token in both caches. With `graft`, every verify pass goes through it
-/// (`Decoder::verify`).
-pub(crate) fn speculation_equals_plain_decoding(
+/// Each prompt's first `n` tokens by plain decoding (one decode step a token, alone in a cache
+/// of its own), each picked by `sampling` at its own draw index.
+pub(crate) fn plain_tokens(
     model: &Decoder,
-    mut graft: Option<&mut CandleGraft>,
+    prompts: &[Vec<u32>],
+    n: usize,
     sampling: SampleParams,
-) -> TestResult {
+) -> TestResult<Vec<Vec<u32>>> {
     use graft_candle_kernels::sample_rows;
-    use graft_candle_models::speculate::{DraftModel, prompt_lookup};
     let dev = model.device().clone();
-    // Token number `index` of the request, picked from `logits` ([1, vocab]).
+    // Token number `index` of a request, picked from `logits` ([1, vocab]).
     let pick = |logits: Tensor, index: usize| -> TestResult<u32> {
         let words = SampleParams {
             index: index as u32,
@@ -294,32 +291,59 @@ pub(crate) fn speculation_equals_plain_decoding(
         let words = Tensor::new(&[words], &dev)?;
         Ok(sample_rows(&logits, &words)?.to_vec1::<u32>()?[0])
     };
-    // A prompt that repeats itself, so that prompt lookup finds n-grams.
-    let prompt: Vec<u32> = (0..14u32)
-        .map(|i| [5, 17, 99, 3][i as usize % 4] + i / 8)
+    let mut want = Vec::new();
+    for prompt in prompts {
+        let plain = model.new_serving_cache(1, MAX_SEQ)?;
+        let mut logits = None;
+        for &t in prompt {
+            logits = Some(model.forward(&plain, &Tensor::new(&[t], &dev)?)?);
+        }
+        let mut w = vec![pick(logits.ok_or("no prompt")?, 0)?];
+        while w.len() < n {
+            let last = *w.last().ok_or("no token")?;
+            let logits = model.forward(&plain, &Tensor::new(&[last], &dev)?)?;
+            w.push(pick(logits, w.len())?);
+        }
+        want.push(w);
+    }
+    Ok(want)
+}
+
+/// Speculative decoding gives plain decoding's tokens, greedy or sampled with the same seed and
+/// draw indices, whatever the drafts: an oracle's (plain decoding's own tokens: every draft
+/// accepted), wrong ones (none accepted), prompt lookup's and draft models'. Three sequences
+/// of their own prompts verify together in each pass (`Decoder::verify_rows`, padded to 4
+/// segments; the third takes one draft fewer), and one alone (`Decoder::verify`). With
+/// `graft`, every verify pass goes through it.
+pub(crate) fn speculation_equals_plain_decoding(
+    model: &Decoder,
+    mut graft: Option<&mut CandleGraft>,
+    sampling: SampleParams,
+) -> TestResult {
+    use graft_candle_models::speculate::{DraftModel, DraftRow, VerifyRow, prompt_lookup};
+    let dev = model.device().clone();
+    // Prompts that repeat themselves, so that prompt lookup finds n-grams.
+    let prompts: Vec<Vec<u32>> = (0..3u32)
+        .map(|s| {
+            (0..14 - 2 * s)
+                .map(|i| [5, 17, 99, 3][i as usize % 4] + i / 8 + 7 * s)
+                .collect()
+        })
         .collect();
     // One draft a pass takes the decode step's chain of kernels where the decoder runs it
-    // (two rows), four take the prefill's blocks in f32.
+    // (two rows), four the prefill's blocks in f32.
     let (n, kmax) = (24, 4);
-    let plain = model.new_serving_cache(1, MAX_SEQ)?;
-    let mut logits = None;
-    for &t in &prompt {
-        logits = Some(model.forward(&plain, &Tensor::new(&[t], &dev)?)?);
-    }
-    let mut want = vec![pick(logits.ok_or("no prompt")?, 0)?];
-    while want.len() < n + kmax {
-        let last = *want.last().ok_or("no token")?;
-        let logits = model.forward(&plain, &Tensor::new(&[last], &dev)?)?;
-        want.push(pick(logits, want.len())?);
-    }
-    let step = graft.as_deref_mut().map(|g| g.register("verify"));
+    let want = plain_tokens(model, &prompts, n + kmax, sampling)?;
+    let step = graft
+        .as_deref_mut()
+        .map(|g| g.register_bucketed("verify", Buckets::new([1, 4]).expect("buckets")));
     // A draft model of other weights (its drafts mostly wrong), and the target drafting for
     // itself (greedy: every draft right).
     let dir = tempfile::tempdir()?;
     let window = model.spec().sliding_window;
     let other = model_seeded(window, &dev, dir.path(), 12)?;
     let vocab = model.spec().vocab;
-    let refused = DraftModel::new(&other, vocab + 1, MAX_SEQ)
+    let refused = DraftModel::new(&other, vocab + 1, 3, MAX_SEQ)
         .expect_err("a draft of another vocabulary")
         .to_string();
     assert!(
@@ -329,72 +353,150 @@ pub(crate) fn speculation_equals_plain_decoding(
         )),
         "{refused}"
     );
-    for (k, drafter) in [1, kmax].into_iter().flat_map(|k| {
-        [
-            "oracle",
-            "wrong",
-            "prompt lookup",
-            "draft model",
-            "self draft",
-        ]
-        .map(|d| (k, d))
-    }) {
+    // The draft models' rounds run their steps and the pass in one call.
+    let drafters = [
+        "oracle",
+        "wrong",
+        "prompt lookup",
+        "draft model",
+        "self draft",
+        "draft rounds",
+        "self rounds",
+    ];
+    let round_step = graft
+        .as_deref_mut()
+        .map(|g| g.register_bucketed("round", Buckets::new([1, 4]).expect("buckets")));
+    for (k, drafter, batch) in [1, kmax]
+        .into_iter()
+        .flat_map(|k| drafters.map(|d| (k, d)))
+        .flat_map(|(k, d)| [(k, d, 1), (k, d, 3)])
+    {
         let mut draft_model = match drafter {
-            "draft model" => Some(DraftModel::new(&other, vocab, MAX_SEQ)?),
-            "self draft" => Some(DraftModel::new(model, vocab, MAX_SEQ)?),
+            "draft model" | "draft rounds" => Some(DraftModel::new(&other, vocab, 3, MAX_SEQ)?),
+            "self draft" | "self rounds" => Some(DraftModel::new(model, vocab, 3, MAX_SEQ)?),
             _ => None,
         };
-        let cache = model.new_serving_cache(1, MAX_SEQ)?;
-        for &t in &prompt[..prompt.len() - 1] {
-            model.forward(&cache, &Tensor::new(&[t], &dev)?)?;
+        let rounds = drafter.ends_with("rounds");
+        let cache = model.new_serving_cache(3, MAX_SEQ)?;
+        for (row, prompt) in prompts.iter().enumerate().take(batch) {
+            cache.set_position(row, 0)?;
+            let before = &prompt[..prompt.len() - 1];
+            let chunk = Tensor::new(before, &dev)?;
+            model.prefill_forward(&cache, row, &chunk, before.len(), SampleParams::GREEDY)?;
         }
-        let mut history = prompt.clone();
-        let mut got: Vec<u32> = Vec::new();
-        while got.len() < n {
-            let drafts: Vec<u32> = match drafter {
-                "oracle" => want[got.len()..got.len() + k].to_vec(),
-                "wrong" => want[got.len()..got.len() + k]
-                    .iter()
-                    .map(|t| t ^ 1)
-                    .collect(),
-                _ => match draft_model.as_mut() {
-                    Some(d) => d.propose(&history, k)?,
-                    None => prompt_lookup(&history, 3, k),
-                },
-            };
-            let mut tokens = vec![*history.last().ok_or("no history")?];
-            tokens.extend(&drafts);
-            let tokens = Tensor::new(tokens.as_slice(), &dev)?;
-            let at = SampleParams {
-                index: got.len() as u32,
-                ..sampling
-            };
-            let v = match (graft.as_deref_mut(), step) {
-                (Some(g), Some(step)) => model.verify(g, step, &cache, 0, &tokens, at)?,
-                _ => model.verify_forward(&cache, 0, &tokens, at)?,
-            };
-            match drafter {
-                "oracle" => assert_eq!(v.accepted, k, "the oracle's drafts are plain decoding's"),
-                "wrong" => assert_eq!(v.accepted, 0, "no wrong draft is accepted"),
-                "self draft" if sampling == SampleParams::GREEDY => assert_eq!(
-                    v.accepted, k,
-                    "the target's own greedy drafts are plain greedy decoding's"
-                ),
-                _ => {}
+        let mut history: Vec<Vec<u32>> = prompts[..batch].to_vec();
+        let mut got: Vec<Vec<u32>> = vec![Vec::new(); batch];
+        while got.iter().any(|g| g.len() < n) {
+            // The sequences not done yet, each with its tokens for the pass.
+            let active: Vec<usize> = (0..batch).filter(|&row| got[row].len() < n).collect();
+            let mut tokens = Vec::with_capacity(active.len());
+            for &row in &active {
+                // The third sequence takes a draft fewer: the pass pads it.
+                let k = if row == 2 { k - 1 } else { k };
+                let at = got[row].len();
+                let drafts: Vec<u32> = match drafter {
+                    "oracle" => want[row][at..at + k].to_vec(),
+                    "wrong" => want[row][at..at + k].iter().map(|t| t ^ 1).collect(),
+                    // Drafted on the device: the pass needs only their count.
+                    _ if rounds => vec![0; k],
+                    _ => match draft_model.as_mut() {
+                        Some(d) => d.propose(row, &history[row], k)?,
+                        None => prompt_lookup(&history[row], 3, k),
+                    },
+                };
+                let last = *history[row].last().ok_or("no history")?;
+                tokens.push([&[last][..], &drafts].concat());
             }
-            got.extend(v.tokens());
-            history.extend(v.tokens());
+            let rows: Vec<VerifyRow<'_>> = active
+                .iter()
+                .zip(&tokens)
+                .map(|(&row, t)| VerifyRow {
+                    row,
+                    tokens: t,
+                    sampling: SampleParams {
+                        index: got[row].len() as u32,
+                        ..sampling
+                    },
+                })
+                .collect();
+            if let (true, Some(d)) = (rounds, draft_model.as_mut()) {
+                let rows: Vec<DraftRow<'_>> = rows
+                    .iter()
+                    .map(|r| DraftRow {
+                        row: r.row,
+                        history: &history[r.row],
+                        drafts: r.tokens.len() - 1,
+                        sampling: r.sampling,
+                    })
+                    .collect();
+                let segments = if batch == 1 { 1 } else { 4 };
+                let passes = match (graft.as_deref_mut(), round_step) {
+                    (Some(g), Some(step)) => {
+                        d.round(g, step, model, &cache, &rows, (segments, k + 1))?
+                            .rows
+                    }
+                    _ => d.round_forward(model, &cache, &rows, (rows.len(), k + 1))?,
+                };
+                for (v, r) in passes.iter().zip(&rows) {
+                    if drafter == "self rounds" && sampling == SampleParams::GREEDY {
+                        assert_eq!(
+                            v.accepted, r.drafts,
+                            "the target's own greedy drafts are plain greedy decoding's"
+                        );
+                    }
+                    got[r.row].extend(v.tokens());
+                }
+                for &row in &active {
+                    let from = history[row].len() - prompts[row].len();
+                    history[row].extend_from_slice(&got[row][from..]);
+                    assert_eq!(
+                        cache.positions()[row] as usize,
+                        history[row].len() - 1,
+                        "{drafter}: the position follows the accepted tokens"
+                    );
+                }
+                continue;
+            }
+            let passes = match (graft.as_deref_mut(), step, batch) {
+                (Some(g), Some(step), 1) => {
+                    vec![model.verify(g, step, &cache, 0, &tokens[0], rows[0].sampling)?]
+                }
+                (Some(g), Some(step), _) => {
+                    model.verify_rows(g, step, &cache, &rows, (4, k + 1))?.rows
+                }
+                (_, _, 1) => vec![model.verify_forward(&cache, 0, &tokens[0], rows[0].sampling)?],
+                _ => model.verify_rows_forward(&cache, &rows, (rows.len(), k + 1))?,
+            };
+            for (v, r) in passes.iter().zip(&rows) {
+                let (row, drafts) = (r.row, r.tokens.len() - 1);
+                match drafter {
+                    "oracle" => assert_eq!(
+                        v.accepted, drafts,
+                        "the oracle's drafts are plain decoding's"
+                    ),
+                    "wrong" => assert_eq!(v.accepted, 0, "no wrong draft is accepted"),
+                    "self draft" if sampling == SampleParams::GREEDY => assert_eq!(
+                        v.accepted, drafts,
+                        "the target's own greedy drafts are plain greedy decoding's"
+                    ),
+                    _ => {}
+                }
+                got[row].extend(v.tokens());
+                history[row].extend(v.tokens());
+                assert_eq!(
+                    cache.positions()[row] as usize,
+                    history[row].len() - 1,
+                    "{drafter}: the position follows the accepted tokens"
+                );
+            }
+        }
+        for row in 0..batch {
             assert_eq!(
-                cache.positions()[0] as usize,
-                history.len() - 1,
-                "{drafter}: the position follows the accepted tokens"
+                got[row][..n],
+                want[row][..n],
+                "{drafter}, {k} drafts a pass, sequence {row} of {batch}: speculative against plain decoding"
             );
         }
-        assert_eq!(
-            got[..n],
-            want[..n],
-            "{drafter}, {k} drafts a pass: speculative against plain decoding"
-        );
     }
     Ok(())
 }
@@ -467,7 +569,20 @@ pub(crate) fn speculation_changes_no_token(
                 if let Some(d) = draft {
                     engine.draft_with(d)?;
                 }
+                // Graphed, every pass is recorded before the requests come (on a GPU).
+                engine.capture()?;
+                let recorded = |e: &Engine<'_>| {
+                    e.graft()
+                        .and_then(|g| g.graft())
+                        .map(|g| g.stats().recordings)
+                };
+                let before = recorded(&engine);
                 let (out, steps) = run_counting(&mut engine, &requests)?;
+                assert_eq!(
+                    recorded(&engine),
+                    before,
+                    "a pass recorded while serving: capture records them all"
+                );
                 for (_, r) in &requests {
                     assert_eq!(
                         out[&r.id].len(),
