@@ -12,6 +12,12 @@
 //!   one load per position: a full chunk costs a few load latencies (the kernel is latency-
 //!   bound; an earlier form with one warp per key row and one thread per element cost about
 //!   0.5 µs a position a layer).
+//! - `graft_prefill_attention_partial_<bf16|f16>` (`prefill_attention` on compute
+//!   capability 8.0+, head_dim a multiple of 16 up to 128, a group dividing 64): grid
+//!   (splits, kv_heads, tiles), 128 threads (4 warps of 16 query rows on tensor cores), a
+//!   tile of 64 / group queries a block and a split of the chunks run through with an online
+//!   softmax (`Tiled`: at most 8 splits, from max_seq alone), a chunk's keys and values in shared memory
+//!   (`tiled_shared_bytes`); its partials go to the same combine kernel.
 //! - `graft_decode_attention_combine_<dtype>`: grid (heads, batch), `head_dim` rounded up to
 //!   a warp threads, one per head-dim element, merging the non-empty partials online.
 
@@ -40,6 +46,13 @@ static KERNELS: Kernels = Kernels::with_dependents(
 
 /// Query rows a block of the tensor-core split kernel takes (4 warps of one m16 tile).
 const TILE_ROWS: usize = 64;
+
+/// The most splits of a row's chunks the tensor-core split kernel makes. From max_seq alone,
+/// so a query's result does not depend on how many run beside it; 8 keeps the scratch of
+/// partials at 8 a query head, whatever max_seq (at 4,096 positions, one partial a chunk
+/// made a 512-token chunk's scratch 268 MB a layer, and graphs holding it failed to upload
+/// beside a planned cache), while a short chunk still has 8 blocks a KV head and tile.
+const TILED_SPLITS: usize = 8;
 
 /// The op's output on CUDA: the split kernel into f32 scratch, then the combine kernel.
 pub(super) fn forward(
@@ -92,7 +105,13 @@ impl Map3 for Launch<'_> {
         let q = at(view(OP, "q", q, ql)?);
         let k = at(view(OP, "k_cache", k, kl)?);
         let v = at(view(OP, "v_cache", v, vl)?);
-        let partials = d.batch * d.heads * d.splits();
+        // Queries in runs on tensor cores: a tile of them a block.
+        let tiled = match self.op.runs && tensor_cores::<T>(device)? {
+            true => tiled(d, [ql, kl, vl]),
+            false => None,
+        };
+        let splits = tiled.map_or(d.splits(), |t| t.splits);
+        let partials = d.batch * d.heads * splits;
         // SAFETY: the split kernel writes the max and sum of every partial (each block writes
         // those of its group's heads, empty or not, and the grid covers every (split, KV
         // head, sequence)); it writes the outputs of every non-empty partial, and the combine
@@ -105,11 +124,6 @@ impl Map3 for Launch<'_> {
         // SAFETY: the combine kernel writes every element (one block per (head, sequence),
         // one thread per head-dim element) before anything reads them, on the device's stream.
         let out = unsafe { device.alloc::<T>(d.batch * d.heads * d.head_dim)? };
-        // Queries in runs on tensor cores: a tile of them a block.
-        let tile = match self.op.runs && tensor_cores::<T>(device)? {
-            true => tile(d, [ql, kl, vl]),
-            false => None,
-        };
         // Null without a table (or rows): each query reads its own row.
         let table = match &self.op.table {
             Some(t) => address(OP, t, "the block table", device)?,
@@ -127,7 +141,7 @@ impl Map3 for Launch<'_> {
             dims: d,
             reach: self.op.reach,
             scale: self.op.scale,
-            tile,
+            tiled,
         };
         // SAFETY: the wrapper checked the shapes: q holds batch * heads * head_dim elements,
         // k and v blocks * kv_heads * block_size * head_dim, positions batch, the table (when
@@ -144,16 +158,35 @@ fn tensor_cores<T: WithDType>(device: &CudaDevice) -> Result<bool> {
     Ok(matches!(T::DTYPE, DType::BF16 | DType::F16) && has_tensor_cores(device)?)
 }
 
-/// The queries a block of the tensor-core split kernel takes, where it takes these sizes
-/// (head_dim a multiple of 16 up to 128, a group dividing [`TILE_ROWS`]) and operands (q and
-/// the caches starting at an even element: the kernel loads two elements at a time).
-fn tile(d: super::Dims, layouts: [&Layout; 3]) -> Option<u32> {
+/// How the tensor-core split kernel covers a call: queries a block, and the chunks of
+/// `CHUNK` positions a block runs through one after another (`per`, in `splits` splits).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Tiled {
+    tile: usize,
+    splits: usize,
+    per: usize,
+}
+
+/// The tensor-core split kernel's cover of a call, where it takes these sizes (head_dim a
+/// multiple of 16 up to 128, a group dividing [`TILE_ROWS`]) and operands (q and the caches
+/// starting at an even element: the kernel loads two elements at a time); from the shapes
+/// only.
+fn tiled(d: super::Dims, layouts: [&Layout; 3]) -> Option<Tiled> {
     let group = d.heads / d.kv_heads;
     let fits = d.head_dim.is_multiple_of(16)
         && d.head_dim <= 128
         && TILE_ROWS.is_multiple_of(group)
         && layouts.iter().all(|l| l.start_offset().is_multiple_of(2));
-    fits.then_some((TILE_ROWS / group) as u32)
+    if !fits {
+        return None;
+    }
+    let chunks = d.splits();
+    let per = chunks.div_ceil(TILED_SPLITS);
+    Some(Tiled {
+        tile: TILE_ROWS / group,
+        splits: chunks.div_ceil(per),
+        per,
+    })
 }
 
 /// The split and combine launches' operands, by device address.
@@ -174,9 +207,9 @@ pub(crate) struct AttentionLaunch {
     pub(crate) dims: super::Dims,
     pub(crate) reach: usize,
     pub(crate) scale: f32,
-    /// The queries a block of the tensor-core split kernel takes (queries in runs, see
-    /// `prefill_attention`), or `None`: the decode split kernel.
-    pub(crate) tile: Option<u32>,
+    /// The tensor-core split kernel's cover (queries in runs, see `prefill_attention`), or
+    /// `None`: the decode split kernel, a chunk a block.
+    pub(crate) tiled: Option<Tiled>,
 }
 
 impl AttentionLaunch {
@@ -209,9 +242,12 @@ impl AttentionLaunch {
         let head_dim = u32_of("the head dim", d.head_dim)?;
         let chunk = u32_of("the chunk", CHUNK)?;
         let reach = u32_of("the window", self.reach)?;
-        let splits = u32_of("the chunk count", d.splits())?;
-        let shared = match self.tile {
-            Some(tile) => tiled_shared_bytes::<T>(d, tile),
+        let splits = u32_of(
+            "the chunk count",
+            self.tiled.map_or(d.splits(), |t| t.splits),
+        )?;
+        let shared = match self.tiled {
+            Some(t) => tiled_shared_bytes::<T>(d, t.tile),
             None => d.shared_bytes(),
         };
         let shared = u32_of("the shared memory", shared)?;
@@ -234,9 +270,16 @@ impl AttentionLaunch {
             .arg(&chunk)
             .arg(&reach)
             .arg(&self.scale);
-        let (kernel, tiles) = match &self.tile {
-            Some(tile) => {
-                args.arg(&batch).arg(tile);
+        let cover = match self.tiled {
+            Some(t) => Some((
+                u32_of("the tile", t.tile)?,
+                u32_of("the chunks a split", t.per)?,
+            )),
+            None => None,
+        };
+        let (kernel, tiles) = match &cover {
+            Some((tile, per)) => {
+                args.arg(&batch).arg(tile).arg(per);
                 ("graft_prefill_attention_partial", batch.div_ceil(*tile))
             }
             None => ("graft_decode_attention_partial", batch),
@@ -258,8 +301,9 @@ impl AttentionLaunch {
         // group * (head_dim + chunk) f32, rounded up to 8 bytes, and one u64 per block a chunk's
         // positions can be in (at most 48 KiB, checked), exactly what the kernel indexes; the block is 4 whole warps; it waits before it reads anything.
         // The tensor-core kernel (`graft_prefill_attention_partial_<dtype>`, bf16 or f16 on
-        // compute capability 8.0+) takes the same arguments and the batch and the tile (each
-        // block clamps its queries below the batch): its shared memory is
+        // compute capability 8.0+) takes the same arguments and the batch, the tile and the
+        // chunks a split (each block clamps its queries below the batch and its chunks below
+        // max_seq / chunk; `splits` is the grid's x and the scratch's, sized by it): its shared memory is
         // `tiled_shared_bytes`' (under 48 KiB for head_dim <= 128), q and the caches start at
         // an even element (two-element loads), head_dim is a multiple of 16 and the group
         // divides its 64 query rows (`tile`).
@@ -308,9 +352,9 @@ impl AttentionLaunch {
 /// each row padded by 8 elements, then three u32 a query of the tile and three of the run
 /// (rounded up to 8 bytes), then the first cache row of each block a chunk's positions are
 /// in (u64).
-fn tiled_shared_bytes<T: WithDType>(d: super::Dims, tile: u32) -> usize {
+fn tiled_shared_bytes<T: WithDType>(d: super::Dims, tile: usize) -> usize {
     let kv = 2 * CHUNK * (d.head_dim + 8) * T::DTYPE.size_in_bytes();
-    let words = 3 * tile as usize + 3;
+    let words = 3 * tile + 3;
     let blocks = CHUNK.div_ceil(d.index.block_size.max(1)) + 1;
     kv + (words + words % 2) * size_of::<u32>() + blocks * size_of::<u64>()
 }

@@ -233,7 +233,7 @@ fn run<T: WithDType + DeviceRepr + ValidAsZeroBits>(
                 .window
                 .map_or(d.index.max_seq(), |w| w.min(d.index.max_seq())),
             scale: 1.0 / (hd as f32).sqrt(),
-            tile: None,
+            tiled: None,
         };
         // SAFETY: q was just written; the caches, positions and rows were checked; the
         // partials' scratch and attn were sized for these dims above.
