@@ -286,6 +286,42 @@ fn speculation_refuses_what_it_cannot_verify() -> serve::TestResult {
     Ok(())
 }
 
+/// A round drafts as wide for every sequence as for the one with the most drafts, in the draft
+/// model's cache too: a sequence about to fill its row (no drafts of its own) beside one that
+/// drafts still gets its tokens, as alone.
+#[test]
+fn a_round_beside_a_sequence_at_the_end_of_its_row_gives_both_their_tokens() -> serve::TestResult {
+    use graft_candle_models::serve::{Engine, ServeConfig, Speculate};
+    let dir = tempfile::tempdir()?;
+    let model = serve::model(None, &Device::Cpu, dir.path())?;
+    let request = |id: u64, prompt: usize, max_new| Request {
+        id,
+        prompt: (0..prompt as u32)
+            .map(|t| (t * 7 + id as u32) % 97 + 1)
+            .collect(),
+        max_new,
+        sampling: SampleParams::GREEDY,
+    };
+    // The first fills its row of 64 positions exactly; the second drafts beside it.
+    let requests = [(0, request(1, 30, 35)), (0, request(2, 5, 40))];
+    let config = ServeConfig {
+        speculate: Some(Speculate {
+            pass_costs: vec![1.0],
+            prior: 1.0,
+            ..Speculate::prompt_lookup(4)
+        }),
+        ..serve::config()?
+    };
+    let cache = model.new_serving_cache(4, serve::MAX_SEQ)?;
+    let mut engine = Engine::eager(&model, cache, config)?;
+    engine.draft_with(&model)?;
+    let out = serve::run(&mut engine, &requests)?;
+    for (_, r) in &requests {
+        assert_eq!(out[&r.id], serve::alone(&model, r)?, "request {}", r.id);
+    }
+    Ok(())
+}
+
 proptest::proptest! {
     #![proptest_config(proptest::prelude::ProptestConfig {
         cases: 12,

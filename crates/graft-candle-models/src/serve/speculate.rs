@@ -105,6 +105,18 @@ impl Engine<'_> {
             .draft_model
             .as_ref()
             .is_some_and(DraftModel::runs_rounds);
+        if rounds {
+            // A round's draft steps run as wide for every sequence as for the widest: each
+            // sequence's draft row must hold them, so no sequence drafts past the room of the
+            // fullest.
+            let (max_seq, positions) = (self.cache.max_seq(), self.cache.positions());
+            let fit = positions[..n]
+                .iter()
+                .map(|&p| max_seq.saturating_sub(p as usize + 1))
+                .min()
+                .unwrap_or(0);
+            ks.iter_mut().for_each(|k| *k = (*k).min(fit));
+        }
         // The drafts, where the host makes them (prompt lookup, or a draft model that cannot
         // run rounds).
         let mut drafts: Vec<Vec<u32>> = Vec::with_capacity(n);
