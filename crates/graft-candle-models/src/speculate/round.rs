@@ -79,12 +79,14 @@ impl DraftModel<'_> {
             .round_inputs(target, cache, rows, shape)
             .map_err(model)?;
         let mut statics = target.statics(cache);
-        for t in self.model.statics(&self.cache) {
-            // A draft made of the target's own layers shares their tensors.
-            if !statics.iter().any(|s| s.id() == t.id()) {
-                statics.push(t);
-            }
-        }
+        // A draft made of the target's own layers shares their tensors: each once.
+        let mut seen: std::collections::HashSet<_> = statics.iter().map(|t| t.id()).collect();
+        statics.extend(
+            self.model
+                .statics(&self.cache)
+                .into_iter()
+                .filter(|t| seen.insert(t.id())),
+        );
         let keys = [
             shape.0 as u64,
             shape.1 as u64,
