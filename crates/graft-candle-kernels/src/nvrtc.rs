@@ -144,6 +144,13 @@ __device__ __forceinline__ unsigned long long graft_cache_place(
     return ((unsigned long long)blk * kv_heads + kvh) * block_size + j % block_size;
 }
 
+// Two 16-bit floats' bits as one 32-bit word, `lo` in the low half (an mma operand, or two
+// elements of a 16-byte store).
+template <typename T>
+__device__ __forceinline__ unsigned int graft_pack2(T lo, T hi) {
+    return (unsigned int)lo.bits | ((unsigned int)hi.bits << 16);
+}
+
 // One tensor-core step, c += a * b: a 16 x 16 (rows by k, row-major fragments), b 16 x 8 (k
 // by columns, column-major), c 16 x 8 in f32, for bf16 and f16 operands (compute capability
 // 8.0 or later; nothing before, where no kernel calls it).

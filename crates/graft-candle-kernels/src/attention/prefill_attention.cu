@@ -23,12 +23,6 @@
 // K's rows are B's columns as they are stored (two adjacent elements a load); V's (k = key,
 // n = dim) takes two keys' elements of one dim, packed.
 
-// Two T's bits as one 32-bit operand, `lo` in the low half.
-template <typename T>
-__device__ __forceinline__ unsigned int graft_pack2(T lo, T hi) {
-    return (unsigned int)lo.bits | ((unsigned int)hi.bits << 16);
-}
-
 template <typename T>
 __device__ void graft_prefill_attention_partial(
     const T* q, const T* k, const T* v, const unsigned int* positions,

@@ -61,9 +61,8 @@ __device__ void graft_step_norm(const T* x, const T* weight, float eps, T* out,
         unsigned int packed[4];
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            packed[e] = (unsigned int)graft_from_f32<T>(f[2 * e] * r * g[2 * e]).bits |
-                        ((unsigned int)graft_from_f32<T>(f[2 * e + 1] * r * g[2 * e + 1]).bits
-                         << 16);
+            packed[e] = graft_pack2(graft_from_f32<T>(f[2 * e] * r * g[2 * e]),
+                                    graft_from_f32<T>(f[2 * e + 1] * r * g[2 * e + 1]));
         }
         dst[c] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
     }
