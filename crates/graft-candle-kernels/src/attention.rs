@@ -35,8 +35,12 @@ pub const CHUNK: usize = 64;
 /// The largest head dim: a warp holds one key row in 8 registers per lane.
 const MAX_HEAD_DIM: usize = 256;
 /// Shared memory a block of the split kernel may use (the default limit, no opt-in):
-/// the group's queries and scores in f32.
+/// the group's queries and scores in f32, and a stage of value rows.
 const SHARED_LIMIT: usize = 48 * 1024;
+/// Bytes of value rows a split-kernel block stages in shared memory at once: a whole chunk's
+/// at head_dim 128 in bf16 or f16 (and 64 in f32), so that the chunk's values are loaded in
+/// one round beside its keys.
+const STAGE_BYTES: usize = 16 * 1024;
 /// CUDA's limit on the grid's y and z dimensions (KV heads and sequences).
 const GRID_YZ_LIMIT: usize = 65535;
 
@@ -208,8 +212,8 @@ pub fn decode_attention_fits(
         return Err(KernelError::HeadDim { head_dim });
     }
     let group = heads / kv_heads;
-    // Any layout: a paged one of one-position blocks needs the most.
-    let bytes = shared_bytes(group, head_dim, 1);
+    // Any layout and dtype: a paged one of one-position blocks in f32 needs the most.
+    let bytes = shared_bytes(group, head_dim, 1, size_of::<f32>());
     if bytes > SHARED_LIMIT {
         return Err(KernelError::GroupTooLarge {
             group,
@@ -222,12 +226,29 @@ pub fn decode_attention_fits(
 }
 
 /// Dynamic shared memory of a split-kernel block: the group's queries and its scores over
-/// one chunk, in f32, then, at the next 8-byte boundary, the first cache row of each block of
+/// one chunk, in f32 (the group padded to a multiple of [`heads_at_once`]), then, at the next 8-byte boundary, the first cache row of each block of
 /// `block_size` positions a chunk's positions are in (u64; a chunk starts anywhere in a block,
-/// so one block more than fit in it).
-fn shared_bytes(group: usize, head_dim: usize, block_size: usize) -> usize {
-    let scores = group * (head_dim + CHUNK) * size_of::<f32>();
-    scores.next_multiple_of(8) + (CHUNK.div_ceil(block_size.max(1)) + 1) * size_of::<u64>()
+/// so one block more than fit in it), then, at the next 16-byte boundary, [`stage_rows`] value
+/// rows of `elem`-byte elements.
+fn shared_bytes(group: usize, head_dim: usize, block_size: usize, elem: usize) -> usize {
+    let scores =
+        group.next_multiple_of(heads_at_once(group)) * (head_dim + CHUNK) * size_of::<f32>();
+    let blocks = (CHUNK.div_ceil(block_size.max(1)) + 1) * size_of::<u64>();
+    (scores.next_multiple_of(8) + blocks).next_multiple_of(16)
+        + stage_rows(head_dim, elem) * head_dim * elem
+}
+
+/// Query heads a split-kernel block takes at once (its `G`): the group's size rounded up to a
+/// power of two, at most 8 (a larger group in rounds of 8; the last round's missing heads are
+/// zero queries whose results are not written).
+fn heads_at_once(group: usize) -> usize {
+    group.next_power_of_two().min(8)
+}
+
+/// Value rows (positions) of `head_dim` `elem`-byte elements a split-kernel block stages at
+/// once: a chunk's, or as many as [`STAGE_BYTES`] hold (at least one).
+fn stage_rows(head_dim: usize, elem: usize) -> usize {
+    (STAGE_BYTES / (head_dim * elem).max(1)).clamp(1, CHUNK)
 }
 
 /// The attention's sizes, checked.
@@ -339,10 +360,22 @@ impl Dims {
         self.index.max_seq().div_ceil(CHUNK)
     }
 
-    /// Dynamic shared memory of a split-kernel block.
+    /// Dynamic shared memory of a split-kernel block for `elem`-byte elements.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    fn shared_bytes(&self) -> usize {
-        shared_bytes(self.group(), self.head_dim, self.index.block_size)
+    fn shared_bytes(&self, elem: usize) -> usize {
+        shared_bytes(self.group(), self.head_dim, self.index.block_size, elem)
+    }
+
+    /// Query heads a split-kernel block takes at once.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    fn heads_at_once(&self) -> usize {
+        heads_at_once(self.group())
+    }
+
+    /// Value rows a split-kernel block stages at once for `elem`-byte elements.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    fn stage_rows(&self, elem: usize) -> usize {
+        stage_rows(self.head_dim, elem)
     }
 
     /// `[batch, 1, heads * head_dim]`.

@@ -1,17 +1,23 @@
 //! The split-KV decode attention kernels and their launches.
 //!
-//! - `graft_decode_attention_partial_<dtype>`: grid (splits, kv_heads, batch), 128
-//!   threads (4 warps), `group * (head_dim + CHUNK) * 4` bytes of dynamic shared memory (the
-//!   group's queries and its scores over the chunk), then, from the next 8-byte boundary,
-//!   `(CHUNK / block_size + 1) * 8` more, rounded up (the first cache row of each block the
-//!   chunk's positions are in, each looked up once; a static cache's row is one block). Scores: two threads per key row (a chunk's rows
-//!   at once), each dotting every other element with the group's query heads, the pair summed
-//!   with one shuffle. Softmax partial: one warp per query head. Values: two threads per
-//!   head-dim element, each summing every other position for 8 query heads at a time (eight
-//!   value loads in flight), the pair's sums added through shared memory. No loop waits on
-//!   one load per position: a full chunk costs a few load latencies (the kernel is latency-
-//!   bound; an earlier form with one warp per key row and one thread per element cost about
-//!   0.5 µs a position a layer).
+//! - `graft_decode_attention_partial_g<G>_<dtype>`: grid (splits, kv_heads, batch), 128
+//!   threads (4 warps), `gs * (head_dim + CHUNK) * 4` bytes of dynamic shared memory (the
+//!   group's queries and its scores over the chunk, the group padded with zero queries to gs,
+//!   a multiple of G: the group's size rounded up to a power of two, at most 8), then, from
+//!   the next 8-byte boundary, `(CHUNK / block_size + 1) * 8` more (the first cache row of
+//!   each block the chunk's positions are in, each looked up once; a static cache's row is
+//!   one block), then, from the next 16-byte boundary, a stage of value rows (a whole chunk's
+//!   up to 16 KiB). Its loads come in three rounds: the queries and block ids; then every key
+//!   row's stretch (two threads per row, 16-byte loads into registers) together with the
+//!   chunk's value rows (cp.async into the stage); nothing more until the partial is
+//!   written. Scores: each thread dots its stretch with G query heads at a time (the queries
+//!   read 4 elements a shared-memory load), the pair summed with one shuffle. Softmax
+//!   partial: one warp per query head. Values, from the stage: two threads per head-dim
+//!   element, each summing every other position for G query heads (a position's G scores in
+//!   one load), the pair's sums added through shared memory. Earlier forms waited on one
+//!   load per position (about 0.5 µs a position a layer), then on eight at a time, and then
+//!   issued a shared-memory load per multiply-add: at batch 32 the last was bound by issuing
+//!   instructions (about 80 µs a layer at position 1,000 on an H200).
 //! - `graft_prefill_attention_partial_<bf16|f16>` (`prefill_attention` on compute
 //!   capability 8.0+, head_dim a multiple of 16 up to 128, a group dividing 64): grid
 //!   (splits, kv_heads, tiles), 128 threads (4 warps of 16 query rows on tensor cores), a
@@ -19,7 +25,9 @@
 //!   softmax (`Tiled`: at most 8 splits, from max_seq alone), a chunk's keys and values in shared memory
 //!   (`tiled_shared_bytes`); its partials go to the same combine kernel.
 //! - `graft_decode_attention_combine_<dtype>`: grid (heads, batch), `head_dim` rounded up to
-//!   a warp threads, one per head-dim element, merging the non-empty partials online.
+//!   a warp threads, one per head-dim element: the partials' largest max first (their maxes
+//!   loaded side by side, a block reduction), then every non-empty partial weighted by
+//!   exp(its max - that), no load waiting on the one before.
 
 use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, CudaStream, CudaView, DevicePtr, DeviceRepr, LaunchConfig, ValidAsZeroBits,
@@ -248,9 +256,13 @@ impl AttentionLaunch {
         )?;
         let shared = match self.tiled {
             Some(t) => tiled_shared_bytes::<T>(d, t.tile),
-            None => d.shared_bytes(),
+            None => d.shared_bytes(T::DTYPE.size_in_bytes()),
         };
         let shared = u32_of("the shared memory", shared)?;
+        let stage = u32_of(
+            "the staged value rows",
+            d.stage_rows(T::DTYPE.size_in_bytes()),
+        )?;
 
         let mut args = Args::new();
         args.arg(&self.q)
@@ -280,28 +292,39 @@ impl AttentionLaunch {
         let (kernel, tiles) = match &cover {
             Some((tile, per)) => {
                 args.arg(&batch).arg(tile).arg(per);
-                ("graft_prefill_attention_partial", batch.div_ceil(*tile))
+                (
+                    "graft_prefill_attention_partial".to_string(),
+                    batch.div_ceil(*tile),
+                )
             }
-            None => ("graft_decode_attention_partial", batch),
+            None => {
+                args.arg(&stage);
+                let g = d.heads_at_once();
+                (format!("graft_decode_attention_partial_g{g}"), batch)
+            }
         };
         let config = LaunchConfig {
             grid_dim: (splits, kv_heads, tiles),
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: shared,
         };
-        // SAFETY: the arguments match `graft_decode_attention_partial_<dtype>(const
+        // SAFETY: the arguments match `graft_decode_attention_partial_g<G>_<dtype>(const
         // T*, const T*, const T*, const unsigned int*, const unsigned int*, unsigned int x3,
-        // float*, float*, unsigned int x6, float)` with T the storage's dtype, every buffer by address
-        // and sized as the caller guarantees; the kernel clamps each position below max_seq =
-        // max_blocks * block_size (so it indexes the table row within max_blocks) and each
-        // block id below blocks (a query's own row, without a table, is b < batch = blocks),
-        // and reads only positions start..end of those blocks; head_dim <= 256 (8
-        // registers a lane); heads % kv_heads == 0; the scratch holds batch * heads * splits
-        // partials, indexed by (head * splits + split) < that; the dynamic shared memory is
-        // group * (head_dim + chunk) f32, rounded up to 8 bytes, and one u64 per block a chunk's
-        // positions can be in (at most 48 KiB, checked), exactly what the kernel indexes; the block is 4 whole warps; it waits before it reads anything.
-        // The tensor-core kernel (`graft_prefill_attention_partial_<dtype>`, bf16 or f16 on
-        // compute capability 8.0+) takes the same arguments and the batch, the tile and the
+        // float*, float*, unsigned int x6, float, unsigned int)` with T the storage's dtype,
+        // every buffer by address and sized as the caller guarantees; the kernel clamps each
+        // position below max_seq = max_blocks * block_size (so it indexes the table row within
+        // max_blocks) and each block id below blocks (a query's own row, without a table, is b
+        // < batch = blocks), and reads only positions start..end of those blocks, 16 bytes at a
+        // time only where the rows and both caches' addresses are 16-byte aligned; head_dim <=
+        // 256; heads % kv_heads == 0; the scratch holds batch * heads * splits partials,
+        // indexed by (head * splits + split) < that; the dynamic shared memory is the group
+        // rounded up to a multiple of G (`heads_at_once`) * (head_dim + chunk) f32, rounded
+        // up to 8 bytes, one u64 per block a chunk's positions
+        // can be in, rounded up to 16 bytes, and `stage` value rows of head_dim elements (at
+        // most 48 KiB, checked), exactly what the kernel indexes; the block is 4 whole warps; it
+        // waits before it reads anything. The tensor-core kernel
+        // (`graft_prefill_attention_partial_<dtype>`, bf16 or f16 on compute capability 8.0+)
+        // takes the same arguments but `stage`, then the batch, the tile and the
         // chunks a split (each block clamps its queries below the batch and its chunks below
         // max_seq / chunk; `splits` is the grid's x and the scratch's, sized by it): its shared memory is
         // `tiled_shared_bytes`' (under 48 KiB for head_dim <= 128), q and the caches start at

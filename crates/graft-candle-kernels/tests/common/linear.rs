@@ -64,39 +64,57 @@ fn offset_random(
 }
 
 /// The projections' batch invariance in bf16 and f16: every row of `linear_cat` and
-/// `linear_swiglu` over TENSOR_ROWS rows has the same bits within the first 3, 8 and 13 rows
-/// (the tensor-core kernel), and one row alone the same bits as within 2 (the matrix-vector
-/// kernel).
+/// `linear_swiglu` over TENSOR_ROWS rows has the same bits within calls of 3 to TENSOR_ROWS
+/// rows, from the first row or the middle one (the tensor-core kernel: a row in another slot
+/// of the mma), and each of two rows the same bits alone (the matrix-vector kernel).
 pub fn check_batch_invariance(device: &Device, dtype: DType) -> Result<()> {
-    let k = 1024;
-    let x = random(1, &[TENSOR_ROWS, k], 0.1, dtype, device)?;
-    let (w0, w1) = (
-        random(2, &[200, k], 1.0, dtype, device)?,
-        random(3, &[200, k], 1.0, dtype, device)?,
-    );
-    let b = random(4, &[200], 1.0, dtype, device)?;
-    let bits = |t: Tensor| -> Result<Vec<f32>> { t.to_dtype(DType::F32)?.flatten_all()?.to_vec1() };
-    let project = |rows: usize| -> Result<(Vec<f32>, Vec<f32>)> {
-        let x = x.narrow(0, 0, rows)?;
-        Ok((
-            bits(linear_cat(&x, &[(&w0, Some(&b)), (&w1, None)])?)?,
-            bits(linear_swiglu(&x, &w0, &w1)?)?,
-        ))
-    };
-    for (all, parts) in [(TENSOR_ROWS, &[3, 8, 13][..]), (MATVEC_ROWS, &[1][..])] {
-        let (all_cat, all_swiglu) = project(all)?;
-        for &rows in parts {
-            let (cat, swiglu) = project(rows)?;
-            assert_eq!(
-                cat,
-                all_cat[..cat.len()],
-                "linear_cat of {rows} rows in {dtype:?}"
-            );
-            assert_eq!(
-                swiglu,
-                all_swiglu[..swiglu.len()],
-                "linear_swiglu of {rows} rows"
-            );
+    // 1,024 columns: 4 warps a tile of outputs, a round each; 2,056: 8 warps, uneven runs
+    // (and a partial last chunk).
+    for k in [1024, 2056] {
+        let x = random(1, &[TENSOR_ROWS, k], 0.1, dtype, device)?;
+        let (w0, w1) = (
+            random(2, &[200, k], 1.0, dtype, device)?,
+            random(3, &[200, k], 1.0, dtype, device)?,
+        );
+        let b = random(4, &[200], 1.0, dtype, device)?;
+        let bits =
+            |t: Tensor| -> Result<Vec<f32>> { t.to_dtype(DType::F32)?.flatten_all()?.to_vec1() };
+        // Rows from..from + rows of x, each through both ops.
+        let project = |from: usize, rows: usize| -> Result<(Vec<f32>, Vec<f32>)> {
+            let x = x.narrow(0, from, rows)?;
+            Ok((
+                bits(linear_cat(&x, &[(&w0, Some(&b)), (&w1, None)])?)?,
+                bits(linear_swiglu(&x, &w0, &w1)?)?,
+            ))
+        };
+        // (rows of the whole call, calls of fewer rows from a first row).
+        let half = TENSOR_ROWS / 2;
+        let calls = [
+            (
+                TENSOR_ROWS,
+                vec![(0, 3), (0, 8), (0, 13), (half, half), (half, 5)],
+            ),
+            (MATVEC_ROWS, vec![(0, 1), (1, 1)]),
+        ];
+        for (all, parts) in calls {
+            let (all_cat, all_swiglu) = project(0, all)?;
+            let width = |v: &Vec<f32>| v.len() / all;
+            let (cat_n, swiglu_n) = (width(&all_cat), width(&all_swiglu));
+            for (from, rows) in parts {
+                let (cat, swiglu) = project(from, rows)?;
+                assert_eq!(
+                    cat,
+                    all_cat[from * cat_n..(from + rows) * cat_n],
+                    "linear_cat of rows {from}..{} in {dtype:?}, k {k}",
+                    from + rows
+                );
+                assert_eq!(
+                    swiglu,
+                    all_swiglu[from * swiglu_n..(from + rows) * swiglu_n],
+                    "linear_swiglu of rows {from}..{} in {dtype:?}, k {k}",
+                    from + rows
+                );
+            }
         }
     }
     Ok(())
