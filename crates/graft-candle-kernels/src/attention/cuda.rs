@@ -123,7 +123,8 @@ impl Map3 for Launch<'_> {
         // SAFETY: the split kernel writes the max and sum of every partial (each block writes
         // those of its group's heads, empty or not, and the grid covers every (split, KV
         // head, sequence)); it writes the outputs of every non-empty partial, and the combine
-        // kernel reads outputs only of partials whose max is not -inf, which are non-empty.
+        // kernel uses the outputs only of partials whose max is not -inf, which are non-empty
+        // (it loads the others' too, in bounds, and discards them by a select).
         // Both run on the device's stream in order, before the scratch is freed.
         let part_o = unsafe { device.alloc::<f32>(partials * d.head_dim)? };
         // SAFETY: as above: every element is written by the split kernel before the combine

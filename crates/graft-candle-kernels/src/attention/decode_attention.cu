@@ -346,10 +346,10 @@ __device__ void graft_decode_attention_partial(
 }
 
 // out[(b * heads + h) * hd + d]: the partials of (b, h) merged, each weighted by exp(its max -
-// the largest max); empty ones (max -inf) skipped (their outputs were never written). The
-// partials' maxes are loaded by the block's threads side by side and reduced, so no load
-// waits for the one before (merged online, split by split, a 1,024-position row's 16 splits
-// cost 16 load latencies).
+// the largest max); empty ones (max -inf) left out by a select (their outputs, never written,
+// are loaded but not used). The partials' maxes are loaded by the block's threads side by
+// side and reduced, and no load depends on a partial's max, so none waits for the one before
+// (merged online, split by split, a 1,024-position row's 16 splits cost 16 load latencies).
 template <typename T>
 __device__ void graft_decode_attention_combine(
     const float* part_o, const float* part_ml, T* out, unsigned int heads, unsigned int hd,
@@ -374,11 +374,12 @@ __device__ void graft_decode_attention_combine(
 #pragma unroll 8
     for (unsigned int s = 0; s < splits; ++s) {
         const float m = ml[2 * s];
-        if (m != GRAFT_NEG_INF) {
-            const float w = expf(m - m_all);
-            l_all += ml[2 * s + 1] * w;
-            acc += o[(unsigned long long)s * hd] * w;
-        }
+        const float l = ml[2 * s + 1];
+        const float x = o[(unsigned long long)s * hd];
+        const bool empty = m == GRAFT_NEG_INF;
+        const float w = empty ? 0.0f : expf(m - m_all);
+        l_all += empty ? 0.0f : l * w;
+        acc += empty ? 0.0f : x * w;
     }
     out[bh * hd + d] = graft_from_f32<T>(acc / l_all);
 }

@@ -71,9 +71,9 @@ fn run<T: WithDType + DeviceRepr + ValidAsZeroBits>(
         next(b * heads * splits * 2 * 4),
         next(b * d.hidden * t),
     ];
-    // SAFETY: every byte a kernel reads is written first: the embedding writes h, each
+    // SAFETY: every byte a kernel uses is written first: the embedding writes h, each
     // projection its output, rope_store q (and the caches), the split kernel the partials
-    // the combine kernel reads (see `AttentionLaunch`), the combine attn, the norm kernel
+    // the combine kernel uses (see `AttentionLaunch`), the combine attn, the norm kernel
     // `normed` (more rows than the matrix-vector kernel takes) before its projection reads it.
     let scratch = unsafe { device.alloc::<u8>(at)? };
     // SAFETY: the head's projection writes every logit before anything reads them.
