@@ -10,10 +10,13 @@
 //! row count from 3 to 16); otherwise up to [`MATVEC_ROWS`] rows on the matrix-vector kernel
 //! (`matvec.cu`, f32 sums on the CUDA cores). Above that they run `dense` (one GEMM over all
 //! rows, cuBLAS on CUDA) per weight. Which path runs depends only on the shapes, dtypes and
-//! offsets, so eager and graphed calls of one shape run the same kernels.
+//! offsets, so eager and graphed calls of one shape run the same kernels. Two or three weights
+//! without biases above those rows are one GEMM each written into its columns of the output
+//! (`gemms.rs`), not a GEMM each and a concatenation.
 
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
+mod gemms;
 
 use candle_core::{
     CpuStorage, CustomOp1, DType, Layout, Result, Shape, Storage, Tensor, WithDType,
@@ -98,6 +101,15 @@ pub(crate) fn project(
     }
     let y = if pair {
         swiglu(&dense(x, parts[0].0)?, &dense(x, parts[1].0)?)?
+    } else if !tracked && parts.len() > 1 && parts.iter().all(|(_, b)| b.is_none()) {
+        // No copy for the concatenation: each GEMM writes its columns.
+        let op = gemms::Gemms {
+            weights: parts.iter().map(|&(w, _)| w.clone()).collect(),
+            dims,
+        };
+        x.contiguous()?
+            .apply_op1_no_bwd(&op)?
+            .reshape(with_last(x, dims.n()))?
     } else {
         let outs = parts
             .iter()

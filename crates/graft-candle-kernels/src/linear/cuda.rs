@@ -19,13 +19,17 @@
 //! no norm (`decode_step` norms the rows first). Which of the two runs depends on the rows,
 //! the dtype and the 16-byte alignment only.
 
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::cublas::sys::cublasOperation_t;
+use candle_core::cuda_backend::cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
 use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, ValidAsZeroBits,
 };
-use candle_core::cuda_backend::{CudaDevice, Map1};
-use candle_core::{CudaStorage, DType, Layout, Result, Shape, WithDType};
+use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorageSlice, Map1};
+use candle_core::{CudaStorage, DType, Layout, Result, Shape, Storage, WithDType};
 
-use super::{MATVEC_ROWS, MAX_PARTS, Matvec, OP, TENSOR_ROWS};
+use super::gemms::Gemms;
+use super::{Dims, MATVEC_ROWS, MAX_PARTS, Matvec, OP, TENSOR_ROWS};
 use crate::nvrtc::{Args, Kernels, address, capability, view};
 use crate::{KernelError, check};
 
@@ -266,4 +270,81 @@ impl Map1 for Matvec {
         unsafe { launch.launch::<T>(device, &stream, false) }?;
         Ok(y)
     }
+}
+
+/// The [`Gemms`] op's output on CUDA: one cuBLAS GEMM per weight, written into its columns.
+pub(super) fn gemms(op: &Gemms, x: &CudaStorage, xl: &Layout) -> Result<CudaStorageSlice> {
+    let device = &x.device;
+    Ok(match &x.slice {
+        CudaStorageSlice::F32(s) => CudaStorageSlice::F32(gemms_of(op, s, xl, device)?),
+        CudaStorageSlice::BF16(s) => CudaStorageSlice::BF16(gemms_of(op, s, xl, device)?),
+        CudaStorageSlice::F16(s) => CudaStorageSlice::F16(gemms_of(op, s, xl, device)?),
+        _ => {
+            return Err(KernelError::UnsupportedDType {
+                op: OP,
+                input: "x",
+                got: x.dtype(),
+            }
+            .into());
+        }
+    })
+}
+
+/// [`gemms`] for dtype `T`. In cuBLAS's column-major terms weight i's columns of the output
+/// (`[rows, total]` row-major: `total x rows`, leading dimension `total`, from row `at`) are
+/// `w_iᵀ · x`, with `w_i` (`[n_i, k]` row-major) read as `k x n_i` and transposed and `x`
+/// (`[rows, k]`) as `k x rows`.
+fn gemms_of<T>(
+    op: &Gemms,
+    x: &CudaSlice<T>,
+    xl: &Layout,
+    device: &CudaDevice,
+) -> Result<CudaSlice<T>>
+where
+    T: WithDType + CudaDType + DeviceRepr,
+    CudaBlas: Gemm<T>,
+{
+    let Dims { rows, k, ns, .. } = op.dims;
+    let total = op.dims.n();
+    let c_int = |what, size: usize| -> Result<i32> {
+        i32::try_from(size).map_err(|_| KernelError::TooLarge { op: OP, what, size }.into())
+    };
+    let (rows_c, k_c, total_c) = (
+        c_int("the rows", rows)?,
+        c_int("the weights' columns", k)?,
+        c_int("the outputs per row", total)?,
+    );
+    let x = view(OP, "x", x, xl)?;
+    // SAFETY: the GEMMs below write weight i's n_i columns of every row, and the n_i sum to
+    // `total`: every element is written, on the device's stream, before anything reads it.
+    let mut y = unsafe { device.alloc::<T>(rows * total)? };
+    let blas = device.cublas_handle();
+    let mut at = 0;
+    for (w, &n) in op.weights.iter().zip(&ns) {
+        let (storage, wl) = w.storage_and_layout();
+        let Storage::Cuda(ws) = &*storage else {
+            return Err(KernelError::Device { op: OP, input: "w" }.into());
+        };
+        let w = view(OP, "w", ws.as_cuda_slice::<T>()?, wl)?;
+        let cfg = GemmConfig {
+            transa: cublasOperation_t::CUBLAS_OP_T,
+            transb: cublasOperation_t::CUBLAS_OP_N,
+            m: c_int("a weight's rows", n)?,
+            n: rows_c,
+            k: k_c,
+            alpha: T::from_f64(1.0),
+            lda: k_c,
+            ldb: k_c,
+            beta: T::from_f64(0.0),
+            ldc: total_c,
+        };
+        let mut columns = y.slice_mut(at..);
+        // SAFETY: `w` holds n * k elements (checked `[n, k]` and contiguous by the wrapper),
+        // `x` rows * k; the output from element `at` holds (rows - 1) * total + n elements
+        // (at + n <= total), every one the GEMM writes; all of `device`, used on its stream,
+        // which the handle is bound to.
+        unsafe { blas.gemm(cfg, &w, &x, &mut columns) }.map_err(candle_core::Error::wrap)?;
+        at += n;
+    }
+    Ok(y)
 }
