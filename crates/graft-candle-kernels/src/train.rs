@@ -15,6 +15,7 @@ mod saved;
 pub use attention::{causal_attention, causal_attention_fits};
 pub use cross_entropy::cross_entropy;
 pub use dense::dense;
+pub(crate) use dense::matmul_layouts;
 pub use embedding::embedding;
 pub use optim::{
     AdamWHyper, OPTIM_SCALARS, OptimSlot, SgdHyper, adamw_update, optim_scalars, sgd_update,

@@ -10,6 +10,7 @@ use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor, WithDTyp
 
 use super::{Dims, OP};
 use crate::cpu::float_dispatch;
+use crate::train::matmul_layouts;
 
 /// The custom op over `x` (`[rows, k]`, contiguous), holding clones of the weights; the
 /// wrapper has checked everything. Its output is `[rows, n_0 + n_1 + ...]`.
@@ -21,16 +22,6 @@ pub(super) struct Gemms {
 impl Gemms {
     fn out_shape(&self) -> Shape {
         Shape::from_dims(&[self.dims.rows, self.dims.n()])
-    }
-
-    /// candle's matmul arguments for weight `w`'s layout: `x` as `[rows, k]`, `w` read
-    /// transposed as `[k, n]`.
-    fn layouts(&self, xl: &Layout, wl: &Layout, n: usize) -> (Layout, Layout) {
-        let Dims { rows, k, .. } = self.dims;
-        (
-            Layout::contiguous_with_offset((rows, k), xl.start_offset()),
-            Layout::new((k, n).into(), vec![1, k], wl.start_offset()),
-        )
     }
 }
 
@@ -48,7 +39,7 @@ impl CustomOp1 for Gemms {
             let candle_core::Storage::Cpu(w) = &*storage else {
                 return Err(crate::KernelError::Device { op: OP, input: "w" }.into());
             };
-            let (xm, wm) = self.layouts(xl, wl, n);
+            let (xm, wm) = matmul_layouts((rows, k, n), xl, wl);
             products.push((x.matmul(w, (1, rows, n, k), &xm, &wm)?, n));
         }
         let total = self.dims.n();

@@ -43,13 +43,23 @@ struct Dense {
     n: usize,
 }
 
+/// candle's matmul arguments for `x · wᵀ` (`x`'s layout `xl`, `w`'s `wl`, both contiguous):
+/// `x` as `[rows, k]`, `w` (`[n, k]`) read transposed as `[k, n]`.
+pub(crate) fn matmul_layouts(
+    (rows, k, n): (usize, usize, usize),
+    xl: &Layout,
+    wl: &Layout,
+) -> (Layout, Layout) {
+    (
+        Layout::contiguous_with_offset((rows, k), xl.start_offset()),
+        Layout::new((k, n).into(), vec![1, k], wl.start_offset()),
+    )
+}
+
 impl Dense {
-    /// candle's matmul arguments: `x` as `[rows, k]`, `w` read transposed as `[k, n]`.
+    /// [`matmul_layouts`] of this op's sizes.
     fn layouts(&self, xl: &Layout, wl: &Layout) -> (Layout, Layout) {
-        (
-            Layout::contiguous_with_offset((self.rows, self.k), xl.start_offset()),
-            Layout::new((self.k, self.n).into(), vec![1, self.k], wl.start_offset()),
-        )
+        matmul_layouts((self.rows, self.k, self.n), xl, wl)
     }
 
     fn shape(&self, xl: &Layout) -> Shape {
