@@ -12,6 +12,8 @@ d -> vocab without bias; loss = mean cross-entropy over all positions. Optimizer
 (lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight decay 0.01). TF32 is off everywhere.
   bench: 4 layers, d 512, 8 heads / 4 kv heads, FFN 1536, vocab 8192
   large: 8 layers, d 1024, 16 heads / 8 kv heads, FFN 2816, vocab 16384 (with --large)
+  gpt2-124m: 12 layers, d 768, 12 heads / 12 kv heads, FFN 2048, vocab 50304, head tied to
+    the embedding (with --gpt2)
 Tokens and targets are random int64 in [0, vocab), fixed per batch size; sequence 128.
 In fp32 (torch 2.11, H100) SDPA has no fused kernel for enable_gqa=True and takes its math
 path (matmul + softmax); --gqa repeat repeats the kv heads instead and gets the fused
@@ -77,6 +79,8 @@ HEAD_DIM = 64
 MODELS = {
     "bench": dict(layers=4, d=512, heads=8, kv_heads=4, ffn=1536, vocab=8192),
     "large": dict(layers=8, d=1024, heads=16, kv_heads=8, ffn=2816, vocab=16384),
+    # GPT-2 124M's sizes as Llama blocks (llm.c's anchor), the head tied to the embedding
+    "gpt2-124m": dict(layers=12, d=768, heads=12, kv_heads=12, ffn=2048, vocab=50304, tied=True),
     "tiny": dict(layers=2, d=128, heads=4, kv_heads=2, ffn=256, vocab=512),  # --quick on cpu
 }
 OPT = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
@@ -134,6 +138,8 @@ class Llama(nn.Module):
         self.blocks = nn.ModuleList([Block(c, gqa) for _ in range(c["layers"])])
         self.norm = nn.RMSNorm(c["d"], eps=1e-5)
         self.lm_head = nn.Linear(c["d"], c["vocab"], bias=False)
+        if c.get("tied"):
+            self.lm_head.weight = self.embed.weight
         inv = 1.0 / 10000.0 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM)
         freqs = torch.outer(torch.arange(seq, dtype=torch.float32), inv)  # [T, 32]
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, 64]: dims i and i+32 share a frequency
@@ -514,6 +520,8 @@ def parse_args(argv=None):
     p.add_argument("--modes", default=",".join(ALL_MODES),
                    help=f"comma-separated subset of {','.join(ALL_MODES)} (default: all)")
     p.add_argument("--large", action="store_true", help="also run the large model")
+    p.add_argument("--gpt2", action="store_true",
+                   help="also run GPT-2 124M's sizes as Llama blocks (head tied; llm.c trains at --seq 1024)")
     p.add_argument("--only-large", action="store_true", help="run the large model only")
     p.add_argument("--batches", default="1,8,32", help="comma-separated (default 1,8,32)")
     p.add_argument("--seq", type=int, default=128, help="sequence length (128)")
@@ -571,6 +579,8 @@ def main(argv=None):
         names = ["large"]
     else:
         names = ["bench"] + (["large"] if args.large else [])
+    if args.gpt2 and not tiny:
+        names.append("gpt2-124m")
     device_name = (torch.cuda.get_device_name(device) if device.type == "cuda"
                    else platform.processor() or platform.machine())
     meta = {

@@ -66,8 +66,8 @@ pub fn load_sharded(vb: VarBuilder, cfg: &Config, shard: Shard) -> Result<Decode
     Decoder::load_hf_part(spec(cfg), &vb, Some(shard))
 }
 
-/// The sizes of a Llama built in code (Llama 2 style: no rope scaling, an output projection of
-/// its own).
+/// The sizes of a Llama built in code (Llama 2 style: no rope scaling; an output projection of
+/// its own, or the embedding's with `tied`).
 #[derive(Clone, Copy, PartialEq, Debug)]
 pub struct Sizes {
     /// Transformer blocks.
@@ -86,6 +86,8 @@ pub struct Sizes {
     pub max_positions: usize,
     /// Rotary embedding base.
     pub rope_theta: f32,
+    /// The output head is the embedding's table (`tie_word_embeddings`).
+    pub tied: bool,
 }
 
 impl Sizes {
@@ -100,6 +102,7 @@ impl Sizes {
         vocab: 256,
         max_positions: 96,
         rope_theta: 10_000.0,
+        tied: false,
     };
 
     /// The benchmark model, comparable to graft-tensor's benchmark decoder: 4 layers, d=512,
@@ -113,6 +116,7 @@ impl Sizes {
         vocab: 8192,
         max_positions: 512,
         rope_theta: 10_000.0,
+        tied: false,
     };
 
     /// About 1.1B parameters (Llama-3.2-1B-like shapes, smaller vocabulary): 16 layers,
@@ -126,6 +130,7 @@ impl Sizes {
         vocab: 32_000,
         max_positions: 512,
         rope_theta: 500_000.0,
+        tied: false,
     };
 
     /// Llama-3-8B's shapes (8.0B parameters): 32 layers, d=4096, 32 heads over 8 KV heads,
@@ -139,6 +144,22 @@ impl Sizes {
         vocab: 128_256,
         max_positions: 512,
         rope_theta: 500_000.0,
+        tied: false,
+    };
+
+    /// GPT-2 124M's sizes as Llama blocks, llm.c's training anchor (124 M parameters): 12
+    /// layers, d=768, 12 heads over 12 KV heads, SwiGLU ffn 2048, vocab 50304 (50257 padded as
+    /// llm.c does), the head tied to the embedding, 1,024 positions.
+    pub const GPT2_124M: Sizes = Sizes {
+        layers: 12,
+        hidden: 768,
+        heads: 12,
+        kv_heads: 12,
+        intermediate: 2048,
+        vocab: 50_304,
+        max_positions: 1024,
+        rope_theta: 10_000.0,
+        tied: true,
     };
 
     /// candle-transformers' config of these sizes (RMSNorm epsilon 1e-5).
@@ -157,7 +178,7 @@ impl Sizes {
             eos_token_id: None,
             rope_scaling: None,
             max_position_embeddings: self.max_positions,
-            tie_word_embeddings: false,
+            tie_word_embeddings: self.tied,
         }
     }
 }
@@ -166,13 +187,14 @@ impl fmt::Display for Sizes {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{} layers, d={}, heads {}/{} (query/kv), ffn {}, vocab {}, ctx {}, {:.1} M parameters",
+            "{} layers, d={}, heads {}/{} (query/kv), ffn {}, vocab {}{}, ctx {}, {:.1} M parameters",
             self.layers,
             self.hidden,
             self.heads,
             self.kv_heads,
             self.intermediate,
             self.vocab,
+            if self.tied { " (head tied)" } else { "" },
             self.max_positions,
             spec(&self.config()).parameters() as f64 / 1e6
         )

@@ -350,6 +350,30 @@ fn fused_training_matches_unfused() -> Result<()> {
     Ok(())
 }
 
+/// A head tied to the embedding (GPT-2 124M's sizes tie it, as llama 3.2 1B does) trains
+/// through both uses of the one table: 100 fused steps' losses within 1e-4 relative of the
+/// unfused reference's, the loss falls, and the table has no second copy to drift from.
+#[test]
+fn a_tied_head_trains_fused_as_unfused() -> Result<()> {
+    use graft_candle_models::SequenceKernels;
+    let device = Device::Cpu;
+    let mut cfg = config();
+    cfg.tie_word_embeddings = true;
+    let model = Trainable::random(&cfg, 7, DType::F32, &device)?;
+    let untied = Trainable::random(&config(), 7, DType::F32, &device)?;
+    assert_eq!(
+        model.vars().len() + 1,
+        untied.vars().len(),
+        "the tied head is no var of its own"
+    );
+    let fused = training::losses_of(&cfg, SequenceKernels::Fused, 100, &device)?;
+    let unfused = training::losses_of(&cfg, SequenceKernels::Unfused, 100, &device)?;
+    let worst = training::max_relative(&fused, &unfused);
+    assert!(worst < 1e-4, "losses differ by {worst} relative");
+    assert!(fused[99] < 0.8 * fused[0], "{} -> {}", fused[0], fused[99]);
+    Ok(())
+}
+
 /// A warmup-cosine schedule sets every step's rate on the device from the applied-step
 /// count, in both update paths: the rate each step used and the parameter it moved follow the
 /// host formula; a constant rate is refused while the schedule is set and restored when it is

@@ -53,6 +53,7 @@ impl Preset {
                 vocab: 8192,
                 max_positions: 2048,
                 rope_theta: 500_000.0,
+                tied: false,
             },
             Preset::OneB => llama::Sizes {
                 max_positions: 4096,

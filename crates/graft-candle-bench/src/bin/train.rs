@@ -12,7 +12,7 @@
 //! `--kernels fused,unfused` measures the model with graft-candle-kernels' fused training ops
 //! (the default) and with candle's unfused ones (the reference).
 //!
-//! usage: graft-candle-train [--steps N] [--rounds R] [--seq S] [--large | --only-large] [--guards]
+//! usage: graft-candle-train [--steps N] [--rounds R] [--seq S] [--large | --only-large] [--gpt2] [--guards]
 //! [--kernels LIST] [--json PATH]
 
 use std::time::Instant;
@@ -51,6 +51,10 @@ struct Options {
     /// Measure the larger model only.
     #[arg(long)]
     only_large: bool,
+    /// Also measure GPT-2 124M's sizes as Llama blocks (llm.c's anchor: 12 layers, d=768,
+    /// vocab 50304, the head tied to the embedding) at `--seq` (llm.c trains at 1024).
+    #[arg(long)]
+    gpt2: bool,
     /// Also measure guards on the benchmark model: a guarded call of the step against its
     /// replay, and candle-nn's AdamW (host bias corrections and rate, so every call of it
     /// captures once a guard found them) under graft-candle against eager.
@@ -520,6 +524,15 @@ fn run() -> BenchResult<()> {
     }
     if o.only_large {
         models.remove(0);
+    }
+    if o.gpt2 {
+        models.push((
+            "gpt2-124m",
+            Sizes {
+                max_positions: o.seq,
+                ..Sizes::GPT2_124M
+            },
+        ));
     }
     if o.profile_steps > 0 {
         return profile(&o, models[models.len() - 1].1, &device);

@@ -110,7 +110,17 @@ pub(crate) fn losses_with(
     steps: usize,
     device: &Device,
 ) -> Result<Vec<f32>> {
-    let cfg = config();
+    losses_of(&config(), kernels, steps, device)
+}
+
+/// [`losses_with`] for the model `cfg` describes.
+pub(crate) fn losses_of(
+    cfg: &Config,
+    kernels: graft_candle_models::SequenceKernels,
+    steps: usize,
+    device: &Device,
+) -> Result<Vec<f32>> {
+    let cfg = cfg.clone();
     let mut model = Trainable::random(&cfg, 7, DType::F32, device)?;
     model.set_kernels(kernels);
     let mut opt = AdamW::new(model.vars().to_vec(), AdamWConfig::default())?;
