@@ -101,8 +101,10 @@ pub(crate) fn project(
     }
     let y = if pair {
         swiglu(&dense(x, parts[0].0)?, &dense(x, parts[1].0)?)?
-    } else if !tracked && parts.len() > 1 && parts.iter().all(|(_, b)| b.is_none()) {
-        // No copy for the concatenation: each GEMM writes its columns.
+    } else if !tracked && dims.rows > 0 && parts.len() > 1 && parts.iter().all(|(_, b)| b.is_none())
+    {
+        // No copy for the concatenation: each GEMM writes its columns (no rows: `dense`'s
+        // zeros below).
         let op = gemms::Gemms {
             weights: parts.iter().map(|&(w, _)| w.clone()).collect(),
             dims,

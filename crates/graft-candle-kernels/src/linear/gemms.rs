@@ -64,7 +64,8 @@ impl CustomOp1 for Gemms {
     }
 }
 
-/// Row r of the output: row r of each product (`[rows, n_i]`, of x's dtype `T`) in turn.
+/// Row r of the output: row r of each product (`[rows, n_i]`) in turn, in the dtype `T` of
+/// x's elements `_x` (passed for their type only: the products are `T` too).
 fn place<T: WithDType>(
     _x: &[T],
     products: &[(CpuStorage, usize)],
