@@ -253,6 +253,11 @@ impl Dims {
             self.ns.iter().sum()
         }
     }
+
+    /// The ops' `[rows, n]` output.
+    fn out_shape(&self) -> Shape {
+        Shape::from_dims(&[self.rows, self.n()])
+    }
 }
 
 /// The custom op over `x`, holding clones (the same storage) of the weights, biases and the
@@ -267,12 +272,6 @@ struct Matvec {
     side: SideStream,
 }
 
-impl Matvec {
-    fn out_shape(&self) -> Shape {
-        Shape::from_dims(&[self.dims.rows, self.dims.n()])
-    }
-}
-
 impl CustomOp1 for Matvec {
     fn name(&self) -> &'static str {
         OP
@@ -280,7 +279,7 @@ impl CustomOp1 for Matvec {
 
     fn cpu_fwd(&self, x: &CpuStorage, xl: &Layout) -> Result<(CpuStorage, Shape)> {
         let out = float_dispatch!(OP, "x", (x), |x| self.cpu(x, xl))?;
-        Ok((out, self.out_shape()))
+        Ok((out, self.dims.out_shape()))
     }
 
     #[cfg(feature = "cuda")]

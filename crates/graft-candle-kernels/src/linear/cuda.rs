@@ -202,7 +202,7 @@ fn rows_split(tiles: usize, rounds: usize) -> u32 {
 pub(super) fn forward(op: &Matvec, x: &CudaStorage, xl: &Layout) -> Result<(CudaStorage, Shape)> {
     let device = x.device.clone();
     let slice = op.map(&x.slice, &device, xl)?;
-    Ok((CudaStorage { slice, device }, op.out_shape()))
+    Ok((CudaStorage { slice, device }, op.dims.out_shape()))
 }
 
 impl Map1 for Matvec {
@@ -273,12 +273,12 @@ impl Map1 for Matvec {
 }
 
 /// The [`Gemms`] op's output on CUDA: one cuBLAS GEMM per weight, written into its columns.
-pub(super) fn gemms(op: &Gemms, x: &CudaStorage, xl: &Layout) -> Result<CudaStorageSlice> {
-    let device = &x.device;
-    Ok(match &x.slice {
-        CudaStorageSlice::F32(s) => CudaStorageSlice::F32(gemms_of(op, s, xl, device)?),
-        CudaStorageSlice::BF16(s) => CudaStorageSlice::BF16(gemms_of(op, s, xl, device)?),
-        CudaStorageSlice::F16(s) => CudaStorageSlice::F16(gemms_of(op, s, xl, device)?),
+pub(super) fn gemms(op: &Gemms, x: &CudaStorage, xl: &Layout) -> Result<(CudaStorage, Shape)> {
+    let device = x.device.clone();
+    let slice = match &x.slice {
+        CudaStorageSlice::F32(s) => CudaStorageSlice::F32(gemms_of(op, s, xl, &device)?),
+        CudaStorageSlice::BF16(s) => CudaStorageSlice::BF16(gemms_of(op, s, xl, &device)?),
+        CudaStorageSlice::F16(s) => CudaStorageSlice::F16(gemms_of(op, s, xl, &device)?),
         _ => {
             return Err(KernelError::UnsupportedDType {
                 op: OP,
@@ -287,7 +287,8 @@ pub(super) fn gemms(op: &Gemms, x: &CudaStorage, xl: &Layout) -> Result<CudaStor
             }
             .into());
         }
-    })
+    };
+    Ok((CudaStorage { slice, device }, op.dims.out_shape()))
 }
 
 /// [`gemms`] for dtype `T`. In cuBLAS's column-major terms weight i's columns of the output

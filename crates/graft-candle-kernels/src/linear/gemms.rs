@@ -19,12 +19,6 @@ pub(super) struct Gemms {
     pub(super) dims: Dims,
 }
 
-impl Gemms {
-    fn out_shape(&self) -> Shape {
-        Shape::from_dims(&[self.dims.rows, self.dims.n()])
-    }
-}
-
 impl CustomOp1 for Gemms {
     fn name(&self) -> &'static str {
         OP
@@ -44,7 +38,7 @@ impl CustomOp1 for Gemms {
         }
         let total = self.dims.n();
         let out = float_dispatch!(OP, "x", (x), |x| place(x, &products, rows, total))?;
-        Ok((out, self.out_shape()))
+        Ok((out, self.dims.out_shape()))
     }
 
     #[cfg(feature = "cuda")]
@@ -53,14 +47,7 @@ impl CustomOp1 for Gemms {
         x: &candle_core::CudaStorage,
         xl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let slice = super::cuda::gemms(self, x, xl)?;
-        Ok((
-            candle_core::CudaStorage {
-                slice,
-                device: x.device.clone(),
-            },
-            self.out_shape(),
-        ))
+        super::cuda::gemms(self, x, xl)
     }
 }
 
