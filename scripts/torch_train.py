@@ -30,6 +30,8 @@ Modes (each at every batch size):
                    deliberate break in torch.optim), giving 3 graphs (fwd+loss, bwd, AdamW),
                    each replayed by CUDA Graph Trees. If that fails, variant "split":
                    model+loss and opt.step compiled apart, the backward called between them.
+  max_autotune     as reduce_overhead with torch.compile(mode="max-autotune") (Inductor
+                   benchmarks GEMM and kernel choices at compile time; CUDA graphs too).
   cuda_graph       a hand-written torch.cuda.CUDAGraph of the whole step (the "whole network
                    capture" recipe: 3 warm-up steps on a side stream, zero_grad(set_to_none),
                    capture forward+backward+AdamW(capturable=True).step()); each step copies
@@ -74,7 +76,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-ALL_MODES = ("eager", "reduce_overhead", "cuda_graph")
+ALL_MODES = ("eager", "reduce_overhead", "max_autotune", "cuda_graph")
 HEAD_DIM = 64
 MODELS = {
     "bench": dict(layers=4, d=512, heads=8, kv_heads=4, ffn=1536, vocab=8192),
@@ -305,12 +307,12 @@ def dynamo_stats():
         return {}
 
 
-def reduce_overhead_runner(c, data, args, device, res):
+def reduce_overhead_runner(c, data, args, device, res, mode="reduce-overhead"):
     errors = []
     for variant in {"auto": ["whole", "split"]}.get(args.ro_variant, [args.ro_variant]):
         reset_compiler()
         try:
-            runner = compiled_runner(c, data, args, device, variant)
+            runner = compiled_runner(c, data, args, device, variant, mode=mode)
             run_losses(runner, 3)  # compile, cudagraph warm-up, record, first replay
             sync(device)
             res["variant_fallback_reason"] = errors
@@ -429,7 +431,8 @@ def run_one(name, c, mode, batch, args, device, ref):
         else:
             if not cuda:
                 res["notes"].append("cpu: no cudagraphs; a smoke test of the compiled code")
-            runner = reduce_overhead_runner(c, data, args, device, res)
+            compile_mode = "max-autotune" if mode == "max_autotune" else "reduce-overhead"
+            runner = reduce_overhead_runner(c, data, args, device, res, compile_mode)
         res.update(runner.info)
         res["setup_s"] = time.perf_counter() - t_start
 
@@ -444,11 +447,18 @@ def run_one(name, c, mode, batch, args, device, ref):
         if cuda:
             res.update(step_memory(runner.step, device))
         res.update(time_steps(runner.step, args.steps, device))
-        if mode == "reduce_overhead":
+        if cuda and args.profile_steps and (args.profile_mode in (None, mode)):
+            # Only these steps' kernels are seen by `ncu --profile-from-start off`.
+            torch.cuda.profiler.start()
+            for _ in range(args.profile_steps):
+                runner.step()
+            sync(device)
+            torch.cuda.profiler.stop()
+        if mode in ("reduce_overhead", "max_autotune"):
             res.update(dynamo_stats())
             if cuda and res.get("cudagraph_skips"):
                 res["notes"].append("cudagraphs were skipped for some graph: not a replay")
-        if cuda:
+        if cuda and not args.profile_steps:  # torch.profiler and ncu would both attach
             seen = count_kernels(runner.step, device)
             if mode == "eager":
                 res.update(seen, kernels_source="profiled")
@@ -464,7 +474,7 @@ def run_one(name, c, mode, batch, args, device, ref):
     finally:
         res["total_wall_s"] = time.perf_counter() - t_start
         del runner
-        if mode == "reduce_overhead":
+        if mode in ("reduce_overhead", "max_autotune"):
             reset_compiler()
         try:
             sync(device)
@@ -538,6 +548,12 @@ def parse_args(argv=None):
     p.add_argument("--json", metavar="FILE", help="write the results as JSON")
     p.add_argument("--quick", action="store_true", help="smoke test: batches 1,2, 3 steps, "
                    "2 warm-up, 3 checked; on cpu the tiny model (2 layers, d 128), seq 32")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="after timing, run this many steps between cudaProfilerStart and Stop "
+                        "(for ncu --profile-from-start off; scripts/ncu_step.py sums them); "
+                        "kernels are not counted then")
+    p.add_argument("--profile-mode", choices=ALL_MODES,
+                   help="profile this mode's steps only (default: every mode's)")
     p.add_argument("--verbose", action="store_true", help="print tracebacks")
     args = p.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]

@@ -91,9 +91,10 @@ pub use sample::{SAMPLE_INVALID, SAMPLE_WORDS, SampleParams, sample_rows};
 pub use shared::SharedExpert;
 pub use side::SideStream;
 pub use step::{StepLayer, StepModel, decode_step, decode_step_fits, decode_step_paged};
-pub use swiglu::swiglu;
+pub use swiglu::{swiglu, swiglu_backward};
 pub use train::{
-    AdamWHyper, OPTIM_SCALARS, OptimSlot, SgdHyper, adamw_update, causal_attention,
-    causal_attention_fits, cross_entropy, dense, embedding, optim_scalars, rms_norm, rotary,
-    sgd_update,
+    AdamWHyper, OPTIM_SCALARS, OptimSlot, SavedAttention, SgdHyper, adamw_update, causal_attention,
+    causal_attention_fits, causal_attention_saved, cross_entropy, cross_entropy_with_grad, dense,
+    dense_sum, embedding, embedding_backward, optim_scalars, rms_norm, rms_norm_backward, rotary,
+    rotary_backward, sgd_update,
 };

@@ -77,12 +77,30 @@ impl CustomOp2 for Swiglu {
         _res: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let n = gate.elem_count();
-        let packed = gate.apply_op3_no_bwd(up, &dy.contiguous()?, &SwigluBackward)?;
-        let dgate = packed.narrow(0, 0, n)?.reshape(gate.shape())?;
-        let dup = packed.narrow(0, n, n)?.reshape(gate.shape())?;
+        let (dgate, dup) = swiglu_backward(gate, up, dy)?;
         Ok((Some(dgate), Some(dup)))
     }
+}
+
+/// The gradients of [`swiglu`]'s gate and up from its output's gradient `dy`, outside
+/// candle's autograd (the kernel of `swiglu`'s own backward pass): `(dgate, dup)`, views of
+/// one packed tensor.
+pub fn swiglu_backward(gate: &Tensor, up: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor)> {
+    for (name, t) in [("up", up), ("dy", dy)] {
+        check::like(OP, name, t, "gate", gate)?;
+        if t.dims() != gate.dims() {
+            return Err(check::shape(OP, name, t, "gate's shape"));
+        }
+    }
+    let (gate, up, dy) = (gate.contiguous()?, up.contiguous()?, dy.contiguous()?);
+    let n = gate.elem_count();
+    if n == 0 {
+        return Ok((gate.zeros_like()?, up.zeros_like()?));
+    }
+    let packed = gate.apply_op3_no_bwd(&up, &dy, &SwigluBackward)?;
+    let dgate = packed.narrow(0, 0, n)?.reshape(gate.shape())?;
+    let dup = packed.narrow(0, n, n)?.reshape(gate.shape())?;
+    Ok((dgate, dup))
 }
 
 /// The backward op over (gate, up, dy): `[2 * n]`, the gate's gradient

@@ -112,6 +112,7 @@ proptest! {
             check_swiglu_grads(&Device::Cpu, &case, dtype).unwrap();
             check_rotary(&Device::Cpu, &case, dtype).unwrap();
             check_cross_entropy(&Device::Cpu, &case, dtype).unwrap();
+            check_backward_functions(&Device::Cpu, &case, dtype).unwrap();
         }
     }
 }

@@ -154,6 +154,7 @@ proptest! {
             check_swiglu_grads(&dev, &case, dtype).unwrap();
             check_rotary(&dev, &case, dtype).unwrap();
             check_cross_entropy(&dev, &case, dtype).unwrap();
+            check_backward_functions(&dev, &case, dtype).unwrap();
         }
     }
 }

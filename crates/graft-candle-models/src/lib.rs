@@ -64,6 +64,6 @@ pub use cache::KvCache;
 pub use decoder::Decoder;
 pub use generate::{GenerateSpec, Generation, Sampling};
 pub use prefill::{PREFILL_SEGMENTS, PrefillSegment};
-pub use sequence::{Dropout, SequenceKernels};
+pub use sequence::{Dropout, SequenceGradients, SequenceKernels};
 pub use shard::{Collective, Shard};
 pub use spec::{Arch, DecoderSpec, Llama3Scaling, MoeNames, MoeSpec, RopeSpec, RopeStyle};

@@ -3,7 +3,10 @@
 //! [`SequenceKernels::Fused`], graft-candle-kernels' differentiable ops (embedding, RMS norm,
 //! one-GEMM projections, rotary, flash-style causal attention, SwiGLU, and cross-entropy in the loss),
 //! and [`SequenceKernels::Unfused`], candle's differentiable elementwise ops (candle-nn's fused
-//! RMSNorm, rotary and softmax kernels have no backward), the reference.
+//! RMSNorm, rotary and softmax kernels have no backward), the reference. [`backward`]: the
+//! training step as an explicit program, without candle's autograd.
+
+mod backward;
 
 use candle_core::{D, Module, Result, Tensor};
 use candle_nn::Embedding;
@@ -16,6 +19,8 @@ use super::decoder::{Block, Decoder};
 use super::moe::Mlp;
 use super::proj::Proj;
 use super::spec::DecoderSpec;
+
+pub use backward::SequenceGradients;
 
 /// A dropout applied inside [`Decoder::sequence_logits`].
 pub type Dropout<'a> = dyn Fn(&Tensor) -> Result<Tensor> + 'a;

@@ -30,9 +30,10 @@ pub(crate) fn main() -> Result<(), Box<dyn std::error::Error>> {
         // A schedule: a write to the device tensor between steps, never a new recording.
         opt.set_learning_rate(3e-3 * (1.0 - step as f64 / 30.0))?;
         let out = graft.call(train, &[&tokens, &targets], &statics, &[], |x| {
-            let loss = model.loss(&x[0], &x[1], None)?;
-            opt.step(&loss.backward()?)?;
-            Ok(vec![loss])
+            // The loss and every gradient, each written once (the explicit backward program).
+            let grads = model.gradients(&x[0], &x[1], None)?;
+            opt.step(&grads)?;
+            Ok(vec![grads.loss().clone()])
         })?;
         if graft.is_graphed() && step >= 2 {
             assert!(matches!(out.outcome, StepOutcome::Replayed(_)));

@@ -1,12 +1,58 @@
 //! A trainable variant of graft-candle-models' decoder: the same architecture, loaded by the
-//! same port from the same checkpoint names, with every weight a candle `Var` of a `VarMap`.
+//! same port from the same checkpoint names, with every weight a candle `Var` of a `VarMap`;
+//! its gradients from the explicit backward program or from candle's autograd.
 
 use std::collections::HashMap;
 
-use candle_core::{DType, Device, Result, Tensor, Var};
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Result, Tensor, TensorId, Var};
 use candle_nn::{VarBuilder, VarMap};
 use graft_candle_models::llama::{self, Config};
 use graft_candle_models::{Decoder, Dropout, SequenceKernels, checkpoint};
+
+use crate::optim::Gradients;
+
+/// How [`Trainable::gradients`] computes a step's gradients.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Backward {
+    /// graft-candle-models' explicit program (`Decoder::sequence_gradients`: each gradient
+    /// written once by the kernel that computes it) where it takes the step; candle's autograd
+    /// where it does not ([`Trainable::backward_fallbacks`] says why). The default.
+    #[default]
+    Explicit,
+    /// candle's autograd over the forward pass: the reference.
+    Autograd,
+}
+
+/// A step's loss and every parameter's gradient ([`Trainable::gradients`]); an optimizer
+/// reads them through [`Gradients`].
+#[derive(Debug)]
+pub struct StepGradients {
+    loss: Tensor,
+    grads: Grads,
+}
+
+#[derive(Debug)]
+enum Grads {
+    Explicit(HashMap<TensorId, Tensor>),
+    Autograd(GradStore),
+}
+
+impl StepGradients {
+    /// The step's mean cross-entropy, `[1]` f32.
+    pub fn loss(&self) -> &Tensor {
+        &self.loss
+    }
+}
+
+impl Gradients for StepGradients {
+    fn gradient(&self, param: &Tensor) -> Option<&Tensor> {
+        match &self.grads {
+            Grads::Explicit(by_id) => by_id.get(&param.id()),
+            Grads::Autograd(store) => store.get(param),
+        }
+    }
+}
 
 /// A Llama port whose weights are trainable: its forward pass runs whole sequences
 /// ([`Decoder::sequence_logits`]), and [`Trainable::decoder`] decodes with the same weights.
@@ -19,6 +65,8 @@ pub struct Trainable {
     mask: Tensor,
     /// The forward pass's (and so the backward's) kernels.
     kernels: SequenceKernels,
+    /// How [`Trainable::gradients`] computes gradients.
+    backward: Backward,
 }
 
 impl Trainable {
@@ -68,6 +116,7 @@ impl Trainable {
             vars,
             mask,
             kernels: SequenceKernels::Fused,
+            backward: Backward::Explicit,
         })
     }
 
@@ -83,6 +132,55 @@ impl Trainable {
     /// The kernels the passes run.
     pub fn kernels(&self) -> SequenceKernels {
         self.kernels
+    }
+
+    /// Chooses how [`Trainable::gradients`] computes gradients ([`Backward::Explicit`] by
+    /// default).
+    pub fn set_backward(&mut self, backward: Backward) {
+        self.backward = backward;
+    }
+
+    /// Why [`Trainable::gradients`] runs candle's autograd for a step without dropout (empty
+    /// when it runs the explicit program): the backward chosen, the kernels, or what the
+    /// program does not know about this model. A step with dropout always runs the autograd.
+    pub fn backward_fallbacks(&self) -> Vec<String> {
+        match (self.backward, self.kernels) {
+            (Backward::Autograd, _) => vec!["Backward::Autograd was chosen".into()],
+            (_, SequenceKernels::Unfused) => {
+                vec!["the unfused kernels were chosen (they have no explicit program)".into()]
+            }
+            (Backward::Explicit, SequenceKernels::Fused) => {
+                self.decoder.sequence_gradients_unsupported()
+            }
+        }
+    }
+
+    /// The mean cross-entropy of predicting `targets` (`[batch, seq]` u32) from `tokens` and
+    /// the gradient of every parameter: by the explicit program where
+    /// [`Trainable::backward_fallbacks`] is empty and there is no `dropout` (each gradient
+    /// written once, no zeroed buffer and add per gradient), by candle's autograd over
+    /// [`Trainable::loss`] otherwise. Both run the same forward kernels; their gradients
+    /// differ only in the order the rounding of sums happens.
+    pub fn gradients(
+        &self,
+        tokens: &Tensor,
+        targets: &Tensor,
+        dropout: Option<&Dropout<'_>>,
+    ) -> Result<StepGradients> {
+        if dropout.is_none() && self.backward_fallbacks().is_empty() {
+            let g = self.decoder.sequence_gradients(tokens, targets)?;
+            let by_id = g.grads.into_iter().map(|(w, d)| (w.id(), d)).collect();
+            return Ok(StepGradients {
+                loss: g.loss,
+                grads: Grads::Explicit(by_id),
+            });
+        }
+        let loss = self.loss(tokens, targets, dropout)?;
+        let store = loss.backward()?;
+        Ok(StepGradients {
+            loss,
+            grads: Grads::Autograd(store),
+        })
     }
 
     /// The decoder, whose weights are the trainable ones: decode with what was learned.

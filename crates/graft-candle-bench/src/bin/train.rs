@@ -9,8 +9,9 @@
 //! variant adds (the driver's graph memory, plus graft's pool). Each timed step is one call
 //! and a synchronize, variants alternate in rounds, and the figure is the median.
 //!
-//! `--kernels fused,unfused` measures the model with graft-candle-kernels' fused training ops
-//! (the default) and with candle's unfused ones (the reference).
+//! `--kernels fused,autograd,unfused` measures the model with graft-candle-kernels' fused
+//! training ops and the explicit backward program (the default), with the same ops under
+//! candle's autograd, and with candle's unfused ops (the reference).
 //!
 //! usage: graft-candle-train [--steps N] [--rounds R] [--seq S] [--large | --only-large] [--gpt2] [--guards]
 //! [--kernels LIST] [--json PATH]
@@ -26,8 +27,8 @@ use graft_candle_bench::HandmadeGraph;
 use graft_candle_bench::common::{BUCKETS, BenchResult, Timing, median};
 use graft_candle_models::SequenceKernels;
 use graft_candle_models::llama::Sizes;
-use graft_candle_train::Trainable;
 use graft_candle_train::optim::{AdamW, AdamWConfig, GradAccumulator};
+use graft_candle_train::{Backward, Trainable};
 use graft_core::{FunctionSpec, Mode};
 
 /// The benchmark's flags.
@@ -60,8 +61,9 @@ struct Options {
     /// captures once a guard found them) under graft-candle against eager.
     #[arg(long)]
     guards: bool,
-    /// The model's kernels, comma-separated: fused (graft-candle-kernels' training ops, the
-    /// default) and unfused (candle's elementwise ops).
+    /// The model's kernels, comma-separated: fused (graft-candle-kernels' training ops and the
+    /// explicit backward program, the default), autograd (the same ops, gradients by candle's
+    /// autograd) and unfused (candle's elementwise ops).
     #[arg(long, value_delimiter = ',', default_value = "fused")]
     kernels: Vec<Kernels>,
     /// Instead of measuring: this many replayed steps of the first `--kernels` at batch
@@ -78,20 +80,23 @@ struct Options {
 #[derive(clap::ValueEnum, Clone, Copy, Debug)]
 enum Kernels {
     Fused,
+    Autograd,
     Unfused,
 }
 
 impl Kernels {
-    fn of(self) -> SequenceKernels {
+    fn of(self) -> (SequenceKernels, Backward) {
         match self {
-            Kernels::Fused => SequenceKernels::Fused,
-            Kernels::Unfused => SequenceKernels::Unfused,
+            Kernels::Fused => (SequenceKernels::Fused, Backward::Explicit),
+            Kernels::Autograd => (SequenceKernels::Fused, Backward::Autograd),
+            Kernels::Unfused => (SequenceKernels::Unfused, Backward::Autograd),
         }
     }
 
     fn name(self) -> &'static str {
         match self {
             Kernels::Fused => "fused",
+            Kernels::Autograd => "fused, autograd",
             Kernels::Unfused => "unfused",
         }
     }
@@ -138,7 +143,9 @@ struct Trainer {
 impl Trainer {
     fn new(sizes: Sizes, kernels: Kernels, device: &Device) -> BenchResult<Trainer> {
         let mut model = Trainable::random(&sizes.config(), 1234, DType::F32, device)?;
-        model.set_kernels(kernels.of());
+        let (ops, backward) = kernels.of();
+        model.set_kernels(ops);
+        model.set_backward(backward);
         let opt = AdamW::new(model.vars().to_vec(), AdamWConfig::default())?;
         let acc = GradAccumulator::new(model.vars())?;
         let mut statics: Vec<Tensor> = opt.statics().into_iter().cloned().collect();
@@ -174,9 +181,9 @@ impl Trainer {
             }
             Variant::Path(micro, update) => {
                 let out = graft.call(*micro, &[&tokens, &targets], &statics, &[], |x| {
-                    let loss = model.loss(&x[0], &x[1], None)?;
-                    acc.accumulate(&loss.backward()?)?;
-                    Ok(vec![loss])
+                    let grads = model.gradients(&x[0], &x[1], None)?;
+                    acc.accumulate(&grads)?;
+                    Ok(vec![grads.loss().clone()])
                 })?;
                 graft.call(*update, &[], &statics, &[], |_| {
                     opt.step(acc)?;
@@ -207,9 +214,9 @@ fn full_step(
     tokens: &Tensor,
     targets: &Tensor,
 ) -> graft_candle::candle_core::Result<Tensor> {
-    let loss = model.loss(tokens, targets, None)?;
-    opt.step(&loss.backward()?)?;
-    Ok(loss)
+    let grads = model.gradients(tokens, targets, None)?;
+    opt.step(&grads)?;
+    Ok(grads.loss().clone())
 }
 
 /// Random `[batch, seq + 1]` tokens below `vocab`.

@@ -66,6 +66,59 @@ pub fn causal_attention(
     )
 }
 
+/// [`causal_attention`] outside candle's autograd, keeping what its backward pass reads: the
+/// output, and [`SavedAttention::backward`] for the gradients of q, k and v (the same kernels
+/// and bits as `causal_attention`'s own backward pass). For a hand-written backward pass.
+pub fn causal_attention_saved(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    heads: usize,
+    kv_heads: usize,
+) -> Result<SavedAttention> {
+    let dims = Dims::of(q, k, v, heads, kv_heads)?;
+    let op = CausalAttention {
+        dims,
+        lse: Saved::default(),
+    };
+    let out = q.apply_op3_no_bwd(k, v, &op)?;
+    Ok(SavedAttention {
+        op,
+        q: q.clone(),
+        k: k.clone(),
+        v: v.clone(),
+        out,
+    })
+}
+
+/// A forward pass of the causal attention with what its backward pass reads
+/// ([`causal_attention_saved`]).
+#[derive(Debug)]
+pub struct SavedAttention {
+    op: CausalAttention,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+}
+
+impl SavedAttention {
+    /// The attention's output, `[batch, seq, heads * head_dim]`.
+    pub fn output(&self) -> &Tensor {
+        &self.out
+    }
+
+    /// The gradients `(dq, dk, dv)` from the output's gradient `dy` (the output's shape and
+    /// dtype).
+    pub fn backward(&self, dy: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let (q, k, v) = (&self.q, &self.k, &self.v);
+        match self.op.bwd(q, k, v, &self.out, dy)? {
+            (Some(dq), Some(dk), Some(dv)) => Ok((dq, dk, dv)),
+            _ => Err(check::shape(OP, "q", q, "three gradients")),
+        }
+    }
+}
+
 /// Whether [`causal_attention`] takes this head dim (`Err` says why not): 64 and 128, on the
 /// CPU and on CUDA alike; a model decides once, at load, between it and the unfused attention.
 pub fn causal_attention_fits(head_dim: usize) -> std::result::Result<(), KernelError> {
@@ -200,6 +253,7 @@ impl Dims {
 }
 
 /// The forward op; the wrapper has checked q, k and v. Keeps the row log-sum-exps.
+#[derive(Debug)]
 struct CausalAttention {
     dims: Dims,
     /// `[batch, heads, seq]` f32, set by the forward pass.

@@ -23,6 +23,27 @@ const OP: &str = "cross_entropy";
 /// a wrong target must not pass unseen). Differentiable in `logits`, whose gradient has their
 /// dtype.
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let (op, targets) = checked(logits, targets)?;
+    logits.apply_op2(&targets, op)
+}
+
+/// The mean cross-entropy (as [`cross_entropy`]) and its gradient in the logits, outside
+/// candle's autograd: `(loss, dlogits)`, the loss's gradient taken as 1 (the loss is what the
+/// step minimizes). The same kernels as `cross_entropy` and its backward pass; a hand-written
+/// backward pass starts from this.
+pub fn cross_entropy_with_grad(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor)> {
+    let (op, targets) = checked(logits, targets)?;
+    let loss = logits.apply_op2_no_bwd(&targets, &op)?;
+    let one = Tensor::ones(1, DType::F32, logits.device())?;
+    let (dlogits, _) = op.bwd(logits, &targets, &loss, &one)?;
+    let Some(dlogits) = dlogits else {
+        return Err(check::shape(OP, "logits", logits, "a gradient"));
+    };
+    Ok((loss, dlogits))
+}
+
+/// Checks [`cross_entropy`]'s arguments: its op and the targets, contiguous.
+fn checked(logits: &Tensor, targets: &Tensor) -> Result<(CrossEntropy, Tensor)> {
     check::float(OP, "logits", logits)?;
     check::indices(OP, "targets", targets, logits)?;
     let Some((&vocab, lead)) = logits.dims().split_last() else {
@@ -44,14 +65,12 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     }
     check::u32_of(OP, "the vocabulary", vocab)?;
     check::u32_of(OP, "the row count", rows)?;
-    logits.apply_op2(
-        &targets,
-        CrossEntropy {
-            rows,
-            vocab,
-            saved: Saved::default(),
-        },
-    )
+    let op = CrossEntropy {
+        rows,
+        vocab,
+        saved: Saved::default(),
+    };
+    Ok((op, targets))
 }
 
 /// The forward op over (logits, targets): `[1]` f32, keeping `[2 * rows]` f32 (each row's

@@ -3,11 +3,20 @@
 //! backward. candle-nn's `Linear` broadcasts the weight over a 3-D input's batch (so the
 //! weight's gradient is a batched GEMM and a sum) and records a transpose node; this records
 //! one node, whose backward adds nothing but the two products.
+//!
+//! [`dense_sum`] is the input gradient of several projections of one input (`Σ dy_i · w_i`,
+//! q, k and v's or gate and up's) for a hand-written backward pass: one GEMM per term into
+//! one output, each after the first adding to it (cuBLAS's β = 1), so the sum costs no add
+//! kernel.
+
+#[cfg(feature = "cuda")]
+mod cuda;
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor, WithDType};
 
 use crate::check;
+use crate::cpu::float_dispatch;
 
 const OP: &str = "dense";
 
@@ -125,6 +134,137 @@ impl CustomOp2 for Dense {
     }
 }
 
+/// `Σ_i a_i · w_i` over `terms` `(a_i, w_i)`: each `a_i` `[..., n_i]` with the same leading
+/// dims, each `w_i` `[n_i, k]` (contiguous) with the same `k`, all of one dtype and device;
+/// returns `[..., k]`. Not differentiable (a backward pass's op): the input gradient of
+/// projections `dense(x, w_i)` from their outputs' gradients `a_i`, in one output.
+pub fn dense_sum(terms: &[(&Tensor, &Tensor)]) -> Result<Tensor> {
+    const OP: &str = "dense_sum";
+    let Some(&(a0, w0)) = terms.first() else {
+        return Err(crate::KernelError::Unsupported {
+            op: OP,
+            reason: "a sum of no products: pass at least one (gradient, weight) pair",
+        }
+        .into());
+    };
+    let (_, k) = w0.dims2()?;
+    let Some((_, lead)) = a0.dims().split_last() else {
+        return Err(check::shape(OP, "a", a0, "[..., n]"));
+    };
+    let rows: usize = lead.iter().product();
+    let mut checked = Vec::with_capacity(terms.len());
+    for &(a, w) in terms {
+        check::float(OP, "a", a)?;
+        check::like(OP, "a", a, "the first a", a0)?;
+        check::like(OP, "w", w, "the first a", a0)?;
+        check::contiguous(OP, "w", w)?;
+        let (n, wk) = w.dims2()?;
+        if wk != k {
+            return Err(check::shape(
+                OP,
+                "w",
+                w,
+                "[n_i, k] with one k for every term",
+            ));
+        }
+        if a.dims().split_last() != Some((&n, lead)) {
+            return Err(check::shape(
+                OP,
+                "a",
+                a,
+                "[..., n_i] with the first a's leading dims",
+            ));
+        }
+        checked.push((a.contiguous()?, w.clone(), n));
+    }
+    let mut dims = lead.to_vec();
+    dims.push(k);
+    if rows == 0 || k == 0 {
+        return Tensor::zeros(dims, a0.dtype(), a0.device());
+    }
+    let first = checked[0].0.clone();
+    first
+        .apply_op1_no_bwd(&DenseSum {
+            terms: checked,
+            rows,
+            k,
+        })?
+        .reshape(dims)
+}
+
+/// The op behind [`dense_sum`], over the first term's `a` (a placeholder: every term's
+/// tensors are held here, contiguous); its output is `[rows, k]`.
+struct DenseSum {
+    /// `(a_i, w_i, n_i)`.
+    terms: Vec<(Tensor, Tensor, usize)>,
+    rows: usize,
+    k: usize,
+}
+
+impl CustomOp1 for DenseSum {
+    fn name(&self) -> &'static str {
+        "dense_sum"
+    }
+
+    /// Each product by candle's CPU matmul, summed in f32 and rounded once.
+    fn cpu_fwd(&self, first: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (rows, k) = (self.rows, self.k);
+        let mut products = Vec::with_capacity(self.terms.len());
+        for (a, w, n) in &self.terms {
+            let (a_storage, al) = a.storage_and_layout();
+            let (w_storage, wl) = w.storage_and_layout();
+            let (candle_core::Storage::Cpu(a), candle_core::Storage::Cpu(w)) =
+                (&*a_storage, &*w_storage)
+            else {
+                return Err(crate::KernelError::Device {
+                    op: "dense_sum",
+                    input: "a",
+                }
+                .into());
+            };
+            let am = Layout::contiguous_with_offset((rows, *n), al.start_offset());
+            let wm = Layout::contiguous_with_offset((*n, k), wl.start_offset());
+            products.push(a.matmul(w, (1, rows, k, *n), &am, &wm)?);
+        }
+        let out = float_dispatch!("dense_sum", "a", (first), |x| sum(x, &products))?;
+        Ok((out, Shape::from((rows, k))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        first: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let device = first.device.clone();
+        let slice = cuda::dense_sum(&self.terms, self.rows, self.k, first, &device)?;
+        Ok((
+            candle_core::CudaStorage { slice, device },
+            Shape::from((self.rows, self.k)),
+        ))
+    }
+}
+
+/// The elementwise sum of `products` (each of `T`, the type of `_x`'s elements), in f32.
+fn sum<T: WithDType>(_x: &[T], products: &[CpuStorage]) -> Result<CpuStorage> {
+    let mut total: Vec<f32> = Vec::new();
+    for p in products {
+        let p = T::cpu_storage_as_slice(p)?;
+        if total.is_empty() {
+            total = vec![0.0; p.len()];
+        }
+        for (t, &v) in total.iter_mut().zip(p) {
+            *t += check::f32_of(v);
+        }
+    }
+    Ok(T::to_cpu_storage_owned(
+        total
+            .into_iter()
+            .map(|v| T::from_f64(f64::from(v)))
+            .collect(),
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -153,6 +293,23 @@ mod tests {
         }
         let bad = Tensor::zeros((3, 4), DType::F32, &dev)?;
         assert!(dense(&bad, &w).is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn a_dense_sum_is_the_sum_of_its_products() -> Result<()> {
+        let dev = Device::Cpu;
+        let a1 = Tensor::randn(0f32, 1.0, (2, 3, 4), &dev)?;
+        let a2 = Tensor::randn(0f32, 1.0, (2, 3, 6), &dev)?;
+        let w1 = Tensor::randn(0f32, 1.0, (4, 5), &dev)?;
+        let w2 = Tensor::randn(0f32, 1.0, (6, 5), &dev)?;
+        let ours = dense_sum(&[(&a1, &w1), (&a2, &w2)])?;
+        let reference = (a1.broadcast_matmul(&w1)? + a2.broadcast_matmul(&w2)?)?;
+        assert_eq!(ours.dims(), [2, 3, 5]);
+        let diff = (ours - reference)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(diff < 1e-5, "{diff}");
+        assert!(dense_sum(&[]).is_err());
+        assert!(dense_sum(&[(&a1, &w2)]).is_err());
         Ok(())
     }
 }

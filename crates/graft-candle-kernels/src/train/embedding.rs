@@ -85,12 +85,28 @@ impl CustomOp2 for Embedding {
         _res: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let (vocab, d) = table.dims2()?;
-        let dtable = dy
-            .contiguous()?
-            .apply_op2_no_bwd(ids, &EmbeddingBackward { vocab, d })?;
-        Ok((Some(dtable), None))
+        Ok((Some(embedding_backward(dy, ids, table.dim(0)?)?), None))
     }
+}
+
+/// The gradient of [`embedding`]'s table (`[vocab, d]`, `dy`'s dtype) from its output's
+/// gradient `dy` (`[...ids' shape, d]`), outside candle's autograd (the kernel of
+/// `embedding`'s own backward pass): each row the sum of the rows of `dy` whose id names it.
+pub fn embedding_backward(dy: &Tensor, ids: &Tensor, vocab: usize) -> Result<Tensor> {
+    check::float(OP, "dy", dy)?;
+    check::indices(OP, "ids", ids, dy)?;
+    let Some((&d, lead)) = dy.dims().split_last() else {
+        return Err(check::shape(OP, "dy", dy, "[...ids' shape, d]"));
+    };
+    if lead != ids.dims() {
+        return Err(check::shape(OP, "dy", dy, "[...ids' shape, d]"));
+    }
+    if ids.elem_count() == 0 || d == 0 {
+        return Tensor::zeros((vocab, d), dy.dtype(), dy.device());
+    }
+    check::u32_of(OP, "the vocabulary", vocab)?;
+    dy.contiguous()?
+        .apply_op2_no_bwd(&ids.contiguous()?, &EmbeddingBackward { vocab, d })
 }
 
 impl CustomOp2 for EmbeddingBackward {

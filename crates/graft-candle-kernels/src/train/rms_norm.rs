@@ -3,7 +3,9 @@
 //! the rows in a fixed order (no atomics, so a step's gradients are the same on every run).
 //!
 //! The backward op returns both gradients packed in one tensor (the input's, then the
-//! weight's), handed out as views of it.
+//! weight's), handed out as views of it. [`rms_norm_backward`] runs it outside candle's
+//! autograd (for a hand-written backward pass), adding the residual stream's gradient into the
+//! input's in the same kernel.
 
 #[cfg(feature = "cuda")]
 mod cuda;
@@ -42,9 +44,55 @@ struct RmsNorm {
     eps: f32,
 }
 
-/// The backward op over (x, weight, dy): `[rows * cols + cols]`, dx then dweight.
+/// The backward op over (x, weight, dy): `[rows * cols + cols]`, dx (plus `res` when given)
+/// then dweight.
 struct RmsNormBackward {
     eps: f32,
+    res: Option<Tensor>,
+}
+
+/// The gradients of [`rms_norm`]'s input and weight from its output's gradient `dy`, outside
+/// candle's autograd: `(dx + residual, dweight)`, where `residual` (`x`'s shape and dtype,
+/// when given) is the gradient the residual stream already carries to `x`, added in the
+/// kernel that computes dx instead of by a separate add. The same kernels and bits as
+/// `rms_norm`'s own backward pass (with no residual).
+pub fn rms_norm_backward(
+    x: &Tensor,
+    weight: &Tensor,
+    dy: &Tensor,
+    eps: f32,
+    residual: Option<&Tensor>,
+) -> Result<(Tensor, Tensor)> {
+    check::float(OP, "x", x)?;
+    check::like(OP, "weight", weight, "x", x)?;
+    check::like(OP, "dy", dy, "x", x)?;
+    if dy.dims() != x.dims() || weight.dims() != [*x.dims().last().unwrap_or(&0)] {
+        return Err(check::shape(
+            OP,
+            "dy",
+            dy,
+            "x's shape, weight [x's last dimension]",
+        ));
+    }
+    let res = match residual {
+        Some(r) => {
+            check::like(OP, "the residual gradient", r, "x", x)?;
+            if r.dims() != x.dims() {
+                return Err(check::shape(OP, "the residual gradient", r, "x's shape"));
+            }
+            Some(r.contiguous()?)
+        }
+        None => None,
+    };
+    let (x, weight, dy) = (x.contiguous()?, weight.contiguous()?, dy.contiguous()?);
+    let n = x.elem_count();
+    if n == 0 {
+        return Ok((x.zeros_like()?, weight.zeros_like()?));
+    }
+    let packed = x.apply_op3_no_bwd(&weight, &dy, &RmsNormBackward { eps, res })?;
+    let dx = packed.narrow(0, 0, n)?.reshape(x.shape())?;
+    let dw = packed.narrow(0, n, weight.elem_count())?;
+    Ok((dx, dw))
 }
 
 impl CustomOp2 for RmsNorm {
@@ -81,11 +129,7 @@ impl CustomOp2 for RmsNorm {
         _res: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let dy = dy.contiguous()?;
-        let n = x.elem_count();
-        let packed = x.apply_op3_no_bwd(w, &dy, &RmsNormBackward { eps: self.eps })?;
-        let dx = packed.narrow(0, 0, n)?.reshape(x.shape())?;
-        let dw = packed.narrow(0, n, w.elem_count())?;
+        let (dx, dw) = rms_norm_backward(x, w, dy, self.eps, None)?;
         Ok((Some(dx), Some(dw)))
     }
 }
@@ -105,8 +149,16 @@ impl CustomOp3 for RmsNormBackward {
         dyl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let eps = self.eps;
+        let res = match &self.res {
+            Some(r) => Some(
+                r.to_dtype(candle_core::DType::F32)?
+                    .flatten_all()?
+                    .to_vec1::<f32>()?,
+            ),
+            None => None,
+        };
         let out = float_dispatch!(OP, "x", (x, w, dy), |x, w, dy| {
-            cpu_backward(x, xl, w, wl, dy, dyl, eps)
+            cpu_backward(x, xl, w, wl, dy, dyl, eps, res.as_deref())
         })?;
         let len = xl.shape().elem_count() + wl.shape().elem_count();
         Ok((out, Shape::from(len)))
@@ -122,7 +174,7 @@ impl CustomOp3 for RmsNormBackward {
         dy: &candle_core::CudaStorage,
         dyl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        cuda::backward(self.eps, x, xl, w, wl, dy, dyl)
+        cuda::backward(self.eps, self.res.as_ref(), x, xl, w, wl, dy, dyl)
     }
 }
 
@@ -157,7 +209,8 @@ fn cpu_forward<T: WithDType>(
     Ok(T::to_cpu_storage_owned(out))
 }
 
-/// `dx = r (dy w) - x r³ mean(dy w x)` and `dweight = Σ_rows dy x r`.
+/// `dx = r (dy w) - x r³ mean(dy w x) (+ res)` and `dweight = Σ_rows dy x r`.
+#[allow(clippy::too_many_arguments)]
 fn cpu_backward<T: WithDType>(
     x: &[T],
     xl: &Layout,
@@ -166,6 +219,7 @@ fn cpu_backward<T: WithDType>(
     dy: &[T],
     dyl: &Layout,
     eps: f32,
+    res: Option<&[f32]>,
 ) -> Result<CpuStorage> {
     let f32s = |s: &[T]| s.iter().map(|&v| check::f32_of(v)).collect::<Vec<f32>>();
     let x = f32s(check::cpu_slice(OP, "x", x, xl)?);
@@ -174,12 +228,14 @@ fn cpu_backward<T: WithDType>(
     let cols = w.len();
     let mut dx = Vec::with_capacity(x.len() + cols);
     let mut dw = vec![0f32; cols];
-    for (row, g) in x.chunks(cols).zip(dy.chunks(cols)) {
+    for (j, (row, g)) in x.chunks(cols).zip(dy.chunks(cols)).enumerate() {
         let r = inverse_rms(row, eps);
         let dot: f32 = row.iter().zip(g).zip(&w).map(|((x, g), w)| g * w * x).sum();
         let c = r * r * r * dot / cols as f32;
         for i in 0..cols {
-            dx.push(T::from_f64(f64::from(r * g[i] * w[i] - row[i] * c)));
+            let d = r * g[i] * w[i] - row[i] * c;
+            let d = res.map_or(d, |res| d + res[j * cols + i]);
+            dx.push(T::from_f64(f64::from(d)));
             dw[i] += g[i] * row[i] * r;
         }
     }

@@ -25,6 +25,46 @@ pub fn rotary(
     heads: usize,
     style: RopeStyle,
 ) -> Result<Tensor> {
+    if !checked(x, cos, sin, heads)? {
+        return x.zeros_like();
+    }
+    x.apply_op3(
+        cos,
+        sin,
+        Rotary {
+            heads,
+            style,
+            inverse: false,
+        },
+    )
+}
+
+/// The gradient of [`rotary`]'s input from its output's gradient `dy` (the inverse rotation),
+/// outside candle's autograd: the kernel `rotary`'s own backward pass runs.
+pub fn rotary_backward(
+    dy: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    heads: usize,
+    style: RopeStyle,
+) -> Result<Tensor> {
+    let dy = dy.contiguous()?;
+    if !checked(&dy, cos, sin, heads)? {
+        return dy.zeros_like();
+    }
+    dy.apply_op3_no_bwd(
+        cos,
+        sin,
+        &Rotary {
+            heads,
+            style,
+            inverse: true,
+        },
+    )
+}
+
+/// Checks [`rotary`]'s arguments; `false` when `x` is empty (nothing to rotate).
+fn checked(x: &Tensor, cos: &Tensor, sin: &Tensor, heads: usize) -> Result<bool> {
     check::float(OP, "x", x)?;
     check::like(OP, "cos", cos, "x", x)?;
     check::like(OP, "sin", sin, "x", x)?;
@@ -53,22 +93,14 @@ pub fn rotary(
         check::contiguous(OP, name, t)?;
     }
     if x.elem_count() == 0 {
-        return x.zeros_like();
+        return Ok(false);
     }
     check::u32_of(
         OP,
         "the pair count / 256",
         (x.elem_count() / 2).div_ceil(256),
     )?;
-    x.apply_op3(
-        cos,
-        sin,
-        Rotary {
-            heads,
-            style,
-            inverse: false,
-        },
-    )
+    Ok(true)
 }
 
 /// The op over (x, cos, sin): the rotation, or its inverse (the backward pass).

@@ -2,7 +2,10 @@
 //! against the unfused candle composition's, on the same device, the reference in f32.
 
 use candle_core::{DType, Device, Result, Tensor, Var};
-use graft_candle_kernels::{RopeStyle, cross_entropy, dense, embedding, rms_norm, rotary, swiglu};
+use graft_candle_kernels::{
+    RopeStyle, cross_entropy, dense, dense_sum, embedding, rms_norm, rms_norm_backward, rotary,
+    swiglu,
+};
 use proptest::prelude::*;
 
 use super::{random, values};
@@ -98,6 +101,63 @@ pub fn check_grads(
                 w.is_some()
             ),
         }
+    }
+    Ok(())
+}
+
+/// The functions a hand-written backward pass calls beyond the ops' own backward passes:
+/// `rms_norm_backward` with the residual stream's gradient added, against the autograd of
+/// the unfused norm plus that gradient, and `dense_sum` of two and three terms against the
+/// sum of matmuls, each in `dtype` against an f32 reference.
+pub fn check_backward_functions(device: &Device, c: &TrainCase, dtype: DType) -> Result<()> {
+    let width = c.heads * c.head_dim;
+    let x = random(c.seed, &[c.batch, c.seq, width], 2.0, DType::F32, device)?;
+    let w = random(c.seed + 1, &[width], 1.0, DType::F32, device)?;
+    let rows = [c.batch, c.seq, width];
+    let dy = random(c.seed + 2, &rows, 1.0, DType::F32, device)?;
+    let res = random(c.seed + 3, &rows, 1.0, DType::F32, device)?;
+    let cast = |t: &Tensor| t.to_dtype(dtype);
+    let (dx, dw) = rms_norm_backward(
+        &cast(&x)?,
+        &cast(&w)?,
+        &cast(&dy)?,
+        1e-5,
+        Some(&cast(&res)?),
+    )?;
+    let (xv, wv) = (
+        Var::from_tensor(&cast(&x)?.to_dtype(DType::F32)?)?,
+        Var::from_tensor(&cast(&w)?.to_dtype(DType::F32)?)?,
+    );
+    let dy32 = cast(&dy)?.to_dtype(DType::F32)?;
+    let grads = (unfused_rms_norm(&xv, &wv, 1e-5)? * &dy32)?
+        .sum_all()?
+        .backward()?;
+    let (Some(want_dx), Some(want_dw)) = (grads.get(&xv), grads.get(&wv)) else {
+        panic!("the reference norm has no gradient");
+    };
+    let want_dx = (want_dx + cast(&res)?.to_dtype(DType::F32)?)?;
+    assert_near("rms_norm_backward dx + residual", &dx, &want_dx, dtype)?;
+    assert_near("rms_norm_backward dweight", &dw, want_dw, dtype)?;
+    assert!(rms_norm_backward(&x, &w, &dy, 1e-5, Some(&w)).is_err());
+
+    let k = c.head_dim + 1;
+    let mut terms = Vec::new();
+    for (i, n) in [width, c.head_dim, 3].into_iter().enumerate() {
+        let seed = c.seed + 10 + 2 * i as u64;
+        let a = random(seed, &[c.batch, c.seq, n], 1.0, DType::F32, device)?;
+        let m = random(seed + 1, &[n, k], 1.0, DType::F32, device)?;
+        terms.push((cast(&a)?, cast(&m)?));
+    }
+    for count in [1, 2, 3] {
+        let pairs: Vec<(&Tensor, &Tensor)> = terms[..count].iter().map(|(a, m)| (a, m)).collect();
+        let got = dense_sum(&pairs)?;
+        let mut want = Tensor::zeros((c.batch, c.seq, k), DType::F32, device)?;
+        for (a, m) in &pairs {
+            want = (want
+                + a.to_dtype(DType::F32)?
+                    .broadcast_matmul(&m.to_dtype(DType::F32)?)?)?;
+        }
+        assert_near(&format!("dense_sum of {count}"), &got, &want, dtype)?;
     }
     Ok(())
 }

@@ -1,7 +1,6 @@
 //! Gradients summed over several micro-batches in place, for gradient accumulation under a
 //! recorded step.
 
-use candle_core::backprop::GradStore;
 use candle_core::{Result, Tensor, Var};
 
 use super::Gradients;
@@ -33,10 +32,11 @@ impl GradAccumulator {
         Ok(GradAccumulator { sums })
     }
 
-    /// Adds the gradients of one backward pass, in place.
-    pub fn accumulate(&self, grads: &GradStore) -> Result<()> {
+    /// Adds the gradients of one backward pass (candle's `GradStore`, or a
+    /// [`StepGradients`](crate::StepGradients)), in place.
+    pub fn accumulate(&self, grads: &impl Gradients) -> Result<()> {
         for (param, sum) in &self.sums {
-            if let Some(g) = grads.get(param) {
+            if let Some(g) = grads.gradient(param) {
                 sum.set(&(sum.as_tensor() + g)?)?;
             }
         }

@@ -3,8 +3,8 @@
 
 use candle_core::{DType, Device, Result, Tensor};
 use graft_candle_models::llama::{Config, Sizes};
-use graft_candle_train::Trainable;
-use graft_candle_train::optim::{AdamW, AdamWConfig};
+use graft_candle_train::optim::{AdamW, AdamWConfig, Gradients};
+use graft_candle_train::{Backward, Trainable};
 
 /// A small config for training tests whose head dim (64) the fused attention covers: 2
 /// layers, d=128, 2 heads over 1 KV head, vocab 256, sequences up to 32.
@@ -63,17 +63,59 @@ pub(crate) fn model_and_adamw(device: &Device) -> Result<(Trainable, AdamW)> {
     Ok((model, opt))
 }
 
-/// Forward, backward and the optimizer's update: the body of a training step.
+/// Forward, backward (the model's: the explicit program unless it was told otherwise) and
+/// the optimizer's update: the body of a training step.
 pub(crate) fn adamw_step(
     model: &Trainable,
     opt: &mut AdamW,
     tokens: &Tensor,
     targets: &Tensor,
 ) -> Result<Tensor> {
-    let loss = model.loss(tokens, targets, None)?;
-    let grads = loss.backward()?;
+    let grads = model.gradients(tokens, targets, None)?;
     opt.step(&grads)?;
-    Ok(loss)
+    Ok(grads.loss().clone())
+}
+
+/// One step's gradients of the model `cfg` describes (seed 7, `dtype`, batch 2, sequence 16)
+/// by the explicit program against candle's autograd, both over the fused kernels: the
+/// largest difference of any parameter's gradient, relative to that gradient's largest
+/// magnitude, and the two losses. Fails if the program does not take the model or a
+/// gradient is missing on either side.
+pub(crate) fn explicit_against_autograd(
+    cfg: &Config,
+    dtype: DType,
+    device: &Device,
+) -> Result<(f32, f32, f32)> {
+    let mut model = Trainable::random(cfg, 7, dtype, device)?;
+    let fallbacks = model.backward_fallbacks();
+    if !fallbacks.is_empty() {
+        candle_core::bail!("the explicit program does not take the model: {fallbacks:?}");
+    }
+    let (tokens, targets) = batches(cfg, 2, 16, 1, device)?.remove(0);
+    let explicit = model.gradients(&tokens, &targets, None)?;
+    model.set_backward(Backward::Autograd);
+    let autograd = model.gradients(&tokens, &targets, None)?;
+    let mut worst = 0f32;
+    for v in model.vars() {
+        let (Some(a), Some(b)) = (explicit.gradient(v), autograd.gradient(v)) else {
+            candle_core::bail!(
+                "a parameter of shape {:?} has no gradient on one side",
+                v.dims()
+            );
+        };
+        let f32s = |t: &Tensor| t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>();
+        let (a, b) = (f32s(a)?, f32s(b)?);
+        let scale = b.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-12);
+        let diff = a
+            .iter()
+            .zip(&b)
+            .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        worst = worst.max(diff / scale);
+    }
+    let loss = |g: &graft_candle_train::StepGradients| -> Result<f32> {
+        Ok(g.loss().to_vec1::<f32>()?[0])
+    };
+    Ok((worst, loss(&explicit)?, loss(&autograd)?))
 }
 
 /// Every parameter's values, flattened, in the model's order.
@@ -110,19 +152,21 @@ pub(crate) fn losses_with(
     steps: usize,
     device: &Device,
 ) -> Result<Vec<f32>> {
-    losses_of(&config(), kernels, steps, device)
+    losses_of(&config(), kernels, Backward::Explicit, steps, device)
 }
 
-/// [`losses_with`] for the model `cfg` describes.
+/// [`losses_with`] for the model `cfg` describes, its gradients as `backward` says.
 pub(crate) fn losses_of(
     cfg: &Config,
     kernels: graft_candle_models::SequenceKernels,
+    backward: Backward,
     steps: usize,
     device: &Device,
 ) -> Result<Vec<f32>> {
     let cfg = cfg.clone();
     let mut model = Trainable::random(&cfg, 7, DType::F32, device)?;
     model.set_kernels(kernels);
+    model.set_backward(backward);
     let mut opt = AdamW::new(model.vars().to_vec(), AdamWConfig::default())?;
     let data = batches(&cfg, 2, 16, steps, device)?;
     let mut losses = Vec::with_capacity(steps);

@@ -7,11 +7,11 @@ use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, ValidAsZeroBits,
 };
 use candle_core::cuda_backend::{CudaDevice, Map2, Map3};
-use candle_core::{CudaStorage, Layout, Result, Shape, WithDType};
+use candle_core::{CudaStorage, Layout, Result, Shape, Tensor, WithDType};
 
 use super::OP;
 use crate::check;
-use crate::nvrtc::{Args, Kernels, view};
+use crate::nvrtc::{Args, Kernels, address, view};
 
 /// Threads per block of the row kernels.
 const THREADS: u32 = 256;
@@ -40,8 +40,10 @@ pub(super) fn forward(
     Ok((CudaStorage { slice, device }, xl.shape().clone()))
 }
 
+#[allow(clippy::too_many_arguments)]
 pub(super) fn backward(
     eps: f32,
+    res: Option<&Tensor>,
     x: &CudaStorage,
     xl: &Layout,
     w: &CudaStorage,
@@ -50,7 +52,7 @@ pub(super) fn backward(
     dyl: &Layout,
 ) -> Result<(CudaStorage, Shape)> {
     let device = x.device.clone();
-    let slice = Backward { eps }.map(&x.slice, xl, &w.slice, wl, &dy.slice, dyl, &device)?;
+    let slice = Backward { eps, res }.map(&x.slice, xl, &w.slice, wl, &dy.slice, dyl, &device)?;
     let len = xl.shape().elem_count() + wl.shape().elem_count();
     Ok((CudaStorage { slice, device }, Shape::from(len)))
 }
@@ -96,11 +98,13 @@ impl Map2 for Forward {
     }
 }
 
-struct Backward {
+struct Backward<'a> {
     eps: f32,
+    /// The residual stream's gradient added into dx (contiguous, x's shape and dtype).
+    res: Option<&'a Tensor>,
 }
 
-impl Map3 for Backward {
+impl Map3 for Backward<'_> {
     fn f<T: DeviceRepr + WithDType + ValidAsZeroBits>(
         &self,
         x: &CudaSlice<T>,
@@ -138,19 +142,25 @@ impl Map3 for Backward {
             out.device_ptr(&stream).0,
             shares.device_ptr(&stream).0,
         ];
+        let res_ptr = match self.res {
+            Some(r) => address(OP, r, "the residual gradient", device)?,
+            None => 0,
+        };
         let mut args = Args::new();
         args.arg(&x)
             .arg(&w)
             .arg(&dy)
+            .arg(&res_ptr)
             .arg(&out_ptr)
             .arg(&shares_ptr)
             .arg(&cols_u)
             .arg(&self.eps);
         let name = format!("graft_rms_norm_backward_{suffix}");
         // SAFETY: the arguments match `graft_rms_norm_backward_<dtype>(const T*, const T*,
-        // const T*, T*, float*, unsigned int, float)`: `x`, `dy` and `shares` hold rows * cols
-        // elements, `w` cols, `out` rows * cols + cols; 8 whole warps a block; all live until
-        // the launch is enqueued.
+        // const T*, const T*, T*, float*, unsigned int, float)`: `x`, `dy`, `shares` and the
+        // residual (or null, which the kernel never reads) hold rows * cols elements, `w`
+        // cols, `out` rows * cols + cols; 8 whole warps a block; all live until the launch is
+        // enqueued.
         unsafe { KERNELS.launch(device, &stream, &name, row_cfg, false, &mut args) }?;
         let dw = out.slice(total..).device_ptr(&stream).0;
         let mut args = Args::new();

@@ -14,10 +14,11 @@ __device__ void graft_rms_norm(const T* x, const T* w, T* y, unsigned int cols, 
     }
 }
 
-// dx into out (in T), each row's dy * x * r into shares (f32, [rows, cols]).
+// dx into out (in T; plus res, the residual stream's gradient, unless it is null), each row's
+// dy * x * r into shares (f32, [rows, cols]).
 template <typename T>
-__device__ void graft_rms_norm_backward(const T* x, const T* w, const T* dy, T* out,
-                                        float* shares, unsigned int cols, float eps) {
+__device__ void graft_rms_norm_backward(const T* x, const T* w, const T* dy, const T* res,
+                                        T* out, float* shares, unsigned int cols, float eps) {
     __shared__ float scratch[32];
     const unsigned long long row = (unsigned long long)blockIdx.x * cols;
     float squares = 0.0f;
@@ -32,7 +33,8 @@ __device__ void graft_rms_norm_backward(const T* x, const T* w, const T* dy, T* 
     for (unsigned int i = threadIdx.x; i < cols; i += blockDim.x) {
         const float v = graft_to_f32(x[row + i]);
         const float g = graft_to_f32(dy[row + i]);
-        out[row + i] = graft_from_f32<T>(r * g * graft_to_f32(w[i]) - v * c);
+        const float d = r * g * graft_to_f32(w[i]) - v * c;
+        out[row + i] = graft_from_f32<T>(res == nullptr ? d : d + graft_to_f32(res[row + i]));
         shares[row + i] = g * v * r;
     }
 }
@@ -70,9 +72,9 @@ __device__ void graft_column_sum(const float* shares, T* out, unsigned int rows,
         graft_rms_norm<T>(x, w, y, cols, eps);                                               \
     }                                                                                        \
     extern "C" __global__ void graft_rms_norm_backward_##suffix(                             \
-        const T* x, const T* w, const T* dy, T* out, float* shares, unsigned int cols,       \
-        float eps) {                                                                         \
-        graft_rms_norm_backward<T>(x, w, dy, out, shares, cols, eps);                        \
+        const T* x, const T* w, const T* dy, const T* res, T* out, float* shares,            \
+        unsigned int cols, float eps) {                                                      \
+        graft_rms_norm_backward<T>(x, w, dy, res, out, shares, cols, eps);                   \
     }                                                                                        \
     extern "C" __global__ void graft_column_sum_##suffix(                                    \
         const float* shares, T* out, unsigned int rows, unsigned int cols) {                 \
