@@ -15,6 +15,8 @@ d -> vocab without bias; loss = mean cross-entropy over all positions. Optimizer
   gpt2-124m: 12 layers, d 768, 12 heads / 12 kv heads, FFN 2048, vocab 50304, head tied to
     the embedding (with --gpt2)
 Tokens and targets are random int64 in [0, vocab), fixed per batch size; sequence 128.
+With --amp bf16 the forward pass and loss run under torch.autocast(dtype=bfloat16): weights,
+gradients and AdamW stay f32, matmuls and attention run in bf16.
 In fp32 (torch 2.11, H100) SDPA has no fused kernel for enable_gqa=True and takes its math
 path (matmul + softmax); --gqa repeat repeats the kv heads instead and gets the fused
 memory-efficient kernels (fmha_cutlassF/B).
@@ -155,9 +157,15 @@ class Llama(nn.Module):
         return self.lm_head(self.norm(x))
 
 
+# --amp bf16: the forward pass and loss under torch.autocast (f32 weights and optimizer, bf16
+# matmuls and attention, the loss in f32 by autocast's own policy), as PyTorch users train.
+AMP = None
+
+
 def loss_of(model, tokens, targets):
-    logits = model(tokens)
-    return F.cross_entropy(logits.view(-1, model.vocab), targets.view(-1))
+    with torch.autocast(device_type=tokens.device.type, dtype=AMP, enabled=AMP is not None):
+        logits = model(tokens)
+        return F.cross_entropy(logits.view(-1, model.vocab), targets.view(-1))
 
 
 def build(c, args, device, capturable):
@@ -548,6 +556,8 @@ def parse_args(argv=None):
     p.add_argument("--json", metavar="FILE", help="write the results as JSON")
     p.add_argument("--quick", action="store_true", help="smoke test: batches 1,2, 3 steps, "
                    "2 warm-up, 3 checked; on cpu the tiny model (2 layers, d 128), seq 32")
+    p.add_argument("--amp", choices=("bf16",),
+                   help="mixed precision: the forward pass and loss under torch.autocast in bf16")
     p.add_argument("--profile-steps", type=int, default=0,
                    help="after timing, run this many steps between cudaProfilerStart and Stop "
                         "(for ncu --profile-from-start off; scripts/ncu_step.py sums them); "
@@ -582,7 +592,10 @@ def main(argv=None):
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.set_float32_matmul_precision("highest")
-    precision = {"cuda.matmul.allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+    global AMP
+    AMP = torch.bfloat16 if args.amp == "bf16" else None
+    precision = {"autocast": args.amp or "off",
+                 "cuda.matmul.allow_tf32": torch.backends.cuda.matmul.allow_tf32,
                  "cudnn.allow_tf32": torch.backends.cudnn.allow_tf32,
                  "float32_matmul_precision": torch.get_float32_matmul_precision()}
 

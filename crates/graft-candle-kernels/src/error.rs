@@ -159,6 +159,16 @@ pub enum KernelError {
         "{op}: the backward pass found no values saved by the forward pass; run the forward pass first"
     )]
     NotSaved { op: &'static str },
+    /// A mixed-precision optimizer entry whose master is not f32 or whose copy is not 16-bit.
+    #[error(
+        "{op}: params[{index}] is {master:?} and copies[{index}] {copy:?}; mixed precision keeps f32 masters and bf16 or f16 copies"
+    )]
+    MixedDTypes {
+        op: &'static str,
+        index: usize,
+        master: DType,
+        copy: DType,
+    },
     /// An input must have one dtype only.
     #[error("{op}: {input} is {got:?}; pass it as {expected:?}")]
     ExpectedDType {

@@ -52,7 +52,8 @@
 //! - [`adamw_update`] and [`sgd_update`]: an optimizer step over every parameter of a model in
 //!   a few launches (an all-finite check of the gradients, the update, a count), in place,
 //!   the learning rate and step counts read from a device tensor ([`optim_scalars`]), a step
-//!   with a non-finite gradient skipped on the device.
+//!   with a non-finite gradient skipped on the device; [`adamw_update_mixed`] for f32 masters
+//!   of 16-bit working copies, which it rewrites in the same pass.
 //!
 //! Errors are [`KernelError`]s inside `candle_core::Error::Wrapped`.
 
@@ -93,8 +94,8 @@ pub use side::SideStream;
 pub use step::{StepLayer, StepModel, decode_step, decode_step_fits, decode_step_paged};
 pub use swiglu::{swiglu, swiglu_backward};
 pub use train::{
-    AdamWHyper, OPTIM_SCALARS, OptimSlot, SavedAttention, SgdHyper, adamw_update, causal_attention,
-    causal_attention_fits, causal_attention_saved, cross_entropy, cross_entropy_with_grad, dense,
-    dense_sum, embedding, embedding_backward, optim_scalars, rms_norm, rms_norm_backward, rotary,
-    rotary_backward, sgd_update,
+    AdamWHyper, OPTIM_SCALARS, OptimSlot, SavedAttention, SgdHyper, adamw_update,
+    adamw_update_mixed, causal_attention, causal_attention_fits, causal_attention_saved,
+    cross_entropy, cross_entropy_with_grad, dense, dense_sum, embedding, embedding_backward,
+    optim_scalars, rms_norm, rms_norm_backward, rotary, rotary_backward, sgd_update,
 };

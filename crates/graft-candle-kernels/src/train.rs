@@ -22,7 +22,8 @@ pub(crate) use dense::matmul_layouts;
 pub use dense::{dense, dense_sum};
 pub use embedding::{embedding, embedding_backward};
 pub use optim::{
-    AdamWHyper, OPTIM_SCALARS, OptimSlot, SgdHyper, adamw_update, optim_scalars, sgd_update,
+    AdamWHyper, OPTIM_SCALARS, OptimSlot, SgdHyper, adamw_update, adamw_update_mixed,
+    optim_scalars, sgd_update,
 };
 pub use rms_norm::{rms_norm, rms_norm_backward};
 pub use rotary::{rotary, rotary_backward};

@@ -661,3 +661,8 @@ fn paged_decode_step_equals_the_static_cache() {
         check_step_paged(&Device::Cpu, &c, DType::F32).unwrap();
     }
 }
+
+#[test]
+fn mixed_precision_adamw_updates_masters_and_copies() {
+    check_adamw_mixed(&Device::Cpu).unwrap();
+}

@@ -392,3 +392,9 @@ fn gpu_paged_decode_step_equals_the_static_cache() {
         }
     }
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_mixed_precision_adamw_updates_masters_and_copies() {
+    check_adamw_mixed(&gpu()).unwrap();
+}

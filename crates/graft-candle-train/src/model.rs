@@ -59,8 +59,11 @@ impl Gradients for StepGradients {
 #[derive(Debug)]
 pub struct Trainable {
     decoder: Decoder,
-    /// The weights, in the order of the checkpoint's tensors.
+    /// The weights the passes read, in the order of the checkpoint's tensors (with mixed
+    /// precision, the 16-bit working copies).
     vars: Vec<Var>,
+    /// Mixed precision: the f32 master of each of `vars`, in their order; empty otherwise.
+    masters: Vec<Var>,
     /// `[max_positions, max_positions]`: 0 on and below the diagonal, -inf above.
     mask: Tensor,
     /// The forward pass's (and so the backward's) kernels.
@@ -117,7 +120,59 @@ impl Trainable {
             mask,
             kernels: SequenceKernels::Fused,
             backward: Backward::Explicit,
+            masters: Vec::new(),
         })
+    }
+
+    /// [`Trainable::random`] in mixed precision, as PyTorch's autocast trains: f32 master
+    /// weights ([`Trainable::masters`]) and their working copies in `compute` (bf16 or f16,
+    /// [`Trainable::vars`]), which every forward and backward pass reads, so the matmuls and
+    /// attention run in `compute` and the gradients come in `compute`. Train it with
+    /// `AdamW::new(model.masters().to_vec(), cfg)?.mixed(model.vars().to_vec())?`, which
+    /// updates the masters in f32 and rewrites the copies from them in the same pass.
+    pub fn random_mixed(
+        cfg: &Config,
+        seed: u64,
+        compute: DType,
+        device: &Device,
+    ) -> Result<Trainable> {
+        let weights = checkpoint::random_weights(&llama::spec(cfg), seed, DType::F32, device)?;
+        Trainable::from_weights_mixed(cfg, &weights, compute)
+    }
+
+    /// [`Trainable::from_weights`] in mixed precision ([`Trainable::random_mixed`]): the
+    /// masters are `weights` widened to f32, the copies the masters rounded to `compute`.
+    pub fn from_weights_mixed(
+        cfg: &Config,
+        weights: &HashMap<String, Tensor>,
+        compute: DType,
+    ) -> Result<Trainable> {
+        if !matches!(compute, DType::BF16 | DType::F16) {
+            candle_core::bail!(
+                "mixed precision computes in bf16 or f16, not {compute:?}: for one dtype use Trainable::from_weights"
+            );
+        }
+        let mut masters = HashMap::with_capacity(weights.len());
+        let mut copies = HashMap::with_capacity(weights.len());
+        for (name, t) in weights {
+            let master = t.to_dtype(DType::F32)?;
+            copies.insert(name.clone(), master.to_dtype(compute)?);
+            masters.insert(name.clone(), master);
+        }
+        let mut model = Trainable::from_weights(cfg, &copies)?;
+        model.masters = model
+            .decoder
+            .spec()
+            .checkpoint_tensors()
+            .into_iter()
+            .map(|(name, _)| match masters.get(&name) {
+                Some(t) => Var::from_tensor(t),
+                None => {
+                    candle_core::bail!("the weights have no {name}: pass a complete checkpoint")
+                }
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(model)
     }
 
     /// Chooses the kernels of the forward and backward passes: [`SequenceKernels::Fused`]
@@ -188,20 +243,33 @@ impl Trainable {
         &self.decoder
     }
 
-    /// The parameters, in a fixed order (for an optimizer).
+    /// The weights the passes read, in a fixed order (for an optimizer; with mixed precision
+    /// the 16-bit working copies, whose gradients [`Trainable::gradients`] gives).
     pub fn vars(&self) -> &[Var] {
         &self.vars
     }
 
-    /// The weights by checkpoint name (what [`Trainable::from_weights`] takes): save them
+    /// With mixed precision, the f32 master of each of [`Trainable::vars`], in their order
+    /// (empty otherwise).
+    pub fn masters(&self) -> &[Var] {
+        &self.masters
+    }
+
+    /// The weights by checkpoint name (what [`Trainable::from_weights`] takes; with mixed
+    /// precision the f32 masters, which [`Trainable::from_weights_mixed`] takes): save them
     /// with `candle_core::safetensors::save` to resume or to serve the trained model.
     pub fn weights(&self) -> HashMap<String, Tensor> {
+        let held = if self.masters.is_empty() {
+            &self.vars
+        } else {
+            &self.masters
+        };
         self.decoder
             .spec()
             .checkpoint_tensors()
             .into_iter()
             .map(|(name, _)| name)
-            .zip(self.vars.iter().map(|v| v.as_tensor().clone()))
+            .zip(held.iter().map(|v| v.as_tensor().clone()))
             .collect()
     }
 

@@ -9,9 +9,10 @@
 //! variant adds (the driver's graph memory, plus graft's pool). Each timed step is one call
 //! and a synchronize, variants alternate in rounds, and the figure is the median.
 //!
-//! `--kernels fused,autograd,unfused` measures the model with graft-candle-kernels' fused
-//! training ops and the explicit backward program (the default), with the same ops under
-//! candle's autograd, and with candle's unfused ops (the reference).
+//! `--kernels fused,autograd,unfused,mixed` measures the model with graft-candle-kernels'
+//! fused training ops and the explicit backward program (the default), with the same ops
+//! under candle's autograd, with candle's unfused ops (the reference), and in bf16 mixed
+//! precision (f32 masters, bf16 working copies, `AdamW::mixed`; the default otherwise f32).
 //!
 //! usage: graft-candle-train [--steps N] [--rounds R] [--seq S] [--large | --only-large] [--gpt2] [--guards]
 //! [--kernels LIST] [--json PATH]
@@ -62,8 +63,9 @@ struct Options {
     #[arg(long)]
     guards: bool,
     /// The model's kernels, comma-separated: fused (graft-candle-kernels' training ops and the
-    /// explicit backward program, the default), autograd (the same ops, gradients by candle's
-    /// autograd) and unfused (candle's elementwise ops).
+    /// explicit backward program, f32, the default), autograd (the same ops, gradients by
+    /// candle's autograd), unfused (candle's elementwise ops) and mixed (fused, in bf16 mixed
+    /// precision: f32 masters, bf16 copies).
     #[arg(long, value_delimiter = ',', default_value = "fused")]
     kernels: Vec<Kernels>,
     /// Instead of measuring: this many replayed steps of the first `--kernels` at batch
@@ -82,12 +84,13 @@ enum Kernels {
     Fused,
     Autograd,
     Unfused,
+    Mixed,
 }
 
 impl Kernels {
     fn of(self) -> (SequenceKernels, Backward) {
         match self {
-            Kernels::Fused => (SequenceKernels::Fused, Backward::Explicit),
+            Kernels::Fused | Kernels::Mixed => (SequenceKernels::Fused, Backward::Explicit),
             Kernels::Autograd => (SequenceKernels::Fused, Backward::Autograd),
             Kernels::Unfused => (SequenceKernels::Unfused, Backward::Autograd),
         }
@@ -95,9 +98,10 @@ impl Kernels {
 
     fn name(self) -> &'static str {
         match self {
-            Kernels::Fused => "fused",
-            Kernels::Autograd => "fused, autograd",
-            Kernels::Unfused => "unfused",
+            Kernels::Fused => "fused, f32",
+            Kernels::Autograd => "fused, autograd, f32",
+            Kernels::Unfused => "unfused, f32",
+            Kernels::Mixed => "fused, bf16 mixed precision",
         }
     }
 }
@@ -142,11 +146,19 @@ struct Trainer {
 
 impl Trainer {
     fn new(sizes: Sizes, kernels: Kernels, device: &Device) -> BenchResult<Trainer> {
-        let mut model = Trainable::random(&sizes.config(), 1234, DType::F32, device)?;
+        let cfg = sizes.config();
+        let mut model = match kernels {
+            Kernels::Mixed => Trainable::random_mixed(&cfg, 1234, DType::BF16, device)?,
+            _ => Trainable::random(&cfg, 1234, DType::F32, device)?,
+        };
         let (ops, backward) = kernels.of();
         model.set_kernels(ops);
         model.set_backward(backward);
-        let opt = AdamW::new(model.vars().to_vec(), AdamWConfig::default())?;
+        let opt = match kernels {
+            Kernels::Mixed => AdamW::new(model.masters().to_vec(), AdamWConfig::default())?
+                .mixed(model.vars().to_vec())?,
+            _ => AdamW::new(model.vars().to_vec(), AdamWConfig::default())?,
+        };
         let acc = GradAccumulator::new(model.vars())?;
         let mut statics: Vec<Tensor> = opt.statics().into_iter().cloned().collect();
         statics.extend(model.constants().into_iter().cloned());
@@ -233,7 +245,8 @@ fn data(batch: usize, seq: usize, vocab: usize, device: &Device) -> BenchResult<
     Ok(Tensor::from_vec(values, (batch, seq + 1), device)?)
 }
 
-/// 3 steps of graft-candle (one graph) from a fresh model equal eager's bit for bit.
+/// 3 steps of graft-candle (one graph) from a fresh model equal eager's bit for bit (the
+/// losses, the weights the passes read and, with mixed precision, the masters).
 fn check(sizes: Sizes, kernels: Kernels, data: &Tensor, device: &Device) -> BenchResult<bool> {
     let mut eager = Trainer::new(sizes, kernels, device)?;
     let mut graphed = Trainer::new(sizes, kernels, device)?;
@@ -244,9 +257,16 @@ fn check(sizes: Sizes, kernels: Kernels, data: &Tensor, device: &Device) -> Benc
         let b = graphed.step(&Variant::Graph(id), data)?.ok_or("no loss")?;
         same &= a.to_vec1::<f32>()? == b.to_vec1::<f32>()?;
     }
-    for (a, b) in eager.model.vars().iter().zip(graphed.model.vars()) {
-        let diff = (a.as_tensor() - b.as_tensor())?
+    let weights = |t: &Trainer| -> Vec<Tensor> {
+        let (model, held) = (&t.model, t.model.vars().iter());
+        held.chain(model.masters())
+            .map(|v| v.as_tensor().clone())
+            .collect()
+    };
+    for (a, b) in weights(&eager).iter().zip(&weights(&graphed)) {
+        let diff = (a - b)?
             .abs()?
+            .to_dtype(DType::F32)?
             .max_all()?
             .to_scalar::<f32>()?;
         same &= diff == 0.0;
@@ -552,7 +572,7 @@ fn run() -> BenchResult<()> {
     let mut failed = false;
     for (name, sizes) in models {
         for &kernels in &o.kernels {
-            println!("{name}: {sizes}, F32, {} kernels", kernels.name());
+            println!("{name}: {sizes}, {} kernels", kernels.name());
             for batch in BUCKETS {
                 let r = match measure(name, sizes, kernels, batch, &o, &device) {
                     Ok(r) => r,

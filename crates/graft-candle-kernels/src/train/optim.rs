@@ -129,8 +129,49 @@ pub fn adamw_update(
     scalars: &Tensor,
     hyper: &AdamWHyper,
 ) -> Result<()> {
+    adamw((params, grads, m, v), None, scalars, hyper)
+}
+
+/// [`adamw_update`] for mixed precision: `params` (and their `m`, `v`) are f32 master
+/// weights, `copies[i]` the 16-bit working copy (bf16 or f16, `params[i]`'s shape) that the
+/// forward and backward passes read, and `grads[i]` the gradient of that copy, in its dtype.
+/// The update reads each gradient in its dtype, updates the master in f32 and writes the copy
+/// from the new master (rounded once) in the same pass, so a step needs no cast kernel either
+/// way; a skipped step leaves the copies too. The copies must not overlap anything else.
+pub fn adamw_update_mixed(
+    params: &[&Tensor],
+    grads: &[&Tensor],
+    m: &[&Tensor],
+    v: &[&Tensor],
+    copies: &[&Tensor],
+    scalars: &Tensor,
+    hyper: &AdamWHyper,
+) -> Result<()> {
+    adamw((params, grads, m, v), Some(copies), scalars, hyper)
+}
+
+/// The AdamW step over `(params, grads, m, v)`, with or without copies.
+type AdamWLists<'a> = (
+    &'a [&'a Tensor],
+    &'a [&'a Tensor],
+    &'a [&'a Tensor],
+    &'a [&'a Tensor],
+);
+
+fn adamw<'a>(
+    (params, grads, m, v): AdamWLists<'a>,
+    copies: Option<&'a [&'a Tensor]>,
+    scalars: &Tensor,
+    hyper: &AdamWHyper,
+) -> Result<()> {
     let consts = AdamWConsts::new(hyper)?;
-    run(ADAMW, Rule::AdamW { consts, m, v }, params, grads, scalars)
+    let rule = Rule::AdamW {
+        consts,
+        m,
+        v,
+        copies,
+    };
+    run(ADAMW, rule, params, grads, scalars)
 }
 
 /// One SGD step over every parameter, in place, on the device of `scalars`:
@@ -283,6 +324,8 @@ enum Rule<'a> {
         consts: AdamWConsts,
         m: &'a [&'a Tensor],
         v: &'a [&'a Tensor],
+        /// Mixed precision: each f32 master's 16-bit working copy, written from it.
+        copies: Option<&'a [&'a Tensor]>,
     },
     Sgd {
         consts: SgdConsts,
@@ -292,6 +335,14 @@ enum Rule<'a> {
 }
 
 impl<'a> Rule<'a> {
+    /// The working copies, with mixed precision.
+    fn copies(&self) -> Option<&'a [&'a Tensor]> {
+        match *self {
+            Rule::AdamW { copies, .. } => copies,
+            Rule::Sgd { .. } => None,
+        }
+    }
+
     /// The state lists, by name.
     fn states(&self) -> Vec<(&'static str, &'a [&'a Tensor])> {
         match *self {
@@ -319,6 +370,7 @@ fn run<'a>(
     scalars: &Tensor,
 ) -> Result<()> {
     let states = rule.states();
+    let copies = rule.copies();
     if scalars.dtype() != DType::F32 {
         return Err(KernelError::ExpectedDType {
             op,
@@ -332,9 +384,10 @@ fn run<'a>(
         return Err(check::shape(op, "scalars", scalars, "[4] (optim_scalars)"));
     }
     check::contiguous(op, "scalars", scalars)?;
-    for (input, len) in
-        std::iter::once(("grads", grads.len())).chain(states.iter().map(|(n, l)| (*n, l.len())))
-    {
+    let lists = std::iter::once(("grads", grads.len()))
+        .chain(copies.map(|c| ("copies", c.len())))
+        .chain(states.iter().map(|(n, l)| (*n, l.len())));
+    for (input, len) in lists {
         if len != params.len() {
             return Err(KernelError::ListLength {
                 op,
@@ -357,8 +410,30 @@ fn run<'a>(
         }
         check::contiguous(op, "params", p)?;
         spans.push(Span::of(p, "params", index, true));
+        if let Some(copies) = copies {
+            let c = copies[index];
+            if p.dtype() != DType::F32 || !matches!(c.dtype(), DType::BF16 | DType::F16) {
+                return Err(KernelError::MixedDTypes {
+                    op,
+                    index,
+                    master: p.dtype(),
+                    copy: c.dtype(),
+                }
+                .into());
+            }
+            if !c.device().same_device(p.device()) {
+                return Err(KernelError::Device {
+                    op,
+                    input: "copies",
+                }
+                .into());
+            }
+            entry(op, "copies", index, c, p, ("itself", c))?;
+            check::contiguous(op, "copies", c)?;
+            spans.push(Span::of(c, "copies", index, true));
+        }
         for (input, list) in &states {
-            entry(op, input, index, list[index], p)?;
+            entry(op, input, index, list[index], p, ("its parameter", p))?;
             check::contiguous(op, input, list[index])?;
             spans.push(Span::of(list[index], input, index, true));
         }
@@ -368,7 +443,8 @@ fn run<'a>(
         .zip(params)
         .enumerate()
         .map(|(index, (g, p))| {
-            entry(op, "grads", index, g, p)?;
+            let like = copies.map_or(("its parameter", *p), |c| ("its copy", c[index]));
+            entry(op, "grads", index, g, p, like)?;
             let g = g.contiguous()?;
             spans.push(Span::of(&g, "grads", index, false));
             Ok(g)
@@ -383,15 +459,17 @@ fn run<'a>(
     })
 }
 
-/// Checks that `t`, entry `index` of list `input`, has its parameter's dtype, device and shape.
+/// Checks that `t`, entry `index` of list `input`, has the dtype and device of `like` (its
+/// parameter, or with mixed precision its copy, by name) and its parameter's shape.
 fn entry(
     op: &'static str,
     input: &'static str,
     index: usize,
     t: &Tensor,
     p: &Tensor,
+    (name, like): (&'static str, &Tensor),
 ) -> Result<()> {
-    check::like(op, input, t, "its parameter", p)?;
+    check::like(op, input, t, name, like)?;
     if t.dims() != p.dims() {
         return Err(KernelError::EntryShape {
             op,
@@ -536,7 +614,12 @@ impl Step<'_> {
             }
             let (mut pv, gv) = (f32s(p)?, f32s(g)?);
             match self.rule {
-                Rule::AdamW { consts: c, m, v } => {
+                Rule::AdamW {
+                    consts: c,
+                    m,
+                    v,
+                    copies,
+                } => {
                     let (mut mv, mut vv) = (f32s(m[i])?, f32s(v[i])?);
                     let c1 = 1.0 - (t * c.ln_beta1).exp();
                     let c2 = 1.0 - (t * c.ln_beta2).exp();
@@ -547,6 +630,9 @@ impl Step<'_> {
                     }
                     write(m[i], mv)?;
                     write(v[i], vv)?;
+                    if let Some(copies) = copies {
+                        write(copies[i], pv.clone())?;
+                    }
                 }
                 Rule::Sgd {
                     consts: c,

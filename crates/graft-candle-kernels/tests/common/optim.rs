@@ -6,7 +6,8 @@
 
 use candle_core::{DType, Device, Result, Tensor};
 use graft_candle_kernels::{
-    AdamWHyper, OPTIM_SCALARS, OptimSlot, SgdHyper, adamw_update, optim_scalars, sgd_update,
+    AdamWHyper, OPTIM_SCALARS, OptimSlot, SgdHyper, adamw_update, adamw_update_mixed,
+    optim_scalars, sgd_update,
 };
 use proptest::prelude::*;
 
@@ -323,5 +324,139 @@ pub fn check_optim(device: &Device, case: &OptimCase) -> Result<()> {
         expected[OptimSlot::Skipped.index()] = skipped;
         assert_eq!(scalars.to_vec1::<f32>()?, expected, "step {k}: scalars");
     }
+    Ok(())
+}
+
+/// Mixed-precision AdamW (`adamw_update_mixed`): f32 masters whose bf16 and f16 copies the
+/// step reads the gradients of and rewrites. Over 3 steps, the second with a NaN gradient:
+/// the masters and moments equal those of `adamw_update` on f32 copies of the same state fed
+/// the 16-bit gradients widened to f32 (the same arithmetic: a gradient is read exactly), the
+/// copies equal the masters rounded once, and the skipped step changes nothing. Then the
+/// refusals: a master not f32, a gradient not in its copy's dtype.
+pub fn check_adamw_mixed(device: &Device) -> Result<()> {
+    let hyper = AdamWHyper {
+        beta1: 0.9,
+        beta2: BETA2,
+        eps: EPS,
+        weight_decay: 0.01,
+    };
+    let sizes = [(5, DType::BF16), (4097, DType::F16), (12, DType::BF16)];
+    let make = |salt: u64, scale: f32, abs: bool| -> Result<Vec<Tensor>> {
+        sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &(n, _))| {
+                let mut vals = values(salt ^ i as u64, n, scale);
+                if abs {
+                    vals.iter_mut().for_each(|x| *x = x.abs());
+                }
+                tensor(vals, &shape_of(n), DType::F32, device)
+            })
+            .collect()
+    };
+    let (masters, m, v) = (
+        make(11, 1.0, false)?,
+        make(12, 0.1, false)?,
+        make(13, 0.01, true)?,
+    );
+    let copies = masters
+        .iter()
+        .zip(&sizes)
+        .map(|(p, &(_, dtype))| p.to_dtype(dtype))
+        .collect::<Result<Vec<_>>>()?;
+    let clone = |ts: &[Tensor]| ts.iter().map(Tensor::copy).collect::<Result<Vec<_>>>();
+    let (ref_p, ref_m, ref_v) = (clone(&masters)?, clone(&m)?, clone(&v)?);
+    let (scalars, ref_scalars) = (optim_scalars(1e-2, device)?, optim_scalars(1e-2, device)?);
+    fn refs(ts: &[Tensor]) -> Vec<&Tensor> {
+        ts.iter().collect()
+    }
+    for step in 0..3u64 {
+        let grads = sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &(n, dtype))| {
+                let mut vals = values(100 + step * 7 + i as u64, n, 1.0);
+                if step == 1 && i == 1 {
+                    vals[4096] = f32::NAN;
+                }
+                tensor(vals, &shape_of(n), dtype, device)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let before = [clone(&masters)?, clone(&m)?, clone(&v)?, clone(&copies)?];
+        adamw_update_mixed(
+            &refs(&masters),
+            &refs(&grads),
+            &refs(&m),
+            &refs(&v),
+            &refs(&copies),
+            &scalars,
+            &hyper,
+        )?;
+        if step == 1 {
+            let after = [&masters, &m, &v, &copies];
+            for (got, was) in after.into_iter().flatten().zip(before.iter().flatten()) {
+                assert_eq!(f32s(got)?, f32s(was)?, "the skipped step changed a tensor");
+            }
+            continue;
+        }
+        let wide = grads
+            .iter()
+            .map(|g| g.to_dtype(DType::F32))
+            .collect::<Result<Vec<_>>>()?;
+        adamw_update(
+            &refs(&ref_p),
+            &refs(&wide),
+            &refs(&ref_m),
+            &refs(&ref_v),
+            &ref_scalars,
+            &hyper,
+        )?;
+        let pairs = masters.iter().zip(&ref_p).chain(m.iter().zip(&ref_m));
+        for (got, want) in pairs.chain(v.iter().zip(&ref_v)) {
+            assert_eq!(f32s(got)?, f32s(want)?, "step {step}: a master or moment");
+        }
+        for (c, p) in copies.iter().zip(&masters) {
+            assert_eq!(
+                f32s(c)?,
+                f32s(&p.to_dtype(c.dtype())?)?,
+                "step {step}: a copy"
+            );
+        }
+    }
+    let counts = scalars.to_device(&Device::Cpu)?.to_vec1::<f32>()?;
+    assert_eq!(counts[OptimSlot::Applied.index()], 2.0);
+    assert_eq!(counts[OptimSlot::Skipped.index()], 1.0);
+
+    let half = masters[0].to_dtype(DType::F16)?;
+    let err = adamw_update_mixed(
+        &[&half],
+        &[&copies[0]],
+        &[&m[0]],
+        &[&v[0]],
+        &[&copies[0]],
+        &scalars,
+        &hyper,
+    )
+    .expect_err("an f16 master");
+    assert!(
+        err.to_string()
+            .contains("mixed precision keeps f32 masters"),
+        "{err}"
+    );
+    let err = adamw_update_mixed(
+        &[&masters[0]],
+        &[&masters[0].zeros_like()?],
+        &[&m[0]],
+        &[&v[0]],
+        &[&copies[0]],
+        &scalars,
+        &hyper,
+    )
+    .expect_err("an f32 gradient of a bf16 copy");
+    assert!(
+        err.to_string()
+            .contains("grads is F32 but its copy is BF16"),
+        "{err}"
+    );
     Ok(())
 }

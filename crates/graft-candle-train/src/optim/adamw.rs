@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 
 use candle_core::{Result, Tensor, Var};
-use graft_candle_kernels::{AdamWHyper, OptimSlot, adamw_update};
+use graft_candle_kernels::{AdamWHyper, OptimSlot, adamw_update, adamw_update_mixed};
 
 use super::scalars::{Scalars, checked, with_gradients};
 use super::{Gradients, LrSchedule, Update};
@@ -41,6 +41,16 @@ struct Param {
     var: Var,
     m: Var,
     v: Var,
+    /// Mixed precision: the 16-bit working copy of `var` (an f32 master) that the model
+    /// reads and whose gradient the step is given; rewritten from the master by each step.
+    copy: Option<Var>,
+}
+
+impl Param {
+    /// The tensor whose gradient updates this parameter: the copy's, with mixed precision.
+    fn graded(&self) -> &Var {
+        self.copy.as_ref().unwrap_or(&self.var)
+    }
 }
 
 /// AdamW whose every per-step value is a device tensor: one recording replays every step
@@ -88,6 +98,7 @@ impl AdamW {
                     m: zeros()?,
                     v: zeros()?,
                     var,
+                    copy: None,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -97,6 +108,40 @@ impl AdamW {
             scalars,
             update,
         })
+    }
+
+    /// This optimizer over f32 masters made mixed precision: `copies[i]` is the bf16 or f16
+    /// working copy of parameter `i` that the model computes with (for a
+    /// `Trainable::random_mixed`, `AdamW::new(model.masters().to_vec(), cfg)?
+    /// .mixed(model.vars().to_vec())`). A step finds each gradient by its copy, updates the
+    /// master and moments in f32 and rewrites the copy from the master: in the same pass of
+    /// the multi-tensor update (no cast kernel), or by candle ops in the elementwise
+    /// reference.
+    pub fn mixed(mut self, copies: Vec<Var>) -> Result<AdamW> {
+        if self.params.len() != copies.len() {
+            candle_core::bail!(
+                "{} masters but {} copies: pass one working copy per parameter, in order",
+                self.params.len(),
+                copies.len()
+            );
+        }
+        for (p, copy) in self.params.iter_mut().zip(copies) {
+            let half = matches!(
+                copy.dtype(),
+                candle_core::DType::BF16 | candle_core::DType::F16
+            );
+            if p.var.dtype() != candle_core::DType::F32 || !half || p.var.shape() != copy.shape() {
+                candle_core::bail!(
+                    "a master is {:?} {:?} and its copy {:?} {:?}: masters are f32 and copies bf16 or f16 of their shape",
+                    p.var.dtype(),
+                    p.var.dims(),
+                    copy.dtype(),
+                    copy.dims()
+                );
+            }
+            p.copy = Some(copy);
+        }
+        Ok(self)
     }
 
     /// How the steps update the parameters.
@@ -109,26 +154,25 @@ impl AdamW {
     /// and counts a skipped step. Parameters without a gradient are left alone.
     pub fn step(&mut self, grads: &impl Gradients) -> Result<()> {
         self.scalars.follow_schedule()?;
-        let found = with_gradients(&self.params, |p| &p.var, grads)?;
+        let found = with_gradients(&self.params, Param::graded, grads)?;
         if self.update == Update::Elementwise {
             return self.elementwise(&found);
         }
-        let mut lists: [Vec<&Tensor>; 4] = Default::default();
+        let mut lists: [Vec<&Tensor>; 5] = Default::default();
         for (p, g) in found {
             lists[0].push(p.var.as_tensor());
             lists[1].push(g);
             lists[2].push(p.m.as_tensor());
             lists[3].push(p.v.as_tensor());
+            lists[4].extend(p.copy.as_ref().map(Var::as_tensor));
         }
-        let [params, grads, m, v] = &lists;
-        adamw_update(
-            params,
-            grads,
-            m,
-            v,
-            self.scalars.tensor(),
-            &self.cfg.hyper(),
-        )
+        let [params, grads, m, v, copies] = &lists;
+        let (scalars, hyper) = (self.scalars.tensor(), &self.cfg.hyper());
+        if copies.is_empty() {
+            adamw_update(params, grads, m, v, scalars, hyper)
+        } else {
+            adamw_update_mixed(params, grads, m, v, copies, scalars, hyper)
+        }
     }
 
     /// The reference step: elementwise candle ops per parameter.
@@ -152,6 +196,7 @@ impl AdamW {
         for &(p, g) in found {
             let theta = p.var.as_tensor();
             let dtype = theta.dtype();
+            let g = &g.to_dtype(dtype)?;
             let (c1, c2, lr, decay) = (
                 c1.to_dtype(dtype)?,
                 c2.to_dtype(dtype)?,
@@ -168,6 +213,9 @@ impl AdamW {
             p.m.set(&finite.select(&next_m, m)?)?;
             p.v.set(&finite.select(&next_v, v)?)?;
             p.var.set(&finite.select(&next, theta)?)?;
+            if let Some(copy) = &p.copy {
+                copy.set(&p.var.as_tensor().to_dtype(copy.dtype())?)?;
+            }
         }
         Ok(())
     }
@@ -251,11 +299,13 @@ impl AdamW {
     }
 
     /// Every tensor a step reads or writes in place, to pass as statics of the training step:
-    /// the parameters, both moments, and the scalars (learning rate, step counts, flag).
+    /// the parameters, both moments, the working copies (mixed precision), and the scalars
+    /// (learning rate, step counts, flag).
     pub fn statics(&self) -> Vec<&Tensor> {
-        let mut all: Vec<&Tensor> = Vec::with_capacity(3 * self.params.len() + 1);
+        let mut all: Vec<&Tensor> = Vec::with_capacity(4 * self.params.len() + 1);
         for p in &self.params {
             all.extend([p.var.as_tensor(), p.m.as_tensor(), p.v.as_tensor()]);
+            all.extend(p.copy.as_ref().map(Var::as_tensor));
         }
         all.push(self.scalars.tensor());
         all

@@ -184,3 +184,38 @@ pub(crate) fn max_relative(a: &[f32], b: &[f32]) -> f32 {
         .map(|(x, y)| (x - y).abs() / y.abs().max(1e-6))
         .fold(0.0, f32::max)
 }
+
+/// The losses of `steps` eager AdamW steps of the model `cfg` describes from seed 7 (as
+/// [`losses_of`]), in f32 or in mixed precision (f32 masters, bf16 copies, `AdamW::mixed`
+/// with `update`), and whether every copy equalled its master rounded to bf16 after every
+/// step.
+pub(crate) fn mixed_losses(
+    cfg: &Config,
+    mixed: bool,
+    update: graft_candle_train::optim::Update,
+    steps: usize,
+    device: &Device,
+) -> Result<(Vec<f32>, bool)> {
+    let (model, mut opt) = if mixed {
+        let model = Trainable::random_mixed(cfg, 7, DType::BF16, device)?;
+        let opt = AdamW::with_update(model.masters().to_vec(), AdamWConfig::default(), update)?
+            .mixed(model.vars().to_vec())?;
+        (model, opt)
+    } else {
+        let model = Trainable::random(cfg, 7, DType::F32, device)?;
+        let opt = AdamW::with_update(model.vars().to_vec(), AdamWConfig::default(), update)?;
+        (model, opt)
+    };
+    let data = batches(cfg, 2, 16, steps, device)?;
+    let (mut losses, mut copies_follow) = (Vec::with_capacity(steps), true);
+    for (step, (tokens, targets)) in data.iter().enumerate() {
+        opt.set_learning_rate(schedule(step) / 3.0)?;
+        losses.push(adamw_step(&model, &mut opt, tokens, targets)?.to_vec1::<f32>()?[0]);
+        for (copy, master) in model.vars().iter().zip(model.masters()) {
+            let rounded = master.as_tensor().to_dtype(DType::BF16)?;
+            let diff = (copy.as_tensor().to_dtype(DType::F32)? - rounded.to_dtype(DType::F32)?)?;
+            copies_follow &= diff.abs()?.max_all()?.to_scalar::<f32>()? == 0.0;
+        }
+    }
+    Ok((losses, copies_follow))
+}

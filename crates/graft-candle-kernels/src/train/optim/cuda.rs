@@ -84,12 +84,12 @@ const fn unpadded(d: usize, n: usize) -> usize {
 }
 const _: () = assert!(size_of::<Table<1, CHECK_TENSORS>>() == unpadded(1, CHECK_TENSORS));
 const _: () = assert!(size_of::<Table<3, UPDATE_TENSORS>>() == unpadded(3, UPDATE_TENSORS));
-const _: () = assert!(size_of::<Table<4, UPDATE_TENSORS>>() == unpadded(4, UPDATE_TENSORS));
+const _: () = assert!(size_of::<Table<5, UPDATE_TENSORS>>() == unpadded(5, UPDATE_TENSORS));
 
 // Each launch's parameters (a table, the scalars' address, the constants) stay under CUDA's
 // 4 KiB of kernel parameters.
 const _: () = assert!(size_of::<Table<1, CHECK_TENSORS>>() + 8 <= 4096);
-const _: () = assert!(size_of::<Table<4, UPDATE_TENSORS>>() + 8 + size_of::<AdamWConsts>() <= 4096);
+const _: () = assert!(size_of::<Table<5, UPDATE_TENSORS>>() + 8 + size_of::<AdamWConsts>() <= 4096);
 const _: () = assert!(size_of::<Table<3, UPDATE_TENSORS>>() + 8 + size_of::<SgdConsts>() <= 4096);
 
 // SAFETY: plain `repr(C)` data of integers, the layout of `GraftOptimTable<D, N>`.
@@ -99,12 +99,24 @@ unsafe impl DeviceRepr for AdamWConsts {}
 // SAFETY: `repr(C)` f32s and u32s, the layout of `GraftSgd`.
 unsafe impl DeviceRepr for SgdConsts {}
 
-/// One tensor of the step: its parameter's, gradient's and states' addresses (0 past the
-/// rule's states), its elements and its dtype's code.
+/// One tensor of the step: its parameter's, gradient's, states' and copy's addresses (0 past
+/// the rule's states and without a copy), its elements, and the codes of its parameter's dtype
+/// and its gradient's (0 f32, 1 bf16, 2 f16).
 struct Entry {
-    addr: [u64; 4],
+    addr: [u64; 5],
     len: u64,
     dtype: u8,
+    grad_dtype: u8,
+}
+
+/// The kernels' code of a float dtype.
+fn code(op: &'static str, input: &'static str, dtype: DType) -> Result<u8> {
+    match dtype {
+        DType::F32 => Ok(0),
+        DType::BF16 => Ok(1),
+        DType::F16 => Ok(2),
+        got => Err(KernelError::UnsupportedDType { op, input, got }.into()),
+    }
 }
 
 impl Step<'_> {
@@ -116,29 +128,20 @@ impl Step<'_> {
             if p.elem_count() == 0 {
                 continue;
             }
-            let dtype = match p.dtype() {
-                DType::F32 => 0,
-                DType::BF16 => 1,
-                DType::F16 => 2,
-                got => {
-                    return Err(KernelError::UnsupportedDType {
-                        op: self.op,
-                        input: "params",
-                        got,
-                    }
-                    .into());
-                }
-            };
-            let mut addr = [0; 4];
+            let mut addr = [0; 5];
             addr[0] = address(self.op, p, "params", device)?;
             addr[1] = address(self.op, g, "grads", device)?;
-            for (a, (input, list)) in addr[2..].iter_mut().zip(&states) {
+            for (a, (input, list)) in addr[2..4].iter_mut().zip(&states) {
                 *a = address(self.op, list[i], input, device)?;
+            }
+            if let Some(copies) = self.rule.copies() {
+                addr[4] = address(self.op, copies[i], "copies", device)?;
             }
             entries.push(Entry {
                 addr,
                 len: p.elem_count() as u64,
-                dtype,
+                dtype: code(self.op, "params", p.dtype())?,
+                grad_dtype: code(self.op, "grads", g.dtype())?,
             });
         }
         Ok(entries)
@@ -146,11 +149,11 @@ impl Step<'_> {
 }
 
 /// The launches over `entries`, in order, each with its grid: up to `N` tensors and at most
-/// [`MAX_BLOCKS`] blocks a launch, each tensor's addresses picked by `pick`.
+/// [`MAX_BLOCKS`] blocks a launch, each tensor's addresses and dtype code picked by `pick`.
 fn tables<const D: usize, const N: usize>(
     op: &'static str,
     entries: &[Entry],
-    pick: impl Fn(&Entry) -> [u64; D],
+    pick: impl Fn(&Entry) -> ([u64; D], u8),
 ) -> Result<Vec<(Table<D, N>, u32)>> {
     let empty = Table {
         addr: [[0; D]; N],
@@ -177,10 +180,11 @@ fn tables<const D: usize, const N: usize>(
             (table, blocks) = (empty, 0);
         }
         let k = table.count as usize;
-        table.addr[k] = pick(e);
+        let (addr, dtype) = pick(e);
+        table.addr[k] = addr;
         table.len[k] = e.len;
         table.start[k] = blocks as u32;
-        table.dtype[k] = u32::from(e.dtype);
+        table.dtype[k] = u32::from(dtype);
         table.count += 1;
         blocks += need;
     }
@@ -224,7 +228,9 @@ pub(super) fn step(step: &Step<'_>, storage: &mut CudaStorage, layout: &Layout) 
     let stream = device.cuda_stream();
     let scalars = scalars.device_ptr_mut(&stream).0;
 
-    for (table, blocks) in tables::<1, CHECK_TENSORS>(op, &entries, |e| [e.addr[1]])? {
+    for (table, blocks) in
+        tables::<1, CHECK_TENSORS>(op, &entries, |e| ([e.addr[1]], e.grad_dtype))?
+    {
         let mut args = Args::new();
         args.arg(&table).arg(&scalars);
         // SAFETY: the arguments match `graft_optim_check(GraftOptimTable<1, 160>, float*)`:
@@ -245,14 +251,21 @@ pub(super) fn step(step: &Step<'_>, storage: &mut CudaStorage, layout: &Layout) 
     }
     match step.rule {
         Rule::AdamW { consts, .. } => {
-            for (table, blocks) in tables::<4, UPDATE_TENSORS>(op, &entries, |e| e.addr)? {
+            // The parameter's code, plus 16 times the gradient's (and copy's) with a copy.
+            let pick = |e: &Entry| {
+                let mixed = if e.addr[4] == 0 { 0 } else { 16 * e.grad_dtype };
+                (e.addr, e.dtype + mixed)
+            };
+            for (table, blocks) in tables::<5, UPDATE_TENSORS>(op, &entries, pick)? {
                 let mut args = Args::new();
                 args.arg(&table).arg(&scalars).arg(&consts);
-                // SAFETY: the arguments match `graft_optim_adamw(GraftOptimTable<4, 64>, const
-                // float*, GraftAdamW)`: each tensor's parameter, gradient, m and v are
-                // contiguous, of `len` elements of its dtype, written ones not overlapping
-                // (checked by `run`), held by the step until the launch is enqueued; every
-                // block touches only indices below its tensor's `len`.
+                // SAFETY: the arguments match `graft_optim_adamw(GraftOptimTable<5, 64>, const
+                // float*, GraftAdamW)`: each tensor's parameter, gradient, m, v and copy (or 0)
+                // are contiguous, of `len` elements of the dtypes its code names (checked by
+                // `run`: an f32 parameter and a 16-bit gradient and copy of one dtype when
+                // there is a copy), written ones not overlapping, held by the step until the
+                // launch is enqueued; every block touches only indices below its tensor's
+                // `len`.
                 unsafe {
                     KERNELS.launch(
                         &device,
@@ -266,7 +279,7 @@ pub(super) fn step(step: &Step<'_>, storage: &mut CudaStorage, layout: &Layout) 
             }
         }
         Rule::Sgd { consts, .. } => {
-            let pick = |e: &Entry| [e.addr[0], e.addr[1], e.addr[2]];
+            let pick = |e: &Entry| ([e.addr[0], e.addr[1], e.addr[2]], e.dtype);
             for (table, blocks) in tables::<3, UPDATE_TENSORS>(op, &entries, pick)? {
                 let mut args = Args::new();
                 args.arg(&table).arg(&scalars).arg(&consts);

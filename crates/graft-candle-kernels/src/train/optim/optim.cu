@@ -94,10 +94,13 @@ extern "C" __global__ void graft_optim_check(
     }
 }
 
-template <typename T>
+// AdamW over a chunk: parameter, m and v in T; the gradient in G; with a copy (not null),
+// the new parameter also rounded once into it (mixed precision: T f32, G and C 16-bit).
+template <typename T, typename G, typename C>
 __device__ __forceinline__ void graft_adamw_chunk(
-    T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v,
-    GraftOptimChunk c, const GraftAdamW& h, float lr, float c1, float c2, float decay) {
+    T* __restrict__ p, const G* __restrict__ g, T* __restrict__ m, T* __restrict__ v,
+    C* __restrict__ copy, GraftOptimChunk c, const GraftAdamW& h, float lr, float c1, float c2,
+    float decay) {
     GRAFT_OPTIM_PASSES(c) {
         float pf[GRAFT_OPTIM_ILP], gf[GRAFT_OPTIM_ILP], mf[GRAFT_OPTIM_ILP], vf[GRAFT_OPTIM_ILP];
         GRAFT_OPTIM_LANES(i, c) {
@@ -110,16 +113,22 @@ __device__ __forceinline__ void graft_adamw_chunk(
             float nm = mf[u] * h.beta1 + gf[u] * h.rest1;
             float nv = vf[u] * h.beta2 + gf[u] * gf[u] * h.rest2;
             float adjusted = (nm / c1) / (sqrtf(nv / c2) + h.eps);
-            p[i] = graft_from_f32<T>(pf[u] * decay - adjusted * lr);
+            float np = pf[u] * decay - adjusted * lr;
+            p[i] = graft_from_f32<T>(np);
             m[i] = graft_from_f32<T>(nm);
             v[i] = graft_from_f32<T>(nv);
+            if (copy != nullptr) {
+                copy[i] = graft_from_f32<C>(np);
+            }
         }
     }
 }
 
-// AdamW on this block's chunk (addresses: parameter, gradient, m, v), unless the flag is set.
+// AdamW on this block's chunk (addresses: parameter, gradient, m, v, copy or 0), unless the
+// flag is set. The dtype code: the parameter's (0 f32, 1 bf16, 2 f16) plus 16 times the
+// gradient's and copy's (mixed precision: 16 or 32, with an f32 parameter).
 extern "C" __global__ void graft_optim_adamw(
-    GraftOptimTable<4, GRAFT_OPTIM_UPDATE_TENSORS> t, const float* scalars, GraftAdamW h) {
+    GraftOptimTable<5, GRAFT_OPTIM_UPDATE_TENSORS> t, const float* scalars, GraftAdamW h) {
     if (scalars[GRAFT_OPTIM_NOT_FINITE] != 0.0f) {
         return;
     }
@@ -130,19 +139,27 @@ extern "C" __global__ void graft_optim_adamw(
     float decay = 1.0f - lr * h.weight_decay;
     GraftOptimChunk c = graft_optim_chunk(t);
     unsigned long long a0 = t.addr[c.k][0], a1 = t.addr[c.k][1];
-    unsigned long long a2 = t.addr[c.k][2], a3 = t.addr[c.k][3];
+    unsigned long long a2 = t.addr[c.k][2], a3 = t.addr[c.k][3], a4 = t.addr[c.k][4];
     switch (t.dtype[c.k]) {
     case 0:
-        graft_adamw_chunk((float*)a0, (const float*)a1, (float*)a2, (float*)a3, c, h, lr, c1,
-                          c2, decay);
+        graft_adamw_chunk((float*)a0, (const float*)a1, (float*)a2, (float*)a3, (float*)0, c,
+                          h, lr, c1, c2, decay);
         break;
     case 1:
         graft_adamw_chunk((GraftBf16*)a0, (const GraftBf16*)a1, (GraftBf16*)a2,
-                          (GraftBf16*)a3, c, h, lr, c1, c2, decay);
+                          (GraftBf16*)a3, (GraftBf16*)0, c, h, lr, c1, c2, decay);
+        break;
+    case 2:
+        graft_adamw_chunk((GraftF16*)a0, (const GraftF16*)a1, (GraftF16*)a2, (GraftF16*)a3,
+                          (GraftF16*)0, c, h, lr, c1, c2, decay);
+        break;
+    case 16:
+        graft_adamw_chunk((float*)a0, (const GraftBf16*)a1, (float*)a2, (float*)a3,
+                          (GraftBf16*)a4, c, h, lr, c1, c2, decay);
         break;
     default:
-        graft_adamw_chunk((GraftF16*)a0, (const GraftF16*)a1, (GraftF16*)a2, (GraftF16*)a3, c,
-                          h, lr, c1, c2, decay);
+        graft_adamw_chunk((float*)a0, (const GraftF16*)a1, (float*)a2, (float*)a3,
+                          (GraftF16*)a4, c, h, lr, c1, c2, decay);
         break;
     }
 }
