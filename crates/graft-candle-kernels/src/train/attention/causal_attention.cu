@@ -36,13 +36,43 @@ __device__ __forceinline__ float graft_ca_at(float4 v, int i) {
     return i == 0 ? v.x : (i == 1 ? v.y : (i == 2 ? v.z : v.w));
 }
 
+// Four consecutive elements from global memory as f32, in one load (16 bytes of f32, 8 of a
+// 16-bit type); `p` aligned to four elements.
+__device__ __forceinline__ float4 graft_ca_load4(const float* p) {
+    return *reinterpret_cast<const float4*>(p);
+}
+template <typename H>
+__device__ __forceinline__ float4 graft_ca_load4(const H* p) {
+    const uint2 u = *reinterpret_cast<const uint2*>(p);
+    H a, b, c, d;
+    a.bits = (unsigned short)(u.x & 0xffffu);
+    b.bits = (unsigned short)(u.x >> 16);
+    c.bits = (unsigned short)(u.y & 0xffffu);
+    d.bits = (unsigned short)(u.y >> 16);
+    return make_float4(graft_to_f32(a), graft_to_f32(b), graft_to_f32(c), graft_to_f32(d));
+}
+
 // Rows first .. first + count of one head of a token-major tensor (`src` at the head's row 0,
 // `stride` elements between rows) into dst as f32, `ld` floats between rows; zero for rows at
-// or past seq (so a masked weight of 0 never meets a stale value).
+// or past seq (so a masked weight of 0 never meets a stale value). Four elements a load when
+// `src` and the row stride allow it (they do unless the tensor starts at an odd offset), one
+// otherwise; `dst` and `ld` are 16-byte aligned either way.
 template <typename T, int HD>
 __device__ __forceinline__ void graft_ca_stage(float* dst, int ld, const T* src,
                                                unsigned long long stride, unsigned int first,
                                                unsigned int count, unsigned int seq) {
+    const bool wide = ((unsigned long long)src % (4 * sizeof(T))) == 0 && stride % 4 == 0;
+    if (wide) {
+        for (unsigned int i = threadIdx.x; i < count * (HD / 4); i += blockDim.x) {
+            const unsigned int r = i / (HD / 4);
+            const unsigned int d = (i % (HD / 4)) * 4;
+            const unsigned int row = first + r;
+            const float4 x = row < seq ? graft_ca_load4(src + row * stride + d)
+                                       : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            *reinterpret_cast<float4*>(&dst[r * ld + d]) = x;
+        }
+        return;
+    }
     for (unsigned int i = threadIdx.x; i < count * HD; i += blockDim.x) {
         const unsigned int r = i / HD;
         const unsigned int d = i % HD;
@@ -465,10 +495,11 @@ __device__ void graft_ca_dkv(const T* q, const T* k, const T* v, const T* dout,
     }
 }
 
-// Each kernel in two configurations, `_r<R>` for R rows (or keys) a warp. The many-rows one
-// (R = 4; 2 for the backward kernels at head dim 128, to stay under 48 KiB of static shared
-// memory) shares each staged tile among more rows; the one-row one has 4 (or 2) times the
-// blocks, for grids too small to fill the GPU (the launches pick by shape, `cuda.rs`).
+// Each kernel in configurations `_r<R>` for R rows (or keys) a warp. The many-rows ones
+// (R = 8 and 4 at head dim 64; 4 for the forward pass and 2 for the backward kernels at 128,
+// to stay under 48 KiB of static shared memory) share each staged tile among more rows; the
+// one-row one has more blocks, for grids too small to fill the GPU (the launches pick by
+// shape, `cuda.rs`).
 #define GRAFT_CA_FORWARD(suffix, T, HD, R)                                                   \
     extern "C" __global__ void __launch_bounds__(128)                                        \
         graft_causal_attention_forward_##suffix##_##HD##_r##R(                               \
@@ -494,10 +525,12 @@ __device__ void graft_ca_dkv(const T* q, const T* k, const T* v, const T* dout,
                                scale);                                                       \
     }
 #define GRAFT_CA(suffix, T)                                                                  \
+    GRAFT_CA_FORWARD(suffix, T, 64, 8)                                                       \
     GRAFT_CA_FORWARD(suffix, T, 64, 4)                                                       \
     GRAFT_CA_FORWARD(suffix, T, 64, 1)                                                       \
     GRAFT_CA_FORWARD(suffix, T, 128, 4)                                                      \
     GRAFT_CA_FORWARD(suffix, T, 128, 1)                                                      \
+    GRAFT_CA_BACKWARD(suffix, T, 64, 8)                                                      \
     GRAFT_CA_BACKWARD(suffix, T, 64, 4)                                                      \
     GRAFT_CA_BACKWARD(suffix, T, 64, 1)                                                      \
     GRAFT_CA_BACKWARD(suffix, T, 128, 2)                                                     \

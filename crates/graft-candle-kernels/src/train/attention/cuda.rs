@@ -2,11 +2,11 @@
 //! block, static shared memory only (at most 44 KiB), every launch configuration from the
 //! shapes (and the device's multiprocessor count) alone, never from the data.
 //!
-//! Each kernel has two configurations, R rows (or keys) a warp and so 4R a block: many rows
-//! (R = 4 at head dim 64; at 128, 4 for the forward pass and 2 for the backward kernels),
-//! which shares every staged key or query tile among more rows, and one row (R = 1), with 4
-//! (or 2) times the blocks. A launch takes one row when many rows would make fewer than
-//! [`MIN_BLOCKS_PER_SM`] blocks per multiprocessor: a block walks its tiles serially, so a
+//! Each kernel has configurations of R rows (or keys) a warp and so 4R a block: many rows
+//! (R = 8 or 4 at head dim 64; at 128, 4 for the forward pass and 2 for the backward
+//! kernels), which share every staged key or query tile among more rows, and one row (R = 1),
+//! with more blocks. A launch takes the most rows that still make [`MIN_BLOCKS_PER_SM`]
+//! blocks per multiprocessor (one row when none does): a block walks its tiles serially, so a
 //! small grid (one short sequence, few heads) leaves most of the GPU idle. Either way every
 //! output element is written by one thread, its sums in one fixed order (no atomics): on one
 //! device, the same inputs give bitwise the same results.
@@ -23,9 +23,10 @@
 //!   first key to the end (lane = query row for the weights, lane = dims for the sums); it
 //!   writes dk and dv, each element by one thread (no atomics).
 //!
-//! At seq 128, head dim 64, 8 query heads on 4 KV heads and 132 multiprocessors: forward and
-//! dq 64 blocks at batch 1 (one row a warp: 256), 512 at batch 8, 2048 at batch 32; dkv 32
-//! (one key a warp: 128), 256 (one key a warp: 1024), 1024.
+//! At seq 128, head dim 64, 8 query heads on 4 KV heads and 132 multiprocessors (264 blocks
+//! enough): forward and dq take one row a warp at batch 1 (256 blocks), 4 at batch 8 (512),
+//! 8 at batch 32 (1024); dkv one key a warp at batches 1 and 8 (128 and 1024 blocks), 8 at
+//! batch 32 (512).
 
 use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
 use candle_core::cuda_backend::cudarc::driver::{
@@ -50,18 +51,28 @@ static KERNELS: Kernels = Kernels::new(
 const WARPS: usize = 4;
 /// Threads of every block.
 const THREADS: u32 = 32 * WARPS as u32;
-/// Rows a warp owns in the forward kernel's many-rows configuration.
-const FORWARD_ROWS: usize = 4;
-/// The fewest blocks per multiprocessor of a many-rows grid: below it the launch takes one
-/// row a warp. Several blocks (128 threads, at most 44 KiB of shared memory) fit on a
+/// The rows a forward warp may own, most first (the kernels instantiated for the head dim).
+fn forward_rows(d: &Dims) -> &'static [usize] {
+    if d.head_dim == 64 {
+        &[8, 4, 1]
+    } else {
+        &[4, 1]
+    }
+}
+/// The fewest blocks per multiprocessor of a many-rows grid: below it the launch takes fewer
+/// rows a warp. Several blocks (128 threads, at most 44 KiB of shared memory) fit on a
 /// multiprocessor at once, so a grid of under 2 a multiprocessor leaves most of its warp slots
 /// idle; the one-row blocks stage the same tiles more often, which costs less than that.
 const MIN_BLOCKS_PER_SM: usize = 2;
 
-/// Query rows a dq warp and keys a dkv warp own in the many-rows configuration: 4 at head
-/// dim 64, 2 at 128 (which keeps the kernels' static shared memory under 48 KiB).
-fn backward_rows(d: &Dims) -> usize {
-    if d.head_dim == 64 { 4 } else { 2 }
+/// The query rows a dq warp and keys a dkv warp may own, most first: 8 or 4 at head dim 64,
+/// 2 at 128 (which keeps the kernels' static shared memory under 48 KiB), or 1.
+fn backward_rows(d: &Dims) -> &'static [usize] {
+    if d.head_dim == 64 {
+        &[8, 4, 1]
+    } else {
+        &[2, 1]
+    }
 }
 
 /// The device's multiprocessor count (a property of the device, not of any data).
@@ -94,27 +105,31 @@ impl Sizes {
 }
 
 /// How to launch `graft_causal_attention_<kernel>_<dtype>_<head dim>_r<rows>`: its name and
-/// its grid of `ceil(seq / (4 * rows))` blocks by `y` (heads) by batch, with `rows` a warp
-/// `many`, or 1 where `many` would make fewer than [`MIN_BLOCKS_PER_SM`] blocks per
-/// multiprocessor.
+/// its grid of `ceil(seq / (4 * rows))` blocks by `y` (heads) by batch, with `rows` the first
+/// of `choices` (most first, the last 1) whose grid has [`MIN_BLOCKS_PER_SM`] blocks per
+/// multiprocessor, or the last.
 fn plan(
     kernel: &str,
     dtype: DType,
     d: &Dims,
-    many: usize,
+    choices: &[usize],
     y: u32,
     batch: u32,
     device: &CudaDevice,
 ) -> Result<(String, LaunchConfig)> {
     let tiles = |rows: usize| d.seq.div_ceil(WARPS * rows);
-    let blocks = tiles(many)
-        .saturating_mul(y as usize)
-        .saturating_mul(batch as usize);
-    let rows = if blocks < MIN_BLOCKS_PER_SM.saturating_mul(multiprocessors(device)?) {
-        1
-    } else {
-        many
+    let enough = MIN_BLOCKS_PER_SM.saturating_mul(multiprocessors(device)?);
+    let blocks = |rows: usize| {
+        tiles(rows)
+            .saturating_mul(y as usize)
+            .saturating_mul(batch as usize)
     };
+    let rows = choices
+        .iter()
+        .copied()
+        .find(|&r| blocks(r) >= enough)
+        .or(choices.last().copied())
+        .unwrap_or(1);
     let name = format!(
         "graft_causal_attention_{kernel}_{}_{}_r{rows}",
         dtype.as_str(),
@@ -215,7 +230,7 @@ impl Map3 for Forward<'_> {
             "forward",
             T::DTYPE,
             &d,
-            FORWARD_ROWS,
+            forward_rows(&d),
             s.heads,
             s.batch,
             device,
