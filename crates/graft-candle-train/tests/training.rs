@@ -463,6 +463,15 @@ fn mixed_precision_trains_like_f32() -> Result<()> {
         "the elementwise update left a copy behind its master"
     );
     let model = Trainable::random_mixed(&cfg, 7, DType::BF16, &device)?;
+    // Clipping takes the optimizer's vars, which are the copies whose gradients it reads.
+    let mut opt = AdamW::new(model.masters().to_vec(), AdamWConfig::default())?
+        .mixed(model.vars().to_vec())?;
+    let (tokens, targets) = batches(&cfg, 2, 16, 1, &device)?.remove(0);
+    let grads = model.gradients(&tokens, &targets, None)?;
+    let clipped = graft_candle_train::optim::clip_grad_norm(opt.vars(), &grads, 1.0)?;
+    opt.step(&clipped)?;
+    assert!(clipped.norm().to_vec1::<f32>()?[0].is_finite());
+    assert_eq!(opt.applied_steps()?, 1);
     let masters = model.masters().to_vec();
     assert!(
         AdamW::new(masters.clone(), AdamWConfig::default())?

@@ -293,9 +293,11 @@ impl AdamW {
         self.scalars.load(scalars)
     }
 
-    /// The parameters, in the order given.
+    /// The tensors whose gradients a step reads, in the order given: the parameters, or with
+    /// mixed precision their working copies (what [`clip_grad_norm`](super::clip_grad_norm)
+    /// takes, so clipping finds the same gradients the step will).
     pub fn vars(&self) -> impl Iterator<Item = &Var> {
-        self.params.iter().map(|p| &p.var)
+        self.params.iter().map(Param::graded)
     }
 
     /// Every tensor a step reads or writes in place, to pass as statics of the training step:
