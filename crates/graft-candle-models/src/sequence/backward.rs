@@ -79,14 +79,15 @@ impl Decoder {
             if b.qk_norm.is_some() {
                 why.push(format!("block {i}: per-head query and key norms"));
             }
-            let gated = match &b.mlp {
+            let mlp_dense = match &b.mlp {
                 Mlp::Gated { gate, up, down } => [gate, up, down].into_iter().all(unbiased),
-                Mlp::Experts { .. } => false,
+                Mlp::Experts { .. } => {
+                    why.push(format!("block {i}: a mixture of experts"));
+                    true
+                }
             };
-            if !gated || ![&b.q, &b.k, &b.v, &b.o].into_iter().all(unbiased) {
-                why.push(format!(
-                    "block {i}: a mixture of experts, or a quantized or biased projection"
-                ));
+            if !mlp_dense || ![&b.q, &b.k, &b.v, &b.o].into_iter().all(unbiased) {
+                why.push(format!("block {i}: a quantized or biased projection"));
             }
         }
         why

@@ -97,7 +97,12 @@ fn mapped(dir: &Path, dtype: DType, device: &Device) -> TestResult<VarBuilder<'s
 const MAX_BATCH: usize = 8;
 
 /// candle-transformers' model and the port, loaded from one checkpoint written in `dir`.
-fn load(port: Port, dtype: DType, device: &Device, dir: &Path) -> TestResult<(Eager, Decoder)> {
+pub(crate) fn load(
+    port: Port,
+    dtype: DType,
+    device: &Device,
+    dir: &Path,
+) -> TestResult<(Eager, Decoder)> {
     let argmax = |logits: Tensor| logits.flatten_from(1)?.to_dtype(DType::F32);
     Ok(match port {
         Port::Llama2 | Port::Llama3 => {
