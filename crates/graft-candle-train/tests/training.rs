@@ -647,6 +647,54 @@ fn clipping_scales_the_gradients_to_the_norm_on_the_device() -> Result<()> {
     Ok(())
 }
 
+/// A mixed-precision run resumes bit for bit from its f32 masters and the optimizer's state:
+/// the copies are the masters rounded, so `from_weights_mixed` rebuilds them exactly.
+#[test]
+fn a_mixed_precision_run_resumed_from_its_masters_continues_it_bit_for_bit() -> Result<()> {
+    use std::collections::HashMap;
+    let (device, cfg) = (Device::Cpu, config());
+    let data = batches(&cfg, 2, 16, 6, &device)?;
+    let start = |weights: Option<&HashMap<String, Tensor>>| -> Result<(Trainable, AdamW)> {
+        let model = match weights {
+            None => Trainable::random_mixed(&cfg, 7, DType::BF16, &device)?,
+            Some(w) => Trainable::from_weights_mixed(&cfg, w, DType::BF16)?,
+        };
+        let opt = AdamW::new(model.masters().to_vec(), AdamWConfig::default())?
+            .mixed(model.vars().to_vec())?;
+        Ok((model, opt))
+    };
+    let (model, mut opt) = start(None)?;
+    for (tokens, targets) in &data[..3] {
+        adamw_step(&model, &mut opt, tokens, targets)?;
+    }
+    // Snapshots: the weights and state are the live tensors, which the next steps write.
+    let mut saved = HashMap::new();
+    for (name, t) in model.weights().into_iter().chain(opt.state()) {
+        saved.insert(name, t.copy()?);
+    }
+    let run = |model: &Trainable, opt: &mut AdamW| -> Result<Vec<u32>> {
+        data[3..]
+            .iter()
+            .map(|(tokens, targets)| {
+                Ok(adamw_step(model, opt, tokens, targets)?.to_vec1::<f32>()?[0].to_bits())
+            })
+            .collect()
+    };
+    let want = run(&model, &mut opt)?;
+    let (resumed, mut opt2) = start(Some(&saved))?;
+    opt2.load_state(&saved)?;
+    assert_eq!(run(&resumed, &mut opt2)?, want, "the losses after resuming");
+    assert_eq!(parameters(&resumed)?, parameters(&model)?, "the copies");
+    let masters = |m: &Trainable| -> Result<Vec<Vec<f32>>> {
+        m.masters()
+            .iter()
+            .map(|v| v.as_tensor().flatten_all()?.to_vec1::<f32>())
+            .collect()
+    };
+    assert_eq!(masters(&resumed)?, masters(&model)?, "the masters");
+    Ok(())
+}
+
 /// Checkpoint and resume: after 3 steps with dropout, the weights, AdamW's state and the
 /// generator's state saved to a safetensors file and loaded into a fresh model, optimizer
 /// and generator continue the run exactly: the next 3 steps' losses and the final weights are
