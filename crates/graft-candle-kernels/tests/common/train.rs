@@ -3,8 +3,8 @@
 
 use candle_core::{DType, Device, Result, Tensor, Var};
 use graft_candle_kernels::{
-    RopeStyle, cross_entropy, dense, dense_sum, embedding, rms_norm, rms_norm_backward, rotary,
-    swiglu,
+    RopeStyle, cross_entropy, cross_entropy_with_grad, dense, dense_sum, embedding, rms_norm,
+    rms_norm_backward, rotary, swiglu,
 };
 use proptest::prelude::*;
 
@@ -292,7 +292,7 @@ pub fn check_cross_entropy(device: &Device, c: &TrainCase, dtype: DType) -> Resu
     let targets = Tensor::from_vec(targets, (c.batch, c.seq), device)?;
     check_grads(
         "cross_entropy",
-        &[logits],
+        std::slice::from_ref(&logits),
         dtype,
         |t| cross_entropy(&t[0], &targets),
         |t| {
@@ -304,6 +304,27 @@ pub fn check_cross_entropy(device: &Device, c: &TrainCase, dtype: DType) -> Resu
         },
         c.seed,
     )?;
+    // Outside the autograd: the same loss and gradient, bit for bit, as the autograd of
+    // `cross_entropy` (the same kernels).
+    let ours = Var::from_tensor(&logits.to_dtype(dtype)?)?;
+    let loss = cross_entropy(&ours, &targets)?;
+    let grads = loss.backward()?;
+    let Some(want) = grads.get(&ours) else {
+        panic!("cross_entropy gave the logits no gradient");
+    };
+    let (fused_loss, fused) = cross_entropy_with_grad(ours.as_tensor(), &targets)?;
+    let bits =
+        |t: &Tensor| -> Result<Vec<f32>> { t.to_dtype(DType::F32)?.flatten_all()?.to_vec1() };
+    assert_eq!(
+        bits(&fused_loss)?,
+        bits(&loss)?,
+        "cross_entropy_with_grad's loss"
+    );
+    assert_eq!(
+        bits(&fused)?,
+        bits(want)?,
+        "cross_entropy_with_grad's gradient"
+    );
     // A target past the vocabulary: NaN, not a silent wrong loss.
     let bad = Tensor::from_vec(
         vec![vocab as u32; c.batch * c.seq],
