@@ -111,11 +111,7 @@ impl SavedAttention {
     /// The gradients `(dq, dk, dv)` from the output's gradient `dy` (the output's shape and
     /// dtype).
     pub fn backward(&self, dy: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
-        let (q, k, v) = (&self.q, &self.k, &self.v);
-        match self.op.bwd(q, k, v, &self.out, dy)? {
-            (Some(dq), Some(dk), Some(dv)) => Ok((dq, dk, dv)),
-            _ => Err(check::shape(OP, "q", q, "three gradients")),
-        }
+        self.op.gradients(&self.q, &self.k, &self.v, &self.out, dy)
     }
 }
 
@@ -325,6 +321,22 @@ impl CustomOp3 for CausalAttention {
         res: &Tensor,
         grad_res: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (dq, dk, dv) = self.gradients(q, k, v, res, grad_res)?;
+        Ok((Some(dq), Some(dk), Some(dv)))
+    }
+}
+
+impl CausalAttention {
+    /// The gradients of q, k and v from the output `res` and its gradient `grad_res`: the
+    /// query-gradient op, then the key-and-value-gradient op.
+    fn gradients(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        res: &Tensor,
+        grad_res: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
         let lse = self.lse.get(OP)?;
         check::like(OP, "the output's gradient", grad_res, "q", q)?;
         if grad_res.dims() != res.dims() {
@@ -351,7 +363,7 @@ impl CustomOp3 for CausalAttention {
             delta: dq_op.delta.get(OP)?,
         };
         let dkv = q.apply_op3_no_bwd(k, v, &dkv_op)?;
-        Ok((Some(dq), Some(dkv.get(0)?), Some(dkv.get(1)?)))
+        Ok((dq, dkv.get(0)?, dkv.get(1)?))
     }
 }
 

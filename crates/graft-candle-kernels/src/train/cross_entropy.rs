@@ -34,11 +34,11 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
 pub fn cross_entropy_with_grad(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor)> {
     let (op, targets) = checked(logits, targets)?;
     let loss = logits.apply_op2_no_bwd(&targets, &op)?;
-    let one = Tensor::ones(1, DType::F32, logits.device())?;
-    let (dlogits, _) = op.bwd(logits, &targets, &loss, &one)?;
-    let Some(dlogits) = dlogits else {
-        return Err(check::shape(OP, "logits", logits, "a gradient"));
-    };
+    let dlogits = op.gradient(
+        logits,
+        &targets,
+        &Tensor::ones(1, DType::F32, logits.device())?,
+    )?;
     Ok((loss, dlogits))
 }
 
@@ -138,6 +138,13 @@ impl CustomOp2 for CrossEntropy {
         _res: &Tensor,
         dloss: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        Ok((Some(self.gradient(logits, targets, dloss)?), None))
+    }
+}
+
+impl CrossEntropy {
+    /// The logits' gradient from the loss's (`[1]` f32), reading the rows the forward saved.
+    fn gradient(&self, logits: &Tensor, targets: &Tensor, dloss: &Tensor) -> Result<Tensor> {
         if dloss.dtype() != DType::F32 || dloss.elem_count() != 1 {
             return Err(check::shape(OP, "the loss's gradient", dloss, "[1] f32"));
         }
@@ -147,8 +154,7 @@ impl CustomOp2 for CrossEntropy {
             dloss: dloss.contiguous()?,
         };
         let saved = self.saved.get(OP)?;
-        let dlogits = logits.apply_op3_no_bwd(targets, &saved, &backward)?;
-        Ok((Some(dlogits), None))
+        logits.apply_op3_no_bwd(targets, &saved, &backward)
     }
 }
 

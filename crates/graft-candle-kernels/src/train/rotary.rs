@@ -173,11 +173,8 @@ impl CustomOp3 for Rotary {
         _res: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let inverse = Rotary {
-            inverse: !self.inverse,
-            ..*self
-        };
-        let dx = dy.contiguous()?.apply_op3_no_bwd(cos, sin, &inverse)?;
+        // Only the forward rotation is tracked, so its backward is the inverse one.
+        let dx = rotary_backward(dy, cos, sin, self.heads, self.style)?;
         Ok((Some(dx), None, None))
     }
 }
