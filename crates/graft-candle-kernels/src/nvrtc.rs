@@ -1,9 +1,10 @@
 //! The CUDA plumbing the ops share: a module's source compiled with NVRTC once per process (per
-//! device architecture for kernels launched as programmatic dependents) and loaded into a candle device (candle keeps it per device by module
-//! name), the one launch every kernel goes through ([`Kernels::launch`], plain or as a
-//! programmatic dependent), the CUDA C prelude every module starts with (dtype conversions by
-//! hand, warp reductions, the programmatic-launch trigger and wait; no headers), the typed
-//! device view of a contiguous input, and the device address of a tensor an op holds.
+//! device architecture for native modules: programmatic dependents, tensor cores) and loaded
+//! into a candle device (candle keeps it per device by module name), the one launch every
+//! kernel goes through ([`Kernels::launch`], plain or as a programmatic dependent), the CUDA C
+//! prelude every module starts with (dtype conversions by hand, warp reductions, the
+//! programmatic-launch trigger and wait; no headers), the typed device view of a contiguous
+//! input, and the device address of a tensor an op holds.
 
 use std::ffi::c_void;
 use std::marker::PhantomData;
@@ -194,16 +195,16 @@ type Compiled = std::result::Result<Arc<str>, KernelError>;
 
 /// One CUDA module of candle custom kernels: its name in candle's per-device table, its source
 /// (after the prelude) and its PTX, compiled on first use and kept for the process (or NVRTC's
-/// error). Kept in a `static`, so that a process compiles each module once (a module whose
-/// kernels are launched as programmatic dependents once per device architecture). Public for
+/// error). Kept in a `static`, so that a process compiles each module once (a native module
+/// once per device architecture). Public for
 /// the other candle crates' own kernels (graft-candle's random numbers).
 #[derive(Debug)]
 pub struct Kernels {
     module: &'static str,
     source: &'static str,
-    /// Compiled for the device's architecture, so that its kernels' trigger and wait are
-    /// there ([`Kernels::with_dependents`]); otherwise for NVRTC's default one.
-    dependents: bool,
+    /// Compiled for the device's architecture ([`Kernels::native`]); otherwise for NVRTC's
+    /// default one.
+    native: bool,
     /// The PTX compiled for each compute capability asked for (major * 10 + minor; 0: NVRTC's
     /// default architecture).
     ptx: Mutex<Vec<(u32, Compiled)>>,
@@ -246,19 +247,20 @@ impl Kernels {
         Self {
             module,
             source,
-            dependents: false,
+            native: false,
             ptx: Mutex::new(Vec::new()),
         }
     }
 
-    /// [`Kernels::new`] for kernels that are launched as programmatic dependents: compiled
-    /// for each device's own architecture, since their trigger and wait are instructions of
-    /// compute capability 9.0 (before it they compile to nothing).
-    pub const fn with_dependents(module: &'static str, source: &'static str) -> Self {
+    /// [`Kernels::new`] compiled for each device's own architecture: for kernels that are
+    /// launched as programmatic dependents (their trigger and wait are instructions of compute
+    /// capability 9.0; before it they compile to nothing) or that run on tensor cores
+    /// (`graft_mma_16816`, 8.0).
+    pub const fn native(module: &'static str, source: &'static str) -> Self {
         Self {
             module,
             source,
-            dependents: true,
+            native: true,
             ptx: Mutex::new(Vec::new()),
         }
     }
@@ -268,7 +270,7 @@ impl Kernels {
         self.module
     }
 
-    /// The module's PTX for `device` (for its architecture, with dependents), compiled if
+    /// The module's PTX for `device` (for its architecture, if native), compiled if
     /// this process has not yet; pass it with [`Self::module`] to
     /// `CudaDevice::get_or_load_custom_func`, which loads it into a device only once.
     pub fn ptx(&self, device: &CudaDevice) -> Result<Arc<str>> {
@@ -276,9 +278,9 @@ impl Kernels {
     }
 
     /// The compute capability the module is compiled for on `device` (major * 10 + minor; 0:
-    /// NVRTC's default, for a module without dependents).
+    /// NVRTC's default, for a module that is not native).
     fn arch(&self, device: &CudaDevice) -> Result<u32> {
-        if !self.dependents {
+        if !self.native {
             return Ok(0);
         }
         let (major, minor) = capability(self.module, device)?;
@@ -303,7 +305,7 @@ impl Kernels {
 
     /// Launches kernel `name` of the module on `stream` (the device's own or a side stream of
     /// it) with `config` and `args`; as a programmatic dependent of the kernel before it when
-    /// `dependent`, the module is [`Kernels::with_dependents`]' and the device has compute
+    /// `dependent`, the module is [`Kernels::native`] and the device has compute
     /// capability 9.0 or later (through graft-cuda's
     /// [`programmatic::launch`](graft_cuda::programmatic::launch), which launches plainly
     /// where the driver cannot).
@@ -325,8 +327,8 @@ impl Kernels {
     ) -> Result<()> {
         let arch = self.arch(device)?;
         let func = device.get_or_load_custom_func(name, self.module, &self.ptx_for(arch)?)?;
-        // Only a module with dependents is compiled for the device (arch 0 otherwise), and
-        // only from compute capability 9.0 has it the trigger and the wait.
+        // Only a native module is compiled for the device (arch 0 otherwise), and only from
+        // compute capability 9.0 has it the trigger and the wait.
         let dependent = dependent && arch >= 90 && PROGRAMMATIC.load(Ordering::Relaxed);
         let launch = graft_cuda::Launch {
             grid: config.grid_dim,

@@ -204,7 +204,8 @@ fn gpu_causal_attention_is_deterministic() {
 }
 
 /// Batch 4 of 512 rows, 8 query heads on 4 KV heads, head dim 128 (16 key tiles a row);
-/// under compute-sanitizer, 130 rows. Then batch 12 of 128 rows at head dim 64.
+/// under compute-sanitizer, 130 rows. Then batch 12 of 128 rows and batch 20 of 256 at head
+/// dim 64.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_causal_attention_of_long_sequences_matches_unfused() {
@@ -233,6 +234,16 @@ fn gpu_causal_attention_of_long_sequences_matches_unfused() {
         seed: 6,
     };
     check_causal_attention(&dev, &case, DType::F32).unwrap();
+    // A grid of 640 query blocks and 320 key blocks (at least 2 a multiprocessor up to 160
+    // of them): f32 takes the tensor-core kernels too, at the f32 tolerance, and gives the
+    // same bits twice.
+    let case = CausalCase {
+        batch: 20,
+        seq: 256,
+        ..case
+    };
+    check_causal_attention(&dev, &case, DType::F32).unwrap();
+    check_causal_attention_deterministic(&dev, &case, DType::F32).unwrap();
 }
 
 #[test]

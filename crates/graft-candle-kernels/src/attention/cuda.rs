@@ -44,7 +44,7 @@ use crate::nvrtc::{Args, Kernels, address, view};
 /// Threads of a split-kernel block.
 const THREADS: u32 = 128;
 
-static KERNELS: Kernels = Kernels::with_dependents(
+static KERNELS: Kernels = Kernels::native(
     "graft_kernels_decode_attention",
     concat!(
         include_str!("decode_attention.cu"),

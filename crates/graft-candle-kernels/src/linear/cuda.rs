@@ -50,10 +50,8 @@ fn split(n: usize, k: usize) -> u32 {
     1 << s.ilog2()
 }
 
-static KERNELS: Kernels =
-    Kernels::with_dependents("graft_kernels_matvec", include_str!("matvec.cu"));
-static ROWS_KERNELS: Kernels =
-    Kernels::with_dependents("graft_kernels_rows", include_str!("rows.cu"));
+static KERNELS: Kernels = Kernels::native("graft_kernels_matvec", include_str!("matvec.cu"));
+static ROWS_KERNELS: Kernels = Kernels::native("graft_kernels_rows", include_str!("rows.cu"));
 
 /// One matrix-vector launch's operands, by device address (see `matvec.cu`).
 pub(crate) struct MatvecLaunch {

@@ -14,7 +14,7 @@ use crate::check;
 use crate::nvrtc::{Args, Kernels, address, view};
 
 static KERNELS: Kernels =
-    Kernels::with_dependents("graft_kernels_rope_store", include_str!("rope_store.cu"));
+    Kernels::native("graft_kernels_rope_store", include_str!("rope_store.cu"));
 
 /// The rotated queries on CUDA, the keys and values stored in the same launch.
 pub(super) fn forward(

@@ -14,7 +14,7 @@ use crate::nvrtc::{Args, Kernels, address, view};
 use crate::rope::cuda::RopeLaunch;
 use crate::{MATVEC_ROWS, MAX_PARTS};
 
-static KERNELS: Kernels = Kernels::with_dependents("graft_kernels_step", include_str!("step.cu"));
+static KERNELS: Kernels = Kernels::native("graft_kernels_step", include_str!("step.cu"));
 
 /// Alignment of each scratch buffer (what the 16-byte loads need, and more).
 const ALIGN: usize = 256;

@@ -27,17 +27,27 @@
 //! enough): forward and dq take one row a warp at batch 1 (256 blocks), 4 at batch 8 (512),
 //! 8 at batch 32 (1024); dkv one key a warp at batches 1 and 8 (128 and 1024 blocks), 8 at
 //! batch 32 (512).
+//!
+//! bf16 and f16, and f32 at head dim 64 where the grid has [`MIN_BLOCKS_PER_SM`] blocks per
+//! multiprocessor, on compute capability 8.0 or later take the tensor-core twins instead (`causal_attention_tc.cu`,
+//! `graft_causal_attention_tc_<kernel>_<dtype>_<hd>`, compiled for the device's
+//! architecture): the same parameters and outputs, 64 rows (or keys) a block and 16 a warp,
+//! grid (ceil(seq / 64), heads or kv_heads, batch), products with f32 sums; in bf16 and f16 as
+//! m16n8k16 steps, the weights and their gradients rounded to the input's type before they
+//! multiply (as flash attention's kernels do), in f32 as three TF32 products a step, about
+//! f32's precision (TF32 alone would keep 10 bits of each operand, and f32 training here runs
+//! with TF32 off). Each output element is still written once, in one fixed order.
 
 use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, ValidAsZeroBits,
+    CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, ValidAsZeroBits,
 };
 use candle_core::cuda_backend::{CudaDevice, CudaStorageSlice, Map3, WrapErr};
 use candle_core::{CudaStorage, DType, Layout, Result, Shape, Storage, WithDType};
 
 use super::{AttentionDkv, AttentionDq, CausalAttention, Dims, OP};
 use crate::check;
-use crate::nvrtc::{Args, Kernels, address, view};
+use crate::nvrtc::{Args, Kernels, address, capability, view};
 
 /// The kernels' source (`causal_attention.cu`): the forward pass (online softmax over key
 /// tiles, the row log-sum-exps kept), the query gradient (with each row's `rowsum(dO * O)`)
@@ -46,6 +56,17 @@ static KERNELS: Kernels = Kernels::new(
     "graft_kernels_causal_attention",
     include_str!("causal_attention.cu"),
 );
+
+/// The same three kernels on tensor cores (`causal_attention_tc.cu`), for bf16 and f16 (and
+/// f32 at head dim 64) on compute capability 8.0 or later: compiled for the device's
+/// architecture.
+static TC_KERNELS: Kernels = Kernels::native(
+    "graft_kernels_causal_attention_tc",
+    include_str!("causal_attention_tc.cu"),
+);
+
+/// Rows (or keys) a tensor-core block takes, 16 a warp (the kernels' `GRAFT_CAT_ROWS`).
+const TC_ROWS: usize = 64;
 
 /// Warps of every block (the kernels' `GRAFT_CA_WARPS`).
 const WARPS: usize = 4;
@@ -104,10 +125,41 @@ impl Sizes {
     }
 }
 
-/// How to launch `graft_causal_attention_<kernel>_<dtype>_<head dim>_r<rows>`: its name and
-/// its grid of `ceil(seq / (4 * rows))` blocks by `y` (heads) by batch, with `rows` the first
-/// of `choices` (most first, the last 1) whose grid has [`MIN_BLOCKS_PER_SM`] blocks per
-/// multiprocessor, or the last.
+/// One launch: the module, the kernel's name and its grid.
+struct Plan {
+    kernels: &'static Kernels,
+    name: String,
+    config: LaunchConfig,
+}
+
+impl Plan {
+    /// Launches the kernel on `stream` (plainly).
+    ///
+    /// # Safety
+    /// As [`Kernels::launch`]: `args` match the kernel's parameters and every address is
+    /// memory it may touch, alive until the launch has run.
+    unsafe fn run(
+        &self,
+        device: &CudaDevice,
+        stream: &CudaStream,
+        args: &mut Args<'_>,
+    ) -> Result<()> {
+        // SAFETY: the caller's contract; the configuration is the one `plan` made for this
+        // kernel (its block of 4 warps, static shared memory only).
+        unsafe {
+            self.kernels
+                .launch(device, stream, &self.name, self.config, false, args)
+        }
+    }
+}
+
+/// How to launch kernel `kernel` (`forward`, `dq` or `dkv`) over `y` (heads) by `batch`: for
+/// bf16 and f16, and f32 at head dim 64 with [`MIN_BLOCKS_PER_SM`] blocks per multiprocessor,
+/// on compute capability 8.0 or later, the tensor-core kernel
+/// `graft_causal_attention_tc_<kernel>_<dtype>_<head dim>` over `ceil(seq / 64)` tiles;
+/// otherwise `graft_causal_attention_<kernel>_<dtype>_<head dim>_r<rows>` over `ceil(seq /
+/// (4 * rows))` tiles, with `rows` the first of `choices` (most first, the last 1) whose grid
+/// has [`MIN_BLOCKS_PER_SM`] blocks per multiprocessor, or the last.
 fn plan(
     kernel: &str,
     dtype: DType,
@@ -116,7 +168,18 @@ fn plan(
     y: u32,
     batch: u32,
     device: &CudaDevice,
-) -> Result<(String, LaunchConfig)> {
+) -> Result<Plan> {
+    let grid = |tiles: usize| -> Result<LaunchConfig> {
+        Ok(LaunchConfig {
+            grid_dim: (
+                check::u32_of(OP, "the sequence's tile count", tiles)?,
+                y,
+                batch,
+            ),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        })
+    };
     let tiles = |rows: usize| d.seq.div_ceil(WARPS * rows);
     let enough = MIN_BLOCKS_PER_SM.saturating_mul(multiprocessors(device)?);
     let blocks = |rows: usize| {
@@ -124,24 +187,40 @@ fn plan(
             .saturating_mul(y as usize)
             .saturating_mul(batch as usize)
     };
+    // f32's three products a step make a tensor-core block several times slower than a
+    // 16-bit one: it gains only where the grid fills the GPU (as `TC_ROWS / WARPS` rows a warp
+    // would), and loses to the CUDA-core kernels' small blocks where it does not.
+    let tensor_cores = match dtype {
+        DType::BF16 | DType::F16 => true,
+        DType::F32 => d.head_dim == 64 && blocks(TC_ROWS / WARPS) >= enough,
+        _ => false,
+    };
+    if tensor_cores && capability(TC_KERNELS.module(), device)?.0 >= 8 {
+        return Ok(Plan {
+            kernels: &TC_KERNELS,
+            name: format!(
+                "graft_causal_attention_tc_{kernel}_{}_{}",
+                dtype.as_str(),
+                d.head_dim
+            ),
+            config: grid(d.seq.div_ceil(TC_ROWS))?,
+        });
+    }
     let rows = choices
         .iter()
         .copied()
         .find(|&r| blocks(r) >= enough)
         .or(choices.last().copied())
         .unwrap_or(1);
-    let name = format!(
-        "graft_causal_attention_{kernel}_{}_{}_r{rows}",
-        dtype.as_str(),
-        d.head_dim
-    );
-    let x = check::u32_of(OP, "the sequence's tile count", tiles(rows))?;
-    let cfg = LaunchConfig {
-        grid_dim: (x, y, batch),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    Ok((name, cfg))
+    Ok(Plan {
+        kernels: &KERNELS,
+        name: format!(
+            "graft_causal_attention_{kernel}_{}_{}_r{rows}",
+            dtype.as_str(),
+            d.head_dim
+        ),
+        config: grid(tiles(rows))?,
+    })
 }
 
 /// `[batch, heads, seq]` f32 as a storage on `device`.
@@ -219,14 +298,16 @@ impl Map3 for Forward<'_> {
         // SAFETY: the kernel writes every element before anything reads it: a block per
         // (4R-row tile, head, sequence) covers every row below seq (`plan` divides seq by the
         // 4R of the kernel it names), and lane l of the row's warp writes its head dims
-        // l * E .. l * E + E (32 * E = head_dim). It is launched below on the device's
+        // l * E .. l * E + E (32 * E = head_dim); on tensor cores a block per 64 rows (`plan`
+        // divides by `TC_ROWS`), each warp 16, whose dims its lanes 4g .. 4g + 3 write two at
+        // a time, 2t + 8n for every n < head_dim / 8. It is launched below on the device's
         // stream, which orders every later use.
         let out = unsafe { device.alloc::<T>(d.q_len())? };
         // SAFETY: as above: lane 0 of each row's warp writes the row's log-sum-exp, for every
         // (sequence, head, row), before the backward kernels read it on the same stream.
         let lse = unsafe { device.alloc::<f32>(d.batch * d.heads * d.seq)? };
         let s = Sizes::of(&d)?;
-        let (name, cfg) = plan(
+        let launch = plan(
             "forward",
             T::DTYPE,
             &d,
@@ -252,8 +333,10 @@ impl Map3 for Forward<'_> {
             .arg(&s.heads)
             .arg(&s.kv_heads)
             .arg(&scale);
-        // SAFETY: the arguments match `graft_causal_attention_forward_<dtype>_<hd>_r<R>(const T*,
-        // const T*, const T*, T*, float*, unsigned int x3, float)` with T the storage's dtype
+        // SAFETY: the arguments match `graft_causal_attention_forward_<dtype>_<hd>_r<R>` or its
+        // tensor-core twin `graft_causal_attention_tc_forward_<dtype>_<hd>` (compute
+        // capability 8.0+; bf16 and f16, or f32 at head dim 64, as `plan` checks), both `(const T*, const T*, const T*,
+        // T*, float*, unsigned int x3, float)` with T the storage's dtype
         // and hd the head dim (64 or 128, checked): q and out hold batch * seq * heads * hd
         // elements, k and v batch * seq * kv_heads * hd (checked by the wrapper), lse batch *
         // heads * seq; the kernel reads and writes only rows below seq of sequences below
@@ -261,7 +344,7 @@ impl Map3 for Forward<'_> {
         // < kv_heads (heads % kv_heads == 0, checked); its shared memory is static and the
         // block is the 4 warps it assumes. All live until the launch is enqueued on the
         // device's stream.
-        unsafe { KERNELS.launch(device, &stream, &name, cfg, false, &mut args) }?;
+        unsafe { launch.run(device, &stream, &mut args) }?;
         self.0
             .lse
             .put(OP, rows_storage(lse, device), d.rows_shape())?;
@@ -295,13 +378,14 @@ impl Map3 for Dq<'_> {
         // SAFETY: the kernel writes every element before anything reads it: a block per
         // (4R-row tile, head, sequence) covers every row below seq (`plan` divides seq by the
         // 4R of the kernel it names), and lane l of the row's warp writes its head dims
-        // l * E .. l * E + E. Launched below on the device's stream.
+        // l * E .. l * E + E; on tensor cores, as the forward pass's. Launched below on the
+        // device's stream.
         let dq = unsafe { device.alloc::<T>(d.q_len())? };
         // SAFETY: as above: lane 0 of each row's warp writes the row's delta, for every
         // (sequence, head, row), before the key and value kernel reads it on the same stream.
         let delta = unsafe { device.alloc::<f32>(d.batch * d.heads * d.seq)? };
         let s = Sizes::of(&d)?;
-        let (name, cfg) = plan(
+        let launch = plan(
             "dq",
             T::DTYPE,
             &d,
@@ -330,7 +414,8 @@ impl Map3 for Dq<'_> {
             .arg(&s.heads)
             .arg(&s.kv_heads)
             .arg(&scale);
-        // SAFETY: the arguments match `graft_causal_attention_dq_<dtype>_<hd>_r<R>(const T* x5,
+        // SAFETY: the arguments match `graft_causal_attention_dq_<dtype>_<hd>_r<R>` or its
+        // tensor-core twin `graft_causal_attention_tc_dq_<dtype>_<hd>`, both `(const T* x5,
         // const float*, float*, T*, unsigned int x3, float)` with T the storage's dtype and
         // hd the head dim (64 or 128): q, the output, its gradient (contiguous, T, by
         // address: the op holds them) and dq hold batch * seq * heads * hd elements, k and v
@@ -338,7 +423,7 @@ impl Map3 for Dq<'_> {
         // f32; the kernel touches only rows below seq of sequences below batch (grid z), heads
         // below heads (grid y) and KV heads below kv_heads; static shared memory, 4 warps.
         // All live until the launch is enqueued on the device's stream.
-        unsafe { KERNELS.launch(device, &stream, &name, cfg, false, &mut args) }?;
+        unsafe { launch.run(device, &stream, &mut args) }?;
         op.delta
             .put(OP, rows_storage(delta, device), d.rows_shape())?;
         Ok(dq)
@@ -371,10 +456,11 @@ impl Map3 for Dkv<'_> {
         // SAFETY: the kernel writes every element before anything reads it: a block per
         // (4R-key tile, KV head, sequence) covers every key below seq (`plan` divides seq by
         // the 4R of the kernel it names), and lane l of the key's warp writes its head dims
-        // l * E .. l * E + E of dk and of dv. Launched below on the device's stream.
+        // l * E .. l * E + E of dk and of dv; on tensor cores, as the forward pass's rows.
+        // Launched below on the device's stream.
         let dkv = unsafe { device.alloc::<T>(2 * d.kv_len())? };
         let s = Sizes::of(&d)?;
-        let (name, cfg) = plan(
+        let launch = plan(
             "dkv",
             T::DTYPE,
             &d,
@@ -402,7 +488,8 @@ impl Map3 for Dkv<'_> {
             .arg(&s.heads)
             .arg(&s.kv_heads)
             .arg(&scale);
-        // SAFETY: the arguments match `graft_causal_attention_dkv_<dtype>_<hd>_r<R>(const T* x4,
+        // SAFETY: the arguments match `graft_causal_attention_dkv_<dtype>_<hd>_r<R>` or its
+        // tensor-core twin `graft_causal_attention_tc_dkv_<dtype>_<hd>`, both `(const T* x4,
         // const float*, const float*, T*, unsigned int x4, float)` with T the storage's dtype
         // and hd the head dim (64 or 128): q and the output's gradient (contiguous, T, held
         // by the op, by address) hold batch * seq * heads * hd elements, k and v batch * seq *
@@ -411,7 +498,7 @@ impl Map3 for Dkv<'_> {
         // sequences below batch (grid z), KV heads below kv_heads (grid y) and their group's
         // query heads below heads; static shared memory, 4 warps. All live until the launch
         // is enqueued on the device's stream.
-        unsafe { KERNELS.launch(device, &stream, &name, cfg, false, &mut args) }?;
+        unsafe { launch.run(device, &stream, &mut args) }?;
         Ok(dkv)
     }
 }
