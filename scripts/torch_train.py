@@ -11,9 +11,10 @@ SwiGLU MLP down(silu(gate(x)) * up(x)) without biases -> residual; final RMSNorm
 d -> vocab without bias; loss = mean cross-entropy over all positions. Optimizer AdamW
 (lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight decay 0.01). TF32 is off everywhere.
   bench: 4 layers, d 512, 8 heads / 4 kv heads, FFN 1536, vocab 8192
-  large: 8 layers, d 1024, 16 heads / 8 kv heads, FFN 2816, vocab 16384 (with --large)
+  large: 8 layers, d 1024, 16 heads / 8 kv heads, FFN 2816, vocab 16384
   gpt2-124m: 12 layers, d 768, 12 heads / 12 kv heads, FFN 2048, vocab 50304, head tied to
-    the embedding (with --gpt2)
+    the embedding (llm.c's anchor; llm.c trains it at --seq 1024)
+(--models picks them; bench alone by default.)
 Tokens and targets are random int64 in [0, vocab), fixed per batch size; sequence 128.
 With --amp bf16 the forward pass and loss run under torch.autocast(dtype=bfloat16): weights,
 gradients and AdamW stay f32, matmuls and attention run in bf16.
@@ -59,7 +60,7 @@ Per (model, mode, batch):
 
 Examples:
   python3 scripts/torch_train.py --json torch_train.json
-  python3 scripts/torch_train.py --large --modes eager,cuda_graph --batches 8 --steps 100
+  python3 scripts/torch_train.py --models large --modes eager,cuda_graph --batches 8 --steps 100
   python3 scripts/torch_train.py --device cpu --quick      # smoke test without a GPU
 """
 
@@ -537,10 +538,8 @@ def parse_args(argv=None):
         epilog="\n\n".join(__doc__.split("\n\n")[1:]))
     p.add_argument("--modes", default=",".join(ALL_MODES),
                    help=f"comma-separated subset of {','.join(ALL_MODES)} (default: all)")
-    p.add_argument("--large", action="store_true", help="also run the large model")
-    p.add_argument("--gpt2", action="store_true",
-                   help="also run GPT-2 124M's sizes as Llama blocks (head tied; llm.c trains at --seq 1024)")
-    p.add_argument("--only-large", action="store_true", help="run the large model only")
+    p.add_argument("--models", default="bench",
+                   help="comma-separated subset of bench,large,gpt2-124m (default: bench)")
     p.add_argument("--batches", default="1,8,32", help="comma-separated (default 1,8,32)")
     p.add_argument("--seq", type=int, default=128, help="sequence length (128)")
     p.add_argument("--steps", type=int, default=50, help="timed steps (50)")
@@ -602,14 +601,10 @@ def main(argv=None):
     tiny = args.quick and device.type == "cpu"
     if tiny:
         args.seq = 32
-    if tiny:
-        names = ["tiny"]
-    elif args.only_large:
-        names = ["large"]
-    else:
-        names = ["bench"] + (["large"] if args.large else [])
-    if args.gpt2 and not tiny:
-        names.append("gpt2-124m")
+    names = ["tiny"] if tiny else args.models.split(",")
+    unknown = [n for n in names if n not in MODELS]
+    if unknown:
+        sys.exit(f"error: unknown model(s) {','.join(unknown)}: pick from bench,large,gpt2-124m")
     device_name = (torch.cuda.get_device_name(device) if device.type == "cuda"
                    else platform.processor() or platform.machine())
     meta = {

@@ -14,7 +14,7 @@
 //! under candle's autograd, with candle's unfused ops (the reference), and in bf16 mixed
 //! precision (f32 masters, bf16 working copies, `AdamW::mixed`; the default otherwise f32).
 //!
-//! usage: graft-candle-train [--steps N] [--rounds R] [--seq S] [--large | --only-large] [--gpt2] [--guards]
+//! usage: graft-candle-train [--steps N] [--rounds R] [--seq S] [--models LIST] [--batches LIST] [--guards]
 //! [--kernels LIST] [--json PATH]
 
 #[path = "train/guards.rs"]
@@ -26,7 +26,7 @@ use graft_candle::candle_core::{DType, Device, Tensor};
 use graft_candle::cuda::{eager_memory, graph_memory, reset_eager_high, trim_graph_memory};
 use graft_candle::{CandleGraft, StepId};
 use graft_candle_bench::HandmadeGraph;
-use graft_candle_bench::common::{BUCKETS, BenchResult, Timing, median};
+use graft_candle_bench::common::{BenchResult, Timing, median};
 use graft_candle_models::SequenceKernels;
 use graft_candle_models::llama::Sizes;
 use graft_candle_train::optim::{AdamW, AdamWConfig, GradAccumulator};
@@ -48,16 +48,15 @@ struct Options {
     /// Sequence length.
     #[arg(long, default_value_t = 128)]
     seq: usize,
-    /// Also measure the larger model (8 layers at d=1024, ~150M parameters).
-    #[arg(long)]
-    large: bool,
-    /// Measure the larger model only.
-    #[arg(long)]
-    only_large: bool,
-    /// Also measure GPT-2 124M's sizes as Llama blocks (llm.c's anchor: 12 layers, d=768,
-    /// vocab 50304, the head tied to the embedding) at `--seq` (llm.c trains at 1024).
-    #[arg(long)]
-    gpt2: bool,
+    /// The models, comma-separated: bench (4 layers at d=512), large (8 layers at d=1024,
+    /// ~150M parameters) and gpt2-124m (GPT-2 124M's sizes as Llama blocks, llm.c's anchor:
+    /// 12 layers, d=768, vocab 50304, the head tied to the embedding; llm.c trains it at
+    /// `--seq 1024`).
+    #[arg(long, value_delimiter = ',', default_value = "bench")]
+    models: Vec<Model>,
+    /// The batches, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
+    batches: Vec<usize>,
     /// Also measure guards on the benchmark model: a guarded call of the step against its
     /// replay, and candle-nn's AdamW (host bias corrections and rate, so every call of it
     /// captures once a guard found them) under graft-candle against eager.
@@ -69,7 +68,8 @@ struct Options {
     /// precision: f32 masters, bf16 copies).
     #[arg(long, value_delimiter = ',', default_value = "fused")]
     kernels: Vec<Kernels>,
-    /// Instead of measuring: this many replayed steps of the first `--kernels` at batch
+    /// Instead of measuring: this many replayed steps of the last of `--models` with the
+    /// first `--kernels` at batch
     /// `--profile-batch`, inside a profiled range (`ncu --profile-from-start off` sees only
     /// their kernels; scripts/ncu_step.py sums them).
     #[arg(long, default_value_t = 0)]
@@ -77,6 +77,46 @@ struct Options {
     /// The batch of `--profile-steps`.
     #[arg(long, default_value_t = 1)]
     profile_batch: usize,
+}
+
+/// `--models`' values.
+#[derive(clap::ValueEnum, Clone, Copy, Debug)]
+enum Model {
+    Bench,
+    Large,
+    #[value(name = "gpt2-124m")]
+    Gpt2_124m,
+}
+
+impl Model {
+    fn name(self) -> &'static str {
+        match self {
+            Model::Bench => "bench",
+            Model::Large => "large",
+            Model::Gpt2_124m => "gpt2-124m",
+        }
+    }
+
+    /// The model's sizes at sequence `seq`.
+    fn sizes(self, seq: usize) -> Sizes {
+        let sizes = match self {
+            Model::Bench => Sizes::BENCH,
+            Model::Large => Sizes {
+                layers: 8,
+                hidden: 1024,
+                heads: 16,
+                kv_heads: 8,
+                intermediate: 2816,
+                vocab: 16384,
+                ..Sizes::BENCH
+            },
+            Model::Gpt2_124m => Sizes::GPT2_124M,
+        };
+        Sizes {
+            max_positions: seq,
+            ..sizes
+        }
+    }
 }
 
 /// `--kernels`' values.
@@ -104,20 +144,6 @@ impl Kernels {
             Kernels::Unfused => "unfused, f32",
             Kernels::Mixed => "fused, bf16 mixed precision",
         }
-    }
-}
-
-/// The larger model: where launch overhead matters less.
-fn large(seq: usize) -> Sizes {
-    Sizes {
-        layers: 8,
-        hidden: 1024,
-        heads: 16,
-        kv_heads: 8,
-        intermediate: 2816,
-        vocab: 16384,
-        max_positions: seq,
-        ..Sizes::BENCH
     }
 }
 
@@ -275,14 +301,14 @@ fn check(sizes: Sizes, kernels: Kernels, data: &Tensor, device: &Device) -> Benc
     Ok(same)
 }
 
-/// Graph memory the driver and graft hold now, in bytes.
-fn graph_bytes(t: &Trainer, device: &Device) -> BenchResult<u64> {
+/// Graph memory the driver and graft hold now, in bytes: the driver's, and graft's pool's.
+fn graph_bytes(t: &Trainer, device: &Device) -> BenchResult<[u64; 2]> {
     let driver = graph_memory(device.as_cuda_device()?)?.mapped_current;
     let pool = t
         .graft
         .graft()
         .map_or(0, |g| g.memory_report().mapped_bytes);
-    Ok(driver + pool as u64)
+    Ok([driver, pool as u64])
 }
 
 struct Row {
@@ -291,6 +317,8 @@ struct Row {
     batch: usize,
     us: [f64; 4],
     memory: [u64; 4],
+    /// graft's pool's share of `memory[1]` (the rest is the driver's graph memory).
+    pool: u64,
     kernels: usize,
     identical: bool,
 }
@@ -309,6 +337,7 @@ fn measure(
     trim_graph_memory(&cuda)?;
     let mut t = Trainer::new(sizes, ops, device)?;
     let mut memory = [0u64; 4];
+    let mut pool = 0;
     // Eager: the default pool's peak above what the model and optimizer hold.
     reset_eager_high(&cuda)?;
     let before = eager_memory(&cuda)?.used_current;
@@ -337,7 +366,11 @@ fn measure(
             t.step(&v, &data)?;
         }
         device.synchronize()?;
-        memory[i + 1] = graph_bytes(&t, device)? - base;
+        let now = graph_bytes(&t, device)?;
+        memory[i + 1] = now[0] + now[1] - base[0] - base[1];
+        if i == 0 {
+            pool = now[1] - base[1];
+        }
         variants.push(v);
     }
     let base = graph_bytes(&t, device)?;
@@ -351,7 +384,8 @@ fn measure(
     };
     handmade.launch()?;
     device.synchronize()?;
-    memory[3] = graph_bytes(&t, device)? - base;
+    let now = graph_bytes(&t, device)?;
+    memory[3] = now[0] + now[1] - base[0] - base[1];
     variants.push(Variant::Handmade(handmade));
     let kernels = t
         .graft
@@ -398,6 +432,7 @@ fn measure(
         batch,
         us,
         memory,
+        pool,
         kernels,
         identical,
     })
@@ -437,30 +472,9 @@ fn run() -> BenchResult<()> {
     let o = <Options as clap::Parser>::parse();
     o.timing.per_round(o.steps)?;
     let device = graft_candle_bench::common::gpu()?;
-    let mut models = vec![(
-        "bench",
-        Sizes {
-            max_positions: o.seq,
-            ..Sizes::BENCH
-        },
-    )];
-    if o.large || o.only_large {
-        models.push(("large", large(o.seq)));
-    }
-    if o.only_large {
-        models.remove(0);
-    }
-    if o.gpt2 {
-        models.push((
-            "gpt2-124m",
-            Sizes {
-                max_positions: o.seq,
-                ..Sizes::GPT2_124M
-            },
-        ));
-    }
     if o.profile_steps > 0 {
-        return profile(&o, models[models.len() - 1].1, &device);
+        let model = o.models.last().copied().unwrap_or(Model::Bench);
+        return profile(&o, model.sizes(o.seq), &device);
     }
     println!(
         "training step (forward, backward, AdamW), sequence {}; {} timed steps per variant in {} rounds, median",
@@ -468,10 +482,11 @@ fn run() -> BenchResult<()> {
     );
     let mut json = Vec::new();
     let mut failed = false;
-    for (name, sizes) in models {
+    for &model in &o.models {
+        let (name, sizes) = (model.name(), model.sizes(o.seq));
         for &kernels in &o.kernels {
             println!("{name}: {sizes}, {} kernels", kernels.name());
-            for batch in BUCKETS {
+            for &batch in &o.batches {
                 let r = match measure(name, sizes, kernels, batch, &o, &device) {
                     Ok(r) => r,
                     Err(e) => {
@@ -483,7 +498,7 @@ fn run() -> BenchResult<()> {
                 failed |= !r.identical;
                 let mib = |b: u64| b as f64 / (1 << 20) as f64;
                 println!(
-                    "  B={batch:<3} {}: {:.1} / {:.1} / {:.1} / {:.1} us   eager/graft {:.2}x   path/graft {:.3}   graft/hand-made {:.3}   {} kernels   memory eager peak {:.1} MiB, graph {:.1} MiB ({:.3}x), path {:.1} MiB, hand-made {:.1} MiB   {}",
+                    "  B={batch:<3} {}: {:.1} / {:.1} / {:.1} / {:.1} us   eager/graft {:.2}x   path/graft {:.3}   graft/hand-made {:.3}   {} kernels   memory eager peak {:.1} MiB, graph {:.1} MiB ({:.3}x; graft's pool {:.1} MiB), path {:.1} MiB, hand-made {:.1} MiB   {}",
                     NAMES.join(" / "),
                     r.us[0],
                     r.us[1],
@@ -496,6 +511,7 @@ fn run() -> BenchResult<()> {
                     mib(r.memory[0]),
                     mib(r.memory[1]),
                     r.memory[1] as f64 / r.memory[0] as f64,
+                    mib(r.pool),
                     mib(r.memory[2]),
                     mib(r.memory[3]),
                     if r.identical {
@@ -505,9 +521,9 @@ fn run() -> BenchResult<()> {
                     },
                 );
                 json.push(format!(
-                "{{\"model\":\"{}\",\"ops\":\"{}\",\"batch\":{},\"seq\":{},\"eager_us\":{:.1},\"graft_us\":{:.1},\"path_us\":{:.1},\"handmade_us\":{:.1},\"kernels\":{},\"eager_peak_bytes\":{},\"graft_graph_bytes\":{},\"path_graph_bytes\":{},\"handmade_graph_bytes\":{},\"identical\":{}}}",
+                "{{\"model\":\"{}\",\"ops\":\"{}\",\"batch\":{},\"seq\":{},\"eager_us\":{:.1},\"graft_us\":{:.1},\"path_us\":{:.1},\"handmade_us\":{:.1},\"kernels\":{},\"eager_peak_bytes\":{},\"graft_graph_bytes\":{},\"graft_pool_bytes\":{},\"path_graph_bytes\":{},\"handmade_graph_bytes\":{},\"identical\":{}}}",
                 r.model, r.ops.name(), r.batch, o.seq, r.us[0], r.us[1], r.us[2], r.us[3], r.kernels,
-                r.memory[0], r.memory[1], r.memory[2], r.memory[3], r.identical
+                r.memory[0], r.memory[1], r.pool, r.memory[2], r.memory[3], r.identical
             ));
             }
         }
@@ -518,7 +534,7 @@ fn run() -> BenchResult<()> {
             ..Sizes::BENCH
         };
         println!("guards, bench model: per step, median");
-        for batch in BUCKETS {
+        for &batch in &o.batches {
             let r = guards::measure_guards(sizes, batch, &o, &device)?;
             failed |= !r.nn_same || r.found == 0;
             println!(
