@@ -223,35 +223,56 @@ __device__ __forceinline__ void graft_cat_store2<float>(float* p, float a, float
     *reinterpret_cast<float2*>(p) = make_float2(a, b);
 }
 
-// Rows first .. first + count of one head of a token-major tensor (`src` at the head's row 0,
-// `stride` elements between rows) into `dst` ([count][HD + PAD], 16-byte aligned), zero for
-// rows at or past seq: 16 bytes a load where `src` and the stride allow it, one element
-// otherwise.
-template <typename T, int HD>
-__device__ __forceinline__ void graft_cat_stage(T* dst, const T* src, unsigned long long stride,
-                                                unsigned int first, unsigned int count,
-                                                unsigned int seq) {
-    const int P = HD + GraftCatMma<T>::PAD;
-    const int V = 16 / sizeof(T);  // elements a 16-byte load
-    const bool wide = ((unsigned long long)src % 16u) == 0u && stride % V == 0u;
-    if (wide) {
-        for (unsigned int i = threadIdx.x; i < count * (HD / V); i += blockDim.x) {
-            const unsigned int r = i / (HD / V);
-            const unsigned int d = (i % (HD / V)) * V;
-            const unsigned int row = first + r;
-            const uint4 x = row < seq ? *reinterpret_cast<const uint4*>(src + row * stride + d)
-                                      : make_uint4(0u, 0u, 0u, 0u);
-            *reinterpret_cast<uint4*>(dst + r * P + d) = x;
+// A tile of ROWS rows of one head of a token-major tensor on its way to shared memory
+// ([ROWS][HD + PAD] elements, 16-byte aligned rows), in 16-byte pieces, N a thread: `load`
+// issues every load of the tile into registers at once (rows at or past seq as zeros), so the
+// block can compute on the tile before while they arrive, and `store` writes them to shared
+// memory. Where `src` or the row stride is not 16-byte aligned (a view at an odd offset) each
+// piece is gathered an element at a time.
+template <typename T, int HD, int ROWS>
+struct GraftCatTile {
+    static const int V = 16 / sizeof(T);  // elements a piece
+    static const int N = ROWS * HD / V / 128;
+    uint4 x[N];
+
+    __device__ __forceinline__ void load(const T* src, unsigned long long stride,
+                                         unsigned int first, unsigned int seq) {
+        const bool wide = ((unsigned long long)src % 16u) == 0u && stride % V == 0u;
+#pragma unroll
+        for (int n = 0; n < N; ++n) {
+            const unsigned int i = threadIdx.x + n * 128u;
+            const unsigned int row = first + i / (HD / V);
+            const T* at = src + row * stride + (i % (HD / V)) * V;
+            x[n] = make_uint4(0u, 0u, 0u, 0u);
+            if (row < seq && wide) {
+                x[n] = *reinterpret_cast<const uint4*>(at);
+            } else if (row < seq) {
+                T* e = reinterpret_cast<T*>(&x[n]);
+#pragma unroll
+                for (int v = 0; v < V; ++v) {
+                    e[v] = at[v];
+                }
+            }
         }
-        return;
     }
-    const T zero = graft_from_f32<T>(0.0f);
-    for (unsigned int i = threadIdx.x; i < count * HD; i += blockDim.x) {
-        const unsigned int r = i / HD;
-        const unsigned int d = i % HD;
-        const unsigned int row = first + r;
-        dst[r * P + d] = row < seq ? src[row * stride + d] : zero;
+
+    __device__ __forceinline__ void store(T* dst) const {
+        const int P = HD + GraftCatMma<T>::PAD;
+#pragma unroll
+        for (int n = 0; n < N; ++n) {
+            const unsigned int i = threadIdx.x + n * 128u;
+            *reinterpret_cast<uint4*>(dst + (i / (HD / V)) * P + (i % (HD / V)) * V) = x[n];
+        }
     }
+};
+
+// Rows first .. first + ROWS of `src` (as `GraftCatTile` takes them) into `dst`, at once.
+template <typename T, int HD, int ROWS>
+__device__ __forceinline__ void graft_cat_stage(T* dst, const T* src, unsigned long long stride,
+                                                unsigned int first, unsigned int seq) {
+    GraftCatTile<T, HD, ROWS> tile;
+    tile.load(src, stride, first, seq);
+    tile.store(dst);
 }
 
 // One block of the forward and dq kernels: 64 query rows of head h of sequence b (grid x
@@ -277,18 +298,34 @@ struct GraftCatRows {
     }
 };
 
-// Keys and values key0 .. key0 + KT of the block's KV head into ks and vs, once the previous
-// tile's readers are done; whether any of this warp's rows sees one of them.
+// The keys and values of the block's KV head, KT at a time: `next` issues the loads of the
+// tile at key0 into registers; `stage` (once the previous tile's readers are done) writes them
+// to ks and vs, issues the loads of the tile after it up to `last`, and says whether any of
+// this warp's rows sees a key of the staged tile.
 template <typename T, int HD, int KT>
-__device__ __forceinline__ bool graft_cat_keys(T* ks, T* vs, const T* k, const T* v,
-                                               const GraftCatRows<HD>& r, unsigned int key0,
-                                               unsigned int seq) {
-    __syncthreads();
-    graft_cat_stage<T, HD>(ks, k + r.kv0, r.kstride, key0, KT, seq);
-    graft_cat_stage<T, HD>(vs, v + r.kv0, r.kstride, key0, KT, seq);
-    __syncthreads();
-    return r.wrow0 < seq && r.wrow0 + 15u >= key0;
-}
+struct GraftCatKeys {
+    GraftCatTile<T, HD, KT> k_tile;
+    GraftCatTile<T, HD, KT> v_tile;
+
+    __device__ __forceinline__ void next(const T* k, const T* v, const GraftCatRows<HD>& r,
+                                         unsigned int key0, unsigned int seq) {
+        k_tile.load(k + r.kv0, r.kstride, key0, seq);
+        v_tile.load(v + r.kv0, r.kstride, key0, seq);
+    }
+
+    __device__ __forceinline__ bool stage(T* ks, T* vs, const T* k, const T* v,
+                                          const GraftCatRows<HD>& r, unsigned int key0,
+                                          unsigned int last, unsigned int seq) {
+        __syncthreads();
+        k_tile.store(ks);
+        v_tile.store(vs);
+        __syncthreads();
+        if (key0 + KT <= last) {
+            next(k, v, r, key0 + KT, seq);
+        }
+        return r.wrow0 < seq && r.wrow0 + 15u >= key0;
+    }
+};
 
 // The output rows of one (64-row tile, head, sequence), KT keys a tile: per key tile, each
 // warp's S = Q K^T (scaled, masked above the diagonal), the online softmax's max and sum per
@@ -308,7 +345,7 @@ __device__ void graft_cat_forward(const T* q, const T* k, const T* v, T* out, fl
     const unsigned int warp = threadIdx.x >> 5;
     const unsigned int t = threadIdx.x & 3u;
 
-    graft_cat_stage<T, HD>(qs, q + r.q0, r.qstride, r.row0, GRAFT_CAT_ROWS, seq);
+    graft_cat_stage<T, HD, GRAFT_CAT_ROWS>(qs, q + r.q0, r.qstride, r.row0, seq);
     float m[2] = {GRAFT_NEG_INF, GRAFT_NEG_INF};
     float l[2] = {0.0f, 0.0f};
     float o[DT][4];
@@ -317,8 +354,10 @@ __device__ void graft_cat_forward(const T* q, const T* k, const T* v, T* out, fl
         o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
     }
     const unsigned int last = min(r.row0 + GRAFT_CAT_ROWS, seq) - 1u;
+    GraftCatKeys<T, HD, KT> keys;
+    keys.next(k, v, r, 0u, seq);
     for (unsigned int key0 = 0; key0 <= last; key0 += KT) {
-        if (!graft_cat_keys<T, HD, KT>(ks, vs, k, v, r, key0, seq)) {
+        if (!keys.stage(ks, vs, k, v, r, key0, last, seq)) {
             continue;  // no row of this warp sees a key of the tile
         }
         float s[NT][4];
@@ -407,8 +446,8 @@ __device__ void graft_cat_dq(const T* q, const T* k, const T* v, const T* o, con
     const unsigned int warp = threadIdx.x >> 5;
     const unsigned int t = threadIdx.x & 3u;
 
-    graft_cat_stage<T, HD>(qs, q + r.q0, r.qstride, r.row0, GRAFT_CAT_ROWS, seq);
-    graft_cat_stage<T, HD>(gs, dout + r.q0, r.qstride, r.row0, GRAFT_CAT_ROWS, seq);
+    graft_cat_stage<T, HD, GRAFT_CAT_ROWS>(qs, q + r.q0, r.qstride, r.row0, seq);
+    graft_cat_stage<T, HD, GRAFT_CAT_ROWS>(gs, dout + r.q0, r.qstride, r.row0, seq);
     __syncthreads();
     // Each row's delta: its quad's lanes take dims 2t, 2t + 1 of every 8, then sum.
     float dl[2];
@@ -440,8 +479,10 @@ __device__ void graft_cat_dq(const T* q, const T* k, const T* v, const T* o, con
         acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
     }
     const unsigned int last = min(r.row0 + GRAFT_CAT_ROWS, seq) - 1u;
+    GraftCatKeys<T, HD, KT> keys;
+    keys.next(k, v, r, 0u, seq);
     for (unsigned int key0 = 0; key0 <= last; key0 += KT) {
-        if (!graft_cat_keys<T, HD, KT>(ks, vs, k, v, r, key0, seq)) {
+        if (!keys.stage(ks, vs, k, v, r, key0, last, seq)) {
             continue;  // no row of this warp sees a key of the tile
         }
         float s[NT][4];
@@ -511,10 +552,10 @@ __device__ void graft_cat_dkv(const T* q, const T* k, const T* v, const T* dout,
     const unsigned long long kstride = (unsigned long long)kv_heads * HD;
     const unsigned long long bs = (unsigned long long)b * seq;
 
-    graft_cat_stage<T, HD>(ks, k + (bs * kv_heads + kvh) * HD, kstride, key0, GRAFT_CAT_ROWS,
-                           seq);
-    graft_cat_stage<T, HD>(vs, v + (bs * kv_heads + kvh) * HD, kstride, key0, GRAFT_CAT_ROWS,
-                           seq);
+    graft_cat_stage<T, HD, GRAFT_CAT_ROWS>(ks, k + (bs * kv_heads + kvh) * HD, kstride, key0,
+                                           seq);
+    graft_cat_stage<T, HD, GRAFT_CAT_ROWS>(vs, v + (bs * kv_heads + kvh) * HD, kstride, key0,
+                                           seq);
     float dk[DT][4];
     float dv[DT][4];
 #pragma unroll
@@ -522,46 +563,70 @@ __device__ void graft_cat_dkv(const T* q, const T* k, const T* v, const T* dout,
         dk[n][0] = dk[n][1] = dk[n][2] = dk[n][3] = 0.0f;
         dv[n][0] = dv[n][1] = dv[n][2] = dv[n][3] = 0.0f;
     }
-    for (unsigned int gi = 0; gi < group; ++gi) {
+    // The query tiles, head by head: (gi, i0) from (0, key0). Each tile's loads (q, dO, and
+    // for thread i < QT row i's lse and delta) are issued while the block computes on the
+    // tile before.
+    GraftCatTile<T, HD, QT> q_tile;
+    GraftCatTile<T, HD, QT> g_tile;
+    float l_next = 0.0f;
+    float d_next = 0.0f;
+    const auto issue = [&](unsigned int gi, unsigned int i0) {
         const unsigned int h = kvh * group + gi;
         const unsigned long long bh = (unsigned long long)b * heads + h;
-        for (unsigned int i0 = key0; i0 < seq; i0 += QT) {
-            __syncthreads();  // the previous tile's readers are done (or ks, vs staged)
-            graft_cat_stage<T, HD>(qs, q + (bs * heads + h) * HD, qstride, i0, QT, seq);
-            graft_cat_stage<T, HD>(gs, dout + (bs * heads + h) * HD, qstride, i0, QT, seq);
-            for (unsigned int i = threadIdx.x; i < QT; i += blockDim.x) {
-                const bool in = i0 + i < seq;
-                ls[i] = in ? lse[bh * seq + i0 + i] : 0.0f;
-                ds_of[i] = in ? delta[bh * seq + i0 + i] : 0.0f;
-            }
-            __syncthreads();
-            if (wkey0 >= seq || wkey0 > i0 + QT - 1u) {
-                continue;  // no row of the tile sees a key of this warp
-            }
-            float s[NT][4];
-            float dp[NT][4];
-            GraftCatMma<T>::template abt<HD, NT>(s, ks + warp * 16 * P, qs, P);   // S^T = K Q^T
-            GraftCatMma<T>::template abt<HD, NT>(dp, vs + warp * 16 * P, gs, P);  // dP^T = V dO^T
-            // P^T in s, dS^T in dp.
-#pragma unroll
-            for (int n = 0; n < NT; ++n) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const unsigned int j = n * 8u + 2u * t + (e & 1);
-                    const unsigned int row = i0 + j;
-                    float p = 0.0f;
-                    float ds = 0.0f;
-                    if (row < seq && keys[e >> 1] <= row) {
-                        p = expf(s[n][e] * scale - ls[j]);
-                        ds = p * (dp[n][e] - ds_of[j]);
-                    }
-                    s[n][e] = p;
-                    dp[n][e] = ds;
-                }
-            }
-            GraftCatMma<T>::template cb<HD, NT>(dv, s, gs, P);   // dV += P^T dO
-            GraftCatMma<T>::template cb<HD, NT>(dk, dp, qs, P);  // dK += dS^T Q
+        q_tile.load(q + (bs * heads + h) * HD, qstride, i0, seq);
+        g_tile.load(dout + (bs * heads + h) * HD, qstride, i0, seq);
+        const unsigned int row = i0 + threadIdx.x;
+        const bool in = threadIdx.x < QT && row < seq;
+        l_next = in ? lse[bh * seq + row] : 0.0f;
+        d_next = in ? delta[bh * seq + row] : 0.0f;
+    };
+    unsigned int gi = 0;
+    unsigned int next = key0;
+    issue(gi, next);
+    while (gi < group) {
+        __syncthreads();  // the previous tile's readers are done (or ks, vs staged)
+        q_tile.store(qs);
+        g_tile.store(gs);
+        if (threadIdx.x < QT) {
+            ls[threadIdx.x] = l_next;
+            ds_of[threadIdx.x] = d_next;
         }
+        __syncthreads();
+        const unsigned int i0 = next;
+        next += QT;
+        if (next >= seq) {
+            next = key0;
+            ++gi;
+        }
+        if (gi < group) {
+            issue(gi, next);
+        }
+        if (wkey0 >= seq || wkey0 > i0 + QT - 1u) {
+            continue;  // no row of the tile sees a key of this warp
+        }
+        float s[NT][4];
+        float dp[NT][4];
+        GraftCatMma<T>::template abt<HD, NT>(s, ks + warp * 16 * P, qs, P);   // S^T = K Q^T
+        GraftCatMma<T>::template abt<HD, NT>(dp, vs + warp * 16 * P, gs, P);  // dP^T = V dO^T
+        // P^T in s, dS^T in dp.
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const unsigned int j = n * 8u + 2u * t + (e & 1);
+                const unsigned int row = i0 + j;
+                float p = 0.0f;
+                float ds = 0.0f;
+                if (row < seq && keys[e >> 1] <= row) {
+                    p = expf(s[n][e] * scale - ls[j]);
+                    ds = p * (dp[n][e] - ds_of[j]);
+                }
+                s[n][e] = p;
+                dp[n][e] = ds;
+            }
+        }
+        GraftCatMma<T>::template cb<HD, NT>(dv, s, gs, P);   // dV += P^T dO
+        GraftCatMma<T>::template cb<HD, NT>(dk, dp, qs, P);  // dK += dS^T Q
     }
     const unsigned long long half = (unsigned long long)batch * seq * kstride;
 #pragma unroll

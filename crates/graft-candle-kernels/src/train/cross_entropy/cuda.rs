@@ -1,6 +1,7 @@
-//! The cross-entropy kernels: a block of 256 threads per row (a max, then a sum of
-//! exponentials, each a fixed-order block reduction), one block summing the row losses, and a
-//! block per row for the gradient.
+//! The cross-entropy kernels: a block of 256 threads per row (one pass: each thread's running
+//! max and sum of exponentials, merged over the block in a fixed order), one block summing the
+//! row losses, and a block per row for the gradient; rows read and written 16 bytes at a time
+//! where the tensors' alignment allows.
 
 use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchConfig,

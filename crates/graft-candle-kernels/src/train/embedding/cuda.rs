@@ -1,7 +1,9 @@
-//! The embedding kernels: the gather, one thread per output element; the backward, a block of
-//! 8 warps per table row that reads the ids 256 at a time, finds that row's tokens with a
-//! ballot per warp, and adds their gradients in token order, up to 2,048 columns per pass
-//! held in registers (8 a thread).
+//! The embedding kernels: the gather, one thread per output element; the backward, each row's
+//! id count first (a thread per id), then a block of 8 warps per table row that writes zeros
+//! for a row no id names, and otherwise reads the ids 256 at a time until it has found the
+//! row's tokens (a ballot per warp) and adds their gradients in token order, up to 2,048
+//! columns per pass held in registers (8 a thread). The sum is in token order either way, so
+//! the counts change the time and not the bits.
 
 use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchConfig,
@@ -140,28 +142,58 @@ fn launch_scatter<T: DeviceRepr + WithDType>(
 ) -> Result<CudaSlice<T>> {
     let dy = view(OP, "dy", dy, dl)?;
     let n = check::u32_of(OP, "the id count", ids.len())?;
+    let rows = check::u32_of(OP, "the vocabulary", vocab)?;
+    let counts = device.alloc_zeros::<u32>(vocab)?;
+    let stream = device.cuda_stream();
+    let ids = ids.device_ptr(&stream).0;
+    let counts_ptr = counts.device_ptr(&stream).0;
+    let mut args = Args::new();
+    args.arg(&ids).arg(&counts_ptr).arg(&n).arg(&rows);
+    let cfg = LaunchConfig {
+        grid_dim: (n.div_ceil(THREADS), 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the arguments match `graft_embedding_counts(const unsigned int*, unsigned int*,
+    // unsigned int, unsigned int)`: `ids` holds n ids, `counts` vocab zeroed u32, and thread
+    // t < n adds one to counts[ids[t]] only for an id below vocab; both live until the launch
+    // is enqueued.
+    unsafe {
+        KERNELS.launch(
+            device,
+            &stream,
+            "graft_embedding_counts",
+            cfg,
+            false,
+            &mut args,
+        )
+    }?;
+
     // SAFETY: block v writes the d elements of row v (every column, in passes of 2,048) and
     // the grid has a block per row, so all vocab * d are written by the kernel launched
     // below on the device's stream before anything reads them.
     let out = unsafe { device.alloc::<T>(vocab * d)? };
     let name = format!("graft_embedding_backward_{}", T::DTYPE.as_str());
-    let blocks = check::u32_of(OP, "the vocabulary", vocab)?;
     let d = d as u32;
-    let stream = device.cuda_stream();
     let dy = dy.device_ptr(&stream).0;
-    let ids = ids.device_ptr(&stream).0;
     let out_ptr = out.device_ptr(&stream).0;
     let mut args = Args::new();
-    args.arg(&dy).arg(&ids).arg(&out_ptr).arg(&n).arg(&d);
+    args.arg(&dy)
+        .arg(&ids)
+        .arg(&counts_ptr)
+        .arg(&out_ptr)
+        .arg(&n)
+        .arg(&d);
     let cfg = LaunchConfig {
-        grid_dim: (blocks, 1, 1),
+        grid_dim: (rows, 1, 1),
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
     // SAFETY: the arguments match `graft_embedding_backward_<dtype>(const T*, const unsigned
-    // int*, T*, unsigned int, unsigned int)`: `dy` holds n * d elements (the forward's
-    // output shape), `ids` n, `out` vocab * d; the block is exactly 8 warps (the kernel's 8
-    // masks, its full-warp ballots); all live until the launch is enqueued.
+    // int*, const unsigned int*, T*, unsigned int, unsigned int)`: `dy` holds n * d elements
+    // (the forward's output shape), `ids` n, `counts` vocab (each row's number of ids,
+    // counted just before on the same stream), `out` vocab * d; the block is exactly 8 warps
+    // (the kernel's 8 masks, its full-warp ballots); all live until the launch is enqueued.
     unsafe { KERNELS.launch(device, &stream, &name, cfg, false, &mut args) }?;
     Ok(out)
 }

@@ -12,20 +12,37 @@ __device__ void graft_embedding(const T* table, const unsigned int* ids, T* out,
                         : graft_from_f32<T>(__uint_as_float(0x7fc00000u));
 }
 
+// counts[v] += the number of ids equal to v (counts zeroed before; ids past the vocabulary
+// counted nowhere): one thread per id.
+extern "C" __global__ void graft_embedding_counts(const unsigned int* ids, unsigned int* counts,
+                                                  unsigned int n, unsigned int vocab) {
+    const unsigned int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t < n && ids[t] < vocab) {
+        atomicAdd(&counts[ids[t]], 1u);
+    }
+}
+
+// Row v of the table's gradient: the sum of dy's rows whose id is v, in token order. A row no
+// id names is zeros at once; the others read the ids 256 at a time (a ballot per warp finds
+// the row's tokens) until they have found counts[v] of them, up to 2,048 columns a pass held in
+// registers (8 a thread).
 template <typename T>
-__device__ void graft_embedding_backward(const T* dy, const unsigned int* ids, T* out,
-                                         unsigned int n, unsigned int d) {
+__device__ void graft_embedding_backward(const T* dy, const unsigned int* ids,
+                                         const unsigned int* counts, T* out, unsigned int n,
+                                         unsigned int d) {
     __shared__ unsigned int masks[8];
     const unsigned int v = blockIdx.x;
     const unsigned int lane = threadIdx.x & 31u;
     const unsigned int warp = threadIdx.x >> 5;
+    const unsigned int want = counts[v];
     for (unsigned int c0 = 0; c0 < d; c0 += 2048u) {
         float acc[8];
 #pragma unroll
         for (int u = 0; u < 8; ++u) {
             acc[u] = 0.0f;
         }
-        for (unsigned int t0 = 0; t0 < n; t0 += 256u) {
+        unsigned int found = 0;
+        for (unsigned int t0 = 0; t0 < n && found < want; t0 += 256u) {
             const unsigned int t = t0 + threadIdx.x;
             const unsigned int hits = __ballot_sync(0xffffffffu, t < n && ids[t] == v);
             if (lane == 0) {
@@ -34,6 +51,7 @@ __device__ void graft_embedding_backward(const T* dy, const unsigned int* ids, T
             __syncthreads();
             for (unsigned int w = 0; w < 8u; ++w) {
                 unsigned int bits = masks[w];
+                found += __popc(bits);
                 while (bits != 0u) {
                     const unsigned int b = __ffs(bits) - 1u;
                     bits &= bits - 1u;
@@ -66,7 +84,8 @@ __device__ void graft_embedding_backward(const T* dy, const unsigned int* ids, T
         graft_embedding<T>(table, ids, out, total, vocab, d);                                \
     }                                                                                        \
     extern "C" __global__ void graft_embedding_backward_##suffix(                            \
-        const T* dy, const unsigned int* ids, T* out, unsigned int n, unsigned int d) {      \
-        graft_embedding_backward<T>(dy, ids, out, n, d);                                     \
+        const T* dy, const unsigned int* ids, const unsigned int* counts, T* out,            \
+        unsigned int n, unsigned int d) {                                                    \
+        graft_embedding_backward<T>(dy, ids, counts, out, n, d);                             \
     }
 GRAFT_FOR_DTYPES(GRAFT_EMBEDDING)
