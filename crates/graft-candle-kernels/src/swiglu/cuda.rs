@@ -1,4 +1,5 @@
-//! The SwiGLU kernels, forward and backward: one thread per element, 256 threads a block.
+//! The SwiGLU kernels, forward and backward: one thread per 16 bytes of elements (4 in f32, 8
+//! in bf16 and f16), 256 threads a block.
 
 use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, ValidAsZeroBits,
@@ -12,6 +13,16 @@ use crate::nvrtc::{Args, Kernels, view};
 
 /// Threads per block.
 const THREADS: u32 = 256;
+
+/// Blocks covering `n` elements of T, 16 bytes of them a thread (the kernels' E).
+fn blocks<T>(n: usize) -> Result<u32> {
+    let per_thread = 16 / std::mem::size_of::<T>();
+    check::u32_of(
+        OP,
+        "the element count / 256 threads' elements",
+        n.div_ceil(per_thread * THREADS as usize),
+    )
+}
 
 static KERNELS: Kernels = Kernels::new("graft_kernels_swiglu", include_str!("swiglu.cu"));
 
@@ -40,12 +51,12 @@ impl Map2 for Swiglu {
         let n = gl.shape().elem_count();
         let gate = view(OP, "gate", gate, gl)?;
         let up = view(OP, "up", up, ul)?;
-        // SAFETY: the kernel writes all `n` elements (one thread each, the grid covers `n`)
-        // before anything reads them: it is launched below on the device's stream, which
-        // orders every later use of the output.
+        // SAFETY: the kernel writes all `n` elements (E consecutive a thread, the grid covers
+        // `n`, `blocks`) before anything reads them: it is launched below on the device's
+        // stream, which orders every later use of the output.
         let out = unsafe { device.alloc::<T>(n)? };
         let name = format!("graft_swiglu_{}", T::DTYPE.as_str());
-        let blocks = check::u32_of(OP, "the element count / 256", n.div_ceil(THREADS as usize))?;
+        let blocks = blocks::<T>(n)?;
         let n = n as u64;
         let stream = device.cuda_stream();
         let [gate, up, out_ptr] = [
@@ -63,7 +74,9 @@ impl Map2 for Swiglu {
         // SAFETY: the arguments match `graft_swiglu_<dtype>(const T*, const T*, T*, unsigned
         // long long)` with T the storage's dtype: `gate` and `up` hold `n` elements each (one
         // shape, checked by the wrapper), `out` holds `n`, and no thread touches an index at or
-        // past `n`; all live until the launch is enqueued on the device's stream.
+        // past `n` (16-byte accesses only where all three are 16-byte aligned and n a multiple
+        // of E, checked in the kernel); all live until the launch is enqueued on the device's
+        // stream.
         unsafe { KERNELS.launch(device, &stream, &name, cfg, false, &mut args) }?;
         Ok(out)
     }
@@ -102,11 +115,12 @@ impl Map3 for SwigluBackward {
         let gate = view(OP, "gate", gate, gl)?;
         let up = view(OP, "up", up, ul)?;
         let dy = view(OP, "dy", dy, dl)?;
-        // SAFETY: thread i writes out[i] and out[n + i] and the grid covers `n`, so all `2n`
-        // are written by the kernel launched below on the device's stream before any read.
+        // SAFETY: thread i writes out[j] and out[n + j] for its E elements j (E i .. E i + E,
+        // below n) and the grid covers `n` (`blocks`), so all `2n` are written by the kernel
+        // launched below on the device's stream before any read.
         let out = unsafe { device.alloc::<T>(2 * n)? };
         let name = format!("graft_swiglu_backward_{}", T::DTYPE.as_str());
-        let blocks = check::u32_of(OP, "the element count / 256", n.div_ceil(THREADS as usize))?;
+        let blocks = blocks::<T>(n)?;
         let n = n as u64;
         let stream = device.cuda_stream();
         let [gate, up, dy, out_ptr] = [

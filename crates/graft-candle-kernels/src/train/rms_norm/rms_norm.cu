@@ -39,18 +39,22 @@ __device__ void graft_rms_norm_backward(const T* x, const T* w, const T* dy, con
     }
 }
 
-// out[c] = sum over rows of shares[row, c], rows in a fixed order: a block of 32 warps per 32
-// columns, warp k taking rows k, k + 32, ..., then the 32 warp sums added in order.
-template <typename T>
-__device__ void graft_column_sum(const float* shares, T* out, unsigned int rows,
-                                 unsigned int cols) {
-    __shared__ float sums[32][32];
+// The sums over rows of shares[row, c] in two passes, each in a fixed order. First
+// partials[s, c] = the sum over rows s * chunk .. (s + 1) * chunk: a block of 8 warps per 32
+// columns and chunk, warp k taking its chunk's rows k, k + 8, ..., then the 8 warp sums added
+// in order. Then out[c] = the sum over s of partials[s, c], in order, a thread per column.
+extern "C" __global__ void graft_column_partials(const float* shares, float* partials,
+                                                 unsigned int rows, unsigned int cols,
+                                                 unsigned int chunk) {
+    __shared__ float sums[8][32];
     const unsigned int lane = threadIdx.x & 31u;
     const unsigned int warp = threadIdx.x >> 5;
     const unsigned int col = blockIdx.x * 32u + lane;
+    const unsigned int first = blockIdx.y * chunk;
+    const unsigned int end = min(first + chunk, rows);
     float s = 0.0f;
     if (col < cols) {
-        for (unsigned int r = warp; r < rows; r += 32u) {
+        for (unsigned int r = first + warp; r < end; r += 8u) {
             s += shares[(unsigned long long)r * cols + col];
         }
     }
@@ -59,8 +63,21 @@ __device__ void graft_column_sum(const float* shares, T* out, unsigned int rows,
     if (warp == 0 && col < cols) {
         float t = 0.0f;
 #pragma unroll
-        for (int k = 0; k < 32; ++k) {
+        for (int k = 0; k < 8; ++k) {
             t += sums[k][lane];
+        }
+        partials[(unsigned long long)blockIdx.y * cols + col] = t;
+    }
+}
+
+template <typename T>
+__device__ void graft_column_sum(const float* partials, T* out, unsigned int parts,
+                                 unsigned int cols) {
+    const unsigned int col = blockIdx.x * blockDim.x + threadIdx.x;
+    if (col < cols) {
+        float t = 0.0f;
+        for (unsigned int s = 0; s < parts; ++s) {
+            t += partials[(unsigned long long)s * cols + col];
         }
         out[col] = graft_from_f32<T>(t);
     }
@@ -77,7 +94,7 @@ __device__ void graft_column_sum(const float* shares, T* out, unsigned int rows,
         graft_rms_norm_backward<T>(x, w, dy, res, out, shares, cols, eps);                   \
     }                                                                                        \
     extern "C" __global__ void graft_column_sum_##suffix(                                    \
-        const float* shares, T* out, unsigned int rows, unsigned int cols) {                 \
-        graft_column_sum<T>(shares, out, rows, cols);                                        \
+        const float* partials, T* out, unsigned int parts, unsigned int cols) {              \
+        graft_column_sum<T>(partials, out, parts, cols);                                     \
     }
 GRAFT_FOR_DTYPES(GRAFT_RMS_NORM)
