@@ -1,14 +1,59 @@
 
+// Both row kernels read and write 16 bytes at a time (E = GraftVec<T>::E elements a thread a
+// step) where the row length is a multiple of E and every pointer is 16-byte aligned, and an
+// element at a time otherwise; the arithmetic per element is the same either way.
+template <typename T>
+__device__ __forceinline__ bool graft_norm_wide(unsigned int cols, const void* a, const void* b,
+                                                const void* c, const void* d, const void* e,
+                                                const void* f) {
+    return cols % GraftVec<T>::E == 0u &&
+           (((unsigned long long)a | (unsigned long long)b | (unsigned long long)c |
+             (unsigned long long)d | (unsigned long long)e | (unsigned long long)f) %
+            16u) == 0u;
+}
+
 template <typename T>
 __device__ void graft_rms_norm(const T* x, const T* w, T* y, unsigned int cols, float eps) {
+    const int E = GraftVec<T>::E;
     __shared__ float scratch[32];
     const unsigned long long row = (unsigned long long)blockIdx.x * cols;
+    const bool wide = graft_norm_wide<T>(cols, x, w, y, x + row, y + row, w);
+    const uint4* xv = reinterpret_cast<const uint4*>(x + row);
+    const uint4* wv = reinterpret_cast<const uint4*>(w);
     float squares = 0.0f;
-    for (unsigned int i = threadIdx.x; i < cols; i += blockDim.x) {
-        const float v = graft_to_f32(x[row + i]);
-        squares += v * v;
+    if (wide) {
+        for (unsigned int i = threadIdx.x; i < cols / E; i += blockDim.x) {
+            float v[E];
+            GraftVec<T>::unpack(xv[i], v);
+#pragma unroll
+            for (int e = 0; e < E; ++e) {
+                squares += v[e] * v[e];
+            }
+        }
+    } else {
+        for (unsigned int i = threadIdx.x; i < cols; i += blockDim.x) {
+            const float v = graft_to_f32(x[row + i]);
+            squares += v * v;
+        }
     }
     const float r = 1.0f / sqrtf(graft_block_sum(squares, scratch) / (float)cols + eps);
+    if (wide) {
+        uint4* yv = reinterpret_cast<uint4*>(y + row);
+        for (unsigned int i = threadIdx.x; i < cols / E; i += blockDim.x) {
+            float v[E];
+            float g[E];
+            GraftVec<T>::unpack(xv[i], v);
+            GraftVec<T>::unpack(wv[i], g);
+            uint4 packed;
+            T* o = reinterpret_cast<T*>(&packed);
+#pragma unroll
+            for (int e = 0; e < E; ++e) {
+                o[e] = graft_from_f32<T>(v[e] * r * g[e]);
+            }
+            yv[i] = packed;
+        }
+        return;
+    }
     for (unsigned int i = threadIdx.x; i < cols; i += blockDim.x) {
         y[row + i] = graft_from_f32<T>(graft_to_f32(x[row + i]) * r * graft_to_f32(w[i]));
     }
@@ -19,17 +64,72 @@ __device__ void graft_rms_norm(const T* x, const T* w, T* y, unsigned int cols, 
 template <typename T>
 __device__ void graft_rms_norm_backward(const T* x, const T* w, const T* dy, const T* res,
                                         T* out, float* shares, unsigned int cols, float eps) {
+    const int E = GraftVec<T>::E;
     __shared__ float scratch[32];
     const unsigned long long row = (unsigned long long)blockIdx.x * cols;
+    const bool wide = graft_norm_wide<T>(cols, x + row, w, dy + row, res ? res + row : nullptr,
+                                         out + row, shares + row);
+    const uint4* xv = reinterpret_cast<const uint4*>(x + row);
+    const uint4* wv = reinterpret_cast<const uint4*>(w);
+    const uint4* gv = reinterpret_cast<const uint4*>(dy + row);
     float squares = 0.0f;
     float dot = 0.0f;
-    for (unsigned int i = threadIdx.x; i < cols; i += blockDim.x) {
-        const float v = graft_to_f32(x[row + i]);
-        squares += v * v;
-        dot += graft_to_f32(dy[row + i]) * graft_to_f32(w[i]) * v;
+    if (wide) {
+        for (unsigned int i = threadIdx.x; i < cols / E; i += blockDim.x) {
+            float v[E];
+            float ww[E];
+            float g[E];
+            GraftVec<T>::unpack(xv[i], v);
+            GraftVec<T>::unpack(wv[i], ww);
+            GraftVec<T>::unpack(gv[i], g);
+#pragma unroll
+            for (int e = 0; e < E; ++e) {
+                squares += v[e] * v[e];
+                dot += g[e] * ww[e] * v[e];
+            }
+        }
+    } else {
+        for (unsigned int i = threadIdx.x; i < cols; i += blockDim.x) {
+            const float v = graft_to_f32(x[row + i]);
+            squares += v * v;
+            dot += graft_to_f32(dy[row + i]) * graft_to_f32(w[i]) * v;
+        }
     }
     const float r = 1.0f / sqrtf(graft_block_sum(squares, scratch) / (float)cols + eps);
     const float c = r * r * r * graft_block_sum(dot, scratch) / (float)cols;
+    if (wide) {
+        const uint4* rv = reinterpret_cast<const uint4*>(res + row);
+        uint4* ov = reinterpret_cast<uint4*>(out + row);
+        float4* sv = reinterpret_cast<float4*>(shares + row);
+        for (unsigned int i = threadIdx.x; i < cols / E; i += blockDim.x) {
+            float v[E];
+            float ww[E];
+            float g[E];
+            float rr[E];
+            GraftVec<T>::unpack(xv[i], v);
+            GraftVec<T>::unpack(wv[i], ww);
+            GraftVec<T>::unpack(gv[i], g);
+            if (res != nullptr) {
+                GraftVec<T>::unpack(rv[i], rr);
+            }
+            uint4 packed;
+            T* o = reinterpret_cast<T*>(&packed);
+            float sh[E];
+#pragma unroll
+            for (int e = 0; e < E; ++e) {
+                const float d = r * g[e] * ww[e] - v[e] * c;
+                o[e] = graft_from_f32<T>(res == nullptr ? d : d + rr[e]);
+                sh[e] = g[e] * v[e] * r;
+            }
+            ov[i] = packed;
+#pragma unroll
+            for (int q = 0; q < E / 4; ++q) {
+                sv[i * (E / 4) + q] = make_float4(sh[4 * q], sh[4 * q + 1], sh[4 * q + 2],
+                                                  sh[4 * q + 3]);
+            }
+        }
+        return;
+    }
     for (unsigned int i = threadIdx.x; i < cols; i += blockDim.x) {
         const float v = graft_to_f32(x[row + i]);
         const float g = graft_to_f32(dy[row + i]);
