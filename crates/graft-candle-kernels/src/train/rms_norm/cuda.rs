@@ -1,4 +1,5 @@
-//! The RMS norm kernels: one block of 256 threads per row, striding over it, a fixed-order
+//! The RMS norm kernels: one block of 256 threads per row, striding over it 16 bytes at a time
+//! (an element at a time where the row length or a pointer does not allow it), a fixed-order
 //! block sum; the backward's weight gradient summed over rows in two more passes, each in a
 //! fixed order: partial sums over chunks of [`SUM_CHUNK`] rows (a block of 8 warps per 32
 //! columns and chunk), then a thread per column adding its chunks' sums. (One pass of a block
