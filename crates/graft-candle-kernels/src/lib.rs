@@ -91,7 +91,9 @@ pub use rope::{QkNorm, RopeStyle, rope_store, rope_store_paged};
 pub use sample::{SAMPLE_INVALID, SAMPLE_WORDS, SampleParams, sample_rows};
 pub use shared::SharedExpert;
 pub use side::SideStream;
-pub use step::{StepLayer, StepModel, decode_step, decode_step_fits, decode_step_paged};
+pub use step::{
+    StepLayer, StepModel, StepReduce, StepShard, decode_step, decode_step_fits, decode_step_paged,
+};
 pub use swiglu::{swiglu, swiglu_backward};
 pub use train::{
     AdamWHyper, OPTIM_SCALARS, OptimSlot, SavedAttention, SgdHyper, adamw_update,

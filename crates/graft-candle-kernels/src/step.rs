@@ -12,9 +12,17 @@
 //! recording holds the step as one chain of programmatic edges (a candle tensor made inside a
 //! capture is a memory node, which no programmatic edge crosses). On the CPU it runs the
 //! unfused composition of this crate's ops, the oracle the CUDA kernels are tested against.
+//!
+//! A tensor-parallel rank's part of a model ([`StepShard`]) runs the same chain with its
+//! heads and MLP columns: one rank adds the residual stream into each block's partial output,
+//! the others write theirs alone, and the shard's sum over the ranks runs in place between
+//! the two kernels, so every rank holds the whole residual stream again.
 
 #[cfg(feature = "cuda")]
 mod cuda;
+
+use std::fmt;
+use std::sync::Arc;
 
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 
@@ -66,6 +74,46 @@ pub struct StepModel {
     pub eps: f32,
     /// Sliding-window attention's window, if any.
     pub window: Option<usize>,
+    /// This rank's place when the model is one part of a tensor-parallel model (its heads,
+    /// key/value heads and MLP width, `heads` and `kv_heads` then the part's); `None`: the
+    /// whole model.
+    pub shard: Option<StepShard>,
+}
+
+/// The sum over the ranks of a tensor-parallel model: takes this rank's `[batch, hidden]`
+/// part and returns the sum, the same on every rank (it may sum in place and return its
+/// argument). Every rank calls it with tensors of the same shape, in the same order.
+pub type StepReduce = dyn Fn(Tensor) -> Result<Tensor> + Send + Sync;
+
+/// How a rank's part of a tensor-parallel model (Megatron style: the query, key and value
+/// projections split by heads, the output projection by its input columns, gate and up by
+/// rows, down by columns; the norms, the embedding and the head whole) joins the others in
+/// [`decode_step`]: after each block's attention and after its MLP, the ranks' partial
+/// outputs are summed into the residual stream.
+#[derive(Clone)]
+pub struct StepShard {
+    /// Whether this rank adds the residual stream into its partial outputs: exactly one
+    /// rank of the group must, so that the sum holds it once.
+    pub adds_residual: bool,
+    /// The sum over the ranks.
+    pub reduce: Arc<StepReduce>,
+}
+
+impl fmt::Debug for StepShard {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StepShard")
+            .field("adds_residual", &self.adds_residual)
+            .finish_non_exhaustive()
+    }
+}
+
+impl StepShard {
+    /// The residual stream after a block's attention or MLP: `x` plus the sum over the ranks
+    /// of their partial outputs `y` (this rank's).
+    fn join(&self, x: &Tensor, y: Tensor) -> Result<Tensor> {
+        let part = if self.adds_residual { (x + y)? } else { y };
+        (self.reduce)(part)
+    }
 }
 
 /// Whether [`decode_step`] takes `rows` rows of a `dtype` model of these head counts and head
@@ -148,12 +196,23 @@ fn step(
     let dims = Dims::of(model, caches, batch, lookup)?;
     check::contiguous(OP, "tokens", tokens)?;
     check::contiguous(OP, "positions", positions)?;
+    // A rank's residual stream is a tensor of its own, which the shard's sum takes.
+    let residual = match model.shard {
+        Some(_) => {
+            let (shape, device) = ((batch, dims.hidden), model.embed.device());
+            // SAFETY: the chain's first kernel, the embedding, writes every element before
+            // anything reads one.
+            Some(unsafe { Tensor::empty(shape, dtype, device) }?)
+        }
+        None => None,
+    };
     let op = Step {
         model: model.clone(),
         caches: caches.to_vec(),
         tokens: tokens.clone(),
         positions: positions.clone(),
         table: lookup.table().cloned(),
+        residual,
         dims,
     };
     // Over the embedding table: the custom op dispatches on its dtype, the model's.
@@ -169,6 +228,10 @@ fn composed(
     lookup: Lookup<'_>,
 ) -> Result<Tensor> {
     let batch = tokens.dims1()?;
+    let join = |x: &Tensor, y: Tensor| match &m.shard {
+        Some(shard) => shard.join(x, y),
+        None => x + y,
+    };
     let mut x = m.embed.index_select(tokens, 0)?;
     let scale = 1.0 / (m.head_dim as f32).sqrt();
     for (l, (kc, vc)) in m.layers.iter().zip(caches) {
@@ -187,9 +250,12 @@ fn composed(
         )?;
         let o = crate::attention::attend(&q, (kc, vc), positions, lookup, scale, m.window, false)?
             .reshape((batch, m.heads * m.head_dim))?;
-        x = (x + linear(&o, &l.o.0, l.o.1.as_ref())?)?;
+        x = join(&x, linear(&o, &l.o.0, l.o.1.as_ref())?)?;
         let h = rms_norm(&x, &l.mlp_norm, m.eps)?;
-        x = (x + linear(&linear_swiglu(&h, &l.gate, &l.up)?, &l.down, None)?)?;
+        x = join(
+            &x,
+            linear(&linear_swiglu(&h, &l.gate, &l.up)?, &l.down, None)?,
+        )?;
     }
     linear(&rms_norm(&x, &m.norm, m.eps)?, &m.head, None)
 }
@@ -357,6 +423,9 @@ struct Step {
     positions: Tensor,
     /// `[batch]` u32 cache rows or `[batch, max_blocks]` u32 block ids, or `None`.
     table: Option<Tensor>,
+    /// A rank's residual stream, `[batch, hidden]` (with the model's shard; the scratch holds
+    /// it otherwise).
+    residual: Option<Tensor>,
     dims: Dims,
 }
 

@@ -320,6 +320,19 @@ fn gpu_projections_are_batch_invariant() {
     }
 }
 
+/// `decode_step`'s chain split over two ranks (threads on one GPU, summing in place or
+/// through a copy) against the whole model's chain, in every dtype and shape.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_decode_step_of_two_shards_equals_the_whole_model() {
+    let dev = gpu();
+    for c in step_cases() {
+        for dtype in step_dtypes(&c) {
+            check_step_shards(&dev, &c, dtype).unwrap();
+        }
+    }
+}
+
 /// `decode_step`'s chain of kernels against its CPU composition, in every dtype and shape,
 /// launched as programmatic dependents and plainly (the same bits either way).
 #[test]

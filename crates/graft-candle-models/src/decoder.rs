@@ -67,10 +67,10 @@ pub struct Decoder {
     /// blocks then sum their attention and MLP outputs over the ranks. `None`: the whole.
     pub(crate) shard: Option<Shard>,
     /// The model as graft-candle-kernels' `decode_step` takes it (its tensors shared), when
-    /// the decoder is one it runs (dense, SiLU-gated, the fused attention, not split over
-    /// ranks) and the chain is on ([`Decoder::set_chained_step`]): a decode step of up to
+    /// the decoder is one it runs (dense, SiLU-gated, the fused attention, its vocabulary
+    /// not split over ranks) and the chain is on ([`Decoder::set_chained_step`]): a decode step of up to
     /// `MATVEC_ROWS` rows is then that one chain of kernels.
-    step: Option<StepModel>,
+    pub(crate) step: Option<StepModel>,
     /// Unique per decoder in this process: a signature key, so that a graph recorded for one
     /// decoder never replays for another (block-quantized weights cannot be statics).
     id: u64,
@@ -118,9 +118,9 @@ impl Decoder {
     /// Whether a decode step of up to `MATVEC_ROWS` rows runs as graft-candle-kernels'
     /// `decode_step`, one chain of kernels each launched as a programmatic dependent of the
     /// one before (on, the default, where the decoder is one it runs: dense projections, a
-    /// SiLU-gated MLP, the fused attention, not split over ranks), or op by op (off). Steps
-    /// recorded before the change keep what they recorded: register a new step to record the
-    /// other way.
+    /// SiLU-gated MLP, the fused attention, its vocabulary not split over ranks), or op by op
+    /// (off). Steps recorded before the change keep what they recorded: register a new step
+    /// to record the other way.
     pub fn set_chained_step(&mut self, on: bool) {
         self.step = if on { self.step_model() } else { None };
     }
@@ -207,7 +207,7 @@ impl Decoder {
         let spec = local.unwrap_or(spec);
         let mut decoder = Decoder::from_parts(spec, embed, blocks, norm, lm_head, vb.device())?;
         decoder.shard = shard;
-        // A rank's step sums its blocks' outputs over the ranks: op by op.
+        // The chain again, now with the rank's sums between its kernels.
         decoder.set_chained_step(true);
         Ok(decoder)
     }

@@ -239,7 +239,8 @@ mod tests {
         }
     }
 
-    /// Two ranks, with the vocabulary split or whole, against the whole model.
+    /// Two ranks, with the vocabulary split (op by op) or whole (on `decode_step`'s chain),
+    /// against the whole model.
     fn two_shards(split_vocab: bool) {
         let (sizes, seed, steps, world) = (Sizes::TINY, 7, 8, 2);
         let whole = llama::random(&sizes, seed, DType::F32, &Device::Cpu).unwrap();
@@ -271,6 +272,8 @@ mod tests {
                             sizes.vocab
                         };
                         assert_eq!(part.embed.dim(0).unwrap(), rows);
+                        // A whole vocabulary decodes on the chain, with the sums inside.
+                        assert_eq!(part.step.is_some(), !split_vocab);
                         run(&part, steps)
                     })
                 })

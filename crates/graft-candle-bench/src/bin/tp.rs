@@ -94,8 +94,9 @@ struct Options {
     /// Split the embedding and the output head by vocabulary rows too (`Shard::split_vocab`).
     #[arg(long)]
     split_vocab: bool,
-    /// On one GPU, decode op by op (the ranks' kernels) instead of as one chain of
-    /// programmatic dependents (`Decoder::set_chained_step`; a split model runs op by op).
+    /// Decode op by op, on one GPU and on every rank, instead of as one chain of
+    /// programmatic dependents (`Decoder::set_chained_step`; a rank's chain sums over the
+    /// ranks between its kernels; a split vocabulary always runs op by op).
     #[arg(long)]
     per_op: bool,
     /// Seconds the job of `--procs` processes may run before it is killed.
@@ -116,16 +117,7 @@ fn run() -> BenchResult<()> {
     let o = <Options as clap::Parser>::parse();
     o.timing.per_round(o.steps)?;
     if o.as_rank {
-        let models: Vec<Sizes> = o.models.iter().map(|m| m.sizes()).collect();
-        return rank::run(
-            &models,
-            o.one_shot_limit,
-            o.split_vocab,
-            &o.batches,
-            o.steps,
-            &o.timing,
-            &mut std::io::stdout().lock(),
-        );
+        return rank::run(&o, &mut std::io::stdout().lock());
     }
     if o.procs < 2 {
         return Err("--procs: tensor parallelism needs at least 2 processes".into());
@@ -225,6 +217,9 @@ fn job(o: &Options) -> BenchResult<Vec<RankReport>> {
     }
     if o.split_vocab {
         args.push("--split-vocab".to_owned());
+    }
+    if o.per_op {
+        args.push("--per-op".to_owned());
     }
     let env = [
         ("NCCL_RUNTIME_CONNECT", "0".to_owned()),

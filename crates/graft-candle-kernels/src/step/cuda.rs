@@ -1,5 +1,6 @@
 //! `decode_step` on CUDA: one scratch allocation, then every kernel of the step back to back
-//! on the device's stream, each after the first a programmatic dependent of the one before.
+//! on the device's stream, each after the first a programmatic dependent of the one before
+//! (a rank's sums over the ranks between them).
 
 use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, ValidAsZeroBits,
@@ -82,6 +83,24 @@ fn run<T: WithDType + DeviceRepr + ValidAsZeroBits>(
     let buf = |offset: usize| base + offset as u64;
     let [h, qkv, q, attn, act, part_o, part_ml, normed] = offsets.map(buf);
     let addr = |t: &Tensor, name| address(OP, t, name, device);
+    // The residual stream: a rank's own tensor, or the scratch's first buffer.
+    let h = match &op.residual {
+        Some(x) => addr(x, "the residual stream")?,
+        None => h,
+    };
+    // A rank's residual stream after a block's attention or MLP: its partial output (plus
+    // the residual stream on the rank that adds it) summed over the ranks, in place.
+    let adds_residual = m.shard.as_ref().is_none_or(|s| s.adds_residual);
+    let reduce = || -> Result<()> {
+        let (Some(shard), Some(x)) = (&m.shard, &op.residual) else {
+            return Ok(());
+        };
+        let sum = (shard.reduce)(x.clone())?;
+        if addr(&sum, "the sum over the ranks")? != h {
+            x.slice_set(&sum, 0, 0)?;
+        }
+        Ok(())
+    };
     let positions = addr(&op.positions, "positions")?;
     let table = match &op.table {
         Some(t) => addr(t, "the block table")?,
@@ -238,7 +257,16 @@ fn run<T: WithDType + DeviceRepr + ValidAsZeroBits>(
         // SAFETY: q was just written; the caches, positions and rows were checked; the
         // partials' scratch and attn were sized for these dims above.
         unsafe { attention.launch::<T>(device, stream, true) }?;
-        project(attn, &[part(&l.o)], None, h, heads * hd, false, true)?;
+        project(
+            attn,
+            &[part(&l.o)],
+            None,
+            h,
+            heads * hd,
+            false,
+            adds_residual,
+        )?;
+        reduce()?;
         project(
             h,
             &[(&l.gate, None), (&l.up, None)],
@@ -248,7 +276,16 @@ fn run<T: WithDType + DeviceRepr + ValidAsZeroBits>(
             true,
             false,
         )?;
-        project(act, &[(&l.down, None)], None, h, d.ffn, false, true)?;
+        project(
+            act,
+            &[(&l.down, None)],
+            None,
+            h,
+            d.ffn,
+            false,
+            adds_residual,
+        )?;
+        reduce()?;
     }
     let out = logits.device_ptr(stream).0;
     project(

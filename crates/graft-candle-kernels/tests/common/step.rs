@@ -1,8 +1,13 @@
 //! `decode_step` on a device against its CPU composition (the unfused ops), over several
-//! steps of a small seeded model: the logits and both caches.
+//! steps of a small seeded model: the logits and both caches; paged against static caches;
+//! and a model split over two ranks against the whole.
+
+use std::sync::{Arc, Barrier, Mutex};
 
 use candle_core::{DType, Device, IndexOp, Result, Tensor};
-use graft_candle_kernels::{RopeStyle, StepLayer, StepModel, decode_step, decode_step_paged};
+use graft_candle_kernels::{
+    RopeStyle, StepLayer, StepModel, StepShard, decode_step, decode_step_paged,
+};
 
 use super::{assert_close, bits, random, tables};
 
@@ -120,7 +125,17 @@ pub fn step_model(c: &StepCase, dtype: DType, device: &Device) -> Result<StepMod
         head_dim: HEAD_DIM,
         eps: 1e-5,
         window: c.window,
+        shard: None,
     })
+}
+
+/// The tokens (`[batch]`) and positions (each sequence at its own) of step `step` of `c`.
+fn step_inputs(c: &StepCase, step: u32) -> (Vec<u32>, Vec<u32>) {
+    let tokens = (0..c.batch as u32)
+        .map(|b| (step * 37 + b * 101) % VOCAB as u32)
+        .collect();
+    let positions = (0..c.batch as u32).map(|b| step + 3 * b % 28).collect();
+    (tokens, positions)
 }
 
 /// Zeroed caches of `batch` rows for every layer.
@@ -151,10 +166,7 @@ pub fn check_step(device: &Device, c: &StepCase, dtype: DType) -> Result<()> {
         _ => (8e-2, 8e-2),
     };
     for step in 0..12u32 {
-        let tokens: Vec<u32> = (0..c.batch as u32)
-            .map(|b| (step * 37 + b * 101) % VOCAB as u32)
-            .collect();
-        let positions: Vec<u32> = (0..c.batch as u32).map(|b| step + 3 * b % 28).collect();
+        let (tokens, positions) = step_inputs(c, step);
         let run = |m: &StepModel, caches: &[(Tensor, Tensor)], dev: &Device| -> Result<Tensor> {
             let tokens = Tensor::new(tokens.as_slice(), dev)?;
             let positions = Tensor::new(positions.as_slice(), dev)?;
@@ -208,10 +220,7 @@ pub fn check_step_paged(device: &Device, c: &StepCase, dtype: DType) -> Result<(
         .collect::<Result<Vec<_>>>()?;
     let mut written = Vec::new();
     for step in 0..12u32 {
-        let tokens: Vec<u32> = (0..c.batch as u32)
-            .map(|b| (step * 37 + b * 101) % VOCAB as u32)
-            .collect();
-        let positions: Vec<u32> = (0..c.batch as u32).map(|b| step + 3 * b % 28).collect();
+        let (tokens, positions) = step_inputs(c, step);
         written.extend(positions.iter().enumerate().map(|(b, &p)| (b, p as usize)));
         let tokens = Tensor::new(tokens.as_slice(), device)?;
         let positions = Tensor::new(positions.as_slice(), device)?;
@@ -233,6 +242,146 @@ pub fn check_step_paged(device: &Device, c: &StepCase, dtype: DType) -> Result<(
                     "{c:?} {dtype:?}: sequence {b}'s position {p} is not where its table says"
                 );
             }
+        }
+    }
+    Ok(())
+}
+
+/// Rank `rank` of `world`'s part of `whole`, Megatron style: its query, key and value heads
+/// and its output projection's columns, its rows of gate and up and columns of down; the
+/// rest shared. Sums over the ranks through `shard`.
+fn step_part(whole: &StepModel, rank: usize, world: usize, shard: StepShard) -> Result<StepModel> {
+    let part = |t: &Tensor, dim: usize| -> Result<Tensor> {
+        let n = t.dim(dim)? / world;
+        t.narrow(dim, rank * n, n)?.contiguous()
+    };
+    let rows = |(w, b): &(Tensor, Option<Tensor>)| -> Result<(Tensor, Option<Tensor>)> {
+        Ok((part(w, 0)?, b.as_ref().map(|b| part(b, 0)).transpose()?))
+    };
+    let layers = whole
+        .layers
+        .iter()
+        .map(|l| {
+            Ok(StepLayer {
+                q: rows(&l.q)?,
+                k: rows(&l.k)?,
+                v: rows(&l.v)?,
+                o: (part(&l.o.0, 1)?, l.o.1.clone()),
+                gate: part(&l.gate, 0)?,
+                up: part(&l.up, 0)?,
+                down: part(&l.down, 1)?,
+                ..l.clone()
+            })
+        })
+        .collect::<Result<_>>()?;
+    Ok(StepModel {
+        layers,
+        heads: whole.heads / world,
+        kv_heads: whole.kv_heads / world,
+        shard: Some(shard),
+        ..whole.clone()
+    })
+}
+
+/// An in-process sum over threads, one per rank: each puts its part in its slot, then every
+/// rank adds all slots in rank order.
+struct Slots {
+    barrier: Barrier,
+    parts: Mutex<Vec<Option<Tensor>>>,
+}
+
+impl Slots {
+    fn sum(&self, rank: usize, part: Tensor) -> Result<Tensor> {
+        self.parts.lock().unwrap()[rank] = Some(part);
+        self.barrier.wait();
+        let sum = {
+            let parts = self.parts.lock().unwrap();
+            let mut all = parts.iter().flatten();
+            let first = all.next().unwrap().clone();
+            all.try_fold(first, |sum, p| sum + p)
+        };
+        self.barrier.wait();
+        sum
+    }
+}
+
+/// A rank's logits of every step, and its caches after the last.
+type RankRun = (Vec<Tensor>, Vec<(Tensor, Tensor)>);
+
+/// 12 steps of `c` split over two ranks (a thread each, on `device`), against the whole
+/// model on the same device: both ranks' logits, and each rank's key and value heads of the
+/// caches, within `dtype`'s tolerance (the sums are taken in another order). Rank 0 adds
+/// the residual stream; rank 1's reduce returns a new tensor, which the step copies back.
+pub fn check_step_shards(device: &Device, c: &StepCase, dtype: DType) -> Result<()> {
+    const WORLD: usize = 2;
+    let whole = step_model(c, dtype, device)?;
+    let whole_caches = step_caches(c.batch, dtype, device)?;
+    let (atol, rtol) = match dtype {
+        DType::F32 => (2e-4, 2e-4),
+        _ => (8e-2, 8e-2),
+    };
+    let inputs = |step| -> Result<(Tensor, Tensor)> {
+        let (tokens, positions) = step_inputs(c, step);
+        Ok((
+            Tensor::new(tokens.as_slice(), device)?,
+            Tensor::new(positions.as_slice(), device)?,
+        ))
+    };
+    let mut want = Vec::new();
+    for step in 0..12u32 {
+        let (tokens, positions) = inputs(step)?;
+        want.push(decode_step(
+            &whole,
+            &whole_caches,
+            &tokens,
+            &positions,
+            None,
+        )?);
+    }
+    let slots = Arc::new(Slots {
+        barrier: Barrier::new(WORLD),
+        parts: Mutex::new(vec![None; WORLD]),
+    });
+    let ranks = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..WORLD)
+            .map(|rank| {
+                let (slots, whole, inputs) = (slots.clone(), &whole, &inputs);
+                s.spawn(move || -> Result<RankRun> {
+                    let shard = StepShard {
+                        adds_residual: rank == 0,
+                        reduce: Arc::new(move |part| slots.sum(rank, part)),
+                    };
+                    let model = step_part(whole, rank, WORLD, shard)?;
+                    let mut caches = step_caches(c.batch, dtype, device)?;
+                    for (k, v) in &mut caches {
+                        *k = k.narrow(1, 0, KV_HEADS / WORLD)?.contiguous()?;
+                        *v = v.narrow(1, 0, KV_HEADS / WORLD)?.contiguous()?;
+                    }
+                    let mut logits = Vec::new();
+                    for step in 0..12u32 {
+                        let (tokens, positions) = inputs(step)?;
+                        logits.push(decode_step(&model, &caches, &tokens, &positions, None)?);
+                    }
+                    Ok((logits, caches))
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap())
+            .collect::<Result<Vec<_>>>()
+    })?;
+    for (rank, (logits, caches)) in ranks.iter().enumerate() {
+        for (step, (got, want)) in logits.iter().zip(&want).enumerate() {
+            let what = format!("{c:?} {dtype:?} rank {rank} step {step} logits");
+            assert_close(&what, got, want, (atol, rtol))?;
+        }
+        let heads = KV_HEADS / WORLD;
+        for (i, ((k, v), (wk, wv))) in caches.iter().zip(&whole_caches).enumerate() {
+            let what = format!("{c:?} {dtype:?} rank {rank} layer {i} keys");
+            assert_close(&what, k, &wk.narrow(1, rank * heads, heads)?, (atol, rtol))?;
+            let what = format!("{c:?} {dtype:?} rank {rank} layer {i} values");
+            assert_close(&what, v, &wv.narrow(1, rank * heads, heads)?, (atol, rtol))?;
         }
     }
     Ok(())

@@ -2,10 +2,12 @@
 //! chain's terms, when the decoder is one the chain runs, and the logits of a step (or of a
 //! verify pass's rows) through it.
 
+use std::sync::Arc;
+
 use candle_core::{DType, Result, Tensor};
 use candle_nn::Activation;
 use graft_candle_kernels::{
-    StepLayer, StepModel, decode_step, decode_step_fits, decode_step_paged,
+    StepLayer, StepModel, StepShard, decode_step, decode_step_fits, decode_step_paged,
 };
 
 use super::{Decoder, Mlp, Proj};
@@ -15,9 +17,22 @@ impl Decoder {
     /// The decoder as `decode_step` takes it, if it is one it runs.
     pub(super) fn step_model(&self) -> Option<StepModel> {
         let s = &self.spec;
-        if !self.fused_attention || self.shard.is_some() || s.act != Activation::Silu {
+        if !self.fused_attention || s.act != Activation::Silu {
             return None;
         }
+        // A rank's part sums its blocks' outputs over the ranks between the chain's kernels;
+        // a split vocabulary (the embedding's and the head's sums) runs op by op.
+        let shard = match &self.shard {
+            Some(sh) if sh.splits_vocab() => return None,
+            Some(sh) => {
+                let sh = sh.clone();
+                Some(StepShard {
+                    adds_residual: sh.rank() == 0,
+                    reduce: Arc::new(move |part| sh.reduce(part)),
+                })
+            }
+            None => None,
+        };
         let dense = |p: &Proj| p.dense().map(|l| (l.weight().clone(), l.bias().cloned()));
         let unbiased = |p: &Proj| match dense(p) {
             Some((w, None)) => Some(w),
@@ -54,6 +69,7 @@ impl Decoder {
             head_dim: s.head_dim,
             eps: s.eps as f32,
             window: s.sliding_window,
+            shard,
         })
     }
 

@@ -11,7 +11,7 @@ use std::time::Duration;
 use graft_candle::candle_core::DType;
 use graft_candle::cuda::TpComm;
 use graft_candle::{Buckets, CandleGraft};
-use graft_candle_bench::common::{BenchResult, Timing};
+use graft_candle_bench::common::BenchResult;
 use graft_candle_bench::decode::CHECK_STEPS;
 use graft_candle_models::llama::{self, Sizes};
 use graft_candle_models::{Collective, Decoder, Shard};
@@ -19,6 +19,7 @@ use graft_core::Member;
 use graft_launch::{ProcessGroup, Rendezvous, Watchdog};
 use serde::{Deserialize, Serialize};
 
+use super::Options;
 use super::measure::{self, CHECK, SEED, Timed, Tokens};
 
 /// How long a rank may take to join the job and to set up NCCL.
@@ -54,23 +55,17 @@ fn joined(
     Ok((graft, step))
 }
 
-/// Runs this process's rank of the job and writes its report to `out`: the check model's
-/// tokens at `batches`, then each of `models` in bf16 timed at `batches` (`steps` timed steps
-/// per variant, as `timing` splits them).
-pub(crate) fn run(
-    models: &[Sizes],
-    one_shot_limit: Option<usize>,
-    split_vocab: bool,
-    batches: &[usize],
-    steps: usize,
-    timing: &Timing,
-    out: &mut dyn Write,
-) -> BenchResult<()> {
+/// Runs this process's rank of the job `o` describes and writes its report to `out`: the
+/// check model's tokens at `o.batches`, then each of `o.models` in bf16 timed at `o.batches`
+/// (`o.steps` timed steps per variant, as `o.timing` splits them).
+pub(crate) fn run(o: &Options, out: &mut dyn Write) -> BenchResult<()> {
+    let models: Vec<Sizes> = o.models.iter().map(|m| m.sizes()).collect();
+    let (batches, steps, timing) = (&o.batches[..], o.steps, &o.timing);
     let place = ProcessGroup::from_env()?;
     let mut rendezvous = Rendezvous::join(&place, JOIN)?;
     let device = graft_candle::device(place.local_rank())?;
     let comm = TpComm::init_rank(&device, &place, &mut rendezvous, JOIN)?;
-    if let Some(limit) = one_shot_limit {
+    if let Some(limit) = o.one_shot_limit {
         comm.set_one_shot_limit(limit);
     }
     // One membership for every runtime of this rank, watched: a lost peer breaks them all and
@@ -86,7 +81,7 @@ pub(crate) fn run(
     let collective: Arc<dyn Collective> = Arc::new(comm.clone());
     let shard = || {
         let shard = Shard::new(place.rank(), place.world(), collective.clone())?;
-        Ok::<_, graft_candle::candle_core::Error>(if split_vocab {
+        Ok::<_, graft_candle::candle_core::Error>(if o.split_vocab {
             shard.split_vocab()
         } else {
             shard
@@ -102,8 +97,9 @@ pub(crate) fn run(
     drop(model);
 
     let mut timed = Vec::new();
-    for sizes in models {
-        let model = part(sizes, DType::BF16)?;
+    for sizes in &models {
+        let mut model = part(sizes, DType::BF16)?;
+        model.set_chained_step(!o.per_op);
         let (mut graft, step) = joined(&model, &member, batches)?;
         let per_batch = batches
             .iter()
