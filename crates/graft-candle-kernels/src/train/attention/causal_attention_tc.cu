@@ -100,24 +100,44 @@ struct GraftCatMma {
         a[3] = graft_cat_word(at + 8 * ld + 8);
     }
 
+    // A warp's 16 rows of an A operand over HD columns as fragments in registers, loaded
+    // once for every tile of the other side.
+    template <int HD>
+    struct Rows {
+        unsigned int x[HD / 16][4];
+        __device__ __forceinline__ void load(const T* a, int ld) {
+#pragma unroll
+            for (int kk = 0; kk < HD / 16; ++kk) {
+                a_frag(x[kk], a + kk * 16, ld);
+            }
+        }
+    };
+
     template <int HD, int N>
-    static __device__ __forceinline__ void abt(float (*c)[4], const T* a, const T* b, int ld) {
+    static __device__ __forceinline__ void abt(float (*c)[4], const Rows<HD>& a, const T* b,
+                                               int ld) {
         const unsigned int lane = threadIdx.x & 31u;
 #pragma unroll
         for (int n = 0; n < N; ++n) {
             c[n][0] = c[n][1] = c[n][2] = c[n][3] = 0.0f;
         }
 #pragma unroll
-        for (int kk = 0; kk < HD; kk += 16) {
-            unsigned int x[4];
-            a_frag(x, a + kk, ld);
+        for (int kk = 0; kk < HD / 16; ++kk) {
+            const unsigned int* x = a.x[kk];
 #pragma unroll
             for (int n = 0; n < N; ++n) {
-                const T* at = b + (n * 8 + (lane >> 2)) * ld + kk + 2u * (lane & 3u);
+                const T* at = b + (n * 8 + (lane >> 2)) * ld + kk * 16 + 2u * (lane & 3u);
                 graft_mma_16816<T>(c[n], x[0], x[1], x[2], x[3], graft_cat_word(at),
                                    graft_cat_word(at + 8));
             }
         }
+    }
+
+    template <int HD, int N>
+    static __device__ __forceinline__ void abt(float (*c)[4], const T* a, const T* b, int ld) {
+        Rows<HD> rows;
+        rows.load(a, ld);
+        abt<HD, N>(c, rows, b, ld);
     }
 
     template <int HD, int K>
@@ -147,6 +167,24 @@ struct GraftCatMma {
 template <>
 struct GraftCatMma<float> {
     static const int PAD = 4;
+
+    // The A operand's rows stay in shared memory (their TF32 parts would take 4 HD / 8
+    // registers a lane).
+    template <int HD>
+    struct Rows {
+        const float* a;
+        int ld;
+        __device__ __forceinline__ void load(const float* at, int stride) {
+            a = at;
+            ld = stride;
+        }
+    };
+
+    template <int HD, int N>
+    static __device__ __forceinline__ void abt(float (*c)[4], const Rows<HD>& a, const float* b,
+                                               int ld) {
+        abt<HD, N>(c, a.a, b, ld);
+    }
 
     template <int HD, int N>
     static __device__ __forceinline__ void abt(float (*c)[4], const float* a, const float* b,
@@ -327,6 +365,60 @@ struct GraftCatKeys {
     }
 };
 
+// log2(e) and ln(2): the kernels' exponentials are exp2 of scores scaled by log2(e).
+#define GRAFT_CAT_LOG2E 1.4426950408889634f
+#define GRAFT_CAT_LN2 0.6931471805599453f
+
+// The forward's scores of one key tile, times scale2, and each row's running max; with MASK
+// the keys past a row (and rows at or past seq) as -inf. Without MASK the caller knows that
+// every row of the warp sees every key of the tile.
+template <bool MASK, int NT>
+__device__ __forceinline__ void graft_cat_scores(float (*s)[4], float* m_new,
+                                                 const unsigned int* rows, unsigned int key0,
+                                                 unsigned int t, unsigned int seq,
+                                                 float scale2) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const unsigned int row = rows[e >> 1];
+            const unsigned int key = key0 + n * 8u + 2u * t + (e & 1);
+            const bool seen = !MASK || (key <= row && row < seq);
+            s[n][e] = seen ? s[n][e] * scale2 : GRAFT_NEG_INF;
+            m_new[e >> 1] = fmaxf(m_new[e >> 1], s[n][e]);
+        }
+    }
+}
+
+// The backward's dS = P (dP - delta) in place of the scores `s` of one tile (P = exp2(S *
+// scale2 - lse2), lse2 in log2 units), a warp's rows against a tile's keys (ROWS: the dq
+// kernel's layout, row i of element e is rows[e >> 1], key base + column) or a warp's keys
+// against a tile's rows (the dk/dv kernel's, transposed: key keys[e >> 1], row base + column);
+// with MASK, zero where the key is past the row or the row at or past seq; P kept in `p` if
+// given. `lse2` and `delta` per row: by element pair (ROWS) or by column (from shared memory).
+template <bool MASK, bool ROWS, int NT>
+__device__ __forceinline__ void graft_cat_ds(float (*s)[4], const float (*dp)[4], float (*p)[4],
+                                             const unsigned int* fixed, unsigned int base,
+                                             unsigned int t, unsigned int seq, float scale2,
+                                             const float* lse2, const float* delta) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const unsigned int j = n * 8u + 2u * t + (e & 1);
+            const unsigned int row = ROWS ? fixed[e >> 1] : base + j;
+            const unsigned int key = ROWS ? base + j : fixed[e >> 1];
+            const int at = ROWS ? (e >> 1) : (int)j;
+            const bool seen = !MASK || (key <= row && row < seq);
+            const float pe = seen ? exp2f(s[n][e] * scale2 - lse2[at]) : 0.0f;
+            s[n][e] = pe * (dp[n][e] - delta[at]);
+            if (p != nullptr) {
+                p[n][e] = pe;
+            }
+        }
+    }
+}
+
 // The output rows of one (64-row tile, head, sequence), KT keys a tile: per key tile, each
 // warp's S = Q K^T (scaled, masked above the diagonal), the online softmax's max and sum per
 // row, and O += P V; then O / sum and lse = max + log(sum) per row.
@@ -346,6 +438,14 @@ __device__ void graft_cat_forward(const T* q, const T* k, const T* v, T* out, fl
     const unsigned int t = threadIdx.x & 3u;
 
     graft_cat_stage<T, HD, GRAFT_CAT_ROWS>(qs, q + r.q0, r.qstride, r.row0, seq);
+    __syncthreads();
+    // Q's fragments in registers at head dim 64 (at 128 they would cost occupancy).
+    typename GraftCatMma<T>::template Rows<HD> qf;
+    if (HD <= 64) {
+        qf.load(qs + warp * 16 * P, P);
+    }
+    // Scores in log2 units: exp(x * scale) = exp2(x * scale * log2(e)).
+    const float scale2 = scale * GRAFT_CAT_LOG2E;
     float m[2] = {GRAFT_NEG_INF, GRAFT_NEG_INF};
     float l[2] = {0.0f, 0.0f};
     float o[DT][4];
@@ -361,18 +461,19 @@ __device__ void graft_cat_forward(const T* q, const T* k, const T* v, T* out, fl
             continue;  // no row of this warp sees a key of the tile
         }
         float s[NT][4];
-        GraftCatMma<T>::template abt<HD, NT>(s, qs + warp * 16 * P, ks, P);
-        // Scale and mask; each row's new max over its quad's lanes.
+        if (HD <= 64) {
+            GraftCatMma<T>::template abt<HD, NT>(s, qf, ks, P);
+        } else {
+            GraftCatMma<T>::template abt<HD, NT>(s, qs + warp * 16 * P, ks, P);
+        }
+        // Scale (and mask where the tile reaches the diagonal or the sequence's end); each
+        // row's new max over its quad's lanes.
+        const bool whole = key0 + KT <= r.wrow0 + 1u && r.wrow0 + 16u <= seq;
         float m_new[2] = {m[0], m[1]};
-#pragma unroll
-        for (int n = 0; n < NT; ++n) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const unsigned int row = r.rows[e >> 1];
-                const unsigned int key = key0 + n * 8u + 2u * t + (e & 1);
-                s[n][e] = key <= row && row < seq ? s[n][e] * scale : GRAFT_NEG_INF;
-                m_new[e >> 1] = fmaxf(m_new[e >> 1], s[n][e]);
-            }
+        if (whole) {
+            graft_cat_scores<false, NT>(s, m_new, r.rows, key0, t, seq, scale2);
+        } else {
+            graft_cat_scores<true, NT>(s, m_new, r.rows, key0, t, seq, scale2);
         }
         float keep[2];
 #pragma unroll
@@ -381,7 +482,7 @@ __device__ void graft_cat_forward(const T* q, const T* k, const T* v, T* out, fl
             m_new[i] = fmaxf(m_new[i], __shfl_xor_sync(0xffffffffu, m_new[i], 2));
             // What the earlier tiles' sums are worth at the new max (1 while the row has
             // seen nothing).
-            keep[i] = m_new[i] == GRAFT_NEG_INF ? 1.0f : expf(m[i] - m_new[i]);
+            keep[i] = m_new[i] == GRAFT_NEG_INF ? 1.0f : exp2f(m[i] - m_new[i]);
             m[i] = m_new[i];
         }
         float sum[2] = {0.0f, 0.0f};
@@ -389,7 +490,8 @@ __device__ void graft_cat_forward(const T* q, const T* k, const T* v, T* out, fl
         for (int n = 0; n < NT; ++n) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const float p = s[n][e] == GRAFT_NEG_INF ? 0.0f : expf(s[n][e] - m[e >> 1]);
+                // A row that has seen no key yet (m still -inf) has only -inf scores.
+                const float p = s[n][e] == GRAFT_NEG_INF ? 0.0f : exp2f(s[n][e] - m[e >> 1]);
                 s[n][e] = p;
                 sum[e >> 1] += p;
             }
@@ -420,7 +522,7 @@ __device__ void graft_cat_forward(const T* q, const T* k, const T* v, T* out, fl
                 graft_cat_store2(dst + n * 8, o[n][2 * i] * inv, o[n][2 * i + 1] * inv);
             }
             if (t == 0u) {
-                lse[r.bh * seq + row] = m[i] + logf(l[i]);
+                lse[r.bh * seq + row] = m[i] * GRAFT_CAT_LN2 + logf(l[i]);
             }
         }
     }
@@ -451,7 +553,7 @@ __device__ void graft_cat_dq(const T* q, const T* k, const T* v, const T* o, con
     __syncthreads();
     // Each row's delta: its quad's lanes take dims 2t, 2t + 1 of every 8, then sum.
     float dl[2];
-    float lr[2];
+    float lr[2];  // lse in log2 units
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         const unsigned int row = r.rows[i];
@@ -468,7 +570,7 @@ __device__ void graft_cat_dq(const T* q, const T* k, const T* v, const T* o, con
         part += __shfl_xor_sync(0xffffffffu, part, 1);
         part += __shfl_xor_sync(0xffffffffu, part, 2);
         dl[i] = part;
-        lr[i] = row < seq ? lse[r.bh * seq + row] : 0.0f;
+        lr[i] = row < seq ? lse[r.bh * seq + row] * GRAFT_CAT_LOG2E : 0.0f;
         if (row < seq && t == 0u) {
             delta[r.bh * seq + row] = part;
         }
@@ -478,6 +580,14 @@ __device__ void graft_cat_dq(const T* q, const T* k, const T* v, const T* o, con
     for (int n = 0; n < DT; ++n) {
         acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
     }
+    // Q's and dO's fragments in registers at head dim 64 (at 128 they would cost occupancy).
+    typename GraftCatMma<T>::template Rows<HD> qf;
+    typename GraftCatMma<T>::template Rows<HD> gf;
+    if (HD <= 64) {
+        qf.load(qs + warp * 16 * P, P);
+        gf.load(gs + warp * 16 * P, P);
+    }
+    const float scale2 = scale * GRAFT_CAT_LOG2E;
     const unsigned int last = min(r.row0 + GRAFT_CAT_ROWS, seq) - 1u;
     GraftCatKeys<T, HD, KT> keys;
     keys.next(k, v, r, 0u, seq);
@@ -487,22 +597,18 @@ __device__ void graft_cat_dq(const T* q, const T* k, const T* v, const T* o, con
         }
         float s[NT][4];
         float dp[NT][4];
-        GraftCatMma<T>::template abt<HD, NT>(s, qs + warp * 16 * P, ks, P);   // S = Q K^T
-        GraftCatMma<T>::template abt<HD, NT>(dp, gs + warp * 16 * P, vs, P);  // dP = dO V^T
+        if (HD <= 64) {
+            GraftCatMma<T>::template abt<HD, NT>(s, qf, ks, P);   // S = Q K^T
+            GraftCatMma<T>::template abt<HD, NT>(dp, gf, vs, P);  // dP = dO V^T
+        } else {
+            GraftCatMma<T>::template abt<HD, NT>(s, qs + warp * 16 * P, ks, P);
+            GraftCatMma<T>::template abt<HD, NT>(dp, gs + warp * 16 * P, vs, P);
+        }
         // dS, in s.
-#pragma unroll
-        for (int n = 0; n < NT; ++n) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int i = e >> 1;
-                const unsigned int key = key0 + n * 8u + 2u * t + (e & 1);
-                float ds = 0.0f;
-                if (key <= r.rows[i] && r.rows[i] < seq) {
-                    const float p = expf(s[n][e] * scale - lr[i]);
-                    ds = p * (dp[n][e] - dl[i]);
-                }
-                s[n][e] = ds;
-            }
+        if (key0 + KT <= r.wrow0 + 1u && r.wrow0 + 16u <= seq) {
+            graft_cat_ds<false, true, NT>(s, dp, nullptr, r.rows, key0, t, seq, scale2, lr, dl);
+        } else {
+            graft_cat_ds<true, true, NT>(s, dp, nullptr, r.rows, key0, t, seq, scale2, lr, dl);
         }
         GraftCatMma<T>::template cb<HD, NT>(acc, s, ks, P);  // dQ += dS K
     }
@@ -551,6 +657,7 @@ __device__ void graft_cat_dkv(const T* q, const T* k, const T* v, const T* dout,
     const unsigned long long qstride = (unsigned long long)heads * HD;
     const unsigned long long kstride = (unsigned long long)kv_heads * HD;
     const unsigned long long bs = (unsigned long long)b * seq;
+    const float scale2 = scale * GRAFT_CAT_LOG2E;
 
     graft_cat_stage<T, HD, GRAFT_CAT_ROWS>(ks, k + (bs * kv_heads + kvh) * HD, kstride, key0,
                                            seq);
@@ -588,7 +695,7 @@ __device__ void graft_cat_dkv(const T* q, const T* k, const T* v, const T* dout,
         q_tile.store(qs);
         g_tile.store(gs);
         if (threadIdx.x < QT) {
-            ls[threadIdx.x] = l_next;
+            ls[threadIdx.x] = l_next * GRAFT_CAT_LOG2E;  // lse in log2 units
             ds_of[threadIdx.x] = d_next;
         }
         __syncthreads();
@@ -608,25 +715,14 @@ __device__ void graft_cat_dkv(const T* q, const T* k, const T* v, const T* dout,
         float dp[NT][4];
         GraftCatMma<T>::template abt<HD, NT>(s, ks + warp * 16 * P, qs, P);   // S^T = K Q^T
         GraftCatMma<T>::template abt<HD, NT>(dp, vs + warp * 16 * P, gs, P);  // dP^T = V dO^T
-        // P^T in s, dS^T in dp.
-#pragma unroll
-        for (int n = 0; n < NT; ++n) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const unsigned int j = n * 8u + 2u * t + (e & 1);
-                const unsigned int row = i0 + j;
-                float p = 0.0f;
-                float ds = 0.0f;
-                if (row < seq && keys[e >> 1] <= row) {
-                    p = expf(s[n][e] * scale - ls[j]);
-                    ds = p * (dp[n][e] - ds_of[j]);
-                }
-                s[n][e] = p;
-                dp[n][e] = ds;
-            }
+        // dS^T in s, P^T in dp.
+        if (wkey0 + 16u <= i0 + 1u && i0 + QT <= seq) {
+            graft_cat_ds<false, false, NT>(s, dp, dp, keys, i0, t, seq, scale2, ls, ds_of);
+        } else {
+            graft_cat_ds<true, false, NT>(s, dp, dp, keys, i0, t, seq, scale2, ls, ds_of);
         }
-        GraftCatMma<T>::template cb<HD, NT>(dv, s, gs, P);   // dV += P^T dO
-        GraftCatMma<T>::template cb<HD, NT>(dk, dp, qs, P);  // dK += dS^T Q
+        GraftCatMma<T>::template cb<HD, NT>(dv, dp, gs, P);  // dV += P^T dO
+        GraftCatMma<T>::template cb<HD, NT>(dk, s, qs, P);   // dK += dS^T Q
     }
     const unsigned long long half = (unsigned long long)batch * seq * kstride;
 #pragma unroll
@@ -643,17 +739,21 @@ __device__ void graft_cat_dkv(const T* q, const T* k, const T* v, const T* dout,
     }
 }
 
-// Each kernel at head dim 64 (tiles of 64 on the other side) and 128 (32 keys a forward tile,
-// 16 in the backward kernels) for bf16 and f16, and at head dim 64 (32 and 16) for f32: every
-// block's static shared memory stays under 48 KiB (f32 at head dim 128 would not).
-#define GRAFT_CAT(suffix, T, HD, KT, BT)                                                     \
-    extern "C" __global__ void __launch_bounds__(128)                                        \
+// Each kernel at head dim 64 and 128 for bf16 and f16, and at 64 for f32, with KT keys a
+// forward tile and BT keys (dq) or query rows (dk/dv) a backward tile: 64 and 32 at head dim
+// 64 in bf16 and f16, 32 and 16 otherwise. Every block's static shared memory stays under 48
+// KiB (f32 at head dim 128 would not). FB and QB are the least blocks a multiprocessor must
+// hold of the forward and of the backward kernels (`__launch_bounds__`; 0: ptxas chooses):
+// three keeps 168 registers a thread or fewer, which these fit without spilling (the backward
+// at head dim 64 thanks to its 32-row tiles).
+#define GRAFT_CAT(suffix, T, HD, KT, BT, FB, QB)                                             \
+    extern "C" __global__ void __launch_bounds__(128, FB)                                    \
         graft_causal_attention_tc_forward_##suffix##_##HD(                                   \
             const T* q, const T* k, const T* v, T* out, float* lse, unsigned int seq,        \
             unsigned int heads, unsigned int kv_heads, float scale) {                        \
         graft_cat_forward<T, HD, KT>(q, k, v, out, lse, seq, heads, kv_heads, scale);        \
     }                                                                                        \
-    extern "C" __global__ void __launch_bounds__(128)                                        \
+    extern "C" __global__ void __launch_bounds__(128, QB)                                    \
         graft_causal_attention_tc_dq_##suffix##_##HD(                                        \
             const T* q, const T* k, const T* v, const T* o, const T* dout, const float* lse, \
             float* delta, T* dq, unsigned int seq, unsigned int heads,                       \
@@ -661,7 +761,7 @@ __device__ void graft_cat_dkv(const T* q, const T* k, const T* v, const T* dout,
         graft_cat_dq<T, HD, BT>(q, k, v, o, dout, lse, delta, dq, seq, heads, kv_heads,      \
                                 scale);                                                      \
     }                                                                                        \
-    extern "C" __global__ void __launch_bounds__(128)                                        \
+    extern "C" __global__ void __launch_bounds__(128, QB)                                    \
         graft_causal_attention_tc_dkv_##suffix##_##HD(                                       \
             const T* q, const T* k, const T* v, const T* dout, const float* lse,             \
             const float* delta, T* dkv, unsigned int batch, unsigned int seq,                \
@@ -669,8 +769,8 @@ __device__ void graft_cat_dkv(const T* q, const T* k, const T* v, const T* dout,
         graft_cat_dkv<T, HD, BT>(q, k, v, dout, lse, delta, dkv, batch, seq, heads,          \
                                  kv_heads, scale);                                           \
     }
-GRAFT_CAT(bf16, GraftBf16, 64, 64, 64)
-GRAFT_CAT(bf16, GraftBf16, 128, 32, 16)
-GRAFT_CAT(f16, GraftF16, 64, 64, 64)
-GRAFT_CAT(f16, GraftF16, 128, 32, 16)
-GRAFT_CAT(f32, float, 64, 32, 16)
+GRAFT_CAT(bf16, GraftBf16, 64, 64, 32, 3, 3)
+GRAFT_CAT(bf16, GraftBf16, 128, 32, 16, 3, 0)
+GRAFT_CAT(f16, GraftF16, 64, 64, 32, 3, 3)
+GRAFT_CAT(f16, GraftF16, 128, 32, 16, 3, 0)
+GRAFT_CAT(f32, float, 64, 32, 16, 3, 0)
