@@ -17,7 +17,7 @@ mod saved;
 pub use attention::{
     SavedAttention, causal_attention, causal_attention_fits, causal_attention_saved,
 };
-pub use cross_entropy::{cross_entropy, cross_entropy_with_grad};
+pub use cross_entropy::{classifier_with_grad, cross_entropy, cross_entropy_with_grad};
 pub(crate) use dense::matmul_layouts;
 pub use dense::{dense, dense_sum};
 pub use embedding::{embedding, embedding_backward};

@@ -2,13 +2,16 @@
 //! its row of logits, differentiable in the logits. Forward: one kernel for each row's
 //! log-sum-exp and loss, one summing the losses in a fixed order; backward: one kernel writing
 //! `(softmax - onehot) * dloss / rows`, reading the log-sum-exps the forward saved.
+//! `classifier_with_grad` runs the head's projection and both, the gradient written over the
+//! logits it made.
 
 #[cfg(feature = "cuda")]
 mod cuda;
 
 use candle_core::backend::BackendStorage;
 use candle_core::{
-    CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor, WithDType,
+    CpuStorage, CustomOp2, CustomOp3, DType, InplaceOp3, Layout, Result, Shape, Storage, Tensor,
+    WithDType,
 };
 
 use super::saved::Saved;
@@ -40,6 +43,25 @@ pub fn cross_entropy_with_grad(logits: &Tensor, targets: &Tensor) -> Result<(Ten
         &Tensor::ones(1, DType::F32, logits.device())?,
     )?;
     Ok((loss, dlogits))
+}
+
+/// A language model's classifier in a training step: the logits `h · headᵀ` (`h` `[rows,
+/// hidden]`, `head` `[vocab, hidden]`, as [`crate::dense`] takes them), their mean
+/// cross-entropy against `targets` (`[rows]` u32) and its gradient in the logits, written over
+/// the logits, which nothing else holds: one `[rows, vocab]` tensor where
+/// [`cross_entropy_with_grad`] of the logits keeps two. Returns `(loss, dlogits)`, the same
+/// values as that composition.
+pub fn classifier_with_grad(
+    h: &Tensor,
+    head: &Tensor,
+    targets: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    let logits = crate::dense(h, head)?;
+    let (op, targets) = checked(&logits, targets)?;
+    let loss = logits.apply_op2_no_bwd(&targets, &op)?;
+    let backward = op.backward(&Tensor::ones(1, DType::F32, logits.device())?)?;
+    logits.inplace_op3(&targets, &op.saved.get(OP)?, &backward)?;
+    Ok((loss, logits))
 }
 
 /// Checks [`cross_entropy`]'s arguments: its op and the targets, contiguous.
@@ -145,16 +167,20 @@ impl CustomOp2 for CrossEntropy {
 impl CrossEntropy {
     /// The logits' gradient from the loss's (`[1]` f32), reading the rows the forward saved.
     fn gradient(&self, logits: &Tensor, targets: &Tensor, dloss: &Tensor) -> Result<Tensor> {
+        let saved = self.saved.get(OP)?;
+        logits.apply_op3_no_bwd(targets, &saved, &self.backward(dloss)?)
+    }
+
+    /// The backward op for the loss's gradient `dloss` (`[1]` f32).
+    fn backward(&self, dloss: &Tensor) -> Result<CrossEntropyBackward> {
         if dloss.dtype() != DType::F32 || dloss.elem_count() != 1 {
             return Err(check::shape(OP, "the loss's gradient", dloss, "[1] f32"));
         }
-        let backward = CrossEntropyBackward {
+        Ok(CrossEntropyBackward {
             rows: self.rows,
             vocab: self.vocab,
             dloss: dloss.contiguous()?,
-        };
-        let saved = self.saved.get(OP)?;
-        logits.apply_op3_no_bwd(targets, &saved, &backward)
+        })
     }
 }
 
@@ -172,17 +198,7 @@ impl CustomOp3 for CrossEntropyBackward {
         saved: &CpuStorage,
         sl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (CpuStorage::U32(targets), CpuStorage::F32(saved)) = (targets, saved) else {
-            return Err(unsupported("targets", targets.dtype()));
-        };
-        let targets = check::cpu_slice(OP, "targets", targets, tl)?;
-        let saved = check::cpu_slice(OP, "saved", saved, sl)?;
-        let dloss = self.dloss.to_vec1::<f32>()?[0];
-        let scale = dloss / self.rows as f32;
-        let lse = &saved[self.rows..];
-        let out = float_dispatch!(OP, "logits", (logits), |l| {
-            cpu_backward(l, ll, targets, lse, self.vocab, scale)
-        })?;
+        let out = self.cpu(logits, ll, targets, tl, saved, sl)?;
         Ok((out, ll.shape().clone()))
     }
 
@@ -209,6 +225,88 @@ impl CustomOp3 for CrossEntropyBackward {
         )?;
         Ok((dlogits, ll.shape().clone()))
     }
+}
+
+/// The backward op writing the gradient over the logits (the classifier's).
+impl InplaceOp3 for CrossEntropyBackward {
+    fn name(&self) -> &'static str {
+        "cross_entropy_backward_in_place"
+    }
+
+    fn cpu_fwd(
+        &self,
+        logits: &mut CpuStorage,
+        ll: &Layout,
+        targets: &CpuStorage,
+        tl: &Layout,
+        saved: &CpuStorage,
+        sl: &Layout,
+    ) -> Result<()> {
+        whole(ll)?;
+        *logits = self.cpu(logits, ll, targets, tl, saved, sl)?;
+        Ok(())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        logits: &mut candle_core::CudaStorage,
+        ll: &Layout,
+        targets: &candle_core::CudaStorage,
+        tl: &Layout,
+        saved: &candle_core::CudaStorage,
+        sl: &Layout,
+    ) -> Result<()> {
+        whole(ll)?;
+        cuda::backward_in_place(
+            self.rows,
+            self.vocab,
+            &self.dloss,
+            logits,
+            ll,
+            targets,
+            tl,
+            saved,
+            sl,
+        )
+    }
+}
+
+impl CrossEntropyBackward {
+    /// The gradient on the CPU, as a new storage.
+    fn cpu(
+        &self,
+        logits: &CpuStorage,
+        ll: &Layout,
+        targets: &CpuStorage,
+        tl: &Layout,
+        saved: &CpuStorage,
+        sl: &Layout,
+    ) -> Result<CpuStorage> {
+        let (CpuStorage::U32(targets), CpuStorage::F32(saved)) = (targets, saved) else {
+            return Err(unsupported("targets", targets.dtype()));
+        };
+        let targets = check::cpu_slice(OP, "targets", targets, tl)?;
+        let saved = check::cpu_slice(OP, "saved", saved, sl)?;
+        let dloss = self.dloss.to_vec1::<f32>()?[0];
+        let scale = dloss / self.rows as f32;
+        let lse = &saved[self.rows..];
+        float_dispatch!(OP, "logits", (logits), |l| {
+            cpu_backward(l, ll, targets, lse, self.vocab, scale)
+        })
+    }
+}
+
+/// Refuses logits that are not their storage's whole (the in-place gradient replaces it).
+fn whole(ll: &Layout) -> Result<()> {
+    if ll.is_contiguous() && ll.start_offset() == 0 {
+        return Ok(());
+    }
+    Err(KernelError::NotContiguous {
+        op: OP,
+        input: "logits",
+    }
+    .into())
 }
 
 fn unsupported(input: &'static str, got: DType) -> candle_core::Error {

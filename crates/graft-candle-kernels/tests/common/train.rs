@@ -3,8 +3,8 @@
 
 use candle_core::{DType, Device, Result, Tensor, Var};
 use graft_candle_kernels::{
-    RopeStyle, cross_entropy, cross_entropy_with_grad, dense, dense_sum, embedding, rms_norm,
-    rms_norm_backward, rotary, swiglu,
+    RopeStyle, classifier_with_grad, cross_entropy, cross_entropy_with_grad, dense, dense_sum,
+    embedding, rms_norm, rms_norm_backward, rotary, swiglu,
 };
 use proptest::prelude::*;
 
@@ -325,6 +325,17 @@ pub fn check_cross_entropy(device: &Device, c: &TrainCase, dtype: DType) -> Resu
         bits(want)?,
         "cross_entropy_with_grad's gradient"
     );
+    // The classifier writes the same gradient over the logits it makes.
+    let h = random(c.seed + 1, &[c.batch, c.seq, 16], 1.0, dtype, device)?;
+    let head = random(c.seed + 2, &[vocab, 16], 0.5, dtype, device)?;
+    let (want_loss, want) = cross_entropy_with_grad(&dense(&h, &head)?, &targets)?;
+    let (got_loss, got) = classifier_with_grad(&h, &head, &targets)?;
+    assert_eq!(
+        bits(&got_loss)?,
+        bits(&want_loss)?,
+        "classifier_with_grad's loss"
+    );
+    assert_eq!(bits(&got)?, bits(&want)?, "classifier_with_grad's gradient");
     // A target past the vocabulary: NaN, not a silent wrong loss.
     let bad = Tensor::from_vec(
         vec![vocab as u32; c.batch * c.seq],

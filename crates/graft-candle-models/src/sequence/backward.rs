@@ -14,7 +14,7 @@
 use candle_core::{Result, Tensor};
 use candle_nn::Activation;
 use graft_candle_kernels::{
-    SavedAttention, causal_attention_saved, cross_entropy_with_grad, dense, dense_sum, embedding,
+    SavedAttention, causal_attention_saved, classifier_with_grad, dense, dense_sum, embedding,
     embedding_backward, rms_norm, rms_norm_backward, rotary, rotary_backward, swiglu,
     swiglu_backward,
 };
@@ -160,7 +160,8 @@ impl Decoder {
             x = next;
         }
         let hf = rms_norm(&x, &norm, eps)?;
-        let (loss, dlogits) = cross_entropy_with_grad(&dense(&hf, &head)?, targets)?;
+        // The logits' gradient written over the logits: one [rows, vocab] tensor, not two.
+        let (loss, dlogits) = classifier_with_grad(&hf, &head, targets)?;
 
         // Backward: every weight's gradient once, in the reverse order of the forward pass.
         let mut grads = Vec::with_capacity(2 + 9 * blocks.len());

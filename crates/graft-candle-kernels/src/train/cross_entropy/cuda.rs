@@ -154,30 +154,79 @@ pub(super) fn backward(
     sl: &Layout,
 ) -> Result<CudaStorage> {
     let device = logits.device.clone();
-    let t = targets_of(targets, tl)?;
-    let CudaStorageSlice::F32(saved) = &saved.slice else {
-        return Err(dtype_error(saved));
-    };
-    let saved = view(OP, "saved", saved, sl)?;
-    let dloss = address(OP, dloss, "dloss", &device)?;
+    let (t, saved, dloss) = backward_inputs(dloss, &device, targets, tl, saved, sl)?;
     let (rows, vocab) = (rows as u32, vocab as u32);
     let slice = match &logits.slice {
-        CudaStorageSlice::F32(l) => CudaStorageSlice::F32(launch_backward(
-            &device, l, ll, &t, &saved, dloss, rows, vocab,
-        )?),
-        CudaStorageSlice::BF16(l) => CudaStorageSlice::BF16(launch_backward(
-            &device, l, ll, &t, &saved, dloss, rows, vocab,
-        )?),
-        CudaStorageSlice::F16(l) => CudaStorageSlice::F16(launch_backward(
-            &device, l, ll, &t, &saved, dloss, rows, vocab,
-        )?),
+        CudaStorageSlice::F32(l) => {
+            CudaStorageSlice::F32(into_new(&device, l, ll, &t, &saved, dloss, rows, vocab)?)
+        }
+        CudaStorageSlice::BF16(l) => {
+            CudaStorageSlice::BF16(into_new(&device, l, ll, &t, &saved, dloss, rows, vocab)?)
+        }
+        CudaStorageSlice::F16(l) => {
+            CudaStorageSlice::F16(into_new(&device, l, ll, &t, &saved, dloss, rows, vocab)?)
+        }
         _ => return Err(dtype_error(logits)),
     };
     Ok(CudaStorage { slice, device })
 }
 
+/// The logits' gradient written over the logits (whole and contiguous: checked by the caller).
 #[allow(clippy::too_many_arguments)]
-fn launch_backward<T: DeviceRepr + WithDType>(
+pub(super) fn backward_in_place(
+    rows: usize,
+    vocab: usize,
+    dloss: &Tensor,
+    logits: &mut CudaStorage,
+    ll: &Layout,
+    targets: &CudaStorage,
+    tl: &Layout,
+    saved: &CudaStorage,
+    sl: &Layout,
+) -> Result<()> {
+    let device = logits.device.clone();
+    let (t, saved, dloss) = backward_inputs(dloss, &device, targets, tl, saved, sl)?;
+    let (rows, vocab) = (rows as u32, vocab as u32);
+    let stream = device.cuda_stream();
+    // The kernel reads each element before it writes it, in the same thread.
+    match &logits.slice {
+        CudaStorageSlice::F32(l) => {
+            let at = l.device_ptr(&stream).0;
+            launch_backward(&device, l, ll, &t, &saved, dloss, at, rows, vocab)
+        }
+        CudaStorageSlice::BF16(l) => {
+            let at = l.device_ptr(&stream).0;
+            launch_backward(&device, l, ll, &t, &saved, dloss, at, rows, vocab)
+        }
+        CudaStorageSlice::F16(l) => {
+            let at = l.device_ptr(&stream).0;
+            launch_backward(&device, l, ll, &t, &saved, dloss, at, rows, vocab)
+        }
+        _ => Err(dtype_error(logits)),
+    }
+}
+
+/// The backward pass's targets, saved rows and the address of the loss's gradient.
+fn backward_inputs<'a>(
+    dloss: &Tensor,
+    device: &CudaDevice,
+    targets: &'a CudaStorage,
+    tl: &Layout,
+    saved: &'a CudaStorage,
+    sl: &Layout,
+) -> Result<(CudaView<'a, u32>, CudaView<'a, f32>, u64)> {
+    let t = targets_of(targets, tl)?;
+    let CudaStorageSlice::F32(saved) = &saved.slice else {
+        return Err(dtype_error(saved));
+    };
+    let saved = view(OP, "saved", saved, sl)?;
+    let dloss = address(OP, dloss, "dloss", device)?;
+    Ok((t, saved, dloss))
+}
+
+/// The gradient of `logits` in a new allocation.
+#[allow(clippy::too_many_arguments)]
+fn into_new<T: DeviceRepr + WithDType>(
     device: &CudaDevice,
     logits: &CudaSlice<T>,
     ll: &Layout,
@@ -187,32 +236,49 @@ fn launch_backward<T: DeviceRepr + WithDType>(
     rows: u32,
     vocab: u32,
 ) -> Result<CudaSlice<T>> {
-    let n = ll.shape().elem_count();
-    let logits = view(OP, "logits", logits, ll)?;
     // SAFETY: block `row` writes the `vocab` elements of its row and the grid has a block per
-    // row, so all `n` are written by the kernel launched below on the device's stream before
-    // anything reads them.
-    let out = unsafe { device.alloc::<T>(n)? };
+    // row, so all `rows * vocab` are written by the kernel launched below on the device's
+    // stream before anything reads them.
+    let out = unsafe { device.alloc::<T>(ll.shape().elem_count())? };
+    let at = out.device_ptr(&device.cuda_stream()).0;
+    launch_backward(device, logits, ll, targets, saved, dloss, at, rows, vocab)?;
+    Ok(out)
+}
+
+/// Launches the gradient kernel from `logits` into `out`: `rows * vocab` elements of T at
+/// `out`, every one written by the kernel (`out` may be the logits' own address).
+#[allow(clippy::too_many_arguments)]
+fn launch_backward<T: DeviceRepr + WithDType>(
+    device: &CudaDevice,
+    logits: &CudaSlice<T>,
+    ll: &Layout,
+    targets: &CudaView<'_, u32>,
+    saved: &CudaView<'_, f32>,
+    dloss: u64,
+    out: u64,
+    rows: u32,
+    vocab: u32,
+) -> Result<()> {
+    let logits = view(OP, "logits", logits, ll)?;
     let name = format!("graft_cross_entropy_backward_{}", T::DTYPE.as_str());
     let stream = device.cuda_stream();
     let logits = logits.device_ptr(&stream).0;
     let targets = targets.device_ptr(&stream).0;
     let saved = saved.device_ptr(&stream).0;
-    let out_ptr = out.device_ptr(&stream).0;
     let mut args = Args::new();
     args.arg(&logits)
         .arg(&targets)
         .arg(&saved)
         .arg(&dloss)
-        .arg(&out_ptr)
+        .arg(&out)
         .arg(&rows)
         .arg(&vocab);
     let cfg = blocks(rows as usize)?;
     // SAFETY: the arguments match `graft_cross_entropy_backward_<dtype>(const T*, const
     // unsigned int*, const float*, const float*, T*, unsigned int, unsigned int)`: `logits`
-    // and `out` hold rows * vocab elements, `targets` rows, `saved` 2 * rows, `dloss` is the
-    // address of the `[1]` f32 gradient the op holds (alive until the launch is enqueued);
-    // a target is read only as an index below vocab; 8 whole warps a block.
-    unsafe { KERNELS.launch(device, &stream, &name, cfg, false, &mut args) }?;
-    Ok(out)
+    // and `out` hold rows * vocab elements (the same ones, or disjoint: each element is read
+    // and then written by one thread), `targets` rows, `saved` 2 * rows, `dloss` is the
+    // address of the `[1]` f32 gradient the op holds (alive until the launch is enqueued); a
+    // target is read only as an index below vocab; 8 whole warps a block.
+    unsafe { KERNELS.launch(device, &stream, &name, cfg, false, &mut args) }
 }
