@@ -740,12 +740,13 @@ __device__ void graft_cat_dkv(const T* q, const T* k, const T* v, const T* dout,
 }
 
 // Each kernel at head dim 64 and 128 for bf16 and f16, and at 64 for f32, with KT keys a
-// forward tile and BT keys (dq) or query rows (dk/dv) a backward tile: 64 and 32 at head dim
+// forward tile and BT keys (dq) or query rows (dk/dv) a backward tile: 32 and 32 at head dim
 // 64 in bf16 and f16, 32 and 16 otherwise. Every block's static shared memory stays under 48
 // KiB (f32 at head dim 128 would not). FB and QB are the least blocks a multiprocessor must
 // hold of the forward and of the backward kernels (`__launch_bounds__`; 0: ptxas chooses):
-// three keeps 168 registers a thread or fewer, which these fit without spilling (the backward
-// at head dim 64 thanks to its 32-row tiles).
+// four keeps 128 registers a thread or fewer, three 168, which these fit without spilling
+// (thanks to the 32-row tiles at head dim 64; the backward at four blocks would need tiles of
+// 16 and was slower).
 #define GRAFT_CAT(suffix, T, HD, KT, BT, FB, QB)                                             \
     extern "C" __global__ void __launch_bounds__(128, FB)                                    \
         graft_causal_attention_tc_forward_##suffix##_##HD(                                   \
@@ -769,8 +770,8 @@ __device__ void graft_cat_dkv(const T* q, const T* k, const T* v, const T* dout,
         graft_cat_dkv<T, HD, BT>(q, k, v, dout, lse, delta, dkv, batch, seq, heads,          \
                                  kv_heads, scale);                                           \
     }
-GRAFT_CAT(bf16, GraftBf16, 64, 64, 32, 3, 3)
+GRAFT_CAT(bf16, GraftBf16, 64, 32, 32, 4, 3)
 GRAFT_CAT(bf16, GraftBf16, 128, 32, 16, 3, 0)
-GRAFT_CAT(f16, GraftF16, 64, 64, 32, 3, 3)
+GRAFT_CAT(f16, GraftF16, 64, 32, 32, 4, 3)
 GRAFT_CAT(f16, GraftF16, 128, 32, 16, 3, 0)
 GRAFT_CAT(f32, float, 64, 32, 16, 3, 0)
