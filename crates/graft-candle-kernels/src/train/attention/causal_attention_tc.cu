@@ -100,9 +100,10 @@ struct GraftCatMma {
         a[3] = graft_cat_word(at + 8 * ld + 8);
     }
 
-    // A warp's 16 rows of an A operand over HD columns as fragments in registers, loaded
-    // once for every tile of the other side.
-    template <int HD>
+    // A warp's 16 rows of an A operand over HD columns: up to head dim 64 as fragments in
+    // registers, loaded once for every tile of the other side; above it (where they would cost
+    // occupancy) left in shared memory and read at each use.
+    template <int HD, bool REGS = (HD <= 64)>
     struct Rows {
         unsigned int x[HD / 16][4];
         __device__ __forceinline__ void load(const T* a, int ld) {
@@ -112,10 +113,21 @@ struct GraftCatMma {
             }
         }
     };
+    template <int HD>
+    struct Rows<HD, false> {
+        const T* a;
+        __device__ __forceinline__ void load(const T* at, int) { a = at; }
+    };
 
     template <int HD, int N>
-    static __device__ __forceinline__ void abt(float (*c)[4], const Rows<HD>& a, const T* b,
-                                               int ld) {
+    static __device__ __forceinline__ void abt(float (*c)[4], const Rows<HD, false>& a,
+                                               const T* b, int ld) {
+        abt<HD, N>(c, a.a, b, ld);
+    }
+
+    template <int HD, int N>
+    static __device__ __forceinline__ void abt(float (*c)[4], const Rows<HD, true>& a,
+                                               const T* b, int ld) {
         const unsigned int lane = threadIdx.x & 31u;
 #pragma unroll
         for (int n = 0; n < N; ++n) {
@@ -135,7 +147,7 @@ struct GraftCatMma {
 
     template <int HD, int N>
     static __device__ __forceinline__ void abt(float (*c)[4], const T* a, const T* b, int ld) {
-        Rows<HD> rows;
+        Rows<HD, true> rows;
         rows.load(a, ld);
         abt<HD, N>(c, rows, b, ld);
     }
@@ -173,11 +185,7 @@ struct GraftCatMma<float> {
     template <int HD>
     struct Rows {
         const float* a;
-        int ld;
-        __device__ __forceinline__ void load(const float* at, int stride) {
-            a = at;
-            ld = stride;
-        }
+        __device__ __forceinline__ void load(const float* at, int) { a = at; }
     };
 
     template <int HD, int N>
@@ -439,11 +447,8 @@ __device__ void graft_cat_forward(const T* q, const T* k, const T* v, T* out, fl
 
     graft_cat_stage<T, HD, GRAFT_CAT_ROWS>(qs, q + r.q0, r.qstride, r.row0, seq);
     __syncthreads();
-    // Q's fragments in registers at head dim 64 (at 128 they would cost occupancy).
     typename GraftCatMma<T>::template Rows<HD> qf;
-    if (HD <= 64) {
-        qf.load(qs + warp * 16 * P, P);
-    }
+    qf.load(qs + warp * 16 * P, P);
     // Scores in log2 units: exp(x * scale) = exp2(x * scale * log2(e)).
     const float scale2 = scale * GRAFT_CAT_LOG2E;
     float m[2] = {GRAFT_NEG_INF, GRAFT_NEG_INF};
@@ -461,11 +466,7 @@ __device__ void graft_cat_forward(const T* q, const T* k, const T* v, T* out, fl
             continue;  // no row of this warp sees a key of the tile
         }
         float s[NT][4];
-        if (HD <= 64) {
-            GraftCatMma<T>::template abt<HD, NT>(s, qf, ks, P);
-        } else {
-            GraftCatMma<T>::template abt<HD, NT>(s, qs + warp * 16 * P, ks, P);
-        }
+        GraftCatMma<T>::template abt<HD, NT>(s, qf, ks, P);
         // Scale (and mask where the tile reaches the diagonal or the sequence's end); each
         // row's new max over its quad's lanes.
         const bool whole = key0 + KT <= r.wrow0 + 1u && r.wrow0 + 16u <= seq;
@@ -580,13 +581,10 @@ __device__ void graft_cat_dq(const T* q, const T* k, const T* v, const T* o, con
     for (int n = 0; n < DT; ++n) {
         acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
     }
-    // Q's and dO's fragments in registers at head dim 64 (at 128 they would cost occupancy).
     typename GraftCatMma<T>::template Rows<HD> qf;
     typename GraftCatMma<T>::template Rows<HD> gf;
-    if (HD <= 64) {
-        qf.load(qs + warp * 16 * P, P);
-        gf.load(gs + warp * 16 * P, P);
-    }
+    qf.load(qs + warp * 16 * P, P);
+    gf.load(gs + warp * 16 * P, P);
     const float scale2 = scale * GRAFT_CAT_LOG2E;
     const unsigned int last = min(r.row0 + GRAFT_CAT_ROWS, seq) - 1u;
     GraftCatKeys<T, HD, KT> keys;
@@ -597,13 +595,8 @@ __device__ void graft_cat_dq(const T* q, const T* k, const T* v, const T* o, con
         }
         float s[NT][4];
         float dp[NT][4];
-        if (HD <= 64) {
-            GraftCatMma<T>::template abt<HD, NT>(s, qf, ks, P);   // S = Q K^T
-            GraftCatMma<T>::template abt<HD, NT>(dp, gf, vs, P);  // dP = dO V^T
-        } else {
-            GraftCatMma<T>::template abt<HD, NT>(s, qs + warp * 16 * P, ks, P);
-            GraftCatMma<T>::template abt<HD, NT>(dp, gs + warp * 16 * P, vs, P);
-        }
+        GraftCatMma<T>::template abt<HD, NT>(s, qf, ks, P);   // S = Q K^T
+        GraftCatMma<T>::template abt<HD, NT>(dp, gf, vs, P);  // dP = dO V^T
         // dS, in s.
         if (key0 + KT <= r.wrow0 + 1u && r.wrow0 + 16u <= seq) {
             graft_cat_ds<false, true, NT>(s, dp, nullptr, r.rows, key0, t, seq, scale2, lr, dl);
