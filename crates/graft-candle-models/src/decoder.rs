@@ -68,8 +68,8 @@ pub struct Decoder {
     pub(crate) shard: Option<Shard>,
     /// The model as graft-candle-kernels' `decode_step` takes it (its tensors shared), when
     /// the decoder is one it runs (dense, SiLU-gated, the fused attention, its vocabulary
-    /// not split over ranks) and the chain is on ([`Decoder::set_chained_step`]): a decode step of up to
-    /// `MATVEC_ROWS` rows is then that one chain of kernels.
+    /// not split over ranks) and the chain is on ([`Decoder::set_chained_step`]): a decode
+    /// step of up to `MATVEC_ROWS` rows is then that one chain of kernels.
     pub(crate) step: Option<StepModel>,
     /// Unique per decoder in this process: a signature key, so that a graph recorded for one
     /// decoder never replays for another (block-quantized weights cannot be statics).
