@@ -304,10 +304,10 @@ fn table(
         }
     );
     println!(
-        "bf16 decode step, median us: graft = graft-candle (call + sync), raw = hand-made single CUDA graph of the same step; TP = the slowest rank"
+        "bf16 decode step, median us: graft = graft-candle's decode_into (call_into + sync), raw = hand-made single CUDA graph of the same step; TP = the slowest rank; per rank: graft / raw, decode (call + sync) / raw, and host us of decode_into / decode / the raw launch"
     );
     println!(
-        "{:<8} {:>4} {:>12} {:>12} {:>12} {:>12} {:>10} {:>22}",
+        "{:<8} {:>4} {:>11} {:>11} {:>11} {:>11} {:>8} {:>13} {:>13} {:>29}",
         "model",
         "B",
         "1 GPU graft",
@@ -315,7 +315,9 @@ fn table(
         "TP graft",
         "TP raw",
         "speedup",
-        "graft/raw per rank"
+        "graft/raw",
+        "decode/raw",
+        "host per rank"
     );
     let mut json = Vec::new();
     for (mi, m) in o.models.iter().enumerate() {
@@ -324,12 +326,11 @@ fn table(
             let ranks: Vec<Timed> = reports.iter().map(|r| r.timed[mi][bi]).collect();
             let slowest = |f: fn(&Timed) -> f64| ranks.iter().map(f).fold(0.0, f64::max);
             let (tp_graft, tp_raw) = (slowest(|t| t.graft_us), slowest(|t| t.raw_us));
-            let per_rank: Vec<String> = ranks
-                .iter()
-                .map(|t| format!("{:.3}", t.graft_us / t.raw_us))
-                .collect();
+            let per_rank = |f: fn(&Timed) -> String| -> String {
+                ranks.iter().map(f).collect::<Vec<_>>().join(" ")
+            };
             println!(
-                "{:<8} {:>4} {:>12.1} {:>12.1} {:>12.1} {:>12.1} {:>9.2}x {:>22}",
+                "{:<8} {:>4} {:>11.1} {:>11.1} {:>11.1} {:>11.1} {:>7.2}x {:>13} {:>13} {:>29}",
                 m.name(),
                 batch,
                 single.graft_us,
@@ -337,26 +338,21 @@ fn table(
                 tp_graft,
                 tp_raw,
                 single.graft_us / tp_graft,
-                per_rank.join(" ")
+                per_rank(|t| format!("{:.3}", t.graft_us / t.raw_us)),
+                per_rank(|t| format!("{:.3}", t.fresh_us / t.raw_us)),
+                per_rank(|t| format!(
+                    "{:.1}/{:.1}/{:.1}",
+                    t.graft_host_us, t.fresh_host_us, t.raw_host_us
+                )),
             );
-            let ranks_json: Vec<String> = ranks
-                .iter()
-                .map(|t| {
-                    format!(
-                        "{{\"graft_us\":{:.1},\"graft_host_us\":{:.1},\"raw_us\":{:.1}}}",
-                        t.graft_us, t.graft_host_us, t.raw_us
-                    )
-                })
-                .collect();
-            json.push(format!(
-                "{{\"model\":\"{}\",\"batch\":{batch},\"procs\":{},\"one_gpu_graft_us\":{:.1},\"one_gpu_raw_us\":{:.1},\"one_gpu_graft_host_us\":{:.1},\"ranks\":[{}],\"tokens_identical\":{tokens_equal}}}",
-                m.name(),
-                o.procs,
-                single.graft_us,
-                single.raw_us,
-                single.graft_host_us,
-                ranks_json.join(",")
-            ));
+            json.push(serde_json::json!({
+                "model": m.name(),
+                "batch": batch,
+                "procs": o.procs,
+                "one_gpu": single,
+                "ranks": ranks,
+                "tokens_identical": tokens_equal,
+            }).to_string());
         }
     }
     o.timing.write_json(&json)

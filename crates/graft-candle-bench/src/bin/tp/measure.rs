@@ -26,12 +26,20 @@ pub(crate) type Tokens = Vec<Vec<Vec<u32>>>;
 /// One variant's step time at one batch size: medians in microseconds.
 #[derive(Clone, Copy, Debug, Serialize, Deserialize)]
 pub(crate) struct Timed {
-    /// graft-candle's decode step: the call and a synchronize of candle's stream.
+    /// graft-candle's decode step through `Decoder::decode_into` (the tokens decoded in place,
+    /// the statics made once): the call and a synchronize of candle's stream.
     pub(crate) graft_us: f64,
-    /// graft-candle's call alone (host time, before the synchronize).
+    /// Its call alone (host time, before the synchronize).
     pub(crate) graft_host_us: f64,
+    /// graft-candle's decode step through `Decoder::decode` (a fresh output tensor fed back,
+    /// the statics listed per call): the call and a synchronize.
+    pub(crate) fresh_us: f64,
+    /// Its call alone.
+    pub(crate) fresh_host_us: f64,
     /// The hand-made graph of the same step: a launch and a synchronize.
     pub(crate) raw_us: f64,
+    /// Its launch alone.
+    pub(crate) raw_host_us: f64,
 }
 
 /// The tokens of `steps` greedy decode steps under `graft`'s `step` (registered with
@@ -69,8 +77,9 @@ pub(crate) fn tokens(
         .collect()
 }
 
-/// graft-candle's decode step (`graft`'s `step`) against a hand-made graph of the same step
-/// at `batch`: `steps` timed steps each, alternating in `timing.rounds` rounds, each step
+/// graft-candle's decode step (`graft`'s `step`), through `decode_into` and through `decode`,
+/// against a hand-made graph of the same step at `batch`: `steps` timed steps each, in
+/// `timing.rounds` rounds (the order of the three reversed in every other round), each step
 /// followed by a synchronize of candle's stream; the medians.
 pub(crate) fn time_step(
     model: &Decoder,
@@ -92,49 +101,102 @@ pub(crate) fn time_step(
     let vocab = model.spec().vocab;
     let graft_cache = model.new_cache(batch, max_seq)?;
     let raw_cache = model.new_cache(batch, max_seq)?;
+    let statics = model.statics(&graft_cache);
     let example = first_tokens(batch, vocab, device)?;
     let raw = HandmadeGraph::capture(device.as_cuda_device()?, &example, |t| {
         model.greedy(&raw_cache, t)
     })?;
     let t = first_tokens(batch, vocab, device)?;
-    let (mut graft_us, mut host_us, mut raw_us) = (Vec::new(), Vec::new(), Vec::new());
-    for _ in 0..timing.rounds {
-        graft_cache.reset()?;
-        t.slice_set(&example, 0, 0)?;
-        device.synchronize()?;
-        for i in 0..SETTLE + per_round {
-            let start = Instant::now();
-            let out = model.decode(graft, step, &graft_cache, &t)?;
-            let host = start.elapsed().as_secs_f64() * 1e6;
-            device.synchronize()?;
-            if i >= SETTLE {
-                host_us.push(host);
-                graft_us.push(start.elapsed().as_secs_f64() * 1e6);
-            }
-            let next = out
-                .outputs
-                .into_iter()
-                .next()
-                .ok_or("the step returned no output")?;
-            // At one address, as in `tokens`.
-            t.slice_set(&next, 0, 0)?;
-        }
-        raw_cache.reset()?;
-        raw.set_tokens(&example)?;
-        device.synchronize()?;
-        for i in 0..SETTLE + per_round {
-            let start = Instant::now();
-            raw.launch()?;
-            device.synchronize()?;
-            if i >= SETTLE {
-                raw_us.push(start.elapsed().as_secs_f64() * 1e6);
+    let mut graft_us = Samples::default();
+    let mut fresh_us = Samples::default();
+    let mut raw_us = Samples::default();
+    for round in 0..timing.rounds {
+        // The variants' order alternates by round (the hand-made graph first in every other
+        // round), so that neither gains from running after the other.
+        let order = if round % 2 == 0 { [0, 1, 2] } else { [2, 1, 0] };
+        for variant in order {
+            match variant {
+                0 => {
+                    graft_cache.reset()?;
+                    t.slice_set(&example, 0, 0)?;
+                    device.synchronize()?;
+                    for i in 0..SETTLE + per_round {
+                        let start = Instant::now();
+                        model.decode_into(graft, step, &graft_cache, &statics, &t, &t)?;
+                        graft_us.time(i, start, || Ok(device.synchronize()?))?;
+                    }
+                }
+                1 => {
+                    graft_cache.reset()?;
+                    t.slice_set(&example, 0, 0)?;
+                    device.synchronize()?;
+                    for i in 0..SETTLE + per_round {
+                        let start = Instant::now();
+                        let out = model.decode(graft, step, &graft_cache, &t)?;
+                        fresh_us.time(i, start, || Ok(device.synchronize()?))?;
+                        let next = out
+                            .outputs
+                            .into_iter()
+                            .next()
+                            .ok_or("the step returned no output")?;
+                        // At one address, as in `tokens`.
+                        t.slice_set(&next, 0, 0)?;
+                    }
+                }
+                _ => {
+                    raw_cache.reset()?;
+                    raw.set_tokens(&example)?;
+                    device.synchronize()?;
+                    for i in 0..SETTLE + per_round {
+                        let start = Instant::now();
+                        raw.launch()?;
+                        raw_us.time(i, start, || Ok(device.synchronize()?))?;
+                    }
+                }
             }
         }
     }
     drop(t);
+    let (graft_us, graft_host_us) = graft_us.medians();
+    let (fresh_us, fresh_host_us) = fresh_us.medians();
+    let (raw_us, raw_host_us) = raw_us.medians();
     Ok(Timed {
-        graft_us: median(&mut graft_us),
-        graft_host_us: median(&mut host_us),
-        raw_us: median(&mut raw_us),
+        graft_us,
+        graft_host_us,
+        fresh_us,
+        fresh_host_us,
+        raw_us,
+        raw_host_us,
     })
+}
+
+/// One variant's step times and host times, in microseconds, after the settling steps.
+#[derive(Default)]
+struct Samples {
+    step: Vec<f64>,
+    host: Vec<f64>,
+}
+
+impl Samples {
+    /// Step `i`, started at `start` and launched now: its host time, then `sync`, then its
+    /// step time (kept from step `SETTLE` on).
+    fn time(
+        &mut self,
+        i: usize,
+        start: Instant,
+        sync: impl FnOnce() -> BenchResult<()>,
+    ) -> BenchResult<()> {
+        let host = start.elapsed().as_secs_f64() * 1e6;
+        sync()?;
+        if i >= SETTLE {
+            self.host.push(host);
+            self.step.push(start.elapsed().as_secs_f64() * 1e6);
+        }
+        Ok(())
+    }
+
+    /// The medians: step, host.
+    fn medians(mut self) -> (f64, f64) {
+        (median(&mut self.step), median(&mut self.host))
+    }
 }
