@@ -22,7 +22,10 @@
 //! Why two parities suffice: rank A's block `b` at epoch `e + 2` can only start once its
 //! block `b` at epoch `e + 1` saw every peer's flag `e + 1`; a peer P stores that flag in
 //! its own call of epoch `e + 1`, which starts only after P's call of epoch `e` ended (stream
-//! order: the kernel is never a programmatic dependent). So when A overwrites P's
+//! order: the kernel is never launched as a programmatic dependent; it lets one launched
+//! after it start early, at its own start, but every such kernel of graft's waits for its
+//! predecessor's end before it ends, so the next plain launch still follows this call's
+//! end). So when A overwrites P's
 //! `recv[e & 1][A]` slice `b` again, P has finished reading it. A can be one epoch ahead of P
 //! (it writes the other parity then, and its flag `e + 1` satisfies P's wait for `e`, which
 //! compares `>=`), never two. Every rank makes the same calls with the same sizes, so

@@ -74,6 +74,13 @@ __device__ __forceinline__ uint4 os_pack(const float* acc) {
 template <typename T>
 __device__ __forceinline__ void os_all_reduce(
     T* data, u64 count, unsigned char* mine, const u32* abort_word, u32 rank, u32 world) {
+    // 0. A programmatic dependent launched after this kernel (decode_step's next projection)
+    // may start now and ask L2 for its weights while the ranks exchange; it waits for this
+    // kernel's end before it reads the sum. A plain launch after it (the next call of this
+    // kernel among them) still waits for the whole kernel, as the protocol needs.
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
     __shared__ unsigned char* s_base[GRAFT_MAX_WORLD];
     __shared__ u32 s_epoch;
     __shared__ u32 s_aborted;
