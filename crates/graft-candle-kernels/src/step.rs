@@ -16,7 +16,9 @@
 //! A tensor-parallel rank's part of a model ([`StepShard`]) runs the same chain with its
 //! heads and MLP columns: one rank adds the residual stream into each block's partial output,
 //! the others write theirs alone, and the shard's sum over the ranks runs in place between
-//! the two kernels, so every rank holds the whole residual stream again.
+//! the two kernels, so every rank holds the whole residual stream again. With the vocabulary
+//! split too, the embedding kernel writes the rank's rows (zeros for the tokens of other
+//! ranks) and the sum follows it, and the head writes the rank's columns of the logits.
 
 #[cfg(feature = "cuda")]
 mod cuda;
@@ -87,9 +89,9 @@ pub type StepReduce = dyn Fn(Tensor) -> Result<Tensor> + Send + Sync;
 
 /// How a rank's part of a tensor-parallel model (Megatron style: the query, key and value
 /// projections split by heads, the output projection by its input columns, gate and up by
-/// rows, down by columns; the norms, the embedding and the head whole) joins the others in
-/// [`decode_step`]: after each block's attention and after its MLP, the ranks' partial
-/// outputs are summed into the residual stream.
+/// rows, down by columns; the norms whole, the embedding and the head whole or split by
+/// vocabulary rows) joins the others in [`decode_step`]: after each block's attention and
+/// after its MLP, the ranks' partial outputs are summed into the residual stream.
 #[derive(Clone)]
 pub struct StepShard {
     /// Whether this rank adds the residual stream into its partial outputs: exactly one
@@ -97,17 +99,45 @@ pub struct StepShard {
     pub adds_residual: bool,
     /// The sum over the ranks.
     pub reduce: Arc<StepReduce>,
+    /// With the vocabulary split over the ranks, the first vocabulary row of this rank's
+    /// embedding and head (`StepModel::embed` and `head` then hold its rows only): the
+    /// embedding takes the rows of the tokens in its range and zeros for the others, summed
+    /// over the ranks, and the step's logits are this rank's columns of the vocabulary.
+    /// `None`: both whole.
+    pub vocab_first: Option<usize>,
 }
 
 impl fmt::Debug for StepShard {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("StepShard")
             .field("adds_residual", &self.adds_residual)
+            .field("vocab_first", &self.vocab_first)
             .finish_non_exhaustive()
     }
 }
 
 impl StepShard {
+    /// The embedding of `tokens` from this rank's `rows` of a table split by vocabulary
+    /// rows from `first`: its rows of the tokens in its range, zeros for the others, summed
+    /// over the ranks (adding zeros is exact: every rank gets the whole table's rows). On
+    /// the CPU (the composition's; the kernel does the same on the device).
+    fn embed(&self, rows: &Tensor, tokens: &Tensor, first: usize) -> Result<Tensor> {
+        let n = rows.dim(0)?;
+        let ids = tokens.to_vec1::<u32>()?;
+        let local = |&t: &u32| (t as usize).checked_sub(first).filter(|&i| i < n);
+        let index: Vec<u32> = ids.iter().map(|t| local(t).unwrap_or(0) as u32).collect();
+        let mine: Vec<f32> = ids
+            .iter()
+            .map(|t| if local(t).is_some() { 1.0 } else { 0.0 })
+            .collect();
+        let device = rows.device();
+        let mine = Tensor::new(mine, device)?.to_dtype(rows.dtype())?;
+        let part = rows
+            .index_select(&Tensor::new(index, device)?, 0)?
+            .broadcast_mul(&mine.unsqueeze(1)?)?;
+        (self.reduce)(part)
+    }
+
     /// The residual stream after a block's attention or MLP: `x` plus the sum over the ranks
     /// of their partial outputs `y` (this rank's).
     fn join(&self, x: &Tensor, y: Tensor) -> Result<Tensor> {
@@ -141,7 +171,8 @@ pub fn decode_step_fits(
 /// position `positions[b]`, `[batch]` u32) in, the logits (`[batch, vocab]`, the model's
 /// dtype) out; writes each token's key and value into its layer's `caches` (`[rows,
 /// kv_heads, max_seq, head_dim]` each, one pair per layer) in its row (`rows[b]`, or b
-/// without rows) at its position. Reads and writes nothing else. At most [`TENSOR_ROWS`]
+/// without rows) at its position. Reads and writes nothing else. A rank of a model whose
+/// vocabulary is split ([`StepShard::vocab_first`]) gets its columns of the logits. At most [`TENSOR_ROWS`]
 /// rows in bf16 and f16, [`MATVEC_ROWS`] in f32 (see [`decode_step_fits`]).
 pub fn decode_step(
     model: &StepModel,
@@ -232,7 +263,15 @@ fn composed(
         Some(shard) => shard.join(x, y),
         None => x + y,
     };
-    let mut x = m.embed.index_select(tokens, 0)?;
+    let mut x = match &m.shard {
+        Some(
+            shard @ StepShard {
+                vocab_first: Some(first),
+                ..
+            },
+        ) => shard.embed(&m.embed, tokens, *first)?,
+        _ => m.embed.index_select(tokens, 0)?,
+    };
     let scale = 1.0 / (m.head_dim as f32).sqrt();
     for (l, (kc, vc)) in m.layers.iter().zip(caches) {
         let h = rms_norm(&x, &l.attn_norm, m.eps)?;

@@ -581,11 +581,14 @@ fn decode_step_refuses_what_it_does_not_run() {
     assert!(err.contains("1 key/value cache pairs"), "{err}");
 }
 
-/// A model split over two ranks steps as the whole model does (the CPU composition's sums).
+/// A model split over two ranks steps as the whole model does (the CPU composition's sums),
+/// with the vocabulary whole or split too.
 #[test]
 fn decode_step_of_two_shards_equals_the_whole_model() {
     for c in step_cases().into_iter().filter(|c| c.batch <= 2) {
-        check_step_shards(&Device::Cpu, &c, DType::F32).unwrap();
+        for split_vocab in [false, true] {
+            check_step_shards(&Device::Cpu, &c, DType::F32, split_vocab).unwrap();
+        }
     }
 }
 

@@ -328,7 +328,9 @@ fn gpu_decode_step_of_two_shards_equals_the_whole_model() {
     let dev = gpu();
     for c in step_cases() {
         for dtype in step_dtypes(&c) {
-            check_step_shards(&dev, &c, dtype).unwrap();
+            for split_vocab in [false, true] {
+                check_step_shards(&dev, &c, dtype, split_vocab).unwrap();
+            }
         }
     }
 }

@@ -118,7 +118,7 @@ impl Decoder {
     /// Whether a decode step of up to `MATVEC_ROWS` rows runs as graft-candle-kernels'
     /// `decode_step`, one chain of kernels each launched as a programmatic dependent of the
     /// one before (on, the default, where the decoder is one it runs: dense projections, a
-    /// SiLU-gated MLP, the fused attention, its vocabulary not split over ranks), or op by op
+    /// SiLU-gated MLP, the fused attention; a rank's part too, its vocabulary whole or split), or op by op
     /// (off). Steps recorded before the change keep what they recorded: register a new step
     /// to record the other way.
     pub fn set_chained_step(&mut self, on: bool) {

@@ -96,7 +96,7 @@ struct Options {
     split_vocab: bool,
     /// Decode op by op, on one GPU and on every rank, instead of as one chain of
     /// programmatic dependents (`Decoder::set_chained_step`; a rank's chain sums over the
-    /// ranks between its kernels; a split vocabulary always runs op by op).
+    /// ranks between its kernels, and with a split vocabulary after its embedding too).
     #[arg(long)]
     per_op: bool,
     /// Seconds the job of `--procs` processes may run before it is killed.
@@ -345,14 +345,17 @@ fn table(
                     t.graft_host_us, t.fresh_host_us, t.raw_host_us
                 )),
             );
-            json.push(serde_json::json!({
-                "model": m.name(),
-                "batch": batch,
-                "procs": o.procs,
-                "one_gpu": single,
-                "ranks": ranks,
-                "tokens_identical": tokens_equal,
-            }).to_string());
+            json.push(
+                serde_json::json!({
+                    "model": m.name(),
+                    "batch": batch,
+                    "procs": o.procs,
+                    "one_gpu": single,
+                    "ranks": ranks,
+                    "tokens_identical": tokens_equal,
+                })
+                .to_string(),
+            );
         }
     }
     o.timing.write_json(&json)

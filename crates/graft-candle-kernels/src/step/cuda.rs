@@ -13,7 +13,7 @@ use crate::attention::cuda::AttentionLaunch;
 use crate::linear::cuda::MatvecLaunch;
 use crate::nvrtc::{Args, Kernels, address, view};
 use crate::rope::cuda::RopeLaunch;
-use crate::{MATVEC_ROWS, MAX_PARTS};
+use crate::{MATVEC_ROWS, MAX_PARTS, check};
 
 static KERNELS: Kernels = Kernels::native("graft_kernels_step", include_str!("step.cu"));
 
@@ -107,16 +107,24 @@ fn run<T: WithDType + DeviceRepr + ValidAsZeroBits>(
         None => 0,
     };
 
-    // The embedding: the first kernel, after the allocations (no programmatic edge).
+    // The embedding: the first kernel, after the allocations (no programmatic edge); with
+    // a split vocabulary the rank's rows, summed over the ranks at once.
     let hidden = d.hidden as u32;
     let vocab = d.vocab as u32;
+    let vocab_first = m.shard.as_ref().and_then(|s| s.vocab_first);
+    let (split, first) = match vocab_first {
+        Some(first) => (1u32, check::u32_of(OP, "the first vocabulary row", first)?),
+        None => (0u32, 0u32),
+    };
     let tokens = addr(&op.tokens, "tokens")?;
     let mut args = Args::new();
     args.arg(&tokens)
         .arg(&embed)
         .arg(&h)
         .arg(&hidden)
-        .arg(&vocab);
+        .arg(&vocab)
+        .arg(&first)
+        .arg(&split);
     let config = LaunchConfig {
         grid_dim: (b as u32, 1, 1),
         block_dim: (256, 1, 1),
@@ -124,9 +132,13 @@ fn run<T: WithDType + DeviceRepr + ValidAsZeroBits>(
     };
     let name = format!("graft_step_embed_{}", T::DTYPE.as_str());
     // SAFETY: the arguments match `graft_step_embed_<dtype>(const unsigned int*, const T*, T*,
-    // unsigned int, unsigned int)`: tokens holds batch u32 (checked), the table vocab * hidden
-    // (checked), h batch * hidden in the scratch; the kernel clamps each token below vocab.
+    // unsigned int, unsigned int, unsigned int, unsigned int)`: tokens holds batch u32
+    // (checked), the table vocab * hidden (checked), h batch * hidden (the scratch or the
+    // rank's residual stream); the kernel reads only rows below vocab.
     unsafe { KERNELS.launch(device, stream, &name, config, false, &mut args) }?;
+    if vocab_first.is_some() {
+        reduce()?;
+    }
 
     // The RMS norm of the step's rows of `x` by `weight` into `out` (hidden each).
     let launch_norm = |x: u64, weight: u64, out: u64| -> Result<()> {

@@ -3,19 +3,30 @@
 
 // The embedding of the step's tokens: grid (batch), row b of the output is row tokens[b] of
 // the table (a token past the table reads its last row: the kernel cannot report it; the
-// CPU's index_select fails instead).
+// CPU's index_select fails instead). With `split` (a rank's rows of a table split by
+// vocabulary, from row `first`), row tokens[b] - first where the token is in the rank's range,
+// zeros where it is not.
 template <typename T>
 __device__ void graft_step_embed(const unsigned int* tokens, const T* table, T* out,
-                                 unsigned int hidden, unsigned int vocab) {
+                                 unsigned int hidden, unsigned int vocab, unsigned int first,
+                                 unsigned int split) {
     graft_pdl_trigger();
     graft_pdl_wait();
     const unsigned int b = blockIdx.x;
     unsigned int t = tokens[b];
-    if (t >= vocab) {
+    T* dst = out + (unsigned long long)b * hidden;
+    if (split) {
+        if (t < first || t - first >= vocab) {
+            for (unsigned int i = threadIdx.x; i < hidden; i += blockDim.x) {
+                dst[i] = graft_from_f32<T>(0.0f);
+            }
+            return;
+        }
+        t -= first;
+    } else if (t >= vocab) {
         t = vocab - 1u;
     }
     const T* src = table + (unsigned long long)t * hidden;
-    T* dst = out + (unsigned long long)b * hidden;
     for (unsigned int i = threadIdx.x; i < hidden; i += blockDim.x) {
         dst[i] = src[i];
     }
@@ -24,8 +35,8 @@ __device__ void graft_step_embed(const unsigned int* tokens, const T* table, T* 
 #define GRAFT_STEP_EMBED(suffix, T)                                                          \
     extern "C" __global__ void graft_step_embed_##suffix(                                    \
         const unsigned int* tokens, const T* table, T* out, unsigned int hidden,             \
-        unsigned int vocab) {                                                                \
-        graft_step_embed<T>(tokens, table, out, hidden, vocab);                              \
+        unsigned int vocab, unsigned int first, unsigned int split) {                        \
+        graft_step_embed<T>(tokens, table, out, hidden, vocab, first, split);                \
     }
 GRAFT_FOR_DTYPES(GRAFT_STEP_EMBED)
 

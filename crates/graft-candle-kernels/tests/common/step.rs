@@ -258,6 +258,12 @@ fn step_part(whole: &StepModel, rank: usize, world: usize, shard: StepShard) -> 
     let rows = |(w, b): &(Tensor, Option<Tensor>)| -> Result<(Tensor, Option<Tensor>)> {
         Ok((part(w, 0)?, b.as_ref().map(|b| part(b, 0)).transpose()?))
     };
+    // The embedding and the head: this rank's vocabulary rows where the shard splits them.
+    let vocab = |t: &Tensor| match shard.vocab_first {
+        Some(_) => part(t, 0),
+        None => Ok(t.clone()),
+    };
+    let (embed, head) = (vocab(&whole.embed)?, vocab(&whole.head)?);
     let layers = whole
         .layers
         .iter()
@@ -275,6 +281,8 @@ fn step_part(whole: &StepModel, rank: usize, world: usize, shard: StepShard) -> 
         })
         .collect::<Result<_>>()?;
     Ok(StepModel {
+        embed,
+        head,
         layers,
         heads: whole.heads / world,
         kv_heads: whole.kv_heads / world,
@@ -309,10 +317,17 @@ impl Slots {
 type RankRun = (Vec<Tensor>, Vec<(Tensor, Tensor)>);
 
 /// 12 steps of `c` split over two ranks (a thread each, on `device`), against the whole
-/// model on the same device: both ranks' logits, and each rank's key and value heads of the
-/// caches, within `dtype`'s tolerance (the sums are taken in another order). Rank 0 adds
-/// the residual stream; rank 1's reduce returns a new tensor, which the step copies back.
-pub fn check_step_shards(device: &Device, c: &StepCase, dtype: DType) -> Result<()> {
+/// model on the same device: both ranks' logits (with `split_vocab`, the embedding and the
+/// head split by vocabulary rows too: each rank's columns), and each rank's key and value
+/// heads of the caches, within `dtype`'s tolerance (the sums are taken in another order).
+/// Rank 0 adds the residual stream; rank 1's reduce returns a new tensor, which the step
+/// copies back.
+pub fn check_step_shards(
+    device: &Device,
+    c: &StepCase,
+    dtype: DType,
+    split_vocab: bool,
+) -> Result<()> {
     const WORLD: usize = 2;
     let whole = step_model(c, dtype, device)?;
     let whole_caches = step_caches(c.batch, dtype, device)?;
@@ -350,6 +365,7 @@ pub fn check_step_shards(device: &Device, c: &StepCase, dtype: DType) -> Result<
                     let shard = StepShard {
                         adds_residual: rank == 0,
                         reduce: Arc::new(move |part| slots.sum(rank, part)),
+                        vocab_first: split_vocab.then_some(rank * VOCAB / WORLD),
                     };
                     let model = step_part(whole, rank, WORLD, shard)?;
                     let mut caches = step_caches(c.batch, dtype, device)?;
@@ -373,8 +389,14 @@ pub fn check_step_shards(device: &Device, c: &StepCase, dtype: DType) -> Result<
     })?;
     for (rank, (logits, caches)) in ranks.iter().enumerate() {
         for (step, (got, want)) in logits.iter().zip(&want).enumerate() {
-            let what = format!("{c:?} {dtype:?} rank {rank} step {step} logits");
-            assert_close(&what, got, want, (atol, rtol))?;
+            let what = format!(
+                "{c:?} {dtype:?} rank {rank} step {step} logits (split vocabulary: {split_vocab})"
+            );
+            let want = match split_vocab {
+                true => want.narrow(1, rank * VOCAB / WORLD, VOCAB / WORLD)?,
+                false => want.clone(),
+            };
+            assert_close(&what, got, &want, (atol, rtol))?;
         }
         let heads = KV_HEADS / WORLD;
         for (i, ((k, v), (wk, wv))) in caches.iter().zip(&whole_caches).enumerate() {

@@ -20,19 +20,19 @@ impl Decoder {
         if !self.fused_attention || s.act != Activation::Silu {
             return None;
         }
-        // A rank's part sums its blocks' outputs over the ranks between the chain's kernels;
-        // a split vocabulary (the embedding's and the head's sums) runs op by op.
-        let shard = match &self.shard {
-            Some(sh) if sh.splits_vocab() => return None,
-            Some(sh) => {
-                let sh = sh.clone();
-                Some(StepShard {
-                    adds_residual: sh.rank() == 0,
-                    reduce: Arc::new(move |part| sh.reduce(part)),
-                })
+        // A rank's part sums its blocks' outputs over the ranks between the chain's kernels
+        // (and its embedding after the first, with a split vocabulary).
+        let shard = self.shard.as_ref().map(|sh| {
+            let vocab_first = sh
+                .splits_vocab()
+                .then(|| sh.rank() * (s.vocab / sh.world()));
+            let sh = sh.clone();
+            StepShard {
+                adds_residual: sh.rank() == 0,
+                reduce: Arc::new(move |part| sh.reduce(part)),
+                vocab_first,
             }
-            None => None,
-        };
+        });
         let dense = |p: &Proj| p.dense().map(|l| (l.weight().clone(), l.bias().cloned()));
         let unbiased = |p: &Proj| match dense(p) {
             Some((w, None)) => Some(w),
@@ -101,6 +101,11 @@ impl Decoder {
         let logits = match &lookup {
             Lookup::Rows(rows) => decode_step(step, &caches, tokens, positions, rows.as_ref())?,
             Lookup::Pages(table) => decode_step_paged(step, &caches, tokens, positions, table)?,
+        };
+        // A rank of a split vocabulary has its columns: the whole row gathered, as `head`.
+        let logits = match &self.shard {
+            Some(sh) if sh.splits_vocab() => sh.gather_vocab(&logits)?,
+            _ => logits,
         };
         Ok(Some(logits.to_dtype(DType::F32)?))
     }
