@@ -25,9 +25,10 @@ fn call_into_writes_the_given_tensors() -> TestResult {
 }
 
 /// A decode-like loop through `call_into` on the same tensors (tokens in one tensor the step
-/// reads and its output overwrites in place of a fresh one): after the warmup and the
-/// recording, 1,000 replays allocate nothing on the host (guards off: a guarded call captures,
-/// which allocates; graft-core's tests/no_alloc.rs counts the replays between guards).
+/// reads and its output overwrites in place of a fresh one), with as many statics as a model
+/// has weights (more than a call's inline scratch holds): after the warmup and the recording,
+/// 1,000 replays allocate nothing on the host (guards off: a guarded call captures, which
+/// allocates; graft-core's tests/no_alloc.rs counts the replays between guards).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn a_replay_into_the_same_tensors_allocates_nothing() -> TestResult {
@@ -41,15 +42,19 @@ fn a_replay_into_the_same_tensors_allocates_nothing() -> TestResult {
     let w = Tensor::arange(0f32, 64., &device)?;
     let x = Tensor::ones(64, DType::F32, &device)?;
     let out = [Tensor::zeros(64, DType::F32, &device)?];
+    let weights = (0..40)
+        .map(|i| Tensor::full(i as f32, 16, &device))
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    let statics: Vec<&Tensor> = std::iter::once(&w).chain(&weights).collect();
     let body = |t: &[Tensor]| -> candle_core::Result<Vec<Tensor>> {
         Ok(vec![((&t[0] * &w)?.affine(0.5, 1.0))?])
     };
     for _ in 0..4 {
-        graft.call_into(step, &[&x], &[&w], &[], &out, body)?;
+        graft.call_into(step, &[&x], &statics, &[], &out, body)?;
     }
     let before = allocations();
     for _ in 0..1000 {
-        let outcome = graft.call_into(step, &[&x], &[&w], &[], &out, body)?;
+        let outcome = graft.call_into(step, &[&x], &statics, &[], &out, body)?;
         assert!(matches!(outcome, StepOutcome::Replayed(_)), "{outcome:?}");
     }
     let allocated = allocations() - before;

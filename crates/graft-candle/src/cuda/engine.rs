@@ -60,6 +60,9 @@ pub(crate) struct CudaEngine {
     keys: Vec<u64>,
     /// Scratch: graft's outputs (the caller's tensors are in `Allocator::made`).
     outs: Vec<Output<OutputMeta>>,
+    /// Scratch: the call's inputs then statics as graft takes them, empty between calls (a
+    /// model's hundreds of statics would otherwise cost an allocation a call; see `reuse`).
+    all: Vec<&'static Buffer>,
     /// graft-cuda's handle on candle's stream (a clone of graft's device): asks whether a
     /// recording's capture was invalidated. Declared last, so dropped after `graft` (and with
     /// it every graph): trims the graph memory those graphs held.
@@ -187,6 +190,7 @@ impl CudaEngine {
             refusals: Refusals::default(),
             keys: Vec::new(),
             outs: Vec::new(),
+            all: Vec::new(),
             cuda: TrimOnDrop(device),
         })
     }
@@ -283,11 +287,8 @@ impl CudaEngine {
                 Ok::<_, Error>(Buffer::external(device, DevicePtr(addr), len, None))
             })?;
         }
-        let all: SmallVec<[&Buffer; 16]> = self
-            .inputs
-            .buffers(step)
-            .chain(self.statics.buffers(step))
-            .collect();
+        let mut all = reuse(std::mem::take(&mut self.all));
+        all.extend(self.inputs.buffers(step).chain(self.statics.buffers(step)));
 
         let mut allocator = Allocator {
             candle: &self.candle,
@@ -315,6 +316,7 @@ impl CudaEngine {
             &mut allocator,
             &mut self.outs,
         );
+        self.all = reuse(all);
         let delivered = self.outs.len();
         self.outs.clear();
         if matches!(attempt, Attempt::Refused { .. }) {
@@ -357,6 +359,14 @@ impl CudaEngine {
             outcome,
         })
     }
+}
+
+/// `v` emptied, as references of another lifetime, in the same allocation: std collects a
+/// mapped `vec::IntoIter` in place where the two element types have one layout, as these do
+/// (the map never runs: the vector is empty).
+fn reuse<'b, T>(mut v: Vec<&T>) -> Vec<&'b T> {
+    v.clear();
+    v.into_iter().map(|_| unreachable!("emptied")).collect()
 }
 
 /// One run of the body under graft (a warmup, a recording, an eager run). A run after a
@@ -473,4 +483,20 @@ fn external_outputs(
         outputs.push(Output::new(buffer, meta));
     }
     Ok(outputs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::reuse;
+
+    #[test]
+    fn reuse_keeps_the_allocation() {
+        let values = [1u64, 2, 3];
+        let mut v: Vec<&u64> = Vec::with_capacity(400);
+        v.extend(&values);
+        let (at, capacity) = (v.as_ptr() as usize, v.capacity());
+        let again: Vec<&'static u64> = reuse(v);
+        assert!(again.is_empty());
+        assert_eq!((again.as_ptr() as usize, again.capacity()), (at, capacity));
+    }
 }
