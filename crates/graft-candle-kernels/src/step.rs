@@ -172,8 +172,8 @@ pub fn decode_step_fits(
 /// dtype) out; writes each token's key and value into its layer's `caches` (`[rows,
 /// kv_heads, max_seq, head_dim]` each, one pair per layer) in its row (`rows[b]`, or b
 /// without rows) at its position. Reads and writes nothing else. A rank of a model whose
-/// vocabulary is split ([`StepShard::vocab_first`]) gets its columns of the logits. At most [`TENSOR_ROWS`]
-/// rows in bf16 and f16, [`MATVEC_ROWS`] in f32 (see [`decode_step_fits`]).
+/// vocabulary is split ([`StepShard::vocab_first`]) gets its columns of the logits. At most
+/// [`TENSOR_ROWS`] rows in bf16 and f16, [`MATVEC_ROWS`] in f32 (see [`decode_step_fits`]).
 pub fn decode_step(
     model: &StepModel,
     caches: &[(Tensor, Tensor)],
