@@ -151,7 +151,10 @@ impl CandleGraft {
     /// position and checks per call only that the same tensors are passed (a tensor id
     /// comparison); another tensor at a position means a new recording, never a stale
     /// address. `keys` are integers of your own that must match for a replay (the bucket,
-    /// for one). The inputs' dtypes and shapes are keys too.
+    /// for one). The inputs' dtypes and shapes are keys too, and so are candle's
+    /// reduced-precision GEMM switches (`candle_core::cuda::set_gemm_reduced_precision_f32`
+    /// and its f16 and bf16 twins): a step called after one is flipped warms up and records
+    /// again.
     ///
     /// `body` is ordinary candle code. Under graft it may run (warmup, recording, eager
     /// fallback) or not (replay); it must not read results to the host, upload host data

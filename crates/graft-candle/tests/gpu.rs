@@ -1,7 +1,8 @@
 //! graft-candle on a CUDA GPU (ignored in CI; `--include-ignored` on the GPU machine, through
 //! `scripts/stage.sh --candle-cuda` and `scripts/gpu-run.sh`): graft-cuda over candle's
-//! stream, the device set up for capture, the device-side generator replayed, and
-//! `call_into`'s outputs and allocations (counted with a global allocator).
+//! stream, the device set up for capture, the device-side generator replayed,
+//! `call_into`'s outputs and allocations (counted with a global allocator), and candle's TF32
+//! switch as part of a call's signature.
 #![cfg(feature = "cuda")]
 
 use graft_candle::candle_core::{DType, Tensor};
@@ -61,6 +62,80 @@ fn a_replay_into_the_same_tensors_allocates_nothing() -> TestResult {
     let want: Vec<f32> = (0..64).map(|i| i as f32 * 0.5 + 1.0).collect();
     assert_eq!(out[0].to_vec1::<f32>()?, want);
     assert_eq!(allocated, 0, "host allocations in 1,000 replays");
+    Ok(())
+}
+
+/// candle's TF32 switch is part of a call's signature: a step recorded with it off warms up
+/// and records again once it is on, and its replays then equal eager execution under it (a
+/// replay of the first recording would keep the full-precision GEMM).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn flipping_tf32_records_the_step_again() -> TestResult {
+    use graft_candle::candle_core::cuda::{
+        gemm_reduced_precision_f32, set_gemm_reduced_precision_f32,
+    };
+    /// Puts the switch back however the test ends.
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            set_gemm_reduced_precision_f32(self.0);
+        }
+    }
+    let _restore = Restore(gemm_reduced_precision_f32());
+    let device = gpu();
+    let mut graft = CandleGraft::new(&device)?;
+    let step = graft.register("matmul");
+    let a = Tensor::arange(0f32, 65536., &device)?
+        .reshape((256, 256))?
+        .affine(1e-3, 0.)?
+        .sin()?;
+    let b = a.t()?.cos()?;
+    let body = |t: &[Tensor]| -> candle_core::Result<Vec<Tensor>> { Ok(vec![t[0].matmul(&t[1])?]) };
+    let values = |t: &Tensor| t.flatten_all()?.to_vec1::<f32>();
+    /// Four calls with the switch at one setting: their outcomes, the last call's values and
+    /// eager execution's.
+    struct Run {
+        outcomes: Vec<StepOutcome>,
+        graft: Vec<f32>,
+        eager: Vec<f32>,
+    }
+    let mut run = |tf32: bool| -> Result<Run, Box<dyn std::error::Error>> {
+        set_gemm_reduced_precision_f32(tf32);
+        let mut outcomes = Vec::new();
+        let mut graft_values = Vec::new();
+        for _ in 0..4 {
+            let s = graft.call(step, &[&a, &b], &[], &[], body)?;
+            outcomes.push(s.outcome);
+            graft_values = values(&s.outputs[0])?;
+        }
+        Ok(Run {
+            outcomes,
+            graft: graft_values,
+            eager: values(&a.matmul(&b)?)?,
+        })
+    };
+    let (off, on) = (run(false)?, run(true)?);
+    assert_ne!(
+        on.eager, off.eager,
+        "TF32 changed no bit of this product: the test shows nothing"
+    );
+    assert!(
+        matches!(off.outcomes[3], StepOutcome::Replayed(_)),
+        "{:?}",
+        off.outcomes
+    );
+    assert_eq!(off.graft, off.eager);
+    assert!(
+        !matches!(on.outcomes[0], StepOutcome::Replayed(_)),
+        "replayed across the switch: {:?}",
+        on.outcomes
+    );
+    assert!(
+        matches!(on.outcomes[3], StepOutcome::Replayed(_)),
+        "{:?}",
+        on.outcomes
+    );
+    assert_eq!(on.graft, on.eager);
     Ok(())
 }
 

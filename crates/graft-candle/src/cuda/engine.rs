@@ -260,6 +260,7 @@ impl CudaEngine {
         }
         self.keys.clear();
         self.keys.extend_from_slice(keys);
+        self.keys.push(precision_key());
         for t in &self.contiguous {
             push_shape_keys(&mut self.keys, t);
         }
@@ -483,6 +484,19 @@ fn external_outputs(
         outputs.push(Output::new(buffer, meta));
     }
     Ok(outputs)
+}
+
+/// candle's reduced-precision GEMM switches (TF32 for f32, reduced reductions for f16 and
+/// bf16) as one key: candle reads them at every matmul it launches, so a recording holds the
+/// GEMMs of the switches it was made under, and a call under others must record anew (as
+/// PyTorch's compiled graphs guard on `allow_tf32`), not replay them.
+fn precision_key() -> u64 {
+    use candle_core::cuda::{
+        gemm_reduced_precision_bf16, gemm_reduced_precision_f16, gemm_reduced_precision_f32,
+    };
+    u64::from(gemm_reduced_precision_f32())
+        | u64::from(gemm_reduced_precision_f16()) << 1
+        | u64::from(gemm_reduced_precision_bf16()) << 2
 }
 
 #[cfg(test)]
