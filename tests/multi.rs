@@ -260,6 +260,54 @@ fn steps_record_and_replay<D: TestGroupDevice>() {
 }
 group_test!(steps_record_and_replay, steps_record_and_replay);
 
+/// A step whose input is new memory on every call, used in place (a framework's fresh token
+/// tensor): the graph holds the all-reduce (NCCL's kernel on CUDA, whose parameters graft
+/// cannot read), so it cannot follow the input. The first move records once more with the
+/// input copied into the graph, and every later step replays that recording, on every rank,
+/// with the right values.
+fn moved_inputs_of_a_collective_replay_after_one_recording<D: TestGroupDevice>() {
+    let c = start::<D>(Config::default(), AGREEMENT);
+    for s in 1..=10 {
+        let results = c
+            .step(move |rank, r| {
+                let x_at = r.g.device().queue().raw_alloc(N * 4).unwrap();
+                r.hog.push(x_at);
+                let x = Buffer::external(r.g.device().id(), x_at, N * 4, None);
+                x.mark_in_place();
+                r.g.write_f32(&x, &x_of(rank, s, N)).unwrap();
+                let mut out = Vec::new();
+                let outcome =
+                    r.g.call_into(r.f, &[&x], &[], body::<D>(&r.comm, Fault::None), &mut out)?;
+                Ok((outcome, r.g.read_f32(&out[0].buffer).unwrap()))
+            })
+            .expect("no rank panics");
+        let outcomes = values_ok(results, s);
+        match s {
+            1 => assert!(
+                outcomes.iter().all(|o| *o == Outcome::Warmup),
+                "{outcomes:?}"
+            ),
+            2 | 3 => assert_all_recorded(&outcomes),
+            _ => assert_all_replayed(&outcomes),
+        }
+    }
+    let stats = c
+        .step(|_, r| {
+            r.g.device().queue().synchronize().unwrap();
+            free_all(r);
+            r.g.stats()
+        })
+        .unwrap();
+    for s in stats {
+        assert_eq!((s.recordings, s.replays), (2, 7), "{s:?}");
+        assert_eq!(s.rerecords.in_place_input_moved, 1, "{s:?}");
+    }
+}
+group_test!(
+    moved_inputs_of_a_collective,
+    moved_inputs_of_a_collective_replay_after_one_recording
+);
+
 /// (b) Rank 1's capture fails: both ranks run the call eagerly, with the right values, and the
 /// signature stays eager on both.
 fn one_capture_failure_makes_every_rank_eager<D: TestGroupDevice>() {

@@ -570,8 +570,10 @@ impl<D: Device, M: Clone> Graft<D, M> {
         self.functions[function].touch(sig);
     }
 
-    /// A recording is due for `reason`: the watch hears of a moved static input, and the
-    /// re-record limit counts an unexpected miss.
+    /// A recording is due for `reason`: the watch hears of a moved static input, an in-place
+    /// input a recording could not follow is copied by the signature's recordings from now on
+    /// (so it replays wherever the caller's buffer is, instead of recording at each new
+    /// address), and the re-record limit counts an unexpected miss.
     fn count_miss(
         &mut self,
         function: FunctionId,
@@ -579,8 +581,21 @@ impl<D: Device, M: Clone> Graft<D, M> {
         parent: Option<NodeKey>,
         reason: &RecordReason,
     ) {
-        if let RecordReason::StaticAddressChanged { position, .. } = reason {
-            self.functions[function].moved_static(sig, *position);
+        match *reason {
+            RecordReason::StaticAddressChanged { position, .. } => {
+                self.functions[function].moved_static(sig, position);
+            }
+            RecordReason::InPlaceInputMoved { position, .. } => {
+                let f = &mut self.functions[function];
+                if !f.sigs[sig].copy_in_place.contains(&position) {
+                    tracing::debug!(
+                        function = %f.name, position,
+                        "an in-place input the graph cannot follow moved: recordings copy it from now on"
+                    );
+                    f.sigs[sig].copy_in_place.push(position);
+                }
+            }
+            _ => {}
         }
         if reason.is_unexpected() {
             self.policy.count_rerecord(parent, function);

@@ -60,7 +60,9 @@ pub enum RecordReason {
     },
     /// An in-place input moved, and the candidate's graph uses it in a way the device cannot
     /// redirect (a copy or memset node touches it, a kernel whose parameters cannot be read),
-    /// so it replays only at the address it was recorded with.
+    /// so it replays only at the address it was recorded with. The signature's recordings copy
+    /// the input into a placeholder from then on, so one more recording replays wherever the
+    /// caller's buffer is.
     InPlaceInputMoved {
         /// Input position.
         position: usize,
@@ -154,7 +156,7 @@ impl fmt::Display for RecordReason {
                 now,
             } => write!(
                 f,
-                "in-place input moved: input {position} was recorded at {recorded}, now at {now}, and the device cannot redirect every use of it in the graph (a copy or memset touches it); pass it at a stable address or as a copied input"
+                "in-place input moved: input {position} was recorded at {recorded}, now at {now}, and the device cannot redirect every use of it in the graph (a copy or memset touches it, or a kernel whose parameters it cannot read, such as NCCL's); graft records again with the input copied into the graph, and copies it from now on"
             ),
             RecordReason::InPlaceInputOverlapsFootprint { position } => write!(
                 f,

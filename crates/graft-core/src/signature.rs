@@ -26,6 +26,9 @@ pub(crate) struct Signature {
     pub(crate) eager: Option<EagerReason>,
     /// Copied inputs the body was found to write: recordings copy them back to the caller.
     pub(crate) mutated: Vec<usize>,
+    /// In-place inputs found at a new address where a recording could not follow them:
+    /// recordings copy them into a placeholder instead (see `RecordReason::InPlaceInputMoved`).
+    pub(crate) copy_in_place: Vec<usize>,
     /// A node of this signature was attached to the tree once: it is never recycled.
     pub(crate) recorded: bool,
     /// When a call last used it, by [`Function::touch`]: orders recycling.
@@ -47,6 +50,7 @@ impl Signature {
             warmups_done: 0,
             eager,
             mutated: Vec::new(),
+            copy_in_place: Vec::new(),
             recorded: false,
             used: 0,
             calls: 0,

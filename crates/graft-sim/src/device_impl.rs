@@ -434,8 +434,9 @@ impl Device for SimDevice {
         Ok(graph.summary)
     }
 
-    /// Redirects exactly (every access inside the range, by kernels and copies, goes to `to`):
-    /// the simulator sees every access, so it always can.
+    /// Redirects exactly (every access inside the range, by kernels and copies, goes to `to`)
+    /// where graft-cuda's patcher could on CUDA (`SimGraph::can_redirect`), and refuses where
+    /// it could not: the simulator sees every access, but its graphs follow CUDA's rules.
     fn redirect(
         &self,
         _: &CoreOnly,
@@ -450,6 +451,9 @@ impl Device for SimDevice {
                 op: DeviceOp::GraphUpdate,
                 what: FOREIGN_GRAPH,
             });
+        }
+        if to.is_some() && !graph.can_redirect(from, len, copy) {
+            return Ok(false);
         }
         graph.redirect(from, len, copy, to);
         Ok(true)

@@ -44,6 +44,26 @@ impl SimGraph {
         }
     }
 
+    /// Whether every use of `[from, + len)` can be moved, as graft-cuda's patcher decides on
+    /// CUDA: not in a graph holding a kernel launched without declared arguments (whose
+    /// parameters CUDA would not show, as NCCL's), a child graph or a conditional node, nor
+    /// where a copy other than the input's own (`copy`) touches the range.
+    pub(crate) fn can_redirect(&self, from: DevicePtr, len: usize, copy: Option<CopyEnds>) -> bool {
+        fn walk(ops: &[Op], range: (u64, u64), copy: Option<CopyEnds>) -> bool {
+            let touches = |at: DevicePtr, n: usize| at.0 < range.1 && range.0 < at.0 + n as u64;
+            ops.iter().all(|op| match op {
+                Op::Kernel { args, .. } => args.is_some(),
+                Op::Copy { dst, src, len } => {
+                    let own = copy.is_some_and(|c| c.dst == *dst && c.src == *src);
+                    own || !(touches(*dst, *len) || touches(*src, *len))
+                }
+                Op::Fork { side, main } => walk(side, range, copy) && walk(main, range, copy),
+                Op::Child(_) | Op::Conditional { .. } => false,
+            })
+        }
+        walk(&self.ops, (from.0, from.0 + len as u64), copy)
+    }
+
     /// Re-points the top-level copy with ends `recorded` to the ends `now` (see
     /// `Device::repoint_copy`).
     pub(crate) fn repoint_copy(

@@ -48,7 +48,7 @@ fn run(
             let (next, outcome) = decode(graft, step, model, &cache, &t)?;
             // Fed back at one address: a graph holding NCCL kernels is opaque to graft-cuda's
             // patching (they find their buffers through work descriptors of their own), so an
-            // input that moved would be recorded again, not followed.
+            // input that moved would be recorded once more and then copied on every step.
             t.slice_set(&next, 0, 0)?;
             if i >= 2 && graft.is_graphed() {
                 assert!(

@@ -44,7 +44,9 @@ pub(super) struct Captured<G, M> {
 
 impl<D: Device, M: Clone> Graft<D, M> {
     /// Classifies the inputs (static: declared or marked; managed: an output of a node on the
-    /// path in this generation, of this runtime; in place: marked; copied: everything else)
+    /// path in this generation, of this runtime; in place: marked, unless the signature copies
+    /// it since it moved where a recording could not follow it, and any input that overlaps
+    /// another; copied: everything else)
     /// and allocates a placeholder for each copied one. A guard's capture (`like`: the node it
     /// guards) copies what that node copies, so that the two graphs compare node for node: a
     /// node recorded with a copied input replays for a managed one too. On error, returns the
@@ -59,6 +61,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
         let name = function.name.clone();
         let spec_static = function.spec.static_inputs.clone();
         let mutated = function.sigs[frame.sig].mutated.clone();
+        let copy_in_place = function.sigs[frame.sig].copy_in_place.clone();
         let generation = self.generation;
         let path = self.tree.path_nodes(parent);
         let copied_by_like = |position: usize| {
@@ -70,7 +73,34 @@ impl<D: Device, M: Clone> Graft<D, M> {
             })
         };
         let copy: Vec<bool> = (0..frame.inputs.len()).map(copied_by_like).collect();
+        // An in-place input stays in place where the signature does not copy it, or where
+        // `like` took it in place (recorded before the signature began to copy it).
+        let in_place = |position: usize| {
+            !copy_in_place.contains(&position)
+                || like.is_some_and(|key| {
+                    matches!(
+                        self.tree[key].inputs.get(position),
+                        Some(InputSlot::InPlace { .. })
+                    )
+                })
+        };
         let n = frame.inputs.len();
+        // Inputs that overlap another input: copying one would hide the body's writes through
+        // the other, so both are used in place, where they are.
+        let range = |i: usize| {
+            let at = frame.addrs[i].0;
+            (at, at + frame.inputs[i].len() as u64)
+        };
+        let aliased: Vec<bool> = (0..n)
+            .map(|i| {
+                let (s, e) = range(i);
+                s < e
+                    && (0..n).any(|j| {
+                        let (os, oe) = range(j);
+                        j != i && os < oe && os < e && s < oe
+                    })
+            })
+            .collect();
         let mut p = Prepared {
             slots: Vec::with_capacity(n),
             ctx_inputs: Vec::with_capacity(n),
@@ -91,7 +121,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 (InputSlot::Static { addr }, (*b).clone())
             } else if managed {
                 (InputSlot::Managed { addr }, (*b).clone())
-            } else if cell.is_in_place() {
+            } else if aliased[position] || (cell.is_in_place() && in_place(position)) {
                 let slot = InputSlot::InPlace {
                     recorded: addr,
                     at: addr,

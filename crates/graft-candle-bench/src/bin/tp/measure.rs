@@ -68,7 +68,8 @@ pub(crate) fn tokens(
                         .ok_or("the step returned no output")?;
                     // Fed back at one address: a graph holding NCCL kernels is opaque to
                     // graft-cuda's patching (they find their buffers through work descriptors
-                    // of their own), so an input that moved would be recorded again.
+                    // of their own), so an input that moved would be recorded once more and
+                    // then copied into the graph on every step.
                     t.slice_set(&next, 0, 0)?;
                     Ok(next.to_vec1::<u32>()?)
                 })
