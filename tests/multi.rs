@@ -308,6 +308,68 @@ group_test!(
     moved_inputs_of_a_collective_replay_after_one_recording
 );
 
+/// The same when the collective writes the moved input itself (an all-reduce in place, as a
+/// rank sums its residual stream): once copied, the write is caught on the recording's first
+/// launch and copied back inside the graph from then on, so every caller's buffer holds the
+/// sum after its call, as eager execution leaves it.
+fn moved_inputs_a_collective_writes_stay_eager<D: TestGroupDevice>() {
+    let c = start::<D>(Config::default(), AGREEMENT);
+    let mut replays = vec![0usize; WORLD];
+    for s in 1..=10 {
+        let results = c
+            .step(move |rank, r| {
+                let x_at = r.g.device().queue().raw_alloc(N * 4).unwrap();
+                r.hog.push(x_at);
+                let x = Buffer::external(r.g.device().id(), x_at, N * 4, None);
+                x.mark_in_place();
+                r.g.write_f32(&x, &x_of(rank, s, N)).unwrap();
+                let comm = &r.comm;
+                let body = |ctx: &mut Ctx<'_, D>| {
+                    let x = ctx.input(0).clone();
+                    D::all_reduce(comm, &x, N)?;
+                    let out = ctx.alloc(x.len())?;
+                    ctx.queue().axpb_f32(&out, &x, A, B, N)?;
+                    Ok(vec![Output::new(out, N as u32)])
+                };
+                let mut out = Vec::new();
+                let outcome = r.g.call_into(r.f, &[&x], &[], body, &mut out)?;
+                let sum = r.g.read_f32(&x).unwrap();
+                Ok::<_, CallError>((outcome, sum, r.g.read_f32(&out[0].buffer).unwrap()))
+            })
+            .expect("no rank panics");
+        let sum: Vec<f32> = (0..N)
+            .map(|i| (0..WORLD).map(|r| x_of(r, s, N)[i]).sum())
+            .collect();
+        let want: Vec<f32> = sum.iter().map(|v| A.mul_add(*v, B)).collect();
+        for (rank, result) in results.into_iter().enumerate() {
+            let (outcome, x, out) = result.unwrap_or_else(|e| panic!("rank {rank}, step {s}: {e}"));
+            assert_eq!(
+                x, sum,
+                "rank {rank}, step {s}: the caller's buffer ({outcome:?})"
+            );
+            assert_eq!(out, want, "rank {rank}, step {s}: the output ({outcome:?})");
+            replays[rank] += usize::from(matches!(outcome, Outcome::Replayed(_)));
+        }
+    }
+    let stats = c
+        .step(|_, r| {
+            r.g.device().queue().synchronize().unwrap();
+            free_all(r);
+            r.g.stats()
+        })
+        .unwrap();
+    // Recorded in place, then copied (its write caught, the node retired), then copied with
+    // the copy back: three recordings, then replays.
+    for (s, replays) in stats.into_iter().zip(replays) {
+        assert_eq!((s.recordings, s.mutated_inputs), (3, 1), "{s:?}");
+        assert_eq!(replays, 6, "{s:?}");
+    }
+}
+group_test!(
+    moved_inputs_a_collective_writes,
+    moved_inputs_a_collective_writes_stay_eager
+);
+
 /// (b) Rank 1's capture fails: both ranks run the call eagerly, with the right values, and the
 /// signature stays eager on both.
 fn one_capture_failure_makes_every_rank_eager<D: TestGroupDevice>() {
