@@ -596,3 +596,60 @@ fn aliased_inputs_see_the_bodys_writes<D: TestDevice>(device: D) {
     assert_eq!(g.stats().mutated_inputs, 0, "{:?}", g.stats());
 }
 device_test!(aliased_written, aliased_inputs_see_the_bodys_writes);
+
+/// Two copied inputs recorded apart and passed later as one buffer: the replay would copy it
+/// into both placeholders, and the body's write through the first would not reach its read
+/// through the second. The call records again instead (`InputsOverlap`), both inputs in
+/// place, and every value is eager's.
+fn copied_inputs_that_come_to_overlap_record_again<D: TestDevice>(device: D) {
+    let mut g = graft(device, unguarded());
+    let f = g.register("bump+read", FunctionSpec::inference(Vec::<usize>::new()));
+    let n = 8;
+    let (a, b) = (
+        Foreign::new(&g, &values(0.0, n)),
+        Foreign::new(&g, &values(100.0, n)),
+    );
+    let mut want_a = values(0.0, n);
+    for step in 0..8 {
+        // Apart for six calls (warmup, a recording whose write is caught, the recording that
+        // copies back, replays), then the same buffer twice.
+        let second = if step < 6 { &b } else { &a };
+        let (x, y) = (a.buffer(), second.buffer());
+        let mut out = Vec::new();
+        let outcome = g
+            .call_into(
+                f,
+                &[&x, &y],
+                &[],
+                |ctx: &mut Ctx<'_, D>| {
+                    let (x, y) = (ctx.input(0).clone(), ctx.input(1).clone());
+                    ctx.queue().axpb_f32(&x, &x, 1.0, 1.0, n)?;
+                    let out = ctx.alloc(y.len())?;
+                    ctx.queue().axpb_f32(&out, &y, 2.0, 0.0, n)?;
+                    Ok(vec![Output::new(out, 0)])
+                },
+                &mut out,
+            )
+            .unwrap();
+        want_a.iter_mut().for_each(|v| *v += 1.0);
+        let read_through = if step < 6 {
+            values(100.0, n)
+        } else {
+            want_a.clone()
+        };
+        assert_eq!(
+            read(&g, &out[0].buffer),
+            host_affine(&read_through, 2.0, 0.0),
+            "step {step}: {outcome:?}"
+        );
+        assert_eq!(read(&g, &a.buffer()), want_a, "step {step}: {outcome:?}");
+        if step == 6 {
+            assert!(matches!(outcome, Outcome::Recorded(_)), "{outcome:?}");
+        }
+    }
+    assert_eq!(g.stats().rerecords.inputs_overlap, 1, "{:?}", g.stats());
+}
+device_test!(
+    come_to_overlap,
+    copied_inputs_that_come_to_overlap_record_again
+);

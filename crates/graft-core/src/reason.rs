@@ -71,6 +71,15 @@ pub enum RecordReason {
         /// Address passed now.
         now: DevicePtr,
     },
+    /// A copied input overlaps another copied or in-place input, where the candidate recorded
+    /// them apart: a placeholder copy would hide the body's writes through the other, so the
+    /// recording uses both in place.
+    InputsOverlap {
+        /// Position of the copied input.
+        position: usize,
+        /// Position of the input it overlaps.
+        other: usize,
+    },
     /// An in-place input lies in memory the candidate's graph writes.
     InPlaceInputOverlapsFootprint {
         /// Input position.
@@ -108,6 +117,7 @@ impl RecordReason {
                 "written input overlaps the graph's memory"
             }
             RecordReason::InPlaceInputMoved { .. } => "in-place input moved",
+            RecordReason::InputsOverlap { .. } => "inputs overlap",
             RecordReason::InPlaceInputOverlapsFootprint { .. } => {
                 "in-place input overlaps the graph's memory"
             }
@@ -157,6 +167,10 @@ impl fmt::Display for RecordReason {
             } => write!(
                 f,
                 "in-place input moved: input {position} was recorded at {recorded}, now at {now}, and the device cannot redirect every use of it in the graph (a copy or memset touches it, or a kernel whose parameters it cannot read, such as NCCL's); graft records again with the input copied into the graph, and copies it from now on"
+            ),
+            RecordReason::InputsOverlap { position, other } => write!(
+                f,
+                "inputs overlap: copied input {position} now overlaps input {other}, which the candidate recorded apart; graft records again with both used in place, so that the body's writes through one reach the other as they do eagerly"
             ),
             RecordReason::InPlaceInputOverlapsFootprint { position } => write!(
                 f,

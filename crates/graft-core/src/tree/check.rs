@@ -125,6 +125,16 @@ impl<G, M> Tree<G, M> {
                 }
             }
         }
+        // A copied input must not overlap another input recorded apart from it: the copy
+        // would hide the body's writes through the other.
+        for &i in node.copied.iter() {
+            if let InputSlot::Copied { len, .. } = node.inputs[i] {
+                let s = addrs[i].0;
+                if let Some(other) = overlapped_by(node, addrs, i, s, s + len as u64) {
+                    return Err(RecordReason::InputsOverlap { position: i, other });
+                }
+            }
+        }
         // A written input is copied back at the end of the graph: its buffer must not lie in
         // memory the graph writes, or the copy would overwrite the graph's results (or they it).
         for (position, (slot, &src)) in node.inputs.iter().zip(addrs).enumerate() {
@@ -167,9 +177,39 @@ fn copied_hold<G, M>(node: &Node<G, M>, addrs: &[DevicePtr]) -> bool {
         let overlaps_placeholder = node.copied[..=k].iter().any(|&j| {
             matches!(node.inputs[j], InputSlot::Copied { placeholder: p, len: l, .. } if p.0 < e && s < p.0 + l as u64)
         });
-        if overlaps_placeholder || (write_back.is_some() && node.footprint_overlaps(s, e)) {
+        if overlaps_placeholder
+            || (write_back.is_some() && node.footprint_overlaps(s, e))
+            || overlapped_by(node, addrs, i, s, e).is_some()
+        {
             return false;
         }
     }
     true
+}
+
+/// The first copied or in-place input other than `i` whose buffer overlaps `[s, e)` (copied
+/// input `i`'s caller buffer) in this call: O(copied + in-place inputs), the inputs that may
+/// move between calls.
+fn overlapped_by<G, M>(
+    node: &Node<G, M>,
+    addrs: &[DevicePtr],
+    i: usize,
+    s: u64,
+    e: u64,
+) -> Option<usize> {
+    if s == e {
+        return None;
+    }
+    node.copied
+        .iter()
+        .chain(node.in_place.iter())
+        .copied()
+        .find(|&j| {
+            let len = match node.inputs[j] {
+                InputSlot::Copied { len, .. } | InputSlot::InPlace { len, .. } => len as u64,
+                _ => 0,
+            };
+            let at = addrs[j].0;
+            j != i && len > 0 && at < e && s < at + len
+        })
 }
