@@ -168,6 +168,21 @@ fn never_changes<D: TestDevice>(dev: D) {
 }
 device_test!(a_scalar_that_never_changes_is_never_flagged, never_changes);
 
+// A guard's capture is ended to be compared, not instantiated: where it equals the
+// recording it is dropped without ever being prepared to launch (on CUDA no instantiation,
+// no upload, no memory mapped for its allocations), so a guarded call costs the capture, the
+// compare and the replay. (Where it differs, it is prepared to run in the recording's place:
+// the simulator refuses to launch it otherwise, so the tests above, whose findings run their
+// captures, cover that.)
+#[test]
+fn equal_guard_captures_are_never_instantiated() {
+    let dev = sim();
+    let mut g = graft(dev.clone(), guarded());
+    run_scaled(&mut g, 100, |_| 2.5, &Runs::default());
+    assert_eq!(g.stats().guards, 7);
+    assert_eq!(dev.stats().instantiations, 1, "the recording only");
+}
+
 // Addresses move as graft predicts: the copied input alternates between two buffers, an
 // in-place input moves every call, and the outputs of earlier calls stay held, so the
 // guard's capture allocates elsewhere than the recording. None of it is a difference.

@@ -411,3 +411,40 @@ fn recording_out_of_memory_releases_idle_memory_and_retries() {
         g.stats().eager_pool
     );
 }
+
+/// A guard's capture that differs from its recording (a scalar changed) and then cannot be
+/// instantiated: the call fails with the device's error (its kernels never ran, so there is
+/// no result to hand back), the recording that holds the old value never replays again, and
+/// every later call runs eagerly with the right values.
+#[test]
+fn a_differing_guard_capture_that_cannot_be_instantiated_fails_the_call() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    let dev = sim();
+    let mut g = graft(dev.clone(), Config::default());
+    let f = g.register("step", FunctionSpec::default());
+    let x = input(&mut g, &[1.0, 2.0, 3.0, 4.0]);
+    let scale = Arc::new(AtomicU32::new(1.0f32.to_bits()));
+    let mut body = scaled::<graft::sim::SimDevice>(&scale, &Runs::default());
+    let mut out = Vec::new();
+    for _ in 0..2 {
+        g.call_into(f, &[&x], &[], &mut body, &mut out).unwrap();
+    }
+    // Call 2 is the first guard: the scale changed, and the capture cannot be instantiated.
+    scale.store(3.0f32.to_bits(), Ordering::Relaxed);
+    dev.fail_next_instantiate();
+    let e = g.call_into(f, &[&x], &[], &mut body, &mut out).unwrap_err();
+    assert!(matches!(e, CallError::Device { .. }), "{e}");
+    for _ in 0..3 {
+        let o = g.call_into(f, &[&x], &[], &mut body, &mut out).unwrap();
+        assert!(
+            matches!(o, Outcome::Eager(EagerReason::HostValueBaked { .. })),
+            "{o:?}"
+        );
+        assert_eq!(
+            read(&g, &out[0].buffer),
+            host_affine(&[1.0, 2.0, 3.0, 4.0], 3.0, 1.0)
+        );
+    }
+}

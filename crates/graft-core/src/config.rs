@@ -168,7 +168,8 @@ pub struct Config {
     /// `Graft::guard_findings`), and every later call of the signature runs eagerly
     /// (`EagerReason::HostValueBaked`). The
     /// body's host code runs once per guarded call, as on any call that records. A guarded
-    /// call costs a capture and an instantiation; the others nothing but a compare. Guards are
+    /// call costs a capture and the compare (the capture is instantiated only where it differs);
+    /// the others nothing but a counter compare. Guards are
     /// off in a group (`Graft::join`), in verify mode (every replay is verified instead), and
     /// on a device that cannot compare graphs (`Device::compare`). A replacement evicts the
     /// recordings made under the replaced one. `Graft::guard_next_call` guards one call on

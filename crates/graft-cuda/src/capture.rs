@@ -51,6 +51,39 @@ impl Inner {
         self.instantiate(graph, bodies)
     }
 
+    /// `cuStreamEndCapture` only: a graph to compare, with no executable until
+    /// [`Inner::prepare_launch`].
+    pub(crate) fn end_capture_to_compare(self: &Arc<Self>) -> Result<CudaGraph, DeviceError> {
+        let (graph, bodies) = self.end_stream_capture()?;
+        Ok(CudaGraph::new(
+            Arc::clone(self),
+            graph,
+            ptr::null_mut(),
+            bodies,
+        ))
+    }
+
+    /// Instantiates (flags 0) and uploads the graph of a [`Inner::end_capture_to_compare`]
+    /// capture; nothing for a graph that has its executable. On failure the graph keeps none.
+    pub(crate) fn prepare_launch(
+        self: &Arc<Self>,
+        graph: &mut CudaGraph,
+    ) -> Result<(), DeviceError> {
+        let op = DeviceOp::Instantiate;
+        self.enter_own(op, graph)?;
+        let h = graph.handles_mut();
+        if !h.exec.is_null() {
+            return Ok(());
+        }
+        let exec = driver::graph::instantiate(op, h.graph)?;
+        if let Err(err) = driver::graph::upload(DeviceOp::Upload, exec, self.stream) {
+            self.sticky_on_error(driver::graph::destroy_exec(DeviceOp::GraphDestroy, exec));
+            return Err(err);
+        }
+        h.exec = exec;
+        Ok(())
+    }
+
     /// Ends the capture, then `cuGraphExecUpdate`s `target`'s executable with it; when the
     /// driver refuses, instantiates the capture into `target` instead.
     pub(crate) fn end_capture_into(
@@ -172,9 +205,9 @@ impl Inner {
         self.enter_own(op, graph)?;
         let handles = graph.lock();
         // `exec` is the live executable of `graph` (destroyed only when the graph is dropped,
-        // impossible while borrowed), instantiated in this device's context, and its use is
-        // serialized by the graph's lock.
-        driver::graph::launch(op, handles.exec, self.stream)
+        // impossible while borrowed; checked non-null), instantiated in this device's context,
+        // and its use is serialized by the graph's lock.
+        driver::graph::launch(op, handles.exec(op)?, self.stream)
     }
 
     /// `cuGraphExecMemcpyNodeSetParams` on the copy node writing `dst` (found once, cached).

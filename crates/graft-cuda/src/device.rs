@@ -371,6 +371,14 @@ impl Device for CudaDevice {
         self.queue.inner.end_capture()
     }
 
+    fn end_capture_to_compare(&self, _: &CoreOnly) -> Result<CudaGraph, DeviceError> {
+        self.queue.inner.end_capture_to_compare()
+    }
+
+    fn prepare_launch(&self, _: &CoreOnly, graph: &mut CudaGraph) -> Result<(), DeviceError> {
+        self.queue.inner.prepare_launch(graph)
+    }
+
     fn end_capture_into(
         &self,
         _: &CoreOnly,

@@ -40,7 +40,8 @@ pub(crate) struct GraphHandles {
 // `Drop`), so moving them between threads is sound.
 unsafe impl Send for GraphHandles {}
 
-/// An instantiated, uploaded CUDA graph: the `Device::Graph` of [`crate::CudaDevice`].
+/// An instantiated, uploaded CUDA graph: the `Device::Graph` of [`crate::CudaDevice`] (one
+/// ended to be compared has no executable until `Device::prepare_launch`).
 ///
 /// It keeps both the `CUgraph` (for [`graft_core::Device::summarize`]) and the `CUgraphExec`
 /// (for launches), and an `Arc` to its device so that the context, stream and sticky error slot
@@ -78,6 +79,28 @@ impl CudaGraph {
     pub(crate) fn lock(&self) -> MutexGuard<'_, GraphHandles> {
         self.handles.lock().unwrap_or_else(PoisonError::into_inner)
     }
+
+    /// The handles, through `&mut self` (no other user).
+    pub(crate) fn handles_mut(&mut self) -> &mut GraphHandles {
+        self.handles
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl GraphHandles {
+    /// The executable, or an error for a graph ended to be compared and never prepared to
+    /// launch (`graft_core::Device::prepare_launch`).
+    #[inline]
+    pub(crate) fn exec(&self, op: DeviceOp) -> Result<sys::CUgraphExec, DeviceError> {
+        if self.exec.is_null() {
+            return Err(DeviceError::InvalidArgument {
+                op,
+                what: "the graph was ended to be compared and never prepared to launch (Device::prepare_launch)",
+            });
+        }
+        Ok(self.exec)
+    }
 }
 
 impl CudaGraph {
@@ -96,7 +119,7 @@ impl CudaGraph {
         // `exec` is this graph's live executable (destroyed only in Drop, impossible while
         // `&mut self` is held) and `captured` a live graph of the same context, just returned
         // by cuStreamEndCapture on this thread, whose context is current.
-        match dg::update_exec(op, h.exec, captured)? {
+        match dg::update_exec(op, h.exec(op)?, captured)? {
             None => {
                 let previous = std::mem::replace(&mut h.updated_from, captured);
                 destroy_graph(&self.device, previous);
@@ -137,7 +160,7 @@ impl CudaGraph {
         // found by `find_copy`; `params` is the node's own 1-D device-to-device parameter
         // block read from the driver, with only the two addresses changed; `ctx` is the
         // context both were created in, current on this thread.
-        dg::set_exec_memcpy_params(op, h.exec, node, &params, ctx)?;
+        dg::set_exec_memcpy_params(op, h.exec(op)?, node, &params, ctx)?;
         // Only a copy the driver re-pointed changes what the table says it writes: a refused
         // one keeps writing its old ends (graft copies after the launch instead), and a
         // guard's comparison reads them here.
@@ -168,7 +191,7 @@ impl CudaGraph {
             None => None,
         };
         let graphs = Graphs {
-            exec: h.exec,
+            exec: h.exec(DeviceOp::GraphUpdate)?,
             graph: h.graph,
             current: h.current_graph(),
         };

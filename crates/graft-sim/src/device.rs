@@ -41,6 +41,9 @@ pub struct SimStats {
     pub live_raw_allocs: usize,
     /// Graphs instantiated and not yet dropped.
     pub live_graphs: usize,
+    /// Graphs prepared to launch (`Device::end_capture`, `Device::prepare_launch`): what CUDA
+    /// instantiates and uploads.
+    pub instantiations: u64,
     /// Kernels executed, eagerly or by graph launches (recording one does not count).
     pub kernels_run: u64,
     /// Device-to-device copies executed, eagerly or by graph launches.
@@ -125,6 +128,7 @@ impl SimDevice {
             reservations: c.reservations.load(Ordering::Relaxed),
             live_raw_allocs: c.live_raw_allocs.load(Ordering::Relaxed),
             live_graphs: c.live_graphs.load(Ordering::Relaxed),
+            instantiations: c.instantiations.load(Ordering::Relaxed),
             kernels_run: c.kernels_run.load(Ordering::Relaxed),
             copies_run: c.copies_run.load(Ordering::Relaxed),
             graph_launches: c.graph_launches.load(Ordering::Relaxed),

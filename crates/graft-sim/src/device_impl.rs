@@ -17,7 +17,7 @@ use crate::ops::{self, Op, Tally};
 use crate::queue::SimQueue;
 use crate::state::{
     CAPTURE_INVALIDATED, CAPTURE_UNDERWAY, Capture, FOREIGN_GRAPH, NO_CAPTURE, NO_CONDITIONAL,
-    OpenConditional, StreamGuard, invalidated,
+    NOT_PREPARED, OpenConditional, StreamGuard, invalidated,
 };
 
 impl Device for SimDevice {
@@ -153,7 +153,13 @@ impl Device for SimDevice {
         })
     }
 
-    fn end_capture(&self, _: &CoreOnly) -> Result<SimGraph, DeviceError> {
+    fn end_capture(&self, core: &CoreOnly) -> Result<SimGraph, DeviceError> {
+        let mut graph = self.end_capture_to_compare(core)?;
+        self.prepare_launch(core, &mut graph)?;
+        Ok(graph)
+    }
+
+    fn end_capture_to_compare(&self, _: &CoreOnly) -> Result<SimGraph, DeviceError> {
         let mut st = self.lock(DeviceOp::EndCapture)?;
         // Like cudaStreamEndCapture, ending leaves the stream idle whether or not it succeeds.
         let forked = !matches!(st.capture, Capture::Idle) && st.fork.take().is_some();
@@ -186,17 +192,6 @@ impl Device for SimDevice {
             Capture::Recording { ops, .. } => ops,
         };
         drop(st);
-        if self
-            .queue
-            .inner
-            .faults
-            .instantiate
-            .swap(false, Ordering::Relaxed)
-        {
-            return Err(DeviceError::Injected {
-                op: DeviceOp::Instantiate,
-            });
-        }
         let ops: Arc<[Op]> = ops.into();
         let summary = ops::summarize(&ops);
         self.queue
@@ -210,7 +205,32 @@ impl Device for SimDevice {
             disabled: Vec::new(),
             summary,
             owner: Arc::clone(&self.queue.inner),
+            launchable: false,
         })
+    }
+
+    fn prepare_launch(&self, _: &CoreOnly, graph: &mut SimGraph) -> Result<(), DeviceError> {
+        if graph.launchable {
+            return Ok(());
+        }
+        if self
+            .queue
+            .inner
+            .faults
+            .instantiate
+            .swap(false, Ordering::Relaxed)
+        {
+            return Err(DeviceError::Injected {
+                op: DeviceOp::Instantiate,
+            });
+        }
+        graph.launchable = true;
+        self.queue
+            .inner
+            .counters
+            .instantiations
+            .fetch_add(1, Ordering::Relaxed);
+        Ok(())
     }
 
     /// Updates in place when the capture has `graph`'s topology (`ops::update_refusal`:
@@ -377,6 +397,12 @@ impl Device for SimDevice {
                 what: FOREIGN_GRAPH,
             });
         }
+        if !graph.launchable {
+            return Err(DeviceError::InvalidArgument {
+                op: DeviceOp::GraphLaunch,
+                what: NOT_PREPARED,
+            });
+        }
         let mut guard = self.lock(DeviceOp::GraphLaunch)?;
         if self
             .queue
@@ -452,6 +478,12 @@ impl Device for SimDevice {
                 what: FOREIGN_GRAPH,
             });
         }
+        if !graph.launchable {
+            return Err(DeviceError::InvalidArgument {
+                op: DeviceOp::GraphUpdate,
+                what: NOT_PREPARED,
+            });
+        }
         if to.is_some() && !graph.can_redirect(from, len, copy) {
             return Ok(false);
         }
@@ -470,6 +502,12 @@ impl Device for SimDevice {
             return Err(DeviceError::InvalidArgument {
                 op: DeviceOp::GraphUpdate,
                 what: FOREIGN_GRAPH,
+            });
+        }
+        if !graph.launchable {
+            return Err(DeviceError::InvalidArgument {
+                op: DeviceOp::GraphUpdate,
+                what: NOT_PREPARED,
             });
         }
         let st = self.lock(DeviceOp::GraphUpdate)?;

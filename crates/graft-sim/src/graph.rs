@@ -22,6 +22,9 @@ pub struct SimGraph {
     pub(crate) disabled: Vec<CopyEnds>,
     pub(crate) summary: GraphSummary,
     pub(crate) owner: Arc<Inner>,
+    /// Whether it may launch, be patched or updated: false for a graph ended to be compared
+    /// until `Device::prepare_launch` (CUDA has no executable for it before).
+    pub(crate) launchable: bool,
 }
 
 impl SimGraph {

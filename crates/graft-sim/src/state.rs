@@ -37,6 +37,8 @@ impl Drop for StreamGuard {
 
 /// What a launch or update of another device's graph is refused with.
 pub(crate) const FOREIGN_GRAPH: &str = "the graph was captured on another device";
+pub(crate) const NOT_PREPARED: &str =
+    "the graph was ended to be compared and never prepared to launch (Device::prepare_launch)";
 pub(crate) const NO_CAPTURE: &str = "no capture is underway";
 pub(crate) const CAPTURE_UNDERWAY: &str = "a capture is already underway";
 pub(crate) const CAPTURE_INVALIDATED: &str = "an invalidated capture is underway";
@@ -94,6 +96,7 @@ pub(crate) struct Counters {
     pub(crate) reservations: AtomicUsize,
     pub(crate) live_raw_allocs: AtomicUsize,
     pub(crate) live_graphs: AtomicUsize,
+    pub(crate) instantiations: AtomicU64,
     pub(crate) kernels_run: AtomicU64,
     pub(crate) copies_run: AtomicU64,
     pub(crate) graph_launches: AtomicU64,

@@ -174,6 +174,24 @@ pub trait Device: Send + Sync + 'static {
     /// whether this succeeds or fails (as with `cuStreamEndCapture`): do not abort after it.
     fn end_capture(&self, core: &CoreOnly) -> Result<Self::Graph, DeviceError>;
 
+    /// Step 3 for a capture made to be compared with a recording (a guard's): ends the capture
+    /// as [`Device::end_capture`] does but neither instantiates nor uploads it, so that a
+    /// capture equal to its recording, which is dropped, costs neither (nor the memory an
+    /// upload maps for its allocations). Such a graph can be compared and summarized; it
+    /// launches, is patched or updated only after [`Device::prepare_launch`]. The default
+    /// ends the capture as `end_capture` does.
+    fn end_capture_to_compare(&self, core: &CoreOnly) -> Result<Self::Graph, DeviceError> {
+        self.end_capture(core)
+    }
+
+    /// Instantiates and uploads a graph [`Device::end_capture_to_compare`] ended, so that it
+    /// can launch; nothing for a graph that already can. On error the graph is unchanged and
+    /// still cannot launch. The default does nothing.
+    fn prepare_launch(&self, core: &CoreOnly, graph: &mut Self::Graph) -> Result<(), DeviceError> {
+        let _ = (core, graph);
+        Ok(())
+    }
+
     /// Step 3 for a re-recording that replaces `graph`: ends the capture and makes `graph` run
     /// the captured work. When the capture has the topology `graph` was made from (the same
     /// nodes in the same order, only addresses and scalar arguments changed) the backend

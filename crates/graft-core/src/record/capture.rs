@@ -189,7 +189,9 @@ impl<D: Device, M: Clone> Graft<D, M> {
     /// Captures the body: the input copies first, then the body, then the copies back of
     /// written inputs. On failure the capture is aborted and the error returned with what the
     /// body allocated. A panicking body leaves graft as it was (capture aborted, pool rolled
-    /// back, phase restored), then the panic continues.
+    /// back, phase restored), then the panic continues. With `to_compare` (a guard's capture)
+    /// the graph is ended to be compared, not prepared to launch
+    /// ([`Device::end_capture_to_compare`]).
     pub(super) fn capture<F, E>(
         &mut self,
         frame: &mut Frame<'_, F, M, E>,
@@ -197,6 +199,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
         checkpoint: &Checkpoint,
         previous: Phase,
         reuse: &mut Option<D::Graph>,
+        to_compare: bool,
     ) -> Result<Captured<D::Graph, M>, CaptureFailure<E>>
     where
         F: FnMut(&mut Ctx<'_, D>) -> Result<Vec<Output<M>>, BodyError<E>>,
@@ -244,7 +247,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
         let allocs = std::mem::take(&mut ctx.allocs);
         drop(ctx);
         match captured {
-            Ok(outputs) => match self.end_capture(frame.function, reuse) {
+            Ok(outputs) => match self.end_capture(frame.function, reuse, to_compare) {
                 Ok(graph) => Ok(Captured {
                     graph,
                     outputs,
@@ -260,13 +263,18 @@ impl<D: Device, M: Clone> Graft<D, M> {
         }
     }
 
-    /// Ends a successful capture: updates the replaced node's executable in place when there
-    /// is one and the device accepts, else instantiates.
+    /// Ends a successful capture: to be compared only (`to_compare`), or updating the
+    /// replaced node's executable in place when there is one and the device accepts, else
+    /// instantiating.
     pub(super) fn end_capture(
         &mut self,
         function: FunctionId,
         reuse: &mut Option<D::Graph>,
+        to_compare: bool,
     ) -> Result<D::Graph, DeviceError> {
+        if to_compare {
+            return self.device.end_capture_to_compare(CORE);
+        }
         let Some(mut graph) = reuse.take() else {
             return self.device.end_capture(CORE);
         };

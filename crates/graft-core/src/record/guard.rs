@@ -1,7 +1,8 @@
-//! A guarded call (see `guard.rs` for the schedule): the body is captured again, the device
-//! compares the capture with the recording node by node, and core keeps the differences its
-//! own address bookkeeping does not predict. None: the recording replays and the capture is
-//! dropped. Some: the capture runs in the recording's place (this call's result is right) and
+//! A guarded call (see `guard.rs` for the schedule): the body is captured again (ended to be
+//! compared, not instantiated), the device compares the capture with the recording node by
+//! node, and core keeps the differences its own address bookkeeping does not predict. None:
+//! the recording replays and the capture is dropped, never instantiated. Some: the capture is
+//! prepared to launch and runs in the recording's place (this call's result is right) and
 //! the difference is reported. A value the device can patch (a kernel argument, a copy or
 //! memset parameter) keeps the capture as the node, guarded on every call from then on
 //! (`Guard::Changing`: captured, or run eagerly where that took less time, until its values
@@ -10,7 +11,7 @@
 use std::time::Instant;
 
 use crate::ctx::Ctx;
-use crate::device::{Device, DevicePtr, GraphDifference};
+use crate::device::{CORE, Device, DevicePtr, GraphDifference};
 use crate::error::{BodyError, CallError};
 use crate::graft::{Frame, Graft, Outcome};
 use crate::guard::{Found, Guard, GuardFinding, transition};
@@ -46,7 +47,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
         let call = self.tree[key].replays + 1;
         self.stats.guards += 1;
         self.diverge_if_replayed(frame.function);
-        let pending = match self.capture_once(frame, parent, Some(key), &mut None) {
+        let mut pending = match self.capture_once(frame, parent, Some(key), &mut None) {
             Ok(pending) => pending,
             Err(Failure::Call(error)) => return Err(error),
             Err(Failure::Capture(error)) => match fallback_reason(error) {
@@ -118,6 +119,25 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 }
                 self.guard_findings.push(f);
             }
+        }
+        // The capture was ended to be compared: it launches only now that it differs.
+        if let Err(source) = self
+            .device
+            .prepare_launch(CORE, &mut pending.captured.graph)
+        {
+            self.discard(pending)?;
+            // The recording holds a value the capture showed changed: it never replays again.
+            let why = EagerReason::HostValueBaked {
+                finding: Box::new(finding(first)),
+            };
+            tracing::warn!(reason = %why, error = %source, "the capture that differs from the recording could not be prepared to launch; the signature runs eagerly from now on");
+            self.stats.fallbacks += 1;
+            self.functions[frame.function].sigs[frame.sig].eager = Some(why);
+            drop(self.evict(key, EvictReason::HostValueBaked));
+            return Err(CallError::Device {
+                function: name,
+                source,
+            });
         }
         drop(self.evict(key, EvictReason::Replaced));
         // This call runs the new capture (the body ran once, in it: its result is right).

@@ -119,8 +119,8 @@ impl<D: Device, M: Clone> Graft<D, M> {
     }
 
     /// One try at a capture, leaving it pending (not attached, not launched), its inputs
-    /// classified as `like`'s were where that node copied them (a guard's capture). On failure
-    /// the recording is undone.
+    /// classified as `like`'s were where that node copied them (a guard's capture, ended to be
+    /// compared: see [`Device::end_capture_to_compare`]). On failure the recording is undone.
     fn capture_once<F, E>(
         &mut self,
         frame: &mut Frame<'_, F, M, E>,
@@ -155,7 +155,14 @@ impl<D: Device, M: Clone> Graft<D, M> {
             parent: parent.map(NodeKey::id),
         })
         .map_err(Failure::Call)?;
-        match self.capture(frame, &prepared, &checkpoint, previous, reuse) {
+        match self.capture(
+            frame,
+            &prepared,
+            &checkpoint,
+            previous,
+            reuse,
+            like.is_some(),
+        ) {
             Ok(captured) => Ok(Pending {
                 prepared,
                 captured,
