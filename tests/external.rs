@@ -548,6 +548,21 @@ fn aliased_inputs_replay_only_where_recorded<D: TestDevice>(device: D) {
 }
 device_test!(aliased, aliased_inputs_replay_only_where_recorded);
 
+/// A body that adds 1 to the `n` values of input 0 in place, then returns twice the first `m`
+/// of input 1.
+fn bump_then_read<D: TestDevice>(
+    n: usize,
+    m: usize,
+) -> impl FnMut(&mut Ctx<'_, D>) -> Result<Vec<Output<u32>>, BodyError> {
+    move |ctx: &mut Ctx<'_, D>| {
+        let (x, y) = (ctx.input(0).clone(), ctx.input(1).clone());
+        ctx.queue().axpb_f32(&x, &x, 1.0, 1.0, n)?;
+        let out = ctx.alloc(m * 4)?;
+        ctx.queue().axpb_f32(&out, &y, 2.0, 0.0, m)?;
+        Ok(vec![Output::new(out, 0)])
+    }
+}
+
 /// A body that writes one of two overlapping inputs and then reads the other sees its write,
 /// as eager execution does, and leaves the caller's buffer written: the unmarked view is not
 /// copied into a placeholder (whose stale values the body would read, and which graft would
@@ -571,13 +586,7 @@ fn aliased_inputs_see_the_bodys_writes<D: TestDevice>(device: D) {
                 f,
                 &[&x, &half],
                 &[],
-                |ctx: &mut Ctx<'_, D>| {
-                    let (x, half) = (ctx.input(0).clone(), ctx.input(1).clone());
-                    ctx.queue().axpb_f32(&x, &x, 1.0, 1.0, n)?;
-                    let y = ctx.alloc(half.len())?;
-                    ctx.queue().axpb_f32(&y, &half, 2.0, 0.0, n / 2)?;
-                    Ok(vec![Output::new(y, 0)])
-                },
+                bump_then_read::<D>(n, n / 2),
                 &mut out,
             )
             .unwrap();
@@ -617,19 +626,7 @@ fn copied_inputs_that_come_to_overlap_record_again<D: TestDevice>(device: D) {
         let (x, y) = (a.buffer(), second.buffer());
         let mut out = Vec::new();
         let outcome = g
-            .call_into(
-                f,
-                &[&x, &y],
-                &[],
-                |ctx: &mut Ctx<'_, D>| {
-                    let (x, y) = (ctx.input(0).clone(), ctx.input(1).clone());
-                    ctx.queue().axpb_f32(&x, &x, 1.0, 1.0, n)?;
-                    let out = ctx.alloc(y.len())?;
-                    ctx.queue().axpb_f32(&out, &y, 2.0, 0.0, n)?;
-                    Ok(vec![Output::new(out, 0)])
-                },
-                &mut out,
-            )
+            .call_into(f, &[&x, &y], &[], bump_then_read::<D>(n, n), &mut out)
             .unwrap();
         want_a.iter_mut().for_each(|v| *v += 1.0);
         let read_through = if step < 6 {

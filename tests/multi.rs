@@ -260,6 +260,17 @@ fn steps_record_and_replay<D: TestGroupDevice>() {
 }
 group_test!(steps_record_and_replay, steps_record_and_replay);
 
+/// Rank `rank`'s input at `step` in new memory outside graft (freed by [`free_all`]), marked
+/// in place: a framework's fresh token tensor.
+fn fresh_input<D: TestGroupDevice>(r: &mut Rank<D>, rank: usize, step: usize) -> Buffer {
+    let at = r.g.device().queue().raw_alloc(N * 4).unwrap();
+    r.hog.push(at);
+    let x = Buffer::external(r.g.device().id(), at, N * 4, None);
+    x.mark_in_place();
+    r.g.write_f32(&x, &x_of(rank, step, N)).unwrap();
+    x
+}
+
 /// A step whose input is new memory on every call, used in place (a framework's fresh token
 /// tensor): the graph holds the all-reduce (NCCL's kernel on CUDA, whose parameters graft
 /// cannot read), so it cannot follow the input. The first move records once more with the
@@ -270,11 +281,7 @@ fn moved_inputs_of_a_collective_replay_after_one_recording<D: TestGroupDevice>()
     for s in 1..=10 {
         let results = c
             .step(move |rank, r| {
-                let x_at = r.g.device().queue().raw_alloc(N * 4).unwrap();
-                r.hog.push(x_at);
-                let x = Buffer::external(r.g.device().id(), x_at, N * 4, None);
-                x.mark_in_place();
-                r.g.write_f32(&x, &x_of(rank, s, N)).unwrap();
+                let x = fresh_input(r, rank, s);
                 let mut out = Vec::new();
                 let outcome =
                     r.g.call_into(r.f, &[&x], &[], body::<D>(&r.comm, Fault::None), &mut out)?;
@@ -318,11 +325,7 @@ fn moved_inputs_a_collective_writes_stay_eager<D: TestGroupDevice>() {
     for s in 1..=10 {
         let results = c
             .step(move |rank, r| {
-                let x_at = r.g.device().queue().raw_alloc(N * 4).unwrap();
-                r.hog.push(x_at);
-                let x = Buffer::external(r.g.device().id(), x_at, N * 4, None);
-                x.mark_in_place();
-                r.g.write_f32(&x, &x_of(rank, s, N)).unwrap();
+                let x = fresh_input(r, rank, s);
                 let comm = &r.comm;
                 let body = |ctx: &mut Ctx<'_, D>| {
                     let x = ctx.input(0).clone();
