@@ -197,7 +197,8 @@ fn overlapped_by<G, M>(
     s: u64,
     e: u64,
 ) -> Option<usize> {
-    if s == e {
+    // An overlap needs two inputs that move: most nodes have one (the tokens) or none.
+    if s == e || node.copied.len() + node.in_place.len() < 2 {
         return None;
     }
     node.copied
