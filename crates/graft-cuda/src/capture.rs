@@ -75,13 +75,19 @@ impl Inner {
         if !h.exec.is_null() {
             return Ok(());
         }
-        let exec = driver::graph::instantiate(op, h.graph)?;
+        h.exec = self.executable(h.graph)?;
+        Ok(())
+    }
+
+    /// Instantiates (flags 0) and uploads `graph` (the caller keeps it): its executable, or
+    /// the error with nothing left behind.
+    fn executable(&self, graph: sys::CUgraph) -> Result<sys::CUgraphExec, DeviceError> {
+        let exec = driver::graph::instantiate(DeviceOp::Instantiate, graph)?;
         if let Err(err) = driver::graph::upload(DeviceOp::Upload, exec, self.stream) {
             self.sticky_on_error(driver::graph::destroy_exec(DeviceOp::GraphDestroy, exec));
             return Err(err);
         }
-        h.exec = exec;
-        Ok(())
+        Ok(exec)
     }
 
     /// Ends the capture, then `cuGraphExecUpdate`s `target`'s executable with it; when the
@@ -174,20 +180,14 @@ impl Inner {
         graph: sys::CUgraph,
         bodies: Finished,
     ) -> Result<CudaGraph, DeviceError> {
-        let exec = match driver::graph::instantiate(DeviceOp::Instantiate, graph) {
-            Ok(exec) => exec,
+        match self.executable(graph) {
+            Ok(exec) => Ok(CudaGraph::new(Arc::clone(self), graph, exec, bodies)),
             Err(err) => {
                 self.destroy_orphan(graph, ptr::null_mut());
                 self.free_scratch(bodies.scratch);
-                return Err(err);
+                Err(err)
             }
-        };
-        if let Err(err) = driver::graph::upload(DeviceOp::Upload, exec, self.stream) {
-            self.destroy_orphan(graph, exec);
-            self.free_scratch(bodies.scratch);
-            return Err(err);
         }
-        Ok(CudaGraph::new(Arc::clone(self), graph, exec, bodies))
     }
 
     /// Enters `op` and checks that `graph` was captured on this device.
