@@ -271,6 +271,16 @@ fn fresh_input<D: TestGroupDevice>(r: &mut Rank<D>, rank: usize, step: usize) ->
     x
 }
 
+/// Every rank's stats, after its stream finished and its raw allocations were freed.
+fn settle_and_count<D: TestGroupDevice>(c: &Coordinator<Rank<D>>) -> Vec<graft::Stats> {
+    c.step(|_, r| {
+        r.g.device().queue().synchronize().unwrap();
+        free_all(r);
+        r.g.stats()
+    })
+    .unwrap()
+}
+
 /// A step whose input is new memory on every call, used in place (a framework's fresh token
 /// tensor): the graph holds the all-reduce (NCCL's kernel on CUDA, whose parameters graft
 /// cannot read), so it cannot follow the input. The first move records once more with the
@@ -298,13 +308,7 @@ fn moved_inputs_of_a_collective_replay_after_one_recording<D: TestGroupDevice>()
             _ => assert_all_replayed(&outcomes),
         }
     }
-    let stats = c
-        .step(|_, r| {
-            r.g.device().queue().synchronize().unwrap();
-            free_all(r);
-            r.g.stats()
-        })
-        .unwrap();
+    let stats = settle_and_count(&c);
     for s in stats {
         assert_eq!((s.recordings, s.replays), (2, 7), "{s:?}");
         assert_eq!(s.rerecords.in_place_input_moved, 1, "{s:?}");
@@ -354,13 +358,7 @@ fn moved_inputs_a_collective_writes_stay_eager<D: TestGroupDevice>() {
             replays[rank] += usize::from(matches!(outcome, Outcome::Replayed(_)));
         }
     }
-    let stats = c
-        .step(|_, r| {
-            r.g.device().queue().synchronize().unwrap();
-            free_all(r);
-            r.g.stats()
-        })
-        .unwrap();
+    let stats = settle_and_count(&c);
     // Recorded in place, then copied (its write caught, the node retired), then copied with
     // the copy back: three recordings, then replays.
     for (s, replays) in stats.into_iter().zip(replays) {
