@@ -20,7 +20,8 @@
 //!   costs the same (same shapes); c is the draft's decode step over the target's, measured.
 //!
 //! The ideal speedup is (1 - α^(k+1)) / ((1 - α)(k c + 1)) at the measured α (accepted
-//! drafts over drafts tried until the first rejection). Every run's tokens are compared with
+//! drafts over drafts tried until the first rejection), averaged over the passes by the
+//! drafts each actually had where that is fewer than k (prompt lookup). Every run's tokens are compared with
 //! plain decoding's of the same target. Only with graft-candle-bench's `cuda` feature.
 //!
 //! usage: graft-candle-speculate [--small] [--dtype bf16|f16|f32] [--batch B] [--tokens N]
@@ -101,14 +102,22 @@ fn agreeing(got: &[Vec<u32>], want: &[Vec<u32>], n: usize) -> (usize, usize) {
     )
 }
 
-/// The ideal speedup of k drafts at acceptance α when a draft step costs c target steps.
-fn ideal(alpha: f64, k: usize, c: f64) -> f64 {
-    let tokens = if alpha >= 1.0 {
-        (k + 1) as f64
-    } else {
-        (1.0 - alpha.powi(k as i32 + 1)) / (1.0 - alpha)
-    };
-    tokens / (k as f64 * c + 1.0)
+/// The ideal speedup at acceptance α when a draft step costs c target steps, over passes of
+/// `drafted[d]` sequences with d drafts each: the tokens they make, (1 - α^(d+1)) / (1 - α)
+/// each, over the steps they cost, 1 + d c each. With k drafts in every pass, (1 -
+/// α^(k+1)) / ((1 - α)(k c + 1)).
+fn ideal(alpha: f64, drafted: &[usize], c: f64) -> f64 {
+    let (mut tokens, mut steps) = (0.0, 0.0);
+    for (d, &n) in drafted.iter().enumerate() {
+        let made = if alpha >= 1.0 {
+            (d + 1) as f64
+        } else {
+            (1.0 - alpha.powi(d as i32 + 1)) / (1.0 - alpha)
+        };
+        tokens += n as f64 * made;
+        steps += n as f64 * (d as f64 * c + 1.0);
+    }
+    if steps > 0.0 { tokens / steps } else { 1.0 }
 }
 
 /// What the table's rows share.
@@ -135,7 +144,7 @@ fn report(
     let best = if row.drafter == "adaptive" {
         1.0
     } else {
-        ideal(alpha, row.k, row.c)
+        ideal(alpha, &r.drafted, row.c)
     };
     let (agree, equal) = agreeing(&r.tokens, &plain.tokens, n);
     let batch = r.tokens.len();

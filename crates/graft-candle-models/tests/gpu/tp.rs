@@ -31,8 +31,11 @@ const BATCHES: [usize; 2] = [1, 8];
 /// Bounds the job, the rendezvous, NCCL's setup and each vote.
 const WAIT: Duration = Duration::from_secs(120);
 
-/// The tokens of `steps` greedy steps under `graft` at each of [`BATCHES`], with every step
-/// after the first two (warmup, recording) a replay.
+/// The tokens of `steps` greedy steps under `graft` at each of [`BATCHES`], each step's
+/// output the next one's input (a new tensor every step), with every step after the first
+/// three a replay: a warmup, a recording, and on a rank one more recording with the moved
+/// tokens copied in (a graph holding NCCL's kernels cannot follow them: they find their
+/// buffers through work descriptors of their own).
 fn run(
     model: &Decoder,
     graft: &mut CandleGraft,
@@ -42,15 +45,12 @@ fn run(
     let mut all = Vec::new();
     for batch in BATCHES {
         let cache = model.new_cache(batch, 96)?;
-        let t = Tensor::new(first_tokens(batch, model.spec().vocab), model.device())?;
+        let mut t = Tensor::new(first_tokens(batch, model.spec().vocab), model.device())?;
         let mut per_step = Vec::new();
         for i in 0..steps {
             let (next, outcome) = decode(graft, step, model, &cache, &t)?;
-            // Fed back at one address: a graph holding NCCL kernels is opaque to graft-cuda's
-            // patching (they find their buffers through work descriptors of their own), so an
-            // input that moved would be recorded once more and then copied on every step.
-            t.slice_set(&next, 0, 0)?;
-            if i >= 2 && graft.is_graphed() {
+            t = next.clone();
+            if i >= 3 && graft.is_graphed() {
                 assert!(
                     matches!(outcome, StepOutcome::Replayed(_)),
                     "step {i} at B={batch}: {outcome:?}"

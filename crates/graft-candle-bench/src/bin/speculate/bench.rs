@@ -31,6 +31,9 @@ pub(crate) struct Run {
     pub(crate) accepted: usize,
     pub(crate) rejected: usize,
     pub(crate) passes: usize,
+    /// How many times a sequence's pass had d drafts, at index d (prompt lookup proposes
+    /// fewer than k where the history has no longer match).
+    pub(crate) drafted: Vec<usize>,
 }
 
 impl Run {
@@ -234,6 +237,12 @@ impl<'m> Bench<'m> {
                 Some(d) => d.iter().map(Vec::len).collect(),
                 None => ks.clone(),
             };
+            for &d in &drafted {
+                if run.drafted.len() <= d {
+                    run.drafted.resize(d + 1, 0);
+                }
+                run.drafted[d] += 1;
+            }
             let width = 1 + drafted.iter().copied().max().unwrap_or(0);
             if width == 1 {
                 // No drafts anywhere: a decode step of every sequence.

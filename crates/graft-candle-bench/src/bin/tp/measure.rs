@@ -31,8 +31,9 @@ pub(crate) struct Timed {
     pub(crate) graft_us: f64,
     /// Its call alone (host time, before the synchronize).
     pub(crate) graft_host_us: f64,
-    /// graft-candle's decode step through `Decoder::decode` (a fresh output tensor fed back,
-    /// the statics listed per call): the call and a synchronize.
+    /// graft-candle's decode step through `Decoder::decode`, each step's output tensor the
+    /// next one's input (a new address every step, copied into the graph), the statics
+    /// listed per call: the call and a synchronize.
     pub(crate) fresh_us: f64,
     /// Its call alone.
     pub(crate) fresh_host_us: f64,
@@ -57,23 +58,21 @@ pub(crate) fn tokens(
         .iter()
         .map(|&batch| {
             let cache = model.new_cache(batch, model.spec().rope.max_positions)?;
-            let t = first_tokens(batch, model.spec().vocab, device)?;
-            (0..steps)
-                .map(|_| {
-                    let next = model
-                        .decode(graft, step, &cache, &t)?
-                        .outputs
-                        .into_iter()
-                        .next()
-                        .ok_or("the step returned no output")?;
-                    // Fed back at one address: a graph holding NCCL kernels is opaque to
-                    // graft-cuda's patching (they find their buffers through work descriptors
-                    // of their own), so an input that moved would be recorded once more and
-                    // then copied into the graph on every step.
-                    t.slice_set(&next, 0, 0)?;
-                    Ok(next.to_vec1::<u32>()?)
-                })
-                .collect()
+            let mut t = first_tokens(batch, model.spec().vocab, device)?;
+            let mut made = Vec::with_capacity(steps);
+            for _ in 0..steps {
+                // Each step's output is the next step's input, as a user feeds it: a new
+                // tensor every step, which the graph (its NCCL kernels opaque to graft-cuda's
+                // patching) follows by copying it in.
+                t = model
+                    .decode(graft, step, &cache, &t)?
+                    .outputs
+                    .into_iter()
+                    .next()
+                    .ok_or("the step returned no output")?;
+                made.push(t.to_vec1::<u32>()?);
+            }
+            Ok(made)
         })
         .collect()
 }
@@ -133,17 +132,18 @@ pub(crate) fn time_step(
                 }
                 1 => {
                     restart()?;
+                    // Fed back as in `tokens`: the first round's second step records once
+                    // more, with the moved tokens copied in (within the settling steps).
+                    let mut fresh = t.clone();
                     for i in 0..SETTLE + per_round {
                         let start = Instant::now();
-                        let out = model.decode(graft, step, &graft_cache, &t)?;
+                        let out = model.decode(graft, step, &graft_cache, &fresh)?;
                         fresh_us.time(i, start, || Ok(device.synchronize()?))?;
-                        let next = out
+                        fresh = out
                             .outputs
                             .into_iter()
                             .next()
                             .ok_or("the step returned no output")?;
-                        // At one address, as in `tokens`.
-                        t.slice_set(&next, 0, 0)?;
                     }
                 }
                 _ => {
