@@ -21,8 +21,9 @@
 //!
 //! The ideal speedup is (1 - α^(k+1)) / ((1 - α)(k c + 1)) at the measured α (accepted
 //! drafts over drafts tried until the first rejection), averaged over the passes by the
-//! drafts each actually had where that is fewer than k (prompt lookup). Every run's tokens are compared with
-//! plain decoding's of the same target. Only with graft-candle-bench's `cuda` feature.
+//! drafts each actually had where that is fewer than k (prompt lookup). Every run's tokens
+//! are compared with plain decoding's of the same target. Only with graft-candle-bench's
+//! `cuda` feature.
 //!
 //! usage: graft-candle-speculate [--small] [--dtype bf16|f16|f32] [--batch B] [--tokens N]
 //!                               [--ks 1,2,4,8] [--alphas 0,0.5,...] [--eps 0,0.1,...]

@@ -49,14 +49,14 @@ fn run(
         let mut per_step = Vec::new();
         for i in 0..steps {
             let (next, outcome) = decode(graft, step, model, &cache, &t)?;
-            t = next.clone();
+            per_step.push(next.to_vec1::<u32>()?);
+            t = next;
             if i >= 3 && graft.is_graphed() {
                 assert!(
                     matches!(outcome, StepOutcome::Replayed(_)),
                     "step {i} at B={batch}: {outcome:?}"
                 );
             }
-            per_step.push(next.to_vec1::<u32>()?);
         }
         all.push(per_step);
     }
