@@ -161,12 +161,19 @@ pub fn host_affine(x: &[f32], a: f32, b: f32) -> Vec<f32> {
 }
 
 /// Counts WARN events whose message contains `needle` while `f` runs on this thread.
+///
+/// One global subscriber serves every test thread and counts into the calling thread's
+/// counter. A scoped subscriber per test (`with_default`) loses events when tests run in
+/// parallel: tracing-core caches a callsite's interest from whichever thread reaches it
+/// first, and while only one scoped subscriber exists it asks that thread's default alone,
+/// so another test reaching the same `warn!` first leaves it switched off for everyone.
 pub fn count_warnings(needle: &'static str, f: impl FnOnce()) -> usize {
-    use std::sync::{Arc, Mutex};
-    use tracing_subscriber::layer::SubscriberExt;
+    use std::cell::Cell;
+    use std::sync::Once;
 
-    #[derive(Clone)]
-    struct Counter(Arc<Mutex<usize>>, &'static str);
+    thread_local! {
+        static COUNTING: Cell<Option<(&'static str, usize)>> = const { Cell::new(None) };
+    }
     struct Visit<'a>(&'a mut bool, &'static str);
     impl tracing::field::Visit for Visit<'_> {
         fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
@@ -175,23 +182,33 @@ pub fn count_warnings(needle: &'static str, f: impl FnOnce()) -> usize {
             }
         }
     }
+    struct Counter;
     impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Counter {
         fn on_event(
             &self,
             event: &tracing::Event<'_>,
             _: tracing_subscriber::layer::Context<'_, S>,
         ) {
+            let Some((needle, seen)) = COUNTING.get() else {
+                return;
+            };
             if *event.metadata().level() == tracing::Level::WARN {
                 let mut hit = false;
-                event.record(&mut Visit(&mut hit, self.1));
+                event.record(&mut Visit(&mut hit, needle));
                 if hit {
-                    *self.0.lock().unwrap() += 1;
+                    COUNTING.set(Some((needle, seen + 1)));
                 }
             }
         }
     }
-    let counter = Counter(Arc::new(Mutex::new(0)), needle);
-    let subscriber = tracing_subscriber::registry().with(counter.clone());
-    tracing::subscriber::with_default(subscriber, f);
-    *counter.0.lock().unwrap()
+    static INSTALL: Once = Once::new();
+    INSTALL.call_once(|| {
+        use tracing_subscriber::layer::SubscriberExt;
+        tracing::subscriber::set_global_default(tracing_subscriber::registry().with(Counter))
+            .expect("no other global tracing subscriber in graft's test binaries");
+    });
+    COUNTING.set(Some((needle, 0)));
+    f();
+    let (_, seen) = COUNTING.take().expect("set above");
+    seen
 }
