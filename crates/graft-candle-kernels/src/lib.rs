@@ -96,9 +96,9 @@ pub use step::{
 };
 pub use swiglu::{swiglu, swiglu_backward};
 pub use train::{
-    AdamWHyper, OPTIM_SCALARS, OptimSlot, SavedAttention, SgdHyper, adamw_update,
+    AdamWHyper, ClassifierGrads, OPTIM_SCALARS, OptimSlot, SavedAttention, SgdHyper, adamw_update,
     adamw_update_mixed, causal_attention, causal_attention_fits, causal_attention_saved,
-    classifier_with_grad, cross_entropy, cross_entropy_with_grad, dense, dense_sum, embedding,
-    embedding_backward, optim_scalars, rms_norm, rms_norm_backward, rotary, rotary_backward,
-    sgd_update,
+    classifier_with_grad, cross_entropy, cross_entropy_with_grad, dense, dense_sum,
+    dense_weight_grad, dense_weight_grad_add, embedding, embedding_backward, optim_scalars,
+    rms_norm, rms_norm_backward, rotary, rotary_backward, sgd_update,
 };

@@ -13,11 +13,14 @@ mod optim;
 mod rms_norm;
 mod rotary;
 mod saved;
+mod weight_grad;
 
 pub use attention::{
     SavedAttention, causal_attention, causal_attention_fits, causal_attention_saved,
 };
-pub use cross_entropy::{classifier_with_grad, cross_entropy, cross_entropy_with_grad};
+pub use cross_entropy::{
+    ClassifierGrads, classifier_with_grad, cross_entropy, cross_entropy_with_grad,
+};
 pub(crate) use dense::matmul_layouts;
 pub use dense::{dense, dense_sum};
 pub use embedding::{embedding, embedding_backward};
@@ -27,3 +30,4 @@ pub use optim::{
 };
 pub use rms_norm::{rms_norm, rms_norm_backward};
 pub use rotary::{rotary, rotary_backward};
+pub use weight_grad::{dense_weight_grad, dense_weight_grad_add};

@@ -2,8 +2,8 @@
 //! its row of logits, differentiable in the logits. Forward: one kernel for each row's
 //! log-sum-exp and loss, one summing the losses in a fixed order; backward: one kernel writing
 //! `(softmax - onehot) * dloss / rows`, reading the log-sum-exps the forward saved.
-//! `classifier_with_grad` runs the head's projection and both, the gradient written over the
-//! logits it made.
+//! `classifier_with_grad` runs the head's projection and both over chunks of rows, each
+//! chunk's gradient written over the logits it made, then the gradients' two GEMMs.
 
 #[cfg(feature = "cuda")]
 mod cuda;
@@ -45,23 +45,104 @@ pub fn cross_entropy_with_grad(logits: &Tensor, targets: &Tensor) -> Result<(Ten
     Ok((loss, dlogits))
 }
 
-/// A language model's classifier in a training step: the logits `h · headᵀ` (`h` `[rows,
+/// What [`classifier_with_grad`] gives: the loss and the gradients of the classifier's two
+/// inputs.
+#[derive(Debug)]
+pub struct ClassifierGrads {
+    /// The mean cross-entropy over every row, `[1]` f32.
+    pub loss: Tensor,
+    /// The gradient in `h`, `h`'s shape and dtype.
+    pub dh: Tensor,
+    /// The gradient in `head`, `[vocab, hidden]`.
+    pub dhead: Tensor,
+}
+
+/// A language model's classifier in a training step: the logits `h · headᵀ` (`h` `[...,
 /// hidden]`, `head` `[vocab, hidden]`, as [`crate::dense`] takes them), their mean
-/// cross-entropy against `targets` (`[rows]` u32) and its gradient in the logits, written over
-/// the logits, which nothing else holds: one `[rows, vocab]` tensor where
-/// [`cross_entropy_with_grad`] of the logits keeps two. Returns `(loss, dlogits)`, the same
-/// values as that composition.
+/// cross-entropy against `targets` (`h`'s leading dims, u32) and its gradients in `h` and
+/// `head`, over chunks of at most `chunk_rows` rows. For each chunk: the head's GEMM, the
+/// cross-entropy, its gradient in the logits written over them (the same kernels as
+/// [`cross_entropy_with_grad`]), then that gradient's two GEMMs, the chunk's rows of `dh` and
+/// its part of `dhead` (added into the earlier chunks' by [`crate::dense_weight_grad_add`]).
+/// So one chunk's `[chunk_rows, vocab]` logits exist at a time, never a `[rows, vocab]`
+/// tensor; with one chunk (`chunk_rows` at least the rows) the values are those of that
+/// composition over all rows, bit for bit.
 pub fn classifier_with_grad(
     h: &Tensor,
     head: &Tensor,
     targets: &Tensor,
-) -> Result<(Tensor, Tensor)> {
-    let logits = crate::dense(h, head)?;
-    let (op, targets) = checked(&logits, targets)?;
-    let loss = logits.apply_op2_no_bwd(&targets, &op)?;
-    let backward = op.backward(&Tensor::ones(1, DType::F32, logits.device())?)?;
-    logits.inplace_op3(&targets, &op.saved.get(OP)?, &backward)?;
-    Ok((loss, logits))
+    chunk_rows: usize,
+) -> Result<ClassifierGrads> {
+    const CLASSIFIER: &str = "classifier_with_grad";
+    if chunk_rows == 0 {
+        return Err(KernelError::Unsupported {
+            op: CLASSIFIER,
+            reason: "chunks of no rows: pass chunk_rows of at least 1",
+        }
+        .into());
+    }
+    let (_, hidden) = head.dims2()?;
+    let rows = targets.elem_count();
+    if h.dims().split_last() != Some((&hidden, targets.dims())) {
+        return Err(check::shape(
+            CLASSIFIER,
+            "h",
+            h,
+            "[..., hidden]: the targets' dims, then the head's columns",
+        ));
+    }
+    let (flat_h, flat_targets) = (h.reshape((rows, hidden))?, targets.flatten_all()?);
+    let chunks = rows.div_ceil(chunk_rows).max(1);
+    let mut loss: Option<Tensor> = None;
+    let mut dh = Vec::with_capacity(chunks);
+    let mut dhead: Option<Tensor> = None;
+    for chunk in 0..chunks {
+        let start = chunk * chunk_rows;
+        let len = chunk_rows.min(rows - start);
+        let hc = flat_h.narrow(0, start, len)?;
+        let logits = crate::dense(&hc, head)?;
+        let (op, tc) = checked(&logits, &flat_targets.narrow(0, start, len)?)?;
+        let chunk_loss = logits.apply_op2_no_bwd(&tc, &op)?;
+        // The chunk's share of the mean: its gradient scale `dloss / len` is `1 / rows`.
+        let share = |t: Tensor| -> Result<Tensor> {
+            if chunks == 1 {
+                Ok(t)
+            } else {
+                t.affine(len as f64 / rows as f64, 0.0)
+            }
+        };
+        let dloss = share(Tensor::ones(1, DType::F32, logits.device())?)?;
+        let backward = op.backward(&dloss)?;
+        logits.inplace_op3(&tc, &op.saved.get(OP)?, &backward)?;
+        let dlogits = logits;
+        dh.push(crate::dense_sum(&[(&dlogits, head)])?);
+        match &dhead {
+            None => dhead = Some(crate::dense_weight_grad(&dlogits, &hc)?),
+            Some(acc) => crate::dense_weight_grad_add(acc, &dlogits, &hc)?,
+        }
+        let chunk_loss = share(chunk_loss)?;
+        loss = Some(match loss {
+            None => chunk_loss,
+            Some(sum) => (sum + chunk_loss)?,
+        });
+    }
+    let dh = match dh.len() {
+        1 => dh.swap_remove(0),
+        _ => Tensor::cat(&dh, 0)?,
+    };
+    match (loss, dhead) {
+        (Some(loss), Some(dhead)) => Ok(ClassifierGrads {
+            loss,
+            dh: dh.reshape(h.shape())?,
+            dhead,
+        }),
+        _ => Err(check::shape(
+            CLASSIFIER,
+            "targets",
+            targets,
+            "at least one row",
+        )),
+    }
 }
 
 /// Checks [`cross_entropy`]'s arguments: its op and the targets, contiguous.

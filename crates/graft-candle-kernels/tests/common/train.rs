@@ -4,7 +4,7 @@
 use candle_core::{DType, Device, Result, Tensor, Var};
 use graft_candle_kernels::{
     RopeStyle, classifier_with_grad, cross_entropy, cross_entropy_with_grad, dense, dense_sum,
-    embedding, rms_norm, rms_norm_backward, rotary, swiglu,
+    dense_weight_grad, embedding, rms_norm, rms_norm_backward, rotary, swiglu,
 };
 use proptest::prelude::*;
 
@@ -325,17 +325,46 @@ pub fn check_cross_entropy(device: &Device, c: &TrainCase, dtype: DType) -> Resu
         bits(want)?,
         "cross_entropy_with_grad's gradient"
     );
-    // The classifier writes the same gradient over the logits it makes.
+    // The classifier in one chunk: the composition's loss and gradients, bit for bit.
+    let rows = c.batch * c.seq;
     let h = random(c.seed + 1, &[c.batch, c.seq, 16], 1.0, dtype, device)?;
     let head = random(c.seed + 2, &[vocab, 16], 0.5, dtype, device)?;
-    let (want_loss, want) = cross_entropy_with_grad(&dense(&h, &head)?, &targets)?;
-    let (got_loss, got) = classifier_with_grad(&h, &head, &targets)?;
+    let (want_loss, dlogits) = cross_entropy_with_grad(&dense(&h, &head)?, &targets)?;
+    let dlogits = dlogits.reshape((rows, vocab))?;
+    let want_dh = dense_sum(&[(&dlogits, &head)])?.reshape(h.shape())?;
+    let want_dhead = dense_weight_grad(&dlogits, &h.reshape((rows, 16))?)?;
+    let whole = classifier_with_grad(&h, &head, &targets, rows)?;
     assert_eq!(
-        bits(&got_loss)?,
+        bits(&whole.loss)?,
         bits(&want_loss)?,
-        "classifier_with_grad's loss"
+        "the classifier's loss"
     );
-    assert_eq!(bits(&got)?, bits(&want)?, "classifier_with_grad's gradient");
+    assert_eq!(bits(&whole.dh)?, bits(&want_dh)?, "the classifier's dh");
+    assert_eq!(
+        bits(&whole.dhead)?,
+        bits(&want_dhead)?,
+        "the classifier's dhead"
+    );
+    // In chunks of 3 rows (the last one shorter where 3 does not divide the rows): the same
+    // values to the dtype's rounding, the head's gradient added chunk by chunk.
+    let chunked = classifier_with_grad(&h, &head, &targets, 3)?;
+    assert_near(
+        "the chunked classifier's loss",
+        &chunked.loss,
+        &want_loss,
+        dtype,
+    )?;
+    assert_near("the chunked classifier's dh", &chunked.dh, &want_dh, dtype)?;
+    assert_near(
+        "the chunked classifier's dhead",
+        &chunked.dhead,
+        &want_dhead,
+        dtype,
+    )?;
+    assert!(
+        classifier_with_grad(&h, &head, &targets, 0).is_err(),
+        "chunks of no rows are refused"
+    );
     // A target past the vocabulary: NaN, not a silent wrong loss.
     let bad = Tensor::from_vec(
         vec![vocab as u32; c.batch * c.seq],

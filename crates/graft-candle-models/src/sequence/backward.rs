@@ -14,9 +14,9 @@
 use candle_core::{Result, Tensor};
 use candle_nn::Activation;
 use graft_candle_kernels::{
-    SavedAttention, causal_attention_saved, classifier_with_grad, dense, dense_sum, embedding,
-    embedding_backward, rms_norm, rms_norm_backward, rotary, rotary_backward, swiglu,
-    swiglu_backward,
+    ClassifierGrads, SavedAttention, causal_attention_saved, classifier_with_grad, dense,
+    dense_sum, dense_weight_grad, embedding, embedding_backward, rms_norm, rms_norm_backward,
+    rotary, rotary_backward, swiglu, swiglu_backward,
 };
 
 use crate::decoder::{Block, Decoder};
@@ -160,35 +160,40 @@ impl Decoder {
             x = next;
         }
         let hf = rms_norm(&x, &norm, eps)?;
-        // The logits' gradient written over the logits: one [rows, vocab] tensor, not two.
-        let (loss, dlogits) = classifier_with_grad(&hf, &head, targets)?;
+        // The classifier and its backward pass over chunks of rows, one chunk's logits (and
+        // their gradient, written over them) at a time.
+        let row_bytes = head.dim(0)? * head.dtype().size_in_bytes();
+        let chunk = classifier_chunk_rows(targets.elem_count(), row_bytes);
+        let ClassifierGrads {
+            loss,
+            dh: dhf,
+            dhead: d_head,
+        } = classifier_with_grad(&hf, &head, targets, chunk)?;
 
         // Backward: every weight's gradient once, in the reverse order of the forward pass.
         let mut grads = Vec::with_capacity(2 + 9 * blocks.len());
-        let d_head = weight_grad(&dlogits, &hf)?;
-        let (mut dx, d_norm) =
-            rms_norm_backward(&x, &norm, &dense_sum(&[(&dlogits, &head)])?, eps, None)?;
+        let (mut dx, d_norm) = rms_norm_backward(&x, &norm, &dhf, eps, None)?;
         grads.push((self.norm.clone(), d_norm));
         for ((b, w), k) in self.blocks.iter().zip(&blocks).zip(kept).rev() {
             let d_act = dense_sum(&[(&dx, &w.down)])?;
-            let d_down = weight_grad(&dx, &k.act)?;
+            let d_down = dense_weight_grad(&dx, &k.act)?;
             let (d_gate_out, d_up_out) = swiglu_backward(&k.gate, &k.up, &d_act)?;
             let dh2 = dense_sum(&[(&d_gate_out, &w.gate), (&d_up_out, &w.up)])?;
             let (d_gate, d_up) = (
-                weight_grad(&d_gate_out, &k.h2)?,
-                weight_grad(&d_up_out, &k.h2)?,
+                dense_weight_grad(&d_gate_out, &k.h2)?,
+                dense_weight_grad(&d_up_out, &k.h2)?,
             );
             let (dx_mid, d_mlp_norm) =
                 rms_norm_backward(&k.x_mid, &w.mlp_norm, &dh2, eps, Some(&dx))?;
-            let d_o = weight_grad(&dx_mid, k.attention.output())?;
+            let d_o = dense_weight_grad(&dx_mid, k.attention.output())?;
             let (dq, dk, dv) = k.attention.backward(&dense_sum(&[(&dx_mid, &w.o)])?)?;
             let dq = rotary_backward(&dq, cos, sin, s.heads, style)?;
             let dk = rotary_backward(&dk, cos, sin, s.kv_heads, style)?;
             let dh1 = dense_sum(&[(&dq, &w.q), (&dk, &w.k), (&dv, &w.v)])?;
             let (d_q, d_k, d_v) = (
-                weight_grad(&dq, &k.h1)?,
-                weight_grad(&dk, &k.h1)?,
-                weight_grad(&dv, &k.h1)?,
+                dense_weight_grad(&dq, &k.h1)?,
+                dense_weight_grad(&dk, &k.h1)?,
+                dense_weight_grad(&dv, &k.h1)?,
             );
             let (dx_in, d_attn_norm) =
                 rms_norm_backward(&k.x, &w.attn_norm, &dh1, eps, Some(&dx_mid))?;
@@ -248,11 +253,37 @@ fn original(p: &Proj) -> Result<Tensor> {
     }
 }
 
-/// The gradient `dyᵀ · x` (`[n, k]`) of a projection's weight from its output's gradient `dy`
-/// (`[..., n]`) and its input `x` (`[..., k]`): one GEMM over every row.
-fn weight_grad(dy: &Tensor, x: &Tensor) -> Result<Tensor> {
-    let n = dy.dim(candle_core::D::Minus1)?;
-    let k = x.dim(candle_core::D::Minus1)?;
-    let rows = dy.elem_count() / n.max(1);
-    dy.reshape((rows, n))?.t()?.matmul(&x.reshape((rows, k))?)
+/// The most bytes one chunk of the classifier's logits takes in the explicit backward pass:
+/// GPT-2's vocabulary (50,304) over 8 sequences of 1,024 positions in bf16 would be 824 MB of
+/// logits at once; chunks of this size keep the GEMMs over thousands of rows (as fast per row
+/// as one GEMM over all) while the peak holds a quarter of that.
+const CLASSIFIER_CHUNK_BYTES: usize = 256 << 20;
+
+/// The rows of each of the classifier's chunks for `rows` rows of `row_bytes` of logits: as
+/// few chunks as keep each one's logits within [`CLASSIFIER_CHUNK_BYTES`], the rows split
+/// evenly between them.
+fn classifier_chunk_rows(rows: usize, row_bytes: usize) -> usize {
+    let most = (CLASSIFIER_CHUNK_BYTES / row_bytes.max(1)).max(1);
+    let chunks = rows.div_ceil(most).max(1);
+    rows.div_ceil(chunks).max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::classifier_chunk_rows;
+
+    #[test]
+    fn classifier_chunks_are_few_and_even() {
+        let gpt2_bf16 = 50_304 * 2;
+        // One sequence of 1,024 positions fits (98 MiB); eight take four chunks of 2,048 rows
+        // (each 196 MiB), not three of 2,668 and a short fourth.
+        assert_eq!(classifier_chunk_rows(1024, gpt2_bf16), 1024);
+        assert_eq!(classifier_chunk_rows(8 * 1024, gpt2_bf16), 2048);
+        assert_eq!(classifier_chunk_rows(32 * 1024, 50_304 * 4), 1311);
+        // The bench model's largest batch: one chunk, the step as before.
+        assert_eq!(classifier_chunk_rows(32 * 128, 8192 * 4), 4096);
+        // Rows wider than the budget: one row a chunk, never none.
+        assert_eq!(classifier_chunk_rows(3, usize::MAX), 1);
+        assert_eq!(classifier_chunk_rows(0, 4), 1);
+    }
 }
