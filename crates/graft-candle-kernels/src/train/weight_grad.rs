@@ -17,16 +17,17 @@ const OP: &str = "dense_weight_grad_add";
 /// output's gradient `dy` (`[..., n]`) and its input `x` (`[..., k]`, the same leading
 /// dims): one GEMM over every row.
 pub fn dense_weight_grad(dy: &Tensor, x: &Tensor) -> Result<Tensor> {
-    let (rows, n, k) = dims(dy, x)?;
+    let (rows, n, k) = dims("dense_weight_grad", dy, x)?;
     dy.reshape((rows, n))?.t()?.matmul(&x.reshape((rows, k))?)
 }
 
-/// Adds `dyᵀ · x` into `acc` (`[n, k]`, contiguous, its storage's whole, in `dy`'s dtype):
+/// Adds `dyᵀ · x` into `acc` (`[n, k]`, contiguous, in `dy`'s dtype; a view into a larger
+/// buffer is written where it lies):
 /// the weight gradient of rows past those `acc` already sums, as [`dense_weight_grad`] takes
 /// them. One GEMM that reads and writes `acc` (β = 1) on CUDA; computed in f32 and rounded
 /// once into `acc`'s dtype on the CPU.
 pub fn dense_weight_grad_add(acc: &Tensor, dy: &Tensor, x: &Tensor) -> Result<()> {
-    let (rows, n, k) = dims(dy, x)?;
+    let (rows, n, k) = dims(OP, dy, x)?;
     check::float(OP, "dy", dy)?;
     check::like(OP, "x", x, "dy", dy)?;
     check::like(OP, "acc", acc, "dy", dy)?;
@@ -43,13 +44,13 @@ pub fn dense_weight_grad_add(acc: &Tensor, dy: &Tensor, x: &Tensor) -> Result<()
 }
 
 /// `(rows, n, k)` of `dy` `[..., n]` and `x` `[..., k]` with the same leading dims.
-fn dims(dy: &Tensor, x: &Tensor) -> Result<(usize, usize, usize)> {
+fn dims(op: &'static str, dy: &Tensor, x: &Tensor) -> Result<(usize, usize, usize)> {
     let (Some((&n, lead)), Some((&k, x_lead))) = (dy.dims().split_last(), x.dims().split_last())
     else {
-        return Err(check::shape(OP, "dy", dy, "[..., n]"));
+        return Err(check::shape(op, "dy", dy, "[..., n]"));
     };
     if lead != x_lead {
-        return Err(check::shape(OP, "x", x, "[..., k] with dy's leading dims"));
+        return Err(check::shape(op, "x", x, "[..., k] with dy's leading dims"));
     }
     Ok((lead.iter().product(), n, k))
 }
@@ -76,11 +77,11 @@ impl InplaceOp3 for WeightGradAdd {
         x: &CpuStorage,
         xl: &Layout,
     ) -> Result<()> {
-        whole(al)?;
+        let (start, end) = span(al)?;
         float_dispatch!(OP, "acc", (acc, dy, x), |a, d, x| {
             let d = check::cpu_slice(OP, "dy", d, dl)?;
             let x = check::cpu_slice(OP, "x", x, xl)?;
-            add_cpu(a, d, x, self.rows, self.n, self.k);
+            add_cpu(&mut a[start..end], d, x, self.rows, self.n, self.k);
             Ok(())
         })
     }
@@ -95,21 +96,21 @@ impl InplaceOp3 for WeightGradAdd {
         x: &candle_core::CudaStorage,
         xl: &Layout,
     ) -> Result<()> {
-        whole(al)?;
-        cuda::add(self, acc, cuda::Inputs { dy, dl, x, xl })
+        let span = span(al)?;
+        cuda::add(self, acc, span, cuda::Inputs { dy, dl, x, xl })
     }
 }
 
-/// Refuses an accumulator that is not its storage's whole (the GEMM writes from its start).
-fn whole(al: &Layout) -> Result<()> {
-    if al.is_contiguous() && al.start_offset() == 0 {
-        return Ok(());
-    }
-    Err(crate::KernelError::NotContiguous {
-        op: OP,
-        input: "acc",
-    }
-    .into())
+/// The elements of the accumulator's storage that `al` covers (contiguous, checked by the
+/// wrapper; any start offset, so a view into a larger buffer accumulates in place).
+fn span(al: &Layout) -> Result<(usize, usize)> {
+    al.contiguous_offsets().ok_or_else(|| {
+        crate::KernelError::NotContiguous {
+            op: OP,
+            input: "acc",
+        }
+        .into()
+    })
 }
 
 fn add_cpu<T: WithDType>(acc: &mut [T], dy: &[T], x: &[T], rows: usize, n: usize, k: usize) {

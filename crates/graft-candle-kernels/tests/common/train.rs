@@ -4,7 +4,8 @@
 use candle_core::{DType, Device, Result, Tensor, Var};
 use graft_candle_kernels::{
     RopeStyle, classifier_with_grad, cross_entropy, cross_entropy_with_grad, dense, dense_sum,
-    dense_weight_grad, embedding, rms_norm, rms_norm_backward, rotary, swiglu,
+    dense_weight_grad, dense_weight_grad_add, embedding, rms_norm, rms_norm_backward, rotary,
+    swiglu,
 };
 use proptest::prelude::*;
 
@@ -365,6 +366,37 @@ pub fn check_cross_entropy(device: &Device, c: &TrainCase, dtype: DType) -> Resu
         classifier_with_grad(&h, &head, &targets, 0).is_err(),
         "chunks of no rows are refused"
     );
+    // An accumulator of another shape is refused; one that is a view into a larger buffer
+    // (a flat gradient buffer's slice) is written where it lies, and nothing around it.
+    let (dy, x) = (
+        dlogits.narrow(0, 0, 1)?,
+        h.reshape((rows, 16))?.narrow(0, 0, 1)?,
+    );
+    let wide = Tensor::zeros((vocab + 1, 16), dtype, device)?;
+    let refused = dense_weight_grad_add(&wide, &dy, &x)
+        .unwrap_err()
+        .to_string();
+    assert!(refused.contains("acc"), "{refused}");
+    let buffer = Tensor::ones((vocab + 2, 16), dtype, device)?;
+    dense_weight_grad_add(&buffer.narrow(0, 1, vocab)?, &dy, &x)?;
+    let want = (dense_weight_grad(&dy, &x)? + 1.0)?;
+    assert_near(
+        "an accumulator inside a buffer",
+        &buffer.narrow(0, 1, vocab)?,
+        &want,
+        dtype,
+    )?;
+    for row in [0, vocab + 1] {
+        let around = buffer
+            .narrow(0, row, 1)?
+            .to_dtype(DType::F32)?
+            .flatten_all()?;
+        assert_eq!(
+            around.to_vec1::<f32>()?,
+            vec![1.0; 16],
+            "row {row} around the view"
+        );
+    }
     // A target past the vocabulary: NaN, not a silent wrong loss.
     let bad = Tensor::from_vec(
         vec![vocab as u32; c.batch * c.seq],

@@ -4,7 +4,7 @@
 use candle_core::cuda_backend::CudaStorageSlice;
 use candle_core::cuda_backend::cudarc::cublas::sys::cublasOperation_t;
 use candle_core::cuda_backend::cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr};
+use candle_core::cuda_backend::cudarc::driver::{CudaViewMut, DeviceRepr};
 use candle_core::cuda_backend::{CudaDType, CudaDevice};
 use candle_core::{CudaStorage, Layout, Result, WithDType};
 
@@ -13,12 +13,19 @@ use crate::KernelError;
 use crate::nvrtc::view;
 
 /// `acc [n, k] += dyᵀ · x` for `dy` `[rows, n]` and `x` `[rows, k]`, all of one dtype.
-pub(super) fn add(op: &WeightGradAdd, acc: &mut CudaStorage, inputs: Inputs<'_>) -> Result<()> {
+/// `span` is the accumulator's elements in its storage.
+pub(super) fn add(
+    op: &WeightGradAdd,
+    acc: &mut CudaStorage,
+    span: (usize, usize),
+    inputs: Inputs<'_>,
+) -> Result<()> {
     let device = acc.device.clone();
+    let (start, end) = span;
     match &mut acc.slice {
-        CudaStorageSlice::F32(a) => gemm(op, a, &inputs, &device),
-        CudaStorageSlice::BF16(a) => gemm(op, a, &inputs, &device),
-        CudaStorageSlice::F16(a) => gemm(op, a, &inputs, &device),
+        CudaStorageSlice::F32(a) => gemm(op, &mut a.slice_mut(start..end), &inputs, &device),
+        CudaStorageSlice::BF16(a) => gemm(op, &mut a.slice_mut(start..end), &inputs, &device),
+        CudaStorageSlice::F16(a) => gemm(op, &mut a.slice_mut(start..end), &inputs, &device),
         _ => Err(KernelError::UnsupportedDType {
             op: OP,
             input: "acc",
@@ -41,7 +48,7 @@ pub(super) struct Inputs<'a> {
 /// is `n x rows`: `acc += x · dyᵀ`, the second operand transposed.
 fn gemm<T>(
     d: &WeightGradAdd,
-    acc: &mut CudaSlice<T>,
+    acc: &mut CudaViewMut<'_, T>,
     inputs: &Inputs<'_>,
     device: &CudaDevice,
 ) -> Result<()>
@@ -68,8 +75,8 @@ where
     let x = view(OP, "x", inputs.x.as_cuda_slice::<T>()?, inputs.xl)?;
     let blas = device.cublas_handle();
     // SAFETY: `x` holds rows * k elements and `dy` rows * n (the wrapper reshaped both,
-    // contiguous, to `[rows, k]` and `[rows, n]`), `acc` at least n * k from its start (its
-    // storage's whole, checked `[n, k]`); all on `device`, whose stream the handle is bound to
-    // and which orders the GEMM after every earlier use of the three.
+    // contiguous, to `[rows, k]` and `[rows, n]`), `acc` exactly n * k (its layout's span of a
+    // tensor checked `[n, k]` and contiguous); all on `device`, whose stream the handle is
+    // bound to and which orders the GEMM after every earlier use of the three.
     unsafe { blas.gemm(cfg, &x, &dy, acc) }.map_err(candle_core::Error::wrap)
 }
