@@ -401,4 +401,10 @@ fn a_graph_drawing_from_a_host_side_generator_never_replays() {
         0,
         "the recording was freed after its one launch"
     );
+    assert_eq!(
+        g.stats().fallbacks,
+        1,
+        "a signature eager for good is a fallback: {:?}",
+        g.stats()
+    );
 }

@@ -279,22 +279,32 @@ fn budget_limits_and_path<D: TestDevice>(dev: D) {
     let x = input(&mut g, &[1.0; 16]);
     let runs = Runs::default();
     let mut out = Vec::new();
-    for step in 0..3 {
-        let oa = g
-            .call_into(a, &[&x], &[], affine(2.0, 0.0, &runs), &mut out)
-            .unwrap();
-        let y = out.pop().unwrap().buffer;
-        let ob = g
-            .call_into(b, &[&y], &[], affine(1.0, 1.0, &runs), &mut out)
-            .unwrap();
-        assert_eq!(read(&g, &out[0].buffer), vec![3.0; 16]);
-        assert!(
-            matches!(ob, Outcome::Eager(_)),
-            "step {step}: b cannot record, a is on the path: {ob:?}"
-        );
-        assert!(!matches!(oa, Outcome::Eager(_)), "step {step}: {oa:?}");
-        g.mark_step_begin();
-    }
+    let warned = count_warnings(
+        "the graph budget is full with graphs of the current path",
+        || {
+            for step in 0..3 {
+                let oa = g
+                    .call_into(a, &[&x], &[], affine(2.0, 0.0, &runs), &mut out)
+                    .unwrap();
+                let y = out.pop().unwrap().buffer;
+                let ob = g
+                    .call_into(b, &[&y], &[], affine(1.0, 1.0, &runs), &mut out)
+                    .unwrap();
+                assert_eq!(read(&g, &out[0].buffer), vec![3.0; 16]);
+                assert!(
+                    matches!(ob, Outcome::Eager(_)),
+                    "step {step}: b cannot record, a is on the path: {ob:?}"
+                );
+                assert!(!matches!(oa, Outcome::Eager(_)), "step {step}: {oa:?}");
+                g.mark_step_begin();
+            }
+        },
+    );
+    assert_eq!(
+        warned, 1,
+        "b's eager calls are warned once, not on every step"
+    );
+    assert_eq!(g.stats().over_budget, 3, "{:?}", g.stats());
     assert!(
         g.explain()
             .any(|d| d.decision == Decision::Eager(EagerReason::GraphBudget { limit: 1 }))
@@ -304,6 +314,7 @@ fn budget_limits_and_path<D: TestDevice>(dev: D) {
     // graph there, then takes its place.
     let mut g = graft(g.device().clone(), Config::default());
     let f = g.register("f", FunctionSpec::default().warmups(0).max_graphs(1));
+    let mut refused = 0;
     for k in 0..4u64 {
         let mut calls = 0;
         loop {
@@ -315,7 +326,7 @@ fn budget_limits_and_path<D: TestDevice>(dev: D) {
             calls += 1;
             match o {
                 Outcome::Recorded(_) => break,
-                Outcome::Eager(EagerReason::NotAdmitted { limit: 1, .. }) => {}
+                Outcome::Eager(EagerReason::NotAdmitted { limit: 1, .. }) => refused += 1,
                 o => panic!("key {k}: {o:?}"),
             }
             assert!(calls < 20, "key {k} never recorded");
@@ -329,6 +340,8 @@ fn budget_limits_and_path<D: TestDevice>(dev: D) {
     }
     // Same sizes, same kernels: every recording reused the evicted executable.
     assert_eq!(g.stats().updates_in_place, 3, "{:?}", g.stats());
+    assert_eq!(g.stats().over_budget, refused, "{:?}", g.stats());
+    assert!(refused > 0);
 }
 device_test!(budget_limits_and_path, budget_limits_and_path);
 

@@ -506,6 +506,19 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 self.count_off_replay(function, frame.sig);
                 self.count_miss(function, frame.sig, parent, &reason);
                 drop(self.make_room(function, &evicts));
+                self.stats.over_budget += 1;
+                let f = &mut self.functions[function];
+                // Every graph on the current path: a step that repeats it meets the same full
+                // budget every time, so this call runs eagerly on every step from now on.
+                if let EagerReason::GraphBudget { limit } = &why
+                    && !f.warned_budget
+                {
+                    f.warned_budget = true;
+                    tracing::warn!(
+                        function = %f.name, limit,
+                        "the graph budget is full with graphs of the current path, so this call of the function runs eagerly, and will on every step that takes the same path: raise Config::max_graphs (or FunctionSpec::max_graphs) to at least the graphs one step records"
+                    );
+                }
                 tracing::debug!(
                     function = %self.functions[function].name,
                     reason = %why,

@@ -165,6 +165,8 @@ pub(crate) struct Function {
     /// call with while the path warms up (see `plan::repeats`).
     pub(crate) warmed: Warmed,
     warned_signatures: bool,
+    /// Warned that the graph budget is smaller than the current path (see `graft.rs`).
+    pub(crate) warned_budget: bool,
     /// The signature of the last call, tagged for the watch (see [`Last`]).
     last: Last,
     /// Churning calls (see `churn.rs`).
@@ -183,6 +185,7 @@ impl Function {
             root_level: false,
             warmed: Warmed::default(),
             warned_signatures: false,
+            warned_budget: false,
             last: Last::default(),
             watch: Watch::default(),
             tick: 0,

@@ -78,8 +78,11 @@ pub struct Stats {
     pub rerecords: RerecordCounts,
     /// Eager runs outside the graph pool (eager-only functions and fallbacks).
     pub eager_runs: u64,
-    /// Functions or (parent, function) pairs that fell back to eager for good.
+    /// Functions, (parent, function) pairs or signatures that fell back to eager for good.
     pub fallbacks: u64,
+    /// Calls that would have recorded but ran eagerly because the graph budget was full
+    /// (`EagerReason::GraphBudget` and `EagerReason::NotAdmitted`); also in `eager_runs`.
+    pub over_budget: u64,
     /// Copied inputs found written by their body (each is copied back from then on).
     pub mutated_inputs: u64,
     /// Captures that failed.

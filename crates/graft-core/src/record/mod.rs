@@ -111,6 +111,8 @@ impl<D: Device, M: Clone> Graft<D, M> {
             Afterwards::Eager(why) => {
                 let name = &self.functions[frame.function].name;
                 tracing::warn!(function = %name, reason = %why, "the recording never replays; the signature runs eagerly from now on");
+                self.stats.fallbacks += 1;
+                self.log(frame.function, parent, Decision::Eager(why.clone()));
                 self.functions[frame.function].sigs[frame.sig].eager = Some(why);
                 self.free_retired(key, parent, EvictReason::HostRandom)?;
             }
