@@ -167,6 +167,8 @@ pub(crate) struct Function {
     warned_signatures: bool,
     /// Warned that the graph budget is smaller than the current path (see `graft.rs`).
     pub(crate) warned_budget: bool,
+    /// Warned that a call was above the largest bucket.
+    warned_above_buckets: bool,
     /// The signature of the last call, tagged for the watch (see [`Last`]).
     last: Last,
     /// Churning calls (see `churn.rs`).
@@ -186,6 +188,7 @@ impl Function {
             warmed: Warmed::default(),
             warned_signatures: false,
             warned_budget: false,
+            warned_above_buckets: false,
             last: Last::default(),
             watch: Watch::default(),
             tick: 0,
@@ -298,6 +301,16 @@ impl Function {
         };
         if let Some(why) = &eager {
             tracing::debug!(function = %self.name, reason = %why, "a new signature runs eagerly");
+            // A serving batch past the largest bucket runs eagerly on every call: say so once.
+            if let EagerReason::AboveLargestBucket { size, largest } = why
+                && !self.warned_above_buckets
+            {
+                self.warned_above_buckets = true;
+                tracing::warn!(
+                    function = %self.name, size, largest,
+                    "a call's size is above the function's largest bucket, so calls of that size run eagerly (every one, without a graph): add a larger bucket to graph them"
+                );
+            }
         }
         let sizes: Box<[usize]> = inputs.iter().map(|b| b.len()).collect();
         let previous = self.sigs.get(self.last.index()).map(|s| Shape {
