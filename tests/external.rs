@@ -548,6 +548,59 @@ fn aliased_inputs_replay_only_where_recorded<D: TestDevice>(device: D) {
 }
 device_test!(aliased, aliased_inputs_replay_only_where_recorded);
 
+/// The same buffer passed as two inputs (`f(x, x)`), at a new address on every call: both are
+/// used in place and followed together, so the recording replays wherever the buffer is (it
+/// recorded again on every call before, and never replayed). Passed as two buffers, the pair
+/// records again (`AliasesParted`): a use in the graph could be either input's. The values are
+/// eager's throughout: the body writes the buffer through input 0, then reads input 1.
+fn same_buffer_twice_is_followed<D: TestDevice>(device: D) {
+    let mut g = graft(device, Config::default());
+    let f = g.register("twice", FunctionSpec::inference(Vec::<usize>::new()));
+    let n = 8;
+    let mut held = Vec::new();
+    for step in 0..8 {
+        let x = common::input(&mut g, &values(step as f32, n));
+        let mut out = Vec::new();
+        let outcome = g
+            .call_into(f, &[&x, &x], &[], bump_then_read(n, n), &mut out)
+            .unwrap();
+        let bumped = host_affine(&values(step as f32, n), 1.0, 1.0);
+        assert_eq!(read(&g, &x), bumped, "step {step}: {outcome:?}");
+        assert_eq!(
+            read(&g, &out[0].buffer),
+            host_affine(&bumped, 2.0, 0.0),
+            "step {step}: {outcome:?}"
+        );
+        held.push(x);
+    }
+    let stats = g.stats();
+    assert!(stats.replays >= 5, "{stats:?}");
+    assert_eq!(stats.rerecords.in_place_input_moved, 0, "{stats:?}");
+    let kinds: Vec<_> = g.nodes().into_iter().flat_map(|n| n.inputs).collect();
+    assert_eq!(
+        kinds,
+        vec![graft::InputKind::InPlace { follows: true }; 2],
+        "one node, both inputs followed"
+    );
+    // Two buffers now: the recording of one buffer cannot serve them.
+    let (x, y) = (
+        common::input(&mut g, &values(100.0, n)),
+        common::input(&mut g, &values(200.0, n)),
+    );
+    let mut out = Vec::new();
+    let outcome = g
+        .call_into(f, &[&x, &y], &[], bump_then_read(n, n), &mut out)
+        .unwrap();
+    assert_eq!(read(&g, &x), host_affine(&values(100.0, n), 1.0, 1.0));
+    assert_eq!(
+        read(&g, &out[0].buffer),
+        host_affine(&values(200.0, n), 2.0, 0.0),
+        "{outcome:?}"
+    );
+    assert_eq!(g.stats().rerecords.aliases_parted, 1, "{:?}", g.stats());
+}
+device_test!(same_buffer_twice, same_buffer_twice_is_followed);
+
 /// A body that adds 1 to the `n` values of input 0 in place, then returns twice the first `m`
 /// of input 1.
 fn bump_then_read<D: TestDevice>(

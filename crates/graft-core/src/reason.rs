@@ -80,6 +80,14 @@ pub enum RecordReason {
         /// Position of the input it overlaps.
         other: usize,
     },
+    /// Two in-place inputs the candidate recorded as one buffer (the same address and length,
+    /// the graph following both) are apart now: a use in the graph could be either's.
+    AliasesParted {
+        /// Position of the later input.
+        position: usize,
+        /// Position of the earlier input it was recorded as.
+        other: usize,
+    },
     /// An in-place input lies in memory the candidate's graph writes.
     InPlaceInputOverlapsFootprint {
         /// Input position.
@@ -118,6 +126,7 @@ impl RecordReason {
             }
             RecordReason::InPlaceInputMoved { .. } => "in-place input moved",
             RecordReason::InputsOverlap { .. } => "inputs overlap",
+            RecordReason::AliasesParted { .. } => "aliased inputs came apart",
             RecordReason::InPlaceInputOverlapsFootprint { .. } => {
                 "in-place input overlaps the graph's memory"
             }
@@ -171,6 +180,10 @@ impl fmt::Display for RecordReason {
             RecordReason::InputsOverlap { position, other } => write!(
                 f,
                 "inputs overlap: copied input {position} now overlaps input {other}, which the candidate recorded apart; graft records again with both used in place, so that the body's writes through one reach the other as they do eagerly"
+            ),
+            RecordReason::AliasesParted { position, other } => write!(
+                f,
+                "aliased inputs came apart: inputs {other} and {position} were one buffer when the candidate was recorded, so the graph's uses of it could be either's, and are two buffers now; graft records again for them as they are"
             ),
             RecordReason::InPlaceInputOverlapsFootprint { position } => write!(
                 f,

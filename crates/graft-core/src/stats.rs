@@ -26,6 +26,8 @@ pub struct RerecordCounts {
     pub inputs_overlap: u64,
     /// An in-place input lay in memory the candidate's graph writes.
     pub in_place_input_overlaps_footprint: u64,
+    /// Inputs recorded as one buffer were passed as two.
+    pub aliases_parted: u64,
     /// A guard found a host value baked into the recording (see `Config::guards`).
     pub host_value_changed: u64,
 }
@@ -46,6 +48,7 @@ impl RerecordCounts {
             }
             RecordReason::InPlaceInputMoved { .. } => &mut self.in_place_input_moved,
             RecordReason::InputsOverlap { .. } => &mut self.inputs_overlap,
+            RecordReason::AliasesParted { .. } => &mut self.aliases_parted,
             RecordReason::InPlaceInputOverlapsFootprint { .. } => {
                 &mut self.in_place_input_overlaps_footprint
             }

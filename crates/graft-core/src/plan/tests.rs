@@ -45,6 +45,7 @@ impl World {
                 inputs: vec![InputSlot::Static { addr }].into(),
                 copied: Box::new([]),
                 in_place: Box::new([]),
+                aliases: Box::new([]),
                 fixed: Box::new([addr.0]),
                 delivers: false,
                 expected_dead: Box::new([]),

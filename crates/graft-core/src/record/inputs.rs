@@ -115,26 +115,37 @@ impl<D: Device, M: Clone> Graft<D, M> {
 
     /// In-place inputs: asks the device whether it can move every use the graph makes of each
     /// one (`Device::redirect` to where it already is). Those it can, replays point at each
-    /// call's buffer; the others, and any whose range overlaps another input's (a pointer into
-    /// the overlap could belong to either), replay only at the recorded address.
+    /// call's buffer; the others replay only at the recorded address. An input whose range
+    /// overlaps another input's (a pointer into the overlap could belong to either) is not
+    /// followed, unless every such input is an in-place one recorded as the same buffer (the
+    /// same address and length, `f(x, x)`): those are followed together, and a replay needs
+    /// them at one address again (`Node::aliases`).
     pub(super) fn follow_in_place(&mut self, key: NodeKey) -> Result<(), DeviceError> {
         let node = &mut self.tree[key];
         let sizes = &self.functions[node.function].sigs[node.sig].sizes;
+        let mut aliases = Vec::new();
         for k in 0..node.in_place.len() {
             let i = node.in_place[k];
             let InputSlot::InPlace { recorded, len, .. } = node.inputs[i] else {
                 continue;
             };
             let (s, e) = (recorded.0, recorded.0 + len as u64);
-            let shared =
-                node.inputs
-                    .iter()
-                    .zip(sizes.iter())
-                    .enumerate()
-                    .any(|(j, (other, &n))| {
-                        let os = other.recorded_at().0;
-                        j != i && n > 0 && os < e && s < os + n as u64
-                    });
+            let mut same = Vec::new();
+            let mut shared = false;
+            for (j, (other, &n)) in node.inputs.iter().zip(sizes.iter()).enumerate() {
+                let os = other.recorded_at().0;
+                if j == i || n == 0 || os >= e || s >= os + n as u64 {
+                    continue;
+                }
+                match *other {
+                    InputSlot::InPlace {
+                        recorded: r,
+                        len: l,
+                        ..
+                    } if r == recorded && l == len => same.push(j),
+                    _ => shared = true,
+                }
+            }
             if shared {
                 continue;
             }
@@ -147,8 +158,13 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 }
                 node.fixed[i] = tree::ANY_ADDRESS;
                 self.stats.patched_inputs += 1;
+                aliases.extend(same.into_iter().filter(|&j| j > i).map(|j| (i, j)));
             }
         }
+        // A pair is followed together only where the device follows both.
+        aliases
+            .retain(|&(_, j)| matches!(node.inputs[j], InputSlot::InPlace { follows: true, .. }));
+        node.aliases = aliases.into_boxed_slice();
         Ok(())
     }
 }

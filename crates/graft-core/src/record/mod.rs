@@ -235,6 +235,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
             graph,
             copied: tree::copied_positions(&prepared.slots),
             in_place: tree::in_place_positions(&prepared.slots),
+            aliases: Box::new([]),
             fixed: tree::fixed_addresses(&prepared.slots),
             delivers: frame.dests.is_some(),
             inputs: prepared.slots.into_boxed_slice(),

@@ -42,6 +42,7 @@ impl<G, M> Tree<G, M> {
         }
         (node.copied.is_empty() || copied_hold(node, addrs))
             && (node.in_place.is_empty() || in_place_hold(node, addrs))
+            && node.aliases.iter().all(|&(i, j)| addrs[i] == addrs[j])
     }
 
     /// Checks the replay invariants of `node` for these inputs, cheapest first: managed input
@@ -72,6 +73,10 @@ impl<G, M> Tree<G, M> {
                     output: output as usize,
                 });
             }
+        }
+        if let Some(&(other, position)) = node.aliases.iter().find(|&&(i, j)| addrs[i] != addrs[j])
+        {
+            return Err(RecordReason::AliasesParted { position, other });
         }
         for (position, (slot, &now)) in node.inputs.iter().zip(addrs).enumerate() {
             match *slot {

@@ -274,6 +274,7 @@ mod tests {
             inputs: Box::new([]),
             copied: Box::new([]),
             in_place: Box::new([]),
+            aliases: Box::new([]),
             fixed: Box::new([]),
             delivers: false,
             expected_dead: Box::new([]),

@@ -102,6 +102,10 @@ pub(crate) struct Node<G, M> {
     pub(crate) copied: Box<[usize]>,
     /// Positions of the in-place inputs (non-empty ones), for the same reason.
     pub(crate) in_place: Box<[usize]>,
+    /// Pairs `(earlier, later)` of followed in-place inputs recorded as one buffer (the same
+    /// address and length): a replay needs them at one address again, as the graph's uses of
+    /// the buffer could be either's. Empty for almost every node.
+    pub(crate) aliases: Box<[(usize, usize)]>,
     /// Per input, the address a static, managed or unfollowed in-place input must have
     /// ([`ANY_ADDRESS`] for the others): the fast path's check, dense.
     pub(crate) fixed: Box<[u64]>,
