@@ -8,8 +8,10 @@
 //! in bf16 and f16, up to [`TENSOR_ROWS`] rows on tensor cores when the columns are a multiple
 //! of 8 and every operand starts 16-byte aligned (`rows.cu`: a row gets the same bits at every
 //! row count from 3 to 16); otherwise up to [`MATVEC_ROWS`] rows on the matrix-vector kernel
-//! (`matvec.cu`, f32 sums on the CUDA cores). Above that they run `dense` (one GEMM over all
-//! rows, cuBLAS on CUDA) per weight. Which path runs depends only on the shapes, dtypes and
+//! (`matvec.cu`, f32 sums on the CUDA cores). On the CPU every dtype takes the one
+//! implementation up to [`TENSOR_ROWS`] rows (each output a dot product summed in index order),
+//! so a row's bits there never depend on how many rows share the call. Above that they run
+//! `dense` (one GEMM over all rows, cuBLAS on CUDA) per weight. Which path runs depends only on the shapes, dtypes and
 //! offsets, so eager and graphed calls of one shape run the same kernels. Two or three weights
 //! without biases above those rows are one GEMM each written into its columns of the output
 //! (`gemms.rs`), not a GEMM each and a concatenation.
@@ -95,7 +97,12 @@ pub(crate) fn project(
     if dims.rows <= TENSOR_ROWS && !tracked {
         let x = x.contiguous()?;
         let weights = parts.iter().map(|&(w, _)| w);
-        if dims.rows <= MATVEC_ROWS || tensor_cores(x.dtype(), dims.k, weights.chain([&x]))? {
+        // On the CPU one implementation serves every row count: a row's bits never depend on
+        // the batch there, so the CPU is an exact oracle for batching.
+        if dims.rows <= MATVEC_ROWS
+            || x.device().is_cpu()
+            || tensor_cores(x.dtype(), dims.k, weights.chain([&x]))?
+        {
             return matvec(&x, parts, dims, gate, side);
         }
     }

@@ -26,7 +26,7 @@ mod cuda;
 use std::fmt;
 use std::sync::Arc;
 
-use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Result, Shape, Tensor};
 
 use crate::linear::tensor_cores;
 use crate::pages::{Index, Lookup};
@@ -147,10 +147,13 @@ impl StepShard {
 }
 
 /// Whether [`decode_step`] takes `rows` rows of a `dtype` model of these head counts and head
-/// dim (`Err` says why not): at most [`TENSOR_ROWS`] rows in bf16 and f16 (the projections on
-/// tensor cores; the model's sizes multiples of 8 and its weights 16-byte aligned, which
-/// `decode_step` checks) or [`MATVEC_ROWS`] in f32, and heads the fused attention takes.
+/// dim on `device` (`Err` says why not): at most [`TENSOR_ROWS`] rows in bf16 and f16 (the
+/// projections on tensor cores; the model's sizes multiples of 8 and its weights 16-byte
+/// aligned, which `decode_step` checks) or [`MATVEC_ROWS`] in f32, and heads the fused
+/// attention takes. On the CPU, [`TENSOR_ROWS`] in every dtype: its composition gives a row the
+/// same bits at every row count up to there, so one path serves every batch a server pads to.
 pub fn decode_step_fits(
+    device: &Device,
     dtype: DType,
     rows: usize,
     heads: usize,
@@ -158,6 +161,7 @@ pub fn decode_step_fits(
     head_dim: usize,
 ) -> std::result::Result<(), KernelError> {
     let max = match dtype {
+        _ if device.is_cpu() => TENSOR_ROWS,
         DType::BF16 | DType::F16 => TENSOR_ROWS,
         _ => MATVEC_ROWS,
     };
@@ -208,7 +212,15 @@ fn step(
 ) -> Result<Tensor> {
     let batch = tokens.dims1()?;
     let dtype = model.embed.dtype();
-    decode_step_fits(dtype, batch, model.heads, model.kv_heads, model.head_dim)?;
+    let device = model.embed.device();
+    decode_step_fits(
+        device,
+        dtype,
+        batch,
+        model.heads,
+        model.kv_heads,
+        model.head_dim,
+    )?;
     check::indices(OP, "tokens", tokens, &model.embed)?;
     check::indices(OP, "positions", positions, &model.embed)?;
     if positions.dims() != [batch] {

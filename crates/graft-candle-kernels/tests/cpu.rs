@@ -538,10 +538,12 @@ fn linear_of_a_var_keeps_its_gradients() {
     }
 }
 
+/// In every dtype on the CPU (f32 took candle's matmul from 3 rows, whose sums for a row
+/// changed with the row count at 64 columns).
 #[test]
 fn projections_are_batch_invariant() {
-    for dtype in [DType::BF16, DType::F16] {
-        check_batch_invariance(&Device::Cpu, dtype).unwrap();
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        check_batch_invariance(&Device::Cpu, dtype, &[64, 1024, 2056]).unwrap();
     }
 }
 
@@ -549,29 +551,22 @@ fn projections_are_batch_invariant() {
 fn decode_step_refuses_what_it_does_not_run() {
     let dev = Device::Cpu;
     let c = step_cases()[0];
-    let model = step_model(&c, DType::F32, &dev).unwrap();
-    let caches = step_caches(3, DType::F32, &dev).unwrap();
-    let tokens = candle_core::Tensor::new(&[1u32, 2, 3], &dev).unwrap();
-    let positions = candle_core::Tensor::new(&[0u32, 0, 0], &dev).unwrap();
-    let err = graft_candle_kernels::decode_step(&model, &caches, &tokens, &positions, None)
-        .unwrap_err()
-        .to_string();
-    assert!(
-        err.contains("3 rows, but it takes at most 2 in F32"),
-        "{err}"
-    );
-    // In bf16, 17 rows are one past the tensor-core projections.
-    let model = step_model(&c, DType::BF16, &dev).unwrap();
+    // 17 rows are one past the tensor-core projections, and on the CPU one past the rows
+    // whose bits no row count changes, in every dtype.
+    for dtype in [DType::F32, DType::BF16] {
+        let model = step_model(&c, dtype, &dev).unwrap();
+        let caches = step_caches(17, dtype, &dev).unwrap();
+        let tokens = candle_core::Tensor::new(&[1u32; 17], &dev).unwrap();
+        let positions = candle_core::Tensor::new(&[0u32; 17], &dev).unwrap();
+        let err = graft_candle_kernels::decode_step(&model, &caches, &tokens, &positions, None)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(&format!("17 rows, but it takes at most 16 in {dtype:?}")),
+            "{err}"
+        );
+    }
     let caches = step_caches(17, DType::BF16, &dev).unwrap();
-    let tokens = candle_core::Tensor::new(&[1u32; 17], &dev).unwrap();
-    let positions = candle_core::Tensor::new(&[0u32; 17], &dev).unwrap();
-    let err = graft_candle_kernels::decode_step(&model, &caches, &tokens, &positions, None)
-        .unwrap_err()
-        .to_string();
-    assert!(
-        err.contains("17 rows, but it takes at most 16 in BF16"),
-        "{err}"
-    );
     let model = step_model(&c, DType::F32, &dev).unwrap();
     let tokens = candle_core::Tensor::new(&[1u32], &dev).unwrap();
     let positions = candle_core::Tensor::new(&[0u32], &dev).unwrap();

@@ -316,7 +316,9 @@ fn gpu_a_non_finite_gradient_skips_the_optimizer_step() {
 fn gpu_projections_are_batch_invariant() {
     let dev = gpu();
     for dtype in [DType::BF16, DType::F16] {
-        check_batch_invariance(&dev, dtype).unwrap();
+        // 1,024 columns: 4 warps a tile of outputs, a round each; 2,056: 8 warps, uneven
+        // runs (and a partial last chunk).
+        check_batch_invariance(&dev, dtype, &[1024, 2056]).unwrap();
     }
 }
 

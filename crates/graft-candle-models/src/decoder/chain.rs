@@ -89,7 +89,15 @@ impl Decoder {
         let batch = tokens.dims1()?;
         let s = &self.spec;
         let fits = |m: &&StepModel| {
-            decode_step_fits(m.embed.dtype(), batch, s.heads, s.kv_heads, s.head_dim).is_ok()
+            decode_step_fits(
+                m.embed.device(),
+                m.embed.dtype(),
+                batch,
+                s.heads,
+                s.kv_heads,
+                s.head_dim,
+            )
+            .is_ok()
         };
         let Some(step) = self.step.as_ref().filter(fits) else {
             return Ok(None);

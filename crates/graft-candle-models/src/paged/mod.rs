@@ -1,8 +1,8 @@
 //! The host-side bookkeeping of a paged KV cache with prefix sharing: fixed-size blocks, each
 //! sequence's block table, a block allocator with reference counts, prefix sharing by a
 //! chained hash of full blocks, and copy-on-write of a shared partial block. Only the
-//! bookkeeping: nothing here touches a device. Not yet wired into [`crate::KvCache`], the
-//! serving engine or the attention kernels, which will adopt it later.
+//! bookkeeping: nothing here touches a device (the serving engine keeps a pool beside a
+//! paged [`crate::KvCache`] and writes what it says).
 //!
 //! A [`BlockPool`] owns block ids `0..blocks`, each holding up to `block_size` tokens' keys
 //! and values on the device. A sequence's [`BlockTable`] lists its blocks in order; token `p`
@@ -14,6 +14,8 @@
 //! - [`BlockPool::append`] adds one token: a new block when the last is full; when the last
 //!   block is partial and shared (after a fork) it is copied first, and the returned
 //!   [`CopyOnWrite`] names the copy the device must make before writing the token.
+//! - [`BlockPool::written`] says how many of a table's leading tokens the device holds: their
+//!   full blocks join the cache, where later prompts find them. Nothing else is cached.
 //! - [`BlockPool::fork`] shares every block of a table with a new one (beam search, parallel
 //!   sampling, a speculative branch).
 //! - [`BlockPool::free`] gives a table's blocks back. Freed full blocks stay cached, so a
@@ -33,7 +35,12 @@
 //! prompt's and its parent must be the block the lookup matched just before (or none, for the
 //! first), so a shared prefix equals the prompt's token for token, whatever the hash collides
 //! with. A block is cached only when its parent is (a cached block's parents are cached all
-//! the way up), and when two blocks of equal content fill, the first keeps the place.
+//! the way up), and when two blocks of equal content fill, the first keeps the place. Nothing
+//! is shared that was never written: a block joins the cache only when the caller says its
+//! keys and values are written, so a table freed part way through its prefill (its sequence
+//! preempted or cancelled) leaves its unwritten blocks uncached. (Caching a block as soon as
+//! its tokens were known let a prompt that came back after a preemption during its prefill
+//! share the blocks the prefill never reached, and decode from whatever they held.)
 //!
 //! Which free block is handed out: one holding nothing cached if there is one, else the
 //! cached block freed least recently (its cache entry is dropped). A table's blocks are freed
@@ -41,10 +48,9 @@
 //! is ever reused under it.
 //!
 //! The caller's part: the device writes each token's keys and values where its table says
-//! (after the copy an append returns, if any), and before a sequence allocated or stepped
-//! later reads them. A block is cached as soon as its tokens are known, so a prompt allocated
-//! right after another may share blocks whose keys and values are still to be written; work
-//! issued in order on one stream gives that order.
+//! (after the copy an append returns, if any), and the caller says so
+//! ([`BlockPool::written`]) only once those writes are done or issued ahead, in order on one
+//! stream, of anything that may read them. Saying it late only shares less.
 
 mod pool;
 #[cfg(test)]
@@ -63,6 +69,8 @@ pub struct BlockTable {
     blocks: Vec<u32>,
     tokens: usize,
     cached: usize,
+    /// The leading tokens [`BlockPool::written`] said the device holds.
+    written: usize,
 }
 
 impl BlockTable {
@@ -124,6 +132,16 @@ pub enum PagedError {
         needed: usize,
         /// The free blocks there were.
         free: usize,
+    },
+    /// [`BlockPool::written`] was told of more tokens than the table holds.
+    #[error(
+        "{written} tokens said written, but the block table holds {tokens}: say at most the tokens appended so far"
+    )]
+    PastTheTable {
+        /// The tokens said written.
+        written: usize,
+        /// The tokens the table holds.
+        tokens: usize,
     },
     /// A table was given to a pool that did not make it.
     #[error(

@@ -124,9 +124,9 @@ impl BlockPool {
     /// A new sequence's table for its prompt `tokens`. Its leading full blocks are shared
     /// with the cached blocks holding the same prefix (never the block of the prompt's last
     /// token: the prefill computes that token, for its logits); the rest are free blocks,
-    /// handed out in the pool's order, each full one cached at once. The device writes the
-    /// keys and values of the tokens from [`BlockTable::cached_tokens`] on, before any other
-    /// sequence reads them: a prompt allocated next may already share these blocks.
+    /// handed out in the pool's order. The device writes the keys and values of the tokens
+    /// from [`BlockTable::cached_tokens`] on; its full blocks join the cache as
+    /// [`BlockPool::written`] says they are written.
     pub fn allocate(&mut self, tokens: &[u32]) -> Result<BlockTable, PagedError> {
         let plan = self.plan(tokens);
         self.room(plan.needed())?;
@@ -141,9 +141,6 @@ impl BlockPool {
             // Never refused: `room` counted these blocks.
             let b = self.take()?;
             self.blocks[b as usize].tokens.extend_from_slice(chunk);
-            if chunk.len() == size {
-                self.cache(b, blocks.last().copied());
-            }
             blocks.push(b);
         }
         Ok(BlockTable {
@@ -151,7 +148,32 @@ impl BlockPool {
             blocks,
             tokens: tokens.len(),
             cached,
+            written: cached,
         })
+    }
+
+    /// The device holds the keys and values of `table`'s first `tokens` tokens (or has been
+    /// issued their writes, ahead of anything issued later that reads them): the full blocks
+    /// among them join the cache, where later prompts with the same prefix find them. Only
+    /// what is written is ever shared, so a table freed part way (a sequence preempted or
+    /// cancelled during its prefill) leaves no block behind for a prompt to read unwritten.
+    /// Saying fewer tokens than before changes nothing; more than the table holds is refused
+    /// ([`PagedError::PastTheTable`]).
+    pub fn written(&mut self, table: &mut BlockTable, tokens: usize) -> Result<(), PagedError> {
+        self.check(table)?;
+        if tokens > table.tokens {
+            return Err(PagedError::PastTheTable {
+                written: tokens,
+                tokens: table.tokens,
+            });
+        }
+        let size = self.block_size as usize;
+        for i in table.written / size..tokens / size {
+            let parent = i.checked_sub(1).map(|p| table.blocks[p]);
+            self.cache(table.blocks[i], parent);
+        }
+        table.written = table.written.max(tokens);
+        Ok(())
     }
 
     /// Appends `token` to `table`'s sequence. When its last block is full (or it has none)
@@ -159,7 +181,7 @@ impl BlockPool {
     /// table (after [`BlockPool::fork`]), the table gets a free block holding a copy of it
     /// first, and the returned [`CopyOnWrite`] is the copy the device must make before it
     /// writes the token's keys and values; the shared block is left as it was. A block the
-    /// token fills is cached.
+    /// token fills joins the cache once [`BlockPool::written`] says the token is written.
     pub fn append(
         &mut self,
         table: &mut BlockTable,
@@ -189,11 +211,6 @@ impl BlockPool {
         };
         self.blocks[block as usize].tokens.push(token);
         table.tokens += 1;
-        if fill + 1 == size {
-            let n = table.blocks.len();
-            let parent = n.checked_sub(2).map(|i| table.blocks[i]);
-            self.cache(block, parent);
-        }
         Ok(copy)
     }
 
@@ -210,6 +227,7 @@ impl BlockPool {
             blocks: table.blocks.clone(),
             tokens: table.tokens,
             cached: table.tokens,
+            written: table.written,
         })
     }
 

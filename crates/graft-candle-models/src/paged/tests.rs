@@ -3,13 +3,16 @@
 //!
 //! The reference keeps each live sequence's token list and nothing else. A mirror of the
 //! device keeps what each place of each block holds, and changes only as a caller following
-//! the pool's contract changes the device: it writes a prompt's tokens from `cached_tokens`
-//! on, each appended token at its place, and makes each copy an append returns. What a place
-//! holds is what a token's keys and values depend on, the whole sequence up to that token.
-//! After every step every live table, read through the mirror, must spell its sequence, the
-//! reference counts must be those the tables make, shared blocks must hold equal prefixes, and
-//! the pool's own free lists and cache index must be consistent. A refused call must leave the
-//! pool as it was. Half the runs use a hash that collides all the time, so that a hit is
+//! the pool's contract changes the device: it writes a table's tokens from `cached_tokens` on
+//! (a prompt's part way at first, as a prefill that may be preempted; appended tokens later),
+//! tells the pool ([`BlockPool::written`]) as it writes, and makes each copy an append
+//! returns. What a place holds is what a token's keys and values depend on, the whole sequence
+//! up to that token. After every step every live table's written tokens, read through the
+//! mirror, must spell its sequence, every cached block must hold the sequence its chain of
+//! parents spells (nothing unwritten is ever shared, even after a table is freed part way),
+//! the reference counts must be those the tables make, shared blocks must hold equal
+//! prefixes, and the pool's own free lists and cache index must be consistent. A refused call
+//! must leave the pool as it was. Half the runs use a hash that collides all the time, so that a hit is
 //! trusted only as far as the pool checks it.
 
 use std::collections::{BTreeMap, HashMap};
@@ -74,9 +77,9 @@ impl Mirror {
         self.blocks[c.dst as usize] = self.blocks[c.src as usize].clone();
     }
 
-    /// Whether every place of `table` holds its sequence up to that place.
+    /// Whether every written place of `table` holds its sequence up to that place.
     fn holds(&self, table: &BlockTable, tokens: &[u32]) -> bool {
-        (0..table.len()).all(|p| {
+        (0..table.written).all(|p| {
             self.blocks[table.blocks()[p / self.size] as usize][p % self.size] == tokens[..=p]
         })
     }
@@ -93,8 +96,11 @@ fn weak(parent: u64, tokens: &[u32]) -> u64 {
 /// a few stems and a short tail, so prefixes (and whole blocks) coincide often.
 #[derive(Clone, Debug)]
 enum Op {
-    Allocate(Vec<u32>),
+    /// A prompt, and how much of what it does not share is written at once.
+    Allocate(Vec<u32>, Index),
     Append(Index, u32),
+    /// Writes the rest of a table and tells the pool.
+    Write(Index),
     Fork(Index),
     Free(Index),
 }
@@ -107,10 +113,12 @@ const STEMS: [[u32; 12]; 3] = [
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        2 => (0..STEMS.len(), 0usize..=12, prop::collection::vec(0u32..3, 0..4))
-            .prop_map(|(stem, keep, tail)| Op::Allocate([&STEMS[stem][..keep], &tail].concat())),
-        1 => prop::collection::vec(0u32..3, 0..8).prop_map(Op::Allocate),
+        2 => (0..STEMS.len(), 0usize..=12, prop::collection::vec(0u32..3, 0..4), any::<Index>())
+            .prop_map(|(stem, keep, tail, w)| Op::Allocate([&STEMS[stem][..keep], &tail].concat(), w)),
+        1 => (prop::collection::vec(0u32..3, 0..8), any::<Index>())
+            .prop_map(|(tokens, w)| Op::Allocate(tokens, w)),
         5 => (any::<Index>(), 0u32..3).prop_map(|(i, t)| Op::Append(i, t)),
+        3 => any::<Index>().prop_map(Op::Write),
         2 => any::<Index>().prop_map(Op::Fork),
         3 => any::<Index>().prop_map(Op::Free),
     ]
@@ -129,6 +137,30 @@ fn check(pool: &BlockPool, live: &[(BlockTable, Vec<u32>)], mirror: &Mirror) {
         for (i, &b) in table.blocks().iter().enumerate() {
             *refs.entry(b).or_default() += 1;
             holders.entry(b).or_default().push((s, i));
+        }
+    }
+    // Nothing unwritten is cached: each indexed block holds, place by place, the sequence
+    // its chain of parents spells.
+    for &b in pool.index.values() {
+        let mut chain = vec![b];
+        while let Some(parent) = pool.blocks[*chain.last().unwrap() as usize]
+            .cached
+            .and_then(|c| c.parent)
+        {
+            chain.push(parent);
+        }
+        let sequence: Vec<u32> = chain
+            .iter()
+            .rev()
+            .flat_map(|&c| pool.blocks[c as usize].tokens.clone())
+            .collect();
+        let first = (chain.len() - 1) * size;
+        for place in 0..size {
+            assert_eq!(
+                mirror.blocks[b as usize][place],
+                sequence[..=first + place],
+                "cached block {b} holds what was never written"
+            );
         }
     }
     // Reference counts are the tables' references; free + referenced = total.
@@ -209,17 +241,19 @@ fn run(blocks: u32, size: u32, weak_hash: bool, ops: &[Op]) {
     for op in ops {
         let before = snapshot(&pool);
         match op {
-            Op::Allocate(tokens) => {
+            Op::Allocate(tokens, w) => {
                 let tokens = tokens.clone();
                 let can = pool.can_allocate(&tokens);
                 match pool.allocate(&tokens) {
-                    Ok(table) => {
+                    Ok(mut table) => {
                         assert!(can, "can_allocate said no, allocate did it");
                         let cached = table.cached_tokens();
                         assert!(cached % bs == 0 && cached < tokens.len().max(1));
-                        for p in cached..tokens.len() {
+                        let written = cached + w.index(tokens.len() - cached + 1);
+                        for p in cached..written {
                             mirror.write(&pool, &table, &tokens, p);
                         }
+                        pool.written(&mut table, written).unwrap();
                         live.push((table, tokens));
                     }
                     Err(e) => {
@@ -256,7 +290,6 @@ fn run(blocks: u32, size: u32, weak_hash: bool, ops: &[Op]) {
                             mirror.copy(c);
                         }
                         tokens.push(*token);
-                        mirror.write(&pool, table, tokens, tokens.len() - 1);
                     }
                     Err(e) => {
                         assert!(needs_block && before.4 == 0, "append refused: {e}");
@@ -267,11 +300,25 @@ fn run(blocks: u32, size: u32, weak_hash: bool, ops: &[Op]) {
                     }
                 }
             }
-            Op::Fork(i) => {
+            Op::Write(i) => {
                 if live.is_empty() {
                     continue;
                 }
                 let s = i.index(live.len());
+                let (table, tokens) = &mut live[s];
+                for p in table.written..tokens.len() {
+                    mirror.write(&pool, table, tokens, p);
+                }
+                pool.written(table, tokens.len()).unwrap();
+            }
+            Op::Fork(i) => {
+                // Only a written table is forked: its blocks are read by both from then on.
+                let Some(s) = (!live.is_empty())
+                    .then(|| i.index(live.len()))
+                    .filter(|&s| live[s].0.written == live[s].1.len())
+                else {
+                    continue;
+                };
                 let table = pool.fork(&live[s].0).unwrap();
                 assert_eq!(table.blocks(), live[s].0.blocks());
                 assert_eq!(table.cached_tokens(), table.len());
@@ -310,10 +357,11 @@ fn paged_prompts_share_a_1024_token_prefix_as_64_blocks() {
     let prefix: Vec<u32> = (0..1024).map(|i| i * 7 % 1000).collect();
     let a = [&prefix[..], &[1, 2, 3]].concat();
     let b = [&prefix[..], &[4, 5, 6, 7, 8]].concat();
-    let ta = pool.allocate(&a).unwrap();
+    let mut ta = pool.allocate(&a).unwrap();
     assert_eq!(ta.cached_tokens(), 0);
     assert_eq!(pool.free_blocks(), 256 - 65);
-    let tb = pool.allocate(&b).unwrap();
+    pool.written(&mut ta, a.len()).unwrap();
+    let mut tb = pool.allocate(&b).unwrap();
     assert_eq!(tb.cached_tokens(), 1024);
     assert_eq!(ta.blocks()[..64], tb.blocks()[..64]);
     assert_ne!(ta.blocks()[64], tb.blocks()[64]);
@@ -324,12 +372,31 @@ fn paged_prompts_share_a_1024_token_prefix_as_64_blocks() {
             .all(|&b| pool.blocks[b as usize].refs == 2)
     );
     // Freed, the prefix stays cached: a third prompt revives it.
+    pool.written(&mut tb, b.len()).unwrap();
     pool.free(ta).unwrap();
     pool.free(tb).unwrap();
     assert_eq!(pool.free_blocks(), 256);
     let tc = pool.allocate(&a).unwrap();
     assert_eq!(tc.cached_tokens(), 1024);
     assert_eq!(pool.free_blocks(), 256 - 65);
+}
+
+/// A prompt whose prefill is preempted part way (its table freed with half its tokens
+/// written) leaves only its written blocks cached: when it comes back it shares those and
+/// prefills the rest. (Caching every full block at allocation shared the unwritten ones.)
+#[test]
+fn paged_a_table_freed_part_way_shares_only_what_was_written() {
+    let mut pool = BlockPool::new(8, 2).unwrap();
+    let prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9];
+    let mut a = pool.allocate(&prompt).unwrap();
+    pool.written(&mut a, 5).unwrap();
+    // Saying fewer than before changes nothing.
+    let before = snapshot(&pool);
+    pool.written(&mut a, 3).unwrap();
+    assert_eq!(snapshot(&pool), before);
+    pool.free(a).unwrap();
+    let again = pool.allocate(&prompt).unwrap();
+    assert_eq!(again.cached_tokens(), 4);
 }
 
 #[test]
@@ -360,8 +427,10 @@ fn paged_copy_on_write_happens_exactly_on_a_shared_partial_block() {
 #[test]
 fn paged_a_prompt_never_shares_the_block_of_its_last_token() {
     let mut pool = BlockPool::new(8, 2).unwrap();
-    let a = pool.allocate(&[1, 2, 3, 4]).unwrap();
-    let b = pool.allocate(&[1, 2, 3, 4]).unwrap();
+    let mut a = pool.allocate(&[1, 2, 3, 4]).unwrap();
+    pool.written(&mut a, 4).unwrap();
+    let mut b = pool.allocate(&[1, 2, 3, 4]).unwrap();
+    pool.written(&mut b, 4).unwrap();
     assert_eq!(b.cached_tokens(), 2);
     assert_eq!(b.blocks()[0], a.blocks()[0]);
     assert_ne!(b.blocks()[1], a.blocks()[1]);
@@ -377,8 +446,10 @@ fn paged_a_hash_hit_under_another_parent_is_not_shared() {
     pool.hash = weak;
     // Under `weak`, [1] and [2] as first blocks hash to 0 and 1, and so the block [1] after
     // either hashes alike (2): the third prompt's must not be the first's.
-    let a = pool.allocate(&[1, 1, 0]).unwrap();
-    let b = pool.allocate(&[2, 0]).unwrap();
+    let mut a = pool.allocate(&[1, 1, 0]).unwrap();
+    pool.written(&mut a, 3).unwrap();
+    let mut b = pool.allocate(&[2, 0]).unwrap();
+    pool.written(&mut b, 2).unwrap();
     let c = pool.allocate(&[2, 1, 0]).unwrap();
     assert_eq!(weak(ROOT, &[1]) ^ 1, weak(ROOT, &[2]));
     assert_eq!(
@@ -393,8 +464,10 @@ fn paged_a_hash_hit_under_another_parent_is_not_shared() {
 #[test]
 fn paged_the_least_recently_freed_cached_block_is_evicted_first() {
     let mut pool = BlockPool::new(4, 1).unwrap();
-    let a = pool.allocate(&[1, 2]).unwrap();
-    let b = pool.allocate(&[3, 4]).unwrap();
+    let mut a = pool.allocate(&[1, 2]).unwrap();
+    pool.written(&mut a, 2).unwrap();
+    let mut b = pool.allocate(&[3, 4]).unwrap();
+    pool.written(&mut b, 2).unwrap();
     let (a0, b0) = (a.blocks()[0], b.blocks()[0]);
     pool.free(a).unwrap();
     pool.free(b).unwrap();
@@ -437,6 +510,19 @@ fn paged_refusals_say_what_happened_and_change_nothing() {
         Err(PagedError::OutOfBlocks { needed: 1, free: 0 })
     );
     assert_eq!((a.len(), a.blocks().len()), (4, 2));
+    assert_eq!(snapshot(&pool), before);
+    let err = pool.written(&mut a, 5).unwrap_err();
+    assert_eq!(
+        err,
+        PagedError::PastTheTable {
+            written: 5,
+            tokens: 4
+        }
+    );
+    assert_eq!(
+        err.to_string(),
+        "5 tokens said written, but the block table holds 4: say at most the tokens appended so far"
+    );
     assert_eq!(snapshot(&pool), before);
     assert!(matches!(
         other.append(&mut a, 5),

@@ -35,6 +35,8 @@ impl Engine<'_> {
             batch,
             source: model(e),
         };
+        self.note_written()
+            .map_err(|e| fail(candle_core::Error::wrap(e)))?;
         loop {
             let positions = self.cache.positions();
             let ungrown = self.running.iter().enumerate().find(|(row, r)| {
@@ -64,6 +66,22 @@ impl Engine<'_> {
                 Err(e) => return Err(fail(candle_core::Error::wrap(e))),
             }
         }
+    }
+
+    /// Tells the pool what the steps so far wrote: each running sequence's tokens before its
+    /// position (its last token's keys and values come with its next step), so that their
+    /// full blocks are cached for later prompts. A prefill's tokens are told after its launch.
+    fn note_written(&mut self) -> Result<(), PagedError> {
+        let Some(pool) = self.pool.as_mut() else {
+            return Ok(());
+        };
+        let positions = self.cache.positions();
+        for (r, &p) in self.running.iter_mut().zip(&positions) {
+            if let Some(table) = r.table.as_mut() {
+                pool.written(table, p as usize)?;
+            }
+        }
+        Ok(())
     }
 
     /// Preempts the request being prefilled, or else the running sequence admitted last: its

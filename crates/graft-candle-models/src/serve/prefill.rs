@@ -164,6 +164,11 @@ impl Engine<'_> {
         let next = next.to_vec1::<u32>().map_err(fail)?;
         for ((mut p, segment), first) in parts.into_iter().zip(&segments).zip(next) {
             p.done += segment.len;
+            // The launch is issued: later prompts may share the blocks it filled.
+            if let (Some(pool), Some(table)) = (self.pool.as_mut(), p.table.as_mut()) {
+                pool.written(table, p.done)
+                    .map_err(|e| fail(candle_core::Error::wrap(e)))?;
+            }
             if p.done < p.request.prompt.len() {
                 // The last part only: its prompt goes on next step.
                 self.prefilling = Some(p);
