@@ -499,7 +499,7 @@ fn aliased<D: TestDevice>(mem: &Foreign<D>) -> [Buffer; 2] {
 /// Inputs that overlap each other are both used in place (a copy of one would miss the
 /// body's writes through the other), and the graph cannot follow them (a pointer into the
 /// overlap could belong to either): a recording replays only where it was recorded, a moved
-/// buffer records again with `InPlaceInputMoved`, and the values stay eager's.
+/// buffer records again with `OverlappingInputMoved`, and the values stay eager's.
 fn aliased_inputs_replay_only_where_recorded<D: TestDevice>(device: D) {
     let mut g = graft(device, Config::default());
     let f = g.register("overlap", FunctionSpec::inference(Vec::<usize>::new()));
@@ -510,24 +510,14 @@ fn aliased_inputs_replay_only_where_recorded<D: TestDevice>(device: D) {
     ];
     for step in 0..6 {
         let mem = &mems[usize::from(step >= 3)];
-        let [x, half] = aliased(mem);
-        let mut out = Vec::new();
-        let outcome = g
-            .call_into(
-                f,
-                &[&x, &half],
-                &[],
-                |ctx: &mut Ctx<'_, D>| {
-                    let y = ctx.alloc(ctx.input(0).len())?;
-                    ctx.queue().axpb_f32(&y, ctx.input(0), 2.0, 0.0, n)?;
-                    Ok(vec![Output::new(y, 0)])
-                },
-                &mut out,
-            )
-            .unwrap();
+        let (outcome, out) = call_aliased(&mut g, f, mem, |ctx: &mut Ctx<'_, D>| {
+            let y = ctx.alloc(ctx.input(0).len())?;
+            ctx.queue().axpb_f32(&y, ctx.input(0), 2.0, 0.0, n)?;
+            Ok(vec![Output::new(y, 0)])
+        });
         let seed = if step >= 3 { 10.0 } else { 0.0 };
         assert_eq!(
-            read(&g, &out[0].buffer),
+            read(&g, &out),
             host_affine(&values(seed, n), 2.0, 0.0),
             "step {step}: {outcome:?}"
         );
@@ -540,13 +530,65 @@ fn aliased_inputs_replay_only_where_recorded<D: TestDevice>(device: D) {
         "{kinds:?}"
     );
     assert_eq!(
-        g.stats().rerecords.in_place_input_moved,
+        g.stats().rerecords.overlapping_input_moved,
         1,
         "{:?}",
         g.stats()
     );
 }
 device_test!(aliased, aliased_inputs_replay_only_where_recorded);
+
+/// A tensor and a view into it (inputs that partly overlap) at a new address on every call:
+/// neither followed nor copied, so each call records again, and every value is eager's. The
+/// reason says so (`OverlappingInputMoved`: it said the input would be copied from then on,
+/// which it never was), and after 8 such calls the churn names the input once, with what to
+/// do (it named nothing, and the calls recorded on silently).
+fn overlapping_inputs_that_move_are_named<D: TestDevice>(device: D) {
+    let mut g = graft(device, Config::default());
+    let f = g.register("overlap", FunctionSpec::inference(Vec::<usize>::new()));
+    let n = 8;
+    let mut held = Vec::new();
+    let warned = common::count_warnings("overlaps another input at another offset", || {
+        for step in 0..10 {
+            let mem = Foreign::new(&g, &values(step as f32, n));
+            let (outcome, out) = call_aliased(&mut g, f, &mem, bump_then_read::<D>(n, n / 2));
+            let bumped = host_affine(&values(step as f32, n), 1.0, 1.0);
+            assert_eq!(read(&g, &mem.buffer()), bumped, "step {step}: {outcome:?}");
+            assert_eq!(
+                read(&g, &out),
+                host_affine(&bumped[..n / 2], 2.0, 0.0),
+                "step {step}: {outcome:?}"
+            );
+            held.push(mem);
+        }
+    });
+    let stats = g.stats();
+    assert_eq!(stats.rerecords.overlapping_input_moved, 8, "{stats:?}");
+    assert_eq!(stats.rerecords.in_place_input_moved, 0, "{stats:?}");
+    let last = g.explain().last().map(|d| d.decision.clone());
+    assert!(
+        matches!(
+            last,
+            Some(graft::Decision::Record(
+                graft::RecordReason::OverlappingInputMoved {
+                    position: 0,
+                    other: 1,
+                    ..
+                }
+            ))
+        ),
+        "{last:?}"
+    );
+    assert_eq!(
+        g.churn(f),
+        Some(&graft::Churn::OverlappingInput {
+            position: 0,
+            calls: 8
+        })
+    );
+    assert_eq!(warned, 1);
+}
+device_test!(overlapping_moved, overlapping_inputs_that_move_are_named);
 
 /// The same buffer passed as two inputs (`f(x, x)`), at a new address on every call: both are
 /// used in place and followed together, so the recording replays wherever the buffer is (it
@@ -601,6 +643,20 @@ fn same_buffer_twice_is_followed<D: TestDevice>(device: D) {
 }
 device_test!(same_buffer_twice, same_buffer_twice_is_followed);
 
+/// `f` over `mem` and the first half of it (`aliased`) with `body`: the outcome and the
+/// first output.
+fn call_aliased<D: TestDevice>(
+    g: &mut Graft<D, u32>,
+    f: graft::FunctionId,
+    mem: &Foreign<D>,
+    body: impl FnMut(&mut Ctx<'_, D>) -> Result<Vec<Output<u32>>, BodyError>,
+) -> (Outcome, Buffer) {
+    let [x, half] = aliased(mem);
+    let mut out = Vec::new();
+    let outcome = g.call_into(f, &[&x, &half], &[], body, &mut out).unwrap();
+    (outcome, out.remove(0).buffer)
+}
+
 /// A body that adds 1 to the `n` values of input 0 in place, then returns twice the first `m`
 /// of input 1.
 fn bump_then_read<D: TestDevice>(
@@ -632,21 +688,11 @@ fn aliased_inputs_see_the_bodys_writes<D: TestDevice>(device: D) {
     let mut replays = 0;
     for step in 0..8 {
         let which = usize::from(step >= 4);
-        let [x, half] = aliased(&mems[which]);
-        let mut out = Vec::new();
-        let outcome = g
-            .call_into(
-                f,
-                &[&x, &half],
-                &[],
-                bump_then_read::<D>(n, n / 2),
-                &mut out,
-            )
-            .unwrap();
+        let (outcome, out) = call_aliased(&mut g, f, &mems[which], bump_then_read::<D>(n, n / 2));
         replays += usize::from(matches!(outcome, Outcome::Replayed(_)));
         want[which].iter_mut().for_each(|v| *v += 1.0);
         assert_eq!(
-            read(&g, &out[0].buffer),
+            read(&g, &out),
             host_affine(&want[which][..n / 2], 2.0, 0.0),
             "step {step}: {outcome:?}, what the body read through the view"
         );

@@ -1,6 +1,7 @@
-//! Naming the cause of a function that never replays: a key, an input size or a static
-//! input's address that changed on each of the last [`CHURN_CALLS`] calls, each of which got a
-//! new signature (or re-recorded because the static moved).
+//! Naming the cause of a function that never replays: a key, an input size, or the address
+//! of a static input or of an input overlapping another, that changed on each of the last
+//! [`CHURN_CALLS`] calls, each of which got a new signature (or re-recorded because the input
+//! moved).
 //!
 //! The watch runs only on those calls, which are slow already (a new signature, a
 //! re-recording). It learns that such calls follow each other through [`Last`], the function's
@@ -41,6 +42,15 @@ pub enum Churn {
         /// Consecutive calls that moved it, each a re-recording (at least 8).
         calls: u32,
     },
+    /// The input at `position`, which overlaps another input at another offset (a tensor and
+    /// a view into it), moved on each call, so each call re-recorded: such inputs are neither
+    /// followed nor copied.
+    OverlappingInput {
+        /// The input's position.
+        position: usize,
+        /// Consecutive calls that moved it, each a re-recording (at least 8).
+        calls: u32,
+    },
 }
 
 impl Churn {
@@ -48,7 +58,9 @@ impl Churn {
     fn cause(&self) -> (std::mem::Discriminant<Churn>, usize) {
         let at = match *self {
             Churn::Key { index, .. } => index,
-            Churn::InputSize { position, .. } | Churn::StaticAddress { position, .. } => position,
+            Churn::InputSize { position, .. }
+            | Churn::StaticAddress { position, .. }
+            | Churn::OverlappingInput { position, .. } => position,
         };
         (std::mem::discriminant(self), at)
     }
@@ -82,6 +94,14 @@ impl Churn {
                 write!(
                     f,
                     " moved on each of the last {calls} calls, so each call re-records: keep a static at one address (a buffer allocated once and written in place)"
+                )
+            }
+            Churn::OverlappingInput { position, calls } => {
+                write!(f, "input {position}")?;
+                of(f)?;
+                write!(
+                    f,
+                    " overlaps another input at another offset and moved on each of the last {calls} calls, so each call re-records and none replays (inputs that partly overlap are neither followed nor copied): pass them as one buffer (the same address and length), or keep them at stable addresses"
                 )
             }
         }
@@ -150,6 +170,15 @@ impl Last {
     }
 }
 
+/// Which input moved where no recording follows it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Moved {
+    /// A static input.
+    Static,
+    /// An in-place input overlapping another input at another offset.
+    Overlapping,
+}
+
 /// A function's signature as the watch compares it: its input sizes and keys.
 pub(crate) struct Shape<'a> {
     pub(crate) sizes: &'a [usize],
@@ -163,7 +192,8 @@ pub(crate) struct Watch {
     keys: Vec<u32>,
     /// Per input position: the same for its size.
     sizes: Vec<u32>,
-    /// When the last churning call re-recorded for a moved static: its position and run.
+    /// When the last churning call re-recorded for a moved input (a static, or one overlapping
+    /// another): its position and run.
     moved: Option<(usize, u32)>,
     /// The cause named last.
     named: Option<Churn>,
@@ -182,7 +212,7 @@ impl Watch {
     pub(crate) fn explains_signatures(&self) -> bool {
         self.warned
             .iter()
-            .any(|c| !matches!(c, Churn::StaticAddress { .. }))
+            .any(|c| matches!(c, Churn::Key { .. } | Churn::InputSize { .. }))
     }
 
     /// A call of `function` got a new signature, `now`. `previous` is the last call's
@@ -222,16 +252,21 @@ impl Watch {
         self.name(function, &found);
     }
 
-    /// A call of `function` re-records because the static input at `position` moved; `last`
-    /// tags that call (whether it came right after a churning one).
-    pub(crate) fn moved_static(&mut self, function: &str, position: usize, last: Last) {
+    /// A call of `function` re-records because the input at `position` moved where no
+    /// recording follows it (`moved` says which kind of input); `last` tags that call
+    /// (whether it came right after a churning one).
+    pub(crate) fn moved(&mut self, function: &str, moved: Moved, position: usize, last: Last) {
         let calls = match self.moved {
             Some((p, run)) if p == position && last.follows() => run.saturating_add(1),
             _ => 1,
         };
         self.moved = Some((position, calls));
         if calls >= CHURN_CALLS {
-            self.name(function, &[Churn::StaticAddress { position, calls }]);
+            let churn = match moved {
+                Moved::Static => Churn::StaticAddress { position, calls },
+                Moved::Overlapping => Churn::OverlappingInput { position, calls },
+            };
+            self.name(function, &[churn]);
         }
     }
 
@@ -354,18 +389,18 @@ mod tests {
     #[test]
     fn a_static_is_named_when_it_moves_on_consecutive_calls() {
         let mut watch = Watch::default();
-        watch.moved_static("f", 3, Last::default());
+        watch.moved("f", Moved::Static, 3, Last::default());
         for _ in 0..6 {
-            watch.moved_static("f", 3, Last::after(Last::churning(0), 0));
+            watch.moved("f", Moved::Static, 3, Last::after(Last::churning(0), 0));
         }
         assert_eq!(watch.churn(), None, "seven moves");
         // A call in between (a replay) leaves no follows tag: the count starts over.
-        watch.moved_static("f", 3, Last::default());
+        watch.moved("f", Moved::Static, 3, Last::default());
         for _ in 0..6 {
-            watch.moved_static("f", 3, Last::after(Last::churning(0), 0));
+            watch.moved("f", Moved::Static, 3, Last::after(Last::churning(0), 0));
         }
         assert_eq!(watch.churn(), None);
-        watch.moved_static("f", 3, Last::after(Last::churning(0), 0));
+        watch.moved("f", Moved::Static, 3, Last::after(Last::churning(0), 0));
         let named = Churn::StaticAddress {
             position: 3,
             calls: 8,

@@ -9,6 +9,7 @@
 
 use crate::bucket::Bucket;
 use crate::buffer::Buffer;
+use crate::churn::Moved;
 use crate::config::{Config, FunctionSpec, Mode};
 use crate::ctx::Ctx;
 use crate::destinations::Destinations;
@@ -596,7 +597,10 @@ impl<D: Device, M: Clone> Graft<D, M> {
     ) {
         match *reason {
             RecordReason::StaticAddressChanged { position, .. } => {
-                self.functions[function].moved_static(sig, position);
+                self.functions[function].moved(sig, Moved::Static, position);
+            }
+            RecordReason::OverlappingInputMoved { position, .. } => {
+                self.functions[function].moved(sig, Moved::Overlapping, position);
             }
             RecordReason::InPlaceInputMoved { position, .. } => {
                 let f = &mut self.functions[function];

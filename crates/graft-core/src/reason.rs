@@ -71,6 +71,20 @@ pub enum RecordReason {
         /// Address passed now.
         now: DevicePtr,
     },
+    /// An in-place input that overlaps another input at another offset (a tensor and a view
+    /// into it) moved. Inputs that partly overlap are neither followed (a use in the graph
+    /// could be either's) nor copied (a copy of one would hide the body's writes through the
+    /// other), so a recording replays only at the addresses it was recorded with.
+    OverlappingInputMoved {
+        /// Input position.
+        position: usize,
+        /// Position of an input it overlapped in the candidate.
+        other: usize,
+        /// Address the candidate recorded.
+        recorded: DevicePtr,
+        /// Address passed now.
+        now: DevicePtr,
+    },
     /// A copied input overlaps another copied or in-place input, where the candidate recorded
     /// them apart: a placeholder copy would hide the body's writes through the other, so the
     /// recording uses both in place.
@@ -125,6 +139,7 @@ impl RecordReason {
                 "written input overlaps the graph's memory"
             }
             RecordReason::InPlaceInputMoved { .. } => "in-place input moved",
+            RecordReason::OverlappingInputMoved { .. } => "overlapping input moved",
             RecordReason::InputsOverlap { .. } => "inputs overlap",
             RecordReason::AliasesParted { .. } => "aliased inputs came apart",
             RecordReason::InPlaceInputOverlapsFootprint { .. } => {
@@ -176,6 +191,15 @@ impl fmt::Display for RecordReason {
             } => write!(
                 f,
                 "in-place input moved: input {position} was recorded at {recorded}, now at {now}, and the device cannot redirect every use of it in the graph (a copy or memset touches it, or a kernel whose parameters it cannot read, such as NCCL's); graft records again with the input copied into the graph, and copies it from now on"
+            ),
+            RecordReason::OverlappingInputMoved {
+                position,
+                other,
+                recorded,
+                now,
+            } => write!(
+                f,
+                "overlapping input moved: input {position} overlaps input {other} at another offset and was recorded at {recorded}, now at {now}; graft can neither follow inputs that partly overlap nor copy one of them (the copy would hide the body's writes through the other), so this call records again: pass them as one buffer (the same address and length) or keep them where they are"
             ),
             RecordReason::InputsOverlap { position, other } => write!(
                 f,

@@ -162,6 +162,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
                 at,
                 len,
                 follows: true,
+                ..
             } = &mut node.inputs[i]
                 && *at != addrs[i]
             {

@@ -11,7 +11,7 @@ use foldhash::fast::FixedState;
 
 use crate::bucket::Bucket;
 use crate::buffer::Buffer;
-use crate::churn::{Churn, Last, Shape, Watch};
+use crate::churn::{Churn, Last, Moved, Shape, Watch};
 use crate::config::{Config, FunctionSpec};
 use crate::device::DevicePtr;
 use crate::error::{CallError, FunctionId};
@@ -219,10 +219,10 @@ impl Function {
         s.calls += 1;
     }
 
-    /// This call of `sig` re-records because the static input at `position` moved: the watch
-    /// counts it (see `Watch::moved_static`).
-    pub(crate) fn moved_static(&mut self, sig: usize, position: usize) {
-        self.watch.moved_static(&self.name, position, self.last);
+    /// This call of `sig` re-records because the input at `position` moved where no recording
+    /// follows it: the watch counts it (see `Watch::moved`).
+    pub(crate) fn moved(&mut self, sig: usize, moved: Moved, position: usize) {
+        self.watch.moved(&self.name, moved, position, self.last);
         self.last = Last::churning(sig);
     }
 
@@ -577,7 +577,7 @@ mod tests {
         call(&mut fs, 4, &[1], &config);
         assert_eq!(fs[F].last.raw(), sig, "untagged: the fast path from now on");
         assert_eq!(fs[F].last_sizes(), [4]);
-        fs[F].moved_static(sig, 0);
+        fs[F].moved(sig, Moved::Static, 0);
         assert_eq!(fs[F].last, Last::churning(sig), "a moved static churned");
     }
 }

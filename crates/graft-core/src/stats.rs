@@ -22,6 +22,8 @@ pub struct RerecordCounts {
     pub mutated_input_overlaps_footprint: u64,
     /// An in-place input moved where the graph could not follow it.
     pub in_place_input_moved: u64,
+    /// An in-place input overlapping another input at another offset moved.
+    pub overlapping_input_moved: u64,
     /// A copied input overlapped another input the candidate recorded apart from it.
     pub inputs_overlap: u64,
     /// An in-place input lay in memory the candidate's graph writes.
@@ -47,6 +49,7 @@ impl RerecordCounts {
                 &mut self.mutated_input_overlaps_footprint
             }
             RecordReason::InPlaceInputMoved { .. } => &mut self.in_place_input_moved,
+            RecordReason::OverlappingInputMoved { .. } => &mut self.overlapping_input_moved,
             RecordReason::InputsOverlap { .. } => &mut self.inputs_overlap,
             RecordReason::AliasesParted { .. } => &mut self.aliases_parted,
             RecordReason::InPlaceInputOverlapsFootprint { .. } => {

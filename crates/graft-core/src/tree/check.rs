@@ -90,12 +90,21 @@ impl<G, M> Tree<G, M> {
                 InputSlot::InPlace {
                     recorded,
                     follows: false,
+                    overlaps,
                     ..
                 } if recorded != now => {
-                    return Err(RecordReason::InPlaceInputMoved {
-                        position,
-                        recorded,
-                        now,
+                    return Err(match overlaps {
+                        Some(other) => RecordReason::OverlappingInputMoved {
+                            position,
+                            other,
+                            recorded,
+                            now,
+                        },
+                        None => RecordReason::InPlaceInputMoved {
+                            position,
+                            recorded,
+                            now,
+                        },
                     });
                 }
                 InputSlot::InPlace {

@@ -36,12 +36,15 @@ pub(crate) enum InputSlot {
     /// used the caller's buffer, captured at `recorded`, and the graph's uses of it point at
     /// `at` now. With `follows` (the device could move every use, `Device::redirect`), a
     /// replay points them at the caller's buffer of its call; without, the node replays only
-    /// at `recorded`.
+    /// at `recorded`. `overlaps` is an input whose range overlapped this one's at recording
+    /// without being the same buffer (the same address and length): such an input is never
+    /// followed, nor copied.
     InPlace {
         recorded: DevicePtr,
         at: DevicePtr,
         len: usize,
         follows: bool,
+        overlaps: Option<usize>,
     },
 }
 
