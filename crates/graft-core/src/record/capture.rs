@@ -91,17 +91,15 @@ impl<D: Device, M: Clone> Graft<D, M> {
             let at = frame.addrs[i].0;
             (at, at + frame.inputs[i].len() as u64)
         };
-        let overlapping = |i: usize| {
-            let (s, e) = range(i);
-            (0..n).filter(move |&j| {
-                let (os, oe) = range(j);
-                s < e && j != i && os < oe && os < e && s < oe
+        let aliased: Vec<bool> = (0..n)
+            .map(|i| {
+                let (s, e) = range(i);
+                s < e
+                    && (0..n).any(|j| {
+                        let (os, oe) = range(j);
+                        j != i && os < oe && os < e && s < oe
+                    })
             })
-        };
-        let aliased: Vec<bool> = (0..n).map(|i| overlapping(i).next().is_some()).collect();
-        // The first input overlapping each one at another range (not the same buffer).
-        let overlaps: Vec<Option<usize>> = (0..n)
-            .map(|i| overlapping(i).find(|&j| range(j) != range(i)))
             .collect();
         let mut p = Prepared {
             slots: Vec::with_capacity(n),
@@ -129,7 +127,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
                     at: addr,
                     len: b.len(),
                     follows: false,
-                    overlaps: overlaps[position],
+                    overlaps: None,
                 };
                 (slot, (*b).clone())
             } else if b.is_empty() {

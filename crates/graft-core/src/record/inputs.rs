@@ -119,7 +119,9 @@ impl<D: Device, M: Clone> Graft<D, M> {
     /// overlaps another input's (a pointer into the overlap could belong to either) is not
     /// followed, unless every such input is an in-place one recorded as the same buffer (the
     /// same address and length, `f(x, x)`): those are followed together, and a replay needs
-    /// them at one address again (`Node::aliases`).
+    /// them at one address again (`Node::aliases`). An input left unfollowed for an overlap
+    /// keeps the input it overlaps (`InputSlot::InPlace::overlaps`), for the reason a move
+    /// gives.
     pub(super) fn follow_in_place(&mut self, key: NodeKey) -> Result<(), DeviceError> {
         let node = &mut self.tree[key];
         let sizes = &self.functions[node.function].sigs[node.sig].sizes;
@@ -131,7 +133,7 @@ impl<D: Device, M: Clone> Graft<D, M> {
             };
             let (s, e) = (recorded.0, recorded.0 + len as u64);
             let mut same = Vec::new();
-            let mut shared = false;
+            let mut shared = None;
             for (j, (other, &n)) in node.inputs.iter().zip(sizes.iter()).enumerate() {
                 let os = other.recorded_at().0;
                 if j == i || n == 0 || os >= e || s >= os + n as u64 {
@@ -143,10 +145,13 @@ impl<D: Device, M: Clone> Graft<D, M> {
                         len: l,
                         ..
                     } if r == recorded && l == len => same.push(j),
-                    _ => shared = true,
+                    _ => shared = shared.or(Some(j)),
                 }
             }
-            if shared {
+            if shared.is_some() {
+                if let InputSlot::InPlace { overlaps, .. } = &mut node.inputs[i] {
+                    *overlaps = shared;
+                }
                 continue;
             }
             if self

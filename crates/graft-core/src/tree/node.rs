@@ -37,8 +37,8 @@ pub(crate) enum InputSlot {
     /// `at` now. With `follows` (the device could move every use, `Device::redirect`), a
     /// replay points them at the caller's buffer of its call; without, the node replays only
     /// at `recorded`. `overlaps` is an input whose range overlapped this one's at recording
-    /// without being the same buffer (the same address and length): such an input is never
-    /// followed, nor copied.
+    /// without being an in-place input of the same address and length: such an input is
+    /// never followed, nor copied (set with `follows`, after the first launch).
     InPlace {
         recorded: DevicePtr,
         at: DevicePtr,
