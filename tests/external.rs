@@ -538,6 +538,65 @@ fn aliased_inputs_replay_only_where_recorded<D: TestDevice>(device: D) {
 }
 device_test!(aliased, aliased_inputs_replay_only_where_recorded);
 
+/// A body that reads its input through a handle of its own, as graft-candle's does (a
+/// framework's tensor over the caller's buffer, never `Ctx::input`), in a device loop the graph
+/// cannot follow, with a new input buffer on every call (the old ones held). Copied into a
+/// placeholder the body never read, the input stayed the recorded call's: every replay
+/// returned that call's result. With `never_copy_inputs` each call records again, every value
+/// is eager's, and after 8 calls the churn names the input, once.
+fn inputs_read_outside_the_context_are_never_copied<D: TestDevice>(device: D) {
+    let mut g = graft(device, unguarded());
+    let spec = FunctionSpec::inference(Vec::<usize>::new()).never_copy_inputs();
+    let f = g.register("own handles", spec);
+    let n = 8;
+    let mut held = Vec::new();
+    let warned =
+        common::count_warnings("moved on each of the last 8 calls where its graph", || {
+            for step in 0..10 {
+                let mem = Foreign::new(&g, &values(100.0 * step as f32, n));
+                let x = mem.buffer();
+                x.mark_in_place();
+                let own = x.clone();
+                let mut out = Vec::new();
+                let body = |ctx: &mut Ctx<'_, D>| {
+                    let (y, flag) = (ctx.alloc(n * 4)?, ctx.alloc(4)?);
+                    ctx.queue().fill_f32(&flag, 1, 1.0)?;
+                    ctx.while_loop(&flag, |ctx: &mut Ctx<'_, D>| {
+                        ctx.queue().axpb_f32(&y, &own, 2.0, 1.0, n)?;
+                        ctx.queue().fill_f32(&flag, 1, 0.0)?;
+                        Ok::<(), BodyError>(())
+                    })?;
+                    Ok(vec![Output::new(y, 0)])
+                };
+                let outcome = g.call_into(f, &[&x], &[], body, &mut out).unwrap();
+                assert_eq!(
+                    read(&g, &out[0].buffer),
+                    host_affine(&values(100.0 * step as f32, n), 2.0, 1.0),
+                    "step {step}: {outcome:?}"
+                );
+                held.push(mem);
+            }
+        });
+    let stats = g.stats();
+    assert_eq!(
+        (stats.replays, stats.rerecords.in_place_input_moved),
+        (0, 8),
+        "{stats:?}"
+    );
+    assert_eq!(
+        g.churn(f),
+        Some(&graft::Churn::InPlaceAddress {
+            position: 0,
+            calls: 8
+        })
+    );
+    assert_eq!(warned, 1);
+}
+device_test!(
+    own_handles,
+    inputs_read_outside_the_context_are_never_copied
+);
+
 /// A tensor and a view into it (inputs that partly overlap) at a new address on every call:
 /// neither followed nor copied, so each call records again, and every value is eager's. The
 /// reason says so (`OverlappingInputMoved`: it said the input would be copied from then on,

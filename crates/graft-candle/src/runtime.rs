@@ -128,9 +128,15 @@ impl CandleGraft {
     /// micro-batch step whose gradients still await their update, `Mode::Backward` for the
     /// update that consumes them: graft's pending-backward rule), warmups, buckets, a graph
     /// limit. Static positions in the spec are ignored: pass statics to [`CandleGraft::call`].
+    /// `never_copy_inputs` is always set: the body reads the caller's tensors, so an input
+    /// the graph cannot follow is recorded again where it moves, never copied.
     pub fn register_with(&mut self, name: &str, spec: graft_core::FunctionSpec) -> StepId {
+        // The body reads the caller's tensors, never graft's handles: an input graft copied
+        // into a placeholder would not be read (the recording would keep reading the tensor of
+        // the call that recorded it).
         let spec = graft_core::FunctionSpec {
             static_inputs: Vec::new(),
+            never_copy_inputs: true,
             ..spec
         };
         let name: Arc<str> = Arc::from(name);

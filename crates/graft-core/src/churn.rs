@@ -42,6 +42,15 @@ pub enum Churn {
         /// Consecutive calls that moved it, each a re-recording (at least 8).
         calls: u32,
     },
+    /// The in-place input at `position` of a function whose body reads its inputs through
+    /// handles of its own (`FunctionSpec::never_copy_inputs`) moved on each call where its
+    /// graph cannot follow it, so each call re-recorded.
+    InPlaceAddress {
+        /// The input's position.
+        position: usize,
+        /// Consecutive calls that moved it, each a re-recording (at least 8).
+        calls: u32,
+    },
     /// The input at `position`, which overlaps another input at another offset (a tensor and
     /// a view into it), moved on each call, so each call re-recorded: such inputs are neither
     /// followed nor copied.
@@ -60,6 +69,7 @@ impl Churn {
             Churn::Key { index, .. } => index,
             Churn::InputSize { position, .. }
             | Churn::StaticAddress { position, .. }
+            | Churn::InPlaceAddress { position, .. }
             | Churn::OverlappingInput { position, .. } => position,
         };
         (std::mem::discriminant(self), at)
@@ -94,6 +104,14 @@ impl Churn {
                 write!(
                     f,
                     " moved on each of the last {calls} calls, so each call re-records: keep a static at one address (a buffer allocated once and written in place)"
+                )
+            }
+            Churn::InPlaceAddress { position, calls } => {
+                write!(f, "input {position}")?;
+                of(f)?;
+                write!(
+                    f,
+                    " moved on each of the last {calls} calls where its graph cannot follow it (a copy or memset touches it, or a kernel whose parameters graft cannot read, such as NCCL's, or a device loop), so each call re-records: write each call's values into one buffer and pass that, or hold fewer of the old buffers so that their memory is reused"
                 )
             }
             Churn::OverlappingInput { position, calls } => {
@@ -175,6 +193,9 @@ impl Last {
 pub(crate) enum Moved {
     /// A static input.
     Static,
+    /// An in-place input the graph cannot follow, of a function whose inputs are never
+    /// copied.
+    InPlace,
     /// An in-place input overlapping another input at another offset.
     Overlapping,
 }
@@ -264,6 +285,7 @@ impl Watch {
         if calls >= CHURN_CALLS {
             let churn = match moved {
                 Moved::Static => Churn::StaticAddress { position, calls },
+                Moved::InPlace => Churn::InPlaceAddress { position, calls },
                 Moved::Overlapping => Churn::OverlappingInput { position, calls },
             };
             self.name(function, &[churn]);

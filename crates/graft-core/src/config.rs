@@ -42,6 +42,13 @@ pub struct FunctionSpec {
     /// used of them, which it then evicts; otherwise it runs eagerly (see
     /// [`Config::max_graphs`]).
     pub max_graphs: Option<usize>,
+    /// The body reads its inputs through handles of its own (a framework's tensors over the
+    /// caller's buffers), not through [`Ctx::input`](crate::Ctx::input): an in-place input
+    /// whose every use the graph cannot follow is then never copied into a placeholder
+    /// (which the body would not read, replaying the recorded call's buffer); each move to
+    /// an address no recording has records again instead, and a move on every call is named
+    /// ([`Churn::InPlaceAddress`](crate::Churn::InPlaceAddress)). graft-candle sets it.
+    pub never_copy_inputs: bool,
 }
 
 impl FunctionSpec {
@@ -68,6 +75,13 @@ impl FunctionSpec {
     /// Sets the re-record limit.
     pub fn rerecord_limit(mut self, limit: u32) -> FunctionSpec {
         self.rerecord_limit = Some(limit);
+        self
+    }
+
+    /// The body reads its inputs through handles of its own (see
+    /// [`FunctionSpec::never_copy_inputs`]).
+    pub fn never_copy_inputs(mut self) -> FunctionSpec {
+        self.never_copy_inputs = true;
         self
     }
 

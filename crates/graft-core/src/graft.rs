@@ -604,7 +604,9 @@ impl<D: Device, M: Clone> Graft<D, M> {
             }
             RecordReason::InPlaceInputMoved { position, .. } => {
                 let f = &mut self.functions[function];
-                if !f.sigs[sig].copy_in_place.contains(&position) {
+                if f.spec.never_copy_inputs {
+                    f.moved(sig, Moved::InPlace, position);
+                } else if !f.sigs[sig].copy_in_place.contains(&position) {
                     tracing::debug!(
                         function = %f.name, position,
                         "an in-place input the graph cannot follow moved: recordings copy it from now on"

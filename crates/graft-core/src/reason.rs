@@ -62,7 +62,8 @@ pub enum RecordReason {
     /// redirect (a copy or memset node touches it, a kernel whose parameters cannot be read),
     /// so it replays only at the address it was recorded with. The signature's recordings copy
     /// the input into a placeholder from then on, so one more recording replays wherever the
-    /// caller's buffer is.
+    /// caller's buffer is; unless the function's body reads its inputs through handles of its
+    /// own (`FunctionSpec::never_copy_inputs`), whose recordings each serve one address.
     InPlaceInputMoved {
         /// Input position.
         position: usize,
@@ -190,7 +191,7 @@ impl fmt::Display for RecordReason {
                 now,
             } => write!(
                 f,
-                "in-place input moved: input {position} was recorded at {recorded}, now at {now}, and the device cannot redirect every use of it in the graph (a copy or memset touches it, or a kernel whose parameters it cannot read, such as NCCL's); graft records again with the input copied into the graph, and copies it from now on"
+                "in-place input moved: input {position} was recorded at {recorded}, now at {now}, and the device cannot redirect every use of it in the graph (a copy or memset touches it, or a kernel whose parameters it cannot read, such as NCCL's); graft records again, with the input copied into the graph from now on unless the function reads its inputs outside the context (FunctionSpec::never_copy_inputs), whose recordings each serve one address"
             ),
             RecordReason::OverlappingInputMoved {
                 position,
