@@ -1,8 +1,9 @@
 //! The `cuda` module of a build without the `cuda` feature (chosen in `lib.rs`): the same
 //! items as the CUDA build's, with no CUDA behind them. The graph engine never opens, so every
 //! [`CandleGraft`](crate::CandleGraft) runs eagerly; the CUDA figures refuse with
-//! [`Error::NoCuda`] (no CUDA device can exist in this build: candle's `CudaDevice` is a
-//! stand-in there too).
+//! [`Error::NoCuda`]. Candle's `CudaDevice` is a stand-in there too, unless the application
+//! enables candle's own `cuda` feature (Cargo unifies it): then candle runs on the GPU and
+//! this crate warns, once, that its calls run eagerly until its `cuda` feature is on.
 
 use std::ffi::c_void;
 
@@ -20,8 +21,12 @@ use crate::step::{Call, Step, StepInfo};
 pub(crate) enum GraphEngine {}
 
 impl GraphEngine {
-    /// No engine, on any device: calls run eagerly.
-    pub(crate) fn open(_device: &Device, _config: Config) -> Result<Option<GraphEngine>, Error> {
+    /// No engine, on any device: calls run eagerly (with a warning on a CUDA device, which
+    /// only a candle built with its own `cuda` feature has).
+    pub(crate) fn open(device: &Device, _config: Config) -> Result<Option<GraphEngine>, Error> {
+        if device.is_cuda() {
+            warn_without_cuda();
+        }
         Ok(None)
     }
 
@@ -63,9 +68,23 @@ impl GraphEngine {
     }
 }
 
-/// [`Device::Cpu`], whatever the ordinal (see [`crate::device`]).
+/// [`Device::Cpu`], whatever the ordinal (see [`crate::device`]); with a warning where candle
+/// itself has CUDA.
 pub(crate) fn device(_ordinal: usize) -> candle_core::Result<Device> {
+    if candle_core::utils::cuda_is_available() {
+        warn_without_cuda();
+    }
     Ok(Device::Cpu)
+}
+
+/// Warns once that candle has CUDA but this crate was built without it.
+fn warn_without_cuda() {
+    static WARNED: std::sync::Once = std::sync::Once::new();
+    WARNED.call_once(|| {
+        tracing::warn!(
+            "graft-candle was built without its `cuda` feature while candle has CUDA: `graft_candle::device` gives the CPU and every CandleGraft call runs eagerly; enable graft-candle's `cuda` feature"
+        );
+    });
 }
 
 /// A null stream: there is no CUDA stream in this build.

@@ -272,6 +272,8 @@ impl CudaEngine {
             buffer.mark_static();
             Ok::<_, Error>(buffer)
         })?;
+        // graft tells statics apart by address and length: their layouts are keys.
+        self.keys.push(self.statics.layout_key(step));
         let contiguous: SmallVec<[&Tensor; 8]> = self.contiguous.iter().collect();
         self.inputs.bind(step, &contiguous, |position, t| {
             let (addr, len) = checked_range(t, stream, name, "input", position)?;

@@ -1,13 +1,21 @@
 //! [`Bindings`]: per step, tensors as bound to graft (its statics, its inputs, the caller's
 //! output tensors), each re-bound only when the caller passes another tensor at a position:
-//! the same tensors call after call cost one id comparison each and no allocation.
+//! the same tensors call after call cost one id comparison each and no allocation. Each step
+//! also keeps a fingerprint of its bound tensors' layouts (dtype, dims, strides), updated
+//! only when something is bound anew: graft tells buffers apart by address and length alone,
+//! so a static passed under another layout (a reshape of the same storage) must change the
+//! call's keys.
 
 use candle_core::{Tensor, TensorId};
 
-/// One tensor as bound: its id and what it was bound as (graft's external buffer over it).
+use super::keys::dtype_key;
+
+/// One tensor as bound: its id, its layout's fingerprint and what it was bound as (graft's
+/// external buffer over it).
 #[derive(Debug)]
 struct Bound<B> {
     id: TensorId,
+    layout: u64,
     buffer: B,
 }
 
@@ -15,18 +23,47 @@ struct Bound<B> {
 #[derive(Debug)]
 pub(crate) struct Bindings<B> {
     steps: Vec<Vec<Bound<B>>>,
+    /// Per step, the fingerprint of its bound tensors' layouts, in position order.
+    layouts: Vec<u64>,
 }
 
 impl<B> Default for Bindings<B> {
     fn default() -> Bindings<B> {
-        Bindings { steps: Vec::new() }
+        Bindings {
+            steps: Vec::new(),
+            layouts: Vec::new(),
+        }
     }
+}
+
+/// FNV-1a 64 over `words`, from `hash`.
+fn fnv(hash: u64, words: impl IntoIterator<Item = u64>) -> u64 {
+    words
+        .into_iter()
+        .fold(hash, |h, w| (h ^ w).wrapping_mul(0x0000_0100_0000_01b3))
+}
+
+const FNV_BASIS: u64 = 0xcbf2_9ce4_8422_2325;
+
+/// The fingerprint of `t`'s layout: dtype, rank, dims and strides (not its address).
+fn layout_of(t: &Tensor) -> u64 {
+    let layout = t.layout();
+    let dims = layout.dims().iter().map(|&d| d as u64);
+    let strides = layout.stride().iter().map(|&s| s as u64);
+    let head = [dtype_key(t.dtype()), t.rank() as u64];
+    fnv(FNV_BASIS, head.into_iter().chain(dims).chain(strides))
 }
 
 impl<B> Bindings<B> {
     /// Adds a step with nothing bound (steps are numbered in the order they are added).
     pub(crate) fn add_step(&mut self) {
         self.steps.push(Vec::new());
+        self.layouts.push(FNV_BASIS);
+    }
+
+    /// The fingerprint of `step`'s bound tensors' layouts, for the call's keys.
+    pub(crate) fn layout_key(&self, step: usize) -> u64 {
+        self.layouts[step]
     }
 
     /// The number of steps.
@@ -46,21 +83,28 @@ impl<B> Bindings<B> {
         mut bind: impl FnMut(usize, &Tensor) -> Result<B, E>,
     ) -> Result<(), E> {
         let bound = &mut self.steps[step];
+        let mut changed = bound.len() > tensors.len();
         bound.truncate(tensors.len());
-        for (position, t) in tensors.iter().enumerate() {
+        let result = tensors.iter().enumerate().try_for_each(|(position, t)| {
             if bound.get(position).is_some_and(|b| b.id == t.id()) {
-                continue;
+                return Ok(());
             }
             let fresh = Bound {
                 id: t.id(),
+                layout: layout_of(t),
                 buffer: bind(position, t)?,
             };
+            changed = true;
             match bound.get_mut(position) {
                 Some(b) => *b = fresh,
                 None => bound.push(fresh),
             }
+            Ok(())
+        });
+        if changed {
+            self.layouts[step] = fnv(FNV_BASIS, bound.iter().map(|b| b.layout));
         }
-        Ok(())
+        result
     }
 
     /// The buffer bound for `step` at `position`.
@@ -117,6 +161,40 @@ mod tests {
         bindings.bind(1, &[&a], &mut bind).unwrap();
         assert_eq!(bindings.buffers(1).copied().collect::<Vec<_>>(), [(0, 1)]);
         assert_eq!(bindings.buffers(0).count(), 0);
+    }
+
+    /// The same storage under another layout (a reshape, a transpose) changes the step's
+    /// layout key; the same layouts in other tensors, or the same tensors again, do not.
+    #[test]
+    fn a_static_under_another_layout_changes_the_layout_key() {
+        let w = Tensor::zeros((4, 4), DType::F32, &Device::Cpu).unwrap();
+        let mut bindings = Bindings::default();
+        bindings.add_step();
+        let bind = |_: usize, _: &Tensor| Ok::<_, ()>(());
+        bindings.bind(0, &[&w], bind).unwrap();
+        let square = bindings.layout_key(0);
+        bindings.bind(0, &[&w], bind).unwrap();
+        assert_eq!(bindings.layout_key(0), square);
+        let other = Tensor::ones((4, 4), DType::F32, &Device::Cpu).unwrap();
+        bindings.bind(0, &[&other], bind).unwrap();
+        assert_eq!(
+            bindings.layout_key(0),
+            square,
+            "same layout, another tensor"
+        );
+        for changed in [
+            w.t().unwrap(),
+            w.reshape((2, 8)).unwrap(),
+            w.to_dtype(DType::U32).unwrap(),
+        ] {
+            bindings.bind(0, &[&changed], bind).unwrap();
+            assert_ne!(bindings.layout_key(0), square, "{:?}", changed.layout());
+        }
+        bindings.bind(0, &[&w, &w], bind).unwrap();
+        let two = bindings.layout_key(0);
+        bindings.bind(0, &[&w], bind).unwrap();
+        assert_eq!(bindings.layout_key(0), square, "one static again");
+        assert_ne!(two, square);
     }
 
     #[test]
