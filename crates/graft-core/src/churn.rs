@@ -1,5 +1,6 @@
 //! Naming the cause of a function that never replays: a key, an input size, or the address
-//! of a static input or of an input overlapping another, that changed on each of the last
+//! of an input no recording follows (a static, an input overlapping another, an in-place
+//! input of a function whose inputs are never copied), that changed on each of the last
 //! [`CHURN_CALLS`] calls, each of which got a new signature (or re-recorded because the input
 //! moved).
 //!
@@ -142,7 +143,7 @@ impl fmt::Display for Named<'_> {
 }
 
 /// The signature of a function's last call, with two tags in its top bits for the watch:
-/// `CHURNED` (that call was a new signature or re-recorded for a moved static) and `FOLLOWS`
+/// `CHURNED` (that call was a new signature or re-recorded for a moved input) and `FOLLOWS`
 /// (that call came right after such a call). A tagged value is no index of any signature.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
 pub(crate) struct Last(usize);
@@ -163,7 +164,7 @@ impl Last {
         self.0 & !(Last::CHURNED | Last::FOLLOWS)
     }
 
-    /// Whether the last call was a new signature or re-recorded for a moved static.
+    /// Whether the last call was a new signature or re-recorded for a moved input.
     pub(crate) fn churned(self) -> bool {
         self.0 & Last::CHURNED != 0
     }
